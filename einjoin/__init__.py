@@ -1,0 +1,25 @@
+"""einjoin: tensor programs as join-aggregations over blocks, planned and run across devices.
+
+>>> import numpy as np, einjoin as ej
+>>> x = ej.input("x", (4, 8)); w = ej.input("w", (8, 3))
+>>> y = ej.softmax(x @ w)
+>>> out = ej.reference(y, x=np.ones((4, 8)), w=np.ones((8, 3)))
+>>> out.shape, round(float(out.sum()), 4)
+((4, 3), 4.0)
+"""
+
+from einjoin.decomp import (Decomposition, JoinAggSpec, Kernel, Partition, TensorRelation,
+                            decompose, execute_blocked)
+from einjoin.errors import (DTypeError, EinjoinError, EinsumSyntaxError, ExpressionError,
+                            PartitionError, ShapeError, UnsupportedOpError)
+from einjoin.frontend import *  # noqa: F401,F403
+from einjoin.frontend import __all__ as _frontend_all
+from einjoin.ir import Graph, Node
+from einjoin.ir.reference import reference
+
+__version__ = "0.1.0"
+
+__all__ = ["Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
+           "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
+           "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
+           *_frontend_all]

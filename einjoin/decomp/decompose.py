@@ -1,0 +1,258 @@
+"""(op, join-agg spec) -> block kernels. Pure: shapes in, plain data out; no arrays, no devices.
+
+A :class:`Decomposition` says which partition the op's output comes in, which partition it needs
+of each input, and for every kernel which input blocks it reads and which output block it adds
+to. Output blocks with several kernels are aggregated from partial results with ``agg``.
+
+>>> import einjoin as ej
+>>> from einjoin.decomp import decompose
+>>> z = ej.input("x", (8, 6)) @ ej.input("w", (6, 4))
+>>> d = decompose(z.node, {"m": 2, "k": 3})
+>>> len(d.kernels), d.n_partials, str(d.out_partition), [str(p) for p in d.in_partitions]
+(6, 3, '(2, 1)', ['(2, 3)', '(3, 1)'])
+>>> d.kernels[1]
+Kernel(index=(0, 0, 1), out_key=(0, 0), in_keys=((0, 1), (1, 0)))
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from einjoin.decomp.partition import BlockKey, Partition
+from einjoin.decomp.spec import ROW, JoinAggSpec, dim_labels
+from einjoin.ir.agg import AGGS, Agg
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select)
+
+__all__ = ["Kernel", "Decomposition", "decompose", "reshape_groups", "reshape_region"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One block kernel: ``index`` is its block per label (in the spec's label order)."""
+
+    index: tuple[int, ...]
+    out_key: BlockKey
+    in_keys: tuple[BlockKey | None, ...]  # None: the kernel reads nothing of that input
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    node: Node
+    spec: JoinAggSpec
+    out_partition: Partition
+    in_partitions: tuple[Partition, ...]
+    kernels: tuple[Kernel, ...]
+    n_partials: int  # kernels per output block (1: nothing to aggregate)
+    agg: Agg
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.spec.labels
+
+
+def decompose(node: Node, spec: Any = None) -> Decomposition:
+    """Decompose ``node`` under ``spec`` (see :meth:`JoinAggSpec.for_node`)."""
+    js = JoinAggSpec.for_node(node, spec)
+    op = node.op
+    if isinstance(op, Einsum):
+        return _einsum(node, op, js)
+    if isinstance(op, Gather):
+        return _gather(node, js)
+    out = js.partition(dim_labels(node.ndim))
+    if isinstance(op, (Input, Fill)):
+        ins: tuple[Partition, ...] = ()
+        kernels = tuple(Kernel(k, k, ()) for k in out.keys())
+    elif isinstance(op, Cast):
+        ins = (out,)
+        kernels = tuple(Kernel(k, k, (k,)) for k in out.keys())
+    elif isinstance(op, Reshape):
+        ins, kernels = _reshape(node, out)
+    elif isinstance(op, Broadcast):
+        ins, kernels = _broadcast(node, op, out)
+    elif isinstance(op, Select):
+        ins, kernels = _select(node, op, out)
+    elif isinstance(op, Concat):
+        ins, kernels = _concat(node, op, out)
+    else:  # pragma: no cover
+        raise AssertionError(f"no decomposition for {op!r}")
+    return Decomposition(node, js, out, ins, kernels, 1, AGGS["none"])
+
+
+def _einsum(node: Node, op: Einsum, js: JoinAggSpec) -> Decomposition:
+    pos = {lab: i for i, lab in enumerate(js.labels)}
+    out_idx = [pos[lab] for lab in op.out_labels]
+    in_idx = [[pos[lab] for lab in ls] for ls in op.in_labels]
+    kernels = []
+    for index in itertools.product(*(range(len(b) - 1) for b in js.bounds)):
+        kernels.append(Kernel(index, tuple(index[i] for i in out_idx),
+                              tuple(tuple(index[i] for i in ii) for ii in in_idx)))
+    n_partials = 1
+    for lab in op.agg_labels:
+        n_partials *= len(js[lab]) - 1
+    return Decomposition(node, js, js.partition(op.out_labels),
+                         tuple(js.partition(ls) for ls in op.in_labels), tuple(kernels),
+                         n_partials, op.agg if n_partials > 1 else AGGS["none"])
+
+
+def _gather(node: Node, js: JoinAggSpec) -> Decomposition:
+    table, idx = node.inputs
+    out_labels = dim_labels(node.ndim)
+    idx_labels, rest = out_labels[:idx.ndim], out_labels[idx.ndim:]
+    out = js.partition(out_labels)
+    table_part = Partition((js[ROW],) + tuple(js[lab] for lab in rest))
+    idx_part = js.partition(idx_labels)
+    kernels = []
+    n_rows = len(js[ROW]) - 1
+    for key in out.keys():
+        for r in range(n_rows):
+            kernels.append(Kernel(key + (r,), key, ((r,) + key[idx.ndim:], key[:idx.ndim])))
+    return Decomposition(node, js, out, (table_part, idx_part), tuple(kernels), n_rows,
+                         AGGS["sum"] if n_rows > 1 else AGGS["none"])
+
+
+def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Minimal groups of dims of ``a`` and ``b`` with equal products (row-major reshape)."""
+    groups = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        ia, jb = [], []
+        pa = pb = 1
+        if i < len(a):
+            pa *= a[i]; ia.append(i); i += 1
+        if j < len(b):
+            pb *= b[j]; jb.append(j); j += 1
+        while pa != pb:
+            if pa < pb:
+                pa *= a[i]; ia.append(i); i += 1
+            else:
+                pb *= b[j]; jb.append(j); j += 1
+        groups.append((ia, jb))
+    return groups
+
+
+def _lead(dims: list[int], shape: tuple[int, ...]) -> int | None:
+    """The first dim of a group with size > 1 (where a row-major group can be cut)."""
+    return next((d for d in dims if shape[d] > 1), None)
+
+
+def _prod(xs: Any) -> int:
+    n = 1
+    for v in xs:
+        n *= v
+    return n
+
+
+def _reshape(node: Node, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    """A group keeps its cut when only its lead dim is cut, at multiples of the inner size on both
+    sides (e.g. heads split out of a model dim cut on head boundaries); otherwise the input is
+    needed whole across the group, a repartition the cost model sees."""
+    src = node.inputs[0].shape
+    dst = node.shape
+    in_bounds: list[tuple[int, ...]] = [(0, n) for n in src]
+    for ia, jb in reshape_groups(src, dst):
+        cut = [d for d in jb if len(out.bounds[d]) > 2]
+        if not cut:
+            continue
+        lb, la = _lead(jb, dst), _lead(ia, src)
+        if cut != [lb] or la is None:
+            continue
+        inner_b = _prod(dst[d] for d in jb[jb.index(lb) + 1:])
+        inner_a = _prod(src[d] for d in ia[ia.index(la) + 1:])
+        flat = [c * inner_b for c in out.bounds[lb]]
+        if all(f % inner_a == 0 for f in flat):
+            in_bounds[la] = tuple(f // inner_a for f in flat)
+    inp = Partition(tuple(in_bounds))
+    kernels = []
+    for key in out.keys():
+        box = out.box(key)
+        in_key = []
+        for ia, jb in _groups_cached(src, dst):
+            la, lb = _lead(ia, src), _lead(jb, dst)
+            for d in ia:
+                if d == la and len(inp.bounds[d]) > 2:
+                    inner_b = _prod(dst[e] for e in jb[jb.index(lb) + 1:])
+                    inner_a = _prod(src[e] for e in ia[ia.index(la) + 1:])
+                    start = box[lb][0] * inner_b // inner_a
+                    in_key.append(inp.bounds[d].index(start))
+                else:
+                    in_key.append(0)
+        kernels.append(Kernel(key, key, (tuple(in_key),)))
+    return (inp,), tuple(kernels)
+
+
+def reshape_region(node: Node, in_part: Partition, out_box: tuple[tuple[int, int], ...]
+                   ) -> tuple[tuple[int, int], ...]:
+    """The output box that one input block of a reshape turns into: the out block itself on groups
+    whose cut is kept, the whole group elsewhere (the kernel then slices the out block from it)."""
+    src, dst = node.inputs[0].shape, node.shape
+    region = [(0, n) for n in dst]
+    for ia, jb in _groups_cached(src, dst):
+        la = _lead(ia, src)
+        if la is not None and len(in_part.bounds[la]) > 2:
+            for d in jb:
+                region[d] = out_box[d]
+    return tuple(region)
+
+
+_group_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[list[int], list[int]]]] = {}
+
+
+def _groups_cached(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    key = (a, b)
+    if key not in _group_cache:
+        _group_cache[key] = reshape_groups(a, b)
+    return _group_cache[key]
+
+
+def _broadcast(node: Node, op: Broadcast, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    x = node.inputs[0]
+    same = [x.shape[i] == node.shape[d] for i, d in enumerate(op.dims)]
+    inp = Partition(tuple(out.bounds[d] if s else (0, 1) for d, s in zip(op.dims, same)))
+    kernels = tuple(Kernel(k, k, (tuple(k[d] if s else 0 for d, s in zip(op.dims, same)),))
+                    for k in out.keys())
+    return (inp,), kernels
+
+
+def _select(node: Node, op: Select, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    # the input is cut exactly at the selected blocks' edges: each kernel reads one whole block
+    x = node.inputs[0]
+    bounds = []
+    for d, n in enumerate(x.shape):
+        cuts = {0, n} | {op.starts[d] + c for c in out.bounds[d]}
+        bounds.append(tuple(sorted(cuts)))
+    inp = Partition(tuple(bounds))
+    kernels = tuple(Kernel(k, k, (tuple(inp.bounds[d].index(op.starts[d] + out.bounds[d][i])
+                                        for d, i in enumerate(k)),)) for k in out.keys())
+    return (inp,), kernels
+
+
+def _concat(node: Node, op: Concat, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    ax = op.axis
+    ins = []
+    offsets = []
+    start = 0
+    for x in node.inputs:
+        n = x.shape[ax]
+        cuts = {0, n} | {c - start for c in out.bounds[ax] if start < c < start + n}
+        b = list(out.bounds)
+        b[ax] = tuple(sorted(cuts))
+        ins.append(Partition(tuple(b)))
+        offsets.append(start)
+        start += n
+    kernels = []
+    for key in out.keys():
+        lo, hi = out.bounds[ax][key[ax]], out.bounds[ax][key[ax] + 1]
+        in_keys: list[BlockKey | None] = []
+        for x, p, off in zip(node.inputs, ins, offsets):
+            if off < hi and lo < off + x.shape[ax]:
+                blk = p.overlapping(ax, max(lo, off) - off, min(hi, off + x.shape[ax]) - off)
+                assert len(blk) == 1
+                in_keys.append(key[:ax] + (blk[0],) + key[ax + 1:])
+            else:
+                in_keys.append(None)
+        kernels.append(Kernel(key, key, tuple(in_keys)))
+    return tuple(ins), tuple(kernels)
+

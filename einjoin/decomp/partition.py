@@ -1,0 +1,143 @@
+"""Partitions: per-dimension block boundaries (uneven allowed), and the block keys they define.
+
+>>> from einjoin.decomp.partition import Partition
+>>> p = Partition.from_counts((10, 4), (3, 1))
+>>> p.bounds, p.nblocks, list(p.keys())
+(((0, 4, 7, 10), (0, 4)), (3, 1), [(0, 0), (1, 0), (2, 0)])
+>>> p.box((1, 0)), p.block_shape((1, 0))
+(((4, 7), (0, 4)), (3, 4))
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from einjoin.errors import PartitionError
+
+__all__ = ["Partition", "BlockKey", "even_bounds", "check_bounds"]
+
+BlockKey = tuple[int, ...]
+
+
+def even_bounds(n: int, k: int, what: str = "dimension") -> tuple[int, ...]:
+    """Boundaries of ``k`` nearly equal blocks of ``n`` (the larger blocks first)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise PartitionError(f"{what}: block count must be a positive int, got {k!r}")
+    if k > n:
+        raise PartitionError(f"{what}: {k} blocks for a dimension of size {n} would leave "
+                             f"empty blocks")
+    q, r = divmod(n, k)
+    out = [0]
+    for i in range(k):
+        out.append(out[-1] + q + (1 if i < r else 0))
+    return tuple(out)
+
+
+def check_bounds(bounds: Sequence[int], n: int, what: str = "dimension") -> tuple[int, ...]:
+    """Validate explicit boundaries ``(0, b1, ..., n)``: strictly increasing, so no block is empty."""
+    try:
+        b = tuple(int(v) for v in bounds)
+    except (TypeError, ValueError):
+        raise PartitionError(f"{what}: boundaries must be ints, got {bounds!r}") from None
+    if len(b) < 2 or b[0] != 0 or b[-1] != n:
+        raise PartitionError(f"{what}: boundaries {list(b)} must start at 0 and end at the size {n}")
+    for x, y in zip(b, b[1:]):
+        if y <= x:
+            raise PartitionError(f"{what}: boundaries {list(b)} leave an empty block [{x}:{y}]")
+    return b
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A box partition of a tensor: ``bounds[d]`` are the block boundaries of dim ``d``."""
+
+    bounds: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        for d, b in enumerate(self.bounds):
+            check_bounds(b, b[-1] if b else 0, f"dim {d}")
+
+    # ---- construction
+    @staticmethod
+    def from_counts(shape: Sequence[int], counts: Sequence[int]) -> "Partition":
+        if len(counts) != len(shape):
+            raise PartitionError(f"{len(counts)} block counts for a tensor of rank {len(shape)} "
+                                 f"(shape {tuple(shape)})")
+        return Partition(tuple(even_bounds(n, k, f"dim {d} of shape {tuple(shape)}")
+                               for d, (n, k) in enumerate(zip(shape, counts))))
+
+    @staticmethod
+    def whole(shape: Sequence[int]) -> "Partition":
+        return Partition(tuple((0, n) for n in shape))
+
+    @staticmethod
+    def of(shape: Sequence[int], per_dim: Sequence["int | Sequence[int]"]) -> "Partition":
+        """Each dim given as a block count or as explicit boundaries, validated against ``shape``."""
+        if len(per_dim) != len(shape):
+            raise PartitionError(f"partition with {len(per_dim)} dims for a tensor of rank "
+                                 f"{len(shape)} (shape {tuple(shape)})")
+        out = []
+        for d, (n, p) in enumerate(zip(shape, per_dim)):
+            what = f"dim {d} of shape {tuple(shape)}"
+            out.append(even_bounds(n, p, what) if isinstance(p, int) else check_bounds(p, n, what))
+        return Partition(tuple(out))
+
+    # ---- facts
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b[-1] for b in self.bounds)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def nblocks(self) -> tuple[int, ...]:
+        return tuple(len(b) - 1 for b in self.bounds)
+
+    @property
+    def num_blocks(self) -> int:
+        n = 1
+        for k in self.nblocks:
+            n *= k
+        return n
+
+    def keys(self) -> Iterator[BlockKey]:
+        return itertools.product(*(range(k) for k in self.nblocks))
+
+    def box(self, key: BlockKey) -> tuple[tuple[int, int], ...]:
+        return tuple((b[i], b[i + 1]) for b, i in zip(self.bounds, key))
+
+    def block_shape(self, key: BlockKey) -> tuple[int, ...]:
+        return tuple(b[i + 1] - b[i] for b, i in zip(self.bounds, key))
+
+    def slices(self, key: BlockKey) -> tuple[slice, ...]:
+        return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.bounds, key))
+
+    def overlapping(self, d: int, start: int, stop: int) -> range:
+        """Block indices of dim ``d`` that intersect ``[start, stop)``."""
+        b = self.bounds[d]
+        lo = bisect.bisect_right(b, start) - 1
+        hi = bisect.bisect_left(b, stop)
+        return range(lo, hi)
+
+    def union(self, other: "Partition") -> "Partition":
+        """The coarsest common refinement: per dim, every boundary of either."""
+        if self.shape != other.shape:
+            raise PartitionError(f"union of partitions of shapes {self.shape} and {other.shape}")
+        return Partition(tuple(tuple(sorted(set(a) | set(b))) for a, b in zip(self.bounds, other.bounds)))
+
+    def __str__(self) -> str:
+        parts = []
+        for b in self.bounds:
+            sizes = [y - x for x, y in zip(b, b[1:])]
+            if len(sizes) == 1:
+                parts.append("1")
+            elif max(sizes) - min(sizes) <= 1:
+                parts.append(str(len(sizes)))
+            else:
+                parts.append("[" + ",".join(map(str, sizes)) + "]")
+        return "(" + ", ".join(parts) + ")"

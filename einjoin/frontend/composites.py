@@ -1,0 +1,182 @@
+"""Composite ops that lower to a few einsum nodes each (plus selects, concats and fills).
+
+Each is written as the join-aggregations it is, so the optimizer sees (and may split) every
+piece: softmax is a max-reduction, an ``exp(x0 - x1)`` join, a sum and a division.
+
+>>> import einjoin as ej
+>>> x = ej.input("x", (4, 8))
+>>> len(ej.Graph(ej.softmax(x)).ops)
+4
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from einjoin.errors import ShapeError
+from einjoin.frontend.functions import causal_mask, concat, einsum, fill
+from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, elementwise
+from einjoin.ir.scalar import parse_join
+
+__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "silu", "gelu", "linear", "rope",
+           "rotate_half", "attention"]
+
+
+def _labels(x: Tensor, dim: int) -> tuple[str, str]:
+    """All labels of ``x`` and the labels without ``dim``."""
+    ls = LETTERS[:x.ndim]
+    return ls, ls.replace(ls[dim], "")
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` along ``dim``: four einsums."""
+    d = _norm_dim(x, dim)
+    ls, red = _labels(x, d)
+    m = einsum(f"{ls}->{red}", x, agg="max")
+    e = einsum(f"{ls},{red}->{ls}", x, m, join="exp(x0 - x1)")
+    s = einsum(f"{ls}->{red}", e)
+    return einsum(f"{ls},{red}->{ls}", e, s, join="div")
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    d = _norm_dim(x, dim)
+    ls, red = _labels(x, d)
+    m = einsum(f"{ls}->{red}", x, agg="max")
+    s = einsum(f"{ls},{red}->{red}", x, m, join="exp(x0 - x1)")
+    return einsum(f"{ls},{red},{red}->{ls}", x, m, s, join="x0 - x1 - log(x2)")
+
+
+def _norm_labels(x: Tensor, n_trailing: int) -> tuple[str, str, str, int]:
+    if n_trailing < 1 or n_trailing > x.ndim:
+        raise ShapeError(f"normalising the last {n_trailing} dims of a tensor of shape {x.shape}")
+    ls = LETTERS[:x.ndim]
+    lead, tail = ls[:x.ndim - n_trailing], ls[x.ndim - n_trailing:]
+    n = 1
+    for s in x.shape[x.ndim - n_trailing:]:
+        n *= s
+    return ls, lead, tail, n
+
+
+def _affine(y: Tensor, ls: str, tail: str, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    for p, name in ((weight, "weight"), (bias, "bias")):
+        if p is not None and p.shape != y.shape[y.ndim - len(tail):]:
+            raise ShapeError(f"norm {name} has shape {p.shape}, expected {y.shape[y.ndim - len(tail):]}")
+    if weight is not None and bias is not None:
+        return einsum(f"{ls},{tail},{tail}->{ls}", y, weight, bias, join="x0 * x1 + x2")
+    if weight is not None:
+        return einsum(f"{ls},{tail}->{ls}", y, weight)
+    if bias is not None:
+        return einsum(f"{ls},{tail}->{ls}", y, bias, join="add")
+    return y
+
+
+def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """torch's layer_norm over the trailing ``normalized_shape`` dims (default: the last dim)."""
+    if normalized_shape is None:
+        k = weight.ndim if weight is not None else 1
+    else:
+        k = 1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))
+    ls, lead, tail, n = _norm_labels(x, k)
+    mu = einsum(f"{ls}->{lead}", x, join=f"x0 * {1.0 / n!r}")
+    xc = einsum(f"{ls},{lead}->{ls}", x, mu, join="sub")
+    var = einsum(f"{ls}->{lead}", xc, join=f"x0 * x0 * {1.0 / n!r}")
+    y = einsum(f"{ls},{lead}->{ls}", xc, var, join=f"x0 * rsqrt(x1 + {eps!r})")
+    return _affine(y, ls, tail, weight, bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (LLaMA's RMSNorm)."""
+    ls, lead, tail, n = _norm_labels(x, 1 if weight is None else weight.ndim)
+    ms = einsum(f"{ls}->{lead}", x, join=f"x0 * x0 * {1.0 / n!r}")
+    if weight is None:
+        return einsum(f"{ls},{lead}->{ls}", x, ms, join=f"x0 * rsqrt(x1 + {eps!r})")
+    if weight.shape != x.shape[x.ndim - weight.ndim:]:
+        raise ShapeError(f"rms_norm weight has shape {weight.shape}, expected {x.shape[x.ndim - weight.ndim:]}")
+    return einsum(f"{ls},{lead},{tail}->{ls}", x, ms, weight, join=f"x0 * rsqrt(x1 + {eps!r}) * x2")
+
+
+def silu(x: Tensor) -> Tensor:
+    return elementwise("silu", x)
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    return x.gelu(approximate)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """torch's ``F.linear``: ``x @ weight.T + bias`` with ``weight`` of shape (out, in)."""
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ShapeError(f"linear: input {x.shape} and weight {weight.shape} (out, in) do not fit")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ShapeError(f"linear: bias {bias.shape} does not fit weight {weight.shape}")
+    if bias is None:
+        return einsum("...i,oi->...o", x, weight)
+    y = einsum("...i,oi->...o", x, weight)
+    return y + bias
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``cat(-x2, x1)`` of the two halves of the last dim (the usual rotary helper)."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ShapeError(f"rotate_half: the last dim must be even, got shape {x.shape}")
+    return concat([-x[..., d // 2:], x[..., : d // 2]], -1)
+
+
+def rope(x: Tensor, base: float = 10000.0, start: int = 0) -> Tensor:
+    """Rotary position embedding of ``x`` (..., seq, head_dim), positions ``start, start+1, ...``,
+    in the rotate_half form of LLaMA: ``x * cos + rotate_half(x) * sin``. The cos/sin tables are
+    fills, computed where they are needed."""
+    if x.ndim < 2:
+        raise ShapeError(f"rope: needs (..., seq, head_dim), got shape {x.shape}")
+    s, d = x.shape[-2], x.shape[-1]
+    if d % 2:
+        raise ShapeError(f"rope: head_dim must be even, got shape {x.shape}")
+    h = d // 2
+    pos = f"(x0 + {start})" if start else "x0"
+    angle = f"{pos} * pow({float(base)!r}, -2.0 * where(x1 < {h}, x1, x1 - {h}) / {d})"
+    cos = fill((s, d), f"cos({angle})", x.dtype)
+    sin = fill((s, d), f"sin({angle})", x.dtype)
+    return elementwise(parse_join("x0 * x1 + x2 * x3", 4), x, cos, rotate_half(x), sin, name="rope")
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
+              mask: Tensor | None = None) -> Tensor:
+    """Scaled dot-product attention. ``q`` (..., heads, s, d), ``k`` (..., kv_heads, t, d),
+    ``v`` (..., kv_heads, t, e); fewer kv heads than query heads is grouped-query attention.
+    ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs; ``causal`` adds the causal mask."""
+    if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} must have one rank >= 2")
+    s, d = q.shape[-2:]
+    t = k.shape[-2]
+    if k.shape[-1] != d or v.shape[-2] != t:
+        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    group = 1
+    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+        hq, hk = q.shape[-3], k.shape[-3]
+        if hq % hk or v.shape[-3] != hk:
+            raise ShapeError(f"attention: {hq} query heads cannot share {hk} kv heads "
+                             f"(q {q.shape}, k {k.shape}, v {v.shape})")
+        group = hq // hk
+        q = q.reshape(q.shape[:-3] + (hk, group, s, d))
+    qs, ks = ("...gsd", "...td") if group > 1 else ("...sd", "...td")
+    sc = "...gst" if group > 1 else "...st"
+    scores = einsum(f"{qs},{ks}->{sc}", q, k)
+    allowed: Tensor | None = mask
+    if causal:
+        cm = causal_mask(s, t)
+        allowed = cm if allowed is None else (allowed & cm)
+    if allowed is not None:
+        scores = elementwise(parse_join(f"where(x1, x0 * {scale!r}, -inf)", 2), scores, allowed,
+                             name="attention mask")
+    else:
+        scores = scores * scale
+    p = softmax(scores, -1)
+    out = einsum(f"{sc},...te->{sc[:-2]}se", p, v)
+    if group > 1:
+        out = out.reshape(out.shape[:-4] + (out.shape[-4] * group,) + out.shape[-2:])
+    return out
+

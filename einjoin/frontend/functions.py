@@ -1,0 +1,250 @@
+"""NumPy/torch-like free functions, and ``ej.einsum``, the extended Einstein summation.
+
+>>> import einjoin as ej
+>>> x = ej.input("x", (512, 1024)); w = ej.input("w", (1024, 4096))
+>>> y = ej.einsum("ij,jk->ik", x, w).relu()
+>>> m = ej.einsum("ij->i", y, agg="max")
+>>> z = ej.einsum("ij,i->ij", y, m, join="sub").exp()
+>>> z.shape
+(512, 4096)
+>>> ej.einsum("ik,kj->ij", x, w, join="x0 + x1", agg="max").shape   # max-plus (tropical) product
+(512, 4096)
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Sequence
+
+from einjoin.errors import EinjoinError, ShapeError
+from einjoin.ir import ops
+from einjoin.ir.agg import Agg
+from einjoin.ir.equation import ELLIPSIS_LABELS, parse_equation
+from einjoin.ir.node import Node
+from einjoin.ir.scalar import Expr
+from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, elementwise, permute, reduce,
+                                     wrap)
+
+__all__ = ["input", "einsum", "matmul", "where", "maximum", "minimum", "exp", "log", "sqrt",
+           "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "sin", "cos", "neg",
+           "logical_not", "sum", "mean", "max", "min", "prod", "concat", "cat", "stack", "split",
+           "chunk", "reshape", "transpose", "permute", "broadcast_to", "full", "zeros", "ones",
+           "arange", "fill", "causal_mask", "gather", "embedding", "cast"]
+
+
+def _t(x: Any, what: str) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, Node):
+        return Tensor(x)
+    raise EinjoinError(f"{what}: expected an einjoin tensor, got {type(x).__name__}")
+
+
+def input(name: str, shape: Any, dtype: Any = "float32") -> Tensor:
+    """A named graph input (a parameter or an activation), fed at run time.
+
+    >>> import einjoin as ej
+    >>> ej.input("tokens", (4, 128), "int64")
+    Tensor(input 'tokens', int64[4, 128])
+    """
+    return Tensor(ops.input_node(name, shape, dtype))
+
+
+def einsum(equation: str, *operands: Tensor, join: "str | Expr | None" = None,
+           agg: "str | Agg | None" = "sum") -> Tensor:
+    """The extended einsum: ``out = agg over missing labels of join(inputs)``.
+
+    ``join`` is a function name (``"mul"``, ``"add"``, ``"sub"``, ``"exp"``...) or an expression
+    over ``x0, x1, ...`` (``"exp(x0 - x1)"``); it defaults to the product (one input: the value
+    itself). ``agg`` is ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` or ``None``. The equation takes
+    spaces, an implicit output and ``...`` with numpy's broadcasting of size-1 batch dims."""
+    xs = [_t(x, f"einsum {equation!r}") for x in operands]
+    in_labels, out = parse_equation(equation, [x.shape for x in xs])
+    if join is None:
+        join = "mul" if len(xs) > 1 else "x0"
+    nodes = []
+    labels = []
+    for x, ls in zip(xs, in_labels):
+        # '...' dims of size 1 broadcast against larger ones, as numpy does: squeeze them away
+        drop = [d for d, lab in enumerate(ls) if lab in ELLIPSIS_LABELS and x.shape[d] == 1
+                and any(lab in ls2 and y.shape[ls2.index(lab)] > 1 for y, ls2 in zip(xs, in_labels))]
+        if drop:
+            x = x.reshape(tuple(n for d, n in enumerate(x.shape) if d not in drop))
+            ls = tuple(lab for d, lab in enumerate(ls) if d not in drop)
+        nodes.append(x.node)
+        labels.append(ls)
+    return wrap(ops.einsum_node(nodes, labels, out, join, agg))
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` with torch's rules for 1-D operands and broadcast batch dims."""
+    a, b = _t(a, "matmul"), _t(b, "matmul")
+    if a.ndim == 0 or b.ndim == 0:
+        raise ShapeError(f"matmul of shapes {a.shape} and {b.shape}: rank-0 operands")
+    if a.ndim == 1 and b.ndim == 1:
+        eq = "k,k->"
+    elif a.ndim == 1:
+        eq = "k,...kn->...n"
+    elif b.ndim == 1:
+        eq = "...mk,k->...m"
+    else:
+        eq = "...mk,...kn->...mn"
+    ka = a.shape[-1]
+    kb = b.shape[0] if b.ndim == 1 else b.shape[-2]
+    if ka != kb:
+        raise ShapeError(f"matmul of shapes {a.shape} and {b.shape}: inner sizes {ka} and {kb} differ")
+    if a.ndim > 2 and b.ndim > 2:  # check batch broadcasting with a clear message
+        from einjoin.frontend.tensor import broadcast_shapes
+        broadcast_shapes(a.shape[:-2], b.shape[:-2], what=f"matmul batch dims of {a.shape} and {b.shape}")
+    return einsum(eq, a, b)
+
+
+def where(cond: Tensor, a: "Tensor | Scalar", b: "Tensor | Scalar") -> Tensor:
+    """``a`` where ``cond`` is true, else ``b`` (broadcasting; numbers allowed for a and b)."""
+    return elementwise("where", _t(cond, "where"), a, b, name="where")
+
+
+def maximum(a: "Tensor | Scalar", b: "Tensor | Scalar") -> Tensor:
+    return elementwise("max", a, b, name="maximum")
+
+
+def minimum(a: "Tensor | Scalar", b: "Tensor | Scalar") -> Tensor:
+    return elementwise("min", a, b, name="minimum")
+
+
+def _unary(fn: str):  # type: ignore[no-untyped-def]
+    def f(x: Tensor) -> Tensor:
+        return elementwise(fn, _t(x, fn))
+    f.__name__ = fn
+    f.__doc__ = f"Elementwise ``{fn}``."
+    return f
+
+
+exp, log, sqrt, rsqrt, reciprocal = (_unary(n) for n in ("exp", "log", "sqrt", "rsqrt", "reciprocal"))
+abs, relu, tanh, sigmoid = (_unary(n) for n in ("abs", "relu", "tanh", "sigmoid"))
+sin, cos, neg, logical_not = (_unary(n) for n in ("sin", "cos", "neg", "logical_not"))
+
+
+def sum(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return reduce(_t(x, "sum"), "sum", dim, keepdim)
+
+
+def prod(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return reduce(_t(x, "prod"), "prod", dim, keepdim)
+
+
+def max(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return reduce(_t(x, "max"), "max", dim, keepdim)
+
+
+def min(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return reduce(_t(x, "min"), "min", dim, keepdim)
+
+
+def mean(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return _t(x, "mean").mean(dim, keepdim)
+
+
+def concat(xs: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """Lay tensors end to end along ``dim``."""
+    ts = [_t(x, "concat") for x in xs]
+    return wrap(ops.concat_node([t.node for t in ts], dim))
+
+
+cat = concat
+
+
+def stack(xs: Sequence[Tensor], dim: int = 0) -> Tensor:
+    ts = [_t(x, "stack") for x in xs]
+    if not ts:
+        raise ShapeError("stack: needs at least one tensor")
+    return concat([t.unsqueeze(dim) for t in ts], dim)
+
+
+def split(x: Tensor, split_size_or_sections: Any, dim: int = 0) -> tuple[Tensor, ...]:
+    """torch.split: pieces of ``split_size`` (the last may be smaller) or of the given sizes."""
+    x = _t(x, "split")
+    d = _norm_dim(x, dim)
+    n = x.shape[d]
+    if isinstance(split_size_or_sections, int):
+        step = split_size_or_sections
+        if step <= 0:
+            raise ShapeError(f"split: size must be positive, got {step}")
+        sizes = [step] * (n // step) + ([n % step] if n % step else [])
+    else:
+        sizes = list(split_size_or_sections)
+        if builtins.sum(sizes) != n or any(s <= 0 for s in sizes):
+            raise ShapeError(f"split: sizes {sizes} do not add up to {n} (dim {d} of {x.shape})")
+    out = []
+    start = 0
+    for s in sizes:
+        starts = [0] * x.ndim
+        stops = list(x.shape)
+        starts[d], stops[d] = start, start + s
+        out.append(wrap(ops.select_node(x.node, starts, stops)))
+        start += s
+    return tuple(out)
+
+
+def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+    x = _t(x, "chunk")
+    n = x.shape[_norm_dim(x, dim)]
+    if chunks <= 0:
+        raise ShapeError(f"chunk: chunks must be positive, got {chunks}")
+    return split(x, -(-n // chunks), dim)
+
+
+def reshape(x: Tensor, shape: Any) -> Tensor:
+    return _t(x, "reshape").reshape(shape)
+
+
+def transpose(x: Tensor, a: int = 0, b: int = 1) -> Tensor:
+    return _t(x, "transpose").transpose(a, b)
+
+
+def broadcast_to(x: Tensor, shape: Any) -> Tensor:
+    return _t(x, "broadcast_to").expand(shape)
+
+
+def fill(shape: Any, expr: "str | Expr | float | int | bool", dtype: Any = "float32") -> Tensor:
+    """A constant tensor from an expression over the index variables ``x0, x1, ...``."""
+    return Tensor(ops.fill_node(shape, dtype, expr))
+
+
+def full(shape: Any, value: "float | int | bool", dtype: Any = "float32") -> Tensor:
+    return fill(shape, value, dtype)
+
+
+def zeros(shape: Any, dtype: Any = "float32") -> Tensor:
+    return fill(shape, 0, dtype)
+
+
+def ones(shape: Any, dtype: Any = "float32") -> Tensor:
+    return fill(shape, 1, dtype)
+
+
+def arange(n: int, dtype: Any = "int64") -> Tensor:
+    return fill((n,), "x0", dtype)
+
+
+def causal_mask(rows: int, cols: int | None = None) -> Tensor:
+    """Bool ``[rows, cols]``, true where query ``i`` may attend key ``j`` (``j <= i + cols - rows``),
+    torch's ``tril`` aligned to the bottom right as in ``is_causal`` attention with a KV cache."""
+    cols = rows if cols is None else cols
+    shift = cols - rows
+    return fill((rows, cols), f"x1 <= x0 + {shift}" if shift else "x1 <= x0", "bool")
+
+
+def gather(table: Tensor, indices: Tensor) -> Tensor:
+    """Rows of ``table`` picked by int64 ``indices``: shape ``indices.shape + table.shape[1:]``."""
+    return wrap(ops.gather_node(_t(table, "gather").node, _t(indices, "gather").node))
+
+
+def embedding(indices: Tensor, weight: Tensor) -> Tensor:
+    """torch.nn.functional.embedding's argument order."""
+    return gather(weight, indices)
+
+
+def cast(x: Tensor, dtype: Any) -> Tensor:
+    return _t(x, "cast").to(dtype)
+

@@ -1,0 +1,352 @@
+"""The PyTorch-like lazy ``Tensor``: every operation builds IR nodes, nothing computes.
+
+>>> import einjoin as ej
+>>> x = ej.input("x", (8, 16)); w = ej.input("w", (16, 4))
+>>> y = (x @ w).relu().sum(-1)
+>>> y.shape, y.dtype
+((8,), 'float32')
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Sequence, Union
+
+from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.ir import ops
+from einjoin.ir.fold import fold
+from einjoin.ir.node import Node
+from einjoin.ir.printing import describe
+from einjoin.ir.scalar import Arg, Call, Const, Expr, substitute
+
+__all__ = ["Tensor", "wrap", "elementwise", "reduce", "permute", "Scalar", "LETTERS"]
+
+Scalar = Union[int, float, bool]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def wrap(node: Node) -> "Tensor":
+    """A tensor for ``node``, after constant folding."""
+    return Tensor(fold(node))
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, bool)) or (hasattr(v, "dtype") and getattr(v, "shape", None) == ()
+                                                 and not isinstance(v, Tensor))
+
+
+def broadcast_shapes(*shapes: tuple[int, ...], what: str = "broadcast") -> tuple[int, ...]:
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for d in range(rank):
+        sizes = {s[len(s) - rank + d] for s in shapes if len(s) - rank + d >= 0}
+        sizes.discard(1)
+        if len(sizes) > 1:
+            raise ShapeError(f"{what}: shapes {', '.join(str(tuple(s)) for s in shapes)} do not "
+                             f"broadcast (dim {d - rank} has sizes {sorted(sizes)})")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = None) -> "Tensor":
+    """Apply a scalar function with numpy broadcasting. Python numbers become constants of the
+    join expression (weakly typed); tensors become einsum inputs. Size-1 dims that broadcast are
+    squeezed away, so no replica is materialised."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not tensors:
+        raise EinjoinError(f"{name or fn}: needs at least one einjoin tensor argument")
+    for a in args:
+        if not isinstance(a, Tensor) and not _is_scalar(a):
+            raise EinjoinError(f"{name or fn}: cannot combine an einjoin tensor with "
+                               f"{type(a).__name__}; feed arrays as graph inputs")
+    what = name or (fn if isinstance(fn, str) else str(fn))
+    out_shape = broadcast_shapes(*(t.shape for t in tensors), what=what)
+    rank = len(out_shape)
+    if rank > len(LETTERS):
+        raise ShapeError(f"{what}: rank {rank} is above the supported 26")
+    out_labels = LETTERS[:rank]
+    inputs: list[Node] = []
+    labels: list[str] = []
+    exprs: list[Expr] = []
+    slot: dict[tuple[Node, str], int] = {}
+    for a in args:
+        if not isinstance(a, Tensor):
+            exprs.append(Const(a.item() if hasattr(a, "item") else a))
+            continue
+        offset = rank - a.ndim
+        keep = [d for d in range(a.ndim) if not (a.shape[d] == 1 and out_shape[offset + d] != 1)]
+        node = a.node
+        if len(keep) != a.ndim:
+            node = ops.reshape_node(node, tuple(a.shape[d] for d in keep))
+        ls = "".join(out_labels[offset + d] for d in keep)
+        key = (node, ls)
+        if key not in slot:  # x * x reads one input twice
+            slot[key] = len(inputs)
+            inputs.append(node)
+            labels.append(ls)
+        exprs.append(Arg(slot[key]))
+    if isinstance(fn, str):
+        expr: Expr = Call(fn, tuple(exprs))
+    else:
+        expr = substitute(fn, exprs)
+    # every output label is kept by an input: a dim is dropped only where another input is larger
+    return wrap(ops.einsum_node(inputs, labels, out_labels, expr, None))
+
+
+def reduce(x: "Tensor", agg: str, dim: Any = None, keepdim: bool = False) -> "Tensor":
+    """Aggregate ``x`` over ``dim`` (an int, a tuple, or None for all) with ``agg``."""
+    dims = _norm_dims(x, dim)
+    ls = LETTERS[:x.ndim]
+    out = "".join(ls[d] for d in range(x.ndim) if d not in dims)
+    y = wrap(ops.einsum_node([x.node], [ls], out, "x0", agg))
+    if keepdim:
+        y = y.reshape(tuple(1 if d in dims else n for d, n in enumerate(x.shape)))
+    return y
+
+
+def _norm_dim(x: "Tensor", d: Any) -> int:
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise ShapeError(f"dimension must be an int, got {d!r}")
+    if not -x.ndim <= d < x.ndim:
+        raise ShapeError(f"dimension {d} out of range for a tensor of rank {x.ndim} (shape {x.shape})")
+    return d % x.ndim
+
+
+def _norm_dims(x: "Tensor", dim: Any) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(x.ndim))
+    if isinstance(dim, (list, tuple)):
+        dims = tuple(_norm_dim(x, d) for d in dim)
+        if len(set(dims)) != len(dims):
+            raise ShapeError(f"repeated dimension in {tuple(dim)} for shape {x.shape}")
+        return dims
+    return (_norm_dim(x, dim),)
+
+
+def permute(x: "Tensor", dims: Sequence[int]) -> "Tensor":
+    dims = tuple(_norm_dim(x, d) for d in dims)
+    if sorted(dims) != list(range(x.ndim)):
+        raise ShapeError(f"permute {tuple(dims)} is not a permutation of the dims of shape {x.shape}")
+    if dims == tuple(range(x.ndim)):
+        return x
+    ls = LETTERS[:x.ndim]
+    return wrap(ops.einsum_node([x.node], [ls], "".join(ls[d] for d in dims), "x0", None))
+
+
+class Tensor:
+    """A lazy tensor: an IR node plus the operators people expect. Nothing runs until the graph
+    is compiled or evaluated (``ej.reference``)."""
+
+    __slots__ = ("node",)
+    __array_priority__ = 1000  # numpy scalars on the left defer to our operators
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    # ---- facts
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.node.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.node.ndim
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[_norm_dim(self, dim)]
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise ShapeError("len() of a rank-0 tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"Tensor({describe(self.node)}, {self.dtype}{list(self.shape)})"
+
+    def __bool__(self) -> bool:
+        raise EinjoinError("an einjoin tensor is lazy and has no truth value; use ej.where for "
+                           "data-dependent choices")
+
+    __hash__ = object.__hash__  # == builds a comparison, as in torch
+
+    # ---- arithmetic
+    def __add__(self, o: Any) -> "Tensor": return elementwise("add", self, o)
+    def __radd__(self, o: Any) -> "Tensor": return elementwise("add", o, self)
+    def __sub__(self, o: Any) -> "Tensor": return elementwise("sub", self, o)
+    def __rsub__(self, o: Any) -> "Tensor": return elementwise("sub", o, self)
+    def __mul__(self, o: Any) -> "Tensor": return elementwise("mul", self, o)
+    def __rmul__(self, o: Any) -> "Tensor": return elementwise("mul", o, self)
+    def __truediv__(self, o: Any) -> "Tensor": return elementwise("div", self, o)
+    def __rtruediv__(self, o: Any) -> "Tensor": return elementwise("div", o, self)
+    def __pow__(self, o: Any) -> "Tensor": return elementwise("pow", self, o)
+    def __rpow__(self, o: Any) -> "Tensor": return elementwise("pow", o, self)
+    def __neg__(self) -> "Tensor": return elementwise("neg", self)
+    def __abs__(self) -> "Tensor": return elementwise("abs", self)
+    def __invert__(self) -> "Tensor": return elementwise("logical_not", self)
+    def __and__(self, o: Any) -> "Tensor": return elementwise("logical_and", self, o)
+    def __or__(self, o: Any) -> "Tensor": return elementwise("logical_or", self, o)
+    def __lt__(self, o: Any) -> "Tensor": return elementwise("lt", self, o)
+    def __le__(self, o: Any) -> "Tensor": return elementwise("le", self, o)
+    def __gt__(self, o: Any) -> "Tensor": return elementwise("gt", self, o)
+    def __ge__(self, o: Any) -> "Tensor": return elementwise("ge", self, o)
+    def __eq__(self, o: Any) -> "Tensor": return elementwise("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o: Any) -> "Tensor": return elementwise("ne", self, o)  # type: ignore[override]
+
+    def __matmul__(self, o: "Tensor") -> "Tensor":
+        from einjoin.frontend.functions import matmul
+        return matmul(self, o)
+
+    def __rmatmul__(self, o: "Tensor") -> "Tensor":
+        from einjoin.frontend.functions import matmul
+        return matmul(o, self)
+
+    # ---- unary maps
+    def exp(self) -> "Tensor": return elementwise("exp", self)
+    def log(self) -> "Tensor": return elementwise("log", self)
+    def sqrt(self) -> "Tensor": return elementwise("sqrt", self)
+    def rsqrt(self) -> "Tensor": return elementwise("rsqrt", self)
+    def reciprocal(self) -> "Tensor": return elementwise("reciprocal", self)
+    def abs(self) -> "Tensor": return elementwise("abs", self)
+    def neg(self) -> "Tensor": return elementwise("neg", self)
+    def relu(self) -> "Tensor": return elementwise("relu", self)
+    def silu(self) -> "Tensor": return elementwise("silu", self)
+    def tanh(self) -> "Tensor": return elementwise("tanh", self)
+    def sigmoid(self) -> "Tensor": return elementwise("sigmoid", self)
+    def sin(self) -> "Tensor": return elementwise("sin", self)
+    def cos(self) -> "Tensor": return elementwise("cos", self)
+    def logical_not(self) -> "Tensor": return elementwise("logical_not", self)
+
+    def gelu(self, approximate: str = "none") -> "Tensor":
+        if approximate not in ("none", "tanh"):
+            raise EinjoinError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        return elementwise("gelu" if approximate == "none" else "gelu_tanh", self)
+
+    # ---- reductions (values only: max/min do not return indices)
+    def sum(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "sum", dim, keepdim)
+    def prod(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "prod", dim, keepdim)
+    def max(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "max", dim, keepdim)
+    def min(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "min", dim, keepdim)
+    amax, amin = max, min
+
+    def mean(self, dim: Any = None, keepdim: bool = False) -> "Tensor":
+        n = 1
+        for d in _norm_dims(self, dim):
+            n *= self.shape[d]
+        return reduce(self, "sum", dim, keepdim) * (1.0 / n)
+
+    # ---- layout
+    @property
+    def T(self) -> "Tensor":
+        return permute(self, tuple(reversed(range(self.ndim))))
+
+    def permute(self, *dims: Any) -> "Tensor":
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        return permute(self, dims)
+
+    def transpose(self, a: int = 0, b: int = 1) -> "Tensor":
+        order = list(range(self.ndim))
+        a, b = _norm_dim(self, a), _norm_dim(self, b)
+        order[a], order[b] = order[b], order[a]
+        return permute(self, order)
+
+    def reshape(self, *shape: Any) -> "Tensor":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return wrap(ops.reshape_node(self.node, shape))
+
+    view = reshape
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> "Tensor":
+        if self.ndim == 0:
+            return self.reshape(1)
+        a, b = _norm_dim(self, start_dim), _norm_dim(self, end_dim)
+        n = 1
+        for d in self.shape[a:b + 1]:
+            n *= d
+        return self.reshape(self.shape[:a] + (n,) + self.shape[b + 1:])
+
+    def unsqueeze(self, dim: int) -> "Tensor":
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -self.ndim - 1 <= dim <= self.ndim:
+            raise ShapeError(f"unsqueeze({dim!r}) on a tensor of rank {self.ndim}")
+        d = dim % (self.ndim + 1)
+        return self.reshape(self.shape[:d] + (1,) + self.shape[d:])
+
+    def squeeze(self, dim: Any = None) -> "Tensor":
+        dims = tuple(d for d in range(self.ndim) if self.shape[d] == 1) if dim is None else _norm_dims(self, dim)
+        return self.reshape(tuple(n for d, n in enumerate(self.shape) if not (d in dims and n == 1)))
+
+    def expand(self, *shape: Any) -> "Tensor":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        lead = len(shape) - self.ndim
+        if lead < 0:
+            raise ShapeError(f"expand {self.shape} -> {tuple(shape)}: target has lower rank")
+        full = tuple(self.shape[d - lead] if s == -1 and d >= lead else s for d, s in enumerate(shape))
+        return wrap(ops.broadcast_node(self.node, full))
+
+    broadcast_to = expand
+
+    def to(self, dtype: Any) -> "Tensor":
+        return wrap(ops.cast_node(self.node, dtype))
+
+    astype = to
+    def float(self) -> "Tensor": return self.to("float32")
+    def double(self) -> "Tensor": return self.to("float64")
+    def half(self) -> "Tensor": return self.to("float16")
+    def bfloat16(self) -> "Tensor": return self.to("bfloat16")
+    def long(self) -> "Tensor": return self.to("int64")
+    def bool(self) -> "Tensor": return self.to("bool")
+
+    def contiguous(self) -> "Tensor":
+        return self
+
+    # ---- indexing
+    def __getitem__(self, index: Any) -> "Tensor":
+        if isinstance(index, Tensor):
+            from einjoin.frontend.functions import gather
+            return gather(self, index)
+        if not isinstance(index, tuple):
+            index = (index,)
+        n_real = builtins.sum(1 for i in index if i is not None and i is not Ellipsis)
+        if builtins.sum(1 for i in index if i is Ellipsis) > 1:
+            raise ShapeError("an index can hold only one '...'")
+        if n_real > self.ndim:
+            raise ShapeError(f"too many indices ({n_real}) for a tensor of rank {self.ndim} "
+                             f"(shape {self.shape})")
+        if Ellipsis in index:
+            k = index.index(Ellipsis)
+            index = index[:k] + (slice(None),) * (self.ndim - n_real) + index[k + 1:]
+        else:
+            index = index + (slice(None),) * (self.ndim - n_real)
+        starts, stops, out_shape = [], [], []
+        d = 0
+        for item in index:
+            if item is None:
+                out_shape.append(1)
+                continue
+            n = self.shape[d]
+            if isinstance(item, slice):
+                a, b, step = item.indices(n)
+                if step != 1:
+                    raise UnsupportedOpError(f"slicing with step {step} on dim {d} (shape {self.shape}); "
+                                             f"only step 1 is supported")
+                if b <= a:
+                    raise ShapeError(f"slice [{item.start}:{item.stop}] selects nothing from dim {d} "
+                                     f"of shape {self.shape}")
+                starts.append(a); stops.append(b); out_shape.append(b - a)
+            elif isinstance(item, int) and not isinstance(item, builtins.bool):
+                if not -n <= item < n:
+                    raise ShapeError(f"index {item} out of range for dim {d} of shape {self.shape}")
+                i = item % n
+                starts.append(i); stops.append(i + 1)
+            else:
+                raise UnsupportedOpError(f"indexing with {type(item).__name__} ({item!r}); use ints, "
+                                         f"slices, None, ... or an int64 tensor (gather)")
+            d += 1
+        sel = wrap(ops.select_node(self.node, starts, stops))
+        return sel.reshape(tuple(out_shape)) if tuple(out_shape) != sel.shape else sel

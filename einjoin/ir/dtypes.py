@@ -1,0 +1,103 @@
+"""Element types: names, numpy types, sizes, kinds and promotion.
+
+A dtype is named by a short string (``"float32"``, ``"bfloat16"``, ``"int64"``, ``"bool"``);
+bfloat16 comes from ``ml_dtypes`` so numpy can hold it.
+
+>>> from einjoin.ir.dtypes import canonical_dtype, promote
+>>> canonical_dtype("f32"), promote("float16", "float32")
+('float32', 'float32')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from einjoin.errors import DTypeError
+
+__all__ = [
+    "DTYPES",
+    "FLOAT_DTYPES",
+    "canonical_dtype",
+    "numpy_dtype",
+    "itemsize",
+    "kind",
+    "promote",
+    "compute_dtype",
+]
+
+# name -> numpy dtype. The order within a kind is promotion order.
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+_ALIASES = {
+    "f16": "float16", "half": "float16", "bf16": "bfloat16", "f32": "float32",
+    "float": "float32", "f64": "float64", "double": "float64", "i64": "int64",
+    "long": "int64", "bool_": "bool",
+}
+_KIND = {"float16": "float", "bfloat16": "float", "float32": "float", "float64": "float",
+         "int64": "int", "bool": "bool"}
+_RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """The canonical name of ``dtype`` (a name, alias, numpy dtype or torch dtype)."""
+    if isinstance(dtype, str):
+        name = _ALIASES.get(dtype, dtype)
+        if name in DTYPES:
+            return name
+        raise DTypeError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    text = str(dtype)
+    if text.startswith("torch."):
+        return canonical_dtype(text[len("torch."):])
+    try:
+        npd = np.dtype(dtype)
+    except TypeError:
+        raise DTypeError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}") from None
+    for name, d in DTYPES.items():
+        if d == npd:
+            return name
+    if npd.kind in "iu":
+        raise DTypeError(f"dtype {npd} is not supported; integers are int64 (for indices)")
+    raise DTypeError(f"dtype {npd} is not supported; known: {', '.join(DTYPES)}")
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    return DTYPES[canonical_dtype(dtype)]
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element."""
+    return DTYPES[dtype].itemsize
+
+
+def kind(dtype: str) -> str:
+    """``"float"``, ``"int"`` or ``"bool"``."""
+    return _KIND[dtype]
+
+
+def promote(a: str, b: str) -> str:
+    """The common dtype of two dtypes of one kind (float16 with bfloat16 gives float32, as torch)."""
+    if a == b:
+        return a
+    if _KIND[a] != _KIND[b]:
+        raise DTypeError(f"cannot mix {a} and {b}; cast one of them first")
+    if {a, b} == {"float16", "bfloat16"}:
+        return "float32"
+    return a if _RANK[a] >= _RANK[b] else b
+
+
+def compute_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype kernels compute in: half types are widened to float32 so sums keep precision."""
+    if dtype in ("float16", "bfloat16"):
+        return DTYPES["float32"]
+    return DTYPES[dtype]

@@ -1,0 +1,57 @@
+"""Constant folding: an op whose inputs are all fills becomes one fill.
+
+Parameter-free subgraphs (causal masks, position tables, constant scales) then cost nothing to
+move: every device computes the blocks it needs from the index grid.
+
+>>> from einjoin.ir import ops
+>>> from einjoin.ir.fold import fold
+>>> rows = ops.fill_node((4, 4), "int64", "x0"); cols = ops.fill_node((4, 4), "int64", "x1")
+>>> mask = fold(ops.einsum_node([rows, cols], ("ij", "ij"), "ij", "x0 >= x1", None))
+>>> mask.kind, str(mask.op.expr), mask.dtype
+('fill', 'x0 >= x1', 'bool')
+"""
+
+from __future__ import annotations
+
+from einjoin.ir.dtypes import kind
+from einjoin.ir.node import Broadcast, Cast, Einsum, Fill, Node, Select
+from einjoin.ir.ops import fill_node
+from einjoin.ir.scalar import Arg, Call, Const, Expr, substitute
+
+__all__ = ["fold"]
+
+
+def _remap(e: Expr, args: list[Expr]) -> Expr:
+    return substitute(e, args)
+
+
+def fold(node: Node) -> Node:
+    """``node`` itself, or an equivalent fill when every input is a fill and the op is elementwise,
+    a select, a broadcast or a cast. Folding never changes values: a fill folds into another only
+    when its own dtype is bool/int64 or equals the result's (so no intermediate rounding is lost)."""
+    if not node.inputs or not all(isinstance(i.op, Fill) for i in node.inputs):
+        return node
+    op = node.op
+    fills: list[Fill] = [i.op for i in node.inputs]  # type: ignore[misc]
+    if any(kind(i.dtype) == "float" and i.dtype != node.dtype for i in node.inputs):
+        return node
+    if kind(node.dtype) != "float" and any(kind(i.dtype) == "float" for i in node.inputs):
+        return node
+    if isinstance(op, Einsum):
+        if op.agg.reduces or any(len(set(ls)) != len(ls) for ls in op.in_labels):
+            return node
+        out = op.out_labels
+        parts = [_remap(f.expr, [Arg(out.index(lab)) for lab in ls])
+                 for f, ls in zip(fills, op.in_labels)]
+        return fill_node(node.shape, node.dtype, substitute(op.join, parts))
+    if isinstance(op, Select):
+        shifted: list[Expr] = [Call("add", (Arg(d), Const(s))) if s else Arg(d)
+                               for d, s in enumerate(op.starts)]
+        return fill_node(node.shape, node.dtype, _remap(fills[0].expr, shifted))
+    if isinstance(op, Broadcast):
+        src = node.inputs[0]
+        mapped: list[Expr] = [Arg(d) if src.shape[i] != 1 else Const(0) for i, d in enumerate(op.dims)]
+        return fill_node(node.shape, node.dtype, _remap(fills[0].expr, mapped))
+    if isinstance(op, Cast):
+        return fill_node(node.shape, node.dtype, fills[0].expr)
+    return node

@@ -1,0 +1,245 @@
+"""Constructors of IR nodes: each validates its arguments and infers shape and dtype.
+
+Errors are raised here, at graph-construction time, and name the op, labels and shapes.
+
+>>> from einjoin.ir import ops
+>>> x = ops.input_node("x", (4, 6), "float32")
+>>> y = ops.reshape_node(x, (4, 2, 3))
+>>> y.shape
+(4, 2, 3)
+>>> ops.einsum_node([x], (("i", "j"),), ("i",), "x0", "max").shape
+(4,)
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
+from einjoin.ir.agg import Agg, get_agg
+from einjoin.ir.dtypes import canonical_dtype, kind
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select)
+from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
+
+__all__ = ["check_shape", "input_node", "einsum_node", "reshape_node", "broadcast_node",
+           "select_node", "concat_node", "fill_node", "gather_node", "cast_node"]
+
+
+def _as_int(v: Any, what: str) -> int:
+    if isinstance(v, bool):
+        raise ShapeError(f"{what}: expected an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ShapeError(f"{what}: expected an integer, got {v!r}") from None
+
+
+def check_shape(shape: Any, what: str) -> tuple[int, ...]:
+    """A shape as a tuple of positive ints, or a ShapeError naming ``what``."""
+    if isinstance(shape, (int,)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(_as_int(d, f"{what}: shape {shape!r}") for d in shape)
+    except TypeError:
+        raise ShapeError(f"{what}: shape must be a tuple of ints, got {shape!r}") from None
+    for d in dims:
+        if d < 0:
+            raise ShapeError(f"{what}: negative dimension {d} in shape {dims}")
+        if d == 0:
+            raise ShapeError(f"{what}: empty dimension in shape {dims} (einjoin blocks are non-empty)")
+    return dims
+
+
+def _need_node(x: Any, what: str) -> Node:
+    if not isinstance(x, Node):
+        raise EinjoinError(f"{what}: expected an einjoin tensor, got {type(x).__name__}")
+    return x
+
+
+def input_node(name: str, shape: Any, dtype: Any = "float32") -> Node:
+    if not isinstance(name, str) or not name:
+        raise EinjoinError(f"input name must be a non-empty string, got {name!r}")
+    return Node(Input(name), (), check_shape(shape, f"input {name!r}"), canonical_dtype(dtype))
+
+
+def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],
+                out_labels: Sequence[str], join: "str | Expr" = "mul",
+                agg: "str | Agg | None" = "sum") -> Node:
+    """The extended einsum. Validates labels against shapes and infers the output."""
+    inputs = tuple(_need_node(x, "einsum") for x in inputs)
+    in_labels = tuple(tuple(ls) for ls in in_labels)
+    out_labels = tuple(out_labels)
+    eq = ",".join("".join(ls) for ls in in_labels) + "->" + "".join(out_labels)
+    if not inputs:
+        raise EinsumSyntaxError(f"einsum {eq!r}: needs at least one input")
+    if len(in_labels) != len(inputs):
+        raise EinsumSyntaxError(
+            f"einsum {eq!r}: {len(in_labels)} label group(s) for {len(inputs)} input(s)")
+    sizes: dict[str, tuple[int, int]] = {}  # label -> (size, input it was first seen in)
+    for i, (x, ls) in enumerate(zip(inputs, in_labels)):
+        if len(ls) != x.ndim:
+            raise ShapeError(f"einsum {eq!r}: input {i} has rank {x.ndim} (shape {x.shape}) "
+                             f"but {len(ls)} label(s) {''.join(ls)!r}")
+        for lab, d in zip(ls, x.shape):
+            if lab in sizes and sizes[lab][0] != d:
+                j = sizes[lab][1]
+                raise ShapeError(
+                    f"einsum {eq!r}: label {lab!r} has size {sizes[lab][0]} in input {j} "
+                    f"(shape {inputs[j].shape}) but size {d} in input {i} (shape {x.shape})")
+            sizes.setdefault(lab, (d, i))
+    seen: set[str] = set()
+    for lab in out_labels:
+        if lab in seen:
+            raise EinsumSyntaxError(f"einsum {eq!r}: output label {lab!r} is repeated")
+        seen.add(lab)
+        if lab not in sizes:
+            raise EinsumSyntaxError(
+                f"einsum {eq!r}: output label {lab!r} appears in no input, so its size is unknown "
+                f"(use broadcast to add a dimension)")
+    expr = parse_join(join, len(inputs))
+    aggregation = get_agg(agg)
+    agg_labels = [lab for lab in sizes if lab not in out_labels]
+    if agg_labels and not aggregation.reduces:
+        raise EinsumSyntaxError(
+            f"einsum {eq!r}: labels {''.join(agg_labels)!r} are missing from the output but agg is "
+            f"'none'; give an aggregation (sum, max, min, prod)")
+    if not agg_labels:
+        aggregation = get_agg("none")
+    try:
+        dtype = infer_dtype(expr, [x.dtype for x in inputs])
+    except DTypeError as e:
+        raise DTypeError(f"einsum {eq!r} join {expr}: {e}") from None
+    if aggregation.name in ("sum", "prod") and dtype == "bool":
+        raise DTypeError(f"einsum {eq!r}: agg {aggregation.name!r} over bool values has no meaning "
+                         f"(use max for any, min for all)")
+    if num_args(expr) == 0 and len(inputs) > 0:
+        pass  # a constant join over inputs is legal: it only takes their shape
+    shape = tuple(sizes[lab][0] for lab in out_labels)
+    return Node(Einsum(in_labels, out_labels, expr, aggregation), inputs, shape, dtype)
+
+
+def reshape_node(x: Node, shape: Any) -> Node:
+    x = _need_node(x, "reshape")
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    dims = [_as_int(d, f"reshape {x.shape} -> {shape!r}") for d in shape]
+    if dims.count(-1) > 1:
+        raise ShapeError(f"reshape {x.shape} -> {tuple(dims)}: at most one -1")
+    if -1 in dims:
+        known = 1
+        for d in dims:
+            if d != -1:
+                known *= d
+        if known <= 0 or x.size % known:
+            raise ShapeError(f"reshape {x.shape} -> {tuple(dims)}: {x.size} elements do not "
+                             f"divide into the known dims")
+        dims[dims.index(-1)] = x.size // known
+    out = check_shape(dims, f"reshape {x.shape}")
+    n = 1
+    for d in out:
+        n *= d
+    if n != x.size:
+        raise ShapeError(f"reshape {x.shape} -> {out}: {x.size} elements cannot become {n}")
+    if out == x.shape:
+        return x
+    return Node(Reshape(), (x,), out, x.dtype)
+
+
+def broadcast_node(x: Node, shape: Any, dims: Sequence[int] | None = None) -> Node:
+    """Expand ``x`` to ``shape``. ``dims[i]`` is the output dim of input dim ``i`` (default: the
+    trailing dims, as numpy and torch ``expand``); mapped dims must be 1 or equal."""
+    x = _need_node(x, "broadcast")
+    out = check_shape(shape, f"broadcast {x.shape}")
+    if dims is None:
+        if x.ndim > len(out):
+            raise ShapeError(f"broadcast {x.shape} -> {out}: target has lower rank")
+        dims = tuple(range(len(out) - x.ndim, len(out)))
+    dims = tuple(_as_int(d, "broadcast dims") for d in dims)
+    if len(dims) != x.ndim or any(not 0 <= d < len(out) for d in dims) or list(dims) != sorted(set(dims)):
+        raise ShapeError(f"broadcast {x.shape} -> {out}: dims {dims} must be increasing output "
+                         f"dims, one per input dim")
+    for i, d in enumerate(dims):
+        if x.shape[i] not in (1, out[d]):
+            raise ShapeError(f"broadcast {x.shape} -> {out}: input dim {i} has size {x.shape[i]}, "
+                             f"which is neither 1 nor {out[d]}")
+    if out == x.shape:
+        return x
+    return Node(Broadcast(dims), (x,), out, x.dtype)
+
+
+def select_node(x: Node, starts: Sequence[int], stops: Sequence[int]) -> Node:
+    x = _need_node(x, "select")
+    starts = tuple(_as_int(s, "select start") for s in starts)
+    stops = tuple(_as_int(s, "select stop") for s in stops)
+    if len(starts) != x.ndim or len(stops) != x.ndim:
+        raise ShapeError(f"select on shape {x.shape}: need {x.ndim} starts and stops, got "
+                         f"{len(starts)} and {len(stops)}")
+    for d, (a, b, n) in enumerate(zip(starts, stops, x.shape)):
+        if not 0 <= a < b <= n:
+            raise ShapeError(f"select [{a}:{b}] on dim {d} of shape {x.shape}: need "
+                             f"0 <= start < stop <= {n}")
+    if starts == (0,) * x.ndim and stops == x.shape:
+        return x
+    return Node(Select(starts, stops), (x,), tuple(b - a for a, b in zip(starts, stops)), x.dtype)
+
+
+def concat_node(xs: Sequence[Node], axis: int) -> Node:
+    xs = tuple(_need_node(x, "concat") for x in xs)
+    if not xs:
+        raise ShapeError("concat: needs at least one tensor")
+    first = xs[0]
+    axis = _as_int(axis, "concat axis")
+    if axis < 0:
+        axis += first.ndim
+    if not 0 <= axis < first.ndim:
+        raise ShapeError(f"concat along axis {axis} of tensors of rank {first.ndim}")
+    for i, x in enumerate(xs):
+        if x.ndim != first.ndim or any(a != b for d, (a, b) in enumerate(zip(x.shape, first.shape))
+                                       if d != axis):
+            raise ShapeError(f"concat along axis {axis}: input {i} has shape {x.shape}, "
+                             f"incompatible with input 0 of shape {first.shape}")
+        if x.dtype != first.dtype:
+            raise DTypeError(f"concat: input {i} is {x.dtype} but input 0 is {first.dtype}")
+    if len(xs) == 1:
+        return first
+    shape = list(first.shape)
+    shape[axis] = sum(x.shape[axis] for x in xs)
+    return Node(Concat(axis), xs, tuple(shape), first.dtype)
+
+
+def fill_node(shape: Any, dtype: Any, expr: "str | Expr | float | int | bool") -> Node:
+    """A constant tensor: ``expr`` over the index variables ``x0..x{rank-1}`` (``"x0 >= x1"`` is the
+    causal mask), or a plain number."""
+    dims = check_shape(shape, "fill")
+    dt = canonical_dtype(dtype)
+    if isinstance(expr, (bool, int, float)):
+        expr = repr(expr)
+    e = parse_join(expr, max(len(dims), 1)) if len(dims) else parse_join(expr, 1)
+    if len(dims) == 0 and num_args(e) > 0:
+        raise ShapeError(f"fill {expr!r}: a rank-0 fill has no index variables")
+    idx_dtype = "float64" if kind(dt) == "float" else "int64"
+    out_dt = infer_dtype(e, [idx_dtype] * len(dims))
+    order = {"bool": 0, "int": 1, "float": 2}
+    if num_args(e) and order[kind(out_dt)] > order[kind(dt)]:
+        raise DTypeError(f"fill {e}: gives {kind(out_dt)} values but the fill is {dt}")
+    return Node(Fill(e), (), dims, dt)
+
+
+def gather_node(table: Node, indices: Node) -> Node:
+    table = _need_node(table, "gather")
+    indices = _need_node(indices, "gather")
+    if indices.dtype != "int64":
+        raise DTypeError(f"gather: indices must be int64, got {indices.dtype} (shape {indices.shape})")
+    if table.ndim < 1:
+        raise ShapeError("gather: the table must have at least one dimension")
+    return Node(Gather(), (table, indices), indices.shape + table.shape[1:], table.dtype)
+
+
+def cast_node(x: Node, dtype: Any) -> Node:
+    x = _need_node(x, "cast")
+    dt = canonical_dtype(dtype)
+    if dt == x.dtype:
+        return x
+    return Node(Cast(), (x,), x.shape, dt)

@@ -1,0 +1,72 @@
+"""The readable printed form of nodes and graphs.
+
+>>> from einjoin.ir import ops
+>>> from einjoin.ir.graph import Graph
+>>> x = ops.input_node("x", (4, 8), "float32"); w = ops.input_node("w", (8, 2), "float32")
+>>> print(Graph([ops.einsum_node([x, w], ("ij", "jk"), "ik", "mul", "sum")]))
+graph(x: float32[4, 8], w: float32[8, 2]) {
+  %0 = einsum[ij,jk->ik | x0 * x1 | sum](x, w) : float32[4, 2]
+  return %0
+}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select)
+
+if TYPE_CHECKING:
+    from einjoin.ir.graph import Graph
+
+__all__ = ["describe", "format_graph", "type_str"]
+
+
+def type_str(node: Node) -> str:
+    return f"{node.dtype}[{', '.join(map(str, node.shape))}]"
+
+
+def describe(node: Node) -> str:
+    """The op with its parameters, without inputs: ``einsum[ij,jk->ik | x0 * x1 | sum]``."""
+    op = node.op
+    if isinstance(op, Input):
+        return f"input {op.name!r}"
+    if isinstance(op, Einsum):
+        agg = "" if op.agg.name == "none" else f" | {op.agg.name}"
+        return f"einsum[{op.equation} | {op.join}{agg}]"
+    if isinstance(op, Reshape):
+        return "reshape"
+    if isinstance(op, Broadcast):
+        return f"broadcast[dims={list(op.dims)}]"
+    if isinstance(op, Select):
+        return "select[" + ", ".join(f"{a}:{b}" for a, b in zip(op.starts, op.stops)) + "]"
+    if isinstance(op, Concat):
+        return f"concat[axis={op.axis}]"
+    if isinstance(op, Fill):
+        return f"fill[{op.expr}]"
+    if isinstance(op, Gather):
+        return "gather"
+    if isinstance(op, Cast):
+        return "cast"
+    return type(op).__name__  # pragma: no cover
+
+
+def format_graph(graph: "Graph", note: Callable[[Node], str] | None = None) -> str:
+    """One line per node in topological order; ``note`` may append text (a spec, a cost)."""
+    names: dict[Node, str] = {}
+    for x in graph.inputs:
+        names[x] = x.op.name  # type: ignore[union-attr]
+    lines = [f"graph({', '.join(f'{names[x]}: {type_str(x)}' for x in graph.inputs)}) {{"]
+    k = 0
+    for node in graph.nodes:
+        if node in names:
+            continue
+        names[node] = f"%{k}"
+        k += 1
+        args = ", ".join(names[i] for i in node.inputs)
+        extra = f"   # {note(node)}" if note is not None and note(node) else ""
+        lines.append(f"  {names[node]} = {describe(node)}({args}) : {type_str(node)}{extra}")
+    lines.append("  return " + ", ".join(names[o] for o in graph.outputs))
+    lines.append("}")
+    return "\n".join(lines)

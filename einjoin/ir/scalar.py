@@ -1,0 +1,351 @@
+"""Scalar join expressions: the function an einsum applies to each joined tuple of elements.
+
+An expression is plain, hashable data: :class:`Arg` (the i-th input's element), :class:`Const`
+and :class:`Call` of a function from :data:`FUNCTIONS`. The function table is data too — arity,
+the dtype rule, the numpy implementation and how it prints.
+
+>>> from einjoin.ir.scalar import parse_join, infer_dtype
+>>> e = parse_join("exp(x0 - x1)", 2)
+>>> print(e, infer_dtype(e, ("float32", "float32")))
+exp(x0 - x1) float32
+>>> print(parse_join("mul", 3))
+x0 * x1 * x2
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+import numpy as np
+from scipy import special
+
+from einjoin.errors import DTypeError, ExpressionError
+from einjoin.ir.dtypes import kind, promote
+
+__all__ = ["Arg", "Const", "Call", "Expr", "ScalarFn", "FUNCTIONS", "parse_join",
+           "infer_dtype", "evaluate", "is_product", "is_identity", "num_args", "substitute"]
+
+
+@dataclass(frozen=True)
+class Arg:
+    index: int
+
+    def __str__(self) -> str:
+        return f"x{self.index}"
+
+
+@dataclass(frozen=True)
+class Const:
+    value: Union[float, int, bool]
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: str
+    args: tuple["Expr", ...]
+
+    def __str__(self) -> str:
+        f = FUNCTIONS[self.fn]
+        if f.infix is not None:
+            parts = [_paren(a, f.precedence) for a in self.args]
+            return f" {f.infix} ".join(parts)
+        if self.fn == "neg":
+            return "-" + _paren(self.args[0], 9)
+        return f"{self.fn}({', '.join(str(a) for a in self.args)})"
+
+
+Expr = Union[Arg, Const, Call]
+
+
+def _paren(e: Expr, prec: int) -> str:
+    if isinstance(e, Call):
+        f = FUNCTIONS[e.fn]
+        if (f.infix is not None and f.precedence <= prec) or (e.fn == "neg" and prec >= 9):
+            return f"({e})"
+    if isinstance(e, Const) and isinstance(e.value, (int, float)) and e.value < 0:
+        return f"({e})"
+    return str(e)
+
+
+@dataclass(frozen=True)
+class ScalarFn:
+    """One scalar function. ``rule`` is its dtype rule:
+
+    - ``arith``: numeric args of one kind, result their promoted dtype;
+    - ``float``: float args only, result their promoted dtype;
+    - ``compare``: numeric args of one kind, result bool;
+    - ``logical``: bool args, result bool;
+    - ``select``: ``where(cond, a, b)``, bool cond, result the promotion of a and b.
+    """
+
+    name: str
+    arity: int
+    rule: str
+    impl: Callable[..., np.ndarray]
+    infix: str | None = None
+    precedence: int = 10
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + special.erf(x / math.sqrt(2.0)))
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return special.expit(x)
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.true_divide(a, b)
+
+
+def _safe(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    # Floating-point edge cases (log 0, 0/0) give inf/nan as IEEE says, without warnings.
+    def run(*a: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            return fn(*a)
+    run.__name__ = getattr(fn, "__name__", "fn")
+    return run
+
+
+_FN_LIST = [
+    ScalarFn("add", 2, "arith", np.add, "+", 4),
+    ScalarFn("sub", 2, "arith", np.subtract, "-", 4),
+    ScalarFn("mul", 2, "arith", np.multiply, "*", 5),
+    ScalarFn("div", 2, "float", _div, "/", 5),
+    ScalarFn("pow", 2, "float", _safe(np.power), "**", 7),
+    ScalarFn("max", 2, "arith", np.maximum),
+    ScalarFn("min", 2, "arith", np.minimum),
+    ScalarFn("neg", 1, "arith", np.negative),
+    ScalarFn("abs", 1, "arith", np.abs),
+    ScalarFn("exp", 1, "float", _safe(np.exp)),
+    ScalarFn("log", 1, "float", _safe(np.log)),
+    ScalarFn("sqrt", 1, "float", _safe(np.sqrt)),
+    ScalarFn("rsqrt", 1, "float", _safe(lambda x: 1.0 / np.sqrt(x))),
+    ScalarFn("reciprocal", 1, "float", _safe(lambda x: 1.0 / x)),
+    ScalarFn("relu", 1, "arith", lambda x: np.maximum(x, 0)),
+    ScalarFn("silu", 1, "float", _safe(lambda x: x * special.expit(x))),
+    ScalarFn("gelu", 1, "float", _gelu),
+    ScalarFn("gelu_tanh", 1, "float", _gelu_tanh),
+    ScalarFn("tanh", 1, "float", np.tanh),
+    ScalarFn("sigmoid", 1, "float", _sigmoid),
+    ScalarFn("sin", 1, "float", np.sin),
+    ScalarFn("cos", 1, "float", np.cos),
+    ScalarFn("where", 3, "select", np.where),
+    ScalarFn("lt", 2, "compare", np.less, "<", 3),
+    ScalarFn("le", 2, "compare", np.less_equal, "<=", 3),
+    ScalarFn("gt", 2, "compare", np.greater, ">", 3),
+    ScalarFn("ge", 2, "compare", np.greater_equal, ">=", 3),
+    ScalarFn("eq", 2, "compare", np.equal, "==", 3),
+    ScalarFn("ne", 2, "compare", np.not_equal, "!=", 3),
+    ScalarFn("logical_not", 1, "logical", np.logical_not),
+    ScalarFn("logical_and", 2, "logical", np.logical_and, "&", 2),
+    ScalarFn("logical_or", 2, "logical", np.logical_or, "|", 1),
+]
+FUNCTIONS: dict[str, ScalarFn] = {f.name: f for f in _FN_LIST}
+# n-ary folds allowed when a join is named rather than written out ("mul" over three inputs)
+_FOLDABLE = {"add", "mul", "max", "min", "logical_and", "logical_or"}
+
+
+# ---------------------------------------------------------------- parsing
+
+
+_BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
+           ast.BitAnd: "logical_and", ast.BitOr: "logical_or"}
+_CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
+_NAMED_CONSTS = {"pi": math.pi, "e": math.e, "inf": math.inf}
+
+
+def parse_join(join: "str | Expr", n_inputs: int) -> Expr:
+    """Parse a join given as a function name (``"mul"``, ``"exp"``), an expression string over
+    ``x0, x1, ...`` (``"exp(x0 - x1)"``, ``"x0 * 0.5"``), or an :data:`Expr`; check its arguments."""
+    if isinstance(join, (Arg, Const, Call)):
+        expr = join
+    elif not isinstance(join, str):
+        raise ExpressionError(f"join must be a function name or an expression string, got {join!r}")
+    elif join in FUNCTIONS:
+        f = FUNCTIONS[join]
+        if f.arity == n_inputs or (f.name in _FOLDABLE and n_inputs >= 2):
+            expr = Arg(0)
+            for i in range(1, n_inputs) if f.arity == 2 else ():
+                expr = Call(f.name, (expr, Arg(i)))
+            if f.arity != 2:
+                expr = Call(f.name, tuple(Arg(i) for i in range(f.arity)))
+        else:
+            raise ExpressionError(
+                f"join {join!r} takes {f.arity} argument(s) but the einsum has {n_inputs} input(s)")
+    elif join in ("id", "identity"):
+        expr = Arg(0)
+    else:
+        try:
+            tree = ast.parse(join.strip(), mode="eval")
+        except SyntaxError as e:
+            raise ExpressionError(f"join expression {join!r} does not parse: {e.msg}") from None
+        expr = _from_ast(tree.body, join)
+    used = _max_arg(expr)
+    if used >= n_inputs:
+        raise ExpressionError(
+            f"join {str(expr)!r} uses x{used} but the einsum has only {n_inputs} input(s)")
+    return expr
+
+
+def _from_ast(node: ast.AST, text: str) -> Expr:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool)):
+        return Const(node.value)
+    if isinstance(node, ast.Name):
+        if node.id in _NAMED_CONSTS:
+            return Const(_NAMED_CONSTS[node.id])
+        if node.id.startswith("x") and node.id[1:].isdigit():
+            return Arg(int(node.id[1:]))
+        if node.id in ("x", "y", "z"):
+            return Arg("xyz".index(node.id))
+        raise ExpressionError(f"join {text!r}: unknown name {node.id!r} (use x0, x1, ...)")
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return Call(_BINOPS[type(node.op)], (_from_ast(node.left, text), _from_ast(node.right, text)))
+    if isinstance(node, ast.UnaryOp):
+        inner = _from_ast(node.operand, text)
+        if isinstance(node.op, ast.USub):
+            if isinstance(inner, Const) and not isinstance(inner.value, bool):
+                return Const(-inner.value)
+            return Call("neg", (inner,))
+        if isinstance(node.op, ast.UAdd):
+            return inner
+        if isinstance(node.op, (ast.Invert, ast.Not)):
+            return Call("logical_not", (inner,))
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
+        return Call(_CMPOPS[type(node.ops[0])],
+                    (_from_ast(node.left, text), _from_ast(node.comparators[0], text)))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
+        name = node.func.id
+        if name not in FUNCTIONS:
+            raise ExpressionError(
+                f"join {text!r}: unknown function {name!r}; known: {', '.join(sorted(FUNCTIONS))}")
+        f = FUNCTIONS[name]
+        if len(node.args) != f.arity:
+            raise ExpressionError(
+                f"join {text!r}: {name} takes {f.arity} argument(s), got {len(node.args)}")
+        return Call(name, tuple(_from_ast(a, text) for a in node.args))
+    raise ExpressionError(f"join {text!r}: unsupported syntax {ast.dump(node)[:60]}")
+
+
+def _max_arg(e: Expr) -> int:
+    if isinstance(e, Arg):
+        return e.index
+    if isinstance(e, Call):
+        return max((_max_arg(a) for a in e.args), default=-1)
+    return -1
+
+
+def num_args(e: Expr) -> int:
+    """One more than the highest argument index the expression reads."""
+    return _max_arg(e) + 1
+
+
+# ---------------------------------------------------------------- typing
+
+
+def infer_dtype(expr: Expr, arg_dtypes: Sequence[str]) -> str:
+    """The result dtype of ``expr`` over arguments of ``arg_dtypes``; raise DTypeError on a
+    mix without meaning. Constants are weak: they take the dtype of what they meet."""
+    dt = _infer(expr, tuple(arg_dtypes))
+    if dt is None:  # an expression of constants only
+        return "float32"
+    return dt
+
+
+def _const_kind(v: object) -> str:
+    return "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "float"
+
+
+def _infer(e: Expr, dts: tuple[str, ...]) -> str | None:
+    if isinstance(e, Arg):
+        return dts[e.index]
+    if isinstance(e, Const):
+        return None
+    f = FUNCTIONS[e.fn]
+    sub = [_infer(a, dts) for a in e.args]
+    if f.rule == "select":
+        cond, a, b = sub
+        if cond is not None and cond != "bool":
+            raise DTypeError(f"{e}: where's condition must be bool, got {cond}")
+        return _common(e, [a, b], e.args[1:], allow_bool=True)
+    if f.rule == "logical":
+        for d in sub:
+            if d is not None and d != "bool":
+                raise DTypeError(f"{e}: {f.name} needs bool arguments, got {d}")
+        return "bool"
+    common = _common(e, sub, e.args, allow_bool=False)
+    if f.rule == "float" and common is not None and kind(common) != "float":
+        raise DTypeError(f"{e}: {f.name} needs float arguments, got {common}")
+    if f.rule == "compare":
+        return "bool"
+    return common
+
+
+def _common(e: Expr, sub: list[str | None], args: Sequence[Expr], allow_bool: bool) -> str | None:
+    concrete = [d for d in sub if d is not None]
+    if not concrete:
+        return None
+    out = concrete[0]
+    for d in concrete[1:]:
+        try:
+            out = promote(out, d)
+        except DTypeError:
+            raise DTypeError(f"{e}: cannot mix {out} and {d} in one expression; cast first") from None
+    if kind(out) == "bool" and not allow_bool:
+        raise DTypeError(f"{e}: {getattr(e, 'fn', '')} does not take bool arguments")
+    for a, d in zip(args, sub):
+        if d is None and isinstance(a, Const):
+            ck = _const_kind(a.value)
+            if ck == "float" and kind(out) != "float":
+                raise DTypeError(f"{e}: float constant {a.value!r} meets {out}; cast first")
+    return out
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray:
+    """Evaluate ``expr`` elementwise over numpy arrays that broadcast together."""
+    if isinstance(expr, Arg):
+        return args[expr.index]
+    if isinstance(expr, Const):
+        return expr.value  # type: ignore[return-value]  # weak scalar: numpy keeps the array dtype
+    f = FUNCTIONS[expr.fn]
+    return f.impl(*(evaluate(a, args) for a in expr.args))
+
+
+def is_product(expr: Expr, n: int) -> bool:
+    """True when ``expr`` is ``x0 * x1 * ... * x{n-1}`` (each once), the contraction case."""
+    seen: list[int] = []
+
+    def walk(e: Expr) -> bool:
+        if isinstance(e, Arg):
+            seen.append(e.index)
+            return True
+        return isinstance(e, Call) and e.fn == "mul" and all(walk(a) for a in e.args)
+
+    return walk(expr) and sorted(seen) == list(range(n))
+
+
+def is_identity(expr: Expr) -> bool:
+    return expr == Arg(0)
+
+
+def substitute(expr: Expr, args: Sequence[Expr]) -> Expr:
+    """Replace each ``Arg(i)`` by ``args[i]`` (used to fuse elementwise chains and fold constants)."""
+    if isinstance(expr, Arg):
+        return args[expr.index]
+    if isinstance(expr, Const):
+        return expr
+    return Call(expr.fn, tuple(substitute(a, args) for a in expr.args))
