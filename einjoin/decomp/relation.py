@@ -42,7 +42,7 @@ class TensorRelation:
         if missing:
             raise PartitionError(f"relation lacks blocks {missing[:4]} of partition {self.partition}")
         if self.partition.num_blocks == 1:
-            return np.ascontiguousarray(self.blocks[(0,) * self.partition.ndim])
+            return np.asarray(self.blocks[(0,) * self.partition.ndim], order="C")
         out = np.empty(self.partition.shape, dtype=self.dtype)
         for k, v in self.blocks.items():
             out[self.partition.slices(k)] = v

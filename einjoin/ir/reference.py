@@ -88,5 +88,5 @@ def reference(outputs: Any, *args: Any, **inputs: Any) -> Any:
         if isinstance(node.op, Input):
             continue
         values[node] = eval_node(node, [values[i] for i in node.inputs])
-    results = tuple(np.ascontiguousarray(values[o]) for o in graph.outputs)
+    results = tuple(np.asarray(values[o], order="C") for o in graph.outputs)
     return results if isinstance(outputs, (list, tuple)) else results[0]
