@@ -53,8 +53,9 @@ class Call:
     def __str__(self) -> str:
         f = FUNCTIONS[self.fn]
         if f.infix is not None:
-            parts = [_paren(a, f.precedence) for a in self.args]
-            return f" {f.infix} ".join(parts)
+            # the left operand of a left-associative op needs no parentheses at equal precedence
+            left = _paren(self.args[0], f.precedence - (0 if self.fn == "pow" else 1))
+            return f"{left} {f.infix} {_paren(self.args[1], f.precedence)}"
         if self.fn == "neg":
             return "-" + _paren(self.args[0], 9)
         return f"{self.fn}({', '.join(str(a) for a in self.args)})"

@@ -1,0 +1,5 @@
+import sys
+
+from einjoin.cli import main
+
+sys.exit(main())
