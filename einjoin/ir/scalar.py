@@ -56,7 +56,7 @@ class Call:
             # the left operand of a left-associative op needs no parentheses at equal precedence
             left = _paren(self.args[0], f.precedence - (0 if self.fn == "pow" else 1))
             return f"{left} {f.infix} {_paren(self.args[1], f.precedence)}"
-        if self.fn == "neg":
+        if self.fn == "neg" and not isinstance(self.args[0], Const):  # "-1.0" would parse as a Const
             return "-" + _paren(self.args[0], 9)
         return f"{self.fn}({', '.join(str(a) for a in self.args)})"
 
@@ -69,7 +69,7 @@ def _paren(e: Expr, prec: int) -> str:
         f = FUNCTIONS[e.fn]
         if (f.infix is not None and f.precedence <= prec) or (e.fn == "neg" and prec >= 9):
             return f"({e})"
-    if isinstance(e, Const) and isinstance(e.value, (int, float)) and e.value < 0:
+    if isinstance(e, Const) and str(e).startswith("-"):  # -0.0 included
         return f"({e})"
     return str(e)
 
@@ -164,7 +164,7 @@ _FOLDABLE = {"add", "mul", "max", "min", "logical_and", "logical_or"}
 _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
            ast.BitAnd: "logical_and", ast.BitOr: "logical_or"}
 _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
-_NAMED_CONSTS = {"pi": math.pi, "e": math.e, "inf": math.inf}
+_NAMED_CONSTS = {"pi": math.pi, "e": math.e, "inf": math.inf, "nan": math.nan}
 
 
 def parse_join(join: "str | Expr", n_inputs: int) -> Expr:
@@ -323,7 +323,12 @@ def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray:
     if isinstance(expr, Const):
         return expr.value  # type: ignore[return-value]  # weak scalar: numpy keeps the array dtype
     f = FUNCTIONS[expr.fn]
-    return f.impl(*(evaluate(a, args) for a in expr.args))
+    vals = [evaluate(a, args) for a in expr.args]
+    if all(isinstance(v, (int, float, bool)) for v in vals):
+        # constants only: compute with numpy's IEEE rules (1/0 is inf), hand back a weak scalar
+        with np.errstate(all="ignore"):
+            return f.impl(*(np.asarray(v) for v in vals)).item()
+    return f.impl(*vals)
 
 
 def is_product(expr: Expr, n: int) -> bool:

@@ -1,0 +1,131 @@
+"""Join expressions: each scalar function against torch, dtype rules, printing round trips,
+aggregation facts, constant folding and half-precision dtypes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+from einjoin.ir import AGGS, FUNCTIONS, Arg, Call, Const
+from einjoin.ir.scalar import evaluate, infer_dtype, parse_join
+
+X = np.random.default_rng(0).uniform(-3, 3, 64)
+Y = np.random.default_rng(1).uniform(0.5, 3, 64)
+TORCH = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
+    "max": torch.maximum, "min": torch.minimum, "neg": torch.neg, "abs": torch.abs,
+    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal, "relu": torch.relu, "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos,
+    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+}
+POSITIVE = {"log", "sqrt", "rsqrt", "pow"}  # domains: first argument positive
+
+
+@pytest.mark.parametrize("name", sorted(TORCH))
+def test_function_matches_torch(name: str) -> None:
+    f = FUNCTIONS[name]
+    a = Y if name in POSITIVE else X
+    args = [a, Y][: f.arity]
+    ours = f.impl(*args)
+    theirs = TORCH[name](*(torch.from_numpy(v) for v in args)).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_where_and_logical_functions() -> None:
+    c = X > 0
+    np.testing.assert_array_equal(FUNCTIONS["where"].impl(c, X, Y), torch.where(torch.from_numpy(c),
+                                  torch.from_numpy(X), torch.from_numpy(Y)).numpy())
+    np.testing.assert_array_equal(FUNCTIONS["logical_and"].impl(c, X < 1), c & (X < 1))
+    np.testing.assert_array_equal(FUNCTIONS["logical_not"].impl(c), ~c)
+
+
+@pytest.mark.parametrize("expr, dtypes, expected", [
+    ("mul", ("float16", "float32"), "float32"),
+    ("add", ("float16", "bfloat16"), "float32"),
+    ("x0 * 0.5", ("bfloat16",), "bfloat16"),
+    ("x0 > x1", ("float32", "float32"), "bool"),
+    ("where(x0, x1, -inf)", ("bool", "float64"), "float64"),
+    ("x0 + 1", ("int64",), "int64"),
+    ("logical_not(x0)", ("bool",), "bool"),
+    ("max", ("int64", "int64"), "int64"),
+])
+def test_dtype_rules(expr: str, dtypes: tuple[str, ...], expected: str) -> None:
+    assert infer_dtype(parse_join(expr, len(dtypes)), dtypes) == expected
+
+
+_leaf = st.one_of(st.integers(0, 2).map(Arg),
+                  st.floats(-4, 4, allow_nan=False).map(lambda v: Const(round(v, 3))))
+
+
+def _calls(children: st.SearchStrategy) -> st.SearchStrategy:
+    names = sorted(n for n, f in FUNCTIONS.items() if f.rule in ("arith", "float"))
+    return st.sampled_from(names).flatmap(
+        lambda n: st.tuples(*[children] * FUNCTIONS[n].arity).map(lambda a: Call(n, a)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(_leaf, _calls, max_leaves=8))
+def test_printing_round_trips(e) -> None:  # type: ignore[no-untyped-def]
+    assert parse_join(str(e), 3) == e
+    # and the printed form evaluates to the same numbers
+    args = [X[:8], Y[:8], X[8:16]]
+    with np.errstate(all="ignore"):
+        a = np.asarray(evaluate(e, args), dtype=np.float64)
+        b = np.asarray(evaluate(parse_join(str(e), 3), args), dtype=np.float64)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_named_join_folds_over_inputs() -> None:
+    assert str(parse_join("mul", 3)) == "x0 * x1 * x2"
+    assert str(parse_join("max", 3)) == "max(max(x0, x1), x2)"
+    assert str(parse_join("exp", 1)) == "exp(x0)"
+
+
+def test_aggregation_facts_are_data() -> None:
+    for name in ("sum", "prod", "max", "min"):
+        agg = AGGS[name]
+        assert agg.associative and agg.commutative
+        x = np.random.default_rng(2).standard_normal(7)
+        assert agg.combine(agg.identity, x[0]) == x[0]  # the identity really is one
+        np.testing.assert_allclose(agg.reduce(x, (0,)), agg.combine(agg.reduce(x[:3], (0,)),
+                                                                  agg.reduce(x[3:], (0,))))
+    assert not AGGS["none"].reduces
+
+
+def test_constant_subgraphs_fold_into_fills() -> None:
+    s = 6
+    mask = ej.causal_mask(s)
+    bias = ej.where(mask, 0.0, float("-inf"))      # where over a fill -> fill
+    window = bias[1:5, :]                           # select of a fill -> fill
+    grown = window.expand(2, 4, s)                  # broadcast of a fill -> fill
+    for t in (bias, window, grown):
+        assert t.node.kind == "fill"
+    want = np.where(np.tril(np.ones((s, s), bool)), 0.0, -np.inf)[1:5]
+    np.testing.assert_array_equal(ej.reference(grown), np.broadcast_to(want, (2, 4, s)))
+    # a fill meeting an input stays an einsum
+    x = ej.input("x", (s, s))
+    assert (x + bias).node.kind == "einsum"
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 2e-2), ("bfloat16", 5e-2)])
+def test_half_precision_matmul_softmax(dtype: str, tol: float) -> None:
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((8, 32)), rng.standard_normal((32, 5))
+    x, w = ej.input("x", a.shape, dtype), ej.input("w", b.shape, dtype)
+    y = ej.softmax(x @ w)
+    npd = ej.ir.dtypes.numpy_dtype(dtype)
+    feeds = {"x": a.astype(npd), "w": b.astype(npd)}
+    ref = ej.reference(y, **feeds)
+    assert ref.dtype == npd
+    want = torch.softmax(torch.from_numpy(feeds["x"].astype(np.float32)) @
+                         torch.from_numpy(feeds["w"].astype(np.float32)), -1).numpy()
+    np.testing.assert_allclose(ref.astype(np.float32), want, atol=tol)
+    blocked = ej.execute_blocked(y, lambda n: {lab: 2 for lab in ej.decomp.label_sizes(n)}, **feeds)
+    np.testing.assert_allclose(blocked.astype(np.float32), want, atol=tol)
