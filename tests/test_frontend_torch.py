@@ -84,6 +84,8 @@ def check(out, expected, feeds, rtol=1e-5, atol=1e-5):
     for o, e in zip(outs, exps):
         assert o.shape == tuple(e.shape), ("static shape", o.shape, tuple(e.shape))
         assert o.dtype == _dtype_name(e), ("static dtype", o.dtype, _dtype_name(e))
+    used = ej.Graph(out).input_by_name  # feed only what this graph reads (extra names raise)
+    feeds = {k: v for k, v in feeds.items() if k in used}
     runs = {"reference": ej.reference(out, **feeds),
             "blocked": ej.execute_blocked(out, split2, **feeds)}
     for how, got in runs.items():
@@ -164,6 +166,14 @@ def test_rms_norm(with_weight, eps):
     g.check(ej.rms_norm(x, w, eps=eps), _torch_rms(tx, tw, eps))
 
 
+@pytest.mark.parametrize("wshape", [(8,), (3, 8)])
+def test_rms_norm_vs_torch_functional(wshape):
+    g = G(70)
+    x, tx = g.randn("x", (2, 3, 8))
+    w, tw = g.randn("w", wshape)
+    g.check(ej.rms_norm(x, w, eps=1e-6), F.rms_norm(tx, wshape, tw, eps=1e-6))
+
+
 def test_silu():
     g = G(8)
     x, tx = g.randn("x", (4, 5))
@@ -174,7 +184,7 @@ def test_silu():
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu(approximate):
     g = G(9)
-    x, tx = g.add("x", (3 * G(9).rng.standard_normal((4, 6))).astype(np.float32))
+    x, tx = g.add("x", (3 * g.rng.standard_normal((4, 6))).astype(np.float32))
     g.check(ej.gelu(x, approximate), F.gelu(tx, approximate=approximate))
     g.check(x.gelu(approximate=approximate), F.gelu(tx, approximate=approximate))
 
@@ -253,6 +263,44 @@ def test_attention_bool_mask(causal):
     mask, tmask = g.add("mask", arr)
     tm = tmask & torch.ones(5, 5, dtype=torch.bool).tril() if causal else tmask
     g.check(ej.attention(q, k, v, causal=causal, mask=mask), _sdpa(tq, tk, tv, attn_mask=tm))
+
+
+@pytest.mark.parametrize("mshape,causal", [((2, 1, 5, 5), False), ((2, 4, 5, 5), False),
+                                           ((2, 1, 1, 5), True), ((5,), True), ((1, 5), False)])
+def test_attention_broadcast_mask(mshape, causal):
+    g = G(71)
+    q, tq = g.randn("q", (2, 4, 5, 8))
+    k, tk = g.randn("k", (2, 4, 5, 8))
+    v, tv = g.randn("v", (2, 4, 5, 8))
+    arr = g.rng.random(mshape) < 0.6
+    arr[..., 0] = True  # key 0 is always allowed: no query row is fully masked
+    mask, tmask = g.add("mask", arr)
+    tm = tmask & torch.ones(5, 5, dtype=torch.bool).tril() if causal else tmask
+    g.check(ej.attention(q, k, v, causal=causal, mask=mask), _sdpa(tq, tk, tv, attn_mask=tm))
+
+
+_GQA_MASK_BUG = ("BUG: grouped-query attention reshapes q/scores to (..., kv_heads, group, s, t) but "
+                 "not the mask, so a mask with batch/head dims aligns against the wrong axes "
+                 "(a (b,1,1,t) padding mask is applied with batch index as kv head: silently wrong; "
+                 "a per-head (b,hq,s,t) mask raises ShapeError)")
+
+
+@pytest.mark.parametrize("mshape", [
+    (5, 5),
+    (1, 1, 5, 5),
+    (2, 1, 1, 5),
+    (2, 4, 5, 5),
+])
+def test_attention_gqa_mask(mshape):
+    g = G(72)
+    q, tq = g.randn("q", (2, 4, 5, 8))
+    k, tk = g.randn("k", (2, 2, 5, 8))
+    v, tv = g.randn("v", (2, 2, 5, 6))
+    arr = g.rng.random(mshape) < 0.6
+    arr[..., 0] = True
+    mask, tmask = g.add("mask", arr)
+    want = _sdpa(tq, tk.repeat_interleave(2, dim=1), tv.repeat_interleave(2, dim=1), attn_mask=tmask)
+    g.check(ej.attention(q, k, v, causal=False, mask=mask), want)
 
 
 def test_attention_custom_scale():
@@ -437,6 +485,22 @@ def test_where():
     g.check(ej.where(x > 0, x, 0.0), torch.where(tx > 0, tx, 0.0))
     g.check(ej.where(c, -1.5, y), torch.where(tc, -1.5, ty))
     g.check(ej.where(c, 1.0, -1.0), torch.where(tc, 1.0, -1.0))
+    g.check(ej.where(c, 2, 0.5), torch.where(tc, 2, 0.5))
+
+
+_WHERE_CONST_BUG = ("BUG: where() with only python-constant branches always gets dtype float32 "
+                    "(scalar.infer_dtype falls back to float32 for constant-only expressions); "
+                    "torch gives bool for bool constants and int64 for int constants")
+
+
+@pytest.mark.parametrize("a,b", [
+    (True, False),
+    (1, 0),
+])
+def test_where_constant_branches_dtype(a, b):
+    g = G(29)
+    c, tc = g.bools("c", (3, 4))
+    g.check(ej.where(c, a, b), torch.where(tc, a, b))
 
 
 def test_maximum_minimum():
@@ -654,6 +718,17 @@ def test_constants():
     g.check(x + ej.arange(4).to("float32"), tx + torch.arange(4).float())
     check(ej.arange(7), torch.arange(7), {})
     check(ej.zeros((2, 3), "float64"), torch.zeros(2, 3, dtype=torch.float64), {})
+
+
+def test_scalar_chain_rounds_per_op():
+    # each op rounds to float32, as torch does: (1 + 1e8) - 1e8 == 0 in float32
+    g = G(73)
+    x, tx = g.add("x", np.ones((3,), np.float32))
+    g.check(x + 1e8 - 1e8, tx + 1e8 - 1e8)
+
+
+def test_constant_chain_rounds_per_op():
+    check(ej.full((3,), 1.0) + 1e8 - 1e8, torch.full((3,), 1.0) + 1e8 - 1e8, {})
 
 
 # ---------------------------------------------------------------- einsum

@@ -25,6 +25,7 @@ from einjoin.decomp.block_kernels import run_kernel
 from einjoin.decomp.decompose import Decomposition, decompose
 from einjoin.decomp.partition import Partition
 from einjoin.decomp.relation import TensorRelation
+from einjoin.errors import PartitionError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Input, Node
 from einjoin.ir.reference import bind_feeds
@@ -45,6 +46,18 @@ def _spec_for(specs: Any, node: Node) -> Any:
     return None
 
 
+def _check_specs(specs: Any, graph: Graph) -> None:
+    if specs is None or (callable(specs) and not isinstance(specs, Mapping)):
+        return
+    if not isinstance(specs, Mapping):
+        raise PartitionError(f"specs must be a mapping tensor -> spec, a function node -> spec, or "
+                             f"None; got {type(specs).__name__}")
+    members = set(graph.nodes)
+    for key in specs:
+        if getattr(key, "node", key) not in members:
+            raise PartitionError(f"a spec is given for {key!r}, which is not in the graph")
+
+
 def execute_blocked(outputs: Any, specs: Any = None, *args: Any, deterministic: bool = False,
                     workers: int = 1, **feeds: Any) -> Any:
     """Evaluate ``outputs`` block by block. ``specs`` maps nodes (or tensors) to join-agg specs, or
@@ -52,6 +65,7 @@ def execute_blocked(outputs: Any, specs: Any = None, *args: Any, deterministic: 
     run on a thread pool and partial results combine in arrival order; ``deterministic=True``
     combines them in kernel order, so repeated runs are bitwise equal."""
     graph = Graph(outputs)
+    _check_specs(specs, graph)
     values = bind_feeds(graph, args, feeds)
     rels: dict[Node, TensorRelation] = {}
     pool = cf.ThreadPoolExecutor(workers) if workers > 1 else None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from einjoin.decomp.partition import BlockKey, Partition
-from einjoin.decomp.spec import ROW, JoinAggSpec, dim_labels
+from einjoin.decomp.spec import ROW, JoinAggSpec, as_node, dim_labels
 from einjoin.ir.agg import AGGS, Agg
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              Select)
@@ -55,6 +55,7 @@ class Decomposition:
 
 def decompose(node: Node, spec: Any = None) -> Decomposition:
     """Decompose ``node`` under ``spec`` (see :meth:`JoinAggSpec.for_node`)."""
+    node = as_node(node, "decompose")
     js = JoinAggSpec.for_node(node, spec)
     op = node.op
     if isinstance(op, Einsum):

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from einjoin.errors import PartitionError
 
@@ -24,6 +27,8 @@ BlockKey = tuple[int, ...]
 
 def even_bounds(n: int, k: int, what: str = "dimension") -> tuple[int, ...]:
     """Boundaries of ``k`` nearly equal blocks of ``n`` (the larger blocks first)."""
+    if isinstance(k, np.integer):
+        k = int(k)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise PartitionError(f"{what}: block count must be a positive int, got {k!r}")
     if k > n:
@@ -39,9 +44,11 @@ def even_bounds(n: int, k: int, what: str = "dimension") -> tuple[int, ...]:
 def check_bounds(bounds: Sequence[int], n: int, what: str = "dimension") -> tuple[int, ...]:
     """Validate explicit boundaries ``(0, b1, ..., n)``: strictly increasing, so no block is empty."""
     try:
-        b = tuple(int(v) for v in bounds)
-    except (TypeError, ValueError):
-        raise PartitionError(f"{what}: boundaries must be ints, got {bounds!r}") from None
+        if isinstance(bounds, (str, bytes)) or any(isinstance(v, bool) for v in bounds):
+            raise TypeError
+        b = tuple(operator.index(v) for v in bounds)
+    except TypeError:
+        raise PartitionError(f"{what}: boundaries must be a list of ints, got {bounds!r}") from None
     if len(b) < 2 or b[0] != 0 or b[-1] != n:
         raise PartitionError(f"{what}: boundaries {list(b)} must start at 0 and end at the size {n}")
     for x, y in zip(b, b[1:]):
@@ -63,6 +70,9 @@ class Partition:
     # ---- construction
     @staticmethod
     def from_counts(shape: Sequence[int], counts: Sequence[int]) -> "Partition":
+        if not isinstance(counts, (list, tuple)):
+            raise PartitionError(f"block counts must be a sequence (one per dim of shape "
+                                 f"{tuple(shape)}), got {counts!r}")
         if len(counts) != len(shape):
             raise PartitionError(f"{len(counts)} block counts for a tensor of rank {len(shape)} "
                                  f"(shape {tuple(shape)})")
@@ -76,13 +86,17 @@ class Partition:
     @staticmethod
     def of(shape: Sequence[int], per_dim: Sequence["int | Sequence[int]"]) -> "Partition":
         """Each dim given as a block count or as explicit boundaries, validated against ``shape``."""
+        if not isinstance(per_dim, (list, tuple)):
+            raise PartitionError(f"a partition is one entry per dim of shape {tuple(shape)}, "
+                                 f"got {per_dim!r}")
         if len(per_dim) != len(shape):
             raise PartitionError(f"partition with {len(per_dim)} dims for a tensor of rank "
                                  f"{len(shape)} (shape {tuple(shape)})")
         out = []
         for d, (n, p) in enumerate(zip(shape, per_dim)):
             what = f"dim {d} of shape {tuple(shape)}"
-            out.append(even_bounds(n, p, what) if isinstance(p, int) else check_bounds(p, n, what))
+            count = isinstance(p, (int, np.integer)) and not isinstance(p, bool)
+            out.append(even_bounds(n, p, what) if count else check_bounds(p, n, what))
         return Partition(tuple(out))
 
     # ---- facts

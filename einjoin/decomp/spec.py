@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from einjoin.decomp.partition import Partition, check_bounds, even_bounds
-from einjoin.errors import PartitionError
+from einjoin.errors import EinjoinError, PartitionError
 from einjoin.ir.node import Einsum, Gather, Node
 from einjoin.ir.printing import describe
 
@@ -27,6 +27,14 @@ __all__ = ["JoinAggSpec", "label_sizes", "aggregated_labels", "dim_labels", "ROW
 
 ROW = "row"
 _DIMS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def as_node(x: Any, what: str) -> Node:
+    """A node from a node or a frontend tensor, or a clear error."""
+    n = getattr(x, "node", x)
+    if not isinstance(n, Node):
+        raise EinjoinError(f"{what}: expected an einjoin tensor or node, got {type(x).__name__}")
+    return n
 
 
 def dim_labels(rank: int) -> tuple[str, ...]:
@@ -79,12 +87,13 @@ class JoinAggSpec:
                  ) -> "JoinAggSpec":
         """Normalise ``spec`` for ``node``: a mapping label -> block count or boundary list (labels
         left out get one block), a sequence in label order, or None (one block everywhere)."""
+        node = as_node(node, "a join-agg spec")
         sizes = label_sizes(node)
         labels = tuple(sizes)
         if isinstance(spec, JoinAggSpec):
-            if spec.labels != labels:
-                raise PartitionError(f"spec for labels {spec.labels} given to {describe(node)} "
-                                     f"with labels {labels}")
+            if spec.labels != labels or any(b[-1] != sizes[lab] for lab, b in zip(spec.labels, spec.bounds)):
+                raise PartitionError(f"spec {spec} (label sizes {dict((l, b[-1]) for l, b in zip(spec.labels, spec.bounds))}) "
+                                     f"given to {describe(node)} whose label sizes are {sizes}")
             return spec
         if spec is None:
             spec = {}

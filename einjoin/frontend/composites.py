@@ -15,7 +15,8 @@ import math
 from typing import Any
 
 from einjoin.errors import ShapeError
-from einjoin.frontend.functions import causal_mask, concat, einsum, fill
+from einjoin.errors import DTypeError, EinjoinError
+from einjoin.frontend.functions import _t, causal_mask, concat, einsum, fill
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, elementwise
 from einjoin.ir.scalar import parse_join
 
@@ -31,6 +32,7 @@ def _labels(x: Tensor, dim: int) -> tuple[str, str]:
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
     """``exp(x - max) / sum(exp(x - max))`` along ``dim``: four einsums."""
+    x = _t(x, "softmax")
     d = _norm_dim(x, dim)
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
@@ -40,6 +42,7 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
 
 
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    x = _t(x, "log_softmax")
     d = _norm_dim(x, dim)
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
@@ -74,11 +77,19 @@ def _affine(y: Tensor, ls: str, tail: str, weight: Tensor | None, bias: Tensor |
 def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """torch's layer_norm over the trailing ``normalized_shape`` dims (default: the last dim)."""
+    x = _t(x, "layer_norm")
+    weight = None if weight is None else _t(weight, "layer_norm weight")
+    bias = None if bias is None else _t(bias, "layer_norm bias")
+    ns = None
     if normalized_shape is None:
         k = weight.ndim if weight is not None else 1
     else:
-        k = 1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))
+        ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        k = len(ns)
     ls, lead, tail, n = _norm_labels(x, k)
+    if ns is not None and ns != x.shape[x.ndim - k:]:
+        raise ShapeError(f"layer_norm: normalized_shape {ns} is not the trailing shape of the "
+                         f"input {x.shape}")
     mu = einsum(f"{ls}->{lead}", x, join=f"x0 * {1.0 / n!r}")
     xc = einsum(f"{ls},{lead}->{ls}", x, mu, join="sub")
     var = einsum(f"{ls}->{lead}", xc, join=f"x0 * x0 * {1.0 / n!r}")
@@ -88,6 +99,8 @@ def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (LLaMA's RMSNorm)."""
+    x = _t(x, "rms_norm")
+    weight = None if weight is None else _t(weight, "rms_norm weight")
     ls, lead, tail, n = _norm_labels(x, 1 if weight is None else weight.ndim)
     ms = einsum(f"{ls}->{lead}", x, join=f"x0 * x0 * {1.0 / n!r}")
     if weight is None:
@@ -98,15 +111,17 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
 
 
 def silu(x: Tensor) -> Tensor:
-    return elementwise("silu", x)
+    return elementwise("silu", _t(x, "silu"))
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
-    return x.gelu(approximate)
+    return _t(x, "gelu").gelu(approximate)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """torch's ``F.linear``: ``x @ weight.T + bias`` with ``weight`` of shape (out, in)."""
+    x, weight = _t(x, "linear"), _t(weight, "linear weight")
+    bias = None if bias is None else _t(bias, "linear bias")
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
         raise ShapeError(f"linear: input {x.shape} and weight {weight.shape} (out, in) do not fit")
     if bias is not None and bias.shape != (weight.shape[0],):
@@ -119,7 +134,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def rotate_half(x: Tensor) -> Tensor:
     """``cat(-x2, x1)`` of the two halves of the last dim (the usual rotary helper)."""
-    d = x.shape[-1]
+    x = _t(x, "rotate_half")
+    d = x.shape[-1] if x.ndim else 1
     if d % 2:
         raise ShapeError(f"rotate_half: the last dim must be even, got shape {x.shape}")
     return concat([-x[..., d // 2:], x[..., : d // 2]], -1)
@@ -129,6 +145,7 @@ def rope(x: Tensor, base: float = 10000.0, start: int = 0) -> Tensor:
     """Rotary position embedding of ``x`` (..., seq, head_dim), positions ``start, start+1, ...``,
     in the rotate_half form of LLaMA: ``x * cos + rotate_half(x) * sin``. The cos/sin tables are
     fills, computed where they are needed."""
+    x = _t(x, "rope")
     if x.ndim < 2:
         raise ShapeError(f"rope: needs (..., seq, head_dim), got shape {x.shape}")
     s, d = x.shape[-2], x.shape[-1]
@@ -147,13 +164,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float
     """Scaled dot-product attention. ``q`` (..., heads, s, d), ``k`` (..., kv_heads, t, d),
     ``v`` (..., kv_heads, t, e); fewer kv heads than query heads is grouped-query attention.
     ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs; ``causal`` adds the causal mask."""
+    q, k, v = _t(q, "attention q"), _t(k, "attention k"), _t(v, "attention v")
+    if mask is not None:
+        mask = _t(mask, "attention mask")
+        if mask.dtype != "bool":
+            raise DTypeError(f"attention: mask must be bool (True = may attend), got {mask.dtype}")
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} must have one rank >= 2")
     s, d = q.shape[-2:]
     t = k.shape[-2]
     if k.shape[-1] != d or v.shape[-2] != t:
         raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise EinjoinError(f"attention: scale must be a number, got {scale!r}")
+    scale = float(scale)
     group = 1
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
         hq, hk = q.shape[-3], k.shape[-3]
@@ -166,6 +192,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float
     sc = "...gst" if group > 1 else "...st"
     scores = einsum(f"{qs},{ks}->{sc}", q, k)
     allowed: Tensor | None = mask
+    if allowed is not None and group > 1 and allowed.ndim >= 3:
+        # the mask addresses (..., heads, s, t): give its head axis the (kv_heads, group) shape
+        hm = allowed.shape[-3]
+        if hm == group * k.shape[-3]:
+            allowed = allowed.reshape(allowed.shape[:-3] + (k.shape[-3], group) + allowed.shape[-2:])
+        elif hm == 1:
+            allowed = allowed.unsqueeze(-3)
     if causal:
         cm = causal_mask(s, t)
         allowed = cm if allowed is None else (allowed & cm)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 from typing import Any, Sequence
 
-from einjoin.errors import EinjoinError, ShapeError
+from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
 from einjoin.ir import ops
 from einjoin.ir.agg import Agg
 from einjoin.ir.equation import ELLIPSIS_LABELS, parse_equation
@@ -73,7 +73,12 @@ def einsum(equation: str, *operands: Tensor, join: "str | Expr | None" = None,
             ls = tuple(lab for d, lab in enumerate(ls) if d not in drop)
         nodes.append(x.node)
         labels.append(ls)
-    return wrap(ops.einsum_node(nodes, labels, out, join, agg))
+    try:
+        return wrap(ops.einsum_node(nodes, labels, out, join, agg))
+    except (ShapeError, EinsumSyntaxError, DTypeError) as e:
+        if "..." not in equation:
+            raise
+        raise type(e)(f"einsum {equation!r} (its '...' expanded to capital labels): {e}") from None
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -166,6 +171,9 @@ def split(x: Tensor, split_size_or_sections: Any, dim: int = 0) -> tuple[Tensor,
     x = _t(x, "split")
     d = _norm_dim(x, dim)
     n = x.shape[d]
+    if isinstance(split_size_or_sections, bool) or not isinstance(
+            split_size_or_sections, (int, list, tuple)):
+        raise ShapeError(f"split: expected an int size or a list of sizes, got {split_size_or_sections!r}")
     if isinstance(split_size_or_sections, int):
         step = split_size_or_sections
         if step <= 0:
@@ -189,7 +197,7 @@ def split(x: Tensor, split_size_or_sections: Any, dim: int = 0) -> tuple[Tensor,
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
     x = _t(x, "chunk")
     n = x.shape[_norm_dim(x, dim)]
-    if chunks <= 0:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
         raise ShapeError(f"chunk: chunks must be positive, got {chunks}")
     return split(x, -(-n // chunks), dim)
 

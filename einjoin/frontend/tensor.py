@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 import builtins
+import operator
 from typing import Any, Sequence, Union
 
-from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
+import numpy as np
+
+from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.fold import fold
 from einjoin.ir.node import Node
@@ -31,8 +34,10 @@ def wrap(node: Node) -> "Tensor":
 
 
 def _is_scalar(v: Any) -> bool:
-    return isinstance(v, (int, float, bool)) or (hasattr(v, "dtype") and getattr(v, "shape", None) == ()
-                                                 and not isinstance(v, Tensor))
+    if isinstance(v, (int, float, bool)) and not isinstance(v, complex):
+        return True
+    # numpy scalars of a real kind (a complex one would silently lose its imaginary part)
+    return isinstance(v, np.generic) and v.dtype.kind in "biuf"
 
 
 def broadcast_shapes(*shapes: tuple[int, ...], what: str = "broadcast") -> tuple[int, ...]:
@@ -56,6 +61,8 @@ def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = Non
     if not tensors:
         raise EinjoinError(f"{name or fn}: needs at least one einjoin tensor argument")
     for a in args:
+        if isinstance(a, (complex, np.complexfloating)):
+            raise DTypeError(f"{name or fn}: complex value {a!r}; einjoin has no complex dtypes")
         if not isinstance(a, Tensor) and not _is_scalar(a):
             raise EinjoinError(f"{name or fn}: cannot combine an einjoin tensor with "
                                f"{type(a).__name__}; feed arrays as graph inputs")
@@ -167,6 +174,9 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({describe(self.node)}, {self.dtype}{list(self.shape)})"
 
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
+
     def __bool__(self) -> bool:
         raise EinjoinError("an einjoin tensor is lazy and has no truth value; use ej.where for "
                            "data-dependent choices")
@@ -265,6 +275,9 @@ class Tensor:
         if self.ndim == 0:
             return self.reshape(1)
         a, b = _norm_dim(self, start_dim), _norm_dim(self, end_dim)
+        if a > b:
+            raise ShapeError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} "
+                             f"(shape {self.shape})")
         n = 1
         for d in self.shape[a:b + 1]:
             n *= d
@@ -330,7 +343,12 @@ class Tensor:
                 out_shape.append(1)
                 continue
             n = self.shape[d]
+            if isinstance(item, np.integer):
+                item = int(item)
             if isinstance(item, slice):
+                if item.step is not None and item.step != 1:
+                    raise UnsupportedOpError(f"slicing with step {item.step} on dim {d} (shape "
+                                             f"{self.shape}); only step 1 is supported")
                 a, b, step = item.indices(n)
                 if step != 1:
                     raise UnsupportedOpError(f"slicing with step {step} on dim {d} (shape {self.shape}); "

@@ -51,6 +51,8 @@ _RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
 
 def canonical_dtype(dtype: Any) -> str:
     """The canonical name of ``dtype`` (a name, alias, numpy dtype or torch dtype)."""
+    if dtype is None:
+        raise DTypeError(f"dtype None; give one of {', '.join(DTYPES)}")
     if isinstance(dtype, str):
         name = _ALIASES.get(dtype, dtype)
         if name in DTYPES:

@@ -28,12 +28,17 @@ def _remap(e: Expr, args: list[Expr]) -> Expr:
 def fold(node: Node) -> Node:
     """``node`` itself, or an equivalent fill when every input is a fill and the op is elementwise,
     a select, a broadcast or a cast. Folding never changes values: a fill folds into another only
-    when its own dtype is bool/int64 or equals the result's (so no intermediate rounding is lost)."""
+    when its own dtype is bool, int64 or float64 (fills compute in float64, so no intermediate
+    rounding is lost)."""
     if not node.inputs or not all(isinstance(i.op, Fill) for i in node.inputs):
         return node
     op = node.op
     fills: list[Fill] = [i.op for i in node.inputs]  # type: ignore[misc]
-    if any(kind(i.dtype) == "float" and i.dtype != node.dtype for i in node.inputs):
+    # selects and broadcasts only move values; arithmetic and casts would lose the rounding of
+    # an intermediate float32/16 result, since fills evaluate in float64
+    computes = isinstance(op, (Einsum, Cast))
+    if computes and any(kind(i.dtype) == "float" and (i.dtype != node.dtype or i.dtype != "float64")
+                        for i in node.inputs):
         return node
     if kind(node.dtype) != "float" and any(kind(i.dtype) == "float" for i in node.inputs):
         return node

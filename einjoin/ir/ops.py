@@ -110,7 +110,7 @@ def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],
     try:
         dtype = infer_dtype(expr, [x.dtype for x in inputs])
     except DTypeError as e:
-        raise DTypeError(f"einsum {eq!r} join {expr}: {e}") from None
+        raise DTypeError(f"einsum {eq!r}: {e}") from None
     if aggregation.name in ("sum", "prod") and dtype == "bool":
         raise DTypeError(f"einsum {eq!r}: agg {aggregation.name!r} over bool values has no meaning "
                          f"(use max for any, min for all)")
@@ -190,11 +190,12 @@ def concat_node(xs: Sequence[Node], axis: int) -> Node:
     if not xs:
         raise ShapeError("concat: needs at least one tensor")
     first = xs[0]
-    axis = _as_int(axis, "concat axis")
+    given = axis = _as_int(axis, "concat axis")
     if axis < 0:
         axis += first.ndim
     if not 0 <= axis < first.ndim:
-        raise ShapeError(f"concat along axis {axis} of tensors of rank {first.ndim}")
+        raise ShapeError(f"concat along axis {given} of tensors of rank {first.ndim} "
+                         f"(shape {first.shape})")
     for i, x in enumerate(xs):
         if x.ndim != first.ndim or any(a != b for d, (a, b) in enumerate(zip(x.shape, first.shape))
                                        if d != axis):

@@ -190,10 +190,18 @@ def parse_join(join: "str | Expr", n_inputs: int) -> Expr:
     else:
         try:
             tree = ast.parse(join.strip(), mode="eval")
+        except RecursionError:
+            raise ExpressionError(f"join expression {join[:40]!r}... nests too deeply") from None
         except SyntaxError as e:
             raise ExpressionError(f"join expression {join!r} does not parse: {e.msg}") from None
-        expr = _from_ast(tree.body, join)
-    used = _max_arg(expr)
+        try:
+            expr = _from_ast(tree.body, join)
+        except RecursionError:
+            raise ExpressionError(f"join expression {join[:40]!r}... nests too deeply") from None
+    try:
+        used = _max_arg(expr)
+    except RecursionError:
+        raise ExpressionError(f"join expression nests too deeply ({str(join)[:40]!r}...)") from None
     if used >= n_inputs:
         raise ExpressionError(
             f"join {str(expr)!r} uses x{used} but the einsum has only {n_inputs} input(s)")
@@ -259,9 +267,24 @@ def infer_dtype(expr: Expr, arg_dtypes: Sequence[str]) -> str:
     """The result dtype of ``expr`` over arguments of ``arg_dtypes``; raise DTypeError on a
     mix without meaning. Constants are weak: they take the dtype of what they meet."""
     dt = _infer(expr, tuple(arg_dtypes))
-    if dt is None:  # an expression of constants only
-        return "float32"
+    if dt is None:  # an expression of constants only: the kind of its values decides
+        return {"bool": "bool", "int": "int64", "float": "float32"}[_const_only_kind(expr)]
     return dt
+
+
+def _const_only_kind(e: Expr) -> str:
+    order = ["bool", "int", "float"]
+    if isinstance(e, Const):
+        return _const_kind(e.value)
+    if isinstance(e, Arg):  # an argument whose dtype was unknown: treat as float
+        return "float"
+    f = FUNCTIONS[e.fn]
+    if f.rule in ("compare", "logical"):
+        return "bool"
+    if f.rule == "float":
+        return "float"
+    vals = e.args[1:] if f.rule == "select" else e.args
+    return max((_const_only_kind(a) for a in vals), key=order.index)
 
 
 def _const_kind(v: object) -> str:
