@@ -357,6 +357,10 @@ CASES = [
          ["-1", "5 rows"]),
     case("blocked-gather-index-out-of-range", lambda: gather_feeds([0, 7, 1], blocked=True),
          ej.EinjoinError, ["7", "5 rows"]),
+    case("dtype-none", lambda: ej.input("y", (2,), None), ej.DTypeError, ["None"]),
+    case("blocked-spec-for-node-not-in-graph",
+         lambda: ej.execute_blocked(t() * 2, {t((5,), name="other"): {"a": 2}}, x=np.ones((2, 3))),
+         ej.PartitionError, ["other", "not in the graph"]),
 ]
 
 

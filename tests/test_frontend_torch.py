@@ -808,3 +808,12 @@ def test_extended_einsum_float64():
     b, _ = g.randn("B", (4, 5), np.float64)
     want = (g.feeds["A"][:, :, None] + g.feeds["B"][None]).max(1)
     g.check(ej.einsum("ik,kj->ij", a, b, join="x0 + x1", agg="max"), want, **F64)
+
+
+def test_iteration_and_numpy_integer_indices() -> None:
+    xv = np.arange(6.0).reshape(3, 2)
+    x = ej.input("x", (3, 2), "float64")
+    rows = list(x)
+    assert len(rows) == 3 and all(r.shape == (2,) for r in rows)
+    np.testing.assert_array_equal(ej.reference(rows[2], x=xv), xv[2])
+    np.testing.assert_array_equal(ej.reference(x[np.int64(1)], x=xv), xv[1])
