@@ -8,6 +8,7 @@
 ((4, 3), 4.0)
 """
 
+from einjoin.cluster import Cluster, Device, local
 from einjoin.decomp import (Decomposition, JoinAggSpec, Kernel, Partition, TensorRelation,
                             decompose, execute_blocked)
 from einjoin.errors import (DTypeError, EinjoinError, EinsumSyntaxError, ExpressionError,
@@ -16,10 +17,11 @@ from einjoin.frontend import *  # noqa: F401,F403
 from einjoin.frontend import __all__ as _frontend_all
 from einjoin.ir import Graph, Node
 from einjoin.ir.reference import reference
+from einjoin.program import Program, compile
 
 __version__ = "0.1.0"
 
-__all__ = ["Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
+__all__ = ["Cluster", "Device", "local", "Program", "compile", "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
            *_frontend_all]

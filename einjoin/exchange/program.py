@@ -1,0 +1,131 @@
+"""The vocabulary of task graphs: tasks, the values they write, and a builder.
+
+Every task runs on one device, reads values that live on that device (a ``move`` reads on its
+source device and writes on its destination), and writes one value. A buffer assembled from
+several ``touch`` tasks is one value with several producers. Everything is plain data, built
+from shapes alone, and every task carries its byte count.
+
+Task kinds:
+
+- ``load``   — a block of a graph input from the host (``box``: the block, global coordinates)
+- ``fill``   — a block of a fill computed in place (``box``: global coordinates)
+- ``kernel`` — kernel ``kernel`` of ``node``'s decomposition (its output block or a partial)
+- ``reduce`` — combine same-shaped partials with ``agg``, in the order given (a local aggregation)
+- ``select`` — cut the sub-box ``box`` (relative to the source value) on the device
+- ``move``   — copy a value from ``src_device`` to ``device`` (``nbytes`` travel)
+- ``touch``  — write the sub-box ``box`` of the source into region ``dst_box`` of a buffer
+- ``free``   — drop a value after its last reader
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from einjoin.ir.agg import Agg
+from einjoin.ir.dtypes import itemsize
+from einjoin.ir.node import Node
+
+__all__ = ["Task", "Value", "Box", "TaskGraphBuilder", "box_size", "box_shape", "intersect",
+           "relative", "TASK_KINDS"]
+
+Box = tuple[tuple[int, int], ...]
+TASK_KINDS = ("load", "fill", "kernel", "reduce", "select", "move", "touch", "free")
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_size(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def relative(inner: Box, outer: Box) -> Box:
+    """``inner`` in the coordinates of ``outer``'s corner."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
+@dataclass(frozen=True)
+class Value:
+    """A value: where it lives, its shape and dtype, and the tasks that write it."""
+
+    id: int
+    device: int
+    shape: tuple[int, ...]
+    dtype: str
+    node: Node
+    producers: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        n = itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int
+    kind: str
+    device: int
+    reads: tuple[int, ...]
+    writes: int  # value id; -1 for free
+    deps: tuple[int, ...]
+    nbytes: int
+    flops: int
+    node: Node
+    src_device: int = -1
+    box: Box | None = None
+    dst_box: Box | None = None
+    kernel: int = -1
+    agg: Agg | None = None
+    consumer: Node | None = None  # move/select: the op whose request caused it (for explain)
+    frees: int = -1  # free: the value dropped
+
+
+@dataclass
+class TaskGraphBuilder:
+    """Appends tasks in a topological order (a task's reads are written by earlier tasks)."""
+
+    tasks: list[Task] = field(default_factory=list)
+    values: list[Value] = field(default_factory=list)
+
+    def value(self, device: int, shape: tuple[int, ...], dtype: str, node: Node) -> int:
+        vid = len(self.values)
+        self.values.append(Value(vid, device, tuple(shape), dtype, node))
+        return vid
+
+    def add(self, kind: str, device: int, reads: tuple[int, ...], writes: int, node: Node,
+            flops: int = 0, nbytes: int | None = None, after: tuple[int, ...] = (), **extra: Any) -> int:
+        """Append a task; its deps are the producers of what it reads, plus ``after``."""
+        tid = len(self.tasks)
+        deps: list[int] = list(dict.fromkeys(after))
+        for v in reads:
+            for p in self.values[v].producers:
+                if p not in deps:
+                    deps.append(p)
+        if nbytes is None:
+            nbytes = self.values[writes].nbytes if writes >= 0 else 0
+        self.tasks.append(Task(tid, kind, device, tuple(reads), writes, tuple(deps), nbytes, flops,
+                               node, **extra))
+        if writes >= 0:
+            v = self.values[writes]
+            self.values[writes] = Value(v.id, v.device, v.shape, v.dtype, v.node, v.producers + (tid,))
+        return tid
+
+    def produce(self, kind: str, device: int, reads: tuple[int, ...], shape: tuple[int, ...],
+                dtype: str, node: Node, **extra: Any) -> int:
+        """A task writing a fresh value; returns the value id."""
+        vid = self.value(device, shape, dtype, node)
+        self.add(kind, device, reads, vid, node, **extra)
+        return vid

@@ -1,0 +1,87 @@
+"""Placement: the device of every kernel (so of every partial result) and of every output block.
+
+A placement is plain data. ``NodePlacement.kernel_devices[i]`` is where kernel ``i`` of the node's
+decomposition runs; ``homes[out_key]`` is where that output block is aggregated and lives. Placers
+share one signature and one registry.
+
+>>> import einjoin as ej
+>>> from einjoin.placement import place
+>>> z = ej.input("a", (8, 8)) @ ej.input("b", (8, 8))
+>>> d = ej.decompose(z.node, {"m": 2, "k": 2})
+>>> p = place("round_robin", {z.node: d}, ej.local(4))[z.node]
+>>> p.kernel_devices, p.homes
+((0, 1, 1, 2), {(0, 0): 0, (1, 0): 1})
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from einjoin.cluster import Cluster
+from einjoin.decomp.decompose import Decomposition
+from einjoin.errors import EinjoinError
+from einjoin.ir.node import Node
+
+__all__ = ["NodePlacement", "Placement", "PLACERS", "place", "register_placer"]
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    kernel_devices: tuple[int, ...]
+    homes: dict  # out block key -> device (the device of the block's first partial)
+
+    def __hash__(self) -> int:  # pragma: no cover - placements are compared, rarely hashed
+        return hash(self.kernel_devices)
+
+
+Placement = dict[Node, NodePlacement]
+Placer = Callable[[Mapping[Node, Decomposition], Cluster, int], Placement]
+PLACERS: dict[str, Placer] = {}
+
+
+def register_placer(name: str) -> Callable[[Placer], Placer]:
+    def deco(fn: Placer) -> Placer:
+        PLACERS[name] = fn
+        return fn
+    return deco
+
+
+def _from_kernel_devices(d: Decomposition, devs: list[int]) -> NodePlacement:
+    homes: dict = {}
+    for k, dev in zip(d.kernels, devs):
+        homes.setdefault(k.out_key, dev)
+    return NodePlacement(tuple(devs), homes)
+
+
+@register_placer("round_robin")
+def round_robin(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0) -> Placement:
+    """Output block ``i`` (in key order) lives on device ``i mod P``; its ``j``-th partial is
+    computed on device ``(i + j) mod P``, so partial sums spread over devices. Aligned
+    elementwise chains therefore stay local."""
+    out: Placement = {}
+    for node, d in decomps.items():
+        index = {key: i for i, key in enumerate(d.out_partition.keys())}
+        seen: dict = {}
+        devs = []
+        for k in d.kernels:
+            j = seen.get(k.out_key, 0)
+            seen[k.out_key] = j + 1
+            devs.append((index[k.out_key] + j) % cluster.size)
+        out[node] = _from_kernel_devices(d, devs)
+    return out
+
+
+@register_placer("random")
+def random_placement(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0) -> Placement:
+    """Every kernel on a uniformly random device (tests use it to exercise every exchange case)."""
+    rng = random.Random(seed)
+    return {node: _from_kernel_devices(d, [rng.randrange(cluster.size) for _ in d.kernels])
+            for node, d in decomps.items()}
+
+
+def place(name: str, decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0) -> Placement:
+    if name not in PLACERS:
+        raise EinjoinError(f"unknown placement {name!r}; known: {', '.join(sorted(PLACERS))}")
+    return PLACERS[name](decomps, cluster, seed)

@@ -1,0 +1,104 @@
+"""A plan's accounting, known from shapes alone right after compile, and its explanation."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from einjoin.ir.node import Input, Node
+from einjoin.ir.printing import describe
+
+if TYPE_CHECKING:
+    from einjoin.decomp.decompose import Decomposition
+    from einjoin.plan.taskgraph import TaskGraph
+
+__all__ = ["PlanStats", "compute_stats", "explain", "human_bytes"]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    bytes_moved: int
+    bytes_loaded: int
+    bytes_fetched: int
+    flops: int
+    bytes_in_per_device: dict[int, int]
+    bytes_out_per_device: dict[int, int]
+    flops_per_device: dict[int, int]
+    bytes_per_pair: dict[tuple[int, int], int]
+    task_counts: dict[str, int]
+    peak_bytes_per_device: dict[int, int] = field(default_factory=dict)  # if run in task order
+
+    def __str__(self) -> str:
+        return (f"moved {human_bytes(self.bytes_moved)}, loaded {human_bytes(self.bytes_loaded)}, "
+                f"fetched {human_bytes(self.bytes_fetched)}, {self.flops / 1e9:.3f} GFLOP, "
+                f"{sum(self.task_counts.values())} tasks")
+
+
+def compute_stats(tg: "TaskGraph") -> PlanStats:
+    moved = loaded = flops = 0
+    inn: dict[int, int] = defaultdict(int)
+    out: dict[int, int] = defaultdict(int)
+    fl: dict[int, int] = defaultdict(int)
+    pair: dict[tuple[int, int], int] = defaultdict(int)
+    live: dict[int, int] = defaultdict(int)
+    peak: dict[int, int] = defaultdict(int)
+    for t in tg.tasks:
+        if t.kind == "move":
+            moved += t.nbytes
+            inn[t.device] += t.nbytes
+            out[t.src_device] += t.nbytes
+            pair[(t.src_device, t.device)] += t.nbytes
+        elif t.kind == "load":
+            loaded += t.nbytes
+        flops += t.flops
+        fl[t.device] += t.flops
+        # the peak if tasks ran in id order (the runtime measures the real one)
+        if t.kind == "free":
+            live[t.device] -= t.nbytes
+        elif t.writes >= 0 and tg.values[t.writes].producers[0] == t.id:
+            live[t.device] += tg.values[t.writes].nbytes
+            peak[t.device] = max(peak[t.device], live[t.device])
+    fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
+    return PlanStats(moved, loaded, fetched, flops, dict(inn), dict(out), dict(fl), dict(pair),
+                     dict(Counter(t.kind for t in tg.tasks)), dict(peak))
+
+
+def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: list[Node]) -> str:
+    """Per op: its join-agg spec, blocks, kernels, partials, bytes moved in (to feed it) and out
+    (its data travelling, partial sums included); then totals per device pair."""
+    bin_: dict[Node, int] = defaultdict(int)
+    bout: dict[Node, int] = defaultdict(int)
+    for t in tg.tasks:
+        if t.kind == "move":
+            bout[t.node] += t.nbytes
+            if t.consumer is not None and t.consumer is not t.node:
+                bin_[t.consumer] += t.nbytes
+    rows = [("op", "spec", "blocks", "kernels", "partials", "bytes in", "bytes out")]
+    for n in order:
+        d = decomps[n]
+        name = f"input {n.op.name!r}" if isinstance(n.op, Input) else describe(n)  # type: ignore[union-attr]
+        rows.append((name, str(d.spec), str(d.out_partition.num_blocks), str(len(d.kernels)),
+                     str(d.n_partials), human_bytes(bin_[n]), human_bytes(bout[n])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    s = compute_stats(tg)
+    lines.append("")
+    lines.append(f"total: {s}")
+    if s.bytes_per_pair:
+        lines.append("bytes moved per device pair (src -> dst):")
+        for (a, b), n in sorted(s.bytes_per_pair.items()):
+            lines.append(f"  {a} -> {b}: {human_bytes(n)}")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,171 @@
+"""The task graph: every op's kernels, its local and remote aggregation, and the exchange
+programs between ops, as plain data built from shapes alone.
+
+Accounting (the communication lower bound's model): exactly one copy of each input element is
+loaded (``load`` tasks, on the device the placement gives each input block); every further
+replica and every partial result that travels is a ``move``; outputs are aggregated to one copy
+on the devices and then fetched.
+
+>>> import einjoin as ej
+>>> from einjoin.plan import build_taskgraph
+>>> from einjoin.placement import place
+>>> z = ej.input("a", (8, 8)) @ ej.input("b", (8, 8))
+>>> g = ej.Graph(z)
+>>> decomps = {n: ej.decompose(n, {"k": 2} if n is z.node else None) for n in g.nodes}
+>>> tg = build_taskgraph(g, decomps, place("round_robin", decomps, ej.local(2)), 2)
+>>> tg.stats().bytes_moved   # a[:, 4:] and b[4:] go to device 1, one 8x8 partial comes back
+512
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping
+
+from einjoin.decomp.decompose import Decomposition
+from einjoin.decomp.partition import BlockKey, Partition
+from einjoin.exchange import Box, Request, Task, TaskGraphBuilder, Value, box_shape, synthesize
+from einjoin.ir.graph import Graph
+from einjoin.ir.node import Einsum, Fill, Input, Node
+from einjoin.ir.scalar import Call, is_product
+from einjoin.placement import Placement
+from einjoin.plan.stats import PlanStats, compute_stats
+
+__all__ = ["TaskGraph", "OutputLayout", "build_taskgraph", "kernel_flops"]
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    node: Node
+    partition: Partition
+    blocks: dict[BlockKey, int]  # block key -> value id (the one aggregated copy)
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    tasks: tuple[Task, ...]
+    values: tuple[Value, ...]
+    n_devices: int
+    outputs: tuple[OutputLayout, ...]
+    dependents: tuple[tuple[int, ...], ...]  # task id -> tasks that wait for it
+
+    def stats(self) -> PlanStats:
+        return compute_stats(self)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+def _count_calls(e: object) -> int:
+    return 1 + sum(_count_calls(a) for a in e.args) if isinstance(e, Call) else 0
+
+
+def kernel_flops(d: Decomposition, index: tuple[int, ...]) -> int:
+    """Modelled flops of one kernel: the joined label box times the join's operations (a
+    multiply-add per element for a contraction)."""
+    op = d.node.op
+    if not isinstance(op, Einsum):
+        return 0
+    n = 1
+    for b, i in zip(d.spec.bounds, index):
+        n *= b[i + 1] - b[i]
+    if is_product(op.join, len(d.node.inputs)) and op.agg.reduces:
+        return 2 * n
+    return n * max(1, _count_calls(op.join))
+
+
+def build_taskgraph(graph: Graph, decomps: Mapping[Node, Decomposition], placement: Placement,
+                    n_devices: int) -> TaskGraph:
+    b = TaskGraphBuilder()
+    requests: dict[Node, list[Request]] = defaultdict(list)
+    for c in graph.nodes:
+        if isinstance(c.op, (Input, Fill)):
+            continue
+        d, devs = decomps[c], placement[c].kernel_devices
+        for k, dev in zip(d.kernels, devs):
+            for slot, (x, key) in enumerate(zip(c.inputs, k.in_keys)):
+                if key is not None:
+                    requests[x].append((d.in_partitions[slot].box(key), dev, c))
+    outputs = set(graph.outputs)
+    blocks: dict[Node, dict[BlockKey, int]] = {}
+    regions: dict[Node, dict[tuple[Box, int], int]] = {}
+    for node in graph.nodes:
+        d, pl = decomps[node], placement[node]
+        if isinstance(node.op, Fill):
+            # a fill is computed where it is needed, never moved
+            regions[node] = {}
+            for box, dev, _ in requests[node]:
+                if (box, dev) not in regions[node]:
+                    regions[node][(box, dev)] = b.produce("fill", dev, (), box_shape(box), node.dtype,
+                                                          node, box=box)
+            if node in outputs:
+                blocks[node] = {k: b.produce("fill", pl.homes[k], (), d.out_partition.block_shape(k),
+                                             node.dtype, node, box=d.out_partition.box(k))
+                                for k in d.out_partition.keys()}
+            continue
+        if isinstance(node.op, Input):
+            blocks[node] = {k: b.produce("load", pl.homes[k], (), d.out_partition.block_shape(k),
+                                         node.dtype, node, box=d.out_partition.box(k))
+                            for k in d.out_partition.keys()}
+        else:
+            blocks[node] = _kernels_and_aggregation(b, node, d, pl.kernel_devices, pl.homes, regions)
+        if requests[node]:
+            regions[node] = synthesize(b, node, d.out_partition, blocks[node], requests[node])
+    layouts = tuple(OutputLayout(o, decomps[o].out_partition, blocks[o]) for o in graph.outputs)
+    _add_frees(b, {v for lay in layouts for v in lay.blocks.values()})
+    dependents: list[list[int]] = [[] for _ in b.tasks]
+    for t in b.tasks:
+        for dep in t.deps:
+            dependents[dep].append(t.id)
+    return TaskGraph(tuple(b.tasks), tuple(b.values), n_devices, layouts,
+                     tuple(tuple(x) for x in dependents))
+
+
+def _kernels_and_aggregation(b: TaskGraphBuilder, node: Node, d: Decomposition, devs: tuple[int, ...],
+                             homes: dict, regions: dict[Node, dict[tuple[Box, int], int]]
+                             ) -> dict[BlockKey, int]:
+    partials: dict[BlockKey, list[tuple[int, int]]] = defaultdict(list)  # key -> [(device, value)]
+    for i, (k, dev) in enumerate(zip(d.kernels, devs)):
+        reads = tuple(regions[x][(d.in_partitions[slot].box(key), dev)]
+                      for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None)
+        vid = b.produce("kernel", dev, reads, d.out_partition.block_shape(k.out_key), node.dtype, node,
+                        kernel=i, flops=kernel_flops(d, k.index))
+        partials[k.out_key].append((dev, vid))
+    out: dict[BlockKey, int] = {}
+    for key, parts in partials.items():
+        if len(parts) == 1:
+            out[key] = parts[0][1]
+            continue
+        shape = d.out_partition.block_shape(key)
+        elems = 1
+        for s in shape:
+            elems *= s
+        home = homes[key]
+        local: dict[int, list[int]] = {}
+        for dev, vid in parts:
+            local.setdefault(dev, []).append(vid)
+        # partials that share a device are combined there before anything moves
+        reduced = {dev: vids[0] if len(vids) == 1 else
+                   b.produce("reduce", dev, tuple(vids), shape, node.dtype, node, agg=d.agg,
+                             flops=elems * (len(vids) - 1))
+                   for dev, vids in local.items()}
+        gathered = ([reduced[home]] if home in reduced else []) + [
+            b.produce("move", home, (v,), shape, node.dtype, node, src_device=dev, consumer=node)
+            for dev, v in reduced.items() if dev != home]
+        out[key] = gathered[0] if len(gathered) == 1 else b.produce(
+            "reduce", home, tuple(gathered), shape, node.dtype, node, agg=d.agg,
+            flops=elems * (len(gathered) - 1))
+    return out
+
+
+def _add_frees(b: TaskGraphBuilder, keep: set[int]) -> None:
+    readers: dict[int, list[int]] = defaultdict(list)
+    for t in b.tasks:
+        for v in t.reads:
+            readers[v].append(t.id)
+    for v in list(b.values):
+        if v.id in keep:
+            continue
+        after = tuple(readers[v.id]) or v.producers
+        b.add("free", v.device, (), -1, v.node, nbytes=v.nbytes, after=after, frees=v.id)

@@ -1,0 +1,138 @@
+"""``ej.compile``: plan, place, synthesise exchanges, build the task graph; ``Program.run``.
+
+>>> import numpy as np, einjoin as ej
+>>> x = ej.input("x", (64, 32)); w = ej.input("w", (32, 16))
+>>> prog = ej.compile(ej.softmax(x @ w), devices=4)
+>>> out = prog.run(np.ones((64, 32)), np.ones((32, 16)))
+>>> out.shape, prog.stats.bytes_loaded == (64 * 32 + 32 * 16) * 4, prog.run_stats.bytes_moved == prog.stats.bytes_moved
+((64, 16), True, True)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping, Sequence, TextIO
+
+import numpy as np
+
+from einjoin.cluster import Cluster, as_cluster
+from einjoin.decomp.decompose import Decomposition, decompose
+from einjoin.decomp.spec import JoinAggSpec
+from einjoin.errors import EinjoinError
+from einjoin.ir.graph import Graph
+from einjoin.ir.node import Node
+from einjoin.ir.reference import bind_feeds
+from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
+from einjoin.placement import PLACERS, Placement, place
+from einjoin.plan import PlanStats, TaskGraph, build_taskgraph, explain, run_reference
+from einjoin.runtime import ORDERS, Engine, RunStats, get_backend
+
+__all__ = ["compile", "Program"]
+
+
+def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
+    if specs is None:
+        return {}
+    if not isinstance(specs, Mapping):
+        raise EinjoinError(f"specs must be a mapping tensor -> join-agg spec, got {type(specs).__name__}")
+    members = set(graph.nodes)
+    out = {}
+    for key, spec in specs.items():
+        node = getattr(key, "node", key)
+        if node not in members:
+            raise EinjoinError(f"a spec is given for {key!r}, which is not in the graph")
+        out[node] = JoinAggSpec.for_node(node, spec)
+    return out
+
+
+def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
+            backend: Any = "threads", specs: Any = None, placement: str = "round_robin",
+            order: str = "fifo", seed: int = 0) -> "Program":
+    """Compile ``outputs`` (a tensor or a list/tuple of them) for ``devices`` (an int = that many
+    local devices, or an :class:`ej.Cluster`). ``specs`` overrides the planner's join-agg spec
+    for some nodes; ``placement`` names a placer; ``order`` is the ready-queue policy."""
+    graph = Graph(outputs)
+    cluster = as_cluster(devices)
+    if not callable(planner) and planner not in PLANNERS:
+        raise EinjoinError(f"unknown planner {planner!r}; known: {', '.join(sorted(PLANNERS))}")
+    be = get_backend(backend)
+    if placement not in PLACERS:
+        raise EinjoinError(f"unknown placement {placement!r}; known: {', '.join(sorted(PLACERS))}")
+    if order not in ORDERS:
+        raise EinjoinError(f"unknown ready-queue order {order!r}; known: {', '.join(ORDERS)}")
+    chosen = dict(plan_specs(planner, graph, cluster))
+    chosen.update(_user_specs(graph, specs))
+    # inputs follow their first consumer unless given a spec themselves
+    given_inputs = {n for n in _user_specs(graph, specs) if n in graph.inputs}
+    chosen = derive_input_specs(graph, {n: s for n, s in chosen.items()
+                                        if n not in graph.inputs or n in given_inputs})
+    decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
+    placed = place(placement, decomps, cluster, seed)
+    tg = build_taskgraph(graph, decomps, placed, cluster.size)
+    return Program(graph, cluster, decomps, placed, tg, be, order, seed,
+                   isinstance(outputs, (list, tuple)))
+
+
+class Program:
+    """A compiled program: the graph, its specs and placement, the task graph, and the engine."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, decomps: dict[Node, Decomposition],
+                 placement: Placement, taskgraph: TaskGraph, backend: Any, order: str, seed: int,
+                 many: bool):
+        self.graph = graph
+        self.cluster = cluster
+        self.decomps = decomps
+        self.placement = placement
+        self.taskgraph = taskgraph
+        self.backend = backend
+        self.order = order
+        self.seed = seed
+        self._many = many
+        self._engine = Engine(taskgraph, decomps)
+        self.stats: PlanStats = taskgraph.stats()
+        self.run_stats: RunStats | None = None
+
+    @property
+    def specs(self) -> dict[Node, JoinAggSpec]:
+        return {n: d.spec for n, d in self.decomps.items()}
+
+    def run(self, *args: Any, order: str | None = None, seed: int | None = None,
+            callbacks: Sequence[Any] = (), **feeds: Any) -> Any:
+        """Run with positional inputs (declaration order) and/or inputs by name. Returns numpy
+        arrays (a tuple for several outputs), or torch tensors when torch tensors went in; the
+        null backend returns None. ``order`` overrides the ready-queue policy for this run."""
+        values = bind_feeds(self.graph, args, feeds)  # every feed checked before any kernel runs
+        use_torch = any(type(v).__module__.startswith("torch") for v in (*args, *feeds.values()))
+        outs, stats = self._engine.run(values, self.backend, order or self.order,
+                                       self.seed if seed is None else seed, callbacks)
+        self.run_stats = stats
+        if outs is None:
+            return None
+        if use_torch:
+            import torch
+            outs = [torch.from_numpy(np.ascontiguousarray(o)) if o.dtype.kind != "V" else torch.from_numpy(
+                o.view(np.int16)).view(torch.bfloat16) for o in outs]
+        return tuple(outs) if self._many else outs[0]
+
+    def run_reference(self, *args: Any, **feeds: Any) -> Any:
+        """Run the task graph with the few-line reference executor (the engines' oracle)."""
+        outs = run_reference(self.taskgraph, self.decomps, bind_feeds(self.graph, args, feeds))
+        return tuple(outs) if self._many else outs[0]
+
+    def cancel(self) -> None:
+        """Ask a run in progress (on another thread) to stop; it raises an EinjoinError."""
+        self._engine.cancel_event.set()
+
+    def explain(self, file: TextIO | None = sys.stdout) -> str:
+        text = explain(self.taskgraph, self.decomps, list(self.graph.nodes))
+        if file is not None:
+            print(text, file=file)
+        return text
+
+    def close(self) -> None:
+        """Release resources (nothing to release for local backends)."""
+
+    def __repr__(self) -> str:
+        return (f"<Program {len(self.graph.ops)} ops on {self.cluster}, backend {self.backend.name}, "
+                f"{len(self.taskgraph)} tasks; {self.stats}>")
+

@@ -1,0 +1,6 @@
+"""The runtime: one asynchronous engine, adapted by backends."""
+
+from einjoin.runtime.backends import BACKENDS, get_backend
+from einjoin.runtime.engine import ORDERS, Engine, ReadyQueue, RunStats, Store
+
+__all__ = ["BACKENDS", "get_backend", "ORDERS", "Engine", "ReadyQueue", "RunStats", "Store"]

@@ -1,0 +1,266 @@
+"""The one asynchronous engine: dependency counters, a ready queue whose order is free, per-device
+block stores with byte accounting, frees after the last reader, and callbacks.
+
+Backends only adapt it: how many workers run tasks (one inline worker, or one thread per
+device) and whether tasks compute (the ``null`` backend only counts).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from einjoin.decomp.decompose import Decomposition
+from einjoin.errors import EinjoinError
+from einjoin.exchange import Task
+from einjoin.ir.node import Node
+from einjoin.ir.printing import describe
+from einjoin.plan.execute import assemble_outputs, compute
+from einjoin.plan.taskgraph import TaskGraph
+
+__all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend"]
+
+ORDERS = ("fifo", "lifo", "priority", "random")
+
+
+class Callback(Protocol):
+    def on_start(self, task: Task) -> None: ...
+    def on_end(self, task: Task, start: float, end: float) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+    parallel: bool   # one worker thread per device (else one inline worker)
+    computes: bool   # False: run the schedule and count bytes only
+
+    def context(self, n_devices: int) -> Any: ...
+
+
+@dataclass
+class RunStats:
+    """What the last run measured."""
+
+    bytes_moved: int = 0
+    bytes_loaded: int = 0
+    bytes_fetched: int = 0
+    peak_bytes_per_device: dict[int, int] = field(default_factory=dict)
+    wall_time: float = 0.0
+    busy_time_per_device: dict[int, float] = field(default_factory=dict)
+    intervals: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)
+    tasks_run: int = 0
+    order: str = "fifo"
+
+
+class Store:
+    """One device's blocks, with the bytes it holds, its peak and the bytes it received."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self.values: dict[int, Any] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self.received = 0
+        self.loaded = 0
+
+    def put(self, vid: int, value: Any, nbytes: int) -> None:
+        if vid not in self.sizes:
+            self.sizes[vid] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.values[vid] = value
+
+    def get(self, vid: int) -> Any:
+        return self.values.get(vid)
+
+    def free(self, vid: int) -> None:
+        self.values.pop(vid, None)
+        self.live -= self.sizes.pop(vid, 0)
+
+
+class ReadyQueue:
+    """Ready tasks; the order they leave in is a policy. Every policy must give correct results."""
+
+    def __init__(self, order: str, priority: Sequence[float], seed: int):
+        if order not in ORDERS:
+            raise EinjoinError(f"unknown ready-queue order {order!r}; known: {', '.join(ORDERS)}")
+        self.order = order
+        self.priority = priority
+        self.rng = random.Random(seed)
+        self.items: Any = [] if order in ("priority", "random") else deque()
+
+    def push(self, tid: int) -> None:
+        if self.order == "priority":
+            heapq.heappush(self.items, (-self.priority[tid], tid))
+        else:
+            self.items.append(tid)
+
+    def pop(self) -> int:
+        if self.order == "fifo":
+            return self.items.popleft()
+        if self.order == "lifo":
+            return self.items.pop()
+        if self.order == "priority":
+            return heapq.heappop(self.items)[1]
+        i = self.rng.randrange(len(self.items))
+        self.items[i], self.items[-1] = self.items[-1], self.items[i]
+        return self.items.pop()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _blevels(tg: TaskGraph) -> list[float]:
+    """Longest remaining path from each task (work in flops plus bytes), for priority order."""
+    level = [0.0] * len(tg.tasks)
+    for t in reversed(tg.tasks):
+        below = max((level[d] for d in tg.dependents[t.id]), default=0.0)
+        level[t.id] = below + t.flops + t.nbytes
+    return level
+
+
+class Engine:
+    """Runs a task graph on a backend. ``run`` is re-entrant across calls (not concurrent ones)."""
+
+    def __init__(self, tg: TaskGraph, decomps: Mapping[Node, Decomposition]):
+        self.tg = tg
+        self.decomps = decomps
+        self._priority: list[float] | None = None
+        self.cancel_event = threading.Event()
+
+    def priority(self) -> list[float]:
+        if self._priority is None:
+            self._priority = _blevels(self.tg)
+        return self._priority
+
+    def run(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str = "fifo",
+            seed: int = 0, callbacks: Sequence[Callback] = ()) -> tuple[list[np.ndarray] | None, RunStats]:
+        tg = self.tg
+        n = tg.n_devices
+        prio = self.priority() if order == "priority" else ()
+        queues = [ReadyQueue(order, prio, seed + d) for d in range(n if backend.parallel else 1)]
+        qi = (lambda t: t.device) if backend.parallel else (lambda t: 0)
+        stores = [Store(d) for d in range(n)]
+        counters = [len(t.deps) for t in tg.tasks]
+        stats = RunStats(order=order, intervals={d: [] for d in range(n)})
+        state = {"remaining": len(tg.tasks), "error": None, "stop": False}
+        cond = threading.Condition()
+        self.cancel_event.clear()
+        for t in tg.tasks:
+            if not t.deps:
+                queues[qi(t)].push(t.id)
+
+        def execute(t: Task) -> None:
+            for cb in callbacks:
+                cb.on_start(t)
+            start = time.perf_counter()
+            store = stores[t.device]
+            if t.kind == "free":
+                store.free(t.frees)
+            else:
+                value = None
+                if backend.computes:
+                    # a move reads on its source device and writes on its destination
+                    get: Callable[[int], Any] = stores[t.src_device].get if t.kind == "move" else store.get
+                    value = compute(t, get, feeds, self.decomps, tg.values[t.writes].shape)
+                store.put(t.writes, value, tg.values[t.writes].nbytes)
+                if t.kind == "move":
+                    store.received += t.nbytes
+                elif t.kind == "load":
+                    store.loaded += t.nbytes
+            end = time.perf_counter()
+            stats.intervals[t.device].append((start, end, t.id))
+            for cb in callbacks:
+                cb.on_end(t, start, end)
+
+        def complete(t: Task) -> None:  # under cond
+            for dep in tg.dependents[t.id]:
+                counters[dep] -= 1
+                if counters[dep] == 0:
+                    queues[qi(tg.tasks[dep])].push(dep)
+            state["remaining"] -= 1
+
+        def fail(t: Task, exc: BaseException) -> None:
+            with cond:
+                if state["error"] is None:
+                    state["error"] = (t, exc)
+                state["stop"] = True
+                cond.notify_all()
+
+        def worker(q: int) -> None:
+            while True:
+                with cond:
+                    while not len(queues[q]) and state["remaining"] and not state["stop"]:
+                        if not backend.parallel:  # one inline worker and nothing ready: stuck
+                            state["stop"] = True
+                            break
+                        cond.wait(0.1)
+                        if self.cancel_event.is_set():
+                            state["stop"] = True
+                    if state["stop"] or not state["remaining"]:
+                        cond.notify_all()
+                        return
+                    t = tg.tasks[queues[q].pop()]
+                try:
+                    execute(t)
+                except BaseException as exc:  # noqa: BLE001 - reported with the task's context
+                    fail(t, exc)
+                    return
+                with cond:
+                    complete(t)
+                    stats.tasks_run += 1
+                    cond.notify_all()
+                if self.cancel_event.is_set():
+                    with cond:
+                        state["stop"] = True
+                        cond.notify_all()
+                    return
+
+        t0 = time.perf_counter()
+        with backend.context(n):
+            if backend.parallel:
+                threads = [threading.Thread(target=worker, args=(d,), name=f"einjoin-dev{d}", daemon=True)
+                           for d in range(n)]
+                for th in threads:
+                    th.start()
+                try:
+                    for th in threads:
+                        while th.is_alive():
+                            th.join(0.05)
+                except BaseException:  # KeyboardInterrupt: stop every worker, then re-raise
+                    with cond:
+                        state["stop"] = True
+                        cond.notify_all()
+                    for th in threads:
+                        th.join()
+                    raise
+            else:
+                worker(0)
+        stats.wall_time = time.perf_counter() - t0
+        if state["error"] is not None:
+            t, exc = state["error"]
+            kind = f"kernel {t.kernel}" if t.kind == "kernel" else t.kind
+            msg = (f"task #{t.id} ({kind} of {describe(t.node)}) on device {t.device} failed: "
+                   f"{type(exc).__name__}: {exc}")
+            raise EinjoinError(msg) from exc
+        if state["remaining"]:
+            if self.cancel_event.is_set():
+                raise EinjoinError(f"run cancelled with {state['remaining']} of {len(tg.tasks)} tasks left")
+            raise EinjoinError(f"run stopped with {state['remaining']} tasks never ready (a cycle?)")
+        stats.bytes_moved = sum(s.received for s in stores)
+        stats.bytes_loaded = sum(s.loaded for s in stores)
+        stats.peak_bytes_per_device = {s.device: s.peak for s in stores}
+        stats.busy_time_per_device = {d: sum(b - a for a, b, _ in iv) for d, iv in stats.intervals.items()}
+        if not backend.computes:
+            stats.bytes_fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
+            return None, stats
+        outs = assemble_outputs(tg, lambda v: stores[tg.values[v].device].get(v))
+        stats.bytes_fetched = sum(o.nbytes for o in outs)
+        return outs, stats
