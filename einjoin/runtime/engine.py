@@ -170,11 +170,13 @@ class Engine:
                     # a move reads on its source device and writes on its destination
                     get: Callable[[int], Any] = stores[t.src_device].get if t.kind == "move" else store.get
                     value = compute(t, get, feeds, self.decomps, tg.values[t.writes].shape)
-                store.put(t.writes, value, tg.values[t.writes].nbytes)
+                # count what really arrived: the array's bytes (the null backend has only the plan's)
+                nbytes = value.nbytes if value is not None else tg.values[t.writes].nbytes
+                store.put(t.writes, value, nbytes)
                 if t.kind == "move":
-                    store.received += t.nbytes
+                    store.received += nbytes
                 elif t.kind == "load":
-                    store.loaded += t.nbytes
+                    store.loaded += nbytes
             end = time.perf_counter()
             stats.intervals[t.device].append((start, end, t.id))
             for cb in callbacks:
