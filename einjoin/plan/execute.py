@@ -33,7 +33,9 @@ def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Nod
     value by id (None for a buffer no touch has allocated yet); ``shape`` is the written value's."""
     kind = t.kind
     if kind == "load":
-        return np.array(feeds[t.node][_slices(t.box)])  # type: ignore[arg-type]
+        # host and CPU devices share RAM: a contiguous block is loaded as a view (values are
+        # never written in place), anything else is copied
+        return np.ascontiguousarray(feeds[t.node][_slices(t.box)])  # type: ignore[arg-type]
     if kind == "fill":
         return fill_kernel(t.node.op.expr, [a for a, _ in t.box], shape, t.node.dtype)  # type: ignore[union-attr, arg-type]
     if kind == "kernel":
