@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -110,7 +110,7 @@ class Program:
             return None
         if use_torch:
             import torch
-            outs = [torch.from_numpy(np.ascontiguousarray(o)) if o.dtype.kind != "V" else torch.from_numpy(
+            outs = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(
                 o.view(np.int16)).view(torch.bfloat16) for o in outs]
         return tuple(outs) if self._many else outs[0]
 
@@ -123,10 +123,13 @@ class Program:
         """Ask a run in progress (on another thread) to stop; it raises an EinjoinError."""
         self._engine.cancel_event.set()
 
-    def explain(self, file: TextIO | None = sys.stdout) -> str:
+    def explain(self, file: Any = "stdout") -> str:
+        """Print (to ``file``; default the current ``sys.stdout``, None: don't) and return, per op,
+        its join-agg spec, blocks, kernels, partials and bytes moved in and out, then the totals
+        and bytes per device pair."""
         text = explain(self.taskgraph, self.decomps, list(self.graph.nodes))
         if file is not None:
-            print(text, file=file)
+            print(text, file=sys.stdout if file == "stdout" else file)
         return text
 
     def close(self) -> None:

@@ -79,6 +79,11 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
     return out
 
 
+def _own(x: np.ndarray, fed: list[np.ndarray]) -> np.ndarray:
+    # an output that passes an input through must not alias the caller's array
+    return x.copy() if any(np.may_share_memory(x, f) for f in fed) else x
+
+
 def reference(outputs: Any, *args: Any, **inputs: Any) -> Any:
     """Evaluate ``outputs`` (a tensor or a list/tuple of tensors) with numpy; inputs by name
     (or by position in declaration order). Returns an array, or a tuple of arrays."""
@@ -88,5 +93,6 @@ def reference(outputs: Any, *args: Any, **inputs: Any) -> Any:
         if isinstance(node.op, Input):
             continue
         values[node] = eval_node(node, [values[i] for i in node.inputs])
-    results = tuple(np.asarray(values[o], order="C") for o in graph.outputs)
+    fed = [values[x] for x in graph.inputs]
+    results = tuple(_own(np.asarray(values[o], order="C"), fed) for o in graph.outputs)
     return results if isinstance(outputs, (list, tuple)) else results[0]

@@ -35,7 +35,7 @@ def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Nod
     if kind == "load":
         # host and CPU devices share RAM: a contiguous block is loaded as a view (values are
         # never written in place), anything else is copied
-        return np.ascontiguousarray(feeds[t.node][_slices(t.box)])  # type: ignore[arg-type]
+        return np.asarray(feeds[t.node][_slices(t.box)], order="C")  # type: ignore[arg-type]
     if kind == "fill":
         return fill_kernel(t.node.op.expr, [a for a, _ in t.box], shape, t.node.dtype)  # type: ignore[union-attr, arg-type]
     if kind == "kernel":
@@ -66,12 +66,17 @@ def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Nod
     raise AssertionError(f"no computation for task kind {kind!r}")  # pragma: no cover
 
 
-def assemble_outputs(tg: "object", get: Callable[[int], np.ndarray]) -> list[np.ndarray]:
-    """Dense outputs from their aggregated blocks (the fetch)."""
+def assemble_outputs(tg: "object", get: Callable[[int], np.ndarray],
+                     feeds: Mapping[Node, np.ndarray] = {}) -> list[np.ndarray]:
+    """Dense outputs from their aggregated blocks (the fetch). An output that is a view of a
+    feed (an input passed through, loads are views) is copied, so callers never alias inputs."""
     outs = []
     for lay in tg.outputs:  # type: ignore[attr-defined]
         rel = TensorRelation(lay.partition, {k: get(v) for k, v in lay.blocks.items()})
-        outs.append(rel.to_dense())
+        out = rel.to_dense()
+        if any(np.may_share_memory(out, f) for f in feeds.values()):
+            out = out.copy()
+        outs.append(out)
     return outs
 
 
@@ -84,4 +89,4 @@ def run_reference(tg: "object", decomps: Mapping[Node, Decomposition],
             del vals[t.frees]
         else:
             vals[t.writes] = compute(t, vals.get, feeds, decomps, tg.values[t.writes].shape)  # type: ignore[attr-defined]
-    return assemble_outputs(tg, vals.__getitem__)
+    return assemble_outputs(tg, vals.__getitem__, feeds)

@@ -100,5 +100,3 @@ def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: lis
         for (a, b), n in sorted(s.bytes_per_pair.items()):
             lines.append(f"  {a} -> {b}: {human_bytes(n)}")
     return "\n".join(lines)
-
-

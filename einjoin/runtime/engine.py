@@ -263,6 +263,6 @@ class Engine:
         if not backend.computes:
             stats.bytes_fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
             return None, stats
-        outs = assemble_outputs(tg, lambda v: stores[tg.values[v].device].get(v))
+        outs = assemble_outputs(tg, lambda v: stores[tg.values[v].device].get(v), feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs, stats

@@ -1,0 +1,382 @@
+"""Local execution: einjoin on ``ej.local(2)`` (threads backend, numpy kernels) against numpy in
+one process, dask.array on its threaded scheduler (with einjoin's blocks, and with dask's own
+"auto" chunks) and torch eager, on four cases: a 4096^2 float32 matmul, a chain A@B@C, an MLP
+and a LLaMA-style block (``einjoin.cli.transformer_block``).
+
+Run it with ``make bench`` (or ``.venv/bin/python bench/local_exec.py``). Every time is a median
+over a few repetitions after one warm-up run; each einjoin result is checked against numpy.
+
+Thread settings, per column:
+
+* einjoin: its threads backend, one worker per device, BLAS limited to cores // devices threads
+  during a run (what the backend does by itself);
+* numpy: one call per op, BLAS with its default thread count;
+* dask, einjoin's blocks: ``num_workers`` = devices and BLAS limited like einjoin's, so that the
+  two differ only in the runtime (same blocks, same kernels, same threads);
+* dask, auto chunks: dask as it comes (``num_workers`` = cores, BLAS left alone);
+* torch eager: ``torch.set_num_threads(cores)``.
+
+The BLAS library in use and ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` are printed, never set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+T_START = time.perf_counter()
+
+import dask  # noqa: E402
+import dask.array as da  # noqa: E402
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+from rich.table import Table  # noqa: E402
+from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
+
+import einjoin as ej  # noqa: E402
+from einjoin.cli import torch_block, transformer_block  # noqa: E402
+from einjoin.plan.stats import human_bytes  # noqa: E402
+
+DEVICES = 2
+CORES = os.cpu_count() or 1
+HEADS = 8
+Feeds = dict[str, np.ndarray]
+
+
+# --------------------------------------------------------------------------------------------
+# the cases: an einjoin graph, its inputs, and the same math for numpy, dask and torch
+
+
+@dataclass
+class Case:
+    name: str
+    out: Any                                   # the einjoin tensor
+    feeds: Feeds
+    numpy_fn: Callable[[Feeds], np.ndarray]
+    numpy_label: str
+    dask_fn: Callable[[dict[str, Any]], Any]   # dask arrays in, a lazy dask array out
+    torch_fn: Callable[[Feeds], np.ndarray]
+    reps: int = 3
+    extra: dict[str, Callable[[Feeds], np.ndarray]] = field(default_factory=dict)  # more numpy peers
+
+
+def _randn(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if scale != 1.0:
+        x *= np.float32(scale)
+    return x
+
+
+def _torch(fn: Callable[..., Any]) -> Callable[[Feeds], np.ndarray]:
+    def run(feeds: Feeds) -> np.ndarray:
+        return fn({k: torch.from_numpy(v) for k, v in feeds.items()}).numpy()
+    return run
+
+
+def matmul_case(rng: np.random.Generator) -> Case:
+    n = 4096
+    a, b = ej.input("a", (n, n)), ej.input("b", (n, n))
+    feeds = {"a": _randn(rng, (n, n)), "b": _randn(rng, (n, n))}
+    mm = lambda t: t["a"] @ t["b"]  # noqa: E731  (numpy, dask and torch alike)
+    return Case("matmul 4096x4096 @ 4096x4096", a @ b, feeds, mm, "numpy", mm, _torch(mm))
+
+
+def chain_case(rng: np.random.Generator) -> Case:
+    n = 4096
+    a, b, c = (ej.input(k, (n, n)) for k in "abc")
+    s = 1 / math.sqrt(n)
+    feeds = {"a": _randn(rng, (n, n)), "b": _randn(rng, (n, n), s), "c": _randn(rng, (n, n), s)}
+    chain = lambda t: t["a"] @ t["b"] @ t["c"]  # noqa: E731
+    return Case("chain A@B@C, 4096^2 each", a @ b @ c, feeds, chain, "numpy", chain, _torch(chain))
+
+
+def mlp_case(rng: np.random.Generator) -> Case:
+    x = ej.input("x", (8192, 1024))
+    w1, w2 = ej.input("w1", (1024, 4096)), ej.input("w2", (4096, 1024))
+    feeds = {"x": _randn(rng, (8192, 1024)), "w1": _randn(rng, (1024, 4096), 1 / 32),
+             "w2": _randn(rng, (4096, 1024), 1 / 64)}
+    return Case("MLP relu(x@W1)@W2, x 8192x1024, W1 1024x4096", (x @ w1).relu() @ w2, feeds,
+                lambda t: np.maximum(t["x"] @ t["w1"], 0) @ t["w2"], "numpy",
+                lambda t: da.maximum(t["x"] @ t["w1"], 0) @ t["w2"],
+                _torch(lambda t: torch.relu(t["x"] @ t["w1"]) @ t["w2"]))
+
+
+def block_math(xp: Any, t: dict[str, Any], heads: int) -> Any:
+    """The LLaMA-style block of ``einjoin.cli`` (RMSNorm, rotary causal attention, SwiGLU) in
+    plain array code: ``xp`` is numpy or dask.array. Same math as ``torch_block``."""
+    x = t["x"]
+    seq, d = x.shape
+    hd = d // heads
+    inv = (1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))).astype(np.float32)
+    f = np.outer(np.arange(seq, dtype=np.float32), inv)
+    emb = np.concatenate([f, f], -1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    mask = np.tril(np.ones((seq, seq), dtype=bool))
+
+    def rms(v: Any, g: Any) -> Any:
+        return v * (1.0 / xp.sqrt((v * v).mean(-1, keepdims=True) + 1e-6)) * g
+
+    def rot(v: Any) -> Any:
+        half = xp.concatenate([-v[..., hd // 2:], v[..., :hd // 2]], axis=-1)
+        return v * cos + half * sin
+
+    h = rms(x, t["g1"])
+
+    def heads_of(w: Any) -> Any:  # (seq, d) -> (heads, seq, hd)
+        return (h @ w.T).reshape(seq, heads, hd).transpose(1, 0, 2)
+
+    q, k, v = rot(heads_of(t["wq"])), rot(heads_of(t["wk"])), heads_of(t["wv"])
+    s = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / math.sqrt(hd))
+    s = xp.where(mask, s, np.float32(-np.inf))
+    p = xp.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    a = (p @ v).transpose(1, 0, 2).reshape(seq, d)
+    x = x + a @ t["wo"].T
+    h2 = rms(x, t["g2"])
+    u = h2 @ t["w1"].T
+    return x + ((u / (1.0 + xp.exp(-u))) * (h2 @ t["w3"].T)) @ t["w2"].T
+
+
+def llama_case(rng: np.random.Generator) -> Case:
+    out, shapes = transformer_block(seq=2048, d=1024, heads=HEADS, hidden=2816)
+    feeds = {k: _randn(rng, s, 0.05 if k.startswith("w") else 1.0) for k, s in shapes.items()}
+    for g in ("g1", "g2"):
+        feeds[g] = np.ones(shapes[g], np.float32)
+    return Case("LLaMA block seq 2048, d 1024, 8 heads, SwiGLU 2816", out, feeds,
+                lambda t: ej.reference(out, **t), "numpy (ej.reference)",
+                lambda t: block_math(da, t, HEADS), lambda t: torch_block(t, HEADS),
+                extra={"numpy (hand-written block)": lambda t: block_math(np, t, HEADS)})
+
+
+# --------------------------------------------------------------------------------------------
+# measuring
+
+
+@dataclass
+class Timing:
+    median: float
+    times: list[float]
+    result: np.ndarray
+
+
+def measure(fn: Callable[[], Any], reps: int, warmup: bool = True) -> Timing:
+    """One warm-up run, then ``reps`` timed runs; the previous result is dropped before each run
+    so every run allocates its output the same way."""
+    result = fn() if warmup else None
+    times = []
+    for _ in range(reps):
+        result = None
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return Timing(statistics.median(times), times, np.asarray(result))
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want| (both in float64)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return float("inf")
+    scale = float(np.abs(want).max()) or 1.0
+    return float(np.abs(got - want).max()) / scale
+
+
+def chunks_of(prog: ej.Program, name: str) -> tuple[tuple[int, ...], ...]:
+    """Dask chunks equal to the blocks of einjoin's partition of input ``name``."""
+    node = prog.graph.input_by_name[name]
+    bounds = prog.decomps[node].out_partition.bounds
+    return tuple(tuple(int(b - a) for a, b in zip(bs[:-1], bs[1:])) for bs in bounds)
+
+
+def grid(chunks: tuple[tuple[int, ...], ...]) -> str:
+    return "x".join(str(len(c)) for c in chunks) or "1"
+
+
+@dataclass
+class Result:
+    case: Case
+    prog: ej.Program
+    compile_s: float
+    times: dict[str, Timing]
+    errs: dict[str, float]
+    chunks_same: dict[str, tuple[tuple[int, ...], ...]]
+    chunks_auto: dict[str, tuple[tuple[int, ...], ...]]
+    dask_tasks: dict[str, int]
+    notes: list[str]
+
+
+def run_case(case: Case, console: Console, slow_warmup_s: float) -> Result:
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    prog = ej.compile(case.out, devices=ej.local(DEVICES), backend="threads")
+    compile_s = time.perf_counter() - t0
+    names = [n.op.name for n in prog.graph.inputs]
+    feeds = case.feeds
+    reps = case.reps
+    # einjoin's warm-up, timed to size the repetitions
+    t0 = time.perf_counter()
+    prog.run(**feeds)
+    warm = time.perf_counter() - t0
+    if warm > slow_warmup_s and reps > 1:
+        reps = 1
+        notes.append(f"repetitions reduced to {reps} for every column (einjoin warm-up took {warm:.1f} s)")
+    times: dict[str, Timing] = {}
+
+    def step(label: str, fn: Callable[[], Any], n: int = reps, warmup: bool = True) -> None:
+        console.log(f"{escape(case.name)}: {escape(label)} x{n}")
+        times[label] = measure(fn, n, warmup)
+
+    step("einjoin", lambda: prog.run(**feeds), warmup=False)  # warmed up above
+    step("numpy", lambda: case.numpy_fn(feeds))
+    for label, fn in case.extra.items():
+        step(label, lambda fn=fn: fn(feeds))
+
+    same = {k: chunks_of(prog, k) for k in names}
+    lazy_same = case.dask_fn({k: da.from_array(feeds[k], chunks=same[k]) for k in names})
+    auto_in = {k: da.from_array(feeds[k], chunks="auto") for k in names}
+    auto = {k: auto_in[k].chunks for k in names}
+    lazy_auto = case.dask_fn(auto_in)
+    per_worker = max(1, CORES // DEVICES)
+
+    def dask_same() -> np.ndarray:
+        with threadpool_limits(limits=per_worker):
+            return lazy_same.compute(scheduler="threads", num_workers=DEVICES)
+
+    step("dask (einjoin blocks)", dask_same)
+    step("dask (auto chunks)", lambda: lazy_auto.compute(scheduler="threads"))
+    step("torch eager", lambda: case.torch_fn(feeds))
+
+    want = times["numpy"].result
+    errs = {k: rel_err(t.result, want) for k, t in times.items() if k != "numpy"}
+    if case.numpy_label != "numpy":
+        errs["einjoin vs torch"] = rel_err(times["einjoin"].result, times["torch eager"].result)
+    dask_tasks = {"same": len(lazy_same.__dask_graph__()), "auto": len(lazy_auto.__dask_graph__())}
+    return Result(case, prog, compile_s, times, errs, same, auto, dask_tasks, notes)
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+
+
+def blas_lines() -> list[str]:
+    lines = []
+    for lib in threadpool_info():
+        lines.append(f"  {lib.get('user_api')}: internal_api={lib.get('internal_api')} "
+                     f"version={lib.get('version')} architecture={lib.get('architecture', '-')} "
+                     f"num_threads={lib.get('num_threads')} ({os.path.basename(lib.get('filepath', ''))})")
+    cfg = torch.__config__.show()
+    torch_blas = "MKL" if torch.backends.mkl.is_available() else ("OpenBLAS" if "OpenBLAS" in cfg else "?")
+    lines.append(f"  torch: BLAS {torch_blas}, intra-op threads {torch.get_num_threads()}")
+    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        lines.append(f"  {var}={os.environ.get(var, '(unset)')}")
+    return lines
+
+
+def fmt_s(t: Timing | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t.median:.3f}" + ("" if len(t.times) > 1 else "*")
+
+
+def report(results: list[Result], console: Console, total_s: float) -> None:
+    cols = {"einjoin": "einjoin\nlocal(2)", "numpy": "numpy", "dask (einjoin blocks)": "dask\neinjoin's\nblocks",
+            "dask (auto chunks)": "dask\nauto\nchunks", "torch eager": "torch\neager"}
+    table = Table(title=f"einjoin on ej.local({DEVICES}) (threads backend, numpy kernels) vs "
+                        f"single-process peers: median seconds")
+    table.add_column("case", justify="left", max_width=52)
+    for c in cols.values():
+        table.add_column(c + "\n(s)", justify="right")
+    table.add_column("einjoin\n/ numpy", justify="right")
+    table.add_column("einjoin\n/ dask\nsame blocks", justify="right")
+    table.add_column("einjoin max\nrel err\nvs numpy", justify="right")
+    for r in results:
+        t = r.times
+        name = r.case.name + ("" if r.case.numpy_label == "numpy" else f"\n(numpy column: {r.case.numpy_label})")
+        table.add_row(escape(name), *(fmt_s(t.get(c)) for c in cols),
+                      f"{t['einjoin'].median / t['numpy'].median:.2f}",
+                      f"{t['einjoin'].median / t['dask (einjoin blocks)'].median:.2f}",
+                      f"{r.errs['einjoin']:.1e}")
+    console.print(table)
+    console.print("ratios < 1: einjoin faster. '*': a single timed repetition. Each case was run "
+                  "once untimed (warm-up) before its timed repetitions.")
+
+    console.print("\n[bold]per case: einjoin's plan and run, the dask graphs, the peers' agreement[/]")
+    for r in results:
+        s, rs = r.prog.stats, r.prog.run_stats
+        tc = ", ".join(f"{k} {v}" for k, v in sorted(s.task_counts.items(), key=lambda kv: -kv[1]))
+        console.print(f"[bold]{escape(r.case.name)}[/]")
+        console.print(f"  plan: moved {human_bytes(s.bytes_moved)}, loaded {human_bytes(s.bytes_loaded)}, "
+                      f"fetched {human_bytes(s.bytes_fetched)}, {s.flops / 1e9:.1f} GFLOP "
+                      f"(per device: {', '.join(f'{d}: {f / 1e9:.1f}' for d, f in sorted(s.flops_per_device.items()))}); "
+                      f"{sum(s.task_counts.values())} tasks ({tc}); compiled in {r.compile_s * 1e3:.0f} ms")
+        if rs is not None:
+            busy = ", ".join(f"{d}: {b:.2f} s" for d, b in sorted(rs.busy_time_per_device.items()))
+            peak = ", ".join(f"{d}: {human_bytes(p)}" for d, p in sorted(rs.peak_bytes_per_device.items()))
+            console.print(f"  last run: moved {human_bytes(rs.bytes_moved)}, engine wall {rs.wall_time:.3f} s "
+                          f"of {r.times['einjoin'].times[-1]:.3f} s in Program.run, busy per device {busy}, "
+                          f"peak per device {peak}")
+        blocks = ", ".join(f"{k} {grid(c)}" for k, c in r.chunks_same.items())
+        autos = ", ".join(f"{k} {grid(c)}" for k, c in r.chunks_auto.items())
+        console.print(f"  input blocks (einjoin = dask same): {blocks}; dask auto: {autos}; "
+                      f"dask graph tasks: same {r.dask_tasks['same']}, auto {r.dask_tasks['auto']}")
+        errs = ", ".join(f"{k} {v:.1e}" for k, v in r.errs.items() if k != "einjoin")
+        console.print(f"  max rel err vs {escape(r.case.numpy_label)}: {escape(errs)}")
+        for label in r.case.extra:
+            console.print(f"  {escape(label)}: {fmt_s(r.times[label])} s "
+                          f"(einjoin / it = {r.times['einjoin'].median / r.times[label].median:.2f})")
+        reps = {len(t.times) for t in r.times.values()}
+        console.print(f"  timed repetitions: {', '.join(map(str, sorted(reps)))}")
+        for n in r.notes:
+            console.print(f"  [yellow]note[/]: {escape(n)}")
+    console.print(f"\ntotal benchmark time: {total_s:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="matmul,chain,mlp,llama",
+                    help="comma-separated subset of matmul,chain,mlp,llama")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per column (after a warm-up)")
+    ap.add_argument("--slow-warmup", type=float, default=20.0,
+                    help="a case whose einjoin warm-up takes longer gets 1 repetition per column")
+    args = ap.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
+    torch.set_num_threads(CORES)
+    dask.config.set(scheduler="threads")
+
+    console.print(f"[bold]einjoin local execution benchmark[/]: {CORES} cores, {DEVICES} einjoin devices; "
+                  f"python {platform.python_version()}, numpy {np.__version__}, dask {dask.__version__}, "
+                  f"torch {torch.__version__}, einjoin {ej.__version__}")
+    console.print("BLAS and threads (as found, nothing changed):")
+    for line in blas_lines():
+        console.print(escape(line))
+    console.print(f"threads: einjoin {DEVICES} device threads x {max(1, CORES // DEVICES)} BLAS; "
+                  f"dask (einjoin blocks) {DEVICES} workers x {max(1, CORES // DEVICES)} BLAS; "
+                  f"dask (auto) default workers, BLAS untouched; numpy and torch {CORES} threads")
+
+    makers = {"matmul": matmul_case, "chain": chain_case, "mlp": mlp_case, "llama": llama_case}
+    rng = np.random.default_rng(0)
+    results = []
+    for key in args.cases.split(","):
+        case = makers[key.strip()](rng)
+        case.reps = args.reps
+        results.append(run_case(case, console, args.slow_warmup))
+    report(results, console, time.perf_counter() - T_START)
+    bad = [r.case.name for r in results if not r.errs["einjoin"] < 1e-3]
+    if bad:
+        console.print(f"[red]einjoin result differs from numpy[/] in: {', '.join(bad)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
