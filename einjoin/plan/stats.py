@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from einjoin.ir.node import Input, Node
 from einjoin.ir.printing import describe
+from einjoin.optim.bounds import node_bound_bytes
 
 if TYPE_CHECKING:
     from einjoin.decomp.decompose import Decomposition
@@ -77,17 +78,28 @@ def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: lis
     (its data travelling, partial sums included); then totals per device pair."""
     bin_: dict[Node, int] = defaultdict(int)
     bout: dict[Node, int] = defaultdict(int)
+    agg: dict[Node, int] = defaultdict(int)
     for t in tg.tasks:
         if t.kind == "move":
             bout[t.node] += t.nbytes
-            if t.consumer is not None and t.consumer is not t.node:
+            if t.consumer is t.node:
+                agg[t.node] += t.nbytes
+            elif t.consumer is not None:
                 bin_[t.consumer] += t.nbytes
-    rows = [("op", "spec", "blocks", "kernels", "partials", "bytes in", "bytes out")]
+    rows = [("op", "spec", "blocks", "kernels", "partials", "bytes in", "bytes out", "bound",
+             "(in+agg)/bound")]
+    total_bound = 0.0
     for n in order:
         d = decomps[n]
         name = f"input {n.op.name!r}" if isinstance(n.op, Input) else describe(n)  # type: ignore[union-attr]
+        bound = node_bound_bytes(n, tg.n_devices)
+        if bound:
+            total_bound += bound
+            bound_txt, ratio = human_bytes(bound), f"{(bin_[n] + agg[n]) / bound:.2f}"
+        else:
+            bound_txt, ratio = "n/a", ""
         rows.append((name, str(d.spec), str(d.out_partition.num_blocks), str(len(d.kernels)),
-                     str(d.n_partials), human_bytes(bin_[n]), human_bytes(bout[n])))
+                     str(d.n_partials), human_bytes(bin_[n]), human_bytes(bout[n]), bound_txt, ratio))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
@@ -95,6 +107,9 @@ def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: lis
     s = compute_stats(tg)
     lines.append("")
     lines.append(f"total: {s}")
+    if total_bound:
+        lines.append(f"sum of per-op lower bounds (contractions): {human_bytes(total_bound)}; "
+                     f"bytes moved / that sum = {s.bytes_moved / total_bound:.2f}")
     if s.bytes_per_pair:
         lines.append("bytes moved per device pair (src -> dst):")
         for (a, b), n in sorted(s.bytes_per_pair.items()):

@@ -1,0 +1,82 @@
+"""The communication lower bound: the fewest words any parallel algorithm must move.
+
+For an (m x k) . (k x n) matmul on P processors, with one copy of the inputs and of the output
+distributed at the start and the end (Al Daas, Ballard, Grigori, Kumar, Rouse: "Tight memory-
+independent parallel matrix multiplication communication lower bounds", SPAA 2022): sort
+d1 >= d2 >= d3 of (m, n, k); the most data one processor must touch is
+
+    D = d2 d3 + (d1 d2 + d1 d3) / P          if P <= d1 / d2
+    D = 2 sqrt(d1 d2 d3^2 / P) + d1 d2 / P   if P <= d1 d2 / d3^2
+    D = 3 (d1 d2 d3 / P)^(2/3)               otherwise
+
+and the total words moved are at least ``P D - (mn + mk + nk)``. A contraction with b batch
+slices is b independent matmuls: ``b * bound(m, n, k, P / b)`` when b < P, and 0 when b >= P
+(each processor takes whole slices, as head-parallel attention does).
+
+>>> round(matmul_bound_words(8192, 8192, 8192, 8) / 8192**2, 6)   # 3 matrices: the 2x2x2 split
+3.0
+>>> contraction_bound_words(1, 8192, 8192, 8192, 8) == matmul_bound_words(8192, 8192, 8192, 8)
+True
+"""
+
+from __future__ import annotations
+
+import math
+
+from einjoin.ir.dtypes import itemsize
+from einjoin.ir.node import Einsum, Node
+from einjoin.ir.scalar import is_product
+
+__all__ = ["matmul_bound_words", "contraction_bound_words", "contraction_dims", "node_bound_bytes"]
+
+
+def matmul_bound_words(m: int, n: int, k: int, p: float) -> float:
+    """Minimum total words moved by an (m x k)(k x n) matmul on ``p`` processors (p may be
+    fractional when it comes from p / batch)."""
+    if p <= 1:
+        return 0.0
+    d1, d2, d3 = sorted((m, n, k), reverse=True)
+    if p <= d1 / d2:
+        d = d2 * d3 + (d1 * d2 + d1 * d3) / p
+    elif p <= d1 * d2 / (d3 * d3):
+        d = 2 * math.sqrt(d1 * d2 * d3 * d3 / p) + d1 * d2 / p
+    else:
+        d = 3 * (d1 * d2 * d3 / p) ** (2.0 / 3.0)
+    return max(0.0, p * d - (m * n + m * k + n * k))
+
+
+def contraction_bound_words(b: int, m: int, n: int, k: int, p: int) -> float:
+    """``b`` independent (m x k)(k x n) products on ``p`` processors."""
+    if b >= p:
+        return 0.0
+    return b * matmul_bound_words(m, n, k, p / b)
+
+
+def contraction_dims(node: Node) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) sizes of a two-input product-sum einsum, grouping its labels into batch
+    (both inputs and the output), M (first input and output), N (second input and output) and
+    K (both inputs, aggregated); None for any other op (its bound is "n/a")."""
+    op = node.op
+    if not isinstance(op, Einsum) or len(node.inputs) != 2 or not is_product(op.join, 2):
+        return None
+    if op.agg.name not in ("sum", "none"):
+        return None
+    x, y = (set(ls) for ls in op.in_labels)
+    out = set(op.out_labels)
+    sizes: dict[str, int] = {}
+    for inp, ls in zip(node.inputs, op.in_labels):
+        sizes.update(zip(ls, inp.shape))
+    if (x | y) - (x & y) - out:  # a label summed inside one input only: not a plain contraction
+        return None
+    groups = {"b": x & y & out, "m": (x & out) - y, "n": (y & out) - x, "k": (x & y) - out}
+    if not groups["k"] and not (groups["m"] and groups["n"]):
+        return None  # elementwise or a one-sided broadcast: nothing to contract
+    return tuple(math.prod(sizes[lab] for lab in groups[g]) for g in "bmnk")  # type: ignore[return-value]
+
+
+def node_bound_bytes(node: Node, p: int) -> float | None:
+    """The lower bound in bytes for ``node`` on ``p`` devices, or None where it does not apply."""
+    dims = contraction_dims(node)
+    if dims is None:
+        return None
+    return contraction_bound_words(*dims, p) * itemsize(node.dtype)
