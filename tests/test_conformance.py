@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
+from einjoin.optim.exact import plan_bytes
 from einjoin.runtime import ORDERS
 from graphgen import graphs, specs_for
 
@@ -42,6 +43,8 @@ def test_random_programs(backend: str) -> None:
         assert rs.bytes_loaded == prog.stats.bytes_loaded == sum(v.nbytes for v in feeds.values())
         assert rs.bytes_fetched == prog.stats.bytes_fetched
         assert rs.tasks_run == len(prog.taskgraph)
+        # the optimizer's exact cost formula agrees with the synthesised exchange programs
+        assert plan_bytes(prog.graph, prog.decomps, prog.placement) == prog.stats.bytes_moved
         if backend == "null":
             assert got is None
             return
