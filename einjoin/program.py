@@ -46,7 +46,7 @@ def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
 
 
 def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
-            backend: Any = "threads", specs: Any = None, placement: str = "round_robin",
+            backend: Any = "threads", specs: Any = None, placement: str = "greedy",
             order: str = "fifo", seed: int = 0) -> "Program":
     """Compile ``outputs`` (a tensor or a list/tuple of them) for ``devices`` (an int = that many
     local devices, or an :class:`ej.Cluster`). ``specs`` overrides the planner's join-agg spec

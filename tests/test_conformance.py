@@ -29,13 +29,15 @@ def test_random_programs(backend: str) -> None:
     @given(st.data())
     def check(data: st.DataObject) -> None:
         outs, feeds = data.draw(graphs("float64"))
-        specs = data.draw(specs_for(outs))
+        planner = data.draw(st.sampled_from(["specs", "specs", "split_largest", "eindecomp"]))
+        specs = data.draw(specs_for(outs)) if planner == "specs" else None
         devices = data.draw(st.sampled_from([1, 2, 3, 4, 8]))
         order = data.draw(st.sampled_from(ORDERS))
-        placement = data.draw(st.sampled_from(["round_robin", "random"]))
+        placement = data.draw(st.sampled_from(["round_robin", "random", "greedy"]))
         seed = data.draw(st.integers(0, 1000))
         prog = ej.compile(outs, devices=devices, backend=backend, specs=specs, placement=placement,
-                          order=order, seed=seed)
+                          order=order, seed=seed,
+                          planner="split_largest" if planner == "specs" else planner)
         got = prog.run(**feeds)
         rs = prog.run_stats
         assert rs is not None

@@ -92,3 +92,30 @@ def test_repartition_cost_rows_to_columns() -> None:
     on = {k: i for i, k in enumerate(rows.keys())}
     assert repartition_cost(rows, cols, "float32", on, {k: i for i, k in enumerate(cols.keys())}) == 192
     assert repartition_cost(rows, rows, "float32") == 0
+
+
+def test_repartition_estimate_equals_brute_force() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from graphgen import all_cuts
+    from einjoin.optim.cost import repartition_estimate
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.data())
+    def check(data: st.DataObject) -> None:
+        shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+        a = ej.Partition(tuple(tuple(data.draw(st.sampled_from(all_cuts(n)))) for n in shape))
+        b = ej.Partition(tuple(tuple(data.draw(st.sampled_from(all_cuts(n)))) for n in shape))
+        brute = 0
+        import itertools
+        for ck in b.keys():
+            cbox = b.box(ck)
+            best = 0
+            for pk in a.keys():
+                pbox = a.box(pk)
+                vol = math.prod(max(0, min(y, w) - max(x, v)) for (x, y), (v, w) in zip(cbox, pbox))
+                best = max(best, vol)
+            brute += math.prod(y - x for x, y in cbox) - best
+        assert repartition_estimate(a, b, "float32") == 4 * brute
+
+    check()

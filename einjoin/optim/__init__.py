@@ -1,11 +1,13 @@
 """Planners: graph + cluster -> one join-agg spec per node. All share one signature and one
-registry, with ``auto``. (The EinDecomp search and the named baselines come with the optimizer;
-until then ``auto`` is ``split_largest``.)
+registry, with ``auto`` (= ``eindecomp``, the EinDecomp dynamic program with refinement, see
+:mod:`einjoin.optim.search`); ``exhaustive`` is ground truth for small graphs, ``split_largest``
+and ``single`` simple references. (The named baselines data_parallel, megatron and mesh_ilp are
+still to come.)
 
 >>> import einjoin as ej
 >>> from einjoin.optim import plan_specs
 >>> z = ej.input("x", (64, 32)) @ ej.input("w", (32, 16))
->>> specs = plan_specs("auto", ej.Graph(z), ej.local(4))
+>>> specs = plan_specs("split_largest", ej.Graph(z), ej.local(4))
 >>> print(specs[z.node])
 {m: 4, n: 1, k: 1}
 """
@@ -57,7 +59,19 @@ def single_block(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
     return {n: JoinAggSpec.for_node(n, None) for n in graph.nodes}
 
 
-PLANNERS["auto"] = split_largest
+def _eindecomp(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
+    from einjoin.optim.search import eindecomp
+    return eindecomp(graph, cluster)
+
+
+def _exhaustive(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
+    from einjoin.optim.search import exhaustive
+    return exhaustive(graph, cluster)
+
+
+PLANNERS["eindecomp"] = _eindecomp
+PLANNERS["exhaustive"] = _exhaustive
+PLANNERS["auto"] = _eindecomp
 
 
 def derive_input_specs(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Node, JoinAggSpec]:

@@ -33,7 +33,7 @@ from einjoin.exchange.program import box_size, intersect
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Fill
 
-__all__ = ["join_cost", "agg_cost", "repartition_cost", "op_cost"]
+__all__ = ["join_cost", "agg_cost", "repartition_cost", "repartition_estimate", "op_cost"]
 
 
 def join_cost(d: Decomposition) -> int:
@@ -67,11 +67,11 @@ def _elems(shape: tuple[int, ...]) -> int:
 def repartition_cost(producer: Partition, consumer: Partition, dtype: str,
                      producer_devices: Mapping | None = None, consumer_devices: Mapping | None = None
                      ) -> int:
-    """Bytes to turn ``producer``'s blocks into ``consumer``'s. With devices (block key -> device)
-    for both: the exact overlap volume between blocks on different devices. Without: each consumer
-    block sits with the producer block it overlaps most, and the rest of it moves."""
-    if producer == consumer and producer_devices is None:
-        return 0
+    """Bytes to turn ``producer``'s blocks into ``consumer``'s given the devices of both (block key
+    -> device): the overlap volume between blocks on different devices. Without devices, see
+    :func:`repartition_estimate`."""
+    if producer_devices is None or consumer_devices is None:
+        return repartition_estimate(producer, consumer, dtype)
     size = itemsize(dtype)
     total = 0
     for ck in consumer.keys():
@@ -82,11 +82,33 @@ def repartition_cost(producer: Partition, consumer: Partition, dtype: str,
             sub = intersect(cbox, producer.box(pk))
             if sub is not None:
                 overlaps.append((pk, box_size(sub)))
-        if producer_devices is not None and consumer_devices is not None:
-            total += sum(v for pk, v in overlaps if producer_devices[pk] != consumer_devices[ck]) * size
-        else:
-            total += (box_size(cbox) - max(v for _, v in overlaps)) * size
+        total += sum(v for pk, v in overlaps if producer_devices[pk] != consumer_devices[ck]) * size
     return total
+
+
+def repartition_estimate(producer: Partition, consumer: Partition, dtype: str) -> int:
+    """Placement-free repartition bytes: each consumer block sits with the producer block it
+    overlaps most and the rest of it moves. Both partitions are grids, so the sum over consumer
+    blocks of the largest overlap factorises into a product over dims of 1-D sums: O(blocks)."""
+    if producer == consumer:
+        return 0
+    kept = 1
+    for pb, cb in zip(producer.bounds, consumer.bounds):
+        dim_sum = 0
+        j = 0
+        for a, b in zip(cb, cb[1:]):
+            while pb[j + 1] <= a:
+                j += 1
+            best, i = 0, j
+            while i < len(pb) - 1 and pb[i] < b:
+                best = max(best, min(b, pb[i + 1]) - max(a, pb[i]))
+                i += 1
+            dim_sum += best
+        kept *= dim_sum
+    n = 1
+    for b in consumer.bounds:
+        n *= b[-1]
+    return (n - kept) * itemsize(dtype)
 
 
 def op_cost(d: Decomposition) -> int:

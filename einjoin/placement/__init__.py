@@ -85,3 +85,86 @@ def place(name: str, decomps: Mapping[Node, Decomposition], cluster: Cluster, se
     if name not in PLACERS:
         raise EinjoinError(f"unknown placement {name!r}; known: {', '.join(sorted(PLACERS))}")
     return PLACERS[name](decomps, cluster, seed)
+
+
+@register_placer("greedy")
+def greedy(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0) -> Placement:
+    """Affinity with balance (in the spirit of Einsummable's greedy): each kernel goes to the
+    device that already holds most of the bytes it reads (producer blocks' homes, or copies an
+    earlier kernel caused), among devices below ceil(K/P) kernels of this op and, where possible,
+    not holding another partial of the same output block. A graph input's block is homed where
+    its first reader runs, so the one loaded copy is where it is used."""
+    from einjoin.ir.node import Fill, Input
+
+    p = cluster.size
+    homes: dict[Node, dict] = {}
+    copies: dict[tuple[Node, tuple], set[int]] = {}  # (producer, region) -> devices holding it
+    out: Placement = {}
+    for node, d in decomps.items():
+        if isinstance(node.op, Input):
+            homes[node] = {}
+            continue
+        if isinstance(node.op, Fill):
+            out[node] = round_robin({node: d}, cluster)[node]
+            homes[node] = out[node].homes
+            continue
+        cap = -(-len(d.kernels) // p)
+        load = [0] * p
+        partial_devs: dict = {}
+        devs = []
+        for k in d.kernels:
+            score = [0] * p
+            for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)):
+                if key is None or isinstance(x.op, Fill):
+                    continue
+                box = d.in_partitions[slot].box(key)
+                xd = decomps[x]
+                for dev in copies.get((x, box), ()):
+                    score[dev] += _box_elems(box)
+                for pk, vol in _overlaps(xd.out_partition, box):
+                    h = homes[x].get(pk)
+                    if h is not None:
+                        score[h] += vol
+            taken = partial_devs.setdefault(k.out_key, set())
+            order = sorted(range(p), key=lambda dv: (load[dv] >= cap, dv in taken, -score[dv], load[dv], dv))
+            dev = order[0]
+            devs.append(dev)
+            load[dev] += 1
+            taken.add(dev)
+            for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)):
+                if key is None or isinstance(x.op, Fill):
+                    continue
+                box = d.in_partitions[slot].box(key)
+                if isinstance(x.op, Input):
+                    for pk, _ in _overlaps(decomps[x].out_partition, box):
+                        homes[x].setdefault(pk, dev)
+                copies.setdefault((x, box), set()).add(dev)
+        out[node] = _from_kernel_devices(d, devs)
+        homes[node] = out[node].homes
+    for node, d in decomps.items():
+        if isinstance(node.op, Input):
+            rr = round_robin({node: d}, cluster)[node].homes
+            h = {key: homes[node].get(key, rr[key]) for key in d.out_partition.keys()}
+            out[node] = NodePlacement(tuple(h[k.out_key] for k in d.kernels), h)
+    return {node: out[node] for node in decomps}
+
+
+def _box_elems(box: tuple) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def _overlaps(part: "object", box: tuple) -> list:
+    import itertools
+    ranges = [part.overlapping(dim, a, b) for dim, (a, b) in enumerate(box)]  # type: ignore[attr-defined]
+    found = []
+    for pk in itertools.product(*ranges):
+        pbox = part.box(pk)  # type: ignore[attr-defined]
+        vol = 1
+        for (a, b), (c, e) in zip(box, pbox):
+            vol *= max(0, min(b, e) - max(a, c))
+        if vol:
+            found.append((pk, vol))
+    return found

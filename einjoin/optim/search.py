@@ -1,0 +1,306 @@
+"""Search over join-agg specs: the EinDecomp dynamic program, local refinement, and exhaustive
+search (ground truth for tests). All use one placement-free cost model:
+
+    total = sum over ops of join(J_v) + agg(J_v)
+          + sum over edges u -> v of repart(out partition of u -> what J_v needs of u)
+
+where graph inputs are loaded in the partition their first consumer needs (later consumers pay a
+repartition) and fills cost nothing.
+
+The DP (EinDecomp, arXiv 2410.02682) works on trees: ``f(v, J) = join(J) + sum over inputs u of
+min_q [g(u, q) + repart(q -> J|u)]`` and ``g(u, q) = min over J with out partition q of
+f(u, J) + agg(J)``. The DAG is cut into trees at nodes with several consumers, solved in
+topological order with earlier trees frozen; then a local search re-chooses each op's spec with
+all others fixed until no move lowers the total (this crosses tree borders, which the paper's DP
+cannot).
+
+>>> import einjoin as ej
+>>> from einjoin.optim.search import eindecomp
+>>> z = ej.input("a", (8192, 8192)) @ ej.input("b", (8192, 8192))
+>>> print(eindecomp(ej.Graph(z), ej.local(8))[z.node])
+{m: 2, n: 2, k: 2}
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from einjoin.cluster import Cluster
+from einjoin.decomp.decompose import decompose
+from einjoin.decomp.partition import Partition, even_bounds
+from einjoin.decomp.spec import JoinAggSpec, label_sizes
+from einjoin.errors import EinjoinError
+from einjoin.ir.dtypes import itemsize
+from einjoin.ir.graph import Graph
+from einjoin.ir.node import Einsum, Fill, Input, Node
+from einjoin.optim.cost import agg_cost, join_cost, repartition_estimate
+
+__all__ = ["candidate_specs", "SpecInfo", "CostModel", "eindecomp", "exhaustive", "total_cost"]
+
+
+def _factorisations(target: int, sizes: list[int]) -> Iterable[tuple[int, ...]]:
+    """Ordered tuples (p_1..p_n) with product ``target`` and p_i <= sizes[i]."""
+    if not sizes:
+        if target == 1:
+            yield ()
+        return
+    for p in range(1, min(target, sizes[0]) + 1):
+        if target % p == 0:
+            for rest in _factorisations(target // p, sizes[1:]):
+                yield (p,) + rest
+
+
+def candidate_specs(node: Node, p: int, over: tuple[int, ...] = (1, 2, 4)) -> list[JoinAggSpec]:
+    """Even join-agg specs with block-count product k * p (k in ``over``), each count at most its
+    label's size; where no label set is big enough for p blocks, the largest feasible product."""
+    sizes = label_sizes(node)
+    labels = list(sizes)
+    dims = [sizes[lab] for lab in labels]
+    found: list[tuple[int, ...]] = []
+    for k in over:
+        found.extend(_factorisations(k * p, dims))
+    if not found:
+        cap = math.prod(dims)
+        for target in range(min(p, cap), 0, -1):
+            found = list(_factorisations(target, dims))
+            if found:
+                break
+    return [JoinAggSpec(tuple(labels), tuple(even_bounds(n, c) for n, c in zip(dims, counts)))
+            for counts in found]
+
+
+@dataclass(frozen=True)
+class SpecInfo:
+    """What the cost model needs of (node, spec)."""
+
+    spec: JoinAggSpec
+    out: Partition
+    ins: tuple[Partition, ...]
+    op_bytes: int  # join + aggregation
+    agg_bytes: int
+
+
+class CostModel:
+    """Memoised cost pieces for one graph on ``p`` devices."""
+
+    def __init__(self, graph: Graph, p: int, over: tuple[int, ...] = (1, 2, 4)):
+        self.graph = graph
+        self.p = p
+        self.over = over
+        self._cands: dict[Node, list[SpecInfo]] = {}
+        self._info: dict[tuple[Node, JoinAggSpec], SpecInfo] = {}
+        self._repart: dict[tuple[Partition, Partition, str], int] = {}
+
+    def info(self, node: Node, spec: JoinAggSpec) -> SpecInfo:
+        key = (node, spec)
+        if key not in self._info:
+            op = node.op
+            if isinstance(op, Einsum):
+                out = spec.partition(op.out_labels)
+                ins = tuple(spec.partition(ls) for ls in op.in_labels)
+                counts = spec.counts()
+                join = 0
+                for x, ls in zip(node.inputs, op.in_labels):
+                    if not isinstance(x.op, Fill):
+                        r = math.prod(c for lab, c in counts.items() if lab not in ls)
+                        join += x.size * itemsize(x.dtype) * (r - 1)
+                n_agg = math.prod(counts[lab] for lab in op.agg_labels)
+                agg = node.size * itemsize(node.dtype) * (n_agg - 1)
+            else:
+                d = decompose(node, spec)
+                out, ins, join, agg = d.out_partition, d.in_partitions, join_cost(d), agg_cost(d)
+            self._info[key] = SpecInfo(spec, out, ins, join + agg, agg)
+        return self._info[key]
+
+    def candidates(self, node: Node) -> list[SpecInfo]:
+        if node not in self._cands:
+            if isinstance(node.op, (Input, Fill)):
+                self._cands[node] = []
+            else:
+                self._cands[node] = [self.info(node, s) for s in candidate_specs(node, self.p, self.over)]
+        return self._cands[node]
+
+    def repart(self, q: Partition, r: Partition, dtype: str) -> int:
+        key = (q, r, dtype)
+        if key not in self._repart:
+            self._repart[key] = repartition_estimate(q, r, dtype)
+        return self._repart[key]
+
+
+def _input_partitions(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo]
+                      ) -> dict[Node, Partition]:
+    """Each graph input is loaded as its first consumer needs it."""
+    out: dict[Node, Partition] = {}
+    for x in graph.inputs:
+        for c in graph.users[x]:
+            out[x] = chosen[c].ins[c.inputs.index(x)]
+            break
+    return out
+
+
+def total_cost(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo]) -> int:
+    """The model's bytes for a complete choice of specs."""
+    loaded = _input_partitions(graph, model, chosen)
+    total = 0
+    for v in graph.ops:
+        if isinstance(v.op, Fill):
+            continue
+        info = chosen[v]
+        total += info.op_bytes
+        for u, need in zip(v.inputs, info.ins):
+            if isinstance(u.op, Fill):
+                continue
+            have = loaded[u] if isinstance(u.op, Input) else chosen[u].out
+            total += model.repart(have, need, u.dtype)
+    return total
+
+
+def _specs_of(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo]) -> dict[Node, JoinAggSpec]:
+    from einjoin.decomp.spec import dim_labels
+    specs = {n: i.spec for n, i in chosen.items()}
+    for x, part in _input_partitions(graph, model, chosen).items():
+        specs[x] = JoinAggSpec(dim_labels(x.ndim), part.bounds)
+    for n in graph.nodes:
+        if n not in specs:
+            specs[n] = JoinAggSpec.for_node(n, None)
+    return specs
+
+
+def _solve_tree(graph: Graph, model: CostModel, root: Node, members: set[Node],
+                frozen: dict[Node, SpecInfo]) -> dict[Node, SpecInfo]:
+    """Exact DP over the tree of ``members`` hanging from ``root`` (inputs of members outside
+    the tree are frozen roots, graph inputs or fills)."""
+    order = [n for n in graph.nodes if n in members]
+    f: dict[Node, list[int]] = {}
+    pick: dict[Node, list[list[int]]] = {}  # per candidate J, per input slot: chosen candidate of u
+    for v in order:
+        cands = model.candidates(v)
+        fv, pv = [], []
+        for info in cands:
+            cost = info.op_bytes
+            choice = []
+            for u, need in zip(v.inputs, info.ins):
+                if isinstance(u.op, (Input, Fill)):
+                    choice.append(-1)
+                    continue  # loaded (or computed) as needed
+                if u in members:
+                    best, arg = None, -1
+                    for j, uinfo in enumerate(model.candidates(u)):
+                        c = f[u][j] + model.repart(uinfo.out, need, u.dtype)
+                        if best is None or c < best:
+                            best, arg = c, j
+                    cost += best or 0
+                    choice.append(arg)
+                else:
+                    cost += model.repart(frozen[u].out, need, u.dtype)
+                    choice.append(-1)
+            fv.append(cost)
+            pv.append(choice)
+        f[v], pick[v] = fv, pv
+    result: dict[Node, SpecInfo] = {}
+    best_root = min(range(len(f[root])), key=lambda j: f[root][j])
+    stack = [(root, best_root)]
+    while stack:
+        v, j = stack.pop()
+        result[v] = model.candidates(v)[j]
+        for u, arg in zip(v.inputs, pick[v][j]):
+            if arg >= 0 and u not in result:
+                stack.append((u, arg))
+    return result
+
+
+def _local_cost(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], v: Node) -> int:
+    """The part of the total that depends on v's spec: its op, its in- and out-edges, and the
+    edges of inputs whose loaded partition v (as first consumer) decides."""
+
+    def have(u: Node) -> Partition:
+        if isinstance(u.op, Input):
+            c = graph.users[u][0]
+            return chosen[c].ins[c.inputs.index(u)]
+        return chosen[u].out
+
+    def edges_into(w: Node) -> int:
+        cost = 0
+        for slot, (u, need) in enumerate(zip(w.inputs, chosen[w].ins)):
+            if isinstance(u.op, Fill) or (isinstance(u.op, Input) and graph.users[u][0] is w
+                                           and slot == w.inputs.index(u)):
+                continue  # a fill is computed in place; an input is loaded as its first use needs
+            cost += model.repart(have(u), need, u.dtype)
+        return cost
+
+    cost = chosen[v].op_bytes + edges_into(v)
+    touched = {w for w in graph.users[v]}
+    for u in v.inputs:
+        if isinstance(u.op, Input) and graph.users[u][0] is v:
+            touched.update(w for w in graph.users[u] if w is not v)
+    for w in touched:
+        cost += edges_into(w)
+    return cost
+
+
+def _local_search(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], rounds: int = 8) -> None:
+    """Re-choose each op's spec with all others fixed while that lowers the total."""
+    for _ in range(rounds):
+        improved = False
+        for v in graph.ops:
+            if isinstance(v.op, Fill):
+                continue
+            keep = chosen[v]
+            best, best_info = _local_cost(graph, model, chosen, v), keep
+            for info in model.candidates(v):
+                if info is keep:
+                    continue
+                chosen[v] = info
+                c = _local_cost(graph, model, chosen, v)
+                if c < best:
+                    best, best_info = c, info
+            chosen[v] = best_info
+            improved |= best_info is not keep
+        if not improved:
+            return
+
+
+def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True) -> dict[Node, JoinAggSpec]:
+    """The EinDecomp DP over trees of the DAG, then local refinement across tree borders."""
+    model = CostModel(graph, cluster.size)
+    outputs = set(graph.outputs)
+    roots = [n for n in graph.ops if not isinstance(n.op, Fill)
+             and (n in outputs or len(graph.users[n]) != 1)]
+    tree_of: dict[Node, Node] = {}
+    for n in reversed(graph.nodes):
+        if isinstance(n.op, (Input, Fill)):
+            continue
+        tree_of[n] = n if n in roots else tree_of.get(graph.users[n][0], graph.users[n][0])
+    chosen: dict[Node, SpecInfo] = {}
+    for r in roots:
+        members = {n for n, t in tree_of.items() if t is r}
+        chosen.update(_solve_tree(graph, model, r, members, chosen))
+    if refine:
+        _local_search(graph, model, chosen)
+    return _specs_of(graph, model, chosen)
+
+
+def exhaustive(graph: Graph, cluster: Cluster, max_ops: int = 4) -> dict[Node, JoinAggSpec]:
+    """Every combination of candidate specs (graphs of at most ``max_ops`` ops): ground truth."""
+    model = CostModel(graph, cluster.size)
+    ops = [n for n in graph.ops if not isinstance(n.op, Fill)]
+    if len(ops) > max_ops:
+        raise EinjoinError(f"exhaustive search takes at most {max_ops} ops; this graph has {len(ops)}")
+    best, best_choice = None, None
+    for combo in itertools.product(*(model.candidates(n) for n in ops)):
+        chosen = dict(zip(ops, combo))
+        c = total_cost(graph, model, chosen)
+        if best is None or c < best:
+            best, best_choice = c, chosen
+    assert best_choice is not None
+    return _specs_of(graph, model, best_choice)
+
+
+def model_cost(graph: Graph, cluster: Cluster, specs: dict[Node, JoinAggSpec]) -> int:
+    """The model's bytes for given specs (e.g. a planner's output)."""
+    model = CostModel(graph, cluster.size)
+    chosen = {n: model.info(n, specs[n]) for n in graph.ops if not isinstance(n.op, Fill)}
+    return total_cost(graph, model, chosen)
