@@ -61,11 +61,12 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
     if order not in ORDERS:
         raise EinjoinError(f"unknown ready-queue order {order!r}; known: {', '.join(ORDERS)}")
     chosen = dict(plan_specs(planner, graph, cluster))
-    chosen.update(_user_specs(graph, specs))
-    # inputs follow their first consumer unless given a spec themselves
-    given_inputs = {n for n in _user_specs(graph, specs) if n in graph.inputs}
-    chosen = derive_input_specs(graph, {n: s for n, s in chosen.items()
-                                        if n not in graph.inputs or n in given_inputs})
+    user = _user_specs(graph, specs)
+    chosen.update(user)
+    # an input keeps the user's or the planner's partition, unless a user spec changed one of its
+    # consumers: then it follows its first consumer again
+    stale = {x for x in graph.inputs if x not in user and any(c in user for c in graph.users[x])}
+    chosen = derive_input_specs(graph, {n: s for n, s in chosen.items() if n not in stale})
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
     placed = place(placement, decomps, cluster, seed)
     tg = build_taskgraph(graph, decomps, placed, cluster.size)
