@@ -30,7 +30,7 @@ def transformer_block(seq: int = 256, d: int = 256, heads: int = 4, hidden: int 
     x = ej.input("x", (seq, d))
     shapes = {"x": (seq, d), "g1": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
               "g2": (d,), "w1": (hidden, d), "w3": (hidden, d), "w2": (d, hidden)}
-    p = {k: ej.input(k, s) for k, s in shapes.items() if k != "x"}
+    p = {k: ej.param(k, s) for k, s in shapes.items() if k != "x"}
     h = ej.rms_norm(x, p["g1"])
 
     def heads_of(w: ej.Tensor) -> ej.Tensor:  # (seq, d) -> (heads, seq, hd)

@@ -25,7 +25,7 @@ from einjoin.ir.scalar import Expr
 from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, elementwise, permute, reduce,
                                      wrap)
 
-__all__ = ["input", "einsum", "matmul", "where", "maximum", "minimum", "exp", "log", "sqrt",
+__all__ = ["input", "param", "einsum", "matmul", "where", "maximum", "minimum", "exp", "log", "sqrt",
            "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "sin", "cos", "neg",
            "logical_not", "sum", "mean", "max", "min", "prod", "concat", "cat", "stack", "split",
            "chunk", "reshape", "transpose", "permute", "broadcast_to", "full", "zeros", "ones",
@@ -48,6 +48,16 @@ def input(name: str, shape: Any, dtype: Any = "float32") -> Tensor:
     Tensor(input 'tokens', int64[4, 128])
     """
     return Tensor(ops.input_node(name, shape, dtype))
+
+
+def param(name: str, shape: Any, dtype: Any = "float32") -> Tensor:
+    """A named parameter (a weight): an input that planners know is not an activation.
+
+    >>> import einjoin as ej
+    >>> ej.param("w", (1024, 4096))
+    Tensor(param 'w', float32[1024, 4096])
+    """
+    return Tensor(ops.input_node(name, shape, dtype, param=True))
 
 
 def einsum(equation: str, *operands: Tensor, join: "str | Expr | None" = None,

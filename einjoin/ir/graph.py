@@ -87,6 +87,11 @@ class Graph:
         return len(self.nodes)
 
     @property
+    def params(self) -> tuple[Node, ...]:
+        """The inputs marked as parameters (``ej.param``)."""
+        return tuple(x for x in self.inputs if x.op.param)  # type: ignore[union-attr]
+
+    @property
     def ops(self) -> Sequence[Node]:
         """The nodes that compute something (every node but the inputs)."""
         return tuple(n for n in self.nodes if not isinstance(n.op, Input))

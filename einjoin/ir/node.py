@@ -9,7 +9,7 @@ shared for free. Op payloads are small frozen dataclasses — plain, hashable da
 >>> ops.input_node("x", (2, 3), "float32") is x
 True
 >>> x.shape, x.dtype, x.op
-((2, 3), 'float32', Input(name='x'))
+((2, 3), 'float32', Input(name='x', param=False))
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "C
 
 @dataclass(frozen=True)
 class Input:
-    """A graph input, fed by name at run time."""
+    """A graph input, fed by name at run time. ``param`` marks a parameter (a weight) as opposed
+    to an activation; planners such as data parallelism read it."""
 
     name: str
+    param: bool = False
 
 
 @dataclass(frozen=True)

@@ -58,10 +58,11 @@ def _need_node(x: Any, what: str) -> Node:
     return x
 
 
-def input_node(name: str, shape: Any, dtype: Any = "float32") -> Node:
+def input_node(name: str, shape: Any, dtype: Any = "float32", param: bool = False) -> Node:
     if not isinstance(name, str) or not name:
         raise EinjoinError(f"input name must be a non-empty string, got {name!r}")
-    return Node(Input(name), (), check_shape(shape, f"input {name!r}"), canonical_dtype(dtype))
+    return Node(Input(name, bool(param)), (), check_shape(shape, f"input {name!r}"),
+                canonical_dtype(dtype))
 
 
 def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],

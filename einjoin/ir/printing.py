@@ -31,7 +31,7 @@ def describe(node: Node) -> str:
     """The op with its parameters, without inputs: ``einsum[ij,jk->ik | x0 * x1 | sum]``."""
     op = node.op
     if isinstance(op, Input):
-        return f"input {op.name!r}"
+        return f"{'param' if op.param else 'input'} {op.name!r}"
     if isinstance(op, Einsum):
         agg = "" if op.agg.name == "none" else f" | {op.agg.name}"
         return f"einsum[{op.equation} | {op.join}{agg}]"

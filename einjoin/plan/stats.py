@@ -91,7 +91,7 @@ def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: lis
     total_bound = 0.0
     for n in order:
         d = decomps[n]
-        name = f"input {n.op.name!r}" if isinstance(n.op, Input) else describe(n)  # type: ignore[union-attr]
+        name = describe(n)
         bound = node_bound_bytes(n, tg.n_devices)
         if bound:
             total_bound += bound
