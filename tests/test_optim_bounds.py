@@ -107,7 +107,6 @@ def test_repartition_estimate_equals_brute_force() -> None:
         a = ej.Partition(tuple(tuple(data.draw(st.sampled_from(all_cuts(n)))) for n in shape))
         b = ej.Partition(tuple(tuple(data.draw(st.sampled_from(all_cuts(n)))) for n in shape))
         brute = 0
-        import itertools
         for ck in b.keys():
             cbox = b.box(ck)
             best = 0

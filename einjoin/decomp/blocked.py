@@ -17,7 +17,7 @@ True
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import builtins
-import operator
 from typing import Any, Sequence, Union
 
 import numpy as np

@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from einjoin.ir.node import Input, Node
+from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.optim.bounds import node_bound_bytes
 
