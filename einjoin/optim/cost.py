@@ -33,21 +33,27 @@ from einjoin.exchange.program import box_size, intersect
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Fill
 
-__all__ = ["join_cost", "agg_cost", "repartition_cost", "repartition_estimate", "op_cost"]
+__all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate", "op_cost"]
 
 
 def join_cost(d: Decomposition) -> int:
     """Bytes of input replicas beyond the one loaded copy: sum over input blocks of
     |block| * (kernels reading it - 1). Fills are computed where needed and cost nothing."""
-    total = 0
+    return sum(join_cost_per_input(d))
+
+
+def join_cost_per_input(d: Decomposition) -> tuple[int, ...]:
+    """:func:`join_cost` split by input slot."""
+    out = []
     for slot, (x, part) in enumerate(zip(d.node.inputs, d.in_partitions)):
-        if isinstance(x.op, Fill):
-            continue
-        readers = Counter(k.in_keys[slot] for k in d.kernels if k.in_keys[slot] is not None)
-        size = itemsize(x.dtype)
-        for key, r in readers.items():
-            total += _elems(part.block_shape(key)) * size * (r - 1)
-    return total
+        total = 0
+        if not isinstance(x.op, Fill):
+            readers = Counter(k.in_keys[slot] for k in d.kernels if k.in_keys[slot] is not None)
+            size = itemsize(x.dtype)
+            for key, r in readers.items():
+                total += _elems(part.block_shape(key)) * size * (r - 1)
+        out.append(total)
+    return tuple(out)
 
 
 def agg_cost(d: Decomposition) -> int:

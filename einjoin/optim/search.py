@@ -36,7 +36,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Einsum, Fill, Input, Node
-from einjoin.optim.cost import agg_cost, join_cost, repartition_estimate
+from einjoin.optim.cost import agg_cost, join_cost_per_input, repartition_estimate
 
 __all__ = ["candidate_specs", "SpecInfo", "CostModel", "eindecomp", "exhaustive", "total_cost"]
 
@@ -81,6 +81,7 @@ class SpecInfo:
     ins: tuple[Partition, ...]
     op_bytes: int  # join + aggregation
     agg_bytes: int
+    join_in: tuple[int, ...]  # replica bytes per input slot
 
 
 class CostModel:
@@ -102,17 +103,18 @@ class CostModel:
                 out = spec.partition(op.out_labels)
                 ins = tuple(spec.partition(ls) for ls in op.in_labels)
                 counts = spec.counts()
-                join = 0
+                joins = []
                 for x, ls in zip(node.inputs, op.in_labels):
-                    if not isinstance(x.op, Fill):
-                        r = math.prod(c for lab, c in counts.items() if lab not in ls)
-                        join += x.size * itemsize(x.dtype) * (r - 1)
+                    r = math.prod(c for lab, c in counts.items() if lab not in ls)
+                    joins.append(0 if isinstance(x.op, Fill) else x.size * itemsize(x.dtype) * (r - 1))
                 n_agg = math.prod(counts[lab] for lab in op.agg_labels)
                 agg = node.size * itemsize(node.dtype) * (n_agg - 1)
+                join_in = tuple(joins)
             else:
                 d = decompose(node, spec)
-                out, ins, join, agg = d.out_partition, d.in_partitions, join_cost(d), agg_cost(d)
-            self._info[key] = SpecInfo(spec, out, ins, join + agg, agg)
+                out, ins, agg = d.out_partition, d.in_partitions, agg_cost(d)
+                join_in = join_cost_per_input(d)
+            self._info[key] = SpecInfo(spec, out, ins, sum(join_in) + agg, agg, join_in)
         return self._info[key]
 
     def candidates(self, node: Node) -> list[SpecInfo]:
@@ -142,20 +144,35 @@ def _input_partitions(graph: Graph, model: CostModel, chosen: dict[Node, SpecInf
 
 
 def total_cost(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo]) -> int:
-    """The model's bytes for a complete choice of specs."""
+    """The model's bytes for a complete choice of specs. Replicas of one tensor in one partition
+    are counted once however many ops read them (the exchange moves a region to a device once)."""
     loaded = _input_partitions(graph, model, chosen)
     total = 0
+    replicas: dict[tuple[Node, Partition, int], None] = {}
     for v in graph.ops:
         if isinstance(v.op, Fill):
             continue
         info = chosen[v]
-        total += info.op_bytes
-        for u, need in zip(v.inputs, info.ins):
+        total += info.agg_bytes
+        for u, need, join in zip(v.inputs, info.ins, info.join_in):
             if isinstance(u.op, Fill):
                 continue
             have = loaded[u] if isinstance(u.op, Input) else chosen[u].out
             total += model.repart(have, need, u.dtype)
-    return total
+            if join:
+                replicas[(u, need, join)] = None
+    return total + sum(j for _, _, j in replicas)
+
+
+def _replica_bytes(graph: Graph, chosen: dict[Node, SpecInfo], u: Node) -> int:
+    """Replica bytes of tensor ``u`` over all its readers, each (partition, replication) once."""
+    seen: set[tuple[Partition, int]] = set()
+    for w in graph.users[u]:
+        info = chosen[w]
+        for x, need, join in zip(w.inputs, info.ins, info.join_in):
+            if x is u and join:
+                seen.add((need, join))
+    return sum(j for _, j in seen)
 
 
 def _specs_of(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo]) -> dict[Node, JoinAggSpec]:
@@ -170,12 +187,27 @@ def _specs_of(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo]) -> d
 
 
 def _solve_tree(graph: Graph, model: CostModel, root: Node, members: set[Node],
-                frozen: dict[Node, SpecInfo]) -> dict[Node, SpecInfo]:
+                frozen: dict[Node, SpecInfo], downstream: bool = False) -> dict[Node, SpecInfo]:
     """Exact DP over the tree of ``members`` hanging from ``root`` (inputs of members outside
-    the tree are frozen roots, graph inputs or fills)."""
+    the tree are frozen roots, graph inputs or fills). With ``downstream``, the root also pays
+    the repartition to what its consumers (in other trees, as currently chosen) need."""
     order = [n for n in graph.nodes if n in members]
     f: dict[Node, list[int]] = {}
     pick: dict[Node, list[list[int]]] = {}  # per candidate J, per input slot: chosen candidate of u
+    best_in: dict[tuple[Node, Partition], tuple[int, int]] = {}  # (u, need) -> (cost, candidate)
+
+    def serve(u: Node, need: Partition) -> tuple[int, int]:
+        # many candidates of v need the same partition of u: solve each (u, need) once
+        key = (u, need)
+        if key not in best_in:
+            best, arg = -1, -1
+            for j, uinfo in enumerate(model.candidates(u)):
+                c = f[u][j] + model.repart(uinfo.out, need, u.dtype)
+                if arg < 0 or c < best:
+                    best, arg = c, j
+            best_in[key] = (best, arg)
+        return best_in[key]
+
     for v in order:
         cands = model.candidates(v)
         fv, pv = [], []
@@ -187,12 +219,8 @@ def _solve_tree(graph: Graph, model: CostModel, root: Node, members: set[Node],
                     choice.append(-1)
                     continue  # loaded (or computed) as needed
                 if u in members:
-                    best, arg = None, -1
-                    for j, uinfo in enumerate(model.candidates(u)):
-                        c = f[u][j] + model.repart(uinfo.out, need, u.dtype)
-                        if best is None or c < best:
-                            best, arg = c, j
-                    cost += best or 0
+                    c, arg = serve(u, need)
+                    cost += c
                     choice.append(arg)
                 else:
                     cost += model.repart(frozen[u].out, need, u.dtype)
@@ -201,7 +229,16 @@ def _solve_tree(graph: Graph, model: CostModel, root: Node, members: set[Node],
             pv.append(choice)
         f[v], pick[v] = fv, pv
     result: dict[Node, SpecInfo] = {}
-    best_root = min(range(len(f[root])), key=lambda j: f[root][j])
+    root_cost = list(f[root])
+    if downstream:
+        for w in graph.users[root]:
+            if w in frozen:
+                for slot, u in enumerate(w.inputs):
+                    if u is root:
+                        need = frozen[w].ins[slot]
+                        for j, info in enumerate(model.candidates(root)):
+                            root_cost[j] += model.repart(info.out, need, root.dtype)
+    best_root = min(range(len(root_cost)), key=lambda j: root_cost[j])
     stack = [(root, best_root)]
     while stack:
         v, j = stack.pop()
@@ -231,7 +268,8 @@ def _local_cost(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], v:
             cost += model.repart(have(u), need, u.dtype)
         return cost
 
-    cost = chosen[v].op_bytes + edges_into(v)
+    cost = chosen[v].agg_bytes + edges_into(v)
+    cost += sum(_replica_bytes(graph, chosen, u) for u in set(v.inputs) if not isinstance(u.op, Fill))
     touched = {w for w in graph.users[v]}
     for u in v.inputs:
         if isinstance(u.op, Input) and graph.users[u][0] is v:
@@ -263,7 +301,8 @@ def _local_search(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], 
             return
 
 
-def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True) -> dict[Node, JoinAggSpec]:
+def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int = 6
+              ) -> dict[Node, JoinAggSpec]:
     """The EinDecomp DP over trees of the DAG, then local refinement across tree borders."""
     model = CostModel(graph, cluster.size)
     outputs = set(graph.outputs)
@@ -274,12 +313,23 @@ def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True) -> dict[Node,
         if isinstance(n.op, (Input, Fill)):
             continue
         tree_of[n] = n if n in roots else tree_of.get(graph.users[n][0], graph.users[n][0])
+    trees = {r: {n for n, t in tree_of.items() if t is r} for r in roots}
     chosen: dict[Node, SpecInfo] = {}
     for r in roots:
-        members = {n for n, t in tree_of.items() if t is r}
-        chosen.update(_solve_tree(graph, model, r, members, chosen))
+        chosen.update(_solve_tree(graph, model, r, trees[r], chosen))
     if refine:
-        _local_search(graph, model, chosen)
+        # beyond the paper: re-solve every tree with its neighbours' current choices (its root
+        # now sees what its consumers need), then re-choose single ops, until nothing improves
+        best, best_choice = total_cost(graph, model, chosen), dict(chosen)
+        for _ in range(rounds):
+            for r in roots:
+                chosen.update(_solve_tree(graph, model, r, trees[r], chosen, downstream=True))
+            _local_search(graph, model, chosen)
+            cost = total_cost(graph, model, chosen)
+            if cost >= best:
+                break
+            best, best_choice = cost, dict(chosen)
+        chosen = best_choice
     return _specs_of(graph, model, chosen)
 
 

@@ -1,0 +1,90 @@
+"""Built-in programs written with the frontend, for planning (``einjoin plan``) and benchmarks.
+(The torch versions of the model zoo come with torch import.)
+
+>>> from einjoin.models.graphs import MODELS, build
+>>> sorted(MODELS)
+['chain', 'llama-7b-layers', 'llama-block', 'matmul', 'mlp']
+>>> out = build("llama-block", layers=1, seq=64, d=64, heads=4, kv_heads=2, hidden=96)
+>>> out.shape
+(1, 64, 64)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import einjoin as ej
+from einjoin.errors import EinjoinError
+
+__all__ = ["MODELS", "build", "matmul", "chain", "mlp", "llama_block", "llama_layers"]
+
+
+def matmul(m: int = 8192, k: int = 8192, n: int = 8192) -> ej.Tensor:
+    return ej.input("a", (m, k)) @ ej.param("b", (k, n))
+
+
+def chain(n: int = 4096, length: int = 3) -> ej.Tensor:
+    """A @ B @ C ... of ``length`` square matrices."""
+    out = ej.input("m0", (n, n))
+    for i in range(1, length):
+        out = out @ ej.param(f"m{i}", (n, n))
+    return out
+
+
+def mlp(batch: int = 8192, d: int = 1024, hidden: int = 4096) -> ej.Tensor:
+    x = ej.input("x", (batch, d))
+    return (x @ ej.param("w1", (d, hidden))).relu() @ ej.param("w2", (hidden, d))
+
+
+def llama_block(x: ej.Tensor, prefix: str = "", heads: int = 32, kv_heads: int | None = None,
+                hidden: int = 11008, eps: float = 1e-6) -> ej.Tensor:
+    """One LLaMA decoder block on ``x`` (batch, seq, d): RMSNorm, rotary grouped-query attention,
+    SwiGLU MLP, residuals. Weights are ``ej.param``s named ``{prefix}wq`` and so on."""
+    b, s, d = x.shape
+    kv = kv_heads or heads
+    hd = d // heads
+    if hd * heads != d or heads % kv:
+        raise EinjoinError(f"llama_block: d={d}, heads={heads}, kv_heads={kv} do not fit")
+
+    def p(name: str, shape: tuple[int, ...]) -> ej.Tensor:
+        return ej.param(prefix + name, shape)
+
+    h = ej.rms_norm(x, p("attn_norm", (d,)), eps)
+    q = ej.linear(h, p("wq", (heads * hd, d))).reshape(b, s, heads, hd).transpose(1, 2)
+    k = ej.linear(h, p("wk", (kv * hd, d))).reshape(b, s, kv, hd).transpose(1, 2)
+    v = ej.linear(h, p("wv", (kv * hd, d))).reshape(b, s, kv, hd).transpose(1, 2)
+    a = ej.attention(ej.rope(q), ej.rope(k), v, causal=True)
+    x = x + ej.linear(a.transpose(1, 2).reshape(b, s, d), p("wo", (d, d)))
+    h = ej.rms_norm(x, p("mlp_norm", (d,)), eps)
+    up = ej.silu(ej.linear(h, p("w1", (hidden, d)))) * ej.linear(h, p("w3", (hidden, d)))
+    return x + ej.linear(up, p("w2", (d, hidden)))
+
+
+def llama_layers(layers: int = 32, batch: int = 1, seq: int = 2048, d: int = 4096, heads: int = 32,
+                 kv_heads: int | None = None, hidden: int = 11008) -> ej.Tensor:
+    """``layers`` LLaMA blocks (LLaMA-7B shapes by default) on an activation (batch, seq, d)."""
+    x = ej.input("x", (batch, seq, d))
+    for i in range(layers):
+        x = llama_block(x, f"l{i}.", heads, kv_heads, hidden)
+    return x
+
+
+def _block(layers: int = 1, **kw: Any) -> ej.Tensor:
+    defaults = dict(batch=1, seq=2048, d=4096, heads=32, hidden=11008)
+    defaults.update(kw)
+    return llama_layers(layers, **defaults)  # type: ignore[arg-type]
+
+
+MODELS: dict[str, Callable[..., ej.Tensor]] = {
+    "matmul": matmul,
+    "chain": chain,
+    "mlp": mlp,
+    "llama-block": _block,
+    "llama-7b-layers": lambda **kw: llama_layers(**kw),
+}
+
+
+def build(name: str, **kw: Any) -> ej.Tensor:
+    if name not in MODELS:
+        raise EinjoinError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    return MODELS[name](**kw)
