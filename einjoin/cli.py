@@ -1,4 +1,4 @@
-"""Command line: ``einjoin demo`` (what ``make demo`` runs).
+"""Command line: ``einjoin demo`` (what ``make demo`` runs) and ``einjoin plan MODEL --devices N``.
 
 The demo builds a transformer block (RMSNorm, rotary attention, SwiGLU MLP) with the frontend,
 decomposes every op under join-agg strategies, runs the blocked executor, compiles it for four
@@ -151,14 +151,73 @@ def demo(quiet: bool = False) -> int:
     return 0 if ok else 1
 
 
+def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False, **shape: Any) -> int:
+    """Plan a built-in model with each planner; print bytes (the cost model's), ratios to the best
+    planner and to the sum of per-op lower bounds, and planning time."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from einjoin.models import build
+    from einjoin.optim import PLANNERS
+    from einjoin.optim.bounds import node_bound_bytes
+    from einjoin.optim.search import model_cost
+    from einjoin.plan.stats import human_bytes
+
+    console = Console(quiet=quiet, width=None if sys.stdout.isatty() else 120)
+    out = build(model, **{k: v for k, v in shape.items() if v is not None})
+    graph = ej.Graph(out)
+    cluster = ej.local(devices)
+    bound = sum(node_bound_bytes(n, devices) or 0 for n in graph.ops)
+    rows = []
+    for name in planners:
+        if name not in PLANNERS:
+            console.print(f"unknown planner {name!r}; known: {', '.join(sorted(PLANNERS))}")
+            return 2
+        t0 = time.perf_counter()
+        try:
+            with console.status(f"planning with {name}...", spinner="dots"):
+                specs = PLANNERS[name](graph, cluster)
+        except ej.EinjoinError as e:  # a baseline that does not apply says why
+            rows.append((name, None, time.perf_counter() - t0, str(e)))
+            continue
+        rows.append((name, model_cost(graph, cluster, specs), time.perf_counter() - t0, ""))
+    best = min((r[1] for r in rows if r[1] is not None), default=None)
+    table = Table(title=f"{model}: {len(graph.ops)} ops on {devices} devices "
+                        f"(sum of per-op lower bounds {human_bytes(bound)})")
+    for col in ("planner", "bytes moved", "/ best", "/ bound", "planning (s)", "note"):
+        table.add_column(col, justify="left" if col in ("planner", "note") else "right")
+    for name, cost, t, note in rows:
+        if cost is None:
+            table.add_row(name, "n/a", "", "", f"{t:.2f}", note[:60])
+        else:
+            table.add_row(name, human_bytes(cost), f"{cost / best:.2f}" if best else "-",
+                          f"{cost / bound:.2f}" if bound else "n/a", f"{t:.2f}", note)
+    console.print(table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="einjoin", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="trace a transformer block, decompose it, run it blocked, verify")
     d.add_argument("--quiet", action="store_true")
+    p = sub.add_parser("plan", help="plan a built-in model with every planner and compare")
+    p.add_argument("model", help="matmul, chain, mlp, llama-block or llama-7b-layers")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--planner", action="append", help="planner(s) to compare (default: all)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         return demo(args.quiet)
+    if args.cmd == "plan":
+        from einjoin.optim import PLANNERS
+        names = args.planner or [n for n in sorted(PLANNERS) if n not in ("auto", "exhaustive", "single")]
+        shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch}
+        if args.model in ("matmul", "chain", "mlp") and any(shape.values()):
+            parser.error("--layers/--seq/--batch apply to the llama models")
+        return plan(args.model, args.devices, names, **(shape if args.model.startswith("llama") else {}))
     return 2  # pragma: no cover
 
 

@@ -38,3 +38,11 @@ def test_demo_block_matches_torch_block() -> None:
     rng = np.random.default_rng(3)
     feeds = {k: (rng.standard_normal(s) * 0.2).astype(np.float32) for k, s in shapes.items()}
     np.testing.assert_allclose(ej.reference(out, **feeds), torch_block(feeds, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_plan_cli_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["plan", "matmul", "--devices", "8", "--planner", "eindecomp",
+                 "--planner", "split_largest"]) == 0
+    out = capsys.readouterr().out
+    assert "eindecomp" in out and "split_largest" in out and "/ bound" in out
+    assert "1.00" in out  # eindecomp meets the bound on the square matmul
