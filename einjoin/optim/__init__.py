@@ -74,6 +74,18 @@ PLANNERS["exhaustive"] = _exhaustive
 PLANNERS["auto"] = _eindecomp
 
 
+def _baseline(name: str) -> Planner:
+    def plan(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
+        from einjoin.optim import baselines
+        return getattr(baselines, name)(graph, cluster)
+    plan.__name__ = name
+    return plan
+
+
+for _name in ("data_parallel", "megatron", "mesh_ilp"):
+    PLANNERS[_name] = _baseline(_name)
+
+
 def derive_input_specs(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Node, JoinAggSpec]:
     """Give every input without a spec the partition its first consumer needs of it, so that one
     copy is loaded where the first use wants it."""

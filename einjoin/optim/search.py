@@ -82,6 +82,8 @@ class SpecInfo:
     op_bytes: int  # join + aggregation
     agg_bytes: int
     join_in: tuple[int, ...]  # replica bytes per input slot
+    out_id: int = -1  # interned partition ids: memo keys that hash fast
+    in_ids: tuple[int, ...] = ()
 
 
 class CostModel:
@@ -93,7 +95,18 @@ class CostModel:
         self.over = over
         self._cands: dict[Node, list[SpecInfo]] = {}
         self._info: dict[tuple[Node, JoinAggSpec], SpecInfo] = {}
-        self._repart: dict[tuple[Partition, Partition, str], int] = {}
+        self._repart: dict[tuple[int, int], int] = {}
+        self._pid: dict[Partition, int] = {}
+        self._by_shape: dict[tuple, list[SpecInfo]] = {}
+        self._parts: list[Partition] = []
+
+    def pid(self, part: Partition) -> int:
+        """An interned id for a partition (hashing nested tuples on every lookup is slow)."""
+        i = self._pid.get(part)
+        if i is None:
+            i = self._pid[part] = len(self._parts)
+            self._parts.append(part)
+        return i
 
     def info(self, node: Node, spec: JoinAggSpec) -> SpecInfo:
         key = (node, spec)
@@ -114,7 +127,8 @@ class CostModel:
                 d = decompose(node, spec)
                 out, ins, agg = d.out_partition, d.in_partitions, agg_cost(d)
                 join_in = join_cost_per_input(d)
-            self._info[key] = SpecInfo(spec, out, ins, sum(join_in) + agg, agg, join_in)
+            self._info[key] = SpecInfo(spec, out, ins, sum(join_in) + agg, agg, join_in,
+                                       self.pid(out), tuple(self.pid(p) for p in ins))
         return self._info[key]
 
     def candidates(self, node: Node) -> list[SpecInfo]:
@@ -122,14 +136,26 @@ class CostModel:
             if isinstance(node.op, (Input, Fill)):
                 self._cands[node] = []
             else:
-                self._cands[node] = [self.info(node, s) for s in candidate_specs(node, self.p, self.over)]
+                # layers repeat: nodes with the same op on the same input shapes share candidates
+                shape_key = (node.op, node.shape, node.dtype,
+                             tuple((x.shape, x.dtype, isinstance(x.op, Fill)) for x in node.inputs))
+                found = self._by_shape.get(shape_key)
+                if found is None:
+                    found = [self.info(node, s) for s in candidate_specs(node, self.p, self.over)]
+                    self._by_shape[shape_key] = found
+                self._cands[node] = found
         return self._cands[node]
 
     def repart(self, q: Partition, r: Partition, dtype: str) -> int:
-        key = (q, r, dtype)
-        if key not in self._repart:
-            self._repart[key] = repartition_estimate(q, r, dtype)
-        return self._repart[key]
+        return self.repart_ids(self.pid(q), self.pid(r), dtype)
+
+    def repart_ids(self, q: int, r: int, dtype: str) -> int:
+        key = (q, r)
+        found = self._repart.get(key)
+        if found is None:
+            # cached in elements: the same pair of partitions serves every dtype
+            found = self._repart[key] = repartition_estimate(self._parts[q], self._parts[r], "bool")
+        return found * itemsize(dtype)
 
 
 def _input_partitions(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo]
@@ -194,19 +220,29 @@ def _solve_tree(graph: Graph, model: CostModel, root: Node, members: set[Node],
     order = [n for n in graph.nodes if n in members]
     f: dict[Node, list[int]] = {}
     pick: dict[Node, list[list[int]]] = {}  # per candidate J, per input slot: chosen candidate of u
-    best_in: dict[tuple[Node, Partition], tuple[int, int]] = {}  # (u, need) -> (cost, candidate)
+    best_in: dict[tuple[Node, int], tuple[int, int]] = {}  # (u, need id) -> (cost, candidate)
 
-    def serve(u: Node, need: Partition) -> tuple[int, int]:
-        # many candidates of v need the same partition of u: solve each (u, need) once
+    by_out: dict[Node, list[tuple[int, int, int]]] = {}  # u -> [(out id, best f, candidate)]
+
+    def serve(u: Node, need: int) -> tuple[int, int]:
+        # many candidates of v need the same partition of u, and many candidates of u give the
+        # same output partition: solve each (u, need) once, over u's distinct outputs
         key = (u, need)
-        if key not in best_in:
+        found = best_in.get(key)
+        if found is None:
+            if u not in by_out:
+                best_of: dict[int, tuple[int, int]] = {}
+                for j, uinfo in enumerate(model.candidates(u)):
+                    if uinfo.out_id not in best_of or f[u][j] < best_of[uinfo.out_id][0]:
+                        best_of[uinfo.out_id] = (f[u][j], j)
+                by_out[u] = [(o, c, j) for o, (c, j) in best_of.items()]
             best, arg = -1, -1
-            for j, uinfo in enumerate(model.candidates(u)):
-                c = f[u][j] + model.repart(uinfo.out, need, u.dtype)
+            for o, c0, j in by_out[u]:
+                c = c0 + model.repart_ids(o, need, u.dtype)
                 if arg < 0 or c < best:
                     best, arg = c, j
-            best_in[key] = (best, arg)
-        return best_in[key]
+            found = best_in[key] = (best, arg)
+        return found
 
     for v in order:
         cands = model.candidates(v)
@@ -214,16 +250,16 @@ def _solve_tree(graph: Graph, model: CostModel, root: Node, members: set[Node],
         for info in cands:
             cost = info.op_bytes
             choice = []
-            for u, need in zip(v.inputs, info.ins):
+            for u, need, need_id in zip(v.inputs, info.ins, info.in_ids):
                 if isinstance(u.op, (Input, Fill)):
                     choice.append(-1)
                     continue  # loaded (or computed) as needed
                 if u in members:
-                    c, arg = serve(u, need)
+                    c, arg = serve(u, need_id)
                     cost += c
                     choice.append(arg)
                 else:
-                    cost += model.repart(frozen[u].out, need, u.dtype)
+                    cost += model.repart_ids(frozen[u].out_id, need_id, u.dtype)
                     choice.append(-1)
             fv.append(cost)
             pv.append(choice)
@@ -235,9 +271,9 @@ def _solve_tree(graph: Graph, model: CostModel, root: Node, members: set[Node],
             if w in frozen:
                 for slot, u in enumerate(w.inputs):
                     if u is root:
-                        need = frozen[w].ins[slot]
+                        need = frozen[w].in_ids[slot]
                         for j, info in enumerate(model.candidates(root)):
-                            root_cost[j] += model.repart(info.out, need, root.dtype)
+                            root_cost[j] += model.repart_ids(info.out_id, need, root.dtype)
     best_root = min(range(len(root_cost)), key=lambda j: root_cost[j])
     stack = [(root, best_root)]
     while stack:
@@ -253,19 +289,19 @@ def _local_cost(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], v:
     """The part of the total that depends on v's spec: its op, its in- and out-edges, and the
     edges of inputs whose loaded partition v (as first consumer) decides."""
 
-    def have(u: Node) -> Partition:
+    def have(u: Node) -> int:
         if isinstance(u.op, Input):
             c = graph.users[u][0]
-            return chosen[c].ins[c.inputs.index(u)]
-        return chosen[u].out
+            return chosen[c].in_ids[c.inputs.index(u)]
+        return chosen[u].out_id
 
     def edges_into(w: Node) -> int:
         cost = 0
-        for slot, (u, need) in enumerate(zip(w.inputs, chosen[w].ins)):
+        for slot, (u, need) in enumerate(zip(w.inputs, chosen[w].in_ids)):
             if isinstance(u.op, Fill) or (isinstance(u.op, Input) and graph.users[u][0] is w
                                            and slot == w.inputs.index(u)):
                 continue  # a fill is computed in place; an input is loaded as its first use needs
-            cost += model.repart(have(u), need, u.dtype)
+            cost += model.repart_ids(have(u), need, u.dtype)
         return cost
 
     cost = chosen[v].agg_bytes + edges_into(v)

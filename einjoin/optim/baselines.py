@@ -1,0 +1,560 @@
+"""Named baseline planners: ``data_parallel``, ``megatron`` and ``mesh_ilp``.
+
+All three have the planner signature ``planner(graph, cluster) -> dict[Node, JoinAggSpec]`` and
+give every node a spec (fills one block, they are computed where needed; graph inputs the
+partition their first consumer needs, via :func:`einjoin.optim.derive_input_specs`). A planner
+that does not apply to a graph raises :class:`NotApplicable` saying why; callers print "n/a".
+
+- ``data_parallel``: the batch dims of the activation inputs (dim 0 of every input that is not an
+  ``ej.param``; for a graph without params, dim 0 of its first input only) are followed through
+  the graph; every op that keeps a batch label splits it P ways, every other op runs in one block.
+- ``megatron``: column- then row-parallel contraction pairs with parameters (MLPs) and head
+  parallel attention, found structurally; the split label is cut P ways along the whole chain,
+  every other op cuts its largest output label P ways (as ``split_largest`` does).
+- ``mesh_ilp``: Alpa's intra-operator ILP: for every 1-D and 2-D device mesh that factors P,
+  each op picks a mapping of mesh axes to its labels, minimising op bytes plus repartition bytes
+  exactly as :func:`einjoin.optim.search.total_cost` counts them (``scipy.optimize.milp``, HiGHS);
+  the best mesh wins.
+
+>>> import einjoin as ej
+>>> from einjoin.optim.baselines import data_parallel, mesh_ilp
+>>> z = ej.input("x", (64, 32)) @ ej.input("w", (32, 16))
+>>> print(data_parallel(ej.Graph(z), ej.local(4))[z.node])
+{m: 4, n: 1, k: 1}
+>>> z = ej.input("a", (8192, 8192)) @ ej.input("b", (8192, 8192))
+>>> print(mesh_ilp(ej.Graph(z), ej.local(8))[z.node])   # 2 x 4 mesh: no 3-D split (2, 2, 2)
+{m: 2, n: 4, k: 1}
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from einjoin.cluster import Cluster
+from einjoin.decomp.decompose import reshape_groups
+from einjoin.decomp.partition import even_bounds
+from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_labels
+from einjoin.errors import EinjoinError
+from einjoin.ir.graph import Graph
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select)
+from einjoin.optim.search import CostModel, SpecInfo, candidate_specs, total_cost
+
+__all__ = ["NotApplicable", "data_parallel", "megatron", "mesh_ilp", "mesh_shapes",
+           "mesh_strategies", "batch_dims"]
+
+
+class NotApplicable(EinjoinError):
+    """A baseline planner cannot plan this graph on this cluster (the message says why)."""
+
+
+def _finish(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Node, JoinAggSpec]:
+    """Fills one block (computed where needed), inputs as their first consumer needs them."""
+    from einjoin.optim import derive_input_specs
+    for n in graph.ops:
+        if n not in specs:
+            specs[n] = JoinAggSpec.for_node(n, None)
+    return derive_input_specs(graph, specs)
+
+
+def _is_param(n: Node) -> bool:
+    return isinstance(n.op, Input) and n.op.param
+
+
+def _lead(dims: list[int], shape: tuple[int, ...]) -> int | None:
+    """The first dim of a row-major reshape group with size > 1 (where the group can be cut)."""
+    return next((d for d in dims if shape[d] > 1), None)
+
+
+# --------------------------------------------------------------------------------------------
+# data parallelism
+
+
+def batch_dims(graph: Graph) -> tuple[dict[Node, int | None], set[Node]]:
+    """(node -> its batch dim or None, the activation-derived nodes).
+
+    Activation inputs (``param=False``; in a graph without params only the first input) have
+    batch dim 0. An einsum's batch label is one that is a batch dim of at least one
+    activation-derived operand and appears in the output and in every activation-derived
+    operand (the one that is a batch dim of the most operands, then the first in output order);
+    a reshape keeps it when it is the lead dim of its row-major group (it becomes the lead of the
+    output group); select, concat, broadcast, cast and gather keep its dim."""
+    acts = [x for x in graph.inputs if not x.op.param] if graph.params else list(graph.inputs[:1])  # type: ignore[union-attr]
+    bdim: dict[Node, int | None] = {}
+    derived: set[Node] = set()
+    for x in acts:
+        derived.add(x)
+        bdim[x] = 0 if x.ndim else None
+    for v in graph.ops:
+        slots = [s for s, u in enumerate(v.inputs) if u in derived]
+        if not slots:
+            continue
+        derived.add(v)
+        bdim[v] = _batch_dim_of(v, slots, bdim)
+    return bdim, derived
+
+
+def _batch_dim_of(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    op = v.op
+    ins = v.inputs
+    if isinstance(op, Einsum):
+        votes: dict[str, int] = defaultdict(int)
+        for s in slots:
+            d = bdim.get(ins[s])
+            if d is not None:
+                votes[op.in_labels[s][d]] += 1
+        ok = [lab for lab in op.out_labels if lab in votes
+              and all(lab in op.in_labels[s] for s in slots)]
+        if not ok:
+            return None
+        best = max(ok, key=lambda lab: votes[lab])  # max keeps the first among equals
+        return op.out_labels.index(best)
+    if isinstance(op, Reshape):
+        d = bdim.get(ins[0])
+        if d is None:
+            return None
+        src, dst = ins[0].shape, v.shape
+        for ia, jb in reshape_groups(src, dst):
+            if d in ia:
+                return _lead(jb, dst) if _lead(ia, src) == d else None
+        return None
+    if isinstance(op, (Select, Cast)):
+        return bdim.get(ins[0])
+    if isinstance(op, Concat):
+        ds = {bdim.get(ins[s]) for s in slots}
+        return ds.pop() if len(ds) == 1 else None
+    if isinstance(op, Broadcast):
+        d = bdim.get(ins[0])
+        if d is None or ins[0].shape[d] != v.shape[op.dims[d]]:
+            return None
+        return op.dims[d]
+    if isinstance(op, Gather):
+        table, idx = ins
+        if 1 in slots and bdim.get(idx) is not None:
+            return bdim[idx]
+        d = bdim.get(table) if 0 in slots else None
+        return None if not d else idx.ndim + d - 1  # the table's rows are no batch
+    return None
+
+
+def data_parallel(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
+    """Split the batch label P ways in every op that has one (see :func:`batch_dims`); every
+    other op runs in one block. NotApplicable when no op has a batch label of size >= P."""
+    p = cluster.size
+    bdim, _ = batch_dims(graph)
+    specs: dict[Node, JoinAggSpec] = {}
+    largest = 0
+    for v in graph.ops:
+        d = bdim.get(v)
+        if isinstance(v.op, Fill) or d is None:
+            continue
+        lab = output_labels(v)[d]
+        size = label_sizes(v)[lab]
+        largest = max(largest, size)
+        specs[v] = JoinAggSpec.for_node(v, {lab: min(p, size)})
+    if largest == 0:
+        raise NotApplicable("no batch label: no op keeps a batch dim of the activation inputs")
+    if largest < p:
+        raise NotApplicable(f"batch smaller than the devices: the largest batch label has size "
+                            f"{largest} < P = {p}")
+    return _finish(graph, specs)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM tensor parallelism
+
+
+def _dim_label(n: Node, d: int) -> str:
+    return output_labels(n)[d]
+
+
+def _label_dim(n: Node, lab: str) -> int:
+    return list(output_labels(n)).index(lab)
+
+
+@dataclass
+class _Chain:
+    members: dict[Node, str] = field(default_factory=dict)  # node -> its split label
+    rows: set[Node] = field(default_factory=set)  # row-parallel contractions (partial sums)
+    heads: bool = False  # passes a reshape that splits heads out of the split dim
+    ok: bool = True
+    why: str = ""
+
+
+def _column_label(v: Node) -> str | None:
+    """A contraction with a parameter operand whose one kept parameter label is its output label
+    (``x @ W``, ``linear(x, W)``): that label, else None."""
+    op = v.op
+    if not isinstance(op, Einsum) or not op.agg_labels:
+        return None
+    found = None
+    for u, ls in zip(v.inputs, op.in_labels):
+        if not _is_param(u) or not any(lab in op.agg_labels for lab in ls):
+            continue
+        kept = [lab for lab in ls if lab in op.out_labels]
+        if len(kept) == 1 and found is None:
+            found = kept[0]
+    return found
+
+
+def _follow(u: Node, slot: int, v: Node, d: int) -> tuple[str, str | None]:
+    """Dim ``d`` of ``v``'s operand ``slot``, seen in ``u`` (the consumer): ('keep', label),
+    ('row', label) for a row-parallel contraction, or ('fail', reason)."""
+    op = u.op
+    if isinstance(op, Einsum):
+        lab = op.in_labels[slot][d]
+        if lab in op.out_labels:
+            return "keep", lab
+        if any(_is_param(x) and lab in ls for x, ls in zip(u.inputs, op.in_labels)):
+            return "row", lab
+        return "fail", f"the split label is contracted without a parameter in {op.equation}"
+    if isinstance(op, Reshape):
+        src, dst = v.shape, u.shape
+        for ia, jb in reshape_groups(src, dst):
+            if d in ia:
+                if _lead(ia, src) != d:
+                    return "fail", "a reshape moves the split dim off its group's lead"
+                return "keep", dim_labels(u.ndim)[_lead(jb, dst)]  # type: ignore[index]
+    if isinstance(op, Select):
+        if op.starts[d] != 0 or op.stops[d] != v.shape[d]:
+            return "fail", "a select narrows the split dim"
+        return "keep", dim_labels(u.ndim)[d]
+    if isinstance(op, Concat):
+        if op.axis == d:
+            return "fail", "a concat runs along the split dim"
+        return "keep", dim_labels(u.ndim)[d]
+    if isinstance(op, Cast):
+        return "keep", dim_labels(u.ndim)[d]
+    if isinstance(op, Broadcast):
+        if v.shape[d] != u.shape[op.dims[d]]:
+            return "fail", "a broadcast expands the split dim"
+        return "keep", dim_labels(u.ndim)[op.dims[d]]
+    return "fail", f"a {u.kind} reads the split dim"
+
+
+def _trace(graph: Graph, start: Node, lab: str, owner: dict[Node, tuple[int, str]]
+           ) -> tuple[_Chain, set[int]]:
+    """Follow the split label of ``start`` to every consumer until row-parallel contractions or
+    graph outputs. Meeting a node of an accepted chain (``owner``: node -> (chain id, label))
+    with the same label joins that chain (returned ids) and stops there."""
+    ch = _Chain()
+    ch.members[start] = lab
+    joined: set[int] = set()
+    stack = [start]
+    while stack and ch.ok:
+        v = stack.pop()
+        d = _label_dim(v, ch.members[v])
+        for u in graph.users[v]:
+            for slot, x in enumerate(u.inputs):
+                if x is not v:
+                    continue
+                how, ulab = _follow(u, slot, v, d)
+                if how == "fail":
+                    ch.ok, ch.why = False, str(ulab)
+                    break
+                assert ulab is not None
+                if u in owner:
+                    cid, olab = owner[u]
+                    if olab != ulab:
+                        ch.ok, ch.why = False, "two chains split one op along different labels"
+                        break
+                    joined.add(cid)
+                    continue
+                if u in ch.members:
+                    if ch.members[u] != ulab:
+                        ch.ok, ch.why = False, "one op reached with two different split labels"
+                        break
+                    continue
+                ch.members[u] = ulab
+                if how == "row":
+                    ch.rows.add(u)
+                    continue
+                if isinstance(u.op, Reshape) and label_sizes(u)[ulab] < v.shape[d]:
+                    ch.heads = True  # the split dim is cut into (heads, head dim)
+                stack.append(u)
+            if not ch.ok:
+                break
+    return ch, joined
+
+
+def megatron(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
+    """Megatron-LM's tensor parallelism, detected structurally (not by names).
+
+    A *column-parallel* contraction has a parameter operand whose one kept label ``n`` is an
+    output label. ``n`` is followed through its consumers: einsums that keep it (elementwise
+    ops, and in attention the scores, mask, softmax and value einsums), transposes, selects and
+    concats along other dims, and reshapes where it is the lead of its group (a reshape that
+    cuts it into (heads, head dim) marks attention: the heads label carries the split), until a
+    *row-parallel* contraction contracts it with a parameter (that op aggregates P partial sums)
+    or a graph output. Chains that meet (q, k and v meet in the scores and the value einsum) are
+    one chain; a chain that hits anything else (a reduction over the split label without a
+    parameter, a narrowing select, ...) is dropped, and so is one with neither a row-parallel
+    end nor a heads reshape. Every label of a chain is cut P ways on the same boundaries (heads
+    whole: the model dim is cut at multiples of the head dim).
+
+    Every other op cuts its largest output label into min(P, size) blocks (``split_largest``'s
+    rule; no partial sums). NotApplicable when no chain is found, or when a chain's split label
+    (e.g. the number of heads) is smaller than P."""
+    p = cluster.size
+    owner: dict[Node, tuple[int, str]] = {}
+    chains: dict[int, _Chain] = {}
+    ids = itertools.count()
+    reasons: list[str] = []
+    for v in graph.ops:
+        lab = _column_label(v)
+        if lab is None or v in owner:
+            continue
+        ch, joined = _trace(graph, v, lab, owner)
+        if not ch.ok:
+            reasons.append(ch.why)
+            continue
+        cid = min(joined) if joined else next(ids)
+        for j in joined:
+            if j != cid:
+                other = chains.pop(j)
+                ch.members.update(other.members)
+                ch.rows |= other.rows
+                ch.heads |= other.heads
+        if cid in chains:
+            base = chains[cid]
+            base.members.update(ch.members)
+            base.rows |= ch.rows
+            base.heads |= ch.heads
+            ch = base
+        chains[cid] = ch
+        for n, l in ch.members.items():
+            owner[n] = (cid, l)
+    good = [ch for ch in chains.values() if ch.rows or ch.heads]
+    if not good:
+        why = f" (chains dropped: {'; '.join(sorted(set(reasons)))})" if reasons else ""
+        raise NotApplicable("no MLP pair (a column- then row-parallel contraction with "
+                            f"parameters) nor attention heads found{why}")
+    specs: dict[Node, JoinAggSpec] = {}
+    for ch in good:
+        sizes = {n: label_sizes(n)[lab] for n, lab in ch.members.items()}
+        unit = min(sizes.values())
+        if any(s % unit for s in sizes.values()):
+            continue  # the split labels do not nest: leave these ops to the default rule
+        if unit < p:
+            if ch.heads:
+                raise NotApplicable(f"more devices than heads: {unit} heads, P = {p}")
+            raise NotApplicable(f"the split label has size {unit} < P = {p}")
+        base = even_bounds(unit, p)
+        for n, lab in ch.members.items():
+            scale = sizes[n] // unit
+            specs[n] = JoinAggSpec.for_node(n, {lab: [b * scale for b in base]})
+    if not specs:
+        raise NotApplicable("the split labels of the chains found do not nest")
+    for v in graph.ops:
+        if v in specs or isinstance(v.op, Fill):
+            continue
+        sizes = label_sizes(v)
+        outs = output_labels(v)
+        spec = {}
+        if outs:
+            lab = max(outs, key=lambda l: sizes[l])
+            spec[lab] = min(p, sizes[lab])
+        specs[v] = JoinAggSpec.for_node(v, spec)
+    return _finish(graph, specs)
+
+
+# --------------------------------------------------------------------------------------------
+# Alpa's intra-operator ILP over device meshes
+
+
+def mesh_shapes(p: int) -> list[tuple[int, ...]]:
+    """The 1-D mesh (p,) and every 2-D mesh (a, p // a) with 1 < a < p."""
+    return [(p,)] + [(a, p // a) for a in range(2, p) if p % a == 0]
+
+
+def mesh_strategies(node: Node, mesh: tuple[int, ...]) -> list[JoinAggSpec]:
+    """Every map of the mesh axes to labels of ``node`` (each axis to one label, a label may take
+    several): a label's block count is the product of its axes' sizes, at most its size."""
+    sizes = label_sizes(node)
+    labels = list(sizes)
+    seen: dict[tuple[int, ...], JoinAggSpec] = {}
+    for assign in itertools.product(range(len(labels)), repeat=len(mesh)):
+        counts = [1] * len(labels)
+        for axis, i in zip(mesh, assign):
+            counts[i] *= axis
+        if all(c <= sizes[lab] for c, lab in zip(counts, labels)) and tuple(counts) not in seen:
+            seen[tuple(counts)] = JoinAggSpec.for_node(node, dict(zip(labels, counts)))
+    return list(seen.values())
+
+
+@dataclass
+class _Problem:
+    """One mesh's ILP data: per op its strategies and their own costs (aggregation, plus the
+    join replicas where the cost model has no shared replicas), pair costs between two ops'
+    choices, and replica groups: tensor u read in one partition with one replication, counted
+    once however many (op, strategy, slot) read it."""
+
+    ops: list[Node]
+    strategies: dict[Node, list[SpecInfo]]
+    unary: dict[Node, np.ndarray]
+    pair: dict[tuple[Node, Node], np.ndarray]
+    replicas: dict[tuple, list[tuple[Node, int]]]  # (u, partition, bytes) -> [(op, strategy)]
+
+
+def _problem(graph: Graph, model: CostModel, mesh: tuple[int, ...], keep: int) -> _Problem:
+    ops = [v for v in graph.ops if not isinstance(v.op, Fill)]
+    pos = {v: i for i, v in enumerate(ops)}
+    strategies: dict[Node, list[SpecInfo]] = {}
+    for v in ops:
+        specs = mesh_strategies(v, mesh)
+        if not specs:  # no label set takes the whole mesh: einjoin's largest feasible even split
+            specs = candidate_specs(v, model.p, over=(1,))
+        infos = [model.info(v, s) for s in specs]
+        if len(infos) > keep:
+            infos = sorted(infos, key=lambda i: i.op_bytes)[:keep]  # stable: ties keep their order
+        strategies[v] = infos
+    shared = all(hasattr(i, "join_in") for infos in strategies.values() for i in infos)
+    unary = {v: np.array([float(i.agg_bytes if shared else i.op_bytes) for i in strategies[v]])
+             for v in ops}
+    pair: dict[tuple[Node, Node], np.ndarray] = {}
+    replicas: dict[tuple, list[tuple[Node, int]]] = defaultdict(list)
+
+    def add_pair(a: Node, b: Node, m: np.ndarray) -> None:
+        if pos[a] > pos[b]:
+            a, b, m = b, a, m.T
+        pair[(a, b)] = pair[(a, b)] + m if (a, b) in pair else m
+
+    for v in ops:
+        sv = strategies[v]
+        for slot, u in enumerate(v.inputs):
+            if isinstance(u.op, Fill):
+                continue
+            if shared:
+                for j, info in enumerate(sv):
+                    if info.join_in[slot]:
+                        replicas[(u, info.ins[slot], info.join_in[slot])].append((v, j))
+            if isinstance(u.op, Input):
+                c0 = graph.users[u][0]
+                s0 = c0.inputs.index(u)
+                if c0 is v and s0 == slot:
+                    continue  # loaded as its first consumer needs it
+                if c0 is v:
+                    unary[v] = unary[v] + np.array(
+                        [float(model.repart(i.ins[s0], i.ins[slot], u.dtype)) for i in sv])
+                    continue
+                add_pair(c0, v, np.array([[float(model.repart(a.ins[s0], b.ins[slot], u.dtype))
+                                           for b in sv] for a in strategies[c0]]))
+                continue
+            add_pair(u, v, np.array([[float(model.repart(a.out, b.ins[slot], u.dtype)) for b in sv]
+                                     for a in strategies[u]]))
+    return _Problem(ops, strategies, unary, pair, dict(replicas))
+
+
+def _objective(prob: _Problem, pick: dict[Node, int]) -> float:
+    """The ILP's objective for one choice per op (equals total_cost of that choice)."""
+    total = sum(prob.unary[v][pick[v]] for v in prob.ops)
+    total += sum(m[pick[a], pick[b]] for (a, b), m in prob.pair.items())
+    total += sum(key[2] for key, readers in prob.replicas.items()
+                 if any(pick[v] == j for v, j in readers))
+    return float(total)
+
+
+def _solve(prob: _Problem, time_limit: float, tight: bool = True) -> dict[Node, int]:
+    """Binary one-hot choices x_{v,i} (sum_i x_{v,i} = 1). For every edge (u, v) with a nonzero
+    cost matrix and strategy pair (i, j), e_{uv,ij} stands for the product x_{u,i} x_{v,j},
+    linearised as e >= x_{u,i} + x_{v,j} - 1 (the objective pushes it down) or, with ``tight``,
+    by the marginals sum_j e_{ij} = x_{u,i} and sum_i e_{ij} = x_{v,j}, which imply that
+    inequality and give the local-polytope relaxation (integral on trees; HiGHS mostly solves
+    at the root). A replica group's y >= x_{v,j} for each reader, paid once. Minimise."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    col: dict[Node, int] = {}
+    n = 0
+    for v in prob.ops:
+        col[v] = n
+        n += len(prob.strategies[v])
+    n_x = n
+    cost = [np.concatenate([prob.unary[v] for v in prob.ops])]
+    blocks = []
+    for (a, b), m in prob.pair.items():
+        if not m.any():
+            continue  # nothing to pay whatever both choose
+        blocks.append((a, b, m, n))
+        cost.append(m.reshape(-1))
+        n += m.size
+    groups = []
+    for key, readers in prob.replicas.items():
+        groups.append((readers, n))
+        cost.append(np.array([float(key[2])]))
+        n += 1
+    c = np.concatenate(cost)
+    scale = max(1.0, float(c.max()))
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    lo: list[float] = []
+    hi: list[float] = []
+
+    def row(entries: list[tuple[int, float]], lb: float, ub: float) -> None:
+        r = len(lo)
+        for j, val in entries:
+            rows.append(r)
+            cols.append(j)
+            vals.append(val)
+        lo.append(lb)
+        hi.append(ub)
+
+    for v in prob.ops:
+        row([(col[v] + i, 1.0) for i in range(len(prob.strategies[v]))], 1.0, 1.0)
+    for a, b, m, off in blocks:
+        na, nb = m.shape
+        if tight:
+            for i in range(na):
+                row([(off + i * nb + j, 1.0) for j in range(nb)] + [(col[a] + i, -1.0)], 0.0, 0.0)
+            for j in range(nb):
+                row([(off + i * nb + j, 1.0) for i in range(na)] + [(col[b] + j, -1.0)], 0.0, 0.0)
+        else:
+            for i in range(na):
+                for j in range(nb):
+                    if m[i, j]:
+                        row([(col[a] + i, 1.0), (col[b] + j, 1.0), (off + i * nb + j, -1.0)],
+                            -np.inf, 1.0)
+    for readers, off in groups:
+        for v, j in readers:
+            row([(off, 1.0), (col[v] + j, -1.0)], 0.0, np.inf)
+    a_mat = coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr()
+    integrality = np.zeros(n)
+    integrality[:n_x] = 1
+    res = milp(c / scale, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality,
+               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "time_limit": time_limit})
+    if res.x is None:
+        raise EinjoinError(f"mesh ILP: HiGHS found no solution ({res.message})")
+    return {v: int(np.argmax(res.x[col[v]:col[v] + len(prob.strategies[v])])) for v in prob.ops}
+
+
+def mesh_ilp(graph: Graph, cluster: Cluster, keep: int = 12, time_limit: float = 60.0,
+             tight: bool = True) -> dict[Node, JoinAggSpec]:
+    """Alpa's intra-operator pass on einjoin's cost model. For every mesh of
+    :func:`mesh_shapes`, each op chooses one of :func:`mesh_strategies` (every axis mapped, so
+    the block counts multiply to P; an op too small for any takes einjoin's largest feasible
+    even split; at most ``keep`` per op, the cheapest by op bytes). Node costs are the op's
+    join + aggregation bytes, edge costs the repartition bytes from the producer's output
+    partition to what the consumer needs; a graph input is loaded free as its first consumer
+    needs it and its other consumers pay from there (an edge between the two consumers'
+    choices); replicas of one tensor in one partition are paid once however many ops read them,
+    as the cost model counts them. So the ILP's objective is exactly
+    :func:`einjoin.optim.search.total_cost`. The mesh whose optimum is cheapest wins (the first
+    on ties); ``tight`` picks the linearisation (see :func:`_solve`)."""
+    model = CostModel(graph, cluster.size)
+    best: tuple[int, dict[Node, SpecInfo]] | None = None
+    for mesh in mesh_shapes(cluster.size):
+        prob = _problem(graph, model, mesh, keep)
+        if not prob.ops:
+            break
+        pick = _solve(prob, time_limit, tight)
+        chosen = {v: prob.strategies[v][j] for v, j in pick.items()}
+        cost = total_cost(graph, model, chosen)
+        if best is None or cost < best[0]:
+            best = (cost, chosen)
+    specs = {} if best is None else {v: i.spec for v, i in best[1].items()}
+    return _finish(graph, specs)
