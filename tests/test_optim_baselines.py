@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.cli import transformer_block
 from einjoin.optim import PLANNERS
-from einjoin.optim.baselines import (NotApplicable, _objective, _problem, data_parallel, megatron,
+from einjoin.optim.ilp import objective as _objective, problem
+from einjoin.optim.baselines import mesh_candidates
+from einjoin.optim.baselines import (NotApplicable, data_parallel, megatron,
                                      mesh_ilp, mesh_shapes, mesh_strategies)
 from einjoin.optim.search import CostModel, exhaustive, model_cost, total_cost
 from graphgen import graphs, oracle
@@ -182,7 +184,7 @@ def _mesh_brute_force(graph: ej.Graph, p: int) -> int:
     model = CostModel(graph, p)
     best = None
     for mesh in mesh_shapes(p):
-        prob = _problem(graph, model, mesh, keep=12)
+        prob = problem(graph, model, mesh_candidates(graph, model, mesh, 12))
         for combo in itertools.product(*(prob.strategies[v] for v in prob.ops)):
             c = total_cost(graph, model, dict(zip(prob.ops, combo)))
             best = c if best is None else min(best, c)
@@ -229,7 +231,7 @@ def test_mesh_ilp_objective_is_the_cost_model_on_the_transformer_block() -> None
     model = CostModel(g, 4)
     rng = np.random.default_rng(0)
     for mesh in mesh_shapes(4):
-        prob = _problem(g, model, mesh, keep=12)
+        prob = problem(g, model, mesh_candidates(g, model, mesh, 12))
         for _ in range(20):
             pick = {v: int(rng.integers(len(prob.strategies[v]))) for v in prob.ops}
             chosen = {v: prob.strategies[v][j] for v, j in pick.items()}

@@ -1,8 +1,8 @@
 """Planners: graph + cluster -> one join-agg spec per node. All share one signature and one
 registry, with ``auto`` (= ``eindecomp``, the EinDecomp dynamic program with refinement, see
-:mod:`einjoin.optim.search`); ``exhaustive`` is ground truth for small graphs, ``split_largest``
-and ``single`` simple references. (The named baselines data_parallel, megatron and mesh_ilp are
-still to come.)
+:mod:`einjoin.optim.search`); ``exhaustive`` is ground truth for small graphs; the named
+baselines ``data_parallel``, ``megatron`` and ``mesh_ilp`` (:mod:`einjoin.optim.baselines`) are
+what a user would otherwise pick; ``split_largest`` and ``single`` are simple references.
 
 >>> import einjoin as ej
 >>> from einjoin.optim import plan_specs

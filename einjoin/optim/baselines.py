@@ -32,7 +32,6 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import reshape_groups
@@ -42,6 +41,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              Select)
+from einjoin.optim.ilp import choose
 from einjoin.optim.search import CostModel, SpecInfo, candidate_specs, total_cost
 
 __all__ = ["NotApplicable", "data_parallel", "megatron", "mesh_ilp", "mesh_shapes",
@@ -386,25 +386,13 @@ def mesh_strategies(node: Node, mesh: tuple[int, ...]) -> list[JoinAggSpec]:
     return list(seen.values())
 
 
-@dataclass
-class _Problem:
-    """One mesh's ILP data: per op its strategies and their own costs (aggregation, plus the
-    join replicas where the cost model has no shared replicas), pair costs between two ops'
-    choices, and replica groups: tensor u read in one partition with one replication, counted
-    once however many (op, strategy, slot) read it."""
-
-    ops: list[Node]
-    strategies: dict[Node, list[SpecInfo]]
-    unary: dict[Node, np.ndarray]
-    pair: dict[tuple[Node, Node], np.ndarray]
-    replicas: dict[tuple, list[tuple[Node, int]]]  # (u, partition, bytes) -> [(op, strategy)]
-
-
-def _problem(graph: Graph, model: CostModel, mesh: tuple[int, ...], keep: int) -> _Problem:
-    ops = [v for v in graph.ops if not isinstance(v.op, Fill)]
-    pos = {v: i for i, v in enumerate(ops)}
+def mesh_candidates(graph: Graph, model: CostModel, mesh: tuple[int, ...], keep: int
+                    ) -> dict[Node, list[SpecInfo]]:
+    """Per op, the strategies of one mesh (at most ``keep``, the cheapest by op bytes)."""
     strategies: dict[Node, list[SpecInfo]] = {}
-    for v in ops:
+    for v in graph.ops:
+        if isinstance(v.op, Fill):
+            continue
         specs = mesh_strategies(v, mesh)
         if not specs:  # no label set takes the whole mesh: einjoin's largest feasible even split
             specs = candidate_specs(v, model.p, over=(1,))
@@ -412,124 +400,7 @@ def _problem(graph: Graph, model: CostModel, mesh: tuple[int, ...], keep: int) -
         if len(infos) > keep:
             infos = sorted(infos, key=lambda i: i.op_bytes)[:keep]  # stable: ties keep their order
         strategies[v] = infos
-    shared = all(hasattr(i, "join_in") for infos in strategies.values() for i in infos)
-    unary = {v: np.array([float(i.agg_bytes if shared else i.op_bytes) for i in strategies[v]])
-             for v in ops}
-    pair: dict[tuple[Node, Node], np.ndarray] = {}
-    replicas: dict[tuple, list[tuple[Node, int]]] = defaultdict(list)
-
-    def add_pair(a: Node, b: Node, m: np.ndarray) -> None:
-        if pos[a] > pos[b]:
-            a, b, m = b, a, m.T
-        pair[(a, b)] = pair[(a, b)] + m if (a, b) in pair else m
-
-    for v in ops:
-        sv = strategies[v]
-        for slot, u in enumerate(v.inputs):
-            if isinstance(u.op, Fill):
-                continue
-            if shared:
-                for j, info in enumerate(sv):
-                    if info.join_in[slot]:
-                        replicas[(u, info.ins[slot], info.join_in[slot])].append((v, j))
-            if isinstance(u.op, Input):
-                c0 = graph.users[u][0]
-                s0 = c0.inputs.index(u)
-                if c0 is v and s0 == slot:
-                    continue  # loaded as its first consumer needs it
-                if c0 is v:
-                    unary[v] = unary[v] + np.array(
-                        [float(model.repart(i.ins[s0], i.ins[slot], u.dtype)) for i in sv])
-                    continue
-                add_pair(c0, v, np.array([[float(model.repart(a.ins[s0], b.ins[slot], u.dtype))
-                                           for b in sv] for a in strategies[c0]]))
-                continue
-            add_pair(u, v, np.array([[float(model.repart(a.out, b.ins[slot], u.dtype)) for b in sv]
-                                     for a in strategies[u]]))
-    return _Problem(ops, strategies, unary, pair, dict(replicas))
-
-
-def _objective(prob: _Problem, pick: dict[Node, int]) -> float:
-    """The ILP's objective for one choice per op (equals total_cost of that choice)."""
-    total = sum(prob.unary[v][pick[v]] for v in prob.ops)
-    total += sum(m[pick[a], pick[b]] for (a, b), m in prob.pair.items())
-    total += sum(key[2] for key, readers in prob.replicas.items()
-                 if any(pick[v] == j for v, j in readers))
-    return float(total)
-
-
-def _solve(prob: _Problem, time_limit: float, tight: bool = True) -> dict[Node, int]:
-    """Binary one-hot choices x_{v,i} (sum_i x_{v,i} = 1). For every edge (u, v) with a nonzero
-    cost matrix and strategy pair (i, j), e_{uv,ij} stands for the product x_{u,i} x_{v,j},
-    linearised as e >= x_{u,i} + x_{v,j} - 1 (the objective pushes it down) or, with ``tight``,
-    by the marginals sum_j e_{ij} = x_{u,i} and sum_i e_{ij} = x_{v,j}, which imply that
-    inequality and give the local-polytope relaxation (integral on trees; HiGHS mostly solves
-    at the root). A replica group's y >= x_{v,j} for each reader, paid once. Minimise."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
-    col: dict[Node, int] = {}
-    n = 0
-    for v in prob.ops:
-        col[v] = n
-        n += len(prob.strategies[v])
-    n_x = n
-    cost = [np.concatenate([prob.unary[v] for v in prob.ops])]
-    blocks = []
-    for (a, b), m in prob.pair.items():
-        if not m.any():
-            continue  # nothing to pay whatever both choose
-        blocks.append((a, b, m, n))
-        cost.append(m.reshape(-1))
-        n += m.size
-    groups = []
-    for key, readers in prob.replicas.items():
-        groups.append((readers, n))
-        cost.append(np.array([float(key[2])]))
-        n += 1
-    c = np.concatenate(cost)
-    scale = max(1.0, float(c.max()))
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    lo: list[float] = []
-    hi: list[float] = []
-
-    def row(entries: list[tuple[int, float]], lb: float, ub: float) -> None:
-        r = len(lo)
-        for j, val in entries:
-            rows.append(r)
-            cols.append(j)
-            vals.append(val)
-        lo.append(lb)
-        hi.append(ub)
-
-    for v in prob.ops:
-        row([(col[v] + i, 1.0) for i in range(len(prob.strategies[v]))], 1.0, 1.0)
-    for a, b, m, off in blocks:
-        na, nb = m.shape
-        if tight:
-            for i in range(na):
-                row([(off + i * nb + j, 1.0) for j in range(nb)] + [(col[a] + i, -1.0)], 0.0, 0.0)
-            for j in range(nb):
-                row([(off + i * nb + j, 1.0) for i in range(na)] + [(col[b] + j, -1.0)], 0.0, 0.0)
-        else:
-            for i in range(na):
-                for j in range(nb):
-                    if m[i, j]:
-                        row([(col[a] + i, 1.0), (col[b] + j, 1.0), (off + i * nb + j, -1.0)],
-                            -np.inf, 1.0)
-    for readers, off in groups:
-        for v, j in readers:
-            row([(off, 1.0), (col[v] + j, -1.0)], 0.0, np.inf)
-    a_mat = coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr()
-    integrality = np.zeros(n)
-    integrality[:n_x] = 1
-    res = milp(c / scale, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality,
-               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "time_limit": time_limit})
-    if res.x is None:
-        raise EinjoinError(f"mesh ILP: HiGHS found no solution ({res.message})")
-    return {v: int(np.argmax(res.x[col[v]:col[v] + len(prob.strategies[v])])) for v in prob.ops}
+    return strategies
 
 
 def mesh_ilp(graph: Graph, cluster: Cluster, keep: int = 12, time_limit: float = 60.0,
@@ -544,15 +415,13 @@ def mesh_ilp(graph: Graph, cluster: Cluster, keep: int = 12, time_limit: float =
     choices); replicas of one tensor in one partition are paid once however many ops read them,
     as the cost model counts them. So the ILP's objective is exactly
     :func:`einjoin.optim.search.total_cost`. The mesh whose optimum is cheapest wins (the first
-    on ties); ``tight`` picks the linearisation (see :func:`_solve`)."""
+    on ties); ``tight`` picks the linearisation (see :func:`einjoin.optim.ilp.solve`)."""
     model = CostModel(graph, cluster.size)
     best: tuple[int, dict[Node, SpecInfo]] | None = None
     for mesh in mesh_shapes(cluster.size):
-        prob = _problem(graph, model, mesh, keep)
-        if not prob.ops:
+        chosen = choose(graph, model, mesh_candidates(graph, model, mesh, keep), time_limit, tight)
+        if not chosen:
             break
-        pick = _solve(prob, time_limit, tight)
-        chosen = {v: prob.strategies[v][j] for v, j in pick.items()}
         cost = total_cost(graph, model, chosen)
         if best is None or cost < best[0]:
             best = (cost, chosen)

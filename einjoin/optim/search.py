@@ -337,9 +337,14 @@ def _local_search(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], 
             return
 
 
-def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int = 6
+def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int = 6,
+              ilp_max_ops: int = 200, ilp_keep: int = 40, time_limit: float = 30.0
               ) -> dict[Node, JoinAggSpec]:
-    """The EinDecomp DP over trees of the DAG, then local refinement across tree borders."""
+    """The EinDecomp DP over trees of the DAG, then refinement across tree borders: trees
+    re-solved with their neighbours' choices and single-op moves; and, for graphs of at most
+    ``ilp_max_ops`` ops, a global step: an ILP (:mod:`einjoin.optim.ilp`) choosing among each op's
+    DP choice and up to ``ilp_keep`` of its candidates (those with exactly P blocks first,
+    cheapest by op bytes), followed by the same local moves. The cheapest plan wins."""
     model = CostModel(graph, cluster.size)
     outputs = set(graph.outputs)
     roots = [n for n in graph.ops if not isinstance(n.op, Fill)
@@ -366,7 +371,35 @@ def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int =
                 break
             best, best_choice = cost, dict(chosen)
         chosen = best_choice
+        ops = [v for v in graph.ops if not isinstance(v.op, Fill)]
+        if ops and len(ops) <= ilp_max_ops:
+            glob = _global_step(graph, model, chosen, ilp_keep, time_limit)
+            if glob is not None and total_cost(graph, model, glob) < best:
+                chosen = glob
     return _specs_of(graph, model, chosen)
+
+
+def _global_step(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], keep: int,
+                 time_limit: float) -> dict[Node, SpecInfo] | None:
+    """ILP over a candidate subset per op (the DAG-wide choice the DP's trees cannot make)."""
+    from einjoin.optim.ilp import choose  # the ILP module builds on this one's cost model
+
+    strategies: dict[Node, list[SpecInfo]] = {}
+    for v, info in chosen.items():
+        cands = model.candidates(v)
+        exact = [c for c in cands if c.spec.num_kernels == model.p]
+        rest = [c for c in cands if c.spec.num_kernels != model.p]
+        pool = sorted(exact, key=lambda c: c.op_bytes)[:keep]
+        pool += sorted(rest, key=lambda c: c.op_bytes)[:max(0, keep - len(pool))]
+        strategies[v] = [info] + [c for c in pool if c is not info]
+    try:
+        glob = choose(graph, model, strategies, time_limit)
+    except EinjoinError:  # HiGHS found nothing in time: keep the DP's plan
+        return None
+    if not glob:
+        return None
+    _local_search(graph, model, glob)
+    return glob
 
 
 def exhaustive(graph: Graph, cluster: Cluster, max_ops: int = 4) -> dict[Node, JoinAggSpec]:
