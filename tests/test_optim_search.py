@@ -92,3 +92,19 @@ def test_eindecomp_plans_run_correctly() -> None:
     prog = ej.compile(out, devices=4, planner="eindecomp")
     np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), rtol=1e-4, atol=1e-4)
     assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_eindecomp_within_10_percent_of_exhaustive_on_dags(data: st.DataObject) -> None:
+    import math
+    from einjoin.optim.search import CostModel
+    outs, _ = data.draw(graphs("float64"))
+    g = ej.Graph(outs)
+    c = ej.local(data.draw(st.sampled_from([2, 3, 4, 8])))
+    ops = [n for n in g.ops if n.kind != "fill"]
+    model = CostModel(g, c.size)
+    if len(ops) > 4 or math.prod(len(model.candidates(n)) for n in ops) > 20000:
+        return
+    best = model_cost(g, c, exhaustive(g, c))
+    assert model_cost(g, c, eindecomp(g, c)) <= 1.10 * best
