@@ -33,7 +33,7 @@ def test_random_programs(backend: str) -> None:
         specs = data.draw(specs_for(outs)) if planner == "specs" else None
         devices = data.draw(st.sampled_from([1, 2, 3, 4, 8]))
         order = data.draw(st.sampled_from(ORDERS))
-        placement = data.draw(st.sampled_from(["round_robin", "random", "greedy"]))
+        placement = data.draw(st.sampled_from(["round_robin", "random", "greedy", "critical_path", "nums"]))
         seed = data.draw(st.integers(0, 1000))
         prog = ej.compile(outs, devices=devices, backend=backend, specs=specs, placement=placement,
                           order=order, seed=seed,

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from einjoin.decomp.decompose import Decomposition
+from einjoin.decomp.flops import kernel_flops
 from einjoin.decomp.partition import BlockKey, Partition
 from einjoin.exchange import Box, Request, Task, TaskGraphBuilder, Value, box_shape, synthesize
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Einsum, Fill, Input, Node
-from einjoin.ir.scalar import Call, is_product
+from einjoin.ir.node import Fill, Input, Node
 from einjoin.placement import Placement
 from einjoin.plan.stats import PlanStats, compute_stats
 
@@ -55,24 +55,6 @@ class TaskGraph:
 
     def __len__(self) -> int:
         return len(self.tasks)
-
-
-def _count_calls(e: object) -> int:
-    return 1 + sum(_count_calls(a) for a in e.args) if isinstance(e, Call) else 0
-
-
-def kernel_flops(d: Decomposition, index: tuple[int, ...]) -> int:
-    """Modelled flops of one kernel: the joined label box times the join's operations (a
-    multiply-add per element for a contraction)."""
-    op = d.node.op
-    if not isinstance(op, Einsum):
-        return 0
-    n = 1
-    for b, i in zip(d.spec.bounds, index):
-        n *= b[i + 1] - b[i]
-    if is_product(op.join, len(d.node.inputs)) and op.agg.reduces:
-        return 2 * n
-    return n * max(1, _count_calls(op.join))
 
 
 def build_taskgraph(graph: Graph, decomps: Mapping[Node, Decomposition], placement: Placement,
