@@ -162,33 +162,77 @@ def llama_case(rng: np.random.Generator) -> Case:
 # measuring
 
 
+class CpuWatch:
+    """CPU time the rest of the machine used while we ran (other processes compete for the same
+    cores and skew every column), and time the hypervisor stole, from /proc/stat (Linux)."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+        self.start_wall = time.perf_counter()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = v[0] + v[1] + v[2] + v[5] + v[6]          # user nice system irq softirq
+        steal = v[7] if len(v) > 7 else 0
+        return busy / tick, steal / tick, time.process_time(), time.perf_counter()
+
+    def others(self) -> str:
+        end = self._read()
+        if self.start is None or end is None:
+            return "n/a"
+        busy, steal, own, wall = (b - a for a, b in zip(self.start, end))
+        other = max(0.0, busy - own)
+        frac = other / (wall * CORES) if wall > 0 else 0.0
+        flag = "  [red]<- machine not quiet, timings skewed[/]" if frac > 0.05 else ""
+        return (f"{other:.1f} core-s by other processes over {wall:.0f} s ({100 * frac:.0f}% of "
+                f"the {CORES} cores), {steal:.1f} s stolen{flag}")
+
+
 @dataclass
 class Timing:
-    median: float
-    times: list[float]
-    result: np.ndarray
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
 
 
-def measure(fn: Callable[[], Any], reps: int, warmup: bool = True) -> Timing:
-    """One warm-up run, then ``reps`` timed runs; the previous result is dropped before each run
-    so every run allocates its output the same way."""
-    result = fn() if warmup else None
-    times = []
-    for _ in range(reps):
-        result = None
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return Timing(statistics.median(times), times, np.asarray(result))
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| / max |want| (both in float64)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+def rel_err(got: Any, want: np.ndarray) -> float:
+    """max |got - want| / max |want|, in float64, a slice at a time (no whole-size temporaries)."""
+    got = np.asarray(got)
     if got.shape != want.shape:
         return float("inf")
-    scale = float(np.abs(want).max()) or 1.0
-    return float(np.abs(got - want).max()) / scale
+    g, w = got.reshape(-1), want.reshape(-1)
+    step = 1 << 20
+    diff = scale = 0.0
+    for i in range(0, w.size, step):
+        wi = w[i:i + step].astype(np.float64)
+        diff = max(diff, float(np.abs(g[i:i + step].astype(np.float64) - wi).max()))
+        scale = max(scale, float(np.abs(wi).max()))
+    return diff / (scale or 1.0)
+
+
+def measure(columns: dict[str, Callable[[], Any]], reps: int, check: Callable[[str, Any], None],
+            log: Callable[[str], None]) -> dict[str, Timing]:
+    """``reps`` rounds, each timing every column once, in turn, so that a change in background
+    load hits all columns alike. Each result is checked, then dropped before the next run, so
+    every run allocates its output the same way."""
+    times = {k: Timing() for k in columns}
+    for r in range(reps):
+        log(f"repetition {r + 1}/{reps}")
+        for label, fn in columns.items():
+            t0 = time.perf_counter()
+            result = fn()
+            times[label].times.append(time.perf_counter() - t0)
+            check(label, result)
+            result = None
+    return times
 
 
 def chunks_of(prog: ej.Program, name: str) -> tuple[tuple[int, ...], ...]:
@@ -213,33 +257,20 @@ class Result:
     chunks_auto: dict[str, tuple[tuple[int, ...], ...]]
     dask_tasks: dict[str, int]
     notes: list[str]
+    load: str = ""
 
 
-def run_case(case: Case, console: Console, slow_warmup_s: float) -> Result:
+def run_case(case: Case, console: Console, time_left_s: float) -> Result:
+    """Measure every column on ``case``; ``time_left_s`` is this case's share of the time budget
+    (fewer repetitions, never smaller sizes, when one round of the columns would not fit)."""
     notes: list[str] = []
+    watch = CpuWatch()
+    log = lambda msg: console.log(f"{escape(case.name)}: {msg}")  # noqa: E731
     t0 = time.perf_counter()
     prog = ej.compile(case.out, devices=ej.local(DEVICES), backend="threads")
     compile_s = time.perf_counter() - t0
     names = [n.op.name for n in prog.graph.inputs]
     feeds = case.feeds
-    reps = case.reps
-    # einjoin's warm-up, timed to size the repetitions
-    t0 = time.perf_counter()
-    prog.run(**feeds)
-    warm = time.perf_counter() - t0
-    if warm > slow_warmup_s and reps > 1:
-        reps = 1
-        notes.append(f"repetitions reduced to {reps} for every column (einjoin warm-up took {warm:.1f} s)")
-    times: dict[str, Timing] = {}
-
-    def step(label: str, fn: Callable[[], Any], n: int = reps, warmup: bool = True) -> None:
-        console.log(f"{escape(case.name)}: {escape(label)} x{n}")
-        times[label] = measure(fn, n, warmup)
-
-    step("einjoin", lambda: prog.run(**feeds), warmup=False)  # warmed up above
-    step("numpy", lambda: case.numpy_fn(feeds))
-    for label, fn in case.extra.items():
-        step(label, lambda fn=fn: fn(feeds))
 
     same = {k: chunks_of(prog, k) for k in names}
     lazy_same = case.dask_fn({k: da.from_array(feeds[k], chunks=same[k]) for k in names})
@@ -252,16 +283,49 @@ def run_case(case: Case, console: Console, slow_warmup_s: float) -> Result:
         with threadpool_limits(limits=per_worker):
             return lazy_same.compute(scheduler="threads", num_workers=DEVICES)
 
-    step("dask (einjoin blocks)", dask_same)
-    step("dask (auto chunks)", lambda: lazy_auto.compute(scheduler="threads"))
-    step("torch eager", lambda: case.torch_fn(feeds))
+    columns: dict[str, Callable[[], Any]] = {
+        "einjoin": lambda: prog.run(**feeds),
+        "numpy": lambda: case.numpy_fn(feeds),
+        **{label: (lambda fn=fn: fn(feeds)) for label, fn in case.extra.items()},
+        "dask (einjoin blocks)": dask_same,
+        "dask (auto chunks)": lambda: lazy_auto.compute(scheduler="threads"),
+        "torch eager": lambda: case.torch_fn(feeds),
+    }
 
-    want = times["numpy"].result
-    errs = {k: rel_err(t.result, want) for k, t in times.items() if k != "numpy"}
+    # warm-up: every column once; numpy's result is the reference every later result is checked
+    # against (einjoin's warm-up is timed, to size the repetitions)
+    log("warm-up")
+    warm: dict[str, float] = {}
+
+    def timed(label: str) -> Any:
+        t0 = time.perf_counter()
+        out = columns[label]()
+        warm[label] = time.perf_counter() - t0
+        return out
+
+    want = np.asarray(timed("numpy"))
+    ej_out = np.asarray(timed("einjoin"))
+    errs = {"einjoin": rel_err(ej_out, want)}
+    for label in columns:
+        if label not in ("numpy", "einjoin"):
+            errs[label] = rel_err(timed(label), want)
     if case.numpy_label != "numpy":
-        errs["einjoin vs torch"] = rel_err(times["einjoin"].result, times["torch eager"].result)
+        errs["einjoin vs torch"] = rel_err(ej_out, np.asarray(columns["torch eager"]()))
+    ej_out = None
+    round_s = sum(warm.values())
+    reps = max(1, min(case.reps, int((time_left_s - (time.perf_counter() - watch.start_wall)) // round_s)))
+    if reps < case.reps:
+        notes.append(f"repetitions reduced from {case.reps} to {reps} for every column, sizes kept: one "
+                     f"warm-up round of the columns took {round_s:.1f} s and this case's share of the "
+                     f"time budget was {time_left_s:.0f} s")
+
+    def check(label: str, result: Any) -> None:
+        if label != "numpy":
+            errs[label] = max(errs[label], rel_err(result, want))
+
+    times = measure(columns, reps, check, log)
     dask_tasks = {"same": len(lazy_same.__dask_graph__()), "auto": len(lazy_auto.__dask_graph__())}
-    return Result(case, prog, compile_s, times, errs, same, auto, dask_tasks, notes)
+    return Result(case, prog, compile_s, times, errs, same, auto, dask_tasks, notes, watch.others())
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +352,7 @@ def fmt_s(t: Timing | None) -> str:
     return f"{t.median:.3f}" + ("" if len(t.times) > 1 else "*")
 
 
-def report(results: list[Result], console: Console, total_s: float) -> None:
+def report(results: list[Result], console: Console, total_s: float, watch: CpuWatch) -> None:
     cols = {"einjoin": "einjoin\nlocal(2)", "numpy": "numpy", "dask (einjoin blocks)": "dask\neinjoin's\nblocks",
             "dask (auto chunks)": "dask\nauto\nchunks", "torch eager": "torch\neager"}
     table = Table(title=f"einjoin on ej.local({DEVICES}) (threads backend, numpy kernels) vs "
@@ -301,14 +365,15 @@ def report(results: list[Result], console: Console, total_s: float) -> None:
     table.add_column("einjoin max\nrel err\nvs numpy", justify="right")
     for r in results:
         t = r.times
-        name = r.case.name + ("" if r.case.numpy_label == "numpy" else f"\n(numpy column: {r.case.numpy_label})")
+        name = r.case.name + ("" if r.case.numpy_label == "numpy" else f"\n(numpy column = {r.case.numpy_label})")
         table.add_row(escape(name), *(fmt_s(t.get(c)) for c in cols),
                       f"{t['einjoin'].median / t['numpy'].median:.2f}",
                       f"{t['einjoin'].median / t['dask (einjoin blocks)'].median:.2f}",
                       f"{r.errs['einjoin']:.1e}")
     console.print(table)
-    console.print("ratios < 1: einjoin faster. '*': a single timed repetition. Each case was run "
-                  "once untimed (warm-up) before its timed repetitions.")
+    console.print("ratios < 1: einjoin faster. '*': a single timed repetition. Every column ran once "
+                  "untimed (warm-up), then the timed repetitions went round the columns in turn; every "
+                  "result, warm-up and timed, was checked against numpy's (max over all runs shown).")
 
     console.print("\n[bold]per case: einjoin's plan and run, the dask graphs, the peers' agreement[/]")
     for r in results:
@@ -335,19 +400,20 @@ def report(results: list[Result], console: Console, total_s: float) -> None:
             console.print(f"  {escape(label)}: {fmt_s(r.times[label])} s "
                           f"(einjoin / it = {r.times['einjoin'].median / r.times[label].median:.2f})")
         reps = {len(t.times) for t in r.times.values()}
-        console.print(f"  timed repetitions: {', '.join(map(str, sorted(reps)))}")
+        console.print(f"  timed repetitions: {', '.join(map(str, sorted(reps)))}; while it ran: {r.load}")
         for n in r.notes:
             console.print(f"  [yellow]note[/]: {escape(n)}")
-    console.print(f"\ntotal benchmark time: {total_s:.1f} s")
+    console.print(f"\ntotal benchmark time: {total_s:.1f} s; while it ran: {watch.others()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="matmul,chain,mlp,llama",
                     help="comma-separated subset of matmul,chain,mlp,llama")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per column (after a warm-up)")
-    ap.add_argument("--slow-warmup", type=float, default=20.0,
-                    help="a case whose einjoin warm-up takes longer gets 1 repetition per column")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per column (after a warm-up)")
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="seconds for the whole run; cases get fewer repetitions (never smaller "
+                         "sizes) when their share would be exceeded")
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
     torch.set_num_threads(CORES)
@@ -364,13 +430,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"dask (auto) default workers, BLAS untouched; numpy and torch {CORES} threads")
 
     makers = {"matmul": matmul_case, "chain": chain_case, "mlp": mlp_case, "llama": llama_case}
+    la = os.getloadavg() if hasattr(os, "getloadavg") else ()
+    console.print("load average at start: " + " ".join(f"{x:.2f}" for x in la))
+    watch = CpuWatch()
     rng = np.random.default_rng(0)
     results = []
-    for key in args.cases.split(","):
-        case = makers[key.strip()](rng)
+    keys = [k.strip() for k in args.cases.split(",")]
+    for i, key in enumerate(keys):
+        case = makers[key](rng)
         case.reps = args.reps
-        results.append(run_case(case, console, args.slow_warmup))
-    report(results, console, time.perf_counter() - T_START)
+        # the case's share of what is left of the budget: weights by size of the work (the chain
+        # and the LLaMA block take about twice the others)
+        weight = {"chain": 2.0, "llama": 2.5}.get(key, 1.0)
+        rest = sum({"chain": 2.0, "llama": 2.5}.get(k, 1.0) for k in keys[i:])
+        share = (args.budget - (time.perf_counter() - T_START)) * weight / rest
+        results.append(run_case(case, console, share))
+    report(results, console, time.perf_counter() - T_START, watch)
     bad = [r.case.name for r in results if not r.errs["einjoin"] < 1e-3]
     if bad:
         console.print(f"[red]einjoin result differs from numpy[/] in: {', '.join(bad)}")
