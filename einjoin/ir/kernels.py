@@ -69,7 +69,10 @@ def einsum_kernel(op: Einsum, arrays: Sequence[np.ndarray], out_dtype: str) -> n
         sym = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(op.all_labels)}
         eq = ",".join("".join(sym[lab] for lab in ls) for ls in op.in_labels)
         eq += "->" + "".join(sym[lab] for lab in op.out_labels)
-        out = opt_einsum.contract(eq, *xs, optimize="auto") if n > 1 else np.einsum(eq, xs[0])
+        if n == 2 and xs[0].dtype.kind == "f" and xs[1].dtype.kind == "f":
+            out = _batched_matmul(op, xs[0], xs[1])
+        else:
+            out = opt_einsum.contract(eq, *xs, optimize="auto") if n > 1 else np.einsum(eq, xs[0])
     else:
         order = op.all_labels
         aligned = [align(x, ls, order) for x, ls in zip(xs, op.in_labels)]
@@ -79,7 +82,44 @@ def einsum_kernel(op: Einsum, arrays: Sequence[np.ndarray], out_dtype: str) -> n
             val = np.broadcast_to(val, full)
         axes = tuple(range(len(op.out_labels), len(order)))
         out = op.agg.reduce(val, axes) if axes else val
-    return np.asarray(out).astype(numpy_dtype(out_dtype), copy=False)
+    # C order: opt_einsum may hand back a transposed view, and outputs get copied and sliced
+    return np.asarray(out, order="C").astype(numpy_dtype(out_dtype), copy=False)
+
+
+def _batched_matmul(op: Einsum, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """A two-input product-sum einsum as one ``np.matmul`` over (batch, m, k) x (batch, k, n):
+    numpy's einsum loop (which opt_einsum falls back to when a batch label is shared) runs far
+    below BLAS speed. Labels only one input has and the output lacks are summed first."""
+    (lx, ly), out = op.in_labels, op.out_labels
+    if len(set(lx)) != len(lx) or len(set(ly)) != len(ly):
+        return opt_einsum.contract(op.equation, x, y)  # diagonals: leave them to einsum
+    sx, sy, so = set(lx), set(ly), set(out)
+    if sx - sy - so:
+        keep = [lab for lab in lx if lab in sy or lab in so]
+        x = x.sum(axis=tuple(i for i, lab in enumerate(lx) if lab not in keep))
+        lx = tuple(keep)
+    if sy - sx - so:
+        keep = [lab for lab in ly if lab in sx or lab in so]
+        y = y.sum(axis=tuple(i for i, lab in enumerate(ly) if lab not in keep))
+        ly = tuple(keep)
+    sx, sy = set(lx), set(ly)
+    batch = [lab for lab in out if lab in sx and lab in sy]
+    m = [lab for lab in out if lab in sx and lab not in sy]
+    nn = [lab for lab in out if lab in sy and lab not in sx]
+    k = [lab for lab in lx if lab in sy and lab not in so]
+    size = dict(zip(lx, x.shape)) | dict(zip(ly, y.shape))
+
+    def prod(labels: list[str]) -> int:
+        r = 1
+        for lab in labels:
+            r *= size[lab]
+        return r
+
+    xm = np.transpose(x, [lx.index(lab) for lab in batch + m + k]).reshape(prod(batch), prod(m), prod(k))
+    ym = np.transpose(y, [ly.index(lab) for lab in batch + k + nn]).reshape(prod(batch), prod(k), prod(nn))
+    z = np.matmul(xm, ym).reshape([size[lab] for lab in batch + m + nn])
+    order = batch + m + nn
+    return np.transpose(z, [order.index(lab) for lab in out])
 
 
 def fill_kernel(expr: Expr, starts: Sequence[int], shape: Sequence[int], dtype: str) -> np.ndarray:

@@ -142,6 +142,8 @@ class CostModel:
                 found = self._by_shape.get(shape_key)
                 if found is None:
                     found = [self.info(node, s) for s in candidate_specs(node, self.p, self.over)]
+                    # equal bytes: prefer fewer partial sums (no reduce to run), then fewer kernels
+                    found.sort(key=lambda i: (i.agg_bytes, i.spec.num_kernels))
                     self._by_shape[shape_key] = found
                 self._cands[node] = found
         return self._cands[node]
