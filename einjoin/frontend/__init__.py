@@ -6,6 +6,7 @@ from einjoin.frontend.composites import (attention, gelu, layer_norm, linear, lo
 from einjoin.frontend.functions import *  # noqa: F401,F403
 from einjoin.frontend.functions import __all__ as _fn_all
 from einjoin.frontend.tensor import Tensor
+from einjoin.frontend.torch import TorchFunction, from_torch
 
-__all__ = ["Tensor", "attention", "gelu", "layer_norm", "linear", "log_softmax", "rms_norm",
+__all__ = ["Tensor", "TorchFunction", "from_torch", "attention", "gelu", "layer_norm", "linear", "log_softmax", "rms_norm",
            "rope", "rotate_half", "silu", "softmax", *_fn_all]

@@ -22,11 +22,12 @@ from einjoin.ir.agg import Agg
 from einjoin.ir.equation import ELLIPSIS_LABELS, parse_equation
 from einjoin.ir.node import Node
 from einjoin.ir.scalar import Expr
+from einjoin.ir.dtypes import canonical_dtype
 from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, elementwise, permute, reduce,
                                      wrap)
 
 __all__ = ["input", "param", "einsum", "matmul", "where", "maximum", "minimum", "exp", "log", "sqrt",
-           "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "sin", "cos", "neg",
+           "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "erf", "sin", "cos", "neg",
            "logical_not", "sum", "mean", "max", "min", "prod", "concat", "cat", "stack", "split",
            "chunk", "reshape", "transpose", "permute", "broadcast_to", "full", "zeros", "ones",
            "arange", "fill", "causal_mask", "gather", "embedding", "cast"]
@@ -136,7 +137,7 @@ def _unary(fn: str):  # type: ignore[no-untyped-def]
 
 
 exp, log, sqrt, rsqrt, reciprocal = (_unary(n) for n in ("exp", "log", "sqrt", "rsqrt", "reciprocal"))
-abs, relu, tanh, sigmoid = (_unary(n) for n in ("abs", "relu", "tanh", "sigmoid"))
+abs, relu, tanh, sigmoid, erf = (_unary(n) for n in ("abs", "relu", "tanh", "sigmoid", "erf"))
 sin, cos, neg, logical_not = (_unary(n) for n in ("sin", "cos", "neg", "logical_not"))
 
 
@@ -230,15 +231,17 @@ def fill(shape: Any, expr: "str | Expr | float | int | bool", dtype: Any = "floa
 
 
 def full(shape: Any, value: "float | int | bool", dtype: Any = "float32") -> Tensor:
+    if canonical_dtype(dtype) == "bool" and not isinstance(value, builtins.bool):
+        value = builtins.bool(value)  # a bool fill holds True/False, not 1/0
     return fill(shape, value, dtype)
 
 
 def zeros(shape: Any, dtype: Any = "float32") -> Tensor:
-    return fill(shape, 0, dtype)
+    return full(shape, 0, dtype)
 
 
 def ones(shape: Any, dtype: Any = "float32") -> Tensor:
-    return fill(shape, 1, dtype)
+    return full(shape, 1, dtype)
 
 
 def arange(n: int, dtype: Any = "int64") -> Tensor:

@@ -83,7 +83,7 @@ def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = Non
         keep = [d for d in range(a.ndim) if not (a.shape[d] == 1 and out_shape[offset + d] != 1)]
         node = a.node
         if len(keep) != a.ndim:
-            node = ops.reshape_node(node, tuple(a.shape[d] for d in keep))
+            node = fold(ops.reshape_node(node, tuple(a.shape[d] for d in keep)))
         ls = "".join(out_labels[offset + d] for d in keep)
         key = (node, ls)
         if key not in slot:  # x * x reads one input twice
@@ -224,6 +224,7 @@ class Tensor:
     def relu(self) -> "Tensor": return elementwise("relu", self)
     def silu(self) -> "Tensor": return elementwise("silu", self)
     def tanh(self) -> "Tensor": return elementwise("tanh", self)
+    def erf(self) -> "Tensor": return elementwise("erf", self)
     def sigmoid(self) -> "Tensor": return elementwise("sigmoid", self)
     def sin(self) -> "Tensor": return elementwise("sin", self)
     def cos(self) -> "Tensor": return elementwise("cos", self)

@@ -14,7 +14,7 @@ move: every device computes the blocks it needs from the index grid.
 from __future__ import annotations
 
 from einjoin.ir.dtypes import kind
-from einjoin.ir.node import Broadcast, Cast, Einsum, Fill, Node, Select
+from einjoin.ir.node import Broadcast, Cast, Einsum, Fill, Node, Reshape, Select
 from einjoin.ir.ops import fill_node
 from einjoin.ir.scalar import Arg, Call, Const, Expr, substitute
 
@@ -59,4 +59,13 @@ def fold(node: Node) -> Node:
         return fill_node(node.shape, node.dtype, _remap(fills[0].expr, mapped))
     if isinstance(op, Cast):
         return fill_node(node.shape, node.dtype, fills[0].expr)
+    if isinstance(op, Reshape):
+        # only size-1 dims inserted or removed: the index grid maps dim to dim
+        src = node.inputs[0].shape
+        out_big = [d for d, n in enumerate(node.shape) if n != 1]
+        if [n for n in src if n != 1] != [node.shape[d] for d in out_big]:
+            return node
+        it = iter(out_big)
+        unit: list[Expr] = [Const(0) if n == 1 else Arg(next(it)) for n in src]
+        return fill_node(node.shape, node.dtype, _remap(fills[0].expr, unit))
     return node

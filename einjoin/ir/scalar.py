@@ -139,6 +139,7 @@ _FN_LIST = [
     ScalarFn("gelu", 1, "float", _gelu),
     ScalarFn("gelu_tanh", 1, "float", _gelu_tanh),
     ScalarFn("tanh", 1, "float", np.tanh),
+    ScalarFn("erf", 1, "float", special.erf),
     ScalarFn("sigmoid", 1, "float", _sigmoid),
     ScalarFn("sin", 1, "float", np.sin),
     ScalarFn("cos", 1, "float", np.cos),

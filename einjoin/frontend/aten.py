@@ -1,0 +1,666 @@
+"""The op table of the torch importer: each ATen op (as ``torch.export`` emits it) and each torch
+function / tensor method / ``nn`` module (as ``torch.fx.symbolic_trace`` records it) written with
+the frontend. Data, not code paths: :data:`OPS` maps a name to a translation; ``einjoin.frontend.torch``
+walks the graph and looks names up here.
+
+A translation takes the call's arguments with graph values already replaced by einjoin tensors
+(and Python numbers, shapes, dtypes left as they are) and returns einjoin tensors (or tuples).
+
+>>> import numpy as np, einjoin as ej
+>>> from einjoin.frontend.aten import OPS
+>>> x = ej.input("x", (2, 3))
+>>> y = OPS["masked_fill"](x, ej.causal_mask(2, 3), 0.0)
+>>> ej.reference(y, x=np.ones((2, 3), np.float32)).tolist()
+[[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+from typing import Any, Callable
+
+from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.frontend import composites as C
+from einjoin.frontend import functions as F
+from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
+
+__all__ = ["OPS", "NO_OPS", "torch_dtype"]
+
+Fn = Callable[..., Any]
+OPS: dict[str, Fn] = {}
+# ops that only check metadata or return nothing: skipped
+NO_OPS = frozenset({"_assert_tensor_metadata", "_assert_async", "_assert_scalar", "sym_constrain_range",
+                    "sym_constrain_range_for_size", "_check_is_size"})
+
+
+def op(*names: str) -> Callable[[Fn], Fn]:
+    def reg(fn: Fn) -> Fn:
+        for n in names:
+            OPS[n] = fn
+        return fn
+    return reg
+
+
+def torch_dtype(dt: Any) -> str:
+    """einjoin's name for a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    name = str(dt).removeprefix("torch.")
+    if name in ("float", "double", "half", "long", "int", "bool"):
+        name = {"float": "float32", "double": "float64", "half": "float16", "long": "int64",
+                "int": "int32", "bool": "bool"}[name]
+    return name
+
+
+def _is_t(v: Any) -> bool:
+    return isinstance(v, Tensor)
+
+
+def _shape(args: tuple) -> tuple[int, ...]:
+    """A size given as varargs ``(2, 3)`` or as one sequence ``([2, 3],)``."""
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        return tuple(int(s) for s in args[0])
+    return tuple(int(s) for s in args)
+
+
+def _dtype(kw: dict, default: str) -> str:
+    dt = kw.get("dtype")
+    return default if dt is None else torch_dtype(dt)
+
+
+# ------------------------------------------------------------------ arithmetic
+
+
+def _arith(py: Fn, fn: str) -> Fn:
+    def f(a: Any, b: Any, alpha: Any = 1, **_: Any) -> Any:
+        if not _is_t(a) and not _is_t(b):
+            return py(a, b)  # shape arithmetic in fx graphs
+        if alpha != 1:
+            b = b * alpha
+        return elementwise(fn, a, b)
+    return f
+
+
+op("add", "iadd")(_arith(operator.add, "add"))
+op("sub", "isub")(_arith(operator.sub, "sub"))
+op("mul", "imul")(_arith(operator.mul, "mul"))
+
+
+@op("div", "truediv", "true_divide", "itruediv")
+def _div(a: Any, b: Any, rounding_mode: Any = None, **_: Any) -> Any:
+    if not _is_t(a) and not _is_t(b):
+        return a / b
+    if rounding_mode is not None:
+        raise UnsupportedOpError(f"div with rounding_mode={rounding_mode!r}")
+    return elementwise("div", a, b)
+
+
+@op("floordiv")
+def _floordiv(a: Any, b: Any) -> Any:
+    if _is_t(a) or _is_t(b):
+        raise UnsupportedOpError("floor division of tensors")
+    return a // b
+
+
+@op("rsub")
+def _rsub(a: Any, b: Any, alpha: Any = 1) -> Any:
+    return elementwise("sub", b, a * alpha if alpha != 1 else a)
+
+
+@op("neg")
+def _neg(a: Any) -> Any:
+    return -a
+
+
+@op("pow")
+def _pow(a: Any, b: Any) -> Any:
+    if _is_t(a) and not _is_t(b) and b == 2:
+        return a * a
+    return elementwise("pow", a, b)
+
+
+@op("square")
+def _square(a: Tensor) -> Tensor:
+    return a * a
+
+
+for _name in ("exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "sin",
+              "cos", "silu", "erf"):
+    OPS[_name] = (lambda fn: lambda x, *a, **k: elementwise(fn, x))(_name)
+OPS["relu_"] = OPS["relu"]
+OPS["silu_"] = OPS["silu"]
+
+
+@op("gelu")
+def _gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    return C.gelu(x, approximate)
+
+
+for _name, _fn in (("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge"),
+                   ("logical_and", "logical_and"), ("logical_or", "logical_or"),
+                   ("bitwise_and", "logical_and"), ("bitwise_or", "logical_or"),
+                   ("and_", "logical_and"), ("or_", "logical_or")):
+    OPS[_name] = (lambda fn: lambda a, b: elementwise(fn, a, b))(_fn)
+
+
+@op("logical_not", "bitwise_not", "invert")
+def _not(x: Tensor) -> Tensor:
+    if x.dtype != "bool":
+        raise UnsupportedOpError(f"bitwise not of a {x.dtype} tensor (only bool masks)")
+    return elementwise("logical_not", x)
+
+
+@op("where")
+def _where(cond: Tensor, a: Any = None, b: Any = None) -> Tensor:
+    if a is None or b is None:
+        raise UnsupportedOpError("where(cond) with one argument (returns indices)")
+    return F.where(cond, a, b)
+
+
+@op("masked_fill", "masked_fill_")
+def _masked_fill(x: Tensor, mask: Tensor, value: Any) -> Tensor:
+    return F.where(mask, value, x)
+
+
+@op("maximum", "max.other")
+def _maximum(a: Any, b: Any) -> Tensor:
+    return F.maximum(a, b)
+
+
+@op("minimum")
+def _minimum(a: Any, b: Any) -> Tensor:
+    return F.minimum(a, b)
+
+
+@op("clamp", "clip")
+def _clamp(x: Tensor, min: Any = None, max: Any = None) -> Tensor:
+    if min is not None:
+        x = F.maximum(x, min)
+    if max is not None:
+        x = F.minimum(x, max)
+    return x
+
+
+# ------------------------------------------------------------------ contractions
+
+
+@op("linear")
+def _linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    return C.linear(x, w, b)
+
+
+@op("matmul", "mm", "bmm", "matmul_")
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    return F.matmul(a, b)
+
+
+@op("addmm")
+def _addmm(bias: Tensor, a: Tensor, b: Tensor, beta: Any = 1, alpha: Any = 1) -> Tensor:
+    y = F.matmul(a, b)
+    if alpha != 1:
+        y = y * alpha
+    return y + (bias * beta if beta != 1 else bias)
+
+
+@op("einsum")
+def _einsum(equation: str, *operands: Any, path: Any = None) -> Tensor:
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    return F.einsum(equation, *operands)
+
+
+# ------------------------------------------------------------------ reductions and composites
+
+
+def _dims(dim: Any) -> Any:
+    if isinstance(dim, (list, tuple)):
+        return tuple(dim) if dim else None
+    return dim
+
+
+def _reduction(name: str) -> Fn:
+    def f(x: Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Tensor:
+        if dtype is not None:
+            x = x.to(torch_dtype(dtype))
+        y = getattr(x, name)(_dims(dim), keepdim)
+        return y
+    return f
+
+
+OPS["sum"] = _reduction("sum")
+OPS["mean"] = _reduction("mean")
+OPS["prod"] = _reduction("prod")
+OPS["amax"] = _reduction("max")
+OPS["amin"] = _reduction("min")
+
+
+@op("max", "min")
+def _max_min_unsupported(*args: Any, **kw: Any) -> Any:
+    raise UnsupportedOpError("max/min with a dim (they return indices); use amax/amin")
+
+
+@op("any")
+def _any(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return x.to("bool").max(_dims(dim), keepdim)
+
+
+@op("all")
+def _all(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return x.to("bool").min(_dims(dim), keepdim)
+
+
+@op("var")
+def _var(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
+         correction: Any = None) -> Tensor:
+    dims = _dims(dim)
+    n = math.prod(x.shape) if dims is None else math.prod(
+        x.shape[d] for d in ((dims,) if isinstance(dims, int) else dims))
+    corr = 1 if correction is None and unbiased in (None, True) else (0 if correction is None else correction)
+    mu = x.mean(dims, True)
+    return ((x - mu) * (x - mu)).sum(dims, keepdim) * (1.0 / builtins.max(n - corr, 1))
+
+
+@op("softmax", "_softmax")
+def _softmax(x: Tensor, dim: int = -1, half_to_float: Any = None, *, dtype: Any = None, **_: Any) -> Tensor:
+    if dtype is not None:
+        x = x.to(torch_dtype(dtype))
+    return C.softmax(x, dim)
+
+
+@op("log_softmax", "_log_softmax")
+def _log_softmax(x: Tensor, dim: int = -1, half_to_float: Any = None, *, dtype: Any = None,
+                 **_: Any) -> Tensor:
+    if dtype is not None:
+        x = x.to(torch_dtype(dtype))
+    return C.log_softmax(x, dim)
+
+
+@op("layer_norm")
+def _layer_norm(x: Tensor, normalized_shape: Any, weight: Any = None, bias: Any = None,
+                eps: float = 1e-5, *_: Any) -> Tensor:
+    return C.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+@op("native_layer_norm")
+def _native_layer_norm(x: Tensor, normalized_shape: Any, weight: Any, bias: Any, eps: float) -> tuple:
+    return (C.layer_norm(x, normalized_shape, weight, bias, eps), None, None)
+
+
+@op("rms_norm")
+def _rms_norm(x: Tensor, normalized_shape: Any, weight: Any = None, eps: Any = None) -> Tensor:
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if eps is None:
+        eps = float(_finfo_eps(x.dtype))  # torch's default: the dtype's machine epsilon
+    if len(ns) == 1:
+        return C.rms_norm(x, weight, eps)
+    lead = x.shape[:x.ndim - len(ns)]
+    y = C.rms_norm(x.reshape(lead + (math.prod(ns),)), None, eps).reshape(x.shape)
+    return y if weight is None else y * weight
+
+
+def _finfo_eps(dtype: str) -> float:
+    import numpy as np
+    import ml_dtypes
+    return float(ml_dtypes.finfo(dtype).eps) if dtype == "bfloat16" else float(np.finfo(dtype).eps)
+
+
+@op("embedding")
+def _embedding(weight: Tensor, indices: Tensor, *_: Any, **__: Any) -> Tensor:
+    return F.gather(weight, indices)
+
+
+@op("dropout", "dropout_", "feature_dropout", "alpha_dropout")
+def _dropout(x: Tensor, p: float = 0.5, train: bool = False, inplace: bool = False) -> Tensor:
+    if train and p > 0:
+        raise UnsupportedOpError(f"dropout with p={p} in training mode; call module.eval() first")
+    return x
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Tensor:
+    if dropout_p:
+        raise UnsupportedOpError(f"scaled_dot_product_attention with dropout_p={dropout_p}")
+    s, t = q.shape[-2], k.shape[-2]
+    mask = attn_mask
+    if is_causal and s != t:
+        # torch's is_causal aligns the mask to the top left (tril of ones(s, t))
+        causal = F.fill((s, t), "x1 <= x0", "bool")
+        mask = causal if mask is None else (mask & causal)
+        is_causal = False
+    if mask is not None and mask.dtype != "bool":
+        # an additive float mask: written out, since ej.attention takes boolean masks
+        if is_causal:
+            mask = mask + F.where(F.causal_mask(s, t), 0.0, float("-inf"))
+        d = q.shape[-1]
+        sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+            g = q.shape[-3] // k.shape[-3]
+            k = _repeat_interleave(k, g, q.ndim - 3)
+            v = _repeat_interleave(v, g, q.ndim - 3)
+        scores = F.matmul(q, k.transpose(-2, -1)) * sc + mask
+        return F.matmul(C.softmax(scores, -1), v)
+    return C.attention(q, k, v, causal=bool(is_causal), scale=scale, mask=mask)
+
+
+OPS["scaled_dot_product_attention"] = _sdpa
+
+
+@op("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention")
+def _sdpa_flash(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False,
+                *_: Any, attn_mask: Any = None, scale: Any = None, **__: Any) -> tuple:
+    # (output, logsumexp): the second is only read by the backward pass
+    return (_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale), None)
+
+
+# ------------------------------------------------------------------ layout
+
+
+@op("view", "_unsafe_view", "reshape", "view_copy")
+def _view(x: Tensor, *shape: Any) -> Tensor:
+    if len(shape) == 1 and not isinstance(shape[0], (list, tuple)) and not isinstance(shape[0], int):
+        raise UnsupportedOpError(f"view with {type(shape[0]).__name__} (a dtype view)")
+    return x.reshape(_shape(shape))
+
+
+@op("view_as", "reshape_as")
+def _view_as(x: Tensor, other: Tensor) -> Tensor:
+    return x.reshape(other.shape)
+
+
+@op("permute")
+def _permute(x: Tensor, *dims: Any) -> Tensor:
+    return x.permute(*dims)
+
+
+@op("transpose", "swapaxes", "transpose_")
+def _transpose(x: Tensor, a: int, b: int) -> Tensor:
+    return x.transpose(a, b)
+
+
+@op("t", "numpy_T")
+def _t(x: Tensor) -> Tensor:
+    return x if x.ndim < 2 else x.transpose(0, 1)
+
+
+@op("contiguous", "clone", "alias", "detach", "lift_fresh_copy", "lift_fresh", "detach_",
+    "_to_dim_order_copy", "identity")
+def _identity(x: Any, *_: Any, **__: Any) -> Any:
+    return x
+
+
+@op("unsqueeze")
+def _unsqueeze(x: Tensor, dim: int) -> Tensor:
+    return x.unsqueeze(dim)
+
+
+@op("squeeze")
+def _squeeze(x: Tensor, dim: Any = None) -> Tensor:
+    return x.squeeze(_dims(dim))
+
+
+@op("flatten")
+def _flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    return x.flatten(start_dim, end_dim)
+
+
+@op("unflatten")
+def _unflatten(x: Tensor, dim: int, sizes: Any) -> Tensor:
+    d = _norm_dim(x, dim)
+    sizes = list(sizes)
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = x.shape[d] // known
+    return x.reshape(x.shape[:d] + tuple(sizes) + x.shape[d + 1:])
+
+
+@op("expand", "expand_copy", "broadcast_to")
+def _expand(x: Tensor, *shape: Any, implicit: bool = False) -> Tensor:
+    return x.expand(_shape(shape))
+
+
+@op("expand_as")
+def _expand_as(x: Tensor, other: Tensor) -> Tensor:
+    return x.expand(other.shape)
+
+
+def _repeat_interleave(x: Tensor, repeats: int, dim: int) -> Tensor:
+    d = _norm_dim(x, dim)
+    y = x.unsqueeze(d + 1)
+    y = y.expand(y.shape[:d + 1] + (repeats,) + y.shape[d + 2:])
+    return y.reshape(x.shape[:d] + (x.shape[d] * repeats,) + x.shape[d + 1:])
+
+
+@op("repeat_interleave")
+def _repeat_interleave_op(x: Tensor, repeats: Any, dim: Any = None, *, output_size: Any = None) -> Tensor:
+    if _is_t(repeats) or dim is None:
+        raise UnsupportedOpError("repeat_interleave with tensor repeats or no dim")
+    return _repeat_interleave(x, int(repeats), dim)
+
+
+@op("repeat")
+def _repeat(x: Tensor, *sizes: Any) -> Tensor:
+    reps = _shape(sizes)
+    lead = len(reps) - x.ndim
+    y = x.reshape((1,) * lead + x.shape)
+    # tile: each dim d becomes (reps[d], n[d]) then merges
+    inter = []
+    for r, n in zip(reps, y.shape):
+        inter += [1, n]
+    y = y.reshape(tuple(inter))
+    target = []
+    for r, n in zip(reps, y.shape[1::2]):
+        target += [r, n]
+    return y.expand(tuple(target)).reshape(tuple(r * n for r, n in zip(reps, y.shape[1::2])))
+
+
+@op("cat", "concat", "concatenate")
+def _cat(tensors: Any, dim: int = 0) -> Tensor:
+    return F.concat(list(tensors), dim)
+
+
+@op("stack")
+def _stack(tensors: Any, dim: int = 0) -> Tensor:
+    return F.stack(list(tensors), dim)
+
+
+@op("split", "split_with_sizes")
+def _split(x: Tensor, size: Any, dim: int = 0) -> tuple:
+    return F.split(x, list(size) if isinstance(size, (list, tuple)) else size, dim)
+
+
+@op("chunk")
+def _chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple:
+    return F.chunk(x, chunks, dim)
+
+
+@op("unbind")
+def _unbind(x: Tensor, dim: int = 0) -> tuple:
+    d = _norm_dim(x, dim)
+    return tuple(x[(slice(None),) * d + (i,)] for i in range(x.shape[d]))
+
+
+@op("slice")
+def _slice(x: Tensor, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Tensor:
+    d = _norm_dim(x, dim)
+    a, b, s = slice(start, end, step).indices(x.shape[d])
+    if s != 1:
+        raise UnsupportedOpError(f"slice with step {step} on dim {d} of shape {x.shape}")
+    if (a, b) == (0, x.shape[d]):
+        return x
+    return x[(slice(None),) * d + (slice(a, b),)]
+
+
+@op("select")
+def _select(x: Tensor, dim: int, index: int) -> Tensor:
+    d = _norm_dim(x, dim)
+    return x[(slice(None),) * d + (int(index),)]
+
+
+@op("index_select")
+def _index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    d = _norm_dim(x, dim)
+    if d == 0:
+        return F.gather(x, index)
+    order = [d] + [i for i in range(x.ndim) if i != d]
+    y = F.gather(x.permute(order), index)  # (len(index), rest...)
+    back = list(range(1, d + 1)) + [0] + list(range(d + 1, x.ndim))
+    return y.permute(back)
+
+
+@op("index")
+def _index(x: Tensor, indices: Any) -> Tensor:
+    idx = list(indices)
+    tensors = [i for i, v in enumerate(idx) if v is not None]
+    if len(tensors) != 1:
+        raise UnsupportedOpError("advanced indexing with more than one index tensor")
+    d = tensors[0]
+    ix = idx[d]
+    if ix.dtype == "bool":
+        raise UnsupportedOpError("boolean-mask indexing (its shape depends on the data)")
+    if ix.ndim != 1:
+        raise UnsupportedOpError(f"advanced indexing with a {ix.ndim}-D index tensor")
+    return _index_select(x, d, ix)
+
+
+@op("getitem")
+def _getitem(x: Any, index: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return x[index]  # None for results only the backward reads (logsumexp, mean, rstd)
+    if isinstance(index, tuple) and builtins.any(_is_t(i) for i in index):
+        return _index(x, index)
+    return x[index]
+
+
+def _triangle(upper: bool) -> Fn:
+    def f(x: Tensor, diagonal: int = 0) -> Tensor:
+        if x.ndim < 2:
+            raise ShapeError(f"{'triu' if upper else 'tril'} of a tensor of rank {x.ndim}")
+        rel = ">=" if upper else "<="
+        keep = F.fill(x.shape[-2:], f"x1 {rel} x0 + {int(diagonal)}", "bool")
+        zero: Any = False if x.dtype == "bool" else 0
+        return F.where(keep, x, zero)
+    return f
+
+
+OPS["tril"] = _triangle(False)
+OPS["triu"] = _triangle(True)
+
+
+# ------------------------------------------------------------------ dtype
+
+
+@op("to", "_to_copy", "type", "to_copy")
+def _to(x: Tensor, *args: Any, dtype: Any = None, **_: Any) -> Tensor:
+    for a in args:  # to(device), to(dtype), to(device, dtype), to(other)
+        if _is_t(a):
+            dtype = a.dtype
+        elif "dtype" in type(a).__name__:
+            dtype = a
+    return x if dtype is None else x.to(torch_dtype(dtype) if not isinstance(dtype, str) else dtype)
+
+
+@op("type_as")
+def _type_as(x: Tensor, other: Tensor) -> Tensor:
+    return x.to(other.dtype)
+
+
+for _name, _dt in (("float", "float32"), ("double", "float64"), ("half", "float16"),
+                   ("bfloat16", "bfloat16"), ("long", "int64"), ("int", "int32"), ("bool", "bool")):
+    OPS[_name] = (lambda dt: lambda x, *a, **k: x.to(dt))(_dt)
+
+
+# ------------------------------------------------------------------ factories (fold to constants)
+
+
+@op("ones", "new_ones")
+def _ones(*args: Any, **kw: Any) -> Tensor:
+    if args and _is_t(args[0]):
+        kw.setdefault("dtype", None)
+        return F.ones(_shape(args[1:]), _dtype(kw, args[0].dtype))
+    return F.ones(_shape(args), _dtype(kw, "float32"))
+
+
+@op("zeros", "new_zeros")
+def _zeros(*args: Any, **kw: Any) -> Tensor:
+    if args and _is_t(args[0]):
+        return F.zeros(_shape(args[1:]), _dtype(kw, args[0].dtype))
+    return F.zeros(_shape(args), _dtype(kw, "float32"))
+
+
+def _value_dtype(v: Any) -> str:
+    return "bool" if isinstance(v, bool) else ("int64" if isinstance(v, int) else "float32")
+
+
+@op("full", "new_full")
+def _full(*args: Any, **kw: Any) -> Tensor:
+    if args and _is_t(args[0]):
+        x, size, value = args[0], args[1], args[2] if len(args) > 2 else kw.pop("fill_value")
+        return F.full(_shape((size,)), value, _dtype(kw, x.dtype))
+    size, value = args[0], args[1] if len(args) > 1 else kw.pop("fill_value")
+    return F.full(_shape((size,)), value, _dtype(kw, _value_dtype(value)))
+
+
+def _like_of(v: Any) -> Fn:
+    def f(x: Tensor, *args: Any, **kw: Any) -> Tensor:
+        value = v if v is not None else (args[0] if args else kw.pop("fill_value"))
+        return F.full(x.shape, value, _dtype(kw, x.dtype))
+    return f
+
+
+OPS["ones_like"] = _like_of(1)
+OPS["zeros_like"] = _like_of(0)
+OPS["full_like"] = _like_of(None)
+OPS["empty_like"] = _like_of(0)
+
+
+@op("scalar_tensor")
+def _scalar_tensor(value: Any, **kw: Any) -> Tensor:
+    return F.full((), value, _dtype(kw, "float32"))
+
+
+@op("arange")
+def _arange(*args: Any, **kw: Any) -> Tensor:
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args[0], args[1], args[2] if len(args) > 2 else 1)
+    if "end" in kw:
+        end = kw.pop("end")
+    if "step" in kw:
+        step = kw.pop("step")
+    n = builtins.max(0, math.ceil((end - start) / step))
+    if n == 0:
+        raise ShapeError(f"arange({start}, {end}, {step}) is empty")
+    ints = builtins.all(isinstance(v, int) for v in (start, end, step))
+    dt = _dtype(kw, "int64" if ints else "float32")
+    return F.fill((n,), f"x0 * {step!r} + {start!r}" if (start, step) != (0, 1) else "x0", dt)
+
+
+def lookup(name: str) -> Fn:
+    """The translation of ``name``, or an :class:`UnsupportedOpError` listing what is supported."""
+    fn = OPS.get(name)
+    if fn is None:
+        raise UnsupportedOpError(f"{name!r} has no einjoin translation; supported: "
+                                 f"{', '.join(sorted(OPS))}")
+    return fn
+
+
+def call(name: str, args: tuple, kwargs: dict) -> Any:
+    """Apply the translation, turning shape/dtype mistakes into errors that name the op."""
+    fn = lookup(name)
+    try:
+        return fn(*args, **kwargs)
+    except EinjoinError:
+        raise
+    except TypeError as e:
+        raise UnsupportedOpError(f"{name!r} called in a form einjoin does not translate: {e}") from None
+
+
+# dunder spellings (aten.__and__, fx call_method __getitem__ ...)
+for _alias, _name in (("__and__", "logical_and"), ("__or__", "logical_or"), ("__invert__", "logical_not"),
+                      ("__getitem__", "getitem"), ("__add__", "add"), ("__mul__", "mul"),
+                      ("__sub__", "sub"), ("__truediv__", "div"), ("__matmul__", "matmul"),
+                      ("__neg__", "neg"), ("__pow__", "pow")):
+    OPS[_alias] = OPS[_name]
+
+
+@op("outer", "ger")
+def _outer(a: Tensor, b: Tensor) -> Tensor:
+    return F.einsum("i,j->ij", a, b)

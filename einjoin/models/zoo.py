@@ -1,0 +1,213 @@
+"""The model zoo in plain torch, written the way people write these models, for ``ej.from_torch``.
+
+LLaMA (RMSNorm written out, RoPE with ``rotate_half`` and sin/cos tables, grouped-query attention
+through ``scaled_dot_product_attention``, SwiGLU), a small LLaMA (embedding + blocks + final norm
++ lm head), a GPT-2 block (LayerNorm, fused qkv, a masked_fill causal mask, tanh GELU), an MLP and a
+matrix chain. Defaults are small enough for a laptop; ``LLAMA_7B`` is for planning only.
+
+>>> import torch
+>>> from einjoin.models.zoo import ZOO, example
+>>> sorted(ZOO)
+['chain', 'gpt2-block', 'llama', 'llama-block', 'mlp']
+>>> module, args = example("llama-block")
+>>> module(*args).shape
+torch.Size([1, 32, 64])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LlamaConfig", "LLAMA_7B", "RMSNorm", "LlamaBlock", "Llama", "GPT2Block", "MLP",
+           "MatrixChain", "ZOO", "example"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    hidden: int = 96
+    layers: int = 2
+    vocab: int = 128
+    seq: int = 32
+    batch: int = 1
+    eps: float = 1e-6
+    rope_base: float = 10000.0
+
+
+LLAMA_7B = LlamaConfig(dim=4096, heads=32, kv_heads=32, hidden=11008, layers=32, vocab=32000,
+                       seq=2048, batch=1, eps=1e-6)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_tables(seq: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq).float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class LlamaBlock(nn.Module):
+    """One decoder block: pre-norm attention with RoPE and GQA, pre-norm SwiGLU MLP."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.c = c
+        hd = c.dim // c.heads
+        self.attention_norm = RMSNorm(c.dim, c.eps)
+        self.wq = nn.Linear(c.dim, c.heads * hd, bias=False)
+        self.wk = nn.Linear(c.dim, c.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(c.dim, c.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(c.heads * hd, c.dim, bias=False)
+        self.ffn_norm = RMSNorm(c.dim, c.eps)
+        self.w1 = nn.Linear(c.dim, c.hidden, bias=False)
+        self.w3 = nn.Linear(c.dim, c.hidden, bias=False)
+        self.w2 = nn.Linear(c.hidden, c.dim, bias=False)
+        cos, sin = rope_tables(c.seq, hd, c.rope_base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        c = self.c
+        hd = c.dim // c.heads
+        h = self.attention_norm(x)
+        q = self.wq(h).view(b, s, c.heads, hd).transpose(1, 2)
+        k = self.wk(h).view(b, s, c.kv_heads, hd).transpose(1, 2)
+        v = self.wv(h).view(b, s, c.kv_heads, hd).transpose(1, 2)
+        cos, sin = self.cos[:s], self.sin[:s]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if c.kv_heads != c.heads:  # repeat_kv, as in the reference implementation
+            rep = c.heads // c.kv_heads
+            k = k[:, :, None].expand(b, c.kv_heads, rep, s, hd).reshape(b, c.heads, s, hd)
+            v = v[:, :, None].expand(b, c.kv_heads, rep, s, hd).reshape(b, c.heads, s, hd)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, s, c.dim))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """Token embedding, ``layers`` blocks, final norm, lm head: tokens (b, s) -> logits (b, s, vocab)."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
+        self.layers = nn.ModuleList(LlamaBlock(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.dim, c.eps)
+        self.output = nn.Linear(c.dim, c.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+class GPT2Block(nn.Module):
+    """GPT-2's block: LayerNorm, fused qkv projection, a registered tril mask with masked_fill,
+    tanh GELU MLP, dropout (identity in eval)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, seq: int = 32, dropout: float = 0.1):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(dim)
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.mlp_proj = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("bias", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q = q.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k = k.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        att = self.drop(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
+        x = x + self.drop(self.c_proj(y))
+        return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 64, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self.ups = nn.ModuleList(nn.Linear(dim, hidden) for _ in range(layers))
+        self.downs = nn.ModuleList(nn.Linear(hidden, dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down in zip(self.ups, self.downs):
+            x = x + down(torch.relu(up(x)))
+        return x
+
+
+class MatrixChain(nn.Module):
+    """``x @ M1 @ M2 ...`` with the matrices as parameters."""
+
+    def __init__(self, n: int = 64, length: int = 3):
+        super().__init__()
+        self.ms = nn.ParameterList(nn.Parameter(torch.randn(n, n) / math.sqrt(n)) for _ in range(length - 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.ms:
+            x = x @ m
+        return x
+
+
+def _llama_block(c: LlamaConfig = LlamaConfig()) -> tuple[nn.Module, tuple]:
+    return LlamaBlock(c), (torch.randn(c.batch, c.seq, c.dim),)
+
+
+def _llama(c: LlamaConfig = LlamaConfig()) -> tuple[nn.Module, tuple]:
+    return Llama(c), (torch.randint(0, c.vocab, (c.batch, c.seq)),)
+
+
+ZOO: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
+    "llama-block": _llama_block,
+    "llama": _llama,
+    "gpt2-block": lambda dim=64, heads=4, seq=32, batch=2: (GPT2Block(dim, heads, seq),
+                                                          (torch.randn(batch, seq, dim),)),
+    "mlp": lambda dim=64, hidden=256, layers=2, batch=16: (MLP(dim, hidden, layers),
+                                                         (torch.randn(batch, dim),)),
+    "chain": lambda n=64, length=3: (MatrixChain(n, length), (torch.randn(n, n),)),
+}
+
+
+def example(name: str, seed: int = 0, **config: Any) -> tuple[nn.Module, tuple]:
+    """A zoo model (in eval mode, random weights from ``seed``) and example inputs. LLaMA
+    models take ``LlamaConfig`` fields as keywords."""
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(sorted(ZOO))}")
+    torch.manual_seed(seed)
+    if name in ("llama-block", "llama"):
+        module, args = ZOO[name](replace(LlamaConfig(), **config))
+    else:
+        module, args = ZOO[name](**config)
+    return module.eval(), args

@@ -1,0 +1,193 @@
+"""``ej.from_torch`` on unmodified torch modules: the zoo, torch.nn layers, and a module that uses
+the long tail of ops. Each is traced once per session, compiled for 1, 2 and 4 devices, run, and
+compared with torch's own forward on the same random inputs and weights."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import einjoin as ej
+from einjoin.ir.node import Fill, Input
+from einjoin.models.zoo import ZOO, example
+
+
+def assert_close(out, expected):
+    out, expected = out.detach().numpy(), expected.detach().numpy()
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=2e-5 * scale)
+
+
+class Attention(nn.Module):
+    """Multi-head attention as people write it around ``scaled_dot_product_attention``."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=4, causal=True, use_mask=False):
+        super().__init__()
+        self.heads, self.kv_heads, self.causal, self.use_mask = heads, kv_heads, causal, use_mask
+        hd = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * hd)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        hd = d // self.heads
+        q = self.q(x).view(b, t, self.heads, hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2 * self.kv_heads, hd).transpose(1, 2).chunk(2, dim=1)
+        mask = None
+        if self.use_mask:  # a bool mask built in forward: it folds to a constant
+            mask = torch.ones(t, t, dtype=torch.bool).tril(diagonal=0)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
+                                           enable_gqa=self.kv_heads != self.heads)
+        return self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+class LongTail(nn.Module):
+    """Masks, rotary embeddings both ways, the CPU flash-attention op, gathers, and elementwise ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(16, 48)
+        self.table = nn.Parameter(torch.randn(10, 16))
+
+    def forward(self, x, idx):
+        b, t, d = x.shape
+        q, k, v = self.p(x).chunk(3, -1)
+        q = q.view(b, t, 2, 8).transpose(1, 2)
+        k = k.view(b, t, 2, 8).permute(0, 2, 1, 3)
+        v = v.unflatten(-1, (2, 8)).transpose(1, 2)
+        pos = torch.arange(t, dtype=torch.float32)  # complex-free sin/cos tables, built in forward
+        inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+        f = pos[:, None] * inv[None, :]
+        emb = torch.cat([f, f], -1)
+        q = q * emb.cos() + torch.cat([-q[..., 4:], q[..., :4]], -1) * emb.sin()
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        upper = ~torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask & upper)
+        a2 = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+        o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+        sc = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")).softmax(-1)
+        gelu = x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))  # the erf form, by hand
+        y = (torch.where(x > 0, x, 0.1 * x) + torch.index_select(self.table, 0, idx).unsqueeze(0)
+             + (a + a2 + o + sc @ v).transpose(1, 2).reshape(b, t, d) + gelu)
+        y = torch.sigmoid(y) * torch.tanh(y) - torch.relu(y).neg() / 2 + y.abs().sqrt()
+        y = y + F.gelu(y, approximate="tanh") + F.silu(y) - (y - 1) ** 2
+        return F.log_softmax(y, -1), y[:, 1:3].sum(1), torch.einsum("btd,btd->bt", y, x).rsqrt().abs()
+
+
+def _sequential_mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 32))
+
+
+MODULES = {
+    **{f"zoo:{name}": functools.partial(example, name) for name in sorted(ZOO)},
+    "nn.TransformerEncoderLayer": lambda: (nn.TransformerEncoderLayer(32, 4, 64, batch_first=True),
+                                           (torch.randn(2, 6, 32),)),
+    "nn.Sequential MLP": lambda: (_sequential_mlp(), (torch.randn(5, 32),)),
+    "sdpa causal": lambda: (Attention(), (torch.randn(2, 8, 32),)),
+    "sdpa GQA + bool mask": lambda: (Attention(kv_heads=2, causal=False, use_mask=True), (torch.randn(2, 8, 32),)),
+    "sdpa not causal": lambda: (Attention(causal=False), (torch.randn(1, 8, 32),)),
+    "long tail": lambda: (LongTail(), (torch.randn(2, 5, 16), torch.tensor([1, 3, 3, 0, 9]))),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def traced(name: str, method: str = "auto"):
+    """One trace per module per test session (export is the slow part)."""
+    torch.manual_seed(0)
+    module, args = MODULES[name]()
+    module.eval()
+    return module, args, ej.from_torch(module, args, method=method)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_matches_torch(name, devices):
+    module, args, fn = traced(name)
+    with torch.no_grad():
+        expected = module(*args)
+    out = ej.compile(fn, devices=devices).run(*args)
+    if isinstance(expected, tuple):
+        assert isinstance(out, tuple) and len(out) == len(expected)
+        for o, e in zip(out, expected):
+            assert_close(o, e)
+    else:
+        assert isinstance(out, torch.Tensor)
+        assert_close(out, expected)
+
+
+@pytest.mark.parametrize("name", ["nn.Sequential MLP", "zoo:mlp", "zoo:chain"])
+def test_fx_fallback_matches_torch(name):
+    module, args, fn = traced(name, "fx")
+    assert fn.method == "fx"
+    with torch.no_grad():
+        expected = module(*args)
+    assert_close(ej.compile(fn, devices=2).run(*args), expected)
+
+
+def test_parameters_are_bound_inputs_and_numpy_in_numpy_out():
+    module, args, fn = traced("zoo:llama-block")
+    assert fn.arg_names == ("x",)
+    assert set(fn.bound) >= {"wq.weight", "w2.weight", "attention_norm.weight"}
+    np.testing.assert_array_equal(fn.bound["wq.weight"], module.wq.weight.detach().numpy())
+    prog = ej.compile(fn, devices=2)
+    out = prog.run(args[0].numpy())
+    assert isinstance(out, np.ndarray)
+    with torch.no_grad():
+        np.testing.assert_allclose(out, module(*args).numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(fn.reference(args[0].numpy()), out, rtol=1e-5, atol=1e-6)
+
+
+def test_input_free_subgraphs_fold_to_constants():
+    # masks and position tables built in forward become fills: no graph input, nothing to move
+    _, _, fn = traced("long tail")
+    graph = ej.Graph(list(fn.outputs))
+    names = {x.op.name for x in graph.inputs}
+    assert names == {"x", "idx", "p.weight", "p.bias", "table"}
+    fills = [n for n in graph.nodes if isinstance(n.op, Fill)]
+    assert any(n.dtype == "bool" for n in fills) and any(n.dtype.startswith("float") for n in fills)
+    # exact (bool / int / layout) ops on fills fold away; float32 arithmetic on fills stays an op
+    # (folding would evaluate it in float64 and lose torch's rounding), computed where needed
+    for n in graph.ops:
+        on_fills = n.inputs and all(isinstance(i.op, Fill) for i in n.inputs)
+        assert not (on_fills and n.dtype in ("bool", "int64")), n
+
+
+class Unsupported(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        return torch.cumsum(y, dim=0)  # the line the error must name
+
+
+def test_unsupported_op_names_op_and_source_line():
+    with pytest.raises(ej.UnsupportedOpError) as e:
+        ej.from_torch(Unsupported(), (torch.randn(3, 4),))
+    msg = str(e.value)
+    assert "'cumsum'" in msg and "aten.cumsum" in msg
+    assert "test_torch_import.py" in msg and "torch.cumsum(y, dim=0)" in msg
+    assert "supported ops:" in msg and "linear" in msg
+
+
+def test_bad_modules_and_arguments():
+    with pytest.raises(ej.EinjoinError, match="expected a torch.nn.Module"):
+        ej.from_torch(lambda x: x, (torch.randn(2),))
+    with pytest.raises(ej.EinjoinError, match="method"):
+        ej.from_torch(nn.Linear(2, 2), (torch.randn(2),), method="jit")
+    drop = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+    with pytest.raises(ej.UnsupportedOpError, match="eval"):
+        ej.from_torch(drop, (torch.randn(2, 4),))
+    _, args, fn = traced("zoo:mlp")
+    prog = ej.compile(fn, devices=2)
+    with pytest.raises(ej.EinjoinError, match="missing forward argument"):
+        prog.run()
+    with pytest.raises(ej.EinjoinError, match="positional inputs"):
+        prog.run(args[0], args[0])
+    with pytest.raises(ej.ShapeError):
+        prog.run(torch.randn(3, 3))
