@@ -51,6 +51,10 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
     """Compile ``outputs`` (a tensor or a list/tuple of them) for ``devices`` (an int = that many
     local devices, or an :class:`ej.Cluster`). ``specs`` overrides the planner's join-agg spec
     for some nodes; ``placement`` names a placer; ``order`` is the ready-queue policy."""
+    arg_names, bound = None, None
+    if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
+        arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), outputs.many
+        outputs = list(outputs.outputs) if many else outputs.outputs[0]
     graph = Graph(outputs)
     cluster = as_cluster(devices)
     if not callable(planner) and planner not in PLANNERS:
@@ -70,8 +74,13 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
     placed = place(placement, decomps, cluster, seed)
     tg = build_taskgraph(graph, decomps, placed, cluster.size)
-    return Program(graph, cluster, decomps, placed, tg, be, order, seed,
+    prog = Program(graph, cluster, decomps, placed, tg, be, order, seed,
                    isinstance(outputs, (list, tuple)))
+    if arg_names is not None:
+        # parameters the forward never reads are not graph inputs
+        prog._arg_names = arg_names
+        prog._bound = {k: v for k, v in bound.items() if k in graph.input_by_name}
+    return prog
 
 
 class Program:
@@ -93,6 +102,24 @@ class Program:
         self.stats: PlanStats = taskgraph.stats()
         self.run_stats: RunStats | None = None
 
+    _arg_names: "tuple[str, ...] | None" = None   # set for an imported torch module
+    _bound: "dict[str, Any] | None" = None
+
+    def _bind(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
+        if self._arg_names is None:
+            return bind_feeds(self.graph, args, feeds)
+        if len(args) > len(self._arg_names):
+            raise EinjoinError(f"{len(args)} positional inputs given but the module's forward takes "
+                               f"{len(self._arg_names)}: {', '.join(self._arg_names)}")
+        named = dict(zip(self._arg_names, args))
+        for k in feeds:
+            if k in named:
+                raise EinjoinError(f"input {k!r} is given both by position and by name")
+        missing = [n for n in self._arg_names if n not in named and n not in feeds]
+        if missing:
+            raise EinjoinError(f"missing forward argument(s): {', '.join(missing)}")
+        return bind_feeds(self.graph, (), {**(self._bound or {}), **named, **feeds})
+
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
         return {n: d.spec for n, d in self.decomps.items()}
@@ -102,7 +129,7 @@ class Program:
         """Run with positional inputs (declaration order) and/or inputs by name. Returns numpy
         arrays (a tuple for several outputs), or torch tensors when torch tensors went in; the
         null backend returns None. ``order`` overrides the ready-queue policy for this run."""
-        values = bind_feeds(self.graph, args, feeds)  # every feed checked before any kernel runs
+        values = self._bind(args, feeds)  # every feed checked before any kernel runs
         use_torch = any(type(v).__module__.startswith("torch") for v in (*args, *feeds.values()))
         outs, stats = self._engine.run(values, self.backend, order or self.order,
                                        self.seed if seed is None else seed, callbacks)
@@ -117,7 +144,7 @@ class Program:
 
     def run_reference(self, *args: Any, **feeds: Any) -> Any:
         """Run the task graph with the few-line reference executor (the engines' oracle)."""
-        outs = run_reference(self.taskgraph, self.decomps, bind_feeds(self.graph, args, feeds))
+        outs = run_reference(self.taskgraph, self.decomps, self._bind(args, feeds))
         return tuple(outs) if self._many else outs[0]
 
     def cancel(self) -> None:
