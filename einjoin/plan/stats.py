@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from einjoin.decomp.decompose import Decomposition
     from einjoin.plan.taskgraph import TaskGraph
 
-__all__ = ["PlanStats", "compute_stats", "explain", "human_bytes"]
+__all__ = ["PlanStats", "OpBytes", "compute_stats", "bytes_per_op", "explain", "human_bytes"]
 
 
 def human_bytes(n: float) -> str:
@@ -73,9 +73,20 @@ def compute_stats(tg: "TaskGraph") -> PlanStats:
                      dict(Counter(t.kind for t in tg.tasks)), dict(peak))
 
 
-def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: list[Node]) -> str:
-    """Per op: its join-agg spec, blocks, kernels, partials, bytes moved in (to feed it) and out
-    (its data travelling, partial sums included); then totals per device pair."""
+@dataclass(frozen=True)
+class OpBytes:
+    """Bytes moved on an op's account: ``moved_in`` feeds it (its inputs' replicas travelling to
+    its kernels), ``moved_out`` is its own data travelling (partial sums included), ``agg`` the
+    part of ``moved_out`` that is its partials travelling to their home."""
+
+    moved_in: int = 0
+    moved_out: int = 0
+    agg: int = 0
+
+
+def bytes_per_op(tg: "TaskGraph") -> dict[Node, OpBytes]:
+    """The bytes of the ``move`` tasks per op, as ``explain`` prints them (ops that move nothing
+    are left out). Summing ``moved_out`` over the ops gives ``PlanStats.bytes_moved``."""
     bin_: dict[Node, int] = defaultdict(int)
     bout: dict[Node, int] = defaultdict(int)
     agg: dict[Node, int] = defaultdict(int)
@@ -86,6 +97,17 @@ def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: lis
                 agg[t.node] += t.nbytes
             elif t.consumer is not None:
                 bin_[t.consumer] += t.nbytes
+    return {n: OpBytes(bin_.get(n, 0), bout.get(n, 0), agg.get(n, 0))
+            for n in dict.fromkeys([*bout, *bin_])}
+
+
+def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: list[Node]) -> str:
+    """Per op: its join-agg spec, blocks, kernels, partials, bytes moved in (to feed it) and out
+    (its data travelling, partial sums included); then totals per device pair."""
+    per_op = bytes_per_op(tg)
+    bin_ = {n: b.moved_in for n, b in per_op.items()}
+    bout = {n: b.moved_out for n, b in per_op.items()}
+    agg = {n: b.agg for n, b in per_op.items()}
     rows = [("op", "spec", "blocks", "kernels", "partials", "bytes in", "bytes out", "bound",
              "(in+agg)/bound")]
     total_bound = 0.0
@@ -93,13 +115,14 @@ def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: lis
         d = decomps[n]
         name = describe(n)
         bound = node_bound_bytes(n, tg.n_devices)
+        b_in, b_out = bin_.get(n, 0), bout.get(n, 0)
         if bound:
             total_bound += bound
-            bound_txt, ratio = human_bytes(bound), f"{(bin_[n] + agg[n]) / bound:.2f}"
+            bound_txt, ratio = human_bytes(bound), f"{(b_in + agg.get(n, 0)) / bound:.2f}"
         else:
             bound_txt, ratio = "n/a", ""
         rows.append((name, str(d.spec), str(d.out_partition.num_blocks), str(len(d.kernels)),
-                     str(d.n_partials), human_bytes(bin_[n]), human_bytes(bout[n]), bound_txt, ratio))
+                     str(d.n_partials), human_bytes(b_in), human_bytes(b_out), bound_txt, ratio))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
