@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pathlib
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -24,10 +27,13 @@ from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
 from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
 from einjoin.placement import PLACERS, Placement, place
+from einjoin.progress import RunBar, stages
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph, explain, run_reference
 from einjoin.runtime import ORDERS, Engine, RunStats, get_backend
 
 __all__ = ["compile", "Program"]
+
+_nothing = contextlib.nullcontext
 
 
 def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
@@ -47,10 +53,12 @@ def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
 
 def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
             backend: Any = "threads", specs: Any = None, placement: str = "greedy",
-            order: str = "fifo", seed: int = 0) -> "Program":
-    """Compile ``outputs`` (a tensor or a list/tuple of them) for ``devices`` (an int = that many
-    local devices, or an :class:`ej.Cluster`). ``specs`` overrides the planner's join-agg spec
-    for some nodes; ``placement`` names a placer; ``order`` is the ready-queue policy."""
+            order: str = "fifo", seed: int = 0, quiet: bool = False) -> "Program":
+    """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
+    ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`). ``specs``
+    overrides the planner's join-agg spec for some nodes; ``placement`` names a placer;
+    ``order`` is the ready-queue policy. Large graphs show progress on a terminal unless
+    ``quiet`` (which also holds for the program's runs)."""
     arg_names, bound = None, None
     if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
         arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), outputs.many
@@ -64,7 +72,23 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
         raise EinjoinError(f"unknown placement {placement!r}; known: {', '.join(sorted(PLACERS))}")
     if order not in ORDERS:
         raise EinjoinError(f"unknown ready-queue order {order!r}; known: {', '.join(ORDERS)}")
-    chosen = dict(plan_specs(planner, graph, cluster))
+    with stages(quiet, len(graph.ops)) as say:
+        say("planning")
+        chosen = dict(plan_specs(planner, graph, cluster))
+        say("placing, synthesising exchanges, building the task graph")
+        decomps, placed, tg = _lower(graph, cluster, chosen, specs, placement, seed)
+    prog = Program(graph, cluster, decomps, placed, tg, be, order, seed,
+                   isinstance(outputs, (list, tuple)))
+    prog.quiet = quiet
+    if arg_names is not None:
+        # parameters the forward never reads are not graph inputs
+        prog._arg_names = arg_names
+        prog._bound = {k: v for k, v in (bound or {}).items() if k in graph.input_by_name}
+    return prog
+
+
+def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], specs: Any,
+           placement: str, seed: int) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
     user = _user_specs(graph, specs)
     chosen.update(user)
     # an input keeps the user's or the planner's partition, unless a user spec changed one of its
@@ -73,14 +97,7 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
     chosen = derive_input_specs(graph, {n: s for n, s in chosen.items() if n not in stale})
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
     placed = place(placement, decomps, cluster, seed)
-    tg = build_taskgraph(graph, decomps, placed, cluster.size)
-    prog = Program(graph, cluster, decomps, placed, tg, be, order, seed,
-                   isinstance(outputs, (list, tuple)))
-    if arg_names is not None:
-        # parameters the forward never reads are not graph inputs
-        prog._arg_names = arg_names
-        prog._bound = {k: v for k, v in bound.items() if k in graph.input_by_name}
-    return prog
+    return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
 
 
 class Program:
@@ -102,6 +119,7 @@ class Program:
         self.stats: PlanStats = taskgraph.stats()
         self.run_stats: RunStats | None = None
 
+    quiet = False                                  # no progress display
     _arg_names: "tuple[str, ...] | None" = None   # set for an imported torch module
     _bound: "dict[str, Any] | None" = None
 
@@ -125,14 +143,32 @@ class Program:
         return {n: d.spec for n, d in self.decomps.items()}
 
     def run(self, *args: Any, order: str | None = None, seed: int | None = None,
-            callbacks: Sequence[Any] = (), **feeds: Any) -> Any:
+            callbacks: Sequence[Any] = (), trace: "str | os.PathLike[str] | None" = None,
+            quiet: bool | None = None, **feeds: Any) -> Any:
         """Run with positional inputs (declaration order) and/or inputs by name. Returns numpy
         arrays (a tuple for several outputs), or torch tensors when torch tensors went in; the
-        null backend returns None. ``order`` overrides the ready-queue policy for this run."""
+        null backend returns None. ``order`` overrides the ready-queue policy for this run.
+        ``trace``: write a Chrome / Perfetto trace of this run (one track per device) to that
+        path, also when the run fails (what was recorded; then the error is raised). Large task
+        graphs show a progress bar on a terminal unless ``quiet`` (default: the compile's)."""
         values = self._bind(args, feeds)  # every feed checked before any kernel runs
         use_torch = any(type(v).__module__.startswith("torch") for v in (*args, *feeds.values()))
-        outs, stats = self._engine.run(values, self.backend, order or self.order,
-                                       self.seed if seed is None else seed, callbacks)
+        recorder = None
+        if trace is not None:
+            from einjoin.viz.trace import TraceRecorder
+            recorder = TraceRecorder(self.cluster.size,
+                                     labels={n: f"%{i}" for i, n in enumerate(self.graph.ops)})
+            callbacks = (recorder, *callbacks)  # first: it sees a task that another callback fails
+        bar = RunBar.maybe(self.quiet if quiet is None else quiet, len(self.taskgraph))
+        if bar is not None:
+            callbacks = (*callbacks, bar)
+        try:
+            with bar if bar is not None else _nothing():
+                outs, stats = self._engine.run(values, self.backend, order or self.order,
+                                               self.seed if seed is None else seed, callbacks)
+        finally:
+            if recorder is not None and trace is not None:
+                recorder.write(trace)
         self.run_stats = stats
         if outs is None:
             return None
@@ -159,6 +195,13 @@ class Program:
         if file is not None:
             print(text, file=sys.stdout if file == "stdout" else file)
         return text
+
+    def save_plan_png(self, path: "str | os.PathLike[str]", **options: Any) -> "pathlib.Path":
+        """Draw the plan to the PNG file ``path``: per op its spec and the device holding each
+        output block, and the bytes moved per op (see :func:`einjoin.viz.save_plan_png` for the
+        ``options``). Needs matplotlib."""
+        from einjoin.viz.plan_png import save_plan_png
+        return save_plan_png(self, path, **options)
 
     def close(self) -> None:
         """Release resources (nothing to release for local backends)."""
