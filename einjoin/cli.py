@@ -1,9 +1,6 @@
-"""Command line: ``einjoin demo`` (what ``make demo`` runs) and ``einjoin plan MODEL --devices N``.
-
-The demo builds a transformer block (RMSNorm, rotary attention, SwiGLU MLP) with the frontend,
-decomposes every op under join-agg strategies, runs the blocked executor, compiles it for four
-local devices and runs the task graph on the threads backend, and checks every result against
-numpy (``ej.reference``) and torch.
+"""Command line: ``einjoin demo`` (what ``make demo`` runs; see :mod:`einjoin.demo`) and
+``einjoin plan MODEL --devices N``. Also the frontend-built LLaMA-style block the tests share
+(``transformer_block``) and its plain-torch twin (``torch_block``).
 """
 
 from __future__ import annotations
@@ -82,75 +79,6 @@ def split_largest(blocks: int, n_labels: int = 1) -> Callable[[Node], dict[str, 
     return spec
 
 
-def _time(fn: Callable[[], Any], repeat: int = 3) -> tuple[Any, float]:
-    best = float("inf")
-    out = None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return out, best
-
-
-def demo(quiet: bool = False) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console(quiet=quiet, width=None if sys.stdout.isatty() else 120)
-    heads = 4
-    out, shapes = transformer_block(heads=heads)
-    graph = ej.Graph(out)
-    rng = np.random.default_rng(0)
-    feeds = {k: (rng.standard_normal(s) * (0.05 if k.startswith("w") else 1.0)).astype(np.float32)
-             for k, s in shapes.items()}
-    for g in ("g1", "g2"):
-        feeds[g] = np.ones(shapes[g], np.float32)
-    console.print(f"[bold]einjoin demo[/]: a LLaMA-style block (seq 256, d 256, {heads} heads, SwiGLU 688) "
-                  f"— {len(graph.ops)} ops over {len(graph.inputs)} inputs")
-    ref, t_ref = _time(lambda: ej.reference(out, **feeds))
-    tor, t_torch = _time(lambda: torch_block(feeds, heads))
-    table = Table(title="blocked execution under join-agg specs vs numpy and torch")
-    for col in ("strategy", "kernels", "ops with partial sums", "max |err| vs numpy",
-                "max |err| vs torch", "time (s)"):
-        table.add_column(col, justify="right" if col != "strategy" else "left")
-    ok = True
-    worst = 0.0
-    for name, spec in (("1 block per op", None), ("largest label / 4", split_largest(4)),
-                       ("two largest / 2x2", split_largest(2, 2))):
-        got, t = _time(lambda: ej.execute_blocked(out, spec, **feeds), repeat=2)
-        decs = [ej.decompose(n, spec(n) if spec else None) for n in graph.ops]
-        e_ref = float(np.abs(got - ref).max())
-        e_torch = float(np.abs(got - tor).max())
-        worst = max(worst, e_torch)
-        ok &= e_ref < 1e-4 and e_torch < 1e-3
-        table.add_row(name, str(sum(len(d.kernels) for d in decs)),
-                      str(sum(d.n_partials > 1 for d in decs)), f"{e_ref:.2e}", f"{e_torch:.2e}", f"{t:.3f}")
-    prog = ej.compile(out, devices=4, backend="threads")
-    got, t = _time(lambda: prog.run(**feeds), repeat=2)
-    e_ref, e_torch = float(np.abs(got - ref).max()), float(np.abs(got - tor).max())
-    worst = max(worst, e_torch)
-    ok &= e_ref < 1e-4 and e_torch < 1e-3 and prog.run_stats.bytes_moved == prog.stats.bytes_moved
-    table.add_row("ej.compile, 4 local devices", str(prog.stats.task_counts.get("kernel", 0)),
-                  str(sum(d.n_partials > 1 for d in prog.decomps.values())), f"{e_ref:.2e}",
-                  f"{e_torch:.2e}", f"{t:.3f}")
-    table.add_row("numpy reference", "-", "-", "0", f"{float(np.abs(ref - tor).max()):.2e}", f"{t_ref:.3f}")
-    table.add_row("torch eager", "-", "-", "-", "0", f"{t_torch:.3f}")
-    console.print(table)
-    spec = split_largest(4)
-    console.print("[bold]specs of the first ops under 'largest label / 4'[/]:")
-    for n in graph.ops[:6]:
-        d = ej.decompose(n, spec(n))
-        console.print(escape(f"  {describe(n):44s} spec {d.spec}  out {d.out_partition}  "
-                             f"kernels {len(d.kernels)}  partials/block {d.n_partials}"))
-    console.print(f"[bold]ej.compile(devices=4)[/]: {escape(str(prog.stats))}; the runtime's stores "
-                  f"received {prog.run_stats.bytes_moved} bytes, the plan says {prog.stats.bytes_moved}")
-    verdict = "OK" if ok else "MISMATCH"
-    console.print(f"[bold]verification[/]: blocked == numpy == torch within float32 tolerance: {verdict} "
-                  f"(max abs err vs torch {worst:.2e})")
-    return 0 if ok else 1
-
-
 def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False, **shape: Any) -> int:
     """Plan a built-in model with each planner; print bytes (the cost model's), ratios to the best
     planner and to the sum of per-op lower bounds, and planning time."""
@@ -199,8 +127,10 @@ def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="einjoin", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="trace a transformer block, decompose it, run it blocked, verify")
+    d = sub.add_parser("demo", help="import a LLaMA block from torch, plan, run and verify it")
     d.add_argument("--quiet", action="store_true")
+    d.add_argument("--devices", type=int, default=4)
+    d.add_argument("--out", default=".", help="where plan.png and trace.json go (default: here)")
     p = sub.add_parser("plan", help="plan a built-in model with every planner and compare")
     p.add_argument("model", help="matmul, chain, mlp, llama-block or llama-7b-layers")
     p.add_argument("--devices", type=int, default=8)
@@ -210,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int)
     args = parser.parse_args(argv)
     if args.cmd == "demo":
-        return demo(args.quiet)
+        from einjoin.demo import demo
+        return demo(args.quiet, args.devices, args.out)
     if args.cmd == "plan":
         from einjoin.optim import PLANNERS
         names = args.planner or [n for n in sorted(PLANNERS) if n not in ("auto", "exhaustive", "single")]

@@ -25,10 +25,13 @@ def test_tour_runs(capsys) -> None:  # type: ignore[no-untyped-def]
     assert "== graph" in out and "kernels" in out and "max |diff|" in out
 
 
-def test_demo_verifies(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["demo"]) == 0
+def test_demo_verifies(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "verification" in out and "OK" in out
+    assert "verification" in out and "OK" in out and "from_torch" in out
+    assert "data_parallel" in out and "megatron" in out and "bound" in out
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "trace.json").stat().st_size > 0 and str(tmp_path / "trace.json") in out.replace("\n", "")
 
 
 def test_demo_block_matches_torch_block() -> None:

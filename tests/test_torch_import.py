@@ -79,7 +79,10 @@ class LongTail(nn.Module):
              + (a + a2 + o + sc @ v).transpose(1, 2).reshape(b, t, d) + gelu)
         y = torch.sigmoid(y) * torch.tanh(y) - torch.relu(y).neg() / 2 + y.abs().sqrt()
         y = y + F.gelu(y, approximate="tanh") + F.silu(y) - (y - 1) ** 2
-        return F.log_softmax(y, -1), y[:, 1:3].sum(1), torch.einsum("btd,btd->bt", y, x).rsqrt().abs()
+        bmm = torch.bmm(q.reshape(4, t, 8), k.reshape(4, t, 8).transpose(1, 2)).sigmoid()
+        lo, hi = y.split([6, 10], dim=-1)
+        return (F.log_softmax(y, -1), y[:, 1:3].sum(1), torch.einsum("btd,btd->bt", y, x).abs().rsqrt(),
+                bmm - bmm.mean(dim=(1, 2), keepdim=True), lo.amax(-1) / hi.var(-1))
 
 
 def _sequential_mlp():
