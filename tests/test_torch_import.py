@@ -194,3 +194,17 @@ def test_bad_modules_and_arguments():
         prog.run(args[0], args[0])
     with pytest.raises(ej.ShapeError):
         prog.run(torch.randn(3, 3))
+
+
+def test_llama_7b_on_the_meta_device_plans_without_weights():
+    from einjoin.models.zoo import LLAMA_7B, LlamaBlock
+    with torch.device("meta"):
+        block = LlamaBlock(LLAMA_7B).eval()
+        x = torch.empty(LLAMA_7B.batch, LLAMA_7B.seq, LLAMA_7B.dim)
+    fn = ej.from_torch(block, (x,))
+    assert fn.bound == {} and fn.outputs[0].shape == (1, 2048, 4096)
+    prog = ej.compile(fn, devices=8, backend="null")
+    assert prog.stats.bytes_moved > 0 and prog.stats.flops > 2 * 2048 * 4096 * 4096 * 7
+    # every weight (4 of 4096 x 4096, 3 of 4096 x 11008, float32) is loaded exactly once
+    weights = (4 * 4096 * 4096 + 3 * 4096 * 11008) * 4
+    assert weights < prog.stats.bytes_loaded < weights + 2 * 2048 * 4096 * 4 + 3 * 2048 * 128 * 4 * 2

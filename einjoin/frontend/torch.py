@@ -2,7 +2,9 @@
 where export cannot), translate the graph op by op (:mod:`einjoin.frontend.aten`) into einjoin IR.
 
 Parameters and buffers become named graph inputs bound to the module's tensors; the forward's
-tensor arguments stay inputs, in order. The result compiles like any graph.
+tensor arguments stay inputs, in order. The result compiles like any graph. A module built on
+the ``meta`` device (``with torch.device("meta"): ...``) imports without weights, for planning
+(``backend="null"``) models that do not fit in memory.
 
 >>> import torch, einjoin as ej
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
@@ -145,7 +147,8 @@ def _from_export(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
                 t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants[spec.target]
                 name = spec.target
                 env[node] = F.param(name, tuple(t.shape), _dtype_of(t))
-                bound[name] = _to_numpy(t)
+                if not t.is_meta:  # a module on the meta device plans but cannot run
+                    bound[name] = _to_numpy(t)
             elif kind == "USER_INPUT":
                 val = node.meta.get("val")
                 if not isinstance(val, torch.Tensor):
@@ -256,7 +259,8 @@ def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
     def param(qual: str, t: Any) -> Tensor:
         if qual not in params:
             params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t))
-            bound[qual] = _to_numpy(t)
+            if not t.is_meta:
+                bound[qual] = _to_numpy(t)
         return params[qual]
 
     outputs: list[Tensor] = []
