@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 __all__ = ["demo"]
 
-CONFIG = dict(dim=256, heads=8, kv_heads=4, hidden=688, seq=256, batch=2)
+CONFIG = dict(dim=256, heads=8, kv_heads=4, hidden=688, seq=128, batch=4)
 
 
 def _best_of(fn: Callable[[], Any], repeat: int) -> tuple[Any, float]:
