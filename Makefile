@@ -26,10 +26,10 @@ demo: $(STAMP)
 	$(BIN)/python -m einjoin demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m '' --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m '' --durations=15
 
 tour: $(STAMP)
 	$(BIN)/python examples/tour.py

@@ -18,10 +18,11 @@ from einjoin.frontend import __all__ as _frontend_all
 from einjoin.ir import Graph, Node
 from einjoin.ir.reference import reference
 from einjoin.program import Program, compile
+from einjoin.runtime.backends.ray import ray_cluster
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Device", "local", "Program", "compile", "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
+__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
            *_frontend_all]

@@ -164,8 +164,11 @@ class Program:
             callbacks = (*callbacks, bar)
         try:
             with bar if bar is not None else _nothing():
-                outs, stats = self._engine.run(values, self.backend, order or self.order,
-                                               self.seed if seed is None else seed, callbacks)
+                if getattr(self.backend, "remote", False):  # Ray schedules the task graph itself
+                    outs, stats = self.backend.run_graph(self._engine, values, self.cluster, callbacks)
+                else:
+                    outs, stats = self._engine.run(values, self.backend, order or self.order,
+                                                   self.seed if seed is None else seed, callbacks)
         finally:
             if recorder is not None and trace is not None:
                 recorder.write(trace)
@@ -204,7 +207,16 @@ class Program:
         return save_plan_png(self, path, **options)
 
     def close(self) -> None:
-        """Release resources (nothing to release for local backends)."""
+        """Release resources: the Ray backend's actors (nothing for local backends)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Program":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return (f"<Program {len(self.graph.ops)} ops on {self.cluster}, backend {self.backend.name}, "

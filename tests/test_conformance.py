@@ -17,13 +17,26 @@ from einjoin.optim.exact import plan_bytes
 from einjoin.runtime import ORDERS
 from graphgen import graphs, specs_for
 
-BACKENDS = ["sync", "threads", "null"]
-CASES = {"sync": 350, "threads": 350, "null": 350}
+# Ray: fewer cases (a run costs ~10 ms per task round trip), each device count on one reused
+# backend (its actors stay up between programs), on the session's two-node loopback cluster
+BACKENDS = ["sync", "threads", "null", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))]
+CASES = {"sync": 350, "threads": 350, "null": 350, "ray": 40}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_random_programs(backend: str) -> None:
+def test_random_programs(backend: str, request: pytest.FixtureRequest) -> None:
+    ray_backends: dict[int, object] = {}
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+        from einjoin.runtime.backends.ray import RayBackend
     threads_before = threading.active_count()
+
+    def backend_for(devices: int) -> object:
+        if backend != "ray":
+            return backend
+        if devices not in ray_backends:
+            ray_backends[devices] = RayBackend(quiet=True)
+        return ray_backends[devices]
 
     @settings(max_examples=CASES[backend], deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -38,7 +51,7 @@ def test_random_programs(backend: str) -> None:
         placement = data.draw(st.sampled_from(["round_robin", "random", "greedy", "critical_path", "nums"]))
         seed = data.draw(st.integers(0, 1000))
         try:
-            prog = ej.compile(outs, devices=devices, backend=backend, specs=specs,
+            prog = ej.compile(outs, devices=devices, backend=backend_for(devices), specs=specs,
                               placement=placement, order=order, seed=seed,
                               planner="split_largest" if planner == "specs" else planner)
         except NotApplicable:  # a baseline that does not fit this graph says so; nothing to run
@@ -61,4 +74,7 @@ def test_random_programs(backend: str) -> None:
             np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
 
     check()
-    assert threading.active_count() == threads_before  # no worker left running
+    for b in ray_backends.values():
+        b.close()  # type: ignore[attr-defined]
+    if backend != "ray":  # Ray's client keeps its own threads
+        assert threading.active_count() == threads_before  # no worker left running

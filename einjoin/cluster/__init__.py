@@ -56,6 +56,7 @@ class Device:
     id: int
     kind: str = "cpu"
     memory: int | None = None
+    node: str | None = None      # the machine it lives on (a Ray node id), None: this process
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.id}"
@@ -119,7 +120,8 @@ class Cluster:
 
     def with_memory(self, memory: "int | str | None") -> "Cluster":
         mem = parse_bytes(memory)
-        return Cluster(tuple(Device(d.id, d.kind, mem) for d in self.devices), self.bandwidth, self.latency)
+        return Cluster(tuple(Device(d.id, d.kind, mem, d.node) for d in self.devices), self.bandwidth,
+                       self.latency)
 
     def __str__(self) -> str:
         kinds = sorted({d.kind for d in self.devices})

@@ -55,6 +55,9 @@ BACKENDS: dict[str, Any] = {"sync": SyncBackend(), "threads": ThreadsBackend(), 
 def get_backend(name: Any) -> Any:
     if not isinstance(name, str) and hasattr(name, "parallel"):
         return name
+    if name == "ray":  # a fresh one per program: it owns that program's actors
+        from einjoin.runtime.backends.ray import RayBackend
+        return RayBackend()
     if name not in BACKENDS:
-        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, 'ray'])}")
     return BACKENDS[name]

@@ -1,0 +1,29 @@
+"""Shared fixtures. ``ray_session``: one two-node Ray cluster on loopback for every Ray test of
+the session (a head with 2 CPUs and a second node with 1 CPU, small object stores). Tests that
+use it are grouped on one xdist worker (``xdist_group("ray")``, run with ``--dist loadgroup``)."""
+
+from __future__ import annotations
+
+import pytest
+
+OBJECT_STORE = 80 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 2, "object_store_memory": OBJECT_STORE,
+                                      "include_dashboard": False})
+    cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE, resources={"second": 1})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    cluster.wait_for_nodes()
+    yield cluster
+    from einjoin.runtime.backends import ray as ej_ray
+    ej_ray.shutdown()
+    ray.shutdown()
+    cluster.shutdown()

@@ -1,0 +1,153 @@
+"""The Ray backend on the session's two-node loopback cluster: placement across nodes with the
+bytes counted at the receiving actors, a killed actor, cleanup, and Ray started on demand.
+(The conformance suite runs on Ray too: tests/test_conformance.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import einjoin as ej
+
+pytestmark = pytest.mark.xdist_group("ray")
+ray = pytest.importorskip("ray")
+
+
+def _mlp():
+    x = ej.input("x", (256, 64))
+    w1, w2 = ej.param("w1", (64, 128)), ej.param("w2", (128, 64))
+    out = ej.softmax(ej.silu(x @ w1) @ w2)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((256, 64)), "w1": rng.standard_normal((64, 128)) * 0.1,
+             "w2": rng.standard_normal((128, 64)) * 0.1}
+    return out, {k: v.astype(np.float32) for k, v in feeds.items()}
+
+
+def _alive_actor_pids(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _einjoin_actors_alive():
+    import ray._private.state as state
+    return [a for a in state.actors().values()
+            if a["State"] == "ALIVE" and "DeviceWorker" in a.get("ActorClassName", "")]
+
+
+def _wait_dead(pids, seconds=10.0):
+    deadline = time.time() + seconds
+    while time.time() < deadline and (_alive_actor_pids(pids) or _einjoin_actors_alive()):
+        time.sleep(0.1)
+    return _alive_actor_pids(pids), _einjoin_actors_alive()
+
+
+def test_ray_cluster_sees_both_nodes(ray_session):
+    cluster = ej.ray_cluster(devices_per_node=2)
+    assert cluster.size == 4
+    nodes = [d.node for d in cluster.devices]
+    assert len(set(nodes)) == 2 and nodes.count(nodes[0]) == 2
+    # the topology is in the costs: cross-node links are slower
+    assert cluster.bandwidth[0][1] > cluster.bandwidth[0][2]
+
+
+def test_two_nodes_cross_node_bytes_match_the_plan(ray_session):
+    cluster = ej.ray_cluster(devices_per_node=2)
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=cluster, backend="ray", planner="split_largest")
+    try:
+        got = prog.run(**feeds)
+        np.testing.assert_allclose(got, ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
+        node = [d.node for d in cluster.devices]
+        # the actors really are on the nodes their devices name
+        actor_nodes = ray.get([a.node.remote() for a in prog.backend.actors])
+        assert actor_nodes == node
+        measured = prog.backend.received_per_pair
+        planned = prog.stats.bytes_per_pair
+        assert measured == {k: v for k, v in planned.items() if v}
+        cross = sum(b for (s, d), b in planned.items() if node[s] != node[d])
+        assert cross > 0, "the plan must span both nodes"
+        assert sum(b for (s, d), b in measured.items() if node[s] != node[d]) == cross
+        assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+    finally:
+        prog.close()
+
+
+def test_killed_actor_raises_clear_error_and_leaves_no_actor(ray_session):
+    from einjoin.runtime.backends.ray import RayBackend
+    out, feeds = _mlp()
+    backend = RayBackend(kernel_delay=0.3, quiet=True)
+    prog = ej.compile(out, devices=2, backend=backend, planner="split_largest")
+    killed = []
+
+    def killer():
+        while not backend.pids:
+            time.sleep(0.02)
+        time.sleep(1.0)  # kernels are outstanding: each sleeps 0.3 s
+        killed.append(backend.pids[1])
+        os.kill(backend.pids[1], signal.SIGKILL)
+
+    th = threading.Thread(target=killer)
+    th.start()
+    t0 = time.time()
+    with pytest.raises(ej.EinjoinError, match=r"device 1 .*was lost|a device was lost"):
+        prog.run(**feeds)
+    assert time.time() - t0 < 30
+    th.join()
+    pids = list(killed)
+    prog.close()
+    assert _wait_dead(pids) == ([], [])
+    # the program recovers on the next run with fresh actors
+    backend.kernel_delay = 0.0
+    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
+    pids = list(backend.pids)
+    prog.close()
+    assert _wait_dead(pids) == ([], [])
+
+
+def test_kernel_errors_name_the_task(ray_session):
+    out, feeds = _mlp()
+    with ej.compile(out, devices=2, backend="ray") as prog:
+        feeds = dict(feeds, x=feeds["x"].astype(np.float32))
+        got = prog.run(**feeds)
+        assert got.shape == (256, 64)
+        with pytest.raises(ej.EinjoinError, match="x"):
+            prog.run(**dict(feeds, x=np.ones((3, 3), np.float32)))  # checked before any kernel
+
+
+SCRIPT = r"""
+import numpy as np, einjoin as ej, ray
+x = ej.input("x", (8, 4)); w = ej.param("w", (4, 6))
+prog = ej.compile((x @ w).relu(), devices=4, backend="ray")
+out = prog.run(np.ones((8, 4), np.float32), np.ones((4, 6), np.float32))
+assert out.shape == (8, 6) and float(out[0, 0]) == 4.0
+node = ray._private.worker._global_node
+pids = [p.process.pid for ps in node.all_processes.values() for p in ps] + prog.backend.pids
+print("PIDS", *pids)
+"""
+
+
+def test_compile_starts_and_stops_its_own_ray(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "started a local Ray" in res.stderr
+    pids = [int(p) for p in res.stdout.split("PIDS", 1)[1].split()]
+    assert len(pids) >= 5
+    deadline = time.time() + 15
+    while time.time() < deadline and _alive_actor_pids(pids):
+        time.sleep(0.2)
+    assert _alive_actor_pids(pids) == []
