@@ -56,6 +56,7 @@ class RunStats:
     intervals: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)
     tasks_run: int = 0
     order: str = "fifo"
+    recoveries: int = 0        # re-runs after a lost device (Ray)
 
 
 class Store:

@@ -11,10 +11,11 @@ actors between tasks; only the outputs are fetched. The task semantics are the e
 the engine's scheduler, which is why callbacks see each task after the run, with its measured
 times.
 
-Faults: a lost actor (killed, out of memory) makes the run raise an :class:`EinjoinError` naming
-the device and its node, within seconds (Ray reports the death to every waiting reference);
-the program's actors are then replaced on the next run. Re-executing lost blocks from lineage
-is not implemented: the clear error is the chosen behaviour.
+Faults: a lost actor (killed, out of memory) is reported by Ray to every waiting reference within
+seconds. The inputs are still reachable (the driver holds the feeds), so the chosen behaviour is
+completion: every actor is replaced and the task graph runs again from the inputs (coarse
+lineage: all producers, not only the lost blocks'), ``retries`` times (default 1); after that,
+an :class:`EinjoinError` names the lost device and its actor's pid.
 
 >>> import einjoin as ej
 >>> ej.runtime.get_backend("ray").name        # nothing starts before the first run
@@ -109,6 +110,10 @@ def ray_cluster(address: str | None = None, devices_per_node: int | None = None,
     return Cluster(tuple(devices), bw, lat)
 
 
+class _DeviceLost(Exception):
+    """A device's actor died: internal, becomes a re-run or an EinjoinError."""
+
+
 class DeviceWorker:
     """The actor body: one device's store and the task semantics the other backends use."""
 
@@ -190,6 +195,7 @@ class RayBackend:
     object_store_memory: int | None = None
     actor_cpus: float = 0.0          # CPUs each actor reserves: 0 lets devices outnumber CPUs
     kernel_delay: float = 0.0        # test hook, see DeviceWorker.set_kernel_delay
+    retries: int = 1                 # re-runs after a lost device before raising
     quiet: bool = False
     actors: list[Any] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
@@ -226,6 +232,23 @@ class RayBackend:
 
     def run_graph(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
                   callbacks: Sequence[Any] = ()) -> tuple[list[np.ndarray], Any]:
+        """Run; when a device is lost and ``retries`` remain, start fresh actors and run again
+        from the inputs (the driver holds them), so the run completes."""
+        for attempt in range(self.retries + 1):
+            try:
+                outs, stats = self._run_once(engine, feeds, cluster, callbacks)
+                stats.recoveries = attempt
+                return outs, stats
+            except _DeviceLost as e:
+                if attempt == self.retries:
+                    raise EinjoinError(str(e)) from None
+                if not self.quiet:
+                    import sys
+                    print(f"einjoin: {e}; restarting the actors and re-running", file=sys.stderr)
+        raise AssertionError  # pragma: no cover
+
+    def _run_once(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
+                  callbacks: Sequence[Any] = ()) -> tuple[list[np.ndarray], Any]:
         from einjoin.plan.execute import assemble_outputs
         from einjoin.runtime.engine import RunStats
         ray = _ray()
@@ -259,7 +282,7 @@ class RayBackend:
             self._wait(refs, tg)
             fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
             reports = ray.get(finals)
-        except EinjoinError:
+        except (EinjoinError, _DeviceLost):
             self.close()  # a lost or failed device: the next run starts fresh actors
             raise
         stats = RunStats(order="ray", intervals={d: [] for d in range(n)})
@@ -299,15 +322,14 @@ class RayBackend:
                 except RayActorError as e:
                     t = tg.tasks[index[r]]
                     dev = t.device
-                    raise EinjoinError(f"device {dev} (Ray actor pid {self.pids[dev]}) was lost while "
-                                       f"running task #{t.id} ({t.kind}): {type(e).__name__}; its blocks "
-                                       f"are gone, so the run stops") from None
+                    raise _DeviceLost(f"device {dev} (Ray actor pid {self.pids[dev]}) was lost while "
+                                      f"running task #{t.id} ({t.kind}): {type(e).__name__}") from None
                 except RayTaskError as e:
                     t = tg.tasks[index[r]]
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     if isinstance(cause, RayActorError):
-                        raise EinjoinError(f"a device was lost (Ray actor died) before task #{t.id} "
-                                           f"on device {t.device} could run: {type(cause).__name__}") from None
+                        raise _DeviceLost(f"a device was lost (Ray actor died) before task #{t.id} "
+                                          f"on device {t.device} could run: {type(cause).__name__}") from None
                     from einjoin.ir.printing import describe
                     raise EinjoinError(f"task #{t.id} ({t.kind} of {describe(t.node)}) on device {t.device} "
                                        f"failed: {type(cause).__name__}: {cause}") from None
