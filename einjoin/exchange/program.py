@@ -15,6 +15,15 @@ Task kinds:
 - ``move``   — copy a value from ``src_device`` to ``device`` (``nbytes`` travel)
 - ``touch``  — write the sub-box ``box`` of the source into region ``dst_box`` of a buffer
 - ``free``   — drop a value after its last reader
+
+Memory-capped graphs (:mod:`einjoin.memplan`) add three kinds that cross the host link:
+
+- ``evict``     — drop a value from its device, first copying it to the host store under
+  ``host_key`` when ``nbytes`` > 0 (a clean value — an input block, a fill, a reloaded copy — is
+  only dropped)
+- ``reload``    — copy the host store's ``host_key`` (or, with ``box``, the graph input's block)
+  back to the device as a fresh value
+- ``writeback`` — copy an output block to the host store and drop it from the device
 """
 
 from __future__ import annotations
@@ -27,10 +36,12 @@ from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Node
 
 __all__ = ["Task", "Value", "Box", "TaskGraphBuilder", "box_size", "box_shape", "intersect",
-           "relative", "TASK_KINDS"]
+           "relative", "TASK_KINDS", "RELEASES"]
 
 Box = tuple[tuple[int, int], ...]
-TASK_KINDS = ("load", "fill", "kernel", "reduce", "select", "move", "touch", "free")
+TASK_KINDS = ("load", "fill", "kernel", "reduce", "select", "move", "touch", "free", "evict", "reload",
+              "writeback")
+RELEASES = ("free", "evict", "writeback")  # kinds that drop their ``frees`` value from the device
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
@@ -90,7 +101,9 @@ class Task:
     kernel: int = -1
     agg: Agg | None = None
     consumer: Node | None = None  # move/select: the op whose request caused it (for explain)
-    frees: int = -1  # free: the value dropped
+    frees: int = -1  # free/evict/writeback: the value dropped
+    host_key: int = -1  # evict/reload/writeback: the host store's key (the value's first id)
+    scratch: int = 0  # bytes the task needs besides its output while it runs (a joined block)
 
 
 @dataclass

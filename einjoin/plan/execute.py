@@ -20,7 +20,10 @@ from einjoin.ir.kernels import fill_kernel
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 
-__all__ = ["compute", "run_reference", "assemble_outputs"]
+__all__ = ["compute", "run_reference", "assemble_outputs", "HOST_KINDS", "to_host", "from_host"]
+
+# tasks that cross the host link in a memory-planned graph (plus the first load of an input)
+HOST_KINDS = ("load", "evict", "reload", "writeback")
 
 
 def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
@@ -66,6 +69,20 @@ def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Nod
     raise AssertionError(f"no computation for task kind {kind!r}")  # pragma: no cover
 
 
+def to_host(t: Task, value: np.ndarray, host: dict[int, np.ndarray]) -> None:
+    """An evict or write-back: a copy of ``value`` into the host store (a clean value, with
+    ``nbytes`` 0, is only dropped by the caller)."""
+    if t.nbytes:
+        host[t.host_key] = np.array(value, order="C")
+
+
+def from_host(t: Task, host: Mapping[int, np.ndarray], feeds: Mapping[Node, np.ndarray]) -> np.ndarray:
+    """A reload: a fresh device copy of the host store's block, or of the graph input's block."""
+    if t.box is not None:
+        return np.array(feeds[t.node][_slices(t.box)], order="C")
+    return np.array(host[t.host_key], order="C")
+
+
 def assemble_outputs(tg: "object", get: Callable[[int], np.ndarray],
                      feeds: Mapping[Node, np.ndarray] = {}) -> list[np.ndarray]:
     """Dense outputs from their aggregated blocks (the fetch). An output that is a view of a
@@ -84,9 +101,14 @@ def run_reference(tg: "object", decomps: Mapping[Node, Decomposition],
                   feeds: Mapping[Node, np.ndarray]) -> list[np.ndarray]:
     """Run every task in id order (a topological order) with one dictionary as every store."""
     vals: dict[int, np.ndarray] = {}
+    host: dict[int, np.ndarray] = {}
     for t in tg.tasks:  # type: ignore[attr-defined]
         if t.kind == "free":
             del vals[t.frees]
+        elif t.kind in ("evict", "writeback"):
+            to_host(t, vals.pop(t.frees), host)
+        elif t.kind == "reload":
+            vals[t.writes] = from_host(t, host, feeds)
         else:
             vals[t.writes] = compute(t, vals.get, feeds, decomps, tg.values[t.writes].shape)  # type: ignore[attr-defined]
-    return assemble_outputs(tg, vals.__getitem__, feeds)
+    return assemble_outputs(tg, (host if tg.memory is not None else vals).__getitem__, feeds)  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
+from einjoin.exchange.program import RELEASES
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.optim.bounds import node_bound_bytes
@@ -37,15 +38,24 @@ class PlanStats:
     bytes_per_pair: dict[tuple[int, int], int]
     task_counts: dict[str, int]
     peak_bytes_per_device: dict[int, int] = field(default_factory=dict)  # if run in task order
+    bytes_evicted: int = 0   # device -> host copies of a memory-capped plan (not in bytes_moved)
+    bytes_reloaded: int = 0  # host -> device copies of a memory-capped plan
 
     def __str__(self) -> str:
+        text = self._core()
+        if self.bytes_evicted or self.bytes_reloaded:
+            text += (f", evicted {human_bytes(self.bytes_evicted)}, "
+                     f"reloaded {human_bytes(self.bytes_reloaded)}")
+        return text
+
+    def _core(self) -> str:
         return (f"moved {human_bytes(self.bytes_moved)}, loaded {human_bytes(self.bytes_loaded)}, "
                 f"fetched {human_bytes(self.bytes_fetched)}, {self.flops / 1e9:.3f} GFLOP, "
                 f"{sum(self.task_counts.values())} tasks")
 
 
 def compute_stats(tg: "TaskGraph") -> PlanStats:
-    moved = loaded = flops = 0
+    moved = loaded = flops = evicted = reloaded = 0
     inn: dict[int, int] = defaultdict(int)
     out: dict[int, int] = defaultdict(int)
     fl: dict[int, int] = defaultdict(int)
@@ -60,17 +70,21 @@ def compute_stats(tg: "TaskGraph") -> PlanStats:
             pair[(t.src_device, t.device)] += t.nbytes
         elif t.kind == "load":
             loaded += t.nbytes
+        elif t.kind == "evict":
+            evicted += t.nbytes
+        elif t.kind == "reload":
+            reloaded += t.nbytes
         flops += t.flops
         fl[t.device] += t.flops
         # the peak if tasks ran in id order (the runtime measures the real one)
-        if t.kind == "free":
-            live[t.device] -= t.nbytes
+        if t.kind in RELEASES:
+            live[t.device] -= tg.values[t.frees].nbytes
         elif t.writes >= 0 and tg.values[t.writes].producers[0] == t.id:
             live[t.device] += tg.values[t.writes].nbytes
-            peak[t.device] = max(peak[t.device], live[t.device])
+            peak[t.device] = max(peak[t.device], live[t.device] + t.scratch)
     fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
     return PlanStats(moved, loaded, fetched, flops, dict(inn), dict(out), dict(fl), dict(pair),
-                     dict(Counter(t.kind for t in tg.tasks)), dict(peak))
+                     dict(Counter(t.kind for t in tg.tasks)), dict(peak), evicted, reloaded)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.flops import kernel_flops
@@ -49,6 +49,8 @@ class TaskGraph:
     n_devices: int
     outputs: tuple[OutputLayout, ...]
     dependents: tuple[tuple[int, ...], ...]  # task id -> tasks that wait for it
+    # set by einjoin.memplan: the caps this graph is safe under; outputs then end in the host store
+    memory: Any = None
 
     def stats(self) -> PlanStats:
         return compute_stats(self)

@@ -22,7 +22,7 @@ from einjoin.errors import EinjoinError
 from einjoin.exchange import Task
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
-from einjoin.plan.execute import assemble_outputs, compute
+from einjoin.plan.execute import HOST_KINDS, assemble_outputs, compute, from_host, to_host
 from einjoin.plan.taskgraph import TaskGraph
 
 __all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend"]
@@ -57,10 +57,14 @@ class RunStats:
     tasks_run: int = 0
     order: str = "fifo"
     recoveries: int = 0        # re-runs after a lost device (Ray)
+    bytes_evicted: int = 0     # device -> host copies (memory-capped graphs; not in bytes_moved)
+    bytes_reloaded: int = 0    # host -> device copies
 
 
 class Store:
-    """One device's blocks, with the bytes it holds, its peak and the bytes it received."""
+    """One device's blocks, with the bytes it holds (a task's output and scratch count from the
+    moment it starts), its peak and the bytes it received. Thread-safe: a device's compute and
+    host-transfer lanes share it."""
 
     def __init__(self, device: int):
         self.device = device
@@ -70,20 +74,45 @@ class Store:
         self.peak = 0
         self.received = 0
         self.loaded = 0
+        self.evicted = 0
+        self.reloaded = 0
+        self.lock = threading.Lock()
+
+    def reserve(self, vid: int, nbytes: int, scratch: int = 0) -> None:
+        """Count a value about to be written (once) and the task's scratch, before it runs."""
+        with self.lock:
+            if vid >= 0 and vid not in self.sizes:
+                self.sizes[vid] = nbytes
+                self.live += nbytes
+            self.live += scratch
+            self.peak = max(self.peak, self.live)
+
+    def unreserve(self, scratch: int) -> None:
+        with self.lock:
+            self.live -= scratch
 
     def put(self, vid: int, value: Any, nbytes: int) -> None:
-        if vid not in self.sizes:
-            self.sizes[vid] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
+        self.reserve(vid, nbytes)
         self.values[vid] = value
 
     def get(self, vid: int) -> Any:
         return self.values.get(vid)
 
     def free(self, vid: int) -> None:
-        self.values.pop(vid, None)
-        self.live -= self.sizes.pop(vid, 0)
+        with self.lock:
+            self.values.pop(vid, None)
+            self.live -= self.sizes.pop(vid, 0)
+
+
+def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[Node, np.ndarray]
+         ) -> np.ndarray:
+    """Under a memory cap every block owns its bytes: a load is a real copy of the feed, and a
+    kernel output that is a view of an input block (a reshape, a slice, a broadcast) is copied,
+    so that freeing or evicting the input really releases it."""
+    sources = [feeds[t.node]] if t.kind == "load" else [get(v) for v in t.reads]
+    if any(s is not None and np.may_share_memory(value, s) for s in sources):
+        return np.array(value, order="C")
+    return value
 
 
 class ReadyQueue:
@@ -142,13 +171,28 @@ class Engine:
         return self._priority
 
     def run(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str = "fifo",
-            seed: int = 0, callbacks: Sequence[Callback] = ()) -> tuple[list[np.ndarray] | None, RunStats]:
+            seed: int = 0, callbacks: Sequence[Callback] = (), host_link: float | None = None
+            ) -> tuple[list[np.ndarray] | None, RunStats]:
+        """Run every task once in an order the ready queue picks. ``host_link``: emulate a
+        host<->device link of that many bytes per second (loads, evictions, reloads and
+        write-backs take at least their bytes over it), e.g. 16e9 for PCIe 4 x16."""
         tg = self.tg
         n = tg.n_devices
+        capped = tg.memory is not None
+        if host_link is not None and not host_link > 0:
+            raise EinjoinError(f"host_link must be a positive rate in bytes per second, got {host_link!r}")
         prio = self.priority() if order == "priority" else ()
-        queues = [ReadyQueue(order, prio, seed + d) for d in range(n if backend.parallel else 1)]
-        qi = (lambda t: t.device) if backend.parallel else (lambda t: 0)
+        # host transfers get a lane (thread) of their own per device, so they overlap compute
+        lanes = backend.parallel and (capped or host_link is not None)
+        queues = [ReadyQueue(order, prio, seed + d) for d in range((2 * n if lanes else n) if backend.parallel else 1)]
+        if not backend.parallel:
+            qi: Callable[[Task], int] = lambda t: 0
+        elif lanes:
+            qi = lambda t: t.device + n if t.kind in HOST_KINDS else t.device
+        else:
+            qi = lambda t: t.device
         stores = [Store(d) for d in range(n)]
+        host: dict[int, np.ndarray] = {}  # the host store of a memory-capped graph
         counters = [len(t.deps) for t in tg.tasks]
         stats = RunStats(order=order, intervals={d: [] for d in range(n)})
         state = {"remaining": len(tg.tasks), "error": None, "stop": False}
@@ -158,6 +202,12 @@ class Engine:
             if not t.deps:
                 queues[qi(t)].push(t.id)
 
+        def throttle(start: float, nbytes: int) -> None:
+            if host_link is not None and nbytes:
+                rest = nbytes / host_link - (time.perf_counter() - start)
+                if rest > 0:
+                    time.sleep(rest)
+
         def execute(t: Task) -> None:
             for cb in callbacks:
                 cb.on_start(t)
@@ -165,19 +215,37 @@ class Engine:
             store = stores[t.device]
             if t.kind == "free":
                 store.free(t.frees)
+            elif t.kind in ("evict", "writeback"):
+                if backend.computes:
+                    to_host(t, store.get(t.frees), host)
+                throttle(start, t.nbytes)
+                store.evicted += t.nbytes if t.kind == "evict" else 0
+                store.free(t.frees)
             else:
+                planned = tg.values[t.writes].nbytes
+                store.reserve(t.writes, planned, t.scratch)
                 value = None
                 if backend.computes:
-                    # a move reads on its source device and writes on its destination
-                    get: Callable[[int], Any] = stores[t.src_device].get if t.kind == "move" else store.get
-                    value = compute(t, get, feeds, self.decomps, tg.values[t.writes].shape)
+                    if t.kind == "reload":
+                        value = from_host(t, host, feeds)
+                    else:
+                        # a move reads on its source device and writes on its destination
+                        get: Callable[[int], Any] = stores[t.src_device].get if t.kind == "move" else store.get
+                        value = compute(t, get, feeds, self.decomps, tg.values[t.writes].shape)
+                        if capped and t.kind in ("load", "kernel"):
+                            value = _own(value, t, get, feeds)
+                store.unreserve(t.scratch)
                 # count what really arrived: the array's bytes (the null backend has only the plan's)
-                nbytes = value.nbytes if value is not None else tg.values[t.writes].nbytes
+                nbytes = value.nbytes if value is not None else planned
                 store.put(t.writes, value, nbytes)
                 if t.kind == "move":
                     store.received += nbytes
                 elif t.kind == "load":
                     store.loaded += nbytes
+                    throttle(start, nbytes)
+                elif t.kind == "reload":
+                    store.reloaded += nbytes
+                    throttle(start, nbytes)
             end = time.perf_counter()
             stats.intervals[t.device].append((start, end, t.id))
             for cb in callbacks:
@@ -229,8 +297,9 @@ class Engine:
         t0 = time.perf_counter()
         with backend.context(n):
             if backend.parallel:
-                threads = [threading.Thread(target=worker, args=(d,), name=f"einjoin-dev{d}", daemon=True)
-                           for d in range(n)]
+                threads = [threading.Thread(target=worker, args=(q,), daemon=True,
+                                            name=f"einjoin-dev{q}" if q < n else f"einjoin-host{q - n}")
+                           for q in range(len(queues))]
                 for th in threads:
                     th.start()
                 try:
@@ -259,11 +328,14 @@ class Engine:
             raise EinjoinError(f"run stopped with {state['remaining']} tasks never ready (a cycle?)")
         stats.bytes_moved = sum(s.received for s in stores)
         stats.bytes_loaded = sum(s.loaded for s in stores)
+        stats.bytes_evicted = sum(s.evicted for s in stores)
+        stats.bytes_reloaded = sum(s.reloaded for s in stores)
         stats.peak_bytes_per_device = {s.device: s.peak for s in stores}
         stats.busy_time_per_device = {d: sum(b - a for a, b, _ in iv) for d, iv in stats.intervals.items()}
         if not backend.computes:
             stats.bytes_fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
             return None, stats
-        outs = assemble_outputs(tg, lambda v: stores[tg.values[v].device].get(v), feeds)
+        outs = assemble_outputs(tg, host.__getitem__ if capped else lambda v: stores[tg.values[v].device].get(v),
+                                feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs, stats
