@@ -23,7 +23,11 @@ from einjoin.decomp.decompose import Decomposition, decompose
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Node
+from einjoin.ir.node import Fill, Input, Node
+from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
+from einjoin.memplan.chain import chain_reduces
+from einjoin.memplan.fit import finer_spec
+from einjoin.memplan.needs import blamed_op, cap_error
 from einjoin.ir.reference import bind_feeds
 from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
 from einjoin.placement import PLACERS, Placement, place
@@ -53,12 +57,20 @@ def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
 
 def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
             backend: Any = "threads", specs: Any = None, placement: str = "greedy",
-            order: str = "fifo", seed: int = 0, quiet: bool = False) -> "Program":
+            order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
+            memory_policy: str = "belady", host_link: float | None = None) -> "Program":
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`). ``specs``
     overrides the planner's join-agg spec for some nodes; ``placement`` names a placer;
     ``order`` is the ready-queue policy. Large graphs show progress on a terminal unless
-    ``quiet`` (which also holds for the program's runs)."""
+    ``quiet`` (which also holds for the program's runs).
+
+    ``memory_limit`` caps each device's memory (bytes or a string such as ``"2GiB"``, or a
+    mapping device -> size; default: the cluster's ``Device.memory``). Under a cap, ops whose
+    single kernel would not fit are cut finer, and the task graph is memory-planned
+    (:mod:`einjoin.memplan`, ``memory_policy`` "belady" or "naive"): blocks are evicted to host
+    RAM and reloaded so that every run, in any order, stays within the cap. ``host_link`` (bytes
+    per second) emulates a host<->device link for the program's runs."""
     arg_names, bound = None, None
     if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
         arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), outputs.many
@@ -72,14 +84,28 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
         raise EinjoinError(f"unknown placement {placement!r}; known: {', '.join(sorted(PLACERS))}")
     if order not in ORDERS:
         raise EinjoinError(f"unknown ready-queue order {order!r}; known: {', '.join(ORDERS)}")
+    if memory_policy not in POLICIES:
+        raise EinjoinError(f"unknown memory policy {memory_policy!r}; known: {', '.join(POLICIES)}")
+    if host_link is not None and not (isinstance(host_link, (int, float)) and host_link > 0):
+        raise EinjoinError(f"host_link must be a positive rate in bytes per second, got {host_link!r}")
     with stages(quiet, len(graph.ops)) as say:
         say("planning")
         chosen = dict(plan_specs(planner, graph, cluster))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, specs, placement, seed)
+        caps = parse_caps(memory_limit, cluster.size, cluster)
+        if any(c is not None for c in caps.values()):
+            if getattr(be, "remote", False):
+                raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "
+                                   "backend='threads' (or without memory_limit / Device.memory)")
+            say("fitting the memory caps, planning evictions")
+            decomps, placed, tg = _fit_caps(graph, cluster, chosen, specs, placement, seed, caps,
+                                            decomps, placed, chain_reduces(tg))
+            tg = plan_memory(tg, decomps, caps, memory_policy)
     prog = Program(graph, cluster, decomps, placed, tg, be, order, seed,
                    isinstance(outputs, (list, tuple)))
     prog.quiet = quiet
+    prog.host_link = host_link
     if arg_names is not None:
         # parameters the forward never reads are not graph inputs
         prog._arg_names = arg_names
@@ -98,6 +124,43 @@ def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], spec
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
     placed = place(placement, decomps, cluster, seed)
     return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
+
+
+def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], specs: Any,
+              placement: str, seed: int, caps: dict[int, int | None], decomps: dict[Node, Decomposition],
+              placed: Placement, tg: TaskGraph) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
+    """Cut the ops whose tasks alone exceed a cap finer until every task fits; the clear
+    :class:`MemoryCapError` (op, block shapes, bytes, cap) when no finer cut helps."""
+    user = _user_specs(graph, specs)
+    cut_inputs: set[Node] = set()  # inputs cut for their own loads keep that partition
+    for _ in range(512):  # each round doubles a block count of every op at fault
+        over = [(nd, caps[nd.device]) for nd in task_needs(tg, decomps)
+                if caps.get(nd.device) is not None and nd.needed > caps[nd.device]]  # type: ignore[operator]
+        if not over:
+            return decomps, placed, tg
+        done: set[Node] = set()
+        for nd, cap in over:
+            op = blamed_op(nd.task, tg)
+            if isinstance(op.op, Fill) and graph.users[op] and op not in graph.outputs:
+                op = graph.users[op][0]  # a fill is computed in the blocks its consumer reads
+            if op in done:
+                continue
+            done.add(op)
+            if op in user:
+                raise cap_error(nd, cap, "; the join-agg spec given for it does not fit (give a finer "
+                                         "one or none)", op)
+            finer = finer_spec(op, decomps[op].spec)
+            if finer is None:
+                raise cap_error(nd, cap, "; no finer decomposition of it fits either", op)
+            chosen[op] = finer
+            if isinstance(op.op, Input):
+                cut_inputs.add(op)
+            for x in op.inputs:  # inputs it reads first take its new partition
+                if isinstance(x.op, Input) and graph.users[x][0] is op and x not in cut_inputs:
+                    chosen.pop(x, None)
+        decomps, placed, tg = _lower(graph, cluster, chosen, specs, placement, seed)
+        tg = chain_reduces(tg)
+    raise cap_error(over[0][0], over[0][1], "; gave up cutting finer")
 
 
 class Program:
@@ -120,6 +183,7 @@ class Program:
         self.run_stats: RunStats | None = None
 
     quiet = False                                  # no progress display
+    host_link: "float | None" = None               # emulated host<->device bytes per second
     _arg_names: "tuple[str, ...] | None" = None   # set for an imported torch module
     _bound: "dict[str, Any] | None" = None
 
@@ -144,13 +208,14 @@ class Program:
 
     def run(self, *args: Any, order: str | None = None, seed: int | None = None,
             callbacks: Sequence[Any] = (), trace: "str | os.PathLike[str] | None" = None,
-            quiet: bool | None = None, **feeds: Any) -> Any:
+            quiet: bool | None = None, host_link: float | None = None, **feeds: Any) -> Any:
         """Run with positional inputs (declaration order) and/or inputs by name. Returns numpy
         arrays (a tuple for several outputs), or torch tensors when torch tensors went in; the
         null backend returns None. ``order`` overrides the ready-queue policy for this run.
         ``trace``: write a Chrome / Perfetto trace of this run (one track per device) to that
         path, also when the run fails (what was recorded; then the error is raised). Large task
-        graphs show a progress bar on a terminal unless ``quiet`` (default: the compile's)."""
+        graphs show a progress bar on a terminal unless ``quiet`` (default: the compile's).
+        ``host_link``: emulated host<->device bytes per second (default: the compile's)."""
         values = self._bind(args, feeds)  # every feed checked before any kernel runs
         use_torch = any(type(v).__module__.startswith("torch") for v in (*args, *feeds.values()))
         recorder = None
@@ -168,7 +233,8 @@ class Program:
                     outs, stats = self.backend.run_graph(self._engine, values, self.cluster, callbacks)
                 else:
                     outs, stats = self._engine.run(values, self.backend, order or self.order,
-                                                   self.seed if seed is None else seed, callbacks)
+                                                   self.seed if seed is None else seed, callbacks,
+                                                   self.host_link if host_link is None else host_link)
         finally:
             if recorder is not None and trace is not None:
                 recorder.write(trace)

@@ -30,9 +30,9 @@ AGGS = ["sum", "max", "min", "prod"]
 
 
 @st.composite
-def shapes(draw: Any, min_rank: int = 0, max_rank: int = 4) -> tuple[int, ...]:
+def shapes(draw: Any, min_rank: int = 0, max_rank: int = 4, max_dim: int = 4) -> tuple[int, ...]:
     rank = draw(st.integers(min_rank, max_rank))
-    return tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    return tuple(draw(st.integers(1, max_dim)) for _ in range(rank))
 
 
 @st.composite
@@ -60,15 +60,17 @@ def einsum_labels(draw: Any, operands: list[ej.Tensor]) -> tuple[list[str], str]
 
 
 @st.composite
-def graphs(draw: Any, dtype: str = "float64") -> tuple[list[ej.Tensor], dict[str, np.ndarray]]:
-    """A random graph of 1-6 ops over 1-3 inputs; returns (outputs, feeds)."""
+def graphs(draw: Any, dtype: str = "float64", max_dim: int = 4, max_rank: int = 4
+           ) -> tuple[list[ej.Tensor], dict[str, np.ndarray]]:
+    """A random graph of 1-6 ops over 1-3 inputs (of up to ``max_rank`` dims of up to
+    ``max_dim``); returns (outputs, feeds)."""
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
     n_inputs = draw(st.integers(1, 3))
     pool: list[ej.Tensor] = []
     feeds: dict[str, np.ndarray] = {}
     for i in range(n_inputs):
-        shape = draw(shapes())
+        shape = draw(shapes(0, max_rank, max_dim))
         pool.append(ej.input(f"in{i}", shape, dtype))
         feeds[f"in{i}"] = rng.uniform(-1, 1, shape).astype(dtype)
     n_ops = draw(st.integers(1, 6))

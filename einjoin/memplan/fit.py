@@ -1,0 +1,64 @@
+"""Finer decompositions for a memory cap: when one task alone does not fit its device, cut a
+label of the op that sized its blocks into more blocks — the label whose cut shrinks that op's
+largest kernel (inputs, output and scratch held at once) or aggregation the most.
+
+>>> import einjoin as ej
+>>> from einjoin.memplan.fit import finer_spec, op_need
+>>> z = ej.input("a", (64, 32)) @ ej.input("b", (32, 16))
+>>> d = ej.decompose(z.node)
+>>> op_need(d), finer_spec(z.node, d.spec).counts()   # cutting the rows halves a and the output
+(14336, {'m': 2, 'n': 1, 'k': 1})
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from einjoin.decomp.decompose import Decomposition, decompose
+from einjoin.decomp.spec import JoinAggSpec, output_labels
+from einjoin.ir.dtypes import itemsize
+from einjoin.ir.node import Fill, Input, Node
+from einjoin.memplan.needs import kernel_scratch
+
+__all__ = ["op_need", "finer_spec", "MAX_KERNELS"]
+
+MAX_KERNELS = 65536  # per op: beyond this, scheduling overhead dwarfs any kernel
+
+
+def op_need(d: Decomposition) -> int:
+    """Bytes the largest kernel of ``d`` holds at once (its input blocks, its output block, its
+    scratch), or one accumulating aggregation step (an accumulator, a partial, the result)."""
+    node = d.node
+    out_item = itemsize(node.dtype)
+    if isinstance(node.op, (Input, Fill)):
+        return max(prod(d.out_partition.block_shape(k)) * out_item for k in d.out_partition.keys())
+    worst = 0
+    for i, k in enumerate(d.kernels):
+        ins = [prod(d.in_partitions[s].block_shape(key)) * itemsize(x.dtype)
+               for s, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None]
+        out = prod(d.out_partition.block_shape(k.out_key)) * out_item
+        worst = max(worst, sum(ins) + out + kernel_scratch(d, i, ins, out))
+        if d.n_partials > 1:
+            worst = max(worst, 3 * out)  # one accumulating step (see memplan.chain)
+    return worst
+
+
+def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
+    """``spec`` with one label's block count doubled (at most its size): the cut that lowers
+    :func:`op_need` most, an output label on ties (no new partial sums); None if no cut helps."""
+    counts = spec.counts()
+    outs = set(output_labels(node))
+    current = op_need(decompose(node, spec))
+    best: tuple[tuple[int, bool, int], JoinAggSpec] | None = None
+    for lab, bounds in zip(spec.labels, spec.bounds):
+        size = bounds[-1]
+        if counts[lab] >= size:
+            continue
+        js = JoinAggSpec.for_node(node, {**counts, lab: min(size, 2 * counts[lab])})
+        if js.num_kernels > MAX_KERNELS:
+            continue
+        need = op_need(decompose(node, js))
+        key = (need, lab not in outs, -size)
+        if need < current and (best is None or key < best[0]):
+            best = (key, js)
+    return None if best is None else best[1]

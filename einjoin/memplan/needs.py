@@ -1,0 +1,163 @@
+"""What one task needs resident on its device while it runs: the values it reads, the value it
+writes and its scratch (a materialised joined block, a transposed copy). A cap below that for
+some task cannot be met by any eviction policy — only a finer decomposition helps.
+
+>>> import einjoin as ej
+>>> from einjoin.memplan.needs import parse_caps
+>>> parse_caps("1KiB", 2), parse_caps({0: 2048}, 2)
+({0: 1024, 1: 1024}, {0: 2048, 1: None})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from einjoin.cluster import Cluster, parse_bytes
+from einjoin.decomp.decompose import Decomposition
+from einjoin.errors import EinjoinError
+from einjoin.exchange import Task
+from einjoin.ir.dtypes import itemsize
+from einjoin.ir.printing import describe
+from einjoin.ir.node import Einsum, Node
+from einjoin.ir.scalar import is_product
+from einjoin.plan.stats import human_bytes
+from einjoin.plan.taskgraph import TaskGraph
+
+__all__ = ["parse_caps", "kernel_scratch", "TaskNeed", "task_needs", "MemoryCapError", "cap_error"]
+
+
+class MemoryCapError(EinjoinError):
+    """A task cannot run under its device's memory cap: ``op`` (described), ``device``,
+    ``needed`` and ``cap`` in bytes, ``shapes`` of the blocks it holds at once, ``node``."""
+
+    def __init__(self, message: str, op: str = "", device: int = -1, needed: int = 0, cap: int = 0,
+                 shapes: tuple[tuple[int, ...], ...] = (), node: Node | None = None):
+        super().__init__(message)
+        self.op, self.device, self.needed, self.cap, self.shapes = op, device, needed, cap, shapes
+        self.node = node  # the op at fault
+
+
+def parse_caps(memory_limit: Any, n_devices: int, cluster: Cluster | None = None) -> dict[int, int | None]:
+    """Per-device caps in bytes (None: uncapped) from ``memory_limit`` — bytes or a size string for
+    every device, or a mapping device -> size — else from the cluster's ``Device.memory``."""
+    if memory_limit is None:
+        if cluster is None:
+            return {d: None for d in range(n_devices)}
+        return {d.id: d.memory for d in cluster.devices}
+    if isinstance(memory_limit, Mapping):
+        for d in memory_limit:
+            if not isinstance(d, int) or not 0 <= d < n_devices:
+                raise EinjoinError(f"memory_limit names device {d!r}; devices are 0..{n_devices - 1}")
+        return {d: (parse_bytes(memory_limit[d]) if d in memory_limit else None) for d in range(n_devices)}
+    cap = parse_bytes(memory_limit)
+    return {d: cap for d in range(n_devices)}
+
+
+def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
+    """Bytes a block kernel allocates besides its output (an upper estimate, mirroring
+    :func:`einjoin.ir.kernels.einsum_kernel`): a two-input contraction copies an operand only when
+    its labels are not already in matmul order, and its result when the output order differs;
+    other contractions (opt_einsum's pairwise path) may copy all of them; any other join
+    materialises the joined block and one temporary of that size. Half-precision inputs are
+    widened to float32 first (a copy of twice their bytes)."""
+    op = d.node.op
+    if not isinstance(op, Einsum):
+        return 0  # blocks are C-contiguous under a cap: reshapes and slices are views (then copied)
+    half = ("float16", "bfloat16")
+    widen = sum(2 * b for b, x in zip(in_bytes, d.node.inputs) if x.dtype in half)
+    if widen or d.node.dtype in half:
+        widen += 2 * out_bytes  # the float32 result before its cast
+    if is_product(op.join, len(d.node.inputs)) and op.agg.name in ("sum", "none"):
+        if len(op.in_labels) == 2 and all(x.dtype.startswith(("float", "bfloat")) for x in d.node.inputs):
+            return widen + _matmul_copies(op, in_bytes, out_bytes)
+        return widen + 2 * (sum(in_bytes) + out_bytes)
+    k = d.kernels[kernel]
+    joined = 1
+    for lab, bounds in zip(d.spec.labels, d.spec.bounds):
+        i = k.index[d.spec.labels.index(lab)]
+        joined *= bounds[i + 1] - bounds[i]
+    width = max([itemsize(x.dtype) for x in d.node.inputs] + [itemsize(d.node.dtype)])
+    return widen + 2 * joined * width
+
+
+def _matmul_copies(op: Einsum, in_bytes: list[int], out_bytes: int) -> int:
+    """The copies of the (batch, m, k) x (batch, k, n) matmul route: an operand whose labels are
+    out of that order, a summed-out label (its partial sum), and a result out of output order."""
+    (lx, ly), out = op.in_labels, op.out_labels
+    if len(set(lx)) != len(lx) or len(set(ly)) != len(ly):
+        return 2 * (sum(in_bytes) + out_bytes)
+    sx, sy, so = set(lx), set(ly), set(out)
+    extra = 0
+    if sx - sy - so:
+        extra += in_bytes[0]
+        lx = tuple(lab for lab in lx if lab in sy or lab in so)
+    if sy - sx - so:
+        extra += in_bytes[1]
+        ly = tuple(lab for lab in ly if lab in sx or lab in so)
+    sx, sy = set(lx), set(ly)
+    batch = [lab for lab in out if lab in sx and lab in sy]
+    m = [lab for lab in out if lab in sx and lab not in sy]
+    n = [lab for lab in out if lab in sy and lab not in sx]
+    k = [lab for lab in lx if lab in sy and lab not in so]
+    if list(lx) != batch + m + k:
+        extra += in_bytes[0]
+    if list(ly) != batch + k + n:
+        extra += in_bytes[1]
+    if batch + m + n != list(out):
+        extra += out_bytes  # the matmul result, before the C-order copy that is the output
+    return extra
+
+
+@dataclass(frozen=True)
+class TaskNeed:
+    task: Task
+    device: int
+    needed: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _scratch(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> int:
+    if t.kind != "kernel":
+        return 0
+    return kernel_scratch(decomps[t.node], t.kernel, [tg.values[v].nbytes for v in t.reads],
+                          tg.values[t.writes].nbytes)
+
+
+def task_needs(tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> list[TaskNeed]:
+    """Per task, the bytes it holds at once on the device it allocates on (a move: the
+    destination; its source value is already there)."""
+    out = []
+    for t in tg.tasks:
+        if t.writes < 0:
+            continue
+        held = [] if t.kind in ("move", "reload") else list(dict.fromkeys(t.reads))
+        if t.kind == "touch" or t.writes not in held:
+            held.append(t.writes)
+        shapes = tuple(tg.values[v].shape for v in held)
+        need = sum(tg.values[v].nbytes for v in held) + _scratch(t, tg, decomps)
+        out.append(TaskNeed(t, t.device, need, shapes))
+    return out
+
+
+def describe_need(n: TaskNeed, cap: int) -> str:
+    shapes = " + ".join("x".join(map(str, s)) or "scalar" for s in n.shapes)
+    return (f"needs {human_bytes(n.needed)} on device {n.device} for one {n.task.kind} "
+            f"(blocks {shapes}, plus scratch) but the cap is {human_bytes(cap)}")
+
+
+def blamed_op(t: Task, tg: TaskGraph) -> Node:
+    """The op whose partition sized the biggest block task ``t`` holds: the producer's for a
+    select or move (it cuts or ships the producer's block), the consumer's for a touch into a
+    buffer at least as big as its source, else (a kernel, a reduce, a load, a fill) its own."""
+    if t.kind == "touch" and t.consumer is not None:
+        if tg.values[t.writes].nbytes >= tg.values[t.reads[0]].nbytes:
+            return t.consumer
+    return t.node
+
+
+def cap_error(need: TaskNeed, cap: int, why: str = "", node: Node | None = None) -> MemoryCapError:
+    node = node or need.task.consumer or need.task.node
+    op = describe(node)
+    return MemoryCapError(f"memory cap: {op} {describe_need(need, cap)}{why}", op, need.device,
+                          need.needed, cap, need.shapes, node)
