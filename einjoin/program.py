@@ -26,7 +26,7 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Fill, Input, Node
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
 from einjoin.memplan.chain import chain_reduces
-from einjoin.memplan.fit import finer_spec
+from einjoin.memplan.fit import MAX_KERNELS, finer_spec
 from einjoin.memplan.needs import blamed_op, cap_error
 from einjoin.ir.reference import bind_feeds
 from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
@@ -151,7 +151,8 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], s
                                          "one or none)", op)
             finer = finer_spec(op, decomps[op].spec)
             if finer is None:
-                raise cap_error(nd, cap, "; no finer decomposition of it fits either", op)
+                raise cap_error(nd, cap, "; no finer decomposition of it fits either (at most "
+                                         f"{MAX_KERNELS} kernels per op)", op)
             chosen[op] = finer
             if isinstance(op.op, Input):
                 cut_inputs.add(op)

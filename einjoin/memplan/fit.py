@@ -22,7 +22,7 @@ from einjoin.memplan.needs import kernel_scratch
 
 __all__ = ["op_need", "finer_spec", "MAX_KERNELS"]
 
-MAX_KERNELS = 65536  # per op: beyond this, scheduling overhead dwarfs any kernel
+MAX_KERNELS = 4096  # per op: beyond this, per-task overhead dwarfs the kernels (and planning time grows)
 
 
 def op_need(d: Decomposition) -> int:
@@ -45,7 +45,8 @@ def op_need(d: Decomposition) -> int:
 
 def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
     """``spec`` with one label's block count doubled (at most its size): the cut that lowers
-    :func:`op_need` most, an output label on ties (no new partial sums); None if no cut helps."""
+    :func:`op_need` most, an output label on ties (no new partial sums); None if no cut helps
+    (or every helpful one would exceed :data:`MAX_KERNELS`)."""
     counts = spec.counts()
     outs = set(output_labels(node))
     current = op_need(decompose(node, spec))
