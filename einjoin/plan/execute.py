@@ -73,7 +73,11 @@ def to_host(t: Task, value: np.ndarray, host: dict[int, np.ndarray]) -> None:
     """An evict or write-back: a copy of ``value`` into the host store (a clean value, with
     ``nbytes`` 0, is only dropped by the caller)."""
     if t.nbytes:
-        host[t.host_key] = np.array(value, order="C")
+        old = host.get(t.host_key)
+        if old is not None and old.shape == value.shape and old.dtype == value.dtype:
+            np.copyto(old, value)  # a block evicted again reuses its host buffer (no new pages)
+        else:
+            host[t.host_key] = np.array(value, order="C")
 
 
 def from_host(t: Task, host: Mapping[int, np.ndarray], feeds: Mapping[Node, np.ndarray]) -> np.ndarray:
