@@ -24,16 +24,17 @@ from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Fill, Input, Node
+from einjoin.ir.reference import bind_feeds
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
 from einjoin.memplan.chain import chain_reduces
 from einjoin.memplan.fit import MAX_KERNELS, finer_spec
 from einjoin.memplan.needs import blamed_op, cap_error
-from einjoin.ir.reference import bind_feeds
 from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
 from einjoin.placement import PLACERS, Placement, place
 from einjoin.progress import RunBar, stages
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph, explain, run_reference
 from einjoin.runtime import ORDERS, Engine, RunStats, get_backend
+from einjoin.runtime.engine import check_host_link
 
 __all__ = ["compile", "Program"]
 
@@ -86,8 +87,7 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
         raise EinjoinError(f"unknown ready-queue order {order!r}; known: {', '.join(ORDERS)}")
     if memory_policy not in POLICIES:
         raise EinjoinError(f"unknown memory policy {memory_policy!r}; known: {', '.join(POLICIES)}")
-    if host_link is not None and not (isinstance(host_link, (int, float)) and host_link > 0):
-        raise EinjoinError(f"host_link must be a positive rate in bytes per second, got {host_link!r}")
+    check_host_link(host_link)
     with stages(quiet, len(graph.ops)) as say:
         say("planning")
         chosen = dict(plan_specs(planner, graph, cluster))

@@ -281,11 +281,8 @@ class _Walk:
         if fresh:
             size = self.size(b_out)
             mem = self.alloc(dev, size + scratch, pinned if dev == rdev else {b_out}, pos, t)
-            if t.kind == "touch":
-                vid = b_out  # the first version keeps the original id
-                self.wdeps[b_out] = mem
-            else:
-                vid = b_out
+            vid = b_out  # the first version keeps the original id
+            self.wdeps[b_out] = mem  # later touches of a buffer wait for its memory too
             deps += mem
         else:
             vid = self.cur[b_out]  # type: ignore[assignment]

@@ -25,7 +25,7 @@ from einjoin.ir.printing import describe
 from einjoin.plan.execute import HOST_KINDS, assemble_outputs, compute, from_host, to_host
 from einjoin.plan.taskgraph import TaskGraph
 
-__all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend"]
+__all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend", "check_host_link"]
 
 ORDERS = ("fifo", "lifo", "priority", "random")
 
@@ -104,6 +104,12 @@ class Store:
             self.live -= self.sizes.pop(vid, 0)
 
 
+def check_host_link(host_link: Any) -> None:
+    """An emulated host link is a positive rate in bytes per second (or None: no emulation)."""
+    if host_link is not None and not (isinstance(host_link, (int, float)) and host_link > 0):
+        raise EinjoinError(f"host_link must be a positive rate in bytes per second, got {host_link!r}")
+
+
 def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[Node, np.ndarray]
          ) -> np.ndarray:
     """Under a memory cap every block owns its bytes: a load is a real copy of the feed, and a
@@ -179,12 +185,12 @@ class Engine:
         tg = self.tg
         n = tg.n_devices
         capped = tg.memory is not None
-        if host_link is not None and not host_link > 0:
-            raise EinjoinError(f"host_link must be a positive rate in bytes per second, got {host_link!r}")
+        check_host_link(host_link)
         prio = self.priority() if order == "priority" else ()
         # host transfers get a lane (thread) of their own per device, so they overlap compute
         lanes = backend.parallel and (capped or host_link is not None)
-        queues = [ReadyQueue(order, prio, seed + d) for d in range((2 * n if lanes else n) if backend.parallel else 1)]
+        n_queues = (2 * n if lanes else n) if backend.parallel else 1
+        queues = [ReadyQueue(order, prio, seed + d) for d in range(n_queues)]
         if not backend.parallel:
             qi: Callable[[Task], int] = lambda t: 0
         elif lanes:
