@@ -12,35 +12,12 @@ largest kernel (inputs, output and scratch held at once) or aggregation the most
 
 from __future__ import annotations
 
-from math import prod
-
-from einjoin.decomp.decompose import Decomposition, decompose
+from einjoin.decomp.decompose import decompose
+from einjoin.decomp.footprint import MAX_KERNELS, op_need
 from einjoin.decomp.spec import JoinAggSpec, output_labels
-from einjoin.ir.dtypes import itemsize
-from einjoin.ir.node import Fill, Input, Node
-from einjoin.memplan.needs import kernel_scratch
+from einjoin.ir.node import Node
 
 __all__ = ["op_need", "finer_spec", "MAX_KERNELS"]
-
-MAX_KERNELS = 4096  # per op: beyond this, per-task overhead dwarfs the kernels (and planning time grows)
-
-
-def op_need(d: Decomposition) -> int:
-    """Bytes the largest kernel of ``d`` holds at once (its input blocks, its output block, its
-    scratch), or one accumulating aggregation step (an accumulator, a partial, the result)."""
-    node = d.node
-    out_item = itemsize(node.dtype)
-    if isinstance(node.op, (Input, Fill)):
-        return max(prod(d.out_partition.block_shape(k)) * out_item for k in d.out_partition.keys())
-    worst = 0
-    for i, k in enumerate(d.kernels):
-        ins = [prod(d.in_partitions[s].block_shape(key)) * itemsize(x.dtype)
-               for s, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None]
-        out = prod(d.out_partition.block_shape(k.out_key)) * out_item
-        worst = max(worst, sum(ins) + out + kernel_scratch(d, i, ins, out))
-        if d.n_partials > 1:
-            worst = max(worst, 3 * out)  # one accumulating step (see memplan.chain)
-    return worst
 
 
 def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:

@@ -15,12 +15,11 @@ from typing import Any, Mapping
 
 from einjoin.cluster import Cluster, parse_bytes
 from einjoin.decomp.decompose import Decomposition
+from einjoin.decomp.footprint import kernel_scratch
 from einjoin.errors import EinjoinError
 from einjoin.exchange import Task
-from einjoin.ir.dtypes import itemsize
 from einjoin.ir.printing import describe
-from einjoin.ir.node import Einsum, Node
-from einjoin.ir.scalar import is_product
+from einjoin.ir.node import Node
 from einjoin.plan.stats import human_bytes
 from einjoin.plan.taskgraph import TaskGraph
 
@@ -52,61 +51,6 @@ def parse_caps(memory_limit: Any, n_devices: int, cluster: Cluster | None = None
         return {d: (parse_bytes(memory_limit[d]) if d in memory_limit else None) for d in range(n_devices)}
     cap = parse_bytes(memory_limit)
     return {d: cap for d in range(n_devices)}
-
-
-def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
-    """Bytes a block kernel allocates besides its output (an upper estimate, mirroring
-    :func:`einjoin.ir.kernels.einsum_kernel`): a two-input contraction copies an operand only when
-    its labels are not already in matmul order, and its result when the output order differs;
-    other contractions (opt_einsum's pairwise path) may copy all of them; any other join
-    materialises the joined block and one temporary of that size. Half-precision inputs are
-    widened to float32 first (a copy of twice their bytes)."""
-    op = d.node.op
-    if not isinstance(op, Einsum):
-        return 0  # blocks are C-contiguous under a cap: reshapes and slices are views (then copied)
-    half = ("float16", "bfloat16")
-    widen = sum(2 * b for b, x in zip(in_bytes, d.node.inputs) if x.dtype in half)
-    if widen or d.node.dtype in half:
-        widen += 2 * out_bytes  # the float32 result before its cast
-    if is_product(op.join, len(d.node.inputs)) and op.agg.name in ("sum", "none"):
-        if len(op.in_labels) == 2 and all(x.dtype.startswith(("float", "bfloat")) for x in d.node.inputs):
-            return widen + _matmul_copies(op, in_bytes, out_bytes)
-        return widen + 2 * (sum(in_bytes) + out_bytes)
-    k = d.kernels[kernel]
-    joined = 1
-    for lab, bounds in zip(d.spec.labels, d.spec.bounds):
-        i = k.index[d.spec.labels.index(lab)]
-        joined *= bounds[i + 1] - bounds[i]
-    width = max([itemsize(x.dtype) for x in d.node.inputs] + [itemsize(d.node.dtype)])
-    return widen + 2 * joined * width
-
-
-def _matmul_copies(op: Einsum, in_bytes: list[int], out_bytes: int) -> int:
-    """The copies of the (batch, m, k) x (batch, k, n) matmul route: an operand whose labels are
-    out of that order, a summed-out label (its partial sum), and a result out of output order."""
-    (lx, ly), out = op.in_labels, op.out_labels
-    if len(set(lx)) != len(lx) or len(set(ly)) != len(ly):
-        return 2 * (sum(in_bytes) + out_bytes)
-    sx, sy, so = set(lx), set(ly), set(out)
-    extra = 0
-    if sx - sy - so:
-        extra += in_bytes[0]
-        lx = tuple(lab for lab in lx if lab in sy or lab in so)
-    if sy - sx - so:
-        extra += in_bytes[1]
-        ly = tuple(lab for lab in ly if lab in sx or lab in so)
-    sx, sy = set(lx), set(ly)
-    batch = [lab for lab in out if lab in sx and lab in sy]
-    m = [lab for lab in out if lab in sx and lab not in sy]
-    n = [lab for lab in out if lab in sy and lab not in sx]
-    k = [lab for lab in lx if lab in sy and lab not in so]
-    if list(lx) != batch + m + k:
-        extra += in_bytes[0]
-    if list(ly) != batch + k + n:
-        extra += in_bytes[1]
-    if batch + m + n != list(out):
-        extra += out_bytes  # the matmul result, before the C-order copy that is the output
-    return extra
 
 
 @dataclass(frozen=True)
