@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pathlib
 import sys
@@ -88,12 +89,15 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
     if memory_policy not in POLICIES:
         raise EinjoinError(f"unknown memory policy {memory_policy!r}; known: {', '.join(POLICIES)}")
     check_host_link(host_link)
+    caps = parse_caps(memory_limit, cluster.size, cluster)
     with stages(quiet, len(graph.ops)) as say:
         say("planning")
-        chosen = dict(plan_specs(planner, graph, cluster))
+        # the planner sees the caps as the devices' memory: eindecomp then picks cuts that fit
+        sized = Cluster(tuple(dataclasses.replace(d, memory=caps[d.id]) for d in cluster.devices),
+                        cluster.bandwidth, cluster.latency)
+        chosen = dict(plan_specs(planner, graph, sized))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, specs, placement, seed)
-        caps = parse_caps(memory_limit, cluster.size, cluster)
         if any(c is not None for c in caps.values()):
             if getattr(be, "remote", False):
                 raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "

@@ -3,6 +3,8 @@ with exhaustive search on trees, candidate enumeration, and plans that run."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -123,3 +125,92 @@ def test_placement_free_estimate_bounds_the_placed_bytes(data: st.DataObject) ->
     model = model_cost(prog.graph, prog.cluster, prog.specs)
     tensors = sum(n.size * 8 for n in prog.graph.nodes if n.kind != "fill")
     assert prog.stats.bytes_moved <= model + tensors
+
+
+# -- devices with a memory cap: the candidates are the cuts that fit ---------------------------
+
+def _fits_as_documented(node: "ej.Node", p: int, cap: int) -> None:
+    import itertools
+    from einjoin.decomp.footprint import op_need
+    from einjoin.decomp.spec import JoinAggSpec, label_sizes
+    from einjoin.optim.search import KERNEL_SHARE, FINER_WINDOW, fitting_specs
+    got = fitting_specs(node, p, cap)
+    assert got, "always some candidates"
+    need = {s: op_need(ej.decompose(node, s)) for s in got}
+    budget = int(KERNEL_SHARE * cap)
+    fewest = min(s.num_kernels for s in got)
+    assert all(s.num_kernels <= FINER_WINDOW * fewest for s in got)
+    coarse = {s: op_need(ej.decompose(node, s)) for s in candidate_specs(node, p)}
+    coarse_fit = [s for s, n in coarse.items() if n <= budget]
+    if coarse_fit:  # the usual tiers already fit: only fitting cuts, none finer than theirs
+        assert all(n <= budget for n in need.values())
+        assert fewest <= min(s.num_kernels for s in coarse_fit)
+        return
+    sizes = label_sizes(node)
+    if math.prod(sizes.values()) > 64:
+        return
+    # every spec there is (small ops): if any fits, the search found one, nearly as coarse
+    every = [JoinAggSpec.for_node(node, dict(zip(sizes, counts)))
+             for counts in itertools.product(*(range(1, n + 1) for n in sizes.values()))]
+    best = {s: op_need(ej.decompose(node, s)) for s in every}
+    for limit in (budget, cap):
+        fit = [s for s, n in best.items() if n <= limit]
+        if fit:
+            assert all(n <= limit for n in need.values()), (limit, need)
+            assert fewest <= 2 * min(s.num_kernels for s in fit)
+            return
+    assert min(need.values()) <= min(best.values()) * 1.5  # nothing fits: about the least there is
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fitting_specs_keep_the_coarsest_cuts_that_fit(data: st.DataObject) -> None:
+    outs, _ = data.draw(graphs("float32", max_dim=6))
+    g = ej.Graph(outs)
+    ops = [n for n in g.ops if n.kind != "fill"]
+    if not ops:
+        return
+    node = data.draw(st.sampled_from(ops))
+    p = data.draw(st.sampled_from([1, 2, 3, 4]))
+    total = sum(x.size * 4 for x in node.inputs) + node.size * 4
+    cap = max(16, int(total * data.draw(st.sampled_from([4.0, 1.0, 0.5, 0.25, 0.1, 0.02]))))
+    _fits_as_documented(node, p, cap)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_eindecomp_equals_exhaustive_on_trees_under_a_cap(data: st.DataObject) -> None:
+    """The DP stays exact over the cap's (restricted, sometimes finer) candidates, and the plan it
+    returns uses only them."""
+    from einjoin.optim.search import CostModel, memory_cap
+    outs, _ = data.draw(graphs("float32", max_dim=8))
+    g = ej.Graph(outs[:1])
+    ops = [n for n in g.ops if n.kind != "fill"]
+    tree = all(sum(u.inputs.count(n) for u in g.users[n]) <= 1 for n in g.nodes)
+    if not ops or len(ops) > 3 or not tree:
+        return
+    peak = max(sum(x.size * 4 for x in n.inputs) + n.size * 4 for n in ops)
+    c = ej.local(data.draw(st.sampled_from([2, 3, 4])),
+                 memory=max(64, int(peak * data.draw(st.sampled_from([1.0, 0.5, 0.25])))))
+    model = CostModel(g, c.size, cap=memory_cap(c))
+    if math.prod(len(model.candidates(n)) for n in ops) > 20000:
+        return
+    specs = eindecomp(g, c)
+    assert model_cost(g, c, specs) == model_cost(g, c, exhaustive(g, c))
+    for n in ops:
+        assert specs[n] in {i.spec for i in model.candidates(n)}
+
+
+def test_a_cap_aware_plan_of_a_llama_block_evicts_far_less() -> None:
+    """At a quarter of its working set, planning for the cap (cuts that fit with room to spare,
+    lined up along the attention chain) against planning as if memory were unbounded and letting
+    the memory planner cut the ops at fault: the same cap is kept, with a fraction of the
+    host traffic."""
+    from einjoin.models.graphs import llama_layers
+    out = llama_layers(1, batch=1, seq=512, d=1024, heads=16, hidden=2816)
+    blind = lambda g, c: eindecomp(g, c.with_memory(None))  # noqa: E731
+    plans = {name: ej.compile(out, devices=2, memory_limit="9.5MiB", planner=pl, backend="null",
+                              quiet=True).taskgraph.memory for name, pl in (("aware", "auto"), ("blind", blind))}
+    aware, blind_plan = plans["aware"], plans["blind"]
+    assert max(aware.peak_bytes_per_device.values()) <= 9.5 * 2**20
+    assert 3 * (aware.bytes_evicted + aware.bytes_reloaded) < blind_plan.bytes_evicted + blind_plan.bytes_reloaded

@@ -14,6 +14,11 @@ topological order with earlier trees frozen; then a local search re-chooses each
 all others fixed until no move lowers the total (this crosses tree borders, which the paper's DP
 cannot).
 
+On devices with a memory cap (``Device.memory``) each op's candidates are only the specs whose
+largest kernel holds at most :data:`KERNEL_SHARE` of the smallest cap (cut as finely as that
+takes, and at most :data:`FINER_WINDOW` times finer than the coarsest such spec): the search then
+picks cuts that also agree along chains of ops, so the memory planner needs few evictions.
+
 >>> import einjoin as ej
 >>> from einjoin.optim.search import eindecomp
 >>> z = ej.input("a", (8192, 8192)) @ ej.input("b", (8192, 8192))
@@ -30,6 +35,7 @@ from typing import Iterable
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
+from einjoin.decomp.footprint import MAX_KERNELS, op_need
 from einjoin.decomp.partition import Partition, even_bounds
 from einjoin.decomp.spec import JoinAggSpec, label_sizes
 from einjoin.errors import EinjoinError
@@ -38,7 +44,16 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Einsum, Fill, Input, Node
 from einjoin.optim.cost import agg_cost, join_cost_per_input, repartition_estimate
 
-__all__ = ["candidate_specs", "SpecInfo", "CostModel", "eindecomp", "exhaustive", "total_cost"]
+__all__ = ["candidate_specs", "fitting_specs", "memory_cap", "SpecInfo", "CostModel", "eindecomp",
+           "exhaustive", "total_cost", "KERNEL_SHARE", "FINER_WINDOW"]
+
+# Under a cap one kernel may hold this share of it: the rest keeps the next kernel's inputs
+# loading while this one runs (and values waiting for their readers), so transfers overlap
+# compute instead of every kernel waiting for the eviction before it.
+KERNEL_SHARE = 0.7
+# ... and among the cuts that fit, none more than this many times finer than the coarsest one:
+# finer cuts only add per-task overhead and exchange, unless they line up with their neighbours.
+FINER_WINDOW = 4
 
 
 def _factorisations(target: int, sizes: list[int]) -> Iterable[tuple[int, ...]]:
@@ -72,6 +87,73 @@ def candidate_specs(node: Node, p: int, over: tuple[int, ...] = (1, 2, 4)) -> li
             for counts in found]
 
 
+def fitting_specs(node: Node, p: int, cap: int, over: tuple[int, ...] = (1, 2, 4)) -> list[JoinAggSpec]:
+    """The candidates for a device of ``cap`` bytes: those whose largest kernel (inputs, output,
+    scratch: :func:`op_need`) holds at most :data:`KERNEL_SHARE` of it — ``candidate_specs``
+    first, then ever finer cuts (a label's count doubled in the specs that hold least, at most
+    :data:`MAX_KERNELS` kernels, while the need still falls) until some fit and on to
+    :data:`FINER_WINDOW` times the fewest kernels that fit; the fitting ones up to that many
+    kernels are kept. Failing that, those within the whole cap
+    (coarsest first, the same window); failing that, the specs that hold least with the fewest
+    kernels (the memory planner cuts further or reports the op).
+
+    >>> import einjoin as ej
+    >>> z = ej.input("a", (256, 256)) @ ej.input("b", (256, 256))   # float32: 256 KiB each
+    >>> sorted({s.num_kernels for s in fitting_specs(z.node, 2, 800_000)})
+    [2, 4, 8]
+    >>> sorted({s.num_kernels for s in fitting_specs(z.node, 2, 300_000)})  # 3 blocks of 128x128 fit
+    [8, 16, 32]
+    """
+    budget = int(KERNEL_SHARE * cap)
+    need = {s: op_need(decompose(node, s)) for s in candidate_specs(node, p, over)}
+    fewest = min((s.num_kernels for s, n in need.items() if n <= budget), default=None)
+    # finer cuts: a beam of the specs that hold least, each with one label's count doubled,
+    # until some fit, then on to FINER_WINDOW times that (the cuts that line up with finer
+    # neighbours); stop where cutting finer no longer lowers the need
+    frontier = sorted(need, key=lambda s: (need[s], s.num_kernels))[:_BEAM]
+    while frontier:
+        if fewest is not None and 2 * min(s.num_kernels for s in frontier) > FINER_WINDOW * fewest:
+            break
+        finer = {d for s in frontier for d in _doubled(node, s) if d not in need}
+        if not finer:
+            break  # no label has room for more blocks (or MAX_KERNELS is reached)
+        least = min(need.values())
+        need.update((d, op_need(decompose(node, d))) for d in finer)
+        if fewest is None:
+            fewest = min((d.num_kernels for d in finer if need[d] <= budget), default=None)
+            if fewest is None and min(need[d] for d in finer) >= least:
+                break
+        frontier = sorted(finer, key=lambda d: (need[d], d.num_kernels))[:_BEAM]
+    for limit in (budget, cap):
+        fit = [s for s, n in need.items() if n <= limit]
+        if fit:
+            fewest = min(s.num_kernels for s in fit)
+            return [s for s in fit if s.num_kernels <= FINER_WINDOW * fewest]
+    least = min(need.values())
+    fewest = min(s.num_kernels for s, n in need.items() if n == least)
+    return [s for s, n in need.items() if n == least and s.num_kernels == fewest]
+
+
+_BEAM = 16  # specs refined per step: bounds the search for ops with many labels under tiny caps
+
+
+def _doubled(node: Node, spec: JoinAggSpec) -> list[JoinAggSpec]:
+    """``spec`` with one label's block count doubled (at most its size, at most MAX_KERNELS)."""
+    counts = spec.counts()
+    sizes = label_sizes(node)
+    out = []
+    for lab, c in counts.items():
+        if c < sizes[lab] and spec.num_kernels // c * min(sizes[lab], 2 * c) <= MAX_KERNELS:
+            out.append(JoinAggSpec.for_node(node, {**counts, lab: min(sizes[lab], 2 * c)}))
+    return out
+
+
+def memory_cap(cluster: Cluster) -> int | None:
+    """The smallest device memory of ``cluster`` (None: no device has a cap)."""
+    caps = [d.memory for d in cluster.devices if d.memory is not None]
+    return min(caps) if caps else None
+
+
 @dataclass(frozen=True)
 class SpecInfo:
     """What the cost model needs of (node, spec)."""
@@ -89,10 +171,11 @@ class SpecInfo:
 class CostModel:
     """Memoised cost pieces for one graph on ``p`` devices."""
 
-    def __init__(self, graph: Graph, p: int, over: tuple[int, ...] = (1, 2, 4)):
+    def __init__(self, graph: Graph, p: int, over: tuple[int, ...] = (1, 2, 4), cap: int | None = None):
         self.graph = graph
         self.p = p
         self.over = over
+        self.cap = cap  # the devices' memory (None: no cap)
         self._cands: dict[Node, list[SpecInfo]] = {}
         self._info: dict[tuple[Node, JoinAggSpec], SpecInfo] = {}
         self._repart: dict[tuple[int, int], int] = {}
@@ -141,7 +224,9 @@ class CostModel:
                              tuple((x.shape, x.dtype, isinstance(x.op, Fill)) for x in node.inputs))
                 found = self._by_shape.get(shape_key)
                 if found is None:
-                    found = [self.info(node, s) for s in candidate_specs(node, self.p, self.over)]
+                    specs = (candidate_specs(node, self.p, self.over) if self.cap is None
+                             else fitting_specs(node, self.p, self.cap, self.over))
+                    found = [self.info(node, s) for s in specs]
                     # equal bytes: prefer fewer partial sums (no reduce to run), then fewer kernels
                     found.sort(key=lambda i: (i.agg_bytes, i.spec.num_kernels))
                     self._by_shape[shape_key] = found
@@ -346,8 +431,9 @@ def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int =
     re-solved with their neighbours' choices and single-op moves; and, for graphs of at most
     ``ilp_max_ops`` ops, a global step: an ILP (:mod:`einjoin.optim.ilp`) choosing among each op's
     DP choice and up to ``ilp_keep`` of its candidates (those with exactly P blocks first,
-    cheapest by op bytes), followed by the same local moves. The cheapest plan wins."""
-    model = CostModel(graph, cluster.size)
+    cheapest by op bytes), followed by the same local moves. The cheapest plan wins. Devices
+    with a memory cap restrict the candidates (see the module's docstring)."""
+    model = CostModel(graph, cluster.size, cap=memory_cap(cluster))
     outputs = set(graph.outputs)
     roots = [n for n in graph.ops if not isinstance(n.op, Fill)
              and (n in outputs or len(graph.users[n]) != 1)]
@@ -406,7 +492,7 @@ def _global_step(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], k
 
 def exhaustive(graph: Graph, cluster: Cluster, max_ops: int = 4) -> dict[Node, JoinAggSpec]:
     """Every combination of candidate specs (graphs of at most ``max_ops`` ops): ground truth."""
-    model = CostModel(graph, cluster.size)
+    model = CostModel(graph, cluster.size, cap=memory_cap(cluster))
     ops = [n for n in graph.ops if not isinstance(n.op, Fill)]
     if len(ops) > max_ops:
         raise EinjoinError(f"exhaustive search takes at most {max_ops} ops; this graph has {len(ops)}")
