@@ -202,7 +202,14 @@ class Engine:
         counters = [len(t.deps) for t in tg.tasks]
         stats = RunStats(order=order, intervals={d: [] for d in range(n)})
         state = {"remaining": len(tg.tasks), "error": None, "stop": False}
-        cond = threading.Condition()
+        lock = threading.Lock()
+        # one condition per queue (all on one lock): a finished task wakes only the workers whose
+        # queues it filled, not every thread (each wake-up costs a GIL hand-over)
+        conds = [threading.Condition(lock) for _ in queues]
+
+        def wake_all() -> None:  # under lock
+            for c in conds:
+                c.notify_all()
         self.cancel_event.clear()
         for t in tg.tasks:
             if not t.deps:
@@ -257,32 +264,36 @@ class Engine:
             for cb in callbacks:
                 cb.on_end(t, start, end)
 
-        def complete(t: Task) -> None:  # under cond
+        def complete(t: Task) -> None:  # under lock
             for dep in tg.dependents[t.id]:
                 counters[dep] -= 1
                 if counters[dep] == 0:
-                    queues[qi(tg.tasks[dep])].push(dep)
+                    q = qi(tg.tasks[dep])
+                    queues[q].push(dep)
+                    conds[q].notify()
             state["remaining"] -= 1
+            if not state["remaining"]:
+                wake_all()
 
         def fail(t: Task, exc: BaseException) -> None:
-            with cond:
+            with lock:
                 if state["error"] is None:
                     state["error"] = (t, exc)
                 state["stop"] = True
-                cond.notify_all()
+                wake_all()
 
         def worker(q: int) -> None:
             while True:
-                with cond:
+                with lock:
                     while not len(queues[q]) and state["remaining"] and not state["stop"]:
                         if not backend.parallel:  # one inline worker and nothing ready: stuck
                             state["stop"] = True
                             break
-                        cond.wait(0.1)
+                        conds[q].wait(0.1)
                         if self.cancel_event.is_set():
                             state["stop"] = True
                     if state["stop"] or not state["remaining"]:
-                        cond.notify_all()
+                        wake_all()
                         return
                     t = tg.tasks[queues[q].pop()]
                 try:
@@ -290,14 +301,13 @@ class Engine:
                 except BaseException as exc:  # noqa: BLE001 - reported with the task's context
                     fail(t, exc)
                     return
-                with cond:
+                with lock:
                     complete(t)
                     stats.tasks_run += 1
-                    cond.notify_all()
                 if self.cancel_event.is_set():
-                    with cond:
+                    with lock:
                         state["stop"] = True
-                        cond.notify_all()
+                        wake_all()
                     return
 
         t0 = time.perf_counter()
@@ -313,9 +323,9 @@ class Engine:
                         while th.is_alive():
                             th.join(0.05)
                 except BaseException:  # KeyboardInterrupt: stop every worker, then re-raise
-                    with cond:
+                    with lock:
                         state["stop"] = True
-                        cond.notify_all()
+                        wake_all()
                     for th in threads:
                         th.join()
                     raise
