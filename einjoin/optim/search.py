@@ -50,7 +50,7 @@ __all__ = ["candidate_specs", "fitting_specs", "memory_cap", "SpecInfo", "CostMo
 # Under a cap one kernel may hold this share of it: the rest keeps the next kernel's inputs
 # loading while this one runs (and values waiting for their readers), so transfers overlap
 # compute instead of every kernel waiting for the eviction before it.
-KERNEL_SHARE = 0.7
+KERNEL_SHARE = 0.75
 # ... and among the cuts that fit, none more than this many times finer than the coarsest one:
 # finer cuts only add per-task overhead and exchange, unless they line up with their neighbours.
 FINER_WINDOW = 4
