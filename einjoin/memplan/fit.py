@@ -12,9 +12,12 @@ largest kernel (inputs, output and scratch held at once) or aggregation the most
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import MAX_KERNELS, op_need
-from einjoin.decomp.spec import JoinAggSpec, output_labels
+from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
 from einjoin.ir.node import Node
 
 __all__ = ["op_need", "finer_spec", "MAX_KERNELS"]
@@ -22,8 +25,10 @@ __all__ = ["op_need", "finer_spec", "MAX_KERNELS"]
 
 def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
     """``spec`` with one label's block count doubled (at most its size): the cut that lowers
-    :func:`op_need` most, an output label on ties (no new partial sums); None if no cut helps
-    (or every helpful one would exceed :data:`MAX_KERNELS`)."""
+    :func:`op_need` most, an output label on ties (no new partial sums). Where no doubling helps
+    (a local minimum of the need), the spec that holds least among those cutting every label
+    whole or into single elements, if it holds less; else None (also when every helpful cut
+    would exceed :data:`MAX_KERNELS`)."""
     counts = spec.counts()
     outs = set(output_labels(node))
     current = op_need(decompose(node, spec))
@@ -39,4 +44,18 @@ def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
         key = (need, lab not in outs, -size)
         if need < current and (best is None or key < best[0]):
             best = (key, js)
-    return None if best is None else best[1]
+    return _leap(node, current) if best is None else best[1]
+
+
+def _leap(node: Node, current: int) -> JoinAggSpec | None:
+    sizes = label_sizes(node)
+    found: tuple[tuple[int, int], JoinAggSpec] | None = None
+    for cut in itertools.product((False, True), repeat=len(sizes)):
+        counts = {lab: (n if c else 1) for (lab, n), c in zip(sizes.items(), cut)}
+        if math.prod(counts.values()) > MAX_KERNELS:
+            continue
+        js = JoinAggSpec.for_node(node, counts)
+        key = (op_need(decompose(node, js)), js.num_kernels)
+        if key[0] < current and (found is None or key < found[0]):
+            found = (key, js)
+    return None if found is None else found[1]
