@@ -5,7 +5,7 @@ synchronously before the next), next to the uncapped run — all in one process,
 without an emulated host link (evictions, reloads, loads and write-backs throttled to
 ``--link`` bytes/s, PCIe-like 16 GB/s by default; here host and "device" share RAM).
 
-    make bench            (or: .venv/bin/python bench/offload.py [--reps 7] [--link 16e9])
+    make bench            (or: .venv/bin/python bench/offload.py [--reps 9] [--cases mlp,llama] [--link 16e9])
 
 Time is the best of ``--reps`` runs after a warm-up, the configurations of a case taking turns
 in every round (this VM's speed drifts; turns keep the ratios fair); outputs are checked against
@@ -26,9 +26,9 @@ from einjoin.models.graphs import llama_layers, mlp
 from einjoin.plan.stats import human_bytes
 
 CASES = {
-    "MLP relu(x@W1)@W2, x 4096x1024, W1 1024x4096": lambda: mlp(4096, 1024, 4096),
-    "LLaMA block b1 s512 d1024 h16 ffn 2816": lambda: llama_layers(1, batch=1, seq=512, d=1024, heads=16,
-                                                                   hidden=2816),
+    "mlp": ("MLP relu(x@W1)@W2, x 4096x1024, W1 1024x4096", lambda: mlp(4096, 1024, 4096)),
+    "llama": ("LLaMA block b1 s512 d1024 h16 ffn 2816",
+              lambda: llama_layers(1, batch=1, seq=512, d=1024, heads=16, hidden=2816)),
 }
 
 
@@ -57,7 +57,8 @@ def main() -> None:
     from threadpoolctl import threadpool_info
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--link", type=float, default=16e9, help="emulated host link, bytes/s")
     args = ap.parse_args()
@@ -69,7 +70,10 @@ def main() -> None:
     for col in ("case", "cap", "policy", "tasks", "no link (s)", "x uncapped", f"{args.link / 1e9:g} GB/s link (s)",
                 "x uncapped", "evicted", "reloaded", "peak / cap"):
         table.add_column(col, justify="left" if col in ("case", "policy") else "right")
-    for name, make in CASES.items():
+    for case in args.cases.split(","):
+        if case not in CASES:
+            ap.error(f"unknown case {case!r}; known: {', '.join(CASES)}")
+        name, make = CASES[case]
         out = make()
         feeds = _feeds(out)
         base = ej.compile(out, devices=args.devices, quiet=True)
@@ -82,22 +86,22 @@ def main() -> None:
                                                          memory_policy=policy, quiet=True)
         t_free = _interleaved(progs, feeds, args.reps, None)
         t_link = _interleaved(progs, feeds, args.reps, args.link)
-        for key, prog in progs.items():
+        for cfg, prog in progs.items():
             got = prog.run(**feeds)
             rs = prog.run_stats
             assert rs is not None
             err = float(np.abs(got - want).max() / (np.abs(want).max() or 1.0))
-            assert err < 1e-4, f"{name} cap {key[0]} {key[1]}: relative error {err:.2e}"
+            assert err < 1e-4, f"{name} cap {cfg[0]} {cfg[1]}: relative error {err:.2e}"
             used = max(rs.peak_bytes_per_device.values())
-            if key[0] == "none":
+            if cfg[0] == "none":
                 cap_s, fill = f"none ({human_bytes(peak)} peak)", "-"
             else:
-                cap = peak // int(key[0][2:])
+                cap = peak // int(cfg[0][2:])
                 assert used <= cap
-                cap_s, fill = f"{key[0]} ({human_bytes(cap)})", f"{used / cap:.2f}"
-            table.add_row(name if key[0] == "none" else "", cap_s, key[1], str(len(prog.taskgraph)),
-                          f"{t_free[key]:.3f}", f"{t_free[key] / t_free[('none', '-')]:.2f}", f"{t_link[key]:.3f}",
-                          f"{t_link[key] / t_link[('none', '-')]:.2f}", human_bytes(rs.bytes_evicted),
+                cap_s, fill = f"{cfg[0]} ({human_bytes(cap)})", f"{used / cap:.2f}"
+            table.add_row(name if cfg[0] == "none" else "", cap_s, cfg[1], str(len(prog.taskgraph)),
+                          f"{t_free[cfg]:.3f}", f"{t_free[cfg] / t_free[('none', '-')]:.2f}", f"{t_link[cfg]:.3f}",
+                          f"{t_link[cfg] / t_link[('none', '-')]:.2f}", human_bytes(rs.bytes_evicted),
                           human_bytes(rs.bytes_reloaded), fill)
         table.add_section()
     console.print(table)

@@ -114,7 +114,8 @@ def fitting_specs(node: Node, p: int, cap: int, over: tuple[int, ...] = (1, 2, 4
     while frontier:
         if fewest is not None and 2 * min(s.num_kernels for s in frontier) > FINER_WINDOW * fewest:
             break
-        finer = {d for s in frontier for d in _doubled(node, s) if d not in need}
+        # a list, not a set: the order breaks ties, and must not follow string hashing
+        finer = list(dict.fromkeys(d for s in frontier for d in _doubled(node, s) if d not in need))
         if not finer:
             break  # no label has room for more blocks (or MAX_KERNELS is reached)
         least = min(need.values())
