@@ -188,3 +188,19 @@ def test_store_accounting_against_tracemalloc() -> None:
     assert rs.bytes_evicted > 0 and counted <= cap
     assert traced >= counted - scratch - 4096
     assert traced <= counted + rs.bytes_evicted + 2 * out_bytes + 256 * 1024
+
+
+def test_a_capped_plan_does_not_depend_on_string_hashing() -> None:
+    """Ties in the cap-aware search must not follow set order (str hashes vary by process)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import einjoin as ej\n"
+            "from einjoin.models.graphs import llama_layers\n"
+            "out = llama_layers(1, batch=1, seq=64, d=128, heads=4, hidden=256)\n"
+            "p = ej.compile(out, devices=2, memory_limit='96KiB', backend='null', quiet=True)\n"
+            "print(len(p.taskgraph), p.taskgraph.memory.bytes_evicted,\n"
+            "      [str(d.spec) for d in p.decomps.values()])\n")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(runs) == 1, runs
