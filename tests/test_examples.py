@@ -23,6 +23,7 @@ def test_tour_runs(capsys) -> None:  # type: ignore[no-untyped-def]
     runpy.run_path(str(ROOT / "examples" / "tour.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "== graph" in out and "kernels" in out and "max |diff|" in out
+    assert "== plan for 2 devices" in out and "memory plan (belady)" in out and "evictions" in out
 
 
 def test_demo_verifies(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
