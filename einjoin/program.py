@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import pathlib
 import sys
@@ -93,9 +92,7 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
     with stages(quiet, len(graph.ops)) as say:
         say("planning")
         # the planner sees the caps as the devices' memory: eindecomp then picks cuts that fit
-        sized = Cluster(tuple(dataclasses.replace(d, memory=caps[d.id]) for d in cluster.devices),
-                        cluster.bandwidth, cluster.latency)
-        chosen = dict(plan_specs(planner, graph, sized))
+        chosen = dict(plan_specs(planner, graph, cluster.with_memory(caps)))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, specs, placement, seed)
         if any(c is not None for c in caps.values()):

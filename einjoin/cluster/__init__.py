@@ -15,7 +15,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from einjoin.errors import EinjoinError
 
@@ -118,9 +118,15 @@ class Cluster:
                           for j in range(n)) for i in range(n))
         return Cluster(base.devices, bw, lat)
 
-    def with_memory(self, memory: "int | str | None") -> "Cluster":
-        mem = parse_bytes(memory)
-        return Cluster(tuple(Device(d.id, d.kind, mem, d.node) for d in self.devices), self.bandwidth,
+    def with_memory(self, memory: "int | str | None | Mapping[int, int | None]") -> "Cluster":
+        """The same cluster with every device's memory set to ``memory`` (or, from a mapping
+        device id -> bytes, each its own; devices not named keep theirs)."""
+        if isinstance(memory, Mapping):
+            mems = {d.id: parse_bytes(memory[d.id]) if d.id in memory else d.memory for d in self.devices}
+        else:
+            mem = parse_bytes(memory)
+            mems = {d.id: mem for d in self.devices}
+        return Cluster(tuple(Device(d.id, d.kind, mems[d.id], d.node) for d in self.devices), self.bandwidth,
                        self.latency)
 
     def __str__(self) -> str:
