@@ -51,6 +51,25 @@ def test_placed_plan_moves_what_the_model_says_for_golden_cases() -> None:
         assert prog.stats.bytes_moved == model_cost(prog.graph, prog.cluster, prog.specs)
 
 
+def test_ties_go_to_the_plan_whose_transfers_overlap_compute() -> None:
+    """A@B@C on 2 devices: cutting k of A@B (partial sums, then the whole product gathered) moves
+    as many modelled bytes as cutting rows twice (B and C replicated: inputs, loadable up front);
+    the tie goes to the rows, where nothing waits on a reduce or on a gather of A@B."""
+    a, b, c = (ej.input(name, (4096, 4096)) for name in "abc")
+    ab = a @ b
+    z = ab @ c
+    g, cl = ej.Graph(z), ej.local(2)
+    specs = eindecomp(g, cl)
+    assert specs[ab.node].counts() == {"m": 2, "n": 1, "k": 1}
+    assert specs[z.node].counts() == {"m": 2, "n": 1, "k": 1}
+    ksplit = dict(specs)
+    ksplit[ab.node] = ej.JoinAggSpec.for_node(ab.node, {"k": 2})
+    ksplit[z.node] = ej.JoinAggSpec.for_node(z.node, {"n": 2})
+    for x, spec in ((a.node, {"b": 2}), (b.node, {"a": 2}), (c.node, {"b": 2})):
+        ksplit[x] = ej.JoinAggSpec.for_node(x, spec)
+    assert model_cost(g, cl, specs) == model_cost(g, cl, ksplit) == 2 * 4096 * 4096 * 4
+
+
 @pytest.mark.parametrize("p", [3, 6, 8])
 def test_candidates_are_all_factorisations(p: int) -> None:
     z = ej.input("a", (24, 12)) @ ej.input("b", (12, 36))

@@ -425,6 +425,48 @@ def _local_search(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], 
             return
 
 
+def _waiting_bytes(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], v: Node) -> int:
+    """The bytes around ``v`` that wait on compute: its partial sums, and the repartitions and
+    replicas of op results on its in- and out-edges (an input's replicas load before anything
+    runs, so they overlap compute; these sit on the critical path)."""
+    def edge(u: Node, w: Node, slot: int) -> int:
+        info = chosen[w]
+        return model.repart_ids(chosen[u].out_id, info.in_ids[slot], u.dtype) + info.join_in[slot]
+
+    cost = chosen[v].agg_bytes
+    for slot, u in enumerate(v.inputs):
+        if u in chosen:
+            cost += edge(u, v, slot)
+    for w in set(graph.users[v]):
+        if w in chosen:
+            cost += sum(edge(v, w, slot) for slot, u in enumerate(w.inputs) if u is v)
+    return cost
+
+
+def _break_ties(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], rounds: int = 2) -> None:
+    """Single-op moves that keep the modelled bytes (or lower them) and lower the bytes waiting
+    on compute: of two plans moving as much, the one whose transfers can overlap compute."""
+    for _ in range(rounds):
+        improved = False
+        for v in graph.ops:
+            if v not in chosen:
+                continue
+            keep = chosen[v]
+            best = (_local_cost(graph, model, chosen, v), _waiting_bytes(graph, model, chosen, v))
+            best_info = keep
+            for info in model.candidates(v):
+                if info is keep:
+                    continue
+                chosen[v] = info
+                key = (_local_cost(graph, model, chosen, v), _waiting_bytes(graph, model, chosen, v))
+                if key < best:
+                    best, best_info = key, info
+            chosen[v] = best_info
+            improved |= best_info is not keep
+        if not improved:
+            return
+
+
 def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int = 6,
               ilp_max_ops: int = 200, ilp_keep: int = 40, time_limit: float = 30.0
               ) -> dict[Node, JoinAggSpec]:
@@ -432,8 +474,10 @@ def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int =
     re-solved with their neighbours' choices and single-op moves; and, for graphs of at most
     ``ilp_max_ops`` ops, a global step: an ILP (:mod:`einjoin.optim.ilp`) choosing among each op's
     DP choice and up to ``ilp_keep`` of its candidates (those with exactly P blocks first,
-    cheapest by op bytes), followed by the same local moves. The cheapest plan wins. Devices
-    with a memory cap restrict the candidates (see the module's docstring)."""
+    cheapest by op bytes), followed by the same local moves. The cheapest plan wins; among equal
+    ones, single-op moves prefer less of the bytes waiting on compute (partial sums, op results
+    repartitioned or replicated). Devices with a memory cap restrict the candidates (see the
+    module's docstring)."""
     model = CostModel(graph, cluster.size, cap=memory_cap(cluster))
     outputs = set(graph.outputs)
     roots = [n for n in graph.ops if not isinstance(n.op, Fill)
@@ -465,6 +509,7 @@ def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int =
             glob = _global_step(graph, model, chosen, ilp_keep, time_limit)
             if glob is not None and total_cost(graph, model, glob) < best:
                 chosen = glob
+        _break_ties(graph, model, chosen)
     return _specs_of(graph, model, chosen)
 
 
