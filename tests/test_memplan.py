@@ -204,3 +204,14 @@ def test_a_capped_plan_does_not_depend_on_string_hashing() -> None:
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(runs) == 1, runs
+
+
+def test_a_reshape_is_cut_at_a_divisor_of_its_dims_to_fit() -> None:
+    """x (5, 3) -> (15,): doubling block counts never helps (2, 4, 8 blocks straddle rows), and
+    15 blocks hold more than 5 do; the cut that fits is 5 blocks of one row each."""
+    x = ej.input("x", (5, 3))
+    r = ej.reshape(x, (15,))
+    prog = ej.compile(r, devices=1, memory_limit=48, quiet=True)
+    feeds = {"x": np.arange(15, dtype=np.float64).reshape(5, 3)}
+    np.testing.assert_array_equal(prog.run(**feeds), feeds["x"].reshape(15))
+    assert prog.run_stats.peak_bytes_per_device[0] <= 48

@@ -27,8 +27,9 @@ def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
     """``spec`` with one label's block count doubled (at most its size): the cut that lowers
     :func:`op_need` most, an output label on ties (no new partial sums). Where no doubling helps
     (a local minimum of the need), the spec that holds least among those cutting every label
-    whole or into single elements, if it holds less; else None (also when every helpful cut
-    would exceed :data:`MAX_KERNELS`)."""
+    whole or into single elements (at most 256 of them) or one label into a divisor of its size
+    (what a reshape needs), if it holds less — it may cut some labels coarser; else None (also
+    when every helpful cut would exceed :data:`MAX_KERNELS`)."""
     counts = spec.counts()
     outs = set(output_labels(node))
     current = op_need(decompose(node, spec))
@@ -48,10 +49,15 @@ def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
 
 
 def _leap(node: Node, current: int) -> JoinAggSpec | None:
-    sizes = label_sizes(node)
+    # labels of size 1 have one cut only; a reshape's need falls at counts that divide its dims
+    sizes = {lab: n for lab, n in label_sizes(node).items() if n > 1}
+    tries: list[dict[str, int]] = []
+    for cut in itertools.islice(itertools.product((False, True), repeat=len(sizes)), _LEAPS):
+        tries.append({lab: (n if c else 1) for (lab, n), c in zip(sizes.items(), cut)})
+    for lab, n in sizes.items():
+        tries += [{lab: c} for c in range(2, n) if n % c == 0][:_LEAPS]
     found: tuple[tuple[int, int], JoinAggSpec] | None = None
-    for cut in itertools.product((False, True), repeat=len(sizes)):
-        counts = {lab: (n if c else 1) for (lab, n), c in zip(sizes.items(), cut)}
+    for counts in tries:
         if math.prod(counts.values()) > MAX_KERNELS:
             continue
         js = JoinAggSpec.for_node(node, counts)
@@ -59,3 +65,6 @@ def _leap(node: Node, current: int) -> JoinAggSpec | None:
         if key[0] < current and (found is None or key < found[0]):
             found = (key, js)
     return None if found is None else found[1]
+
+
+_LEAPS = 256  # whole-or-element cuts tried at most (2^labels grows fast), and divisors per label
