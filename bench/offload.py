@@ -46,8 +46,9 @@ def _interleaved(progs: dict, feeds: dict[str, np.ndarray], reps: int, link: flo
     for prog in progs.values():
         prog.run(**feeds, host_link=link)
     times: dict = {k: [] for k in progs}
-    for _ in range(reps):
-        for k, prog in progs.items():
+    order = list(progs.items())
+    for r in range(reps):
+        for k, prog in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
             t0 = time.perf_counter()
             prog.run(**feeds, host_link=link)
             times[k].append(time.perf_counter() - t0)
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--link", type=float, default=16e9, help="emulated host link, bytes/s")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
     console = Console(width=160)
     blas = ", ".join(f"{i['internal_api']} {i.get('version')} ({i.get('threading_layer', '?')})"
                      for i in threadpool_info() if i.get("user_api") == "blas") or "unknown"

@@ -270,7 +270,7 @@ class Engine:
                 if counters[dep] == 0:
                     q = qi(tg.tasks[dep])
                     queues[q].push(dep)
-                    conds[q].notify()
+                    conds[q].notify()  # one worker per queue: notify() reaches it
             state["remaining"] -= 1
             if not state["remaining"]:
                 wake_all()
