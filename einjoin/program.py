@@ -27,7 +27,7 @@ from einjoin.ir.node import Fill, Input, Node
 from einjoin.ir.reference import bind_feeds
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
 from einjoin.memplan.chain import chain_reduces
-from einjoin.memplan.fit import MAX_KERNELS, finer_spec
+from einjoin.memplan.fit import MAX_KERNELS, element_spec, finer_spec
 from einjoin.memplan.needs import blamed_op, cap_error
 from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
 from einjoin.placement import PLACERS, Placement, place
@@ -151,6 +151,8 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], s
                 raise cap_error(nd, cap, "; the join-agg spec given for it does not fit (give a finer "
                                          "one or none)", op)
             finer = finer_spec(op, decomps[op].spec)
+            if finer is None and nd.task.kind == "touch" and op is nd.task.consumer:
+                finer = element_spec(op, decomps[op].spec)  # the buffer it assembles must shrink
             if finer is None:
                 raise cap_error(nd, cap, "; no finer decomposition of it fits either (at most "
                                          f"{MAX_KERNELS} kernels per op)", op)

@@ -18,17 +18,17 @@ import math
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import MAX_KERNELS, op_need
 from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
-from einjoin.ir.node import Node
+from einjoin.ir.node import Node, Reshape
 
-__all__ = ["op_need", "finer_spec", "MAX_KERNELS"]
+__all__ = ["op_need", "finer_spec", "element_spec", "MAX_KERNELS"]
 
 
 def finer_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
     """``spec`` with one label's block count doubled (at most its size): the cut that lowers
     :func:`op_need` most, an output label on ties (no new partial sums). Where no doubling helps
     (a local minimum of the need), the spec that holds least among those cutting every label
-    whole or into single elements (at most 256 of them) or one label into a divisor of its size
-    (what a reshape needs), if it holds less — it may cut some labels coarser; else None (also
+    whole or into single elements (at most 64 of them) or, for a reshape, one label into a divisor
+    of its size, if it holds less — it may cut some labels coarser; else None (also
     when every helpful cut would exceed :data:`MAX_KERNELS`)."""
     counts = spec.counts()
     outs = set(output_labels(node))
@@ -54,8 +54,9 @@ def _leap(node: Node, current: int) -> JoinAggSpec | None:
     tries: list[dict[str, int]] = []
     for cut in itertools.islice(itertools.product((False, True), repeat=len(sizes)), _LEAPS):
         tries.append({lab: (n if c else 1) for (lab, n), c in zip(sizes.items(), cut)})
-    for lab, n in sizes.items():
-        tries += [{lab: c} for c in range(2, n) if n % c == 0][:_LEAPS]
+    if isinstance(node.op, Reshape):  # only a reshape's blocks straddle its input's rows
+        for lab, n in sizes.items():
+            tries += [{lab: c} for c in range(2, n) if n % c == 0][:_LEAPS]
     found: tuple[tuple[int, int], JoinAggSpec] | None = None
     for counts in tries:
         if math.prod(counts.values()) > MAX_KERNELS:
@@ -67,4 +68,14 @@ def _leap(node: Node, current: int) -> JoinAggSpec | None:
     return None if found is None else found[1]
 
 
-_LEAPS = 256  # whole-or-element cuts tried at most (2^labels grows fast), and divisors per label
+_LEAPS = 64  # whole-or-element cuts tried at most (2^labels grows fast), and divisors per label
+
+
+def element_spec(node: Node, spec: JoinAggSpec) -> JoinAggSpec | None:
+    """Every label of ``node`` cut into single elements — the last resort when a buffer the op
+    assembles from straddling blocks does not fit and no cut lowers the op's own need; None if
+    ``spec`` is that already or it would exceed :data:`MAX_KERNELS` kernels."""
+    sizes = label_sizes(node)
+    if math.prod(sizes.values()) > MAX_KERNELS or spec.counts() == sizes:
+        return None
+    return JoinAggSpec.for_node(node, dict(sizes))
