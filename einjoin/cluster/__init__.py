@@ -122,7 +122,7 @@ class Cluster:
         """The same cluster with every device's memory set to ``memory`` (or, from a mapping
         device id -> bytes, each its own; devices not named keep theirs)."""
         if isinstance(memory, Mapping):
-            unknown = [d for d in memory if not any(d == dev.id for dev in self.devices)]
+            unknown = [d for d in memory if d not in range(self.size)]  # ids are 0..n-1
             if unknown:
                 raise EinjoinError(f"with_memory names device {unknown[0]!r}; devices are 0..{self.size - 1}")
             mems = {d.id: parse_bytes(memory[d.id]) if d.id in memory else d.memory for d in self.devices}

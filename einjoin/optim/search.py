@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
@@ -403,26 +403,32 @@ def _local_cost(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], v:
     return cost
 
 
-def _local_search(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], rounds: int = 8) -> None:
-    """Re-choose each op's spec with all others fixed while that lowers the total."""
+def _single_op_moves(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo],
+                     key: Callable[[Node], Any], rounds: int) -> None:
+    """Re-choose each op's spec with all others fixed while that lowers ``key(op)``."""
     for _ in range(rounds):
         improved = False
         for v in graph.ops:
-            if isinstance(v.op, Fill):
-                continue
+            if v not in chosen:
+                continue  # fills are computed where they are read
             keep = chosen[v]
-            best, best_info = _local_cost(graph, model, chosen, v), keep
+            best, best_info = key(v), keep
             for info in model.candidates(v):
                 if info is keep:
                     continue
                 chosen[v] = info
-                c = _local_cost(graph, model, chosen, v)
+                c = key(v)
                 if c < best:
                     best, best_info = c, info
             chosen[v] = best_info
             improved |= best_info is not keep
         if not improved:
             return
+
+
+def _local_search(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], rounds: int = 8) -> None:
+    """Re-choose each op's spec with all others fixed while that lowers the total."""
+    _single_op_moves(graph, model, chosen, lambda v: _local_cost(graph, model, chosen, v), rounds)
 
 
 def _waiting_bytes(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], v: Node) -> int:
@@ -446,25 +452,8 @@ def _waiting_bytes(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo],
 def _break_ties(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], rounds: int = 2) -> None:
     """Single-op moves that keep the modelled bytes (or lower them) and lower the bytes waiting
     on compute: of two plans moving as much, the one whose transfers can overlap compute."""
-    for _ in range(rounds):
-        improved = False
-        for v in graph.ops:
-            if v not in chosen:
-                continue
-            keep = chosen[v]
-            best = (_local_cost(graph, model, chosen, v), _waiting_bytes(graph, model, chosen, v))
-            best_info = keep
-            for info in model.candidates(v):
-                if info is keep:
-                    continue
-                chosen[v] = info
-                key = (_local_cost(graph, model, chosen, v), _waiting_bytes(graph, model, chosen, v))
-                if key < best:
-                    best, best_info = key, info
-            chosen[v] = best_info
-            improved |= best_info is not keep
-        if not improved:
-            return
+    _single_op_moves(graph, model, chosen, lambda v: (_local_cost(graph, model, chosen, v),
+                                                      _waiting_bytes(graph, model, chosen, v)), rounds)
 
 
 def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int = 6,
