@@ -26,6 +26,7 @@ __all__ = [
     "kind",
     "promote",
     "compute_dtype",
+    "exact_cast",
 ]
 
 # name -> numpy dtype. The order within a kind is promotion order.
@@ -103,3 +104,53 @@ def compute_dtype(dtype: str) -> np.dtype:
     if dtype in ("float16", "bfloat16"):
         return DTYPES["float32"]
     return DTYPES[dtype]
+
+
+def _native(npd: np.dtype) -> np.dtype:
+    # byte order is storage, not a dtype: '>f4' holds the same values as '<f4'
+    return npd.newbyteorder("=") if npd.byteorder not in ("=", "|") else npd
+
+
+def _int_value_bits(npd: np.dtype) -> int:
+    info = np.iinfo(npd)
+    return info.bits - (1 if info.min < 0 else 0)
+
+
+def exact_cast(src: Any, dst: str) -> bool:
+    """Whether every value of numpy dtype ``src`` is exactly representable in einjoin dtype
+    ``dst``, so feeding such an array to a ``dst`` input cannot change a value.
+
+    bool goes anywhere (0 and 1); an integer type into int64 when it is not uint64, into a
+    float type when its value bits fit the significand (int8/uint8 into float16 and bfloat16,
+    16-bit ints into float32, 32-bit ints into float64); a float type into a float type whose
+    significand and exponent range both hold it (float16 and bfloat16 into float32, all three
+    into float64; float16 and bfloat16 not into each other). Never a float into an int, nor a
+    number into bool. Byte order does not matter.
+
+    >>> exact_cast(np.dtype(np.float16), "float32"), exact_cast(np.dtype(np.float64), "float32")
+    (True, False)
+    >>> exact_cast(np.dtype(np.uint64), "int64"), exact_cast(np.dtype(">i4"), "int64")
+    (False, True)
+    """
+    try:
+        s = _native(np.dtype(src))
+    except TypeError:
+        return False
+    d = DTYPES[dst]
+    if s == d or s.kind == "b":
+        return True
+    if s.kind in "iu":
+        if d.kind == "i":
+            return _int_value_bits(s) <= _int_value_bits(d)
+        if d.kind == "f" or dst == "bfloat16":
+            return _int_value_bits(s) <= np.finfo(d).nmant + 1
+        return False
+    if s.kind == "f" or s == DTYPES["bfloat16"]:
+        if not (d.kind == "f" or dst == "bfloat16"):
+            return False
+        try:
+            fs, fd = np.finfo(s), np.finfo(d)
+        except ValueError:
+            return False
+        return fd.nmant >= fs.nmant and fd.maxexp >= fs.maxexp and fd.minexp <= fs.minexp
+    return False

@@ -2,7 +2,7 @@
 
 >>> import numpy as np, einjoin as ej
 >>> x = ej.input("x", (2, 3))
->>> ej.reference(x.sum(1), x=np.ones((2, 3)))
+>>> ej.reference(x.sum(1), x=np.ones((2, 3), np.float32))
 array([3., 3.], dtype=float32)
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
-from einjoin.ir.dtypes import canonical_dtype, kind, numpy_dtype
+from einjoin.ir.dtypes import canonical_dtype, exact_cast, numpy_dtype
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import eval_node
 from einjoin.ir.node import Input, Node
@@ -21,31 +21,116 @@ from einjoin.ir.node import Input, Node
 __all__ = ["reference", "bind_feeds", "to_numpy"]
 
 
+def _torch_to_numpy(t: Any, what: str) -> np.ndarray:
+    # Tensors without values (meta, fake) cannot be fed; other layouts become dense (exact).
+    import torch
+    if t.device.type == "meta" or type(t).__name__ in ("FakeTensor", "FunctionalTensor"):
+        raise EinjoinError(
+            f"{what}: a torch tensor on the {t.device.type!r} device ({type(t).__name__}, "
+            f"{t.dtype}{list(t.shape)}) holds no data, only a shape and dtype; feed a tensor with "
+            f"values (for example one made on 'cpu')")
+    if t.is_quantized:
+        raise DTypeError(f"{what}: a quantized torch tensor ({t.dtype}); feed t.dequantize() or "
+                         f"declare the input with the dtype of its values")
+    try:
+        t = t.detach()  # requires_grad is fine: einjoin reads values only
+        if t.layout != torch.strided:  # sparse or mkldnn: the same values, densified
+            t = t.to_dense()
+        t = t.cpu().resolve_conj().resolve_neg()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+            return t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    except (TypeError, RuntimeError, NotImplementedError, ValueError) as e:
+        raise EinjoinError(f"{what}: cannot read this torch tensor ({type(t).__name__}, "
+                           f"{t.dtype}{list(t.shape)}, layout {t.layout}, device {t.device}) as an "
+                           f"array: {e}") from None
+
+
 def to_numpy(value: Any, what: str) -> np.ndarray:
     """A numpy view of an array-like (numpy, torch, nested lists, scalars)."""
     if isinstance(value, np.ndarray):
         return value
     mod = type(value).__module__
-    if mod.startswith("torch"):
-        t = value.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":
-            import ml_dtypes
-            return t.view(dtype=__import__("torch").int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
+    if mod.startswith("torch") and hasattr(value, "detach"):
+        return _torch_to_numpy(value, what)
     if isinstance(value, (list, tuple, int, float, bool, np.generic)):
         try:
             return np.asarray(value)
-        except ValueError:
-            raise EinjoinError(f"{what}: {type(value).__name__} is not a rectangular array") from None
+        except (ValueError, TypeError, OverflowError):
+            raise EinjoinError(f"{what}: {type(value).__name__} is not a rectangular array of "
+                               f"numbers") from None
     if hasattr(value, "__array__"):
-        return np.asarray(value)
+        try:
+            return np.asarray(value)
+        except Exception as e:  # a foreign __array__ may raise anything
+            raise EinjoinError(f"{what}: {type(value).__name__} did not convert to an array: "
+                               f"{e}") from None
     raise EinjoinError(f"{what}: expected an array (numpy or torch), got {type(value).__name__}")
+
+
+_CATEGORY = {"b": 0, "i": 1, "u": 1, "f": 2}
+
+
+def _category(npd: np.dtype) -> int | None:
+    """0 bool, 1 integer, 2 float (bfloat16 included), None for anything else."""
+    return 2 if npd == numpy_dtype("bfloat16") else _CATEGORY.get(npd.kind)
+
+
+def _weak(value: Any) -> bool:
+    # Python numbers and lists of them carry no dtype of their own (as in torch.tensor(data,
+    # dtype=...)): they take the input's dtype when their kind allows it
+    return isinstance(value, (list, tuple, int, float, bool)) and not isinstance(value, np.generic)
+
+
+def _cast_feed(name: str, value: Any, arr: np.ndarray, dtype: str) -> np.ndarray:
+    """``arr`` in ``dtype``, or a DTypeError when the cast could change a value."""
+    target = numpy_dtype(dtype)
+    if arr.dtype == target:
+        return arr
+    fix = f"feed {name}.astype({_np_name(dtype)}) if the changed values are intended"
+    own = _feed_dtype_name(arr.dtype)
+    if own is not None:
+        fix += f", or declare the input with ej.input({name!r}, shape, {own!r})"
+    if _weak(value):
+        cat = _category(arr.dtype)
+        if cat is None or cat > _category(target):  # type: ignore[operator]
+            raise DTypeError(f"input {name!r}: the Python values given read as {arr.dtype}, which "
+                             f"an input of dtype {dtype} cannot take without changing them; {fix}")
+        with np.errstate(all="ignore"):
+            out = arr.astype(target)
+        if cat == 1 and not np.array_equal(out.astype(arr.dtype), arr):
+            raise DTypeError(f"input {name!r}: these integers are not all exact in {dtype}; {fix}")
+        if cat == 2 and not np.array_equal(np.isfinite(out), np.isfinite(arr)):
+            raise DTypeError(f"input {name!r}: these numbers overflow {dtype}; {fix}")
+        return out
+    if exact_cast(arr.dtype, dtype):
+        return arr.astype(target)
+    why = ("values it cannot hold exactly" if _category(arr.dtype) == _category(target)
+           else "another kind of value")
+    raise DTypeError(f"input {name!r}: expected {dtype}, got {arr.dtype} ({why}; einjoin casts a "
+                     f"feed only when no value changes); {fix}")
+
+
+def _np_name(dtype: str) -> str:
+    return "ml_dtypes.bfloat16" if dtype == "bfloat16" else f"np.{dtype}" if dtype != "bool" else "bool"
+
+
+def _feed_dtype_name(npd: np.dtype) -> str | None:
+    """The einjoin dtype of a feed's dtype, or None where einjoin has none (int32, uint64, ...)."""
+    try:
+        return canonical_dtype(npd.newbyteorder("=") if npd.byteorder == ">" else npd)
+    except DTypeError:
+        return None
 
 
 def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] | None = None
                ) -> dict[Node, np.ndarray]:
     """Match positional ``args`` (in input declaration order) and keyword ``feeds`` (by name) to
-    the graph's inputs; check names, shapes and dtype kinds; cast within a kind."""
+    the graph's inputs and check names and shapes. A feed of another dtype than its input's is
+    cast only when the cast is exact (:func:`einjoin.ir.dtypes.exact_cast`: float16 into a
+    float32 input, int32 into int64, any byte order); Python numbers and lists take the input's
+    dtype when their kind allows it; anything else is a DTypeError naming the input."""
     feeds = dict(feeds or {})
     if len(args) > len(graph.inputs):
         raise EinjoinError(f"{len(args)} positional inputs given but the graph has "
@@ -68,14 +153,7 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
         arr = to_numpy(bound[name], f"input {name!r}")
         if tuple(arr.shape) != x.shape:
             raise ShapeError(f"input {name!r}: expected shape {x.shape}, got {tuple(arr.shape)}")
-        try:
-            got = canonical_dtype(arr.dtype)
-        except DTypeError:
-            got = None
-        if got is None or kind(got) != kind(x.dtype):
-            if not (arr.dtype.kind in "iu" and x.dtype == "int64"):
-                raise DTypeError(f"input {name!r}: expected {x.dtype}, got {arr.dtype}")
-        out[x] = arr.astype(numpy_dtype(x.dtype), copy=False)
+        out[x] = _cast_feed(name, bound[name], arr, x.dtype)
     return out
 
 
