@@ -52,6 +52,59 @@ def broadcast_shapes(*shapes: tuple[int, ...], what: str = "broadcast") -> tuple
     return tuple(out)
 
 
+_CAT = {"bool": 0, "int": 1, "float": 2}
+_DEFAULT = {1: "int64", 2: "float32"}  # torch's default dtype of each category
+# bool arithmetic as torch does it: + is or, * is and, max is or, min is and
+_BOOL_ARITH = {"add": "logical_or", "mul": "logical_and", "max": "logical_or", "min": "logical_and"}
+
+
+def _scalar_cat(v: Any) -> int:
+    if isinstance(v, (bool, np.bool_)):
+        return 0
+    if isinstance(v, (int, np.integer)):
+        return 1
+    return 2
+
+
+def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
+    """torch's type promotion for a named scalar function: the result category is the highest of
+    the tensors' (bool < int < float) unless a Python number is of a higher one, which then
+    brings the default dtype (int64, float32); tensors of a lower category are cast. Functions
+    that only make sense on floats (``/``, ``exp``, ``sqrt``...) take ints and bools as float32,
+    as torch does. Returns the function (bool ``+`` is ``or``) and the arguments to use."""
+    from einjoin.ir.dtypes import kind, promote
+    from einjoin.ir.scalar import FUNCTIONS
+    f = FUNCTIONS.get(fn)
+    if f is None or f.rule == "logical":
+        return fn, args
+    first = 1 if f.rule == "select" else 0  # where's condition stays bool
+    vals = args[first:]
+    ts = [a for a in vals if isinstance(a, Tensor)]
+    if not ts:
+        return fn, args
+    tcat = builtins.max(_CAT[kind(t.dtype)] for t in ts)
+    scat = builtins.max((_scalar_cat(a) for a in vals if not isinstance(a, Tensor)), default=-1)
+    if scat > tcat:
+        target = _DEFAULT[scat]
+    else:
+        target = ""
+        for t in ts:
+            if _CAT[kind(t.dtype)] == tcat:
+                target = t.dtype if not target else promote(target, t.dtype)
+    if f.rule == "float" and kind(target) != "float":
+        if fn == "pow" and kind(target) == "int" and all(
+                isinstance(a, Tensor) or (_scalar_cat(a) == 1 and a >= 0) for a in vals):
+            # int ** int stays int64 as in torch: computed in float64 (exact below 2**53), cast back
+            wide = tuple(a.to("float64") if isinstance(a, Tensor) else a for a in vals)
+            return "", (elementwise("pow", *wide).to("int64"),)
+        target = "float32"
+    if target == "bool" and fn in _BOOL_ARITH:
+        return _BOOL_ARITH[fn], args
+    cast = tuple(a.to(target) if isinstance(a, Tensor) and kind(a.dtype) != kind(target) else a
+                 for a in vals)
+    return fn, args[:first] + cast
+
+
 def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = None) -> "Tensor":
     """Apply a scalar function with numpy broadcasting. Python numbers become constants of the
     join expression (weakly typed); tensors become einsum inputs. Size-1 dims that broadcast are
@@ -65,6 +118,11 @@ def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = Non
         if not isinstance(a, Tensor) and not _is_scalar(a):
             raise EinjoinError(f"{name or fn}: cannot combine an einjoin tensor with "
                                f"{type(a).__name__}; feed arrays as graph inputs")
+    if isinstance(fn, str):
+        fn, args = _promote(fn, args)
+        if not fn:  # _promote built the whole result
+            return args[0]
+        tensors = [a for a in args if isinstance(a, Tensor)]
     what = name or (fn if isinstance(fn, str) else str(fn))
     out_shape = broadcast_shapes(*(t.shape for t in tensors), what=what)
     rank = len(out_shape)
@@ -102,6 +160,8 @@ def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = Non
 def reduce(x: "Tensor", agg: str, dim: Any = None, keepdim: bool = False) -> "Tensor":
     """Aggregate ``x`` over ``dim`` (an int, a tuple, or None for all) with ``agg``."""
     dims = _norm_dims(x, dim)
+    if agg in ("sum", "prod") and x.dtype == "bool":
+        x = x.to("int64")  # torch counts: a sum of bools is int64
     ls = LETTERS[:x.ndim]
     out = "".join(ls[d] for d in range(x.ndim) if d not in dims)
     y = wrap(ops.einsum_node([x.node], [ls], out, "x0", agg))
@@ -243,10 +303,24 @@ class Tensor:
     amax, amin = max, min
 
     def mean(self, dim: Any = None, keepdim: bool = False) -> "Tensor":
+        """The mean over ``dim``; ints and bools give float32 (torch's default float), the mean
+        over an empty dim is nan (0/0, as torch)."""
+        dims = _norm_dims(self, dim)
         n = 1
-        for d in _norm_dims(self, dim):
+        for d in dims:
             n *= self.shape[d]
-        return reduce(self, "sum", dim, keepdim) * (1.0 / n)
+        scale = 1.0 / n if n else float("nan")
+        if self.dtype in ("float16", "bfloat16"):
+            # scale each element before summing: the sum of x/n stays within the range of x, so
+            # half partial sums cannot overflow where the mean itself fits
+            ls = LETTERS[:self.ndim]
+            out = "".join(ls[d] for d in range(self.ndim) if d not in dims)
+            y = wrap(ops.einsum_node([self.node], [ls], out, Call("mul", (Arg(0), Const(scale))),
+                                     "sum" if dims else None))
+            if keepdim:
+                y = y.reshape(tuple(1 if d in dims else k for d, k in enumerate(self.shape)))
+            return y
+        return reduce(self, "sum", dim, keepdim) * scale
 
     # ---- layout
     @property
