@@ -52,7 +52,7 @@ def test_reshape_unaligned_needs_whole_group() -> None:
     assert d.in_partitions[0].bounds == ((0, 16), (0, 64))
     # the cost model sees this: the input is needed whole by every kernel
     assert all(k.in_keys == ((0, 0),) for k in d.kernels)
-    xv = np.arange(16 * 64.0).reshape(16, 64)
+    xv = np.arange(16 * 64, dtype=np.float32).reshape(16, 64)
     np.testing.assert_array_equal(ej.execute_blocked(y, {y: {"c": 2, "a": 3}}, x=xv), xv.reshape(16, 4, 16))
 
 

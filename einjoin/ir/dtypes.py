@@ -120,7 +120,8 @@ def exact_cast(src: Any, dst: str) -> bool:
     """Whether every value of numpy dtype ``src`` is exactly representable in einjoin dtype
     ``dst``, so feeding such an array to a ``dst`` input cannot change a value.
 
-    bool goes anywhere (0 and 1); an integer type into int64 when it is not uint64, into a
+    bool only into bool (a mask fed where numbers are declared is a mistake, as in torch); an
+    integer type into int64 when it is not uint64, into a
     float type when its value bits fit the significand (int8/uint8 into float16 and bfloat16,
     16-bit ints into float32, 32-bit ints into float64); a float type into a float type whose
     significand and exponent range both hold it (float16 and bfloat16 into float32, all three
@@ -137,8 +138,10 @@ def exact_cast(src: Any, dst: str) -> bool:
     except TypeError:
         return False
     d = DTYPES[dst]
-    if s == d or s.kind == "b":
+    if s == d:
         return True
+    if s.kind == "b" or d.kind == "b":
+        return False  # truth values are not numbers: a mask fed as weights is a mistake
     if s.kind in "iu":
         if d.kind == "i":
             return _int_value_bits(s) <= _int_value_bits(d)

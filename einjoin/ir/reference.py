@@ -94,7 +94,8 @@ def _cast_feed(name: str, value: Any, arr: np.ndarray, dtype: str) -> np.ndarray
         fix += f", or declare the input with ej.input({name!r}, shape, {own!r})"
     if _weak(value):
         cat = _category(arr.dtype)
-        if cat is None or cat > _category(target):  # type: ignore[operator]
+        tcat = _category(target)
+        if cat is None or cat > tcat or (cat == 0) != (tcat == 0):  # type: ignore[operator]
             raise DTypeError(f"input {name!r}: the Python values given read as {arr.dtype}, which "
                              f"an input of dtype {dtype} cannot take without changing them; {fix}")
         with np.errstate(all="ignore"):
@@ -130,7 +131,9 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
     the graph's inputs and check names and shapes. A feed of another dtype than its input's is
     cast only when the cast is exact (:func:`einjoin.ir.dtypes.exact_cast`: float16 into a
     float32 input, int32 into int64, any byte order); Python numbers and lists take the input's
-    dtype when their kind allows it; anything else is a DTypeError naming the input."""
+    dtype when their kind allows it (ints into floats when exact, floats rounded into any float
+    type they do not overflow, bools only into bool); anything else is a DTypeError naming the
+    input."""
     feeds = dict(feeds or {})
     if len(args) > len(graph.inputs):
         raise EinjoinError(f"{len(args)} positional inputs given but the graph has "

@@ -93,7 +93,8 @@ def test_every_feed_dtype_is_exact_or_refused(dtype: str, feed: str) -> None:
     ("int64", "float64", False), ("int32", "float64", True), ("int32", "float32", False),
     ("int16", "float32", True), ("uint8", "bfloat16", True), ("int16", "float16", False),
     (">f4", "float32", True), (">f8", "float64", True), (">i8", "int64", True),
-    ("bool", "float32", True), ("int64", "bool", False), ("float32", "int64", False),
+    ("bool", "float32", False), ("int64", "bool", False), ("float32", "int64", False),
+    ("bool", "bool", True),
 ])
 def test_feed_rule_table(feed: str, dtype: str, ok: bool) -> None:
     """The rule itself, on the cases the issue names (uint64 wraps, float64 rounds, byte order)."""
