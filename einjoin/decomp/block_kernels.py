@@ -11,7 +11,7 @@ import numpy as np
 
 from einjoin.decomp.decompose import Decomposition, Kernel, reshape_region
 from einjoin.ir.dtypes import numpy_dtype
-from einjoin.ir.kernels import broadcast_kernel, einsum_kernel, fill_kernel, gather_kernel
+from einjoin.ir.kernels import broadcast_kernel, einsum_kernel, fill_kernel, gather_kernel, partial_dtype
 from einjoin.ir.node import Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select
 
 __all__ = ["run_kernel"]
@@ -19,13 +19,16 @@ __all__ = ["run_kernel"]
 
 def run_kernel(d: Decomposition, k: Kernel, blocks: Sequence[np.ndarray | None]) -> np.ndarray:
     """The output block (or partial result) of kernel ``k``; ``blocks[i]`` is the block of input
-    ``i`` named by ``k.in_keys[i]`` (None where the kernel reads nothing of that input)."""
+    ``i`` named by ``k.in_keys[i]`` (None where the kernel reads nothing of that input). Partial
+    results come in :func:`~einjoin.ir.kernels.partial_dtype` (float32 for a half-precision sum:
+    the cast to the op's dtype waits for the last aggregation step)."""
     node = d.node
     op = node.op
     box = d.out_partition.box(k.out_key)
     shape = tuple(b - a for a, b in box)
     if isinstance(op, Einsum):
-        return einsum_kernel(op, blocks, node.dtype)  # type: ignore[arg-type]
+        dtype = partial_dtype(node) if d.n_partials > 1 else node.dtype
+        return einsum_kernel(op, blocks, dtype)  # type: ignore[arg-type]
     if isinstance(op, Fill):
         return fill_kernel(op.expr, [a for a, _ in box], shape, node.dtype)
     if isinstance(op, Cast):

@@ -8,7 +8,7 @@ on each joined tuple and aggregates partial results by output key.
 >>> x = ej.input("x", (6, 4)); w = ej.input("w", (4, 5))
 >>> h = x @ w
 >>> y = h.relu()
->>> xv, wv = np.random.rand(6, 4), np.random.rand(4, 5)
+>>> xv, wv = np.random.rand(6, 4).astype(np.float32), np.random.rand(4, 5).astype(np.float32)
 >>> out = ej.execute_blocked(y, {h: {"m": 2, "k": 2}, y: {"a": 3}}, x=xv, w=wv)
 >>> bool(np.allclose(out, np.maximum(xv @ wv, 0), atol=1e-6))
 True
@@ -25,7 +25,8 @@ from einjoin.decomp.block_kernels import run_kernel
 from einjoin.decomp.decompose import Decomposition, decompose
 from einjoin.decomp.partition import Partition
 from einjoin.decomp.relation import TensorRelation
-from einjoin.errors import PartitionError
+from einjoin.errors import EinjoinError, PartitionError
+from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Input, Node
 from einjoin.ir.reference import bind_feeds
@@ -64,11 +65,14 @@ def execute_blocked(outputs: Any, specs: Any = None, *args: Any, deterministic: 
     is a function node -> spec; nodes without a spec are one block. With ``workers > 1`` kernels
     run on a thread pool and partial results combine in arrival order; ``deterministic=True``
     combines them in kernel order, so repeated runs are bitwise equal."""
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise EinjoinError(f"execute_blocked: workers must be a positive integer (1 runs kernels "
+                           f"inline, n > 1 on n threads); got {workers!r}")
     graph = Graph(outputs)
     _check_specs(specs, graph)
     values = bind_feeds(graph, args, feeds)
     rels: dict[Node, TensorRelation] = {}
-    pool = cf.ThreadPoolExecutor(workers) if workers > 1 else None
+    pool = cf.ThreadPoolExecutor(int(workers)) if workers > 1 else None
     try:
         for node in graph.nodes:
             d = decompose(node, _spec_for(specs, node))
@@ -89,7 +93,10 @@ def _run_op(d: Decomposition, ins: list[TensorRelation], pool: cf.ThreadPoolExec
     def one(i: int) -> tuple[int, np.ndarray]:
         k = d.kernels[i]
         blocks = [None if key is None else rel.blocks[key] for key, rel in zip(k.in_keys, ins)]
-        return i, run_kernel(d, k, blocks)
+        # IEEE results (inf, nan) without numpy warnings, as on every backend; errstate is
+        # per thread, so each pool thread sets it
+        with np.errstate(all="ignore"):
+            return i, run_kernel(d, k, blocks)
 
     out: dict[Any, np.ndarray] = {}
     if pool is None:
@@ -99,12 +106,17 @@ def _run_op(d: Decomposition, ins: list[TensorRelation], pool: cf.ThreadPoolExec
     else:
         futures = [pool.submit(one, i) for i in range(len(d.kernels))]
         results = (f.result() for f in cf.as_completed(futures))
-    for i, partial in results:
-        key = d.kernels[i].out_key
-        if key in out:
-            out[key] = d.agg.combine(out[key], partial).astype(partial.dtype, copy=False)
-        else:
-            out[key] = partial if d.n_partials == 1 else np.array(partial)
+    with np.errstate(all="ignore"):
+        for i, partial in results:
+            key = d.kernels[i].out_key
+            if key in out:
+                out[key] = d.agg.combine(out[key], partial).astype(partial.dtype, copy=False)
+            else:
+                out[key] = partial if d.n_partials == 1 else np.array(partial)
+        if d.n_partials > 1:
+            # partials of a half-precision sum are float32 (see partial_dtype): cast once, here
+            dtype = numpy_dtype(d.node.dtype)
+            out = {key: v.astype(dtype, copy=False) for key, v in out.items()}
     return TensorRelation(d.out_partition, out)
 
 

@@ -16,6 +16,7 @@ from math import prod
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
+from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Einsum, Fill, Input
 from einjoin.ir.scalar import is_product
 
@@ -36,7 +37,9 @@ def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes
         return 0  # blocks are C-contiguous under a cap: reshapes and slices are views (then copied)
     half = ("float16", "bfloat16")
     widen = sum(2 * b for b, x in zip(in_bytes, d.node.inputs) if x.dtype in half)
-    if widen or d.node.dtype in half:
+    # a half op's partial sums are written in float32 (partial_dtype): no result to cast
+    wide_out = d.n_partials > 1 and partial_dtype(d.node) != d.node.dtype
+    if (widen or d.node.dtype in half) and not wide_out:
         widen += 2 * out_bytes  # the float32 result before its cast
     if is_product(op.join, len(d.node.inputs)) and op.agg.name in ("sum", "none"):
         if len(op.in_labels) == 2 and all(x.dtype.startswith(("float", "bfloat")) for x in d.node.inputs):
@@ -82,16 +85,19 @@ def _matmul_copies(op: Einsum, in_bytes: list[int], out_bytes: int) -> int:
 
 def op_need(d: Decomposition) -> int:
     """Bytes the largest kernel of ``d`` holds at once (its input blocks, its output block, its
-    scratch), or one accumulating aggregation step (an accumulator, a partial, the result)."""
+    scratch), or one accumulating aggregation step (an accumulator, a partial, the result).
+    Partial results count at :func:`~einjoin.ir.kernels.partial_dtype` (float32 for a
+    half-precision sum), as the task graph holds them."""
     node = d.node
     out_item = itemsize(node.dtype)
     if isinstance(node.op, (Input, Fill)):
         return max(prod(d.out_partition.block_shape(k)) * out_item for k in d.out_partition.keys())
+    part_item = itemsize(partial_dtype(node)) if d.n_partials > 1 else out_item
     worst = 0
     for i, k in enumerate(d.kernels):
         ins = [prod(d.in_partitions[s].block_shape(key)) * itemsize(x.dtype)
                for s, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None]
-        out = prod(d.out_partition.block_shape(k.out_key)) * out_item
+        out = prod(d.out_partition.block_shape(k.out_key)) * part_item
         worst = max(worst, sum(ins) + out + kernel_scratch(d, i, ins, out))
         if d.n_partials > 1:
             worst = max(worst, 3 * out)  # one accumulating step (see memplan.chain)

@@ -104,6 +104,9 @@ class Task:
     frees: int = -1  # free/evict/writeback: the value dropped
     host_key: int = -1  # evict/reload/writeback: the host store's key (the value's first id)
     scratch: int = 0  # bytes the task needs besides its output while it runs (a joined block)
+    # the written value's dtype (set by the builder): a half-precision op's partial sums are
+    # float32 until the reduce that casts them (einjoin.ir.kernels.partial_dtype)
+    dtype: str = ""
 
 
 @dataclass
@@ -129,6 +132,8 @@ class TaskGraphBuilder:
                     deps.append(p)
         if nbytes is None:
             nbytes = self.values[writes].nbytes if writes >= 0 else 0
+        if writes >= 0:
+            extra.setdefault("dtype", self.values[writes].dtype)
         self.tasks.append(Task(tid, kind, device, tuple(reads), writes, tuple(deps), nbytes, flops,
                                node, **extra))
         if writes >= 0:

@@ -29,10 +29,32 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Inpu
 from einjoin.ir.scalar import Expr, evaluate, is_product
 
 __all__ = ["eval_node", "einsum_kernel", "fill_kernel", "gather_kernel", "broadcast_kernel",
-           "align"]
+           "align", "partial_dtype", "HALF_DTYPES"]
 
 
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+HALF_DTYPES = ("float16", "bfloat16")
+# aggregations whose partial results lose range or precision when rounded to a half type
+# (max/min pick one of their arguments: exact in any dtype)
+_ACCUMULATING = ("sum", "prod")
+
+
+def partial_dtype(node: Node) -> str:
+    """The dtype ``node``'s partial results are kept, moved and combined in when an aggregated
+    label is split: float32 for a float16/bfloat16 einsum that sums or multiplies (as torch and
+    cuBLAS accumulate), cast to ``node.dtype`` once, by the last aggregation step; otherwise
+    ``node.dtype``. (A gather's row partials are exact: every element but one is 0.)
+
+    >>> from einjoin.ir import ops
+    >>> x = ops.input_node("x", (4, 8), "float16")
+    >>> partial_dtype(ops.einsum_node([x], ("ij",), "i", "x0", "sum")), partial_dtype(x)
+    ('float32', 'float16')
+    """
+    op = node.op
+    if (node.dtype in HALF_DTYPES and isinstance(op, Einsum)
+            and op.agg.name in _ACCUMULATING):
+        return "float32"
+    return node.dtype
 
 
 def _widen(x: np.ndarray) -> np.ndarray:
@@ -154,7 +176,14 @@ def broadcast_kernel(x: np.ndarray, shape: Sequence[int], dims: Sequence[int]) -
 
 
 def eval_node(node: Node, args: Sequence[np.ndarray]) -> np.ndarray:
-    """Evaluate ``node`` on the dense values of its inputs (the reference semantics)."""
+    """Evaluate ``node`` on the dense values of its inputs (the reference semantics).
+    Floating-point edge cases (overflow, log 0, 0/0) give inf/nan as IEEE says, without numpy
+    warnings, as on every backend."""
+    with np.errstate(all="ignore"):
+        return _eval_node(node, args)
+
+
+def _eval_node(node: Node, args: Sequence[np.ndarray]) -> np.ndarray:
     op = node.op
     if isinstance(op, Einsum):
         return einsum_kernel(op, args, node.dtype)

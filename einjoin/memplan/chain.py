@@ -41,6 +41,7 @@ def chain_reduces(tg: TaskGraph) -> TaskGraph:
         deps = tuple(new_id[d] for d in t.deps)
         if t.kind == "reduce" and len(t.reads) > 2:
             out = tg.values[t.writes]
+            partial = tg.values[t.reads[0]]
             elems = t.flops // (len(t.reads) - 1)
             producers = {v: [new_id[p] for p in tg.values[v].producers] for v in t.reads}
             acc, acc_deps = t.reads[0], producers[t.reads[0]]
@@ -49,16 +50,19 @@ def chain_reduces(tg: TaskGraph) -> TaskGraph:
                 if last:
                     vid = t.writes
                 else:
+                    # an intermediate accumulator keeps the partials' dtype (float32 for a
+                    # half-precision sum); only the last step casts to the op's
                     vid = len(values)
-                    values.append(dataclasses.replace(out, id=vid, producers=()))
-                step = emit(t, reads=(acc, v), writes=vid, flops=elems,
+                    values.append(dataclasses.replace(out, id=vid, producers=(), dtype=partial.dtype))
+                step = emit(t, reads=(acc, v), writes=vid, flops=elems, dtype=values[vid].dtype,
+                            nbytes=values[vid].nbytes,
                             deps=tuple(dict.fromkeys([*acc_deps, *producers[v]])))
                 reader_of[(t.id, v)] = step
                 if i == 1:
                     reader_of[(t.id, acc)] = step
                 if acc >= len(tg.values):  # an intermediate accumulator: free it after this step
-                    emit(t, kind="free", reads=(), writes=-1, deps=(step,), nbytes=out.nbytes, flops=0,
-                         frees=acc, agg=None)
+                    emit(t, kind="free", reads=(), writes=-1, deps=(step,), nbytes=values[acc].nbytes,
+                         flops=0, frees=acc, agg=None, dtype="")
                 acc, acc_deps = vid, [step]
             new_id[t.id] = step
         elif t.kind == "free":

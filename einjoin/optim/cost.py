@@ -8,7 +8,8 @@ runs; every further replica and every travelling partial result is a move.
   ``sum_i |X_i| (r_i - 1)`` with ``r_i`` the product of the block counts of the labels X_i lacks;
   other kinds count their readers from the decomposition (a broadcast's size-1 dims, a gather's
   table rows read by every index block).
-- aggregation cost: ``|Z| (n_agg - 1)``, each output block's partials but one travel home.
+- aggregation cost: ``|Z| (n_agg - 1)``, each output block's partials but one travel home (a
+  float16/bfloat16 sum's partials travel as float32).
 - repartition cost: the bytes of the overlaps between a producer's blocks and a consumer's
   required blocks that sit on different devices (exact given a placement; without one, each
   required block is assumed to sit with the producer block it overlaps most).
@@ -31,6 +32,7 @@ from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.partition import Partition
 from einjoin.exchange.program import box_size, intersect
 from einjoin.ir.dtypes import itemsize
+from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Fill
 
 __all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate", "op_cost"]
@@ -57,10 +59,11 @@ def join_cost_per_input(d: Decomposition) -> tuple[int, ...]:
 
 
 def agg_cost(d: Decomposition) -> int:
-    """Bytes of partial results that travel to be aggregated: |Z| * (n_partials - 1)."""
+    """Bytes of partial results that travel to be aggregated: |Z| * (n_partials - 1), at the
+    dtype partials travel in (float32 for a half-precision sum: see ``partial_dtype``)."""
     if d.n_partials <= 1:
         return 0
-    return d.node.size * itemsize(d.node.dtype) * (d.n_partials - 1)
+    return d.node.size * itemsize(partial_dtype(d.node)) * (d.n_partials - 1)
 
 
 def _elems(shape: tuple[int, ...]) -> int:

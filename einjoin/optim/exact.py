@@ -2,7 +2,8 @@
 
 This is the runtime's accounting written without tasks: for every tensor, the elements each
 device needs (the union of its kernels' input regions) that do not live there, plus, for every
-aggregated output block, one partial per device that computed some of it, except its home.
+aggregated output block, one partial per device that computed some of it, except its home
+(a half-precision sum's partials in float32).
 Fills are computed where needed and never move. ``Program.stats.bytes_moved`` must equal it.
 
 >>> import einjoin as ej
@@ -23,6 +24,7 @@ from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.partition import Partition
 from einjoin.exchange.program import Box, box_size
 from einjoin.ir.dtypes import itemsize
+from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Fill, Input, Node
 from einjoin.placement import Placement
@@ -32,14 +34,18 @@ __all__ = ["plan_bytes", "aggregation_bytes", "exchange_bytes"]
 
 def aggregation_bytes(d: Decomposition, devices: tuple[int, ...], homes: Mapping) -> int:
     """Partials that travel home: per output block, the devices holding some of its partials,
-    the home excepted (partials sharing a device are combined there first)."""
+    the home excepted (partials sharing a device are combined there first). They travel at
+    ``partial_dtype`` (float32 for a half-precision sum), except a block whose partials all sit
+    on one device away from its home: that device's reduce is the last step, so the result,
+    cast to the op's dtype, travels."""
     if d.n_partials <= 1:
         return 0
     held: dict = defaultdict(set)
     for k, dev in zip(d.kernels, devices):
         held[k.out_key].add(dev)
-    size = itemsize(d.node.dtype)
-    return sum(len(devs - {homes[key]}) * box_size(d.out_partition.box(key)) * size
+    acc, final = itemsize(partial_dtype(d.node)), itemsize(d.node.dtype)
+    return sum(len(devs - {homes[key]}) * box_size(d.out_partition.box(key))
+               * (final if len(devs) == 1 else acc)
                for key, devs in held.items())
 
 

@@ -41,6 +41,7 @@ from einjoin.decomp.spec import JoinAggSpec, label_sizes
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.graph import Graph
+from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Einsum, Fill, Input, Node
 from einjoin.optim.cost import agg_cost, join_cost_per_input, repartition_estimate
 
@@ -205,7 +206,7 @@ class CostModel:
                     r = math.prod(c for lab, c in counts.items() if lab not in ls)
                     joins.append(0 if isinstance(x.op, Fill) else x.size * itemsize(x.dtype) * (r - 1))
                 n_agg = math.prod(counts[lab] for lab in op.agg_labels)
-                agg = node.size * itemsize(node.dtype) * (n_agg - 1)
+                agg = node.size * itemsize(partial_dtype(node)) * (n_agg - 1)  # as cost.agg_cost
                 join_in = tuple(joins)
             else:
                 d = decompose(node, spec)

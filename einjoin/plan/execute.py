@@ -33,7 +33,17 @@ def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
 def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Node, np.ndarray],
             decomps: Mapping[Node, Decomposition], shape: tuple[int, ...]) -> np.ndarray:
     """The array task ``t`` writes (for a touch: the buffer after the write). ``get`` reads a
-    value by id (None for a buffer no touch has allocated yet); ``shape`` is the written value's."""
+    value by id (None for a buffer no touch has allocated yet); ``shape`` is the written value's.
+
+    Floating-point edge cases (overflow, log 0, 0/0) give inf/nan as IEEE says and raise no
+    numpy warning, whichever backend or thread runs the task (errstate is per thread, so it is
+    set here, around every task, rather than once by the caller)."""
+    with np.errstate(all="ignore"):
+        return _compute(t, get, feeds, decomps, shape)
+
+
+def _compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Node, np.ndarray],
+             decomps: Mapping[Node, Decomposition], shape: tuple[int, ...]) -> np.ndarray:
     kind = t.kind
     if kind == "load":
         # host and CPU devices share RAM: a contiguous block is loaded as a view (values are
@@ -52,10 +62,12 @@ def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Nod
                                f"expected {shape}")
         return out
     if kind == "reduce":
+        # the partials' dtype (float32 for a half-precision sum) accumulates; the block's last
+        # step writes the op's dtype (t.dtype), so the cast happens once
         acc = np.array(get(t.reads[0]))
         for v in t.reads[1:]:
             t.agg.ufunc(acc, get(v), out=acc)  # type: ignore[union-attr]
-        return acc
+        return acc.astype(numpy_dtype(t.dtype), copy=False) if t.dtype else acc
     if kind == "select":
         return np.array(get(t.reads[0])[_slices(t.box)])  # type: ignore[index, arg-type]
     if kind == "move":
@@ -63,7 +75,7 @@ def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Nod
     if kind == "touch":
         buf = get(t.writes)
         if buf is None:
-            buf = np.empty(shape, dtype=numpy_dtype(t.node.dtype))
+            buf = np.empty(shape, dtype=numpy_dtype(t.dtype or t.node.dtype))
         buf[_slices(t.dst_box)] = get(t.reads[0])[_slices(t.box)]  # type: ignore[index, arg-type]
         return buf
     raise AssertionError(f"no computation for task kind {kind!r}")  # pragma: no cover

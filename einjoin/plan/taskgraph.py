@@ -28,6 +28,7 @@ from einjoin.decomp.flops import kernel_flops
 from einjoin.decomp.partition import BlockKey, Partition
 from einjoin.exchange import Box, Request, Task, TaskGraphBuilder, Value, box_shape, synthesize
 from einjoin.ir.graph import Graph
+from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Fill, Input, Node
 from einjoin.placement import Placement
 from einjoin.plan.stats import PlanStats, compute_stats
@@ -110,10 +111,13 @@ def _kernels_and_aggregation(b: TaskGraphBuilder, node: Node, d: Decomposition, 
                              homes: dict, regions: dict[Node, dict[tuple[Box, int], int]]
                              ) -> dict[BlockKey, int]:
     partials: dict[BlockKey, list[tuple[int, int]]] = defaultdict(list)  # key -> [(device, value)]
+    # partial results keep the accumulation dtype (float32 for a half-precision sum) through
+    # kernels, local reduces and moves; the last aggregation step of each block casts
+    acc = partial_dtype(node) if d.n_partials > 1 else node.dtype
     for i, (k, dev) in enumerate(zip(d.kernels, devs)):
         reads = tuple(regions[x][(d.in_partitions[slot].box(key), dev)]
                       for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None)
-        vid = b.produce("kernel", dev, reads, d.out_partition.block_shape(k.out_key), node.dtype, node,
+        vid = b.produce("kernel", dev, reads, d.out_partition.block_shape(k.out_key), acc, node,
                         kernel=i, flops=kernel_flops(d, k.index))
         partials[k.out_key].append((dev, vid))
     out: dict[BlockKey, int] = {}
@@ -129,13 +133,15 @@ def _kernels_and_aggregation(b: TaskGraphBuilder, node: Node, d: Decomposition, 
         local: dict[int, list[int]] = {}
         for dev, vid in parts:
             local.setdefault(dev, []).append(vid)
-        # partials that share a device are combined there before anything moves
+        # partials that share a device are combined there before anything moves; when one
+        # device holds them all, that reduce is the last step and casts to the op's dtype
+        local_dtype = node.dtype if len(local) == 1 else acc
         reduced = {dev: vids[0] if len(vids) == 1 else
-                   b.produce("reduce", dev, tuple(vids), shape, node.dtype, node, agg=d.agg,
+                   b.produce("reduce", dev, tuple(vids), shape, local_dtype, node, agg=d.agg,
                              flops=elems * (len(vids) - 1))
                    for dev, vids in local.items()}
         gathered = ([reduced[home]] if home in reduced else []) + [
-            b.produce("move", home, (v,), shape, node.dtype, node, src_device=dev, consumer=node)
+            b.produce("move", home, (v,), shape, b.values[v].dtype, node, src_device=dev, consumer=node)
             for dev, v in reduced.items() if dev != home]
         out[key] = gathered[0] if len(gathered) == 1 else b.produce(
             "reduce", home, tuple(gathered), shape, node.dtype, node, agg=d.agg,
