@@ -51,6 +51,8 @@ def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes
         i = k.index[d.spec.labels.index(lab)]
         joined *= bounds[i + 1] - bounds[i]
     width = max([itemsize(x.dtype) for x in d.node.inputs] + [itemsize(d.node.dtype)])
+    if any(x.dtype in half for x in d.node.inputs):
+        width = max(width, 4)  # the join runs on the widened (float32) inputs
     return widen + 2 * joined * width
 
 

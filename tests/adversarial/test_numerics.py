@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
-from einjoin.decomp.footprint import op_need
+from einjoin.decomp.footprint import kernel_scratch, op_need
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import partial_dtype
@@ -28,6 +28,7 @@ from einjoin.optim.exact import aggregation_bytes, plan_bytes
 from einjoin.optim.search import CostModel
 from einjoin.placement import NodePlacement
 from einjoin.plan import build_taskgraph
+from einjoin.memplan.needs import task_needs
 from einjoin.plan.execute import compute, run_reference
 from graphgen import graphs, specs_for
 
@@ -226,17 +227,30 @@ def test_partials_all_on_one_device_away_from_home_travel_cast() -> None:
     _assert_close(got, av.astype(F64) @ bv.astype(F64), "float16")
 
 
-def test_op_need_counts_half_partials_as_float32() -> None:
-    a = ej.input("a", (16, 64), "float16")
-    b = ej.input("b", (64, 16), "float16")
+@pytest.mark.parametrize("dtype", HALF)
+def test_op_need_covers_what_half_partial_tasks_hold(dtype: str) -> None:
+    """The optimizer's per-op estimate (op_need) bounds what the memory planner finds each task
+    of the op holding (task_needs, from the task graph's float32 partial values)."""
+    a = ej.input("a", (16, 64), dtype)
+    b = ej.input("b", (64, 16), dtype)
     z = a @ b
-    whole = ej.decompose(z.node, {"k": 1})
-    split = ej.decompose(z.node, {"k": 2})
-    # a kernel of the split op: half of a and b (float16) and a float32 16x16 partial; the whole
-    # op widens its inputs to float32 and casts its float32 result
-    assert op_need(split) >= 16 * 32 * 2 * 2 + 16 * 16 * 4
-    assert op_need(split) >= 3 * 16 * 16 * 4  # one accumulating step, in float32
-    assert op_need(whole) >= 16 * 64 * 2 * 2 + 16 * 16 * 2
+    prog = ej.compile(z, devices=2, specs={z: {"k": 4, "m": 2}}, memory_limit="1MiB", quiet=True)
+    tasks = [n for n in task_needs(prog.taskgraph, prog.decomps)
+             if n.task.node is z.node and n.task.kind in ("kernel", "reduce")]
+    assert {n.task.kind for n in tasks} == {"kernel", "reduce"}
+    assert max(n.needed for n in tasks) <= op_need(prog.decomps[z.node])
+
+
+def test_kernel_scratch_of_a_half_join_is_float32() -> None:
+    """A non-contraction join of half inputs runs on float32 copies: the joined block it
+    materialises is 4 bytes an element, not 2."""
+    x = ej.input("x", (8, 16), "float16")
+    m = x.max(1)
+    e = ej.einsum("ij,i->i", x, m, join="exp(x0 - x1)")
+    d = ej.decompose(e.node, None)
+    ins = [8 * 16 * 2, 8 * 2]
+    # the float32 copies of the inputs, plus the joined block and a temporary, in float32
+    assert kernel_scratch(d, 0, ins, 8 * 2) >= 2 * sum(ins) + 2 * 8 * 16 * 4
 
 
 def _checked_run_reference(tg, decomps, feeds):  # type: ignore[no-untyped-def]
