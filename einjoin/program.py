@@ -3,7 +3,7 @@
 >>> import numpy as np, einjoin as ej
 >>> x = ej.input("x", (64, 32)); w = ej.input("w", (32, 16))
 >>> prog = ej.compile(ej.softmax(x @ w), devices=4)
->>> out = prog.run(np.ones((64, 32)), np.ones((32, 16)))
+>>> out = prog.run(np.ones((64, 32), np.float32), np.ones((32, 16), np.float32))
 >>> out.shape, prog.stats.bytes_loaded == (64 * 32 + 32 * 16) * 4, prog.run_stats.bytes_moved == prog.stats.bytes_moved
 ((64, 16), True, True)
 """
@@ -14,6 +14,8 @@ import contextlib
 import os
 import pathlib
 import sys
+import threading
+import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -33,12 +35,22 @@ from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
 from einjoin.placement import PLACERS, Placement, place
 from einjoin.progress import RunBar, stages
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph, explain, run_reference
-from einjoin.runtime import ORDERS, Engine, RunStats, get_backend
-from einjoin.runtime.engine import check_host_link
+from einjoin.runtime import Engine, RunStats, get_backend
+from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
+                                    check_seed)
 
-__all__ = ["compile", "Program"]
+__all__ = ["compile", "Program", "TraceWriteWarning"]
 
 _nothing = contextlib.nullcontext
+
+
+class TraceWriteWarning(UserWarning):
+    """A finished run's trace could not be written (a full disk, ...): the results are returned."""
+
+
+def _check_quiet(quiet: Any) -> None:
+    if quiet is not None and not isinstance(quiet, (bool, np.bool_)):
+        raise EinjoinError(f"quiet must be True or False, got {type(quiet).__name__} {quiet!r:.60}")
 
 
 def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
@@ -78,14 +90,16 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
         outputs = list(outputs.outputs) if many else outputs.outputs[0]
     graph = Graph(outputs)
     cluster = as_cluster(devices)
-    if not callable(planner) and planner not in PLANNERS:
+    # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
+    if not callable(planner) and not (isinstance(planner, str) and planner in PLANNERS):
         raise EinjoinError(f"unknown planner {planner!r}; known: {', '.join(sorted(PLANNERS))}")
     be = get_backend(backend)
-    if placement not in PLACERS:
+    if not (isinstance(placement, str) and placement in PLACERS):
         raise EinjoinError(f"unknown placement {placement!r}; known: {', '.join(sorted(PLACERS))}")
-    if order not in ORDERS:
-        raise EinjoinError(f"unknown ready-queue order {order!r}; known: {', '.join(ORDERS)}")
-    if memory_policy not in POLICIES:
+    check_order(order)
+    seed = check_seed(seed)
+    _check_quiet(quiet)
+    if not (isinstance(memory_policy, str) and memory_policy in POLICIES):
         raise EinjoinError(f"unknown memory policy {memory_policy!r}; known: {', '.join(POLICIES)}")
     check_host_link(host_link)
     caps = parse_caps(memory_limit, cluster.size, cluster)
@@ -105,7 +119,7 @@ def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
             tg = plan_memory(tg, decomps, caps, memory_policy)
     prog = Program(graph, cluster, decomps, placed, tg, be, order, seed,
                    isinstance(outputs, (list, tuple)))
-    prog.quiet = quiet
+    prog.quiet = bool(quiet)
     prog.host_link = host_link
     if arg_names is not None:
         # parameters the forward never reads are not graph inputs
@@ -168,7 +182,11 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], s
 
 
 class Program:
-    """A compiled program: the graph, its specs and placement, the task graph, and the engine."""
+    """A compiled program: the graph, its specs and placement, the task graph, and the engine.
+
+    Thread-safe to run: concurrent ``run`` / ``run_async`` calls of one program (threads, sync,
+    null and Ray backends) are independent runs, each with its own feeds, stores, results and
+    cancellation; ``run_stats`` is the stats of the run that finished last."""
 
     def __init__(self, graph: Graph, cluster: Cluster, decomps: dict[Node, Decomposition],
                  placement: Placement, taskgraph: TaskGraph, backend: Any, order: str, seed: int,
@@ -185,6 +203,8 @@ class Program:
         self._engine = Engine(taskgraph, decomps)
         self.stats: PlanStats = taskgraph.stats()
         self.run_stats: RunStats | None = None
+        self._runs_lock = threading.Lock()
+        self._active: set[CancelToken] = set()  # the runs in progress, for cancel()
 
     quiet = False                                  # no progress display
     host_link: "float | None" = None               # emulated host<->device bytes per second
@@ -201,10 +221,14 @@ class Program:
         for k in feeds:
             if k in named:
                 raise EinjoinError(f"input {k!r} is given both by position and by name")
-        missing = [n for n in self._arg_names if n not in named and n not in feeds]
+        used = self.graph.input_by_name
+        # a forward argument the graph never reads (unused, or an alias of another) is accepted
+        # and ignored, as torch would; TorchFunction.notes says which
+        missing = [n for n in self._arg_names if n in used and n not in named and n not in feeds]
         if missing:
             raise EinjoinError(f"missing forward argument(s): {', '.join(missing)}")
-        return bind_feeds(self.graph, (), {**(self._bound or {}), **named, **feeds})
+        given = {k: v for k, v in {**named, **feeds}.items() if k in used or k not in self._arg_names}
+        return bind_feeds(self.graph, (), {**(self._bound or {}), **given})
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -212,53 +236,157 @@ class Program:
 
     def run(self, *args: Any, order: str | None = None, seed: int | None = None,
             callbacks: Sequence[Any] = (), trace: "str | os.PathLike[str] | None" = None,
-            quiet: bool | None = None, host_link: float | None = None, **feeds: Any) -> Any:
+            quiet: bool | None = None, host_link: float | None = None,
+            cancel: CancelToken | None = None, **feeds: Any) -> Any:
         """Run with positional inputs (declaration order) and/or inputs by name. Returns numpy
         arrays (a tuple for several outputs), or torch tensors when torch tensors went in; the
         null backend returns None. ``order`` overrides the ready-queue policy for this run.
         ``trace``: write a Chrome / Perfetto trace of this run (one track per device) to that
-        path, also when the run fails (what was recorded; then the error is raised). Large task
-        graphs show a progress bar on a terminal unless ``quiet`` (default: the compile's).
-        ``host_link``: emulated host<->device bytes per second (default: the compile's)."""
+        path (its folder is created first), also when the run fails (what was recorded; then the
+        error is raised); when a finished run's trace cannot be written (a full disk) the results
+        are returned and a :class:`TraceWriteWarning` says why. Large task graphs show a progress
+        bar on a terminal unless ``quiet`` (default: the compile's). ``host_link``: emulated
+        host<->device bytes per second (default: the compile's). ``cancel``: a
+        :class:`~einjoin.runtime.engine.CancelToken` that cancels this run (also before it starts).
+
+        Every argument and feed is checked before any task runs. A ``KeyboardInterrupt`` (Ctrl-C,
+        or raised by a callback) stops the run and propagates as it is; the program stays usable.
+        Several threads may run one program at once."""
+        if cancel is not None and not isinstance(cancel, CancelToken) and "cancel" in self.graph.input_by_name:
+            feeds["cancel"], cancel = cancel, None  # an input named 'cancel', fed by name
+        token = CancelToken()
+        return self._run(args, feeds, order, seed, callbacks, trace, quiet, host_link, cancel, token, None)
+
+    def run_async(self, *args: Any, **kw: Any) -> RunHandle:
+        """Start a run on a new thread and return its :class:`~einjoin.runtime.engine.RunHandle`
+        (``result(timeout=None)``, ``done()``, ``cancel()``, ``stats``). Takes what :meth:`run`
+        takes; arguments and feeds are checked here, before it returns."""
+        cancel = kw.pop("cancel", None)
+        if cancel is not None and not isinstance(cancel, CancelToken) and "cancel" in self.graph.input_by_name:
+            kw["cancel"], cancel = cancel, None
+        opts = {k: kw.pop(k) for k in ("order", "seed", "callbacks", "trace", "quiet", "host_link") if k in kw}
+        token = CancelToken()
+        handle = RunHandle(token)
+        prepared = self._prepare(args, kw, opts.get("order"), opts.get("seed"), opts.get("callbacks", ()),
+                                 opts.get("trace"), opts.get("quiet"), opts.get("host_link"), cancel)
+
+        def target() -> None:
+            try:
+                out = self._execute(prepared, token, handle)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever calls result()
+                handle._set(False, exc, None)
+            else:
+                handle._set(True, out, handle.stats)
+        handle.thread = threading.Thread(target=target, name="einjoin-run", daemon=True)
+        handle.thread.start()
+        return handle
+
+    def cancel(self) -> None:
+        """Cancel every run of this program in progress at the moment of the call (from any
+        thread); each raises ``EinjoinError("run cancelled ...")``. Later runs are not affected:
+        to cancel one run only, use ``run(..., cancel=token)`` or ``run_async(...).cancel()``."""
+        with self._runs_lock:
+            active = list(self._active)
+        for tok in active:
+            tok.cancel()
+
+    # ---- one run: check everything, then execute
+
+    def _run(self, args: Sequence[Any], feeds: dict[str, Any], order: Any, seed: Any, callbacks: Any,
+             trace: Any, quiet: Any, host_link: Any, cancel: Any, token: CancelToken,
+             handle: RunHandle | None) -> Any:
+        prepared = self._prepare(args, feeds, order, seed, callbacks, trace, quiet, host_link, cancel)
+        return self._execute(prepared, token, handle)
+
+    def _prepare(self, args: Sequence[Any], feeds: dict[str, Any], order: Any, seed: Any, callbacks: Any,
+                 trace: Any, quiet: Any, host_link: Any, cancel: Any) -> dict[str, Any]:
+        """Check every argument (each error names it) and bind the feeds, before any task runs."""
+        order = check_order(self.order if order is None else order, "order")
+        seed = check_seed(self.seed if seed is None else seed, "seed")
+        callbacks = check_callbacks(callbacks)
+        _check_quiet(quiet)
+        host_link = self.host_link if host_link is None else host_link
+        check_host_link(host_link)
+        if cancel is not None and not isinstance(cancel, CancelToken):
+            raise EinjoinError(f"cancel must be an einjoin CancelToken (einjoin.runtime.CancelToken()), got "
+                               f"{type(cancel).__name__} {cancel!r:.60}")
+        trace_path = None
+        if trace is not None:  # its folder made (or refused) now, not after the run
+            from einjoin.viz.trace import output_path
+            trace_path = output_path(trace, "trace=")
         values = self._bind(args, feeds)  # every feed checked before any kernel runs
         use_torch = any(type(v).__module__.startswith("torch") for v in (*args, *feeds.values()))
+        return dict(values=values, use_torch=use_torch, order=order, seed=seed, callbacks=callbacks,
+                    trace=trace_path, quiet=self.quiet if quiet is None else bool(quiet),
+                    host_link=host_link, cancel=cancel)
+
+    def _execute(self, p: dict[str, Any], token: CancelToken, handle: RunHandle | None) -> Any:
+        callbacks = p["callbacks"]
         recorder = None
-        if trace is not None:
+        if p["trace"] is not None:
             from einjoin.viz.trace import TraceRecorder
             recorder = TraceRecorder(self.cluster.size,
                                      labels={n: f"%{i}" for i, n in enumerate(self.graph.ops)})
             callbacks = (recorder, *callbacks)  # first: it sees a task that another callback fails
-        bar = RunBar.maybe(self.quiet if quiet is None else quiet, len(self.taskgraph))
+        bar = RunBar.maybe(p["quiet"], len(self.taskgraph))
         if bar is not None:
             callbacks = (*callbacks, bar)
+        # the run's own token: cancelled by the user's token, by Program.cancel() or by the handle
+        user = p["cancel"]
+        unlink = user.subscribe(token.cancel) if user is not None else (lambda: None)
+        with self._runs_lock:
+            self._active.add(token)
         try:
-            with bar if bar is not None else _nothing():
-                if getattr(self.backend, "remote", False):  # Ray schedules the task graph itself
-                    outs, stats = self.backend.run_graph(self._engine, values, self.cluster, callbacks)
-                else:
-                    outs, stats = self._engine.run(values, self.backend, order or self.order,
-                                                   self.seed if seed is None else seed, callbacks,
-                                                   self.host_link if host_link is None else host_link)
+            try:
+                if token.cancelled:  # before start: no backend is even asked
+                    raise EinjoinError(f"run cancelled before it started (none of its "
+                                       f"{len(self.taskgraph)} tasks ran)")
+                with bar if bar is not None else _nothing():
+                    if getattr(self.backend, "remote", False):  # Ray schedules the task graph itself
+                        outs, stats = self.backend.run_graph(self._engine, p["values"], self.cluster, callbacks,
+                                                             cancel=token)
+                    else:
+                        outs, stats = self._engine.run(p["values"], self.backend, p["order"], p["seed"],
+                                                       callbacks, p["host_link"], cancel=token)
+            except BaseException as exc:
+                if recorder is not None:  # what was recorded; the run's error stays the error
+                    self._write_trace(recorder, p["trace"], exc)
+                raise
         finally:
-            if recorder is not None and trace is not None:
-                recorder.write(trace)
+            unlink()
+            with self._runs_lock:
+                self._active.discard(token)
+        if recorder is not None:
+            self._write_trace(recorder, p["trace"], None)
         self.run_stats = stats
+        if handle is not None:
+            handle.stats = stats
         if outs is None:
             return None
-        if use_torch:
+        if p["use_torch"]:
             import torch
             outs = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(
                 o.view(np.int16)).view(torch.bfloat16) for o in outs]
         return tuple(outs) if self._many else outs[0]
 
+    @staticmethod
+    def _write_trace(recorder: Any, path: pathlib.Path, error: BaseException | None) -> None:
+        """Write a run's trace; a failure to write never loses the run's results (a warning) nor
+        replaces its error (a note on it)."""
+        try:
+            recorder.write(path)
+        except OSError as e:
+            what = f"the trace of this run could not be written to {str(path)!r}: {e.strerror or e}"
+            if error is not None:
+                error.add_note(f"einjoin: {what}")
+            else:
+                warnings.warn(f"einjoin: {what}; the run's results are returned", TraceWriteWarning,
+                              stacklevel=5)
+
     def run_reference(self, *args: Any, **feeds: Any) -> Any:
         """Run the task graph with the few-line reference executor (the engines' oracle)."""
         outs = run_reference(self.taskgraph, self.decomps, self._bind(args, feeds))
         return tuple(outs) if self._many else outs[0]
-
-    def cancel(self) -> None:
-        """Ask a run in progress (on another thread) to stop; it raises an EinjoinError."""
-        self._engine.cancel_event.set()
 
     def explain(self, file: Any = "stdout") -> str:
         """Print (to ``file``; default the current ``sys.stdout``, None: don't) and return, per op,

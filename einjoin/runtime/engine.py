@@ -25,7 +25,8 @@ from einjoin.ir.printing import describe
 from einjoin.plan.execute import HOST_KINDS, assemble_outputs, compute, from_host, to_host
 from einjoin.plan.taskgraph import TaskGraph
 
-__all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend", "check_host_link"]
+__all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend", "check_host_link",
+           "check_seed", "check_order", "check_callbacks", "CancelToken", "RunHandle", "RunTimeoutError"]
 
 ORDERS = ("fifo", "lifo", "priority", "random")
 
@@ -106,8 +107,149 @@ class Store:
 
 def check_host_link(host_link: Any) -> None:
     """An emulated host link is a positive rate in bytes per second (or None: no emulation)."""
-    if host_link is not None and not (isinstance(host_link, (int, float)) and host_link > 0):
-        raise EinjoinError(f"host_link must be a positive rate in bytes per second, got {host_link!r}")
+    # a bool is an int to Python, but host_link=True (1 byte/s) would make a run crawl for hours
+    ok = isinstance(host_link, (int, float, np.integer, np.floating)) and not isinstance(host_link, (bool, np.bool_))
+    if host_link is not None and not (ok and host_link > 0):
+        raise EinjoinError(f"host_link must be a positive rate in bytes per second (e.g. 16e9) or None, "
+                           f"got {host_link!r}")
+
+
+def check_seed(seed: Any, where: str = "seed") -> int:
+    """A seed is an integer (numpy integers too); returns it as an ``int``. A string, float or bool
+    would otherwise fail deep inside a ready queue or a placer, at run time."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise EinjoinError(f"{where} must be an integer, got {type(seed).__name__} {seed!r}")
+    return int(seed)
+
+
+def check_order(order: Any, where: str = "order") -> str:
+    """A ready-queue order is one of :data:`ORDERS`."""
+    if not isinstance(order, str) or order not in ORDERS:
+        raise EinjoinError(f"{where} must name a ready-queue order, one of {', '.join(ORDERS)}; got {order!r}")
+    return order
+
+
+def check_callbacks(callbacks: Any) -> tuple[Any, ...]:
+    """Callbacks are a list (any iterable) of objects with ``on_start(task)`` and
+    ``on_end(task, start, end)``; returns them as a tuple."""
+    if callbacks is None:
+        return ()
+    if hasattr(callbacks, "on_start") or isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+        raise EinjoinError(f"callbacks must be a list of objects with on_start(task) and on_end(task, start, "
+                           f"end) methods, got {type(callbacks).__name__} {callbacks!r:.80} (wrap a single "
+                           f"callback in a list)")
+    out = tuple(callbacks)
+    for i, cb in enumerate(out):
+        if not (callable(getattr(cb, "on_start", None)) and callable(getattr(cb, "on_end", None))):
+            raise EinjoinError(f"callbacks[{i}] ({type(cb).__name__}) lacks an on_start(task) or on_end(task, "
+                               f"start, end) method")
+    return out
+
+
+class CancelToken:
+    """Cancels the runs it is given to (``Program.run(..., cancel=tok)``). Thread-safe.
+
+    ``cancel()`` may be called from any thread, before or during a run: a run whose token is
+    already cancelled raises at once without running any task; a running one stops as soon as the
+    tasks in flight end. Either way it raises ``EinjoinError("run cancelled ...")`` and the
+    program stays usable.
+
+    >>> tok = CancelToken(); tok.cancelled
+    False
+    >>> tok.cancel(); tok.cancelled
+    True
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def cancel(self) -> None:
+        """Cancel (idempotent)."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            listeners, self._listeners = self._listeners, []
+        for fn in listeners:  # outside the lock: a listener may take other locks
+            fn()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether ``cancel()`` was called."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until cancelled or ``timeout`` seconds pass; returns ``cancelled``."""
+        return self._event.wait(timeout)
+
+    def subscribe(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn()`` once when cancelled (at once if already); returns an unsubscribe function."""
+        with self._lock:
+            if not self._event.is_set():
+                self._listeners.append(fn)
+
+                def unsubscribe() -> None:
+                    with self._lock:
+                        if fn in self._listeners:
+                            self._listeners.remove(fn)
+                return unsubscribe
+        fn()
+        return lambda: None
+
+    def __repr__(self) -> str:
+        return f"<CancelToken {'cancelled' if self.cancelled else 'active'}>"
+
+
+class RunTimeoutError(EinjoinError, TimeoutError):
+    """``RunHandle.result(timeout)`` ran out of time; the run goes on."""
+
+
+class RunHandle:
+    """A run started by ``Program.run_async``: ``result(timeout=None)`` (its outputs, or the error
+    it raised), ``done()``, ``cancel()`` (this run only) and ``stats`` (its :class:`RunStats`, once
+    it finished)."""
+
+    def __init__(self, token: CancelToken) -> None:
+        self._token = token
+        self._finished = threading.Event()
+        self._outcome: tuple[bool, Any] | None = None
+        self.stats: RunStats | None = None
+        self.thread: threading.Thread | None = None
+
+    def _set(self, ok: bool, value: Any, stats: "RunStats | None") -> None:
+        self.stats = stats
+        self._outcome = (ok, value)
+        self._finished.set()
+
+    def cancel(self) -> None:
+        """Cancel this run (no other); ``result()`` then raises ``EinjoinError("run cancelled ...")``."""
+        self._token.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._token.cancelled
+
+    def done(self) -> bool:
+        """Whether the run has ended (finished, failed or cancelled)."""
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The run's outputs, as ``Program.run`` returns them; re-raises the run's error. Waits at
+        most ``timeout`` seconds (None: until the end), then raises :class:`RunTimeoutError`."""
+        if not self._finished.wait(timeout):
+            raise RunTimeoutError(f"the run did not end within timeout={timeout!r} s; it goes on "
+                                  f"(handle.cancel() stops it)")
+        assert self._outcome is not None
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else ("cancelling" if self.cancelled else "running")
+        return f"<RunHandle {state}>"
 
 
 def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[Node, np.ndarray]
@@ -163,29 +305,42 @@ def _blevels(tg: TaskGraph) -> list[float]:
 
 
 class Engine:
-    """Runs a task graph on a backend. ``run`` is re-entrant across calls (not concurrent ones)."""
+    """Runs a task graph on a backend. Concurrent ``run`` calls are safe and independent: every
+    run keeps its own stores, counters, queues and stats (the engine holds only the read-only
+    task graph and decompositions), and a :class:`CancelToken` cancels the run it is given to."""
 
     def __init__(self, tg: TaskGraph, decomps: Mapping[Node, Decomposition]):
         self.tg = tg
         self.decomps = decomps
         self._priority: list[float] | None = None
-        self.cancel_event = threading.Event()
+        self._priority_lock = threading.Lock()
 
     def priority(self) -> list[float]:
-        if self._priority is None:
-            self._priority = _blevels(self.tg)
-        return self._priority
+        with self._priority_lock:
+            if self._priority is None:
+                self._priority = _blevels(self.tg)
+            return self._priority
 
     def run(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str = "fifo",
-            seed: int = 0, callbacks: Sequence[Callback] = (), host_link: float | None = None
-            ) -> tuple[list[np.ndarray] | None, RunStats]:
+            seed: int = 0, callbacks: Sequence[Callback] = (), host_link: float | None = None,
+            cancel: CancelToken | None = None) -> tuple[list[np.ndarray] | None, RunStats]:
         """Run every task once in an order the ready queue picks. ``host_link``: emulate a
         host<->device link of that many bytes per second (loads, evictions, reloads and
-        write-backs take at least their bytes over it), e.g. 16e9 for PCIe 4 x16."""
+        write-backs take at least their bytes over it), e.g. 16e9 for PCIe 4 x16. ``cancel``:
+        stop when that token is cancelled (at once, running nothing, if it already is).
+
+        A ``KeyboardInterrupt`` (or ``SystemExit``) raised by a task or a callback stops every
+        worker and is re-raised as it is, not wrapped; any other failure raises an
+        :class:`EinjoinError` naming the task."""
         tg = self.tg
         n = tg.n_devices
         capped = tg.memory is not None
         check_host_link(host_link)
+        check_order(order)
+        seed = check_seed(seed)
+        callbacks = check_callbacks(callbacks)
+        if cancel is not None and cancel.cancelled:
+            raise EinjoinError(f"run cancelled before it started (none of its {len(tg.tasks)} tasks ran)")
         prio = self.priority() if order == "priority" else ()
         # host transfers get a lane (thread) of their own per device, so they overlap compute
         lanes = backend.parallel and (capped or host_link is not None)
@@ -210,7 +365,14 @@ class Engine:
         def wake_all() -> None:  # under lock
             for c in conds:
                 c.notify_all()
-        self.cancel_event.clear()
+
+        def cancelled() -> bool:
+            return cancel is not None and cancel.cancelled
+
+        def on_cancel() -> None:  # the token's listener: wake the waiting workers now
+            with lock:
+                state["stop"] = True
+                wake_all()
         for t in tg.tasks:
             if not t.deps:
                 queues[qi(t)].push(t.id)
@@ -290,8 +452,10 @@ class Engine:
                             state["stop"] = True
                             break
                         conds[q].wait(0.1)
-                        if self.cancel_event.is_set():
+                        if cancelled():
                             state["stop"] = True
+                    if cancelled():
+                        state["stop"] = True
                     if state["stop"] or not state["remaining"]:
                         wake_all()
                         return
@@ -304,18 +468,37 @@ class Engine:
                 with lock:
                     complete(t)
                     stats.tasks_run += 1
-                if self.cancel_event.is_set():
-                    with lock:
-                        state["stop"] = True
-                        wake_all()
-                    return
 
         t0 = time.perf_counter()
+        unsubscribe = cancel.subscribe(on_cancel) if cancel is not None else (lambda: None)
+        try:
+            self._drive(backend, n, worker, len(queues), lock, state, wake_all)
+        finally:
+            unsubscribe()
+        stats.wall_time = time.perf_counter() - t0
+        if state["error"] is not None:
+            t, exc = state["error"]
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: the user's, as is
+                raise exc
+            kind = f"kernel {t.kernel}" if t.kind == "kernel" else t.kind
+            msg = (f"task #{t.id} ({kind} of {describe(t.node)}) on device {t.device} failed: "
+                   f"{type(exc).__name__}: {exc}")
+            raise EinjoinError(msg) from exc
+        if state["remaining"]:
+            if cancelled():
+                raise EinjoinError(f"run cancelled with {state['remaining']} of {len(tg.tasks)} tasks left")
+            raise EinjoinError(f"run stopped with {state['remaining']} tasks never ready (a cycle?)")
+        return self._finish(stores, stats, backend, host, feeds, capped)
+
+    @staticmethod
+    def _drive(backend: Backend, n: int, worker: Callable[[int], None], n_queues: int,
+               lock: threading.Lock, state: dict[str, Any], wake_all: Callable[[], None]) -> None:
+        """Run the workers: inline (one queue) or one thread per queue, joined before returning."""
         with backend.context(n):
             if backend.parallel:
                 threads = [threading.Thread(target=worker, args=(q,), daemon=True,
                                             name=f"einjoin-dev{q}" if q < n else f"einjoin-host{q - n}")
-                           for q in range(len(queues))]
+                           for q in range(n_queues)]
                 for th in threads:
                     th.start()
                 try:
@@ -331,17 +514,11 @@ class Engine:
                     raise
             else:
                 worker(0)
-        stats.wall_time = time.perf_counter() - t0
-        if state["error"] is not None:
-            t, exc = state["error"]
-            kind = f"kernel {t.kernel}" if t.kind == "kernel" else t.kind
-            msg = (f"task #{t.id} ({kind} of {describe(t.node)}) on device {t.device} failed: "
-                   f"{type(exc).__name__}: {exc}")
-            raise EinjoinError(msg) from exc
-        if state["remaining"]:
-            if self.cancel_event.is_set():
-                raise EinjoinError(f"run cancelled with {state['remaining']} of {len(tg.tasks)} tasks left")
-            raise EinjoinError(f"run stopped with {state['remaining']} tasks never ready (a cycle?)")
+
+    def _finish(self, stores: list[Store], stats: RunStats, backend: Backend, host: dict[int, np.ndarray],
+                feeds: Mapping[Node, np.ndarray], capped: bool) -> tuple[list[np.ndarray] | None, RunStats]:
+        """The run's totals from its stores, and its outputs assembled from the blocks."""
+        tg = self.tg
         stats.bytes_moved = sum(s.received for s in stores)
         stats.bytes_loaded = sum(s.loaded for s in stores)
         stats.bytes_evicted = sum(s.evicted for s in stores)

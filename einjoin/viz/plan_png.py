@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from einjoin.errors import EinjoinError
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.plan.stats import bytes_per_op, human_bytes
@@ -136,7 +137,14 @@ def save_plan_png(program: "Program", path: "str | os.PathLike[str]", *, max_pan
                   columns: int = 5, top_bars: int = 30, dpi: int = 100) -> pathlib.Path:
     """Draw ``program``'s plan (see the module docstring) to the PNG file ``path``; returns it.
     At most ``max_panels`` op panels (then a note "… N more ops"), ``columns`` per row, and the
-    ``top_bars`` ops that move the most bytes in the bar chart."""
+    ``top_bars`` ops that move the most bytes in the bar chart. The folder of ``path`` is created
+    first; a path that cannot be written raises an :class:`EinjoinError` before any drawing."""
+    from einjoin.viz.trace import output_path
+    for name, value, least in (("max_panels", max_panels, 1), ("columns", columns, 1),
+                               ("top_bars", top_bars, 0), ("dpi", dpi, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise EinjoinError(f"save_plan_png: {name} must be an integer >= {least}, got {value!r}")
+    out = output_path(path, "save_plan_png path")  # before the (slow) drawing, not after it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import ListedColormap
     from matplotlib.figure import Figure
@@ -174,6 +182,8 @@ def save_plan_png(program: "Program", path: "str | os.PathLike[str]", *, max_pan
     fig.legend(handles=handles, loc="outside upper center", ncols=min(len(handles), 12), fontsize=7,
                title=f"{len(ops)} ops on {n_dev} devices; {program.stats}\n"
                      f"colour: the device holding each output block", title_fontsize=8, frameon=False)
-    out = pathlib.Path(path)
-    fig.savefig(out, format="png", dpi=dpi)
+    try:
+        fig.savefig(out, format="png", dpi=dpi)
+    except OSError as e:
+        raise EinjoinError(f"save_plan_png could not write {str(out)!r}: {e.strerror or e}") from e
     return out

@@ -11,7 +11,7 @@ https://ui.perfetto.dev or ``chrome://tracing``.
 >>> x = ej.input("x", (8, 8)); w = ej.input("w", (8, 8))
 >>> prog = ej.compile(x @ w, devices=2)
 >>> path = os.path.join(tempfile.mkdtemp(), "run.json")
->>> _ = prog.run(np.ones((8, 8)), np.ones((8, 8)), trace=path)
+>>> _ = prog.run(np.ones((8, 8), np.float32), np.ones((8, 8), np.float32), trace=path)
 >>> events = json.load(open(path))["traceEvents"]
 >>> {"kernel", "load"} <= {e["cat"] for e in events if e["ph"] == "X"}
 True
@@ -30,7 +30,33 @@ from einjoin.exchange import Task
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 
-__all__ = ["TraceRecorder", "task_name"]
+__all__ = ["TraceRecorder", "task_name", "output_path"]
+
+
+def output_path(path: Any, what: str) -> pathlib.Path:
+    """Check, before any work, that a file can be written at ``path`` (``what`` names the argument,
+    e.g. ``"trace="``): its folder is created if missing; an :class:`EinjoinError` names the
+    argument and the path when it cannot be (a directory, a file in place of a folder, no
+    permission). A full disk shows only when writing."""
+    from einjoin.errors import EinjoinError
+    try:
+        out = pathlib.Path(os.fspath(path))
+    except TypeError:
+        raise EinjoinError(f"{what} must be a file path (str or os.PathLike), got {type(path).__name__} "
+                           f"{path!r:.80}") from None
+    if str(out) in ("", "."):
+        raise EinjoinError(f"{what} must name a file, got {str(path)!r}")
+    if out.is_dir():
+        raise EinjoinError(f"{what} {str(out)!r} is a directory; give a file path inside it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EinjoinError(f"{what} {str(out)!r}: cannot create its folder {str(out.parent)!r}: "
+                           f"{e.strerror or e}") from None
+    target = out if out.exists() else out.parent
+    if not os.access(target, os.W_OK):
+        raise EinjoinError(f"{what} {str(out)!r}: {str(target)!r} is not writable")
+    return out
 
 
 def task_name(task: Task, op: str | None = None) -> str:

@@ -1,0 +1,336 @@
+"""Concurrent runs of one Program (issue 16, item 1 and item 4), on the local backends.
+
+- 8 threads running one program at once, each with its own feeds, get exactly what serial runs
+  give (threads backend on several devices, sync and null too);
+- cancellation belongs to one run: a token cancelled before ``run()`` cancels that run at once
+  and no other; cancelling one of two concurrent runs leaves the other correct;
+  ``Program.cancel()`` cancels the runs in progress and not the next ones;
+- concurrent runs on the threads backend leave threadpoolctl's BLAS limits exactly as they found
+  them, even when they end in the opposite order they started.
+
+No timings are asserted: runs are ordered with events from callbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import einjoin as ej
+from einjoin.runtime.engine import CancelToken, RunHandle
+
+F32 = dict(rtol=1e-5, atol=1e-5)
+WAIT = 30  # seconds: only a hang ever gets near it
+
+
+def rand(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def mlp(devices: int, backend: str = "threads") -> tuple[Any, Any]:
+    x = ej.input("x", (32, 16))
+    w1 = ej.input("w1", (16, 24))
+    w2 = ej.input("w2", (24, 8))
+    out = ej.softmax(ej.gelu(x @ w1) @ w2)
+    return ej.compile(out, devices=devices, backend=backend), out
+
+
+def feeds_for(i: int) -> dict[str, np.ndarray]:
+    return {"x": rand((32, 16), 3 * i), "w1": rand((16, 24), 3 * i + 1), "w2": rand((24, 8), 3 * i + 2)}
+
+
+class Gate:
+    """A callback that holds the run at its first task until ``go`` is set; ``started`` tells
+    that the run is under way."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def on_start(self, task: Any) -> None:
+        with self.lock:
+            self.n += 1
+        self.started.set()
+        assert self.go.wait(WAIT), "the gate was never opened"
+
+    def on_end(self, task: Any, start: float, end: float) -> None:
+        pass
+
+
+class Count:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def on_start(self, task: Any) -> None:
+        with self.lock:
+            self.n += 1
+
+    def on_end(self, task: Any, start: float, end: float) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- same program, 8 runs at once
+
+
+@pytest.mark.parametrize("backend, devices", [("threads", 4), ("threads", 2), ("sync", 3)])
+def test_eight_concurrent_runs_equal_serial_runs(backend: str, devices: int) -> None:
+    prog, out = mlp(devices, backend)
+    feeds = [feeds_for(i) for i in range(8)]
+    serial = [prog.run(**f) for f in feeds]
+    for f, s in zip(feeds, serial):  # the serial runs themselves are right
+        np.testing.assert_allclose(s, ej.reference(out, **f), **F32)
+    barrier = threading.Barrier(8)
+    results: list[Any] = [None] * 8
+
+    def target(i: int) -> None:
+        barrier.wait(WAIT)
+        try:
+            results[i] = [prog.run(**feeds[i]) for _ in range(3)]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(WAIT * 2)
+    assert not any(th.is_alive() for th in threads), "a concurrent run hung"
+    for i, r in enumerate(results):
+        assert isinstance(r, list), f"run {i} raised {r!r}"
+        for got in r:  # bitwise: the same plan, the same fixed reduction order
+            np.testing.assert_array_equal(got, serial[i])
+    assert prog.run_stats is not None and prog.run_stats.bytes_moved == prog.stats.bytes_moved
+
+
+def test_eight_concurrent_async_runs_have_their_own_stats() -> None:
+    prog, out = mlp(4)
+    feeds = [feeds_for(i) for i in range(8)]
+    handles = [prog.run_async(**f) for f in feeds]
+    assert all(isinstance(h, RunHandle) for h in handles)
+    for h, f in zip(handles, feeds):
+        np.testing.assert_allclose(h.result(timeout=WAIT), ej.reference(out, **f), **F32)
+        assert h.done() and h.stats is not None
+        assert h.stats.tasks_run == len(prog.taskgraph)
+        assert h.stats.bytes_moved == prog.stats.bytes_moved
+    assert len({id(h.stats) for h in handles}) == 8, "runs share a stats object"
+
+
+def test_null_backend_concurrent_runs() -> None:
+    prog, _ = mlp(4, "null")
+    handles = [prog.run_async(**feeds_for(i)) for i in range(8)]
+    for h in handles:
+        assert h.result(timeout=WAIT) is None
+        assert h.stats is not None and h.stats.bytes_moved == prog.stats.bytes_moved
+
+
+# ---------------------------------------------------------------- cancellation is per run
+
+
+@pytest.mark.parametrize("backend", ["threads", "sync"])
+def test_token_cancelled_before_start_cancels_that_run_only(backend: str) -> None:
+    prog, out = mlp(2, backend)
+    f = feeds_for(1)
+    tok = CancelToken()
+    tok.cancel()
+    count = Count()
+    with pytest.raises(ej.EinjoinError, match="run cancelled"):
+        prog.run(**f, cancel=tok, callbacks=[count])
+    assert count.n == 0, "a run cancelled before its start ran tasks"
+    # the token belongs to that run: the next run without it is whole, and correct
+    np.testing.assert_allclose(prog.run(**f, callbacks=[count]), ej.reference(out, **f), **F32)
+    assert count.n == len(prog.taskgraph)
+    # an async run given the cancelled token fails; its neighbour does not
+    h1 = prog.run_async(**f, cancel=tok)
+    h2 = prog.run_async(**f)
+    with pytest.raises(ej.EinjoinError, match="run cancelled"):
+        h1.result(timeout=WAIT)
+    np.testing.assert_allclose(h2.result(timeout=WAIT), ej.reference(out, **f), **F32)
+
+
+@pytest.mark.parametrize("how", ["handle", "token"])
+def test_cancelling_one_of_two_concurrent_runs_leaves_the_other_correct(how: str) -> None:
+    prog, out = mlp(4)
+    fa, fb = feeds_for(5), feeds_for(6)
+    gate_a, gate_b = Gate(), Gate()
+    tok = CancelToken()
+    a = prog.run_async(**fa, callbacks=[gate_a], **({"cancel": tok} if how == "token" else {}))
+    b = prog.run_async(**fb, callbacks=[gate_b])
+    assert gate_a.started.wait(WAIT) and gate_b.started.wait(WAIT)  # both under way
+    if how == "handle":
+        a.cancel()
+    else:
+        tok.cancel()
+    gate_a.go.set()
+    gate_b.go.set()
+    with pytest.raises(ej.EinjoinError, match="run cancelled"):
+        a.result(timeout=WAIT)
+    np.testing.assert_allclose(b.result(timeout=WAIT), ej.reference(out, **fb), **F32)
+    assert gate_a.n < len(prog.taskgraph), "the cancelled run ran every task"
+    assert b.stats is not None and b.stats.tasks_run == len(prog.taskgraph)
+    np.testing.assert_allclose(prog.run(**fa), ej.reference(out, **fa), **F32)  # still usable
+
+
+def test_program_cancel_stops_every_run_in_progress_and_no_later_one() -> None:
+    prog, out = mlp(2)
+    f = feeds_for(2)
+    prog.cancel()  # nothing in progress: no effect on the runs that follow
+    np.testing.assert_allclose(prog.run(**f), ej.reference(out, **f), **F32)
+    gates = [Gate(), Gate()]
+    handles = [prog.run_async(**f, callbacks=[g]) for g in gates]
+    for g in gates:
+        assert g.started.wait(WAIT)
+    prog.cancel()
+    for g in gates:
+        g.go.set()
+    for h in handles:
+        with pytest.raises(ej.EinjoinError, match="run cancelled"):
+            h.result(timeout=WAIT)
+        assert h.cancelled
+    np.testing.assert_allclose(prog.run(**f), ej.reference(out, **f), **F32)
+
+
+def test_run_handle_timeout_is_an_einjoin_error() -> None:
+    prog, out = mlp(2)
+    gate = Gate()
+    h = prog.run_async(**feeds_for(0), callbacks=[gate])
+    assert gate.started.wait(WAIT)
+    assert not h.done()
+    with pytest.raises(ej.EinjoinError, match="timeout"):
+        h.result(timeout=0.01)
+    gate.go.set()
+    np.testing.assert_allclose(h.result(timeout=WAIT), ej.reference(out, **feeds_for(0)), **F32)
+
+
+def test_run_async_checks_arguments_before_returning() -> None:
+    prog, _ = mlp(2)
+    with pytest.raises(ej.EinjoinError, match="'x'"):
+        prog.run_async(x=np.ones((3, 3), np.float32), w1=rand((16, 24), 0), w2=rand((24, 8), 0))
+    with pytest.raises(ej.EinjoinError, match="seed"):
+        prog.run_async(**feeds_for(0), seed="1")
+    with pytest.raises(ej.EinjoinError, match="cancel"):
+        prog.run_async(**feeds_for(0), cancel=True)
+
+
+def test_cancel_token_is_thread_safe_and_idempotent() -> None:
+    tok = CancelToken()
+    calls: list[int] = []
+    tok.subscribe(lambda: calls.append(1))
+    threads = [threading.Thread(target=tok.cancel) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert tok.cancelled and calls == [1]
+    tok.subscribe(lambda: calls.append(2))  # already cancelled: called at once
+    assert calls == [1, 2]
+
+
+# ---------------------------------------------------------------- BLAS thread limits (item 4)
+
+
+def blas_limits() -> list[tuple[str, int]]:
+    from threadpoolctl import threadpool_info
+    return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info())
+
+
+@pytest.fixture
+def blas_control() -> Any:
+    """threadpoolctl (>= 3.6) lets one live thread at a time change a pthreads OpenBLAS's limit;
+    a test that used ``threadpool_limits`` on pytest's main thread would hold it for ever. Free
+    it, so that the limits really change in these tests (checked by reading them mid-run)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import os
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: every limit is 1")
+    clear = getattr(getattr(threadpoolctl, "OpenBLASController", None), "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+    return threadpoolctl
+
+
+class Peek(Count):
+    """Reads the BLAS limits while its run is under way (at the first task)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: Any = None
+        self.devices: Any = None
+
+    def on_start(self, task: Any) -> None:
+        import einjoin.runtime.backends as backends
+        limiter = getattr(backends, "BLAS_LIMITER", None)
+        if self.limits is None:
+            self.limits, self.devices = blas_limits(), getattr(limiter, "devices_in_flight", None)
+
+
+def test_concurrent_runs_ending_out_of_order_restore_the_blas_limit(blas_control: Any) -> None:
+    """Run A starts first and ends first, run B starts second and ends last, each on a thread of
+    its own. With one ``threadpool_limits`` per run (the old code), A restored the original and
+    B then restored the limit it saw on entry (A's), for ever."""
+    import os
+    cores = os.cpu_count() or 1
+    prog_a, out_a = mlp(2)   # 2 device threads: cores // 2 BLAS threads, below the original
+    prog_b, out_b = mlp(2)
+    fa, fb = feeds_for(7), feeds_for(8)
+    before = blas_limits()
+    assert before and all(n > cores // 2 for _, n in before), f"the original limit is already low: {before}"
+    gate_a, gate_b, peek = Gate(), Gate(), Peek()
+    results: dict[str, Any] = {}
+    ta = threading.Thread(target=lambda: results.setdefault("a", prog_a.run(**fa, callbacks=[gate_a, peek])))
+    tb = threading.Thread(target=lambda: results.setdefault("b", prog_b.run(**fb, callbacks=[gate_b])))
+    ta.start()
+    assert gate_a.started.wait(WAIT)
+    tb.start()
+    assert gate_b.started.wait(WAIT)
+    gate_a.go.set()
+    ta.join(WAIT)        # A ends (and its thread is gone) while B still runs
+    gate_b.go.set()
+    tb.join(WAIT)
+    np.testing.assert_allclose(results["a"], ej.reference(out_a, **fa), **F32)
+    np.testing.assert_allclose(results["b"], ej.reference(out_b, **fb), **F32)
+    assert all(n == cores // 2 for _, n in peek.limits), ("the run did not limit BLAS threads", peek.limits)
+    assert blas_limits() == before, "concurrent runs changed the BLAS thread limit for good"
+    # and 8 runs of two programs at once, from threads and from this one
+    handles = [(prog_a if i % 2 else prog_b).run_async(**feeds_for(i)) for i in range(8)]
+    prog_a.run(**feeds_for(9))
+    for h in handles:
+        h.result(timeout=WAIT)
+    assert blas_limits() == before
+
+
+def test_blas_limit_while_runs_are_in_flight_shares_the_cores(blas_control: Any) -> None:
+    from einjoin.runtime.backends import BLAS_LIMITER
+    import os
+    cores = os.cpu_count() or 1
+    before = blas_limits()
+    prog, out = mlp(2)
+    gate, peek = Gate(), Peek()
+    h = prog.run_async(**feeds_for(0), callbacks=[gate])
+    assert gate.started.wait(WAIT)
+    other = prog.run(**feeds_for(1), callbacks=[peek])  # 2 + 2 device threads in flight
+    gate.go.set()
+    h.result(timeout=WAIT)
+    np.testing.assert_allclose(other, ej.reference(out, **feeds_for(1)), **F32)
+    assert peek.devices == 4
+    assert all(n == max(1, cores // 4) for _, n in peek.limits), peek.limits
+    assert BLAS_LIMITER.devices_in_flight == 0 and blas_limits() == before
+
+
+def test_keyboard_interrupt_restores_the_blas_limit(blas_control: Any) -> None:
+    prog, out = mlp(2)
+    before = blas_limits()
+
+    class Interrupt(Count):
+        def on_start(self, task: Any) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prog.run(**feeds_for(0), callbacks=[Interrupt()])
+    assert blas_limits() == before
+    np.testing.assert_allclose(prog.run(**feeds_for(0)), ej.reference(out, **feeds_for(0)), **F32)
