@@ -220,6 +220,6 @@ def test_a_reshape_is_cut_at_a_divisor_of_its_dims_to_fit() -> None:
     x = ej.input("x", (5, 3))
     r = ej.reshape(x, (15,))
     prog = ej.compile(r, devices=1, memory_limit=48, quiet=True)
-    feeds = {"x": np.arange(15, dtype=np.float64).reshape(5, 3)}
+    feeds = {"x": np.arange(15, dtype=np.float32).reshape(5, 3)}
     np.testing.assert_array_equal(prog.run(**feeds), feeds["x"].reshape(15))
     assert prog.run_stats.peak_bytes_per_device[0] <= 48
