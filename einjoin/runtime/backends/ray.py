@@ -1,4 +1,4 @@
-"""The Ray backend: one Ray actor per einjoin device, holding that device's block store.
+"""The Ray backend: one Ray actor per einjoin device, holding that device's block stores.
 
 The driver submits the whole task graph at once, in task-id (topological) order: every task is
 a call on the actor of its device; a dependency on another device's task is passed as that
@@ -11,11 +11,20 @@ actors between tasks; only the outputs are fetched. The task semantics are the e
 the engine's scheduler, which is why callbacks see each task after the run, with its measured
 times.
 
+Runs are independent: every call of :meth:`RayBackend.run_graph` gets a run id, and each actor
+keeps that run's feeds, store, intervals and byte counts under it (dropped when the run ends,
+fails or is cancelled), so concurrent runs of one program never see each other's values. Two
+runs' tasks interleave on an actor in submission order; each run's submissions are in
+topological order, so the interleaving is a topological order of both graphs (no deadlock).
+
 Faults: a lost actor (killed, out of memory) is reported by Ray to every waiting reference within
 seconds. The inputs are still reachable (the driver holds the feeds), so the chosen behaviour is
-completion: every actor is replaced and the task graph runs again from the inputs (coarse
-lineage: all producers, not only the lost blocks'), ``retries`` times (default 1); after that,
-an :class:`EinjoinError` names the lost device and its actor's pid.
+completion: every actor is replaced (once per loss, however many runs saw it: a generation
+counter) and the task graph runs again from the inputs (coarse lineage: all producers, not only
+the lost blocks'), ``retries`` times (default 1); after that, an :class:`EinjoinError` names the
+lost device and its actor's pid, and the next run starts on fresh actors. Before a run starts
+while no other run is in flight, every actor is pinged (on a control thread of its own) and dead
+ones are replaced first, so an actor that died between runs costs no retry.
 
 >>> import einjoin as ej
 >>> ej.runtime.get_backend("ray").name        # nothing starts before the first run
@@ -25,9 +34,12 @@ an :class:`EinjoinError` names the lost device and its actor's pid.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -36,45 +48,62 @@ import numpy as np
 from einjoin.cluster import Cluster, Device
 from einjoin.errors import EinjoinError
 
-__all__ = ["RayBackend", "ray_cluster", "DeviceWorker"]
+__all__ = ["RayBackend", "ray_cluster", "DeviceWorker", "ensure_ray", "shutdown"]
 
 _started_here = False          # this process started the local Ray it uses
 _lock = threading.Lock()
-_live: "set[RayBackend]" = set()
+_live: "set[RayBackend]" = set()   # backends holding actors, for shutdown()
+_run_ids = itertools.count(1)  # one namespace per run on every actor (process-wide: backends share Ray)
+_plan_ids = itertools.count(1)
+# the address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
+# every other 127/8 address is loopback on Linux (elsewhere only 127.0.0.1 is up: leave Ray's choice)
+LOCAL_NODE_IP = "127.0.0.2" if sys.platform.startswith("linux") else None
+CONTROL = "control"            # the actors' concurrency group for pings (not queued behind work)
 
 
 def _ray() -> Any:
     try:
         import ray
-    except ImportError:  # pragma: no cover - ray is a dependency of the dev/ray extras
-        raise EinjoinError("backend='ray' needs Ray: pip install 'einjoin[ray]'") from None
+    except ImportError:  # ray is an optional extra
+        raise EinjoinError("backend='ray' needs Ray, which is not installed: pip install 'einjoin[ray]' "
+                           "(or use backend='threads')") from None
     return ray
 
 
-def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet: bool = False) -> Any:
+def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet: bool = False,
+               dashboard: bool = False) -> Any:
     """Ray, initialised: the running instance if there is one, else a new local one (never a
-    remote address nobody gave)."""
+    remote address nobody gave). The local one is for this machine only: its node address is a
+    loopback one (on Linux) and its dashboard is off unless ``dashboard`` (then it listens on
+    127.0.0.1 only)."""
     global _started_here
     ray = _ray()
     with _lock:
         if not ray.is_initialized():
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                     object_store_memory=object_store_memory, log_to_driver=False,
-                     configure_logging=False)
+            opts: dict[str, Any] = dict(address="local", num_cpus=num_cpus, include_dashboard=bool(dashboard),
+                                        object_store_memory=object_store_memory, log_to_driver=False,
+                                        configure_logging=False)
+            if dashboard:
+                opts["dashboard_host"] = "127.0.0.1"
+            if LOCAL_NODE_IP is not None:
+                opts["_node_ip_address"] = LOCAL_NODE_IP
+            ray.init(**opts)
             _started_here = True
             if not quiet:
-                import sys
-                print(f"einjoin: started a local Ray ({num_cpus} CPUs); it stops at exit or with "
-                      f"einjoin.runtime.backends.ray.shutdown()", file=sys.stderr)
+                print(f"einjoin: started a local Ray ({num_cpus} CPUs, loopback only); it stops at exit or "
+                      f"with einjoin.runtime.backends.ray.shutdown()", file=sys.stderr)
     return ray
 
 
 def shutdown() -> None:
-    """Kill every einjoin actor; stop Ray if einjoin started it."""
+    """Kill every einjoin actor; stop Ray if einjoin started it. A no-op (and no import of Ray)
+    when this process never used Ray, so an absent Ray prints nothing at exit."""
     global _started_here
+    ray = sys.modules.get("ray")
+    if ray is None:  # never imported (or blocked): nothing of ours can be running
+        return
     for b in list(_live):
         b.close()
-    ray = _ray()
     if _started_here and ray.is_initialized():
         ray.shutdown()
         _started_here = False
@@ -114,14 +143,32 @@ class _DeviceLost(Exception):
     """A device's actor died: internal, becomes a re-run or an EinjoinError."""
 
 
+class _Run:
+    """One run's namespace on one actor."""
+
+    __slots__ = ("tg", "decomps", "feeds", "store", "intervals", "received_from", "delay")
+
+    def __init__(self, plan: tuple[Any, Any], feeds: Mapping[Any, np.ndarray], device: int, delay: float):
+        from einjoin.runtime.engine import Store
+        self.tg, self.decomps = plan
+        self.feeds = feeds
+        self.store = Store(device)
+        self.intervals: list[tuple[int, float, float]] = []
+        self.received_from: dict[int, int] = {}
+        self.delay = delay
+
+
 class DeviceWorker:
-    """The actor body: one device's store and the task semantics the other backends use."""
+    """The actor body: one device's plans, a store per run in progress, and the task semantics
+    the other backends use. Every task method takes the run id first."""
 
     def __init__(self, device: int, blas_threads: int = 1):
         from threadpoolctl import threadpool_limits
         self.device = device
         self._limits = threadpool_limits(limits=max(1, blas_threads))
-        self.delay = 0.0
+        self.plans: dict[int, tuple[Any, Any]] = {}
+        self.runs: dict[int, _Run] = {}
+        self.aborted: set[int] = set()   # written by the control thread: the run's tasks are no-ops
 
     def pid(self) -> int:
         return os.getpid()
@@ -130,62 +177,94 @@ class DeviceWorker:
         import ray
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, plan: Any) -> None:
-        self.tg, self.decomps = plan
+    def setup(self, key: int, plan: Any) -> None:
+        self.plans[key] = plan
 
-    def set_kernel_delay(self, seconds: float) -> None:
-        """Test hook: sleep before every kernel (so a fault lands while work is outstanding)."""
-        self.delay = float(seconds)
+    def begin(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0) -> None:
+        """Open run ``run`` of plan ``key``; ``delay``: a test hook, seconds slept before every
+        kernel (so a fault or a cancel lands while work is outstanding)."""
+        if key not in self.plans:
+            raise RuntimeError(f"device {self.device} has no plan {key} (its actor was replaced)")
+        self.runs[run] = _Run(self.plans[key], feeds, self.device, float(delay))
 
-    def begin(self, feeds: Mapping[Any, np.ndarray]) -> None:
-        from einjoin.runtime.engine import Store
-        self.feeds = feeds
-        self.store = Store(self.device)
-        self.intervals: list[tuple[int, float, float]] = []
-        self.received_from: dict[int, int] = {}
+    def _get(self, run: int) -> _Run | None:
+        # None: the run was aborted (or its begin failed, which the driver sees on begin's ref)
+        return None if run in self.aborted else self.runs.get(run)
 
-    def run(self, tid: int, *deps: Any) -> None:
+    def abort(self, run: int) -> None:
+        """Make the run's remaining tasks no-ops (called on the control thread)."""
+        self.aborted.add(run)
+
+    def run(self, run: int, tid: int, *deps: Any) -> None:
         from einjoin.plan.execute import compute
-        t = self.tg.tasks[tid]
+        r = self._get(run)
+        if r is None:
+            return
+        t = r.tg.tasks[tid]
         start = time.time()
         if t.kind == "free":
-            self.store.free(t.frees)
+            r.store.free(t.frees)
         else:
-            if t.kind == "kernel" and self.delay:
-                time.sleep(self.delay)
-            value = compute(t, self.store.get, self.feeds, self.decomps, self.tg.values[t.writes].shape)
-            self.store.put(t.writes, value, value.nbytes)
+            if t.kind == "kernel" and r.delay:
+                time.sleep(r.delay)
+            value = compute(t, r.store.get, r.feeds, r.decomps, r.tg.values[t.writes].shape)
+            r.store.put(t.writes, value, value.nbytes)
             if t.kind == "load":
-                self.store.loaded += value.nbytes
-        self.intervals.append((tid, start, time.time()))
+                r.store.loaded += value.nbytes
+        r.intervals.append((tid, start, time.time()))
 
-    def send(self, vid: int, *deps: Any) -> np.ndarray:
-        return self.store.get(vid)
+    def send(self, run: int, vid: int, *deps: Any) -> np.ndarray | None:
+        r = self._get(run)
+        return None if r is None else r.store.get(vid)
 
-    def receive(self, tid: int, src: int, value: np.ndarray) -> None:
+    def receive(self, run: int, tid: int, src: int, value: np.ndarray) -> None:
         # a zero-copy, read-only view of the object store: only read by later tasks
-        t = self.tg.tasks[tid]
+        r = self._get(run)
+        if r is None:
+            return
+        t = r.tg.tasks[tid]
         start = time.time()
-        self.store.put(t.writes, value, value.nbytes)
-        self.store.received += value.nbytes   # counted here, at the receiving device
-        self.received_from[src] = self.received_from.get(src, 0) + value.nbytes
-        self.intervals.append((tid, start, time.time()))
+        r.store.put(t.writes, value, value.nbytes)
+        r.store.received += value.nbytes   # counted here, at the receiving device
+        r.received_from[src] = r.received_from.get(src, 0) + value.nbytes
+        r.intervals.append((tid, start, time.time()))
 
-    def fetch(self, vid: int) -> np.ndarray:
-        return self.store.get(vid)
+    def fetch(self, run: int, vid: int) -> np.ndarray | None:
+        r = self._get(run)
+        return None if r is None else r.store.get(vid)
 
-    def finish(self) -> dict[str, Any]:
-        s = self.store
-        out = {"received": s.received, "loaded": s.loaded, "peak": s.peak, "intervals": self.intervals,
-               "received_from": self.received_from}
-        self.feeds = {}
-        return out
+    def finish(self, run: int) -> dict[str, Any] | None:
+        """Close the run: its report; its feeds and blocks are dropped."""
+        r = self.runs.pop(run, None)
+        if r is None or run in self.aborted:
+            return None
+        s = r.store
+        return {"received": s.received, "loaded": s.loaded, "peak": s.peak, "intervals": r.intervals,
+                "received_from": r.received_from}
+
+    def drop(self, run: int) -> None:
+        """Forget a failed or cancelled run (idempotent)."""
+        self.runs.pop(run, None)
+        self.aborted.discard(run)
+
+    def open_runs(self) -> list[int]:
+        """The runs with a namespace here (tests: none after every run ended)."""
+        return sorted(self.runs)
+
+
+def _is_actor_death(e: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+    if isinstance(e, RayActorError):
+        return True
+    cause = getattr(e, "cause", None)
+    return isinstance(cause, RayActorError)
 
 
 @dataclass(eq=False)
 class RayBackend:
     """``backend="ray"``: actors are created on first run (on the node each device names, when
-    the cluster came from :func:`ray_cluster`) and live until :meth:`close` or exit."""
+    the cluster came from :func:`ray_cluster`) and live until :meth:`close` or exit. Thread-safe:
+    concurrent runs (of one program or of several sharing this backend) are independent."""
 
     name: str = "ray"
     parallel: bool = True
@@ -194,21 +273,32 @@ class RayBackend:
     num_cpus: int = 2
     object_store_memory: int | None = None
     actor_cpus: float = 0.0          # CPUs each actor reserves: 0 lets devices outnumber CPUs
-    kernel_delay: float = 0.0        # test hook, see DeviceWorker.set_kernel_delay
+    kernel_delay: float = 0.0        # test hook: seconds each kernel sleeps first (read per run)
     retries: int = 1                 # re-runs after a lost device before raising
     quiet: bool = False
+    dashboard: bool = False          # a Ray that einjoin starts gets its dashboard (on 127.0.0.1)
     actors: list[Any] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
-    _plan_id: int | None = None
-    received_per_pair: dict[tuple[int, int], int] = field(default_factory=dict)
+    received_per_pair: dict[tuple[int, int], int] = field(default_factory=dict)  # of the last run
+    generation: int = field(default=0, init=False)   # bumped whenever the actors are replaced
+
+    def __post_init__(self) -> None:
+        _ray()  # a missing Ray is said at compile time, not at the first run
+        self._mu = threading.RLock()          # actors, generation, plans shipped, runs in flight
+        self._plans: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
+        self._shipped: list[set[int]] = []    # per actor: the plan keys it holds
+        self._in_flight = 0
 
     def context(self, n_devices: int) -> Any:  # the engine's hook; unused by remote backends
         import contextlib
         return contextlib.nullcontext()
 
+    # -- actors ------------------------------------------------------------------------------
     def _start(self, cluster: Cluster | None, n: int) -> None:
-        ray = ensure_ray(self.num_cpus, self.object_store_memory, self.quiet)
-        cls = ray.remote(DeviceWorker)
+        """Start ``n`` fresh actors (under ``_mu``)."""
+        ray = ensure_ray(self.num_cpus, self.object_store_memory, self.quiet, self.dashboard)
+        # one thread runs the tasks in submission order; pings get a thread of their own
+        cls = ray.remote(concurrency_groups={CONTROL: 1}, max_concurrency=1)(DeviceWorker)
         per_node: dict[Any, int] = {}
         for d in range(n):
             node = cluster.devices[d].node if cluster is not None else None
@@ -216,75 +306,150 @@ class RayBackend:
         actors = []
         for d in range(n):
             node = cluster.devices[d].node if cluster is not None else None
-            opts: dict[str, Any] = {"num_cpus": self.actor_cpus, "max_restarts": 0,
-                                    "max_concurrency": 1}
+            opts: dict[str, Any] = {"num_cpus": self.actor_cpus, "max_restarts": 0}
             if node is not None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             cores = os.cpu_count() or 1
             actors.append(cls.options(**opts).remote(d, max(1, cores // per_node[node])))
-        self.actors = actors
-        self.pids = ray.get([a.pid.remote() for a in actors], timeout=120)
-        if self.kernel_delay:
-            ray.get([a.set_kernel_delay.remote(self.kernel_delay) for a in actors])
-        self._plan_id = None
+        try:
+            pids = ray.get([a.pid.remote() for a in actors], timeout=120)
+        except Exception as e:  # noqa: BLE001 - any failure to start is the user's to see, typed
+            self._kill(actors)
+            raise EinjoinError(f"the Ray backend could not start {n} device actors: {type(e).__name__}: "
+                               f"{e}") from None
+        self.actors, self.pids = actors, pids
+        self._shipped = [set() for _ in actors]
+        self.generation += 1
         _live.add(self)
 
+    def _kill(self, actors: Sequence[Any]) -> None:
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return
+        for x in actors:
+            try:
+                ray.kill(x, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+    def _restart(self, cluster: Cluster | None, n: int, seen: int | None = None) -> None:
+        """Replace every actor, unless another run already did since generation ``seen``."""
+        with self._mu:
+            if seen is not None and seen != self.generation:
+                return
+            self._kill(self.actors)
+            self.actors, self.pids, self._shipped = [], [], []
+            self._start(cluster, n)
+
+    def _dead(self, timeout: float = 10.0) -> list[int]:
+        """Devices whose actor is dead, by a ping on the control thread (under ``_mu``). An actor
+        that does not answer within ``timeout`` counts as alive: the run will tell."""
+        ray = _ray()
+        pings = [a.pid.options(concurrency_group=CONTROL).remote() for a in self.actors]
+        done, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        dead = []
+        for d, p in enumerate(pings):
+            if p in done:
+                try:
+                    ray.get(p)
+                except Exception as e:  # noqa: BLE001
+                    if _is_actor_death(e):
+                        dead.append(d)
+        return dead
+
+    def _prepare(self, engine: Any, cluster: Cluster | None, n: int) -> tuple[list[Any], list[int], int, int]:
+        """Live actors holding the engine's plan: (actors, pids, plan key, generation)."""
+        ray = _ray()
+        with self._mu:
+            if len(self.actors) != n:
+                self._restart(cluster, n)
+            elif not self._in_flight and self._dead():  # died between runs: replace before running
+                if not self.quiet:
+                    print("einjoin: a Ray device actor died since the last run; starting fresh actors",
+                          file=sys.stderr)
+                self._restart(cluster, n)
+            if engine not in self._plans:  # the plan goes to the object store once per program
+                self._plans[engine] = (next(_plan_ids), ray.put((engine.tg, engine.decomps)))
+            key, plan = self._plans[engine]
+            for d, x in enumerate(self.actors):
+                if key not in self._shipped[d]:
+                    x.setup.remote(key, plan)  # runs before this run's begin (same actor, in order)
+                    self._shipped[d].add(key)
+            self._in_flight += 1
+            return list(self.actors), list(self.pids), key, self.generation
+
+    # -- runs --------------------------------------------------------------------------------
     def run_graph(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
-                  callbacks: Sequence[Any] = ()) -> tuple[list[np.ndarray], Any]:
-        """Run; when a device is lost and ``retries`` remain, start fresh actors and run again
-        from the inputs (the driver holds them), so the run completes."""
+                  callbacks: Sequence[Any] = (), cancel: Any = None) -> tuple[list[np.ndarray], Any]:
+        """Run the engine's task graph on the actors with these feeds. When a device is lost and
+        ``retries`` remain, the actors are replaced and the graph runs again from the inputs (the
+        driver holds them), so the run completes. ``cancel``: a
+        :class:`~einjoin.runtime.engine.CancelToken` (anything with a ``cancelled`` property),
+        polled while waiting; a cancelled run raises ``EinjoinError("run cancelled ...")``, its
+        namespace on the actors is dropped and the backend stays usable."""
+        n_tasks = len(engine.tg.tasks)
+        if cancel is not None and cancel.cancelled:  # before start: nothing is submitted
+            raise EinjoinError(f"run cancelled before it started (none of its {n_tasks} tasks ran)")
         for attempt in range(self.retries + 1):
             try:
-                outs, stats = self._run_once(engine, feeds, cluster, callbacks)
+                outs, stats = self._run_once(engine, feeds, cluster, callbacks, cancel)
                 stats.recoveries = attempt
                 return outs, stats
             except _DeviceLost as e:
                 if attempt == self.retries:
-                    raise EinjoinError(str(e)) from None
+                    raise EinjoinError(f"{e}; the run failed after {self.retries} re-run(s) (RayBackend("
+                                       f"retries=...) allows more); the next run starts fresh actors") from None
                 if not self.quiet:
-                    import sys
                     print(f"einjoin: {e}; restarting the actors and re-running", file=sys.stderr)
+                if cancel is not None and cancel.cancelled:
+                    raise EinjoinError(f"run cancelled while recovering from a lost device ({e})") from None
         raise AssertionError  # pragma: no cover
 
     def _run_once(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
-                  callbacks: Sequence[Any] = ()) -> tuple[list[np.ndarray], Any]:
+                  callbacks: Sequence[Any], cancel: Any) -> tuple[list[np.ndarray], Any]:
         from einjoin.plan.execute import assemble_outputs
         from einjoin.runtime.engine import RunStats
         ray = _ray()
         tg = engine.tg
         n = tg.n_devices
-        if len(self.actors) != n:
-            self.close()
-            self._start(cluster, n)
-        a = self.actors
         t0 = time.perf_counter()
+        a, pids, key, gen = self._prepare(engine, cluster, n)
+        run = next(_run_ids)
         try:
-            if self._plan_id != id(engine):  # ship the plan once per program
-                plan = ray.put((tg, engine.decomps))
-                ray.get([x.setup.remote(plan) for x in a])
-                self._plan_id = id(engine)
             feeds_ref = ray.put(dict(feeds))
-            ray.get([x.begin.remote(feeds_ref) for x in a])
-            refs: list[Any] = [None] * len(tg.tasks)
+            delay = float(self.kernel_delay)
+            begins = [x.begin.remote(run, key, feeds_ref, delay) for x in a]
+            task_refs: list[Any] = [None] * len(tg.tasks)
             for t in tg.tasks:
                 # same-device order is the actor's submission order; other devices' tasks by ref
-                deps = [refs[d] for d in t.deps if tg.tasks[d].device != t.device]
+                deps = [task_refs[d] for d in t.deps if tg.tasks[d].device != t.device]
                 if t.kind == "move":
-                    src_deps = [refs[d] for d in t.deps if tg.tasks[d].device == t.src_device]
-                    val = a[t.src_device].send.remote(t.reads[0], *src_deps)
-                    refs[t.id] = a[t.device].receive.remote(t.id, t.src_device, val)
+                    src_deps = [task_refs[d] for d in t.deps if tg.tasks[d].device == t.src_device]
+                    val = a[t.src_device].send.remote(run, t.reads[0], *src_deps)
+                    task_refs[t.id] = a[t.device].receive.remote(run, t.id, t.src_device, val)
                 else:
-                    refs[t.id] = a[t.device].run.remote(t.id, *deps)
-            blocks = {v: a[tg.values[v].device].fetch.remote(v)
+                    task_refs[t.id] = a[t.device].run.remote(run, t.id, *deps)
+            refs = [*begins, *task_refs]
+            blocks = {v: a[tg.values[v].device].fetch.remote(run, v)
                       for lay in tg.outputs for v in lay.blocks.values()}
-            finals = [x.finish.remote() for x in a]
-            self._wait(refs, tg)
+            finals = [x.finish.remote(run) for x in a]
+            self._wait(refs, len(begins), tg, pids, cancel)
             fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
             reports = ray.get(finals)
-        except (EinjoinError, _DeviceLost):
-            self.close()  # a lost or failed device: the next run starts fresh actors
+        except BaseException as e:
+            # this run only: stop what is queued, drop its namespace; other runs are untouched
+            self._abandon(a, run)
+            if isinstance(e, _DeviceLost):
+                self._done()
+                self._restart(cluster, n, seen=gen)  # once per loss, whichever run saw it first
+            elif not isinstance(e, (EinjoinError, KeyboardInterrupt)) and _is_ray_error(e):
+                self._done()
+                raise EinjoinError(f"the Ray backend failed: {type(e).__name__}: {e}") from None
+            else:
+                self._done()
             raise
+        self._done()
         stats = RunStats(order="ray", intervals={d: [] for d in range(n)})
         stats.wall_time = time.perf_counter() - t0
         offset = time.perf_counter() - time.time()
@@ -309,24 +474,61 @@ class RayBackend:
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs, stats
 
-    def _wait(self, refs: list[Any], tg: Any) -> None:
+    def _done(self) -> None:
+        with self._mu:
+            self._in_flight -= 1
+
+    def _abandon(self, actors: Sequence[Any], run: int) -> None:
+        """Best effort, never raising: make the run's queued tasks no-ops (``abort`` runs on the
+        control thread, at once) and drop its namespace on every actor (queued after its tasks).
+        Not ``ray.cancel``: a cancelled actor task leaves a hole in the actor's sequence numbers
+        that stalls every later task on it for 30 s."""
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return
+        acks = []
+        for x in actors:
+            try:
+                acks.append(x.abort.options(concurrency_group=CONTROL).remote(run))
+            except Exception:  # noqa: BLE001 - the actor is gone: so is the namespace
+                pass
+        try:
+            ray.wait(acks, num_returns=len(acks), timeout=5.0)  # before drop: no stale abort mark
+        except Exception:  # noqa: BLE001
+            pass
+        for x in actors:
+            try:
+                x.drop.remote(run)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _wait(self, refs: list[Any], n_begins: int, tg: Any, pids: Sequence[int], cancel: Any) -> None:
         ray = _ray()
         from ray.exceptions import RayActorError, RayTaskError
         pending = list(refs)
         index = {r: i for i, r in enumerate(refs)}
+        n_tasks = len(tg.tasks)
         while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            if cancel is not None and cancel.cancelled:
+                left = sum(1 for r in pending if index[r] >= n_begins)
+                raise EinjoinError(f"run cancelled with {left} of {n_tasks} tasks left")
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
             for r in done:
+                i = index[r]
                 try:
                     ray.get(r)
                 except RayActorError as e:
-                    t = tg.tasks[index[r]]
-                    dev = t.device
-                    raise _DeviceLost(f"device {dev} (Ray actor pid {self.pids[dev]}) was lost while "
-                                      f"running task #{t.id} ({t.kind}): {type(e).__name__}") from None
+                    dev = i if i < n_begins else tg.tasks[i - n_begins].device
+                    what = "before the run started" if i < n_begins else \
+                        f"while running task #{i - n_begins} ({tg.tasks[i - n_begins].kind})"
+                    raise _DeviceLost(f"device {dev} (Ray actor pid {pids[dev]}) was lost {what}: "
+                                      f"{type(e).__name__}") from None
                 except RayTaskError as e:
-                    t = tg.tasks[index[r]]
                     cause = e.cause if getattr(e, "cause", None) is not None else e
+                    if i < n_begins:
+                        raise EinjoinError(f"device {i} could not open the run: {type(cause).__name__}: "
+                                           f"{cause}") from None
+                    t = tg.tasks[i - n_begins]
                     if isinstance(cause, RayActorError):
                         raise _DeviceLost(f"a device was lost (Ray actor died) before task #{t.id} "
                                           f"on device {t.device} could run: {type(cause).__name__}") from None
@@ -334,15 +536,23 @@ class RayBackend:
                     raise EinjoinError(f"task #{t.id} ({t.kind} of {describe(t.node)}) on device {t.device} "
                                        f"failed: {type(cause).__name__}: {cause}") from None
 
+    def open_runs(self) -> list[list[int]]:
+        """Per actor, the run ids it holds a namespace for (tests and debugging: ``[]`` each
+        once every run ended). Waits for the tasks queued before it on each actor."""
+        ray = _ray()
+        with self._mu:
+            actors = list(self.actors)
+        return ray.get([x.open_runs.remote() for x in actors])
+
     def close(self) -> None:
         """Kill this backend's actors (idempotent)."""
-        if self.actors:
-            ray = _ray()
-            if ray.is_initialized():
-                for x in self.actors:
-                    try:
-                        ray.kill(x, no_restart=True)
-                    except Exception:  # noqa: BLE001 - already dead
-                        pass
-        self.actors, self.pids, self._plan_id = [], [], None
+        with self._mu:
+            self._kill(self.actors)
+            self.actors, self.pids, self._shipped = [], [], []
         _live.discard(self)
+
+
+def _is_ray_error(e: BaseException) -> bool:
+    """An error raised by Ray itself (not einjoin's), to be wrapped in an EinjoinError."""
+    mod = type(e).__module__ or ""
+    return mod.startswith("ray.") or mod == "ray"
