@@ -146,6 +146,40 @@ def test_half_reference_and_blocked_accumulate_in_float32(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", HALF)
+def test_half_contractions_property(dtype: str) -> None:
+    """Random integer-valued half matmuls and sums (float32 sums of them are exact) under random
+    splits of the contracted label, devices, placements and backends: the result is exactly the
+    float64 result rounded once to the dtype (inf where that overflows)."""
+    top = 2048 if dtype == "float16" else 256  # the integers the dtype holds exactly
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(m=st.integers(1, 4), k=st.integers(2, 40), n=st.integers(1, 4), data=st.data())
+    def check(m: int, k: int, n: int, data: st.DataObject) -> None:
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        av = rng.integers(-top, top + 1, (m, k)).astype(numpy_dtype(dtype))
+        bv = rng.integers(-8, 9, (k, n)).astype(numpy_dtype(dtype))
+        a = ej.input("a", av.shape, dtype)
+        b = ej.input("b", bv.shape, dtype)
+        use_sum = data.draw(st.booleans())
+        z = ej.einsum("mk->m", a) if use_sum else a @ b
+        (lab,) = z.node.op.agg_labels
+        cuts = sorted(data.draw(st.sets(st.integers(1, k - 1), min_size=1, max_size=min(k - 1, 5))))
+        prog = ej.compile(z, devices=data.draw(st.sampled_from([1, 2, 3, 4])),
+                          specs={z: {lab: [0, *cuts, k]}},
+                          placement=data.draw(st.sampled_from(["round_robin", "random", "greedy"])),
+                          backend=data.draw(st.sampled_from(["sync", "threads"])), quiet=True)
+        feeds = {"a": av} if use_sum else {"a": av, "b": bv}
+        exact = av.astype(F64).sum(1) if use_sum else av.astype(F64) @ bv.astype(F64)
+        with np.errstate(over="ignore"):
+            want = exact.astype(numpy_dtype(dtype))
+        got = prog.run(**feeds)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.astype(F64), want.astype(F64))
+
+    check()
+
+
+@pytest.mark.parametrize("dtype", HALF)
 def test_half_partials_under_a_memory_cap(dtype: str) -> None:
     """A capped plan chains its reduces (memplan.chain): the accumulator between steps stays
     float32, only the last step casts."""
