@@ -10,7 +10,8 @@ Task kinds:
 - ``load``   — a block of a graph input from the host (``box``: the block, global coordinates)
 - ``fill``   — a block of a fill computed in place (``box``: global coordinates)
 - ``kernel`` — kernel ``kernel`` of ``node``'s decomposition (its output block or a partial)
-- ``reduce`` — combine same-shaped partials with ``agg``, in the order given (a local aggregation)
+- ``reduce`` — combine same-shaped partials with ``agg``, in the order given (a local aggregation);
+  a half-precision sum's partials are float32 and the block's last reduce casts (``dtype``)
 - ``select`` — cut the sub-box ``box`` (relative to the source value) on the device
 - ``move``   — copy a value from ``src_device`` to ``device`` (``nbytes`` travel)
 - ``touch``  — write the sub-box ``box`` of the source into region ``dst_box`` of a buffer
@@ -57,7 +58,9 @@ def box_size(box: Box) -> int:
 
 def intersect(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return None if any(lo >= hi for lo, hi in out) else out
+    # blocks that only touch do not overlap; on an empty dim, its empty block meets itself
+    return None if any(lo > hi or (lo == hi and (x0 < x1 or y0 < y1))
+                       for (lo, hi), (x0, x1), (y0, y1) in zip(out, a, b)) else out
 
 
 def relative(inner: Box, outer: Box) -> Box:

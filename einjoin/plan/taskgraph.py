@@ -6,6 +6,10 @@ loaded (``load`` tasks, on the device the placement gives each input block); eve
 replica and every partial result that travels is a ``move``; outputs are aggregated to one copy
 on the devices and then fetched.
 
+Numerics: the partial results of a float16/bfloat16 sum or product are float32 values (kernels,
+local reduces, the moves that carry them: ``einjoin.ir.kernels.partial_dtype``); the last reduce
+of each block writes the op's dtype, so the result is rounded once, as torch and cuBLAS do.
+
 >>> import einjoin as ej
 >>> from einjoin.plan import build_taskgraph
 >>> from einjoin.placement import place
