@@ -198,6 +198,27 @@ def test_half_partials_under_a_memory_cap(dtype: str) -> None:
     assert rs is not None and max(rs.peak_bytes_per_device.values()) <= 2**20
 
 
+@pytest.mark.xdist_group("ray")
+def test_half_partials_on_ray(ray_session: object) -> None:
+    """The Ray backend runs the same tasks: float32 partials travel through the object store and
+    the measured bytes are the plan's."""
+    from einjoin.runtime.backends.ray import RayBackend
+    backend = RayBackend(quiet=True)
+    try:
+        for dtype in HALF:
+            av, bv = _matmul_data(dtype)
+            a = ej.input("a", av.shape, dtype)
+            b = ej.input("b", bv.shape, dtype)
+            z = a @ b
+            prog = ej.compile(z, devices=2, specs={z: {"k": 4}}, placement="round_robin",
+                              backend=backend, quiet=True)
+            _assert_close(prog.run(a=av, b=bv), av.astype(F64) @ bv.astype(F64), dtype)
+            assert prog.run_stats is not None
+            assert prog.run_stats.bytes_moved == prog.stats.bytes_moved > 0
+    finally:
+        backend.close()
+
+
 def test_max_min_partials_stay_in_the_op_dtype() -> None:
     """max/min pick one of their arguments: exact in half, so partials are not widened."""
     x = ej.input("x", (4, 8), "float16")
