@@ -144,7 +144,24 @@ assert out.shape == (8, 6) and float(out[0, 0]) == 4.0
 node = ray._private.worker._global_node
 pids = [p.process.pid for ps in node.all_processes.values() for p in ps] + prog.backend.pids
 print("PIDS", *pids)
+import psutil  # Ray ships it (ray/thirdparty_files, on sys.path once ray is imported)
+procs = set(pids)
+for pid in pids:
+    try:
+        procs |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        pass
+for c in psutil.net_connections(kind="inet"):
+    if c.pid in procs and c.status == psutil.CONN_LISTEN:
+        p = psutil.Process(c.pid)
+        print("LISTEN", c.laddr.ip, c.laddr.port, p.name().replace(" ", "_"),
+              int(any(a.endswith(("dashboard/dashboard.py", "dashboard/agent.py")) for a in p.cmdline())))
 """
+
+# Ray 2.60's own gRPC servers (GCS, raylets, core workers) bind every interface whatever the node
+# address (no option turns it off; they require Ray's cluster token). Everything else that Ray
+# lets einjoin place -- the node address, the runtime-env agent, the dashboard -- is loopback.
+RAY_CORE = ("gcs_server", "raylet", "ray::IDLE", "ray::DeviceWorker")
 
 
 def test_compile_starts_and_stops_its_own_ray(tmp_path):
@@ -153,8 +170,17 @@ def test_compile_starts_and_stops_its_own_ray(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "started a local Ray" in res.stderr
-    pids = [int(p) for p in res.stdout.split("PIDS", 1)[1].split()]
+    pids = [int(p) for p in res.stdout.split("PIDS", 1)[1].split("\n", 1)[0].split()]
     assert len(pids) >= 5
+    # the local Ray einjoin starts is for this machine only, its dashboard off (issue 16)
+    import ipaddress
+    listening = [line.split()[1:] for line in res.stdout.splitlines() if line.startswith("LISTEN")]
+    assert listening, res.stdout
+    for ip, port, name, dashboard in listening:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+        assert dashboard == "0" and port != "8265", f"a dashboard listens: {name} on {ip}:{port}"
+        assert addr.is_loopback or (addr.is_unspecified and name.startswith(RAY_CORE)), \
+            f"{name} listens on {ip}:{port}, not a loopback address"
     deadline = time.time() + 15
     while time.time() < deadline and _alive_actor_pids(pids):
         time.sleep(0.2)
