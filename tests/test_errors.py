@@ -10,6 +10,8 @@ A known bug gets its case marked ``xfail(strict=True)`` with the reason, until i
 
 from __future__ import annotations
 
+import json
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -131,21 +133,10 @@ CASES = [
          ej.EinsumSyntaxError, ["'j'", "'none'"]),
 
     # ---- dtypes
-    case("dtype-bool-sum", lambda: t(dtype="bool").sum(), ej.DTypeError, ["'sum'", "bool"]),
-    case("dtype-bool-add-bool", lambda: t(dtype="bool") + t(dtype="bool", name="y"),
-         ej.DTypeError, ["add", "bool"]),
-    case("dtype-float-add-bool", lambda: t() + t(dtype="bool", name="y"), ej.DTypeError,
-         ["float32", "bool"]),
-    case("dtype-float32-add-int64", lambda: t() + t(dtype="int64", name="y"), ej.DTypeError,
-         ["float32", "int64"]),
-    case("dtype-int64-times-float-constant", lambda: t(dtype="int64") * 0.5, ej.DTypeError,
-         ["0.5", "int64"]),
+    # (issue 16: mixed int/float/bool arithmetic, exp of ints, sums of bools, zero-size dims and
+    # empty slices now follow torch instead of raising; tests/adversarial/test_dtypes.py checks them)
     case("dtype-where-float-condition", lambda: ej.where(t(), 1.0, 0.0), ej.DTypeError,
          ["condition", "float32"]),
-    case("dtype-where-branches-mix",
-         lambda: ej.where(t(dtype="bool", name="c"), t(), t(dtype="int64", name="y")),
-         ej.DTypeError, ["float32", "int64"]),
-    case("dtype-exp-int64", lambda: ej.exp(t(dtype="int64")), ej.DTypeError, ["exp", "int64"]),
     case("dtype-logical-and-float", lambda: t() & t(name="y"), ej.DTypeError,
          ["logical_and", "float32"]),
     case("dtype-matmul-bool", lambda: t((2, 3), "bool") @ t((3, 2), "bool", "y"), ej.DTypeError,
@@ -163,7 +154,6 @@ CASES = [
 
     # ---- shapes given to constructors
     case("shape-negative-dim", lambda: t((2, -3)), ej.ShapeError, ["-3", "'x'"]),
-    case("shape-zero-dim", lambda: t((0, 3)), ej.ShapeError, ["(0, 3)"]),
     case("shape-non-int-dim", lambda: t((2.5, 3)), ej.ShapeError, ["2.5"]),
     case("shape-bool-dim", lambda: t((True, 3)), ej.ShapeError, ["True"]),
     case("shape-None", lambda: t(None), ej.ShapeError, ["None"]),
@@ -225,7 +215,6 @@ CASES = [
     case("slice-step-negative", lambda: t((4, 3))[:, ::-1], ej.UnsupportedOpError,
          ["step -1"]),
     case("slice-step-0", lambda: t((4, 3))[::0], ej.EinjoinError, ["step 0"]),
-    case("slice-empty", lambda: t((4, 3))[3:1], ej.ShapeError, ["selects nothing", "(4, 3)"]),
     case("split-dim-out-of-range", lambda: ej.split(t((6,)), 2, dim=3), ej.ShapeError,
          ["dimension 3", "(6,)"]),
     case("gather-float-indices", lambda: ej.gather(t((5, 2)), t((3,), name="i")), ej.DTypeError,
@@ -384,3 +373,172 @@ def test_enough_cases() -> None:
     assert len(CASES) >= 40
     ids = [p.id for p in CASES]
     assert len(ids) == len(set(ids)), "case ids must be unique"
+
+
+# ---------------------------------------------------------------- compile() and run() arguments
+# (issue 16: a string or float seed failed with a TypeError deep in a run; bad order / callbacks /
+# quiet / host_link / cancel / trace values at run() are named before any task runs)
+
+
+class _Count:
+    """A callback counting the tasks started."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def on_start(self, task: Any) -> None:
+        with self.lock:
+            self.n += 1
+
+    def on_end(self, task: Any, start: float, end: float) -> None:
+        pass
+
+
+def _small(backend: str = "threads", **kw: Any) -> Any:
+    x = ej.input("x", (8, 6))
+    w = ej.input("w", (6, 4))
+    return ej.compile(ej.softmax(x @ w), devices=2, backend=backend, **kw)
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((8, 6)).astype(np.float32),
+            "w": rng.standard_normal((6, 4)).astype(np.float32)}
+
+
+COMPILE_ARGS = [
+    pytest.param(dict(seed="1"), ["seed", "str"], id="seed-str"),
+    pytest.param(dict(seed=1.5), ["seed", "float"], id="seed-float"),
+    pytest.param(dict(seed=None), ["seed", "None"], id="seed-none"),
+    pytest.param(dict(order="fastest"), ["order", "'fastest'", "fifo"], id="order-unknown"),
+    pytest.param(dict(order=["fifo"]), ["order", "fifo"], id="order-list"),
+    pytest.param(dict(quiet="no"), ["quiet", "'no'"], id="quiet-str"),
+    pytest.param(dict(host_link=True), ["host_link", "True"], id="host-link-bool"),
+    pytest.param(dict(host_link="16e9"), ["host_link", "'16e9'"], id="host-link-str"),
+    pytest.param(dict(planner=["auto"]), ["planner", "['auto']"], id="planner-list"),
+    pytest.param(dict(backend=["threads"]), ["backend", "['threads']"], id="backend-list"),
+    pytest.param(dict(placement={"greedy"}), ["placement", "greedy"], id="placement-set"),
+]
+
+
+@pytest.mark.parametrize("kw, fragments", COMPILE_ARGS)
+def test_bad_compile_argument_is_named(kw: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(ej.EinjoinError) as info:
+        _small(**kw)
+    assert type(info.value) in FAMILY, repr(info.value)
+    missing = [f for f in fragments if f not in str(info.value)]
+    assert not missing, f"message {str(info.value)!r} lacks {missing}"
+
+
+RUN_ARGS = [
+    pytest.param(dict(seed="1"), ["seed", "str"], id="seed-str"),
+    pytest.param(dict(seed=2.0), ["seed", "float"], id="seed-float"),
+    pytest.param(dict(order="fastest"), ["order", "'fastest'", "fifo"], id="order-unknown"),
+    pytest.param(dict(order=1), ["order", "1"], id="order-int"),
+    pytest.param(dict(callbacks=_Count()), ["callbacks", "list"], id="callbacks-single"),
+    pytest.param(dict(callbacks=5), ["callbacks", "int"], id="callbacks-int"),
+    pytest.param(dict(callbacks=[print]), ["callbacks[0]", "on_start"], id="callbacks-function"),
+    pytest.param(dict(quiet="yes"), ["quiet", "'yes'"], id="quiet-str"),
+    pytest.param(dict(host_link=0), ["host_link", "0"], id="host-link-zero"),
+    pytest.param(dict(host_link=-5.0), ["host_link", "-5.0"], id="host-link-negative"),
+    pytest.param(dict(host_link=True), ["host_link", "True"], id="host-link-bool"),
+    pytest.param(dict(host_link="fast"), ["host_link", "'fast'"], id="host-link-str"),
+    pytest.param(dict(cancel="now"), ["cancel", "CancelToken"], id="cancel-not-a-token"),
+    pytest.param(dict(trace=3), ["trace=", "int"], id="trace-int"),
+]
+
+
+@pytest.mark.parametrize("backend", ["threads", "sync"])
+@pytest.mark.parametrize("kw, fragments", RUN_ARGS)
+def test_bad_run_argument_is_named_before_any_task(kw: dict[str, Any], fragments: list[str],
+                                                   backend: str) -> None:
+    prog = _small(backend)
+    count = _Count()
+    kw = dict(kw)  # the parameter is shared by both backends' cases
+    cbs = kw.pop("callbacks", [count])
+    with pytest.raises(ej.EinjoinError) as info:
+        prog.run(**_feeds(), callbacks=cbs, **kw)
+    assert type(info.value) in FAMILY, repr(info.value)
+    missing = [f for f in fragments if f not in str(info.value)]
+    assert not missing, f"message {str(info.value)!r} lacks {missing}"
+    assert count.n == 0 and prog.run_stats is None, "tasks ran before the argument was checked"
+    out = prog.run(**_feeds())  # the program is untouched
+    np.testing.assert_allclose(out, prog.run_reference(**_feeds()), rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_integer_seed_is_a_seed() -> None:
+    prog = _small(seed=np.int64(3))
+    out = prog.run(**_feeds(), seed=np.int32(5), order="random")
+    np.testing.assert_allclose(out, prog.run_reference(**_feeds()), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- outputs into missing folders
+
+
+def test_trace_into_a_missing_folder_creates_it(tmp_path: Any) -> None:
+    prog = _small()
+    path = tmp_path / "no" / "such" / "dir" / "run.json"
+    out = prog.run(**_feeds(), trace=path)
+    np.testing.assert_allclose(out, prog.run_reference(**_feeds()), rtol=1e-5, atol=1e-6)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == len(prog.taskgraph)
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "a-directory"])
+def test_trace_path_that_cannot_be_written_fails_before_running(tmp_path: Any, where: str) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a folder")
+    path = blocker / "run.json" if where == "under-a-file" else tmp_path
+    prog = _small()
+    count = _Count()
+    with pytest.raises(ej.EinjoinError) as info:
+        prog.run(**_feeds(), trace=path, callbacks=[count])
+    assert "trace=" in str(info.value) and str(path) in str(info.value), str(info.value)
+    assert count.n == 0, "the run started although its trace could not be written"
+
+
+def test_save_plan_png_into_a_missing_folder_creates_it(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    prog = _small()
+    path = prog.save_plan_png(tmp_path / "plans" / "today" / "plan.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_save_plan_png_refuses_an_unwritable_path_and_bad_options(tmp_path: Any) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a folder")
+    prog = _small()
+    with pytest.raises(ej.EinjoinError, match="save_plan_png path"):
+        prog.save_plan_png(blocker / "plan.png")
+    with pytest.raises(ej.EinjoinError, match="max_panels"):
+        prog.save_plan_png(tmp_path / "p.png", max_panels=0)
+    with pytest.raises(ej.EinjoinError, match="dpi"):
+        prog.save_plan_png(tmp_path / "p.png", dpi="high")
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+
+class _Interrupt(_Count):
+    """Raises KeyboardInterrupt (what Ctrl-C raises) at the ``at``-th task."""
+
+    def __init__(self, at: int = 3) -> None:
+        super().__init__()
+        self.at = at
+
+    def on_start(self, task: Any) -> None:
+        super().on_start(task)
+        if self.n == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("backend", ["sync", "threads"])
+def test_ctrl_c_is_a_plain_keyboard_interrupt_and_the_program_stays_usable(backend: str) -> None:
+    prog = _small(backend)
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt) as info:
+        prog.run(**_feeds(), callbacks=[_Interrupt()])
+    assert type(info.value) is KeyboardInterrupt  # not wrapped in an EinjoinError
+    assert threading.active_count() == before, threading.enumerate()
+    np.testing.assert_allclose(prog.run(**_feeds()), prog.run_reference(**_feeds()), rtol=1e-5, atol=1e-6)

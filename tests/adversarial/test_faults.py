@@ -1,0 +1,175 @@
+"""Fault injection on the local backends (issue 16): a kernel raising mid-run, a trace written to
+a full disk, Ctrl-C in the middle of a run.
+
+- a kernel that raises names its task (id, kernel, op, device), stops every worker, and the same
+  program then runs again correctly;
+- a finished run whose trace cannot be written (``/dev/full``: every write fails with ENOSPC)
+  returns its results and warns (:class:`einjoin.program.TraceWriteWarning`); a failed run whose
+  trace cannot be written raises its own error, with a note about the trace;
+- a ``KeyboardInterrupt`` raised inside a kernel propagates as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import einjoin as ej
+import einjoin.runtime.engine as engine_mod
+from einjoin.program import TraceWriteWarning
+
+F32 = dict(rtol=1e-5, atol=1e-5)
+BACKENDS = ["threads", "sync"]
+
+
+def rand(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def chain(backend: str, devices: int = 4) -> tuple[Any, Any, dict[str, np.ndarray]]:
+    x = ej.input("x", (32, 24))
+    w = ej.input("w", (24, 24))
+    h = ej.gelu(x @ w)
+    out = ej.softmax(h @ w)
+    prog = ej.compile(out, devices=devices, backend=backend)
+    return prog, out, {"x": rand((32, 24), 1), "w": rand((24, 24), 2)}
+
+
+class FailingKernel:
+    """Wraps the engine's ``compute``: the ``at``-th kernel task raises ``exc``."""
+
+    def __init__(self, real: Any, at: int, exc: BaseException):
+        self.real, self.at, self.exc = real, at, exc
+        self.lock = threading.Lock()
+        self.kernels = 0
+        self.failed: Any = None
+
+    def __call__(self, t: Any, *args: Any, **kw: Any) -> Any:
+        if t.kind == "kernel":
+            with self.lock:
+                self.kernels += 1
+                hit = self.kernels == self.at
+                if hit:
+                    self.failed = t
+            if hit:
+                raise self.exc
+        return self.real(t, *args, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_raising_mid_run_names_the_task_and_the_program_runs_again(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    prog, out, feeds = chain(backend)
+    n_kernels = sum(t.kind == "kernel" for t in prog.taskgraph.tasks)
+    assert n_kernels >= 6
+    fault = FailingKernel(engine_mod.compute, at=n_kernels // 2, exc=FloatingPointError("injected"))
+    monkeypatch.setattr(engine_mod, "compute", fault)
+    before = threading.active_count()
+    with pytest.raises(ej.EinjoinError) as info:
+        prog.run(**feeds)
+    msg = str(info.value)
+    t = fault.failed
+    for frag in (f"task #{t.id}", f"kernel {t.kernel}", f"device {t.device}", "FloatingPointError", "injected"):
+        assert frag in msg, (frag, msg)
+    assert isinstance(info.value.__cause__, FloatingPointError)
+    assert threading.active_count() == before, threading.enumerate()
+    monkeypatch.undo()
+    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), **F32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keyboard_interrupt_inside_a_kernel_is_not_wrapped(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    prog, out, feeds = chain(backend)
+    monkeypatch.setattr(engine_mod, "compute", FailingKernel(engine_mod.compute, at=2, exc=KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt) as info:
+        prog.run(**feeds)
+    assert type(info.value) is KeyboardInterrupt
+    monkeypatch.undo()
+    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), **F32)
+
+
+def test_concurrent_run_survives_a_neighbour_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing run stops its own workers only: a run of the same program at the same time ends
+    with the right result."""
+    prog, out, feeds = chain("threads")
+    mark = np.float32(12345.0)
+    feeds["x"][0, 0] = mark  # tells the failing run's feeds apart inside compute
+    other = {"x": rand((32, 24), 3), "w": rand((24, 24), 4)}
+    real = engine_mod.compute
+    started = threading.Event()
+
+    def compute(t: Any, get: Any, fd: Any, *args: Any, **kw: Any) -> Any:
+        # the run fed with the mark fails at its first kernel, once the other run is under way
+        if t.kind == "kernel" and any(v.size and v.flat[0] == mark for v in fd.values()):
+            assert started.wait(30)
+            raise RuntimeError("injected")
+        return real(t, get, fd, *args, **kw)
+
+    class Started:
+        def on_start(self, task: Any) -> None:
+            started.set()
+
+        def on_end(self, task: Any, start: float, end: float) -> None:
+            pass
+
+    monkeypatch.setattr(engine_mod, "compute", compute)
+    bad = prog.run_async(**feeds)
+    good = prog.run_async(**other, callbacks=[Started()])
+    with pytest.raises(ej.EinjoinError, match="injected"):
+        bad.result(timeout=60)
+    np.testing.assert_allclose(good.result(timeout=60), ej.reference(out, **other), **F32)
+
+
+# ---------------------------------------------------------------- traces on a full disk
+
+
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+
+
+@needs_dev_full
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trace_to_a_full_disk_keeps_the_results(backend: str) -> None:
+    prog, out, feeds = chain(backend)
+    with pytest.warns(TraceWriteWarning, match="/dev/full"):
+        got = prog.run(**feeds, trace="/dev/full")
+    np.testing.assert_allclose(got, ej.reference(out, **feeds), **F32)
+    assert prog.run_stats is not None and prog.run_stats.tasks_run == len(prog.taskgraph)
+
+
+@needs_dev_full
+def test_failed_run_with_trace_to_a_full_disk_raises_the_runs_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    prog, out, feeds = chain("threads")
+    monkeypatch.setattr(engine_mod, "compute", FailingKernel(engine_mod.compute, at=3, exc=ValueError("boom")))
+    with pytest.raises(ej.EinjoinError, match="boom") as info:
+        prog.run(**feeds, trace="/dev/full")
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "trace" in notes and "/dev/full" in notes, notes
+
+
+def test_cancelled_run_still_writes_its_trace(tmp_path: Any) -> None:
+    import json
+    prog, out, feeds = chain("threads")
+
+    class CancelAtThird:
+        def __init__(self) -> None:
+            self.n = 0
+            self.lock = threading.Lock()
+
+        def on_start(self, task: Any) -> None:
+            with self.lock:
+                self.n += 1
+                if self.n == 3:
+                    prog.cancel()
+
+        def on_end(self, task: Any, start: float, end: float) -> None:
+            pass
+
+    path = tmp_path / "cancelled" / "run.json"
+    with pytest.raises(ej.EinjoinError, match="run cancelled"):
+        prog.run(**feeds, trace=path, callbacks=[CancelAtThird()])
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert 3 <= len(events) < len(prog.taskgraph)
