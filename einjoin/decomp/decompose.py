@@ -115,7 +115,10 @@ def _gather(node: Node, js: JoinAggSpec) -> Decomposition:
 
 
 def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """Minimal groups of dims of ``a`` and ``b`` with equal products (row-major reshape)."""
+    """Minimal groups of dims of ``a`` and ``b`` with equal products (row-major reshape); an
+    empty tensor (a 0 in the shapes) is one group of all dims."""
+    if 0 in a or 0 in b:
+        return [(list(range(len(a))), list(range(len(b))))]
     groups = []
     i = j = 0
     while i < len(a) or j < len(b):
@@ -153,6 +156,9 @@ def _reshape(node: Node, out: Partition) -> tuple[tuple[Partition, ...], tuple[K
     src = node.inputs[0].shape
     dst = node.shape
     in_bounds: list[tuple[int, ...]] = [(0, n) for n in src]
+    if node.size == 0:  # no row-major groups in an empty tensor: every kernel reads it whole
+        inp = Partition(tuple(in_bounds))
+        return (inp,), tuple(Kernel(k, k, ((0,) * len(src),)) for k in out.keys())
     for ia, jb in reshape_groups(src, dst):
         cut = [d for d in jb if len(out.bounds[d]) > 2]
         if not cut:
@@ -190,6 +196,8 @@ def reshape_region(node: Node, in_part: Partition, out_box: tuple[tuple[int, int
     whose cut is kept, the whole group elsewhere (the kernel then slices the out block from it)."""
     src, dst = node.inputs[0].shape, node.shape
     region = [(0, n) for n in dst]
+    if node.size == 0:
+        return tuple(region)
     for ia, jb in _groups_cached(src, dst):
         la = _lead(ia, src)
         if la is not None and len(in_part.bounds[la]) > 2:
@@ -248,7 +256,9 @@ def _concat(node: Node, op: Concat, out: Partition) -> tuple[tuple[Partition, ..
         lo, hi = out.bounds[ax][key[ax]], out.bounds[ax][key[ax] + 1]
         in_keys: list[BlockKey | None] = []
         for x, p, off in zip(node.inputs, ins, offsets):
-            if off < hi and lo < off + x.shape[ax]:
+            if start == 0:  # every input is empty along the axis: each kernel reads them all
+                in_keys.append(key)
+            elif off < hi and lo < off + x.shape[ax]:
                 blk = p.overlapping(ax, max(lo, off) - off, min(hi, off + x.shape[ax]) - off)
                 assert len(blk) == 1
                 in_keys.append(key[:ax] + (blk[0],) + key[ax + 1:])

@@ -26,14 +26,17 @@ BlockKey = tuple[int, ...]
 
 
 def even_bounds(n: int, k: int, what: str = "dimension") -> tuple[int, ...]:
-    """Boundaries of ``k`` nearly equal blocks of ``n`` (the larger blocks first)."""
+    """Boundaries of ``k`` nearly equal blocks of ``n`` (the larger blocks first); an empty
+    dimension (``n == 0``) is one empty block, ``(0, 0)``."""
     if isinstance(k, np.integer):
         k = int(k)
+    if n == 0 and isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+        return (0, 0)  # an empty dimension is one empty block, however many were asked for
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise PartitionError(f"{what}: block count must be a positive int, got {k!r}")
     if k > n:
         raise PartitionError(f"{what}: {k} blocks for a dimension of size {n} would leave "
-                             f"empty blocks")
+                             f"empty blocks" + (" (an empty dimension takes 1 block)" if n == 0 else ""))
     q, r = divmod(n, k)
     out = [0]
     for i in range(k):
@@ -42,7 +45,8 @@ def even_bounds(n: int, k: int, what: str = "dimension") -> tuple[int, ...]:
 
 
 def check_bounds(bounds: Sequence[int], n: int, what: str = "dimension") -> tuple[int, ...]:
-    """Validate explicit boundaries ``(0, b1, ..., n)``: strictly increasing, so no block is empty."""
+    """Validate explicit boundaries ``(0, b1, ..., n)``: strictly increasing, so no block is empty
+    (except the one block ``(0, 0)`` of an empty dimension)."""
     try:
         if isinstance(bounds, (str, bytes)) or any(isinstance(v, bool) for v in bounds):
             raise TypeError
@@ -51,6 +55,8 @@ def check_bounds(bounds: Sequence[int], n: int, what: str = "dimension") -> tupl
         raise PartitionError(f"{what}: boundaries must be a list of ints, got {bounds!r}") from None
     if len(b) < 2 or b[0] != 0 or b[-1] != n:
         raise PartitionError(f"{what}: boundaries {list(b)} must start at 0 and end at the size {n}")
+    if b == (0, 0):
+        return b  # an empty dimension: its one block is empty
     for x, y in zip(b, b[1:]):
         if y <= x:
             raise PartitionError(f"{what}: boundaries {list(b)} leave an empty block [{x}:{y}]")
@@ -64,6 +70,9 @@ class Partition:
     bounds: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
+        if any(b == (0,) for b in self.bounds):
+            # the set of cuts of an empty dim is {0}: its one block is (0, 0)
+            object.__setattr__(self, "bounds", tuple((0, 0) if b == (0,) else b for b in self.bounds))
         for d, b in enumerate(self.bounds):
             check_bounds(b, b[-1] if b else 0, f"dim {d}")
 
@@ -132,8 +141,11 @@ class Partition:
         return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.bounds, key))
 
     def overlapping(self, d: int, start: int, stop: int) -> range:
-        """Block indices of dim ``d`` that intersect ``[start, stop)``."""
+        """Block indices of dim ``d`` that intersect ``[start, stop)``; on an empty dim, its one
+        (empty) block."""
         b = self.bounds[d]
+        if b[-1] == 0:
+            return range(1)
         lo = bisect.bisect_right(b, start) - 1
         hi = bisect.bisect_left(b, stop)
         return range(lo, hi)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import builtins
+import operator
 from typing import Any, Sequence
 
 from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
@@ -189,10 +190,16 @@ def split(x: Tensor, split_size_or_sections: Any, dim: int = 0) -> tuple[Tensor,
         step = split_size_or_sections
         if step <= 0:
             raise ShapeError(f"split: size must be positive, got {step}")
-        sizes = [step] * (n // step) + ([n % step] if n % step else [])
+        sizes = [step] * (n // step) + ([n % step] if n % step else []) or [0]
     else:
         sizes = list(split_size_or_sections)
-        if builtins.sum(sizes) != n or any(s <= 0 for s in sizes):
+        try:
+            if any(isinstance(s, bool) for s in sizes):
+                raise TypeError
+            sizes = [operator.index(s) for s in sizes]
+        except TypeError:
+            raise ShapeError(f"split: sizes must be ints, got {sizes}") from None
+        if builtins.sum(sizes) != n or any(s < 0 for s in sizes):
             raise ShapeError(f"split: sizes {sizes} do not add up to {n} (dim {d} of {x.shape})")
     out = []
     start = 0
@@ -210,6 +217,8 @@ def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
     n = x.shape[_norm_dim(x, dim)]
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
         raise ShapeError(f"chunk: chunks must be positive, got {chunks}")
+    if n == 0:  # torch: as many empty chunks as asked for
+        return split(x, [0] * chunks, dim)
     return split(x, -(-n // chunks), dim)
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import builtins
+import math
 from typing import Any, Sequence, Union
 
 import numpy as np
@@ -309,7 +310,7 @@ class Tensor:
         n = 1
         for d in dims:
             n *= self.shape[d]
-        scale = 1.0 / n if n else float("nan")
+        scale = 1.0 / n if n else math.nan  # the one nan object: Const(nan) must equal itself
         if self.dtype in ("float16", "bfloat16"):
             # scale each element before summing: the sum of x/n stays within the range of x, so
             # half partial sums cannot overflow where the mean itself fits
@@ -427,9 +428,7 @@ class Tensor:
                 if step != 1:
                     raise UnsupportedOpError(f"slicing with step {step} on dim {d} (shape {self.shape}); "
                                              f"only step 1 is supported")
-                if b <= a:
-                    raise ShapeError(f"slice [{item.start}:{item.stop}] selects nothing from dim {d} "
-                                     f"of shape {self.shape}")
+                b = builtins.max(a, b)  # an empty slice is an empty tensor, as in torch
                 starts.append(a); stops.append(b); out_shape.append(b - a)
             elif isinstance(item, int) and not isinstance(item, builtins.bool):
                 if not -n <= item < n:

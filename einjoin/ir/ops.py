@@ -37,7 +37,8 @@ def _as_int(v: Any, what: str) -> int:
 
 
 def check_shape(shape: Any, what: str) -> tuple[int, ...]:
-    """A shape as a tuple of positive ints, or a ShapeError naming ``what``."""
+    """A shape as a tuple of non-negative ints, or a ShapeError naming ``what``. A size-0 dim
+    makes an empty tensor, as in torch (``x[:, n:]``); it flows through every op."""
     if isinstance(shape, (int,)) and not isinstance(shape, bool):
         shape = (shape,)
     try:
@@ -47,8 +48,6 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
     for d in dims:
         if d < 0:
             raise ShapeError(f"{what}: negative dimension {d} in shape {dims}")
-        if d == 0:
-            raise ShapeError(f"{what}: empty dimension in shape {dims} (einjoin blocks are non-empty)")
     return dims
 
 
@@ -108,6 +107,12 @@ def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],
             f"'none'; give an aggregation (sum, max, min, prod)")
     if not agg_labels:
         aggregation = get_agg("none")
+    empty = [lab for lab in agg_labels if sizes[lab][0] == 0]
+    if empty and aggregation.name in ("max", "min"):
+        # sum and prod over nothing are 0 and 1; max and min have no value there (torch raises)
+        raise ShapeError(f"einsum {eq!r}: {aggregation.name} over label(s) {''.join(empty)!r} "
+                         f"of size 0 has no value (an empty tensor's {aggregation.name}); slice "
+                         f"a non-empty range or use sum")
     try:
         dtype = infer_dtype(expr, [x.dtype for x in inputs])
     except DTypeError as e:
@@ -133,7 +138,10 @@ def reshape_node(x: Node, shape: Any) -> Node:
         for d in dims:
             if d != -1:
                 known *= d
-        if known <= 0 or x.size % known:
+        if known == 0:  # torch: the -1 of an empty tensor could be anything
+            raise ShapeError(f"reshape {x.shape} -> {tuple(dims)}: with a 0 among the known dims "
+                             f"the -1 could be any size; give every dim")
+        if known < 0 or x.size % known:
             raise ShapeError(f"reshape {x.shape} -> {tuple(dims)}: {x.size} elements do not "
                              f"divide into the known dims")
         dims[dims.index(-1)] = x.size // known
@@ -178,12 +186,22 @@ def select_node(x: Node, starts: Sequence[int], stops: Sequence[int]) -> Node:
         raise ShapeError(f"select on shape {x.shape}: need {x.ndim} starts and stops, got "
                          f"{len(starts)} and {len(stops)}")
     for d, (a, b, n) in enumerate(zip(starts, stops, x.shape)):
-        if not 0 <= a < b <= n:
+        if not 0 <= a <= b <= n:  # start == stop selects an empty dim, as torch's x[:, n:]
             raise ShapeError(f"select [{a}:{b}] on dim {d} of shape {x.shape}: need "
-                             f"0 <= start < stop <= {n}")
+                             f"0 <= start <= stop <= {n}")
     if starts == (0,) * x.ndim and stops == x.shape:
         return x
-    return Node(Select(starts, stops), (x,), tuple(b - a for a, b in zip(starts, stops)), x.dtype)
+    shape = tuple(b - a for a, b in zip(starts, stops))
+    empty = [d for d, (a, b, n) in enumerate(zip(starts, stops, x.shape)) if a == b and n > 0]
+    if empty:
+        # An empty slice of a non-empty dim (torch's x[:, n:]): one element's width of it,
+        # broadcast to size 0. A block kernel then never has to cut an empty piece out of a
+        # non-empty block, and x stays an input of the graph.
+        one = [(min(a, n - 1), min(a, n - 1) + 1) if d in empty else (a, b)
+               for d, (a, b, n) in enumerate(zip(starts, stops, x.shape))]
+        thin = select_node(x, [a for a, _ in one], [b for _, b in one])
+        return broadcast_node(thin, shape, tuple(range(x.ndim)))
+    return Node(Select(starts, stops), (x,), shape, x.dtype)
 
 
 def concat_node(xs: Sequence[Node], axis: int) -> Node:

@@ -13,6 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.ir.dtypes import DTYPES
@@ -252,3 +254,172 @@ def test_half_mean_does_not_overflow(dtype: str) -> None:
                 ej.compile(x.mean(1), devices=2, quiet=True).run(x=v)):
         assert np.all(np.isfinite(out.astype(np.float32)))
         np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-2)
+
+
+# ---------------------------------------------------------------- empty tensors
+
+def _empty_cases() -> list[tuple[str, Any, dict[str, np.ndarray], Any]]:
+    """(name, output, feeds, torch function of the feeds giving the expected value)."""
+    xv = np.arange(12, dtype=np.float32).reshape(3, 4)
+    zv = np.zeros((0, 4), np.float32)
+    x, z = ej.input("x", (3, 4)), ej.input("z", (0, 4))
+    w0, w, v = ej.input("w0", (0, 5)), ej.input("w", (4, 6)), ej.input("v", (6, 2))
+    t, i = ej.input("t", (5, 3)), ej.input("i", (0,), "int64")
+    ones = {"w": np.ones((4, 6), np.float32), "v": np.ones((6, 2), np.float32)}
+    return [
+        ("slice-end", x[:, 4:], {"x": xv}, lambda f: f["x"][:, 4:]),
+        ("slice-middle", x[1:1], {"x": xv}, lambda f: f["x"][1:1]),
+        ("slice-reversed", x[:, 3:1] * 2, {"x": xv}, lambda f: f["x"][:, 3:1] * 2),
+        ("sum-over-empty", x[:, 4:].sum(1), {"x": xv}, lambda f: f["x"][:, 4:].sum(1)),
+        ("sum-all-empty", x[:, 4:].sum(), {"x": xv}, lambda f: f["x"][:, 4:].sum()),
+        ("prod-over-empty", z.prod(0), {"z": zv}, lambda f: f["z"].prod(0)),
+        ("mean-over-empty", z.mean(0), {"z": zv}, lambda f: f["z"].mean(0)),
+        ("matmul-k0", x[:, 4:] @ w0, {"x": xv, "w0": np.zeros((0, 5), np.float32)},
+         lambda f: f["x"][:, 4:] @ f["w0"]),
+        ("elementwise", (x[:, 4:].relu() + 1).exp(), {"x": xv},
+         lambda f: (f["x"][:, 4:].relu() + 1).exp()),
+        ("concat-empty-last", ej.concat([x, x[:, 4:]], 1), {"x": xv},
+         lambda f: torch.cat([f["x"], f["x"][:, 4:]], 1)),
+        ("concat-empty-first", ej.concat([x[:, :0], x], 1).sum(1), {"x": xv},
+         lambda f: torch.cat([f["x"][:, :0], f["x"]], 1).sum(1)),
+        ("concat-all-empty", ej.concat([x[:, :0], x[:, 4:]], 1), {"x": xv},
+         lambda f: torch.cat([f["x"][:, :0], f["x"][:, 4:]], 1)),
+        ("concat-along-empty-rows", ej.concat([z, z], 1), {"z": zv},
+         lambda f: torch.cat([f["z"], f["z"]], 1)),
+        ("reshape", x[:, 4:].reshape(0, 3), {"x": xv}, lambda f: f["x"][:, 4:].reshape(0, 3)),
+        ("transpose", x[:, 4:].T, {"x": xv}, lambda f: f["x"][:, 4:].T),
+        ("broadcast", x[:, 4:].reshape(3, 1, 0).expand(3, 2, 0), {"x": xv},
+         lambda f: f["x"][:, 4:].reshape(3, 1, 0).expand(3, 2, 0)),
+        ("broadcast-to-zero", x[:, :1].expand(3, 0), {"x": xv}, lambda f: f["x"][:, :1].expand(3, 0)),
+        ("empty-input", z * 2, {"z": zv}, lambda f: f["z"] * 2),
+        ("softmax-rows", ej.softmax(z), {"z": zv}, lambda f: torch.softmax(f["z"], -1)),
+        ("gather-no-rows", t[i], {"t": np.ones((5, 3), np.float32), "i": np.zeros(0, np.int64)},
+         lambda f: f["t"][f["i"]]),
+        ("fill", ej.zeros((0, 3)) + 1, {}, lambda f: torch.zeros(0, 3) + 1),
+        ("fill-sum", ej.ones((4, 0)).sum(1), {}, lambda f: torch.ones(4, 0).sum(1)),
+        ("cast", x[:, 4:].to("float64"), {"x": xv}, lambda f: f["x"][:, 4:].double()),
+        ("mlp-no-rows", (z @ w).relu() @ v, {"z": zv, **ones}, lambda f: (f["z"] @ f["w"]).relu() @ f["v"]),
+        ("split-zero", ej.split(x, [4, 0], 1)[1] + 1, {"x": xv},
+         lambda f: torch.split(f["x"], [4, 0], 1)[1] + 1),
+        ("chunk-empty", ej.chunk(z.T[:0], 2)[1] * 1, {"z": zv}, lambda f: torch.chunk(f["z"].T[:0], 2)[1] * 1),
+        ("int-mean-empty", ej.input("n", (0,), "int64").mean(), {"n": np.zeros(0, np.int64)},
+         lambda f: f["n"].double().mean().float()),
+    ]
+
+
+EMPTY = _empty_cases()
+
+
+def _want(case: Any) -> np.ndarray:
+    _, _, feeds, fn = case
+    return np.asarray(fn({k: torch.from_numpy(v) for k, v in feeds.items()}).numpy())
+
+
+def _check(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    np.testing.assert_allclose(got, want, rtol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", EMPTY, ids=[c[0] for c in EMPTY])
+def test_empty_reference_and_blocked(case: Any) -> None:
+    _, out, feeds, _ = case
+    want = _want(case)
+    _check(ej.reference(out, **feeds), want)
+    _check(ej.execute_blocked(out, None, **feeds), want)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+@pytest.mark.parametrize("case", EMPTY, ids=[c[0] for c in EMPTY])
+def test_empty_compiled(case: Any, devices: int) -> None:
+    """Empty tensors flow through planning, placement, exchange and the engine; the plan's
+    byte accounting still equals what moved."""
+    from einjoin.optim.exact import plan_bytes
+    _, out, feeds, _ = case
+    prog = ej.compile(out, devices=devices, backend="threads" if devices == 4 else "sync", quiet=True)
+    _check(prog.run(**feeds), _want(case))
+    assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+    assert plan_bytes(prog.graph, prog.decomps, prog.placement) == prog.stats.bytes_moved
+
+
+@pytest.mark.parametrize("name", ["sum-over-empty", "concat-empty-first", "mlp-no-rows", "slice-end"])
+@pytest.mark.parametrize("variant", ["capped", "round_robin", "split_largest", "data_parallel"])
+def test_empty_under_caps_planners_and_placements(name: str, variant: str) -> None:
+    case = next(c for c in EMPTY if c[0] == name)
+    _, out, feeds, _ = case
+    kw: dict[str, Any] = {"capped": {"memory_limit": 2048}, "round_robin": {"placement": "round_robin"},
+                          "split_largest": {"planner": "split_largest"},
+                          "data_parallel": {"planner": "data_parallel"}}[variant]
+    from einjoin.optim.baselines import NotApplicable
+    try:
+        prog = ej.compile(out, devices=2, backend="sync", quiet=True, **kw)
+    except NotApplicable:
+        return
+    _check(prog.run(**feeds), _want(case))
+
+
+def test_empty_specs_accept_any_count_on_an_empty_label() -> None:
+    """An empty label is one empty block whatever count a spec or planner asks for."""
+    z = ej.input("z", (0, 4))
+    y = z * 2
+    prog = ej.compile(y, devices=2, specs={y: {"a": 2, "b": 2}}, backend="sync", quiet=True)
+    assert prog.decomps[y.node].out_partition.bounds == ((0, 0), (0, 2, 4))
+    assert prog.run(z=np.zeros((0, 4), np.float32)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("agg", ["max", "min"])
+def test_max_over_an_empty_dim_is_a_clear_error(agg: str) -> None:
+    x = ej.input("x", (3, 4))
+    with pytest.raises(ej.ShapeError, match=rf"{agg} over label.*size 0"):
+        getattr(x[:, 4:], agg)(1)
+    with pytest.raises((RuntimeError, IndexError)):  # torch refuses it too
+        getattr(torch.zeros(3, 0), agg)(1)
+    assert getattr(x[:, 4:], agg)(0).shape == (0,)  # over a non-empty dim it is fine
+
+
+def test_empty_slice_keeps_its_input() -> None:
+    """``x[:, n:]`` alone still makes x an input of the graph: run(x=...) takes it."""
+    x = ej.input("x", (3, 4))
+    prog = ej.compile(x[:, 4:], devices=2, quiet=True)
+    assert [n.op.name for n in prog.graph.inputs] == ["x"]
+    assert prog.run(np.ones((3, 4), np.float32)).shape == (3, 0)
+
+
+def test_reshape_of_empty_with_minus_one() -> None:
+    z = ej.input("z", (0, 4))
+    assert z.reshape(-1, 2).shape == (0, 2)
+    with pytest.raises(ej.ShapeError, match="any size"):
+        z.reshape(0, -1)  # ambiguous, as in torch
+
+
+@st.composite
+def _empty_einsums(draw: Any) -> tuple[Any, dict[str, np.ndarray], Any]:
+    """A random einsum over one or two operands, at least one with a dim of size 0."""
+    from graphgen import einsum_labels
+    n_ops = draw(st.integers(1, 2))
+    shapes = [tuple(draw(st.lists(st.integers(0, 3), min_size=1, max_size=3))) for _ in range(n_ops)]
+    if not any(0 in s for s in shapes):
+        s = list(shapes[0]); s[draw(st.integers(0, len(s) - 1))] = 0; shapes[0] = tuple(s)
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    xs = [ej.input(f"e{i}", s, "float64") for i, s in enumerate(shapes)]
+    feeds = {f"e{i}": rng.standard_normal(s) for i, s in enumerate(shapes)}
+    terms, out = draw(einsum_labels(xs))
+    join = draw(st.sampled_from(["mul", "add"] if n_ops == 2 else ["x0", "exp"]))
+    agg = draw(st.sampled_from(["sum", "prod", "max"]))
+    eq = ",".join(terms) + "->" + out
+    return eq, feeds, (xs, join, agg)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_empty_einsums(), st.sampled_from([1, 2, 4]))
+def test_random_empty_einsums(drawn: Any, devices: int) -> None:
+    from graphgen import oracle
+    eq, feeds, (xs, join, agg) = drawn
+    try:
+        y = ej.einsum(eq, *xs, join=join, agg=agg)
+    except ej.ShapeError as e:  # max over an empty label: refused up front, as torch
+        assert agg == "max" and "size 0" in str(e)
+        return
+    want = oracle([y], feeds)[0]
+    got = ej.compile(y, devices=devices, backend="sync", quiet=True).run(**feeds)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
