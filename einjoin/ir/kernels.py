@@ -98,7 +98,8 @@ def einsum_kernel(op: Einsum, arrays: Sequence[np.ndarray], out_dtype: str) -> n
     else:
         order = op.all_labels
         aligned = [align(x, ls, order) for x, ls in zip(xs, op.in_labels)]
-        full = tuple(max(a.shape[d] for a in aligned) for d in range(len(order)))
+        full = tuple(min(s) if 0 in s else max(s)  # an empty label has size 0, not 1
+                     for s in ([a.shape[d] for a in aligned] for d in range(len(order))))
         val = np.asarray(evaluate(op.join, aligned))
         if val.shape != full:  # a join that ignores an input still ranges over its labels
             val = np.broadcast_to(val, full)

@@ -99,7 +99,7 @@ def repartition_estimate(producer: Partition, consumer: Partition, dtype: str) -
     """Placement-free repartition bytes: each consumer block sits with the producer block it
     overlaps most and the rest of it moves. Both partitions are grids, so the sum over consumer
     blocks of the largest overlap factorises into a product over dims of 1-D sums: O(blocks)."""
-    if producer == consumer:
+    if producer == consumer or 0 in consumer.shape:  # an empty tensor moves nothing
         return 0
     kept = 1
     for pb, cb in zip(producer.bounds, consumer.bounds):

@@ -75,13 +75,14 @@ def candidate_specs(node: Node, p: int, over: tuple[int, ...] = (1, 2, 4)) -> li
     sizes = label_sizes(node)
     labels = list(sizes)
     dims = [sizes[lab] for lab in labels]
+    most = [max(n, 1) for n in dims]  # an empty label (size 0) is one empty block
     found: list[tuple[int, ...]] = []
     for k in over:
-        found.extend(_factorisations(k * p, dims))
+        found.extend(_factorisations(k * p, most))
     if not found:
-        cap = math.prod(dims)
+        cap = math.prod(most)
         for target in range(min(p, cap), 0, -1):
-            found = list(_factorisations(target, dims))
+            found = list(_factorisations(target, most))
             if found:
                 break
     return [JoinAggSpec(tuple(labels), tuple(even_bounds(n, c) for n, c in zip(dims, counts)))

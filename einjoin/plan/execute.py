@@ -84,7 +84,7 @@ def _compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[No
 def to_host(t: Task, value: np.ndarray, host: dict[int, np.ndarray]) -> None:
     """An evict or write-back: a copy of ``value`` into the host store (a clean value, with
     ``nbytes`` 0, is only dropped by the caller)."""
-    if t.nbytes:
+    if t.nbytes or value.size == 0:  # an empty value weighs 0 bytes but must still arrive
         old = host.get(t.host_key)
         if old is not None and old.shape == value.shape and old.dtype == value.dtype:
             np.copyto(old, value)  # a block evicted again reuses its host buffer (no new pages)
