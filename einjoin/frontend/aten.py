@@ -26,13 +26,49 @@ from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
 from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
 
-__all__ = ["OPS", "NO_OPS", "torch_dtype"]
+__all__ = ["OPS", "NO_OPS", "DATA_DEPENDENT", "NOTES", "torch_dtype", "data_dependent"]
 
 Fn = Callable[..., Any]
 OPS: dict[str, Fn] = {}
 # ops that only check metadata or return nothing: skipped
 NO_OPS = frozenset({"_assert_tensor_metadata", "_assert_async", "_assert_scalar", "sym_constrain_range",
                     "sym_constrain_range_for_size", "_check_is_size"})
+# ops whose result's size (or a Python value) depends on the tensor values: a static graph cannot
+# hold them, whatever the translation; named as such (with the workaround), not as "unsupported"
+DATA_DEPENDENT = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_select", "unique", "_unique",
+                            "_unique2", "unique_consecutive", "unique_dim", "item", "_local_scalar_dense",
+                            "tolist", "bincount"})
+DATA_DEPENDENT_HELP = (
+    "the result's size depends on the tensor values, and einjoin graphs are static. Keep shapes "
+    "fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0) and then a reduction instead of "
+    "x[mask] or masked_select, a mask instead of nonzero(); a Python value read from a tensor "
+    "(.item(), a branch on it) becomes an argument bound with functools.partial")
+# what a translation does not cover, for docs/torch_ops.md (keyed by any of its names)
+NOTES: dict[str, str] = {
+    "div": "no `rounding_mode`",
+    "floordiv": "of Python numbers (shape arithmetic) only",
+    "logical_not": "of bool tensors only",
+    "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
+    "max": "an error naming the fix: use `amax` / `amin` (reductions) or `maximum` / `minimum`",
+    "dropout": "the identity in eval mode; an error in training mode",
+    "scaled_dot_product_attention": "no `dropout_p`; `is_causal` aligns top-left as in torch",
+    "slice": "step 1 only",
+    "index": "one 1-D integer index tensor; a boolean mask is data-dependent",
+    "getitem": "ints, slices, None, Ellipsis and one 1-D integer index tensor; a boolean mask is "
+               "data-dependent",
+    "repeat_interleave": "an int `repeats` and a `dim`",
+    "view": "to a shape (not a dtype view)",
+    "arange": "non-empty ranges",
+    "_scaled_dot_product_flash_attention_for_cpu": "the output only (the logsumexp is for backward)",
+}
+
+
+def data_dependent(what: str) -> UnsupportedOpError:
+    """The error for a data-dependent shape (``what`` says which), marked so the importer can
+    group it apart from unsupported ops."""
+    err = UnsupportedOpError(f"{what} makes a data-dependent shape: {DATA_DEPENDENT_HELP}")
+    err.data_dependent = what  # type: ignore[attr-defined]
+    return err
 
 
 def op(*names: str) -> Callable[[Fn], Fn]:
@@ -153,7 +189,7 @@ def _not(x: Tensor) -> Tensor:
 @op("where")
 def _where(cond: Tensor, a: Any = None, b: Any = None) -> Tensor:
     if a is None or b is None:
-        raise UnsupportedOpError("where(cond) with one argument (returns indices)")
+        raise data_dependent("where(cond) with one argument (it returns the indices of the true elements)")
     return F.where(cond, a, b)
 
 
@@ -432,8 +468,10 @@ def _repeat_interleave(x: Tensor, repeats: int, dim: int) -> Tensor:
 
 @op("repeat_interleave")
 def _repeat_interleave_op(x: Tensor, repeats: Any, dim: Any = None, *, output_size: Any = None) -> Tensor:
-    if _is_t(repeats) or dim is None:
-        raise UnsupportedOpError("repeat_interleave with tensor repeats or no dim")
+    if _is_t(repeats):
+        raise data_dependent("repeat_interleave with tensor repeats")
+    if dim is None:
+        raise UnsupportedOpError("repeat_interleave without a dim")
     return _repeat_interleave(x, int(repeats), dim)
 
 
@@ -516,7 +554,7 @@ def _index(x: Tensor, indices: Any) -> Tensor:
     d = tensors[0]
     ix = idx[d]
     if ix.dtype == "bool":
-        raise UnsupportedOpError("boolean-mask indexing (its shape depends on the data)")
+        raise data_dependent("boolean-mask indexing x[mask]")
     if ix.ndim != 1:
         raise UnsupportedOpError(f"advanced indexing with a {ix.ndim}-D index tensor")
     return _index_select(x, d, ix)
@@ -526,6 +564,8 @@ def _index(x: Tensor, indices: Any) -> Tensor:
 def _getitem(x: Any, index: Any) -> Any:
     if isinstance(x, (tuple, list)):
         return x[index]  # None for results only the backward reads (logsumexp, mean, rstd)
+    if _is_t(index) and index.dtype == "bool":  # fx records x[mask] as getitem(x, mask)
+        raise data_dependent("boolean-mask indexing x[mask]")
     if isinstance(index, tuple) and builtins.any(_is_t(i) for i in index):
         return _index(x, index)
     return x[index]

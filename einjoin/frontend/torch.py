@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -30,39 +31,57 @@ from einjoin.frontend import aten
 from einjoin.frontend import functions as F
 from einjoin.frontend.tensor import Tensor
 
-__all__ = ["from_torch", "TorchFunction"]
+__all__ = ["from_torch", "TorchFunction", "supported_ops", "ops_markdown", "DOCS_PAGE"]
+
+DOCS_PAGE = "docs/torch_ops.md"
 
 
 @dataclass(frozen=True)
 class TorchFunction:
-    """A module's forward as an einjoin graph: ``outputs`` (tensors), ``arg_names`` (the graph
-    inputs fed positionally, in the forward's order), ``bound`` (parameters and buffers by name)."""
+    """A module's forward as an einjoin graph: ``outputs`` (tensors), ``arg_names`` (the forward's
+    tensor arguments, fed positionally in this order; those the graph never reads are accepted and
+    ignored), ``bound`` (parameters and buffers by name), ``notes`` (what the import decided that
+    a user should know: unused arguments, aliased example arguments)."""
 
     outputs: tuple[Tensor, ...]
     arg_names: tuple[str, ...]
     bound: Mapping[str, np.ndarray] = field(repr=False)
     many: bool = False
     method: str = "export"
+    notes: tuple[str, ...] = ()
 
     def reference(self, *args: Any, **feeds: Any) -> Any:
         """Evaluate with the numpy reference (``ej.reference``), binding the module's tensors."""
         from einjoin.ir.reference import reference
         from einjoin.ir.graph import Graph
         used = Graph(list(self.outputs)).input_by_name
+        if len(args) > len(self.arg_names):
+            raise EinjoinError(f"{len(args)} positional inputs given but the module's forward takes "
+                               f"{len(self.arg_names)}: {', '.join(self.arg_names)}")
+        given = {**dict(zip(self.arg_names, args)), **feeds}
         values = {**{k: v for k, v in self.bound.items() if k in used},
-                  **dict(zip(self.arg_names, args)), **feeds}
+                  **{k: v for k, v in given.items() if k in used or k not in self.arg_names}}
         outs = reference(list(self.outputs), **values)
         return tuple(outs) if self.many else outs[0]
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{o.dtype}{list(o.shape)}" for o in self.outputs)
+        notes = "".join(f"; note: {n}" for n in self.notes)
         return (f"TorchFunction({self.method}; args {', '.join(self.arg_names)}; "
-                f"{len(self.bound)} bound tensors; outputs {shapes})")
+                f"{len(self.bound)} bound tensors; outputs {shapes}{notes})")
+
+
+# ---------------------------------------------------------------- naming and locating nodes
 
 
 def _source_line(node: Any) -> str:
     """The module's source line that produced ``node`` (the last frame outside torch itself)."""
     trace = node.meta.get("stack_trace") or getattr(node, "stack_trace", None) or ""
+    return _user_frame(trace) or "(no source line recorded)"
+
+
+def _user_frame(trace: str) -> str:
+    """``File "...", line N, in f: code`` for the last frame of ``trace`` outside torch, or ''."""
     lines = trace.strip().splitlines()
     torch_dir = os.sep + "torch" + os.sep
     best = ""
@@ -71,7 +90,45 @@ def _source_line(node: Any) -> str:
         if s.startswith("File ") and torch_dir not in s:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             best = f"{s}: {code}"
-    return best or "(no source line recorded)"
+    return best
+
+
+def qualified_name(target: Any) -> str:
+    """How a user would spell an fx node's target: ``torch.nn.functional.gelu`` rather than
+    ``<built-in function gelu>``, ``torch.Tensor.cumsum`` for a method, ``aten.cumsum.default``
+    for an ATen overload, ``torch.nn.Conv1d`` for a module class."""
+    import operator
+
+    import torch
+    if isinstance(target, str):
+        return f"torch.Tensor.{target}"  # an fx call_method
+    if isinstance(target, torch._ops.OpOverload) or isinstance(target, torch._ops.OpOverloadPacket):
+        return str(target)
+    name = getattr(target, "__name__", None)
+    if name is not None:
+        # the public namespaces first: torch.cumsum lives in torch._C._VariableFunctions
+        for ns, label in ((torch.nn.functional, "torch.nn.functional"), (torch, "torch"),
+                          (torch.nn, "torch.nn"), (torch.Tensor, "torch.Tensor"),
+                          (torch.linalg, "torch.linalg"), (torch.special, "torch.special"),
+                          (torch.fft, "torch.fft"), (operator, "operator"), (__import__("math"), "math")):
+            if getattr(ns, name, None) is target:
+                return f"{label}.{name}"
+        mod = getattr(target, "__module__", None)
+        qual = getattr(target, "__qualname__", name)
+        return f"{mod}.{qual}" if mod else qual
+    return repr(target)
+
+
+def _module_path(node: Any, root: str) -> str:
+    """Where in the module tree ``node`` was recorded: ``blocks.0.attn (Attention)``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path, kind = "", root
+    for value in stack.values():
+        path, kind = value[0], value[1]
+    if not isinstance(kind, str):
+        kind = kind.__name__
+    kind = kind.rsplit(".", 1)[-1]
+    return f"{path} ({kind})" if path else f"the top module ({kind})"
 
 
 def _dtype_of(t: Any) -> str:
@@ -90,15 +147,108 @@ def _op_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _translate(node: Any, name: str, args: tuple, kwargs: dict) -> Any:
+# ---------------------------------------------------------------- every problem at once
+
+
+class _Failed:
+    """The value of a node that could not be translated (or reads one that could not): later
+    nodes reading it are skipped, so one pass finds every unsupported op."""
+
+    def __repr__(self) -> str:
+        return "<untranslated>"
+
+
+_FAILED = _Failed()
+
+
+def _stand_in(node: Any) -> Any:
+    """For torch.export, where every node's shape is known: an einjoin input of the shape and
+    dtype an untranslatable node would have had, so the nodes after it are still checked."""
+    import torch
+
+    def one(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and all(isinstance(s, int) for s in v.shape):
+            try:
+                return F.input(f"<untranslated {node.name}>", tuple(v.shape), aten.torch_dtype(v.dtype))
+            except EinjoinError:
+                return _FAILED
+        return _FAILED
+
+    val = node.meta.get("val")
+    return tuple(one(v) for v in val) if isinstance(val, (tuple, list)) else one(val)
+
+
+def _reads_failed(*values: Any) -> bool:
+    import torch.fx
+    found = []
+    torch.fx.node.map_aggregate(values, lambda v: found.append(v) if v is _FAILED else v)
+    return bool(found)
+
+
+class _Problems:
+    """Collects the ops a module uses that einjoin cannot translate: the op, why, and where
+    (module path and source line) for every use; :meth:`check` raises one error naming them all."""
+
+    def __init__(self, module: Any, method: str) -> None:
+        self.name = type(module).__name__
+        self.method = method
+        self.groups: dict[tuple[str, str, str, bool], list[tuple[str, str]]] = {}
+
+    def add(self, node: Any, name: str, reason: str, data_dependent: bool = False) -> None:
+        key = (name, qualified_name(node.target) if node.op != "call_module" else name, reason,
+               data_dependent)
+        self.groups.setdefault(key, []).append((_source_line(node), _module_path(node, self.name)))
+
+    def check(self) -> None:
+        if self.groups:
+            raise self.error()
+
+    def error(self) -> UnsupportedOpError:
+        unsupported = {k[0] for k in self.groups if not k[3]}
+        dynamic = {k[0] for k in self.groups if k[3]}
+        what = [f"{len(unsupported)} op{'s' if len(unsupported) != 1 else ''} it does not translate"
+                ] if unsupported else []
+        if dynamic:
+            what.append(f"{len(dynamic)} data-dependent shape{'s' if len(dynamic) != 1 else ''}")
+        lines = [f"from_torch: {self.name} (captured with {self.method}) uses {' and '.join(what)}:"]
+        for (name, target, reason, dd), uses in sorted(self.groups.items(), key=lambda kv: (kv[0][3], kv[0][0])):
+            shown = f"{name!r} ({target})" if target != name else repr(name)
+            lines.append(f"  {shown}: {reason}; {len(uses)} use{'s' if len(uses) != 1 else ''}")
+            places: dict[str, list[str]] = {}
+            for line, path in uses:
+                places.setdefault(line, [])
+                if path not in places[line]:
+                    places[line].append(path)
+            for i, (line, paths) in enumerate(places.items()):
+                if i == 4:
+                    lines.append(f"      ... and {len(places) - 4} more places")
+                    break
+                more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+                lines.append(f"      in {', '.join(paths[:3])}{more}: {line}")
+        if dynamic:
+            lines.append(f"  A data-dependent shape: {aten.DATA_DEPENDENT_HELP}.")
+        lines.append(f"  The ops einjoin translates are listed in {DOCS_PAGE} "
+                     f"(einjoin.frontend.torch.supported_ops()).")
+        err = UnsupportedOpError("\n".join(lines))
+        err.ops = sorted(unsupported | dynamic)  # type: ignore[attr-defined]
+        return err
+
+
+def _translate(node: Any, name: str, args: tuple, kwargs: dict, problems: _Problems) -> Any:
+    if _reads_failed(args, kwargs):
+        return _FAILED
     try:
         return aten.call(name, args, kwargs)
+    except UnsupportedOpError as e:  # a known op in a form einjoin does not translate
+        what = getattr(e, "data_dependent", None)
+        if what:
+            problems.add(node, name, f"{what}: a data-dependent shape", True)
+        else:
+            problems.add(node, name, str(e).splitlines()[0])
+        return _FAILED
     except EinjoinError as e:
-        target = node.target if isinstance(node.target, str) else _op_name(node.target)
-        where = _source_line(node)
         raise type(e)(f"{e}\n  while translating torch op {name!r} (node {node.name}, target "
-                      f"{node.target if isinstance(node.target, str) else str(node.target)}) "
-                      f"from {where}") from None
+                      f"{qualified_name(node.target)}) from {_source_line(node)}") from None
 
 
 def _map(value: Any, env: dict) -> Any:
@@ -106,9 +256,31 @@ def _map(value: Any, env: dict) -> Any:
     return torch.fx.node.map_aggregate(value, lambda v: env[v] if isinstance(v, torch.fx.Node) else v)
 
 
-def _check_supported(graph: Any, fx: bool, modules: Mapping[str, Any]) -> None:
-    """Every op name known before any translation: one error names the op and its source line."""
+def _data_dependent_value(node: Any) -> bool:
+    """Whether export recorded a value whose shape (or a Python number) is not known statically:
+    without dynamic_shapes every symbol export makes is an unbacked, data-dependent one."""
+    import torch
+    val = node.meta.get("val")
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape)
+
+
+def _check_supported(graph: Any, fx: bool, modules: Mapping[str, Any], problems: _Problems) -> set:
+    """Look every op up before translating anything; returns the nodes to skip (their problem
+    is recorded). Data-dependent values are reported where they arise, not at every reader."""
+    skip: set = set()
+    dynamic: set = set()
     for node in graph.nodes:
+        if any(a in dynamic for a in node.all_input_nodes):
+            dynamic.add(node)  # a consequence (sym_size, asserts, ...) of one reported already
+            continue
+        if not fx and node.op == "call_function" and _data_dependent_value(node):
+            dynamic.add(node)
+            name = _op_name(node.target)
+            what = "boolean-mask indexing x[mask]: " if name in ("index", "getitem") else ""
+            problems.add(node, name, f"{what}a data-dependent shape", True)
+            continue
         if node.op == "call_function":
             name = _op_name(node.target)
         elif node.op == "call_method":
@@ -119,11 +291,15 @@ def _check_supported(graph: Any, fx: bool, modules: Mapping[str, Any]) -> None:
                 continue
         else:
             continue
-        if name in aten.NO_OPS or name in aten.OPS or (fx and name in FX_ONLY):
-            continue
-        raise UnsupportedOpError(
-            f"torch op {name!r} (target {node.target}) has no einjoin translation; it comes from "
-            f"{_source_line(node)}\n  supported ops: {', '.join(sorted(aten.OPS))}")
+        if name in aten.DATA_DEPENDENT:
+            skip.add(node)
+            problems.add(node, name, "a data-dependent shape", True)
+        elif not (name in aten.NO_OPS or name in aten.OPS or (fx and name in FX_ONLY)):
+            skip.add(node)
+            what = "nn module" if node.op == "call_module" else "op"
+            problems.add(node, qualified_name(type(modules[node.target])) if node.op == "call_module"
+                         else name, f"no einjoin translation of this {what}")
+    return skip | dynamic
 
 
 # ---------------------------------------------------------------- torch.export
@@ -134,13 +310,16 @@ def _from_export(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
     ep = torch.export.export(module, args, kwargs)
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs}
-    _check_supported(ep.graph, False, {})
+    problems = _Problems(module, "torch.export")
+    skip = _check_supported(ep.graph, False, {}, problems)
     env: dict[Any, Any] = {}
     bound: dict[str, np.ndarray] = {}
     arg_names: list[str] = []
     outputs: list[Tensor] = []
     for node in ep.graph.nodes:
-        if node.op == "placeholder":
+        if node in skip:
+            env[node] = _stand_in(node)
+        elif node.op == "placeholder":
             spec = specs[node.name]
             kind = spec.kind.name
             if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
@@ -164,8 +343,11 @@ def _from_export(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
             if name in aten.NO_OPS:
                 env[node] = None
                 continue
-            env[node] = _translate(node, name, _map(node.args, env), _map(node.kwargs, env))
+            env[node] = _translate(node, name, _map(node.args, env), _map(node.kwargs, env), problems)
+            if env[node] is _FAILED:
+                env[node] = _stand_in(node)
         elif node.op == "output":
+            problems.check()  # every unsupported op, all at once
             outs = _map(node.args[0], env)
             for s, o in zip(sig.output_specs, outs):
                 if s.kind.name != "USER_OUTPUT":
@@ -174,6 +356,7 @@ def _from_export(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
                 outputs.append(_as_output(o, s.arg.name))
         else:
             raise UnsupportedOpError(f"from_torch: fx node kind {node.op!r} ({node.name})")
+    problems.check()
     return TorchFunction(tuple(outputs), tuple(arg_names), bound, _many(ep.call_spec.out_spec), "export")
 
 
@@ -202,12 +385,16 @@ def _rms_norm_m(m: Any, p: dict, x: Tensor) -> Tensor:
     return aten.OPS["rms_norm"](x, m.normalized_shape, p.get("weight"), m.eps)
 
 
+def _dropout_m(m: Any, p: dict, x: Tensor) -> Tensor:
+    return aten.OPS["dropout"](x, m.p, m.training)
+
+
 MODULES = {
     "Linear": _linear_m,
     "LayerNorm": _layer_norm_m,
     "RMSNorm": _rms_norm_m,
     "Embedding": lambda m, p, x: F.gather(p["weight"], x),
-    "Dropout": lambda m, p, x: x,
+    "Dropout": _dropout_m,
     "Identity": lambda m, p, x: x,
     "ReLU": lambda m, p, x: aten.OPS["relu"](x),
     "SiLU": lambda m, p, x: aten.OPS["silu"](x),
@@ -219,7 +406,9 @@ MODULES = {
 FX_ONLY = frozenset({"size", "getattr", "dim"})
 
 
-def _fx_call(node: Any, name: str, args: tuple, kwargs: dict) -> Any:
+def _fx_call(node: Any, name: str, args: tuple, kwargs: dict, problems: _Problems) -> Any:
+    if _reads_failed(args, kwargs):
+        return _FAILED
     if name == "size":
         x, *d = args
         return x.shape if not d else x.shape[d[0]]
@@ -233,8 +422,9 @@ def _fx_call(node: Any, name: str, args: tuple, kwargs: dict) -> Any:
             return x.dtype
         if attr == "T":
             return x.T
-        raise UnsupportedOpError(f"attribute {attr!r} of a tensor")
-    return _translate(node, name, args, kwargs)
+        problems.add(node, f"getattr {attr!r}", f"attribute {attr!r} of a tensor")
+        return _FAILED
+    return _translate(node, name, args, kwargs, problems)
 
 
 def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
@@ -247,9 +437,10 @@ def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
         graph = tracer.trace(module)
     except Exception as e:
         raise EinjoinError(f"from_torch: torch.fx could not trace {type(module).__name__}: "
-                           f"{type(e).__name__}: {e}") from e
+                           f"{_cause(e)}{BRANCH_HELP if _is_data_dependent(e) else ''}") from e
     modules = dict(module.named_modules())
-    _check_supported(graph, True, modules)
+    problems = _Problems(module, "torch.fx")
+    skip = _check_supported(graph, True, modules, problems)
     env: dict[Any, Any] = {}
     bound: dict[str, np.ndarray] = {}
     arg_names: list[str] = []
@@ -266,7 +457,9 @@ def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
     outputs: list[Tensor] = []
     many = False
     for node in graph.nodes:
-        if node.op == "placeholder":
+        if node in skip:
+            env[node] = _FAILED
+        elif node.op == "placeholder":
             v = given.pop(0) if given else kwargs.get(node.target)
             if not isinstance(v, torch.Tensor):
                 raise EinjoinError(f"from_torch: forward argument {node.target!r} is "
@@ -280,28 +473,120 @@ def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
             env[node] = param(node.target, t)
         elif node.op == "call_module":
             m = modules[node.target]
-            kind = type(m).__name__
-            if kind not in MODULES:
-                raise UnsupportedOpError(f"module {kind} ({node.target}) has no einjoin translation")
+            margs = _map(node.args, env)
+            if _reads_failed(margs):
+                env[node] = _FAILED
+                continue
             ps = {n: param(f"{node.target}.{n}", t) for n, t in
                   [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t is not None}
-            env[node] = MODULES[kind](m, ps, *_map(node.args, env))
+            try:
+                env[node] = MODULES[type(m).__name__](m, ps, *margs)
+            except UnsupportedOpError as e:
+                problems.add(node, type(m).__name__, str(e).splitlines()[0])
+                env[node] = _FAILED
         elif node.op in ("call_function", "call_method"):
             name = _op_name(node.target) if node.op == "call_function" else node.target
-            env[node] = _fx_call(node, name, _map(node.args, env), _map(node.kwargs, env))
+            env[node] = _fx_call(node, name, _map(node.args, env), _map(node.kwargs, env), problems)
         elif node.op == "output":
+            problems.check()
             out = _map(node.args[0], env)
             many = isinstance(out, (tuple, list))
             outputs = [_as_output(o, f"{i}") for i, o in enumerate(out if many else [out])]
+    problems.check()
     return TorchFunction(tuple(outputs), tuple(arg_names), bound, many, "fx")
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def _arg_labels(module: Any, n: int, kwargs: Mapping[str, Any]) -> list[str]:
+    """The forward's parameter names for ``n`` positional arguments (``argument i`` where the
+    signature does not say)."""
+    try:
+        params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"argument {i}" for i in range(n)] + list(kwargs)
+
+
+def _unalias(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
+    """Copies of example arguments that are (or share memory with) an earlier one. Traced with
+    ``mha(x, x, x)``, torch.export specialises the graph to ``query is key is value`` (it reads
+    only one of them), so a later run with three different tensors would be silently wrong; with
+    copies the graph holds for any tensors, the same one included."""
+    import torch
+
+    def storage(t: Any) -> int:
+        try:
+            return 0 if t.is_meta else t.untyped_storage().data_ptr()
+        except Exception:  # tensor subclasses without storage
+            return 0
+
+    labels = _arg_labels(module, len(args), kwargs)
+    values = [*args, *kwargs.values()]
+    seen: list[tuple[Any, str]] = []
+    groups: dict[str, list[str]] = {}
+    out = []
+    for v, label in zip(values, labels):
+        if isinstance(v, torch.Tensor):
+            first = next((lab for t, lab in seen if t is v or (storage(t) and storage(t) == storage(v))), None)
+            if first is not None:
+                groups.setdefault(first, [first]).append(label)
+                v = v.clone()
+            else:
+                seen.append((v, label))
+        out.append(v)
+    notes = [f"example arguments {', '.join(g)} were one tensor (or shared memory); they were "
+             f"traced as separate tensors, so run() takes the same tensor or different ones"
+             for g in groups.values()]
+    return tuple(out[:len(args)]), dict(zip(kwargs, out[len(args):])), notes
+
+
+def _cause(e: BaseException) -> str:
+    """One line for a capture failure: the exception's first line and the user's frame it names."""
+    text = str(e)
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    where = _user_frame(text)
+    return f"{type(e).__name__}: {first}" + (f" (at {where})" if where and where not in first else "")
+
+
+BRANCH_HELP = ("\n  The forward branches on tensor values or makes a data-dependent shape, and einjoin graphs "
+               "are static: compute both branches and pick with torch.where, or decide in Python and "
+               f"bind the choice with functools.partial; for shapes see {DOCS_PAGE}.")
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}"
+    return any(k in text for k in ("GuardOnDataDependent", "data-dependent", "data dependent",
+                                   "cannot be used as inputs to control flow"))
+
+
+def _notes(fn: TorchFunction, notes: list[str]) -> TorchFunction:
+    """``fn`` with the import's notes: aliased examples, forward arguments the graph never reads."""
+    from dataclasses import replace
+    from einjoin.ir.graph import Graph
+    used = Graph(list(fn.outputs)).input_by_name
+    unused = [a for a in fn.arg_names if a not in used]
+    if unused:
+        notes = [*notes, f"forward argument{'s' if len(unused) > 1 else ''} {', '.join(unused)} "
+                         f"{'are' if len(unused) > 1 else 'is'} not used by the graph; run() accepts "
+                         f"and ignores {'them' if len(unused) > 1 else 'it'}"]
+    return replace(fn, notes=tuple(notes)) if notes else fn
 
 
 def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None,
                method: str = "auto") -> TorchFunction:
     """Trace ``module`` on example inputs (their shapes and dtypes fix the graph's) and translate
     it. ``method``: ``"export"`` (torch.export), ``"fx"`` (torch.fx.symbolic_trace) or ``"auto"``
-    (export, then fx if export cannot capture the module). Unsupported ops raise
-    :class:`UnsupportedOpError` naming the op and the module's source line."""
+    (export, then fx if export cannot capture the module). A module using ops einjoin cannot
+    translate raises one :class:`UnsupportedOpError` naming every such op with its count, module
+    path and source line (data-dependent shapes such as ``nonzero`` or ``x[mask]`` named as such;
+    the error's ``ops`` attribute lists their names); the supported ops are listed in
+    ``docs/torch_ops.md`` (:func:`supported_ops`). When export fails and the fx fallback fails too,
+    the error gives both causes. Example arguments that are one tensor (``mha(x, x, x)``) are traced
+    as copies, so the graph holds for distinct tensors too; ``notes`` on the result says so, and
+    names forward arguments the graph never reads (``run()`` accepts and ignores them)."""
     import torch
 
     if not isinstance(module, torch.nn.Module):
@@ -310,23 +595,73 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
         raise EinjoinError(f"from_torch: method must be 'auto', 'export' or 'fx', got {method!r}")
     args = tuple(example_args) if isinstance(example_args, (list, tuple)) else (example_args,)
     kwargs = dict(example_kwargs or {})
+    args, kwargs, notes = _unalias(module, args, kwargs)
+    name = type(module).__name__
     if method == "fx":
-        return _from_fx(module, args, kwargs)
+        return _notes(_from_fx(module, args, kwargs), notes)
     try:
         with torch.no_grad():
-            return _from_export(module, args, kwargs)
+            return _notes(_from_export(module, args, kwargs), notes)
     except EinjoinError:
         raise
     except Exception as e:  # export could not capture the module: fx, when allowed
+        cause = _cause(e)
+        hint = BRANCH_HELP if _is_data_dependent(e) else ""
         if method == "export":
-            raise EinjoinError(f"from_torch: torch.export failed on {type(module).__name__}: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            raise EinjoinError(f"from_torch: torch.export could not capture {name}: {cause}{hint}") from e
         try:
-            return _from_fx(module, args, kwargs)
-        except EinjoinError:
-            raise
-        except Exception as e2:
-            raise EinjoinError(f"from_torch: neither torch.export ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}) nor torch.fx "
-                               f"({type(e2).__name__}: {e2}) could capture "
-                               f"{type(module).__name__}") from e2
+            return _notes(_from_fx(module, args, kwargs), notes)
+        except Exception as e2:  # both failed: both causes, so neither is hidden
+            detail = str(e2).removeprefix("from_torch: ") if isinstance(e2, EinjoinError) else _cause(e2)
+            if BRANCH_HELP in detail:
+                hint = ""  # the fx error ends with it already: said once
+            elif _is_data_dependent(e2):
+                hint = BRANCH_HELP
+            kind = type(e2) if isinstance(e2, EinjoinError) else EinjoinError
+            raise kind(f"from_torch: could not import {name}, neither with torch.export nor with "
+                       f"the torch.fx fallback:\n  torch.export: {cause}\n  torch.fx: {detail}{hint}") from e2
+
+
+# ---------------------------------------------------------------- what is supported
+
+
+def supported_ops() -> dict[str, list[str]]:
+    """The names the importer translates, by kind: ATen ops / torch functions / tensor methods
+    (one table, keyed by name), leaf ``nn`` modules (the fx fallback), ops skipped as metadata
+    checks; and the data-dependent ops no static graph can hold."""
+    return {"ops": sorted(aten.OPS), "modules": sorted(MODULES), "skipped": sorted(aten.NO_OPS),
+            "data_dependent": sorted(aten.DATA_DEPENDENT)}
+
+
+def ops_markdown() -> str:
+    """The text of ``docs/torch_ops.md``, generated from the op table (a test keeps the page in
+    sync: regenerate it with ``einjoin torch-ops > docs/torch_ops.md``)."""
+    groups: dict[int, list[str]] = {}
+    fns = {}
+    for n in sorted(aten.OPS):
+        groups.setdefault(id(aten.OPS[n]), []).append(n)
+        fns[id(aten.OPS[n])] = aten.OPS[n]
+    rows = sorted(groups.values(), key=lambda names: min(n.strip("_") for n in names))
+    out = ["# Torch ops einjoin translates", "",
+           "<!-- generated by `einjoin torch-ops` from einjoin/frontend/aten.py and "
+           "einjoin/frontend/torch.py; do not edit by hand (tests/test_torch_import.py checks it) -->", "",
+           "`ej.from_torch(module, example_args)` captures a module with `torch.export` (falling back to "
+           "`torch.fx`) and translates every node by its name through one table: ATen ops as "
+           "`torch.export` records them, torch functions, tensor methods and operators as `torch.fx` "
+           "records them. A module using anything else raises one `UnsupportedOpError` naming every "
+           "such op with its number of uses, module path and source line.", "",
+           f"## Ops, functions and tensor methods ({len(aten.OPS)} names)", "",
+           "| names | limits |", "|---|---|"]
+    for names in rows:
+        note = next((aten.NOTES[n] for n in names if n in aten.NOTES), "")
+        out.append(f"| {', '.join(f'`{n}`' for n in names)} | {note} |")
+    out += ["", "## `nn` modules kept whole by the `torch.fx` fallback", "",
+            ", ".join(f"`{n}`" for n in sorted(MODULES)) + ".", "",
+            "`torch.export` traces through every module, so there only the ops above matter.", "",
+            "## Skipped (metadata checks)", "", ", ".join(f"`{n}`" for n in sorted(aten.NO_OPS)) + ".", "",
+            "## Data-dependent shapes (not translatable)", "",
+            ", ".join(f"`{n}`" for n in sorted(aten.DATA_DEPENDENT)) + ", boolean-mask indexing "
+            "`x[mask]`, one-argument `where(cond)`, `repeat_interleave` with tensor repeats, and "
+            "branches on tensor values.", "",
+            f"In each, {aten.DATA_DEPENDENT_HELP}.", ""]
+    return "\n".join(out)
