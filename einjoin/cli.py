@@ -1,6 +1,6 @@
-"""Command line: ``einjoin demo`` (what ``make demo`` runs; see :mod:`einjoin.demo`) and
-``einjoin plan MODEL --devices N``. Also the frontend-built LLaMA-style block the tests share
-(``transformer_block``) and its plain-torch twin (``torch_block``).
+"""Command line: ``einjoin demo`` (what ``make demo`` runs; see :mod:`einjoin.demo`),
+``einjoin plan MODEL --devices N`` and ``einjoin torch-ops``. Also the frontend-built LLaMA-style
+block the tests share (``transformer_block``) and its plain-torch twin (``torch_block``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,18 @@ from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 
 __all__ = ["main", "transformer_block", "split_largest"]
+
+# --help is read in a terminal: plain text here, not the module docstring's reST
+DESCRIPTION = """\
+einjoin runs einsum programs, PyTorch-like code and torch modules across many devices:
+every op is a join-aggregation over blocks, planned to move as few bytes as it can."""
+EPILOG = """\
+examples:
+  einjoin demo --devices 4          import a LLaMA block from torch, plan, run and verify it
+  einjoin plan llama-block --devices 8 --planner eindecomp --planner megatron
+  einjoin torch-ops > docs/torch_ops.md
+
+'einjoin COMMAND --help' describes a command's options."""
 
 
 def transformer_block(seq: int = 256, d: int = 256, heads: int = 4, hidden: int = 688
@@ -116,7 +128,7 @@ def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False,
         table.add_column(col, justify="left" if col in ("planner", "note") else "right")
     for name, cost, t, note in rows:
         if cost is None:
-            table.add_row(name, "n/a", "", "", f"{t:.2f}", note[:60])
+            table.add_row(name, "n/a", "", "", f"{t:.2f}", note)  # whole: it says why
         else:
             table.add_row(name, human_bytes(cost), f"{cost / best:.2f}" if best else "-",
                           f"{cost / bound:.2f}" if bound else "n/a", f"{t:.2f}", note)
@@ -125,20 +137,42 @@ def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="einjoin", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="import a LLaMA block from torch, plan, run and verify it")
-    d.add_argument("--quiet", action="store_true")
-    d.add_argument("--devices", type=int, default=4)
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="einjoin", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=raw)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    d = sub.add_parser("demo", help="import a LLaMA block from torch, plan, run and verify it",
+                       description="Import a LLaMA-style block from torch, plan it for several "
+                                   "devices, run it, check the result against torch, and write "
+                                   "plan.png and trace.json.")
+    d.add_argument("--quiet", action="store_true", help="print less")
+    d.add_argument("--devices", type=int, default=4, help="how many local devices (default: 4)")
     d.add_argument("--out", default=".", help="where plan.png and trace.json go (default: here)")
-    p = sub.add_parser("plan", help="plan a built-in model with every planner and compare")
+    p = sub.add_parser("plan", help="plan a built-in model with every planner and compare",
+                       description="Plan a built-in model with each planner and print the bytes each "
+                                   "plan moves, against the best plan and the sum of per-op lower "
+                                   "bounds. A planner that does not apply says why.")
     p.add_argument("model", help="matmul, chain, mlp, llama-block or llama-7b-layers")
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--planner", action="append", help="planner(s) to compare (default: all)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--batch", type=int)
+    p.add_argument("--devices", type=int, default=8, help="how many devices (default: 8)")
+    p.add_argument("--planner", action="append", help="a planner to compare; repeat for several "
+                                                      "(default: all)")
+    p.add_argument("--layers", type=int, help="layers (llama models)")
+    p.add_argument("--seq", type=int, help="sequence length (llama models)")
+    p.add_argument("--batch", type=int, help="batch size (llama models)")
+    sub.add_parser("torch-ops", help="print the torch ops ej.from_torch translates (Markdown)",
+                   description="Print the page docs/torch_ops.md: every torch op, function, tensor "
+                               "method and nn module that ej.from_torch translates, generated from "
+                               "the op table.")
     args = parser.parse_args(argv)
+    try:
+        return _dispatch(parser, args)
+    except ej.EinjoinError as e:  # a user's mistake (unknown model, 0 devices): a line, no traceback
+        print(f"einjoin {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.cmd == "demo":
         from einjoin.demo import demo
         return demo(args.quiet, args.devices, args.out)
@@ -149,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model in ("matmul", "chain", "mlp") and any(shape.values()):
             parser.error("--layers/--seq/--batch apply to the llama models")
         return plan(args.model, args.devices, names, **(shape if args.model.startswith("llama") else {}))
+    if args.cmd == "torch-ops":
+        from einjoin.frontend.torch import ops_markdown
+        sys.stdout.write(ops_markdown())
+        return 0
     return 2  # pragma: no cover
 
 
