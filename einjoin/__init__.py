@@ -3,7 +3,7 @@
 >>> import numpy as np, einjoin as ej
 >>> x = ej.input("x", (4, 8)); w = ej.input("w", (8, 3))
 >>> y = ej.softmax(x @ w)
->>> out = ej.reference(y, x=np.ones((4, 8)), w=np.ones((8, 3)))
+>>> out = ej.reference(y, x=np.ones((4, 8), np.float32), w=np.ones((8, 3), np.float32))
 >>> out.shape, round(float(out.sum()), 4)
 ((4, 3), 4.0)
 """
@@ -18,11 +18,12 @@ from einjoin.frontend import __all__ as _frontend_all
 from einjoin.ir import Graph, Node
 from einjoin.ir.reference import reference
 from einjoin.program import Program, compile
+from einjoin.runtime.engine import CancelToken, RunHandle
 from einjoin.runtime.backends.ray import ray_cluster
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
+__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "CancelToken", "RunHandle", "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
            *_frontend_all]

@@ -22,20 +22,35 @@ PLAN_OPS = 200       # graphs with at least this many ops show compile stages
 RUN_TASKS = 2000     # task graphs with at least this many tasks show a run bar
 
 
+# one live display at a time: concurrent compiles or runs (several threads) would otherwise draw
+# over each other on the terminal; the ones that find it taken show nothing
+_display = threading.Lock()
+
+
 def enabled(quiet: bool) -> bool:
-    return not quiet and sys.stderr.isatty()
+    """Whether to show progress: not ``quiet`` and stderr is a terminal (a replaced or closed
+    stderr counts as not a terminal)."""
+    if quiet:
+        return False
+    try:
+        return bool(sys.stderr.isatty())
+    except (AttributeError, ValueError, OSError):  # None, a closed stream, an object without isatty
+        return False
 
 
 @contextlib.contextmanager
 def stages(quiet: bool, size: int, threshold: int = PLAN_OPS) -> Iterator[Callable[[str], None]]:
     """Yields ``say(stage)``; shows the current stage on stderr when enabled and ``size`` is large."""
-    if not enabled(quiet) or size < threshold:
+    if not enabled(quiet) or size < threshold or not _display.acquire(blocking=False):
         yield lambda stage: None
         return
-    from rich.console import Console
-    console = Console(stderr=True)
-    with console.status("compiling", spinner="dots") as status:
-        yield lambda stage: status.update(f"compiling: {stage} ({size} ops)")
+    try:
+        from rich.console import Console
+        console = Console(stderr=True)
+        with console.status("compiling", spinner="dots") as status:
+            yield lambda stage: status.update(f"compiling: {stage} ({size} ops)")
+    finally:
+        _display.release()
 
 
 class RunBar:
@@ -54,12 +69,21 @@ class RunBar:
     def maybe(cls, quiet: bool, total: int, threshold: int = RUN_TASKS) -> "RunBar | None":
         return cls(total) if enabled(quiet) and total >= threshold else None
 
+    _shown = False
+
     def __enter__(self) -> "RunBar":
-        self._progress.start()
+        self._shown = _display.acquire(blocking=False)  # another run's bar is up: show nothing
+        if self._shown:
+            self._progress.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._progress.stop()
+        if self._shown:
+            self._shown = False
+            try:
+                self._progress.stop()
+            finally:
+                _display.release()
 
     def on_start(self, task: Any) -> None:
         pass
@@ -68,5 +92,5 @@ class RunBar:
         with self._lock:  # the threads backend ends tasks on several threads
             self._done += 1
             done = self._done
-        if done % 64 == 0:
+        if done % 64 == 0 and self._shown:
             self._progress.update(self._task, completed=done)

@@ -504,3 +504,28 @@ def test_outputs_do_not_alias_feeds() -> None:
             if gt.untyped_storage().data_ptr() == xt.untyped_storage().data_ptr():
                 aliased.append((devices, name, "torch"))
     assert aliased == [], f"outputs sharing memory with the feed: {aliased}"
+
+
+# ---------------------------------------------------------------- progress display, concurrent runs
+
+
+def test_one_progress_bar_at_a_time_and_a_broken_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Concurrent runs (several threads) on a terminal: one shows its bar, the others nothing
+    (two live displays would draw over each other); the slot is free again afterwards. A stderr
+    that is None or closed means no display, not an AttributeError / ValueError."""
+    import sys
+
+    from einjoin import progress
+    first, second = progress.RunBar(10), progress.RunBar(10)
+    with first:
+        with second:
+            assert first._shown and not second._shown
+            second.on_end(None, 0.0, 0.0)  # a hidden bar takes updates quietly
+    with second:
+        assert second._shown
+    monkeypatch.setattr(sys, "stderr", None)
+    assert progress.enabled(False) is False
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    assert progress.enabled(False) is False
