@@ -55,9 +55,9 @@ _lock = threading.Lock()
 _live: "set[RayBackend]" = set()   # backends holding actors, for shutdown()
 _run_ids = itertools.count(1)  # one namespace per run on every actor (process-wide: backends share Ray)
 _plan_ids = itertools.count(1)
-# the address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
-# every other 127/8 address is loopback on Linux (elsewhere only 127.0.0.1 is up: leave Ray's choice)
-LOCAL_NODE_IP = "127.0.0.2" if sys.platform.startswith("linux") else None
+# the node address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
+# but every 127/8 address is loopback on Linux (elsewhere only 127.0.0.1 is up: Ray's choice stays)
+LOCAL_NODE_IP = "127.0.0.2"
 CONTROL = "control"            # the actors' concurrency group for pings (not queued behind work)
 
 
@@ -85,14 +85,30 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
                                         configure_logging=False)
             if dashboard:
                 opts["dashboard_host"] = "127.0.0.1"
-            if LOCAL_NODE_IP is not None:
-                opts["_node_ip_address"] = LOCAL_NODE_IP
+            node_ip = _loopback_node_ip()
+            if node_ip is not None:
+                opts["_node_ip_address"] = node_ip
             ray.init(**opts)
             _started_here = True
             if not quiet:
-                print(f"einjoin: started a local Ray ({num_cpus} CPUs, loopback only); it stops at exit or "
+                where = f"node address {node_ip}" if node_ip else "Ray's default node address"
+                print(f"einjoin: started a local Ray ({num_cpus} CPUs, {where}, "
+                      f"{'dashboard on 127.0.0.1' if dashboard else 'no dashboard'}); it stops at exit or "
                       f"with einjoin.runtime.backends.ray.shutdown()", file=sys.stderr)
     return ray
+
+
+def _loopback_node_ip() -> str | None:
+    """LOCAL_NODE_IP when this machine can bind it (Linux: all of 127/8 is loopback), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((LOCAL_NODE_IP, 0))
+    except OSError:
+        return None
+    return LOCAL_NODE_IP
 
 
 def shutdown() -> None:
@@ -512,7 +528,7 @@ class RayBackend:
             if cancel is not None and cancel.cancelled:
                 left = sum(1 for r in pending if index[r] >= n_begins)
                 raise EinjoinError(f"run cancelled with {left} of {n_tasks} tasks left")
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
             for r in done:
                 i = index[r]
                 try:
