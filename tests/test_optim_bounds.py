@@ -82,7 +82,7 @@ def test_k_split_cost_equals_runtime_bytes() -> None:
     prog = ej.compile(z, devices=4, specs={z: {"k": 4}}, backend="null")
     d = prog.decomps[z.node]
     assert join_cost(d) == 0 and agg_cost(d) == 3 * 16 * 8 * 4
-    prog.run(a=np.ones((16, 32)), b=np.ones((32, 8)))
+    prog.run(a=np.ones((16, 32), np.float32), b=np.ones((32, 8), np.float32))
     assert prog.stats.bytes_moved == prog.run_stats.bytes_moved == agg_cost(d)
 
 

@@ -121,7 +121,7 @@ def test_failed_run_still_writes_trace(backend: str, tmp_path: Any) -> None:
 def test_null_backend_trace(tmp_path: Any) -> None:
     z = ej.input("a", (8, 8)) @ ej.input("b", (8, 8))
     prog = ej.compile(z, devices=3, backend="null", specs={z: {"m": 3}})
-    assert prog.run(np.ones((8, 8)), np.ones((8, 8)), trace=tmp_path / "null.json") is None
+    assert prog.run(np.ones((8, 8), np.float32), np.ones((8, 8), np.float32), trace=tmp_path / "null.json") is None
     with open(tmp_path / "null.json") as f:
         events = _x_events(json.load(f))
     assert len(events) == len(prog.taskgraph)

@@ -8,7 +8,7 @@
 >>> import numpy as np, einjoin as ej
 >>> x = ej.input("x", (8, 8))
 >>> rec = TraceRecorder(2)
->>> _ = ej.compile(ej.softmax(x), devices=2).run(np.ones((8, 8)), callbacks=[rec])
+>>> _ = ej.compile(ej.softmax(x), devices=2).run(np.ones((8, 8), np.float32), callbacks=[rec])
 >>> len(rec) > 0
 True
 """
