@@ -12,16 +12,37 @@ piece: softmax is a max-reduction, an ``exp(x0 - x1)`` join, a sum and a divisio
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
-from einjoin.errors import ShapeError
-from einjoin.errors import DTypeError, EinjoinError
+import numpy as np
+
+from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.frontend.functions import _t, causal_mask, concat, einsum, fill
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, elementwise
 from einjoin.ir.scalar import parse_join
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "silu", "gelu", "linear", "rope",
            "rotate_half", "attention"]
+
+
+def _real(v: Any, what: str) -> float:
+    """``v`` as a Python float, or an EinjoinError naming ``what``: hyper-parameters are pasted into
+    join expressions, so a string, None or numpy scalar must not reach the parser (whose error
+    would name an expression the user never wrote)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise EinjoinError(f"{what} must be a real number, got {v!r}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise EinjoinError(f"{what} = {v!r} does not fit a float64") from None
+
+
+def _flag(v: Any, what: str) -> bool:
+    """A True/False argument; an array or a string is refused rather than read as truthy."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise EinjoinError(f"{what} must be True or False, got {v!r}")
+    return bool(v)
 
 
 def _labels(x: Tensor, dim: int) -> tuple[str, str]:
@@ -74,17 +95,29 @@ def _affine(y: Tensor, ls: str, tail: str, weight: Tensor | None, bias: Tensor |
     return y
 
 
+def _int_shape(v: Any, what: str) -> tuple[int, ...]:
+    """An int or a sequence of ints (torch.Size included) as a tuple, or a ShapeError naming ``what``."""
+    items = (v,) if not isinstance(v, (list, tuple)) else v
+    try:
+        if any(isinstance(i, (bool, np.bool_)) for i in items):
+            raise TypeError
+        return tuple(operator.index(i) for i in items)
+    except TypeError:
+        raise ShapeError(f"{what} must be an int or a sequence of ints, got {v!r}") from None
+
+
 def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """torch's layer_norm over the trailing ``normalized_shape`` dims (default: the last dim)."""
     x = _t(x, "layer_norm")
     weight = None if weight is None else _t(weight, "layer_norm weight")
     bias = None if bias is None else _t(bias, "layer_norm bias")
+    eps = _real(eps, "layer_norm: eps")
     ns = None
     if normalized_shape is None:
         k = weight.ndim if weight is not None else 1
     else:
-        ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        ns = _int_shape(normalized_shape, "layer_norm: normalized_shape")
         k = len(ns)
     ls, lead, tail, n = _norm_labels(x, k)
     if ns is not None and ns != x.shape[x.ndim - k:]:
@@ -100,6 +133,7 @@ def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (LLaMA's RMSNorm)."""
     x = _t(x, "rms_norm")
+    eps = _real(eps, "rms_norm: eps")
     weight = None if weight is None else _t(weight, "rms_norm weight")
     ls, lead, tail, n = _norm_labels(x, 1 if weight is None else weight.ndim)
     ms = einsum(f"{ls}->{lead}", x, join=f"x0 * x0 * {1.0 / n!r}")
@@ -115,7 +149,11 @@ def silu(x: Tensor) -> Tensor:
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
-    return _t(x, "gelu").gelu(approximate)
+    """torch's gelu: ``approximate`` is ``"none"`` (erf) or ``"tanh"``."""
+    x = _t(x, "gelu")
+    if not isinstance(approximate, str) or approximate not in ("none", "tanh"):
+        raise EinjoinError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return x.gelu(approximate)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -146,6 +184,14 @@ def rope(x: Tensor, base: float = 10000.0, start: int = 0) -> Tensor:
     in the rotate_half form of LLaMA: ``x * cos + rotate_half(x) * sin``. The cos/sin tables are
     fills, computed where they are needed."""
     x = _t(x, "rope")
+    base = _real(base, "rope: base")
+    if not 0 < base < math.inf:
+        raise EinjoinError(f"rope: base must be a positive finite number, got {base!r}")
+    if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)):
+        raise EinjoinError(f"rope: start must be an int position, got {start!r}")
+    start = int(start)
+    if not -2 ** 53 < start < 2 ** 53:  # positions are computed in float64: exact below 2**53
+        raise EinjoinError(f"rope: start must be an int of magnitude below 2**53, got {start}")
     if x.ndim < 2:
         raise ShapeError(f"rope: needs (..., seq, head_dim), got shape {x.shape}")
     s, d = x.shape[-2], x.shape[-1]
@@ -165,6 +211,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float
     ``v`` (..., kv_heads, t, e); fewer kv heads than query heads is grouped-query attention.
     ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs; ``causal`` adds the causal mask."""
     q, k, v = _t(q, "attention q"), _t(k, "attention k"), _t(v, "attention v")
+    causal = _flag(causal, "attention: causal")
     if mask is not None:
         mask = _t(mask, "attention mask")
         if mask.dtype != "bool":
@@ -177,9 +224,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float
         raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise EinjoinError(f"attention: scale must be a number, got {scale!r}")
-    scale = float(scale)
+    scale = _real(scale, "attention: scale")
     group = 1
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
         hq, hk = q.shape[-3], k.shape[-3]
