@@ -53,8 +53,11 @@ class Call:
     def __str__(self) -> str:
         f = FUNCTIONS[self.fn]
         if f.infix is not None:
-            # the left operand of a left-associative op needs no parentheses at equal precedence
-            left = _paren(self.args[0], f.precedence - (0 if self.fn == "pow" else 1))
+            # the left operand of a left-associative op needs no parentheses at equal precedence;
+            # that of ** needs them around any infix op and around a negation (-x ** y is -(x ** y));
+            # comparisons chain in Python (a < b < c is not (a < b) < c), so they always need them
+            left_prec = 9 if self.fn == "pow" else f.precedence - (f.rule != "compare")
+            left = _paren(self.args[0], left_prec)
             return f"{left} {f.infix} {_paren(self.args[1], f.precedence)}"
         if self.fn == "neg" and not isinstance(self.args[0], Const):  # "-1.0" would parse as a Const
             return "-" + _paren(self.args[0], 9)
@@ -119,6 +122,8 @@ def _safe(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     return run
 
 
+# precedences follow Python's grammar, which parses the printed form: comparisons (1) bind
+# loosest, then | (2), & (3), + - (4), * / (5), unary minus, ** (7)
 _FN_LIST = [
     ScalarFn("add", 2, "arith", np.add, "+", 4),
     ScalarFn("sub", 2, "arith", np.subtract, "-", 4),
@@ -144,15 +149,15 @@ _FN_LIST = [
     ScalarFn("sin", 1, "float", np.sin),
     ScalarFn("cos", 1, "float", np.cos),
     ScalarFn("where", 3, "select", np.where),
-    ScalarFn("lt", 2, "compare", np.less, "<", 3),
-    ScalarFn("le", 2, "compare", np.less_equal, "<=", 3),
-    ScalarFn("gt", 2, "compare", np.greater, ">", 3),
-    ScalarFn("ge", 2, "compare", np.greater_equal, ">=", 3),
-    ScalarFn("eq", 2, "compare", np.equal, "==", 3),
-    ScalarFn("ne", 2, "compare", np.not_equal, "!=", 3),
+    ScalarFn("lt", 2, "compare", np.less, "<", 1),
+    ScalarFn("le", 2, "compare", np.less_equal, "<=", 1),
+    ScalarFn("gt", 2, "compare", np.greater, ">", 1),
+    ScalarFn("ge", 2, "compare", np.greater_equal, ">=", 1),
+    ScalarFn("eq", 2, "compare", np.equal, "==", 1),
+    ScalarFn("ne", 2, "compare", np.not_equal, "!=", 1),
     ScalarFn("logical_not", 1, "logical", np.logical_not),
-    ScalarFn("logical_and", 2, "logical", np.logical_and, "&", 2),
-    ScalarFn("logical_or", 2, "logical", np.logical_or, "|", 1),
+    ScalarFn("logical_and", 2, "logical", np.logical_and, "&", 3),
+    ScalarFn("logical_or", 2, "logical", np.logical_or, "|", 2),
 ]
 FUNCTIONS: dict[str, ScalarFn] = {f.name: f for f in _FN_LIST}
 # n-ary folds allowed when a join is named rather than written out ("mul" over three inputs)
@@ -173,6 +178,10 @@ def parse_join(join: "str | Expr", n_inputs: int) -> Expr:
     ``x0, x1, ...`` (``"exp(x0 - x1)"``, ``"x0 * 0.5"``), or an :data:`Expr`; check its arguments."""
     if isinstance(join, (Arg, Const, Call)):
         expr = join
+        try:
+            _check_expr(expr)
+        except RecursionError:
+            raise ExpressionError("join expression nests too deeply") from None
     elif not isinstance(join, str):
         raise ExpressionError(f"join must be a function name or an expression string, got {join!r}")
     elif join in FUNCTIONS:
@@ -191,8 +200,10 @@ def parse_join(join: "str | Expr", n_inputs: int) -> Expr:
     else:
         try:
             tree = ast.parse(join.strip(), mode="eval")
-        except RecursionError:
+        except (RecursionError, MemoryError):  # CPython's parser gives up on deep nesting either way
             raise ExpressionError(f"join expression {join[:40]!r}... nests too deeply") from None
+        except ValueError as e:  # a NUL character in the source
+            raise ExpressionError(f"join expression {join[:40]!r} does not parse: {e}") from None
         except SyntaxError as e:
             raise ExpressionError(f"join expression {join!r} does not parse: {e.msg}") from None
         try:
@@ -207,6 +218,30 @@ def parse_join(join: "str | Expr", n_inputs: int) -> Expr:
         raise ExpressionError(
             f"join {str(expr)!r} uses x{used} but the einsum has only {n_inputs} input(s)")
     return expr
+
+
+def _check_expr(e: object) -> None:
+    """Validate an expression built by hand from :class:`Arg`, :class:`Const` and :class:`Call`
+    (parsed ones are valid by construction): argument indices, constant types, function names
+    and arities, so a bad tree fails here and not as a KeyError inside a kernel."""
+    if isinstance(e, Arg):
+        if isinstance(e.index, bool) or not isinstance(e.index, int) or e.index < 0:
+            raise ExpressionError(f"join: Arg index must be an int >= 0, got {e.index!r}")
+    elif isinstance(e, Const):
+        if not isinstance(e.value, (bool, int, float)):
+            raise ExpressionError(f"join: Const value must be a Python bool, int or float, "
+                                  f"got {e.value!r}")
+    elif isinstance(e, Call):
+        if not isinstance(e.fn, str) or e.fn not in FUNCTIONS:
+            raise ExpressionError(f"join: unknown function {e.fn!r}; known: "
+                                  f"{', '.join(sorted(FUNCTIONS))}")
+        if not isinstance(e.args, tuple) or len(e.args) != FUNCTIONS[e.fn].arity:
+            raise ExpressionError(f"join: {e.fn} takes {FUNCTIONS[e.fn].arity} argument(s) as a "
+                                  f"tuple, got {e.args!r}")
+        for a in e.args:
+            _check_expr(a)
+    else:
+        raise ExpressionError(f"join: expected Arg, Const or Call, got {type(e).__name__} ({e!r})")
 
 
 def _from_ast(node: ast.AST, text: str) -> Expr:
@@ -232,6 +267,9 @@ def _from_ast(node: ast.AST, text: str) -> Expr:
             return inner
         if isinstance(node.op, (ast.Invert, ast.Not)):
             return Call("logical_not", (inner,))
+    if isinstance(node, ast.Compare) and len(node.ops) > 1:
+        raise ExpressionError(f"join {text!r}: a chained comparison; & and | bind tighter than "
+                              f"comparisons (as in Python and torch), so write (x0 > 0) & (x1 < 1)")
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
         return Call(_CMPOPS[type(node.ops[0])],
                     (_from_ast(node.left, text), _from_ast(node.comparators[0], text)))
@@ -269,7 +307,10 @@ def infer_dtype(expr: Expr, arg_dtypes: Sequence[str]) -> str:
     mix without meaning. Constants are weak: they take the dtype of what they meet."""
     dt = _infer(expr, tuple(arg_dtypes))
     if dt is None:  # an expression of constants only: the kind of its values decides
-        return {"bool": "bool", "int": "int64", "float": "float32"}[_const_only_kind(expr)]
+        k = _const_only_kind(expr)
+        if k == "int":  # whatever dtype it fills, an int beyond float64 has no value there
+            _check_int_range(expr, expr, "float64")
+        return {"bool": "bool", "int": "int64", "float": "float32"}[k]
     return dt
 
 
@@ -285,7 +326,8 @@ def _const_only_kind(e: Expr) -> str:
     if f.rule == "float":
         return "float"
     vals = e.args[1:] if f.rule == "select" else e.args
-    return max((_const_only_kind(a) for a in vals), key=order.index)
+    k = max((_const_only_kind(a) for a in vals), key=order.index)
+    return "int" if k == "bool" and f.rule == "arith" else k  # -True is -1, as in Python
 
 
 def _const_kind(v: object) -> str:
@@ -301,11 +343,15 @@ def _infer(e: Expr, dts: tuple[str, ...]) -> str | None:
     sub = [_infer(a, dts) for a in e.args]
     if f.rule == "select":
         cond, a, b = sub
+        if cond is None and _const_only_kind(e.args[0]) != "bool":
+            cond = _const_only_kind(e.args[0])  # where(1, ...): an int constant is no condition
         if cond is not None and cond != "bool":
             raise DTypeError(f"{e}: where's condition must be bool, got {cond}")
         return _common(e, [a, b], e.args[1:], allow_bool=True)
     if f.rule == "logical":
-        for d in sub:
+        for a, d in zip(e.args, sub):
+            if d is None and _const_only_kind(a) != "bool":
+                d = f"the constant {a}"  # x & 5 is no logical and (and 2**63 overflowed inside)
             if d is not None and d != "bool":
                 raise DTypeError(f"{e}: {f.name} needs bool arguments, got {d}")
         return "bool"
@@ -330,11 +376,32 @@ def _common(e: Expr, sub: list[str | None], args: Sequence[Expr], allow_bool: bo
     if kind(out) == "bool" and not allow_bool:
         raise DTypeError(f"{e}: {getattr(e, 'fn', '')} does not take bool arguments")
     for a, d in zip(args, sub):
-        if d is None and isinstance(a, Const):
-            ck = _const_kind(a.value)
+        if d is None:  # a constant, or an expression of constants only (2 ** -1)
+            ck = _const_only_kind(a)
             if ck == "float" and kind(out) != "float":
-                raise DTypeError(f"{e}: float constant {a.value!r} meets {out}; cast first")
+                raise DTypeError(f"{e}: float constant {a} meets {out}; cast first")
+            if ck in ("int", "bool"):
+                _check_int_range(e, a, out)
     return out
+
+
+_INT64 = (-2 ** 63, 2 ** 63)
+
+
+def _check_int_range(e: Expr, a: Expr, out: str) -> None:
+    """An integer constant must fit what it meets: int64's range, or a finite float64 (numpy would
+    raise OverflowError inside a kernel, or wrap silently)."""
+    v = evaluate(a, ())
+    if isinstance(v, bool) or not isinstance(v, int):
+        return
+    if kind(out) == "int" and not _INT64[0] <= v < _INT64[1]:
+        raise DTypeError(f"{e}: integer constant {v} is outside int64's range [-2**63, 2**63)")
+    if kind(out) == "float":
+        try:
+            float(v)
+        except OverflowError:
+            raise DTypeError(f"{e}: integer constant {str(v)[:20]}... is too large for any float "
+                             f"dtype") from None
 
 
 # ---------------------------------------------------------------- evaluation
@@ -349,10 +416,38 @@ def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray:
     f = FUNCTIONS[expr.fn]
     vals = [evaluate(a, args) for a in expr.args]
     if all(isinstance(v, (int, float, bool)) for v in vals):
-        # constants only: compute with numpy's IEEE rules (1/0 is inf), hand back a weak scalar
-        with np.errstate(all="ignore"):
-            return f.impl(*(np.asarray(v) for v in vals)).item()
+        return _eval_consts(f, vals)
     return f.impl(*vals)
+
+
+def _as_float(v: "int | float | bool") -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond float64: its float value is infinite
+        return math.copysign(math.inf, v)
+
+
+def _eval_consts(f: ScalarFn, vals: list) -> "int | float | bool":
+    """``f`` over Python scalars, with Python's number semantics and IEEE's edge cases (1/0 is
+    inf): a float function computes in float64 (numpy's integer ``2 ** -1`` raises and
+    ``2 ** 64`` wraps), integer arithmetic is exact (object arrays of Python ints), arithmetic
+    on bools is on ints (``-True`` is -1). The result is a weak scalar."""
+    if f.rule == "float" or (f.rule in ("arith", "compare")
+                             and any(isinstance(v, float) for v in vals)):
+        args = [np.asarray(_as_float(v), dtype=np.float64) for v in vals]
+    elif f.rule in ("arith", "compare"):
+        args = [np.asarray(int(v), dtype=object) for v in vals]
+    elif f.rule == "select":
+        c, a, b = vals
+        return a if c else b
+    else:
+        args = [np.asarray(v) for v in vals]
+    with np.errstate(all="ignore"):
+        out = f.impl(*args)
+    out = out.item() if isinstance(out, np.ndarray) else out
+    if isinstance(out, (np.generic,)):
+        out = out.item()
+    return bool(out) if f.rule in ("compare", "logical") else out
 
 
 def is_product(expr: Expr, n: int) -> bool:
