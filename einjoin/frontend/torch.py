@@ -131,8 +131,18 @@ def _module_path(node: Any, root: str) -> str:
     return f"{path} ({kind})" if path else f"the top module ({kind})"
 
 
-def _dtype_of(t: Any) -> str:
-    return aten.torch_dtype(t.dtype)
+def _dtype_of(t: Any, what: str) -> str:
+    """einjoin's dtype for the tensor ``what`` (a forward argument, a parameter); a dtype einjoin
+    lacks (complex, uint8, ...) is a DTypeError naming that tensor."""
+    from einjoin.errors import DTypeError
+    from einjoin.ir.dtypes import canonical_dtype
+    name = aten.torch_dtype(t.dtype)
+    try:
+        canonical_dtype(name)
+    except EinjoinError as e:
+        raise DTypeError(f"from_torch: {what} is {t.dtype}, which einjoin does not compute in ({e}); "
+                         f"convert it (module.float(), x.float(), x.long()) before importing") from None
+    return name
 
 
 def _to_numpy(t: Any) -> np.ndarray:
@@ -325,7 +335,7 @@ def _from_export(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
             if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
                 t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants[spec.target]
                 name = spec.target
-                env[node] = F.param(name, tuple(t.shape), _dtype_of(t))
+                env[node] = F.param(name, tuple(t.shape), _dtype_of(t, f"{kind.lower()} {name!r}"))
                 if not t.is_meta:  # a module on the meta device plans but cannot run
                     bound[name] = _to_numpy(t)
             elif kind == "USER_INPUT":
@@ -334,7 +344,8 @@ def _from_export(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
                     raise EinjoinError(f"from_torch: forward argument {node.name!r} is "
                                        f"{type(val).__name__}, not a tensor; bind it with "
                                        f"functools.partial before tracing")
-                env[node] = F.input(node.name, tuple(int(s) for s in val.shape), _dtype_of(val))
+                env[node] = F.input(node.name, tuple(int(s) for s in val.shape),
+                                    _dtype_of(val, f"forward argument {node.name!r}"))
                 arg_names.append(node.name)
             else:
                 raise UnsupportedOpError(f"from_torch: input kind {kind} ({node.name}) is not supported")
@@ -449,7 +460,7 @@ def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
 
     def param(qual: str, t: Any) -> Tensor:
         if qual not in params:
-            params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t))
+            params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t, f"tensor {qual!r}"))
             if not t.is_meta:
                 bound[qual] = _to_numpy(t)
         return params[qual]
@@ -464,7 +475,7 @@ def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
             if not isinstance(v, torch.Tensor):
                 raise EinjoinError(f"from_torch: forward argument {node.target!r} is "
                                    f"{type(v).__name__}, not a tensor")
-            env[node] = F.input(node.target, tuple(v.shape), _dtype_of(v))
+            env[node] = F.input(node.target, tuple(v.shape), _dtype_of(v, f"forward argument {node.target!r}"))
             arg_names.append(node.target)
         elif node.op == "get_attr":
             t = module
@@ -508,6 +519,20 @@ def _arg_labels(module: Any, n: int, kwargs: Mapping[str, Any]) -> list[str]:
     except (TypeError, ValueError):
         params = []
     return [params[i] if i < len(params) else f"argument {i}" for i in range(n)] + list(kwargs)
+
+
+def _check_signature(module: Any, args: tuple, kwargs: dict) -> None:
+    """Example arguments that the forward cannot take are an error here: the fx fallback would
+    otherwise drop an extra one silently."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # no signature to check against (a builtin forward)
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise EinjoinError(f"from_torch: the example arguments do not fit "
+                           f"{type(module).__name__}.forward{sig}: {e}") from None
 
 
 def _unalias(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
@@ -594,7 +619,11 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     if method not in ("auto", "export", "fx"):
         raise EinjoinError(f"from_torch: method must be 'auto', 'export' or 'fx', got {method!r}")
     args = tuple(example_args) if isinstance(example_args, (list, tuple)) else (example_args,)
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise EinjoinError(f"from_torch: example_kwargs must be a mapping name -> value, got "
+                           f"{type(example_kwargs).__name__}")
     kwargs = dict(example_kwargs or {})
+    _check_signature(module, args, kwargs)
     args, kwargs, notes = _unalias(module, args, kwargs)
     name = type(module).__name__
     if method == "fx":

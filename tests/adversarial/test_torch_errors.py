@@ -258,3 +258,63 @@ def test_cli_user_error_is_one_line_not_a_traceback(capsys):
     assert main(["plan", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'no-such-model'" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- hostile arguments
+
+
+@pytest.mark.parametrize("method", ["auto", "fx"])
+def test_example_arguments_that_do_not_fit_the_forward(method):
+    lin, x = nn.Linear(2, 2), torch.randn(1, 2)
+    with pytest.raises(ej.EinjoinError, match="too many positional"):
+        ej.from_torch(lin, (x, x), method=method)  # fx used to drop the second silently
+    with pytest.raises(ej.EinjoinError, match="unexpected keyword argument 'bogus'"):
+        ej.from_torch(lin, (x,), {"bogus": x}, method=method)
+    with pytest.raises(ej.EinjoinError, match="example_kwargs must be a mapping"):
+        ej.from_torch(lin, (x,), 5, method=method)  # was a raw TypeError
+    with pytest.raises(ej.DTypeError, match="forward argument 'input' is torch.complex64"):
+        ej.from_torch(lin, (torch.zeros(1, 2, dtype=torch.complex64),), method=method)
+
+
+def _tensors():
+    from hypothesis import strategies as st
+    shapes = st.lists(st.integers(1, 3), min_size=0, max_size=3)
+    dtypes = st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int32, torch.bool,
+                              torch.complex64, torch.float16])
+    return st.builds(lambda s, d: torch.zeros(s, dtype=d), shapes, dtypes)
+
+
+def _hostile():
+    from hypothesis import strategies as st
+    return st.one_of(st.none(), st.integers(), st.floats(allow_nan=True), st.text(max_size=4),
+                     st.lists(st.integers(), max_size=3), _tensors(),
+                     st.builds(lambda n: np.zeros((1, n), np.float32), st.integers(1, 3)))
+
+
+def test_hostile_arguments_to_from_torch_and_run():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    lin = nn.Linear(2, 3).eval()
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(args=st.one_of(st.lists(_hostile(), max_size=3), _hostile()),
+           kwargs=st.one_of(st.none(), st.integers(), st.dictionaries(st.text(max_size=4), _hostile(), max_size=2)),
+           method=st.sampled_from(["auto", "fx", "export", 3, None, "jit"]),
+           run_args=st.lists(_hostile(), max_size=3))
+    def check(args, kwargs, method, run_args):
+        try:
+            fn = ej.from_torch(lin, args, kwargs, method=method)
+        except ej.EinjoinError:
+            return  # a typed error: fine (and nothing else may escape)
+        # it imported: the example was one tensor of a fitting shape; run() with junk is typed too
+        prog = ej.compile(fn, devices=1)
+        try:
+            out = prog.run(*run_args)
+        except ej.EinjoinError:
+            return
+        with torch.no_grad():
+            close(out if isinstance(out, torch.Tensor) else torch.from_numpy(out),
+                  lin(torch.as_tensor(run_args[0]).float()))
+
+    check()
