@@ -277,6 +277,8 @@ class Program:
                 handle._set(False, exc, None)
             else:
                 handle._set(True, out, handle.stats)
+        with self._runs_lock:  # in progress from now on: a Program.cancel() right after reaches it
+            self._active.add(token)
         handle.thread = threading.Thread(target=target, name="einjoin-run", daemon=True)
         handle.thread.start()
         return handle

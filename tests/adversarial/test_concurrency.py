@@ -334,3 +334,14 @@ def test_keyboard_interrupt_restores_the_blas_limit(blas_control: Any) -> None:
         prog.run(**feeds_for(0), callbacks=[Interrupt()])
     assert blas_limits() == before
     np.testing.assert_allclose(prog.run(**feeds_for(0)), ej.reference(out, **feeds_for(0)), **F32)
+
+
+def test_program_cancel_right_after_run_async_reaches_that_run() -> None:
+    prog, _ = mlp(2)
+    count = Count()
+    handles = [prog.run_async(**feeds_for(i), callbacks=[count]) for i in range(4)]
+    prog.cancel()  # the runs may not have started a single task yet: they are in progress
+    for h in handles:
+        with pytest.raises(ej.EinjoinError, match="run cancelled"):
+            h.result(timeout=WAIT)
+    assert count.n < 4 * len(prog.taskgraph)
