@@ -77,7 +77,9 @@ class TorchFunction:
 def _source_line(node: Any) -> str:
     """The module's source line that produced ``node`` (the last frame outside torch itself)."""
     trace = node.meta.get("stack_trace") or getattr(node, "stack_trace", None) or ""
-    return _user_frame(trace) or "(no source line recorded)"
+    if not trace.strip():
+        return "(no source line recorded)"
+    return _user_frame(trace) or "(inside torch's own code)"  # e.g. an nn layer called by Sequential
 
 
 def _user_frame(trace: str) -> str:
