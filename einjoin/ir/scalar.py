@@ -308,8 +308,8 @@ def infer_dtype(expr: Expr, arg_dtypes: Sequence[str]) -> str:
     dt = _infer(expr, tuple(arg_dtypes))
     if dt is None:  # an expression of constants only: the kind of its values decides
         k = _const_only_kind(expr)
-        if k == "int":  # whatever dtype it fills, an int beyond float64 has no value there
-            _check_int_range(expr, expr, "float64")
+        if k == "int":  # where(x0, 2**70, 0) is int64; a constant fill must at least be a float64
+            _check_int_range(expr, expr, "int64" if _max_arg(expr) >= 0 else "float64")
         return {"bool": "bool", "int": "int64", "float": "float32"}[k]
     return dt
 
@@ -391,6 +391,10 @@ _INT64 = (-2 ** 63, 2 ** 63)
 def _check_int_range(e: Expr, a: Expr, out: str) -> None:
     """An integer constant must fit what it meets: int64's range, or a finite float64 (numpy would
     raise OverflowError inside a kernel, or wrap silently)."""
+    if _max_arg(a) >= 0:  # where(x0, 1, 0): no dtype of its own, yet reads an argument
+        for sub in a.args if isinstance(a, Call) else ():
+            _check_int_range(e, sub, out)
+        return
     v = evaluate(a, ())
     if isinstance(v, bool) or not isinstance(v, int):
         return

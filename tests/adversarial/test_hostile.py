@@ -500,6 +500,27 @@ def test_int_constant_outside_int64_is_refused(value: int) -> None:
         _i() + value
 
 
+def test_where_of_constants_outside_int64_is_refused() -> None:
+    """``where(c, 2**70, 0)`` is int64 (its branches are ints): it overflowed inside the kernel;
+    ``where(c, 1, 0)`` (no dtype of its own, reading the condition) still works."""
+    c = ej.input("c", (3,), "bool")
+    with pytest.raises(ej.DTypeError, match=str(2 ** 70)):
+        ej.where(c, 2 ** 70, 0)
+    cs = np.array([True, False, True])
+    np.testing.assert_array_equal(ej.reference(ej.where(c, 1, 0), c=cs),
+                                  torch.where(torch.from_numpy(cs), 1, 0).numpy())
+
+
+@pytest.mark.parametrize("expr", [Call("logical_and", (Call("eq", (Arg(0), Arg(1))), Call("lt", (Arg(0), Arg(1))))),
+                                  Call("lt", (Call("lt", (Arg(0), Arg(1))), Arg(0))),
+                                  Call("logical_or", (Const(False), Call("ne", (Arg(0), Arg(1))))),
+                                  Call("pow", (Call("neg", (Arg(0),)), Arg(1)))])
+def test_printed_join_parses_back_to_itself(expr: Any) -> None:
+    """``(x0 == x1) & (x0 < x1)`` printed without its parentheses (Python's & binds tighter than
+    ==, so the text meant something else, or did not parse); ``(-x0) ** x1`` likewise."""
+    assert parse_join(str(expr), 2) == expr
+
+
 def test_int_constant_inside_int64_wraps_as_torch() -> None:
     out = ej.reference(_i() * (-2 ** 63), i=I)
     expect = (torch.from_numpy(I) * (-2 ** 63)).numpy()
