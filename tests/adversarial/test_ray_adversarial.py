@@ -143,6 +143,14 @@ def test_cancel_before_start_submits_nothing_and_mid_run_cancel_leaves_the_progr
             backend.run_graph(prog._engine, values, prog.cluster, cancel=tok)
         assert time.time() - t0 < HANG
         assert _no_open_runs(backend)  # its namespace is gone on every actor
+        # through the Program: cancelling one of two concurrent runs leaves the other correct
+        f2 = _feeds(2)
+        victim, other = prog.run_async(**f), prog.run_async(**f2)
+        threading.Timer(0.5, victim.cancel).start()
+        with pytest.raises(ej.EinjoinError, match="run cancelled"):
+            victim.result(HANG)
+        np.testing.assert_allclose(other.result(HANG), ej.reference(out, **f2), **TOL)
+        assert _no_open_runs(backend)
         backend.kernel_delay = 0.0
         tok = CancelToken()  # a fresh token: the program runs again, on the same actors
         pids = list(backend.pids)
