@@ -41,7 +41,10 @@ def _torch_to_numpy(t: Any, what: str) -> np.ndarray:
             import ml_dtypes
             return t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
-    except (TypeError, RuntimeError, NotImplementedError, ValueError) as e:
+    except TypeError as e:  # a dtype numpy has no type for (float8, ...)
+        raise DTypeError(f"{what}: torch {t.dtype} has no numpy type ({e}); feed it converted, "
+                         f"for example t.float()") from None
+    except (RuntimeError, NotImplementedError, ValueError) as e:
         raise EinjoinError(f"{what}: cannot read this torch tensor ({type(t).__name__}, "
                            f"{t.dtype}{list(t.shape)}, layout {t.layout}, device {t.device}) as an "
                            f"array: {e}") from None

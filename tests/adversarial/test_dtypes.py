@@ -180,6 +180,14 @@ def test_torch_feeds_with_values(make: Any) -> None:
     assert torch.equal(out, dense.float().sum(1))
 
 
+def test_torch_dtype_without_numpy_type_is_a_dtype_error() -> None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("torch without float8")
+    x = ej.input("x", (3,))
+    with pytest.raises(ej.DTypeError, match=r"'x'.*float8"):
+        ej.reference(x * 1, x=torch.zeros(3, dtype=torch.float8_e4m3fn))
+
+
 def test_torch_float64_into_float32_refused() -> None:
     x = ej.input("x", (2, 3))
     with pytest.raises(ej.DTypeError, match=r"'x'.*float32.*float64"):
