@@ -8,6 +8,7 @@
   RayActorError for ever), and an actor killed while several runs are in flight is replaced
   once, every run completing on the fresh actors;
 - a kernel that raises fails its own run only (named), not a concurrent one, and keeps the actors;
+- hostile arguments to RayBackend and ray_cluster are EinjoinErrors naming the argument;
 - without Ray installed, nothing is printed at exit and backend='ray' says it needs Ray.
 
 Results are compared with ``ej.reference``; no timing is asserted (time bounds only catch hangs).
@@ -24,6 +25,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import einjoin as ej
 
@@ -242,6 +245,51 @@ def test_a_failing_kernel_fails_its_run_only_and_keeps_the_actors(shared):
     assert backend.pids == pids  # a kernel error is not a lost device: the actors stay
     assert _no_open_runs(backend)
     np.testing.assert_allclose(prog.run(i=good[::-1].copy(), t=table), table[good[::-1]] * 2)
+
+
+HOSTILE = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True),
+                   st.text(max_size=3), st.lists(st.integers(), max_size=2), st.just(object()))
+
+
+def _is_int(v, least):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _is_num(v, positive=False, finite=True):
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+            and (v > 0 if positive else v >= 0) and (not finite or v != float("inf")))
+
+
+BACKEND_ARGS = {"num_cpus": lambda v: _is_int(v, 1), "retries": lambda v: _is_int(v, 0),
+                "object_store_memory": lambda v: v is None or _is_int(v, 1),
+                "actor_cpus": _is_num, "kernel_delay": _is_num}
+CLUSTER_ARGS = {"devices_per_node": lambda v: v is None or _is_int(v, 1),
+                "address": lambda v: v is None or isinstance(v, str),
+                "intra_node": lambda v: _is_num(v, True, False), "inter_node": lambda v: _is_num(v, True, False)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(BACKEND_ARGS)), value=HOSTILE)
+def test_hostile_ray_backend_arguments_are_named(name, value):
+    from einjoin.runtime.backends.ray import RayBackend
+    try:
+        RayBackend(quiet=True, **{name: value})
+    except ej.EinjoinError as e:
+        assert name in str(e) and not BACKEND_ARGS[name](value)
+    else:
+        assert BACKEND_ARGS[name](value), f"RayBackend({name}={value!r}) was accepted"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(CLUSTER_ARGS)), value=HOSTILE)
+def test_hostile_ray_cluster_arguments_are_named(ray_session, name, value):
+    try:
+        cluster = ej.ray_cluster(**{name: value})  # a running Ray: an address is not used
+    except ej.EinjoinError as e:
+        assert name in str(e) and not CLUSTER_ARGS[name](value)
+    else:
+        assert CLUSTER_ARGS[name](value), f"ray_cluster({name}={value!r}) was accepted"
+        assert cluster.size >= 1
 
 
 NO_RAY = r"""

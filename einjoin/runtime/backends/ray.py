@@ -134,6 +134,13 @@ def ray_cluster(address: str | None = None, devices_per_node: int | None = None,
     nodes, else ``devices_per_node`` (default: the node's CPUs) CPU devices; bandwidth
     ``intra_node`` between devices of one node and ``inter_node`` across nodes, so the
     optimizer's costs see the topology. ``address`` connects to that cluster first."""
+    if devices_per_node is not None:
+        _check_int("ray_cluster", "devices_per_node", devices_per_node, 1)
+    if address is not None and not isinstance(address, str):
+        raise EinjoinError(f"ray_cluster: address must be a Ray address string such as 'auto' or "
+                           f"'10.0.0.1:6379', got {type(address).__name__} {address!r:.60}")
+    for name, bw in (("intra_node", intra_node), ("inter_node", inter_node)):
+        _check_number("ray_cluster", name, bw, positive=True, finite=False)  # inf: a free link
     ray = _ray()
     if address is not None and not ray.is_initialized():
         ray.init(address=address, log_to_driver=False)
@@ -153,6 +160,20 @@ def ray_cluster(address: str | None = None, devices_per_node: int | None = None,
                      for j in range(n)) for i in range(n))
     lat = tuple(tuple(0.0 if i == j else 5e-6 if same[i][j] else 5e-5 for j in range(n)) for i in range(n))
     return Cluster(tuple(devices), bw, lat)
+
+
+def _check_int(where: str, name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise EinjoinError(f"{where}: {name} must be an integer >= {least}, got {value!r:.60}")
+
+
+def _check_number(where: str, name: str, value: Any, positive: bool = False, finite: bool = True) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+          and value == value and (value > 0 if positive else value >= 0)
+          and (not finite or value != float("inf")))
+    if not ok:
+        raise EinjoinError(f"{where}: {name} must be a {'finite ' if finite else ''}number "
+                           f"{'> 0' if positive else '>= 0'}, got {value!r:.60}")
 
 
 class _DeviceLost(Exception):
@@ -299,6 +320,12 @@ class RayBackend:
     generation: int = field(default=0, init=False)   # bumped whenever the actors are replaced
 
     def __post_init__(self) -> None:
+        _check_int("RayBackend", "num_cpus", self.num_cpus, 1)
+        _check_int("RayBackend", "retries", self.retries, 0)
+        if self.object_store_memory is not None:
+            _check_int("RayBackend", "object_store_memory", self.object_store_memory, 1)
+        _check_number("RayBackend", "actor_cpus", self.actor_cpus)
+        _check_number("RayBackend", "kernel_delay", self.kernel_delay)
         _ray()  # a missing Ray is said at compile time, not at the first run
         self._mu = threading.RLock()          # actors, generation, plans shipped, runs in flight
         self._plans: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
@@ -407,14 +434,15 @@ class RayBackend:
         n_tasks = len(engine.tg.tasks)
         if cancel is not None and cancel.cancelled:  # before start: nothing is submitted
             raise EinjoinError(f"run cancelled before it started (none of its {n_tasks} tasks ran)")
-        for attempt in range(self.retries + 1):
+        retries = max(0, int(self.retries))  # may have been set after construction
+        for attempt in range(retries + 1):
             try:
                 outs, stats = self._run_once(engine, feeds, cluster, callbacks, cancel)
                 stats.recoveries = attempt
                 return outs, stats
             except _DeviceLost as e:
-                if attempt == self.retries:
-                    raise EinjoinError(f"{e}; the run failed after {self.retries} re-run(s) (RayBackend("
+                if attempt == retries:
+                    raise EinjoinError(f"{e}; the run failed after {retries} re-run(s) (RayBackend("
                                        f"retries=...) allows more); the next run starts fresh actors") from None
                 if not self.quiet:
                     print(f"einjoin: {e}; restarting the actors and re-running", file=sys.stderr)
