@@ -62,8 +62,16 @@ AGGS: dict[str, Agg] = {
 
 
 def get_agg(agg: "str | Agg | None") -> Agg:
+    """The registered aggregation named ``agg`` (``None`` is ``none``). An :class:`Agg` instance
+    must be one of :data:`AGGS`: every layer (kernels, partial sums, the optimizer) reads its
+    facts, so a home-made ``Agg("sum", np.multiply, ...)`` would be summed in one place and
+    multiplied in another."""
     if isinstance(agg, Agg):
-        return agg
+        known = AGGS.get(agg.name)
+        if known is None or agg.ufunc is not known.ufunc or agg != known:
+            raise ExpressionError(f"aggregation {agg!r} is not one of einjoin's; use a name: "
+                                  f"{', '.join(AGGS)}")
+        return known
     if agg is None:
         return AGGS["none"]
     if isinstance(agg, str) and agg in AGGS:
