@@ -12,6 +12,7 @@ graph(x: float32[4, 8], w: float32[8, 2]) {
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Callable
 
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
@@ -52,11 +53,17 @@ def describe(node: Node) -> str:
     return type(op).__name__  # pragma: no cover
 
 
+def _input_name(name: str) -> str:
+    # an input named "%0", "a b" or "a\nb" would read as another node or break the line: quote
+    # it (state-dict keys such as "layers.0.weight" stay as they are)
+    return name if re.fullmatch(r"[\w.]+", name) else repr(name)
+
+
 def format_graph(graph: "Graph", note: Callable[[Node], str] | None = None) -> str:
     """One line per node in topological order; ``note`` may append text (a spec, a cost)."""
     names: dict[Node, str] = {}
     for x in graph.inputs:
-        names[x] = x.op.name  # type: ignore[union-attr]
+        names[x] = _input_name(x.op.name)  # type: ignore[union-attr]
     lines = [f"graph({', '.join(f'{names[x]}: {type_str(x)}' for x in graph.inputs)}) {{"]
     k = 0
     for node in graph.nodes:
