@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import einjoin as ej
@@ -23,8 +24,16 @@ def matmul(m: int = 8192, k: int = 8192, n: int = 8192) -> ej.Tensor:
     return ej.input("a", (m, k)) @ ej.param("b", (k, n))
 
 
+def _count(v: Any, what: str, least: int = 1) -> int:
+    """A count argument (layers, heads, chain length) as an int >= ``least``, or an EinjoinError."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise EinjoinError(f"{what} must be an int >= {least}, got {v!r}")
+    return v
+
+
 def chain(n: int = 4096, length: int = 3) -> ej.Tensor:
     """A @ B @ C ... of ``length`` square matrices."""
+    length = _count(length, "chain: length")
     out = ej.input("m0", (n, n))
     for i in range(1, length):
         out = out @ ej.param(f"m{i}", (n, n))
@@ -40,8 +49,12 @@ def llama_block(x: ej.Tensor, prefix: str = "", heads: int = 32, kv_heads: int |
                 hidden: int = 11008, eps: float = 1e-6) -> ej.Tensor:
     """One LLaMA decoder block on ``x`` (batch, seq, d): RMSNorm, rotary grouped-query attention,
     SwiGLU MLP, residuals. Weights are ``ej.param``s named ``{prefix}wq`` and so on."""
+    if not isinstance(x, ej.Tensor) or x.ndim != 3:
+        raise EinjoinError(f"llama_block: x must be an einjoin tensor (batch, seq, d), got "
+                           f"{getattr(x, 'shape', type(x).__name__)}")
     b, s, d = x.shape
-    kv = kv_heads or heads
+    heads = _count(heads, "llama_block: heads")
+    kv = heads if kv_heads is None else _count(kv_heads, "llama_block: kv_heads")
     hd = d // heads
     if hd * heads != d or heads % kv:
         raise EinjoinError(f"llama_block: d={d}, heads={heads}, kv_heads={kv} do not fit")
@@ -63,6 +76,7 @@ def llama_block(x: ej.Tensor, prefix: str = "", heads: int = 32, kv_heads: int |
 def llama_layers(layers: int = 32, batch: int = 1, seq: int = 2048, d: int = 4096, heads: int = 32,
                  kv_heads: int | None = None, hidden: int = 11008) -> ej.Tensor:
     """``layers`` LLaMA blocks (LLaMA-7B shapes by default) on an activation (batch, seq, d)."""
+    layers = _count(layers, "llama_layers: layers")
     x = ej.input("x", (batch, seq, d))
     for i in range(layers):
         x = llama_block(x, f"l{i}.", heads, kv_heads, hidden)
@@ -85,6 +99,14 @@ MODELS: dict[str, Callable[..., ej.Tensor]] = {
 
 
 def build(name: str, **kw: Any) -> ej.Tensor:
-    if name not in MODELS:
+    """The built-in model ``name`` with its size keywords (``einjoin plan MODEL``)."""
+    if not isinstance(name, str) or name not in MODELS:
         raise EinjoinError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    return MODELS[name](**kw)
+    fn = MODELS[name]
+    target = llama_layers if name.startswith("llama") else fn
+    known = inspect.signature(target).parameters
+    unknown = sorted(k for k in kw if k not in known)
+    if unknown:  # a TypeError from deep inside would not say which model takes what
+        raise EinjoinError(f"model {name!r} has no parameter {', '.join(map(repr, unknown))}; it takes "
+                           f"{', '.join(known)}")
+    return fn(**kw)

@@ -16,13 +16,16 @@ torch.Size([1, 32, 64])
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from einjoin.errors import EinjoinError
 
 __all__ = ["LlamaConfig", "LLAMA_7B", "RMSNorm", "LlamaBlock", "Llama", "GPT2Block", "MLP",
            "MatrixChain", "ZOO", "example"]
@@ -200,13 +203,26 @@ ZOO: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
 }
 
 
+class UnknownModelError(EinjoinError, KeyError):
+    """A zoo name that does not exist (a KeyError too, for callers that caught that)."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
 def example(name: str, seed: int = 0, **config: Any) -> tuple[nn.Module, tuple]:
     """A zoo model (in eval mode, random weights from ``seed``) and example inputs. LLaMA
     models take ``LlamaConfig`` fields as keywords."""
-    if name not in ZOO:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(sorted(ZOO))}")
+    if not isinstance(name, str) or name not in ZOO:
+        raise UnknownModelError(f"unknown zoo model {name!r}; known: {', '.join(sorted(ZOO))}")
+    llama = name in ("llama-block", "llama")
+    known = [f.name for f in fields(LlamaConfig)] if llama else list(inspect.signature(ZOO[name]).parameters)
+    unknown = sorted(k for k in config if k not in known)
+    if unknown:  # replace() / the builder would raise a bare TypeError
+        raise EinjoinError(f"zoo model {name!r} has no setting {', '.join(map(repr, unknown))}; "
+                           f"it takes {', '.join(known)}")
     torch.manual_seed(seed)
-    if name in ("llama-block", "llama"):
+    if llama:
         module, args = ZOO[name](replace(LlamaConfig(), **config))
     else:
         module, args = ZOO[name](**config)
