@@ -671,6 +671,82 @@ def test_attention_matches_torch(scale: Any, causal: Any) -> None:
     np.testing.assert_allclose(got, expect.numpy(), rtol=1e-5, atol=1e-6)
 
 
+# ---------------------------------------------------------------- aggregations, printing, models
+
+
+@pytest.mark.parametrize("agg", [ej.ir.Agg("sum", np.multiply, 0.0, True, True),
+                                 ej.ir.Agg("logaddexp", np.logaddexp, -math.inf, True, True),
+                                 ej.ir.Agg("max", np.maximum, 0.0, True, True)])
+def test_home_made_agg_is_refused(agg: Any) -> None:
+    """An Agg instance that is not einjoin's was taken as is: ``Agg("sum", np.multiply, ...)``
+    summed in the kernel and would multiply partials across blocks."""
+    with pytest.raises(ej.ExpressionError, match="aggregation"):
+        ej.einsum("ij->i", _x(), agg=agg)
+
+
+def test_registered_agg_instances_still_work() -> None:
+    for name in ("sum", "max", "min", "prod"):
+        got = ej.reference(ej.einsum("ij->i", _x(), agg=ej.ir.AGGS[name]), x=X)
+        np.testing.assert_allclose(got, getattr(np, name)(X, axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["%0", "a b", "a\nb", "x)", ""])
+def test_printed_graph_quotes_odd_input_names(name: str) -> None:
+    """An input named "%0" printed as the op %0; "a\nb" broke the line."""
+    if not name:
+        with pytest.raises(ej.EinjoinError):
+            ej.input(name, (2,))
+        return
+    text = str(ej.Graph(ej.input(name, (2,)) * 2))
+    assert repr(name) in text and len(text.splitlines()) == 4
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: build("matmul", foo=1), "'foo'"),
+    (lambda: build(["matmul"]), "unknown model"),
+    (lambda: build("chain", n=4, length=0), "length"),
+    (lambda: build("chain", n=4, length=1.5), "length"),
+    (lambda: build("llama-block", d=64, heads=0, hidden=8, seq=4), "heads"),
+    (lambda: build("llama-block", d=64, heads=4, kv_heads=0, hidden=8, seq=4), "kv_heads"),
+    (lambda: build("llama-7b-layers", layers=-1, d=64, heads=4, hidden=8, seq=4), "layers"),
+    (lambda: llama_block(ej.input("x2", (4, 8))), "(batch, seq, d)"),
+    (lambda: llama_block(None), "(batch, seq, d)"),
+    (lambda: zoo_example("nope"), "unknown zoo model"),
+    (lambda: zoo_example("mlp", foo=1), "'foo'"),
+    (lambda: zoo_example("llama", foo=1), "'foo'"),
+])
+def test_models_refuse_bad_arguments(call: Callable[[], Any], fragment: str) -> None:
+    """ZeroDivisionError (heads=0), TypeError (unknown keyword, float length), KeyError (zoo
+    name), ValueError (a 2-D x) before; kv_heads=0 and layers <= 0 were silently accepted."""
+    with pytest.raises(ej.EinjoinError) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+def test_models_still_build_and_match_torch() -> None:
+    from einjoin.models.zoo import example
+    module, args = example("mlp", dim=8, hidden=16, layers=2, batch=4)
+    fn = ej.from_torch(module, args)
+    got = ej.compile(fn, 2, quiet=True).run(*args)
+    np.testing.assert_allclose(np.asarray(got), module(*args).detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert build("chain", n=4, length=1).shape == (4, 4)
+
+
+def build(*a: Any, **kw: Any) -> Any:
+    from einjoin.models.graphs import build as b
+    return b(*a, **kw)
+
+
+def llama_block(*a: Any, **kw: Any) -> Any:
+    from einjoin.models.graphs import llama_block as f
+    return f(*a, **kw)
+
+
+def zoo_example(*a: Any, **kw: Any) -> Any:
+    from einjoin.models.zoo import example
+    return example(*a, **kw)
+
+
 # ---------------------------------------------------------------- known defects in others' files
 
 
