@@ -13,16 +13,32 @@ move: every device computes the blocks it needs from the index grid.
 
 from __future__ import annotations
 
+from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind
 from einjoin.ir.node import Broadcast, Cast, Einsum, Fill, Node, Reshape, Select
 from einjoin.ir.ops import fill_node
-from einjoin.ir.scalar import Arg, Call, Const, Expr, substitute
+from einjoin.ir.scalar import Arg, Call, Const, Expr, infer_dtype, substitute
 
 __all__ = ["fold"]
 
 
 def _remap(e: Expr, args: list[Expr]) -> Expr:
     return substitute(e, args)
+
+
+_ORDER = {"bool": 0, "int": 1, "float": 2}
+
+
+def _faithful(fill: Node) -> bool:
+    """True when a fill's stored values are its expression's values: a bool fill of ``7`` holds
+    True and an int64 fill of ``1e30`` a wrapped integer, so an op folded over the expression
+    itself would compute with 7 and 1e30 instead (``fill(7, bool).to(float16)`` gave 7)."""
+    idx = "float64" if kind(fill.dtype) == "float" else "int64"
+    try:
+        natural = kind(infer_dtype(fill.op.expr, [idx] * fill.ndim))  # type: ignore[union-attr]
+    except EinjoinError:
+        return False
+    return _ORDER[natural] <= _ORDER[kind(fill.dtype)]
 
 
 def fold(node: Node) -> Node:
@@ -39,6 +55,8 @@ def fold(node: Node) -> Node:
     computes = isinstance(op, (Einsum, Cast))
     if computes and any(kind(i.dtype) == "float" and (i.dtype != node.dtype or i.dtype != "float64")
                         for i in node.inputs):
+        return node
+    if computes and not all(_faithful(i) for i in node.inputs):
         return node
     if kind(node.dtype) != "float" and any(kind(i.dtype) == "float" for i in node.inputs):
         return node
