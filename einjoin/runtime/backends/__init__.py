@@ -29,7 +29,8 @@ class BlasLimiter:
     changes made on the caller's thread would pin that control to it (a user's main thread,
     or a run's thread that is not the last one out, whose restore would then be ignored). A
     helper takes control and dies. When some other live thread holds the control (the user's
-    own ``threadpool_limits``), einjoin leaves the limits alone."""
+    own ``threadpool_limits``), einjoin leaves the limits alone. Only BLAS libraries are limited:
+    the kernels are numpy's, and an OpenMP limit is per thread (a helper's would die with it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -69,9 +70,9 @@ class BlasLimiter:
         with self._lock:
             limit = self._share(self._devices + n)
             if self._devices == 0:
-                self._original = self._on_helper(lambda: threadpool_limits(limits=limit))
+                self._original = self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
             else:  # the first run's limiter restores; this one is dropped
-                self._on_helper(lambda: threadpool_limits(limits=limit))
+                self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
             self._devices += n
 
     def exit(self, n_devices: int) -> None:
@@ -85,7 +86,7 @@ class BlasLimiter:
                     self._on_helper(original.restore_original_limits)
             else:
                 limit = self._share(self._devices)
-                self._on_helper(lambda: threadpool_limits(limits=limit))
+                self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
 
     @contextlib.contextmanager
     def limit(self, n_devices: int) -> Iterator[None]:
