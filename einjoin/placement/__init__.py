@@ -38,7 +38,19 @@ class NodePlacement:
 
 Placement = dict[Node, NodePlacement]
 Placer = Callable[[Mapping[Node, Decomposition], Cluster, int], Placement]
-PLACERS: dict[str, Placer] = {}
+
+
+class _Registry(dict):
+    """``x in PLACERS`` is False for an unhashable ``x`` (an unknown placement, not a TypeError)."""
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return dict.__contains__(self, key)
+        except TypeError:
+            return False
+
+
+PLACERS: dict[str, Placer] = _Registry()
 
 
 def register_placer(name: str) -> Callable[[Placer], Placer]:
@@ -82,8 +94,11 @@ def random_placement(decomps: Mapping[Node, Decomposition], cluster: Cluster, se
 
 
 def place(name: str, decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0) -> Placement:
-    if name not in PLACERS:
-        raise EinjoinError(f"unknown placement {name!r}; known: {', '.join(sorted(PLACERS))}")
+    """The placement of every node's kernels by the placer ``name``."""
+    if not isinstance(name, str) or name not in PLACERS:
+        shown = repr(name)
+        raise EinjoinError(f"unknown placement {shown if len(shown) <= 60 else shown[:57] + '...'}; "
+                           f"known: {', '.join(sorted(PLACERS))}")
     return PLACERS[name](decomps, cluster, seed)
 
 

@@ -16,8 +16,9 @@ nums 49152
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition, Kernel
@@ -41,6 +42,90 @@ class _State:
         self.net_out = [0] * p
 
 
+class _Held:
+    """The devices holding a piece: the copies already sent to readers plus the producer block's
+    home — a view, not a copy (a replicated block's copies reach P devices; copying them for
+    every reader made placement cubic)."""
+
+    __slots__ = ("copies", "home")
+
+    def __init__(self, copies: "set[int] | tuple", home: int | None):
+        self.copies, self.home = copies, home
+
+    def __contains__(self, dv: int) -> bool:
+        return dv == self.home or dv in self.copies
+
+    def __bool__(self) -> bool:
+        return self.home is not None or bool(self.copies)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.home is not None:
+            yield self.home
+        yield from (dv for dv in self.copies if dv != self.home)
+
+    def least(self) -> int:
+        """The lowest device id holding it (callers check it is not empty)."""
+        return min(self)
+
+
+class _Allowed:
+    """Where the next kernel of an op may go: the devices below the op's per-device cap of
+    kernels (all devices if none is), and among them, those not yet holding a partial of the same
+    output block (all allowed ones if that leaves none) — kept as a heap of (load, device) so the
+    greedy placer finds the least loaded in O(log P) instead of listing P devices per kernel."""
+
+    def __init__(self, p: int, cap: int, load: list[int]):
+        self.p, self.cap, self.load = p, cap, load
+        self.heap = [(0, dv) for dv in range(p)]  # (load, device); entries with an old load are stale
+        self.taken: set[int] = set()
+        self._least: int | None = None
+        self._fresh_exists = True
+
+    def start(self, taken: set[int]) -> None:
+        """Prepare for one kernel whose output block has partials on ``taken``."""
+        self.taken = taken
+        heap, load = self.heap, self.load
+        aside = []
+        self._least = None
+        while heap:
+            ld, dv = heap[0]
+            if ld != load[dv]:
+                heapq.heappop(heap)  # stale
+            elif dv in taken:
+                aside.append(heapq.heappop(heap))
+            else:
+                self._least = dv
+                break
+        for e in aside:
+            heapq.heappush(heap, e)
+        # some device is below the cap (so "allowed" means below it)? either the least loaded
+        # untaken one or a taken one; then fresh ones exist iff that untaken one is below it
+        below = self._least is not None and load[self._least] < self.cap
+        self._any_allowed = below or any(load[dv] < self.cap for dv in taken)
+        self._fresh_exists = below if self._any_allowed else self._least is not None
+
+    def bump(self, dv: int) -> None:
+        self.load[dv] += 1
+        heapq.heappush(self.heap, (self.load[dv], dv))
+
+    def ok(self, dv: int) -> bool:
+        """Whether ``dv`` is one of the devices the old list would hold."""
+        if self._any_allowed and self.load[dv] >= self.cap:
+            return False
+        return not self._fresh_exists or dv not in self.taken
+
+    def least_loaded(self) -> int:
+        """The allowed device with the fewest kernels, then the lowest id."""
+        if self._fresh_exists:
+            assert self._least is not None
+            return self._least
+        return min(self.devices(), key=lambda dv: (self.load[dv], dv))
+
+    def devices(self) -> list[int]:
+        """All of them, in id order (O(P): for the placers that weigh every device)."""
+        return [dv for dv in range(self.p) if self.ok(dv)]
+
+
 def _overlaps(part: object, box: tuple) -> list[tuple[tuple, int]]:
     ranges = [part.overlapping(dim, a, b) for dim, (a, b) in enumerate(box)]  # type: ignore[attr-defined]
     found = []
@@ -55,7 +140,7 @@ def _overlaps(part: object, box: tuple) -> list[tuple[tuple, int]]:
 
 
 def _pieces(node: Node, d: Decomposition, k: Kernel, decomps: Mapping[Node, Decomposition],
-            st: _State) -> list[tuple[Node, tuple, int, set[int]]]:
+            st: _State) -> list[tuple[Node, tuple, int, _Held]]:
     """(producer, region, bytes, devices already holding it) for every input region ``k`` reads."""
     out = []
     for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)):
@@ -63,10 +148,9 @@ def _pieces(node: Node, d: Decomposition, k: Kernel, decomps: Mapping[Node, Deco
             continue
         box = d.in_partitions[slot].box(key)
         size = itemsize(x.dtype)
-        held = set(st.copies.get((x, box), ()))
+        copies = st.copies.get((x, box), ())
         for pk, vol in _overlaps(decomps[x].out_partition, box):
-            h = st.homes[x].get(pk)
-            out.append((x, pk, vol * size, held | ({h} if h is not None else set())))
+            out.append((x, pk, vol * size, _Held(copies, st.homes[x].get(pk))))
     return out
 
 
@@ -84,16 +168,16 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
             continue
         cap = -(-len(d.kernels) // p)
         st.load = [0] * p
+        allowed = _Allowed(p, cap, st.load)
         taken: dict = {}
         devs = []
         for k in d.kernels:
             pieces = _pieces(node, d, k, decomps, st)
-            allowed = [dv for dv in range(p) if st.load[dv] < cap] or list(range(p))
-            fresh = [dv for dv in allowed if dv not in taken.get(k.out_key, ())] or allowed
-            dev = choose(node, d, k, pieces, fresh, st, cluster)
+            allowed.start(taken.setdefault(k.out_key, set()))
+            dev = choose(node, d, k, pieces, allowed, st, cluster)
             devs.append(dev)
-            st.load[dev] += 1
-            taken.setdefault(k.out_key, set()).add(dev)
+            allowed.bump(dev)
+            taken[k.out_key].add(dev)
             for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)):
                 if key is None or isinstance(x.op, Fill):
                     continue
@@ -117,7 +201,7 @@ def _missing(pieces: list, dev: int) -> list[tuple[int, int]]:
     need = []
     for _, _, nbytes, held in pieces:
         if held and dev not in held:
-            need.append((min(held), nbytes))
+            need.append((held.least(), nbytes))
     return need
 
 
@@ -127,8 +211,16 @@ def greedy(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 
     loaded, then the lowest id); at most ceil(K/P) kernels of an op per device, and partials of
     one output block on different devices where possible."""
     def choose(node, d, k, pieces, allowed, st, cl):  # type: ignore[no-untyped-def]
-        score = {dv: sum(b for _, _, b, held in pieces if dv in held) for dv in allowed}
-        return min(allowed, key=lambda dv: (-score[dv], st.load[dv], dv))
+        # only devices holding some piece score above 0; the rest tie at 0, where the least
+        # loaded wins: O(pieces' holders + log P) per kernel, not O(P)
+        score: dict[int, int] = {}
+        for _, _, b, held in pieces:
+            for dv in held:
+                score[dv] = score.get(dv, 0) + b
+        scored = [dv for dv, s in score.items() if s > 0 and allowed.ok(dv)]
+        if scored:
+            return min(scored, key=lambda dv: (-score[dv], st.load[dv], dv))
+        return allowed.least_loaded()
     return _place(decomps, cluster, choose)
 
 
@@ -139,13 +231,15 @@ def critical_path(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed:
     a nominal 100 GFLOP/s; it goes to the device where it finishes first."""
     def choose(node, d, k, pieces, allowed, st, cl):  # type: ignore[no-untyped-def]
         run = kernel_flops(d, k.index) / 1e11
-        best, best_dev = None, allowed[0]
-        for dv in allowed:
+        devices = allowed.devices()
+        best, best_dev = None, devices[0]
+        sources = [held.least() if held else -1 for _, _, _, held in pieces]
+        for dv in devices:
             arrive = 0.0
-            for x, pk, nbytes, held in pieces:
+            for (x, pk, nbytes, held), src in zip(pieces, sources):
                 t = st.block_ready.get((x, pk), 0.0)
-                if held and dv not in held:
-                    t += cl.transfer_time(min(held), dv, nbytes)
+                if src >= 0 and dv not in held:
+                    t += cl.transfer_time(src, dv, nbytes)
                 arrive = max(arrive, t)
             finish = max(st.ready[dv], arrive) + run
             if best is None or finish < best:
@@ -165,8 +259,9 @@ def nums(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0)
         for a, b in d.out_partition.box(k.out_key):
             out_bytes *= b - a
         out_bytes *= itemsize(node.dtype)
-        best, best_dev = None, allowed[0]
-        for dv in allowed:
+        devices = allowed.devices()
+        best, best_dev = None, devices[0]
+        for dv in devices:
             moves = _missing(pieces, dv)
             mem, nin, nout = list(st.mem), list(st.net_in), list(st.net_out)
             mem[dv] += out_bytes + sum(b for _, b in moves)
