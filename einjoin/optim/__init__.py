@@ -14,19 +14,35 @@ what a user would otherwise pick; ``split_largest`` and ``single`` are simple re
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
+from einjoin.decomp.partition import check_bounds
 from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_labels
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
+from einjoin.ir.printing import describe
 
-__all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs"]
+__all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs",
+           "resolve_planner", "check_planned"]
 
 Planner = Callable[[Graph, Cluster], dict[Node, JoinAggSpec]]
-PLANNERS: dict[str, Planner] = {}
+
+
+class _Registry(dict):
+    """A name -> function registry where ``x in registry`` is False for any unhashable ``x``
+    (a list or an array given as a planner name is unknown, not a TypeError)."""
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return dict.__contains__(self, key)
+        except TypeError:
+            return False
+
+
+PLANNERS: dict[str, Planner] = _Registry()
 
 
 def register_planner(name: str) -> Callable[[Planner], Planner]:
@@ -103,11 +119,73 @@ def derive_input_specs(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Nod
     return out
 
 
+def _planner_name(planner: Any) -> str:
+    if isinstance(planner, str):
+        return repr(planner)
+    return getattr(planner, "__qualname__", None) or getattr(planner, "__name__", None) or repr(planner)[:60]
+
+
+def resolve_planner(planner: Any) -> tuple[str, Planner]:
+    """(a name for messages, the function) of ``planner``: a registered name or a callable
+    ``(graph, cluster) -> {node: spec}``; else an :class:`EinjoinError` listing the names."""
+    if isinstance(planner, str) and planner in PLANNERS:
+        return repr(planner), PLANNERS[planner]
+    if callable(planner) and not isinstance(planner, str):
+        return _planner_name(planner), planner
+    shown = repr(planner)
+    raise EinjoinError(f"unknown planner {shown if len(shown) <= 60 else shown[:57] + '...'}: give a "
+                       f"name ({', '.join(sorted(PLANNERS))}) or a callable (graph, cluster) -> "
+                       f"{{node: join-agg spec}}")
+
+
+def _checked_spec(node: Node, spec: Any) -> JoinAggSpec:
+    """``spec`` normalised for ``node``; a ``JoinAggSpec`` built by hand also has its boundaries
+    checked (``for_node`` trusts its labels' last boundaries only)."""
+    if isinstance(spec, JoinAggSpec):
+        sizes = label_sizes(node)
+        if not isinstance(spec.bounds, tuple) or len(spec.bounds) != len(sizes) or spec.labels != tuple(sizes):
+            raise EinjoinError(f"a JoinAggSpec with labels {spec.labels!r:.60} for labels {tuple(sizes)}")
+        spec = JoinAggSpec(spec.labels, tuple(check_bounds(b, sizes[lab], f"label {lab!r} (size {sizes[lab]})")
+                                              for lab, b in zip(spec.labels, spec.bounds)))
+    return JoinAggSpec.for_node(node, spec)
+
+
+def check_planned(result: Any, graph: Graph, who: str) -> dict[Node, JoinAggSpec]:
+    """What a planner returned, checked: a mapping from nodes (or tensors) of ``graph`` to
+    join-agg specs valid for them (a ``JoinAggSpec``, a mapping label -> blocks, counts in label
+    order, or None); nodes left out get one block. Anything else is an :class:`EinjoinError`
+    naming the planner ``who`` and what is wrong."""
+    if not isinstance(result, Mapping):
+        raise EinjoinError(f"planner {who} returned {type(result).__name__}, not a mapping node -> "
+                           f"join-agg spec (a dict with a spec for each op it cuts)")
+    members = set(graph.nodes)
+    out: dict[Node, JoinAggSpec] = {}
+    for key, spec in result.items():
+        node = getattr(key, "node", key)  # a frontend tensor stands for its node
+        if not isinstance(node, Node):
+            shown = repr(key)
+            raise EinjoinError(f"planner {who} returned a spec keyed by {type(key).__name__} "
+                               f"{shown if len(shown) <= 60 else shown[:57] + '...'}; keys must be the graph's nodes")
+        if node not in members:
+            raise EinjoinError(f"planner {who} returned a spec for {describe(node)}, which is not in the graph")
+        try:
+            out[node] = _checked_spec(node, spec)
+        except EinjoinError as e:
+            raise EinjoinError(f"planner {who} returned an invalid spec for {describe(node)}: {e}") from None
+    return out
+
+
 def plan_specs(planner: "str | Planner", graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    if callable(planner):
-        return planner(graph, cluster)
-    if planner not in PLANNERS:
-        raise EinjoinError(f"unknown planner {planner!r}; known: {', '.join(sorted(PLANNERS))}")
-    return PLANNERS[planner](graph, cluster)
+    """Run ``planner`` (a registered name or a callable) on ``graph`` and ``cluster`` and check
+    what it returns (:func:`check_planned`): one join-agg spec per node it cuts. A planner's own
+    non-einjoin exception is raised as an :class:`EinjoinError` naming it (the cause chained)."""
+    who, fn = resolve_planner(planner)
+    try:
+        result = fn(graph, cluster)
+    except (EinjoinError, MemoryError):
+        raise
+    except Exception as e:  # a user's planner (or a bug): name it, keep the cause
+        raise EinjoinError(f"planner {who} failed: {type(e).__name__}: {e}") from e
+    return check_planned(result, graph, who)
 
 
