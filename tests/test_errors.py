@@ -542,3 +542,29 @@ def test_ctrl_c_is_a_plain_keyboard_interrupt_and_the_program_stays_usable(backe
     assert type(info.value) is KeyboardInterrupt  # not wrapped in an EinjoinError
     assert threading.active_count() == before, threading.enumerate()
     np.testing.assert_allclose(prog.run(**_feeds()), prog.run_reference(**_feeds()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sync", "threads"])
+def test_real_sigint_mid_run_is_a_plain_keyboard_interrupt(backend: str) -> None:
+    """A real SIGINT (what Ctrl-C sends), raised by a task's callback: Python's handler raises
+    KeyboardInterrupt in the main thread — inside the inline worker (sync) or in the loop that
+    joins the device threads (threads). Either way it comes out unwrapped, and nothing hangs."""
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is handled by something else in this process")
+
+    class Sigint(_Count):
+        def on_start(self, task: Any) -> None:
+            super().on_start(task)
+            if self.n == 2:
+                signal.raise_signal(signal.SIGINT)
+
+    prog = _small(backend)
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt) as info:
+        prog.run(**_feeds(), callbacks=[Sigint()])
+    assert type(info.value) is KeyboardInterrupt
+    assert threading.active_count() == before, threading.enumerate()
+    np.testing.assert_allclose(prog.run(**_feeds()), prog.run_reference(**_feeds()), rtol=1e-5, atol=1e-6)

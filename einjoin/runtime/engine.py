@@ -499,9 +499,9 @@ class Engine:
                 threads = [threading.Thread(target=worker, args=(q,), daemon=True,
                                             name=f"einjoin-dev{q}" if q < n else f"einjoin-host{q - n}")
                            for q in range(n_queues)]
-                for th in threads:
-                    th.start()
-                try:
+                try:  # the starts too: a Ctrl-C may land while the first workers already run
+                    for th in threads:
+                        th.start()
                     for th in threads:
                         while th.is_alive():
                             th.join(0.05)
@@ -510,7 +510,8 @@ class Engine:
                         state["stop"] = True
                         wake_all()
                     for th in threads:
-                        th.join()
+                        if th.ident is not None:  # started
+                            th.join()
                     raise
             else:
                 worker(0)

@@ -47,7 +47,9 @@ class BlasLimiter:
         return self._devices
 
     @staticmethod
-    def _on_helper(fn: Any) -> Any:
+    def _on_helper(fn: Any) -> tuple[Any, BaseException | None]:
+        """``fn()`` on a helper thread; returns its value and a KeyboardInterrupt that arrived
+        meanwhile (deferred: the change lands and is counted before the interrupt goes on)."""
         box: list[Any] = []
 
         def target() -> None:
@@ -57,45 +59,55 @@ class BlasLimiter:
                 box.append((False, e))
         th = threading.Thread(target=target, name="einjoin-blas-limit", daemon=True)
         th.start()
-        th.join()
+        interrupted = None
+        while th.is_alive():
+            try:
+                th.join()
+            except KeyboardInterrupt as e:
+                interrupted = e
         ok, value = box[0]
         if not ok:
             raise value
-        return value
+        return value, interrupted
 
-    def enter(self, n_devices: int) -> None:
-        """A run with ``n_devices`` device threads starts."""
+    def _enter(self, n_devices: int) -> BaseException | None:
         from threadpoolctl import threadpool_limits
         n = max(1, n_devices)
         with self._lock:
             limit = self._share(self._devices + n)
+            limiter, interrupted = self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
             if self._devices == 0:
-                self._original = self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
-            else:  # the first run's limiter restores; this one is dropped
-                self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
+                self._original = limiter  # the first run's limiter restores; the others are dropped
             self._devices += n
+            return interrupted
 
-    def exit(self, n_devices: int) -> None:
-        """A run with ``n_devices`` device threads ended (the last one out restores)."""
+    def _exit(self, n_devices: int) -> BaseException | None:
         from threadpoolctl import threadpool_limits
         with self._lock:
             self._devices = max(0, self._devices - max(1, n_devices))
             if self._devices == 0:
                 original, self._original = self._original, None
-                if original is not None:
-                    self._on_helper(original.restore_original_limits)
-            else:
-                limit = self._share(self._devices)
-                self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
+                if original is None:
+                    return None
+                return self._on_helper(original.restore_original_limits)[1]
+            limit = self._share(self._devices)
+            return self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))[1]
 
     @contextlib.contextmanager
     def limit(self, n_devices: int) -> Iterator[None]:
-        """Hold a share of the cores for ``n_devices`` device threads while the block runs."""
-        self.enter(n_devices)
+        """Hold a share of the cores for ``n_devices`` device threads while the block runs (the
+        last run out restores the original limits)."""
+        pending = self._enter(n_devices)
         try:
+            if pending is not None:
+                raise pending
             yield
-        finally:
-            self.exit(n_devices)
+        except BaseException:
+            self._exit(n_devices)  # an interrupt meanwhile is dropped: one is on its way already
+            raise
+        late = self._exit(n_devices)
+        if late is not None:
+            raise late
 
 
 BLAS_LIMITER = BlasLimiter()
