@@ -428,6 +428,29 @@ def test_hostile_argument(target: str, v: Any) -> None:
     _call(target, v)
 
 
+_TORCH_TARGETS: dict[str, Callable[[Any], Any]] = {
+    "from_torch.module": lambda v: ej.from_torch(v, (torch.ones(2, 4),)),
+    "from_torch.example_args": lambda v: ej.from_torch(torch.nn.Linear(4, 3), v),
+    "from_torch.method": lambda v: ej.from_torch(torch.nn.Linear(4, 3), (torch.ones(2, 4),), method=v),
+}
+
+
+@pytest.mark.parametrize("target", sorted(_TORCH_TARGETS))
+@settings(SETTINGS, max_examples=8)  # each call traces a module: slow
+@given(v=HOSTILE)
+def test_hostile_argument_to_from_torch(target: str, v: Any) -> None:
+    assume(not (target == "from_torch.method" and _is_array_like(v) and v.size > 1))  # KNOWN
+    try:
+        fn = _TORCH_TARGETS[target](v)
+    except ej.EinjoinError as e:
+        assert str(e).strip()
+        return
+    # accepted: then it computes what the module computes
+    got = ej.compile(fn, 1, quiet=True).run(torch.ones(2, 4))
+    module = torch.nn.Linear(4, 3)
+    assert tuple(got.shape) == (2, 3) or module is None
+
+
 # ---------------------------------------------------------------- messages name the argument
 
 
@@ -799,6 +822,9 @@ KNOWN = [
     ("partition-none", lambda: ej.Partition(None), "dtypes: decomp/partition.py Partition"),
     ("partition-whole-int", lambda: ej.Partition.whole(3), "dtypes: decomp/partition.py whole"),
     ("partition-of-str-shape", lambda: ej.Partition.of("ab", (1, 1)), "dtypes: decomp/partition.py of"),
+    ("from-torch-method-array", lambda: ej.from_torch(torch.nn.Linear(4, 3), (torch.ones(2, 4),),
+                                                      method=np.array([1, 2])),
+     "torch import: frontend/torch.py from_torch compares method with `in`"),
     ("explain-file-int", lambda: _prog().explain(3), "runtime: program.py explain"),
     ("run-callbacks-0d", lambda: _prog().run(X, callbacks=np.array(3)), "runtime: program.py run"),
 ]
