@@ -393,11 +393,6 @@ print("second run ok")
 
 
 @pytest.mark.xdist_group("ray")
-@pytest.mark.xfail(strict=True, reason=(
-    "ray: ensure_ray() starts the local Ray on the calling thread; Ray's processes die with the "
-    "thread that started them (PR_SET_PDEATHSIG), so a first run from run_async() or any "
-    "non-main thread leaves a dead Ray and the next run exits the process with status 1. Fix in "
-    "runtime/backends/ray.py: run ray.init on a daemon keeper thread that never ends"))
 def test_ray_started_by_an_async_run_outlives_the_runs_thread(tmp_path: Any) -> None:
     pytest.importorskip("ray")
     import os

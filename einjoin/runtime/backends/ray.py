@@ -88,7 +88,7 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
             node_ip = _loopback_node_ip()
             if node_ip is not None:
                 opts["_node_ip_address"] = node_ip
-            ray.init(**opts)
+            _init_on_a_lasting_thread(ray, opts)
             _started_here = True
             if not quiet:
                 where = f"node address {node_ip}" if node_ip else "Ray's default node address"
@@ -96,6 +96,29 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
                       f"{'dashboard on 127.0.0.1' if dashboard else 'no dashboard'}); it stops at exit or "
                       f"with einjoin.runtime.backends.ray.shutdown()", file=sys.stderr)
     return ray
+
+
+def _init_on_a_lasting_thread(ray: Any, opts: dict[str, Any]) -> None:
+    """``ray.init`` on the main thread, else on a daemon thread that never ends: the processes a
+    local Ray starts die with the thread that started them (PR_SET_PDEATHSIG), so a first run from
+    ``run_async`` or any worker thread would leave the next run a dead Ray."""
+    if threading.current_thread() is threading.main_thread():
+        ray.init(**opts)
+        return
+    done, failed = threading.Event(), []
+
+    def keeper() -> None:
+        try:
+            ray.init(**opts)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            failed.append(e)
+        done.set()
+        threading.Event().wait()  # keep the thread (and with it Ray's processes) alive
+
+    threading.Thread(target=keeper, name="einjoin-ray-keeper", daemon=True).start()
+    done.wait()
+    if failed:
+        raise failed[0]
 
 
 def _loopback_node_ip() -> str | None:
