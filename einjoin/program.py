@@ -395,6 +395,10 @@ class Program:
         its join-agg spec, blocks, kernels, partials and bytes moved in and out, then the totals
         and bytes per device pair."""
         text = explain(self.taskgraph, self.decomps, list(self.graph.nodes))
+        unused = [a for a in (self._arg_names or ()) if a not in self.graph.input_by_name]
+        if unused:  # an imported forward's arguments that the graph never reads
+            text += (f"\nnote: forward argument(s) {', '.join(unused)} are not read by the graph; "
+                     "run() accepts and ignores them")
         if file is not None:
             print(text, file=sys.stdout if file == "stdout" else file)
         return text

@@ -72,6 +72,7 @@ def test_unused_forward_argument_is_accepted_and_ignored(method):
     assert fn.arg_names == ("x", "y")
     assert any("y" in n and "not used" in n for n in fn.notes)
     prog = ej.compile(fn, devices=2)
+    assert "forward argument(s) y are not read" in prog.explain(file=None)
     with torch.no_grad():
         close(prog.run(x, y), m(x, y))
         close(prog.run(x, y=torch.randn(3, 3)), m(x, y))  # ignored: any value, as in torch
