@@ -307,8 +307,6 @@ def _known(target: str, v: Any) -> bool:
     if target in ("Partition.from_counts.shape", "Partition.of.shape", "Partition.whole") and not (
             isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v)):
         return True   # decomp/partition.py: shapes are not checked
-    if target in ("local.n", "Cluster.uniform.n", "compile.devices") and isinstance(v, int) and v > 4096:
-        return True   # cluster/optim: no device maximum (issue 16, planner helper): a hang
     if target == "full.value" and isinstance(v, (str, float, int)) and not isinstance(v, bool):
         return True   # frontend/functions.py full(): a string is parsed as an expression; ops.fill_node: nan/inf/2**70 into int64
     return False
