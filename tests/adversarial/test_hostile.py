@@ -22,13 +22,12 @@ classes out (``_known``), so they stay green and still cover everything else.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from typing import Any, Callable
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
@@ -445,8 +444,7 @@ def test_hostile_argument_to_from_torch(target: str, v: Any) -> None:
         return
     # accepted: then it computes what the module computes
     got = ej.compile(fn, 1, quiet=True).run(torch.ones(2, 4))
-    module = torch.nn.Linear(4, 3)
-    assert tuple(got.shape) == (2, 3) or module is None
+    assert tuple(got.shape) == (2, 3)
 
 
 # ---------------------------------------------------------------- messages name the argument
