@@ -261,14 +261,20 @@ def nums(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0)
         out_bytes *= itemsize(node.dtype)
         devices = allowed.devices()
         best, best_dev = None, devices[0]
+        # placing on dv only adds to mem[dv], net_in[dv] and net_out of the pieces' sources, so
+        # each new maximum is the old one or a changed value: O(pieces) per device instead of
+        # copying three P-long lists (O(P^2) per kernel: 107 s for a matmul on 1024 devices)
+        sources = [(held.least(), b, held) for _, _, b, held in pieces if held]
+        top_mem, top_in, top_out = max(st.mem), max(st.net_in), max(st.net_out)
         for dv in devices:
-            moves = _missing(pieces, dv)
-            mem, nin, nout = list(st.mem), list(st.net_in), list(st.net_out)
-            mem[dv] += out_bytes + sum(b for _, b in moves)
-            for src, b in moves:
-                nin[dv] += b
-                nout[src] += b
-            obj = (max(mem) + max(nin) + max(nout), st.load[dv], dv)
+            moved = 0
+            outs: dict[int, int] = {}
+            for src, b, held in sources:
+                if dv not in held:
+                    moved += b
+                    outs[src] = outs.get(src, st.net_out[src]) + b
+            obj = (max(top_mem, st.mem[dv] + out_bytes + moved) + max(top_in, st.net_in[dv] + moved)
+                   + max(top_out, max(outs.values(), default=0)), st.load[dv], dv)
             if best is None or obj < best:
                 best, best_dev = obj, dv
         for src, b in _missing(pieces, best_dev):

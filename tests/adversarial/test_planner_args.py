@@ -8,7 +8,8 @@
 - A planner that returns junk (None, a list, specs for nodes not in the graph, specs of the wrong
   type or invalid for the node) or raises -> an EinjoinError naming the planner and what is wrong.
 - The greedy placer's fast path (a heap of loads, scores only for devices holding something)
-  places every kernel where the straightforward O(P)-per-kernel rule does.
+  and nums' (maxima from short top lists, not copies of three P-long lists per device) place
+  every kernel where the straightforward rules do.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import einjoin as ej
 from einjoin.cluster import MAX_DEVICES, LinkMatrix
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.spec import JoinAggSpec
+from einjoin.ir.dtypes import itemsize
 from einjoin.optim import PLANNERS, plan_specs
 from einjoin.placement import PLACERS, affinity
 from graphgen import graphs, specs_for
@@ -291,7 +293,7 @@ def test_any_planner_result_is_a_plan_or_a_named_error(data: st.DataObject) -> N
     np.testing.assert_allclose(prog.run(**feeds), np.maximum(feeds["x"] @ feeds["w"], 0), rtol=1e-6)
 
 
-# ---------------------------------------------------------------- the greedy placer's fast path
+# ---------------------------------------------------------------- the placers' fast paths
 
 
 def _greedy_by_the_rule(decomps: Any, cluster: ej.Cluster, seed: int = 0) -> Any:
@@ -306,21 +308,48 @@ def _greedy_by_the_rule(decomps: Any, cluster: ej.Cluster, seed: int = 0) -> Any
     return affinity._place(decomps, cluster, choose)
 
 
+def _nums_by_the_rule(decomps: Any, cluster: ej.Cluster, seed: int = 0) -> Any:
+    """NumS' objective restated the straightforward way: for every allowed device, copy the
+    per-device bytes, add what placing the kernel there moves and holds, take the maxima."""
+    def choose(node, d, k, pieces, allowed, st, cl):  # type: ignore[no-untyped-def]
+        out_bytes = math.prod(b - a for a, b in d.out_partition.box(k.out_key)) * itemsize(node.dtype)
+        best, best_dev = None, None
+        for dv in allowed.devices():
+            moves = [(min(held), b) for _, _, b, held in pieces if held and dv not in held]
+            mem, nin, nout = list(st.mem), list(st.net_in), list(st.net_out)
+            mem[dv] += out_bytes + sum(b for _, b in moves)
+            for src, b in moves:
+                nin[dv] += b
+                nout[src] += b
+            obj = (max(mem) + max(nin) + max(nout), st.load[dv], dv)
+            if best is None or obj < best:
+                best, best_dev = obj, dv
+        for _, _, b, held in pieces:
+            if held and best_dev not in held:
+                st.net_in[best_dev] += b
+                st.net_out[min(held)] += b
+                st.mem[best_dev] += b
+        st.mem[best_dev] += out_bytes
+        return best_dev
+    return affinity._place(decomps, cluster, choose)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_greedy_fast_path_places_as_the_rule_says(data: st.DataObject) -> None:
+def test_fast_placers_place_as_their_rules_say(data: st.DataObject) -> None:
     outs, _ = data.draw(graphs(max_dim=6))
     specs = data.draw(specs_for(outs))
     g = ej.Graph(outs)
     decomps = {n: decompose(n, specs.get(n)) for n in g.nodes}
     p = data.draw(st.sampled_from([1, 2, 3, 5, 8]))
-    cluster = ej.local(p)
-    fast, rule = PLACERS["greedy"](decomps, cluster), _greedy_by_the_rule(decomps, cluster)
-    assert {n: (v.kernel_devices, v.homes) for n, v in fast.items()} == \
-        {n: (v.kernel_devices, v.homes) for n, v in rule.items()}
+    cluster = ej.local(p) if p < 3 or data.draw(st.booleans()) else ej.Cluster.islands([p - 2, 2], 1e10, 1e9)
+    for name, rule in (("greedy", _greedy_by_the_rule), ("nums", _nums_by_the_rule)):
+        fast, slow = PLACERS[name](decomps, cluster), rule(decomps, cluster)
+        assert {n: (v.kernel_devices, v.homes) for n, v in fast.items()} == \
+            {n: (v.kernel_devices, v.homes) for n, v in slow.items()}, name
 
 
-def test_greedy_fast_path_on_many_devices() -> None:
+def test_fast_placers_on_many_devices() -> None:
     """The eindecomp plan of a matmul chain on 24 and 64 devices (many partials per block,
     replicated operands): the same placement as the rule."""
     for p in (24, 64):
@@ -329,5 +358,7 @@ def test_greedy_fast_path_on_many_devices() -> None:
         g = ej.Graph(z)
         specs = plan_specs("auto", g, ej.local(p))
         decomps = {n: decompose(n, specs.get(n)) for n in g.nodes}
-        fast, rule = PLACERS["greedy"](decomps, ej.local(p)), _greedy_by_the_rule(decomps, ej.local(p))
-        assert {n: v.kernel_devices for n, v in fast.items()} == {n: v.kernel_devices for n, v in rule.items()}
+        for name, rule in (("greedy", _greedy_by_the_rule), ("nums", _nums_by_the_rule)):
+            fast, slow = PLACERS[name](decomps, ej.local(p)), rule(decomps, ej.local(p))
+            assert {n: v.kernel_devices for n, v in fast.items()} == \
+                {n: v.kernel_devices for n, v in slow.items()}, (name, p)
