@@ -106,6 +106,19 @@ def _int_shape(v: Any, what: str) -> tuple[int, ...]:
         raise ShapeError(f"{what} must be an int or a sequence of ints, got {v!r}") from None
 
 
+def _widen_half(x: Tensor, *params: "Tensor | None") -> Any:
+    """A norm of float16/bfloat16 data computes in float32 and rounds once at the end, as torch
+    does: its statistics in half would overflow (a mean square past 65504 when |x| > 256) or lose
+    the mean (x - mean in half is garbage when the mean is large against the spread). Returns
+    the widened tensors and the function that casts the result back."""
+    if x.dtype not in ("float16", "bfloat16"):
+        return (x, *params, lambda y: y)
+    dtype = x.dtype
+    wide = [None if p is None else (p.to("float32") if p.dtype in ("float16", "bfloat16") else p)
+            for p in params]
+    return (x.to("float32"), *wide, lambda y: y.to(dtype))
+
+
 def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """torch's layer_norm over the trailing ``normalized_shape`` dims (default: the last dim)."""
@@ -123,11 +136,12 @@ def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = 
     if ns is not None and ns != x.shape[x.ndim - k:]:
         raise ShapeError(f"layer_norm: normalized_shape {ns} is not the trailing shape of the "
                          f"input {x.shape}")
+    x, weight, bias, back = _widen_half(x, weight, bias)
     mu = einsum(f"{ls}->{lead}", x, join=f"x0 * {1.0 / n!r}")
     xc = einsum(f"{ls},{lead}->{ls}", x, mu, join="sub")
     var = einsum(f"{ls}->{lead}", xc, join=f"x0 * x0 * {1.0 / n!r}")
     y = einsum(f"{ls},{lead}->{ls}", xc, var, join=f"x0 * rsqrt(x1 + {eps!r})")
-    return _affine(y, ls, tail, weight, bias)
+    return back(_affine(y, ls, tail, weight, bias))
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
@@ -136,12 +150,13 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
     eps = _real(eps, "rms_norm: eps")
     weight = None if weight is None else _t(weight, "rms_norm weight")
     ls, lead, tail, n = _norm_labels(x, 1 if weight is None else weight.ndim)
+    if weight is not None and weight.shape != x.shape[x.ndim - weight.ndim:]:
+        raise ShapeError(f"rms_norm weight has shape {weight.shape}, expected {x.shape[x.ndim - weight.ndim:]}")
+    x, weight, _, back = _widen_half(x, weight, None)
     ms = einsum(f"{ls}->{lead}", x, join=f"x0 * x0 * {1.0 / n!r}")
     if weight is None:
-        return einsum(f"{ls},{lead}->{ls}", x, ms, join=f"x0 * rsqrt(x1 + {eps!r})")
-    if weight.shape != x.shape[x.ndim - weight.ndim:]:
-        raise ShapeError(f"rms_norm weight has shape {weight.shape}, expected {x.shape[x.ndim - weight.ndim:]}")
-    return einsum(f"{ls},{lead},{tail}->{ls}", x, ms, weight, join=f"x0 * rsqrt(x1 + {eps!r}) * x2")
+        return back(einsum(f"{ls},{lead}->{ls}", x, ms, join=f"x0 * rsqrt(x1 + {eps!r})"))
+    return back(einsum(f"{ls},{lead},{tail}->{ls}", x, ms, weight, join=f"x0 * rsqrt(x1 + {eps!r}) * x2"))
 
 
 def silu(x: Tensor) -> Tensor:

@@ -433,3 +433,28 @@ def test_execute_blocked_accepts_numpy_integer_workers() -> None:
 def test_bfloat16_is_ml_dtypes() -> None:
     # the tests above build bfloat16 data through numpy_dtype; make sure that is ml_dtypes'
     assert numpy_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16)
+
+
+# ---------------------------------------------------------------- norms of half data, as torch
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_half_norms_compute_in_float32_like_torch(norm: str, dtype: str) -> None:
+    """A norm of half data keeps its statistics in float32 and rounds once, as torch does: in
+    half, a mean square past 65504 (|x| > 256) overflows and a large mean loses x - mean."""
+    import torch
+    tdt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    x = ((1000 + torch.randn(4, 64, generator=g)) if norm == "layer_norm"
+         else 300 * torch.randn(4, 64, generator=g)).to(tdt)
+    w, b = torch.randn(64, generator=g).to(tdt), torch.randn(64, generator=g).to(tdt)
+    X, W, B = (ej.input(n, tuple(t.shape), dtype) for n, t in (("x", x), ("w", w), ("b", b)))
+    if norm == "layer_norm":
+        want, y, feeds = torch.nn.functional.layer_norm(x, (64,), w, b), ej.layer_norm(X, None, W, B), (x, w, b)
+    else:
+        want, y, feeds = torch.nn.functional.rms_norm(x, (64,), w, 1e-6), ej.rms_norm(X, W), (x, w)
+    for devices in (1, 2):
+        got = ej.compile(y, devices=devices, quiet=True).run(*feeds)
+        assert got.dtype == tdt
+        err = (got.double() - want.double()).abs().max().item()
+        assert err <= (0.01 if dtype == "float16" else 0.02), (norm, dtype, devices, err)
