@@ -80,11 +80,23 @@ class _Allowed:
         self.taken: set[int] = set()
         self._least: int | None = None
         self._fresh_exists = True
+        self._any_allowed = True
+        self._least_allowed: int | None = None
 
     def start(self, taken: set[int]) -> None:
         """Prepare for one kernel whose output block has partials on ``taken``."""
         self.taken = taken
         heap, load = self.heap, self.load
+        if len(taken) >= self.p:
+            # every device holds a partial of this block (more partials than devices): the fresh
+            # ones are all allowed ones, the least loaded of which is the heap's valid top
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            self._least = heap[0][1]
+            self._any_allowed = load[self._least] < self.cap
+            self._fresh_exists = False
+            self._least_allowed = self._least
+            return
         aside = []
         self._least = None
         while heap:
@@ -103,6 +115,7 @@ class _Allowed:
         below = self._least is not None and load[self._least] < self.cap
         self._any_allowed = below or any(load[dv] < self.cap for dv in taken)
         self._fresh_exists = below if self._any_allowed else self._least is not None
+        self._least_allowed = self._least if self._fresh_exists else None
 
     def bump(self, dv: int) -> None:
         self.load[dv] += 1
@@ -116,10 +129,9 @@ class _Allowed:
 
     def least_loaded(self) -> int:
         """The allowed device with the fewest kernels, then the lowest id."""
-        if self._fresh_exists:
-            assert self._least is not None
-            return self._least
-        return min(self.devices(), key=lambda dv: (self.load[dv], dv))
+        if self._least_allowed is not None:
+            return self._least_allowed
+        return min(self.devices(), key=lambda dv: (self.load[dv], dv))  # rare: O(P)
 
     def devices(self) -> list[int]:
         """All of them, in id order (O(P): for the placers that weigh every device)."""

@@ -351,13 +351,17 @@ def test_fast_placers_place_as_their_rules_say(data: st.DataObject) -> None:
 
 def test_fast_placers_on_many_devices() -> None:
     """The eindecomp plan of a matmul chain on 24 and 64 devices (many partials per block,
-    replicated operands): the same placement as the rule."""
+    replicated operands) and a sum cut into 4P partials: the same placement as the rules."""
     for p in (24, 64):
         x, w, v = ej.input("x", (512, 256)), ej.input("w", (256, 128)), ej.input("v", (128, 64))
         z = ej.softmax(ej.relu(x @ w) @ v)
         g = ej.Graph(z)
         specs = plan_specs("auto", g, ej.local(p))
         decomps = {n: decompose(n, specs.get(n)) for n in g.nodes}
+        # and a sum cut into 4P partials of one block (more partials than devices)
+        total = ej.einsum("ij->", ej.input("y", (8 * p, 3)))
+        decomps.update((n, decompose(n, {"i": 4 * p, "j": 3} if n is total.node else None))
+                       for n in ej.Graph(total).nodes)
         for name, rule in (("greedy", _greedy_by_the_rule), ("nums", _nums_by_the_rule)):
             fast, slow = PLACERS[name](decomps, ej.local(p)), rule(decomps, ej.local(p))
             assert {n: v.kernel_devices for n, v in fast.items()} == \
