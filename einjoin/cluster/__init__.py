@@ -33,9 +33,10 @@ __all__ = ["Device", "Cluster", "LinkMatrix", "MAX_DEVICES", "local", "as_cluste
 # up to 4P kernels, each exchange pieces of them; repartition estimates are O(P) each), memory
 # linearly. Measured on this project's 2-core VM (shared, so times are upper bounds), a whole
 # ej.compile(..., backend="null"): a matmul + relu (512x256 @ 256x128) in ~2 s at 1024 devices,
-# ~5 s and 55 MB at 4096, ~38 s and 250 MB at 10_000; a 3-op MLP (8192x1024, hidden 4096) in
-# 15 s at 1024 and 63 s at 4096; a 43-op LLaMA block in 90 s at 256 and 285 s (730 MB) at 1024.
-# Beyond 4096 even small graphs take minutes, so larger counts are refused up front.
+# ~5 s and 55 MB at 4096 (43 s with placement="critical_path" or "nums", which weigh every device
+# for every kernel), ~38 s and 250 MB at 10_000; a 3-op MLP (8192x1024, hidden 4096) in 15 s at
+# 1024 and 63 s at 4096; a 43-op LLaMA block in 90 s at 256 and 285 s (730 MB) at 1024. Beyond
+# 4096 a graph of a few ops takes minutes, so larger counts are refused up front.
 MAX_DEVICES = 4096
 
 MAX_BYTES = 2**63 - 1  # a device's memory: numpy's and the planner's int64 arithmetic stay exact
@@ -125,8 +126,11 @@ class LinkMatrix(Sequence):
     __slots__ = ("groups", "diag", "intra", "inter")
 
     def __init__(self, groups: Sequence[Any], diag: float, intra: float, inter: float):
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise EinjoinError(f"LinkMatrix groups must be a sequence (a group per device), got "
+                               f"{type(groups).__name__}")
         self.groups = tuple(groups)
-        self.diag, self.intra, self.inter = float(diag), float(intra), float(inter)
+        self.diag, self.intra, self.inter = (_number(v, "link value") for v in (diag, intra, inter))
 
     def value(self, i: int, j: int) -> float:
         """``m[i][j]`` without building a row."""

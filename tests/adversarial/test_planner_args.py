@@ -150,6 +150,8 @@ def test_numpy_ints_are_device_counts_and_sizes() -> None:
     (lambda: ej.Cluster.uniform(2, bandwidth=-1.0), "bandwidth"),
     (lambda: ej.Cluster.uniform(2, bandwidth=math.nan), "bandwidth"),
     (lambda: ej.Cluster.uniform(2, latency=-1e-6), "latency"),
+    (lambda: LinkMatrix(3, 0.0, 1e9, 1e9), "groups"),
+    (lambda: LinkMatrix((0, 0), "x", 1e9, 1e9), "link value"),
     (lambda: ej.Cluster.islands(3, 1e9, 1e8), "islands sizes"),
     (lambda: ej.Cluster.islands([2, 0], 1e9, 1e8), "islands sizes"),
     (lambda: ej.Cluster.islands([2, 2.5], 1e9, 1e8), "islands sizes"),
