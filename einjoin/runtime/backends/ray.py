@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from einjoin.cluster import Cluster, Device
+from einjoin.cluster import Cluster, Device, LinkMatrix
 from einjoin.errors import EinjoinError
 
 __all__ = ["RayBackend", "ray_cluster", "DeviceWorker", "ensure_ray", "shutdown"]
@@ -177,12 +177,9 @@ def ray_cluster(address: str | None = None, devices_per_node: int | None = None,
             devices.append(Device(len(devices), kind, None, node["NodeID"]))
     if not devices:
         raise EinjoinError("ray_cluster: the Ray cluster has no alive nodes")
-    n = len(devices)
-    same = [[devices[i].node == devices[j].node for j in range(n)] for i in range(n)]
-    bw = tuple(tuple(float("inf") if i == j else intra_node if same[i][j] else inter_node
-                     for j in range(n)) for i in range(n))
-    lat = tuple(tuple(0.0 if i == j else 5e-6 if same[i][j] else 5e-5 for j in range(n)) for i in range(n))
-    return Cluster(tuple(devices), bw, lat)
+    groups = [d.node for d in devices]  # links in O(devices): same node or not
+    return Cluster(tuple(devices), LinkMatrix(groups, float("inf"), intra_node, inter_node),
+                   LinkMatrix(groups, 0.0, 5e-6, 5e-5))
 
 
 def _check_int(where: str, name: str, value: Any, least: int) -> None:
