@@ -59,13 +59,21 @@ def canonical_dtype(dtype: Any) -> str:
         if name in DTYPES:
             return name
         raise DTypeError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    if isinstance(dtype, (bytes, bytearray)):  # numpy would read b"a" as a deprecated alias
+        raise DTypeError(f"unknown dtype {dtype!r:.60}; give a str name: {', '.join(DTYPES)}")
+    if isinstance(dtype, (np.generic, np.ndarray)) or (
+            hasattr(dtype, "dtype") and not isinstance(dtype, (type, np.dtype))):
+        # a value, not a type: np.dtype(np.float32(0.5)) would quietly take the value's type
+        raise DTypeError(f"dtype: got a value ({type(dtype).__name__} {dtype!r:.60}), not a dtype; "
+                         f"give a name ({', '.join(DTYPES)}), a numpy or torch dtype, or the "
+                         f"value's .dtype")
     text = str(dtype)
     if text.startswith("torch."):
         return canonical_dtype(text[len("torch."):])
     try:
         npd = np.dtype(dtype)
-    except TypeError:
-        raise DTypeError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}") from None
+    except (TypeError, ValueError):  # ValueError: an object whose .dtype is not a numpy dtype
+        raise DTypeError(f"unknown dtype {dtype!r:.80}; known: {', '.join(DTYPES)}") from None
     for name, d in DTYPES.items():
         if d == npd:
             return name

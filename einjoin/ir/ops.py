@@ -13,18 +13,23 @@ Errors are raised here, at graph-construction time, and name the op, labels and 
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
+import ml_dtypes
+import numpy as np
+
 from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
 from einjoin.ir.agg import Agg, get_agg
-from einjoin.ir.dtypes import canonical_dtype, kind
+from einjoin.ir.dtypes import canonical_dtype, kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              Select)
 from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
 
-__all__ = ["check_shape", "input_node", "einsum_node", "reshape_node", "broadcast_node",
-           "select_node", "concat_node", "fill_node", "gather_node", "cast_node"]
+__all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "input_node",
+           "einsum_node", "reshape_node", "broadcast_node", "select_node", "concat_node",
+           "fill_node", "gather_node", "cast_node"]
 
 
 def _as_int(v: Any, what: str) -> int:
@@ -48,7 +53,24 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
     for d in dims:
         if d < 0:
             raise ShapeError(f"{what}: negative dimension {d} in shape {dims}")
+    check_size(dims, what)
     return dims
+
+
+# numpy's limit: an array's bytes (its non-zero dims multiplied, times up to 8 bytes an element)
+# must fit a signed 64-bit int; a bigger shape would fail deep inside a kernel instead of here
+MAX_ELEMENTS = (2 ** 63 - 1) // 8
+
+
+def check_size(shape: tuple[int, ...], what: str) -> None:
+    """A ShapeError naming ``what`` when ``shape`` holds more elements than numpy can address
+    (:data:`MAX_ELEMENTS`; size-0 dims do not make a huge shape legal, as in numpy)."""
+    n = 1
+    for d in shape:
+        n *= d or 1
+        if n > MAX_ELEMENTS:
+            raise ShapeError(f"{what}: shape {shape} holds more elements than an array can "
+                             f"(at most {MAX_ELEMENTS} = (2**63 - 1) // 8)")
 
 
 def _need_node(x: Any, what: str) -> Node:
@@ -123,6 +145,7 @@ def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],
     if num_args(expr) == 0 and len(inputs) > 0:
         pass  # a constant join over inputs is legal: it only takes their shape
     shape = tuple(sizes[lab][0] for lab in out_labels)
+    check_size(shape, f"einsum {eq!r}")  # an outer product of big inputs
     return Node(Einsum(in_labels, out_labels, expr, aggregation), inputs, shape, dtype)
 
 
@@ -226,6 +249,7 @@ def concat_node(xs: Sequence[Node], axis: int) -> Node:
         return first
     shape = list(first.shape)
     shape[axis] = sum(x.shape[axis] for x in xs)
+    check_size(tuple(shape), "concat")
     return Node(Concat(axis), xs, tuple(shape), first.dtype)
 
 
@@ -234,7 +258,10 @@ def fill_node(shape: Any, dtype: Any, expr: "str | Expr | float | int | bool") -
     causal mask), or a plain number."""
     dims = check_shape(shape, "fill")
     dt = canonical_dtype(dtype)
+    if isinstance(expr, np.generic) and expr.dtype.kind in "biuf":
+        expr = expr.item()
     if isinstance(expr, (bool, int, float)):
+        _check_fill_value(expr, dt)
         expr = repr(expr)
     e = parse_join(expr, max(len(dims), 1)) if len(dims) else parse_join(expr, 1)
     if len(dims) == 0 and num_args(e) > 0:
@@ -247,6 +274,33 @@ def fill_node(shape: Any, dtype: Any, expr: "str | Expr | float | int | bool") -
     return Node(Fill(e), (), dims, dt)
 
 
+def _check_fill_value(v: "bool | int | float", dt: str) -> None:
+    """A number given as a fill's value must be a value of ``dt``, as in torch.full: nan, inf or
+    an int outside int64 into int64, or a finite number that overflows a float type, is a
+    DTypeError (it would wrap or become inf silently). Floats into int64 truncate, as torch's."""
+    if isinstance(v, bool) or dt == "bool":
+        return
+    fix = "give a value the dtype holds, or another dtype"
+    shown = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:12]}... ({len(repr(v))} digits)"
+    if kind(dt) == "int":
+        if isinstance(v, float) and not math.isfinite(v):
+            raise DTypeError(f"fill value {shown} is not an integer: an {dt} fill cannot hold it; {fix}")
+        info = np.iinfo(np.int64)
+        if not info.min <= math.trunc(v) <= info.max:
+            raise DTypeError(f"fill value {shown} is outside the range of {dt} "
+                             f"[{info.min}, {info.max}]; {fix}")
+        return
+    try:
+        f = float(v)
+    except OverflowError:
+        raise DTypeError(f"fill value {shown} is too large for a float ({dt}); {fix}") from None
+    with np.errstate(all="ignore"):
+        rounded = np.array(f).astype(numpy_dtype(dt))
+    if math.isfinite(f) and not np.isfinite(rounded):
+        raise DTypeError(f"fill value {shown} overflows {dt} (largest finite value "
+                         f"{float(ml_dtypes.finfo(numpy_dtype(dt)).max)!r}); {fix}")
+
+
 def gather_node(table: Node, indices: Node) -> Node:
     table = _need_node(table, "gather")
     indices = _need_node(indices, "gather")
@@ -254,7 +308,9 @@ def gather_node(table: Node, indices: Node) -> Node:
         raise DTypeError(f"gather: indices must be int64, got {indices.dtype} (shape {indices.shape})")
     if table.ndim < 1:
         raise ShapeError("gather: the table must have at least one dimension")
-    return Node(Gather(), (table, indices), indices.shape + table.shape[1:], table.dtype)
+    shape = indices.shape + table.shape[1:]
+    check_size(shape, "gather")
+    return Node(Gather(), (table, indices), shape, table.dtype)
 
 
 def cast_node(x: Node, dtype: Any) -> Node:
