@@ -17,6 +17,8 @@ import builtins
 import operator
 from typing import Any, Sequence
 
+import numpy as np
+
 from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
 from einjoin.ir import ops
 from einjoin.ir.agg import Agg
@@ -76,9 +78,12 @@ def einsum(equation: str, *operands: Tensor, join: "str | Expr | None" = None,
         join = "mul" if len(xs) > 1 else "x0"
     nodes = []
     labels = []
+    # the labels '...' expanded to: capitals the equation itself does not use (a capital the
+    # user wrote is an ordinary label, and a size-1 one does not broadcast: numpy refuses it too)
+    ellipsis = set(ELLIPSIS_LABELS) - set(equation)
     for x, ls in zip(xs, in_labels):
         # '...' dims of size 1 broadcast against larger ones, as numpy does: squeeze them away
-        drop = [d for d, lab in enumerate(ls) if lab in ELLIPSIS_LABELS and x.shape[d] == 1
+        drop = [d for d, lab in enumerate(ls) if lab in ellipsis and x.shape[d] == 1
                 and any(lab in ls2 and y.shape[ls2.index(lab)] > 1 for y, ls2 in zip(xs, in_labels))]
         if drop:
             x = x.reshape(tuple(n for d, n in enumerate(x.shape) if d not in drop))
@@ -162,9 +167,17 @@ def mean(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
     return _t(x, "mean").mean(dim, keepdim)
 
 
+def _tensors(xs: Any, what: str) -> list[Tensor]:
+    # torch.cat / torch.stack take a list or tuple: a tensor, a number or None is a mistake
+    if not isinstance(xs, (list, tuple)):
+        raise EinjoinError(f"{what}: expected a list or tuple of einjoin tensors, got "
+                           f"{type(xs).__name__} {xs!r:.60}")
+    return [_t(x, f"{what}: item {i}") for i, x in enumerate(xs)]
+
+
 def concat(xs: Sequence[Tensor], dim: int = 0) -> Tensor:
     """Lay tensors end to end along ``dim``."""
-    ts = [_t(x, "concat") for x in xs]
+    ts = _tensors(xs, "concat")
     return wrap(ops.concat_node([t.node for t in ts], dim))
 
 
@@ -172,7 +185,7 @@ cat = concat
 
 
 def stack(xs: Sequence[Tensor], dim: int = 0) -> Tensor:
-    ts = [_t(x, "stack") for x in xs]
+    ts = _tensors(xs, "stack")
     if not ts:
         raise ShapeError("stack: needs at least one tensor")
     return concat([t.unsqueeze(dim) for t in ts], dim)
@@ -240,6 +253,14 @@ def fill(shape: Any, expr: "str | Expr | float | int | bool", dtype: Any = "floa
 
 
 def full(shape: Any, value: "float | int | bool", dtype: Any = "float32") -> Tensor:
+    """A tensor of ``shape`` holding ``value`` (a number the dtype can hold, as torch.full)."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        value = value.item()
+    if not isinstance(value, (builtins.bool, int, float)):
+        # a string would be parsed as an index expression (that is ej.fill's job)
+        raise EinjoinError(f"full: value must be a number, got {type(value).__name__} {value!r:.60}"
+                           + ("; for an expression over the indices use ej.fill"
+                              if isinstance(value, str) else ""))
     if canonical_dtype(dtype) == "bool" and not isinstance(value, builtins.bool):
         value = builtins.bool(value)  # a bool fill holds True/False, not 1/0
     return fill(shape, value, dtype)
@@ -254,13 +275,24 @@ def ones(shape: Any, dtype: Any = "float32") -> Tensor:
 
 
 def arange(n: int, dtype: Any = "int64") -> Tensor:
-    return fill((n,), "x0", dtype)
+    """``0, 1, ..., n - 1``."""
+    return fill((_size(n, "arange: n"),), "x0", dtype)
+
+
+def _size(v: Any, what: str) -> int:
+    # a dimension size: an int >= 0 (numpy ints and 0-d int arrays too), never a bool or float
+    if isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "iu":
+        v = v.item()
+    if isinstance(v, builtins.bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ShapeError(f"{what} must be a non-negative int, got {type(v).__name__} {v!r:.60}")
+    return int(v)
 
 
 def causal_mask(rows: int, cols: int | None = None) -> Tensor:
     """Bool ``[rows, cols]``, true where query ``i`` may attend key ``j`` (``j <= i + cols - rows``),
     torch's ``tril`` aligned to the bottom right as in ``is_causal`` attention with a KV cache."""
-    cols = rows if cols is None else cols
+    rows = _size(rows, "causal_mask: rows")
+    cols = rows if cols is None else _size(cols, "causal_mask: cols")
     shift = cols - rows
     return fill((rows, cols), f"x1 <= x0 + {shift}" if shift else "x1 <= x0", "bool")
 

@@ -158,8 +158,19 @@ def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = Non
     return wrap(ops.einsum_node(inputs, labels, out_labels, expr, None))
 
 
+def check_flag(value: Any, what: str) -> bool:
+    """``value`` as a bool: Python and numpy bools, and the ints 0 and 1 (torch's arg parser takes
+    them); anything else (an array, a string, None) is an EinjoinError naming ``what``."""
+    if isinstance(value, (bool, np.bool_)):
+        return builtins.bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return builtins.bool(value)
+    raise EinjoinError(f"{what} must be True or False, got {type(value).__name__} {value!r:.60}")
+
+
 def reduce(x: "Tensor", agg: str, dim: Any = None, keepdim: bool = False) -> "Tensor":
     """Aggregate ``x`` over ``dim`` (an int, a tuple, or None for all) with ``agg``."""
+    keepdim = check_flag(keepdim, f"{agg}: keepdim")
     dims = _norm_dims(x, dim)
     if agg in ("sum", "prod") and x.dtype == "bool":
         x = x.to("int64")  # torch counts: a sum of bools is int64
@@ -191,6 +202,12 @@ def _norm_dims(x: "Tensor", dim: Any) -> tuple[int, ...]:
 
 
 def permute(x: "Tensor", dims: Sequence[int]) -> "Tensor":
+    """``x`` with its dims in the order ``dims`` (a permutation of ``range(x.ndim)``)."""
+    if not isinstance(x, Tensor):
+        raise EinjoinError(f"permute: expected an einjoin tensor, got {type(x).__name__}")
+    if not isinstance(dims, (list, tuple)):
+        raise ShapeError(f"permute: dims must be a tuple of ints (a permutation of the dims of "
+                         f"shape {x.shape}), got {type(dims).__name__} {dims!r:.60}")
     dims = tuple(_norm_dim(x, d) for d in dims)
     if sorted(dims) != list(range(x.ndim)):
         raise ShapeError(f"permute {tuple(dims)} is not a permutation of the dims of shape {x.shape}")
@@ -208,6 +225,9 @@ class Tensor:
     __array_priority__ = 1000  # numpy scalars on the left defer to our operators
 
     def __init__(self, node: Node):
+        if not isinstance(node, Node):
+            raise EinjoinError(f"Tensor(node): expected an einjoin IR node, got {type(node).__name__} "
+                               f"{node!r:.60}; make tensors with ej.input, ej.param, ej.full, ...")
         self.node = node
 
     # ---- facts
@@ -259,6 +279,9 @@ class Tensor:
     def __invert__(self) -> "Tensor": return elementwise("logical_not", self)
     def __and__(self, o: Any) -> "Tensor": return elementwise("logical_and", self, o)
     def __or__(self, o: Any) -> "Tensor": return elementwise("logical_or", self, o)
+    # True | mask and True & mask, as torch: Python's bool has no | for a Tensor
+    def __rand__(self, o: Any) -> "Tensor": return elementwise("logical_and", o, self)
+    def __ror__(self, o: Any) -> "Tensor": return elementwise("logical_or", o, self)
     def __lt__(self, o: Any) -> "Tensor": return elementwise("lt", self, o)
     def __le__(self, o: Any) -> "Tensor": return elementwise("le", self, o)
     def __gt__(self, o: Any) -> "Tensor": return elementwise("gt", self, o)
@@ -292,7 +315,7 @@ class Tensor:
     def logical_not(self) -> "Tensor": return elementwise("logical_not", self)
 
     def gelu(self, approximate: str = "none") -> "Tensor":
-        if approximate not in ("none", "tanh"):
+        if not isinstance(approximate, str) or approximate not in ("none", "tanh"):
             raise EinjoinError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
         return elementwise("gelu" if approximate == "none" else "gelu_tanh", self)
 
@@ -306,6 +329,7 @@ class Tensor:
     def mean(self, dim: Any = None, keepdim: bool = False) -> "Tensor":
         """The mean over ``dim``; ints and bools give float32 (torch's default float), the mean
         over an empty dim is nan (0/0, as torch)."""
+        keepdim = check_flag(keepdim, "mean: keepdim")
         dims = _norm_dims(self, dim)
         n = 1
         for d in dims:
@@ -371,6 +395,11 @@ class Tensor:
     def expand(self, *shape: Any) -> "Tensor":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        for s in shape:  # ints only (an array would compare elementwise below)
+            if isinstance(s, builtins.bool) or not isinstance(s, (int, np.integer)):
+                raise ShapeError(f"expand {self.shape} -> {shape!r:.80}: sizes must be ints (-1 "
+                                 f"keeps a dim), got {type(s).__name__} {s!r:.40}")
+        shape = tuple(int(s) for s in shape)
         lead = len(shape) - self.ndim
         if lead < 0:
             raise ShapeError(f"expand {self.shape} -> {tuple(shape)}: target has lower rank")
@@ -400,14 +429,18 @@ class Tensor:
             return gather(self, index)
         if not isinstance(index, tuple):
             index = (index,)
+        # a 0-d integer array indexes as its int (numpy's rule); other arrays are refused below
+        index = tuple(int(i) if isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu"
+                      else i for i in index)
         n_real = builtins.sum(1 for i in index if i is not None and i is not Ellipsis)
-        if builtins.sum(1 for i in index if i is Ellipsis) > 1:
+        ells = [k for k, i in enumerate(index) if i is Ellipsis]  # `in` would compare arrays
+        if len(ells) > 1:
             raise ShapeError("an index can hold only one '...'")
         if n_real > self.ndim:
             raise ShapeError(f"too many indices ({n_real}) for a tensor of rank {self.ndim} "
                              f"(shape {self.shape})")
-        if Ellipsis in index:
-            k = index.index(Ellipsis)
+        if ells:
+            k = ells[0]
             index = index[:k] + (slice(None),) * (self.ndim - n_real) + index[k + 1:]
         else:
             index = index + (slice(None),) * (self.ndim - n_real)
@@ -421,10 +454,13 @@ class Tensor:
             if isinstance(item, np.integer):
                 item = int(item)
             if isinstance(item, slice):
-                if item.step is not None and item.step != 1:
+                if isinstance(item.step, (int, np.integer)) and item.step != 1:
                     raise UnsupportedOpError(f"slicing with step {item.step} on dim {d} (shape "
                                              f"{self.shape}); only step 1 is supported")
-                a, b, step = item.indices(n)
+                try:
+                    a, b, step = item.indices(n)  # bounds and step must be ints (or None)
+                except (TypeError, ValueError) as e:  # a float bound, an array, step 0
+                    raise ShapeError(f"slice {item!r:.80} on dim {d} (shape {self.shape}): {e}") from None
                 if step != 1:
                     raise UnsupportedOpError(f"slicing with step {step} on dim {d} (shape {self.shape}); "
                                              f"only step 1 is supported")
@@ -436,7 +472,7 @@ class Tensor:
                 i = item % n
                 starts.append(i); stops.append(i + 1)
             else:
-                raise UnsupportedOpError(f"indexing with {type(item).__name__} ({item!r}); use ints, "
+                raise UnsupportedOpError(f"indexing with {type(item).__name__} ({item!r:.60}); use ints, "
                                          f"slices, None, ... or an int64 tensor (gather)")
             d += 1
         sel = wrap(ops.select_node(self.node, starts, stops))
