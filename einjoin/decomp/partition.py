@@ -14,7 +14,7 @@ import bisect
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -63,6 +63,21 @@ def check_bounds(bounds: Sequence[int], n: int, what: str = "dimension") -> tupl
     return b
 
 
+def _shape(shape: Any, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints, or a PartitionError naming ``what``."""
+    if isinstance(shape, (list, tuple)):
+        try:
+            if any(isinstance(n, bool) for n in shape):
+                raise TypeError
+            dims = tuple(operator.index(n) for n in shape)
+        except TypeError:
+            dims = None
+        if dims is not None and all(n >= 0 for n in dims):
+            return dims
+    raise PartitionError(f"{what}: shape must be a tuple of non-negative ints, got "
+                         f"{type(shape).__name__} {shape!r:.60}")
+
+
 @dataclass(frozen=True)
 class Partition:
     """A box partition of a tensor: ``bounds[d]`` are the block boundaries of dim ``d``."""
@@ -70,15 +85,37 @@ class Partition:
     bounds: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
-        if any(b == (0,) for b in self.bounds):
-            # the set of cuts of an empty dim is {0}: its one block is (0, 0)
-            object.__setattr__(self, "bounds", tuple((0, 0) if b == (0,) else b for b in self.bounds))
-        for d, b in enumerate(self.bounds):
-            check_bounds(b, b[-1] if b else 0, f"dim {d}")
+        raw = self.bounds
+        try:
+            if isinstance(raw, (str, bytes)):
+                raise TypeError
+            dims = tuple(raw)
+        except TypeError:  # None, an int, a 0-d array...
+            raise PartitionError(f"Partition(bounds): expected one sequence of boundaries per dim, "
+                                 f"got {type(raw).__name__} {raw!r:.60}") from None
+        out = []
+        for d, b in enumerate(dims):
+            try:
+                if isinstance(b, (str, bytes)):
+                    raise TypeError
+                b = tuple(b)
+            except TypeError:
+                raise PartitionError(f"Partition(bounds): dim {d}: boundaries must be a list of "
+                                     f"ints, got {type(b).__name__} {b!r:.60}") from None
+            if b == (0,):
+                b = (0, 0)  # the set of cuts of an empty dim is {0}: its one block is (0, 0)
+            last = b[-1] if b else 0
+            if isinstance(last, bool) or not isinstance(last, (int, np.integer)):
+                raise PartitionError(f"Partition(bounds): dim {d}: boundaries must be a list of "
+                                     f"ints, got {b!r:.60}")
+            out.append(check_bounds(b, int(last), f"dim {d}"))
+        # a plain tuple of int tuples, whatever sequences came in: hashable and comparable
+        object.__setattr__(self, "bounds", tuple(out))
 
     # ---- construction
     @staticmethod
     def from_counts(shape: Sequence[int], counts: Sequence[int]) -> "Partition":
+        shape = _shape(shape, "Partition.from_counts")
         if not isinstance(counts, (list, tuple)):
             raise PartitionError(f"block counts must be a sequence (one per dim of shape "
                                  f"{tuple(shape)}), got {counts!r}")
@@ -90,11 +127,13 @@ class Partition:
 
     @staticmethod
     def whole(shape: Sequence[int]) -> "Partition":
+        shape = _shape(shape, "Partition.whole")
         return Partition(tuple((0, n) for n in shape))
 
     @staticmethod
     def of(shape: Sequence[int], per_dim: Sequence["int | Sequence[int]"]) -> "Partition":
         """Each dim given as a block count or as explicit boundaries, validated against ``shape``."""
+        shape = _shape(shape, "Partition.of")
         if not isinstance(per_dim, (list, tuple)):
             raise PartitionError(f"a partition is one entry per dim of shape {tuple(shape)}, "
                                  f"got {per_dim!r}")
