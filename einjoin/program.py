@@ -305,7 +305,12 @@ class Program:
         """Check every argument (each error names it) and bind the feeds, before any task runs."""
         order = check_order(self.order if order is None else order, "order")
         seed = check_seed(self.seed if seed is None else seed, "seed")
-        callbacks = check_callbacks(callbacks)
+        try:
+            callbacks = check_callbacks(callbacks)
+        except TypeError as e:  # an iterable that cannot be iterated (a 0-d array)
+            raise EinjoinError(f"callbacks must be a list of objects with on_start(task) and on_end(task, "
+                               f"start, end) methods, got {type(callbacks).__name__} {callbacks!r:.60} "
+                               f"({e})") from None
         _check_quiet(quiet)
         host_link = self.host_link if host_link is None else host_link
         check_host_link(host_link)
@@ -394,13 +399,17 @@ class Program:
         """Print (to ``file``; default the current ``sys.stdout``, None: don't) and return, per op,
         its join-agg spec, blocks, kernels, partials and bytes moved in and out, then the totals
         and bytes per device pair."""
+        to_stdout = isinstance(file, str) and file == "stdout"
+        if not (file is None or to_stdout or callable(getattr(file, "write", None))):
+            raise EinjoinError(f"explain(file=...): expected 'stdout', None or an open text file (an "
+                               f"object with write()), got {type(file).__name__} {file!r:.60}")
         text = explain(self.taskgraph, self.decomps, list(self.graph.nodes))
         unused = [a for a in (self._arg_names or ()) if a not in self.graph.input_by_name]
         if unused:  # an imported forward's arguments that the graph never reads
             text += (f"\nnote: forward argument(s) {', '.join(unused)} are not read by the graph; "
                      "run() accepts and ignores them")
         if file is not None:
-            print(text, file=sys.stdout if file == "stdout" else file)
+            print(text, file=sys.stdout if to_stdout else file)
         return text
 
     def save_plan_png(self, path: "str | os.PathLike[str]", **options: Any) -> "pathlib.Path":

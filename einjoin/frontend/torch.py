@@ -618,8 +618,8 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
 
     if not isinstance(module, torch.nn.Module):
         raise EinjoinError(f"from_torch: expected a torch.nn.Module, got {type(module).__name__}")
-    if method not in ("auto", "export", "fx"):
-        raise EinjoinError(f"from_torch: method must be 'auto', 'export' or 'fx', got {method!r}")
+    if not isinstance(method, str) or method not in ("auto", "export", "fx"):
+        raise EinjoinError(f"from_torch: method must be 'auto', 'export' or 'fx', got {method!r:.60}")
     args = tuple(example_args) if isinstance(example_args, (list, tuple)) else (example_args,)
     if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
         raise EinjoinError(f"from_torch: example_kwargs must be a mapping name -> value, got "
