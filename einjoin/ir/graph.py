@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, Sequence
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.node import Input, Node
+from einjoin.ir.ops import last_declaration
 from einjoin.ir.printing import format_graph
 
 __all__ = ["Graph", "as_nodes"]
@@ -36,9 +37,26 @@ def as_nodes(outputs: object) -> tuple[Node, ...]:
     return tuple(nodes)
 
 
+def _order_conflict(inputs: Sequence[Node]) -> tuple[Node, Node] | None:
+    """Two of ``inputs`` (in first-declaration order) whose last declarations came the other way
+    round, or None when both orders agree. Inputs built outside ``ops.input_node`` carry no last
+    declaration and are left out."""
+    last = [(x, t) for x in inputs if (t := last_declaration(x)) is not None]
+    for (a, ta), (b, tb) in zip(last, last[1:]):
+        if ta > tb:  # a non-increasing neighbour pair exists exactly when the orders differ
+            return a, b
+    return None
+
+
 class Graph:
     """The sub-DAG reaching ``outputs``: ``nodes`` topologically ordered (ties by creation order),
-    ``inputs`` in declaration order, ``users`` of each node. Input names must be unique."""
+    ``inputs`` in declaration order, ``users`` of each node. Input names must be unique.
+
+    Inputs are hash-consed, so an input declared again keeps the place of its first declaration.
+    When two inputs were last declared in the other order than they were first declared (another
+    graph declared them the other way round), positional feeds would be ambiguous:
+    ``positional_conflict`` then names such a pair (first-declared one first), else None, and
+    positional feeding (:func:`einjoin.ir.reference.bind_feeds`) asks for names."""
 
     def __init__(self, outputs: object):
         self.outputs: tuple[Node, ...] = as_nodes(outputs)
@@ -73,6 +91,7 @@ class Graph:
                                    f"{other.dtype}{list(other.shape)} and {x.dtype}{list(x.shape)}")
             by_name[name] = x
         self.input_by_name: dict[str, Node] = by_name
+        self.positional_conflict: tuple[Node, Node] | None = _order_conflict(self.inputs)
         users: dict[Node, list[Node]] = {n: [] for n in order}
         for n in order:
             for i in n.inputs:

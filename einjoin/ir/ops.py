@@ -13,8 +13,10 @@ Errors are raised here, at graph-construction time, and name the op, labels and 
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
+import weakref
 from typing import Any, Sequence
 
 import ml_dtypes
@@ -27,7 +29,7 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Inpu
                              Select)
 from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
 
-__all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "input_node",
+__all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "last_declaration", "input_node",
            "einsum_node", "reshape_node", "broadcast_node", "select_node", "concat_node",
            "fill_node", "gather_node", "cast_node"]
 
@@ -79,11 +81,26 @@ def _need_node(x: Any, what: str) -> Node:
     return x
 
 
+# Input node -> the counter of its LAST declaration. Inputs are hash-consed, so a re-declared
+# input keeps the serial of its first declaration; Graph compares both orders to tell when
+# positional feeds would bind in an older graph's order (ambiguous: it then asks for names).
+_declared: "weakref.WeakKeyDictionary[Node, int]" = weakref.WeakKeyDictionary()
+_declaration = itertools.count()
+
+
+def last_declaration(node: Node) -> int | None:
+    """The counter of the last :func:`input_node` call that returned ``node`` (None for a node
+    not built by it, e.g. unpickled); increasing with time, comparable only between inputs."""
+    return _declared.get(node)
+
+
 def input_node(name: str, shape: Any, dtype: Any = "float32", param: bool = False) -> Node:
     if not isinstance(name, str) or not name:
         raise EinjoinError(f"input name must be a non-empty string, got {name!r}")
-    return Node(Input(name, bool(param)), (), check_shape(shape, f"input {name!r}"),
+    node = Node(Input(name, bool(param)), (), check_shape(shape, f"input {name!r}"),
                 canonical_dtype(dtype))
+    _declared[node] = next(_declaration)  # also when the hash-cons returned an older node
+    return node
 
 
 def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],

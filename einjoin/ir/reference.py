@@ -131,13 +131,22 @@ def _feed_dtype_name(npd: np.dtype) -> str | None:
 def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] | None = None
                ) -> dict[Node, np.ndarray]:
     """Match positional ``args`` (in input declaration order) and keyword ``feeds`` (by name) to
-    the graph's inputs and check names and shapes. A feed of another dtype than its input's is
+    the graph's inputs and check names and shapes. Positional args are refused (EinjoinError) when
+    the declaration order is ambiguous (``Graph.positional_conflict``: two inputs re-declared in
+    the other order). A feed of another dtype than its input's is
     cast only when the cast is exact (:func:`einjoin.ir.dtypes.exact_cast`: float16 into a
     float32 input, int32 into int64, any byte order); Python numbers and lists take the input's
     dtype when their kind allows it (ints into floats when exact, floats rounded into any float
     type they do not overflow, bools only into bool); anything else is a DTypeError naming the
     input."""
     feeds = dict(feeds or {})
+    if args and graph.positional_conflict is not None:
+        a, b = (x.op.name for x in graph.positional_conflict)  # type: ignore[union-attr]
+        raise EinjoinError(
+            f"positional inputs are ambiguous for this graph: inputs {a!r} and {b!r} were first "
+            f"declared in this order but declared again the other way round (inputs are shared "
+            f"between graphs, so another graph's order may be the one you see); feed them by name, "
+            f"e.g. ({a}=..., {b}=...)")
     if len(args) > len(graph.inputs):
         raise EinjoinError(f"{len(args)} positional inputs given but the graph has "
                            f"{len(graph.inputs)}: {', '.join(graph.input_by_name)}")
