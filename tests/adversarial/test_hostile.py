@@ -14,9 +14,9 @@ numpy or torch (differential, never hard-coded). A raw ``TypeError`` / ``KeyErro
 ``AttributeError`` / ``ValueError`` / ``OverflowError`` from inside einjoin, a hang or a silently
 wrong number fails the test.
 
-Defects in files other helpers own are pinned by one-line reproducers marked
-``xfail(strict=True)`` (they flip when fixed); the property tests leave those exact value
-classes out (``_known``), so they stay green and still cover everything else.
+Defects the property tests found are pinned by one-line reproducers (``test_fixed_defect``,
+each failed on the code before its fix); ``_known`` leaves out only value classes that are not
+defects (a user's own callable, a backend that starts Ray).
 """
 
 from __future__ import annotations
@@ -266,48 +266,12 @@ TARGETS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _is_array_like(v: Any) -> bool:
-    return isinstance(v, np.ndarray) and v.ndim > 0
-
-
-# Value classes whose raw error lives in a file another helper owns: left out of the property
-# tests, each pinned by an xfail(strict) reproducer below (test_known_defect).
+# Value classes left out of the property tests on purpose (not defects).
 def _known(target: str, v: Any) -> bool:
-    # a numpy array where a flag is expected: `if keepdim` / `approximate not in (...)` / `x in dict`
-    # raise numpy's "truth value of an array is ambiguous" (frontend/tensor.py, program.py, runtime)
-    if _is_array_like(v) and v.size > 1 and (target.endswith(".keepdim") or target in (
-            "Tensor.gelu", "Tensor.__getitem__", "Tensor.__getitem__.2", "Tensor.expand.2",
-            "compile.order", "compile.quiet", "compile.memory_policy", "compile.backend",
-            "compile.placement", "run.order", "run.quiet", "causal_mask.rows",
-            "causal_mask.cols")):
-        return True
     if target == "execute_blocked.specs" and callable(v) and not isinstance(v, type(print)):
         return True   # a callable spec is the user's own code: its TypeError is its own
-    if target in ("input.dtype", "param.dtype", "full.dtype", "ones.dtype", "arange.dtype",
-                  "cast.dtype", "Tensor.to") and hasattr(v, "dtype") and not isinstance(v, np.ndarray):
-        return True   # ir/dtypes.py canonical_dtype: np.dtype(obj with .dtype) raises ValueError
-    if target in ("Tensor.expand.2", "arange.n", "fill.shape", "full.shape", "zeros.shape") and \
-            any(isinstance(d, int) and d >= 2 ** 31 for d in (v if isinstance(v, (list, tuple)) else [v])):
-        return True   # ir/ops.py check_shape: no upper bound (numpy's is 2**63 elements)
     if target == "compile.backend" and isinstance(v, str) and v == "ray":
         return True   # a real backend that starts a Ray cluster: tests/adversarial/test_ray_adversarial.py
-    if target == "run.callbacks" and isinstance(v, np.ndarray) and v.ndim == 0:
-        return True   # runtime / program.py: iterates a 0-d array
-    if target in ("concat.tensors", "stack.tensors") and not isinstance(v, (list, tuple)):
-        return True   # frontend/functions.py iterates anything
-    if target == "permute" and not isinstance(v, (list, tuple)):
-        return True   # frontend/tensor.py permute iterates anything
-    if target.startswith("causal_mask"):
-        return True   # frontend/functions.py: no int check, `cols - rows` on anything
-    if target == "split.size" and isinstance(v, (list, tuple)):
-        return True   # frontend/functions.py sums the sizes without checking they are ints
-    if target in ("Tensor.__ror__", "Tensor.__rand__") and not isinstance(v, ej.Tensor):
-        return True   # frontend/tensor.py has no __ror__ / __rand__
-    if target in ("Partition.from_counts.shape", "Partition.of.shape", "Partition.whole") and not (
-            isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v)):
-        return True   # decomp/partition.py: shapes are not checked
-    if target == "full.value" and isinstance(v, (str, float, int)) and not isinstance(v, bool):
-        return True   # frontend/functions.py full(): a string is parsed as an expression; ops.fill_node: nan/inf/2**70 into int64
     return False
 
 
@@ -412,11 +376,7 @@ def _call(target: str, v: Any) -> None:
     _check_result(target, v, out)
 
 
-# targets whose every hostile value hits a known defect elsewhere (their reproducers are below)
-ALWAYS_KNOWN = {"Tensor.__init__", "causal_mask.rows", "causal_mask.cols", "Partition"}
-
-
-@pytest.mark.parametrize("target", sorted(set(TARGETS) - ALWAYS_KNOWN))
+@pytest.mark.parametrize("target", sorted(TARGETS))
 @SETTINGS
 @given(v=HOSTILE)
 def test_hostile_argument(target: str, v: Any) -> None:
@@ -436,7 +396,6 @@ _TORCH_TARGETS: dict[str, Callable[[Any], Any]] = {
 @settings(SETTINGS, max_examples=8)  # each call traces a module: slow
 @given(v=HOSTILE)
 def test_hostile_argument_to_from_torch(target: str, v: Any) -> None:
-    assume(not (target == "from_torch.method" and _is_array_like(v) and v.size > 1))  # KNOWN
     try:
         fn = _TORCH_TARGETS[target](v)
     except ej.EinjoinError as e:
@@ -579,9 +538,8 @@ _LABELS = "abcijkAB"
 def _equations(draw: Any) -> tuple[str, list[tuple[int, ...]]]:
     n = draw(st.integers(1, 3))
     terms, shapes = [], []
-    # capital labels are never size 1 here: the frontend takes a size-1 capital for a '...' dim
-    # (KNOWN "einsum-capital-diagonal")
-    sizes = {c: draw(st.integers(1 if c.islower() else 2, 3)) for c in _LABELS}
+    # capital labels may be size 1 too: only '...' dims broadcast, a written capital does not
+    sizes = {c: draw(st.integers(1, 3)) for c in _LABELS}
     ell = draw(st.lists(st.integers(1, 3), max_size=2))
     for _ in range(n):
         labels = draw(st.lists(st.sampled_from(_LABELS), max_size=3))
@@ -793,58 +751,132 @@ def zoo_example(*a: Any, **kw: Any) -> Any:
     return example(*a, **kw)
 
 
-# ---------------------------------------------------------------- known defects in others' files
+# ---------------------------------------------------------------- defects the suite found (fixed)
 
 
-KNOWN = [
-    # (id, one-line reproducer, owner)
-    ("keepdim-array", lambda: ej.sum(_x(), 0, np.array([1, 2])), "dtypes: frontend/tensor.py reduce"),
-    ("getitem-array", lambda: _x()[np.array([0, 1])], "dtypes: frontend/tensor.py __getitem__"),
-    ("tensor-gelu-array", lambda: _x().gelu(np.array([1, 2])), "dtypes: frontend/tensor.py gelu"),
-    ("Tensor-of-junk", lambda: ej.Tensor(None) + 1, "dtypes: frontend/tensor.py Tensor.__init__"),
-    ("ror-bool", lambda: True | _b(), "dtypes: frontend/tensor.py has no __ror__/__rand__"),
-    ("concat-none", lambda: ej.concat(None), "dtypes: frontend/functions.py concat"),
-    ("stack-int", lambda: ej.stack(3), "dtypes: frontend/functions.py stack"),
-    ("permute-none", lambda: ej.permute(_x(), None), "dtypes: frontend/tensor.py permute"),
-    ("causal-mask-str", lambda: ej.causal_mask("3"), "dtypes: frontend/functions.py causal_mask"),
-    ("full-string-value", lambda: ej.full((3,), "x0"), "dtypes: frontend/functions.py full"),
-    ("full-int-nan", lambda: ej.full((2,), math.nan, "int64"), "dtypes: ir/ops.py fill_node"),
-    ("full-int-huge", lambda: ej.full((2,), 2 ** 70, "int64"), "dtypes: ir/ops.py fill_node"),
-    ("shape-beyond-numpy", lambda: ej.input("a", (2 ** 62, 2 ** 62)), "dtypes: ir/ops.py check_shape"),
-    ("dtype-of-tensor", lambda: ej.input("a", (2,), _x()), "dtypes: ir/dtypes.py canonical_dtype"),
-    ("einsum-capital-diagonal", lambda: ej.einsum("AA->A", ej.input("q", (2, 1))),
-     "dtypes: frontend/functions.py einsum squeezes size-1 dims of any capital label, not only of "
-     "'...' dims: a (2, 1) diagonal is accepted, numpy and torch refuse it"),
-    ("partition-none", lambda: ej.Partition(None), "dtypes: decomp/partition.py Partition"),
-    ("partition-whole-int", lambda: ej.Partition.whole(3), "dtypes: decomp/partition.py whole"),
-    ("partition-of-str-shape", lambda: ej.Partition.of("ab", (1, 1)), "dtypes: decomp/partition.py of"),
+FIXED = [
+    # (id, one-line reproducer, a fragment the message must hold: the argument at fault)
+    ("keepdim-array", lambda: ej.sum(_x(), 0, np.array([1, 2])), "keepdim"),
+    ("mean-keepdim-str", lambda: _x().mean(0, "yes"), "keepdim"),
+    ("getitem-array", lambda: _x()[np.array([0, 1])], "ndarray"),
+    ("getitem-float-slice", lambda: _x()[0:1.5], "slice"),
+    ("tensor-gelu-array", lambda: _x().gelu(np.array([1, 2])), "approximate"),
+    ("Tensor-of-junk", lambda: ej.Tensor(None) + 1, "Tensor(node)"),
+    ("expand-array", lambda: _x().expand(np.array([1, 2]), 3, 4), "expand"),
+    ("concat-none", lambda: ej.concat(None), "concat"),
+    ("stack-int", lambda: ej.stack(3), "stack"),
+    ("permute-none", lambda: ej.permute(_x(), None), "permute"),
+    ("permute-of-junk", lambda: ej.permute(None, (1, 0)), "permute"),
+    ("causal-mask-str", lambda: ej.causal_mask("3"), "rows"),
+    ("causal-mask-cols-float", lambda: ej.causal_mask(3, 2.5), "cols"),
+    ("arange-float", lambda: ej.arange(2.5), "arange"),
+    ("full-string-value", lambda: ej.full((3,), "x0"), "value"),
+    ("full-int-nan", lambda: ej.full((2,), math.nan, "int64"), "nan"),
+    ("full-int-huge", lambda: ej.full((2,), 2 ** 70, "int64"), "int64"),
+    ("full-half-overflow", lambda: ej.full((2,), 1e6, "float16"), "float16"),
+    ("full-float-beyond-float", lambda: ej.full((2,), 10 ** 400), "too large"),
+    ("shape-beyond-numpy", lambda: ej.input("a", (2 ** 62, 2 ** 62)), "'a'"),
+    ("empty-shape-beyond-numpy", lambda: ej.zeros((0, 2 ** 62, 2 ** 62)), "shape"),
+    ("outer-product-beyond-numpy", lambda: ej.einsum("i,j->ij", ej.input("u", (2 ** 40,)),
+                                                     ej.input("w", (2 ** 40,))), "einsum"),
+    ("dtype-of-tensor", lambda: ej.input("a", (2,), _x()), "dtype"),
+    ("dtype-of-numpy-value", lambda: ej.input("a", (2,), np.float32(0.5)), "dtype"),
+    ("einsum-capital-diagonal", lambda: ej.einsum("AA->A", ej.input("q", (2, 1))), "'A'"),
+    ("partition-none", lambda: ej.Partition(None), "Partition"),
+    ("partition-0d-array", lambda: ej.Partition(np.array(3)), "Partition"),
+    ("partition-whole-int", lambda: ej.Partition.whole(3), "shape"),
+    ("partition-of-str-shape", lambda: ej.Partition.of("ab", (1, 1)), "shape"),
+    ("partition-from-counts-junk-shape", lambda: ej.Partition.from_counts([None], (1,)), "shape"),
     ("from-torch-method-array", lambda: ej.from_torch(torch.nn.Linear(4, 3), (torch.ones(2, 4),),
-                                                      method=np.array([1, 2])),
-     "torch import: frontend/torch.py from_torch compares method with `in`"),
-    ("explain-file-int", lambda: _prog().explain(3), "runtime: program.py explain"),
-    ("run-callbacks-0d", lambda: _prog().run(X, callbacks=np.array(3)), "runtime: program.py run"),
+                                                      method=np.array([1, 2])), "method"),
+    ("explain-file-int", lambda: _prog().explain(3), "file"),
+    ("explain-file-array", lambda: _prog().explain(np.array([1, 2])), "file"),
+    ("run-callbacks-0d", lambda: _prog().run(X, callbacks=np.array(3)), "callbacks"),
 ]
 
 
-@pytest.mark.parametrize("call", [pytest.param(c, id=i, marks=pytest.mark.xfail(
-    strict=True, reason=who, raises=(TypeError, ValueError, AttributeError, KeyError, IndexError,
-                                     OverflowError, AssertionError, RuntimeError,
-                                     pytest.fail.Exception)))
-    for i, c, who in KNOWN])
-def test_known_defect(call: Callable[[], Any]) -> None:
-    """Each must raise an EinjoinError; today each raises a raw error or accepts the value."""
-    with pytest.raises(ej.EinjoinError):
+@pytest.mark.parametrize("call, fragment", [pytest.param(c, f, id=i) for i, c, f in FIXED])
+def test_fixed_defect(call: Callable[[], Any], fragment: str) -> None:
+    """Each raised a raw TypeError / ValueError / AttributeError, or accepted the value (a fill of
+    nan wrapped to an int, a shape numpy cannot hold, a (2, 1) diagonal); now a typed EinjoinError
+    naming the argument."""
+    with pytest.raises(ej.EinjoinError) as info:
         call()
+    assert fragment in str(info.value), str(info.value)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "dtypes: ir/ops.py input_node + ir/node.py hash-consing: a re-declared input keeps its first "
-    "serial, so Graph.inputs (positional order) follows an older graph's declaration order"))
-def test_positional_feeds_follow_this_graphs_declaration_order() -> None:
-    """A silent wrong answer: once another live graph declared ``b`` before ``a``, a new graph
-    that declares ``a`` then ``b`` binds its positional feeds the other way round."""
+@pytest.mark.parametrize("op", ["or", "and"])
+@pytest.mark.parametrize("value", [True, False])
+def test_python_bool_on_the_left_of_a_mask(op: str, value: bool) -> None:
+    """``True | mask`` raised a raw TypeError (no ``__ror__`` / ``__rand__``); torch computes it."""
+    tm = torch.from_numpy(M)
+    got = ej.reference((value | _b()) if op == "or" else (value & _b()), m=M)
+    expect = (value | tm) if op == "or" else (value & tm)
+    np.testing.assert_array_equal(got, expect.numpy())
+
+
+def test_legitimate_neighbours_of_the_fixed_values_still_work() -> None:
+    """The checks refuse junk only: numpy ints and 0-d int arrays as sizes and indices, 0/1 as
+    keepdim, a float fill truncated into int64 (as torch.full), inf in a half fill, an explicit
+    file for explain(), a '...' dim of size 1 that broadcasts."""
+    x = torch.from_numpy(X)
+    np.testing.assert_array_equal(ej.reference(_x()[np.array(1)], x=X), X[1])
+    np.testing.assert_array_equal(ej.reference(ej.sum(_x(), 0, 1), x=X), x.sum(0, keepdim=True).numpy())
+    np.testing.assert_array_equal(ej.reference(ej.causal_mask(np.int64(3), 4)),
+                                  np.tril(np.ones((3, 4), bool), 1))
+    np.testing.assert_array_equal(ej.reference(ej.full((2,), -2.5, "int64")),
+                                  torch.full((2,), -2.5, dtype=torch.int64).numpy())
+    np.testing.assert_array_equal(ej.reference(ej.full((2,), math.inf, "float16")),
+                                  torch.full((2,), math.inf, dtype=torch.float16).numpy())
+    np.testing.assert_array_equal(ej.reference(ej.full((2,), np.float32(0.5))), np.full(2, 0.5, np.float32))
+    np.testing.assert_array_equal(ej.reference(ej.permute(_x(), [1, 0]), x=X), X.T)
+    assert ej.Partition([[0, 2], np.array([0, 1, 3])]).bounds == ((0, 2), (0, 1, 3))
+    import io
+    buf = io.StringIO()
+    assert _prog().explain(buf) == buf.getvalue().rstrip("\n")
+    e = ej.input("e", (2, 1, 4), "float64")
+    es = np.arange(8.0).reshape(2, 1, 4)
+    ys = np.arange(12.0).reshape(3, 4)
+    f = ej.input("f", (3, 4), "float64")
+    np.testing.assert_array_equal(ej.reference(ej.einsum("...k,...k->...", e, f), e=es, f=ys),
+                                  np.einsum("...k,...k->...", es, ys))
+
+
+# ---------------------------------------------------------------- positional feeds and re-declared inputs
+
+
+def test_positional_feeds_are_refused_when_declaration_order_is_ambiguous() -> None:
+    """A silent wrong answer before: once another live graph declared ``b`` before ``a``, a new
+    graph that declares ``a`` then ``b`` bound its positional feeds the other way round (inputs are
+    hash-consed; the first declaration fixed the order). Now positional feeds on such a graph are
+    an EinjoinError naming both inputs, and feeding by name gives the right answer."""
     older = ej.input("pb", (2,)) - ej.input("pa", (2,))  # noqa: F841  (kept alive)
     a = ej.input("pa", (2,))
     b = ej.input("pb", (2,))
-    got = ej.reference(a - b, np.ones(2, np.float32), np.zeros(2, np.float32))
-    np.testing.assert_array_equal(got, np.ones(2, np.float32))
+    one, zero = np.ones(2, np.float32), np.zeros(2, np.float32)
+    with pytest.raises(ej.EinjoinError, match="by name") as info:
+        ej.reference(a - b, one, zero)
+    assert "'pa'" in str(info.value) and "'pb'" in str(info.value)
+    np.testing.assert_array_equal(ej.reference(a - b, pa=one, pb=zero), one - zero)
+    with pytest.raises(ej.EinjoinError, match="by name"):
+        ej.compile(a - b, 2, quiet=True).run(one, zero)
+    np.testing.assert_array_equal(ej.compile(a - b, 2, quiet=True).run(pa=one, pb=zero), one - zero)
+
+
+def test_redeclaring_inputs_in_the_same_order_still_binds_positionally() -> None:
+    older = ej.input("qa", (2,)) * ej.input("qb", (2,))  # noqa: F841  (kept alive)
+    a = ej.input("qa", (2,))
+    b = ej.input("qb", (2,))
+    xs, ys = np.array([3.0, 1.0], np.float32), np.array([1.0, 2.0], np.float32)
+    np.testing.assert_array_equal(ej.reference(a - b, xs, ys), xs - ys)
+
+
+def test_a_compiled_program_keeps_its_positional_order() -> None:
+    """The Program's graph is its compile time's: declaring its inputs again in the other order
+    later neither changes how it binds positional feeds nor makes them ambiguous."""
+    a = ej.input("ra", (2,))
+    b = ej.input("rb", (2,))
+    prog = ej.compile(a - b, 2, quiet=True)
+    later = ej.input("rb", (2,)) - ej.input("ra", (2,))  # noqa: F841  (kept alive)
+    xs, ys = np.array([3.0, 1.0], np.float32), np.array([1.0, 2.0], np.float32)
+    np.testing.assert_array_equal(prog.run(xs, ys), xs - ys)
