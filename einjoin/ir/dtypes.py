@@ -51,7 +51,9 @@ _RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
 
 
 def canonical_dtype(dtype: Any) -> str:
-    """The canonical name of ``dtype`` (a name, alias, numpy dtype or torch dtype)."""
+    """The canonical name of ``dtype`` (a name, alias, numpy dtype or type, or torch dtype).
+    A value (a numpy scalar or array, a tensor), bytes or a container is a DTypeError, not a
+    dtype numpy would make of it."""
     if dtype is None:
         raise DTypeError(f"dtype None; give one of {', '.join(DTYPES)}")
     if isinstance(dtype, str):
@@ -59,7 +61,8 @@ def canonical_dtype(dtype: Any) -> str:
         if name in DTYPES:
             return name
         raise DTypeError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    if isinstance(dtype, (bytes, bytearray)):  # numpy would read b"a" as a deprecated alias
+    if isinstance(dtype, (bytes, bytearray, list, tuple, dict, set)):
+        # numpy would read b"a" as a deprecated alias, a list or tuple as a structured dtype
         raise DTypeError(f"unknown dtype {dtype!r:.60}; give a str name: {', '.join(DTYPES)}")
     if isinstance(dtype, (np.generic, np.ndarray)) or (
             hasattr(dtype, "dtype") and not isinstance(dtype, (type, np.dtype))):
