@@ -78,6 +78,27 @@ def _shape(shape: Any, what: str) -> tuple[int, ...]:
                          f"{type(shape).__name__} {shape!r:.60}")
 
 
+def _as_bounds(raw: Any) -> tuple[tuple[Any, ...], ...]:
+    """``raw`` (any sequence of sequences) as a tuple of tuples, or a PartitionError."""
+    try:
+        if isinstance(raw, (str, bytes)):
+            raise TypeError
+        dims = tuple(raw)
+    except TypeError:  # None, an int, a 0-d array...
+        raise PartitionError(f"Partition(bounds): expected one sequence of boundaries per dim, "
+                             f"got {type(raw).__name__} {raw!r:.60}") from None
+    out = []
+    for d, b in enumerate(dims):
+        try:
+            if isinstance(b, (str, bytes)):
+                raise TypeError
+            out.append(tuple(b))
+        except TypeError:
+            raise PartitionError(f"Partition(bounds): dim {d}: boundaries must be a list of "
+                                 f"ints, got {type(b).__name__} {b!r:.60}") from None
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Partition:
     """A box partition of a tensor: ``bounds[d]`` are the block boundaries of dim ``d``."""
@@ -85,32 +106,14 @@ class Partition:
     bounds: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
-        raw = self.bounds
-        try:
-            if isinstance(raw, (str, bytes)):
-                raise TypeError
-            dims = tuple(raw)
-        except TypeError:  # None, an int, a 0-d array...
-            raise PartitionError(f"Partition(bounds): expected one sequence of boundaries per dim, "
-                                 f"got {type(raw).__name__} {raw!r:.60}") from None
-        out = []
-        for d, b in enumerate(dims):
-            try:
-                if isinstance(b, (str, bytes)):
-                    raise TypeError
-                b = tuple(b)
-            except TypeError:
-                raise PartitionError(f"Partition(bounds): dim {d}: boundaries must be a list of "
-                                     f"ints, got {type(b).__name__} {b!r:.60}") from None
-            if b == (0,):
-                b = (0, 0)  # the set of cuts of an empty dim is {0}: its one block is (0, 0)
-            last = b[-1] if b else 0
-            if isinstance(last, bool) or not isinstance(last, (int, np.integer)):
-                raise PartitionError(f"Partition(bounds): dim {d}: boundaries must be a list of "
-                                     f"ints, got {b!r:.60}")
-            out.append(check_bounds(b, int(last), f"dim {d}"))
-        # a plain tuple of int tuples, whatever sequences came in: hashable and comparable
-        object.__setattr__(self, "bounds", tuple(out))
+        if type(self.bounds) is not tuple or not all(type(b) is tuple for b in self.bounds):
+            # the slow path for lists, arrays and junk (the planners pass tuples: kept fast)
+            object.__setattr__(self, "bounds", _as_bounds(self.bounds))
+        if any(b == (0,) for b in self.bounds):
+            # the set of cuts of an empty dim is {0}: its one block is (0, 0)
+            object.__setattr__(self, "bounds", tuple((0, 0) if b == (0,) else b for b in self.bounds))
+        for d, b in enumerate(self.bounds):
+            check_bounds(b, b[-1] if b else 0, f"dim {d}")  # ints only: junk raises there
 
     # ---- construction
     @staticmethod
