@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import einjoin as ej
+from taskcount import TaskCount
 
 FAMILY = (ej.EinjoinError, ej.ShapeError, ej.EinsumSyntaxError, ej.DTypeError, ej.PartitionError,
           ej.ExpressionError, ej.UnsupportedOpError)
@@ -380,21 +381,6 @@ def test_enough_cases() -> None:
 # quiet / host_link / cancel / trace values at run() are named before any task runs)
 
 
-class _Count:
-    """A callback counting the tasks started."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.n = 0
-
-    def on_start(self, task: Any) -> None:
-        with self.lock:
-            self.n += 1
-
-    def on_end(self, task: Any, start: float, end: float) -> None:
-        pass
-
-
 def _small(backend: str = "threads", **kw: Any) -> Any:
     x = ej.input("x", (8, 6))
     w = ej.input("w", (6, 4))
@@ -436,7 +422,7 @@ RUN_ARGS = [
     pytest.param(dict(seed=2.0), ["seed", "float"], id="seed-float"),
     pytest.param(dict(order="fastest"), ["order", "'fastest'", "fifo"], id="order-unknown"),
     pytest.param(dict(order=1), ["order", "1"], id="order-int"),
-    pytest.param(dict(callbacks=_Count()), ["callbacks", "list"], id="callbacks-single"),
+    pytest.param(dict(callbacks=TaskCount()), ["callbacks", "list"], id="callbacks-single"),
     pytest.param(dict(callbacks=5), ["callbacks", "int"], id="callbacks-int"),
     pytest.param(dict(callbacks=[print]), ["callbacks[0]", "on_start"], id="callbacks-function"),
     pytest.param(dict(quiet="yes"), ["quiet", "'yes'"], id="quiet-str"),
@@ -454,7 +440,7 @@ RUN_ARGS = [
 def test_bad_run_argument_is_named_before_any_task(kw: dict[str, Any], fragments: list[str],
                                                    backend: str) -> None:
     prog = _small(backend)
-    count = _Count()
+    count = TaskCount()
     kw = dict(kw)  # the parameter is shared by both backends' cases
     cbs = kw.pop("callbacks", [count])
     with pytest.raises(ej.EinjoinError) as info:
@@ -491,7 +477,7 @@ def test_trace_path_that_cannot_be_written_fails_before_running(tmp_path: Any, w
     blocker.write_text("not a folder")
     path = blocker / "run.json" if where == "under-a-file" else tmp_path
     prog = _small()
-    count = _Count()
+    count = TaskCount()
     with pytest.raises(ej.EinjoinError) as info:
         prog.run(**_feeds(), trace=path, callbacks=[count])
     assert "trace=" in str(info.value) and str(path) in str(info.value), str(info.value)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.runtime.engine import CancelToken, RunHandle
+from taskcount import TaskCount
 
 F32 = dict(rtol=1e-5, atol=1e-5)
 WAIT = 30  # seconds: only a hang ever gets near it
@@ -60,19 +61,6 @@ class Gate:
             self.n += 1
         self.started.set()
         assert self.go.wait(WAIT), "the gate was never opened"
-
-    def on_end(self, task: Any, start: float, end: float) -> None:
-        pass
-
-
-class Count:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.n = 0
-
-    def on_start(self, task: Any) -> None:
-        with self.lock:
-            self.n += 1
 
     def on_end(self, task: Any, start: float, end: float) -> None:
         pass
@@ -163,7 +151,7 @@ def test_token_cancelled_before_start_cancels_that_run_only(backend: str) -> Non
     f = feeds_for(1)
     tok = CancelToken()
     tok.cancel()
-    count = Count()
+    count = TaskCount()
     with pytest.raises(ej.EinjoinError, match="run cancelled"):
         prog.run(**f, cancel=tok, callbacks=[count])
     assert count.n == 0, "a run cancelled before its start ran tasks"
