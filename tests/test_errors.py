@@ -506,7 +506,7 @@ def test_save_plan_png_refuses_an_unwritable_path_and_bad_options(tmp_path: Any)
 # ---------------------------------------------------------------- Ctrl-C
 
 
-class _Interrupt(_Count):
+class _Interrupt(TaskCount):
     """Raises KeyboardInterrupt (what Ctrl-C raises) at the ``at``-th task."""
 
     def __init__(self, at: int = 3) -> None:
@@ -541,7 +541,7 @@ def test_real_sigint_mid_run_is_a_plain_keyboard_interrupt(backend: str) -> None
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is handled by something else in this process")
 
-    class Sigint(_Count):
+    class Sigint(TaskCount):
         def on_start(self, task: Any) -> None:
             super().on_start(task)
             if self.n == 2:

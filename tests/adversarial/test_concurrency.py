@@ -270,7 +270,7 @@ def blas_control() -> Any:
     return threadpoolctl
 
 
-class Peek(Count):
+class Peek(TaskCount):
     """Reads the BLAS limits while its run is under way (at the first task)."""
 
     def __init__(self) -> None:
@@ -342,7 +342,7 @@ def test_keyboard_interrupt_restores_the_blas_limit(blas_control: Any) -> None:
     prog, out = mlp(2)
     before = blas_limits()
 
-    class Interrupt(Count):
+    class Interrupt(TaskCount):
         def on_start(self, task: Any) -> None:
             raise KeyboardInterrupt
 
