@@ -15,7 +15,6 @@ import numpy as np
 import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.ir.node import Node
-from einjoin.ir.printing import describe
 
 __all__ = ["main", "transformer_block", "split_largest"]
 

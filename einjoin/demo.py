@@ -30,7 +30,6 @@ def _best_of(fn: Callable[[], Any], repeat: int) -> tuple[Any, float]:
 
 
 def demo(quiet: bool = False, devices: int = 4, out_dir: "str | os.PathLike" = ".") -> int:
-    import numpy as np
     import torch
     from rich.console import Console
     from rich.markup import escape

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import einjoin as ej
-from einjoin.ir.node import Fill, Input
+from einjoin.ir.node import Fill
 from einjoin.models.zoo import ZOO, example
 
 
