@@ -68,6 +68,8 @@ def execute_blocked(outputs: Any, specs: Any = None, *args: Any, deterministic: 
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
         raise EinjoinError(f"execute_blocked: workers must be a positive integer (1 runs kernels "
                            f"inline, n > 1 on n threads); got {workers!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise EinjoinError(f"execute_blocked: deterministic must be True or False, got {deterministic!r}")
     graph = Graph(outputs)
     _check_specs(specs, graph)
     values = bind_feeds(graph, args, feeds)

@@ -94,10 +94,14 @@ def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
                 target = t.dtype if not target else promote(target, t.dtype)
     if f.rule == "float" and kind(target) != "float":
         if fn == "pow" and kind(target) == "int" and all(
-                isinstance(a, Tensor) or (_scalar_cat(a) == 1 and a >= 0) for a in vals):
-            # int ** int stays int64 as in torch: computed in float64 (exact below 2**53), cast back
-            wide = tuple(a.to("float64") if isinstance(a, Tensor) else a for a in vals)
-            return "", (elementwise("pow", *wide).to("int64"),)
+                isinstance(a, Tensor) or _scalar_cat(a) <= 1 for a in vals):
+            if any(not isinstance(a, Tensor) and a < 0 for a in vals[1:]):
+                raise DTypeError("pow: integers to negative integer powers are not allowed (as in "
+                                 "torch); cast the base to a float type first")
+            # int ** int stays int64 as in torch: computed in the integers (wrapping on overflow)
+            ints = tuple(a.to("int64") if isinstance(a, Tensor) and a.dtype != "int64" else
+                         (int(a) if not isinstance(a, Tensor) else a) for a in vals)
+            return "ipow", args[:first] + ints
         target = "float32"
     if target == "bool" and fn in _BOOL_ARITH:
         return _BOOL_ARITH[fn], args
@@ -335,7 +339,7 @@ class Tensor:
         for d in dims:
             n *= self.shape[d]
         scale = 1.0 / n if n else math.nan  # the one nan object: Const(nan) must equal itself
-        if self.dtype in ("float16", "bfloat16"):
+        if self.dtype in ("float16", "bfloat16") and n:
             # scale each element before summing: the sum of x/n stays within the range of x, so
             # half partial sums cannot overflow where the mean itself fits
             ls = LETTERS[:self.ndim]

@@ -101,11 +101,19 @@ def _cast_feed(name: str, value: Any, arr: np.ndarray, dtype: str) -> np.ndarray
         if cat is None or cat > tcat or (cat == 0) != (tcat == 0):  # type: ignore[operator]
             raise DTypeError(f"input {name!r}: the Python values given read as {arr.dtype}, which "
                              f"an input of dtype {dtype} cannot take without changing them; {fix}")
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"):  # the checks below say what went wrong, not numpy
             out = arr.astype(target)
-        if cat == 1 and not np.array_equal(out.astype(arr.dtype), arr):
+            if cat == 1 and target.kind in "iu":
+                # a range check: a round trip through a wrapped value (2**63 read as uint64, into
+                # int64) would compare equal
+                info = np.iinfo(target)
+                exact = arr.size == 0 or (int(arr.min()) >= info.min and int(arr.max()) <= info.max)
+            else:
+                exact = cat != 1 or np.array_equal(out.astype(arr.dtype), arr)
+            finite = cat != 2 or np.array_equal(np.isfinite(out), np.isfinite(arr))
+        if not exact:
             raise DTypeError(f"input {name!r}: these integers are not all exact in {dtype}; {fix}")
-        if cat == 2 and not np.array_equal(np.isfinite(out), np.isfinite(arr)):
+        if not finite:
             raise DTypeError(f"input {name!r}: these numbers overflow {dtype}; {fix}")
         return out
     if exact_cast(arr.dtype, dtype):

@@ -122,6 +122,24 @@ def _safe(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     return run
 
 
+def _int_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Integer powers in the integers, wrapping on overflow as torch does (a float64 detour is
+    exact only below 2**53); a negative exponent gives 0 except for bases 1 and -1 (torch's
+    rule for tensor exponents)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind not in "iu" or b.dtype.kind not in "iu":
+        with np.errstate(all="ignore"):
+            return np.power(a, b)
+    neg = b < 0
+    with np.errstate(all="ignore"):
+        out = np.power(a, np.where(neg, 0, b))
+    if np.any(neg):
+        odd = (b % 2) != 0
+        small = np.where(a == 1, 1, np.where(a == -1, np.where(odd, -1, 1), 0)).astype(out.dtype)
+        out = np.where(neg, small, out)
+    return out
+
+
 # precedences follow Python's grammar, which parses the printed form: comparisons (1) bind
 # loosest, then | (2), & (3), + - (4), * / (5), unary minus, ** (7)
 _FN_LIST = [
@@ -130,6 +148,7 @@ _FN_LIST = [
     ScalarFn("mul", 2, "arith", np.multiply, "*", 5),
     ScalarFn("div", 2, "float", _div, "/", 5),
     ScalarFn("pow", 2, "float", _safe(np.power), "**", 7),
+    ScalarFn("ipow", 2, "arith", _int_pow),   # int ** int stays int (torch); floats as pow
     ScalarFn("max", 2, "arith", np.maximum),
     ScalarFn("min", 2, "arith", np.minimum),
     ScalarFn("neg", 1, "arith", np.negative),

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
-from einjoin.ir.dtypes import DTYPES
+from einjoin.ir.dtypes import DTYPES, numpy_dtype
 
 torch = pytest.importorskip("torch")
 
@@ -447,3 +447,46 @@ def test_random_empty_einsums(drawn: Any, devices: int) -> None:
     got = ej.compile(y, devices=devices, backend="sync", quiet=True).run(**feeds)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------- found in review
+
+def test_int_powers_are_exact_and_wrap_like_torch() -> None:
+    """int ** int is computed in the integers: a float64 detour was wrong past 2**53."""
+    import torch
+    x, y = ej.input("x", (4,), "int64"), ej.input("y", (4,), "int64")
+    xv, yv = np.array([3037000499, 2 ** 32 + 1, -3, 7]), np.array([2, -1, 3, -2])
+    tx, ty = torch.from_numpy(xv), torch.from_numpy(yv)
+    for expr, want, feeds in [(x ** 2, tx ** 2, dict(x=xv)), (x ** y, tx ** ty, dict(x=xv, y=yv)),
+                              (2 ** y, 2 ** ty, dict(y=yv)), (x ** True, tx ** True, dict(x=xv))]:
+        for got in (ej.reference(expr, **feeds), ej.compile(expr, devices=2, quiet=True).run(**feeds)):
+            assert got.dtype == np.int64
+            np.testing.assert_array_equal(got, want.numpy())
+    with pytest.raises(ej.DTypeError, match="negative integer powers"):
+        x ** -1
+
+
+@pytest.mark.parametrize("value", [2 ** 63, 2 ** 64 - 1])
+def test_python_ints_past_int64_are_refused_not_wrapped(value: int) -> None:
+    x = ej.input("x", (1,), "int64")
+    with pytest.raises(ej.DTypeError, match="'x'"):
+        ej.reference(x * 1, x=[value])
+    assert ej.reference(x * 1, x=[2 ** 63 - 1])[0] == 2 ** 63 - 1
+
+
+def test_feed_checks_raise_no_numpy_warnings() -> None:
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ej.DTypeError):
+            ej.reference(ej.input("f", (1,), "float16") * 1, f=[70000])
+        with pytest.raises(ej.DTypeError):
+            ej.reference(ej.input("g", (1,), "float64") * 1, g=[2 ** 64 - 1])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_mean_over_an_empty_dim_is_nan(dtype: str) -> None:
+    h = ej.input("h", (0, 3), dtype)
+    feed = np.zeros((0, 3), numpy_dtype(dtype))
+    for got in (ej.reference(h.mean(0), h=feed), ej.compile(h.mean(0), devices=2, quiet=True).run(h=feed)):
+        assert np.isnan(np.asarray(got, np.float32)).all()
