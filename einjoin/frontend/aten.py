@@ -45,8 +45,8 @@ DATA_DEPENDENT_HELP = (
     "(.item(), a branch on it) becomes an argument bound with functools.partial")
 # what a translation does not cover, for docs/torch_ops.md (keyed by any of its names)
 NOTES: dict[str, str] = {
-    "div": "no `rounding_mode`",
-    "floordiv": "of Python numbers (shape arithmetic) only",
+    "div": "`rounding_mode` None or 'floor' (not 'trunc')",
+    "floordiv": "an integer divisor of 0 is an error, as in torch",
     "logical_not": "of bool tensors only",
     "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
     "max": "an error naming the fix: use `amax` / `amin` (reductions) or `maximum` / `minimum`",
@@ -126,16 +126,25 @@ op("mul", "imul")(_arith(operator.mul, "mul"))
 def _div(a: Any, b: Any, rounding_mode: Any = None, **_: Any) -> Any:
     if not _is_t(a) and not _is_t(b):
         return a / b
+    if rounding_mode == "floor":
+        return elementwise("floordiv", a, b)
     if rounding_mode is not None:
         raise UnsupportedOpError(f"div with rounding_mode={rounding_mode!r}")
     return elementwise("div", a, b)
 
 
-@op("floordiv")
+@op("floordiv", "floor_divide")
 def _floordiv(a: Any, b: Any) -> Any:
     if _is_t(a) or _is_t(b):
-        raise UnsupportedOpError("floor division of tensors")
+        return elementwise("floordiv", a, b)
     return a // b
+
+
+@op("remainder", "mod")
+def _remainder(a: Any, b: Any) -> Any:
+    if _is_t(a) or _is_t(b):
+        return elementwise("mod", a, b)
+    return a % b
 
 
 @op("rsub")
@@ -697,7 +706,8 @@ def call(name: str, args: tuple, kwargs: dict) -> Any:
 for _alias, _name in (("__and__", "logical_and"), ("__or__", "logical_or"), ("__invert__", "logical_not"),
                       ("__getitem__", "getitem"), ("__add__", "add"), ("__mul__", "mul"),
                       ("__sub__", "sub"), ("__truediv__", "div"), ("__matmul__", "matmul"),
-                      ("__neg__", "neg"), ("__pow__", "pow")):
+                      ("__neg__", "neg"), ("__pow__", "pow"), ("__floordiv__", "floordiv"),
+                      ("__mod__", "remainder")):
     OPS[_alias] = OPS[_name]
 
 

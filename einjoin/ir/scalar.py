@@ -22,7 +22,7 @@ from typing import Callable, Sequence, Union
 import numpy as np
 from scipy import special
 
-from einjoin.errors import DTypeError, ExpressionError
+from einjoin.errors import DTypeError, EinjoinError, ExpressionError
 from einjoin.ir.dtypes import kind, promote
 
 __all__ = ["Arg", "Const", "Call", "Expr", "ScalarFn", "FUNCTIONS", "parse_join",
@@ -140,6 +140,19 @@ def _int_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def _int_division(np_fn: Callable[..., np.ndarray], what: str) -> Callable[..., np.ndarray]:
+    """Floor division or remainder with Python's and torch's signs (numpy's floor_divide and
+    remainder); an integer divisor of 0 is an error, as in torch (numpy would give 0)."""
+    def run(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "iubO" and b.dtype.kind in "iubO" and np.any(b == 0):
+            raise EinjoinError(f"integer {what} by zero (torch raises too; use float tensors for inf/nan)")
+        with np.errstate(all="ignore"):
+            return np_fn(a, b)
+    run.__name__ = np_fn.__name__
+    return run
+
+
 # precedences follow Python's grammar, which parses the printed form: comparisons (1) bind
 # loosest, then | (2), & (3), + - (4), * / (5), unary minus, ** (7)
 _FN_LIST = [
@@ -147,6 +160,8 @@ _FN_LIST = [
     ScalarFn("sub", 2, "arith", np.subtract, "-", 4),
     ScalarFn("mul", 2, "arith", np.multiply, "*", 5),
     ScalarFn("div", 2, "float", _div, "/", 5),
+    ScalarFn("floordiv", 2, "arith", _int_division(np.floor_divide, "floor division"), "//", 5),
+    ScalarFn("mod", 2, "arith", _int_division(np.remainder, "remainder"), "%", 5),
     ScalarFn("pow", 2, "float", _safe(np.power), "**", 7),
     ScalarFn("ipow", 2, "arith", _int_pow),   # int ** int stays int (torch); floats as pow
     ScalarFn("max", 2, "arith", np.maximum),
@@ -187,6 +202,7 @@ _FOLDABLE = {"add", "mul", "max", "min", "logical_and", "logical_or"}
 
 
 _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
+           ast.FloorDiv: "floordiv", ast.Mod: "mod",
            ast.BitAnd: "logical_and", ast.BitOr: "logical_or"}
 _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
 _NAMED_CONSTS = {"pi": math.pi, "e": math.e, "inf": math.inf, "nan": math.nan}

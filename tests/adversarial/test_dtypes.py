@@ -490,3 +490,41 @@ def test_half_mean_over_an_empty_dim_is_nan(dtype: str) -> None:
     feed = np.zeros((0, 3), numpy_dtype(dtype))
     for got in (ej.reference(h.mean(0), h=feed), ej.compile(h.mean(0), devices=2, quiet=True).run(h=feed)):
         assert np.isnan(np.asarray(got, np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float32"])
+def test_floor_division_and_remainder_follow_torch(dtype: str) -> None:
+    """``//`` and ``%`` raised Python's raw TypeError; they follow torch's signs now."""
+    import torch
+    x, y = ej.input("x", (6,), dtype), ej.input("y", (6,), dtype)
+    npd = numpy_dtype(dtype)
+    xv, yv = np.array([7, -7, 7, -7, 0, 5], npd), np.array([2, 2, -2, -2, 3, 3], npd)
+    tx, ty = torch.from_numpy(xv), torch.from_numpy(yv)
+    for expr, want, feeds in [(x // y, tx // ty, dict(x=xv, y=yv)), (x % y, tx % ty, dict(x=xv, y=yv)),
+                              (x // 2, tx // 2, dict(x=xv)), (7 % y, 7 % ty, dict(y=yv)),
+                              (x % 2.5, tx % 2.5, dict(x=xv))]:
+        for got in (ej.reference(expr, **feeds), ej.compile(expr, devices=2, quiet=True).run(**feeds)):
+            assert str(got.dtype) == str(want.dtype).removeprefix("torch.")
+            np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_integer_division_by_zero_is_an_error_as_in_torch() -> None:
+    x = ej.input("x", (2,), "int64")
+    with pytest.raises(ej.EinjoinError, match="floor division by zero"):
+        ej.reference(x // 0, x=np.array([1, 2]))
+    with pytest.raises(ej.EinjoinError, match="remainder by zero"):
+        ej.compile(x % 0, devices=1, quiet=True).run(x=np.array([1, 2]))
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_torch_floor_division_and_remainder_import(method: str) -> None:
+    import torch
+
+    class M(torch.nn.Module):
+        def forward(self, x: Any, y: Any) -> Any:
+            return (x // y + x % 3 + torch.div(x, y, rounding_mode="floor") + torch.remainder(x, y)
+                    + torch.floor_divide(x, 2))
+    m = M()
+    x, y = torch.tensor([7, -7, 9, 4]), torch.tensor([2, 3, -2, 5])
+    out = ej.compile(ej.from_torch(m, (x, y), method=method), devices=2, quiet=True).run(x, y)
+    assert torch.equal(out, m(x, y))
