@@ -390,7 +390,7 @@ def _infer(e: Expr, dts: tuple[str, ...]) -> str | None:
             if d is not None and d != "bool":
                 raise DTypeError(f"{e}: {f.name} needs bool arguments, got {d}")
         return "bool"
-    common = _common(e, sub, e.args, allow_bool=False)
+    common = _common(e, sub, e.args, allow_bool=f.rule == "compare")  # bool < bool is bool, as in torch
     if f.rule == "float" and common is not None and kind(common) != "float":
         raise DTypeError(f"{e}: {f.name} needs float arguments, got {common}")
     if f.rule == "compare":

@@ -528,3 +528,12 @@ def test_torch_floor_division_and_remainder_import(method: str) -> None:
     x, y = torch.tensor([7, -7, 9, 4]), torch.tensor([2, 3, -2, 5])
     out = ej.compile(ej.from_torch(m, (x, y), method=method), devices=2, quiet=True).run(x, y)
     assert torch.equal(out, m(x, y))
+
+
+@pytest.mark.parametrize("op", ["__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"])
+def test_comparisons_of_bools_give_bools_as_in_torch(op: str) -> None:
+    import torch
+    b, c = ej.input("b", (4,), "bool"), ej.input("c", (4,), "bool")
+    bv, cv = np.array([0, 1, 0, 1], bool), np.array([1, 1, 0, 0], bool)
+    want = getattr(torch.from_numpy(bv), op)(torch.from_numpy(cv)).numpy()
+    np.testing.assert_array_equal(ej.reference(getattr(b, op)(c), b=bv, c=cv), want)
