@@ -55,6 +55,8 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     """``exp(x - max) / sum(exp(x - max))`` along ``dim``: four einsums."""
     x = _t(x, "softmax")
     d = _norm_dim(x, dim)
+    if x.shape[d] == 0:  # nothing to normalise: the empty tensor itself, as torch returns
+        return x
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
     e = einsum(f"{ls},{red}->{ls}", x, m, join="exp(x0 - x1)")
@@ -65,6 +67,8 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     x = _t(x, "log_softmax")
     d = _norm_dim(x, dim)
+    if x.shape[d] == 0:  # nothing to normalise: the empty tensor itself, as torch returns
+        return x
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
     s = einsum(f"{ls},{red}->{red}", x, m, join="exp(x0 - x1)")

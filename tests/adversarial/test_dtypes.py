@@ -537,3 +537,11 @@ def test_comparisons_of_bools_give_bools_as_in_torch(op: str) -> None:
     bv, cv = np.array([0, 1, 0, 1], bool), np.array([1, 1, 0, 0], bool)
     want = getattr(torch.from_numpy(bv), op)(torch.from_numpy(cv)).numpy()
     np.testing.assert_array_equal(ej.reference(getattr(b, op)(c), b=bv, c=cv), want)
+
+
+@pytest.mark.parametrize("fn", ["softmax", "log_softmax"])
+def test_softmax_over_an_empty_dim_is_empty_as_in_torch(fn: str) -> None:
+    x = ej.input("x", (3, 0))
+    y = getattr(ej, fn)(x, -1)
+    assert y.shape == (3, 0)
+    assert ej.reference(y, x=np.zeros((3, 0), np.float32)).shape == (3, 0)
