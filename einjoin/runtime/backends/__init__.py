@@ -15,6 +15,19 @@ from einjoin.errors import EinjoinError
 __all__ = ["BACKENDS", "get_backend", "SyncBackend", "ThreadsBackend", "NullBackend", "BlasLimiter", "BLAS_LIMITER"]
 
 
+class _Ticket:
+    """One run's share of the BLAS limit: ``n`` device threads, and whether they are counted
+    (``state``: new, in, out). Entering and leaving are idempotent, and a leave that the helper
+    sees first makes a late enter a no-op, so an interrupt at any point of the caller can neither
+    count a run twice nor leave it counted."""
+
+    __slots__ = ("n", "state")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.state = "new"
+
+
 class BlasLimiter:
     """The process-wide BLAS thread limit while parallel runs are in flight.
 
@@ -24,18 +37,39 @@ class BlasLimiter:
     first run in saves the original limits, every entry and exit sets cores // (devices of all
     runs in flight), and the last run out restores the original limits exactly.
 
-    Every change is made on a short-lived helper thread: threadpoolctl (>= 3.6) lets only one
-    live thread at a time change a pthreads OpenBLAS's limit (others are silently ignored), so
-    changes made on the caller's thread would pin that control to it (a user's main thread,
-    or a run's thread that is not the last one out, whose restore would then be ignored). A
-    helper takes control and dies. When some other live thread holds the control (the user's
-    own ``threadpool_limits``), einjoin leaves the limits alone. Only BLAS libraries are limited:
-    the kernels are numpy's, and an OpenMP limit is per thread (a helper's would die with it)."""
+    Every limit change is made on a short-lived helper thread: threadpoolctl (>= 3.6) lets
+    only one live thread at a time change a pthreads OpenBLAS's limit (others are silently
+    ignored), so changes made on the caller's thread would pin that control to it (a user's main
+    thread, or a run's thread that is not the last one out, whose restore would then be
+    ignored); the helper gives the control up and ends. When some other live thread holds it
+    (the user's own ``threadpool_limits``), einjoin leaves the limits alone. A helper never
+    receives a ``KeyboardInterrupt`` (Python delivers signals to the main thread), so a Ctrl-C
+    on the caller cannot cut a change in half: the caller only waits (on an event, not with
+    ``join``, which an interrupt confuses: CPython bpo-45274) and hands the interrupt on once
+    the change is made. One ``ThreadpoolController`` (the scan of the loaded libraries, ~2 ms)
+    is built once and reused (a BLAS library loaded after the first parallel run is not
+    limited); a run that leaves the share of the cores as it is (another run in flight set it)
+    is counted on the caller's thread, without a helper, and a library already at the wanted
+    limit is not touched. Only BLAS libraries are limited: the kernels are numpy's, and an
+    OpenMP limit is per thread."""
 
     def __init__(self) -> None:
+        # the count and the limits: held by helpers; the caller's thread only ever tries it
+        # without blocking (a blocked acquire is where a Ctrl-C would land)
         self._lock = threading.Lock()
         self._devices = 0
-        self._original: Any = None  # the threadpool_limits of the first run in: it restores
+        self._original: list[int] | None = None  # each BLAS library's limit before the first run in
+        self._libs: list[Any] | None = None      # threadpoolctl's BLAS library controllers, built once
+        self._current: int | None = None         # the share last set (None: the original limits)
+        self.changes = 0  # limit changes made (for tests and benchmarks)
+        if hasattr(os, "register_at_fork"):  # a child forked mid-change must not inherit a held lock
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        # the parent's runs do not exist in the child: count none; the original limits are kept
+        # so that the child's last run out restores them
+        self._lock = threading.Lock()
+        self._devices = 0
 
     @staticmethod
     def _share(devices: int) -> int:
@@ -46,67 +80,138 @@ class BlasLimiter:
         """Device threads of the parallel runs in progress (0: the original limits hold)."""
         return self._devices
 
-    @staticmethod
-    def _on_helper(fn: Any) -> tuple[Any, BaseException | None]:
-        """``fn()`` on a helper thread; returns its value and a KeyboardInterrupt that arrived
-        meanwhile (deferred: the change lands and is counted before the interrupt goes on)."""
-        box: list[Any] = []
+    # ---- on the helper thread
 
-        def target() -> None:
+    def _blas_libs(self) -> list[Any]:
+        if self._libs is None:
+            from threadpoolctl import ThreadpoolController
+            self._libs = [lc for lc in ThreadpoolController().lib_controllers if lc.user_api == "blas"]
+        return self._libs
+
+    def _apply(self, ticket: _Ticket, entering: bool) -> None:
+        with self._lock:
+            if entering:
+                if ticket.state != "new":  # left already (an interrupt before the enter came)
+                    return
+                ticket.state = "in"
+                self._devices += ticket.n
+            else:
+                if ticket.state == "in":
+                    self._devices -= ticket.n
+                ticket.state = "out"
+            libs = self._blas_libs()
+            if self._devices:
+                if self._original is None:
+                    self._original = [lc.num_threads for lc in libs]
+                self._current = self._share(self._devices)
+                want = [self._current] * len(libs)
+            elif self._original is not None:
+                want, self._original, self._current = self._original, None, None
+            else:
+                return
+            changed = [lc for lc, w in zip(libs, want) if lc.num_threads != w]
+            for lc in changed:  # only a limit that differs: the others cost nothing
+                lc.set_num_threads(want[libs.index(lc)])
+            for cls in {type(lc) for lc in changed}:  # give up the OpenBLAS control (threadpoolctl >= 3.6)
+                clear = getattr(cls, "clear_controlling_thread", None)
+                if clear is not None:
+                    clear()
+            if changed:
+                self.changes += 1
+
+    # ---- on the caller's thread
+
+    def _unchanged(self, ticket: _Ticket, entering: bool) -> bool:
+        """Count ``ticket`` in or out here, without a helper, when that leaves the share of the
+        cores as it is (another run in flight already set it); False: the helper must."""
+        if not self._lock.acquire(blocking=False):  # never block here: a helper is at work
+            return False
+        try:
+            if entering and ticket.state == "new":
+                devices = self._devices + ticket.n
+            elif not entering and ticket.state == "in":
+                devices = self._devices - ticket.n
+            elif not entering and ticket.state == "new":  # never counted (an interrupt came first)
+                ticket.state = "out"  # an enter still on its way finds it so and does nothing
+                return True
+            else:
+                return False
+            if not (self._devices and devices and self._share(devices) == self._current):
+                return False
+            ticket.state, self._devices = ("in" if entering else "out"), devices  # no call between
+            return True
+        finally:
+            self._lock.release()
+
+    def _send(self, ticket: _Ticket, entering: bool) -> BaseException | None:
+        """Have the helper enter or leave ``ticket`` and wait until it has; returns a
+        KeyboardInterrupt that arrived meanwhile (deferred: the change is made first)."""
+        if self._unchanged(ticket, entering):
+            return None
+        done, began = threading.Event(), threading.Event()
+        box: list[BaseException] = []
+
+        def helper() -> None:
+            began.set()
             try:
-                box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-                box.append((False, e))
-        th = threading.Thread(target=target, name="einjoin-blas-limit", daemon=True)
-        th.start()
+                self._apply(ticket, entering)
+            except Exception as e:  # noqa: BLE001 - re-raised on the caller's thread
+                box.append(e)
+            finally:
+                done.set()
+        th = threading.Thread(target=helper, name="einjoin-blas-limit", daemon=True)
         interrupted = None
-        while th.is_alive():
+        try:
+            th.start()
+        except KeyboardInterrupt as e:
+            # start() waits for the new thread to begin: cut short there, the helper exists and
+            # begins at once (wait for it as usual); cut before its creation, there is none.
+            # Either way the tickets keep the count right.
+            interrupted = e
+            while True:
+                try:
+                    if not began.wait(1.0):
+                        return e
+                    break
+                except KeyboardInterrupt:
+                    pass
+        while True:
             try:
-                th.join()
+                # an Event only the helper sets, never join()/is_alive() alone: an interrupt
+                # inside join() marks a live thread stopped (CPython bpo-45274)
+                if done.wait():
+                    break
             except KeyboardInterrupt as e:
                 interrupted = e
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value, interrupted
-
-    def _enter(self, n_devices: int) -> BaseException | None:
-        from threadpoolctl import threadpool_limits
-        n = max(1, n_devices)
-        with self._lock:
-            limit = self._share(self._devices + n)
-            limiter, interrupted = self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))
-            if self._devices == 0:
-                self._original = limiter  # the first run's limiter restores; the others are dropped
-            self._devices += n
-            return interrupted
-
-    def _exit(self, n_devices: int) -> BaseException | None:
-        from threadpoolctl import threadpool_limits
-        with self._lock:
-            self._devices = max(0, self._devices - max(1, n_devices))
-            if self._devices == 0:
-                original, self._original = self._original, None
-                if original is None:
-                    return None
-                return self._on_helper(original.restore_original_limits)[1]
-            limit = self._share(self._devices)
-            return self._on_helper(lambda: threadpool_limits(limits=limit, user_api="blas"))[1]
+        while True:  # its work is done: wait for its end, so that no thread outlives the run
+            try:
+                th.join()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+        if box:
+            raise box[0]
+        return interrupted
 
     @contextlib.contextmanager
     def limit(self, n_devices: int) -> Iterator[None]:
         """Hold a share of the cores for ``n_devices`` device threads while the block runs (the
-        last run out restores the original limits)."""
-        pending = self._enter(n_devices)
+        last run out restores the original limits). A Ctrl-C anywhere in here leaves the count
+        and the limits as they were before the block."""
+        ticket = _Ticket(max(1, n_devices))
         try:
+            pending = self._send(ticket, True)
             if pending is not None:
                 raise pending
             yield
-        except BaseException:
-            self._exit(n_devices)  # an interrupt meanwhile is dropped: one is on its way already
-            raise
-        late = self._exit(n_devices)
-        if late is not None:
+        finally:
+            late = None
+            while ticket.state != "out":  # idempotent: resent if an interrupt cut the send short
+                try:
+                    late = self._send(ticket, False) or late
+                except KeyboardInterrupt as e:
+                    late = e
+        if late is not None:  # the block ended normally: the interrupt goes on now
             raise late
 
 
