@@ -252,8 +252,7 @@ class Program:
         Every argument and feed is checked before any task runs. A ``KeyboardInterrupt`` (Ctrl-C,
         or raised by a callback) stops the run and propagates as it is; the program stays usable.
         Several threads may run one program at once."""
-        if cancel is not None and not isinstance(cancel, CancelToken) and "cancel" in self.graph.input_by_name:
-            feeds["cancel"], cancel = cancel, None  # an input named 'cancel', fed by name
+        cancel = self._take_cancel(cancel, feeds)
         token = CancelToken()
         return self._run(args, feeds, order, seed, callbacks, trace, quiet, host_link, cancel, token, None)
 
@@ -261,9 +260,7 @@ class Program:
         """Start a run on a new thread and return its :class:`~einjoin.runtime.engine.RunHandle`
         (``result(timeout=None)``, ``done()``, ``cancel()``, ``stats``). Takes what :meth:`run`
         takes; arguments and feeds are checked here, before it returns."""
-        cancel = kw.pop("cancel", None)
-        if cancel is not None and not isinstance(cancel, CancelToken) and "cancel" in self.graph.input_by_name:
-            kw["cancel"], cancel = cancel, None
+        cancel = self._take_cancel(kw.pop("cancel", None), kw)
         opts = {k: kw.pop(k) for k in ("order", "seed", "callbacks", "trace", "quiet", "host_link") if k in kw}
         token = CancelToken()
         handle = RunHandle(token)
@@ -282,6 +279,14 @@ class Program:
         handle.thread = threading.Thread(target=target, name="einjoin-run", daemon=True)
         handle.thread.start()
         return handle
+
+    def _take_cancel(self, cancel: Any, feeds: dict[str, Any]) -> Any:
+        """``cancel=`` is the run's token, unless the graph has an input named ``cancel`` and the
+        value is not a token: then it is that input's feed (moved into ``feeds``)."""
+        if cancel is not None and not isinstance(cancel, CancelToken) and "cancel" in self.graph.input_by_name:
+            feeds["cancel"] = cancel
+            return None
+        return cancel
 
     def cancel(self) -> None:
         """Cancel every run of this program in progress at the moment of the call (from any
@@ -345,9 +350,8 @@ class Program:
             self._active.add(token)
         try:
             try:
-                if token.cancelled:  # before start: no backend is even asked
-                    raise EinjoinError(f"run cancelled before it started (none of its "
-                                       f"{len(self.taskgraph)} tasks ran)")
+                # a token cancelled before the start: Engine.run / RayBackend.run_graph raise
+                # "run cancelled before it started" before running anything
                 with bar if bar is not None else _nothing():
                     if getattr(self.backend, "remote", False):  # Ray schedules the task graph itself
                         outs, stats = self.backend.run_graph(self._engine, p["values"], self.cluster, callbacks,
@@ -357,14 +361,14 @@ class Program:
                                                        callbacks, p["host_link"], cancel=token)
             except BaseException as exc:
                 if recorder is not None:  # what was recorded; the run's error stays the error
-                    self._write_trace(recorder, p["trace"], exc)
+                    self._write_trace(recorder, p["trace"], exc, handle)
                 raise
         finally:
             unlink()
             with self._runs_lock:
                 self._active.discard(token)
         if recorder is not None:
-            self._write_trace(recorder, p["trace"], None)
+            self._write_trace(recorder, p["trace"], None, handle)
         self.run_stats = stats
         if handle is not None:
             handle.stats = stats
@@ -377,18 +381,26 @@ class Program:
         return tuple(outs) if self._many else outs[0]
 
     @staticmethod
-    def _write_trace(recorder: Any, path: pathlib.Path, error: BaseException | None) -> None:
+    def _write_trace(recorder: Any, path: pathlib.Path, error: BaseException | None,
+                     handle: RunHandle | None = None) -> None:
         """Write a run's trace; a failure to write never loses the run's results (a warning) nor
-        replaces its error (a note on it)."""
+        replaces its error (a note on it; a warning on Python 3.10, which has no notes). A run
+        started by ``run_async`` keeps the warning on its handle: ``result()`` issues it, on the
+        caller's thread and pointing at the caller's line."""
         try:
             recorder.write(path)
         except OSError as e:
             what = f"the trace of this run could not be written to {str(path)!r}: {e.strerror or e}"
-            if error is not None:
-                error.add_note(f"einjoin: {what}")
-            else:
-                warnings.warn(f"einjoin: {what}; the run's results are returned", TraceWriteWarning,
-                              stacklevel=5)
+            add_note = getattr(error, "add_note", None)
+            if error is not None and callable(add_note):  # Python >= 3.11
+                add_note(f"einjoin: {what}")
+                return
+            message = (f"einjoin: {what}; the run's results are returned" if error is None else
+                       f"einjoin: {what} (the run failed: {type(error).__name__}: {error})")
+            if handle is not None:
+                handle._warnings.append(TraceWriteWarning(message))
+            else:  # _write_trace < _execute < _run < run < the caller
+                warnings.warn(message, TraceWriteWarning, stacklevel=5)
 
     def run_reference(self, *args: Any, **feeds: Any) -> Any:
         """Run the task graph with the few-line reference executor (the engines' oracle)."""

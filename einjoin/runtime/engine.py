@@ -11,6 +11,7 @@ import heapq
 import random
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -217,9 +218,13 @@ class RunHandle:
         self._outcome: tuple[bool, Any] | None = None
         self.stats: RunStats | None = None
         self.thread: threading.Thread | None = None
+        self._warnings: list[Warning] = []  # issued by the first result() call, on its thread
+        self._traceback: Any = None
 
     def _set(self, ok: bool, value: Any, stats: "RunStats | None") -> None:
         self.stats = stats
+        if not ok:
+            self._traceback = value.__traceback__  # the run's own frames, without result()'s
         self._outcome = (ok, value)
         self._finished.set()
 
@@ -242,9 +247,13 @@ class RunHandle:
             raise RunTimeoutError(f"the run did not end within timeout={timeout!r} s; it goes on "
                                   f"(handle.cancel() stops it)")
         assert self._outcome is not None
+        pending, self._warnings = self._warnings, []
+        for w in pending:  # result() < the caller
+            warnings.warn(w, stacklevel=2)
         ok, value = self._outcome
         if not ok:
-            raise value
+            # the same error on every call: reset its traceback first, else each raise adds to it
+            raise value.with_traceback(self._traceback)
         return value
 
     def __repr__(self) -> str:
@@ -447,15 +456,13 @@ class Engine:
         def worker(q: int) -> None:
             while True:
                 with lock:
+                    # every change a worker waits for notifies it: a task made ready in its queue,
+                    # the last task done, a failure, a cancel (on_cancel), a Ctrl-C (_drive)
                     while not len(queues[q]) and state["remaining"] and not state["stop"]:
                         if not backend.parallel:  # one inline worker and nothing ready: stuck
                             state["stop"] = True
                             break
-                        conds[q].wait(0.1)
-                        if cancelled():
-                            state["stop"] = True
-                    if cancelled():
-                        state["stop"] = True
+                        conds[q].wait()
                     if state["stop"] or not state["remaining"]:
                         wake_all()
                         return
@@ -493,28 +500,84 @@ class Engine:
     @staticmethod
     def _drive(backend: Backend, n: int, worker: Callable[[int], None], n_queues: int,
                lock: threading.Lock, state: dict[str, Any], wake_all: Callable[[], None]) -> None:
-        """Run the workers: inline (one queue) or one thread per queue, joined before returning."""
+        """Run the workers: inline (one queue) or one thread per queue; returns only once every
+        worker thread has ended, also after a Ctrl-C (which then stops the workers and goes on).
+
+        The threads are counted under the run's lock (begun, ended) and waited for on a
+        condition, never with ``join()``/``is_alive()``: an interrupt that lands inside
+        ``Thread.join`` marks a live thread stopped (CPython bpo-45274), so a join after it
+        returns while the worker still runs tasks."""
         with backend.context(n):
-            if backend.parallel:
-                threads = [threading.Thread(target=worker, args=(q,), daemon=True,
-                                            name=f"einjoin-dev{q}" if q < n else f"einjoin-host{q - n}")
-                           for q in range(n_queues)]
-                try:  # the starts too: a Ctrl-C may land while the first workers already run
-                    for th in threads:
-                        th.start()
-                    for th in threads:
-                        while th.is_alive():
-                            th.join(0.05)
-                except BaseException:  # KeyboardInterrupt: stop every worker, then re-raise
-                    with lock:
-                        state["stop"] = True
-                        wake_all()
-                    for th in threads:
-                        if th.ident is not None:  # started
-                            th.join()
-                    raise
-            else:
+            if not backend.parallel:
                 worker(0)
+                return
+            ended = threading.Condition(lock)
+            state.update(begun=0, ended=0, launched=0)
+
+            began = [threading.Event() for _ in range(n_queues)]
+
+            def guarded(q: int) -> None:
+                with lock:
+                    state["begun"] += 1
+                began[q].set()  # after the count: whoever sees it set finds the thread counted
+                try:
+                    worker(q)
+                finally:
+                    with lock:
+                        state["ended"] += 1
+                        ended.notify_all()
+
+            def stop() -> None:
+                with lock:
+                    state["stop"] = True
+                    wake_all()
+            interrupted: BaseException | None = None
+            started: list[threading.Thread] = []
+            starting: tuple[int, threading.Thread] | None = None
+            try:  # the starts too: a Ctrl-C may land while the first workers already run
+                for q in range(n_queues):
+                    starting = None
+                    th = threading.Thread(target=guarded, args=(q,), daemon=True,
+                                          name=f"einjoin-dev{q}" if q < n else f"einjoin-host{q - n}")
+                    starting = (q, th)
+                    th.start()
+                    started.append(th)
+                    starting = None
+                    with lock:
+                        state["launched"] += 1
+            except BaseException as e:  # KeyboardInterrupt, or no thread could be started
+                interrupted = e
+                stop()  # a worker whose start was cut short but that runs anyway finds stop set
+                if starting is not None:
+                    # Thread.start() waits for the new thread to begin: an interrupt there leaves
+                    # one that exists (it begins at once) or, cut before its creation, none
+                    q, th = starting
+                    while True:
+                        try:
+                            if began[q].wait(1.0):
+                                started.append(th)
+                            break
+                        except KeyboardInterrupt:
+                            pass
+            while True:
+                try:
+                    with lock:
+                        # a launched worker always begins; one that began is counted: wait for both
+                        while state["ended"] < max(state["launched"], state["begun"]):
+                            ended.wait()
+                    break
+                except KeyboardInterrupt as e:  # stop every worker, wait for them, then re-raise
+                    interrupted = interrupted or e
+                    stop()
+            for th in started:  # done with the run: let them end too (no thread outlives run())
+                while True:
+                    try:
+                        th.join()
+                        break
+                    except KeyboardInterrupt as e:
+                        interrupted = interrupted or e
+            if interrupted is not None:
+                raise interrupted
 
     def _finish(self, stores: list[Store], stats: RunStats, backend: Backend, host: dict[int, np.ndarray],
                 feeds: Mapping[Node, np.ndarray], capped: bool) -> tuple[list[np.ndarray] | None, RunStats]:

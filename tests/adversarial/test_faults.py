@@ -173,3 +173,117 @@ def test_cancelled_run_still_writes_its_trace(tmp_path: Any) -> None:
         prog.run(**feeds, trace=path, callbacks=[CancelAtThird()])
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert 3 <= len(events) < len(prog.taskgraph)
+
+
+# ---------------------------------------------------------------- Ctrl-C: run() outlives its workers
+
+
+def test_sigint_while_a_task_runs_returns_only_after_every_worker_ended() -> None:
+    """Review 9, item 2: a real Ctrl-C while ``run()`` waited for its workers returned at once
+    (an interrupt inside ``Thread.join`` marks the live thread stopped, CPython bpo-45274) and a
+    worker went on running its task after ``run()`` had raised. Now the interrupt stops the
+    workers, ``run()`` waits for the task in flight to end, then raises KeyboardInterrupt."""
+    import signal
+    import time
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT reaches the main thread only")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's KeyboardInterrupt here")
+    prog, out, feeds = chain("threads", devices=2)
+    inside = threading.Event()
+
+    class SlowKernel:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+            self.in_flight = 0
+            self.ended_after_return = 0
+            self.returned = False
+
+        def on_start(self, task: Any) -> None:
+            with self.lock:
+                self.in_flight += 1
+            if task.kind == "kernel" and not inside.is_set():
+                inside.set()
+                time.sleep(0.5)  # the Ctrl-C lands meanwhile
+
+        def on_end(self, task: Any, start: float, end: float) -> None:
+            with self.lock:
+                self.in_flight -= 1
+                self.ended_after_return += self.returned
+
+    cb = SlowKernel()
+    main = threading.main_thread().ident
+
+    def interrupt() -> None:
+        if inside.wait(30):
+            time.sleep(0.05)  # the main thread is waiting for the workers by now
+            signal.pthread_kill(main, signal.SIGINT)
+    sender = threading.Thread(target=interrupt, daemon=True)
+    sender.start()
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            prog.run(**feeds, callbacks=[cb])
+        finally:
+            with cb.lock:
+                in_flight_at_return, cb.returned = cb.in_flight, True
+    while sender.is_alive():
+        time.sleep(0.01)
+    time.sleep(0.6)  # a worker left behind would end its task now
+    assert in_flight_at_return == 0, "run() returned while a worker still ran a task"
+    assert cb.ended_after_return == 0
+    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), **F32)
+
+
+# ---------------------------------------------------------------- trace warnings, handles
+
+
+def test_trace_failure_on_a_failed_run_without_add_note_warns(tmp_path: Any) -> None:
+    """Review 9, item 9: ``BaseException.add_note`` is Python >= 3.11 (the project supports
+    3.10): a failed run whose trace could not be written raised AttributeError there. Such an
+    error (emulated by one whose ``add_note`` is not callable) gets a TraceWriteWarning instead,
+    and stays the error."""
+    from einjoin.program import Program
+
+    class Recorder:
+        def write(self, path: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+    class OldError(Exception):
+        add_note = None  # as on Python 3.10
+
+    err = OldError("the run's own failure")
+    with pytest.warns(TraceWriteWarning, match="could not be written.*the run failed: OldError"):
+        Program._write_trace(Recorder(), tmp_path / "t.json", err)
+    assert not getattr(err, "__notes__", None)
+
+
+@needs_dev_full
+def test_run_async_trace_warning_comes_from_result_on_the_callers_line() -> None:
+    """Review 9: the warning of a run_async run was issued on the run's thread with the stack
+    level of ``run()``, pointing into threading's internals (and a ``catch_warnings`` of the
+    caller's thread could not see it reliably). ``result()`` issues it now, at the caller's
+    line."""
+    prog, out, feeds = chain("threads")
+    h = prog.run_async(**feeds, trace="/dev/full")
+    with pytest.warns(TraceWriteWarning, match="/dev/full") as rec:
+        got = h.result(timeout=60)
+    np.testing.assert_allclose(got, ej.reference(out, **feeds), **F32)
+    assert [w.filename for w in rec.list if w.category is TraceWriteWarning] == [__file__]
+
+
+def test_run_handle_result_raises_the_same_error_without_growing_its_traceback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 9: each ``result()`` call re-raised the one exception object, and every raise
+    added the caller's frames to its traceback."""
+    prog, out, feeds = chain("threads")
+    monkeypatch.setattr(engine_mod, "compute", FailingKernel(engine_mod.compute, at=1, exc=ValueError("boom")))
+    h = prog.run_async(**feeds)
+    depths = []
+    for _ in range(3):
+        with pytest.raises(ej.EinjoinError, match="boom") as info:
+            h.result(timeout=60)
+        tb, n = info.value.__traceback__, 0
+        while tb is not None:
+            tb, n = tb.tb_next, n + 1
+        depths.append(n)
+    assert depths[0] == depths[1] == depths[2], depths
