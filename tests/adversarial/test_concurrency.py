@@ -528,3 +528,21 @@ def test_blas_limits_reuse_one_library_scan_and_skip_unchanged_limits(blas_contr
     np.testing.assert_allclose(other, ej.reference(out, **feeds_for(1)), **F32)
     assert all(n == 1 for _, n in peek.limits), peek.limits
     assert blas_limits() == before
+
+
+def test_an_input_named_cancel_is_fed_by_name_in_run_and_run_async() -> None:
+    """``cancel=`` is the run's token, unless the graph has an input named ``cancel`` and the
+    value is not a token (one rule for ``run`` and ``run_async``, kept in one place)."""
+    c = ej.input("cancel", (8, 4))
+    out = ej.gelu(c) * 2.0
+    prog = ej.compile(out, devices=2)
+    a = rand((8, 4), 5)
+    want = ej.reference(out, cancel=a)
+    np.testing.assert_allclose(prog.run(cancel=a), want, **F32)
+    np.testing.assert_allclose(prog.run_async(cancel=a).result(timeout=WAIT), want, **F32)
+    tok = CancelToken()
+    tok.cancel()
+    with pytest.raises(ej.EinjoinError, match="run cancelled before it started"):
+        prog.run(a, cancel=tok)  # a token is a token: the input goes by position
+    with pytest.raises(ej.EinjoinError, match="run cancelled before it started"):
+        prog.run_async(a, cancel=tok).result(timeout=WAIT)
