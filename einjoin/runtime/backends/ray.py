@@ -19,12 +19,18 @@ topological order, so the interleaving is a topological order of both graphs (no
 
 Faults: a lost actor (killed, out of memory) is reported by Ray to every waiting reference within
 seconds. The inputs are still reachable (the driver holds the feeds), so the chosen behaviour is
-completion: every actor is replaced (once per loss, however many runs saw it: a generation
-counter) and the task graph runs again from the inputs (coarse lineage: all producers, not only
-the lost blocks'), ``retries`` times (default 1); after that, an :class:`EinjoinError` names the
-lost device and its actor's pid, and the next run starts on fresh actors. Before a run starts
-while no other run is in flight, every actor is pinged (on a control thread of its own) and dead
-ones are replaced first, so an actor that died between runs costs no retry.
+completion: the lost device's pool of actors is replaced (once per loss, however many runs saw it:
+a generation counter) and the task graph runs again from the inputs (coarse lineage: all
+producers, not only the lost blocks'), ``retries`` times (default 1); after that, an
+:class:`EinjoinError` names the lost device and its actor's pid, and the next run starts on fresh
+actors. Nothing is pinged before a run: an actor that died between runs fails the run's first call
+(``begin``) on it, before any of the run's work, and is replaced without using up a retry.
+``ray.shutdown()`` or a Ray restart is noticed at the next run (the Ray session changed) and fresh
+actors start; :meth:`RayBackend.close` during a run fails that run with an EinjoinError instead of
+being undone by its recovery.
+
+Actor pools: one per cluster shape (device count and the node of each device), so programs of
+different shapes can share one backend and run at once without replacing each other's actors.
 
 >>> import einjoin as ej
 >>> ej.runtime.get_backend("ray").name        # nothing starts before the first run
@@ -36,6 +42,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import queue
 import sys
 import threading
 import time
@@ -99,26 +106,40 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
 
 
 def _init_on_a_lasting_thread(ray: Any, opts: dict[str, Any]) -> None:
-    """``ray.init`` on the main thread, else on a daemon thread that never ends: the processes a
-    local Ray starts die with the thread that started them (PR_SET_PDEATHSIG), so a first run from
-    ``run_async`` or any worker thread would leave the next run a dead Ray."""
+    """``ray.init`` on the main thread, else on einjoin's one keeper thread, which never ends: the
+    processes a local Ray starts die with the thread that started them (PR_SET_PDEATHSIG), so a
+    first run from ``run_async`` or any worker thread would leave the next run a dead Ray. One
+    keeper serves every re-init (after a ``ray.shutdown()``), so none leaks a thread."""
     if threading.current_thread() is threading.main_thread():
         ray.init(**opts)
         return
+    global _keeper
     done, failed = threading.Event(), []
 
-    def keeper() -> None:
+    def init() -> None:
         try:
             ray.init(**opts)
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
             failed.append(e)
         done.set()
-        threading.Event().wait()  # keep the thread (and with it Ray's processes) alive
 
-    threading.Thread(target=keeper, name="einjoin-ray-keeper", daemon=True).start()
+    with _keeper_lock:
+        if _keeper is None:
+            _keeper = queue.SimpleQueue()
+            threading.Thread(target=_keep, args=(_keeper,), name="einjoin-ray-keeper", daemon=True).start()
+        _keeper.put(init)
     done.wait()
     if failed:
         raise failed[0]
+
+
+_keeper: "queue.SimpleQueue[Any] | None" = None
+_keeper_lock = threading.Lock()
+
+
+def _keep(jobs: "queue.SimpleQueue[Any]") -> None:
+    while True:  # alive for ever: Ray's processes started here live as long as this thread
+        jobs.get()()
 
 
 def _loopback_node_ip() -> str | None:
@@ -197,7 +218,13 @@ def _check_number(where: str, name: str, value: Any, positive: bool = False, fin
 
 
 class _DeviceLost(Exception):
-    """A device's actor died: internal, becomes a re-run or an EinjoinError."""
+    """A device's actor died: internal, becomes a re-run or an EinjoinError. ``before_start``:
+    found on a ``begin`` (or at submission), so the actor was dead before this run did anything:
+    replacing it costs the run no retry."""
+
+    def __init__(self, msg: str, before_start: bool = False):
+        super().__init__(msg)
+        self.before_start = before_start
 
 
 class _Run:
@@ -236,6 +263,11 @@ class DeviceWorker:
 
     def setup(self, key: int, plan: Any) -> None:
         self.plans[key] = plan
+
+    def forget(self, keys: Sequence[int]) -> None:
+        """Drop the plans of programs that are gone (so ``plans`` does not grow for ever)."""
+        for k in keys:
+            self.plans.pop(k, None)
 
     def begin(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0) -> None:
         """Open run ``run`` of plan ``key``; ``delay``: a test hook, seconds slept before every
@@ -309,19 +341,41 @@ class DeviceWorker:
         return sorted(self.runs)
 
 
-def _is_actor_death(e: BaseException) -> bool:
-    from ray.exceptions import RayActorError
-    if isinstance(e, RayActorError):
-        return True
-    cause = getattr(e, "cause", None)
-    return isinstance(cause, RayActorError)
+class _Pool:
+    """The actors of one cluster shape: a device count and the node each device is placed on."""
+
+    __slots__ = ("shape", "actors", "pids", "shipped", "generation")
+
+    def __init__(self, shape: tuple[int, tuple[Any, ...]], actors: list[Any], pids: list[int], generation: int):
+        self.shape = shape
+        self.actors, self.pids = actors, pids
+        self.shipped: list[set[int]] = [set() for _ in actors]   # per actor: the plan keys it holds
+        self.generation = generation
+
+
+def _shape(cluster: Cluster | None, n: int) -> tuple[int, tuple[Any, ...]]:
+    return n, tuple(cluster.devices[d].node if cluster is not None else None for d in range(n))
+
+
+def _ray_session(ray: Any) -> tuple[str, str] | None:
+    """Which Ray this process is connected to (cluster session, job), None when none: actors
+    belong to one job and die with it, so a change means every actor handle is stale."""
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    return ctx.get_session_name(), ctx.get_job_id()
 
 
 @dataclass(eq=False)
 class RayBackend:
     """``backend="ray"``: actors are created on first run (on the node each device names, when
     the cluster came from :func:`ray_cluster`) and live until :meth:`close` or exit. Thread-safe:
-    concurrent runs (of one program or of several sharing this backend) are independent."""
+    concurrent runs (of one program or of several sharing this backend) are independent.
+
+    Programs sharing one backend with different cluster shapes (device count, or the node of
+    each device) get a pool of actors per shape, kept until :meth:`close`: a program never
+    replaces the actors another program's runs are using. After ``ray.shutdown()`` or a Ray
+    restart, the next run starts fresh actors on the Ray then running (a new local one if none)."""
 
     name: str = "ray"
     parallel: bool = True
@@ -334,10 +388,8 @@ class RayBackend:
     retries: int = 1                 # re-runs after a lost device before raising
     quiet: bool = False
     dashboard: bool = False          # a Ray that einjoin starts gets its dashboard (on 127.0.0.1)
-    actors: list[Any] = field(default_factory=list)
-    pids: list[int] = field(default_factory=list)
     received_per_pair: dict[tuple[int, int], int] = field(default_factory=dict)  # of the last run
-    generation: int = field(default=0, init=False)   # bumped whenever the actors are replaced
+    generation: int = field(default=0, init=False)   # bumped whenever a pool of actors starts
 
     def __post_init__(self) -> None:
         _check_int("RayBackend", "num_cpus", self.num_cpus, 1)
@@ -347,44 +399,61 @@ class RayBackend:
         _check_number("RayBackend", "actor_cpus", self.actor_cpus)
         _check_number("RayBackend", "kernel_delay", self.kernel_delay)
         _ray()  # a missing Ray is said at compile time, not at the first run
-        self._mu = threading.RLock()          # actors, generation, plans shipped, runs in flight
+        self._mu = threading.RLock()          # pools, plans shipped, Ray session (held while actors start)
+        self._count = threading.Lock()        # _in_flight only: never held across anything that blocks
+        self._pools: dict[tuple[int, tuple[Any, ...]], _Pool] = {}
+        self._last: _Pool | None = None       # the pool of the last run (actors / pids)
+        self._session: tuple[str, str] | None = None
+        self._closes = 0                      # close() calls: a run that saw one fails, never restarts
         self._plans: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
-        self._shipped: list[set[int]] = []    # per actor: the plan keys it holds
+        self._forgotten: list[int] = []       # plan keys of programs gone, to drop on the actors
         self._in_flight = 0
+
+    @property
+    def actors(self) -> list[Any]:
+        """The actors of the pool the last run used (tests and debugging)."""
+        pool = self._last
+        return list(pool.actors) if pool is not None else []
+
+    @property
+    def pids(self) -> list[int]:
+        """The pids of :attr:`actors`."""
+        pool = self._last
+        return list(pool.pids) if pool is not None else []
 
     def context(self, n_devices: int) -> Any:  # the engine's hook; unused by remote backends
         import contextlib
         return contextlib.nullcontext()
 
     # -- actors ------------------------------------------------------------------------------
-    def _start(self, cluster: Cluster | None, n: int) -> None:
-        """Start ``n`` fresh actors (under ``_mu``)."""
+    def _start(self, cluster: Cluster | None, shape: tuple[int, tuple[Any, ...]]) -> _Pool:
+        """Start the actors of one shape (under ``_mu``)."""
+        n, nodes = shape
         ray = ensure_ray(self.num_cpus, self.object_store_memory, self.quiet, self.dashboard)
-        # one thread runs the tasks in submission order; pings get a thread of their own
+        # one thread runs the tasks in submission order; control calls get a thread of their own
         cls = ray.remote(concurrency_groups={CONTROL: 1}, max_concurrency=1)(DeviceWorker)
         per_node: dict[Any, int] = {}
-        for d in range(n):
-            node = cluster.devices[d].node if cluster is not None else None
+        for node in nodes:
             per_node[node] = per_node.get(node, 0) + 1
         actors = []
-        for d in range(n):
-            node = cluster.devices[d].node if cluster is not None else None
-            opts: dict[str, Any] = {"num_cpus": self.actor_cpus, "max_restarts": 0}
-            if node is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-            cores = os.cpu_count() or 1
-            actors.append(cls.options(**opts).remote(d, max(1, cores // per_node[node])))
         try:
+            for d, node in enumerate(nodes):
+                opts: dict[str, Any] = {"num_cpus": self.actor_cpus, "max_restarts": 0}
+                if node is not None:
+                    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+                    opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+                cores = os.cpu_count() or 1
+                actors.append(cls.options(**opts).remote(d, max(1, cores // per_node[node])))
             pids = ray.get([a.pid.remote() for a in actors], timeout=120)
         except Exception as e:  # noqa: BLE001 - any failure to start is the user's to see, typed
             self._kill(actors)
             raise EinjoinError(f"the Ray backend could not start {n} device actors: {type(e).__name__}: "
                                f"{e}") from None
-        self.actors, self.pids = actors, pids
-        self._shipped = [set() for _ in actors]
         self.generation += 1
+        pool = self._pools[shape] = _Pool(shape, actors, pids, self.generation)
+        self._session = _ray_session(ray)
         _live.add(self)
+        return pool
 
     def _kill(self, actors: Sequence[Any]) -> None:
         ray = sys.modules.get("ray")
@@ -396,58 +465,81 @@ class RayBackend:
             except Exception:  # noqa: BLE001 - already dead
                 pass
 
-    def _restart(self, cluster: Cluster | None, n: int, seen: int | None = None) -> None:
-        """Replace every actor, unless another run already did since generation ``seen``."""
+    def _retire(self, pool: _Pool, seen: int) -> None:
+        """Kill a pool that lost a device, unless another run (or close) already replaced it
+        since generation ``seen``: once per loss. The next run's :meth:`_prepare` starts fresh
+        actors for that shape; other shapes' pools are untouched."""
         with self._mu:
-            if seen is not None and seen != self.generation:
-                return
-            self._kill(self.actors)
-            self.actors, self.pids, self._shipped = [], [], []
-            self._start(cluster, n)
+            if self._pools.get(pool.shape) is pool and pool.generation == seen:
+                del self._pools[pool.shape]
+                self._kill(pool.actors)
 
-    def _dead(self, timeout: float = 10.0) -> list[int]:
-        """Devices whose actor is dead, by a ping on the control thread (under ``_mu``). An actor
-        that does not answer within ``timeout`` counts as alive: the run will tell."""
+    def _prepare(self, engine: Any, cluster: Cluster | None, n: int) -> tuple[_Pool, int, int, int]:
+        """Live actors of this shape holding the engine's plan, the run counted in flight:
+        (pool, plan key, its generation, close count). No actor is pinged: one that died since
+        the last run is found on the run's own ``begin`` and replaced without using a retry."""
         ray = _ray()
-        pings = [a.pid.options(concurrency_group=CONTROL).remote() for a in self.actors]
-        done, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
-        dead = []
-        for d, p in enumerate(pings):
-            if p in done:
-                try:
-                    ray.get(p)
-                except Exception as e:  # noqa: BLE001
-                    if _is_actor_death(e):
-                        dead.append(d)
-        return dead
-
-    def _prepare(self, engine: Any, cluster: Cluster | None, n: int) -> tuple[list[Any], list[int], int, int]:
-        """Live actors holding the engine's plan: (actors, pids, plan key, generation)."""
-        ray = _ray()
+        shape = _shape(cluster, n)
         with self._mu:
-            if len(self.actors) != n:
-                self._restart(cluster, n)
-            elif not self._in_flight and self._dead():  # died between runs: replace before running
-                if not self.quiet:
-                    print("einjoin: a Ray device actor died since the last run; starting fresh actors",
-                          file=sys.stderr)
-                self._restart(cluster, n)
-            if engine not in self._plans:  # the plan goes to the object store once per program
-                self._plans[engine] = (next(_plan_ids), ray.put((engine.tg, engine.decomps)))
-            key, plan = self._plans[engine]
-            for d, x in enumerate(self.actors):
-                if key not in self._shipped[d]:
-                    x.setup.remote(key, plan)  # runs before this run's begin (same actor, in order)
-                    self._shipped[d].add(key)
-            self._in_flight += 1
-            return list(self.actors), list(self.pids), key, self.generation
+            try:
+                if self._session is not None and _ray_session(ray) != self._session:
+                    # ray.shutdown() or a Ray restart took every actor and object with it: afresh
+                    if self._pools and not self.quiet:
+                        print("einjoin: Ray was shut down or restarted since the last run; starting "
+                              "fresh actors", file=sys.stderr)
+                    self._pools.clear()
+                    self._plans.clear()  # their object refs went with the old Ray too
+                    self._session = None
+                pool = self._pools.get(shape)
+                if pool is None:
+                    pool = self._start(cluster, shape)
+                if engine not in self._plans:  # the plan goes to the object store once per program
+                    key = next(_plan_ids)
+                    self._plans[engine] = (key, ray.put((engine.tg, engine.decomps)))
+                    weakref.finalize(engine, self._forgotten.append, key)  # dropped on the actors later
+                key, plan = self._plans[engine]
+                if self._forgotten:
+                    self._forget()
+            except EinjoinError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Ray's own errors, typed for the user
+                raise EinjoinError(f"the Ray backend could not prepare a run on {n} devices: "
+                                   f"{type(e).__name__}: {e}") from None
+            for d, x in enumerate(pool.actors):
+                if key not in pool.shipped[d]:
+                    try:
+                        x.setup.remote(key, plan)  # runs before this run's begin (same actor, in order)
+                    except Exception as e:  # noqa: BLE001 - the handle is dead: replace the pool
+                        self._retire(pool, pool.generation)
+                        raise _DeviceLost(f"device {d} (Ray actor pid {pool.pids[d]}) could not be "
+                                          f"reached: {type(e).__name__}", before_start=True) from None
+                    pool.shipped[d].add(key)
+            with self._count:
+                self._in_flight += 1
+            self._last = pool
+            return pool, key, pool.generation, self._closes
+
+    def _forget(self) -> None:
+        """Drop the plans of programs that are gone from the actors holding them (under ``_mu``)."""
+        keys = self._forgotten[:]
+        del self._forgotten[:len(keys)]
+        for pool in self._pools.values():
+            for d, x in enumerate(pool.actors):
+                held = [k for k in keys if k in pool.shipped[d]]
+                if held:
+                    pool.shipped[d].difference_update(held)
+                    try:
+                        x.forget.remote(held)
+                    except Exception:  # noqa: BLE001 - a dead actor holds nothing
+                        pass
 
     # -- runs --------------------------------------------------------------------------------
     def run_graph(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
                   callbacks: Sequence[Any] = (), cancel: Any = None) -> tuple[list[np.ndarray], Any]:
         """Run the engine's task graph on the actors with these feeds. When a device is lost and
         ``retries`` remain, the actors are replaced and the graph runs again from the inputs (the
-        driver holds them), so the run completes. ``cancel``: a
+        driver holds them), so the run completes; an actor found dead on the run's first call
+        (it died since the last run) is replaced without using a retry. ``cancel``: a
         :class:`~einjoin.runtime.engine.CancelToken` (anything with a ``cancelled`` property),
         polled while waiting; a cancelled run raises ``EinjoinError("run cancelled ...")``, its
         namespace on the actors is dropped and the backend stays usable."""
@@ -455,20 +547,28 @@ class RayBackend:
         if cancel is not None and cancel.cancelled:  # before start: nothing is submitted
             raise EinjoinError(f"run cancelled before it started (none of its {n_tasks} tasks ran)")
         retries = max(0, int(self.retries))  # may have been set after construction
-        for attempt in range(retries + 1):
+        attempt, free = 0, 1  # free: one replacement of actors dead before the run began
+        while True:
+            closes = self._closes
             try:
                 outs, stats = self._run_once(engine, feeds, cluster, callbacks, cancel)
                 stats.recoveries = attempt
                 return outs, stats
             except _DeviceLost as e:
-                if attempt == retries:
+                if self._closes != closes:  # close() killed the actors: not a loss to recover from
+                    raise EinjoinError(f"the run was stopped by RayBackend.close() ({e}); the next run "
+                                       f"starts fresh actors") from None
+                if e.before_start and free:
+                    free -= 1
+                elif attempt == retries:
                     raise EinjoinError(f"{e}; the run failed after {retries} re-run(s) (RayBackend("
                                        f"retries=...) allows more); the next run starts fresh actors") from None
+                else:
+                    attempt += 1
                 if not self.quiet:
                     print(f"einjoin: {e}; restarting the actors and re-running", file=sys.stderr)
                 if cancel is not None and cancel.cancelled:
                     raise EinjoinError(f"run cancelled while recovering from a lost device ({e})") from None
-        raise AssertionError  # pragma: no cover
 
     def _run_once(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
                   callbacks: Sequence[Any], cancel: Any) -> tuple[list[np.ndarray], Any]:
@@ -478,42 +578,46 @@ class RayBackend:
         tg = engine.tg
         n = tg.n_devices
         t0 = time.perf_counter()
-        a, pids, key, gen = self._prepare(engine, cluster, n)
+        pool, key, gen, closes = self._prepare(engine, cluster, n)
+        a, pids = pool.actors, pool.pids
         run = next(_run_ids)
         try:
-            feeds_ref = ray.put(dict(feeds))
-            delay = float(self.kernel_delay)
-            begins = [x.begin.remote(run, key, feeds_ref, delay) for x in a]
-            task_refs: list[Any] = [None] * len(tg.tasks)
-            for t in tg.tasks:
-                # same-device order is the actor's submission order; other devices' tasks by ref
-                deps = [task_refs[d] for d in t.deps if tg.tasks[d].device != t.device]
-                if t.kind == "move":
-                    src_deps = [task_refs[d] for d in t.deps if tg.tasks[d].device == t.src_device]
-                    val = a[t.src_device].send.remote(run, t.reads[0], *src_deps)
-                    task_refs[t.id] = a[t.device].receive.remote(run, t.id, t.src_device, val)
-                else:
-                    task_refs[t.id] = a[t.device].run.remote(run, t.id, *deps)
-            refs = [*begins, *task_refs]
-            blocks = {v: a[tg.values[v].device].fetch.remote(run, v)
-                      for lay in tg.outputs for v in lay.blocks.values()}
-            finals = [x.finish.remote(run) for x in a]
-            self._wait(refs, len(begins), tg, pids, cancel)
-            fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
-            reports = ray.get(finals)
+            try:
+                try:
+                    feeds_ref = ray.put(dict(feeds))
+                    delay = float(self.kernel_delay)
+                    begins = [x.begin.remote(run, key, feeds_ref, delay) for x in a]
+                    task_refs: list[Any] = [None] * len(tg.tasks)
+                    for t in tg.tasks:
+                        # same-device order is the actor's submission order; other devices' by ref
+                        deps = [task_refs[d] for d in t.deps if tg.tasks[d].device != t.device]
+                        if t.kind == "move":
+                            src_deps = [task_refs[d] for d in t.deps if tg.tasks[d].device == t.src_device]
+                            val = a[t.src_device].send.remote(run, t.reads[0], *src_deps)
+                            task_refs[t.id] = a[t.device].receive.remote(run, t.id, t.src_device, val)
+                        else:
+                            task_refs[t.id] = a[t.device].run.remote(run, t.id, *deps)
+                    blocks = {v: a[tg.values[v].device].fetch.remote(run, v)
+                              for lay in tg.outputs for v in lay.blocks.values()}
+                    finals = [x.finish.remote(run) for x in a]
+                except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
+                    if closes != self._closes:
+                        raise _DeviceLost(f"the actors were killed: {type(e).__name__}") from None
+                    raise _DeviceLost(f"a device actor could not be reached: {type(e).__name__}: "
+                                      f"{str(e)[:200]}", before_start=True) from None
+                self._wait([*begins, *task_refs], len(begins), tg, pids, cancel)
+                fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
+                reports = ray.get(finals)
+            finally:
+                self._done()  # first, before anything that can block (a 2nd Ctrl-C in _abandon)
         except BaseException as e:
             # this run only: stop what is queued, drop its namespace; other runs are untouched
             self._abandon(a, run)
             if isinstance(e, _DeviceLost):
-                self._done()
-                self._restart(cluster, n, seen=gen)  # once per loss, whichever run saw it first
+                self._retire(pool, gen)  # once per loss, whichever run saw it first
             elif not isinstance(e, (EinjoinError, KeyboardInterrupt)) and _is_ray_error(e):
-                self._done()
                 raise EinjoinError(f"the Ray backend failed: {type(e).__name__}: {e}") from None
-            else:
-                self._done()
             raise
-        self._done()
         stats = RunStats(order="ray", intervals={d: [] for d in range(n)})
         stats.wall_time = time.perf_counter() - t0
         offset = time.perf_counter() - time.time()
@@ -539,7 +643,7 @@ class RayBackend:
         return outs, stats
 
     def _done(self) -> None:
-        with self._mu:
+        with self._count:
             self._in_flight -= 1
 
     def _abandon(self, actors: Sequence[Any], run: int) -> None:
@@ -568,7 +672,6 @@ class RayBackend:
 
     def _wait(self, refs: list[Any], n_begins: int, tg: Any, pids: Sequence[int], cancel: Any) -> None:
         ray = _ray()
-        from ray.exceptions import RayActorError, RayTaskError
         pending = list(refs)
         index = {r: i for i, r in enumerate(refs)}
         n_tasks = len(tg.tasks)
@@ -577,42 +680,61 @@ class RayBackend:
                 left = sum(1 for r in pending if index[r] >= n_begins)
                 raise EinjoinError(f"run cancelled with {left} of {n_tasks} tasks left")
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
-            for r in done:
-                i = index[r]
-                try:
-                    ray.get(r)
-                except RayActorError as e:
-                    dev = i if i < n_begins else tg.tasks[i - n_begins].device
-                    what = "before the run started" if i < n_begins else \
-                        f"while running task #{i - n_begins} ({tg.tasks[i - n_begins].kind})"
-                    raise _DeviceLost(f"device {dev} (Ray actor pid {pids[dev]}) was lost {what}: "
-                                      f"{type(e).__name__}") from None
-                except RayTaskError as e:
-                    cause = e.cause if getattr(e, "cause", None) is not None else e
-                    if i < n_begins:
-                        raise EinjoinError(f"device {i} could not open the run: {type(cause).__name__}: "
-                                           f"{cause}") from None
-                    t = tg.tasks[i - n_begins]
-                    if isinstance(cause, RayActorError):
-                        raise _DeviceLost(f"a device was lost (Ray actor died) before task #{t.id} "
-                                          f"on device {t.device} could run: {type(cause).__name__}") from None
-                    from einjoin.ir.printing import describe
-                    raise EinjoinError(f"task #{t.id} ({t.kind} of {describe(t.node)}) on device {t.device} "
-                                       f"failed: {type(cause).__name__}: {cause}") from None
+            if not done:
+                continue
+            try:
+                ray.get(done)  # in bulk: one call for the whole batch when nothing failed
+                continue
+            except Exception:  # noqa: BLE001 - find the first failure in submission order
+                pass
+            for r in sorted(done, key=index.__getitem__):  # a begin's failure before its tasks'
+                self._check(ray, r, index[r], n_begins, tg, pids)
+
+    @staticmethod
+    def _check(ray: Any, r: Any, i: int, n_begins: int, tg: Any, pids: Sequence[int]) -> None:
+        """Raise what the finished ref ``r`` (``i``-th of the run: begins first) failed with."""
+        from ray.exceptions import RayActorError, RayTaskError
+        try:
+            ray.get(r)
+        except RayActorError as e:
+            if i < n_begins:  # nothing of this run ran on it: it died before (or as) the run began
+                raise _DeviceLost(f"device {i} (Ray actor pid {pids[i]}) was found dead when the run "
+                                  f"began: {type(e).__name__}", before_start=True) from None
+            t = tg.tasks[i - n_begins]
+            raise _DeviceLost(f"device {t.device} (Ray actor pid {pids[t.device]}) was lost while "
+                              f"running task #{t.id} ({t.kind}): {type(e).__name__}") from None
+        except RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            if i < n_begins:
+                raise EinjoinError(f"device {i} could not open the run: {type(cause).__name__}: "
+                                   f"{cause}") from None
+            t = tg.tasks[i - n_begins]
+            if isinstance(cause, RayActorError):
+                raise _DeviceLost(f"a device was lost (Ray actor died) before task #{t.id} "
+                                  f"on device {t.device} could run: {type(cause).__name__}") from None
+            from einjoin.ir.printing import describe
+            raise EinjoinError(f"task #{t.id} ({t.kind} of {describe(t.node)}) on device {t.device} "
+                               f"failed: {type(cause).__name__}: {cause}") from None
 
     def open_runs(self) -> list[list[int]]:
-        """Per actor, the run ids it holds a namespace for (tests and debugging: ``[]`` each
-        once every run ended). Waits for the tasks queued before it on each actor."""
+        """Per actor of every pool, the run ids it holds a namespace for (tests and debugging:
+        ``[]`` each once every run ended). Waits for the tasks queued before it on each actor."""
         ray = _ray()
         with self._mu:
-            actors = list(self.actors)
+            actors = [x for pool in self._pools.values() for x in pool.actors]
         return ray.get([x.open_runs.remote() for x in actors])
 
     def close(self) -> None:
-        """Kill this backend's actors (idempotent)."""
+        """Kill this backend's actors, every pool's (idempotent). A run in flight fails with an
+        EinjoinError saying so (it does not start actors again); the next run starts fresh ones."""
         with self._mu:
-            self._kill(self.actors)
-            self.actors, self.pids, self._shipped = [], [], []
+            self._closes += 1
+            ray = sys.modules.get("ray")
+            if ray is not None and _ray_session(ray) == self._session:  # else the actors died with their Ray
+                for pool in self._pools.values():
+                    self._kill(pool.actors)
+            self._pools.clear()
+            self._last = None
         _live.discard(self)
 
 
