@@ -549,15 +549,11 @@ class RayBackend:
         retries = max(0, int(self.retries))  # may have been set after construction
         attempt, free = 0, 1  # free: one replacement of actors dead before the run began
         while True:
-            closes = self._closes
             try:
                 outs, stats = self._run_once(engine, feeds, cluster, callbacks, cancel)
                 stats.recoveries = attempt
                 return outs, stats
             except _DeviceLost as e:
-                if self._closes != closes:  # close() killed the actors: not a loss to recover from
-                    raise EinjoinError(f"the run was stopped by RayBackend.close() ({e}); the next run "
-                                       f"starts fresh actors") from None
                 if e.before_start and free:
                     free -= 1
                 elif attempt == retries:
@@ -601,19 +597,24 @@ class RayBackend:
                               for lay in tg.outputs for v in lay.blocks.values()}
                     finals = [x.finish.remote(run) for x in a]
                 except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
-                    if closes != self._closes:
-                        raise _DeviceLost(f"the actors were killed: {type(e).__name__}") from None
                     raise _DeviceLost(f"a device actor could not be reached: {type(e).__name__}: "
                                       f"{str(e)[:200]}", before_start=True) from None
                 self._wait([*begins, *task_refs], len(begins), tg, pids, cancel)
-                fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
-                reports = ray.get(finals)
+                try:
+                    fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
+                    reports = ray.get(finals)
+                except ray.exceptions.RayActorError as e:  # died after its last task: re-run too
+                    raise _DeviceLost(f"a device was lost while its outputs were fetched: "
+                                      f"{type(e).__name__}") from None
             finally:
                 self._done()  # first, before anything that can block (a 2nd Ctrl-C in _abandon)
         except BaseException as e:
             # this run only: stop what is queued, drop its namespace; other runs are untouched
             self._abandon(a, run)
             if isinstance(e, _DeviceLost):
+                if closes != self._closes:  # close() killed the actors: not a loss to recover from
+                    raise EinjoinError(f"the run was stopped by RayBackend.close() ({e}); the next run "
+                                       f"starts fresh actors") from None
                 self._retire(pool, gen)  # once per loss, whichever run saw it first
             elif not isinstance(e, (EinjoinError, KeyboardInterrupt)) and _is_ray_error(e):
                 raise EinjoinError(f"the Ray backend failed: {type(e).__name__}: {e}") from None
