@@ -3,8 +3,8 @@ lower bound, plus the planning time of a 32-layer LLaMA-7B forward graph.
 
     make bench            (or: .venv/bin/python bench/plan_quality.py [--quick])
 
-Bytes are the cost model's (einjoin.optim.search.model_cost), the quantity every planner is
-judged by; for placed plans the runtime's exchange moves what einjoin.optim.exact.plan_bytes says.
+Bytes are the cost model's (einjoin.planner.search.model_cost), the quantity every planner is
+judged by; for placed plans the runtime's exchange moves what einjoin.planner.exact.plan_bytes says.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from rich.table import Table
 
 import einjoin as ej
 from einjoin.models.graphs import chain, llama_layers, matmul
-from einjoin.optim import PLANNERS
-from einjoin.optim.bounds import node_bound_bytes
-from einjoin.optim.search import model_cost
+from einjoin.planner import PLANNERS
+from einjoin.planner.bounds import node_bound_bytes
+from einjoin.planner.search import model_cost
 from einjoin.plan.stats import human_bytes
 
 

@@ -97,9 +97,9 @@ def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False,
     from rich.table import Table
 
     from einjoin.models import build
-    from einjoin.optim import PLANNERS
-    from einjoin.optim.bounds import node_bound_bytes
-    from einjoin.optim.search import model_cost
+    from einjoin.planner import PLANNERS
+    from einjoin.planner.bounds import node_bound_bytes
+    from einjoin.planner.search import model_cost
     from einjoin.plan.stats import human_bytes
 
     console = Console(quiet=quiet, width=None if sys.stdout.isatty() else 120)
@@ -176,7 +176,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from einjoin.demo import demo
         return demo(args.quiet, args.devices, args.out)
     if args.cmd == "plan":
-        from einjoin.optim import PLANNERS
+        from einjoin.planner import PLANNERS
         names = args.planner or [n for n in sorted(PLANNERS) if n not in ("auto", "exhaustive", "single")]
         shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch}
         if args.model in ("matmul", "chain", "mlp") and any(shape.values()):

@@ -37,9 +37,9 @@ def demo(quiet: bool = False, devices: int = 4, out_dir: "str | os.PathLike" = "
 
     import einjoin as ej
     from einjoin.models.zoo import example
-    from einjoin.optim import PLANNERS
-    from einjoin.optim.bounds import node_bound_bytes
-    from einjoin.optim.search import model_cost
+    from einjoin.planner import PLANNERS
+    from einjoin.planner.bounds import node_bound_bytes
+    from einjoin.planner.search import model_cost
     from einjoin.plan.stats import human_bytes
 
     console = Console(quiet=quiet, width=None if sys.stdout.isatty() else 130)

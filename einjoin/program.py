@@ -31,7 +31,7 @@ from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
 from einjoin.memplan.chain import chain_reduces
 from einjoin.memplan.fit import MAX_KERNELS, element_spec, finer_spec
 from einjoin.memplan.needs import blamed_op, cap_error
-from einjoin.optim import PLANNERS, derive_input_specs, plan_specs
+from einjoin.planner import PLANNERS, derive_input_specs, plan_specs
 from einjoin.placement import PLACERS, Placement, place
 from einjoin.progress import RunBar, stages
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph, explain, run_reference

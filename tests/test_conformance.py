@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
-from einjoin.optim.baselines import NotApplicable
-from einjoin.optim.exact import plan_bytes
+from einjoin.planner.baselines import NotApplicable
+from einjoin.planner.exact import plan_bytes
 from einjoin.runtime import ORDERS
 from graphgen import graphs, specs_for
 

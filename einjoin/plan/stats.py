@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Mapping
 from einjoin.exchange.program import RELEASES
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
-from einjoin.optim.bounds import node_bound_bytes
+from einjoin.planner.bounds import node_bound_bytes
 
 if TYPE_CHECKING:
     from einjoin.decomp.decompose import Decomposition

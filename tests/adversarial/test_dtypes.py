@@ -356,7 +356,7 @@ def test_empty_reference_and_blocked(name: str) -> None:
 def test_empty_compiled(name: str, devices: int) -> None:
     """Empty tensors flow through planning, placement, exchange and the engine; the plan's
     byte accounting still equals what moved."""
-    from einjoin.optim.exact import plan_bytes
+    from einjoin.planner.exact import plan_bytes
     case = _case(name)
     _, out, feeds, _ = case
     prog = ej.compile(out, devices=devices, backend="threads" if devices == 4 else "sync", quiet=True)
@@ -373,7 +373,7 @@ def test_empty_under_caps_planners_and_placements(name: str, variant: str) -> No
     kw: dict[str, Any] = {"capped": {"memory_limit": 2048}, "round_robin": {"placement": "round_robin"},
                           "split_largest": {"planner": "split_largest"},
                           "data_parallel": {"planner": "data_parallel"}}[variant]
-    from einjoin.optim.baselines import NotApplicable
+    from einjoin.planner.baselines import NotApplicable
     try:
         prog = ej.compile(out, devices=2, backend="sync", quiet=True, **kw)
     except NotApplicable:

@@ -23,9 +23,9 @@ from einjoin.decomp.footprint import kernel_scratch, op_need
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import partial_dtype
-from einjoin.optim.cost import agg_cost
-from einjoin.optim.exact import aggregation_bytes, plan_bytes
-from einjoin.optim.search import CostModel
+from einjoin.planner.cost import agg_cost
+from einjoin.planner.exact import aggregation_bytes, plan_bytes
+from einjoin.planner.search import CostModel
 from einjoin.placement import NodePlacement
 from einjoin.plan import build_taskgraph
 from einjoin.memplan.needs import task_needs

@@ -28,7 +28,7 @@ from einjoin.cluster import MAX_DEVICES, LinkMatrix
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.ir.dtypes import itemsize
-from einjoin.optim import PLANNERS, plan_specs
+from einjoin.planner import PLANNERS, plan_specs
 from einjoin.placement import PLACERS, affinity
 from graphgen import graphs, specs_for
 

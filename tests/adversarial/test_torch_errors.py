@@ -239,7 +239,7 @@ def test_help_is_plain_text(capsys):
 
 def test_plan_notes_are_not_cut(capsys):
     from einjoin.models import build
-    from einjoin.optim import PLANNERS
+    from einjoin.planner import PLANNERS
     with pytest.raises(ej.EinjoinError) as why:  # the note megatron's row must show whole
         PLANNERS["megatron"](ej.Graph(build("matmul")), ej.local(4))
     assert len(str(why.value)) > 60

@@ -2,7 +2,7 @@
 
 All three have the planner signature ``planner(graph, cluster) -> dict[Node, JoinAggSpec]`` and
 give every node a spec (fills one block, they are computed where needed; graph inputs the
-partition their first consumer needs, via :func:`einjoin.optim.derive_input_specs`). A planner
+partition their first consumer needs, via :func:`einjoin.planner.derive_input_specs`). A planner
 that does not apply to a graph raises :class:`NotApplicable` saying why; callers print "n/a".
 
 - ``data_parallel``: the batch dims of the activation inputs (dim 0 of every input that is not an
@@ -13,11 +13,11 @@ that does not apply to a graph raises :class:`NotApplicable` saying why; callers
   every other op cuts its largest output label P ways (as ``split_largest`` does).
 - ``mesh_ilp``: Alpa's intra-operator ILP: for every 1-D and 2-D device mesh that factors P,
   each op picks a mapping of mesh axes to its labels, minimising op bytes plus repartition bytes
-  exactly as :func:`einjoin.optim.search.total_cost` counts them (``scipy.optimize.milp``, HiGHS);
+  exactly as :func:`einjoin.planner.search.total_cost` counts them (``scipy.optimize.milp``, HiGHS);
   the best mesh wins.
 
 >>> import einjoin as ej
->>> from einjoin.optim.baselines import data_parallel, mesh_ilp
+>>> from einjoin.planner.baselines import data_parallel, mesh_ilp
 >>> z = ej.input("x", (64, 32)) @ ej.input("w", (32, 16))
 >>> print(data_parallel(ej.Graph(z), ej.local(4))[z.node])
 {m: 4, n: 1, k: 1}
@@ -41,8 +41,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              Select)
-from einjoin.optim.ilp import choose
-from einjoin.optim.search import CostModel, SpecInfo, candidate_specs, total_cost
+from einjoin.planner.ilp import choose
+from einjoin.planner.search import CostModel, SpecInfo, candidate_specs, total_cost
 
 __all__ = ["NotApplicable", "data_parallel", "megatron", "mesh_ilp", "mesh_shapes",
            "mesh_strategies", "batch_dims"]
@@ -54,7 +54,7 @@ class NotApplicable(EinjoinError):
 
 def _finish(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Node, JoinAggSpec]:
     """Fills one block (computed where needed), inputs as their first consumer needs them."""
-    from einjoin.optim import derive_input_specs
+    from einjoin.planner import derive_input_specs
     for n in graph.ops:
         if n not in specs:
             specs[n] = JoinAggSpec.for_node(n, None)
@@ -414,8 +414,8 @@ def mesh_ilp(graph: Graph, cluster: Cluster, keep: int = 12, time_limit: float =
     needs it and its other consumers pay from there (an edge between the two consumers'
     choices); replicas of one tensor in one partition are paid once however many ops read them,
     as the cost model counts them. So the ILP's objective is exactly
-    :func:`einjoin.optim.search.total_cost`. The mesh whose optimum is cheapest wins (the first
-    on ties); ``tight`` picks the linearisation (see :func:`einjoin.optim.ilp.solve`)."""
+    :func:`einjoin.planner.search.total_cost`. The mesh whose optimum is cheapest wins (the first
+    on ties); ``tight`` picks the linearisation (see :func:`einjoin.planner.ilp.solve`)."""
     model = CostModel(graph, cluster.size)
     best: tuple[int, dict[Node, SpecInfo]] | None = None
     for mesh in mesh_shapes(cluster.size):

@@ -1,11 +1,11 @@
 """Planners: graph + cluster -> one join-agg spec per node. All share one signature and one
 registry, with ``auto`` (= ``eindecomp``, the EinDecomp dynamic program with refinement, see
-:mod:`einjoin.optim.search`); ``exhaustive`` is ground truth for small graphs; the named
-baselines ``data_parallel``, ``megatron`` and ``mesh_ilp`` (:mod:`einjoin.optim.baselines`) are
+:mod:`einjoin.planner.search`); ``exhaustive`` is ground truth for small graphs; the named
+baselines ``data_parallel``, ``megatron`` and ``mesh_ilp`` (:mod:`einjoin.planner.baselines`) are
 what a user would otherwise pick; ``split_largest`` and ``single`` are simple references.
 
 >>> import einjoin as ej
->>> from einjoin.optim import plan_specs
+>>> from einjoin.planner import plan_specs
 >>> z = ej.input("x", (64, 32)) @ ej.input("w", (32, 16))
 >>> specs = plan_specs("split_largest", ej.Graph(z), ej.local(4))
 >>> print(specs[z.node])
@@ -76,12 +76,12 @@ def single_block(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
 
 
 def _eindecomp(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    from einjoin.optim.search import eindecomp
+    from einjoin.planner.search import eindecomp
     return eindecomp(graph, cluster)
 
 
 def _exhaustive(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    from einjoin.optim.search import exhaustive
+    from einjoin.planner.search import exhaustive
     return exhaustive(graph, cluster)
 
 
@@ -92,7 +92,7 @@ PLANNERS["auto"] = _eindecomp
 
 def _baseline(name: str) -> Planner:
     def plan(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-        from einjoin.optim import baselines
+        from einjoin.planner import baselines
         return getattr(baselines, name)(graph, cluster)
     plan.__name__ = name
     return plan

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
-from einjoin.optim.bounds import node_bound_bytes
-from einjoin.optim.search import candidate_specs, eindecomp, exhaustive, model_cost
+from einjoin.planner.bounds import node_bound_bytes
+from einjoin.planner.search import candidate_specs, eindecomp, exhaustive, model_cost
 from graphgen import graphs
 
 MB = 1e6
@@ -119,7 +119,7 @@ def test_eindecomp_plans_run_correctly() -> None:
 @given(st.data())
 def test_eindecomp_within_10_percent_of_exhaustive_on_dags(data: st.DataObject) -> None:
     import math
-    from einjoin.optim.search import CostModel
+    from einjoin.planner.search import CostModel
     outs, _ = data.draw(graphs("float64"))
     g = ej.Graph(outs)
     c = ej.local(data.draw(st.sampled_from([2, 3, 4, 8])))
@@ -137,7 +137,7 @@ def test_eindecomp_within_10_percent_of_exhaustive_on_dags(data: st.DataObject) 
 def test_placement_free_estimate_bounds_the_placed_bytes(data: st.DataObject) -> None:
     """The search's model has no placement; the placed plan (greedy) may differ where blocks cannot
     be aligned. The difference stays below one extra copy of every tensor in the graph (the
-    exact placed bytes are optim.exact.plan_bytes, checked against the runtime elsewhere)."""
+    exact placed bytes are planner.exact.plan_bytes, checked against the runtime elsewhere)."""
     outs, _ = data.draw(graphs("float64"))
     p = data.draw(st.sampled_from([2, 3, 4, 8]))
     prog = ej.compile(outs, devices=p, backend="null")
@@ -152,7 +152,7 @@ def _fits_as_documented(node: "ej.Node", p: int, cap: int) -> None:
     import itertools
     from einjoin.decomp.footprint import op_need
     from einjoin.decomp.spec import JoinAggSpec, label_sizes
-    from einjoin.optim.search import KERNEL_SHARE, FINER_WINDOW, fitting_specs
+    from einjoin.planner.search import KERNEL_SHARE, FINER_WINDOW, fitting_specs
     got = fitting_specs(node, p, cap)
     assert got, "always some candidates"
     need = {s: op_need(ej.decompose(node, s)) for s in got}
@@ -201,7 +201,7 @@ def test_fitting_specs_keep_the_coarsest_cuts_that_fit(data: st.DataObject) -> N
 def test_eindecomp_equals_exhaustive_on_trees_under_a_cap(data: st.DataObject) -> None:
     """The DP stays exact over the cap's (restricted, sometimes finer) candidates, and the plan it
     returns uses only them."""
-    from einjoin.optim.search import CostModel, memory_cap
+    from einjoin.planner.search import CostModel, memory_cap
     outs, _ = data.draw(graphs("float32", max_dim=8))
     g = ej.Graph(outs[:1])
     ops = [n for n in g.ops if n.kind != "fill"]

@@ -7,7 +7,7 @@ aggregated output block, one partial per device that computed some of it, except
 Fills are computed where needed and never move. ``Program.stats.bytes_moved`` must equal it.
 
 >>> import einjoin as ej
->>> from einjoin.optim.exact import plan_bytes
+>>> from einjoin.planner.exact import plan_bytes
 >>> z = ej.input("a", (16, 32)) @ ej.input("b", (32, 8))
 >>> prog = ej.compile(z, devices=4, specs={z: {"k": 4}})
 >>> plan_bytes(prog.graph, prog.decomps, prog.placement) == prog.stats.bytes_moved == 3 * 16 * 8 * 4

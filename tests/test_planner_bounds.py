@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import einjoin as ej
-from einjoin.optim.bounds import (contraction_bound_words, contraction_dims, matmul_bound_words,
+from einjoin.planner.bounds import (contraction_bound_words, contraction_dims, matmul_bound_words,
                                   node_bound_bytes)
-from einjoin.optim.cost import agg_cost, join_cost, repartition_cost
+from einjoin.planner.cost import agg_cost, join_cost, repartition_cost
 
 
 def _by_hand(m: int, n: int, k: int, p: float) -> float:
@@ -98,7 +98,7 @@ def test_repartition_estimate_equals_brute_force() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
     from graphgen import all_cuts
-    from einjoin.optim.cost import repartition_estimate
+    from einjoin.planner.cost import repartition_estimate
 
     @settings(max_examples=150, deadline=None)
     @given(st.data())

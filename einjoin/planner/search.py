@@ -20,7 +20,7 @@ takes, and at most :data:`FINER_WINDOW` times finer than the coarsest such spec)
 picks cuts that also agree along chains of ops, so the memory planner needs few evictions.
 
 >>> import einjoin as ej
->>> from einjoin.optim.search import eindecomp
+>>> from einjoin.planner.search import eindecomp
 >>> z = ej.input("a", (8192, 8192)) @ ej.input("b", (8192, 8192))
 >>> print(eindecomp(ej.Graph(z), ej.local(8))[z.node])
 {m: 2, n: 2, k: 2}
@@ -43,7 +43,7 @@ from einjoin.ir.dtypes import itemsize
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Einsum, Fill, Input, Node
-from einjoin.optim.cost import agg_cost, join_cost_per_input, repartition_estimate
+from einjoin.planner.cost import agg_cost, join_cost_per_input, repartition_estimate
 
 __all__ = ["candidate_specs", "fitting_specs", "memory_cap", "SpecInfo", "CostModel", "eindecomp",
            "exhaustive", "total_cost", "KERNEL_SHARE", "FINER_WINDOW"]
@@ -463,7 +463,7 @@ def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int =
               ) -> dict[Node, JoinAggSpec]:
     """The EinDecomp DP over trees of the DAG, then refinement across tree borders: trees
     re-solved with their neighbours' choices and single-op moves; and, for graphs of at most
-    ``ilp_max_ops`` ops, a global step: an ILP (:mod:`einjoin.optim.ilp`) choosing among each op's
+    ``ilp_max_ops`` ops, a global step: an ILP (:mod:`einjoin.planner.ilp`) choosing among each op's
     DP choice and up to ``ilp_keep`` of its candidates (those with exactly P blocks first,
     cheapest by op bytes), followed by the same local moves. The cheapest plan wins; among equal
     ones, single-op moves prefer less of the bytes waiting on compute (partial sums, op results
@@ -507,7 +507,7 @@ def eindecomp(graph: Graph, cluster: Cluster, refine: bool = True, rounds: int =
 def _global_step(graph: Graph, model: CostModel, chosen: dict[Node, SpecInfo], keep: int,
                  time_limit: float) -> dict[Node, SpecInfo] | None:
     """ILP over a candidate subset per op (the DAG-wide choice the DP's trees cannot make)."""
-    from einjoin.optim.ilp import choose  # the ILP module builds on this one's cost model
+    from einjoin.planner.ilp import choose  # the ILP module builds on this one's cost model
 
     strategies: dict[Node, list[SpecInfo]] = {}
     for v, info in chosen.items():

@@ -1,4 +1,4 @@
-"""The named baseline planners (einjoin.optim.baselines): plans that run, data parallelism's
+"""The named baseline planners (einjoin.planner.baselines): plans that run, data parallelism's
 batch label, Megatron's column/row pattern and its bytes, the mesh ILP against brute force over
 its own space, against exhaustive search and against data parallelism."""
 
@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.cli import transformer_block
-from einjoin.optim import PLANNERS
-from einjoin.optim.ilp import objective as _objective, problem
-from einjoin.optim.baselines import mesh_candidates
-from einjoin.optim.baselines import (NotApplicable, data_parallel, megatron,
+from einjoin.planner import PLANNERS
+from einjoin.planner.ilp import objective as _objective, problem
+from einjoin.planner.baselines import mesh_candidates
+from einjoin.planner.baselines import (NotApplicable, data_parallel, megatron,
                                      mesh_ilp, mesh_shapes, mesh_strategies)
-from einjoin.optim.search import CostModel, exhaustive, model_cost, total_cost
+from einjoin.planner.search import CostModel, exhaustive, model_cost, total_cost
 from graphgen import graphs, oracle
 
 BASELINES = ["data_parallel", "megatron", "mesh_ilp"]

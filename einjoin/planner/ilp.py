@@ -1,5 +1,5 @@
 """Choosing one strategy (join-agg spec) per op as an integer linear program, solved by HiGHS
-through ``scipy.optimize.milp``. The objective is exactly :func:`einjoin.optim.search.total_cost`:
+through ``scipy.optimize.milp``. The objective is exactly :func:`einjoin.planner.search.total_cost`:
 op bytes per op, repartition bytes per edge (linearised pair variables), replicas of one tensor
 in one partition paid once. Used by the ``mesh_ilp`` baseline (strategies from device meshes) and
 by ``eindecomp``'s global refinement (strategies from its own candidates).
@@ -15,7 +15,7 @@ import numpy as np
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Fill, Input, Node
-from einjoin.optim.search import CostModel, SpecInfo
+from einjoin.planner.search import CostModel, SpecInfo
 
 __all__ = ["Problem", "problem", "objective", "solve", "choose"]
 

@@ -15,7 +15,7 @@ runs; every further replica and every travelling partial result is a move.
   required block is assumed to sit with the producer block it overlaps most).
 
 >>> import einjoin as ej
->>> from einjoin.optim.cost import join_cost, agg_cost
+>>> from einjoin.planner.cost import join_cost, agg_cost
 >>> z = ej.input("a", (8192, 8192)) @ ej.input("b", (8192, 8192))
 >>> d = ej.decompose(z.node, {"m": 2, "n": 2, "k": 2})
 >>> (join_cost(d) + agg_cost(d)) / (8192 * 8192 * 4)    # 3 matrices, the lower bound at P = 8
