@@ -122,11 +122,19 @@ def _safe(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     return run
 
 
+def _py_int_pow(a: int, b: int) -> int:
+    if b >= 0:
+        return int(a) ** int(b)
+    return 1 if a == 1 else (-1 if b % 2 else 1) if a == -1 else 0
+
+
 def _int_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Integer powers in the integers, wrapping on overflow as torch does (a float64 detour is
     exact only below 2**53); a negative exponent gives 0 except for bases 1 and -1 (torch's
     rule for tensor exponents)."""
     a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == object or b.dtype == object:  # Python ints (constants): exact, the same rule
+        return np.frompyfunc(_py_int_pow, 2, 1)(a, b)
     if a.dtype.kind not in "iu" or b.dtype.kind not in "iu":
         with np.errstate(all="ignore"):
             return np.power(a, b)

@@ -545,3 +545,11 @@ def test_softmax_over_an_empty_dim_is_empty_as_in_torch(fn: str) -> None:
     y = getattr(ej, fn)(x, -1)
     assert y.shape == (3, 0)
     assert ej.reference(y, x=np.zeros((3, 0), np.float32)).shape == (3, 0)
+
+
+def test_integer_powers_of_constants_follow_the_same_rule() -> None:
+    """ipow over Python-int constants (folded joins) is exact and never a raw ZeroDivisionError."""
+    from einjoin.ir.scalar import Call, Const, evaluate
+    assert evaluate(Call("ipow", (Const(0), Const(-1))), []) == 0
+    assert evaluate(Call("ipow", (Const(-1), Const(-3))), []) == -1
+    assert evaluate(Call("ipow", (Const(3), Const(40))), []) == 3 ** 40
