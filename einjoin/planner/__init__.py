@@ -57,16 +57,19 @@ def split_largest(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
     """Every op cuts its largest output label into (up to) P blocks: no partial sums, every op
     spread over all devices. Inputs take the partition their first consumer needs."""
     p = cluster.size
-    specs: dict[Node, JoinAggSpec] = {}
-    for n in graph.ops:
-        sizes = label_sizes(n)
-        outs = output_labels(n)
-        spec = {}
-        if outs:
-            lab = max(outs, key=lambda l: sizes[l])
-            spec[lab] = min(p, sizes[lab])
-        specs[n] = JoinAggSpec.for_node(n, spec)
-    return derive_input_specs(graph, specs)
+    return derive_input_specs(graph, {n: largest_output_cut(n, p) for n in graph.ops})
+
+
+def largest_output_cut(node: Node, p: int) -> JoinAggSpec:
+    """The spec that cuts ``node``'s largest output label into (up to) ``p`` blocks, the rest
+    whole (one block for a scalar): the simplest spread over ``p`` devices, no partial sums."""
+    sizes = label_sizes(node)
+    outs = output_labels(node)
+    spec: dict[str, int] = {}
+    if outs:
+        lab = max(outs, key=lambda label: sizes[label])
+        spec[lab] = min(p, sizes[lab])
+    return JoinAggSpec.for_node(node, spec)
 
 
 @register_planner("single")

@@ -41,6 +41,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              Select)
+from einjoin.planner import largest_output_cut
 from einjoin.planner.ilp import choose
 from einjoin.planner.search import CostModel, SpecInfo, candidate_specs, total_cost
 
@@ -352,13 +353,7 @@ def megatron(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
     for v in graph.ops:
         if v in specs or isinstance(v.op, Fill):
             continue
-        sizes = label_sizes(v)
-        outs = output_labels(v)
-        spec = {}
-        if outs:
-            lab = max(outs, key=lambda l: sizes[l])
-            spec[lab] = min(p, sizes[lab])
-        specs[v] = JoinAggSpec.for_node(v, spec)
+        specs[v] = largest_output_cut(v, p)
     return _finish(graph, specs)
 
 

@@ -89,8 +89,7 @@ def _no_open_runs(backend) -> bool:
     return all(r == [] for r in backend.open_runs())
 
 
-def _kill_and_wait(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
+def _wait_gone(pid: int, what: str) -> None:
     deadline = time.time() + HANG
     while time.time() < deadline:
         try:
@@ -98,7 +97,12 @@ def _kill_and_wait(pid: int) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.05)
-    raise AssertionError(f"actor pid {pid} did not die")
+    raise AssertionError(f"actor pid {pid} {what}")
+
+
+def _kill_and_wait(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid, "did not die")
 
 
 def test_eight_concurrent_runs_of_one_ray_program_equal_serial_runs(shared):
@@ -318,22 +322,11 @@ def test_close_during_a_run_fails_that_run_and_is_not_undone(shared):
             h.result(HANG)
         assert backend.actors == [] and backend._in_flight == 0
         for pid in pids:
-            _kill_and_wait_gone(pid)
+            _wait_gone(pid, "still alive after close()")
     finally:
         backend.kernel_delay, backend.retries = 0.0, 1
     np.testing.assert_allclose(prog.run(**_feeds(2)), ej.reference(out, **_feeds(2)), **TOL)
     assert not set(pids) & set(backend.pids)
-
-
-def _kill_and_wait_gone(pid: int) -> None:
-    deadline = time.time() + HANG
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"actor pid {pid} still alive after close()")
 
 
 def test_a_second_ctrl_c_during_cleanup_leaves_no_run_in_flight(shared):
