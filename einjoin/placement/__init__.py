@@ -23,6 +23,7 @@ from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition
 from einjoin.errors import EinjoinError
 from einjoin.ir.node import Node
+from einjoin.registry import Registry
 
 __all__ = ["NodePlacement", "Placement", "PLACERS", "place", "register_placer"]
 
@@ -40,17 +41,7 @@ Placement = dict[Node, NodePlacement]
 Placer = Callable[[Mapping[Node, Decomposition], Cluster, int], Placement]
 
 
-class _Registry(dict):
-    """``x in PLACERS`` is False for an unhashable ``x`` (an unknown placement, not a TypeError)."""
-
-    def __contains__(self, key: object) -> bool:
-        try:
-            return dict.__contains__(self, key)
-        except TypeError:
-            return False
-
-
-PLACERS: dict[str, Placer] = _Registry()
+PLACERS: dict[str, Placer] = Registry()
 
 
 def register_placer(name: str) -> Callable[[Placer], Placer]:

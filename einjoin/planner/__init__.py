@@ -24,6 +24,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
+from einjoin.registry import Registry
 
 __all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs",
            "resolve_planner", "check_planned"]
@@ -31,18 +32,7 @@ __all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_inpu
 Planner = Callable[[Graph, Cluster], dict[Node, JoinAggSpec]]
 
 
-class _Registry(dict):
-    """A name -> function registry where ``x in registry`` is False for any unhashable ``x``
-    (a list or an array given as a planner name is unknown, not a TypeError)."""
-
-    def __contains__(self, key: object) -> bool:
-        try:
-            return dict.__contains__(self, key)
-        except TypeError:
-            return False
-
-
-PLANNERS: dict[str, Planner] = _Registry()
+PLANNERS: dict[str, Planner] = Registry()
 
 
 def register_planner(name: str) -> Callable[[Planner], Planner]:
