@@ -20,9 +20,11 @@ import numpy as np
 
 from einjoin.errors import PartitionError
 
-__all__ = ["Partition", "BlockKey", "even_bounds", "check_bounds"]
+__all__ = ["Partition", "BlockKey", "Box", "even_bounds", "check_bounds", "box_shape", "box_size", "intersect",
+           "relative"]
 
 BlockKey = tuple[int, ...]
+Box = tuple[tuple[int, int], ...]  # a block in global coordinates: ((start, stop) per dim)
 
 
 def even_bounds(n: int, k: int, what: str = "dimension") -> tuple[int, ...]:
@@ -61,6 +63,31 @@ def check_bounds(bounds: Sequence[int], n: int, what: str = "dimension") -> tupl
         if y <= x:
             raise PartitionError(f"{what}: boundaries {list(b)} leave an empty block [{x}:{y}]")
     return b
+
+
+# ---- box arithmetic: blocks as ((start, stop), ...) in some tensor's coordinates
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_size(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    # blocks that only touch do not overlap; on an empty dim, its empty block meets itself
+    return None if any(lo > hi or (lo == hi and (x0 < x1 or y0 < y1))
+                       for (lo, hi), (x0, x1), (y0, y1) in zip(out, a, b)) else out
+
+
+def relative(inner: Box, outer: Box) -> Box:
+    """``inner`` in the coordinates of ``outer``'s corner."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
 
 
 def _shape(shape: Any, what: str) -> tuple[int, ...]:

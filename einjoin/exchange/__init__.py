@@ -1,8 +1,7 @@
-"""Exchange programs: point-to-point select / move / touch between producer and consumer blocks."""
+"""Exchange programs: point-to-point select / move / touch between producer and consumer blocks,
+and the task vocabulary (:mod:`einjoin.exchange.tasks`) every later floor builds on."""
 
-from einjoin.exchange.program import (RELEASES, TASK_KINDS, Box, Task, TaskGraphBuilder, Value, box_shape,
-                                      box_size, intersect, relative)
 from einjoin.exchange.synthesis import Request, synthesize
+from einjoin.exchange.tasks import RELEASES, TASK_KINDS, Task, TaskGraphBuilder, Value
 
-__all__ = ["RELEASES", "TASK_KINDS", "Box", "Task", "TaskGraphBuilder", "Value", "box_shape", "box_size",
-           "intersect", "relative", "Request", "synthesize"]
+__all__ = ["RELEASES", "TASK_KINDS", "Task", "TaskGraphBuilder", "Value", "Request", "synthesize"]

@@ -28,8 +28,8 @@ from __future__ import annotations
 import itertools
 from typing import Iterable
 
-from einjoin.decomp.partition import BlockKey, Partition
-from einjoin.exchange.program import Box, TaskGraphBuilder, box_shape, box_size, intersect, relative
+from einjoin.decomp.partition import BlockKey, Box, Partition, box_shape, box_size, intersect, relative
+from einjoin.exchange.tasks import TaskGraphBuilder
 from einjoin.ir.node import Node
 
 __all__ = ["synthesize", "Request"]

@@ -17,13 +17,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Mapping, TypeVar, Union
 
+from einjoin.errors import EinjoinError
 from einjoin.ir.agg import Agg
 from einjoin.ir.scalar import Expr
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
-           "Fill", "Gather", "Cast"]
+           "Fill", "Gather", "Cast", "KindFacts", "FACTS", "KINDS", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,65 @@ class Cast:
 
 Op = Union[Input, Einsum, Reshape, Broadcast, Select, Concat, Fill, Gather, Cast]
 
+
+@dataclass(frozen=True)
+class KindFacts:
+    """What the layers above ask of a node kind, as data (so they never test the op's class).
+
+    - ``fed``: its value comes from the caller at run time (a graph input);
+    - ``free``: computed in place, block by block, on whichever device reads it — it is never
+      moved, costs no communication and is not planned (a fill);
+    - ``leaf``: it reads no other node (``fed`` or ``free``);
+    - ``computes``: its kernel does arithmetic (rather than only moving or cutting data);
+    - ``contracts``: an extended einsum — its spec may cut aggregated labels into partials.
+
+    Each layer's per-kind behaviour lives in that layer's table keyed by op class (kernels in
+    :mod:`einjoin.ir.kernels`, decompositions in :mod:`einjoin.decomp`, ...); a test checks that
+    every kind of :data:`Op` has an entry in every table, so a new kind is added table by table.
+
+    >>> from einjoin.ir import ops
+    >>> ops.input_node("x", (2,), "float32").facts.fed
+    True
+    """
+
+    fed: bool = False
+    free: bool = False
+    computes: bool = False
+    contracts: bool = False
+
+    @property
+    def leaf(self) -> bool:
+        return self.fed or self.free
+
+
+FACTS: "dict[type, KindFacts]" = {
+    Input: KindFacts(fed=True),
+    Einsum: KindFacts(computes=True, contracts=True),
+    Reshape: KindFacts(),
+    Broadcast: KindFacts(),
+    Select: KindFacts(),
+    Concat: KindFacts(),
+    Fill: KindFacts(free=True),
+    Gather: KindFacts(),
+    Cast: KindFacts(computes=True),
+}
+KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule table covers them all
+
+_Rule = TypeVar("_Rule")
+
+
+def rule_for(table: "Mapping[type, _Rule]", op: Op, table_name: str) -> _Rule:
+    """``table``'s entry for ``op``'s kind: how each layer dispatches on node kinds.
+
+    >>> rule_for({Input: "feed"}, Input("x"), "example")
+    'feed'
+    """
+    try:
+        return table[type(op)]
+    except KeyError:
+        raise EinjoinError(f"{table_name} has no rule for node kind {type(op).__name__!r} "
+                           f"(op {op!r}); every kind needs an entry there") from None
+
 _serial = itertools.count()
 _interned: "weakref.WeakValueDictionary[Any, Node]" = weakref.WeakValueDictionary()
 
@@ -157,6 +217,11 @@ class Node:
     def kind(self) -> str:
         """The op kind: ``input``, ``einsum``, ``reshape``, ..."""
         return type(self.op).__name__.lower()
+
+    @property
+    def facts(self) -> KindFacts:
+        """The kind's facts (:class:`KindFacts`): ``fed``, ``free``, ``leaf``, ``computes``, ``contracts``."""
+        return FACTS[type(self.op)]
 
     @property
     def ndim(self) -> int:

@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from einjoin.exchange.program import RELEASES
+from einjoin.exchange.tasks import RELEASES
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.planner.bounds import node_bound_bytes

@@ -30,7 +30,8 @@ from typing import Any, Mapping
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.flops import kernel_flops
 from einjoin.decomp.partition import BlockKey, Partition
-from einjoin.exchange import Box, Request, Task, TaskGraphBuilder, Value, box_shape, synthesize
+from einjoin.decomp.partition import Box, box_shape
+from einjoin.exchange import Request, Task, TaskGraphBuilder, Value, synthesize
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Fill, Input, Node

@@ -30,7 +30,7 @@ from typing import Mapping
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.partition import Partition
-from einjoin.exchange.program import box_size, intersect
+from einjoin.decomp.partition import box_size, intersect
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Fill

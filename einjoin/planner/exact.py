@@ -22,7 +22,7 @@ from typing import Mapping
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.partition import Partition
-from einjoin.exchange.program import Box, box_size
+from einjoin.decomp.partition import Box, box_size
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.graph import Graph

@@ -32,40 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from einjoin.decomp.partition import Box
 from einjoin.ir.agg import Agg
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Node
 
-__all__ = ["Task", "Value", "Box", "TaskGraphBuilder", "box_size", "box_shape", "intersect",
-           "relative", "TASK_KINDS", "RELEASES"]
+__all__ = ["Task", "Value", "TaskGraphBuilder", "TASK_KINDS", "RELEASES"]
 
-Box = tuple[tuple[int, int], ...]
 TASK_KINDS = ("load", "fill", "kernel", "reduce", "select", "move", "touch", "free", "evict", "reload",
               "writeback")
 RELEASES = ("free", "evict", "writeback")  # kinds that drop their ``frees`` value from the device
-
-
-def box_shape(box: Box) -> tuple[int, ...]:
-    return tuple(b - a for a, b in box)
-
-
-def box_size(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    # blocks that only touch do not overlap; on an empty dim, its empty block meets itself
-    return None if any(lo > hi or (lo == hi and (x0 < x1 or y0 < y1))
-                       for (lo, hi), (x0, x1), (y0, y1) in zip(out, a, b)) else out
-
-
-def relative(inner: Box, outer: Box) -> Box:
-    """``inner`` in the coordinates of ``outer``'s corner."""
-    return tuple((a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
 
 
 @dataclass(frozen=True)
