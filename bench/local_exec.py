@@ -1,7 +1,8 @@
 """Local execution: einjoin on ``ej.local(2)`` (threads backend, numpy kernels) against numpy in
 one process, dask.array on its threaded scheduler (with einjoin's blocks, and with dask's own
 "auto" chunks) and torch eager, on four cases: a 4096^2 float32 matmul, a chain A@B@C, an MLP
-and a LLaMA-style block (``einjoin.cli.transformer_block``).
+and a LLaMA-style block: the graphs of :mod:`einjoin.models.graphs` (``matmul``, ``chain``, ``mlp``,
+``transformer_block``); the torch peer of the block is the zoo's (``einjoin.models.zoo.torch_block``).
 
 Run it with ``make bench`` (or ``.venv/bin/python bench/local_exec.py``). Every time is a median
 over a few repetitions after one warm-up run; each einjoin result is checked against numpy.
@@ -44,7 +45,8 @@ from rich.table import Table  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 import einjoin as ej  # noqa: E402
-from einjoin.cli import torch_block, transformer_block  # noqa: E402
+from einjoin.models.graphs import chain, matmul, mlp, transformer_block  # noqa: E402
+from einjoin.models.zoo import block_with  # noqa: E402
 from einjoin.plan.stats import human_bytes  # noqa: E402
 
 DEVICES = 2
@@ -85,35 +87,32 @@ def _torch(fn: Callable[..., Any]) -> Callable[[Feeds], np.ndarray]:
 
 def matmul_case(rng: np.random.Generator) -> Case:
     n = 4096
-    a, b = ej.input("a", (n, n)), ej.input("b", (n, n))
     feeds = {"a": _randn(rng, (n, n)), "b": _randn(rng, (n, n))}
     mm = lambda t: t["a"] @ t["b"]  # noqa: E731  (numpy, dask and torch alike)
-    return Case("matmul 4096x4096 @ 4096x4096", a @ b, feeds, mm, "numpy", mm, _torch(mm))
+    return Case("matmul 4096x4096 @ 4096x4096", matmul(n, n, n), feeds, mm, "numpy", mm, _torch(mm))
 
 
 def chain_case(rng: np.random.Generator) -> Case:
     n = 4096
-    a, b, c = (ej.input(k, (n, n)) for k in "abc")
     s = 1 / math.sqrt(n)
-    feeds = {"a": _randn(rng, (n, n)), "b": _randn(rng, (n, n), s), "c": _randn(rng, (n, n), s)}
-    chain = lambda t: t["a"] @ t["b"] @ t["c"]  # noqa: E731
-    return Case("chain A@B@C, 4096^2 each", a @ b @ c, feeds, chain, "numpy", chain, _torch(chain))
+    feeds = {"m0": _randn(rng, (n, n)), "m1": _randn(rng, (n, n), s), "m2": _randn(rng, (n, n), s)}
+    chain3 = lambda t: t["m0"] @ t["m1"] @ t["m2"]  # noqa: E731
+    return Case("chain A@B@C, 4096^2 each", chain(n, 3), feeds, chain3, "numpy", chain3,
+                _torch(chain3))
 
 
 def mlp_case(rng: np.random.Generator) -> Case:
-    x = ej.input("x", (8192, 1024))
-    w1, w2 = ej.input("w1", (1024, 4096)), ej.input("w2", (4096, 1024))
     feeds = {"x": _randn(rng, (8192, 1024)), "w1": _randn(rng, (1024, 4096), 1 / 32),
              "w2": _randn(rng, (4096, 1024), 1 / 64)}
-    return Case("MLP relu(x@W1)@W2, x 8192x1024, W1 1024x4096", (x @ w1).relu() @ w2, feeds,
+    return Case("MLP relu(x@W1)@W2, x 8192x1024, W1 1024x4096", mlp(8192, 1024, 4096), feeds,
                 lambda t: np.maximum(t["x"] @ t["w1"], 0) @ t["w2"], "numpy",
                 lambda t: da.maximum(t["x"] @ t["w1"], 0) @ t["w2"],
                 _torch(lambda t: torch.relu(t["x"] @ t["w1"]) @ t["w2"]))
 
 
 def block_math(xp: Any, t: dict[str, Any], heads: int) -> Any:
-    """The LLaMA-style block of ``einjoin.cli`` (RMSNorm, rotary causal attention, SwiGLU) in
-    plain array code: ``xp`` is numpy or dask.array. Same math as ``torch_block``."""
+    """``einjoin.models.graphs.transformer_block`` (RMSNorm, rotary causal attention, SwiGLU) as a
+    numpy or dask user writes it (``xp`` is numpy or dask.array): the peers' code, not a model."""
     x = t["x"]
     seq, d = x.shape
     hd = d // heads
@@ -130,7 +129,7 @@ def block_math(xp: Any, t: dict[str, Any], heads: int) -> Any:
         half = xp.concatenate([-v[..., hd // 2:], v[..., :hd // 2]], axis=-1)
         return v * cos + half * sin
 
-    h = rms(x, t["g1"])
+    h = rms(x, t["attn_norm"])
 
     def heads_of(w: Any) -> Any:  # (seq, d) -> (heads, seq, hd)
         return (h @ w.T).reshape(seq, heads, hd).transpose(1, 0, 2)
@@ -142,7 +141,7 @@ def block_math(xp: Any, t: dict[str, Any], heads: int) -> Any:
     p = p / p.sum(-1, keepdims=True)
     a = (p @ v).transpose(1, 0, 2).reshape(seq, d)
     x = x + a @ t["wo"].T
-    h2 = rms(x, t["g2"])
+    h2 = rms(x, t["mlp_norm"])
     u = h2 @ t["w1"].T
     return x + ((u / (1.0 + xp.exp(-u))) * (h2 @ t["w3"].T)) @ t["w2"].T
 
@@ -150,11 +149,17 @@ def block_math(xp: Any, t: dict[str, Any], heads: int) -> Any:
 def llama_case(rng: np.random.Generator) -> Case:
     out, shapes = transformer_block(seq=2048, d=1024, heads=HEADS, hidden=2816)
     feeds = {k: _randn(rng, s, 0.05 if k.startswith("w") else 1.0) for k, s in shapes.items()}
-    for g in ("g1", "g2"):
+    for g in ("attn_norm", "mlp_norm"):
         feeds[g] = np.ones(shapes[g], np.float32)
+    module = block_with(feeds, HEADS, seq=shapes["x"][0])  # built once, outside the timed runs
+
+    def torch_fn(t: Feeds) -> np.ndarray:
+        with torch.no_grad():
+            return module(torch.from_numpy(t["x"])[None])[0].numpy()
+
     return Case("LLaMA block seq 2048, d 1024, 8 heads, SwiGLU 2816", out, feeds,
                 lambda t: ej.reference(out, **t), "numpy (ej.reference)",
-                lambda t: block_math(da, t, HEADS), lambda t: torch_block(t, HEADS),
+                lambda t: block_math(da, t, HEADS), torch_fn,
                 extra={"numpy (hand-written block)": lambda t: block_math(np, t, HEADS)})
 
 

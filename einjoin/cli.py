@@ -1,6 +1,6 @@
 """Command line: ``einjoin demo`` (what ``make demo`` runs; see :mod:`einjoin.demo`),
-``einjoin plan MODEL --devices N`` and ``einjoin torch-ops``. Also the frontend-built LLaMA-style
-block the tests share (``transformer_block``) and its plain-torch twin (``torch_block``).
+``einjoin plan MODEL --devices N`` (the models of :mod:`einjoin.models.graphs`) and
+``einjoin torch-ops``.
 """
 
 from __future__ import annotations
@@ -8,15 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Callable, Sequence
-
-import numpy as np
+from typing import Any, Sequence
 
 import einjoin as ej
-from einjoin.decomp.spec import label_sizes
-from einjoin.ir.node import Node
 
-__all__ = ["main", "transformer_block", "split_largest"]
+__all__ = ["main"]
 
 # --help is read in a terminal: plain text here, not the module docstring's reST
 DESCRIPTION = """\
@@ -29,65 +25,6 @@ examples:
   einjoin torch-ops > docs/torch_ops.md
 
 'einjoin COMMAND --help' describes a command's options."""
-
-
-def transformer_block(seq: int = 256, d: int = 256, heads: int = 4, hidden: int = 688
-                      ) -> tuple[ej.Tensor, dict[str, tuple[int, ...]]]:
-    """A LLaMA-style block written with the frontend; returns (output, parameter shapes)."""
-    hd = d // heads
-    x = ej.input("x", (seq, d))
-    shapes = {"x": (seq, d), "g1": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
-              "g2": (d,), "w1": (hidden, d), "w3": (hidden, d), "w2": (d, hidden)}
-    p = {k: ej.param(k, s) for k, s in shapes.items() if k != "x"}
-    h = ej.rms_norm(x, p["g1"])
-
-    def heads_of(w: ej.Tensor) -> ej.Tensor:  # (seq, d) -> (heads, seq, hd)
-        return ej.linear(h, w).reshape(seq, heads, hd).transpose(0, 1)
-
-    q, k, v = ej.rope(heads_of(p["wq"])), ej.rope(heads_of(p["wk"])), heads_of(p["wv"])
-    a = ej.attention(q, k, v, causal=True).transpose(0, 1).reshape(seq, d)
-    x = x + ej.linear(a, p["wo"])
-    h2 = ej.rms_norm(x, p["g2"])
-    mlp = ej.linear(ej.silu(ej.linear(h2, p["w1"])) * ej.linear(h2, p["w3"]), p["w2"])
-    return x + mlp, shapes
-
-
-def torch_block(feeds: dict[str, np.ndarray], heads: int) -> np.ndarray:
-    """The same block in plain torch, as people write it."""
-    import torch
-    import torch.nn.functional as F
-
-    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
-    x = t["x"]
-    seq, d = x.shape
-    hd = d // heads
-
-    def rms(v: Any, g: Any) -> Any:
-        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * g
-
-    def rot(v: Any) -> Any:
-        inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
-        f = torch.outer(torch.arange(seq).float(), inv)
-        emb = torch.cat([f, f], -1)
-        half = torch.cat([-v[..., hd // 2:], v[..., :hd // 2]], -1)
-        return v * emb.cos() + half * emb.sin()
-
-    h = rms(x, t["g1"])
-    q, k, v = (F.linear(h, t[w]).view(seq, heads, hd).transpose(0, 1) for w in ("wq", "wk", "wv"))
-    a = F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
-    x = x + F.linear(a.transpose(0, 1).reshape(seq, d), t["wo"])
-    h2 = rms(x, t["g2"])
-    return (x + F.linear(F.silu(F.linear(h2, t["w1"])) * F.linear(h2, t["w3"]), t["w2"])).numpy()
-
-
-def split_largest(blocks: int, n_labels: int = 1) -> Callable[[Node], dict[str, int]]:
-    """A simple spec for every node: cut its ``n_labels`` largest labels into ``blocks`` each
-    (contracted labels count too, so some ops aggregate partial sums)."""
-    def spec(node: Node) -> dict[str, int]:
-        sizes = label_sizes(node)
-        top = sorted(sizes, key=lambda lab: -sizes[lab])[:n_labels]
-        return {lab: min(blocks, sizes[lab]) for lab in top}
-    return spec
 
 
 def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False, **shape: Any) -> int:

@@ -37,7 +37,8 @@ def test_demo_verifies(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def
 
 def test_demo_block_matches_torch_block() -> None:
     import numpy as np
-    from einjoin.cli import torch_block, transformer_block
+    from einjoin.models.graphs import transformer_block
+    from einjoin.models.zoo import torch_block
     out, shapes = transformer_block(seq=16, d=32, heads=4, hidden=48)
     rng = np.random.default_rng(3)
     feeds = {k: (rng.standard_normal(s) * 0.2).astype(np.float32) for k, s in shapes.items()}

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
-from einjoin.cli import transformer_block
+from einjoin.models.graphs import transformer_block
 from einjoin.planner import PLANNERS
 from einjoin.planner.ilp import objective as _objective, problem
 from einjoin.planner.baselines import mesh_candidates

@@ -106,7 +106,7 @@ def test_eindecomp_equals_exhaustive_on_trees(data: st.DataObject) -> None:
 
 
 def test_eindecomp_plans_run_correctly() -> None:
-    from einjoin.cli import transformer_block
+    from einjoin.models.graphs import transformer_block
     out, shapes = transformer_block(seq=32, d=32, heads=4, hidden=48)
     rng = np.random.default_rng(0)
     feeds = {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in shapes.items()}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import einjoin as ej
-from einjoin.cli import transformer_block
+from einjoin.models.graphs import transformer_block
 from einjoin.ir.printing import describe
 
 PNG = b"\x89PNG\r\n\x1a\n"

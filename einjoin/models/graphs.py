@@ -17,7 +17,8 @@ from typing import Any, Callable
 import einjoin as ej
 from einjoin.errors import EinjoinError
 
-__all__ = ["MODELS", "build", "matmul", "chain", "mlp", "llama_block", "llama_layers"]
+__all__ = ["MODELS", "build", "matmul", "chain", "mlp", "llama_block", "llama_layers",
+           "transformer_block"]
 
 
 def matmul(m: int = 8192, k: int = 8192, n: int = 8192) -> ej.Tensor:
@@ -52,7 +53,13 @@ def llama_block(x: ej.Tensor, prefix: str = "", heads: int = 32, kv_heads: int |
     if not isinstance(x, ej.Tensor) or x.ndim != 3:
         raise EinjoinError(f"llama_block: x must be an einjoin tensor (batch, seq, d), got "
                            f"{getattr(x, 'shape', type(x).__name__)}")
-    b, s, d = x.shape
+    return _decoder(x, prefix, heads, kv_heads, hidden, eps)
+
+
+def _decoder(x: ej.Tensor, prefix: str, heads: int, kv_heads: int | None, hidden: int,
+             eps: float) -> ej.Tensor:
+    """The block itself, on ``x`` (batch, seq, d) or (seq, d): every leading dim is kept."""
+    *lead, s, d = x.shape
     heads = _count(heads, "llama_block: heads")
     kv = heads if kv_heads is None else _count(kv_heads, "llama_block: kv_heads")
     hd = d // heads
@@ -62,15 +69,32 @@ def llama_block(x: ej.Tensor, prefix: str = "", heads: int = 32, kv_heads: int |
     def p(name: str, shape: tuple[int, ...]) -> ej.Tensor:
         return ej.param(prefix + name, shape)
 
+    def heads_of(t: ej.Tensor, n: int) -> ej.Tensor:  # (..., s, n * hd) -> (..., n, s, hd)
+        return t.reshape(*lead, s, n, hd).transpose(-3, -2)
+
     h = ej.rms_norm(x, p("attn_norm", (d,)), eps)
-    q = ej.linear(h, p("wq", (heads * hd, d))).reshape(b, s, heads, hd).transpose(1, 2)
-    k = ej.linear(h, p("wk", (kv * hd, d))).reshape(b, s, kv, hd).transpose(1, 2)
-    v = ej.linear(h, p("wv", (kv * hd, d))).reshape(b, s, kv, hd).transpose(1, 2)
+    q = heads_of(ej.linear(h, p("wq", (heads * hd, d))), heads)
+    k = heads_of(ej.linear(h, p("wk", (kv * hd, d))), kv)
+    v = heads_of(ej.linear(h, p("wv", (kv * hd, d))), kv)
     a = ej.attention(ej.rope(q), ej.rope(k), v, causal=True)
-    x = x + ej.linear(a.transpose(1, 2).reshape(b, s, d), p("wo", (d, d)))
+    x = x + ej.linear(a.transpose(-3, -2).reshape(*lead, s, d), p("wo", (d, d)))
     h = ej.rms_norm(x, p("mlp_norm", (d,)), eps)
     up = ej.silu(ej.linear(h, p("w1", (hidden, d)))) * ej.linear(h, p("w3", (hidden, d)))
     return x + ej.linear(up, p("w2", (d, hidden)))
+
+
+def transformer_block(seq: int = 256, d: int = 256, heads: int = 4, hidden: int = 688
+                      ) -> tuple[ej.Tensor, dict[str, tuple[int, ...]]]:
+    """The LLaMA block (:func:`llama_block`, multi-head) on one sequence ``x`` (seq, d), the small
+    case the tests, ``bench/local_exec.py`` and the viz share; returns (output, input shapes by
+    name). Its plain-torch twin is :func:`einjoin.models.zoo.torch_block`.
+
+    >>> out, shapes = transformer_block(seq=16, d=32, heads=4, hidden=48)
+    >>> out.shape, shapes["wq"], shapes["w1"]
+    ((16, 32), (32, 32), (48, 32))
+    """
+    out = _decoder(ej.input("x", (seq, d)), "", heads, None, hidden, 1e-6)
+    return out, {x.op.name: x.shape for x in ej.Graph(out).inputs}  # type: ignore[attr-defined]
 
 
 def llama_layers(layers: int = 32, batch: int = 1, seq: int = 2048, d: int = 4096, heads: int = 32,

@@ -28,7 +28,7 @@ from torch import nn
 from einjoin.errors import EinjoinError
 
 __all__ = ["LlamaConfig", "LLAMA_7B", "RMSNorm", "LlamaBlock", "Llama", "GPT2Block", "MLP",
-           "MatrixChain", "ZOO", "example"]
+           "MatrixChain", "ZOO", "example", "block_with", "torch_block"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,42 @@ class LlamaBlock(nn.Module):
         x = x + self.wo(a.transpose(1, 2).reshape(b, s, c.dim))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+# the names of einjoin.models.graphs.llama_block's weights -> LlamaBlock's state dict
+_BLOCK_WEIGHTS = {"attn_norm": "attention_norm.weight", "wq": "wq.weight", "wk": "wk.weight",
+                  "wv": "wv.weight", "wo": "wo.weight", "mlp_norm": "ffn_norm.weight",
+                  "w1": "w1.weight", "w3": "w3.weight", "w2": "w2.weight"}
+
+
+def block_with(weights: "dict[str, Any]", heads: int, seq: int, eps: float = 1e-6) -> LlamaBlock:
+    """The zoo's :class:`LlamaBlock` (eval mode) holding the weights of an einjoin LLaMA block
+    (:func:`einjoin.models.graphs.transformer_block` / ``llama_block``: ``attn_norm``, ``wq``, ...,
+    numpy arrays or tensors); sizes are read from the weights.
+
+    >>> import numpy as np
+    >>> w = {k: np.ones(s, np.float32) for k, s in [("attn_norm", (8,)), ("wq", (8, 8)), ("wk", (4, 8)),
+    ...      ("wv", (4, 8)), ("wo", (8, 8)), ("mlp_norm", (8,)), ("w1", (12, 8)), ("w3", (12, 8)),
+    ...      ("w2", (8, 12))]}
+    >>> block_with(w, heads=2, seq=4).c.kv_heads
+    1
+    """
+    dim, hidden = weights["wq"].shape[1], weights["w1"].shape[0]
+    kv_heads = weights["wk"].shape[0] // (dim // heads)
+    module = LlamaBlock(LlamaConfig(dim=dim, heads=heads, kv_heads=kv_heads, hidden=hidden, layers=1,
+                                    seq=seq, batch=1, eps=eps))
+    module.load_state_dict({_BLOCK_WEIGHTS[k]: torch.as_tensor(v) for k, v in weights.items()
+                            if k in _BLOCK_WEIGHTS})
+    return module.eval()
+
+
+def torch_block(feeds: "dict[str, Any]", heads: int) -> Any:
+    """:func:`einjoin.models.graphs.transformer_block` in torch: its feeds (``x`` (seq, d) and the
+    weights, numpy) through :func:`block_with`'s module; returns a numpy array (seq, d)."""
+    x = torch.as_tensor(feeds["x"])
+    module = block_with(feeds, heads, seq=x.shape[0])
+    with torch.no_grad():
+        return module(x[None])[0].numpy()
 
 
 class Llama(nn.Module):
