@@ -14,8 +14,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-import einjoin as ej
+from einjoin import frontend as ej  # the models build IR only (tests/test_imports.py)
 from einjoin.errors import EinjoinError
+from einjoin.ir.graph import Graph
 
 __all__ = ["MODELS", "build", "matmul", "chain", "mlp", "llama_block", "llama_layers",
            "transformer_block"]
@@ -94,7 +95,7 @@ def transformer_block(seq: int = 256, d: int = 256, heads: int = 4, hidden: int 
     ((16, 32), (32, 32), (48, 32))
     """
     out = _decoder(ej.input("x", (seq, d)), "", heads, None, hidden, 1e-6)
-    return out, {x.op.name: x.shape for x in ej.Graph(out).inputs}  # type: ignore[attr-defined]
+    return out, {x.op.name: x.shape for x in Graph(out).inputs}  # type: ignore[attr-defined]
 
 
 def llama_layers(layers: int = 32, batch: int = 1, seq: int = 2048, d: int = 4096, heads: int = 32,
