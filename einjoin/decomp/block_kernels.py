@@ -5,16 +5,17 @@ the op needs it: a fill's corner, a gather block's first table row)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
 from einjoin.decomp.decompose import Decomposition, Kernel, reshape_region
+from einjoin.decomp.partition import Box, box_shape
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import broadcast_kernel, einsum_kernel, fill_kernel, gather_kernel, partial_dtype
-from einjoin.ir.node import Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select
+from einjoin.ir.node import Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select, rule_for
 
-__all__ = ["run_kernel"]
+__all__ = ["run_kernel", "BLOCK_KERNELS", "BlockKernel"]
 
 
 def run_kernel(d: Decomposition, k: Kernel, blocks: Sequence[np.ndarray | None]) -> np.ndarray:
@@ -22,32 +23,68 @@ def run_kernel(d: Decomposition, k: Kernel, blocks: Sequence[np.ndarray | None])
     ``i`` named by ``k.in_keys[i]`` (None where the kernel reads nothing of that input). Partial
     results come in :func:`~einjoin.ir.kernels.partial_dtype` (float32 for a half-precision sum:
     the cast to the op's dtype waits for the last aggregation step)."""
-    node = d.node
-    op = node.op
     box = d.out_partition.box(k.out_key)
-    shape = tuple(b - a for a, b in box)
-    if isinstance(op, Einsum):
-        dtype = partial_dtype(node) if d.n_partials > 1 else node.dtype
-        return einsum_kernel(op, blocks, dtype)  # type: ignore[arg-type]
-    if isinstance(op, Fill):
-        return fill_kernel(op.expr, [a for a, _ in box], shape, node.dtype)
-    if isinstance(op, Cast):
-        return np.asarray(blocks[0]).astype(numpy_dtype(node.dtype))
-    if isinstance(op, Select):
-        return blocks[0]  # type: ignore[return-value]  # the input was cut at the block's edges
-    if isinstance(op, Broadcast):
-        return broadcast_kernel(blocks[0], shape, op.dims)  # type: ignore[arg-type]
-    if isinstance(op, Concat):
-        return np.concatenate([b for b in blocks if b is not None], axis=op.axis)
-    if isinstance(op, Reshape):
-        region = reshape_region(node, d.in_partitions[0], box)
-        x = np.reshape(blocks[0], tuple(b - a for a, b in region))
-        return x[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region))]
-    if isinstance(op, Gather):
-        table_part = d.in_partitions[0]
-        r = k.in_keys[0][0]  # type: ignore[index]
-        return gather_kernel(blocks[0], blocks[1], table_part.bounds[0][r],  # type: ignore[arg-type]
-                             node.inputs[0].shape[0])
-    if isinstance(op, Input):
-        raise AssertionError("inputs are fed, not computed")  # pragma: no cover
-    raise AssertionError(f"no block kernel for {op!r}")  # pragma: no cover
+    rule = rule_for(BLOCK_KERNELS, d.node.op, "the block kernels (einjoin.decomp.block_kernels.BLOCK_KERNELS)")
+    return rule(d, d.node.op, k, blocks, box)
+
+
+_Blocks = Sequence[Any]  # np.ndarray | None, one per input
+
+
+def _input_block(d: Decomposition, op: Input, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    raise AssertionError("inputs are fed, not computed")  # pragma: no cover
+
+
+def _einsum_block(d: Decomposition, op: Einsum, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    dtype = partial_dtype(d.node) if d.n_partials > 1 else d.node.dtype
+    return einsum_kernel(op, blocks, dtype)
+
+
+def _fill_block(d: Decomposition, op: Fill, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    return fill_kernel(op.expr, [a for a, _ in box], box_shape(box), d.node.dtype)
+
+
+def _cast_block(d: Decomposition, op: Cast, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    return np.asarray(blocks[0]).astype(numpy_dtype(d.node.dtype))
+
+
+def _select_block(d: Decomposition, op: Select, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    return cast(np.ndarray, blocks[0])  # the input was cut at the block's edges
+
+
+def _broadcast_block(d: Decomposition, op: Broadcast, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    return broadcast_kernel(blocks[0], box_shape(box), op.dims)
+
+
+def _concat_block(d: Decomposition, op: Concat, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    return np.concatenate([b for b in blocks if b is not None], axis=op.axis)
+
+
+def _reshape_block(d: Decomposition, op: Reshape, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    region = reshape_region(d.node, d.in_partitions[0], box)
+    x = np.reshape(blocks[0], tuple(b - a for a, b in region))
+    return x[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region))]
+
+
+def _gather_block(d: Decomposition, op: Gather, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    table_part = d.in_partitions[0]
+    table_key = k.in_keys[0]
+    assert table_key is not None
+    return gather_kernel(blocks[0], blocks[1], table_part.bounds[0][table_key[0]],
+                         d.node.inputs[0].shape[0])
+
+
+# the block kernel of each node kind: (decomposition, its op, kernel, input blocks, output box)
+# -> the output block or partial result
+BlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], np.ndarray]
+BLOCK_KERNELS: dict[type, BlockKernel] = {
+    Input: _input_block,
+    Einsum: _einsum_block,
+    Reshape: _reshape_block,
+    Broadcast: _broadcast_block,
+    Select: _select_block,
+    Concat: _concat_block,
+    Fill: _fill_block,
+    Gather: _gather_block,
+    Cast: _cast_block,
+}

@@ -28,7 +28,7 @@ from einjoin.decomp.relation import TensorRelation
 from einjoin.errors import EinjoinError, PartitionError
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Input, Node
+from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
 
 __all__ = ["execute_blocked", "SpecMap"]
@@ -78,7 +78,7 @@ def execute_blocked(outputs: Any, specs: Any = None, *args: Any, deterministic: 
     try:
         for node in graph.nodes:
             d = decompose(node, _spec_for(specs, node))
-            if isinstance(node.op, Input):
+            if node.facts.fed:
                 rels[node] = TensorRelation.from_dense(values[node], d.out_partition)
                 continue
             ins = [rels[x].repartition(p) for x, p in zip(node.inputs, d.in_partitions)]

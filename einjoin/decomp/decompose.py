@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from einjoin.decomp.partition import BlockKey, Partition
 from einjoin.decomp.spec import ROW, JoinAggSpec, as_node, dim_labels
 from einjoin.ir.agg import AGGS, Agg
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select)
+                             Select, rule_for)
 
-__all__ = ["Kernel", "Decomposition", "decompose", "reshape_groups", "reshape_region"]
+__all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups", "reshape_region"]
 
 
 @dataclass(frozen=True)
@@ -53,33 +53,39 @@ class Decomposition:
         return self.spec.labels
 
 
+DecomposeRule = Callable[[Node, Any, JoinAggSpec], Decomposition]
+
+
 def decompose(node: Node, spec: Any = None) -> Decomposition:
-    """Decompose ``node`` under ``spec`` (see :meth:`JoinAggSpec.for_node`)."""
+    """Decompose ``node`` under ``spec`` (see :meth:`JoinAggSpec.for_node`), by its kind's rule
+    in :data:`DECOMPOSE_RULES`."""
     node = as_node(node, "decompose")
     js = JoinAggSpec.for_node(node, spec)
-    op = node.op
-    if isinstance(op, Einsum):
-        return _einsum(node, op, js)
-    if isinstance(op, Gather):
-        return _gather(node, js)
-    out = js.partition(dim_labels(node.ndim))
-    if isinstance(op, (Input, Fill)):
-        ins: tuple[Partition, ...] = ()
-        kernels = tuple(Kernel(k, k, ()) for k in out.keys())
-    elif isinstance(op, Cast):
-        ins = (out,)
-        kernels = tuple(Kernel(k, k, (k,)) for k in out.keys())
-    elif isinstance(op, Reshape):
-        ins, kernels = _reshape(node, out)
-    elif isinstance(op, Broadcast):
-        ins, kernels = _broadcast(node, op, out)
-    elif isinstance(op, Select):
-        ins, kernels = _select(node, op, out)
-    elif isinstance(op, Concat):
-        ins, kernels = _concat(node, op, out)
-    else:  # pragma: no cover
-        raise AssertionError(f"no decomposition for {op!r}")
-    return Decomposition(node, js, out, ins, kernels, 1, AGGS["none"])
+    rule = rule_for(DECOMPOSE_RULES, node.op, "the decompositions (einjoin.decomp.decompose.DECOMPOSE_RULES)")
+    return rule(node, node.op, js)
+
+
+# a kind without partial results: (node, its op, the output partition) -> (input partitions,
+# one kernel per output block)
+_Cut = Callable[[Node, Any, Partition], "tuple[tuple[Partition, ...], tuple[Kernel, ...]]"]
+
+
+def _blockwise(cut: _Cut) -> DecomposeRule:
+    """The decomposition rule of a kind whose kernels make whole output blocks (no partials)."""
+    def rule(node: Node, op: Any, js: JoinAggSpec) -> Decomposition:
+        out = js.partition(dim_labels(node.ndim))
+        partitions, kernels = cut(node, op, out)
+        return Decomposition(node, js, out, partitions, kernels, 1, AGGS["none"])
+    return rule
+
+
+def _leaf(node: Node, op: Any, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    # an input or a fill reads nothing: one kernel per block makes (or receives) it
+    return (), tuple(Kernel(k, k, ()) for k in out.keys())
+
+
+def _elementwise(node: Node, op: Any, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    return (out,), tuple(Kernel(k, k, (k,)) for k in out.keys())
 
 
 def _einsum(node: Node, op: Einsum, js: JoinAggSpec) -> Decomposition:
@@ -98,7 +104,7 @@ def _einsum(node: Node, op: Einsum, js: JoinAggSpec) -> Decomposition:
                          n_partials, op.agg if n_partials > 1 else AGGS["none"])
 
 
-def _gather(node: Node, js: JoinAggSpec) -> Decomposition:
+def _gather(node: Node, op: Gather, js: JoinAggSpec) -> Decomposition:
     table, idx = node.inputs
     out_labels = dim_labels(node.ndim)
     idx_labels, rest = out_labels[:idx.ndim], out_labels[idx.ndim:]
@@ -149,7 +155,7 @@ def _prod(xs: Any) -> int:
     return n
 
 
-def _reshape(node: Node, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+def _reshape(node: Node, op: Reshape, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
     """A group keeps its cut when only its lead dim is cut, at multiples of the inner size on both
     sides (e.g. heads split out of a model dim cut on head boundaries); otherwise the input is
     needed whole across the group, a repartition the cost model sees."""
@@ -267,3 +273,16 @@ def _concat(node: Node, op: Concat, out: Partition) -> tuple[tuple[Partition, ..
         kernels.append(Kernel(key, key, tuple(in_keys)))
     return tuple(ins), tuple(kernels)
 
+
+# how each node kind is cut into block kernels: (node, its op, its spec) -> Decomposition
+DECOMPOSE_RULES: dict[type, DecomposeRule] = {
+    Input: _blockwise(_leaf),
+    Einsum: _einsum,
+    Reshape: _blockwise(_reshape),
+    Broadcast: _blockwise(_broadcast),
+    Select: _blockwise(_select),
+    Concat: _blockwise(_concat),
+    Fill: _blockwise(_leaf),
+    Gather: _gather,
+    Cast: _blockwise(_elementwise),
+}

@@ -3,11 +3,14 @@ and by placers that estimate run times)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from einjoin.decomp.decompose import Decomposition
-from einjoin.ir.node import Einsum
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,
+                             rule_for)
 from einjoin.ir.scalar import Call, is_product
 
-__all__ = ["kernel_flops"]
+__all__ = ["kernel_flops", "FLOPS_RULES"]
 
 
 def _count_calls(e: object) -> int:
@@ -16,13 +19,33 @@ def _count_calls(e: object) -> int:
 
 def kernel_flops(d: Decomposition, index: tuple[int, ...]) -> int:
     """Modelled flops of one kernel: the joined label box times the join's operations (a
-    multiply-add per element for a contraction)."""
-    op = d.node.op
-    if not isinstance(op, Einsum):
-        return 0
+    multiply-add per element for a contraction); kinds that only move or cut data count none."""
+    return rule_for(FLOPS_RULES, d.node.op, "the flop counts (einjoin.decomp.flops.FLOPS_RULES)")(
+        d, d.node.op, index)
+
+
+def _einsum_flops(d: Decomposition, op: Einsum, index: tuple[int, ...]) -> int:
     n = 1
     for b, i in zip(d.spec.bounds, index):
         n *= b[i + 1] - b[i]
     if is_product(op.join, len(d.node.inputs)) and op.agg.reduces:
         return 2 * n
     return n * max(1, _count_calls(op.join))
+
+
+def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:
+    return 0  # modelled as free: moves, cuts, casts, fills and fed inputs
+
+
+# modelled flops of one kernel of each node kind: (decomposition, its op, kernel index) -> flops
+FLOPS_RULES: dict[type, Callable[[Decomposition, Any, tuple[int, ...]], int]] = {
+    Input: _no_flops,
+    Einsum: _einsum_flops,
+    Reshape: _no_flops,
+    Broadcast: _no_flops,
+    Select: _no_flops,
+    Concat: _no_flops,
+    Fill: _no_flops,
+    Gather: _no_flops,
+    Cast: _no_flops,
+}

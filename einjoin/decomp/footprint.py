@@ -13,37 +13,44 @@ the memory planner (which must never exceed the cap) use these estimates.
 from __future__ import annotations
 
 from math import prod
+from typing import Any, Callable
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
-from einjoin.ir.kernels import partial_dtype
-from einjoin.ir.node import Einsum, Fill, Input
-from einjoin.ir.scalar import is_product
+from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,
+                             rule_for)
 
-__all__ = ["kernel_scratch", "op_need", "MAX_KERNELS"]
+__all__ = ["kernel_scratch", "op_need", "MAX_KERNELS", "SCRATCH_RULES", "ScratchRule"]
 
 MAX_KERNELS = 4096  # per op when cutting for a cap: beyond this, per-task overhead dwarfs the kernels
 
 
 def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
-    """Bytes a block kernel allocates besides its output (an upper estimate, mirroring
-    :func:`einjoin.ir.kernels.einsum_kernel`): a two-input contraction copies an operand only when
-    its labels are not already in matmul order, and its result when the output order differs;
-    other contractions (opt_einsum's pairwise path) may copy all of them; any other join
-    materialises the joined block and one temporary of that size. Half-precision inputs are
-    widened to float32 first (a copy of twice their bytes)."""
-    op = d.node.op
-    if not isinstance(op, Einsum):
-        return 0  # blocks are C-contiguous under a cap: reshapes and slices are views (then copied)
+    """Bytes a block kernel allocates besides its output (an upper estimate), by its kind's rule in
+    :data:`SCRATCH_RULES`. Blocks are C-contiguous under a cap, so reshapes and slices are views
+    (then copied into the output): only an einsum has scratch."""
+    rule = rule_for(SCRATCH_RULES, d.node.op, "the kernel scratch estimates (einjoin.decomp.footprint.SCRATCH_RULES)")
+    return rule(d, d.node.op, kernel, in_bytes, out_bytes)
+
+
+def _einsum_scratch(d: Decomposition, op: Einsum, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
+    """An einsum kernel's scratch along the code path :func:`~einjoin.ir.kernels.matmul_route`
+    names (the same decision :func:`~einjoin.ir.kernels.einsum_kernel` follows): the matmul route
+    copies an operand only when its labels are not already in matmul order, and its result when
+    the output order differs; opt_einsum's pairwise path may copy all of them; a join materialises
+    the joined block and one temporary of that size. Half-precision inputs are widened to float32
+    first (a copy of twice their bytes)."""
     half = ("float16", "bfloat16")
     widen = sum(2 * b for b, x in zip(in_bytes, d.node.inputs) if x.dtype in half)
     # a half op's partial sums are written in float32 (partial_dtype): no result to cast
     wide_out = d.n_partials > 1 and partial_dtype(d.node) != d.node.dtype
     if (widen or d.node.dtype in half) and not wide_out:
         widen += 2 * out_bytes  # the float32 result before its cast
-    if is_product(op.join, len(d.node.inputs)) and op.agg.name in ("sum", "none"):
-        if len(op.in_labels) == 2 and all(x.dtype.startswith(("float", "bfloat")) for x in d.node.inputs):
-            return widen + _matmul_copies(op, in_bytes, out_bytes)
+    route = matmul_route(op, [x.dtype for x in d.node.inputs])
+    if route.path == "matmul":
+        return widen + _matmul_copies(route, in_bytes, out_bytes)
+    if route.path in ("einsum", "diagonal"):
         return widen + 2 * (sum(in_bytes) + out_bytes)
     k = d.kernels[kernel]
     joined = 1
@@ -56,33 +63,41 @@ def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes
     return widen + 2 * joined * width
 
 
-def _matmul_copies(op: Einsum, in_bytes: list[int], out_bytes: int) -> int:
+def _matmul_copies(route: MatmulRoute, in_bytes: list[int], out_bytes: int) -> int:
     """The copies of the (batch, m, k) x (batch, k, n) matmul route: an operand whose labels are
     out of that order, a summed-out label (its partial sum), and a result out of output order."""
-    (lx, ly), out = op.in_labels, op.out_labels
-    if len(set(lx)) != len(lx) or len(set(ly)) != len(ly):
-        return 2 * (sum(in_bytes) + out_bytes)
-    sx, sy, so = set(lx), set(ly), set(out)
     extra = 0
-    if sx - sy - so:
+    if route.x_sum:
         extra += in_bytes[0]
-        lx = tuple(lab for lab in lx if lab in sy or lab in so)
-    if sy - sx - so:
+    if route.y_sum:
         extra += in_bytes[1]
-        ly = tuple(lab for lab in ly if lab in sx or lab in so)
-    sx, sy = set(lx), set(ly)
-    batch = [lab for lab in out if lab in sx and lab in sy]
-    m = [lab for lab in out if lab in sx and lab not in sy]
-    n = [lab for lab in out if lab in sy and lab not in sx]
-    k = [lab for lab in lx if lab in sy and lab not in so]
-    if list(lx) != batch + m + k:
+    if route.copy_x:
         extra += in_bytes[0]
-    if list(ly) != batch + k + n:
+    if route.copy_y:
         extra += in_bytes[1]
-    if batch + m + n != list(out):
+    if route.copy_out:
         extra += out_bytes  # the matmul result, before the C-order copy that is the output
     return extra
 
+
+def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
+    return 0
+
+
+# scratch bytes of one block kernel of each node kind, besides its output:
+# (decomposition, its op, kernel number, input block bytes, output block bytes) -> bytes
+ScratchRule = Callable[[Decomposition, Any, int, list[int], int], int]
+SCRATCH_RULES: dict[type, ScratchRule] = {
+    Input: _no_scratch,
+    Einsum: _einsum_scratch,
+    Reshape: _no_scratch,
+    Broadcast: _no_scratch,
+    Select: _no_scratch,
+    Concat: _no_scratch,
+    Fill: _no_scratch,
+    Gather: _no_scratch,
+    Cast: _no_scratch,
+}
 
 
 def op_need(d: Decomposition) -> int:
@@ -92,7 +107,7 @@ def op_need(d: Decomposition) -> int:
     half-precision sum), as the task graph holds them."""
     node = d.node
     out_item = itemsize(node.dtype)
-    if isinstance(node.op, (Input, Fill)):
+    if node.facts.leaf:  # received or computed whole per block: its blocks, no kernel
         return max(prod(d.out_partition.block_shape(k)) * out_item for k in d.out_partition.keys())
     part_item = itemsize(partial_dtype(node)) if d.n_partials > 1 else out_item
     worst = 0

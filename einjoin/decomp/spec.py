@@ -16,14 +16,16 @@ table rows (splitting it makes partial results, as vocab-parallel embeddings do)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from einjoin.decomp.partition import Partition, check_bounds, even_bounds
 from einjoin.errors import EinjoinError, PartitionError
-from einjoin.ir.node import Einsum, Gather, Node
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select, rule_for)
 from einjoin.ir.printing import describe
 
-__all__ = ["JoinAggSpec", "label_sizes", "aggregated_labels", "dim_labels", "ROW"]
+__all__ = ["JoinAggSpec", "LabelSpace", "LABEL_RULES", "label_space", "label_sizes", "aggregated_labels",
+           "output_labels", "dim_labels", "ROW"]
 
 ROW = "row"
 _DIMS = "abcdefghijklmnopqrstuvwxyz"
@@ -41,38 +43,70 @@ def dim_labels(rank: int) -> tuple[str, ...]:
     return tuple(_DIMS[:rank])
 
 
+@dataclass(frozen=True)
+class LabelSpace:
+    """An op's labels: ``sizes`` (label -> size, output labels first), the ``aggregated`` ones
+    (whose blocks produce partial results) and the ``outputs`` (one per output dim, in order)."""
+
+    sizes: dict[str, int]
+    aggregated: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def _einsum_labels(node: Node, op: Einsum) -> LabelSpace:
+    sizes: dict[str, int] = {}
+    for lab in op.out_labels:
+        sizes[lab] = 0
+    for x, ls in zip(node.inputs, op.in_labels):
+        for lab, n in zip(ls, x.shape):
+            sizes[lab] = n
+    return LabelSpace(sizes, op.agg_labels, op.out_labels)
+
+
+def _gather_labels(node: Node, op: Gather) -> LabelSpace:
+    # the table rows are a label of their own: cutting them makes partial sums (vocab parallel)
+    dims = dim_labels(node.ndim)
+    return LabelSpace(dict(zip(dims, node.shape)) | {ROW: node.inputs[0].shape[0]}, (ROW,), dims)
+
+
+def _dim_labels(node: Node, op: object) -> LabelSpace:
+    # every other kind: its output dims, named a, b, c, ...; nothing to aggregate
+    dims = dim_labels(node.ndim)
+    return LabelSpace(dict(zip(dims, node.shape)), (), dims)
+
+
+# the label space of each node kind: (node, its op) -> LabelSpace
+LABEL_RULES: dict[type, Callable[[Node, Any], LabelSpace]] = {
+    Input: _dim_labels,
+    Einsum: _einsum_labels,
+    Reshape: _dim_labels,
+    Broadcast: _dim_labels,
+    Select: _dim_labels,
+    Concat: _dim_labels,
+    Fill: _dim_labels,
+    Gather: _gather_labels,
+    Cast: _dim_labels,
+}
+
+
+def label_space(node: Node) -> LabelSpace:
+    """``node``'s :class:`LabelSpace`, from :data:`LABEL_RULES`."""
+    return rule_for(LABEL_RULES, node.op, "the label spaces (einjoin.decomp.spec.LABEL_RULES)")(
+        node, node.op)
+
+
 def label_sizes(node: Node) -> dict[str, int]:
     """The label space of ``node``: label -> size, output labels first."""
-    op = node.op
-    if isinstance(op, Einsum):
-        sizes: dict[str, int] = {}
-        for lab in op.out_labels:
-            sizes[lab] = 0
-        for x, ls in zip(node.inputs, op.in_labels):
-            for lab, n in zip(ls, x.shape):
-                sizes[lab] = n
-        return sizes
-    sizes = dict(zip(dim_labels(node.ndim), node.shape))
-    if isinstance(op, Gather):
-        sizes[ROW] = node.inputs[0].shape[0]
-    return sizes
+    return label_space(node).sizes
 
 
 def aggregated_labels(node: Node) -> tuple[str, ...]:
     """Labels whose blocks produce partial results to aggregate."""
-    op = node.op
-    if isinstance(op, Einsum):
-        return op.agg_labels
-    if isinstance(op, Gather):
-        return (ROW,)
-    return ()
+    return label_space(node).aggregated
 
 
 def output_labels(node: Node) -> tuple[str, ...]:
-    op = node.op
-    if isinstance(op, Einsum):
-        return op.out_labels
-    return dim_labels(node.ndim)
+    return label_space(node).outputs
 
 
 @dataclass(frozen=True)

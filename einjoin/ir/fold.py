@@ -13,13 +13,16 @@ move: every device computes the blocks it needs from the index grid.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind
-from einjoin.ir.node import Broadcast, Cast, Einsum, Fill, Node, Reshape, Select
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select, rule_for)
 from einjoin.ir.ops import fill_node
 from einjoin.ir.scalar import Arg, Call, Const, Expr, infer_dtype, substitute
 
-__all__ = ["fold"]
+__all__ = ["fold", "FOLD_RULES"]
 
 
 def _remap(e: Expr, args: list[Expr]) -> Expr:
@@ -35,7 +38,7 @@ def _faithful(fill: Node) -> bool:
     itself would compute with 7 and 1e30 instead (``fill(7, bool).to(float16)`` gave 7)."""
     idx = "float64" if kind(fill.dtype) == "float" else "int64"
     try:
-        natural = kind(infer_dtype(fill.op.expr, [idx] * fill.ndim))  # type: ignore[union-attr]
+        natural = kind(infer_dtype(_fill(fill).expr, [idx] * fill.ndim))
     except EinjoinError:
         return False
     return _ORDER[natural] <= _ORDER[kind(fill.dtype)]
@@ -46,13 +49,12 @@ def fold(node: Node) -> Node:
     a select, a broadcast or a cast. Folding never changes values: a fill folds into another only
     when its own dtype is bool, int64 or float64 (fills compute in float64, so no intermediate
     rounding is lost)."""
-    if not node.inputs or not all(isinstance(i.op, Fill) for i in node.inputs):
+    if not node.inputs or not all(i.facts.free for i in node.inputs):
         return node
-    op = node.op
-    fills: list[Fill] = [i.op for i in node.inputs]  # type: ignore[misc]
+    fills = [_fill(i) for i in node.inputs]
     # selects and broadcasts only move values; arithmetic and casts would lose the rounding of
     # an intermediate float32/16 result, since fills evaluate in float64
-    computes = isinstance(op, (Einsum, Cast))
+    computes = node.facts.computes
     if computes and any(kind(i.dtype) == "float" and (i.dtype != node.dtype or i.dtype != "float64")
                         for i in node.inputs):
         return node
@@ -60,30 +62,65 @@ def fold(node: Node) -> Node:
         return node
     if kind(node.dtype) != "float" and any(kind(i.dtype) == "float" for i in node.inputs):
         return node
-    if isinstance(op, Einsum):
-        if op.agg.reduces or any(len(set(ls)) != len(ls) for ls in op.in_labels):
-            return node
-        out = op.out_labels
-        parts = [_remap(f.expr, [Arg(out.index(lab)) for lab in ls])
-                 for f, ls in zip(fills, op.in_labels)]
-        return fill_node(node.shape, node.dtype, substitute(op.join, parts))
-    if isinstance(op, Select):
-        shifted: list[Expr] = [Call("add", (Arg(d), Const(s))) if s else Arg(d)
-                               for d, s in enumerate(op.starts)]
-        return fill_node(node.shape, node.dtype, _remap(fills[0].expr, shifted))
-    if isinstance(op, Broadcast):
-        src = node.inputs[0]
-        mapped: list[Expr] = [Arg(d) if src.shape[i] != 1 else Const(0) for i, d in enumerate(op.dims)]
-        return fill_node(node.shape, node.dtype, _remap(fills[0].expr, mapped))
-    if isinstance(op, Cast):
-        return fill_node(node.shape, node.dtype, fills[0].expr)
-    if isinstance(op, Reshape):
-        # only size-1 dims inserted or removed: the index grid maps dim to dim
-        src = node.inputs[0].shape
-        out_big = [d for d, n in enumerate(node.shape) if n != 1]
-        if [n for n in src if n != 1] != [node.shape[d] for d in out_big]:
-            return node
-        it = iter(out_big)
-        unit: list[Expr] = [Const(0) if n == 1 else Arg(next(it)) for n in src]
-        return fill_node(node.shape, node.dtype, _remap(fills[0].expr, unit))
+    return rule_for(FOLD_RULES, node.op, "constant folding (einjoin.ir.fold.FOLD_RULES)")(
+        node, node.op, fills)
+
+
+def _fill(node: Node) -> Fill:
+    assert isinstance(node.op, Fill)
+    return node.op
+
+
+def _fold_einsum(node: Node, op: Einsum, fills: list[Fill]) -> Node:
+    if op.agg.reduces or any(len(set(ls)) != len(ls) for ls in op.in_labels):
+        return node
+    out = op.out_labels
+    parts = [_remap(f.expr, [Arg(out.index(lab)) for lab in ls])
+             for f, ls in zip(fills, op.in_labels)]
+    return fill_node(node.shape, node.dtype, substitute(op.join, parts))
+
+
+def _fold_select(node: Node, op: Select, fills: list[Fill]) -> Node:
+    shifted: list[Expr] = [Call("add", (Arg(d), Const(s))) if s else Arg(d)
+                           for d, s in enumerate(op.starts)]
+    return fill_node(node.shape, node.dtype, _remap(fills[0].expr, shifted))
+
+
+def _fold_broadcast(node: Node, op: Broadcast, fills: list[Fill]) -> Node:
+    src = node.inputs[0]
+    mapped: list[Expr] = [Arg(d) if src.shape[i] != 1 else Const(0) for i, d in enumerate(op.dims)]
+    return fill_node(node.shape, node.dtype, _remap(fills[0].expr, mapped))
+
+
+def _fold_cast(node: Node, op: Cast, fills: list[Fill]) -> Node:
+    return fill_node(node.shape, node.dtype, fills[0].expr)
+
+
+def _fold_reshape(node: Node, op: Reshape, fills: list[Fill]) -> Node:
+    # only size-1 dims inserted or removed: the index grid maps dim to dim
+    src = node.inputs[0].shape
+    out_big = [d for d, n in enumerate(node.shape) if n != 1]
+    if [n for n in src if n != 1] != [node.shape[d] for d in out_big]:
+        return node
+    it = iter(out_big)
+    unit: list[Expr] = [Const(0) if n == 1 else Arg(next(it)) for n in src]
+    return fill_node(node.shape, node.dtype, _remap(fills[0].expr, unit))
+
+
+def _kept(node: Node, op: object, fills: list[Fill]) -> Node:
+    """Not folded: a concat or gather of fills stays as it is (inputs and fills have no inputs)."""
     return node
+
+
+# constant folding per node kind: (node, its op, its inputs' fills) -> the node or a fill
+FOLD_RULES: dict[type, Callable[[Node, Any, list[Fill]], Node]] = {
+    Input: _kept,
+    Einsum: _fold_einsum,
+    Reshape: _fold_reshape,
+    Broadcast: _fold_broadcast,
+    Select: _fold_select,
+    Concat: _kept,
+    Fill: _kept,
+    Gather: _kept,
+    Cast: _fold_cast,
+}

@@ -16,7 +16,9 @@ array([[3., 3.],
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -25,10 +27,10 @@ import opt_einsum
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select)
+                             Select, rule_for)
 from einjoin.ir.scalar import Expr, evaluate, is_product
 
-__all__ = ["eval_node", "einsum_kernel", "fill_kernel", "gather_kernel", "broadcast_kernel",
+__all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", "einsum_kernel", "fill_kernel", "gather_kernel", "broadcast_kernel",
            "align", "partial_dtype", "HALF_DTYPES"]
 
 
@@ -81,20 +83,111 @@ def align(x: np.ndarray, labels: Sequence[str], order: Sequence[str]) -> np.ndar
     return x.reshape(tuple(next(it) if lab in present else 1 for lab in order))
 
 
+@dataclass(frozen=True)
+class MatmulRoute:
+    """Which code path :func:`einsum_kernel` takes for one einsum, decided from the op and its
+    input dtypes alone (shapes never change it), so the memory footprint estimate
+    (:func:`einjoin.decomp.footprint.kernel_scratch`) reads the same decision instead of copying it.
+
+    ``path`` is one of
+
+    - ``"matmul"``: a two-input product-sum on floats as one ``np.matmul`` over
+      (batch, m, k) x (batch, k, n); ``x_sum``/``y_sum`` are the axes of each input summed out
+      first (labels the other input and the output lack), ``x_labels``/``y_labels`` the labels
+      left, ``batch, m, n, k`` the label groups, and ``copy_x``, ``copy_y``, ``copy_out`` say
+      whether an operand or the result is out of matmul order (a transposed copy);
+    - ``"diagonal"``: the same, but a label repeats within an input: opt_einsum over the op's
+      own equation;
+    - ``"einsum"``: another product-sum over int/float inputs: opt_einsum's pairwise BLAS path
+      (``np.einsum`` for one input);
+    - ``"join"``: any other join or aggregation: the joined block is materialised and aggregated.
+
+    >>> from einjoin.ir import ops
+    >>> a = ops.input_node("a", (2, 3), "float32"); b = ops.input_node("b", (4, 3), "float32")
+    >>> r = matmul_route(ops.einsum_node([a, b], ("ij", "kj"), "ik", "mul", "sum").op,
+    ...                  ["float32", "float32"])
+    >>> r.path, r.m, r.n, r.k, r.copy_x, r.copy_y, r.copy_out
+    ('matmul', ('i',), ('k',), ('j',), False, True, False)
+    """
+
+    path: str
+    x_sum: tuple[int, ...] = ()
+    y_sum: tuple[int, ...] = ()
+    x_labels: tuple[str, ...] = ()
+    y_labels: tuple[str, ...] = ()
+    batch: tuple[str, ...] = ()
+    m: tuple[str, ...] = ()
+    n: tuple[str, ...] = ()
+    k: tuple[str, ...] = ()
+    out_labels: tuple[str, ...] = ()  # the op's output labels, the order the result is copied to
+
+    @property
+    def copy_x(self) -> bool:
+        return self.x_labels != self.batch + self.m + self.k
+
+    @property
+    def copy_y(self) -> bool:
+        return self.y_labels != self.batch + self.k + self.n
+
+    @property
+    def copy_out(self) -> bool:
+        return self.batch + self.m + self.n != self.out_labels
+
+
+def _compute_kind(dtype: "np.dtype[Any] | str") -> str:
+    """numpy's kind letter of the dtype a kernel computes in: half types are widened to float32."""
+    dt = np.dtype(numpy_dtype(dtype)) if isinstance(dtype, str) else np.dtype(dtype)
+    return "f" if dt in _HALF else dt.kind
+
+
+@functools.lru_cache(maxsize=4096)
+def _route(op: Einsum, kinds: tuple[str, ...]) -> MatmulRoute:
+    n = len(kinds)
+    if not (is_product(op.join, n) and op.agg.name in ("sum", "none")
+            and all(k in "fi" for k in kinds)):
+        return MatmulRoute("join")
+    if n != 2 or kinds != ("f", "f"):
+        return MatmulRoute("einsum")
+    (lx, ly), out = op.in_labels, op.out_labels
+    if len(set(lx)) != len(lx) or len(set(ly)) != len(ly):
+        return MatmulRoute("diagonal")  # diagonals: leave them to einsum
+    sx, sy, so = set(lx), set(ly), set(out)
+    x_sum = tuple(i for i, lab in enumerate(lx) if lab not in sy and lab not in so)
+    y_sum = tuple(i for i, lab in enumerate(ly) if lab not in sx and lab not in so)
+    lx = tuple(lab for i, lab in enumerate(lx) if i not in x_sum)
+    ly = tuple(lab for i, lab in enumerate(ly) if i not in y_sum)
+    sx, sy = set(lx), set(ly)
+    return MatmulRoute(
+        "matmul", x_sum, y_sum, lx, ly,
+        batch=tuple(lab for lab in out if lab in sx and lab in sy),
+        m=tuple(lab for lab in out if lab in sx and lab not in sy),
+        n=tuple(lab for lab in out if lab in sy and lab not in sx),
+        k=tuple(lab for lab in lx if lab in sy and lab not in so),
+        out_labels=out)
+
+
+def matmul_route(op: Einsum, dtypes: "Sequence[np.dtype[Any] | str]") -> MatmulRoute:
+    """The :class:`MatmulRoute` :func:`einsum_kernel` takes for ``op`` on inputs of ``dtypes``
+    (dtype names such as ``"bfloat16"`` or numpy dtypes); the one place that decides it."""
+    return _route(op, tuple(_compute_kind(dt) for dt in dtypes))
+
+
 def einsum_kernel(op: Einsum, arrays: Sequence[np.ndarray], out_dtype: str) -> np.ndarray:
-    """One einsum on (blocks of) its inputs: join every tuple, aggregate the missing labels."""
+    """One einsum on (blocks of) its inputs: join every tuple, aggregate the missing labels
+    (by the code path :func:`matmul_route` names)."""
     xs = [_widen(np.asarray(a)) for a in arrays]
-    n = len(xs)
-    if (is_product(op.join, n) and op.agg.name in ("sum", "none")
-            and all(x.dtype.kind in "fi" for x in xs)):
+    route = matmul_route(op, [x.dtype for x in xs])
+    out: Any
+    if route.path == "matmul":
+        out = _batched_matmul(route, xs[0], xs[1])
+    elif route.path == "diagonal":
+        out = opt_einsum.contract(op.equation, xs[0], xs[1])
+    elif route.path == "einsum":
         # the contraction case: BLAS through opt_einsum's pairwise order
         sym = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(op.all_labels)}
         eq = ",".join("".join(sym[lab] for lab in ls) for ls in op.in_labels)
         eq += "->" + "".join(sym[lab] for lab in op.out_labels)
-        if n == 2 and xs[0].dtype.kind == "f" and xs[1].dtype.kind == "f":
-            out = _batched_matmul(op, xs[0], xs[1])
-        else:
-            out = opt_einsum.contract(eq, *xs, optimize="auto") if n > 1 else np.einsum(eq, xs[0])
+        out = opt_einsum.contract(eq, *xs, optimize="auto") if len(xs) > 1 else np.einsum(eq, xs[0])
     else:
         order = op.all_labels
         aligned = [align(x, ls, order) for x, ls in zip(xs, op.in_labels)]
@@ -109,40 +202,29 @@ def einsum_kernel(op: Einsum, arrays: Sequence[np.ndarray], out_dtype: str) -> n
     return np.asarray(out, order="C").astype(numpy_dtype(out_dtype), copy=False)
 
 
-def _batched_matmul(op: Einsum, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _batched_matmul(r: MatmulRoute, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """A two-input product-sum einsum as one ``np.matmul`` over (batch, m, k) x (batch, k, n):
     numpy's einsum loop (which opt_einsum falls back to when a batch label is shared) runs far
     below BLAS speed. Labels only one input has and the output lacks are summed first."""
-    (lx, ly), out = op.in_labels, op.out_labels
-    if len(set(lx)) != len(lx) or len(set(ly)) != len(ly):
-        return opt_einsum.contract(op.equation, x, y)  # diagonals: leave them to einsum
-    sx, sy, so = set(lx), set(ly), set(out)
-    if sx - sy - so:
-        keep = [lab for lab in lx if lab in sy or lab in so]
-        x = x.sum(axis=tuple(i for i, lab in enumerate(lx) if lab not in keep))
-        lx = tuple(keep)
-    if sy - sx - so:
-        keep = [lab for lab in ly if lab in sx or lab in so]
-        y = y.sum(axis=tuple(i for i, lab in enumerate(ly) if lab not in keep))
-        ly = tuple(keep)
-    sx, sy = set(lx), set(ly)
-    batch = [lab for lab in out if lab in sx and lab in sy]
-    m = [lab for lab in out if lab in sx and lab not in sy]
-    nn = [lab for lab in out if lab in sy and lab not in sx]
-    k = [lab for lab in lx if lab in sy and lab not in so]
+    if r.x_sum:
+        x = x.sum(axis=r.x_sum)
+    if r.y_sum:
+        y = y.sum(axis=r.y_sum)
+    lx, ly = r.x_labels, r.y_labels
     size = dict(zip(lx, x.shape)) | dict(zip(ly, y.shape))
 
-    def prod(labels: list[str]) -> int:
-        r = 1
+    def prod(labels: tuple[str, ...]) -> int:
+        p = 1
         for lab in labels:
-            r *= size[lab]
-        return r
+            p *= size[lab]
+        return p
 
+    batch, m, nn, k = r.batch, r.m, r.n, r.k
     xm = np.transpose(x, [lx.index(lab) for lab in batch + m + k]).reshape(prod(batch), prod(m), prod(k))
     ym = np.transpose(y, [ly.index(lab) for lab in batch + k + nn]).reshape(prod(batch), prod(k), prod(nn))
-    z = np.matmul(xm, ym).reshape([size[lab] for lab in batch + m + nn])
     order = batch + m + nn
-    return np.transpose(z, [order.index(lab) for lab in out])
+    z = np.matmul(xm, ym).reshape([size[lab] for lab in order])
+    return np.transpose(z, [order.index(lab) for lab in r.out_labels])
 
 
 def fill_kernel(expr: Expr, starts: Sequence[int], shape: Sequence[int], dtype: str) -> np.ndarray:
@@ -184,24 +266,57 @@ def eval_node(node: Node, args: Sequence[np.ndarray]) -> np.ndarray:
         return _eval_node(node, args)
 
 
+def _eval_input(node: Node, op: Input, args: Sequence[np.ndarray]) -> np.ndarray:
+    raise EinjoinError(f"input {op.name!r} has no kernel; it is fed")
+
+
+def _eval_einsum(node: Node, op: Einsum, args: Sequence[np.ndarray]) -> np.ndarray:
+    return einsum_kernel(op, args, node.dtype)
+
+
+def _eval_reshape(node: Node, op: Reshape, args: Sequence[np.ndarray]) -> np.ndarray:
+    return np.reshape(args[0], node.shape)
+
+
+def _eval_broadcast(node: Node, op: Broadcast, args: Sequence[np.ndarray]) -> np.ndarray:
+    return broadcast_kernel(args[0], node.shape, op.dims)
+
+
+def _eval_select(node: Node, op: Select, args: Sequence[np.ndarray]) -> np.ndarray:
+    return args[0][tuple(slice(a, b) for a, b in zip(op.starts, op.stops))]
+
+
+def _eval_concat(node: Node, op: Concat, args: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate(list(args), axis=op.axis)
+
+
+def _eval_fill(node: Node, op: Fill, args: Sequence[np.ndarray]) -> np.ndarray:
+    return fill_kernel(op.expr, (0,) * node.ndim, node.shape, node.dtype)
+
+
+def _eval_gather(node: Node, op: Gather, args: Sequence[np.ndarray]) -> np.ndarray:
+    return gather_kernel(args[0], args[1], 0, node.inputs[0].shape[0])
+
+
+def _eval_cast(node: Node, op: Cast, args: Sequence[np.ndarray]) -> np.ndarray:
+    return np.asarray(args[0]).astype(numpy_dtype(node.dtype))
+
+
+# the whole-tensor kernel of each node kind: (node, its op, its inputs' values) -> its value
+KernelRule = Callable[[Node, Any, Sequence[np.ndarray]], np.ndarray]
+KERNELS: dict[type, KernelRule] = {
+    Input: _eval_input,
+    Einsum: _eval_einsum,
+    Reshape: _eval_reshape,
+    Broadcast: _eval_broadcast,
+    Select: _eval_select,
+    Concat: _eval_concat,
+    Fill: _eval_fill,
+    Gather: _eval_gather,
+    Cast: _eval_cast,
+}
+
+
 def _eval_node(node: Node, args: Sequence[np.ndarray]) -> np.ndarray:
-    op = node.op
-    if isinstance(op, Einsum):
-        return einsum_kernel(op, args, node.dtype)
-    if isinstance(op, Reshape):
-        return np.reshape(args[0], node.shape)
-    if isinstance(op, Broadcast):
-        return broadcast_kernel(args[0], node.shape, op.dims)
-    if isinstance(op, Select):
-        return args[0][tuple(slice(a, b) for a, b in zip(op.starts, op.stops))]
-    if isinstance(op, Concat):
-        return np.concatenate(list(args), axis=op.axis)
-    if isinstance(op, Fill):
-        return fill_kernel(op.expr, (0,) * node.ndim, node.shape, node.dtype)
-    if isinstance(op, Gather):
-        return gather_kernel(args[0], args[1], 0, node.inputs[0].shape[0])
-    if isinstance(op, Cast):
-        return np.asarray(args[0]).astype(numpy_dtype(node.dtype))
-    if isinstance(op, Input):
-        raise EinjoinError(f"input {op.name!r} has no kernel; it is fed")
-    raise AssertionError(f"unknown op {op!r}")  # pragma: no cover
+    return rule_for(KERNELS, node.op, "the reference kernels (einjoin.ir.kernels.KERNELS)")(
+        node, node.op, args)

@@ -13,44 +13,68 @@ graph(x: float32[4, 8], w: float32[8, 2]) {
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select)
+                             Select, rule_for)
 
 if TYPE_CHECKING:
     from einjoin.ir.graph import Graph
 
-__all__ = ["describe", "format_graph", "type_str"]
+__all__ = ["DESCRIBE_RULES", "describe", "format_graph", "type_str"]
 
 
 def type_str(node: Node) -> str:
     return f"{node.dtype}[{', '.join(map(str, node.shape))}]"
 
 
+def _describe_input(op: Input) -> str:
+    return f"{'param' if op.param else 'input'} {op.name!r}"
+
+
+def _describe_einsum(op: Einsum) -> str:
+    agg = "" if op.agg.name == "none" else f" | {op.agg.name}"
+    return f"einsum[{op.equation} | {op.join}{agg}]"
+
+
+def _describe_broadcast(op: Broadcast) -> str:
+    return f"broadcast[dims={list(op.dims)}]"
+
+
+def _describe_select(op: Select) -> str:
+    return "select[" + ", ".join(f"{a}:{b}" for a, b in zip(op.starts, op.stops)) + "]"
+
+
+def _describe_concat(op: Concat) -> str:
+    return f"concat[axis={op.axis}]"
+
+
+def _describe_fill(op: Fill) -> str:
+    return f"fill[{op.expr}]"
+
+
+def _bare(op: object) -> str:  # a kind without parameters: its name
+    return type(op).__name__.lower()
+
+
+# how each node kind prints: op -> ``kind[parameters]``
+DESCRIBE_RULES: dict[type, Callable[[Any], str]] = {
+    Input: _describe_input,
+    Einsum: _describe_einsum,
+    Reshape: _bare,
+    Broadcast: _describe_broadcast,
+    Select: _describe_select,
+    Concat: _describe_concat,
+    Fill: _describe_fill,
+    Gather: _bare,
+    Cast: _bare,
+}
+
+
 def describe(node: Node) -> str:
     """The op with its parameters, without inputs: ``einsum[ij,jk->ik | x0 * x1 | sum]``."""
-    op = node.op
-    if isinstance(op, Input):
-        return f"{'param' if op.param else 'input'} {op.name!r}"
-    if isinstance(op, Einsum):
-        agg = "" if op.agg.name == "none" else f" | {op.agg.name}"
-        return f"einsum[{op.equation} | {op.join}{agg}]"
-    if isinstance(op, Reshape):
-        return "reshape"
-    if isinstance(op, Broadcast):
-        return f"broadcast[dims={list(op.dims)}]"
-    if isinstance(op, Select):
-        return "select[" + ", ".join(f"{a}:{b}" for a, b in zip(op.starts, op.stops)) + "]"
-    if isinstance(op, Concat):
-        return f"concat[axis={op.axis}]"
-    if isinstance(op, Fill):
-        return f"fill[{op.expr}]"
-    if isinstance(op, Gather):
-        return "gather"
-    if isinstance(op, Cast):
-        return "cast"
-    return type(op).__name__  # pragma: no cover
+    return rule_for(DESCRIBE_RULES, node.op, "the printed forms (einjoin.ir.printing.DESCRIBE_RULES)")(
+        node.op)
 
 
 def _input_name(name: str) -> str:

@@ -16,7 +16,7 @@ from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.ir.dtypes import canonical_dtype, exact_cast, numpy_dtype
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import eval_node
-from einjoin.ir.node import Input, Node
+from einjoin.ir.node import Node
 
 __all__ = ["reference", "bind_feeds", "to_numpy"]
 
@@ -191,7 +191,7 @@ def reference(outputs: Any, *args: Any, **inputs: Any) -> Any:
     graph = Graph(outputs)
     values: dict[Node, np.ndarray] = dict(bind_feeds(graph, args, inputs))
     for node in graph.nodes:
-        if isinstance(node.op, Input):
+        if node.facts.fed:
             continue
         values[node] = eval_node(node, [values[i] for i in node.inputs])
     fed = [values[x] for x in graph.inputs]

@@ -24,7 +24,7 @@ from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition, Kernel
 from einjoin.decomp.flops import kernel_flops
 from einjoin.ir.dtypes import itemsize
-from einjoin.ir.node import Fill, Input, Node
+from einjoin.ir.node import Node
 from einjoin.placement import NodePlacement, Placement, _from_kernel_devices, register_placer, round_robin
 
 __all__ = ["greedy", "critical_path", "nums"]
@@ -156,7 +156,7 @@ def _pieces(node: Node, d: Decomposition, k: Kernel, decomps: Mapping[Node, Deco
     """(producer, region, bytes, devices already holding it) for every input region ``k`` reads."""
     out = []
     for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)):
-        if key is None or isinstance(x.op, Fill):
+        if key is None or x.facts.free:
             continue
         box = d.in_partitions[slot].box(key)
         size = itemsize(x.dtype)
@@ -171,10 +171,10 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
     st = _State(p)
     out: Placement = {}
     for node, d in decomps.items():
-        if isinstance(node.op, Input):
+        if node.facts.fed:
             st.homes[node] = {}
             continue
-        if isinstance(node.op, Fill):
+        if node.facts.free:
             out[node] = round_robin({node: d}, cluster)[node]
             st.homes[node] = out[node].homes
             continue
@@ -191,17 +191,17 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
             allowed.bump(dev)
             taken[k.out_key].add(dev)
             for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)):
-                if key is None or isinstance(x.op, Fill):
+                if key is None or x.facts.free:
                     continue
                 box = d.in_partitions[slot].box(key)
-                if isinstance(x.op, Input):
+                if x.facts.fed:
                     for pk, _ in _overlaps(decomps[x].out_partition, box):
                         st.homes[x].setdefault(pk, dev)
                 st.copies.setdefault((x, box), set()).add(dev)
         out[node] = _from_kernel_devices(d, devs)
         st.homes[node] = out[node].homes
     for node, d in decomps.items():
-        if isinstance(node.op, Input):
+        if node.facts.fed:
             rr = round_robin({node: d}, cluster)[node].homes
             h = {key: st.homes[node].get(key, rr[key]) for key in d.out_partition.keys()}
             out[node] = NodePlacement(tuple(h[k.out_key] for k in d.kernels), h)
