@@ -14,7 +14,8 @@ import bisect
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +145,7 @@ class Partition:
 
     # ---- construction
     @staticmethod
-    def from_counts(shape: Sequence[int], counts: Sequence[int]) -> "Partition":
+    def from_counts(shape: Sequence[int], counts: Sequence[int]) -> Partition:
         shape = _shape(shape, "Partition.from_counts")
         if not isinstance(counts, (list, tuple)):
             raise PartitionError(f"block counts must be a sequence (one per dim of shape "
@@ -156,12 +157,12 @@ class Partition:
                                for d, (n, k) in enumerate(zip(shape, counts))))
 
     @staticmethod
-    def whole(shape: Sequence[int]) -> "Partition":
+    def whole(shape: Sequence[int]) -> Partition:
         shape = _shape(shape, "Partition.whole")
         return Partition(tuple((0, n) for n in shape))
 
     @staticmethod
-    def of(shape: Sequence[int], per_dim: Sequence["int | Sequence[int]"]) -> "Partition":
+    def of(shape: Sequence[int], per_dim: Sequence[int | Sequence[int]]) -> Partition:
         """Each dim given as a block count or as explicit boundaries, validated against ``shape``."""
         shape = _shape(shape, "Partition.of")
         if not isinstance(per_dim, (list, tuple)):
@@ -219,7 +220,7 @@ class Partition:
         hi = bisect.bisect_left(b, stop)
         return range(lo, hi)
 
-    def union(self, other: "Partition") -> "Partition":
+    def union(self, other: Partition) -> Partition:
         """The coarsest common refinement: per dim, every boundary of either."""
         if self.shape != other.shape:
             raise PartitionError(f"union of partitions of shapes {self.shape} and {other.shape}")

@@ -28,7 +28,7 @@ class TensorRelation:
     blocks: dict[BlockKey, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
-    def from_dense(x: np.ndarray, partition: Partition) -> "TensorRelation":
+    def from_dense(x: np.ndarray, partition: Partition) -> TensorRelation:
         if tuple(x.shape) != partition.shape:
             raise PartitionError(f"partition of shape {partition.shape} for an array of shape {x.shape}")
         return TensorRelation(partition, {k: x[partition.slices(k)] for k in partition.keys()})
@@ -64,7 +64,7 @@ class TensorRelation:
                 self.blocks[k][tuple(slice(l - s, h - s) for l, h, (s, _) in zip(lo, hi, src))]
         return out
 
-    def repartition(self, target: Partition) -> "TensorRelation":
+    def repartition(self, target: Partition) -> TensorRelation:
         """The same tensor under ``target``: each target block from the overlapping source blocks."""
         if target.shape != self.partition.shape:
             raise PartitionError(f"cannot repartition shape {self.partition.shape} to {target.shape}")

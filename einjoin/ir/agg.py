@@ -46,7 +46,8 @@ class Agg:
         if not axes:
             return x
         assert self.ufunc is not None
-        return self.ufunc.reduce(x, axis=axes)
+        out: np.ndarray = self.ufunc.reduce(x, axis=axes)
+        return out
 
     def __str__(self) -> str:
         return self.name
@@ -61,7 +62,7 @@ AGGS: dict[str, Agg] = {
 }
 
 
-def get_agg(agg: "str | Agg | None") -> Agg:
+def get_agg(agg: str | Agg | None) -> Agg:
     """The registered aggregation named ``agg`` (``None`` is ``none``). An :class:`Agg` instance
     must be one of :data:`AGGS`: every layer (kernels, partial sums, the optimizer) reads its
     facts, so a home-made ``Agg("sum", np.multiply, ...)`` would be summed in one place and

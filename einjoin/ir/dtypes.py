@@ -157,7 +157,7 @@ def exact_cast(src: Any, dst: str) -> bool:
         if d.kind == "i":
             return _int_value_bits(s) <= _int_value_bits(d)
         if d.kind == "f" or dst == "bfloat16":
-            return _int_value_bits(s) <= np.finfo(d).nmant + 1
+            return _int_value_bits(s) <= int(np.finfo(d).nmant) + 1
         return False
     if s.kind == "f" or s == DTYPES["bfloat16"]:
         if not (d.kind == "f" or dst == "bfloat16"):
@@ -166,5 +166,5 @@ def exact_cast(src: Any, dst: str) -> bool:
             fs, fd = np.finfo(s), np.finfo(d)
         except ValueError:
             return False
-        return fd.nmant >= fs.nmant and fd.maxexp >= fs.maxexp and fd.minexp <= fs.minexp
+        return bool(fd.nmant >= fs.nmant and fd.maxexp >= fs.maxexp and fd.minexp <= fs.minexp)
     return False

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from einjoin.errors import EinsumSyntaxError, ShapeError
 

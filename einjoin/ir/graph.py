@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.node import Input, Node
@@ -94,9 +94,9 @@ class Graph:
         self.positional_conflict: tuple[Node, Node] | None = _order_conflict(self.inputs)
         users: dict[Node, list[Node]] = {n: [] for n in order}
         for n in order:
-            for i in n.inputs:
-                if n not in users[i]:
-                    users[i].append(n)
+            for x in n.inputs:
+                if n not in users[x]:
+                    users[x].append(n)
         self.users: dict[Node, tuple[Node, ...]] = {n: tuple(u) for n, u in users.items()}
 
     def __iter__(self) -> Iterator[Node]:

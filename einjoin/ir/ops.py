@@ -17,7 +17,8 @@ import itertools
 import math
 import operator
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -84,7 +85,7 @@ def _need_node(x: Any, what: str) -> Node:
 # Input node -> the counter of its LAST declaration. Inputs are hash-consed, so a re-declared
 # input keeps the serial of its first declaration; Graph compares both orders to tell when
 # positional feeds would bind in an older graph's order (ambiguous: it then asks for names).
-_declared: "weakref.WeakKeyDictionary[Node, int]" = weakref.WeakKeyDictionary()
+_declared: weakref.WeakKeyDictionary[Node, int] = weakref.WeakKeyDictionary()
 _declaration = itertools.count()
 
 
@@ -104,11 +105,12 @@ def input_node(name: str, shape: Any, dtype: Any = "float32", param: bool = Fals
 
 
 def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],
-                out_labels: Sequence[str], join: "str | Expr" = "mul",
-                agg: "str | Agg | None" = "sum") -> Node:
+                out_labels: Sequence[str], join: str | Expr = "mul",
+                agg: str | Agg | None = "sum") -> Node:
     """The extended einsum. Validates labels against shapes and infers the output."""
     inputs = tuple(_need_node(x, "einsum") for x in inputs)
-    in_labels = tuple(tuple(ls) for ls in in_labels)
+    groups: tuple[tuple[str, ...], ...] = tuple(tuple(ls) for ls in in_labels)
+    in_labels = groups
     out_labels = tuple(out_labels)
     eq = ",".join("".join(ls) for ls in in_labels) + "->" + "".join(out_labels)
     if not inputs:
@@ -159,11 +161,10 @@ def einsum_node(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]],
     if aggregation.name in ("sum", "prod") and dtype == "bool":
         raise DTypeError(f"einsum {eq!r}: agg {aggregation.name!r} over bool values has no meaning "
                          f"(use max for any, min for all)")
-    if num_args(expr) == 0 and len(inputs) > 0:
-        pass  # a constant join over inputs is legal: it only takes their shape
+    # a constant join over inputs (num_args(expr) == 0) is legal: it only takes their shape
     shape = tuple(sizes[lab][0] for lab in out_labels)
     check_size(shape, f"einsum {eq!r}")  # an outer product of big inputs
-    return Node(Einsum(in_labels, out_labels, expr, aggregation), inputs, shape, dtype)
+    return Node(Einsum(groups, out_labels, expr, aggregation), inputs, shape, dtype)
 
 
 def reshape_node(x: Node, shape: Any) -> Node:
@@ -270,7 +271,7 @@ def concat_node(xs: Sequence[Node], axis: int) -> Node:
     return Node(Concat(axis), xs, tuple(shape), first.dtype)
 
 
-def fill_node(shape: Any, dtype: Any, expr: "str | Expr | float | int | bool") -> Node:
+def fill_node(shape: Any, dtype: Any, expr: str | Expr | float | int | bool) -> Node:
     """A constant tensor: ``expr`` over the index variables ``x0..x{rank-1}`` (``"x0 >= x1"`` is the
     causal mask), or a plain number."""
     dims = check_shape(shape, "fill")
@@ -291,7 +292,7 @@ def fill_node(shape: Any, dtype: Any, expr: "str | Expr | float | int | bool") -
     return Node(Fill(e), (), dims, dt)
 
 
-def _check_fill_value(v: "bool | int | float", dt: str) -> None:
+def _check_fill_value(v: bool | int | float, dt: str) -> None:
     """A number given as a fill's value must be a value of ``dt``, as in torch.full: nan, inf or
     an int outside int64 into int64, or a finite number that overflows a float type, is a
     DTypeError (it would wrap or become inf silently). Floats into int64 truncate, as torch's."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from scipy import special
@@ -39,7 +39,7 @@ class Arg:
 
 @dataclass(frozen=True)
 class Const:
-    value: Union[float, int, bool]
+    value: float | int | bool
 
     def __str__(self) -> str:
         return repr(self.value)
@@ -48,7 +48,7 @@ class Const:
 @dataclass(frozen=True)
 class Call:
     fn: str
-    args: tuple["Expr", ...]
+    args: tuple[Expr, ...]
 
     def __str__(self) -> str:
         f = FUNCTIONS[self.fn]
@@ -64,7 +64,7 @@ class Call:
         return f"{self.fn}({', '.join(str(a) for a in self.args)})"
 
 
-Expr = Union[Arg, Const, Call]
+Expr = Arg | Const | Call
 
 
 def _paren(e: Expr, prec: int) -> str:
@@ -97,34 +97,40 @@ class ScalarFn:
 
 
 def _gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + special.erf(x / math.sqrt(2.0)))
+    out: np.ndarray = 0.5 * x * (1.0 + special.erf(x / math.sqrt(2.0)))
+    return out
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    out: np.ndarray = 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    return out
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return special.expit(x)
+    out: np.ndarray = special.expit(x)
+    return out
 
 
 def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.true_divide(a, b)
+        out: np.ndarray = np.true_divide(a, b)
+    return out
 
 
 def _safe(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     # Floating-point edge cases (log 0, 0/0) give inf/nan as IEEE says, without warnings.
     def run(*a: np.ndarray) -> np.ndarray:
         with np.errstate(all="ignore"):
-            return fn(*a)
+            out = fn(*a)
+        return out
     run.__name__ = getattr(fn, "__name__", "fn")
     return run
 
 
 def _py_int_pow(a: int, b: int) -> int:
     if b >= 0:
-        return int(a) ** int(b)
+        out: int = int(a) ** int(b)
+        return out
     return 1 if a == 1 else (-1 if b % 2 else 1) if a == -1 else 0
 
 
@@ -134,13 +140,15 @@ def _int_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     rule for tensor exponents)."""
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == object or b.dtype == object:  # Python ints (constants): exact, the same rule
-        return np.frompyfunc(_py_int_pow, 2, 1)(a, b)
+        exact: np.ndarray = np.frompyfunc(_py_int_pow, 2, 1)(a, b)
+        return exact
     if a.dtype.kind not in "iu" or b.dtype.kind not in "iu":
         with np.errstate(all="ignore"):
-            return np.power(a, b)
+            power: np.ndarray = np.power(a, b)
+        return power
     neg = b < 0
     with np.errstate(all="ignore"):
-        out = np.power(a, np.where(neg, 0, b))
+        out: np.ndarray = np.power(a, np.where(neg, 0, b))
     if np.any(neg):
         odd = (b % 2) != 0
         small = np.where(a == 1, 1, np.where(a == -1, np.where(odd, -1, 1), 0)).astype(out.dtype)
@@ -216,7 +224,7 @@ _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq
 _NAMED_CONSTS = {"pi": math.pi, "e": math.e, "inf": math.inf, "nan": math.nan}
 
 
-def parse_join(join: "str | Expr", n_inputs: int) -> Expr:
+def parse_join(join: str | Expr, n_inputs: int) -> Expr:
     """Parse a join given as a function name (``"mul"``, ``"exp"``), an expression string over
     ``x0, x1, ...`` (``"exp(x0 - x1)"``, ``"x0 * 0.5"``), or an :data:`Expr`; check its arguments."""
     if isinstance(join, (Arg, Const, Call)):
@@ -392,9 +400,9 @@ def _infer(e: Expr, dts: tuple[str, ...]) -> str | None:
             raise DTypeError(f"{e}: where's condition must be bool, got {cond}")
         return _common(e, [a, b], e.args[1:], allow_bool=True)
     if f.rule == "logical":
-        for a, d in zip(e.args, sub):
-            if d is None and _const_only_kind(a) != "bool":
-                d = f"the constant {a}"  # x & 5 is no logical and (and 2**63 overflowed inside)
+        for arg, d in zip(e.args, sub):
+            if d is None and _const_only_kind(arg) != "bool":
+                d = f"the constant {arg}"  # x & 5 is no logical and (and 2**63 overflowed inside)
             if d is not None and d != "bool":
                 raise DTypeError(f"{e}: {f.name} needs bool arguments, got {d}")
         return "bool"
@@ -418,8 +426,8 @@ def _common(e: Expr, sub: list[str | None], args: Sequence[Expr], allow_bool: bo
             raise DTypeError(f"{e}: cannot mix {out} and {d} in one expression; cast first") from None
     if kind(out) == "bool" and not allow_bool:
         raise DTypeError(f"{e}: {getattr(e, 'fn', '')} does not take bool arguments")
-    for a, d in zip(args, sub):
-        if d is None:  # a constant, or an expression of constants only (2 ** -1)
+    for a, dt in zip(args, sub):
+        if dt is None:  # a constant, or an expression of constants only (2 ** -1)
             ck = _const_only_kind(a)
             if ck == "float" and kind(out) != "float":
                 raise DTypeError(f"{e}: float constant {a} meets {out}; cast first")
@@ -454,27 +462,32 @@ def _check_int_range(e: Expr, a: Expr, out: str) -> None:
 # ---------------------------------------------------------------- evaluation
 
 
-def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray:
-    """Evaluate ``expr`` elementwise over numpy arrays that broadcast together."""
+Number = int | float | bool
+
+
+def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray | Number:
+    """Evaluate ``expr`` elementwise over numpy arrays that broadcast together. An expression of
+    constants only gives a Python number (a weak scalar: numpy keeps the array dtype it meets)."""
     if isinstance(expr, Arg):
         return args[expr.index]
     if isinstance(expr, Const):
-        return expr.value  # type: ignore[return-value]  # weak scalar: numpy keeps the array dtype
+        return expr.value
     f = FUNCTIONS[expr.fn]
     vals = [evaluate(a, args) for a in expr.args]
-    if all(isinstance(v, (int, float, bool)) for v in vals):
-        return _eval_consts(f, vals)
+    numbers = [v for v in vals if isinstance(v, (int, float, bool))]
+    if len(numbers) == len(vals):
+        return _eval_consts(f, numbers)
     return f.impl(*vals)
 
 
-def _as_float(v: "int | float | bool") -> float:
+def _as_float(v: Number) -> float:
     try:
         return float(v)
     except OverflowError:  # an int beyond float64: its float value is infinite
         return math.copysign(math.inf, v)
 
 
-def _eval_consts(f: ScalarFn, vals: list) -> "int | float | bool":
+def _eval_consts(f: ScalarFn, vals: list[Number]) -> Number:
     """``f`` over Python scalars, with Python's number semantics and IEEE's edge cases (1/0 is
     inf): a float function computes in float64 (numpy's integer ``2 ** -1`` raises and
     ``2 ** 64`` wraps), integer arithmetic is exact (object arrays of Python ints), arithmetic
