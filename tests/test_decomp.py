@@ -6,6 +6,7 @@ import collections
 
 import numpy as np
 import pytest
+from hypothesis import assume as hyp_assume
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,3 +138,110 @@ def test_every_output_block_gets_n_partials(data: st.DataObject) -> None:
     for k in d.kernels:
         for key, p in zip(k.in_keys, d.in_partitions):
             assert key in set(p.keys())
+
+
+# ---- one matmul_route (issue 17, finding 7): the kernel and the footprint read the same decision
+
+_ROUTE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int64", "bool")
+
+
+@st.composite
+def _einsums(draw: st.DrawFn, max_inputs: int = 3, size: int = 5, matmul: bool = False) -> tuple:
+    """A random extended einsum (labels from 'ijkl', repeats allowed) with its input arrays;
+    ``matmul``: a two-input product-sum on floats without repeated labels (the matmul route)."""
+    from einjoin.ir import ops
+    from einjoin.ir.dtypes import numpy_dtype
+
+    n = 2 if matmul else draw(st.integers(1, max_inputs))
+    sizes = {lab: draw(st.integers(1, size)) for lab in "ijkl"}
+    in_labels = [draw(st.lists(st.sampled_from("ijkl"), min_size=0, max_size=4, unique=matmul))
+                 for _ in range(n)]
+    present = list(dict.fromkeys(lab for ls in in_labels for lab in ls))
+    out = draw(st.permutations(present)).copy()[:draw(st.integers(0, len(present)))]
+    dtypes = [draw(st.sampled_from(_ROUTE_DTYPES[:4] if matmul else _ROUTE_DTYPES)) for _ in range(n)]
+    join = "mul" if matmul else draw(st.sampled_from(["mul", "mul", "mul", "add", "max"]))
+    agg = "sum" if matmul else draw(st.sampled_from(["sum", "sum", "max", None]))
+    xs = [ops.input_node(f"x{i}", [sizes[lab] for lab in ls], dt)
+          for i, (ls, dt) in enumerate(zip(in_labels, dtypes))]
+    try:
+        z = ops.einsum_node(xs, in_labels, out, join, agg if set(present) - set(out) else None)
+    except ej.EinjoinError:
+        from hypothesis import reject
+        reject()
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    arrays = [np.asarray(rng.random(x.shape) * 4).astype(numpy_dtype(x.dtype)) for x in xs]
+    return z, arrays
+
+
+@settings(max_examples=150, deadline=None)
+@given(_einsums())
+def test_the_einsum_kernel_takes_the_path_matmul_route_names(case: tuple) -> None:
+    import opt_einsum
+
+    from einjoin.ir import kernels
+
+    z, arrays = case
+    route = kernels.matmul_route(z.op, [x.dtype for x in z.inputs])
+    taken: list[str] = []
+    real_matmul, real_eval = kernels._batched_matmul, kernels.evaluate
+
+    def contract(*args: object, **kw: object) -> object:
+        taken.append("einsum" if "optimize" in kw else "diagonal")
+        return opt_einsum.contract(*args, **kw)
+
+    def matmul(*args: object) -> object:
+        taken.append("matmul")
+        return real_matmul(*args)  # type: ignore[arg-type]
+
+    def evaluate(*args: object) -> object:
+        taken.append("join")
+        return real_eval(*args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "_batched_matmul", matmul)
+        mp.setattr(kernels, "evaluate", evaluate)
+        mp.setattr(kernels, "opt_einsum", type("OE", (), {"contract": staticmethod(contract),
+                                                           "get_symbol": opt_einsum.get_symbol}))
+        with np.errstate(all="ignore"):
+            kernels.einsum_kernel(z.op, arrays, z.dtype)
+    # a one-input contraction goes to np.einsum, which nothing above records
+    assert taken == ([] if route.path == "einsum" and len(arrays) == 1 else [route.path]), (
+        f"{z.op.equation} on {[x.dtype for x in z.inputs]}: route {route.path}, kernel took {taken}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(_einsums(size=24, matmul=True), st.data())
+def test_the_footprint_bounds_what_a_matmul_route_kernel_allocates(case: tuple, data: st.DataObject) -> None:
+    """The scratch the footprint estimates from the route covers what the kernel allocates
+    (traced by tracemalloc, which numpy reports its buffers to) for the matmul route, the one
+    path the estimate models copy by copy; a few KiB of slack for Python objects."""
+    import tracemalloc
+
+    from einjoin.decomp.block_kernels import run_kernel
+    from einjoin.decomp.footprint import kernel_scratch
+    from einjoin.decomp.spec import label_sizes
+    from einjoin.ir.dtypes import itemsize
+    from einjoin.ir.kernels import matmul_route, partial_dtype
+
+    z, arrays = case
+    hyp_assume(matmul_route(z.op, [x.dtype for x in z.inputs]).path == "matmul")
+    spec = {lab: data.draw(st.integers(1, min(2, n))) for lab, n in label_sizes(z).items() if n}
+    d = decompose(z, spec)
+    k = d.kernels[0]
+    blocks = [np.array(a[tuple(slice(lo, hi) for lo, hi in p.box(key))], order="C")
+              for a, p, key in zip(arrays, d.in_partitions, k.in_keys)]
+    out_item = itemsize(partial_dtype(z)) if d.n_partials > 1 else itemsize(z.dtype)
+    out_bytes = int(np.prod(d.out_partition.block_shape(k.out_key))) * out_item
+    scratch = kernel_scratch(d, 0, [b.nbytes for b in blocks], out_bytes)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        with np.errstate(all="ignore"):
+            result = run_kernel(d, k, blocks)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert result.nbytes == out_bytes
+    assert peak <= out_bytes + scratch + 16384, (
+        f"{z.op.equation} on {[x.dtype for x in z.inputs]} under {spec}: the kernel allocated "
+        f"{peak} bytes, the footprint allows {out_bytes} + {scratch}")

@@ -49,7 +49,11 @@ def _einsum_scratch(d: Decomposition, op: Einsum, kernel: int, in_bytes: list[in
         widen += 2 * out_bytes  # the float32 result before its cast
     route = matmul_route(op, [x.dtype for x in d.node.inputs])
     if route.path == "matmul":
-        return widen + _matmul_copies(route, in_bytes, out_bytes)
+        # it transposes and multiplies the widened (float32) copies of half inputs: its copies
+        # and its result are as wide as those
+        wide_in = [2 * b if x.dtype in half else b for b, x in zip(in_bytes, d.node.inputs)]
+        wide_res = 2 * out_bytes if d.node.dtype in half and not wide_out else out_bytes
+        return widen + _matmul_copies(route, wide_in, wide_res)
     if route.path in ("einsum", "diagonal"):
         return widen + 2 * (sum(in_bytes) + out_bytes)
     k = d.kernels[kernel]
