@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["enabled", "stages", "RunBar", "PLAN_OPS", "RUN_TASKS"]
 
@@ -66,12 +67,12 @@ class RunBar:
         self._done = 0
 
     @classmethod
-    def maybe(cls, quiet: bool, total: int, threshold: int = RUN_TASKS) -> "RunBar | None":
+    def maybe(cls, quiet: bool, total: int, threshold: int = RUN_TASKS) -> RunBar | None:
         return cls(total) if enabled(quiet) and total >= threshold else None
 
     _shown = False
 
-    def __enter__(self) -> "RunBar":
+    def __enter__(self) -> RunBar:
         self._shown = _display.acquire(blocking=False)  # another run's bar is up: show nothing
         if self._shown:
             self._progress.start()

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import einjoin as ej
+from einjoin.exchange import TaskKind
 from einjoin.ir.printing import describe
 
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -56,7 +57,7 @@ class FailFirstKernel(Recorder):
 
     def on_start(self, task: Any) -> None:
         super().on_start(task)
-        if task.kind == "kernel":
+        if task.kind is TaskKind.KERNEL:
             with self.lock:
                 if self.failed is None:
                     self.failed = task
@@ -103,7 +104,7 @@ def test_threads_backend_overlaps_devices() -> None:
     z = x @ w
     prog = ej.compile(z, devices=2, backend="threads", specs={z: {"m": 2}}, placement="round_robin")
     xv, wv = rand((512, 512), 3, np.float64), rand((512, 512), 4, np.float64)
-    kernel_ids = {t.id for t in prog.taskgraph.tasks if t.kind == "kernel"}
+    kernel_ids = {t.id for t in prog.taskgraph.tasks if t.kind is TaskKind.KERNEL}
     assert {prog.taskgraph.tasks[i].device for i in kernel_ids} == {0, 1}
 
     def overlapped() -> bool:
@@ -147,7 +148,7 @@ def test_callback_failure_names_task_and_run_recovers(backend: str) -> None:
     with pytest.raises(ej.EinjoinError) as info:
         prog.run(callbacks=[cb], **feeds)
     t = cb.failed
-    assert t is not None and t.kind == "kernel"
+    assert t is not None and t.kind is TaskKind.KERNEL
     msg = str(info.value)
     assert f"task #{t.id}" in msg, msg
     assert "kernel" in msg and "einsum" in msg, msg
@@ -181,7 +182,7 @@ def test_kernel_error_out_of_range_gather(backend: str) -> None:
     m = re.search(r"task #(\d+)", msg)
     assert m, msg
     task = prog.taskgraph.tasks[int(m.group(1))]
-    assert task.kind == "kernel" and task.node is g.node, (task, msg)
+    assert task.kind is TaskKind.KERNEL and task.node is g.node, (task, msg)
     assert task in rec.started
     assert "gather" in msg and f"device {task.device}" in msg, msg
     assert "out of range" in msg and re.search(r"\b9\b", msg), msg

@@ -13,6 +13,7 @@ import pytest
 
 import einjoin as ej
 from einjoin.models.graphs import transformer_block
+from einjoin.exchange import TaskKind
 from einjoin.ir.printing import describe
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -57,7 +58,7 @@ def test_trace_matches_task_graph(block: Any, tmp_path: Any) -> None:
         trace = json.load(f)
     events = _x_events(trace)
     tasks = prog.taskgraph.tasks
-    kernels = [t for t in tasks if t.kind == "kernel"]
+    kernels = [t for t in tasks if t.kind is TaskKind.KERNEL]
     kernel_events = [e for e in events if e["cat"] == "kernel"]
     assert len(kernel_events) == len(kernels)
     assert sorted(e["args"]["task"] for e in kernel_events) == sorted(t.id for t in kernels)
@@ -87,7 +88,7 @@ class FailFirstKernel:
         self.failed: Any = None
 
     def on_start(self, task: Any) -> None:
-        if task.kind == "kernel":
+        if task.kind is TaskKind.KERNEL:
             with self.lock:
                 if self.failed is None:
                     self.failed = task
@@ -99,7 +100,8 @@ class FailFirstKernel:
 
 @pytest.mark.parametrize("backend", ["threads", "sync"])
 def test_failed_run_still_writes_trace(backend: str, tmp_path: Any) -> None:
-    x = ej.input("x", (16, 8)); w = ej.input("w", (8, 4))
+    x = ej.input("x", (16, 8))
+    w = ej.input("w", (8, 4))
     prog = ej.compile(ej.softmax(x @ w), devices=2, backend=backend)
     feeds = dict(x=np.ones((16, 8), np.float32), w=np.ones((8, 4), np.float32))
     cb = FailFirstKernel()

@@ -11,25 +11,26 @@ called.
 
 >>> import einjoin as ej
 >>> from einjoin.decomp import Partition
->>> from einjoin.exchange import TaskGraphBuilder, synthesize
+>>> from einjoin.exchange import Block, TaskGraphBuilder, TaskKind, synthesize
 >>> x = ej.input("x", (4, 4)).node
 >>> rows = Partition.from_counts((4, 4), (4, 1))         # row blocks on devices 0..3
 >>> b = TaskGraphBuilder()
->>> blocks = {k: b.produce("load", i, (), rows.block_shape(k), "float32", x, box=rows.box(k))
+>>> blocks = {k: b.produce(TaskKind.LOAD, i, (), rows.block_shape(k), "float32", x,
+...                     Block(rows.box(k)))
 ...           for i, k in enumerate(rows.keys())}
 >>> cols = Partition.from_counts((4, 4), (1, 4))         # column j needed on device j
 >>> got = synthesize(b, x, rows, blocks, [(cols.box(k), j, None) for j, k in enumerate(cols.keys())])
->>> sum(t.nbytes for t in b.tasks if t.kind == "move"), 4 * 4 * 4 * 3 // 4   # 3/4 of the bytes
+>>> sum(t.nbytes for t in b.tasks if t.kind is TaskKind.MOVE), 4 * 4 * 4 * 3 // 4   # 3/4 of the bytes
 (48, 48)
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+from collections.abc import Iterable
 
 from einjoin.decomp.partition import BlockKey, Box, Partition, box_shape, box_size, intersect, relative
-from einjoin.exchange.tasks import TaskGraphBuilder
+from einjoin.exchange.tasks import Move, Select, TaskGraphBuilder, TaskKind, Touch
 from einjoin.ir.node import Node
 
 __all__ = ["synthesize", "Request"]
@@ -81,14 +82,14 @@ def synthesize(builder: TaskGraphBuilder, node: Node, partition: Partition,
         kbox = partition.box(k)
         consumer = next(iter(want.values()))
         if len(want) == len(_pieces(usage, kbox)):
-            whole[(k, d)] = builder.produce("move", d, (src,), partition.block_shape(k), dtype, node,
-                                            src_device=dev[k], consumer=consumer)
+            whole[(k, d)] = builder.produce(TaskKind.MOVE, d, (src,), partition.block_shape(k), dtype, node,
+                                            Move(dev[k], consumer))
             continue
         for e, consumer in want.items():
-            cut = builder.produce("select", dev[k], (src,), box_shape(e), dtype, node,
-                                  box=relative(e, kbox), consumer=consumer)
-            piece[(e, d)] = builder.produce("move", d, (cut,), box_shape(e), dtype, node,
-                                            src_device=dev[k], consumer=consumer)
+            cut = builder.produce(TaskKind.SELECT, dev[k], (src,), box_shape(e), dtype, node,
+                                  Select(relative(e, kbox), consumer))
+            piece[(e, d)] = builder.produce(TaskKind.MOVE, d, (cut,), box_shape(e), dtype, node,
+                                            Move(dev[k], consumer))
 
     # regions: the value itself, a local select, or a buffer assembled by touches
     out: dict[tuple[Box, int], int] = {}
@@ -111,12 +112,12 @@ def synthesize(builder: TaskGraphBuilder, node: Node, partition: Partition,
             if box_shape(sbox) == builder.values[src].shape:
                 out[(box, d)] = src
             else:
-                out[(box, d)] = builder.produce("select", d, (src,), shape, dtype, node, box=sbox,
-                                                consumer=consumer)
+                out[(box, d)] = builder.produce(TaskKind.SELECT, d, (src,), shape, dtype, node,
+                                                Select(sbox, consumer))
             continue
         buf = builder.value(d, shape, dtype, node)
         for src, sbox, rbox in parts:
-            builder.add("touch", d, (src,), buf, node, nbytes=box_size(rbox) * builder.values[buf].nbytes
-                        // max(box_size(box), 1), box=sbox, dst_box=rbox, consumer=consumer)
+            builder.add(TaskKind.TOUCH, d, (src,), buf, node, Touch(sbox, rbox, consumer),
+                        nbytes=box_size(rbox) * builder.values[buf].nbytes // max(box_size(box), 1))
         out[(box, d)] = buf
     return out

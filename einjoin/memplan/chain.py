@@ -7,8 +7,11 @@ most. The fold order is the n-ary reduce's own, so results are bitwise the same.
 >>> from einjoin.memplan.chain import chain_reduces
 >>> z = ej.einsum("ij->i", ej.input("x", (4, 8)))
 >>> prog = ej.compile(z, specs={z: {"i": 1, "j": 4}}, quiet=True)
->>> [t.kind for t in prog.taskgraph.tasks].count("reduce"), [len(t.reads) for t in chain_reduces(prog.taskgraph).tasks if t.kind == "reduce"]
-(1, [2, 2, 2])
+>>> from einjoin.exchange import TaskKind
+>>> [t.kind for t in prog.taskgraph.tasks].count(TaskKind.REDUCE)
+1
+>>> [len(t.reads) for t in chain_reduces(prog.taskgraph).tasks if t.kind is TaskKind.REDUCE]
+[2, 2, 2]
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from einjoin.exchange import Task, Value
+from einjoin.exchange import Release, Task, TaskKind, Value
 from einjoin.plan.taskgraph import TaskGraph
 
 __all__ = ["chain_reduces"]
@@ -25,7 +28,7 @@ __all__ = ["chain_reduces"]
 def chain_reduces(tg: TaskGraph) -> TaskGraph:
     """``tg`` with every reduce of more than two partials as a chain of two-input reduces (and
     frees of the intermediate accumulators); the final step writes the original value."""
-    if not any(t.kind == "reduce" and len(t.reads) > 2 for t in tg.tasks):
+    if not any(t.kind is TaskKind.REDUCE and len(t.reads) > 2 for t in tg.tasks):
         return tg
     tasks: list[Task] = []
     values: list[Value] = list(tg.values)
@@ -39,7 +42,7 @@ def chain_reduces(tg: TaskGraph) -> TaskGraph:
 
     for t in tg.tasks:
         deps = tuple(new_id[d] for d in t.deps)
-        if t.kind == "reduce" and len(t.reads) > 2:
+        if t.kind is TaskKind.REDUCE and len(t.reads) > 2:
             out = tg.values[t.writes]
             partial = tg.values[t.reads[0]]
             elems = t.flops // (len(t.reads) - 1)
@@ -61,23 +64,23 @@ def chain_reduces(tg: TaskGraph) -> TaskGraph:
                 if i == 1:
                     reader_of[(t.id, acc)] = step
                 if acc >= len(tg.values):  # an intermediate accumulator: free it after this step
-                    emit(t, kind="free", reads=(), writes=-1, deps=(step,), nbytes=values[acc].nbytes,
-                         flops=0, frees=acc, agg=None, dtype="")
+                    emit(t, kind=TaskKind.FREE, reads=(), writes=-1, deps=(step,), nbytes=values[acc].nbytes,
+                         flops=0, payload=Release(acc), dtype="")
                 acc, acc_deps = vid, [step]
             new_id[t.id] = step
-        elif t.kind == "free":
+        elif t.kind is TaskKind.FREE:
             # a partial's free waits for the step that read it, not for the whole chain
             new_id[t.id] = emit(t, deps=tuple(dict.fromkeys(
-                reader_of.get((d, t.frees), new_id[d]) for d in t.deps)))
+                reader_of.get((d, t.payload.frees), new_id[d]) for d in t.deps)))
         else:
             new_id[t.id] = emit(t, deps=deps)
-    producers: dict[int, list[int]] = defaultdict(list)
+    writers: dict[int, list[int]] = defaultdict(list)
     dependents: list[list[int]] = [[] for _ in tasks]
     for t in tasks:
         if t.writes >= 0:
-            producers[t.writes].append(t.id)
+            writers[t.writes].append(t.id)
         for d in t.deps:
             dependents[d].append(t.id)
-    vals = tuple(dataclasses.replace(v, producers=tuple(producers.get(v.id, ()))) for v in values)
+    vals = tuple(dataclasses.replace(v, producers=tuple(writers.get(v.id, ()))) for v in values)
     return TaskGraph(tuple(tasks), vals, tg.n_devices, tg.outputs, tuple(tuple(x) for x in dependents),
                      memory=tg.memory)

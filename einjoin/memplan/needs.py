@@ -11,13 +11,14 @@ some task cannot be met by any eviction policy — only a finer decomposition he
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from einjoin.cluster import Cluster, parse_bytes
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.footprint import kernel_scratch
 from einjoin.errors import EinjoinError
-from einjoin.exchange import Task
+from einjoin.exchange import Task, TaskKind
 from einjoin.ir.printing import describe
 from einjoin.ir.node import Node
 from einjoin.plan.stats import human_bytes
@@ -62,9 +63,9 @@ class TaskNeed:
 
 
 def _scratch(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> int:
-    if t.kind != "kernel":
+    if t.kind is not TaskKind.KERNEL:
         return 0
-    return kernel_scratch(decomps[t.node], t.kernel, [tg.values[v].nbytes for v in t.reads],
+    return kernel_scratch(decomps[t.node], t.payload.kernel, [tg.values[v].nbytes for v in t.reads],
                           tg.values[t.writes].nbytes)
 
 
@@ -75,8 +76,9 @@ def task_needs(tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> list[Tas
     for t in tg.tasks:
         if t.writes < 0:
             continue
-        held = [] if t.kind in ("move", "reload") else list(dict.fromkeys(t.reads))
-        if t.kind == "touch" or t.writes not in held:
+        # a move's source is on another device; a reload reads the host
+        held = [] if t.kind in (TaskKind.MOVE, TaskKind.RELOAD) else list(dict.fromkeys(t.reads))
+        if t.kind is TaskKind.TOUCH or t.writes not in held:
             held.append(t.writes)
         shapes = tuple(tg.values[v].shape for v in held)
         need = sum(tg.values[v].nbytes for v in held) + _scratch(t, tg, decomps)
@@ -94,14 +96,15 @@ def blamed_op(t: Task, tg: TaskGraph) -> Node:
     """The op whose partition sized the biggest block task ``t`` holds: the producer's for a
     select or move (it cuts or ships the producer's block), the consumer's for a touch into a
     buffer at least as big as its source, else (a kernel, a reduce, a load, a fill) its own."""
-    if t.kind == "touch" and t.consumer is not None:
+    consumer: Node | None = t.payload.consumer
+    if t.kind is TaskKind.TOUCH and consumer is not None:
         if tg.values[t.writes].nbytes >= tg.values[t.reads[0]].nbytes:
-            return t.consumer
+            return consumer
     return t.node
 
 
 def cap_error(need: TaskNeed, cap: int, why: str = "", node: Node | None = None) -> MemoryCapError:
-    node = node or need.task.consumer or need.task.node
+    node = node or need.task.payload.consumer or need.task.node
     op = describe(node)
     return MemoryCapError(f"memory cap: {op} {describe_need(need, cap)}{why}", op, need.device,
                           need.needed, cap, need.shapes, node)

@@ -23,11 +23,11 @@ import dataclasses
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.errors import EinjoinError
-from einjoin.exchange import Task, Value
+from einjoin.exchange import Release, Reload, Task, TaskKind, Value
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.memplan.needs import MemoryCapError, _scratch, cap_error, task_needs
@@ -40,7 +40,6 @@ __all__ = ["MemoryPlan", "plan_memory", "POLICIES"]
 # memory allows; naive: evict every value after each use and reload it right before the next
 # one, after the device's previous task (no prefetch) — the baseline bench/offload.py compares.
 POLICIES = ("belady", "naive")
-_FRESH = ("load", "fill", "kernel", "reduce", "select", "move")
 
 
 @dataclass(frozen=True)
@@ -100,18 +99,18 @@ class _Pool:
         self.free += n
 
 
-def _walk_order(tg: TaskGraph) -> tuple[list[int], dict[int, list[tuple[str, int]]]]:
+def _walk_order(tg: TaskGraph) -> tuple[list[int], dict[int, list[tuple[TaskKind, int]]]]:
     """Non-free tasks in id order with each load and fill moved to just before its first
     reader; then, per position, the frees and output write-backs that follow it."""
     readers: dict[int, list[int]] = defaultdict(list)
     for t in tg.tasks:
         for v in t.reads:
             readers[v].append(t.id)
-    lazy = {t.id for t in tg.tasks if t.kind in ("load", "fill") and readers[t.writes]}
+    lazy = {t.id for t in tg.tasks if t.kind.clean and readers[t.writes]}
     order: list[int] = []
     done: set[int] = set()
     for t in tg.tasks:
-        if t.kind == "free" or t.id in lazy:
+        if t.kind is TaskKind.FREE or t.id in lazy:
             continue
         for v in t.reads:
             for p in tg.values[v].producers:
@@ -121,14 +120,14 @@ def _walk_order(tg: TaskGraph) -> tuple[list[int], dict[int, list[tuple[str, int
         order.append(t.id)
         done.add(t.id)
     pos = {tid: i for i, tid in enumerate(order)}
-    after: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    after: dict[int, list[tuple[TaskKind, int]]] = defaultdict(list)
     for t in tg.tasks:
-        if t.kind == "free":
-            after[max(pos[a] for a in t.deps)].append(("free", t.frees))
+        if t.kind is TaskKind.FREE:
+            after[max(pos[a] for a in t.deps)].append((TaskKind.FREE, t.payload.frees))
     for lay in tg.outputs:
         for v in lay.blocks.values():
             users = [*tg.values[v].producers, *readers[v]]
-            after[max(pos[u] for u in users)].append(("writeback", v))
+            after[max(pos[u] for u in users)].append((TaskKind.WRITEBACK, v))
     return order, after
 
 
@@ -201,16 +200,16 @@ class _Walk:
     def dirty(self, b: int) -> bool:
         if b in self.host_ok:
             return False
-        return b in self.outputs or self.source[b].kind not in ("load", "fill")
+        return b in self.outputs or not self.source[b].kind.clean
 
     def evict(self, b: int) -> None:
         v = self.cur[b]
         assert v is not None
         write = self.dirty(b)
         nbytes = self.size(b) if write else 0
-        tid = self.emit(self.source[b], kind="evict", device=self.values[v].device, reads=(v,), writes=-1,
+        tid = self.emit(self.source[b], kind=TaskKind.EVICT, device=self.values[v].device, reads=(v,), writes=-1,
                         deps=tuple(dict.fromkeys(self.prod[b] + self.rdrs[b])), nbytes=nbytes, flops=0,
-                        frees=v, host_key=b, scratch=0, src_device=-1, box=None, dst_box=None)
+                        payload=Release(v, host_key=b), scratch=0)
         if write:
             self.host_ok.add(b)
             self.host_writer[b] = tid
@@ -228,16 +227,15 @@ class _Walk:
         self.values.append(dataclasses.replace(val, id=vid, producers=()))
         if self.policy == "naive" and val.device in self.last_on:
             mem = [*mem, self.last_on[val.device]]  # synchronous: after the device's last task
-        if src.kind == "fill" and b not in self.host_ok:
+        if src.kind is TaskKind.FILL and b not in self.host_ok:
             tid = self.emit(src, writes=vid, deps=tuple(dict.fromkeys(mem)))  # recompute in place
         else:
             from_feed = b not in self.host_ok
             if not from_feed:
                 mem = [*mem, self.host_writer[b]]
-            tid = self.emit(src, kind="reload", device=val.device, reads=(), writes=vid,
+            tid = self.emit(src, kind=TaskKind.RELOAD, device=val.device, reads=(), writes=vid,
                             deps=tuple(dict.fromkeys(mem)), nbytes=val.nbytes, flops=0,
-                            box=src.box if from_feed else None, host_key=b, src_device=-1,
-                            dst_box=None, scratch=0)
+                            payload=Reload(b, src.payload.box if from_feed else None), scratch=0)
             self.reloads += 1
             self.bytes_reloaded += val.nbytes
         self.cur[b], self.prod[b], self.rdrs[b], self.wdeps[b] = vid, [tid], [], [tid]
@@ -254,7 +252,7 @@ class _Walk:
             t = tg.tasks[tid]
             for v in dict.fromkeys(t.reads):
                 self.uses[v].append(pos_of[tid])
-            if t.kind == "touch":
+            if t.kind is TaskKind.TOUCH:
                 self.uses[t.writes].append(pos_of[tid])
                 self.last_touch[t.writes] = pos_of[tid]
         for pos, tid in enumerate(order):
@@ -265,10 +263,10 @@ class _Walk:
 
     def step(self, t: Task, pos: int) -> None:
         dev = t.device
-        rdev = t.src_device if t.kind == "move" else dev
+        rdev = t.payload.src_device if t.kind is TaskKind.MOVE else dev
         reads = list(dict.fromkeys(t.reads))
         b_out = t.writes
-        fresh = t.kind in _FRESH or (t.kind == "touch" and b_out not in self.ever)
+        fresh = t.kind.fresh or (t.kind is TaskKind.TOUCH and b_out not in self.ever)
         pinned = set(reads) | {b_out}
         need = reads + ([] if fresh else [b_out])
         for r in need:
@@ -287,7 +285,7 @@ class _Walk:
         else:
             vid = self.cur[b_out]  # type: ignore[assignment]
             deps += self.wdeps[b_out]
-        tid = self.emit(t, reads=tuple(self.cur[r] for r in t.reads), writes=vid,  # type: ignore[misc]
+        tid = self.emit(t, reads=tuple(self.cur[r] for r in t.reads), writes=vid,
                         deps=tuple(dict.fromkeys(deps)), scratch=scratch)
         if scratch:
             self.pools[dev].release(tid, scratch)  # the kernel's scratch is free when it ends
@@ -300,7 +298,7 @@ class _Walk:
             self.resident[dev][b_out] = None
         else:
             self.prod[b_out].append(tid)
-        if t.kind == "touch":
+        if t.kind is TaskKind.TOUCH:
             self.host_ok.discard(b_out)  # its host copy (if any) is stale now
         if self.policy == "naive":
             for b in [*reads, b_out]:
@@ -308,23 +306,22 @@ class _Walk:
                         and self.last_touch.get(b, -1) <= pos):  # not a buffer still being assembled
                     self.evict(b)
 
-    def release(self, b: int, what: str) -> None:
+    def release(self, b: int, what: TaskKind) -> None:
         v = self.cur.get(b)
         if v is None:
-            if what == "writeback" and b not in self.host_ok:  # pragma: no cover - evict writes outputs
+            if what is TaskKind.WRITEBACK and b not in self.host_ok:  # pragma: no cover - evict writes outputs
                 raise AssertionError(f"output value {b} lost")
             return
         dev = self.values[v].device
         deps = tuple(dict.fromkeys(self.prod[b] + self.rdrs[b]))
         src = self.source[b]
-        if what == "free":
-            tid = self.emit(src, kind="free", device=dev, reads=(), writes=-1, deps=deps, nbytes=self.size(b),
-                            flops=0, frees=v, src_device=-1, box=None, dst_box=None, scratch=0)
+        if what is TaskKind.FREE:
+            tid = self.emit(src, kind=TaskKind.FREE, device=dev, reads=(), writes=-1, deps=deps,
+                            nbytes=self.size(b), flops=0, payload=Release(v), scratch=0)
         else:
             nbytes = 0 if b in self.host_ok else self.size(b)
-            tid = self.emit(src, kind="writeback", device=dev, reads=(v,), writes=-1, deps=deps,
-                            nbytes=nbytes, flops=0, frees=v, host_key=b, src_device=-1, box=None,
-                            dst_box=None, scratch=0)
+            tid = self.emit(src, kind=TaskKind.WRITEBACK, device=dev, reads=(v,), writes=-1, deps=deps,
+                            nbytes=nbytes, flops=0, payload=Release(v, host_key=b), scratch=0)
             self.host_ok.add(b)
         self.pools[dev].release(tid, self.size(b))
         del self.resident[dev][b]

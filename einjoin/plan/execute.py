@@ -6,7 +6,7 @@ topological (id) order in a few lines — the oracle the engines are tested agai
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -14,23 +14,22 @@ from einjoin.decomp.block_kernels import run_kernel
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.relation import TensorRelation
 from einjoin.errors import EinjoinError
-from einjoin.exchange import Task
+from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import fill_kernel
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 
-__all__ = ["compute", "run_reference", "assemble_outputs", "HOST_KINDS", "to_host", "from_host"]
+__all__ = ["compute", "run_reference", "assemble_outputs", "to_host", "from_host", "COMPUTE"]
 
-# tasks that cross the host link in a memory-planned graph (plus the first load of an input)
-HOST_KINDS = ("load", "evict", "reload", "writeback")
+Getter = Callable[[int], "np.ndarray | None"]
 
 
 def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
-def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Node, np.ndarray],
+def compute(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray],
             decomps: Mapping[Node, Decomposition], shape: tuple[int, ...]) -> np.ndarray:
     """The array task ``t`` writes (for a touch: the buffer after the write). ``get`` reads a
     value by id (None for a buffer no touch has allocated yet); ``shape`` is the written value's.
@@ -38,68 +37,101 @@ def compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Nod
     Floating-point edge cases (overflow, log 0, 0/0) give inf/nan as IEEE says and raise no
     numpy warning, whichever backend or thread runs the task (errstate is per thread, so it is
     set here, around every task, rather than once by the caller)."""
+    rule = COMPUTE.get(t.kind)
+    if rule is None:  # pragma: no cover - releases and reloads are the runtime's, not computations
+        raise AssertionError(f"no computation for task kind {t.kind}")
     with np.errstate(all="ignore"):
-        return _compute(t, get, feeds, decomps, shape)
+        return rule(t, get, feeds, decomps, shape)
 
 
-def _compute(t: Task, get: Callable[[int], np.ndarray | None], feeds: Mapping[Node, np.ndarray],
-             decomps: Mapping[Node, Decomposition], shape: tuple[int, ...]) -> np.ndarray:
-    kind = t.kind
-    if kind == "load":
-        # host and CPU devices share RAM: a contiguous block is loaded as a view (values are
-        # never written in place), anything else is copied
-        return np.asarray(feeds[t.node][_slices(t.box)], order="C")  # type: ignore[arg-type]
-    if kind == "fill":
-        return fill_kernel(t.node.op.expr, [a for a, _ in t.box], shape, t.node.dtype)  # type: ignore[union-attr, arg-type]
-    if kind == "kernel":
-        d = decomps[t.node]
-        k = d.kernels[t.kernel]
-        it = iter(t.reads)
-        blocks = [None if key is None else get(next(it)) for key in k.in_keys]
-        out = np.asarray(run_kernel(d, k, blocks))
-        if out.shape != shape:
-            raise EinjoinError(f"kernel {t.kernel} of {describe(t.node)} produced shape {out.shape}, "
-                               f"expected {shape}")
-        return out
-    if kind == "reduce":
-        # the partials' dtype (float32 for a half-precision sum) accumulates; the block's last
-        # step writes the op's dtype (t.dtype), so the cast happens once
-        acc = np.array(get(t.reads[0]))
-        for v in t.reads[1:]:
-            t.agg.ufunc(acc, get(v), out=acc)  # type: ignore[union-attr]
-        return acc.astype(numpy_dtype(t.dtype), copy=False) if t.dtype else acc
-    if kind == "select":
-        return np.array(get(t.reads[0])[_slices(t.box)])  # type: ignore[index, arg-type]
-    if kind == "move":
-        return np.array(get(t.reads[0]))
-    if kind == "touch":
-        buf = get(t.writes)
-        if buf is None:
-            buf = np.empty(shape, dtype=numpy_dtype(t.dtype or t.node.dtype))
-        buf[_slices(t.dst_box)] = get(t.reads[0])[_slices(t.box)]  # type: ignore[index, arg-type]
-        return buf
-    raise AssertionError(f"no computation for task kind {kind!r}")  # pragma: no cover
+def _load(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray], decomps: Mapping[Node, Decomposition],
+          shape: tuple[int, ...]) -> np.ndarray:
+    # host and CPU devices share RAM: a contiguous block is loaded as a view (values are never
+    # written in place), anything else is copied
+    return np.asarray(feeds[t.node][_slices(t.payload.box)], order="C")
+
+
+def _fill(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray], decomps: Mapping[Node, Decomposition],
+          shape: tuple[int, ...]) -> np.ndarray:
+    return fill_kernel(t.node.op.expr, [a for a, _ in t.payload.box], shape, t.node.dtype)  # type: ignore[union-attr]
+
+
+def _kernel(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray], decomps: Mapping[Node, Decomposition],
+            shape: tuple[int, ...]) -> np.ndarray:
+    d = decomps[t.node]
+    i = t.payload.kernel
+    k = d.kernels[i]
+    it = iter(t.reads)
+    blocks = [None if key is None else get(next(it)) for key in k.in_keys]
+    out = np.asarray(run_kernel(d, k, blocks))
+    if out.shape != shape:
+        raise EinjoinError(f"kernel {i} of {describe(t.node)} produced shape {out.shape}, expected {shape}")
+    return out
+
+
+def _reduce(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray], decomps: Mapping[Node, Decomposition],
+            shape: tuple[int, ...]) -> np.ndarray:
+    # the partials' dtype (float32 for a half-precision sum) accumulates; the block's last step
+    # writes the op's dtype (t.dtype), so the cast happens once
+    acc = np.array(get(t.reads[0]))
+    ufunc = t.payload.agg.ufunc
+    for v in t.reads[1:]:
+        ufunc(acc, get(v), out=acc)
+    return acc.astype(numpy_dtype(t.dtype), copy=False) if t.dtype else acc
+
+
+def _select(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray], decomps: Mapping[Node, Decomposition],
+            shape: tuple[int, ...]) -> np.ndarray:
+    return np.array(get(t.reads[0])[_slices(t.payload.box)])  # type: ignore[index]
+
+
+def _move(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray], decomps: Mapping[Node, Decomposition],
+          shape: tuple[int, ...]) -> np.ndarray:
+    return np.array(get(t.reads[0]))
+
+
+def _touch(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray], decomps: Mapping[Node, Decomposition],
+           shape: tuple[int, ...]) -> np.ndarray:
+    buf = get(t.writes)
+    if buf is None:
+        buf = np.empty(shape, dtype=numpy_dtype(t.dtype or t.node.dtype))
+    buf[_slices(t.payload.dst_box)] = get(t.reads[0])[_slices(t.payload.box)]  # type: ignore[index]
+    return buf
+
+
+# what each computing task kind writes (releases and reloads move values, see to_host / from_host)
+COMPUTE: dict[TaskKind, Callable[..., np.ndarray]] = {
+    TaskKind.LOAD: _load,
+    TaskKind.FILL: _fill,
+    TaskKind.KERNEL: _kernel,
+    TaskKind.REDUCE: _reduce,
+    TaskKind.SELECT: _select,
+    TaskKind.MOVE: _move,
+    TaskKind.TOUCH: _touch,
+}
 
 
 def to_host(t: Task, value: np.ndarray, host: dict[int, np.ndarray]) -> None:
     """An evict or write-back: a copy of ``value`` into the host store (a clean value, with
     ``nbytes`` 0, is only dropped by the caller)."""
     if t.nbytes or value.size == 0:  # an empty value weighs 0 bytes but must still arrive
-        old = host.get(t.host_key)
+        key = t.payload.host_key
+        old = host.get(key)
         if old is not None and old.shape == value.shape and old.dtype == value.dtype:
             np.copyto(old, value)  # a block evicted again reuses its host buffer (no new pages)
         else:
-            host[t.host_key] = np.array(value, order="C")
+            host[key] = np.array(value, order="C")
 
 
 def from_host(t: Task, host: Mapping[int, np.ndarray], feeds: Mapping[Node, np.ndarray]) -> np.ndarray:
     """A reload: a fresh device copy of the host store's block, or of the graph input's block."""
-    if t.box is not None:
-        return np.array(feeds[t.node][_slices(t.box)], order="C")
-    return np.array(host[t.host_key], order="C")
+    p = t.payload
+    if p.box is not None:
+        return np.array(feeds[t.node][_slices(p.box)], order="C")
+    return np.array(host[p.host_key], order="C")
 
 
-def assemble_outputs(tg: "object", get: Callable[[int], np.ndarray],
+def assemble_outputs(tg: object, get: Callable[[int], np.ndarray],
                      feeds: Mapping[Node, np.ndarray] = {}) -> list[np.ndarray]:
     """Dense outputs from their aggregated blocks (the fetch). An output that is a view of a
     feed (an input passed through, loads are views) is copied, so callers never alias inputs."""
@@ -113,17 +145,17 @@ def assemble_outputs(tg: "object", get: Callable[[int], np.ndarray],
     return outs
 
 
-def run_reference(tg: "object", decomps: Mapping[Node, Decomposition],
+def run_reference(tg: object, decomps: Mapping[Node, Decomposition],
                   feeds: Mapping[Node, np.ndarray]) -> list[np.ndarray]:
     """Run every task in id order (a topological order) with one dictionary as every store."""
     vals: dict[int, np.ndarray] = {}
     host: dict[int, np.ndarray] = {}
     for t in tg.tasks:  # type: ignore[attr-defined]
-        if t.kind == "free":
-            del vals[t.frees]
-        elif t.kind in ("evict", "writeback"):
-            to_host(t, vals.pop(t.frees), host)
-        elif t.kind == "reload":
+        if t.kind.to_host:
+            to_host(t, vals.pop(t.payload.frees), host)
+        elif t.kind.releases:
+            del vals[t.payload.frees]
+        elif t.kind is TaskKind.RELOAD:
             vals[t.writes] = from_host(t, host, feeds)
         else:
             vals[t.writes] = compute(t, vals.get, feeds, decomps, tg.values[t.writes].shape)  # type: ignore[attr-defined]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from einjoin.exchange.tasks import RELEASES
+from einjoin.exchange.tasks import TaskKind
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.planner.bounds import node_bound_bytes
@@ -54,7 +55,7 @@ class PlanStats:
                 f"{sum(self.task_counts.values())} tasks")
 
 
-def compute_stats(tg: "TaskGraph") -> PlanStats:
+def compute_stats(tg: TaskGraph) -> PlanStats:
     moved = loaded = flops = evicted = reloaded = 0
     inn: dict[int, int] = defaultdict(int)
     out: dict[int, int] = defaultdict(int)
@@ -63,28 +64,30 @@ def compute_stats(tg: "TaskGraph") -> PlanStats:
     live: dict[int, int] = defaultdict(int)
     peak: dict[int, int] = defaultdict(int)
     for t in tg.tasks:
-        if t.kind == "move":
+        kind = t.kind
+        if kind is TaskKind.MOVE:
+            src = t.payload.src_device
             moved += t.nbytes
             inn[t.device] += t.nbytes
-            out[t.src_device] += t.nbytes
-            pair[(t.src_device, t.device)] += t.nbytes
-        elif t.kind == "load":
+            out[src] += t.nbytes
+            pair[(src, t.device)] += t.nbytes
+        elif kind is TaskKind.LOAD:
             loaded += t.nbytes
-        elif t.kind == "evict":
+        elif kind is TaskKind.EVICT:
             evicted += t.nbytes
-        elif t.kind == "reload":
+        elif kind is TaskKind.RELOAD:
             reloaded += t.nbytes
         flops += t.flops
         fl[t.device] += t.flops
         # the peak if tasks ran in id order (the runtime measures the real one)
-        if t.kind in RELEASES:
-            live[t.device] -= tg.values[t.frees].nbytes
+        if kind.releases:
+            live[t.device] -= tg.values[t.payload.frees].nbytes
         elif t.writes >= 0 and tg.values[t.writes].producers[0] == t.id:
             live[t.device] += tg.values[t.writes].nbytes
             peak[t.device] = max(peak[t.device], live[t.device] + t.scratch)
     fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
     return PlanStats(moved, loaded, fetched, flops, dict(inn), dict(out), dict(fl), dict(pair),
-                     dict(Counter(t.kind for t in tg.tasks)), dict(peak), evicted, reloaded)
+                     dict(Counter(t.kind.value for t in tg.tasks)), dict(peak), evicted, reloaded)
 
 
 @dataclass(frozen=True)
@@ -98,24 +101,25 @@ class OpBytes:
     agg: int = 0
 
 
-def bytes_per_op(tg: "TaskGraph") -> dict[Node, OpBytes]:
+def bytes_per_op(tg: TaskGraph) -> dict[Node, OpBytes]:
     """The bytes of the ``move`` tasks per op, as ``explain`` prints them (ops that move nothing
     are left out). Summing ``moved_out`` over the ops gives ``PlanStats.bytes_moved``."""
     bin_: dict[Node, int] = defaultdict(int)
     bout: dict[Node, int] = defaultdict(int)
     agg: dict[Node, int] = defaultdict(int)
     for t in tg.tasks:
-        if t.kind == "move":
+        if t.kind is TaskKind.MOVE:
+            consumer = t.payload.consumer
             bout[t.node] += t.nbytes
-            if t.consumer is t.node:
+            if consumer is t.node:
                 agg[t.node] += t.nbytes
-            elif t.consumer is not None:
-                bin_[t.consumer] += t.nbytes
+            elif consumer is not None:
+                bin_[consumer] += t.nbytes
     return {n: OpBytes(bin_.get(n, 0), bout.get(n, 0), agg.get(n, 0))
             for n in dict.fromkeys([*bout, *bin_])}
 
 
-def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: list[Node]) -> str:
+def explain(tg: TaskGraph, decomps: Mapping[Node, Decomposition], order: list[Node]) -> str:
     """Per op: its join-agg spec, blocks, kernels, partials, bytes moved in (to feed it) and out
     (its data travelling, partial sums included); then totals per device pair."""
     per_op = bytes_per_op(tg)
@@ -149,6 +153,6 @@ def explain(tg: "TaskGraph", decomps: Mapping[Node, "Decomposition"], order: lis
                      f"bytes moved / that sum = {s.bytes_moved / total_bound:.2f}")
     if s.bytes_per_pair:
         lines.append("bytes moved per device pair (src -> dst):")
-        for (a, b), n in sorted(s.bytes_per_pair.items()):
-            lines.append(f"  {a} -> {b}: {human_bytes(n)}")
+        for (a, b), nbytes in sorted(s.bytes_per_pair.items()):
+            lines.append(f"  {a} -> {b}: {human_bytes(nbytes)}")
     return "\n".join(lines)

@@ -25,16 +25,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.flops import kernel_flops
 from einjoin.decomp.partition import BlockKey, Partition
 from einjoin.decomp.partition import Box, box_shape
-from einjoin.exchange import Request, Task, TaskGraphBuilder, Value, synthesize
+from einjoin.exchange import (Block, Kernel, Move, Reduce, Release, Request, Task, TaskGraphBuilder, TaskKind,
+                              Value, synthesize)
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
-from einjoin.ir.node import Fill, Input, Node
+from einjoin.ir.node import Node
 from einjoin.placement import Placement
 from einjoin.plan.stats import PlanStats, compute_stats
 
@@ -70,7 +72,7 @@ def build_taskgraph(graph: Graph, decomps: Mapping[Node, Decomposition], placeme
     b = TaskGraphBuilder()
     requests: dict[Node, list[Request]] = defaultdict(list)
     for c in graph.nodes:
-        if isinstance(c.op, (Input, Fill)):
+        if c.facts.leaf:  # reads nothing
             continue
         d, devs = decomps[c], placement[c].kernel_devices
         for k, dev in zip(d.kernels, devs):
@@ -82,21 +84,21 @@ def build_taskgraph(graph: Graph, decomps: Mapping[Node, Decomposition], placeme
     regions: dict[Node, dict[tuple[Box, int], int]] = {}
     for node in graph.nodes:
         d, pl = decomps[node], placement[node]
-        if isinstance(node.op, Fill):
+        if node.facts.free:
             # a fill is computed where it is needed, never moved
             regions[node] = {}
             for box, dev, _ in requests[node]:
                 if (box, dev) not in regions[node]:
-                    regions[node][(box, dev)] = b.produce("fill", dev, (), box_shape(box), node.dtype,
-                                                          node, box=box)
+                    regions[node][(box, dev)] = b.produce(TaskKind.FILL, dev, (), box_shape(box),
+                                                          node.dtype, node, Block(box))
             if node in outputs:
-                blocks[node] = {k: b.produce("fill", pl.homes[k], (), d.out_partition.block_shape(k),
-                                             node.dtype, node, box=d.out_partition.box(k))
+                blocks[node] = {k: b.produce(TaskKind.FILL, pl.homes[k], (), d.out_partition.block_shape(k),
+                                             node.dtype, node, Block(d.out_partition.box(k)))
                                 for k in d.out_partition.keys()}
             continue
-        if isinstance(node.op, Input):
-            blocks[node] = {k: b.produce("load", pl.homes[k], (), d.out_partition.block_shape(k),
-                                         node.dtype, node, box=d.out_partition.box(k))
+        if node.facts.fed:
+            blocks[node] = {k: b.produce(TaskKind.LOAD, pl.homes[k], (), d.out_partition.block_shape(k),
+                                         node.dtype, node, Block(d.out_partition.box(k)))
                             for k in d.out_partition.keys()}
         else:
             blocks[node] = _kernels_and_aggregation(b, node, d, pl.kernel_devices, pl.homes, regions)
@@ -113,7 +115,7 @@ def build_taskgraph(graph: Graph, decomps: Mapping[Node, Decomposition], placeme
 
 
 def _kernels_and_aggregation(b: TaskGraphBuilder, node: Node, d: Decomposition, devs: tuple[int, ...],
-                             homes: dict, regions: dict[Node, dict[tuple[Box, int], int]]
+                             homes: dict[BlockKey, int], regions: dict[Node, dict[tuple[Box, int], int]]
                              ) -> dict[BlockKey, int]:
     partials: dict[BlockKey, list[tuple[int, int]]] = defaultdict(list)  # key -> [(device, value)]
     # partial results keep the accumulation dtype (float32 for a half-precision sum) through
@@ -122,8 +124,8 @@ def _kernels_and_aggregation(b: TaskGraphBuilder, node: Node, d: Decomposition, 
     for i, (k, dev) in enumerate(zip(d.kernels, devs)):
         reads = tuple(regions[x][(d.in_partitions[slot].box(key), dev)]
                       for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None)
-        vid = b.produce("kernel", dev, reads, d.out_partition.block_shape(k.out_key), acc, node,
-                        kernel=i, flops=kernel_flops(d, k.index))
+        vid = b.produce(TaskKind.KERNEL, dev, reads, d.out_partition.block_shape(k.out_key), acc, node,
+                        Kernel(i), flops=kernel_flops(d, k.index))
         partials[k.out_key].append((dev, vid))
     out: dict[BlockKey, int] = {}
     for key, parts in partials.items():
@@ -142,14 +144,14 @@ def _kernels_and_aggregation(b: TaskGraphBuilder, node: Node, d: Decomposition, 
         # device holds them all, that reduce is the last step and casts to the op's dtype
         local_dtype = node.dtype if len(local) == 1 else acc
         reduced = {dev: vids[0] if len(vids) == 1 else
-                   b.produce("reduce", dev, tuple(vids), shape, local_dtype, node, agg=d.agg,
+                   b.produce(TaskKind.REDUCE, dev, tuple(vids), shape, local_dtype, node, Reduce(d.agg),
                              flops=elems * (len(vids) - 1))
                    for dev, vids in local.items()}
         gathered = ([reduced[home]] if home in reduced else []) + [
-            b.produce("move", home, (v,), shape, b.values[v].dtype, node, src_device=dev, consumer=node)
+            b.produce(TaskKind.MOVE, home, (v,), shape, b.values[v].dtype, node, Move(dev, node))
             for dev, v in reduced.items() if dev != home]
         out[key] = gathered[0] if len(gathered) == 1 else b.produce(
-            "reduce", home, tuple(gathered), shape, node.dtype, node, agg=d.agg,
+            TaskKind.REDUCE, home, tuple(gathered), shape, node.dtype, node, Reduce(d.agg),
             flops=elems * (len(gathered) - 1))
     return out
 
@@ -157,10 +159,10 @@ def _kernels_and_aggregation(b: TaskGraphBuilder, node: Node, d: Decomposition, 
 def _add_frees(b: TaskGraphBuilder, keep: set[int]) -> None:
     readers: dict[int, list[int]] = defaultdict(list)
     for t in b.tasks:
-        for v in t.reads:
-            readers[v].append(t.id)
+        for vid in t.reads:
+            readers[vid].append(t.id)
     for v in list(b.values):
         if v.id in keep:
             continue
         after = tuple(readers[v.id]) or v.producers
-        b.add("free", v.device, (), -1, v.node, nbytes=v.nbytes, after=after, frees=v.id)
+        b.add(TaskKind.FREE, v.device, (), -1, v.node, Release(v.id), nbytes=v.nbytes, after=after)

@@ -1,8 +1,13 @@
-"""The one asynchronous engine: dependency counters, a ready queue whose order is free, per-device
-block stores with byte accounting, frees after the last reader, and callbacks.
+"""The one engine: every backend's runs go through :meth:`Engine.run`, a short loop over named
+steps — check the arguments, open the backend's session, dispatch the tasks, collect, finish,
+replay callbacks — with re-runs after a lost device.
 
-Backends only adapt it: how many workers run tasks (one inline worker, or one thread per
-device) and whether tasks compute (the ``null`` backend only counts).
+Dispatch is one of two (:mod:`einjoin.runtime.backend`): *ready dispatch* keeps a dependency
+counter per task and ready queues whose order is a policy (``fifo``, ``lifo``, ``priority`` by
+b-level, ``random``) and hands each ready task to the session on a worker (inline, or a thread
+per lane: sync, threads, null); *eager dispatch* submits every task in dependency order to a
+backend that resolves dependencies itself (Ray) and collects them. Callbacks (``on_start``,
+``on_end``) see every task either way: live, or replayed with the measured times after the run.
 """
 
 from __future__ import annotations
@@ -14,35 +19,27 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.errors import EinjoinError
-from einjoin.exchange import Task
+from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
-from einjoin.plan.execute import HOST_KINDS, assemble_outputs, compute, from_host, to_host
 from einjoin.plan.taskgraph import TaskGraph
+from einjoin.runtime.backend import Backend, Callback, DeviceLost, RunSpec, Session, TaskFailed, note
+from einjoin.runtime.local import Store
+
+if TYPE_CHECKING:
+    from einjoin.cluster import Cluster
 
 __all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend", "check_host_link",
            "check_seed", "check_order", "check_callbacks", "CancelToken", "RunHandle", "RunTimeoutError"]
 
 ORDERS = ("fifo", "lifo", "priority", "random")
-
-
-class Callback(Protocol):
-    def on_start(self, task: Task) -> None: ...
-    def on_end(self, task: Task, start: float, end: float) -> None: ...
-
-
-class Backend(Protocol):
-    name: str
-    parallel: bool   # one worker thread per device (else one inline worker)
-    computes: bool   # False: run the schedule and count bytes only
-
-    def context(self, n_devices: int) -> Any: ...
 
 
 @dataclass
@@ -61,49 +58,6 @@ class RunStats:
     recoveries: int = 0        # re-runs after a lost device (Ray)
     bytes_evicted: int = 0     # device -> host copies (memory-capped graphs; not in bytes_moved)
     bytes_reloaded: int = 0    # host -> device copies
-
-
-class Store:
-    """One device's blocks, with the bytes it holds (a task's output and scratch count from the
-    moment it starts), its peak and the bytes it received. Thread-safe: a device's compute and
-    host-transfer lanes share it."""
-
-    def __init__(self, device: int):
-        self.device = device
-        self.values: dict[int, Any] = {}
-        self.sizes: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-        self.received = 0
-        self.loaded = 0
-        self.evicted = 0
-        self.reloaded = 0
-        self.lock = threading.Lock()
-
-    def reserve(self, vid: int, nbytes: int, scratch: int = 0) -> None:
-        """Count a value about to be written (once) and the task's scratch, before it runs."""
-        with self.lock:
-            if vid >= 0 and vid not in self.sizes:
-                self.sizes[vid] = nbytes
-                self.live += nbytes
-            self.live += scratch
-            self.peak = max(self.peak, self.live)
-
-    def unreserve(self, scratch: int) -> None:
-        with self.lock:
-            self.live -= scratch
-
-    def put(self, vid: int, value: Any, nbytes: int) -> None:
-        self.reserve(vid, nbytes)
-        self.values[vid] = value
-
-    def get(self, vid: int) -> Any:
-        return self.values.get(vid)
-
-    def free(self, vid: int) -> None:
-        with self.lock:
-            self.values.pop(vid, None)
-            self.live -= self.sizes.pop(vid, 0)
 
 
 def check_host_link(host_link: Any) -> None:
@@ -221,7 +175,7 @@ class RunHandle:
         self._warnings: list[Warning] = []  # issued by the first result() call, on its thread
         self._traceback: Any = None
 
-    def _set(self, ok: bool, value: Any, stats: "RunStats | None") -> None:
+    def _set(self, ok: bool, value: Any, stats: RunStats | None) -> None:
         self.stats = stats
         if not ok:
             self._traceback = value.__traceback__  # the run's own frames, without result()'s
@@ -261,17 +215,6 @@ class RunHandle:
         return f"<RunHandle {state}>"
 
 
-def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[Node, np.ndarray]
-         ) -> np.ndarray:
-    """Under a memory cap every block owns its bytes: a load is a real copy of the feed, and a
-    kernel output that is a view of an input block (a reshape, a slice, a broadcast) is copied,
-    so that freeing or evicting the input really releases it."""
-    sources = [feeds[t.node]] if t.kind == "load" else [get(v) for v in t.reads]
-    if any(s is not None and np.may_share_memory(value, s) for s in sources):
-        return np.array(value, order="C")
-    return value
-
-
 class ReadyQueue:
     """Ready tasks; the order they leave in is a policy. Every policy must give correct results."""
 
@@ -290,15 +233,18 @@ class ReadyQueue:
             self.items.append(tid)
 
     def pop(self) -> int:
+        tid: int
         if self.order == "fifo":
-            return self.items.popleft()
-        if self.order == "lifo":
-            return self.items.pop()
-        if self.order == "priority":
-            return heapq.heappop(self.items)[1]
-        i = self.rng.randrange(len(self.items))
-        self.items[i], self.items[-1] = self.items[-1], self.items[i]
-        return self.items.pop()
+            tid = self.items.popleft()
+        elif self.order == "lifo":
+            tid = self.items.pop()
+        elif self.order == "priority":
+            tid = heapq.heappop(self.items)[1]
+        else:
+            i = self.rng.randrange(len(self.items))
+            self.items[i], self.items[-1] = self.items[-1], self.items[i]
+            tid = self.items.pop()
+        return tid
 
     def __len__(self) -> int:
         return len(self.items)
@@ -314,9 +260,10 @@ def _blevels(tg: TaskGraph) -> list[float]:
 
 
 class Engine:
-    """Runs a task graph on a backend. Concurrent ``run`` calls are safe and independent: every
-    run keeps its own stores, counters, queues and stats (the engine holds only the read-only
-    task graph and decompositions), and a :class:`CancelToken` cancels the run it is given to."""
+    """Runs a task graph on a backend (:class:`~einjoin.runtime.backend.Backend`). Concurrent
+    ``run`` calls are safe and independent: every run keeps its own session (stores, counters,
+    queues) and stats (the engine holds only the read-only task graph and decompositions), and a
+    :class:`CancelToken` cancels the run it is given to."""
 
     def __init__(self, tg: TaskGraph, decomps: Mapping[Node, Decomposition]):
         self.tg = tg
@@ -332,267 +279,303 @@ class Engine:
 
     def run(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str = "fifo",
             seed: int = 0, callbacks: Sequence[Callback] = (), host_link: float | None = None,
-            cancel: CancelToken | None = None) -> tuple[list[np.ndarray] | None, RunStats]:
-        """Run every task once in an order the ready queue picks. ``host_link``: emulate a
-        host<->device link of that many bytes per second (loads, evictions, reloads and
-        write-backs take at least their bytes over it), e.g. 16e9 for PCIe 4 x16. ``cancel``:
-        stop when that token is cancelled (at once, running nothing, if it already is).
+            cancel: CancelToken | None = None, cluster: Cluster | None = None
+            ) -> tuple[list[np.ndarray] | None, RunStats]:
+        """Run every task once. ``order``: the ready-queue policy (backends that resolve
+        dependencies themselves, Ray, ignore it). ``host_link``: emulate a host<->device link of
+        that many bytes per second (loads, evictions, reloads and write-backs take at least their
+        bytes over it), e.g. 16e9 for PCIe 4 x16. ``cancel``: stop when that token is cancelled
+        (at once, running nothing, if it already is). ``cluster``: where the devices are (a
+        remote backend places its workers on the nodes it names).
 
-        A ``KeyboardInterrupt`` (or ``SystemExit``) raised by a task or a callback stops every
+        A lost device re-runs the graph from the inputs, ``backend.retries`` times. A
+        ``KeyboardInterrupt`` (or ``SystemExit``) raised by a task or a callback stops every
         worker and is re-raised as it is, not wrapped; any other failure raises an
         :class:`EinjoinError` naming the task."""
-        tg = self.tg
-        n = tg.n_devices
-        capped = tg.memory is not None
+        spec = self._check(feeds, backend, order, seed, host_link, cancel, cluster)
+        callbacks = check_callbacks(callbacks)
+        recovery = _Recovery(backend, cancel)
+        while True:
+            try:
+                outs, stats = self._attempt(spec, backend, callbacks)
+            except DeviceLost as lost:
+                recovery.lost(lost)  # raises when no retry is left
+                continue
+            except TaskFailed as failed:
+                raise _task_error(failed.task, failed.cause) from failed.cause
+            stats.recoveries = recovery.attempts
+            return outs, stats
+
+    # ---- the steps of a run
+
+    def _check(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str, seed: int,
+               host_link: float | None, cancel: CancelToken | None, cluster: Cluster | None) -> RunSpec:
+        """Every run argument checked; a token cancelled already runs nothing."""
         check_host_link(host_link)
         check_order(order)
         seed = check_seed(seed)
-        callbacks = check_callbacks(callbacks)
         if cancel is not None and cancel.cancelled:
-            raise EinjoinError(f"run cancelled before it started (none of its {len(tg.tasks)} tasks ran)")
-        prio = self.priority() if order == "priority" else ()
-        # host transfers get a lane (thread) of their own per device, so they overlap compute
-        lanes = backend.parallel and (capped or host_link is not None)
-        n_queues = (2 * n if lanes else n) if backend.parallel else 1
-        queues = [ReadyQueue(order, prio, seed + d) for d in range(n_queues)]
-        if not backend.parallel:
-            qi: Callable[[Task], int] = lambda t: 0
-        elif lanes:
-            qi = lambda t: t.device + n if t.kind in HOST_KINDS else t.device
+            raise EinjoinError(f"run cancelled before it started (none of its {len(self.tg.tasks)} tasks ran)")
+        return RunSpec(self, feeds, order, seed, host_link, cancel, cluster)
+
+    def _attempt(self, spec: RunSpec, backend: Backend, callbacks: tuple[Callback, ...]
+                 ) -> tuple[list[np.ndarray] | None, RunStats]:
+        """One attempt: open a session, dispatch every task (ready tasks to workers, or all of them
+        in dependency order to a backend that resolves dependencies), collect, finish."""
+        n = self.tg.n_devices
+        stats = RunStats(order=spec.order, intervals={d: [] for d in range(n)})
+        t0 = time.perf_counter()
+        with backend.open(spec) as session:
+            if session.eager:
+                self._submit(session)
+                session.collect(spec.cancel)
+            else:
+                _Dispatch(self, spec, session, callbacks, stats).run()
+            stats.wall_time = time.perf_counter() - t0
+            outs = session.finish(stats)
+        stats.busy_time_per_device = {d: sum(b - a for a, b, _ in iv) for d, iv in stats.intervals.items()}
+        if session.eager:
+            _replay(self.tg, stats, callbacks)
+        return outs, stats
+
+    def _submit(self, session: Session) -> None:
+        """Every task in id order (a topological order): each one's dependencies are submitted
+        before it, so the backend can pass their futures."""
+        submit = session.submit
+        for t in self.tg.tasks:
+            submit(t)
+
+
+def _task_error(t: Task, exc: BaseException) -> BaseException:
+    """The error a failed task raises: the user's KeyboardInterrupt / SystemExit as it is, else
+    an :class:`EinjoinError` naming the task, its op and its device."""
+    if not isinstance(exc, Exception):
+        return exc
+    kind = f"kernel {t.payload.kernel}" if t.kind is TaskKind.KERNEL else str(t.kind)
+    return EinjoinError(f"task #{t.id} ({kind} of {describe(t.node)}) on device {t.device} failed: "
+                        f"{type(exc).__name__}: {exc}")
+
+
+def _replay(tg: TaskGraph, stats: RunStats, callbacks: tuple[Callback, ...]) -> None:
+    """Callbacks of a backend that ran the tasks elsewhere: each task after the run, in start
+    order, with its measured times."""
+    stats.tasks_run = sum(len(iv) for iv in stats.intervals.values())
+    if not callbacks:
+        return
+    events = sorted((s, e, tid) for iv in stats.intervals.values() for s, e, tid in iv)
+    for s, e, tid in events:
+        for cb in callbacks:
+            cb.on_start(tg.tasks[tid])
+            cb.on_end(tg.tasks[tid], s, e)
+
+
+class _Recovery:
+    """Re-runs after lost devices: ``backend.retries`` of them, plus one free replacement of a
+    device found dead before the run did anything (it died since the last run)."""
+
+    def __init__(self, backend: Backend, cancel: CancelToken | None):
+        self.backend, self.cancel = backend, cancel
+        self.retries = max(0, int(getattr(backend, "retries", 0)))  # may be set after construction
+        self.attempts = 0
+        self.spare = 1
+
+    def lost(self, e: DeviceLost) -> None:
+        if e.before_start and self.spare:
+            self.spare -= 1
+        elif self.attempts == self.retries:
+            raise EinjoinError(f"{e}; the run failed after {self.retries} re-run(s) ({type(self.backend).__name__}("
+                               f"retries=...) allows more); the next run starts fresh devices") from None
         else:
-            qi = lambda t: t.device
-        stores = [Store(d) for d in range(n)]
-        host: dict[int, np.ndarray] = {}  # the host store of a memory-capped graph
-        counters = [len(t.deps) for t in tg.tasks]
-        stats = RunStats(order=order, intervals={d: [] for d in range(n)})
-        state = {"remaining": len(tg.tasks), "error": None, "stop": False}
-        lock = threading.Lock()
+            self.attempts += 1
+        note(self.backend, f"{e}; restarting the devices and re-running")
+        if self.cancel is not None and self.cancel.cancelled:
+            raise EinjoinError(f"run cancelled while recovering from a lost device ({e})") from None
+
+
+class _Dispatch:
+    """Ready dispatch for one run: a dependency counter per task, ready queues (one per lane of
+    the session), and workers that execute ready tasks — inline, or one thread per lane."""
+
+    def __init__(self, engine: Engine, spec: RunSpec, session: Session, callbacks: tuple[Callback, ...],
+                 stats: RunStats):
+        tg = self.tg = engine.tg
+        self.session, self.callbacks, self.stats, self.cancel = session, callbacks, stats, spec.cancel
+        prio = engine.priority() if spec.order == "priority" else ()
+        self.queues = [ReadyQueue(spec.order, prio, spec.seed + d) for d in range(session.lanes)]
+        self.counters = [len(t.deps) for t in tg.tasks]
+        self.remaining = len(tg.tasks)
+        self.error: tuple[Task, BaseException] | None = None
+        self.stop = False
+        self.lock = threading.Lock()
         # one condition per queue (all on one lock): a finished task wakes only the workers whose
         # queues it filled, not every thread (each wake-up costs a GIL hand-over)
-        conds = [threading.Condition(lock) for _ in queues]
+        self.conds = [threading.Condition(self.lock) for _ in self.queues]
 
-        def wake_all() -> None:  # under lock
-            for c in conds:
-                c.notify_all()
-
-        def cancelled() -> bool:
-            return cancel is not None and cancel.cancelled
-
-        def on_cancel() -> None:  # the token's listener: wake the waiting workers now
-            with lock:
-                state["stop"] = True
-                wake_all()
-        for t in tg.tasks:
+    def run(self) -> None:
+        """Seed the queues, drive the workers, raise what stopped the run."""
+        lane = self.session.lane
+        for t in self.tg.tasks:
             if not t.deps:
-                queues[qi(t)].push(t.id)
-
-        def throttle(start: float, nbytes: int) -> None:
-            if host_link is not None and nbytes:
-                rest = nbytes / host_link - (time.perf_counter() - start)
-                if rest > 0:
-                    time.sleep(rest)
-
-        def execute(t: Task) -> None:
-            for cb in callbacks:
-                cb.on_start(t)
-            start = time.perf_counter()
-            store = stores[t.device]
-            if t.kind == "free":
-                store.free(t.frees)
-            elif t.kind in ("evict", "writeback"):
-                if backend.computes:
-                    to_host(t, store.get(t.frees), host)
-                throttle(start, t.nbytes)
-                store.evicted += t.nbytes if t.kind == "evict" else 0
-                store.free(t.frees)
-            else:
-                planned = tg.values[t.writes].nbytes
-                store.reserve(t.writes, planned, t.scratch)
-                value = None
-                if backend.computes:
-                    if t.kind == "reload":
-                        value = from_host(t, host, feeds)
-                    else:
-                        # a move reads on its source device and writes on its destination
-                        get: Callable[[int], Any] = stores[t.src_device].get if t.kind == "move" else store.get
-                        value = compute(t, get, feeds, self.decomps, tg.values[t.writes].shape)
-                        if capped and t.kind in ("load", "kernel"):
-                            value = _own(value, t, get, feeds)
-                store.unreserve(t.scratch)
-                # count what really arrived: the array's bytes (the null backend has only the plan's)
-                nbytes = value.nbytes if value is not None else planned
-                store.put(t.writes, value, nbytes)
-                if t.kind == "move":
-                    store.received += nbytes
-                elif t.kind == "load":
-                    store.loaded += nbytes
-                    throttle(start, nbytes)
-                elif t.kind == "reload":
-                    store.reloaded += nbytes
-                    throttle(start, nbytes)
-            end = time.perf_counter()
-            stats.intervals[t.device].append((start, end, t.id))
-            for cb in callbacks:
-                cb.on_end(t, start, end)
-
-        def complete(t: Task) -> None:  # under lock
-            for dep in tg.dependents[t.id]:
-                counters[dep] -= 1
-                if counters[dep] == 0:
-                    q = qi(tg.tasks[dep])
-                    queues[q].push(dep)
-                    conds[q].notify()  # one worker per queue: notify() reaches it
-            state["remaining"] -= 1
-            if not state["remaining"]:
-                wake_all()
-
-        def fail(t: Task, exc: BaseException) -> None:
-            with lock:
-                if state["error"] is None:
-                    state["error"] = (t, exc)
-                state["stop"] = True
-                wake_all()
-
-        def worker(q: int) -> None:
-            while True:
-                with lock:
-                    # every change a worker waits for notifies it: a task made ready in its queue,
-                    # the last task done, a failure, a cancel (on_cancel), a Ctrl-C (_drive)
-                    while not len(queues[q]) and state["remaining"] and not state["stop"]:
-                        if not backend.parallel:  # one inline worker and nothing ready: stuck
-                            state["stop"] = True
-                            break
-                        conds[q].wait()
-                    if state["stop"] or not state["remaining"]:
-                        wake_all()
-                        return
-                    t = tg.tasks[queues[q].pop()]
-                try:
-                    execute(t)
-                except BaseException as exc:  # noqa: BLE001 - reported with the task's context
-                    fail(t, exc)
-                    return
-                with lock:
-                    complete(t)
-                    stats.tasks_run += 1
-
-        t0 = time.perf_counter()
-        unsubscribe = cancel.subscribe(on_cancel) if cancel is not None else (lambda: None)
+                self.queues[lane(t)].push(t.id)
+        unsubscribe = self.cancel.subscribe(self._on_cancel) if self.cancel is not None else (lambda: None)
         try:
-            self._drive(backend, n, worker, len(queues), lock, state, wake_all)
+            if self.session.threaded:
+                _drive_threads(self.worker, len(self.queues), self.tg.n_devices, self.lock, self._halt)
+            else:
+                self.worker(0)
         finally:
             unsubscribe()
-        stats.wall_time = time.perf_counter() - t0
-        if state["error"] is not None:
-            t, exc = state["error"]
+        self._outcome()
+
+    def _outcome(self) -> None:
+        if self.error is not None:
+            t, exc = self.error
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: the user's, as is
                 raise exc
-            kind = f"kernel {t.kernel}" if t.kind == "kernel" else t.kind
-            msg = (f"task #{t.id} ({kind} of {describe(t.node)}) on device {t.device} failed: "
-                   f"{type(exc).__name__}: {exc}")
-            raise EinjoinError(msg) from exc
-        if state["remaining"]:
-            if cancelled():
-                raise EinjoinError(f"run cancelled with {state['remaining']} of {len(tg.tasks)} tasks left")
-            raise EinjoinError(f"run stopped with {state['remaining']} tasks never ready (a cycle?)")
-        return self._finish(stores, stats, backend, host, feeds, capped)
+            raise TaskFailed(t, exc)
+        if self.remaining:
+            n = len(self.tg.tasks)
+            if self.cancel is not None and self.cancel.cancelled:
+                raise EinjoinError(f"run cancelled with {self.remaining} of {n} tasks left")
+            raise EinjoinError(f"run stopped with {self.remaining} tasks never ready (a cycle?)")
 
-    @staticmethod
-    def _drive(backend: Backend, n: int, worker: Callable[[int], None], n_queues: int,
-               lock: threading.Lock, state: dict[str, Any], wake_all: Callable[[], None]) -> None:
-        """Run the workers: inline (one queue) or one thread per queue; returns only once every
-        worker thread has ended, also after a Ctrl-C (which then stops the workers and goes on).
+    def _wake_all(self) -> None:  # under lock
+        for c in self.conds:
+            c.notify_all()
 
-        The threads are counted under the run's lock (begun, ended) and waited for on a
-        condition, never with ``join()``/``is_alive()``: an interrupt that lands inside
-        ``Thread.join`` marks a live thread stopped (CPython bpo-45274), so a join after it
-        returns while the worker still runs tasks."""
-        with backend.context(n):
-            if not backend.parallel:
-                worker(0)
+    def _halt(self) -> None:
+        """Stop every worker (a failure, a cancel, a Ctrl-C)."""
+        with self.lock:
+            self.stop = True
+            self._wake_all()
+
+    def _on_cancel(self) -> None:  # the token's listener: wake the waiting workers now
+        self._halt()
+
+    def worker(self, q: int) -> None:
+        queue, cond, lock, tasks = self.queues[q], self.conds[q], self.lock, self.tg.tasks
+        while True:
+            with lock:
+                # every change a worker waits for notifies it: a task made ready in its queue,
+                # the last task done, a failure, a cancel (_on_cancel), a Ctrl-C (_drive_threads)
+                while not len(queue) and self.remaining and not self.stop:
+                    if not self.session.threaded:  # one inline worker and nothing ready: stuck
+                        self.stop = True
+                        break
+                    cond.wait()
+                if self.stop or not self.remaining:
+                    self._wake_all()
+                    return
+                t = tasks[queue.pop()]
+            try:
+                self.dispatch(t)
+            except BaseException as exc:  # noqa: BLE001 - reported with the task's context
+                self.fail(t, exc)
                 return
-            ended = threading.Condition(lock)
-            state.update(begun=0, ended=0, launched=0)
+            with lock:
+                self.complete(t)
 
-            began = [threading.Event() for _ in range(n_queues)]
+    def dispatch(self, t: Task) -> None:
+        """Execute one ready task on the session, between the callbacks, timing it."""
+        for cb in self.callbacks:
+            cb.on_start(t)
+        start = time.perf_counter()
+        self.session.execute(t)
+        end = time.perf_counter()
+        self.stats.intervals[t.device].append((start, end, t.id))
+        for cb in self.callbacks:
+            cb.on_end(t, start, end)
 
-            def guarded(q: int) -> None:
-                with lock:
-                    state["begun"] += 1
-                began[q].set()  # after the count: whoever sees it set finds the thread counted
-                try:
-                    worker(q)
-                finally:
-                    with lock:
-                        state["ended"] += 1
-                        ended.notify_all()
+    def complete(self, t: Task) -> None:  # under lock
+        """Release the task's dependents: those now ready go to their lanes' queues."""
+        counters, lane, tasks = self.counters, self.session.lane, self.tg.tasks
+        for dep in self.tg.dependents[t.id]:
+            counters[dep] -= 1
+            if counters[dep] == 0:
+                q = lane(tasks[dep])
+                self.queues[q].push(dep)
+                self.conds[q].notify()  # one worker per queue: notify() reaches it
+        self.remaining -= 1
+        self.stats.tasks_run += 1
+        if not self.remaining:
+            self._wake_all()
 
-            def stop() -> None:
-                with lock:
-                    state["stop"] = True
-                    wake_all()
-            interrupted: BaseException | None = None
-            started: list[threading.Thread] = []
-            starting: tuple[int, threading.Thread] | None = None
-            try:  # the starts too: a Ctrl-C may land while the first workers already run
-                for q in range(n_queues):
-                    starting = None
-                    th = threading.Thread(target=guarded, args=(q,), daemon=True,
-                                          name=f"einjoin-dev{q}" if q < n else f"einjoin-host{q - n}")
-                    starting = (q, th)
-                    th.start()
-                    started.append(th)
-                    starting = None
-                    with lock:
-                        state["launched"] += 1
-            except BaseException as e:  # KeyboardInterrupt, or no thread could be started
-                interrupted = e
-                stop()  # a worker whose start was cut short but that runs anyway finds stop set
-                if starting is not None:
-                    # Thread.start() waits for the new thread to begin: an interrupt there leaves
-                    # one that exists (it begins at once) or, cut before its creation, none
-                    q, th = starting
-                    while True:
-                        try:
-                            if began[q].wait(1.0):
-                                started.append(th)
-                            break
-                        except KeyboardInterrupt:
-                            pass
+    def fail(self, t: Task, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = (t, exc)
+            self.stop = True
+            self._wake_all()
+
+
+def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, lock: threading.Lock,
+                   halt: Callable[[], None]) -> None:
+    """Run one worker thread per lane; returns only once every worker thread has ended, also
+    after a Ctrl-C (which then stops the workers and goes on).
+
+    The threads are counted under the run's lock (begun, ended) and waited for on a condition,
+    never with ``join()``/``is_alive()``: an interrupt that lands inside ``Thread.join`` marks a
+    live thread stopped (CPython bpo-45274), so a join after it returns while the worker still
+    runs tasks."""
+    ended = threading.Condition(lock)
+    count = {"begun": 0, "ended": 0, "launched": 0}
+    began = [threading.Event() for _ in range(n_lanes)]
+
+    def guarded(q: int) -> None:
+        with lock:
+            count["begun"] += 1
+        began[q].set()  # after the count: whoever sees it set finds the thread counted
+        try:
+            worker(q)
+        finally:
+            with lock:
+                count["ended"] += 1
+                ended.notify_all()
+
+    interrupted: BaseException | None = None
+    started: list[threading.Thread] = []
+    starting: tuple[int, threading.Thread] | None = None
+    try:  # the starts too: a Ctrl-C may land while the first workers already run
+        for q in range(n_lanes):
+            starting = None
+            th = threading.Thread(target=guarded, args=(q,), daemon=True,
+                                  name=f"einjoin-dev{q}" if q < n_devices else f"einjoin-host{q - n_devices}")
+            starting = (q, th)
+            th.start()
+            started.append(th)
+            starting = None
+            with lock:
+                count["launched"] += 1
+    except BaseException as e:  # KeyboardInterrupt, or no thread could be started
+        interrupted = e
+        halt()  # a worker whose start was cut short but that runs anyway finds stop set
+        if starting is not None:
+            # Thread.start() waits for the new thread to begin: an interrupt there leaves one
+            # that exists (it begins at once) or, cut before its creation, none
+            q, th = starting
             while True:
                 try:
-                    with lock:
-                        # a launched worker always begins; one that began is counted: wait for both
-                        while state["ended"] < max(state["launched"], state["begun"]):
-                            ended.wait()
+                    if began[q].wait(1.0):
+                        started.append(th)
                     break
-                except KeyboardInterrupt as e:  # stop every worker, wait for them, then re-raise
-                    interrupted = interrupted or e
-                    stop()
-            for th in started:  # done with the run: let them end too (no thread outlives run())
-                while True:
-                    try:
-                        th.join()
-                        break
-                    except KeyboardInterrupt as e:
-                        interrupted = interrupted or e
-            if interrupted is not None:
-                raise interrupted
-
-    def _finish(self, stores: list[Store], stats: RunStats, backend: Backend, host: dict[int, np.ndarray],
-                feeds: Mapping[Node, np.ndarray], capped: bool) -> tuple[list[np.ndarray] | None, RunStats]:
-        """The run's totals from its stores, and its outputs assembled from the blocks."""
-        tg = self.tg
-        stats.bytes_moved = sum(s.received for s in stores)
-        stats.bytes_loaded = sum(s.loaded for s in stores)
-        stats.bytes_evicted = sum(s.evicted for s in stores)
-        stats.bytes_reloaded = sum(s.reloaded for s in stores)
-        stats.peak_bytes_per_device = {s.device: s.peak for s in stores}
-        stats.busy_time_per_device = {d: sum(b - a for a, b, _ in iv) for d, iv in stats.intervals.items()}
-        if not backend.computes:
-            stats.bytes_fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
-            return None, stats
-        outs = assemble_outputs(tg, host.__getitem__ if capped else lambda v: stores[tg.values[v].device].get(v),
-                                feeds)
-        stats.bytes_fetched = sum(o.nbytes for o in outs)
-        return outs, stats
+                except KeyboardInterrupt:
+                    pass
+    while True:
+        try:
+            with lock:
+                # a launched worker always begins; one that began is counted: wait for both
+                while count["ended"] < max(count["launched"], count["begun"]):
+                    ended.wait()
+            break
+        except KeyboardInterrupt as e:  # stop every worker, wait for them, then re-raise
+            interrupted = interrupted or e
+            halt()
+    for th in started:  # done with the run: let them end too (no thread outlives run())
+        while True:
+            try:
+                th.join()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted

@@ -24,7 +24,8 @@ import functools
 import math
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -59,7 +60,7 @@ def device_colors(n_devices: int) -> list[tuple[float, float, float, float]]:
     return [cmap(i / max(n_devices - 1, 1)) for i in range(n_devices)]
 
 
-def block_grid(bounds: Sequence[Sequence[int]], homes: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def block_grid(bounds: Sequence[Sequence[int]], homes: dict[Any, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The output blocks as a 2-D grid: (row edges, column edges, device per cell), edges in
     [0, 1] proportional to the block sizes; dims before the last are flattened into rows (row
     major, like the block keys); a block without a home is ``-1``.
@@ -89,7 +90,7 @@ def block_grid(bounds: Sequence[Sequence[int]], homes: dict) -> tuple[np.ndarray
     return edges(rows), edges(cols), dev.astype(int)
 
 
-def _panel(ax: Any, index: int, node: Node, program: "Program", cmap: Any, n_dev: int) -> None:
+def _panel(ax: Any, index: int, node: Node, program: Program, cmap: Any, n_dev: int) -> None:
     d = program.decomps[node]
     part = d.out_partition
     ye, xe, dev = block_grid(part.bounds, program.placement[node].homes)
@@ -107,7 +108,7 @@ def _panel(ax: Any, index: int, node: Node, program: "Program", cmap: Any, n_dev
                  fontsize=6.5, loc="left")
 
 
-def _bars(ax: Any, program: "Program", index: dict[Node, int], top: int) -> None:
+def _bars(ax: Any, program: Program, index: dict[Node, int], top: int) -> None:
     per_op = bytes_per_op(program.taskgraph)
     moved = [(n, b) for n, b in per_op.items() if n in index and (b.moved_in or b.moved_out)]
     moved.sort(key=lambda nb: (-(nb[1].moved_in + nb[1].moved_out), index[nb[0]]))
@@ -133,7 +134,7 @@ def _bars(ax: Any, program: "Program", index: dict[Node, int], top: int) -> None
                  f"total moved {total}", fontsize=9, loc="left")
 
 
-def save_plan_png(program: "Program", path: "str | os.PathLike[str]", *, max_panels: int = 48,
+def save_plan_png(program: Program, path: str | os.PathLike[str], *, max_panels: int = 48,
                   columns: int = 5, top_bars: int = 30, dpi: int = 100) -> pathlib.Path:
     """Draw ``program``'s plan (see the module docstring) to the PNG file ``path``; returns it.
     At most ``max_panels`` op panels (then a note "… N more ops"), ``columns`` per row, and the

@@ -13,7 +13,7 @@ https://ui.perfetto.dev or ``chrome://tracing``.
 >>> path = os.path.join(tempfile.mkdtemp(), "run.json")
 >>> _ = prog.run(np.ones((8, 8), np.float32), np.ones((8, 8), np.float32), trace=path)
 >>> events = json.load(open(path))["traceEvents"]
->>> {"kernel", "load"} <= {e["cat"] for e in events if e["ph"] == "X"}
+>>> {"kernel", "load"} <= {e["cat"] for e in events if e["ph"] == "X"}   # the task kinds
 True
 """
 
@@ -24,9 +24,10 @@ import os
 import pathlib
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from einjoin.exchange import Task
+from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 
@@ -64,13 +65,13 @@ def task_name(task: Task, op: str | None = None) -> str:
     (``"move einsum[...]"``), so the kinds stay apart on a track.
 
     >>> import einjoin as ej
-    >>> from einjoin.exchange import Task
+    >>> from einjoin.exchange import Move, Task, TaskKind
     >>> z = ej.input("a", (2, 2)) @ ej.input("b", (2, 2))
-    >>> task_name(Task(0, "move", 1, (), 0, (), 16, 0, z.node))
+    >>> task_name(Task(0, TaskKind.MOVE, 1, (), 0, (), 16, 0, z.node, Move(0)))
     'move einsum[mk,kn->mn | x0 * x1 | sum]'
     """
     op = describe(task.node) if op is None else op
-    return op if task.kind == "kernel" else f"{task.kind} {op}"
+    return op if task.kind is TaskKind.KERNEL else f"{task.kind} {op}"
 
 
 class TraceRecorder:
@@ -116,18 +117,18 @@ class TraceRecorder:
 
     def _event(self, task: Task, start: float, end: float, unfinished: bool = False) -> dict[str, Any]:
         op = self._op(task.node)
-        args: dict[str, Any] = {"op": op, "kind": task.kind, "bytes": task.nbytes, "task": task.id}
+        args: dict[str, Any] = {"op": op, "kind": task.kind.value, "bytes": task.nbytes, "task": task.id}
         if task.node in self.labels:
             args["node"] = self.labels[task.node]
-        if task.kind == "kernel":
-            args["kernel"] = task.kernel
-        elif task.kind == "move":
-            args["src_device"] = task.src_device
+        if task.kind is TaskKind.KERNEL:
+            args["kernel"] = task.payload.kernel
+        elif task.kind is TaskKind.MOVE:
+            args["src_device"] = task.payload.src_device
         if task.flops:
             args["flops"] = task.flops
         if unfinished:
             args["unfinished"] = True
-        return {"name": task_name(task, op), "cat": task.kind, "ph": "X",
+        return {"name": task_name(task, op), "cat": task.kind.value, "ph": "X",
                 "ts": (start - self._t0) * 1e6, "dur": max(end - start, 0.0) * 1e6,
                 "pid": 0, "tid": task.device, "args": args}
 
@@ -150,7 +151,7 @@ class TraceRecorder:
     def to_dict(self) -> dict[str, Any]:
         return {"traceEvents": self.events(), "displayTimeUnit": "ms"}
 
-    def write(self, path: "str | os.PathLike[str]") -> pathlib.Path:
+    def write(self, path: str | os.PathLike[str]) -> pathlib.Path:
         """Write the trace as JSON to ``path``; returns the path."""
         out = pathlib.Path(path)
         with open(out, "w", encoding="utf-8") as f:

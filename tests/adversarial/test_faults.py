@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import einjoin as ej
-import einjoin.runtime.engine as engine_mod
+import einjoin.runtime.local as local_mod  # where the local backends look up compute
+from einjoin.exchange import TaskKind
 from einjoin.program import TraceWriteWarning
 
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -49,7 +50,7 @@ class FailingKernel:
         self.failed: Any = None
 
     def __call__(self, t: Any, *args: Any, **kw: Any) -> Any:
-        if t.kind == "kernel":
+        if t.kind is TaskKind.KERNEL:
             with self.lock:
                 self.kernels += 1
                 hit = self.kernels == self.at
@@ -64,16 +65,16 @@ class FailingKernel:
 def test_kernel_raising_mid_run_names_the_task_and_the_program_runs_again(
         backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     prog, out, feeds = chain(backend)
-    n_kernels = sum(t.kind == "kernel" for t in prog.taskgraph.tasks)
+    n_kernels = sum(t.kind is TaskKind.KERNEL for t in prog.taskgraph.tasks)
     assert n_kernels >= 6
-    fault = FailingKernel(engine_mod.compute, at=n_kernels // 2, exc=FloatingPointError("injected"))
-    monkeypatch.setattr(engine_mod, "compute", fault)
+    fault = FailingKernel(local_mod.compute, at=n_kernels // 2, exc=FloatingPointError("injected"))
+    monkeypatch.setattr(local_mod, "compute", fault)
     before = threading.active_count()
     with pytest.raises(ej.EinjoinError) as info:
         prog.run(**feeds)
     msg = str(info.value)
     t = fault.failed
-    for frag in (f"task #{t.id}", f"kernel {t.kernel}", f"device {t.device}", "FloatingPointError", "injected"):
+    for frag in (f"task #{t.id}", f"kernel {t.payload.kernel}", f"device {t.device}", "FloatingPointError", "injected"):
         assert frag in msg, (frag, msg)
     assert isinstance(info.value.__cause__, FloatingPointError)
     assert threading.active_count() == before, threading.enumerate()
@@ -84,7 +85,7 @@ def test_kernel_raising_mid_run_names_the_task_and_the_program_runs_again(
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keyboard_interrupt_inside_a_kernel_is_not_wrapped(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     prog, out, feeds = chain(backend)
-    monkeypatch.setattr(engine_mod, "compute", FailingKernel(engine_mod.compute, at=2, exc=KeyboardInterrupt()))
+    monkeypatch.setattr(local_mod, "compute", FailingKernel(local_mod.compute, at=2, exc=KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt) as info:
         prog.run(**feeds)
     assert type(info.value) is KeyboardInterrupt
@@ -99,12 +100,12 @@ def test_concurrent_run_survives_a_neighbour_failing(monkeypatch: pytest.MonkeyP
     mark = np.float32(12345.0)
     feeds["x"][0, 0] = mark  # tells the failing run's feeds apart inside compute
     other = {"x": rand((32, 24), 3), "w": rand((24, 24), 4)}
-    real = engine_mod.compute
+    real = local_mod.compute
     started = threading.Event()
 
     def compute(t: Any, get: Any, fd: Any, *args: Any, **kw: Any) -> Any:
         # the run fed with the mark fails at its first kernel, once the other run is under way
-        if t.kind == "kernel" and any(v.size and v.flat[0] == mark for v in fd.values()):
+        if t.kind is TaskKind.KERNEL and any(v.size and v.flat[0] == mark for v in fd.values()):
             assert started.wait(30)
             raise RuntimeError("injected")
         return real(t, get, fd, *args, **kw)
@@ -116,7 +117,7 @@ def test_concurrent_run_survives_a_neighbour_failing(monkeypatch: pytest.MonkeyP
         def on_end(self, task: Any, start: float, end: float) -> None:
             pass
 
-    monkeypatch.setattr(engine_mod, "compute", compute)
+    monkeypatch.setattr(local_mod, "compute", compute)
     bad = prog.run_async(**feeds)
     good = prog.run_async(**other, callbacks=[Started()])
     with pytest.raises(ej.EinjoinError, match="injected"):
@@ -143,7 +144,7 @@ def test_trace_to_a_full_disk_keeps_the_results(backend: str) -> None:
 @needs_dev_full
 def test_failed_run_with_trace_to_a_full_disk_raises_the_runs_error(monkeypatch: pytest.MonkeyPatch) -> None:
     prog, out, feeds = chain("threads")
-    monkeypatch.setattr(engine_mod, "compute", FailingKernel(engine_mod.compute, at=3, exc=ValueError("boom")))
+    monkeypatch.setattr(local_mod, "compute", FailingKernel(local_mod.compute, at=3, exc=ValueError("boom")))
     with pytest.raises(ej.EinjoinError, match="boom") as info:
         prog.run(**feeds, trace="/dev/full")
     notes = " ".join(getattr(info.value, "__notes__", []))
@@ -202,7 +203,7 @@ def test_sigint_while_a_task_runs_returns_only_after_every_worker_ended() -> Non
         def on_start(self, task: Any) -> None:
             with self.lock:
                 self.in_flight += 1
-            if task.kind == "kernel" and not inside.is_set():
+            if task.kind is TaskKind.KERNEL and not inside.is_set():
                 inside.set()
                 time.sleep(0.5)  # the Ctrl-C lands meanwhile
 
@@ -276,7 +277,7 @@ def test_run_handle_result_raises_the_same_error_without_growing_its_traceback(
     """Review 9: each ``result()`` call re-raised the one exception object, and every raise
     added the caller's frames to its traceback."""
     prog, out, feeds = chain("threads")
-    monkeypatch.setattr(engine_mod, "compute", FailingKernel(engine_mod.compute, at=1, exc=ValueError("boom")))
+    monkeypatch.setattr(local_mod, "compute", FailingKernel(local_mod.compute, at=1, exc=ValueError("boom")))
     h = prog.run_async(**feeds)
     depths = []
     for _ in range(3):

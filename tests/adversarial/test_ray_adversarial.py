@@ -144,7 +144,7 @@ def test_cancel_before_start_submits_nothing_and_mid_run_cancel_leaves_the_progr
     tok = CancelToken()
     tok.cancel()
     with pytest.raises(ej.EinjoinError, match="run cancelled before it started"):
-        fresh.run_graph(prog._engine, values, prog.cluster, cancel=tok)
+        prog._engine.run(values, fresh, cancel=tok, cluster=prog.cluster)
     assert fresh.actors == []  # nothing was started, let alone run
 
     backend = shared
@@ -155,7 +155,7 @@ def test_cancel_before_start_submits_nothing_and_mid_run_cancel_leaves_the_progr
         threading.Timer(1.0, tok.cancel).start()  # kernels sleep 0.2 s each: the run is mid-way
         t0 = time.time()
         with pytest.raises(ej.EinjoinError, match="run cancelled with [1-9][0-9]* of"):
-            backend.run_graph(prog._engine, values, prog.cluster, cancel=tok)
+            prog._engine.run(values, backend, cancel=tok, cluster=prog.cluster)
         assert time.time() - t0 < HANG
         assert _no_open_runs(backend)  # its namespace is gone on every actor
         # through the Program: cancelling one of two concurrent runs leaves the other correct
@@ -169,7 +169,7 @@ def test_cancel_before_start_submits_nothing_and_mid_run_cancel_leaves_the_progr
         backend.kernel_delay = 0.0
         tok = CancelToken()  # a fresh token: the program runs again, on the same actors
         pids = list(backend.pids)
-        outs, _ = backend.run_graph(prog._engine, values, prog.cluster, cancel=tok)
+        outs, _ = prog._engine.run(values, backend, cancel=tok, cluster=prog.cluster)
         np.testing.assert_allclose(outs[0], ej.reference(out, **f), **TOL)
         assert backend.pids == pids
     finally:

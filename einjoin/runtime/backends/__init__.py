@@ -1,6 +1,8 @@
-"""Backends adapt the one engine: ``sync`` (one inline worker, for debugging), ``threads`` (a
-worker thread per local device, numpy kernels, BLAS threads limited so that device threads times
-BLAS threads fit the cores) and ``null`` (runs the schedule and counts bytes, computes nothing)."""
+"""The backends the engine runs on (each implements :class:`einjoin.runtime.backend.Backend`):
+``sync`` (one inline worker, for debugging), ``threads`` (a worker thread per local device, numpy
+kernels, BLAS threads limited so that device threads times BLAS threads fit the cores), ``null``
+(runs the schedule and counts bytes, computes nothing) and ``ray`` (:mod:`.ray`: an actor per
+device)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,12 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from einjoin.errors import EinjoinError
+from einjoin.runtime.backend import Backend, RunSpec
+from einjoin.runtime.local import LocalSession
 
 __all__ = ["BACKENDS", "get_backend", "SyncBackend", "ThreadsBackend", "NullBackend", "BlasLimiter", "BLAS_LIMITER"]
 
@@ -220,33 +225,52 @@ BLAS_LIMITER = BlasLimiter()
 
 @dataclass(frozen=True)
 class SyncBackend:
-    name: str = "sync"
-    parallel: bool = False
-    computes: bool = True
+    """One inline worker runs every task (debugging: deterministic, one thread)."""
 
-    def context(self, n_devices: int) -> Any:
-        return contextlib.nullcontext()
+    name: str = "sync"
+    computes: bool = True
+    remote: bool = False
+    retries: int = 0
+
+    def open(self, run: RunSpec) -> LocalSession:
+        return LocalSession(run, self.computes, threaded=False)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
 class NullBackend:
-    name: str = "null"
-    parallel: bool = False
-    computes: bool = False
+    """Runs the schedule and counts the plan's bytes; computes nothing (``run`` returns None)."""
 
-    def context(self, n_devices: int) -> Any:
-        return contextlib.nullcontext()
+    name: str = "null"
+    computes: bool = False
+    remote: bool = False
+    retries: int = 0
+
+    def open(self, run: RunSpec) -> LocalSession:
+        return LocalSession(run, self.computes, threaded=False)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
 class ThreadsBackend:
-    name: str = "threads"
-    parallel: bool = True
-    computes: bool = True
+    """A worker thread per device (and a host-transfer lane per device under a memory cap or an
+    emulated host link); BLAS threads limited so that device threads x BLAS threads <= cores,
+    process-wide, while runs are in flight (:data:`BLAS_LIMITER`)."""
 
-    def context(self, n_devices: int) -> Any:
-        # device threads x BLAS threads <= cores, process-wide, while runs are in flight
-        return BLAS_LIMITER.limit(n_devices)
+    name: str = "threads"
+    computes: bool = True
+    remote: bool = False
+    retries: int = 0
+
+    def open(self, run: RunSpec) -> LocalSession:
+        return LocalSession(run, self.computes, threaded=True, limit=BLAS_LIMITER.limit)
+
+    def close(self) -> None:
+        pass
 
 
 BACKENDS: dict[str, Any] = {"sync": SyncBackend(), "threads": ThreadsBackend(), "null": NullBackend()}
@@ -255,7 +279,7 @@ BACKENDS: dict[str, Any] = {"sync": SyncBackend(), "threads": ThreadsBackend(), 
 def get_backend(name: Any) -> Any:
     """The backend named ``name`` (``sync``, ``threads``, ``null``, ``ray``), or ``name`` itself
     when it already is a backend object."""
-    if not isinstance(name, str) and hasattr(name, "parallel"):
+    if not isinstance(name, str) and isinstance(name, Backend):
         return name
     if isinstance(name, str) and name == "ray":  # a fresh one per program: it owns that program's actors
         from einjoin.runtime.backends.ray import RayBackend

@@ -1,17 +1,19 @@
 """The Ray backend: one Ray actor per einjoin device, holding that device's block stores.
 
-The driver submits the whole task graph at once, in task-id (topological) order: every task is
-a call on the actor of its device; a dependency on another device's task is passed as that
-task's object reference, so Ray, not the driver, waits for it. A ``move`` is a ``send`` on the
+The engine runs it like every backend (:class:`einjoin.runtime.backend.Backend`): ``open`` gives
+a session that takes tasks whose inputs are still futures (eager dispatch), so the engine
+submits the whole task graph at once, in task-id (topological) order: every task is a call on
+the actor of its device; a dependency on another device's task is passed as that task's object
+reference, so Ray, not the driver, waits for it. A ``move`` is a ``send`` on the
 source actor whose result (the block, in Ray's object store) is the argument of a ``receive``
 on the destination actor: point to point, zero-copy reads (blocks received are only read;
 kernels, reduces and touches write fresh arrays or local buffers). Blocks stay resident in the
-actors between tasks; only the outputs are fetched. The task semantics are the engine's
-(:func:`einjoin.plan.execute.compute` and :class:`einjoin.runtime.engine.Store`); Ray replaces
-the engine's scheduler, which is why callbacks see each task after the run, with its measured
-times.
+actors between tasks; only the outputs are fetched. The task semantics are the local devices'
+(:func:`einjoin.plan.execute.compute` and :class:`einjoin.runtime.local.Store`); Ray does the
+scheduling, which is why callbacks see each task after the run (the engine replays them), with
+its measured times.
 
-Runs are independent: every call of :meth:`RayBackend.run_graph` gets a run id, and each actor
+Runs are independent: every session (one run attempt) gets a run id, and each actor
 keeps that run's feeds, store, intervals and byte counts under it (dropped when the run ends,
 fails or is cancelled), so concurrent runs of one program never see each other's values. Two
 runs' tasks interleave on an actor in submission order; each run's submissions are in
@@ -19,9 +21,10 @@ topological order, so the interleaving is a topological order of both graphs (no
 
 Faults: a lost actor (killed, out of memory) is reported by Ray to every waiting reference within
 seconds. The inputs are still reachable (the driver holds the feeds), so the chosen behaviour is
-completion: the lost device's pool of actors is replaced (once per loss, however many runs saw it:
-a generation counter) and the task graph runs again from the inputs (coarse lineage: all
-producers, not only the lost blocks'), ``retries`` times (default 1); after that, an
+completion: the session raises :class:`~einjoin.runtime.backend.DeviceLost`, the lost device's
+pool of actors is replaced (once per loss, however many runs saw it: a generation counter) and
+the engine runs the task graph again from the inputs (coarse lineage: all producers, not only
+the lost blocks'), ``retries`` times (default 1); after that, an
 :class:`EinjoinError` names the lost device and its actor's pid, and the next run starts on fresh
 actors. Nothing is pinged before a run: an actor that died between runs fails the run's first call
 (``begin``) on it, before any of the run's work, and is replaced without using up a retry.
@@ -48,18 +51,21 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from einjoin.cluster import Cluster, Device, LinkMatrix
 from einjoin.errors import EinjoinError
+from einjoin.exchange import Task, TaskKind
+from einjoin.runtime.backend import DeviceLost, RunSpec, TaskFailed
 
 __all__ = ["RayBackend", "ray_cluster", "DeviceWorker", "ensure_ray", "shutdown"]
 
 _started_here = False          # this process started the local Ray it uses
 _lock = threading.Lock()
-_live: "set[RayBackend]" = set()   # backends holding actors, for shutdown()
+_live: set[RayBackend] = set()   # backends holding actors, for shutdown()
 _run_ids = itertools.count(1)  # one namespace per run on every actor (process-wide: backends share Ray)
 _plan_ids = itertools.count(1)
 # the node address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
@@ -133,11 +139,11 @@ def _init_on_a_lasting_thread(ray: Any, opts: dict[str, Any]) -> None:
         raise failed[0]
 
 
-_keeper: "queue.SimpleQueue[Any] | None" = None
+_keeper: queue.SimpleQueue[Any] | None = None
 _keeper_lock = threading.Lock()
 
 
-def _keep(jobs: "queue.SimpleQueue[Any]") -> None:
+def _keep(jobs: queue.SimpleQueue[Any]) -> None:
     while True:  # alive for ever: Ray's processes started here live as long as this thread
         jobs.get()()
 
@@ -217,23 +223,13 @@ def _check_number(where: str, name: str, value: Any, positive: bool = False, fin
                            f"{'> 0' if positive else '>= 0'}, got {value!r:.60}")
 
 
-class _DeviceLost(Exception):
-    """A device's actor died: internal, becomes a re-run or an EinjoinError. ``before_start``:
-    found on a ``begin`` (or at submission), so the actor was dead before this run did anything:
-    replacing it costs the run no retry."""
-
-    def __init__(self, msg: str, before_start: bool = False):
-        super().__init__(msg)
-        self.before_start = before_start
-
-
 class _Run:
     """One run's namespace on one actor."""
 
     __slots__ = ("tg", "decomps", "feeds", "store", "intervals", "received_from", "delay")
 
     def __init__(self, plan: tuple[Any, Any], feeds: Mapping[Any, np.ndarray], device: int, delay: float):
-        from einjoin.runtime.engine import Store
+        from einjoin.runtime.local import Store
         self.tg, self.decomps = plan
         self.feeds = feeds
         self.store = Store(device)
@@ -291,14 +287,14 @@ class DeviceWorker:
             return
         t = r.tg.tasks[tid]
         start = time.time()
-        if t.kind == "free":
-            r.store.free(t.frees)
+        if t.kind.releases:  # a free (memory caps, hence evictions, are refused on Ray)
+            r.store.free(t.payload.frees)
         else:
-            if t.kind == "kernel" and r.delay:
+            if t.kind is TaskKind.KERNEL and r.delay:
                 time.sleep(r.delay)
             value = compute(t, r.store.get, r.feeds, r.decomps, r.tg.values[t.writes].shape)
             r.store.put(t.writes, value, value.nbytes)
-            if t.kind == "load":
+            if t.kind is TaskKind.LOAD:
                 r.store.loaded += value.nbytes
         r.intervals.append((tid, start, time.time()))
 
@@ -405,7 +401,7 @@ class RayBackend:
         self._last: _Pool | None = None       # the pool of the last run (actors / pids)
         self._session: tuple[str, str] | None = None
         self._closes = 0                      # close() calls: a run that saw one fails, never restarts
-        self._plans: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
         self._forgotten: list[int] = []       # plan keys of programs gone, to drop on the actors
         self._in_flight = 0
 
@@ -420,10 +416,6 @@ class RayBackend:
         """The pids of :attr:`actors`."""
         pool = self._last
         return list(pool.pids) if pool is not None else []
-
-    def context(self, n_devices: int) -> Any:  # the engine's hook; unused by remote backends
-        import contextlib
-        return contextlib.nullcontext()
 
     # -- actors ------------------------------------------------------------------------------
     def _start(self, cluster: Cluster | None, shape: tuple[int, tuple[Any, ...]]) -> _Pool:
@@ -511,7 +503,7 @@ class RayBackend:
                         x.setup.remote(key, plan)  # runs before this run's begin (same actor, in order)
                     except Exception as e:  # noqa: BLE001 - the handle is dead: replace the pool
                         self._retire(pool, pool.generation)
-                        raise _DeviceLost(f"device {d} (Ray actor pid {pool.pids[d]}) could not be "
+                        raise DeviceLost(f"device {d} (Ray actor pid {pool.pids[d]}) could not be "
                                           f"reached: {type(e).__name__}", before_start=True) from None
                     pool.shipped[d].add(key)
             with self._count:
@@ -533,115 +525,12 @@ class RayBackend:
                     except Exception:  # noqa: BLE001 - a dead actor holds nothing
                         pass
 
-    # -- runs --------------------------------------------------------------------------------
-    def run_graph(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
-                  callbacks: Sequence[Any] = (), cancel: Any = None) -> tuple[list[np.ndarray], Any]:
-        """Run the engine's task graph on the actors with these feeds. When a device is lost and
-        ``retries`` remain, the actors are replaced and the graph runs again from the inputs (the
-        driver holds them), so the run completes; an actor found dead on the run's first call
-        (it died since the last run) is replaced without using a retry. ``cancel``: a
-        :class:`~einjoin.runtime.engine.CancelToken` (anything with a ``cancelled`` property),
-        polled while waiting; a cancelled run raises ``EinjoinError("run cancelled ...")``, its
-        namespace on the actors is dropped and the backend stays usable."""
-        n_tasks = len(engine.tg.tasks)
-        if cancel is not None and cancel.cancelled:  # before start: nothing is submitted
-            raise EinjoinError(f"run cancelled before it started (none of its {n_tasks} tasks ran)")
-        retries = max(0, int(self.retries))  # may have been set after construction
-        attempt, free = 0, 1  # free: one replacement of actors dead before the run began
-        while True:
-            try:
-                outs, stats = self._run_once(engine, feeds, cluster, callbacks, cancel)
-                stats.recoveries = attempt
-                return outs, stats
-            except _DeviceLost as e:
-                if e.before_start and free:
-                    free -= 1
-                elif attempt == retries:
-                    raise EinjoinError(f"{e}; the run failed after {retries} re-run(s) (RayBackend("
-                                       f"retries=...) allows more); the next run starts fresh actors") from None
-                else:
-                    attempt += 1
-                if not self.quiet:
-                    print(f"einjoin: {e}; restarting the actors and re-running", file=sys.stderr)
-                if cancel is not None and cancel.cancelled:
-                    raise EinjoinError(f"run cancelled while recovering from a lost device ({e})") from None
-
-    def _run_once(self, engine: Any, feeds: Mapping[Any, np.ndarray], cluster: Cluster | None,
-                  callbacks: Sequence[Any], cancel: Any) -> tuple[list[np.ndarray], Any]:
-        from einjoin.plan.execute import assemble_outputs
-        from einjoin.runtime.engine import RunStats
-        ray = _ray()
-        tg = engine.tg
-        n = tg.n_devices
-        t0 = time.perf_counter()
-        pool, key, gen, closes = self._prepare(engine, cluster, n)
-        a, pids = pool.actors, pool.pids
-        run = next(_run_ids)
-        try:
-            try:
-                try:
-                    feeds_ref = ray.put(dict(feeds))
-                    delay = float(self.kernel_delay)
-                    begins = [x.begin.remote(run, key, feeds_ref, delay) for x in a]
-                    task_refs: list[Any] = [None] * len(tg.tasks)
-                    for t in tg.tasks:
-                        # same-device order is the actor's submission order; other devices' by ref
-                        deps = [task_refs[d] for d in t.deps if tg.tasks[d].device != t.device]
-                        if t.kind == "move":
-                            src_deps = [task_refs[d] for d in t.deps if tg.tasks[d].device == t.src_device]
-                            val = a[t.src_device].send.remote(run, t.reads[0], *src_deps)
-                            task_refs[t.id] = a[t.device].receive.remote(run, t.id, t.src_device, val)
-                        else:
-                            task_refs[t.id] = a[t.device].run.remote(run, t.id, *deps)
-                    blocks = {v: a[tg.values[v].device].fetch.remote(run, v)
-                              for lay in tg.outputs for v in lay.blocks.values()}
-                    finals = [x.finish.remote(run) for x in a]
-                except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
-                    raise _DeviceLost(f"a device actor could not be reached: {type(e).__name__}: "
-                                      f"{str(e)[:200]}", before_start=True) from None
-                self._wait([*begins, *task_refs], len(begins), tg, pids, cancel)
-                try:
-                    fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
-                    reports = ray.get(finals)
-                except ray.exceptions.RayActorError as e:  # died after its last task: re-run too
-                    raise _DeviceLost(f"a device was lost while its outputs were fetched: "
-                                      f"{type(e).__name__}") from None
-            finally:
-                self._done()  # first, before anything that can block (a 2nd Ctrl-C in _abandon)
-        except BaseException as e:
-            # this run only: stop what is queued, drop its namespace; other runs are untouched
-            self._abandon(a, run)
-            if isinstance(e, _DeviceLost):
-                if closes != self._closes:  # close() killed the actors: not a loss to recover from
-                    raise EinjoinError(f"the run was stopped by RayBackend.close() ({e}); the next run "
-                                       f"starts fresh actors") from None
-                self._retire(pool, gen)  # once per loss, whichever run saw it first
-            elif not isinstance(e, (EinjoinError, KeyboardInterrupt)) and _is_ray_error(e):
-                raise EinjoinError(f"the Ray backend failed: {type(e).__name__}: {e}") from None
-            raise
-        stats = RunStats(order="ray", intervals={d: [] for d in range(n)})
-        stats.wall_time = time.perf_counter() - t0
-        offset = time.perf_counter() - time.time()
-        events = []
-        for d, rep in enumerate(reports):
-            for tid, s, e in rep["intervals"]:
-                stats.intervals[d].append((s + offset, e + offset, tid))
-                events.append((s + offset, e + offset, tid))
-        for s, e, tid in sorted(events):
-            for cb in callbacks:
-                cb.on_start(tg.tasks[tid])
-                cb.on_end(tg.tasks[tid], s, e)
-        stats.tasks_run = len(events)
-        stats.bytes_moved = sum(r["received"] for r in reports)
-        stats.bytes_loaded = sum(r["loaded"] for r in reports)
-        stats.peak_bytes_per_device = {d: r["peak"] for d, r in enumerate(reports)}
-        # bytes per (src, dst) pair as the receiving actors counted them
-        self.received_per_pair = {(src, d): b for d, r in enumerate(reports)
-                                  for src, b in r["received_from"].items()}
-        stats.busy_time_per_device = {d: sum(e - s for s, e, _ in iv) for d, iv in stats.intervals.items()}
-        outs = assemble_outputs(tg, lambda v: fetched[v], feeds)
-        stats.bytes_fetched = sum(o.nbytes for o in outs)
-        return outs, stats
+    # -- runs: the engine opens a session per run attempt --------------------------------------
+    def open(self, run: RunSpec) -> _RaySession:
+        """A session for one run attempt (:class:`~einjoin.runtime.backend.Session`): eager
+        dispatch — the engine submits every task in id order, each a call on its device's actor
+        with its other-device dependencies as object references, so Ray does the waiting."""
+        return _RaySession(self, run)
 
     def _done(self) -> None:
         with self._count:
@@ -671,59 +560,14 @@ class RayBackend:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _wait(self, refs: list[Any], n_begins: int, tg: Any, pids: Sequence[int], cancel: Any) -> None:
-        ray = _ray()
-        pending = list(refs)
-        index = {r: i for i, r in enumerate(refs)}
-        n_tasks = len(tg.tasks)
-        while pending:
-            if cancel is not None and cancel.cancelled:
-                left = sum(1 for r in pending if index[r] >= n_begins)
-                raise EinjoinError(f"run cancelled with {left} of {n_tasks} tasks left")
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
-            if not done:
-                continue
-            try:
-                ray.get(done)  # in bulk: one call for the whole batch when nothing failed
-                continue
-            except Exception:  # noqa: BLE001 - find the first failure in submission order
-                pass
-            for r in sorted(done, key=index.__getitem__):  # a begin's failure before its tasks'
-                self._check(ray, r, index[r], n_begins, tg, pids)
-
-    @staticmethod
-    def _check(ray: Any, r: Any, i: int, n_begins: int, tg: Any, pids: Sequence[int]) -> None:
-        """Raise what the finished ref ``r`` (``i``-th of the run: begins first) failed with."""
-        from ray.exceptions import RayActorError, RayTaskError
-        try:
-            ray.get(r)
-        except RayActorError as e:
-            if i < n_begins:  # nothing of this run ran on it: it died before (or as) the run began
-                raise _DeviceLost(f"device {i} (Ray actor pid {pids[i]}) was found dead when the run "
-                                  f"began: {type(e).__name__}", before_start=True) from None
-            t = tg.tasks[i - n_begins]
-            raise _DeviceLost(f"device {t.device} (Ray actor pid {pids[t.device]}) was lost while "
-                              f"running task #{t.id} ({t.kind}): {type(e).__name__}") from None
-        except RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            if i < n_begins:
-                raise EinjoinError(f"device {i} could not open the run: {type(cause).__name__}: "
-                                   f"{cause}") from None
-            t = tg.tasks[i - n_begins]
-            if isinstance(cause, RayActorError):
-                raise _DeviceLost(f"a device was lost (Ray actor died) before task #{t.id} "
-                                  f"on device {t.device} could run: {type(cause).__name__}") from None
-            from einjoin.ir.printing import describe
-            raise EinjoinError(f"task #{t.id} ({t.kind} of {describe(t.node)}) on device {t.device} "
-                               f"failed: {type(cause).__name__}: {cause}") from None
-
     def open_runs(self) -> list[list[int]]:
         """Per actor of every pool, the run ids it holds a namespace for (tests and debugging:
         ``[]`` each once every run ended). Waits for the tasks queued before it on each actor."""
         ray = _ray()
         with self._mu:
             actors = [x for pool in self._pools.values() for x in pool.actors]
-        return ray.get([x.open_runs.remote() for x in actors])
+        runs: list[list[int]] = ray.get([x.open_runs.remote() for x in actors])
+        return runs
 
     def close(self) -> None:
         """Kill this backend's actors, every pool's (idempotent). A run in flight fails with an
@@ -743,3 +587,153 @@ def _is_ray_error(e: BaseException) -> bool:
     """An error raised by Ray itself (not einjoin's), to be wrapped in an EinjoinError."""
     mod = type(e).__module__ or ""
     return mod.startswith("ray.") or mod == "ray"
+
+
+class _RaySession:
+    """One run attempt on the actors: opened with the pool and the run's namespace on every
+    actor (``begin``), fed task by task by the engine (``submit``), waited for (``collect``: the
+    run's token polled every 0.2 s, failures typed), then its stats and outputs (``finish``).
+    Leaving it with an exception abandons the run on the actors (other runs are untouched) and
+    retires the pool when a device was lost."""
+
+    eager = True
+    lanes = 0
+    threaded = False
+
+    def __init__(self, backend: RayBackend, spec: RunSpec):
+        self.backend, self.spec = backend, spec
+        self.tg = spec.engine.tg
+        self.run = next(_run_ids)
+
+    def __enter__(self) -> _RaySession:
+        b, tg = self.backend, self.tg
+        ray = self.ray = _ray()
+        self.pool, key, self.gen, self.closes = b._prepare(self.spec.engine, self.spec.cluster, tg.n_devices)
+        self.actors = self.pool.actors
+        try:
+            try:
+                feeds_ref = ray.put(dict(self.spec.feeds))
+                delay = float(b.kernel_delay)
+                self.begins = [x.begin.remote(self.run, key, feeds_ref, delay) for x in self.actors]
+            except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
+                raise _unreachable(e) from None
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        self.refs: list[Any] = [None] * len(tg.tasks)
+        return self
+
+    def submit(self, t: Task) -> None:
+        # same-device order is the actor's submission order; other devices' by reference
+        refs, tasks, a = self.refs, self.tg.tasks, self.actors
+        try:
+            if t.kind is TaskKind.MOVE:
+                src = t.payload.src_device
+                src_deps = [refs[d] for d in t.deps if tasks[d].device == src]
+                val = a[src].send.remote(self.run, t.reads[0], *src_deps)
+                refs[t.id] = a[t.device].receive.remote(self.run, t.id, src, val)
+            else:
+                deps = [refs[d] for d in t.deps if tasks[d].device != t.device]
+                refs[t.id] = a[t.device].run.remote(self.run, t.id, *deps)
+        except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
+            raise _unreachable(e) from None
+
+    def collect(self, cancel: Any) -> None:
+        """Wait for every task, then fetch the output blocks and each actor's report."""
+        ray, tg, a = self.ray, self.tg, self.actors
+        try:
+            blocks = {v: a[tg.values[v].device].fetch.remote(self.run, v)
+                      for lay in tg.outputs for v in lay.blocks.values()}
+            finals = [x.finish.remote(self.run) for x in a]
+        except Exception as e:  # noqa: BLE001
+            raise _unreachable(e) from None
+        self._wait([*self.begins, *self.refs], len(self.begins), cancel)
+        try:
+            self.fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
+            self.reports = ray.get(finals)
+        except ray.exceptions.RayActorError as e:  # died after its last task: re-run too
+            raise DeviceLost(f"a device was lost while its outputs were fetched: {type(e).__name__}") from None
+
+    def _wait(self, refs: list[Any], n_begins: int, cancel: Any) -> None:
+        ray = self.ray
+        pending = list(refs)
+        index = {r: i for i, r in enumerate(refs)}
+        n_tasks = len(self.tg.tasks)
+        while pending:
+            if cancel is not None and cancel.cancelled:
+                left = sum(1 for r in pending if index[r] >= n_begins)
+                raise EinjoinError(f"run cancelled with {left} of {n_tasks} tasks left")
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            if not done:
+                continue
+            try:
+                ray.get(done)  # in bulk: one call for the whole batch when nothing failed
+                continue
+            except Exception:  # noqa: BLE001 - find the first failure in submission order
+                pass
+            for r in sorted(done, key=index.__getitem__):  # a begin's failure before its tasks'
+                self._check(r, index[r], n_begins)
+
+    def _check(self, r: Any, i: int, n_begins: int) -> None:
+        """Raise what the finished ref ``r`` (``i``-th of the run: begins first) failed with."""
+        from ray.exceptions import RayActorError, RayTaskError
+        pids = self.pool.pids
+        try:
+            self.ray.get(r)
+        except RayActorError as e:
+            if i < n_begins:  # nothing of this run ran on it: it died before (or as) the run began
+                raise DeviceLost(f"device {i} (Ray actor pid {pids[i]}) was found dead when the run "
+                                 f"began: {type(e).__name__}", before_start=True) from None
+            t = self.tg.tasks[i - n_begins]
+            raise DeviceLost(f"device {t.device} (Ray actor pid {pids[t.device]}) was lost while "
+                             f"running task #{t.id} ({t.kind}): {type(e).__name__}") from None
+        except RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            if i < n_begins:
+                raise EinjoinError(f"device {i} could not open the run: {type(cause).__name__}: "
+                                   f"{cause}") from None
+            t = self.tg.tasks[i - n_begins]
+            if isinstance(cause, RayActorError):
+                raise DeviceLost(f"a device was lost (Ray actor died) before task #{t.id} "
+                                 f"on device {t.device} could run: {type(cause).__name__}") from None
+            raise TaskFailed(t, cause) from None
+
+    def finish(self, stats: Any) -> list[np.ndarray]:
+        """The run's stats from the actors' reports (intervals on the driver's clock), and its
+        outputs assembled from the fetched blocks."""
+        from einjoin.plan.execute import assemble_outputs
+        reports, tg = self.reports, self.tg
+        stats.order = "ray"
+        offset = time.perf_counter() - time.time()
+        for d, rep in enumerate(reports):
+            stats.intervals[d] = [(s + offset, e + offset, tid) for tid, s, e in rep["intervals"]]
+        stats.bytes_moved = sum(r["received"] for r in reports)
+        stats.bytes_loaded = sum(r["loaded"] for r in reports)
+        stats.peak_bytes_per_device = {d: r["peak"] for d, r in enumerate(reports)}
+        # bytes per (src, dst) pair as the receiving actors counted them
+        self.backend.received_per_pair = {(src, d): b for d, r in enumerate(reports)
+                                          for src, b in r["received_from"].items()}
+        fetched = self.fetched
+        outs = assemble_outputs(tg, fetched.__getitem__, self.spec.feeds)
+        stats.bytes_fetched = sum(o.nbytes for o in outs)
+        return outs
+
+    def __exit__(self, exc_type: Any, e: BaseException | None, tb: Any) -> None:
+        b = self.backend
+        b._done()  # first, before anything that can block (a 2nd Ctrl-C in _abandon)
+        if e is None:
+            return
+        # this run only: stop what is queued, drop its namespace; other runs are untouched
+        b._abandon(self.actors, self.run)
+        if isinstance(e, DeviceLost):
+            if self.closes != b._closes:  # close() killed the actors: not a loss to recover from
+                raise EinjoinError(f"the run was stopped by RayBackend.close() ({e}); the next run "
+                                   f"starts fresh actors") from None
+            b._retire(self.pool, self.gen)  # once per loss, whichever run saw it first
+        elif not isinstance(e, (EinjoinError, TaskFailed, KeyboardInterrupt)) and _is_ray_error(e):
+            raise EinjoinError(f"the Ray backend failed: {type(e).__name__}: {e}") from None
+
+
+def _unreachable(e: BaseException) -> DeviceLost:
+    return DeviceLost(f"a device actor could not be reached: {type(e).__name__}: {str(e)[:200]}",
+                      before_start=True)

@@ -1,0 +1,128 @@
+"""The Backend protocol: what every backend implements so that the one engine
+(:class:`einjoin.runtime.engine.Engine`) runs task graphs on it — ``sync``, ``threads``, ``null``
+and ``ray`` today; a simulator or a torch backend next.
+
+A run goes through the engine's steps (check, open, dispatch, collect, finish, replay); the
+backend decides *where and how* a task executes, in a :class:`Session` (one run attempt):
+
+- **ready dispatch** (``session.eager`` False: sync, threads, null). The engine keeps the
+  dependency counters and ready queues and calls ``session.execute(task)`` once every task the
+  task depends on has finished, on ``session.lanes`` worker threads (``threaded``) or inline.
+  ``session.lane(task)`` says which worker runs it (a device's compute lane, its host lane).
+- **eager dispatch** (``session.eager`` True: Ray). The backend resolves dependencies itself
+  (Ray passes object references between actors), so the engine hands it every task at once, in
+  dependency (task-id) order, with ``session.submit(task)``, then ``session.collect(cancel)``
+  waits for them all. Per task this costs one method call on top of the backend's own
+  submission: Ray's overhead per task stays what it was.
+
+Either way ``session.finish(stats)`` fills the run's :class:`~einjoin.runtime.engine.RunStats`
+(bytes, peaks, and for eager sessions the measured intervals, which the engine then replays to
+the callbacks) and returns the outputs (None when the backend does not compute). Leaving the
+session with an exception abandons whatever of the run is still queued. A session raises
+:class:`TaskFailed` for a task that failed (the engine names the task) and :class:`DeviceLost`
+for a device that died (the engine re-runs the graph up to ``backend.retries`` times).
+
+>>> from einjoin.runtime.backends import BACKENDS
+>>> all(isinstance(b, Backend) for b in BACKENDS.values())
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from einjoin.exchange import Task
+from einjoin.ir.node import Node
+
+if TYPE_CHECKING:
+    from einjoin.cluster import Cluster
+    from einjoin.runtime.engine import CancelToken, Engine, RunStats
+
+__all__ = ["Backend", "Session", "Callback", "RunSpec", "TaskFailed", "DeviceLost"]
+
+
+class Callback(Protocol):
+    """Run callbacks (traces, progress bars): told when each task starts and ends."""
+
+    def on_start(self, task: Task) -> None: ...
+    def on_end(self, task: Task, start: float, end: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, as a backend sees it: the engine (its task graph and decompositions; Ray keys
+    the plan it ships by it), the bound feeds, the run's options, the cluster (None: local)."""
+
+    engine: Engine
+    feeds: Mapping[Node, np.ndarray]
+    order: str = "fifo"
+    seed: int = 0
+    host_link: float | None = None
+    cancel: CancelToken | None = None
+    cluster: Cluster | None = None
+
+
+class TaskFailed(Exception):
+    """Raised by a session: ``task`` failed with ``cause`` (the engine names both)."""
+
+    def __init__(self, task: Task, cause: BaseException):
+        super().__init__(f"task #{task.id} failed: {cause!r}")
+        self.task, self.cause = task, cause
+
+
+class DeviceLost(Exception):
+    """Raised by a session: a device died (its process, its actor). The engine re-runs the graph
+    from the inputs, ``backend.retries`` times. ``before_start``: found before the run did any
+    work (it died since the last run): replacing it costs no retry."""
+
+    def __init__(self, msg: str, before_start: bool = False):
+        super().__init__(msg)
+        self.before_start = before_start
+
+
+@runtime_checkable
+class Session(Protocol):
+    """One run attempt on a backend (a context manager; an exception leaving it abandons the
+    run's queued work)."""
+
+    eager: bool     # True: submit()/collect(), the backend resolves dependencies itself
+    lanes: int      # ready dispatch: the number of worker lanes
+    threaded: bool  # ready dispatch: one thread per lane (False: one inline worker)
+
+    def __enter__(self) -> Session: ...
+    def __exit__(self, *exc: Any) -> Any: ...
+    def lane(self, task: Task) -> int: ...
+    def execute(self, task: Task) -> None: ...
+    def submit(self, task: Task) -> None: ...
+    def collect(self, cancel: CancelToken | None) -> None: ...
+    def finish(self, stats: RunStats) -> list[np.ndarray] | None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A backend: ``name``; ``computes`` (False: the schedule runs and bytes are counted, nothing
+    is computed); ``remote`` (its devices are other processes: no memory caps yet); ``retries``
+    (re-runs after a lost device); ``open(run)`` a :class:`Session` for one run attempt;
+    ``close()`` releases what it holds (actors; nothing for local backends)."""
+
+    name: str
+    computes: bool
+    remote: bool
+    retries: int
+
+    def open(self, run: RunSpec) -> Session: ...
+    def close(self) -> None: ...
+
+
+def note(backend: Backend, message: str) -> None:
+    """Tell the user on stderr what a backend did on its own (a recovery), unless it is quiet."""
+    if not getattr(backend, "quiet", True):
+        import sys
+        print(f"einjoin: {message}", file=sys.stderr)
+
+
+

@@ -1,0 +1,189 @@
+"""Devices in this process: a :class:`Store` per device (its blocks and byte accounting) and the
+:class:`LocalSession` that executes a task on them — what the ``sync``, ``threads`` and ``null``
+backends open for a run (:mod:`einjoin.runtime.backend`). The Ray actors keep their blocks in
+the same :class:`Store`.
+
+>>> s = Store(0); s.put(3, None, 64); s.live, s.peak
+(64, 64)
+>>> s.free(3); s.live, s.peak
+(0, 64)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+
+from einjoin.exchange import Task, TaskKind
+from einjoin.ir.node import Node
+from einjoin.plan.execute import assemble_outputs, compute, from_host, to_host
+from einjoin.runtime.backend import RunSpec
+
+__all__ = ["Store", "LocalSession"]
+
+
+class Store:
+    """One device's blocks, with the bytes it holds (a task's output and scratch count from the
+    moment it starts), its peak and the bytes it received. Thread-safe: a device's compute and
+    host-transfer lanes share it."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self.values: dict[int, Any] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self.received = 0
+        self.loaded = 0
+        self.evicted = 0
+        self.reloaded = 0
+        self.lock = threading.Lock()
+
+    def reserve(self, vid: int, nbytes: int, scratch: int = 0) -> None:
+        """Count a value about to be written (once) and the task's scratch, before it runs."""
+        with self.lock:
+            if vid >= 0 and vid not in self.sizes:
+                self.sizes[vid] = nbytes
+                self.live += nbytes
+            self.live += scratch
+            self.peak = max(self.peak, self.live)
+
+    def unreserve(self, scratch: int) -> None:
+        with self.lock:
+            self.live -= scratch
+
+    def put(self, vid: int, value: Any, nbytes: int) -> None:
+        self.reserve(vid, nbytes)
+        self.values[vid] = value
+
+    def get(self, vid: int) -> Any:
+        return self.values.get(vid)
+
+    def free(self, vid: int) -> None:
+        with self.lock:
+            self.values.pop(vid, None)
+            self.live -= self.sizes.pop(vid, 0)
+
+
+def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[Node, np.ndarray]
+         ) -> np.ndarray:
+    """Under a memory cap every block owns its bytes: a load is a real copy of the feed, and a
+    kernel output that is a view of an input block (a reshape, a slice, a broadcast) is copied,
+    so that freeing or evicting the input really releases it."""
+    sources = [feeds[t.node]] if t.kind is TaskKind.LOAD else [get(v) for v in t.reads]
+    if any(s is not None and np.may_share_memory(value, s) for s in sources):
+        return np.array(value, order="C")
+    return value
+
+
+class LocalSession:
+    """One run on devices in this process: a store per device, a host store for a memory-capped
+    graph, and the task semantics of :func:`einjoin.plan.execute.compute`. ``threaded``: one
+    worker lane per device (plus a host-transfer lane per device when the graph is capped or a
+    host link is emulated, so transfers overlap compute), held under ``limit`` (the BLAS share);
+    else one inline lane. ``computes`` False: values are not computed, only counted (null)."""
+
+    eager = False
+
+    def __init__(self, run: RunSpec, computes: bool, threaded: bool,
+                 limit: Callable[[int], AbstractContextManager[Any]] | None = None):
+        tg = run.engine.tg
+        self.tg, self.decomps, self.feeds = tg, run.engine.decomps, run.feeds
+        self.n = n = tg.n_devices
+        self.capped = tg.memory is not None
+        self.computes, self.threaded = computes, threaded
+        self.host_link = run.host_link
+        self.host_lanes = threaded and (self.capped or run.host_link is not None)
+        self.lanes = (2 * n if self.host_lanes else n) if threaded else 1
+        self.stores = [Store(d) for d in range(n)]
+        self.host: dict[int, np.ndarray] = {}  # the host store of a memory-capped graph
+        self._limit = limit
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> LocalSession:
+        if self._limit is not None:
+            self._stack.enter_context(self._limit(self.n))
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._stack.__exit__(*exc)
+
+    def lane(self, t: Task) -> int:
+        if not self.threaded:
+            return 0
+        if self.host_lanes and t.kind.crosses_host:
+            return t.device + self.n
+        return t.device
+
+    def _throttle(self, start: float, nbytes: int) -> None:
+        """An emulated host link: the transfer takes at least its bytes over the link's rate."""
+        if self.host_link is not None and nbytes:
+            rest = nbytes / self.host_link - (time.perf_counter() - start)
+            if rest > 0:
+                time.sleep(rest)
+
+    def execute(self, t: Task) -> None:
+        start = time.perf_counter()
+        store = self.stores[t.device]
+        kind = t.kind
+        if kind.releases:
+            if kind.to_host:
+                if self.computes:
+                    to_host(t, store.get(t.payload.frees), self.host)
+                self._throttle(start, t.nbytes)
+                if kind is TaskKind.EVICT:
+                    store.evicted += t.nbytes
+            store.free(t.payload.frees)
+            return
+        planned = self.tg.values[t.writes].nbytes
+        store.reserve(t.writes, planned, t.scratch)
+        value = None
+        if self.computes:
+            if kind is TaskKind.RELOAD:
+                value = from_host(t, self.host, self.feeds)
+            else:
+                # a move reads on its source device and writes on its destination
+                get = self.stores[t.payload.src_device].get if kind is TaskKind.MOVE else store.get
+                value = compute(t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape)
+                if self.capped and kind in (TaskKind.LOAD, TaskKind.KERNEL):
+                    value = _own(value, t, get, self.feeds)
+        store.unreserve(t.scratch)
+        # count what really arrived: the array's bytes (the null backend has only the plan's)
+        nbytes = value.nbytes if value is not None else planned
+        store.put(t.writes, value, nbytes)
+        if kind is TaskKind.MOVE:
+            store.received += nbytes
+        elif kind is TaskKind.LOAD:
+            store.loaded += nbytes
+            self._throttle(start, nbytes)
+        elif kind is TaskKind.RELOAD:
+            store.reloaded += nbytes
+            self._throttle(start, nbytes)
+
+    def submit(self, t: Task) -> None:  # pragma: no cover - ready dispatch only
+        raise NotImplementedError("a local session runs ready tasks (execute), it takes no submissions")
+
+    def collect(self, cancel: Any) -> None:  # pragma: no cover - ready dispatch only
+        raise NotImplementedError("a local session runs ready tasks (execute), it has nothing to collect")
+
+    def finish(self, stats: Any) -> list[np.ndarray] | None:
+        """The run's totals from its stores, and its outputs assembled from the blocks."""
+        tg, stores = self.tg, self.stores
+        stats.bytes_moved = sum(s.received for s in stores)
+        stats.bytes_loaded = sum(s.loaded for s in stores)
+        stats.bytes_evicted = sum(s.evicted for s in stores)
+        stats.bytes_reloaded = sum(s.reloaded for s in stores)
+        stats.peak_bytes_per_device = {s.device: s.peak for s in stores}
+        if not self.computes:
+            stats.bytes_fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
+            return None
+        get = self.host.__getitem__ if self.capped else (lambda v: stores[tg.values[v].device].get(v))
+        outs = assemble_outputs(tg, get, self.feeds)
+        stats.bytes_fetched = sum(o.nbytes for o in outs)
+        return outs
