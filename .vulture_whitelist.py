@@ -9,3 +9,6 @@ inplace  # aten.dropout(input, p, train, inplace)
 enable_gqa  # aten.scaled_dot_product_attention(..., enable_gqa=)
 implicit  # aten.expand(self, size, *, implicit=False)
 output_size  # aten.repeat_interleave(..., output_size=)
+
+# the context-manager protocol: __exit__(self, exc_type, exc, tb) takes all three
+exc_type  # runtime/backends/ray.py: the run context's __exit__ reads only the exception
