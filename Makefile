@@ -27,10 +27,13 @@ demo: $(STAMP)
 
 # ruff (style and likely bugs), mypy (types; strict on einjoin.ir/decomp/planner) and vulture
 # (dead code, whitelist in .vulture_whitelist.py); their settings are in pyproject.toml.
+# All three run even when one fails, so one pass shows every problem.
 lint: $(STAMP)
-	$(BIN)/ruff check
-	$(BIN)/mypy
-	$(BIN)/vulture
+	@rc=0; \
+	echo "== ruff check"; $(BIN)/ruff check || rc=1; \
+	echo "== mypy"; $(BIN)/mypy || rc=1; \
+	echo "== vulture"; $(BIN)/vulture && echo "vulture: no dead code" || rc=1; \
+	exit $$rc
 
 # COV_MIN: the suite fails when coverage of einjoin/ drops below it. Measured with
 # `make test` (pytest -n 2 --dist loadgroup --cov=einjoin, slow tests excluded) at the end of
