@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.memplan import MemoryCapError, plan_memory
-from einjoin.memplan.fit import MAX_KERNELS, op_need
+from einjoin.planner.fit import op_need
+from einjoin.settings import SETTINGS
 from einjoin.models.graphs import build
 from einjoin.runtime import ORDERS
 from graphgen import graphs, specs_for
@@ -35,7 +36,7 @@ def _least_need(node: ej.Node) -> int:
     best = None
     for cut in itertools.product([False, True], repeat=len(sizes)):
         spec = {lab: (n if c else 1) for (lab, n), c in zip(sizes.items(), cut)}
-        if math.prod(spec.values()) <= MAX_KERNELS:
+        if math.prod(spec.values()) <= SETTINGS.max_kernels:
             need = op_need(ej.decompose(node, spec))
             best = need if best is None else min(best, need)
     return best if best is not None else 0

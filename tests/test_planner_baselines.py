@@ -19,7 +19,8 @@ from einjoin.planner.ilp import objective as _objective, problem
 from einjoin.planner.baselines import mesh_candidates
 from einjoin.planner.baselines import (NotApplicable, data_parallel, megatron,
                                      mesh_ilp, mesh_shapes, mesh_strategies)
-from einjoin.planner.search import CostModel, exhaustive, model_cost, total_cost
+from einjoin.planner.cost import CostModel, model_cost, total_cost
+from einjoin.planner.search import exhaustive
 from graphgen import graphs, oracle
 
 BASELINES = ["data_parallel", "megatron", "mesh_ilp"]
@@ -97,7 +98,7 @@ def test_data_parallel_follows_the_batch_and_stops_at_attention_scores() -> None
     specs = data_parallel(g, ej.local(4))
     by_eq = {}
     for n in g.ops:
-        if n.kind == "einsum":
+        if n.facts.contracts:
             by_eq.setdefault(n.op.equation, []).append(specs[n].counts())
     # projections split their rows (the sequence), except the output projection after attention
     proj = by_eq["Ai,oi->Ao"]
@@ -131,7 +132,7 @@ def test_megatron_heads_parallel_attention() -> None:
     out, _ = transformer_block(seq=32, d=32, heads=4, hidden=48)
     g = ej.Graph(out)
     specs = megatron(g, ej.local(4))
-    eqs = {n.op.equation: specs[n].counts() for n in g.ops if n.kind == "einsum"}
+    eqs = {n.op.equation: specs[n].counts() for n in g.ops if n.facts.contracts}
     assert eqs["Asd,Atd->Ast"] == {"A": 4, "s": 1, "t": 1, "d": 1}
     assert eqs["Ast,Ate->Ase"] == {"A": 4, "s": 1, "e": 1, "t": 1}
     assert eqs["abc,bc->abc"]["a"] == 4  # the mask, and the softmax below it

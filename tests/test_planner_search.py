@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.planner.bounds import node_bound_bytes
-from einjoin.planner.search import candidate_specs, eindecomp, exhaustive, model_cost
+from einjoin.planner.candidates import Candidates, candidate_specs
+from einjoin.planner.cost import CostModel, model_cost
+from einjoin.planner.search import eindecomp, exhaustive
 from graphgen import graphs
 
 MB = 1e6
@@ -96,7 +98,7 @@ def test_small_labels_take_the_largest_feasible_product() -> None:
 def test_eindecomp_equals_exhaustive_on_trees(data: st.DataObject) -> None:
     outs, _ = data.draw(graphs("float64"))
     g = ej.Graph(outs[:1])
-    ops = [n for n in g.ops if n.kind != "fill"]
+    ops = [n for n in g.ops if not n.facts.free]
     # a tree: every value is read once (an input read at two slots of one op is a DAG too)
     tree = all(sum(u.inputs.count(n) for u in g.users[n]) <= 1 for n in g.nodes)
     if len(ops) > 3 or not tree:
@@ -118,14 +120,12 @@ def test_eindecomp_plans_run_correctly() -> None:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_eindecomp_within_10_percent_of_exhaustive_on_dags(data: st.DataObject) -> None:
-    import math
-    from einjoin.planner.search import CostModel
     outs, _ = data.draw(graphs("float64"))
     g = ej.Graph(outs)
     c = ej.local(data.draw(st.sampled_from([2, 3, 4, 8])))
-    ops = [n for n in g.ops if n.kind != "fill"]
-    model = CostModel(g, c.size)
-    if len(ops) > 4 or math.prod(len(model.candidates(n)) for n in ops) > 20000:
+    ops = [n for n in g.ops if not n.facts.free]
+    cands = Candidates(CostModel(g, c.size))
+    if len(ops) > 4 or math.prod(len(cands(n)) for n in ops) > 20000:
         return
     best = model_cost(g, c, exhaustive(g, c))
     assert model_cost(g, c, eindecomp(g, c)) <= 1.10 * best
@@ -142,23 +142,24 @@ def test_placement_free_estimate_bounds_the_placed_bytes(data: st.DataObject) ->
     p = data.draw(st.sampled_from([2, 3, 4, 8]))
     prog = ej.compile(outs, devices=p, backend="null")
     model = model_cost(prog.graph, prog.cluster, prog.specs)
-    tensors = sum(n.size * 8 for n in prog.graph.nodes if n.kind != "fill")
+    tensors = sum(n.size * 8 for n in prog.graph.nodes if not n.facts.free)
     assert prog.stats.bytes_moved <= model + tensors
 
 
 # -- devices with a memory cap: the candidates are the cuts that fit ---------------------------
 
-def _fits_as_documented(node: "ej.Node", p: int, cap: int) -> None:
+def _fits_as_documented(node: ej.Node, p: int, cap: int) -> None:
     import itertools
     from einjoin.decomp.footprint import op_need
     from einjoin.decomp.spec import JoinAggSpec, label_sizes
-    from einjoin.planner.search import KERNEL_SHARE, FINER_WINDOW, fitting_specs
-    got = fitting_specs(node, p, cap)
+    from einjoin.planner.fit import fitting_specs
+    from einjoin.settings import SETTINGS
+    got = fitting_specs(node, candidate_specs(node, p), cap)
     assert got, "always some candidates"
     need = {s: op_need(ej.decompose(node, s)) for s in got}
-    budget = int(KERNEL_SHARE * cap)
+    budget = int(SETTINGS.kernel_share * cap)
     fewest = min(s.num_kernels for s in got)
-    assert all(s.num_kernels <= FINER_WINDOW * fewest for s in got)
+    assert all(s.num_kernels <= SETTINGS.finer_window * fewest for s in got)
     coarse = {s: op_need(ej.decompose(node, s)) for s in candidate_specs(node, p)}
     coarse_fit = [s for s, n in coarse.items() if n <= budget]
     if coarse_fit:  # the usual tiers already fit: only fitting cuts, none finer than theirs
@@ -186,7 +187,7 @@ def _fits_as_documented(node: "ej.Node", p: int, cap: int) -> None:
 def test_fitting_specs_keep_the_coarsest_cuts_that_fit(data: st.DataObject) -> None:
     outs, _ = data.draw(graphs("float32", max_dim=6))
     g = ej.Graph(outs)
-    ops = [n for n in g.ops if n.kind != "fill"]
+    ops = [n for n in g.ops if not n.facts.free]
     if not ops:
         return
     node = data.draw(st.sampled_from(ops))
@@ -201,23 +202,26 @@ def test_fitting_specs_keep_the_coarsest_cuts_that_fit(data: st.DataObject) -> N
 def test_eindecomp_equals_exhaustive_on_trees_under_a_cap(data: st.DataObject) -> None:
     """The DP stays exact over the cap's (restricted, sometimes finer) candidates, and the plan it
     returns uses only them."""
-    from einjoin.planner.search import CostModel, memory_cap
+    from einjoin.planner.fit import device_memory, memory_cap
     outs, _ = data.draw(graphs("float32", max_dim=8))
     g = ej.Graph(outs[:1])
-    ops = [n for n in g.ops if n.kind != "fill"]
+    ops = [n for n in g.ops if not n.facts.free]
     tree = all(sum(u.inputs.count(n) for u in g.users[n]) <= 1 for n in g.nodes)
     if not ops or len(ops) > 3 or not tree:
         return
     peak = max(sum(x.size * 4 for x in n.inputs) + n.size * 4 for n in ops)
     c = ej.local(data.draw(st.sampled_from([2, 3, 4])),
                  memory=max(64, int(peak * data.draw(st.sampled_from([1.0, 0.5, 0.25])))))
-    model = CostModel(g, c.size, cap=memory_cap(c))
-    if math.prod(len(model.candidates(n)) for n in ops) > 20000:
+    cands = Candidates(CostModel(g, c.size), memory_cap(device_memory(c)))
+    if math.prod(len(cands(n)) for n in ops) > 20000:
         return
     specs = eindecomp(g, c)
     assert model_cost(g, c, specs) == model_cost(g, c, exhaustive(g, c))
     for n in ops:
-        assert specs[n] in {i.spec for i in model.candidates(n)}
+        assert specs[n] in {i.spec for i in cands(n)}
+    # the limit given explicitly is the limit the devices declare
+    limit = {d: c.devices[0].memory for d in range(c.size)}
+    assert eindecomp(g, ej.local(c.size), memory_limit=limit) == specs
 
 
 def test_a_cap_aware_plan_of_a_llama_block_evicts_far_less() -> None:

@@ -1,8 +1,15 @@
-"""Planners: graph + cluster -> one join-agg spec per node. All share one signature and one
-registry, with ``auto`` (= ``eindecomp``, the EinDecomp dynamic program with refinement, see
-:mod:`einjoin.planner.search`); ``exhaustive`` is ground truth for small graphs; the named
-baselines ``data_parallel``, ``megatron`` and ``mesh_ilp`` (:mod:`einjoin.planner.baselines`) are
-what a user would otherwise pick; ``split_largest`` and ``single`` are simple references.
+"""Planners: graph + cluster + memory limit -> one join-agg spec per node. All share one
+signature (:class:`Planner`) and one registry, with ``auto`` (= ``eindecomp``, the EinDecomp
+dynamic program with refinement, see :mod:`einjoin.planner.search`); ``exhaustive`` is ground
+truth for small graphs; the named baselines ``data_parallel``, ``megatron`` and ``mesh_ilp``
+(:mod:`einjoin.planner.baselines`) are what a user would otherwise pick; ``split_largest`` and
+``single`` are simple references (:mod:`einjoin.planner.basic`).
+
+The package's rooms, lower first (none imports a higher one, nor this one): ``fit`` (cutting an
+op finer for a memory cap, shared with the memory planner), ``cost`` (the one cost model),
+``candidates`` (the specs each op may take), ``ilp`` (choosing one per op exactly), ``search``
+(eindecomp, exhaustive), ``basic`` and ``baselines`` (the other planners); ``bounds`` and
+``exact`` measure plans.
 
 >>> import einjoin as ej
 >>> from einjoin.planner import plan_specs
@@ -14,102 +21,65 @@ what a user would otherwise pick; ``split_largest`` and ``single`` are simple re
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import inspect
+from typing import Any, Protocol, cast
+from collections.abc import Callable, Mapping
 
 from einjoin.cluster import Cluster
-from einjoin.decomp.decompose import decompose
 from einjoin.decomp.partition import check_bounds
-from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_labels
+from einjoin.decomp.spec import JoinAggSpec, label_sizes
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
+from einjoin.planner.baselines import data_parallel, megatron, mesh_ilp
+from einjoin.planner.basic import derive_input_specs, largest_output_cut, single_block, split_largest
+from einjoin.planner.fit import MemoryLimit, device_memory
+from einjoin.planner.search import eindecomp, exhaustive
 from einjoin.registry import Registry
 
 __all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs",
-           "resolve_planner", "check_planned"]
-
-Planner = Callable[[Graph, Cluster], dict[Node, JoinAggSpec]]
-
-
-PLANNERS: dict[str, Planner] = Registry()
+           "largest_output_cut", "resolve_planner", "as_planner", "takes_memory_limit",
+           "check_planned", "memory_limit_for", "MemoryLimit"]
 
 
-def register_planner(name: str) -> Callable[[Planner], Planner]:
-    def deco(fn: Planner) -> Planner:
+class Planner(Protocol):
+    """What every planner is: ``planner(graph, cluster, *, memory_limit) -> {node: spec}``.
+
+    ``memory_limit`` maps each device id of ``cluster`` to its cap in bytes (None: uncapped);
+    :func:`plan_specs` always passes it (the devices' ``Device.memory`` unless the caller gives
+    caps), so a planner never reads caps from the cluster. A planner that does not plan for
+    memory accepts it and ignores it (the memory planner fits its plan later). The result maps
+    nodes (or tensors) to join-agg specs (a ``JoinAggSpec``, a mapping label -> blocks, counts
+    in label order, or None); nodes left out run in one block. A plain callable
+    ``(graph, cluster)`` is still accepted and adapted (:func:`as_planner`).
+    """
+
+    def __call__(self, graph: Graph, cluster: Cluster, *,
+                 memory_limit: MemoryLimit | None = None) -> Mapping[Any, Any]: ...
+
+
+PLANNERS: dict[str, Callable[..., Any]] = Registry()
+"""Registered planners by name: :class:`Planner` s (plain ``(graph, cluster)`` callables are
+adapted when resolved)."""
+
+
+def register_planner(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator registering a planner under ``name`` (for ``ej.compile(..., planner=name)``)."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         PLANNERS[name] = fn
         return fn
     return deco
 
 
-@register_planner("split_largest")
-def split_largest(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    """Every op cuts its largest output label into (up to) P blocks: no partial sums, every op
-    spread over all devices. Inputs take the partition their first consumer needs."""
-    p = cluster.size
-    return derive_input_specs(graph, {n: largest_output_cut(n, p) for n in graph.ops})
-
-
-def largest_output_cut(node: Node, p: int) -> JoinAggSpec:
-    """The spec that cuts ``node``'s largest output label into (up to) ``p`` blocks, the rest
-    whole (one block for a scalar): the simplest spread over ``p`` devices, no partial sums."""
-    sizes = label_sizes(node)
-    outs = output_labels(node)
-    spec: dict[str, int] = {}
-    if outs:
-        lab = max(outs, key=lambda label: sizes[label])
-        spec[lab] = min(p, sizes[lab])
-    return JoinAggSpec.for_node(node, spec)
-
-
-@register_planner("single")
-def single_block(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    """One block per op (everything on one device): the baseline with nothing to move."""
-    return {n: JoinAggSpec.for_node(n, None) for n in graph.nodes}
-
-
-def _eindecomp(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    from einjoin.planner.search import eindecomp
-    return eindecomp(graph, cluster)
-
-
-def _exhaustive(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    from einjoin.planner.search import exhaustive
-    return exhaustive(graph, cluster)
-
-
-PLANNERS["eindecomp"] = _eindecomp
-PLANNERS["exhaustive"] = _exhaustive
-PLANNERS["auto"] = _eindecomp
-
-
-def _baseline(name: str) -> Planner:
-    def plan(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-        from einjoin.planner import baselines
-        return getattr(baselines, name)(graph, cluster)
-    plan.__name__ = name
-    return plan
-
-
-for _name in ("data_parallel", "megatron", "mesh_ilp"):
-    PLANNERS[_name] = _baseline(_name)
-
-
-def derive_input_specs(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Node, JoinAggSpec]:
-    """Give every input without a spec the partition its first consumer needs of it, so that one
-    copy is loaded where the first use wants it."""
-    out = dict(specs)
-    for x in graph.inputs:
-        if x in out:
-            continue
-        for c in graph.users[x]:
-            slot = c.inputs.index(x)
-            need = decompose(c, out.get(c)).in_partitions[slot]
-            out[x] = JoinAggSpec(dim_labels(x.ndim), need.bounds)
-            break
-        else:
-            out[x] = JoinAggSpec.for_node(x, None)
-    return out
+PLANNERS["split_largest"] = split_largest
+PLANNERS["single"] = single_block
+PLANNERS["eindecomp"] = eindecomp
+PLANNERS["exhaustive"] = exhaustive
+PLANNERS["auto"] = eindecomp
+PLANNERS["data_parallel"] = data_parallel
+PLANNERS["megatron"] = megatron
+PLANNERS["mesh_ilp"] = mesh_ilp
 
 
 def _planner_name(planner: Any) -> str:
@@ -118,17 +88,54 @@ def _planner_name(planner: Any) -> str:
     return getattr(planner, "__qualname__", None) or getattr(planner, "__name__", None) or repr(planner)[:60]
 
 
+def takes_memory_limit(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called with the keyword ``memory_limit`` (it names it, or takes
+    ``**kwargs``); a callable whose signature cannot be read is taken for a plain one."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == "memory_limit" and p.kind in (p.KEYWORD_ONLY,
+                                                                                     p.POSITIONAL_OR_KEYWORD))
+               for p in params)
+
+
+def as_planner(fn: Callable[..., Any]) -> Planner:
+    """``fn`` as a :class:`Planner`: itself if it takes ``memory_limit``; a plain callable
+    ``(graph, cluster) -> {node: spec}`` (the signature before planners received the limit) is
+    wrapped to receive it as before, as the devices' memory: ``fn(graph,
+    cluster.with_memory(memory_limit))``.
+
+    >>> import einjoin as ej
+    >>> seen = []
+    >>> plan = as_planner(lambda graph, cluster: seen.append(cluster.devices[0].memory) or {})
+    >>> plan(ej.Graph(ej.input("x", (2,))), ej.local(1), memory_limit={0: 1024})
+    {}
+    >>> seen
+    [1024]
+    """
+    if takes_memory_limit(fn):
+        return cast(Planner, fn)
+
+    def plain(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None) -> Any:
+        return fn(graph, cluster if memory_limit is None else cluster.with_memory(memory_limit))
+    plain.__name__ = plain.__qualname__ = _planner_name(fn)
+    plain.__wrapped__ = fn  # type: ignore[attr-defined]
+    return plain
+
+
 def resolve_planner(planner: Any) -> tuple[str, Planner]:
-    """(a name for messages, the function) of ``planner``: a registered name or a callable
-    ``(graph, cluster) -> {node: spec}``; else an :class:`EinjoinError` listing the names."""
+    """(a name for messages, the :class:`Planner`) of ``planner``: a registered name or a
+    callable (a :class:`Planner`, or a plain ``(graph, cluster) -> {node: spec}`` adapted by
+    :func:`as_planner`); else an :class:`EinjoinError` listing the names."""
     if isinstance(planner, str) and planner in PLANNERS:
-        return repr(planner), PLANNERS[planner]
+        return repr(planner), as_planner(PLANNERS[planner])
     if callable(planner) and not isinstance(planner, str):
-        return _planner_name(planner), planner
+        return _planner_name(planner), as_planner(planner)
     shown = repr(planner)
     raise EinjoinError(f"unknown planner {shown if len(shown) <= 60 else shown[:57] + '...'}: give a "
-                       f"name ({', '.join(sorted(PLANNERS))}) or a callable (graph, cluster) -> "
-                       f"{{node: join-agg spec}}")
+                       f"name ({', '.join(sorted(PLANNERS))}) or a callable (graph, cluster, *, "
+                       f"memory_limit) -> {{node: join-agg spec}}")
 
 
 def _checked_spec(node: Node, spec: Any) -> JoinAggSpec:
@@ -168,17 +175,31 @@ def check_planned(result: Any, graph: Graph, who: str) -> dict[Node, JoinAggSpec
     return out
 
 
-def plan_specs(planner: "str | Planner", graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
-    """Run ``planner`` (a registered name or a callable) on ``graph`` and ``cluster`` and check
-    what it returns (:func:`check_planned`): one join-agg spec per node it cuts. A planner's own
-    non-einjoin exception is raised as an :class:`EinjoinError` naming it (the cause chained)."""
+def memory_limit_for(cluster: Cluster, memory_limit: Mapping[int, Any] | None) -> dict[int, int | None]:
+    """The per-device caps a planner receives: ``memory_limit`` (device id -> bytes, a size
+    string or None) checked against ``cluster``, or, if None, the devices' ``Device.memory``."""
+    if memory_limit is None:
+        return device_memory(cluster)
+    if not isinstance(memory_limit, Mapping):
+        raise EinjoinError(f"memory_limit must map device ids to bytes (or None), not "
+                           f"{type(memory_limit).__name__}")
+    # with_memory checks the ids and the sizes, and keeps an unnamed device's own memory
+    return device_memory(cluster.with_memory(memory_limit))
+
+
+def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster, *,
+               memory_limit: Mapping[int, Any] | None = None) -> dict[Node, JoinAggSpec]:
+    """Run ``planner`` (a registered name or a callable) on ``graph`` and ``cluster`` with the
+    per-device ``memory_limit`` (see :func:`memory_limit_for`; default: the devices' memory)
+    and check what it returns (:func:`check_planned`): one join-agg spec per node it cuts. A
+    planner's own non-einjoin exception is raised as an :class:`EinjoinError` naming it (the
+    cause chained)."""
     who, fn = resolve_planner(planner)
+    limit = memory_limit_for(cluster, memory_limit)
     try:
-        result = fn(graph, cluster)
+        result = fn(graph, cluster, memory_limit=limit)
     except (EinjoinError, MemoryError):
         raise
     except Exception as e:  # a user's planner (or a bug): name it, keep the cause
         raise EinjoinError(f"planner {who} failed: {type(e).__name__}: {e}") from e
     return check_planned(result, graph, who)
-
-

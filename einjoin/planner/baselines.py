@@ -1,7 +1,8 @@
 """Named baseline planners: ``data_parallel``, ``megatron`` and ``mesh_ilp``.
 
-All three have the planner signature ``planner(graph, cluster) -> dict[Node, JoinAggSpec]`` and
-give every node a spec (fills one block, they are computed where needed; graph inputs the
+All three have the planner signature (:class:`einjoin.planner.Planner`: ``planner(graph, cluster,
+*, memory_limit) -> dict[Node, JoinAggSpec]``; they do not plan for memory, the memory planner fits
+their plans later) and give every node a spec (fills one block, they are computed where needed; graph inputs the
 partition their first consumer needs, via :func:`einjoin.planner.derive_input_specs`). A planner
 that does not apply to a graph raises :class:`NotApplicable` saying why; callers print "n/a".
 
@@ -13,7 +14,7 @@ that does not apply to a graph raises :class:`NotApplicable` saying why; callers
   every other op cuts its largest output label P ways (as ``split_largest`` does).
 - ``mesh_ilp``: Alpa's intra-operator ILP: for every 1-D and 2-D device mesh that factors P,
   each op picks a mapping of mesh axes to its labels, minimising op bytes plus repartition bytes
-  exactly as :func:`einjoin.planner.search.total_cost` counts them (``scipy.optimize.milp``, HiGHS);
+  exactly as :func:`einjoin.planner.cost.total_cost` counts them (``scipy.optimize.milp``, HiGHS);
   the best mesh wins.
 
 >>> import einjoin as ej
@@ -31,7 +32,8 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
-
+from typing import Literal, cast
+from collections.abc import Callable
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import reshape_groups
@@ -40,13 +42,16 @@ from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_lab
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select)
-from einjoin.planner import largest_output_cut
+                             Select, rule_for)
+from einjoin.planner.basic import derive_input_specs, largest_output_cut
+from einjoin.planner.candidates import candidate_specs
+from einjoin.planner.cost import CostModel, SpecInfo, total_cost
+from einjoin.planner.fit import MemoryLimit
 from einjoin.planner.ilp import choose
-from einjoin.planner.search import CostModel, SpecInfo, candidate_specs, total_cost
+from einjoin.settings import SETTINGS, Settings
 
 __all__ = ["NotApplicable", "data_parallel", "megatron", "mesh_ilp", "mesh_shapes",
-           "mesh_strategies", "batch_dims"]
+           "mesh_strategies", "batch_dims", "BATCH_DIM_RULES", "FOLLOW_RULES"]
 
 
 class NotApplicable(EinjoinError):
@@ -55,7 +60,6 @@ class NotApplicable(EinjoinError):
 
 def _finish(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Node, JoinAggSpec]:
     """Fills one block (computed where needed), inputs as their first consumer needs them."""
-    from einjoin.planner import derive_input_specs
     for n in graph.ops:
         if n not in specs:
             specs[n] = JoinAggSpec.for_node(n, None)
@@ -63,7 +67,7 @@ def _finish(graph: Graph, specs: dict[Node, JoinAggSpec]) -> dict[Node, JoinAggS
 
 
 def _is_param(n: Node) -> bool:
-    return isinstance(n.op, Input) and n.op.param
+    return n.facts.fed and cast(Input, n.op).param
 
 
 def _lead(dims: list[int], shape: tuple[int, ...]) -> int | None:
@@ -84,7 +88,7 @@ def batch_dims(graph: Graph) -> tuple[dict[Node, int | None], set[Node]]:
     operand (the one that is a batch dim of the most operands, then the first in output order);
     a reshape keeps it when it is the lead dim of its row-major group (it becomes the lead of the
     output group); select, concat, broadcast, cast and gather keep its dim."""
-    acts = [x for x in graph.inputs if not x.op.param] if graph.params else list(graph.inputs[:1])  # type: ignore[union-attr]
+    acts = [x for x in graph.inputs if not _is_param(x)] if graph.params else list(graph.inputs[:1])
     bdim: dict[Node, int | None] = {}
     derived: set[Node] = set()
     for x in acts:
@@ -100,49 +104,82 @@ def batch_dims(graph: Graph) -> tuple[dict[Node, int | None], set[Node]]:
 
 
 def _batch_dim_of(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
-    op = v.op
-    ins = v.inputs
-    if isinstance(op, Einsum):
-        votes: dict[str, int] = defaultdict(int)
-        for s in slots:
-            d = bdim.get(ins[s])
-            if d is not None:
-                votes[op.in_labels[s][d]] += 1
-        ok = [lab for lab in op.out_labels if lab in votes
-              and all(lab in op.in_labels[s] for s in slots)]
-        if not ok:
-            return None
-        best = max(ok, key=lambda lab: votes[lab])  # max keeps the first among equals
-        return op.out_labels.index(best)
-    if isinstance(op, Reshape):
-        d = bdim.get(ins[0])
-        if d is None:
-            return None
-        src, dst = ins[0].shape, v.shape
-        for ia, jb in reshape_groups(src, dst):
-            if d in ia:
-                return _lead(jb, dst) if _lead(ia, src) == d else None
+    return rule_for(BATCH_DIM_RULES, v.op, "data-parallel batch-dim rules")(v, slots, bdim)
+
+
+def _einsum_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    op = cast(Einsum, v.op)
+    votes: dict[str, int] = defaultdict(int)
+    for s in slots:
+        d = bdim.get(v.inputs[s])
+        if d is not None:
+            votes[op.in_labels[s][d]] += 1
+    ok = [lab for lab in op.out_labels if lab in votes
+          and all(lab in op.in_labels[s] for s in slots)]
+    if not ok:
         return None
-    if isinstance(op, (Select, Cast)):
-        return bdim.get(ins[0])
-    if isinstance(op, Concat):
-        ds = {bdim.get(ins[s]) for s in slots}
-        return ds.pop() if len(ds) == 1 else None
-    if isinstance(op, Broadcast):
-        d = bdim.get(ins[0])
-        if d is None or ins[0].shape[d] != v.shape[op.dims[d]]:
-            return None
-        return op.dims[d]
-    if isinstance(op, Gather):
-        table, idx = ins
-        if 1 in slots and bdim.get(idx) is not None:
-            return bdim[idx]
-        d = bdim.get(table) if 0 in slots else None
-        return None if not d else idx.ndim + d - 1  # the table's rows are no batch
+    best = max(ok, key=lambda lab: votes[lab])  # max keeps the first among equals
+    return op.out_labels.index(best)
+
+
+def _reshape_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    d = bdim.get(v.inputs[0])
+    if d is None:
+        return None
+    src, dst = v.inputs[0].shape, v.shape
+    for ia, jb in reshape_groups(src, dst):
+        if d in ia:
+            return _lead(jb, dst) if _lead(ia, src) == d else None
     return None
 
 
-def data_parallel(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
+def _same_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    return bdim.get(v.inputs[0])  # select, cast: dims stay where they are
+
+
+def _concat_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    ds = {bdim.get(v.inputs[s]) for s in slots}
+    return ds.pop() if len(ds) == 1 else None
+
+
+def _broadcast_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    op = cast(Broadcast, v.op)
+    x = v.inputs[0]
+    d = bdim.get(x)
+    if d is None or x.shape[d] != v.shape[op.dims[d]]:
+        return None
+    return op.dims[d]
+
+
+def _gather_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    table, idx = v.inputs
+    if 1 in slots and bdim.get(idx) is not None:
+        return bdim[idx]
+    d = bdim.get(table) if 0 in slots else None
+    return None if not d else idx.ndim + d - 1  # the table's rows are no batch
+
+
+def _no_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    return None  # a leaf reads nothing: it is never reached from an activation
+
+
+BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], int | None]] = {
+    Input: _no_batch,
+    Einsum: _einsum_batch,
+    Reshape: _reshape_batch,
+    Broadcast: _broadcast_batch,
+    Select: _same_batch,
+    Concat: _concat_batch,
+    Fill: _no_batch,
+    Gather: _gather_batch,
+    Cast: _same_batch,
+}
+"""Per node kind, the batch dim of its output given its activation-derived input ``slots`` and
+their batch dims (``data_parallel``; see :func:`batch_dims`)."""
+
+
+def data_parallel(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None
+                  ) -> dict[Node, JoinAggSpec]:
     """Split the batch label P ways in every op that has one (see :func:`batch_dims`); every
     other op runs in one block. NotApplicable when no op has a batch label of size >= P."""
     p = cluster.size
@@ -151,7 +188,7 @@ def data_parallel(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
     largest = 0
     for v in graph.ops:
         d = bdim.get(v)
-        if isinstance(v.op, Fill) or d is None:
+        if v.facts.free or d is None:
             continue
         lab = output_labels(v)[d]
         size = label_sizes(v)[lab]
@@ -189,8 +226,10 @@ class _Chain:
 def _column_label(v: Node) -> str | None:
     """A contraction with a parameter operand whose one kept parameter label is its output label
     (``x @ W``, ``linear(x, W)``): that label, else None."""
-    op = v.op
-    if not isinstance(op, Einsum) or not op.agg_labels:
+    if not v.facts.contracts:
+        return None
+    op = cast(Einsum, v.op)
+    if not op.agg_labels:
         return None
     found = None
     for u, ls in zip(v.inputs, op.in_labels):
@@ -202,39 +241,78 @@ def _column_label(v: Node) -> str | None:
     return found
 
 
-def _follow(u: Node, slot: int, v: Node, d: int) -> tuple[str, str | None]:
-    """Dim ``d`` of ``v``'s operand ``slot``, seen in ``u`` (the consumer): ('keep', label),
-    ('row', label) for a row-parallel contraction, or ('fail', reason)."""
-    op = u.op
-    if isinstance(op, Einsum):
-        lab = op.in_labels[slot][d]
-        if lab in op.out_labels:
-            return "keep", lab
-        if any(_is_param(x) and lab in ls for x, ls in zip(u.inputs, op.in_labels)):
-            return "row", lab
-        return "fail", f"the split label is contracted without a parameter in {op.equation}"
-    if isinstance(op, Reshape):
-        src, dst = v.shape, u.shape
-        for ia, jb in reshape_groups(src, dst):
-            if d in ia:
-                if _lead(ia, src) != d:
-                    return "fail", "a reshape moves the split dim off its group's lead"
-                return "keep", dim_labels(u.ndim)[_lead(jb, dst)]  # type: ignore[index]
-    if isinstance(op, Select):
-        if op.starts[d] != 0 or op.stops[d] != v.shape[d]:
-            return "fail", "a select narrows the split dim"
-        return "keep", dim_labels(u.ndim)[d]
-    if isinstance(op, Concat):
-        if op.axis == d:
-            return "fail", "a concat runs along the split dim"
-        return "keep", dim_labels(u.ndim)[d]
-    if isinstance(op, Cast):
-        return "keep", dim_labels(u.ndim)[d]
-    if isinstance(op, Broadcast):
-        if v.shape[d] != u.shape[op.dims[d]]:
-            return "fail", "a broadcast expands the split dim"
-        return "keep", dim_labels(u.ndim)[op.dims[d]]
-    return "fail", f"a {u.kind} reads the split dim"
+_Step = tuple[Literal["keep", "row", "fail"], str, bool]
+"""How a chain's split label continues in a consumer: ('keep', its label there, whether the
+consumer cuts it into (heads, head dim)), ('row', label, False) at a row-parallel contraction,
+or ('fail', the reason, False)."""
+
+
+def _follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    """Dim ``d`` of ``v``'s operand ``slot``, seen in ``u`` (the consumer): see :data:`_Step`."""
+    return rule_for(FOLLOW_RULES, u.op, "megatron chain rules")(u, slot, v, d)
+
+
+def _einsum_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    op = cast(Einsum, u.op)
+    lab = op.in_labels[slot][d]
+    if lab in op.out_labels:
+        return "keep", lab, False
+    if any(_is_param(x) and lab in ls for x, ls in zip(u.inputs, op.in_labels)):
+        return "row", lab, False
+    return "fail", f"the split label is contracted without a parameter in {op.equation}", False
+
+
+def _reshape_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    src, dst = v.shape, u.shape
+    for ia, jb in reshape_groups(src, dst):
+        if d in ia:
+            if _lead(ia, src) != d:
+                return "fail", "a reshape moves the split dim off its group's lead", False
+            lab = dim_labels(u.ndim)[_lead(jb, dst)]  # type: ignore[index]
+            return "keep", lab, label_sizes(u)[lab] < v.shape[d]  # cut into (heads, head dim)
+    return _no_follow(u, slot, v, d)
+
+
+def _select_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    op = cast(Select, u.op)
+    if op.starts[d] != 0 or op.stops[d] != v.shape[d]:
+        return "fail", "a select narrows the split dim", False
+    return "keep", dim_labels(u.ndim)[d], False
+
+
+def _concat_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    if cast(Concat, u.op).axis == d:
+        return "fail", "a concat runs along the split dim", False
+    return "keep", dim_labels(u.ndim)[d], False
+
+
+def _cast_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    return "keep", dim_labels(u.ndim)[d], False
+
+
+def _broadcast_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    op = cast(Broadcast, u.op)
+    if v.shape[d] != u.shape[op.dims[d]]:
+        return "fail", "a broadcast expands the split dim", False
+    return "keep", dim_labels(u.ndim)[op.dims[d]], False
+
+
+def _no_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    return "fail", f"a {u.kind} reads the split dim", False  # a gather (a leaf reads nothing)
+
+
+FOLLOW_RULES: dict[type, Callable[[Node, int, Node, int], _Step]] = {
+    Input: _no_follow,
+    Einsum: _einsum_follow,
+    Reshape: _reshape_follow,
+    Broadcast: _broadcast_follow,
+    Select: _select_follow,
+    Concat: _concat_follow,
+    Fill: _no_follow,
+    Gather: _no_follow,
+    Cast: _cast_follow,
+}
+"""Per node kind, how a Megatron chain's split label continues through it (see :func:`_follow`)."""
 
 
 def _trace(graph: Graph, start: Node, lab: str, owner: dict[Node, tuple[int, str]]
@@ -253,11 +331,10 @@ def _trace(graph: Graph, start: Node, lab: str, owner: dict[Node, tuple[int, str
             for slot, x in enumerate(u.inputs):
                 if x is not v:
                     continue
-                how, ulab = _follow(u, slot, v, d)
+                how, ulab, splits = _follow(u, slot, v, d)
                 if how == "fail":
-                    ch.ok, ch.why = False, str(ulab)
+                    ch.ok, ch.why = False, ulab
                     break
-                assert ulab is not None
                 if u in owner:
                     cid, olab = owner[u]
                     if olab != ulab:
@@ -274,7 +351,7 @@ def _trace(graph: Graph, start: Node, lab: str, owner: dict[Node, tuple[int, str
                 if how == "row":
                     ch.rows.add(u)
                     continue
-                if isinstance(u.op, Reshape) and label_sizes(u)[ulab] < v.shape[d]:
+                if splits:
                     ch.heads = True  # the split dim is cut into (heads, head dim)
                 stack.append(u)
             if not ch.ok:
@@ -282,7 +359,8 @@ def _trace(graph: Graph, start: Node, lab: str, owner: dict[Node, tuple[int, str
     return ch, joined
 
 
-def megatron(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
+def megatron(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None
+             ) -> dict[Node, JoinAggSpec]:
     """Megatron-LM's tensor parallelism, detected structurally (not by names).
 
     A *column-parallel* contraction has a parameter operand whose one kept label ``n`` is an
@@ -344,14 +422,14 @@ def megatron(graph: Graph, cluster: Cluster) -> dict[Node, JoinAggSpec]:
             if ch.heads:
                 raise NotApplicable(f"more devices than heads: {unit} heads, P = {p}")
             raise NotApplicable(f"the split label has size {unit} < P = {p}")
-        base = even_bounds(unit, p)
+        cuts = even_bounds(unit, p)
         for n, lab in ch.members.items():
             scale = sizes[n] // unit
-            specs[n] = JoinAggSpec.for_node(n, {lab: [b * scale for b in base]})
+            specs[n] = JoinAggSpec.for_node(n, {lab: [bound * scale for bound in cuts]})
     if not specs:
         raise NotApplicable("the split labels of the chains found do not nest")
     for v in graph.ops:
-        if v in specs or isinstance(v.op, Fill):
+        if v in specs or v.facts.free:
             continue
         specs[v] = largest_output_cut(v, p)
     return _finish(graph, specs)
@@ -386,7 +464,7 @@ def mesh_candidates(graph: Graph, model: CostModel, mesh: tuple[int, ...], keep:
     """Per op, the strategies of one mesh (at most ``keep``, the cheapest by op bytes)."""
     strategies: dict[Node, list[SpecInfo]] = {}
     for v in graph.ops:
-        if isinstance(v.op, Fill):
+        if v.facts.free:
             continue
         specs = mesh_strategies(v, mesh)
         if not specs:  # no label set takes the whole mesh: einjoin's largest feasible even split
@@ -398,23 +476,24 @@ def mesh_candidates(graph: Graph, model: CostModel, mesh: tuple[int, ...], keep:
     return strategies
 
 
-def mesh_ilp(graph: Graph, cluster: Cluster, keep: int = 12, time_limit: float = 60.0,
-             tight: bool = True) -> dict[Node, JoinAggSpec]:
+def mesh_ilp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None,
+             tight: bool = True, settings: Settings = SETTINGS) -> dict[Node, JoinAggSpec]:
     """Alpa's intra-operator pass on einjoin's cost model. For every mesh of
     :func:`mesh_shapes`, each op chooses one of :func:`mesh_strategies` (every axis mapped, so
     the block counts multiply to P; an op too small for any takes einjoin's largest feasible
-    even split; at most ``keep`` per op, the cheapest by op bytes). Node costs are the op's
+    even split; at most ``settings.mesh_ilp_keep`` per op, the cheapest by op bytes). Node costs are the op's
     join + aggregation bytes, edge costs the repartition bytes from the producer's output
     partition to what the consumer needs; a graph input is loaded free as its first consumer
     needs it and its other consumers pay from there (an edge between the two consumers'
     choices); replicas of one tensor in one partition are paid once however many ops read them,
     as the cost model counts them. So the ILP's objective is exactly
-    :func:`einjoin.planner.search.total_cost`. The mesh whose optimum is cheapest wins (the first
+    :func:`einjoin.planner.cost.total_cost`. The mesh whose optimum is cheapest wins (the first
     on ties); ``tight`` picks the linearisation (see :func:`einjoin.planner.ilp.solve`)."""
     model = CostModel(graph, cluster.size)
     best: tuple[int, dict[Node, SpecInfo]] | None = None
     for mesh in mesh_shapes(cluster.size):
-        chosen = choose(graph, model, mesh_candidates(graph, model, mesh, keep), time_limit, tight)
+        chosen = choose(graph, model, mesh_candidates(graph, model, mesh, settings.mesh_ilp_keep),
+                        settings.mesh_ilp_time_limit, tight)
         if not chosen:
             break
         cost = total_cost(graph, model, chosen)

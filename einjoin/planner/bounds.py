@@ -22,12 +22,16 @@ True
 from __future__ import annotations
 
 import math
+from typing import cast
+from collections.abc import Callable
 
 from einjoin.ir.dtypes import itemsize
-from einjoin.ir.node import Einsum, Node
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select, rule_for)
 from einjoin.ir.scalar import is_product
 
-__all__ = ["matmul_bound_words", "contraction_bound_words", "contraction_dims", "node_bound_bytes"]
+__all__ = ["matmul_bound_words", "contraction_bound_words", "contraction_dims", "node_bound_bytes",
+           "BOUND_RULES"]
 
 
 def matmul_bound_words(m: int, n: int, k: int, p: float) -> float:
@@ -55,9 +59,17 @@ def contraction_bound_words(b: int, m: int, n: int, k: int, p: int) -> float:
 def contraction_dims(node: Node) -> tuple[int, int, int, int] | None:
     """(batch, m, n, k) sizes of a two-input product-sum einsum, grouping its labels into batch
     (both inputs and the output), M (first input and output), N (second input and output) and
-    K (both inputs, aggregated); None for any other op (its bound is "n/a")."""
-    op = node.op
-    if not isinstance(op, Einsum) or len(node.inputs) != 2 or not is_product(op.join, 2):
+    K (both inputs, aggregated); None for any other op (its bound is "n/a": :data:`BOUND_RULES`)."""
+    return rule_for(BOUND_RULES, node.op, "lower-bound rules")(node)
+
+
+def _no_bound(node: Node) -> None:
+    return None  # moves, cuts, casts, gathers: no matmul bound applies
+
+
+def _einsum_dims(node: Node) -> tuple[int, int, int, int] | None:
+    op = cast(Einsum, node.op)  # the table dispatched on the kind
+    if len(node.inputs) != 2 or not is_product(op.join, 2):
         return None
     if op.agg.name not in ("sum", "none"):
         return None
@@ -71,7 +83,22 @@ def contraction_dims(node: Node) -> tuple[int, int, int, int] | None:
     groups = {"b": x & y & out, "m": (x & out) - y, "n": (y & out) - x, "k": (x & y) - out}
     if not groups["k"] and not (groups["m"] and groups["n"]):
         return None  # elementwise or a one-sided broadcast: nothing to contract
-    return tuple(math.prod(sizes[lab] for lab in groups[g]) for g in "bmnk")  # type: ignore[return-value]
+    b, m, n, k = (math.prod(sizes[lab] for lab in groups[g]) for g in "bmnk")
+    return b, m, n, k
+
+
+BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
+    Input: _no_bound,
+    Einsum: _einsum_dims,
+    Reshape: _no_bound,
+    Broadcast: _no_bound,
+    Select: _no_bound,
+    Concat: _no_bound,
+    Fill: _no_bound,
+    Gather: _no_bound,
+    Cast: _no_bound,
+}
+"""Per node kind, its (batch, m, n, k) contraction sizes for the lower bound, or None."""
 
 
 def node_bound_bytes(node: Node, p: int) -> float | None:

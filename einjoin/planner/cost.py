@@ -1,5 +1,13 @@
-"""The cost model: bytes a plan moves, as pure functions of shapes and specs (and, for the exact
-repartition cost, of a placement given as data).
+"""The cost model — the one the planners optimise: bytes a plan moves, as pure functions of
+shapes and specs (and, for the exact repartition cost, of a placement given as data), and
+:class:`CostModel`, the same pieces memoised per (node, spec) for the searches, with
+:func:`total_cost`, the figure every planner is judged by:
+
+    total = sum over ops of join(J_v) + agg(J_v)
+          + sum over edges u -> v of repart(out partition of u -> what J_v needs of u)
+
+where graph inputs are loaded in the partition their first consumer needs (later consumers pay a
+repartition), fills cost nothing, and replicas of one tensor in one partition are paid once.
 
 Accounting is the runtime's: one copy of every input block is loaded where one of its readers
 runs; every further replica and every travelling partial result is a move.
@@ -25,17 +33,25 @@ runs; every further replica and every travelling partial result is a move.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
-from typing import Mapping
+from dataclasses import dataclass
+from typing import cast
+from collections.abc import Callable, Mapping
 
-from einjoin.decomp.decompose import Decomposition
-from einjoin.decomp.partition import Partition
-from einjoin.decomp.partition import box_size, intersect
+from einjoin.cluster import Cluster
+from einjoin.decomp.decompose import Decomposition, decompose
+from einjoin.decomp.partition import BlockKey, Partition, box_size, intersect
+from einjoin.decomp.spec import JoinAggSpec
 from einjoin.ir.dtypes import itemsize
+from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
-from einjoin.ir.node import Fill
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             Select, rule_for)
 
-__all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate", "op_cost"]
+__all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate",
+           "op_cost", "SpecInfo", "CostModel", "total_cost", "model_cost", "input_partitions",
+           "INFO_RULES"]
 
 
 def join_cost(d: Decomposition) -> int:
@@ -49,8 +65,8 @@ def join_cost_per_input(d: Decomposition) -> tuple[int, ...]:
     out = []
     for slot, (x, part) in enumerate(zip(d.node.inputs, d.in_partitions)):
         total = 0
-        if not isinstance(x.op, Fill):
-            readers = Counter(k.in_keys[slot] for k in d.kernels if k.in_keys[slot] is not None)
+        if not x.facts.free:
+            readers = Counter(key for k in d.kernels if (key := k.in_keys[slot]) is not None)
             size = itemsize(x.dtype)
             for key, r in readers.items():
                 total += _elems(part.block_shape(key)) * size * (r - 1)
@@ -74,7 +90,8 @@ def _elems(shape: tuple[int, ...]) -> int:
 
 
 def repartition_cost(producer: Partition, consumer: Partition, dtype: str,
-                     producer_devices: Mapping | None = None, consumer_devices: Mapping | None = None
+                     producer_devices: Mapping[BlockKey, int] | None = None,
+                     consumer_devices: Mapping[BlockKey, int] | None = None
                      ) -> int:
     """Bytes to turn ``producer``'s blocks into ``consumer``'s given the devices of both (block key
     -> device): the overlap volume between blocks on different devices. Without devices, see
@@ -115,11 +132,159 @@ def repartition_estimate(producer: Partition, consumer: Partition, dtype: str) -
             dim_sum += best
         kept *= dim_sum
     n = 1
-    for b in consumer.bounds:
-        n *= b[-1]
+    for cb in consumer.bounds:
+        n *= cb[-1]
     return (n - kept) * itemsize(dtype)
 
 
 def op_cost(d: Decomposition) -> int:
     """Join plus aggregation bytes of one op under its spec (no repartitioning)."""
     return join_cost(d) + agg_cost(d)
+
+
+# --------------------------------------------------------------------------------------------
+# the memoised model the searches use
+
+
+@dataclass(frozen=True)
+class SpecInfo:
+    """What the cost model needs of (node, spec)."""
+
+    spec: JoinAggSpec
+    out: Partition
+    ins: tuple[Partition, ...]
+    op_bytes: int  # join + aggregation
+    agg_bytes: int
+    join_in: tuple[int, ...]  # replica bytes per input slot
+    out_id: int = -1  # interned partition ids: memo keys that hash fast
+    in_ids: tuple[int, ...] = ()
+
+
+# (out partition, input partitions, aggregation bytes, replica bytes per input slot)
+_Pieces = tuple[Partition, tuple[Partition, ...], int, tuple[int, ...]]
+
+
+def _einsum_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
+    """An einsum's pieces straight from its labels (no decomposition: the searches' hot path);
+    equal to :func:`_decomposed_pieces`."""
+    op = cast(Einsum, node.op)  # the table dispatched on the kind
+    out = spec.partition(op.out_labels)
+    ins = tuple(spec.partition(ls) for ls in op.in_labels)
+    counts = spec.counts()
+    joins = []
+    for x, ls in zip(node.inputs, op.in_labels):
+        r = math.prod(c for lab, c in counts.items() if lab not in ls)
+        joins.append(0 if x.facts.free else x.size * itemsize(x.dtype) * (r - 1))
+    n_agg = math.prod(counts[lab] for lab in op.agg_labels)
+    agg = node.size * itemsize(partial_dtype(node)) * (n_agg - 1)  # as agg_cost
+    return out, ins, agg, tuple(joins)
+
+
+def _decomposed_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
+    d = decompose(node, spec)
+    return d.out_partition, d.in_partitions, agg_cost(d), join_cost_per_input(d)
+
+
+INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
+    Input: _decomposed_pieces,
+    Einsum: _einsum_pieces,
+    Reshape: _decomposed_pieces,
+    Broadcast: _decomposed_pieces,
+    Select: _decomposed_pieces,
+    Concat: _decomposed_pieces,
+    Fill: _decomposed_pieces,
+    Gather: _decomposed_pieces,
+    Cast: _decomposed_pieces,
+}
+"""Per node kind, how the cost model reads (node, spec): an einsum from its labels, every other
+kind from its decomposition."""
+
+
+class CostModel:
+    """Memoised cost pieces for one graph on ``p`` devices: per (node, spec) a :class:`SpecInfo`,
+    per pair of partitions the placement-free repartition bytes.
+
+    >>> import einjoin as ej
+    >>> z = ej.input("a", (64, 32)) @ ej.input("b", (32, 16))
+    >>> info = CostModel(ej.Graph(z), 2).info(z.node, ej.decompose(z.node, {"k": 2}).spec)
+    >>> info.agg_bytes, info.join_in     # one 64x16 float32 partial travels; nothing replicated
+    (4096, (0, 0))
+    """
+
+    def __init__(self, graph: Graph, p: int):
+        self.graph = graph
+        self.p = p
+        self._info: dict[tuple[Node, JoinAggSpec], SpecInfo] = {}
+        self._repart: dict[tuple[int, int], int] = {}
+        self._pid: dict[Partition, int] = {}
+        self._parts: list[Partition] = []
+
+    def pid(self, part: Partition) -> int:
+        """An interned id for a partition (hashing nested tuples on every lookup is slow)."""
+        i = self._pid.get(part)
+        if i is None:
+            i = self._pid[part] = len(self._parts)
+            self._parts.append(part)
+        return i
+
+    def info(self, node: Node, spec: JoinAggSpec) -> SpecInfo:
+        """The cost pieces of ``node`` under ``spec`` (memoised)."""
+        key = (node, spec)
+        found = self._info.get(key)
+        if found is None:
+            out, ins, agg, join_in = rule_for(INFO_RULES, node.op, "cost model rules")(node, spec)
+            found = self._info[key] = SpecInfo(spec, out, ins, sum(join_in) + agg, agg, join_in,
+                                               self.pid(out), tuple(self.pid(p) for p in ins))
+        return found
+
+    def repart(self, q: Partition, r: Partition, dtype: str) -> int:
+        """Placement-free bytes to turn partition ``q`` of a ``dtype`` tensor into ``r``."""
+        return self.repart_ids(self.pid(q), self.pid(r), dtype)
+
+    def repart_ids(self, q: int, r: int, dtype: str) -> int:
+        """:meth:`repart` for interned partition ids."""
+        key = (q, r)
+        found = self._repart.get(key)
+        if found is None:
+            # cached in elements: the same pair of partitions serves every dtype
+            found = self._repart[key] = repartition_estimate(self._parts[q], self._parts[r], "bool")
+        return found * itemsize(dtype)
+
+
+def input_partitions(graph: Graph, chosen: Mapping[Node, SpecInfo]) -> dict[Node, Partition]:
+    """Each graph input is loaded as its first consumer needs it."""
+    out: dict[Node, Partition] = {}
+    for x in graph.inputs:
+        for c in graph.users[x]:
+            out[x] = chosen[c].ins[c.inputs.index(x)]
+            break
+    return out
+
+
+def total_cost(graph: Graph, model: CostModel, chosen: Mapping[Node, SpecInfo]) -> int:
+    """The model's bytes for a complete choice of specs. Replicas of one tensor in one partition
+    are counted once however many ops read them (the exchange moves a region to a device once)."""
+    loaded = input_partitions(graph, chosen)
+    total = 0
+    replicas: dict[tuple[Node, Partition, int], None] = {}
+    for v in graph.ops:
+        if v.facts.free:
+            continue
+        info = chosen[v]
+        total += info.agg_bytes
+        for u, need, join in zip(v.inputs, info.ins, info.join_in):
+            if u.facts.free:
+                continue
+            have = loaded[u] if u.facts.fed else chosen[u].out
+            total += model.repart(have, need, u.dtype)
+            if join:
+                replicas[(u, need, join)] = None
+    return total + sum(j for _, _, j in replicas)
+
+
+def model_cost(graph: Graph, cluster: Cluster, specs: Mapping[Node, JoinAggSpec]) -> int:
+    """The model's bytes for given specs (e.g. a planner's output), the figure planners are
+    judged by."""
+    model = CostModel(graph, cluster.size)
+    chosen = {n: model.info(n, specs[n]) for n in graph.ops if not n.facts.free}
+    return total_cost(graph, model, chosen)

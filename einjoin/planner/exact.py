@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from typing import Mapping
+from collections.abc import Mapping
 
 from einjoin.decomp.decompose import Decomposition
-from einjoin.decomp.partition import Partition
-from einjoin.decomp.partition import Box, box_size
+from einjoin.decomp.partition import BlockKey, Box, Partition, box_size
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Fill, Input, Node
+from einjoin.ir.node import Node
 from einjoin.placement import Placement
 
 __all__ = ["plan_bytes", "aggregation_bytes", "exchange_bytes"]
 
 
-def aggregation_bytes(d: Decomposition, devices: tuple[int, ...], homes: Mapping) -> int:
+def aggregation_bytes(d: Decomposition, devices: tuple[int, ...], homes: Mapping[BlockKey, int]) -> int:
     """Partials that travel home: per output block, the devices holding some of its partials,
     the home excepted (partials sharing a device are combined there first). They travel at
     ``partial_dtype`` (float32 for a half-precision sum), except a block whose partials all sit
@@ -40,7 +39,7 @@ def aggregation_bytes(d: Decomposition, devices: tuple[int, ...], homes: Mapping
     cast to the op's dtype, travels."""
     if d.n_partials <= 1:
         return 0
-    held: dict = defaultdict(set)
+    held: dict[BlockKey, set[int]] = defaultdict(set)
     for k, dev in zip(d.kernels, devices):
         held[k.out_key].add(dev)
     acc, final = itemsize(partial_dtype(d.node)), itemsize(d.node.dtype)
@@ -49,7 +48,7 @@ def aggregation_bytes(d: Decomposition, devices: tuple[int, ...], homes: Mapping
                for key, devs in held.items())
 
 
-def exchange_bytes(partition: Partition, homes: Mapping, dtype: str,
+def exchange_bytes(partition: Partition, homes: Mapping[BlockKey, int], dtype: str,
                    requests: list[tuple[Box, int]]) -> int:
     """Bytes of a tensor (blocks under ``partition`` at ``homes``) that must travel so every
     (region, device) request is served: per device, the volume of the union of its requested
@@ -59,7 +58,7 @@ def exchange_bytes(partition: Partition, homes: Mapping, dtype: str,
         for dim, (a, b) in enumerate(box):
             bounds[dim].update((a, b))
     usage = Partition(tuple(tuple(sorted(s)) for s in bounds))
-    wanted: dict[int, set] = defaultdict(set)
+    wanted: dict[int, set[BlockKey]] = defaultdict(set)
     for box, dev in requests:
         ranges = [usage.overlapping(dim, a, b) for dim, (a, b) in enumerate(box)]
         wanted[dev].update(itertools.product(*ranges))
@@ -78,7 +77,7 @@ def plan_bytes(graph: Graph, decomps: Mapping[Node, Decomposition], placement: P
     requests: dict[Node, list[tuple[Box, int]]] = defaultdict(list)
     total = 0
     for c in graph.nodes:
-        if isinstance(c.op, (Input, Fill)):
+        if c.facts.leaf:
             continue
         d, pl = decomps[c], placement[c]
         for k, dev in zip(d.kernels, pl.kernel_devices):
@@ -87,7 +86,7 @@ def plan_bytes(graph: Graph, decomps: Mapping[Node, Decomposition], placement: P
                     requests[x].append((d.in_partitions[slot].box(key), dev))
         total += aggregation_bytes(d, pl.kernel_devices, pl.homes)
     for u, reqs in requests.items():
-        if isinstance(u.op, Fill):
+        if u.facts.free:
             continue
         total += exchange_bytes(decomps[u].out_partition, placement[u].homes, u.dtype, reqs)
     return total

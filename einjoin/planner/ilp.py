@@ -1,5 +1,5 @@
 """Choosing one strategy (join-agg spec) per op as an integer linear program, solved by HiGHS
-through ``scipy.optimize.milp``. The objective is exactly :func:`einjoin.planner.search.total_cost`:
+through ``scipy.optimize.milp``. The objective is exactly :func:`einjoin.planner.cost.total_cost`:
 op bytes per op, repartition bytes per edge (linearised pair variables), replicas of one tensor
 in one partition paid once. Used by the ``mesh_ilp`` baseline (strategies from device meshes) and
 by ``eindecomp``'s global refinement (strategies from its own candidates).
@@ -14,10 +14,13 @@ import numpy as np
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Fill, Input, Node
-from einjoin.planner.search import CostModel, SpecInfo
+from einjoin.ir.node import Node
+from einjoin.decomp.partition import Partition
+from einjoin.planner.cost import CostModel, SpecInfo
 
 __all__ = ["Problem", "problem", "objective", "solve", "choose"]
+
+ReplicaKey = tuple[Node, Partition, int]  # a tensor, the partition it is read in, its replica bytes
 
 
 @dataclass
@@ -31,18 +34,18 @@ class Problem:
     strategies: dict[Node, list[SpecInfo]]
     unary: dict[Node, np.ndarray]
     pair: dict[tuple[Node, Node], np.ndarray]
-    replicas: dict[tuple, list[tuple[Node, int]]]  # (u, partition, bytes) -> [(op, strategy)]
+    replicas: dict[ReplicaKey, list[tuple[Node, int]]]  # (u, partition, bytes) -> [(op, strategy)]
 
 
 def problem(graph: Graph, model: CostModel, strategies: dict[Node, list[SpecInfo]]) -> Problem:
     """The ILP data for choosing one of ``strategies[v]`` for every op ``v`` (fills excluded)."""
-    ops = [v for v in graph.ops if not isinstance(v.op, Fill)]
+    ops = [v for v in graph.ops if not v.facts.free]
     pos = {v: i for i, v in enumerate(ops)}
     shared = all(hasattr(i, "join_in") for infos in strategies.values() for i in infos)
     unary = {v: np.array([float(i.agg_bytes if shared else i.op_bytes) for i in strategies[v]])
              for v in ops}
     pair: dict[tuple[Node, Node], np.ndarray] = {}
-    replicas: dict[tuple, list[tuple[Node, int]]] = defaultdict(list)
+    replicas: dict[ReplicaKey, list[tuple[Node, int]]] = defaultdict(list)
 
     def add_pair(a: Node, b: Node, m: np.ndarray) -> None:
         if pos[a] > pos[b]:
@@ -52,13 +55,13 @@ def problem(graph: Graph, model: CostModel, strategies: dict[Node, list[SpecInfo
     for v in ops:
         sv = strategies[v]
         for slot, u in enumerate(v.inputs):
-            if isinstance(u.op, Fill):
+            if u.facts.free:
                 continue
             if shared:
                 for j, info in enumerate(sv):
                     if info.join_in[slot]:
                         replicas[(u, info.ins[slot], info.join_in[slot])].append((v, j))
-            if isinstance(u.op, Input):
+            if u.facts.fed:
                 c0 = graph.users[u][0]
                 s0 = c0.inputs.index(u)
                 if c0 is v and s0 == slot:

@@ -1,0 +1,120 @@
+"""The tunables of the optimizer and the memory fitting, in one documented, frozen object.
+
+Every knob that shapes a plan (how many kernels an op may be cut into, how much of a device a
+kernel may hold, how long the searches run) is a field of :class:`Settings`; the code reads them
+from :data:`SETTINGS` (or from a ``settings`` argument where a function takes one), never from a
+module constant of its own. Change one by building a new object, never by mutation:
+
+>>> from einjoin.settings import SETTINGS
+>>> SETTINGS.max_kernels
+4096
+>>> SETTINGS.replace(max_kernels=1024).max_kernels
+1024
+
+This module sits at the base floor: it imports nothing from einjoin but its errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from einjoin.errors import EinjoinError
+
+__all__ = ["Settings", "SETTINGS"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The tunables; each field's docstring says what it bounds and why it has its value."""
+
+    max_kernels: int = 4096
+    """Kernels one op may be cut into when cutting for a memory cap (by the optimizer's fitting
+    or the memory planner's finer cuts): beyond this, per-task overhead dwarfs the kernels."""
+
+    kernel_share: float = 0.75
+    """Under a cap, the share of it one kernel may hold: the rest keeps the next kernel's inputs
+    loading while this one runs (and values waiting for their readers), so transfers overlap
+    compute instead of every kernel waiting for the eviction before it."""
+
+    finer_window: int = 4
+    """Among the cuts that fit a cap, none more than this many times finer than the coarsest:
+    finer cuts only add per-task overhead and exchange, unless they line up with neighbours."""
+
+    fit_beam: int = 16
+    """Specs refined per step of the optimizer's fitting search: bounds that search for ops with
+    many labels under tiny caps."""
+
+    fit_leaps: int = 64
+    """When no doubling lowers an op's need, the whole-or-element cuts tried at most (2^labels
+    grows fast), and the divisor cuts tried per label of a reshape."""
+
+    fit_rounds: int = 512
+    """Rounds of cutting the ops at fault finer after lowering under a cap (each round doubles a
+    block count of every op at fault) before giving up."""
+
+    candidate_over: tuple[int, ...] = (1, 2, 4)
+    """An op's candidate specs have k * P blocks for k in this tuple (over-decomposition lets
+    cuts line up with neighbours and fit caps)."""
+
+    refine_rounds: int = 6
+    """Rounds of eindecomp's refinement (trees re-solved with their neighbours' choices, then
+    single-op moves) while the total still falls."""
+
+    local_search_rounds: int = 8
+    """Sweeps of single-op moves in eindecomp's local search while one still lowers the total."""
+
+    tie_break_rounds: int = 2
+    """Sweeps of single-op moves that keep the bytes and lower the bytes waiting on compute."""
+
+    ilp_max_ops: int = 200
+    """eindecomp runs its global ILP step on graphs of at most this many (planned) ops."""
+
+    ilp_keep: int = 40
+    """Candidates per op offered to eindecomp's ILP step (besides the DP's choice)."""
+
+    ilp_time_limit: float = 30.0
+    """Seconds HiGHS may spend on eindecomp's ILP step (the DP's plan is kept if it finds none)."""
+
+    exhaustive_max_ops: int = 4
+    """The exhaustive search (ground truth for tests) takes graphs of at most this many ops."""
+
+    mesh_ilp_keep: int = 12
+    """Strategies per op and mesh offered to the ``mesh_ilp`` baseline (the cheapest by op bytes)."""
+
+    mesh_ilp_time_limit: float = 60.0
+    """Seconds HiGHS may spend on each mesh of the ``mesh_ilp`` baseline."""
+
+    progress_plan_ops: int = 200
+    """Graphs with at least this many ops show compile stages on a terminal."""
+
+    progress_run_tasks: int = 2000
+    """Task graphs with at least this many tasks show a run bar on a terminal."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "candidate_over":
+                ok = (isinstance(value, tuple) and len(value) > 0
+                      and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in value))
+            elif f.name == "kernel_share":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+            elif isinstance(f.default, float):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            if not ok:
+                raise EinjoinError(f"Settings.{f.name} = {value!r:.60} is not a valid value "
+                                   f"(default {f.default!r})")
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` applied (checked as at construction)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise EinjoinError(f"Settings has no field {unknown[0]!r}")
+        return dataclasses.replace(self, **changes)
+
+
+SETTINGS = Settings()
+"""The defaults every planner and the memory fitting use."""
