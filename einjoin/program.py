@@ -1,4 +1,5 @@
-"""``ej.compile``: plan, place, synthesise exchanges, build the task graph; ``Program.run``.
+"""``ej.compile`` and the :class:`Program` it returns: a compiled plan (the pipeline in
+:mod:`einjoin.compiler`) with an engine to run it (``run``, ``run_async``, ``cancel``, ``explain``).
 
 >>> import numpy as np, einjoin as ej
 >>> x = ej.input("x", (64, 32)); w = ej.input("w", (32, 16))
@@ -16,30 +17,23 @@ import pathlib
 import sys
 import threading
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from einjoin.cluster import Cluster, as_cluster
-from einjoin.decomp.decompose import Decomposition, decompose
+from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
-from einjoin.ir.graph import Graph
-from einjoin.ir.node import Fill, Input, Node
+from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
-from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
-from einjoin.memplan.chain import chain_reduces
-from einjoin.memplan.fit import MAX_KERNELS, element_spec, finer_spec
-from einjoin.memplan.needs import blamed_op, cap_error
-from einjoin.planner import PLANNERS, derive_input_specs, plan_specs
-from einjoin.placement import PLACERS, Placement, place
-from einjoin.progress import RunBar, stages
-from einjoin.plan import PlanStats, TaskGraph, build_taskgraph, explain, run_reference
-from einjoin.runtime import Engine, RunStats, get_backend
+from einjoin.progress import RunBar
+from einjoin.plan import PlanStats, explain, run_reference
+from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
 
-__all__ = ["compile", "Program", "TraceWriteWarning"]
+__all__ = ["compile", "Program", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
 _nothing = contextlib.nullcontext
 
@@ -48,137 +42,35 @@ class TraceWriteWarning(UserWarning):
     """A finished run's trace could not be written (a full disk, ...): the results are returned."""
 
 
-def _check_quiet(quiet: Any) -> None:
-    if quiet is not None and not isinstance(quiet, (bool, np.bool_)):
-        raise EinjoinError(f"quiet must be True or False, got {type(quiet).__name__} {quiet!r:.60}")
-
-
-def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
-    if specs is None:
-        return {}
-    if not isinstance(specs, Mapping):
-        raise EinjoinError(f"specs must be a mapping tensor -> join-agg spec, got {type(specs).__name__}")
-    members = set(graph.nodes)
-    out = {}
-    for key, spec in specs.items():
-        node = getattr(key, "node", key)
-        if node not in members:
-            raise EinjoinError(f"a spec is given for {key!r}, which is not in the graph")
-        out[node] = JoinAggSpec.for_node(node, spec)
-    return out
-
-
-def compile(outputs: Any, devices: "int | Cluster" = 1, planner: Any = "auto",
+def compile(outputs: Any, devices: "int | Cluster" = 1, *, planner: Any = "auto",
             backend: Any = "threads", specs: Any = None, placement: str = "greedy",
             order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
             memory_policy: str = "belady", host_link: float | None = None) -> "Program":
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
-    ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`). ``specs``
-    overrides the planner's join-agg spec for some nodes; ``placement`` names a placer;
-    ``order`` is the ready-queue policy. Large graphs show progress on a terminal unless
-    ``quiet`` (which also holds for the program's runs).
+    ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
+    is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
+    them as ``prog.plan.options``). ``specs`` overrides the planner's join-agg spec for some
+    nodes; ``placement`` names a placer; ``order`` is the ready-queue policy. Large graphs show
+    progress on a terminal unless ``quiet`` (which also holds for the program's runs).
 
     ``memory_limit`` caps each device's memory (bytes or a string such as ``"2GiB"``, or a
     mapping device -> size; default: the cluster's ``Device.memory``). Under a cap, ops whose
     single kernel would not fit are cut finer, and the task graph is memory-planned
     (:mod:`einjoin.memplan`, ``memory_policy`` "belady" or "naive"): blocks are evicted to host
     RAM and reloaded so that every run, in any order, stays within the cap. ``host_link`` (bytes
-    per second) emulates a host<->device link for the program's runs."""
-    arg_names, bound = None, None
-    if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
-        arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), outputs.many
-        outputs = list(outputs.outputs) if many else outputs.outputs[0]
-    graph = Graph(outputs)
+    per second) emulates a host<->device link for the program's runs.
+
+    >>> import einjoin as ej
+    >>> prog = ej.compile(ej.input("a", (8, 4)) @ ej.input("b", (4, 2)), devices=2, quiet=True)
+    >>> prog.plan.options.planner, prog.cluster.size
+    ('auto', 2)
+    """
+    source = Source.of(outputs)
     cluster = as_cluster(devices)
-    # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
-    if not callable(planner) and not (isinstance(planner, str) and planner in PLANNERS):
-        raise EinjoinError(f"unknown planner {planner!r}; known: {', '.join(sorted(PLANNERS))}")
-    be = get_backend(backend)
-    if not (isinstance(placement, str) and placement in PLACERS):
-        raise EinjoinError(f"unknown placement {placement!r}; known: {', '.join(sorted(PLACERS))}")
-    check_order(order)
-    seed = check_seed(seed)
-    _check_quiet(quiet)
-    if not (isinstance(memory_policy, str) and memory_policy in POLICIES):
-        raise EinjoinError(f"unknown memory policy {memory_policy!r}; known: {', '.join(POLICIES)}")
-    check_host_link(host_link)
-    caps = parse_caps(memory_limit, cluster.size, cluster)
-    with stages(quiet, len(graph.ops)) as say:
-        say("planning")
-        # the planner sees the caps as the devices' memory: eindecomp then picks cuts that fit
-        chosen = dict(plan_specs(planner, graph, cluster.with_memory(caps)))
-        say("placing, synthesising exchanges, building the task graph")
-        decomps, placed, tg = _lower(graph, cluster, chosen, specs, placement, seed)
-        if any(c is not None for c in caps.values()):
-            if getattr(be, "remote", False):
-                raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "
-                                   "backend='threads' (or without memory_limit / Device.memory)")
-            say("fitting the memory caps, planning evictions")
-            decomps, placed, tg = _fit_caps(graph, cluster, chosen, specs, placement, seed, caps,
-                                            decomps, placed, chain_reduces(tg))
-            tg = plan_memory(tg, decomps, caps, memory_policy)
-    prog = Program(graph, cluster, decomps, placed, tg, be, order, seed,
-                   isinstance(outputs, (list, tuple)))
-    prog.quiet = bool(quiet)
-    prog.host_link = host_link
-    if arg_names is not None:
-        # parameters the forward never reads are not graph inputs
-        prog._arg_names = arg_names
-        prog._bound = {k: v for k, v in (bound or {}).items() if k in graph.input_by_name}
-    return prog
-
-
-def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], specs: Any,
-           placement: str, seed: int) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
-    user = _user_specs(graph, specs)
-    chosen.update(user)
-    # an input keeps the user's or the planner's partition, unless a user spec changed one of its
-    # consumers: then it follows its first consumer again
-    stale = {x for x in graph.inputs if x not in user and any(c in user for c in graph.users[x])}
-    chosen = derive_input_specs(graph, {n: s for n, s in chosen.items() if n not in stale})
-    decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
-    placed = place(placement, decomps, cluster, seed)
-    return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
-
-
-def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], specs: Any,
-              placement: str, seed: int, caps: dict[int, int | None], decomps: dict[Node, Decomposition],
-              placed: Placement, tg: TaskGraph) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
-    """Cut the ops whose tasks alone exceed a cap finer until every task fits; the clear
-    :class:`MemoryCapError` (op, block shapes, bytes, cap) when no finer cut helps."""
-    user = _user_specs(graph, specs)
-    cut_inputs: set[Node] = set()  # inputs cut for their own loads keep that partition
-    for _ in range(512):  # each round doubles a block count of every op at fault
-        over = [(nd, caps[nd.device]) for nd in task_needs(tg, decomps)
-                if caps.get(nd.device) is not None and nd.needed > caps[nd.device]]  # type: ignore[operator]
-        if not over:
-            return decomps, placed, tg
-        done: set[Node] = set()
-        for nd, cap in over:
-            op = blamed_op(nd.task, tg)
-            if isinstance(op.op, Fill) and graph.users[op] and op not in graph.outputs:
-                op = graph.users[op][0]  # a fill is computed in the blocks its consumer reads
-            if op in done:
-                continue
-            done.add(op)
-            if op in user:
-                raise cap_error(nd, cap, "; the join-agg spec given for it does not fit (give a finer "
-                                         "one or none)", op)
-            finer = finer_spec(op, decomps[op].spec)
-            if finer is None and nd.task.kind == "touch" and op is nd.task.consumer:
-                finer = element_spec(op, decomps[op].spec)  # the buffer it assembles must shrink
-            if finer is None:
-                raise cap_error(nd, cap, "; no finer decomposition of it fits either (at most "
-                                         f"{MAX_KERNELS} kernels per op)", op)
-            chosen[op] = finer
-            if isinstance(op.op, Input):
-                cut_inputs.add(op)
-            for x in op.inputs:  # inputs it reads first take its new partition
-                if isinstance(x.op, Input) and graph.users[x][0] is op and x not in cut_inputs:
-                    chosen.pop(x, None)
-        decomps, placed, tg = _lower(graph, cluster, chosen, specs, placement, seed)
-        tg = chain_reduces(tg)
-    raise cap_error(over[0][0], over[0][1], "; gave up cutting finer")
+    options = CompileOptions(planner=planner, backend=backend, specs=specs, placement=placement,
+                             order=order, seed=seed, quiet=quiet, memory_limit=memory_limit,
+                             memory_policy=memory_policy, host_link=host_link)
+    return Program(build_plan(source, cluster, options))
 
 
 class Program:
@@ -186,30 +78,34 @@ class Program:
 
     Thread-safe to run: concurrent ``run`` / ``run_async`` calls of one program (threads, sync,
     null and Ray backends) are independent runs, each with its own feeds, stores, results and
-    cancellation; ``run_stats`` is the stats of the run that finished last."""
+    cancellation; ``run_stats`` is the stats of the run that finished last.
 
-    def __init__(self, graph: Graph, cluster: Cluster, decomps: dict[Node, Decomposition],
-                 placement: Placement, taskgraph: TaskGraph, backend: Any, order: str, seed: int,
-                 many: bool):
-        self.graph = graph
-        self.cluster = cluster
-        self.decomps = decomps
-        self.placement = placement
-        self.taskgraph = taskgraph
-        self.backend = backend
-        self.order = order
-        self.seed = seed
-        self._many = many
-        self._engine = Engine(taskgraph, decomps)
-        self.stats: PlanStats = taskgraph.stats()
+    Built from a :class:`~einjoin.compiler.CompiledPlan` (``prog.plan``); its parts are also
+    attributes (``graph``, ``cluster``, ``decomps``, ``placement``, ``taskgraph``, ``stats``), as
+    are the backend and the run defaults of its options (``order``, ``seed``, ``quiet``,
+    ``host_link``)."""
+
+    def __init__(self, plan: CompiledPlan):
+        self.plan = plan
+        self.graph = plan.graph
+        self.cluster = plan.cluster
+        self.decomps = plan.decomps
+        self.placement = plan.placement
+        self.taskgraph = plan.taskgraph
+        self.stats: PlanStats = plan.stats
+        options = plan.options
+        self.backend = options.backend
+        self.order = options.order
+        self.seed = options.seed
+        self.quiet = bool(options.quiet)                # no progress display
+        self.host_link = options.host_link              # emulated host<->device bytes per second
+        self._many = plan.many
+        self._arg_names = plan.arg_names                # set for an imported torch module
+        self._bound = plan.bound
+        self._engine = Engine(plan.taskgraph, plan.decomps)
         self.run_stats: RunStats | None = None
         self._runs_lock = threading.Lock()
         self._active: set[CancelToken] = set()  # the runs in progress, for cancel()
-
-    quiet = False                                  # no progress display
-    host_link: "float | None" = None               # emulated host<->device bytes per second
-    _arg_names: "tuple[str, ...] | None" = None   # set for an imported torch module
-    _bound: "dict[str, Any] | None" = None
 
     def _bind(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
         if self._arg_names is None:
@@ -316,7 +212,7 @@ class Program:
             raise EinjoinError(f"callbacks must be a list of objects with on_start(task) and on_end(task, "
                                f"start, end) methods, got {type(callbacks).__name__} {callbacks!r:.60} "
                                f"({e})") from None
-        _check_quiet(quiet)
+        check_quiet(quiet)
         host_link = self.host_link if host_link is None else host_link
         check_host_link(host_link)
         if cancel is not None and not isinstance(cancel, CancelToken):
@@ -350,15 +246,11 @@ class Program:
             self._active.add(token)
         try:
             try:
-                # a token cancelled before the start: Engine.run / RayBackend.run_graph raise
-                # "run cancelled before it started" before running anything
+                # a token cancelled before the start: Engine.run raises "run cancelled before it
+                # started" before running anything; every backend (Ray too) runs through the engine
                 with bar if bar is not None else _nothing():
-                    if getattr(self.backend, "remote", False):  # Ray schedules the task graph itself
-                        outs, stats = self.backend.run_graph(self._engine, p["values"], self.cluster, callbacks,
-                                                             cancel=token)
-                    else:
-                        outs, stats = self._engine.run(p["values"], self.backend, p["order"], p["seed"],
-                                                       callbacks, p["host_link"], cancel=token)
+                    outs, stats = self._engine.run(p["values"], self.backend, p["order"], p["seed"],
+                                                   callbacks, p["host_link"], cancel=token, cluster=self.cluster)
             except BaseException as exc:
                 if recorder is not None:  # what was recorded; the run's error stays the error
                     self._write_trace(recorder, p["trace"], exc, handle)

@@ -1,0 +1,249 @@
+"""The compile pipeline behind ``ej.compile``: outputs, devices and :class:`CompileOptions` in, a
+:class:`CompiledPlan` out (plan the join-agg specs, decompose, place, synthesise the exchanges,
+build the task graph, fit the memory caps). :class:`einjoin.program.Program` runs a plan.
+
+Each option of ``ej.compile`` is one field of :class:`CompileOptions`, checked once when the
+object is built; an option to come (an objective, fusion, an engine, training state) is one more
+field and one more check there, and whatever reads it finds it on ``plan.options``.
+
+>>> import einjoin as ej
+>>> from einjoin.compiler import CompileOptions, Source, build_plan
+>>> x = ej.input("x", (64, 32)); w = ej.input("w", (32, 16))
+>>> plan = build_plan(Source.of(x @ w), ej.local(4), CompileOptions(planner="split_largest", quiet=True))
+>>> plan.cluster.size, plan.options.backend.name, plan.stats == plan.taskgraph.stats()
+(4, 'threads', True)
+>>> CompileOptions(placement="nearest")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+    ...
+einjoin.errors.EinjoinError: unknown placement 'nearest'; known: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from einjoin.cluster import Cluster
+from einjoin.decomp.decompose import Decomposition, decompose
+from einjoin.decomp.spec import JoinAggSpec
+from einjoin.errors import EinjoinError
+from einjoin.ir.graph import Graph
+from einjoin.ir.node import Node
+from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
+from einjoin.memplan.chain import chain_reduces
+from einjoin.memplan.fit import MAX_KERNELS, element_spec, finer_spec
+from einjoin.memplan.needs import blamed_op, cap_error
+from einjoin.placement import PLACERS, Placement, place
+from einjoin.plan import PlanStats, TaskGraph, build_taskgraph
+from einjoin.planner import PLANNERS, derive_input_specs, plan_specs
+from einjoin.progress import stages
+from einjoin.runtime import get_backend
+from einjoin.runtime.engine import check_host_link, check_order, check_seed
+
+__all__ = ["CompileOptions", "CompiledPlan", "Source", "build_plan", "check_quiet"]
+
+
+def check_quiet(quiet: Any) -> None:
+    """``quiet`` is True, False or None (None: the default)."""
+    if quiet is not None and not isinstance(quiet, (bool, np.bool_)):
+        raise EinjoinError(f"quiet must be True or False, got {type(quiet).__name__} {quiet!r:.60}")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The options of ``ej.compile`` (all but the outputs and the devices), checked when built:
+    a bad one raises an :class:`EinjoinError` naming it, before anything is planned.
+
+    - ``planner``: a registered name (:data:`einjoin.planner.PLANNERS`) or a callable
+      ``(graph, cluster) -> {node: join-agg spec}``;
+    - ``backend``: ``"threads"``, ``"sync"``, ``"null"``, ``"ray"`` or a backend object; the
+      options hold the backend object (a name is resolved when they are built; ``"ray"`` is a
+      fresh Ray backend, owning the actors of one program);
+    - ``specs``: a mapping tensor -> join-agg spec that overrides the planner's for those nodes;
+    - ``placement``: a registered placer (:data:`einjoin.placement.PLACERS`); ``seed`` seeds it
+      and the ``"random"`` ready order; ``order``: the ready-queue policy of the runs;
+    - ``quiet``: no progress display (while compiling and in the program's runs);
+    - ``memory_limit``: per-device caps (bytes, ``"2GiB"``, or a mapping device -> size; None:
+      the cluster's ``Device.memory``); ``memory_policy``: ``"belady"`` or ``"naive"`` evictions;
+    - ``host_link``: emulated host<->device bytes per second for the runs (None: none).
+
+    >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
+    (3, 'threads')
+    >>> CompileOptions().replace(quiet=True).quiet
+    True
+    """
+
+    planner: Any = "auto"
+    backend: Any = "threads"
+    specs: Any = None
+    placement: str = "greedy"
+    order: str = "fifo"
+    seed: int = 0
+    quiet: bool = False
+    memory_limit: Any = None
+    memory_policy: str = "belady"
+    host_link: float | None = None
+
+    def __post_init__(self) -> None:
+        # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
+        planner = self.planner
+        if not callable(planner) and not (isinstance(planner, str) and planner in PLANNERS):
+            raise EinjoinError(f"unknown planner {planner!r}; known: {', '.join(sorted(PLANNERS))}")
+        object.__setattr__(self, "backend", get_backend(self.backend))
+        placement = self.placement
+        if not (isinstance(placement, str) and placement in PLACERS):
+            raise EinjoinError(f"unknown placement {placement!r}; known: {', '.join(sorted(PLACERS))}")
+        check_order(self.order)
+        object.__setattr__(self, "seed", check_seed(self.seed))  # a numpy integer becomes an int
+        check_quiet(self.quiet)
+        policy = self.memory_policy
+        if not (isinstance(policy, str) and policy in POLICIES):
+            raise EinjoinError(f"unknown memory policy {policy!r}; known: {', '.join(POLICIES)}")
+        check_host_link(self.host_link)
+
+    def replace(self, **changes: Any) -> "CompileOptions":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """What compiling produced, as data: the graph, the cluster, each node's decomposition
+    (its join-agg spec, blocks and kernels), the placement of every block, the task graph (with
+    its memory plan under caps), its stats, and the options it was compiled with. ``many``: the
+    outputs were a list or tuple (runs return a tuple). For an imported torch module,
+    ``arg_names`` are its forward's arguments and ``bound`` its parameters and buffers by input
+    name (those the graph reads)."""
+
+    graph: Graph
+    cluster: Cluster
+    decomps: dict[Node, Decomposition]
+    placement: Placement
+    taskgraph: TaskGraph
+    stats: PlanStats
+    options: CompileOptions
+    many: bool
+    arg_names: "tuple[str, ...] | None" = None
+    bound: "dict[str, Any] | None" = None
+
+    @property
+    def specs(self) -> dict[Node, JoinAggSpec]:
+        """Each node's join-agg spec."""
+        return {n: d.spec for n, d in self.decomps.items()}
+
+
+@dataclass(frozen=True)
+class Source:
+    """What is compiled: the graph reaching the outputs, whether they were several (a list or
+    tuple: runs return a tuple), and for ``ej.from_torch``'s result its forward's argument names
+    and bound parameters and buffers."""
+
+    graph: Graph
+    many: bool = False
+    arg_names: "tuple[str, ...] | None" = None
+    bound: "dict[str, Any] | None" = None
+
+    @staticmethod
+    def of(outputs: Any) -> "Source":
+        """``outputs``: a tensor, a list/tuple of them, or ``ej.from_torch``'s result."""
+        if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
+            arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), outputs.many
+            graph = Graph(list(outputs.outputs) if many else outputs.outputs[0])
+            # parameters the forward never reads are not graph inputs
+            bound = {k: v for k, v in bound.items() if k in graph.input_by_name}
+            return Source(graph, bool(many), arg_names, bound)
+        return Source(Graph(outputs), isinstance(outputs, (list, tuple)))
+
+
+def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
+    """Plan the join-agg specs of ``source``'s graph for ``cluster``, decompose, place, build the
+    task graph and, under memory caps, cut finer until every task fits and plan evictions."""
+    graph = source.graph
+    caps = parse_caps(options.memory_limit, cluster.size, cluster)
+    with stages(options.quiet, len(graph.ops)) as say:
+        say("planning")
+        # the planner sees the caps as the devices' memory: eindecomp then picks cuts that fit
+        chosen = dict(plan_specs(options.planner, graph, cluster.with_memory(caps)))
+        say("placing, synthesising exchanges, building the task graph")
+        decomps, placed, tg = _lower(graph, cluster, chosen, options)
+        if any(c is not None for c in caps.values()):
+            if getattr(options.backend, "remote", False):
+                raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "
+                                   "backend='threads' (or without memory_limit / Device.memory)")
+            say("fitting the memory caps, planning evictions")
+            decomps, placed, tg = _fit_caps(graph, cluster, chosen, options, caps, decomps, placed,
+                                            chain_reduces(tg))
+            tg = plan_memory(tg, decomps, caps, options.memory_policy)
+    return CompiledPlan(graph, cluster, decomps, placed, tg, tg.stats(), options, source.many,
+                        source.arg_names, source.bound)
+
+
+def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
+    if specs is None:
+        return {}
+    if not isinstance(specs, Mapping):
+        raise EinjoinError(f"specs must be a mapping tensor -> join-agg spec, got {type(specs).__name__}")
+    members = set(graph.nodes)
+    out = {}
+    for key, spec in specs.items():
+        node = getattr(key, "node", key)
+        if node not in members:
+            raise EinjoinError(f"a spec is given for {key!r}, which is not in the graph")
+        out[node] = JoinAggSpec.for_node(node, spec)
+    return out
+
+
+def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], options: CompileOptions
+           ) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
+    user = _user_specs(graph, options.specs)
+    chosen.update(user)
+    # an input keeps the user's or the planner's partition, unless a user spec changed one of its
+    # consumers: then it follows its first consumer again
+    stale = {x for x in graph.inputs if x not in user and any(c in user for c in graph.users[x])}
+    chosen = derive_input_specs(graph, {n: s for n, s in chosen.items() if n not in stale})
+    decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
+    placed = place(options.placement, decomps, cluster, options.seed)
+    return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
+
+
+def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], options: CompileOptions,
+              caps: dict[int, int | None], decomps: dict[Node, Decomposition], placed: Placement,
+              tg: TaskGraph) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
+    """Cut the ops whose tasks alone exceed a cap finer until every task fits; the clear
+    :class:`MemoryCapError` (op, block shapes, bytes, cap) when no finer cut helps."""
+    user = _user_specs(graph, options.specs)
+    cut_inputs: set[Node] = set()  # inputs cut for their own loads keep that partition
+    for _ in range(512):  # each round doubles a block count of every op at fault
+        over = [(nd, caps[nd.device]) for nd in task_needs(tg, decomps)
+                if caps.get(nd.device) is not None and nd.needed > caps[nd.device]]  # type: ignore[operator]
+        if not over:
+            return decomps, placed, tg
+        done: set[Node] = set()
+        for nd, cap in over:
+            op = blamed_op(nd.task, tg)
+            if op.facts.free and graph.users[op] and op not in graph.outputs:
+                op = graph.users[op][0]  # a fill is computed in the blocks its consumer reads
+            if op in done:
+                continue
+            done.add(op)
+            if op in user:
+                raise cap_error(nd, cap, "; the join-agg spec given for it does not fit (give a finer "
+                                         "one or none)", op)
+            finer = finer_spec(op, decomps[op].spec)
+            if finer is None and nd.task.kind == "touch" and op is nd.task.consumer:
+                finer = element_spec(op, decomps[op].spec)  # the buffer it assembles must shrink
+            if finer is None:
+                raise cap_error(nd, cap, "; no finer decomposition of it fits either (at most "
+                                         f"{MAX_KERNELS} kernels per op)", op)
+            chosen[op] = finer
+            if op.facts.fed:
+                cut_inputs.add(op)
+            for x in op.inputs:  # inputs it reads first take its new partition
+                if x.facts.fed and graph.users[x][0] is op and x not in cut_inputs:
+                    chosen.pop(x, None)
+        decomps, placed, tg = _lower(graph, cluster, chosen, options)
+        tg = chain_reduces(tg)
+    raise cap_error(over[0][0], over[0][1], "; gave up cutting finer")
