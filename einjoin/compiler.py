@@ -34,14 +34,15 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
 from einjoin.memplan.chain import chain_reduces
-from einjoin.memplan.fit import MAX_KERNELS, element_spec, finer_spec
 from einjoin.memplan.needs import blamed_op, cap_error
 from einjoin.placement import PLACERS, Placement, place
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph
 from einjoin.planner import PLANNERS, derive_input_specs, plan_specs
+from einjoin.planner.fit import element_spec, finer_spec
 from einjoin.progress import stages
 from einjoin.runtime import get_backend
 from einjoin.runtime.engine import check_host_link, check_order, check_seed
+from einjoin.settings import SETTINGS
 
 __all__ = ["CompileOptions", "CompiledPlan", "Source", "build_plan", "check_quiet"]
 
@@ -165,8 +166,8 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     caps = parse_caps(options.memory_limit, cluster.size, cluster)
     with stages(options.quiet, len(graph.ops)) as say:
         say("planning")
-        # the planner sees the caps as the devices' memory: eindecomp then picks cuts that fit
-        chosen = dict(plan_specs(options.planner, graph, cluster.with_memory(caps)))
+        # the planner receives the caps: eindecomp then picks cuts that fit
+        chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=caps))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, options)
         if any(c is not None for c in caps.values()):
@@ -216,7 +217,7 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], o
     :class:`MemoryCapError` (op, block shapes, bytes, cap) when no finer cut helps."""
     user = _user_specs(graph, options.specs)
     cut_inputs: set[Node] = set()  # inputs cut for their own loads keep that partition
-    for _ in range(512):  # each round doubles a block count of every op at fault
+    for _ in range(SETTINGS.fit_rounds):  # each round doubles a block count of every op at fault
         over = [(nd, caps[nd.device]) for nd in task_needs(tg, decomps)
                 if caps.get(nd.device) is not None and nd.needed > caps[nd.device]]  # type: ignore[operator]
         if not over:
@@ -237,7 +238,7 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], o
                 finer = element_spec(op, decomps[op].spec)  # the buffer it assembles must shrink
             if finer is None:
                 raise cap_error(nd, cap, "; no finer decomposition of it fits either (at most "
-                                         f"{MAX_KERNELS} kernels per op)", op)
+                                         f"{SETTINGS.max_kernels} kernels per op)", op)
             chosen[op] = finer
             if op.facts.fed:
                 cut_inputs.add(op)
