@@ -370,7 +370,7 @@ def test_explain_and_stats(capsys: Any) -> None:
 
     assert s.bytes_loaded == (64 * 32 + 32 * 16) * 4
     assert s.bytes_fetched == 64 * 16 * 4
-    assert {"kernel", "move", "free"} <= set(s.task_counts)
+    assert {TaskKind.KERNEL, TaskKind.MOVE, TaskKind.FREE} <= set(s.task_counts)
     assert sum(s.task_counts.values()) == len(prog.taskgraph)
     prog.run(**feeds)
     r = prog.run_stats
@@ -420,7 +420,7 @@ def test_exchange_aligned_moves_nothing() -> None:
     prog = ej.compile(y, devices=4, specs={x: {"a": 4}, y: {"a": 4}}, placement="round_robin")
     xv = rand((8, 8), 1)
     np.testing.assert_allclose(_check_moved(prog, 0, xv), xv * 2.0, **F32)
-    assert "move" not in prog.stats.task_counts
+    assert TaskKind.MOVE not in prog.stats.task_counts
 
 
 @pytest.mark.parametrize("inputs_whole", [False, True], ids=["inputs-follow", "inputs-whole"])
@@ -448,7 +448,7 @@ def test_exchange_contracted_split_aggregation(inputs_whole: bool) -> None:
     out = _check_moved(prog, partial + pieces, av, bv)
     np.testing.assert_allclose(out, av @ bv, **F32)
     assert prog.stats.bytes_per_pair == pairs
-    assert prog.stats.task_counts.get("reduce") == 1
+    assert prog.stats.task_counts.get(TaskKind.REDUCE) == 1
 
 
 def test_exchange_all_gather() -> None:
@@ -485,7 +485,7 @@ def test_exchange_shared_region_moves_once() -> None:
     np.testing.assert_allclose(got1, xv * 2.0, **F32)
     np.testing.assert_allclose(got2, xv + 1.0, **F32)
     assert two.stats.bytes_per_pair == {(0, 1): piece, (1, 0): piece}
-    assert two.stats.task_counts["move"] == 2
+    assert two.stats.task_counts[TaskKind.MOVE] == 2
 
 
 def test_outputs_do_not_alias_feeds() -> None:

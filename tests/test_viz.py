@@ -59,7 +59,7 @@ def test_trace_matches_task_graph(block: Any, tmp_path: Any) -> None:
     events = _x_events(trace)
     tasks = prog.taskgraph.tasks
     kernels = [t for t in tasks if t.kind is TaskKind.KERNEL]
-    kernel_events = [e for e in events if e["cat"] == "kernel"]
+    kernel_events = [e for e in events if e["cat"] == TaskKind.KERNEL]
     assert len(kernel_events) == len(kernels)
     assert sorted(e["args"]["task"] for e in kernel_events) == sorted(t.id for t in kernels)
     # every task ran once and sits on the track of the device the task graph gave it
@@ -73,7 +73,7 @@ def test_trace_matches_task_graph(block: Any, tmp_path: Any) -> None:
         op = describe(tasks[e["args"]["task"]].node)
         assert op in e["name"] and e["args"]["op"] == op
     for e in events:
-        if e["cat"] == "move":
+        if e["cat"] == TaskKind.MOVE:
             assert e["name"].startswith("move ")
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -110,7 +110,7 @@ def test_failed_run_still_writes_trace(backend: str, tmp_path: Any) -> None:
         prog.run(trace=path, callbacks=[cb], **feeds)
     with open(path) as f:
         events = _x_events(json.load(f))
-    assert any(e["cat"] == "load" for e in events)
+    assert any(e["cat"] == TaskKind.LOAD for e in events)
     unfinished = [e for e in events if e["args"].get("unfinished")]
     assert [e["args"]["task"] for e in unfinished] == [cb.failed.id]
     # the program runs again, with a complete trace

@@ -10,8 +10,8 @@ some task cannot be met by any eviction policy — only a finer decomposition he
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from einjoin.cluster import Cluster, parse_bytes

@@ -22,8 +22,8 @@ import bisect
 import dataclasses
 import heapq
 from collections import defaultdict
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.errors import EinjoinError

@@ -24,8 +24,8 @@ of each block writes the op's dtype, so the result is rounded once, as torch and
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from einjoin.decomp.decompose import Decomposition

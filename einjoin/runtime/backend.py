@@ -3,13 +3,14 @@
 and ``ray`` today; a simulator or a torch backend next.
 
 A run goes through the engine's steps (check, open, dispatch, collect, finish, replay); the
-backend decides *where and how* a task executes, in a :class:`Session` (one run attempt):
+backend decides *where and how* a task executes, in a session (one run attempt) of one of
+two kinds (:data:`Session`):
 
-- **ready dispatch** (``session.eager`` False: sync, threads, null). The engine keeps the
+- **ready dispatch** (a :class:`ReadySession`: sync, threads, null). The engine keeps the
   dependency counters and ready queues and calls ``session.execute(task)`` once every task the
   task depends on has finished, on ``session.lanes`` worker threads (``threaded``) or inline.
   ``session.lane(task)`` says which worker runs it (a device's compute lane, its host lane).
-- **eager dispatch** (``session.eager`` True: Ray). The backend resolves dependencies itself
+- **eager dispatch** (an :class:`EagerSession`: Ray). The backend resolves dependencies itself
   (Ray passes object references between actors), so the engine hands it every task at once, in
   dependency (task-id) order, with ``session.submit(task)``, then ``session.collect(cancel)``
   waits for them all. Per task this costs one method call on top of the backend's own
@@ -29,9 +30,9 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
     from einjoin.cluster import Cluster
     from einjoin.runtime.engine import CancelToken, Engine, RunStats
 
-__all__ = ["Backend", "Session", "Callback", "RunSpec", "TaskFailed", "DeviceLost"]
+__all__ = ["Backend", "Session", "ReadySession", "EagerSession", "Callback", "RunSpec", "TaskFailed", "DeviceLost",
+           "note"]
 
 
 class Callback(Protocol):
@@ -85,21 +87,43 @@ class DeviceLost(Exception):
 
 
 @runtime_checkable
-class Session(Protocol):
-    """One run attempt on a backend (a context manager; an exception leaving it abandons the
-    run's queued work)."""
+class ReadySession(Protocol):
+    """One run attempt whose tasks the engine hands over once they are ready (a context manager;
+    an exception leaving it abandons the run). ``lanes`` worker lanes, each a thread when
+    ``threaded`` (else one inline worker); ``lane(task)`` is the lane that runs ``task``;
+    ``execute(task)`` runs it (every task it depends on has finished); ``finish(stats)`` fills
+    the stats and returns the outputs (None when nothing is computed)."""
 
-    eager: bool     # True: submit()/collect(), the backend resolves dependencies itself
-    lanes: int      # ready dispatch: the number of worker lanes
-    threaded: bool  # ready dispatch: one thread per lane (False: one inline worker)
+    eager: Literal[False]
+    lanes: int
+    threaded: bool
 
-    def __enter__(self) -> Session: ...
+    def __enter__(self) -> ReadySession: ...
     def __exit__(self, *exc: Any) -> Any: ...
     def lane(self, task: Task) -> int: ...
     def execute(self, task: Task) -> None: ...
+    def finish(self, stats: RunStats) -> list[np.ndarray] | None: ...
+
+
+@runtime_checkable
+class EagerSession(Protocol):
+    """One run attempt on a backend that resolves dependencies itself (a context manager; an
+    exception leaving it abandons the run). ``submit(task)`` takes every task, in dependency
+    order, before its inputs exist (the backend passes its own futures); ``collect(cancel)``
+    waits for all of them (raising ``EinjoinError("run cancelled ...")`` once ``cancel`` is);
+    ``finish(stats)`` fills the stats, the measured ``intervals`` included (the engine replays
+    them to the callbacks), and returns the outputs."""
+
+    eager: Literal[True]
+
+    def __enter__(self) -> EagerSession: ...
+    def __exit__(self, *exc: Any) -> Any: ...
     def submit(self, task: Task) -> None: ...
     def collect(self, cancel: CancelToken | None) -> None: ...
     def finish(self, stats: RunStats) -> list[np.ndarray] | None: ...
+
+
+Session = ReadySession | EagerSession
 
 
 @runtime_checkable

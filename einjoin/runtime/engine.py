@@ -18,8 +18,8 @@ import threading
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.plan.taskgraph import TaskGraph
-from einjoin.runtime.backend import Backend, Callback, DeviceLost, RunSpec, Session, TaskFailed, note
+from einjoin.runtime.backend import Backend, Callback, DeviceLost, EagerSession, ReadySession, RunSpec, TaskFailed, note
 from einjoin.runtime.local import Store
 
 if TYPE_CHECKING:
@@ -338,7 +338,7 @@ class Engine:
             _replay(self.tg, stats, callbacks)
         return outs, stats
 
-    def _submit(self, session: Session) -> None:
+    def _submit(self, session: EagerSession) -> None:
         """Every task in id order (a topological order): each one's dependencies are submitted
         before it, so the backend can pass their futures."""
         submit = session.submit
@@ -375,7 +375,7 @@ class _Recovery:
 
     def __init__(self, backend: Backend, cancel: CancelToken | None):
         self.backend, self.cancel = backend, cancel
-        self.retries = max(0, int(getattr(backend, "retries", 0)))  # may be set after construction
+        self.retries = max(0, int(backend.retries))  # read per run: it may be set after construction
         self.attempts = 0
         self.spare = 1
 
@@ -396,7 +396,7 @@ class _Dispatch:
     """Ready dispatch for one run: a dependency counter per task, ready queues (one per lane of
     the session), and workers that execute ready tasks — inline, or one thread per lane."""
 
-    def __init__(self, engine: Engine, spec: RunSpec, session: Session, callbacks: tuple[Callback, ...],
+    def __init__(self, engine: Engine, spec: RunSpec, session: ReadySession, callbacks: tuple[Callback, ...],
                  stats: RunStats):
         tg = self.tg = engine.tg
         self.session, self.callbacks, self.stats, self.cancel = session, callbacks, stats, spec.cancel

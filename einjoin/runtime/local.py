@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import Node
 from einjoin.plan.execute import assemble_outputs, compute, from_host, to_host
 from einjoin.runtime.backend import RunSpec
+
+if TYPE_CHECKING:
+    from einjoin.runtime.engine import RunStats
 
 __all__ = ["Store", "LocalSession"]
 
@@ -89,7 +92,7 @@ class LocalSession:
     host link is emulated, so transfers overlap compute), held under ``limit`` (the BLAS share);
     else one inline lane. ``computes`` False: values are not computed, only counted (null)."""
 
-    eager = False
+    eager: Literal[False] = False
 
     def __init__(self, run: RunSpec, computes: bool, threaded: bool,
                  limit: Callable[[int], AbstractContextManager[Any]] | None = None):
@@ -166,13 +169,7 @@ class LocalSession:
             store.reloaded += nbytes
             self._throttle(start, nbytes)
 
-    def submit(self, t: Task) -> None:  # pragma: no cover - ready dispatch only
-        raise NotImplementedError("a local session runs ready tasks (execute), it takes no submissions")
-
-    def collect(self, cancel: Any) -> None:  # pragma: no cover - ready dispatch only
-        raise NotImplementedError("a local session runs ready tasks (execute), it has nothing to collect")
-
-    def finish(self, stats: Any) -> list[np.ndarray] | None:
+    def finish(self, stats: RunStats) -> list[np.ndarray] | None:
         """The run's totals from its stores, and its outputs assembled from the blocks."""
         tg, stores = self.tg, self.stores
         stats.bytes_moved = sum(s.received for s in stores)

@@ -13,7 +13,7 @@ https://ui.perfetto.dev or ``chrome://tracing``.
 >>> path = os.path.join(tempfile.mkdtemp(), "run.json")
 >>> _ = prog.run(np.ones((8, 8), np.float32), np.ones((8, 8), np.float32), trace=path)
 >>> events = json.load(open(path))["traceEvents"]
->>> {"kernel", "load"} <= {e["cat"] for e in events if e["ph"] == "X"}   # the task kinds
+>>> {"kernel", "load"} <= {e["cat"] for e in events if e["ph"] == "X"}   # the task kinds, as strings in JSON
 True
 """
 

@@ -329,7 +329,8 @@ def test_close_during_a_run_fails_that_run_and_is_not_undone(shared):
     assert not set(pids) & set(backend.pids)
 
 
-def test_a_second_ctrl_c_during_cleanup_leaves_no_run_in_flight(shared):
+def test_a_second_ctrl_c_during_cleanup_leaves_no_run_in_flight(shared, monkeypatch):
+    from einjoin.runtime.backends import ray as ej_ray
     out = _graph()
     prog = ej.compile(out, devices=2, backend=shared, planner="split_largest")
     prog.run(**_feeds(0))
@@ -337,12 +338,14 @@ def test_a_second_ctrl_c_during_cleanup_leaves_no_run_in_flight(shared):
     def interrupted(*a, **k):  # Ctrl-C while waiting, then again while the run is cleaned up
         raise KeyboardInterrupt
 
-    shared._wait = shared._abandon = interrupted
+    monkeypatch.setattr(ej_ray._RaySession, "_wait", interrupted)  # the run's session waits
+    shared._abandon = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
             prog.run(**_feeds(1))
     finally:
-        del shared._wait, shared._abandon
+        del shared._abandon
+        monkeypatch.undo()
     assert shared._in_flight == 0  # used to stay 1: decremented only after the cleanup
     np.testing.assert_allclose(prog.run(**_feeds(2)), ej.reference(out, **_feeds(2)), **TOL)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from einjoin.errors import EinjoinError

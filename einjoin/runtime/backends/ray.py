@@ -50,9 +50,9 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -60,6 +60,9 @@ from einjoin.cluster import Cluster, Device, LinkMatrix
 from einjoin.errors import EinjoinError
 from einjoin.exchange import Task, TaskKind
 from einjoin.runtime.backend import DeviceLost, RunSpec, TaskFailed
+
+if TYPE_CHECKING:
+    from einjoin.runtime.engine import RunStats
 
 __all__ = ["RayBackend", "ray_cluster", "DeviceWorker", "ensure_ray", "shutdown"]
 
@@ -527,7 +530,7 @@ class RayBackend:
 
     # -- runs: the engine opens a session per run attempt --------------------------------------
     def open(self, run: RunSpec) -> _RaySession:
-        """A session for one run attempt (:class:`~einjoin.runtime.backend.Session`): eager
+        """A session for one run attempt (an :class:`~einjoin.runtime.backend.EagerSession`): eager
         dispatch — the engine submits every task in id order, each a call on its device's actor
         with its other-device dependencies as object references, so Ray does the waiting."""
         return _RaySession(self, run)
@@ -596,9 +599,7 @@ class _RaySession:
     Leaving it with an exception abandons the run on the actors (other runs are untouched) and
     retires the pool when a device was lost."""
 
-    eager = True
-    lanes = 0
-    threaded = False
+    eager: Literal[True] = True
 
     def __init__(self, backend: RayBackend, spec: RunSpec):
         self.backend, self.spec = backend, spec
@@ -698,7 +699,7 @@ class _RaySession:
                                  f"on device {t.device} could run: {type(cause).__name__}") from None
             raise TaskFailed(t, cause) from None
 
-    def finish(self, stats: Any) -> list[np.ndarray]:
+    def finish(self, stats: RunStats) -> list[np.ndarray]:
         """The run's stats from the actors' reports (intervals on the driver's clock), and its
         outputs assembled from the fetched blocks."""
         from einjoin.plan.execute import assemble_outputs
