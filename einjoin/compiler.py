@@ -30,6 +30,7 @@ from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition, decompose
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
+from einjoin.exchange.tasks import TaskKind
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
@@ -234,7 +235,7 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], o
                 raise cap_error(nd, cap, "; the join-agg spec given for it does not fit (give a finer "
                                          "one or none)", op)
             finer = finer_spec(op, decomps[op].spec)
-            if finer is None and nd.task.kind == "touch" and op is nd.task.consumer:
+            if finer is None and nd.task.kind == TaskKind.TOUCH and op is nd.task.consumer:
                 finer = element_spec(op, decomps[op].spec)  # the buffer it assembles must shrink
             if finer is None:
                 raise cap_error(nd, cap, "; no finer decomposition of it fits either (at most "

@@ -56,7 +56,7 @@ for name, b, r in zip(("softmax", "max-plus"), blocked, dense):
 prog = ej.compile([probs, tropical], devices=2, quiet=True)
 print("\n== plan for 2 devices")
 for n, s in prog.specs.items():
-    if n.kind == "einsum":
+    if n.facts.contracts:  # the extended einsums
         print(f"  {describe(n):45s} {s}")
 print(f"  {prog.stats}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from hypothesis import strategies as st
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.ir import Arg, Call, Const
-from einjoin.ir.node import Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,
+                             rule_for)
 
 LABELS = "ijklmnopqrstuvwxyzabcdefgh"
 
@@ -265,36 +266,42 @@ def _einsum_oracle(node: ej.Node, xs: list[np.ndarray]) -> np.ndarray:
     return np.transpose(v, [kept.index(lab) for lab in op.out_labels]) if kept else v
 
 
+def _broadcast(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+    shape = [1] * node.ndim
+    for i, d in enumerate(node.op.dims):
+        shape[d] = xs[0].shape[i]
+    return np.broadcast_to(xs[0].reshape(shape), node.shape)
+
+
+def _fill(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+    grid = np.meshgrid(*[np.arange(n, dtype=np.float64) for n in node.shape], indexing="ij")
+    return np.broadcast_to(np.asarray(_expr(node.op.expr, grid)), node.shape)
+
+
+def _einsum(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return _einsum_oracle(node, [x.astype(np.float64) if x.dtype.kind == "f" else x for x in xs])
+
+
+# the oracle's rule per node kind: (node, its inputs' values, the feeds by name) -> its value
+ORACLE_RULES: dict[type, Callable[[Any, list[np.ndarray], dict[str, np.ndarray]], Any]] = {
+    Input: lambda node, xs, feeds: feeds[node.op.name],
+    Einsum: _einsum,
+    Reshape: lambda node, xs, feeds: xs[0].reshape(node.shape),
+    Select: lambda node, xs, feeds: xs[0][tuple(slice(a, b) for a, b in zip(node.op.starts, node.op.stops))],
+    Concat: lambda node, xs, feeds: np.concatenate(xs, axis=node.op.axis),
+    Broadcast: _broadcast,
+    Gather: lambda node, xs, feeds: xs[0][xs[1]],
+    Cast: lambda node, xs, feeds: xs[0].astype(ej.ir.dtypes.numpy_dtype(node.dtype)),
+    Fill: _fill,
+}
+
+
 def oracle(outputs: list[ej.Tensor], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """Evaluate with plain numpy (np.einsum, fancy indexing), independently of einjoin's kernels."""
     vals: dict[ej.Node, np.ndarray] = {}
     for node in ej.Graph(outputs).nodes:
-        op, xs = node.op, [vals[i] for i in node.inputs]
-        if isinstance(op, Input):
-            v = feeds[op.name]
-        elif isinstance(op, Einsum):
-            v = _einsum_oracle(node, [x.astype(np.float64) if x.dtype.kind == "f" else x for x in xs])
-        elif isinstance(op, Reshape):
-            v = xs[0].reshape(node.shape)
-        elif isinstance(op, Select):
-            v = xs[0][tuple(slice(a, b) for a, b in zip(op.starts, op.stops))]
-        elif isinstance(op, Concat):
-            v = np.concatenate(xs, axis=op.axis)
-        elif isinstance(op, Broadcast):
-            shape = [1] * node.ndim
-            for i, d in enumerate(op.dims):
-                shape[d] = xs[0].shape[i]
-            v = np.broadcast_to(xs[0].reshape(shape), node.shape)
-        elif isinstance(op, Gather):
-            v = xs[0][xs[1]]
-        elif isinstance(op, Cast):
-            v = xs[0].astype(ej.ir.dtypes.numpy_dtype(node.dtype))
-        elif isinstance(op, Fill):
-            grid = np.meshgrid(*[np.arange(n, dtype=np.float64) for n in node.shape], indexing="ij")
-            v = np.broadcast_to(np.asarray(_expr(op.expr, grid)), node.shape)
-        else:
-            raise AssertionError(op)
-        vals[node] = np.asarray(v)
+        rule = rule_for(ORACLE_RULES, node.op, "the test oracle's rules")
+        vals[node] = np.asarray(rule(node, [vals[i] for i in node.inputs], feeds))
     return [vals[o.node] for o in outputs]
 
 

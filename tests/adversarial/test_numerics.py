@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.decomp.footprint import kernel_scratch, op_need
 from einjoin.errors import EinjoinError
+from einjoin.exchange.tasks import TaskKind
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import partial_dtype
 from einjoin.planner.cost import agg_cost
@@ -189,7 +190,7 @@ def test_half_partials_under_a_memory_cap(dtype: str) -> None:
     z = a @ b
     prog = ej.compile(z, devices=1, specs={z: {"k": 4}}, memory_limit="1MiB", backend="sync",
                       quiet=True)
-    steps = [t for t in prog.taskgraph.tasks if t.kind == "reduce"]
+    steps = [t for t in prog.taskgraph.tasks if t.kind == TaskKind.REDUCE]
     assert len(steps) == 3  # a chain of two-input steps
     assert [prog.taskgraph.values[t.writes].dtype for t in steps] == ["float32", "float32", dtype]
     assert [t.dtype for t in steps] == ["float32", "float32", dtype]
@@ -246,7 +247,7 @@ def test_half_partials_travel_and_are_counted_as_float32(dtype: str) -> None:
     z = a @ b
     prog = ej.compile(z, devices=2, specs={z: {"k": 2}}, placement="round_robin", backend="threads",
                       quiet=True)
-    moves = [t for t in prog.taskgraph.tasks if t.kind == "move" and t.node is z.node]
+    moves = [t for t in prog.taskgraph.tasks if t.kind == TaskKind.MOVE and t.node is z.node]
     assert [(t.dtype, t.nbytes) for t in moves] == [("float32", 8 * 8 * 4)]
     prog.run(a=av, b=bv)
     assert prog.run_stats is not None
@@ -273,7 +274,7 @@ def test_partials_all_on_one_device_away_from_home_travel_cast() -> None:
     d = decomps[z.node]
     placement[z.node] = NodePlacement((1,) * len(d.kernels), {(0, 0): 0})  # kernels on 1, home 0
     tg = build_taskgraph(graph, decomps, placement, 2)
-    moves = [t for t in tg.tasks if t.kind == "move" and t.node is z.node]
+    moves = [t for t in tg.tasks if t.kind == TaskKind.MOVE and t.node is z.node]
     assert [(t.dtype, t.nbytes) for t in moves] == [("float16", z.node.size * 2)]
     assert aggregation_bytes(d, placement[z.node].kernel_devices, placement[z.node].homes) == \
         z.node.size * 2
@@ -313,13 +314,14 @@ def _checked_run_reference(tg, decomps, feeds):  # type: ignore[no-untyped-def]
     vals: dict[int, np.ndarray] = {}
     host: dict[int, np.ndarray] = {}
     for t in tg.tasks:
-        if t.kind == "free":
-            del vals[t.frees]
-        elif t.kind in ("evict", "writeback"):
-            host[t.host_key] = vals.pop(t.frees)
-        elif t.kind == "reload":
-            vals[t.writes] = np.array(host[t.host_key] if t.box is None else
-                                      feeds[t.node][tuple(slice(a, b) for a, b in t.box)])
+        p = getattr(t, "payload", t)  # a kind's fields: on its payload (issue 17), or on the task
+        if t.kind == TaskKind.FREE:
+            del vals[p.frees]
+        elif t.kind in (TaskKind.EVICT, TaskKind.WRITEBACK):
+            host[p.host_key] = vals.pop(p.frees)
+        elif t.kind == TaskKind.RELOAD:
+            vals[t.writes] = np.array(host[p.host_key] if p.box is None else
+                                      feeds[t.node][tuple(slice(a, b) for a, b in p.box)])
         else:
             v = tg.values[t.writes]
             out = compute(t, vals.get, feeds, decomps, v.shape)
