@@ -224,3 +224,30 @@ def test_a_reshape_is_cut_at_a_divisor_of_its_dims_to_fit() -> None:
     feeds = {"x": np.arange(15, dtype=np.float32).reshape(5, 3)}
     np.testing.assert_array_equal(prog.run(**feeds), feeds["x"].reshape(15))
     assert prog.run_stats.peak_bytes_per_device[0] <= 48
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_finer_spec_lowers_the_need_by_the_shared_finer_cut(data: st.DataObject) -> None:
+    """The memory planner's finer cut (einjoin.planner.fit.finer_spec) always lowers the op's
+    need, and where one label's doubling helps it is the best of the optimizer's own step
+    (finer_cuts) — the one finer-cut search both use."""
+    from einjoin.planner.fit import finer_cuts, finer_spec
+    outs, _ = data.draw(graphs("float32", max_dim=6))
+    ops = [n for n in ej.Graph(outs).ops if not n.facts.free]
+    if not ops:
+        return
+    node = data.draw(st.sampled_from(ops))
+    spec = ej.decompose(node).spec
+    for _ in range(6):
+        finer = finer_spec(node, spec)
+        if finer is None:
+            break
+        need, finer_need = op_need(ej.decompose(node, spec)), op_need(ej.decompose(node, finer))
+        assert finer_need < need
+        steps = {s: op_need(ej.decompose(node, s)) for _, s in finer_cuts(node, spec)}
+        helpful = {s: n for s, n in steps.items() if n < need}
+        if helpful:
+            assert finer in helpful and finer_need == min(helpful.values())
+        assert finer.num_kernels <= SETTINGS.max_kernels
+        spec = finer

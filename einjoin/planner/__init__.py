@@ -53,6 +53,13 @@ class Planner(Protocol):
     nodes (or tensors) to join-agg specs (a ``JoinAggSpec``, a mapping label -> blocks, counts
     in label order, or None); nodes left out run in one block. A plain callable
     ``(graph, cluster)`` is still accepted and adapted (:func:`as_planner`).
+
+    >>> import einjoin as ej
+    >>> def halves(graph, cluster, *, memory_limit=None):   # every op's rows cut in two
+    ...     return {n: {"m": 2} for n in graph.ops}
+    >>> z = ej.input("x", (4, 3)) @ ej.input("w", (3, 2))
+    >>> print(plan_specs(halves, ej.Graph(z), ej.local(2))[z.node])
+    {m: 2, n: 1, k: 1}
     """
 
     def __call__(self, graph: Graph, cluster: Cluster, *,
