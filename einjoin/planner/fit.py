@@ -9,7 +9,7 @@ count doubled (at most its size, at most ``Settings.max_kernels`` kernels). On t
 - the optimizer's :func:`fitting_specs` (which candidate specs of an op fit a device of ``cap``
   bytes) runs a beam of finer cuts until some hold at most ``Settings.kernel_share`` of the cap;
 - the memory planner's :func:`finer_spec` (the next cut of an op whose task did not fit, used by
-  :mod:`einjoin.program` after lowering) takes the one finer cut that lowers the need most, and
+  :mod:`einjoin.compiler` after lowering) takes the one finer cut that lowers the need most, and
   :func:`element_spec` is its last resort.
 
 >>> import einjoin as ej
