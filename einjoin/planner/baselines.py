@@ -206,10 +206,6 @@ def data_parallel(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit |
 # Megatron-LM tensor parallelism
 
 
-def _dim_label(n: Node, d: int) -> str:
-    return output_labels(n)[d]
-
-
 def _label_dim(n: Node, lab: str) -> int:
     return list(output_labels(n)).index(lab)
 
