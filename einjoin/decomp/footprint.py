@@ -49,11 +49,17 @@ def _einsum_scratch(d: Decomposition, op: Einsum, kernel: int, in_bytes: list[in
         widen += 2 * out_bytes  # the float32 result before its cast
     route = matmul_route(op, [x.dtype for x in d.node.inputs])
     if route.path == "matmul":
-        # it transposes and multiplies the widened (float32) copies of half inputs: its copies
-        # and its result are as wide as those
-        wide_in = [2 * b if x.dtype in half else b for b, x in zip(in_bytes, d.node.inputs)]
-        wide_res = 2 * out_bytes if d.node.dtype in half and not wide_out else out_bytes
-        return widen + _matmul_copies(route, wide_in, wide_res)
+        # it transposes the widened (float32) copies of half inputs, and np.matmul computes in
+        # the wider of the two types (casting the narrower operand whole): copies and result
+        # are as wide as those
+        widths = [max(4, itemsize(x.dtype)) if x.dtype in half else itemsize(x.dtype)
+                  for x in d.node.inputs]
+        wide = max(widths)
+        elems = [b // itemsize(x.dtype) for b, x in zip(in_bytes, d.node.inputs)]
+        cast = sum(e * wide for e, w in zip(elems, widths) if w < wide)
+        res_item = itemsize(partial_dtype(d.node) if wide_out else d.node.dtype)
+        wide_res = out_bytes // res_item * wide
+        return widen + cast + _matmul_copies(route, [e * w for e, w in zip(elems, widths)], wide_res)
     if route.path in ("einsum", "diagonal"):
         return widen + 2 * (sum(in_bytes) + out_bytes)
     k = d.kernels[kernel]

@@ -24,7 +24,7 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Inpu
                              Select, rule_for)
 from einjoin.ir.printing import describe
 
-__all__ = ["JoinAggSpec", "LabelSpace", "LABEL_RULES", "label_space", "label_sizes", "aggregated_labels",
+__all__ = ["JoinAggSpec", "LabelRules", "LABEL_RULES", "label_sizes", "aggregated_labels",
            "output_labels", "dim_labels", "ROW"]
 
 ROW = "row"
@@ -44,69 +44,79 @@ def dim_labels(rank: int) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class LabelSpace:
-    """An op's labels: ``sizes`` (label -> size, output labels first), the ``aggregated`` ones
-    (whose blocks produce partial results) and the ``outputs`` (one per output dim, in order)."""
+class LabelRules:
+    """How one node kind names its labels (each a function of the node and its op): ``sizes``
+    (label -> size, output labels first), ``aggregated`` (labels whose blocks produce partial
+    results) and ``outputs`` (one label per output dim, in order)."""
 
-    sizes: dict[str, int]
-    aggregated: tuple[str, ...]
-    outputs: tuple[str, ...]
+    sizes: Callable[[Node, Any], dict[str, int]]
+    aggregated: Callable[[Node, Any], tuple[str, ...]]
+    outputs: Callable[[Node, Any], tuple[str, ...]]
 
 
-def _einsum_labels(node: Node, op: Einsum) -> LabelSpace:
+def _einsum_sizes(node: Node, op: Einsum) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for lab in op.out_labels:
         sizes[lab] = 0
     for x, ls in zip(node.inputs, op.in_labels):
         for lab, n in zip(ls, x.shape):
             sizes[lab] = n
-    return LabelSpace(sizes, op.agg_labels, op.out_labels)
+    return sizes
 
 
-def _gather_labels(node: Node, op: Gather) -> LabelSpace:
+def _dim_sizes(node: Node, op: object) -> dict[str, int]:
+    return dict(zip(dim_labels(node.ndim), node.shape))
+
+
+def _gather_sizes(node: Node, op: Gather) -> dict[str, int]:
     # the table rows are a label of their own: cutting them makes partial sums (vocab parallel)
-    dims = dim_labels(node.ndim)
-    return LabelSpace(dict(zip(dims, node.shape)) | {ROW: node.inputs[0].shape[0]}, (ROW,), dims)
+    sizes = _dim_sizes(node, op)
+    sizes[ROW] = node.inputs[0].shape[0]
+    return sizes
 
 
-def _dim_labels(node: Node, op: object) -> LabelSpace:
-    # every other kind: its output dims, named a, b, c, ...; nothing to aggregate
-    dims = dim_labels(node.ndim)
-    return LabelSpace(dict(zip(dims, node.shape)), (), dims)
+def _dims(node: Node, op: object) -> tuple[str, ...]:
+    return dim_labels(node.ndim)
 
 
-# the label space of each node kind: (node, its op) -> LabelSpace
-LABEL_RULES: dict[type, Callable[[Node, Any], LabelSpace]] = {
-    Input: _dim_labels,
-    Einsum: _einsum_labels,
-    Reshape: _dim_labels,
-    Broadcast: _dim_labels,
-    Select: _dim_labels,
-    Concat: _dim_labels,
-    Fill: _dim_labels,
-    Gather: _gather_labels,
-    Cast: _dim_labels,
+def _none(node: Node, op: object) -> tuple[str, ...]:
+    return ()
+
+
+# every kind but einsum and gather: its output dims, named a, b, c, ...; nothing to aggregate
+_DIMS_ONLY = LabelRules(_dim_sizes, _none, _dims)
+
+# the label space of each node kind
+LABEL_RULES: dict[type, LabelRules] = {
+    Input: _DIMS_ONLY,
+    Einsum: LabelRules(_einsum_sizes, lambda node, op: op.agg_labels, lambda node, op: op.out_labels),
+    Reshape: _DIMS_ONLY,
+    Broadcast: _DIMS_ONLY,
+    Select: _DIMS_ONLY,
+    Concat: _DIMS_ONLY,
+    Fill: _DIMS_ONLY,
+    Gather: LabelRules(_gather_sizes, lambda node, op: (ROW,), _dims),
+    Cast: _DIMS_ONLY,
 }
 
 
-def label_space(node: Node) -> LabelSpace:
-    """``node``'s :class:`LabelSpace`, from :data:`LABEL_RULES`."""
-    return rule_for(LABEL_RULES, node.op, "the label spaces (einjoin.decomp.spec.LABEL_RULES)")(
-        node, node.op)
+def _rules(node: Node) -> LabelRules:
+    return rule_for(LABEL_RULES, node.op, "the label spaces (einjoin.decomp.spec.LABEL_RULES)")
 
 
 def label_sizes(node: Node) -> dict[str, int]:
     """The label space of ``node``: label -> size, output labels first."""
-    return label_space(node).sizes
+    return _rules(node).sizes(node, node.op)
 
 
 def aggregated_labels(node: Node) -> tuple[str, ...]:
     """Labels whose blocks produce partial results to aggregate."""
-    return label_space(node).aggregated
+    return _rules(node).aggregated(node, node.op)
 
 
 def output_labels(node: Node) -> tuple[str, ...]:
-    return label_space(node).outputs
+    """One label per output dim of ``node``, in order."""
+    return _rules(node).outputs(node, node.op)
 
 
 @dataclass(frozen=True)
