@@ -33,7 +33,8 @@ import importlib
 import pkgutil
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import given, settings

@@ -101,7 +101,7 @@ MODULES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(name: str, method: str = "auto"):
     """One trace per module per test session (export is the slow part)."""
     torch.manual_seed(0)

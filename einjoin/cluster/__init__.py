@@ -22,7 +22,8 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 from einjoin.errors import EinjoinError
 
@@ -51,7 +52,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_bytes(value: "int | str | None") -> int | None:
+def parse_bytes(value: int | str | None) -> int | None:
     """``2147483648``, ``"2GiB"``, ``"512 MB"`` -> bytes (None stays None)."""
     if value is None:
         return None
@@ -147,7 +148,7 @@ class LinkMatrix(Sequence):
             return tuple(_LinkRow(self, k) for k in picked)
         return _LinkRow(self, picked)
 
-    def __iter__(self) -> Iterator["_LinkRow"]:
+    def __iter__(self) -> Iterator[_LinkRow]:
         return (_LinkRow(self, i) for i in range(len(self.groups)))
 
     def _key(self) -> tuple:
@@ -290,8 +291,8 @@ class Cluster:
         return _at(self.latency, src, dst) + nbytes / _at(self.bandwidth, src, dst)
 
     @staticmethod
-    def uniform(n: int, kind: str = "cpu", memory: "int | str | None" = None,
-                bandwidth: float = 20e9, latency: float = 5e-6) -> "Cluster":
+    def uniform(n: int, kind: str = "cpu", memory: int | str | None = None,
+                bandwidth: float = 20e9, latency: float = 5e-6) -> Cluster:
         """``n`` alike devices, every pair linked at ``bandwidth`` bytes/s and ``latency`` s."""
         n = check_device_count(n)
         mem = parse_bytes(memory)
@@ -303,7 +304,7 @@ class Cluster:
     @staticmethod
     def islands(sizes: Sequence[int], intra: float, inter: float, kind: str = "cpu",
                 intra_latency: float = 2e-6, inter_latency: float = 2e-5,
-                memory: "int | str | None" = None) -> "Cluster":
+                memory: int | str | None = None) -> Cluster:
         """Groups of devices with fast links inside a group and slower ones between groups."""
         if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
             raise EinjoinError(f"islands sizes must be a non-empty list of device counts, got {sizes!r}")
@@ -315,7 +316,7 @@ class Cluster:
     @staticmethod
     def grouped(groups: Sequence[Any], intra: float, inter: float, kind: str = "cpu",
                 intra_latency: float = 2e-6, inter_latency: float = 2e-5,
-                memory: "int | str | None" = None, nodes: "Sequence[str | None] | None" = None) -> "Cluster":
+                memory: int | str | None = None, nodes: Sequence[str | None] | None = None) -> Cluster:
         """One device per entry of ``groups`` (any hashable: a node id, an island number);
         devices of one group are linked at ``intra``, others at ``inter`` (bytes/s). ``nodes``
         gives each device's ``Device.node``. The matrices take O(n) memory."""
@@ -329,7 +330,7 @@ class Cluster:
                        LinkMatrix(groups, 0.0, _number(intra_latency, "latency"),
                                   _number(inter_latency, "latency")))
 
-    def with_memory(self, memory: "int | str | None | Mapping[int, int | None]") -> "Cluster":
+    def with_memory(self, memory: int | str | None | Mapping[int, int | None]) -> Cluster:
         """The same cluster with every device's memory set to ``memory`` (or, from a mapping
         device id -> bytes, each its own; devices not named keep theirs)."""
         if isinstance(memory, Mapping):
@@ -352,7 +353,7 @@ def _at(m: Any, i: int, j: int) -> float:
     return m.value(i, j) if isinstance(m, LinkMatrix) else m[i][j]
 
 
-def local(n: int, memory: "int | str | None" = None) -> Cluster:
+def local(n: int, memory: int | str | None = None) -> Cluster:
     """``n`` logical devices in this process: the embedded default (1 <= n <= MAX_DEVICES)."""
     return Cluster.uniform(n, "cpu", memory)
 

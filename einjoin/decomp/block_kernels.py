@@ -5,7 +5,8 @@ the op needs it: a fill's corner, a gather block's first table row)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, cast
+from typing import Any, cast
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -17,7 +17,8 @@ True
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from einjoin.decomp.partition import BlockKey, Partition
 from einjoin.decomp.spec import ROW, JoinAggSpec, as_node, dim_labels
@@ -26,7 +27,8 @@ from einjoin.ir.agg import AGGS, Agg
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              Select, rule_for)
 
-__all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups", "reshape_region"]
+__all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups",
+           "reshape_region"]
 
 
 @dataclass(frozen=True)
@@ -131,14 +133,22 @@ def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[in
         ia, jb = [], []
         pa = pb = 1
         if i < len(a):
-            pa *= a[i]; ia.append(i); i += 1
+            pa *= a[i]
+            ia.append(i)
+            i += 1
         if j < len(b):
-            pb *= b[j]; jb.append(j); j += 1
+            pb *= b[j]
+            jb.append(j)
+            j += 1
         while pa != pb:
             if pa < pb:
-                pa *= a[i]; ia.append(i); i += 1
+                pa *= a[i]
+                ia.append(i)
+                i += 1
             else:
-                pb *= b[j]; jb.append(j); j += 1
+                pb *= b[j]
+                jb.append(j)
+                j += 1
         groups.append((ia, jb))
     return groups
 
@@ -170,7 +180,7 @@ def _reshape(node: Node, op: Reshape, out: Partition) -> tuple[tuple[Partition, 
         if not cut:
             continue
         lb, la = _lead(jb, dst), _lead(ia, src)
-        if cut != [lb] or la is None:
+        if lb is None or la is None or cut != [lb]:
             continue
         inner_b = _prod(dst[d] for d in jb[jb.index(lb) + 1:])
         inner_a = _prod(src[d] for d in ia[ia.index(la) + 1:])
@@ -185,7 +195,8 @@ def _reshape(node: Node, op: Reshape, out: Partition) -> tuple[tuple[Partition, 
         for ia, jb in _groups_cached(src, dst):
             la, lb = _lead(ia, src), _lead(jb, dst)
             for d in ia:
-                if d == la and len(inp.bounds[d]) > 2:
+                # (a group's input is cut only where both sides have a dim > 1: la, lb are set)
+                if d == la and la is not None and lb is not None and len(inp.bounds[d]) > 2:
                     inner_b = _prod(dst[e] for e in jb[jb.index(lb) + 1:])
                     inner_a = _prod(src[e] for e in ia[ia.index(la) + 1:])
                     start = box[lb][0] * inner_b // inner_a

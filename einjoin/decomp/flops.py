@@ -3,7 +3,8 @@ and by placers that estimate run times)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,

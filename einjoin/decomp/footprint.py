@@ -13,7 +13,8 @@ the memory planner (which must never exceed the cap) use these estimates.
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize

@@ -16,7 +16,8 @@ table rows (splitting it makes partial results, as vocab-parallel embeddings do)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from einjoin.decomp.partition import Partition, check_bounds, even_bounds
 from einjoin.errors import EinjoinError, PartitionError
@@ -127,8 +128,8 @@ class JoinAggSpec:
     bounds: tuple[tuple[int, ...], ...]
 
     @staticmethod
-    def for_node(node: Node, spec: "JoinAggSpec | Mapping[str, Any] | Sequence[Any] | None" = None
-                 ) -> "JoinAggSpec":
+    def for_node(node: Node, spec: JoinAggSpec | Mapping[str, Any] | Sequence[Any] | None = None
+                 ) -> JoinAggSpec:
         """Normalise ``spec`` for ``node``: a mapping label -> block count or boundary list (labels
         left out get one block), a sequence in label order, or None (one block everywhere)."""
         node = as_node(node, "a join-agg spec")
@@ -136,7 +137,8 @@ class JoinAggSpec:
         labels = tuple(sizes)
         if isinstance(spec, JoinAggSpec):
             if spec.labels != labels or any(b[-1] != sizes[lab] for lab, b in zip(spec.labels, spec.bounds)):
-                raise PartitionError(f"spec {spec} (label sizes {dict((l, b[-1]) for l, b in zip(spec.labels, spec.bounds))}) "
+                given = dict((l, b[-1]) for l, b in zip(spec.labels, spec.bounds))
+                raise PartitionError(f"spec {spec} (label sizes {given}) "
                                      f"given to {describe(node)} whose label sizes are {sizes}")
             return spec
         if spec is None:

@@ -8,5 +8,5 @@ from einjoin.frontend.functions import __all__ as _fn_all
 from einjoin.frontend.tensor import Tensor
 from einjoin.frontend.torch import TorchFunction, from_torch
 
-__all__ = ["Tensor", "TorchFunction", "from_torch", "attention", "gelu", "layer_norm", "linear", "log_softmax", "rms_norm",
-           "rope", "rotate_half", "silu", "softmax", *_fn_all]
+__all__ = ["Tensor", "TorchFunction", "from_torch", "attention", "gelu", "layer_norm", "linear", "log_softmax",
+           "rms_norm", "rope", "rotate_half", "silu", "softmax", *_fn_all]

@@ -19,7 +19,8 @@ from __future__ import annotations
 import builtins
 import math
 import operator
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend import composites as C
@@ -491,7 +492,7 @@ def _repeat(x: Tensor, *sizes: Any) -> Tensor:
     y = x.reshape((1,) * lead + x.shape)
     # tile: each dim d becomes (reps[d], n[d]) then merges
     inter = []
-    for r, n in zip(reps, y.shape):
+    for _, n in zip(reps, y.shape):
         inter += [1, n]
     y = y.reshape(tuple(inter))
     target = []

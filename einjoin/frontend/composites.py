@@ -110,7 +110,7 @@ def _int_shape(v: Any, what: str) -> tuple[int, ...]:
         raise ShapeError(f"{what} must be an int or a sequence of ints, got {v!r}") from None
 
 
-def _widen_half(x: Tensor, *params: "Tensor | None") -> Any:
+def _widen_half(x: Tensor, *params: Tensor | None) -> Any:
     """A norm of float16/bfloat16 data computes in float32 and rounds once at the end, as torch
     does: its statistics in half would overflow (a mean square past 65504 when |x| > 256) or lose
     the mean (x - mean in half is garbage when the mean is large against the spread). Returns

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import builtins
 import operator
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -64,8 +65,8 @@ def param(name: str, shape: Any, dtype: Any = "float32") -> Tensor:
     return Tensor(ops.input_node(name, shape, dtype, param=True))
 
 
-def einsum(equation: str, *operands: Tensor, join: "str | Expr | None" = None,
-           agg: "str | Agg | None" = "sum") -> Tensor:
+def einsum(equation: str, *operands: Tensor, join: str | Expr | None = None,
+           agg: str | Agg | None = "sum") -> Tensor:
     """The extended einsum: ``out = agg over missing labels of join(inputs)``.
 
     ``join`` is a function name (``"mul"``, ``"add"``, ``"sub"``, ``"exp"``...) or an expression
@@ -121,16 +122,16 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return einsum(eq, a, b)
 
 
-def where(cond: Tensor, a: "Tensor | Scalar", b: "Tensor | Scalar") -> Tensor:
+def where(cond: Tensor, a: Tensor | Scalar, b: Tensor | Scalar) -> Tensor:
     """``a`` where ``cond`` is true, else ``b`` (broadcasting; numbers allowed for a and b)."""
     return elementwise("where", _t(cond, "where"), a, b, name="where")
 
 
-def maximum(a: "Tensor | Scalar", b: "Tensor | Scalar") -> Tensor:
+def maximum(a: Tensor | Scalar, b: Tensor | Scalar) -> Tensor:
     return elementwise("max", a, b, name="maximum")
 
 
-def minimum(a: "Tensor | Scalar", b: "Tensor | Scalar") -> Tensor:
+def minimum(a: Tensor | Scalar, b: Tensor | Scalar) -> Tensor:
     return elementwise("min", a, b, name="minimum")
 
 
@@ -247,12 +248,12 @@ def broadcast_to(x: Tensor, shape: Any) -> Tensor:
     return _t(x, "broadcast_to").expand(shape)
 
 
-def fill(shape: Any, expr: "str | Expr | float | int | bool", dtype: Any = "float32") -> Tensor:
+def fill(shape: Any, expr: str | Expr | float | int | bool, dtype: Any = "float32") -> Tensor:
     """A constant tensor from an expression over the index variables ``x0, x1, ...``."""
     return Tensor(ops.fill_node(shape, dtype, expr))
 
 
-def full(shape: Any, value: "float | int | bool", dtype: Any = "float32") -> Tensor:
+def full(shape: Any, value: float | int | bool, dtype: Any = "float32") -> Tensor:
     """A tensor of ``shape`` holding ``value`` (a number the dtype can hold, as torch.full)."""
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":
         value = value.item()

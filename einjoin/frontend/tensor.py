@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import builtins
 import math
-from typing import Any, Sequence, Union
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,11 +25,11 @@ from einjoin.ir.scalar import Arg, Call, Const, Expr, substitute
 
 __all__ = ["Tensor", "wrap", "elementwise", "reduce", "permute", "Scalar", "LETTERS"]
 
-Scalar = Union[int, float, bool]
+Scalar = int | float | bool
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def wrap(node: Node) -> "Tensor":
+def wrap(node: Node) -> Tensor:
     """A tensor for ``node``, after constant folding."""
     return Tensor(fold(node))
 
@@ -110,7 +111,7 @@ def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
     return fn, args[:first] + cast
 
 
-def elementwise(fn: str | Expr, *args: "Tensor | Scalar", name: str | None = None) -> "Tensor":
+def elementwise(fn: str | Expr, *args: Tensor | Scalar, name: str | None = None) -> Tensor:
     """Apply a scalar function with numpy broadcasting. Python numbers become constants of the
     join expression (weakly typed); tensors become einsum inputs. Size-1 dims that broadcast are
     squeezed away, so no replica is materialised."""
@@ -172,7 +173,7 @@ def check_flag(value: Any, what: str) -> bool:
     raise EinjoinError(f"{what} must be True or False, got {type(value).__name__} {value!r:.60}")
 
 
-def reduce(x: "Tensor", agg: str, dim: Any = None, keepdim: bool = False) -> "Tensor":
+def reduce(x: Tensor, agg: str, dim: Any = None, keepdim: bool = False) -> Tensor:
     """Aggregate ``x`` over ``dim`` (an int, a tuple, or None for all) with ``agg``."""
     keepdim = check_flag(keepdim, f"{agg}: keepdim")
     dims = _norm_dims(x, dim)
@@ -186,7 +187,7 @@ def reduce(x: "Tensor", agg: str, dim: Any = None, keepdim: bool = False) -> "Te
     return y
 
 
-def _norm_dim(x: "Tensor", d: Any) -> int:
+def _norm_dim(x: Tensor, d: Any) -> int:
     if isinstance(d, bool) or not isinstance(d, int):
         raise ShapeError(f"dimension must be an int, got {d!r}")
     if not -x.ndim <= d < x.ndim:
@@ -194,7 +195,7 @@ def _norm_dim(x: "Tensor", d: Any) -> int:
     return d % x.ndim
 
 
-def _norm_dims(x: "Tensor", dim: Any) -> tuple[int, ...]:
+def _norm_dims(x: Tensor, dim: Any) -> tuple[int, ...]:
     if dim is None:
         return tuple(range(x.ndim))
     if isinstance(dim, (list, tuple)):
@@ -205,7 +206,7 @@ def _norm_dims(x: "Tensor", dim: Any) -> tuple[int, ...]:
     return (_norm_dim(x, dim),)
 
 
-def permute(x: "Tensor", dims: Sequence[int]) -> "Tensor":
+def permute(x: Tensor, dims: Sequence[int]) -> Tensor:
     """``x`` with its dims in the order ``dims`` (a permutation of ``range(x.ndim)``)."""
     if not isinstance(x, Tensor):
         raise EinjoinError(f"permute: expected an einjoin tensor, got {type(x).__name__}")
@@ -268,73 +269,73 @@ class Tensor:
     __hash__ = object.__hash__  # == builds a comparison, as in torch
 
     # ---- arithmetic
-    def __add__(self, o: Any) -> "Tensor": return elementwise("add", self, o)
-    def __radd__(self, o: Any) -> "Tensor": return elementwise("add", o, self)
-    def __sub__(self, o: Any) -> "Tensor": return elementwise("sub", self, o)
-    def __rsub__(self, o: Any) -> "Tensor": return elementwise("sub", o, self)
-    def __mul__(self, o: Any) -> "Tensor": return elementwise("mul", self, o)
-    def __rmul__(self, o: Any) -> "Tensor": return elementwise("mul", o, self)
-    def __truediv__(self, o: Any) -> "Tensor": return elementwise("div", self, o)
-    def __rtruediv__(self, o: Any) -> "Tensor": return elementwise("div", o, self)
-    def __floordiv__(self, o: Any) -> "Tensor": return elementwise("floordiv", self, o)
-    def __rfloordiv__(self, o: Any) -> "Tensor": return elementwise("floordiv", o, self)
-    def __mod__(self, o: Any) -> "Tensor": return elementwise("mod", self, o)
-    def __rmod__(self, o: Any) -> "Tensor": return elementwise("mod", o, self)
-    def __pow__(self, o: Any) -> "Tensor": return elementwise("pow", self, o)
-    def __rpow__(self, o: Any) -> "Tensor": return elementwise("pow", o, self)
-    def __neg__(self) -> "Tensor": return elementwise("neg", self)
-    def __abs__(self) -> "Tensor": return elementwise("abs", self)
-    def __invert__(self) -> "Tensor": return elementwise("logical_not", self)
-    def __and__(self, o: Any) -> "Tensor": return elementwise("logical_and", self, o)
-    def __or__(self, o: Any) -> "Tensor": return elementwise("logical_or", self, o)
+    def __add__(self, o: Any) -> Tensor: return elementwise("add", self, o)
+    def __radd__(self, o: Any) -> Tensor: return elementwise("add", o, self)
+    def __sub__(self, o: Any) -> Tensor: return elementwise("sub", self, o)
+    def __rsub__(self, o: Any) -> Tensor: return elementwise("sub", o, self)
+    def __mul__(self, o: Any) -> Tensor: return elementwise("mul", self, o)
+    def __rmul__(self, o: Any) -> Tensor: return elementwise("mul", o, self)
+    def __truediv__(self, o: Any) -> Tensor: return elementwise("div", self, o)
+    def __rtruediv__(self, o: Any) -> Tensor: return elementwise("div", o, self)
+    def __floordiv__(self, o: Any) -> Tensor: return elementwise("floordiv", self, o)
+    def __rfloordiv__(self, o: Any) -> Tensor: return elementwise("floordiv", o, self)
+    def __mod__(self, o: Any) -> Tensor: return elementwise("mod", self, o)
+    def __rmod__(self, o: Any) -> Tensor: return elementwise("mod", o, self)
+    def __pow__(self, o: Any) -> Tensor: return elementwise("pow", self, o)
+    def __rpow__(self, o: Any) -> Tensor: return elementwise("pow", o, self)
+    def __neg__(self) -> Tensor: return elementwise("neg", self)
+    def __abs__(self) -> Tensor: return elementwise("abs", self)
+    def __invert__(self) -> Tensor: return elementwise("logical_not", self)
+    def __and__(self, o: Any) -> Tensor: return elementwise("logical_and", self, o)
+    def __or__(self, o: Any) -> Tensor: return elementwise("logical_or", self, o)
     # True | mask and True & mask, as torch: Python's bool has no | for a Tensor
-    def __rand__(self, o: Any) -> "Tensor": return elementwise("logical_and", o, self)
-    def __ror__(self, o: Any) -> "Tensor": return elementwise("logical_or", o, self)
-    def __lt__(self, o: Any) -> "Tensor": return elementwise("lt", self, o)
-    def __le__(self, o: Any) -> "Tensor": return elementwise("le", self, o)
-    def __gt__(self, o: Any) -> "Tensor": return elementwise("gt", self, o)
-    def __ge__(self, o: Any) -> "Tensor": return elementwise("ge", self, o)
-    def __eq__(self, o: Any) -> "Tensor": return elementwise("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o: Any) -> "Tensor": return elementwise("ne", self, o)  # type: ignore[override]
+    def __rand__(self, o: Any) -> Tensor: return elementwise("logical_and", o, self)
+    def __ror__(self, o: Any) -> Tensor: return elementwise("logical_or", o, self)
+    def __lt__(self, o: Any) -> Tensor: return elementwise("lt", self, o)
+    def __le__(self, o: Any) -> Tensor: return elementwise("le", self, o)
+    def __gt__(self, o: Any) -> Tensor: return elementwise("gt", self, o)
+    def __ge__(self, o: Any) -> Tensor: return elementwise("ge", self, o)
+    def __eq__(self, o: Any) -> Tensor: return elementwise("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o: Any) -> Tensor: return elementwise("ne", self, o)  # type: ignore[override]
 
-    def __matmul__(self, o: "Tensor") -> "Tensor":
+    def __matmul__(self, o: Tensor) -> Tensor:
         from einjoin.frontend.functions import matmul
         return matmul(self, o)
 
-    def __rmatmul__(self, o: "Tensor") -> "Tensor":
+    def __rmatmul__(self, o: Tensor) -> Tensor:
         from einjoin.frontend.functions import matmul
         return matmul(o, self)
 
     # ---- unary maps
-    def exp(self) -> "Tensor": return elementwise("exp", self)
-    def log(self) -> "Tensor": return elementwise("log", self)
-    def sqrt(self) -> "Tensor": return elementwise("sqrt", self)
-    def rsqrt(self) -> "Tensor": return elementwise("rsqrt", self)
-    def reciprocal(self) -> "Tensor": return elementwise("reciprocal", self)
-    def abs(self) -> "Tensor": return elementwise("abs", self)
-    def neg(self) -> "Tensor": return elementwise("neg", self)
-    def relu(self) -> "Tensor": return elementwise("relu", self)
-    def silu(self) -> "Tensor": return elementwise("silu", self)
-    def tanh(self) -> "Tensor": return elementwise("tanh", self)
-    def erf(self) -> "Tensor": return elementwise("erf", self)
-    def sigmoid(self) -> "Tensor": return elementwise("sigmoid", self)
-    def sin(self) -> "Tensor": return elementwise("sin", self)
-    def cos(self) -> "Tensor": return elementwise("cos", self)
-    def logical_not(self) -> "Tensor": return elementwise("logical_not", self)
+    def exp(self) -> Tensor: return elementwise("exp", self)
+    def log(self) -> Tensor: return elementwise("log", self)
+    def sqrt(self) -> Tensor: return elementwise("sqrt", self)
+    def rsqrt(self) -> Tensor: return elementwise("rsqrt", self)
+    def reciprocal(self) -> Tensor: return elementwise("reciprocal", self)
+    def abs(self) -> Tensor: return elementwise("abs", self)
+    def neg(self) -> Tensor: return elementwise("neg", self)
+    def relu(self) -> Tensor: return elementwise("relu", self)
+    def silu(self) -> Tensor: return elementwise("silu", self)
+    def tanh(self) -> Tensor: return elementwise("tanh", self)
+    def erf(self) -> Tensor: return elementwise("erf", self)
+    def sigmoid(self) -> Tensor: return elementwise("sigmoid", self)
+    def sin(self) -> Tensor: return elementwise("sin", self)
+    def cos(self) -> Tensor: return elementwise("cos", self)
+    def logical_not(self) -> Tensor: return elementwise("logical_not", self)
 
-    def gelu(self, approximate: str = "none") -> "Tensor":
+    def gelu(self, approximate: str = "none") -> Tensor:
         if not isinstance(approximate, str) or approximate not in ("none", "tanh"):
             raise EinjoinError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
         return elementwise("gelu" if approximate == "none" else "gelu_tanh", self)
 
     # ---- reductions (values only: max/min do not return indices)
-    def sum(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "sum", dim, keepdim)
-    def prod(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "prod", dim, keepdim)
-    def max(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "max", dim, keepdim)
-    def min(self, dim: Any = None, keepdim: bool = False) -> "Tensor": return reduce(self, "min", dim, keepdim)
+    def sum(self, dim: Any = None, keepdim: bool = False) -> Tensor: return reduce(self, "sum", dim, keepdim)
+    def prod(self, dim: Any = None, keepdim: bool = False) -> Tensor: return reduce(self, "prod", dim, keepdim)
+    def max(self, dim: Any = None, keepdim: bool = False) -> Tensor: return reduce(self, "max", dim, keepdim)
+    def min(self, dim: Any = None, keepdim: bool = False) -> Tensor: return reduce(self, "min", dim, keepdim)
     amax, amin = max, min
 
-    def mean(self, dim: Any = None, keepdim: bool = False) -> "Tensor":
+    def mean(self, dim: Any = None, keepdim: bool = False) -> Tensor:
         """The mean over ``dim``; ints and bools give float32 (torch's default float), the mean
         over an empty dim is nan (0/0, as torch)."""
         keepdim = check_flag(keepdim, "mean: keepdim")
@@ -357,28 +358,28 @@ class Tensor:
 
     # ---- layout
     @property
-    def T(self) -> "Tensor":
+    def T(self) -> Tensor:
         return permute(self, tuple(reversed(range(self.ndim))))
 
-    def permute(self, *dims: Any) -> "Tensor":
+    def permute(self, *dims: Any) -> Tensor:
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
             dims = tuple(dims[0])
         return permute(self, dims)
 
-    def transpose(self, a: int = 0, b: int = 1) -> "Tensor":
+    def transpose(self, a: int = 0, b: int = 1) -> Tensor:
         order = list(range(self.ndim))
         a, b = _norm_dim(self, a), _norm_dim(self, b)
         order[a], order[b] = order[b], order[a]
         return permute(self, order)
 
-    def reshape(self, *shape: Any) -> "Tensor":
+    def reshape(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         return wrap(ops.reshape_node(self.node, shape))
 
     view = reshape
 
-    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> "Tensor":
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
         if self.ndim == 0:
             return self.reshape(1)
         a, b = _norm_dim(self, start_dim), _norm_dim(self, end_dim)
@@ -390,17 +391,17 @@ class Tensor:
             n *= d
         return self.reshape(self.shape[:a] + (n,) + self.shape[b + 1:])
 
-    def unsqueeze(self, dim: int) -> "Tensor":
+    def unsqueeze(self, dim: int) -> Tensor:
         if isinstance(dim, bool) or not isinstance(dim, int) or not -self.ndim - 1 <= dim <= self.ndim:
             raise ShapeError(f"unsqueeze({dim!r}) on a tensor of rank {self.ndim}")
         d = dim % (self.ndim + 1)
         return self.reshape(self.shape[:d] + (1,) + self.shape[d:])
 
-    def squeeze(self, dim: Any = None) -> "Tensor":
+    def squeeze(self, dim: Any = None) -> Tensor:
         dims = tuple(d for d in range(self.ndim) if self.shape[d] == 1) if dim is None else _norm_dims(self, dim)
         return self.reshape(tuple(n for d, n in enumerate(self.shape) if not (d in dims and n == 1)))
 
-    def expand(self, *shape: Any) -> "Tensor":
+    def expand(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         for s in shape:  # ints only (an array would compare elementwise below)
@@ -416,22 +417,22 @@ class Tensor:
 
     broadcast_to = expand
 
-    def to(self, dtype: Any) -> "Tensor":
+    def to(self, dtype: Any) -> Tensor:
         return wrap(ops.cast_node(self.node, dtype))
 
     astype = to
-    def float(self) -> "Tensor": return self.to("float32")
-    def double(self) -> "Tensor": return self.to("float64")
-    def half(self) -> "Tensor": return self.to("float16")
-    def bfloat16(self) -> "Tensor": return self.to("bfloat16")
-    def long(self) -> "Tensor": return self.to("int64")
-    def bool(self) -> "Tensor": return self.to("bool")
+    def float(self) -> Tensor: return self.to("float32")
+    def double(self) -> Tensor: return self.to("float64")
+    def half(self) -> Tensor: return self.to("float16")
+    def bfloat16(self) -> Tensor: return self.to("bfloat16")
+    def long(self) -> Tensor: return self.to("int64")
+    def bool(self) -> Tensor: return self.to("bool")
 
-    def contiguous(self) -> "Tensor":
+    def contiguous(self) -> Tensor:
         return self
 
     # ---- indexing
-    def __getitem__(self, index: Any) -> "Tensor":
+    def __getitem__(self, index: Any) -> Tensor:
         if isinstance(index, Tensor):
             from einjoin.frontend.functions import gather
             return gather(self, index)
@@ -473,12 +474,15 @@ class Tensor:
                     raise UnsupportedOpError(f"slicing with step {step} on dim {d} (shape {self.shape}); "
                                              f"only step 1 is supported")
                 b = builtins.max(a, b)  # an empty slice is an empty tensor, as in torch
-                starts.append(a); stops.append(b); out_shape.append(b - a)
+                starts.append(a)
+                stops.append(b)
+                out_shape.append(b - a)
             elif isinstance(item, int) and not isinstance(item, builtins.bool):
                 if not -n <= item < n:
                     raise ShapeError(f"index {item} out of range for dim {d} of shape {self.shape}")
                 i = item % n
-                starts.append(i); stops.append(i + 1)
+                starts.append(i)
+                stops.append(i + 1)
             else:
                 raise UnsupportedOpError(f"indexing with {type(item).__name__} ({item!r:.60}); use ints, "
                                          f"slices, None, ... or an int64 tensor (gather)")

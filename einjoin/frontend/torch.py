@@ -22,7 +22,8 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -223,7 +224,7 @@ class _Problems:
         if dynamic:
             what.append(f"{len(dynamic)} data-dependent shape{'s' if len(dynamic) != 1 else ''}")
         lines = [f"from_torch: {self.name} (captured with {self.method}) uses {' and '.join(what)}:"]
-        for (name, target, reason, dd), uses in sorted(self.groups.items(), key=lambda kv: (kv[0][3], kv[0][0])):
+        for (name, target, reason, _), uses in sorted(self.groups.items(), key=lambda kv: (kv[0][3], kv[0][0])):
             shown = f"{name!r} ({target})" if target != name else repr(name)
             lines.append(f"  {shown}: {reason}; {len(uses)} use{'s' if len(uses) != 1 else ''}")
             places: dict[str, list[str]] = {}

@@ -13,7 +13,8 @@ move: every device computes the blocks it needs from the index grid.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
-import opt_einsum
+import opt_einsum  # type: ignore[import-untyped]
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind, numpy_dtype
@@ -30,7 +31,8 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Inpu
                              Select, rule_for)
 from einjoin.ir.scalar import Expr, evaluate, is_product
 
-__all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", "einsum_kernel", "fill_kernel", "gather_kernel", "broadcast_kernel",
+__all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", "einsum_kernel", "fill_kernel",
+           "gather_kernel", "broadcast_kernel",
            "align", "partial_dtype", "HALF_DTYPES"]
 
 
@@ -134,7 +136,7 @@ class MatmulRoute:
         return self.batch + self.m + self.n != self.out_labels
 
 
-def _compute_kind(dtype: "np.dtype[Any] | str") -> str:
+def _compute_kind(dtype: np.dtype[Any] | str) -> str:
     """numpy's kind letter of the dtype a kernel computes in: half types are widened to float32."""
     dt = np.dtype(numpy_dtype(dtype)) if isinstance(dtype, str) else np.dtype(dtype)
     return "f" if dt in _HALF else dt.kind
@@ -166,7 +168,7 @@ def _route(op: Einsum, kinds: tuple[str, ...]) -> MatmulRoute:
         out_labels=out)
 
 
-def matmul_route(op: Einsum, dtypes: "Sequence[np.dtype[Any] | str]") -> MatmulRoute:
+def matmul_route(op: Einsum, dtypes: Sequence[np.dtype[Any] | str]) -> MatmulRoute:
     """The :class:`MatmulRoute` :func:`einsum_kernel` takes for ``op`` on inputs of ``dtypes``
     (dtype names such as ``"bfloat16"`` or numpy dtypes); the one place that decides it."""
     return _route(op, tuple(_compute_kind(dt) for dt in dtypes))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar, Union
+from typing import Any, TypeVar
+from collections.abc import Mapping
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.agg import Agg
@@ -111,7 +112,7 @@ class Cast:
     """Convert to the node's dtype."""
 
 
-Op = Union[Input, Einsum, Reshape, Broadcast, Select, Concat, Fill, Gather, Cast]
+Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | Cast
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class KindFacts:
         return self.fed or self.free
 
 
-FACTS: "dict[type, KindFacts]" = {
+FACTS: dict[type, KindFacts] = {
     Input: KindFacts(fed=True),
     Einsum: KindFacts(computes=True, contracts=True),
     Reshape: KindFacts(),
@@ -160,7 +161,7 @@ KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule tabl
 _Rule = TypeVar("_Rule")
 
 
-def rule_for(table: "Mapping[type, _Rule]", op: Op, table_name: str) -> _Rule:
+def rule_for(table: Mapping[type, _Rule], op: Op, table_name: str) -> _Rule:
     """``table``'s entry for ``op``'s kind: how each layer dispatches on node kinds.
 
     >>> rule_for({Input: "feed"}, Input("x"), "example")
@@ -173,7 +174,7 @@ def rule_for(table: "Mapping[type, _Rule]", op: Op, table_name: str) -> _Rule:
                            f"(op {op!r}); every kind needs an entry there") from None
 
 _serial = itertools.count()
-_interned: "weakref.WeakValueDictionary[Any, Node]" = weakref.WeakValueDictionary()
+_interned: weakref.WeakValueDictionary[Any, Node] = weakref.WeakValueDictionary()
 
 
 class Node:
@@ -184,13 +185,13 @@ class Node:
 
     __slots__ = ("op", "inputs", "shape", "dtype", "serial", "_hash", "__weakref__")
     op: Op
-    inputs: tuple["Node", ...]
+    inputs: tuple[Node, ...]
     shape: tuple[int, ...]
     dtype: str
     serial: int
     _hash: int
 
-    def __new__(cls, op: Op, inputs: tuple["Node", ...], shape: tuple[int, ...], dtype: str) -> "Node":
+    def __new__(cls, op: Op, inputs: tuple[Node, ...], shape: tuple[int, ...], dtype: str) -> Node:
         key = (op, inputs, shape, dtype)
         found = _interned.get(key)
         if found is not None:

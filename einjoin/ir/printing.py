@@ -13,7 +13,8 @@ graph(x: float32[4, 8], w: float32[8, 2]) {
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              Select, rule_for)
@@ -83,7 +84,7 @@ def _input_name(name: str) -> str:
     return name if re.fullmatch(r"[\w.]+", name) else repr(name)
 
 
-def format_graph(graph: "Graph", note: Callable[[Node], str] | None = None) -> str:
+def format_graph(graph: Graph, note: Callable[[Node], str] | None = None) -> str:
     """One line per node in topological order; ``note`` may append text (a spec, a cost)."""
     names: dict[Node, str] = {}
     for x in graph.inputs:

@@ -8,7 +8,8 @@ array([3., 3.], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -39,8 +40,8 @@ def _torch_to_numpy(t: Any, what: str) -> np.ndarray:
         t = t.cpu().resolve_conj().resolve_neg()
         if t.dtype == torch.bfloat16:
             import ml_dtypes
-            return t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
+            return np.asarray(t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16))
+        return np.asarray(t.numpy())
     except TypeError as e:  # a dtype numpy has no type for (float8, ...)
         raise DTypeError(f"{what}: torch {t.dtype} has no numpy type ({e}); feed it converted, "
                          f"for example t.float()") from None

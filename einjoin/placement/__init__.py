@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition

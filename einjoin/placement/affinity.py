@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition, Kernel
@@ -49,7 +49,7 @@ class _Held:
 
     __slots__ = ("copies", "home")
 
-    def __init__(self, copies: "set[int] | tuple", home: int | None):
+    def __init__(self, copies: set[int] | tuple, home: int | None):
         self.copies, self.home = copies, home
 
     def __contains__(self, dv: int) -> bool:
