@@ -30,7 +30,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -385,9 +386,10 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
         s, rs = r.prog.stats, r.prog.run_stats
         tc = ", ".join(f"{k} {v}" for k, v in sorted(s.task_counts.items(), key=lambda kv: -kv[1]))
         console.print(f"[bold]{escape(r.case.name)}[/]")
+        per_device = ", ".join(f"{d}: {f / 1e9:.1f}" for d, f in sorted(s.flops_per_device.items()))
         console.print(f"  plan: moved {human_bytes(s.bytes_moved)}, loaded {human_bytes(s.bytes_loaded)}, "
                       f"fetched {human_bytes(s.bytes_fetched)}, {s.flops / 1e9:.1f} GFLOP "
-                      f"(per device: {', '.join(f'{d}: {f / 1e9:.1f}' for d, f in sorted(s.flops_per_device.items()))}); "
+                      f"(per device: {per_device}); "
                       f"{sum(s.task_counts.values())} tasks ({tc}); compiled in {r.compile_s * 1e3:.0f} ms")
         if rs is not None:
             busy = ", ".join(f"{d}: {b:.2f} s" for d, b in sorted(rs.busy_time_per_device.items()))

@@ -68,7 +68,7 @@ def main() -> None:
         a = progs["threads"].run(**feeds)
         b = progs["ray"].run(**feeds)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        times = {k: _best(lambda p=p: p.run(**feeds), args.reps) for k, p in progs.items()}
+        times = {k: _best(lambda p=p, f=feeds: p.run(**f), args.reps) for k, p in progs.items()}
         n = len(progs["ray"].taskgraph)
         table.add_row(name, str(n), f"{times['threads']:.4f}", f"{times['ray']:.4f}",
                       f"{times['ray'] / times['threads']:.2f}",

@@ -23,7 +23,8 @@ from einjoin.runtime.backends.ray import ray_cluster
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "CancelToken", "RunHandle", "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
+__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "CancelToken", "RunHandle",
+           "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
            *_frontend_all]

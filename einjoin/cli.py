@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import einjoin as ej
 
@@ -36,7 +37,7 @@ def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False,
     from einjoin.models import build
     from einjoin.planner import PLANNERS
     from einjoin.planner.bounds import node_bound_bytes
-    from einjoin.planner.search import model_cost
+    from einjoin.planner.cost import model_cost
     from einjoin.plan.stats import human_bytes
 
     console = Console(quiet=quiet, width=None if sys.stdout.isatty() else 120)
@@ -44,7 +45,7 @@ def plan(model: str, devices: int, planners: Sequence[str], quiet: bool = False,
     graph = ej.Graph(out)
     cluster = ej.local(devices)
     bound = sum(node_bound_bytes(n, devices) or 0 for n in graph.ops)
-    rows = []
+    rows: list[tuple[str, int | None, float, str]] = []
     for name in planners:
         if name not in PLANNERS:
             console.print(f"unknown planner {name!r}; known: {', '.join(sorted(PLANNERS))}")

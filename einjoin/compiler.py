@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -106,7 +107,7 @@ class CompileOptions:
             raise EinjoinError(f"unknown memory policy {policy!r}; known: {', '.join(POLICIES)}")
         check_host_link(self.host_link)
 
-    def replace(self, **changes: Any) -> "CompileOptions":
+    def replace(self, **changes: Any) -> CompileOptions:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
@@ -128,8 +129,8 @@ class CompiledPlan:
     stats: PlanStats
     options: CompileOptions
     many: bool
-    arg_names: "tuple[str, ...] | None" = None
-    bound: "dict[str, Any] | None" = None
+    arg_names: tuple[str, ...] | None = None
+    bound: dict[str, Any] | None = None
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -145,11 +146,11 @@ class Source:
 
     graph: Graph
     many: bool = False
-    arg_names: "tuple[str, ...] | None" = None
-    bound: "dict[str, Any] | None" = None
+    arg_names: tuple[str, ...] | None = None
+    bound: dict[str, Any] | None = None
 
     @staticmethod
-    def of(outputs: Any) -> "Source":
+    def of(outputs: Any) -> Source:
         """``outputs``: a tensor, a list/tuple of them, or ``ej.from_torch``'s result."""
         if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
             arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), outputs.many
@@ -219,8 +220,8 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], o
     user = _user_specs(graph, options.specs)
     cut_inputs: set[Node] = set()  # inputs cut for their own loads keep that partition
     for _ in range(SETTINGS.fit_rounds):  # each round doubles a block count of every op at fault
-        over = [(nd, caps[nd.device]) for nd in task_needs(tg, decomps)
-                if caps.get(nd.device) is not None and nd.needed > caps[nd.device]]  # type: ignore[operator]
+        over = [(nd, cap) for nd in task_needs(tg, decomps)
+                if (cap := caps.get(nd.device)) is not None and nd.needed > cap]
         if not over:
             return decomps, placed, tg
         done: set[Node] = set()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 __all__ = ["demo"]
 
@@ -29,24 +31,24 @@ def _best_of(fn: Callable[[], Any], repeat: int) -> tuple[Any, float]:
     return out, best
 
 
-def demo(quiet: bool = False, devices: int = 4, out_dir: "str | os.PathLike" = ".") -> int:
+def demo(quiet: bool = False, devices: int = 4, out_dir: str | os.PathLike[str] = ".") -> int:
     import torch
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     import einjoin as ej
-    from einjoin.models.zoo import example
+    from einjoin.models.zoo import LlamaConfig, example
     from einjoin.planner import PLANNERS
     from einjoin.planner.bounds import node_bound_bytes
-    from einjoin.planner.search import model_cost
+    from einjoin.planner.cost import model_cost
     from einjoin.plan.stats import human_bytes
 
     console = Console(quiet=quiet, width=None if sys.stdout.isatty() else 130)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     module, args = example("llama-block", **CONFIG)
-    c = module.c
+    c = replace(LlamaConfig(), **CONFIG)  # the block's config, as example() builds it
     console.print(f"[bold]einjoin demo[/]: the zoo's LLaMA block in plain torch (batch {c.batch}, seq "
                   f"{c.seq}, dim {c.dim}, {c.heads} heads / {c.kv_heads} kv heads, SwiGLU {c.hidden}), "
                   f"random weights, on {devices} local devices")
@@ -94,13 +96,15 @@ def demo(quiet: bool = False, devices: int = 4, out_dir: "str | os.PathLike" = "
     prog.save_plan_png(png_path)
     err = float((got - expected).abs().max())
     rel = err / max(float(expected.abs().max()), 1e-30)
-    ok = (err < 1e-3 and rel < 1e-4 and prog.run_stats.bytes_moved == prog.stats.bytes_moved)
+    measured = prog.run_stats
+    assert measured is not None  # set by the runs above
+    ok = (err < 1e-3 and rel < 1e-4 and measured.bytes_moved == prog.stats.bytes_moved)
     console.print(f"[bold]run[/] (threads backend, {devices} devices): {t_ej * 1e3:.1f} ms; torch eager "
                   f"{t_torch * 1e3:.1f} ms (ratio {t_ej / t_torch:.2f}; on one CPU the devices share "
                   f"{os.cpu_count()} cores, so this shows overhead, not speedup)")
-    console.print(f"moved {human_bytes(prog.run_stats.bytes_moved)} between devices (plan: "
+    console.print(f"moved {human_bytes(measured.bytes_moved)} between devices (plan: "
                   f"{human_bytes(prog.stats.bytes_moved)}); peak per device "
-                  f"{human_bytes(max(prog.run_stats.peak_bytes_per_device.values()))}")
+                  f"{human_bytes(max(measured.peak_bytes_per_device.values()))}")
     console.print(f"wrote {png_path.resolve()} (specs and device grids per op) and "
                   f"{trace_path.resolve()} (open in https://ui.perfetto.dev or chrome://tracing)")
     console.print(f"[bold]verification[/]: einjoin == torch within float32 tolerance: "

@@ -17,7 +17,8 @@ import pathlib
 import sys
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -42,10 +43,10 @@ class TraceWriteWarning(UserWarning):
     """A finished run's trace could not be written (a full disk, ...): the results are returned."""
 
 
-def compile(outputs: Any, devices: "int | Cluster" = 1, *, planner: Any = "auto",
+def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
             backend: Any = "threads", specs: Any = None, placement: str = "greedy",
             order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
-            memory_policy: str = "belady", host_link: float | None = None) -> "Program":
+            memory_policy: str = "belady", host_link: float | None = None) -> Program:
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
     is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
@@ -131,7 +132,7 @@ class Program:
         return {n: d.spec for n, d in self.decomps.items()}
 
     def run(self, *args: Any, order: str | None = None, seed: int | None = None,
-            callbacks: Sequence[Any] = (), trace: "str | os.PathLike[str] | None" = None,
+            callbacks: Sequence[Any] = (), trace: str | os.PathLike[str] | None = None,
             quiet: bool | None = None, host_link: float | None = None,
             cancel: CancelToken | None = None, **feeds: Any) -> Any:
         """Run with positional inputs (declaration order) and/or inputs by name. Returns numpy
@@ -316,7 +317,7 @@ class Program:
             print(text, file=sys.stdout if to_stdout else file)
         return text
 
-    def save_plan_png(self, path: "str | os.PathLike[str]", **options: Any) -> "pathlib.Path":
+    def save_plan_png(self, path: str | os.PathLike[str], **options: Any) -> pathlib.Path:
         """Draw the plan to the PNG file ``path``: per op its spec and the device holding each
         output block, and the bytes moved per op (see :func:`einjoin.viz.save_plan_png` for the
         ``options``). Needs matplotlib."""
@@ -329,7 +330,7 @@ class Program:
         if close is not None:
             close()
 
-    def __enter__(self) -> "Program":
+    def __enter__(self) -> Program:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -9,10 +9,12 @@ an unhashable ``x``: a list or an array given as a name is unknown, not a raw Ty
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["Registry"]
 
 
-class Registry(dict):
+class Registry(dict[Any, Any]):
     def __contains__(self, key: object) -> bool:
         try:
             return dict.__contains__(self, key)

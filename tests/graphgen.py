@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 from hypothesis import strategies as st
@@ -168,8 +169,8 @@ def _op(draw: Any, kind: str, pool: list[ej.Tensor], feeds: dict[str, np.ndarray
         return ej.gather(x, idx)
     if kind == "fill":
         shape = draw(shapes(1, 3))
-        fill = ej.fill(shape, draw(st.sampled_from(["x0 * 0.25", "0.5", "where(x0 >= x%d, 1.0, -1.0)"
-                                                      % (len(shape) - 1)])), dtype)
+        fill = ej.fill(shape, draw(st.sampled_from(["x0 * 0.25", "0.5", f"where(x0 >= x{len(shape) - 1}, 1.0, -1.0)"])),
+                       dtype)
         other = [y for y in pool if y.shape == shape]
         if other:
             return fill * draw(st.sampled_from(other))

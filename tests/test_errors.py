@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -97,7 +98,9 @@ CASES = [
     case("eq-ellipsis-sizes-disagree",
          lambda: ej.einsum("...i,...i->...i", t((2, 3), name="a"), t((4, 3), name="b")),
          ej.ShapeError, ["(2, 3)", "(4, 3)"]),
-    case("eq-ellipsis-sizes-disagree-names-equation", lambda: ej.einsum("...i,...i->...i", t((2, 3), name="a"), t((4, 3), name="b")), ej.ShapeError, ["'...i,...i->...i'"]),
+    case("eq-ellipsis-sizes-disagree-names-equation",
+         lambda: ej.einsum("...i,...i->...i", t((2, 3), name="a"), t((4, 3), name="b")), ej.ShapeError,
+         ["'...i,...i->...i'"]),
     case("eq-term-rank-mismatch", lambda: ej.einsum("ijk->i", t((2, 3))), ej.ShapeError,
          ["'ijk'", "(2, 3)"]),
     case("eq-ellipsis-term-longer-than-rank", lambda: ej.einsum("...ijk->...", t((3,))),
@@ -125,7 +128,8 @@ CASES = [
          ej.ExpressionError, ["'x0 << 2'"]),
     case("join-not-a-string", lambda: ej.einsum("ij->ij", t(), join=3), ej.ExpressionError,
          ["got 3"]),
-    case("join-long-sum-chain", lambda: ej.einsum("i->i", t((3,)), join="x0" + " + x0" * 400), ej.ExpressionError, ["join"]),
+    case("join-long-sum-chain",
+         lambda: ej.einsum("i->i", t((3,)), join="x0" + " + x0" * 400), ej.ExpressionError, ["join"]),
     case("agg-unknown-name", lambda: ej.einsum("ij->i", t(), agg="mean"), ej.ExpressionError,
          ["'mean'"]),
     case("agg-none-string-with-aggregated-label", lambda: ej.einsum("ij->i", t(), agg="none"),
@@ -197,7 +201,8 @@ CASES = [
          ej.DTypeError, ["float64", "float32"]),
     case("concat-axis-out-of-range", lambda: ej.concat([t(), t(name="y")], 2), ej.ShapeError,
          ["axis 2", "rank 2"]),
-    case("concat-negative-axis-out-of-range", lambda: ej.concat([t(), t(name="y")], -5), ej.ShapeError, ["-5", "rank 2"]),
+    case("concat-negative-axis-out-of-range",
+         lambda: ej.concat([t(), t(name="y")], -5), ej.ShapeError, ["-5", "rank 2"]),
     case("concat-empty", lambda: ej.concat([]), ej.ShapeError, ["concat"]),
     case("concat-non-tensor", lambda: ej.concat([t(), np.ones((2, 3))]), ej.EinjoinError,
          ["ndarray"]),
@@ -248,7 +253,8 @@ CASES = [
     case("softmax-of-list", lambda: ej.softmax([1.0, 2.0]), ej.EinjoinError, ["list"]),
     case("layer-norm-weight-shape", lambda: ej.layer_norm(t((4, 8)), weight=t((5,), name="w")),
          ej.ShapeError, ["weight", "(5,)", "(8,)"]),
-    case("layer-norm-normalized-shape-mismatch", lambda: ej.layer_norm(t((4, 8)), (5,)), ej.ShapeError, ["(5,)", "(4, 8)"]),
+    case("layer-norm-normalized-shape-mismatch",
+         lambda: ej.layer_norm(t((4, 8)), (5,)), ej.ShapeError, ["(5,)", "(4, 8)"]),
     case("layer-norm-more-dims-than-rank", lambda: ej.layer_norm(t((4, 8)), (2, 4, 8)),
          ej.ShapeError, ["last 3 dims", "(4, 8)"]),
     case("rms-norm-weight-shape", lambda: ej.rms_norm(t((4, 8)), t((5,), name="w")),
@@ -288,7 +294,8 @@ CASES = [
     case("partition-bool-count", lambda: ej.Partition.of((8,), [True]), ej.PartitionError,
          ["True"]),
     case("partition-non-int-boundary", lambda: ej.Partition.of((8,), [[0, 2.5, 8]]), ej.PartitionError, ["2.5"]),
-    case("partition-counts-not-a-sequence", lambda: ej.Partition.from_counts((8,), 2), ej.PartitionError, ["2", "(8,)"]),
+    case("partition-counts-not-a-sequence",
+         lambda: ej.Partition.from_counts((8,), 2), ej.PartitionError, ["2", "(8,)"]),
 
     # ---- join-agg specs and decomposition
     case("spec-unknown-label", lambda: ej.JoinAggSpec.for_node(mm().node, {"q": 2}),
@@ -310,7 +317,8 @@ CASES = [
     case("blocked-spec-unknown-label",
          lambda: ej.execute_blocked(t((4,)).exp(), lambda n: {"q": 2}, x=np.ones(4, np.float32)),
          ej.PartitionError, ["'q'"]),
-    case("blocked-specs-not-a-mapping", lambda: ej.execute_blocked(t((4,)).exp(), [{"a": 2}], x=np.ones(4, np.float32)), ej.EinjoinError, ["list"]),
+    case("blocked-specs-not-a-mapping",
+         lambda: ej.execute_blocked(t((4,)).exp(), [{"a": 2}], x=np.ones(4, np.float32)), ej.EinjoinError, ["list"]),
 
     # ---- feeds and graphs at reference time
     case("feed-missing", lambda: ref(t((2,), name="x") + t((2,), name="w"),

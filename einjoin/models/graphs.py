@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from einjoin import frontend as ej  # the models build IR only (tests/test_imports.py)
 from einjoin.errors import EinjoinError
@@ -95,7 +96,7 @@ def transformer_block(seq: int = 256, d: int = 256, heads: int = 4, hidden: int 
     ((16, 32), (32, 32), (48, 32))
     """
     out = _decoder(ej.input("x", (seq, d)), "", heads, None, hidden, 1e-6)
-    return out, {x.op.name: x.shape for x in Graph(out).inputs}  # type: ignore[attr-defined]
+    return out, {name: x.shape for name, x in Graph(out).input_by_name.items()}
 
 
 def llama_layers(layers: int = 32, batch: int = 1, seq: int = 2048, d: int = 4096, heads: int = 32,
@@ -111,7 +112,7 @@ def llama_layers(layers: int = 32, batch: int = 1, seq: int = 2048, d: int = 409
 def _block(layers: int = 1, **kw: Any) -> ej.Tensor:
     defaults = dict(batch=1, seq=2048, d=4096, heads=32, hidden=11008)
     defaults.update(kw)
-    return llama_layers(layers, **defaults)  # type: ignore[arg-type]
+    return llama_layers(layers, **defaults)
 
 
 MODELS: dict[str, Callable[..., ej.Tensor]] = {

@@ -19,7 +19,8 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,9 @@ def rope_tables(seq: int, head_dim: int, base: float) -> tuple[torch.Tensor, tor
 class LlamaBlock(nn.Module):
     """One decoder block: pre-norm attention with RoPE and GQA, pre-norm SwiGLU MLP."""
 
+    cos: torch.Tensor  # the rope tables, registered as buffers
+    sin: torch.Tensor
+
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.c = c
@@ -109,7 +113,8 @@ class LlamaBlock(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.wo(a.transpose(1, 2).reshape(b, s, c.dim))
         h = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        out: torch.Tensor = x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return out
 
 
 # the names of einjoin.models.graphs.llama_block's weights -> LlamaBlock's state dict
@@ -118,7 +123,7 @@ _BLOCK_WEIGHTS = {"attn_norm": "attention_norm.weight", "wq": "wq.weight", "wk":
                   "w1": "w1.weight", "w3": "w3.weight", "w2": "w2.weight"}
 
 
-def block_with(weights: "dict[str, Any]", heads: int, seq: int, eps: float = 1e-6) -> LlamaBlock:
+def block_with(weights: dict[str, Any], heads: int, seq: int, eps: float = 1e-6) -> LlamaBlock:
     """The zoo's :class:`LlamaBlock` (eval mode) holding the weights of an einjoin LLaMA block
     (:func:`einjoin.models.graphs.transformer_block` / ``llama_block``: ``attn_norm``, ``wq``, ...,
     numpy arrays or tensors); sizes are read from the weights.
@@ -139,7 +144,7 @@ def block_with(weights: "dict[str, Any]", heads: int, seq: int, eps: float = 1e-
     return module.eval()
 
 
-def torch_block(feeds: "dict[str, Any]", heads: int) -> Any:
+def torch_block(feeds: dict[str, Any], heads: int) -> Any:
     """:func:`einjoin.models.graphs.transformer_block` in torch: its feeds (``x`` (seq, d) and the
     weights, numpy) through :func:`block_with`'s module; returns a numpy array (seq, d)."""
     x = torch.as_tensor(feeds["x"])
@@ -162,12 +167,15 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h))
+        logits: torch.Tensor = self.output(self.norm(h))
+        return logits
 
 
 class GPT2Block(nn.Module):
     """GPT-2's block: LayerNorm, fused qkv projection, a registered tril mask with masked_fill,
     tanh GELU MLP, dropout (identity in eval)."""
+
+    bias: torch.Tensor  # the causal mask, a registered buffer
 
     def __init__(self, dim: int = 64, heads: int = 4, seq: int = 32, dropout: float = 0.1):
         super().__init__()
@@ -192,7 +200,8 @@ class GPT2Block(nn.Module):
         att = self.drop(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
         x = x + self.drop(self.c_proj(y))
-        return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
+        out: torch.Tensor = x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
+        return out
 
 
 class MLP(nn.Module):
@@ -220,15 +229,19 @@ class MatrixChain(nn.Module):
         return x
 
 
-def _llama_block(c: LlamaConfig = LlamaConfig()) -> tuple[nn.Module, tuple]:
+Example = tuple[nn.Module, tuple[Any, ...]]
+"""A zoo entry: the module and example arguments of its forward."""
+
+
+def _llama_block(c: LlamaConfig = LlamaConfig()) -> Example:
     return LlamaBlock(c), (torch.randn(c.batch, c.seq, c.dim),)
 
 
-def _llama(c: LlamaConfig = LlamaConfig()) -> tuple[nn.Module, tuple]:
+def _llama(c: LlamaConfig = LlamaConfig()) -> Example:
     return Llama(c), (torch.randint(0, c.vocab, (c.batch, c.seq)),)
 
 
-ZOO: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
+ZOO: dict[str, Callable[..., Example]] = {
     "llama-block": _llama_block,
     "llama": _llama,
     "gpt2-block": lambda dim=64, heads=4, seq=32, batch=2: (GPT2Block(dim, heads, seq),
@@ -246,7 +259,7 @@ class UnknownModelError(EinjoinError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def example(name: str, seed: int = 0, **config: Any) -> tuple[nn.Module, tuple]:
+def example(name: str, seed: int = 0, **config: Any) -> Example:
     """A zoo model (in eval mode, random weights from ``seed``) and example inputs. LLaMA
     models take ``LlamaConfig`` fields as keywords."""
     if not isinstance(name, str) or name not in ZOO:

@@ -422,7 +422,9 @@ def _empty_einsums(draw: Any) -> tuple[Any, dict[str, np.ndarray], Any]:
     n_ops = draw(st.integers(1, 2))
     shapes = [tuple(draw(st.lists(st.integers(0, 3), min_size=1, max_size=3))) for _ in range(n_ops)]
     if not any(0 in s for s in shapes):
-        s = list(shapes[0]); s[draw(st.integers(0, len(s) - 1))] = 0; shapes[0] = tuple(s)
+        s = list(shapes[0])
+        s[draw(st.integers(0, len(s) - 1))] = 0
+        shapes[0] = tuple(s)
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     xs = [ej.input(f"e{i}", s, "float64") for i, s in enumerate(shapes)]
     feeds = {f"e{i}": rng.standard_normal(s) for i, s in enumerate(shapes)}

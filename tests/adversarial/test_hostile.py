@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -114,6 +115,11 @@ def _prog() -> ej.Program:
 
 # target name -> call of one hostile value; the result (a tensor, arrays, a program...) is
 # checked by _check_result
+def _call(name: str, *lead: Callable[[], Any]) -> Callable[[Any], Any]:
+    """v -> ej.<name>(*(f() for f in lead), v): the hostile value in the argument after ``lead``."""
+    return lambda v: getattr(ej, name)(*(f() for f in lead), v)
+
+
 TARGETS: dict[str, Callable[[Any], Any]] = {
     # graph inputs
     "input.name": lambda v: ej.input(v, (2,)),
@@ -133,13 +139,13 @@ TARGETS: dict[str, Callable[[Any], Any]] = {
     "where.a": lambda v: ej.where(_b(), v, _x()),
     "maximum": lambda v: ej.maximum(_x(), v),
     "minimum": lambda v: ej.minimum(v, _x()),
-    **{f"{n}": (lambda n: lambda v: getattr(ej, n)(v))(n)
+    **{f"{n}": _call(n)
        for n in ["exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid",
                  "erf", "sin", "cos", "neg", "logical_not", "silu", "gelu", "softmax",
                  "log_softmax", "rms_norm", "layer_norm", "rope", "rotate_half"]},
-    **{f"{n}.dim": (lambda n: lambda v: getattr(ej, n)(_x(), v))(n)
+    **{f"{n}.dim": _call(n, _x)
        for n in ["sum", "mean", "max", "min", "prod", "softmax", "log_softmax"]},
-    **{f"{n}.keepdim": (lambda n: lambda v: getattr(ej, n)(_x(), 0, v))(n)
+    **{f"{n}.keepdim": _call(n, _x, lambda: 0)
        for n in ["sum", "mean", "max", "min", "prod"]},
     "concat.tensors": lambda v: ej.concat(v),
     "concat.item": lambda v: ej.concat([_x(), v]),

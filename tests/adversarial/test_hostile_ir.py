@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -236,6 +237,10 @@ def test_attention_matches_torch(scale: Any, causal: Any) -> None:
 # ---------------------------------------------------------------- constant folding (ir/fold.py)
 
 
+def _to(dtype: str) -> Callable[[Any], Any]:
+    return lambda t: t.to(dtype)
+
+
 _FOLD_OPS: dict[str, Callable[[Any], Any]] = {
     "neg": lambda t: ~t if t.dtype == "bool" else -t,
     "plus_one": lambda t: t & True if t.dtype == "bool" else t + 1,
@@ -244,7 +249,7 @@ _FOLD_OPS: dict[str, Callable[[Any], Any]] = {
     "expand": lambda t: t.unsqueeze(0).expand(2, 3, 4),
     "transpose": lambda t: t.T,
     "reshape": lambda t: t.reshape(3, 1, 4),
-    **{f"to_{d}": (lambda d: lambda t: t.to(d))(d) for d in ("float64", "float32", "float16", "int64", "bool")},
+    **{f"to_{d}": _to(d) for d in ("float64", "float32", "float16", "int64", "bool")},
 }
 
 

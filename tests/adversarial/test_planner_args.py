@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import tracemalloc
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -118,7 +119,8 @@ HOSTILE_COUNTS = [0, -1, -(10**30), 2.0, 1.5, math.nan, math.inf, "4", b"4", Tru
                   [2], (2,), {"n": 2}, 2 + 0j, np.float64(2.0), np.array([2, 3]), object()]
 
 
-@pytest.mark.parametrize("n", HOSTILE_COUNTS, ids=lambda v: "object" if type(v) is object else repr(v))  # stable ids: xdist workers compare them
+# stable ids: xdist workers compare them
+@pytest.mark.parametrize("n", HOSTILE_COUNTS, ids=lambda v: "object" if type(v) is object else repr(v))
 @pytest.mark.parametrize("call", [
     pytest.param(lambda n: ej.local(n), id="local"),
     pytest.param(lambda n: ej.Cluster.uniform(n), id="uniform"),
