@@ -82,21 +82,21 @@ def _positive_int(n: Any, what: str) -> int:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
         raise EinjoinError(f"{what} must be a positive int (a device count) or an ej.Cluster, got "
                            f"{type(n).__name__} {_short(n)}")
-    n = operator.index(n)
-    if n <= 0:
-        raise EinjoinError(f"{what} must be a positive int, got {n}")
-    return n
+    count = operator.index(n)
+    if count <= 0:
+        raise EinjoinError(f"{what} must be a positive int, got {count}")
+    return count
 
 
 def check_device_count(n: Any, what: str = "devices") -> int:
     """``n`` as a device count: a positive int (numpy ints too, not bool) of at most
     :data:`MAX_DEVICES`; else an :class:`EinjoinError` naming ``what`` and the value."""
-    n = _positive_int(n, what)
-    if n > MAX_DEVICES:
-        raise EinjoinError(f"{what}={_short(n)} is more than einjoin plans for: at most {MAX_DEVICES} devices "
+    count = _positive_int(n, what)
+    if count > MAX_DEVICES:
+        raise EinjoinError(f"{what}={_short(count)} is more than einjoin plans for: at most {MAX_DEVICES} devices "
                            f"(einjoin.cluster.MAX_DEVICES: planning time grows faster than the device "
                            f"count). Plan for fewer, larger devices, e.g. one per node or GPU")
-    return n
+    return count
 
 
 def _number(value: Any, what: str) -> float:
@@ -113,7 +113,7 @@ def _number(value: Any, what: str) -> float:
     return v
 
 
-class LinkMatrix(Sequence):
+class LinkMatrix(Sequence["_LinkRow"]):
     """An ``n x n`` matrix of link values held in O(n) memory: ``m[i][j]`` is ``diag`` for
     ``i == j``, ``intra`` for two devices of the same group, else ``inter``. It reads like a
     tuple of rows (``m[i][j]``, ``len``, iteration) and compares equal to one with the same
@@ -151,7 +151,7 @@ class LinkMatrix(Sequence):
     def __iter__(self) -> Iterator[_LinkRow]:
         return (_LinkRow(self, i) for i in range(len(self.groups)))
 
-    def _key(self) -> tuple:
+    def _key(self) -> tuple[Any, ...]:
         return (self.groups, self.diag, self.intra, self.inter)
 
     def __eq__(self, other: object) -> bool:
@@ -171,7 +171,7 @@ class LinkMatrix(Sequence):
                 f"intra={self.intra}, inter={self.inter})")
 
 
-class _LinkRow(Sequence):
+class _LinkRow(Sequence[float]):
     """Row ``i`` of a :class:`LinkMatrix` (a view)."""
 
     __slots__ = ("m", "i")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import builtins
 import math
 import operator
-from typing import Any
+from typing import Any, TypeVar
 from collections.abc import Callable
 
 from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
@@ -72,8 +72,11 @@ def data_dependent(what: str) -> UnsupportedOpError:
     return err
 
 
-def op(*names: str) -> Callable[[Fn], Fn]:
-    def reg(fn: Fn) -> Fn:
+_F = TypeVar("_F", bound=Fn)
+
+
+def op(*names: str) -> Callable[[_F], _F]:
+    def reg(fn: _F) -> _F:
         for n in names:
             OPS[n] = fn
         return fn
@@ -93,14 +96,14 @@ def _is_t(v: Any) -> bool:
     return isinstance(v, Tensor)
 
 
-def _shape(args: tuple) -> tuple[int, ...]:
+def _shape(args: tuple[Any, ...]) -> tuple[int, ...]:
     """A size given as varargs ``(2, 3)`` or as one sequence ``([2, 3],)``."""
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         return tuple(int(s) for s in args[0])
     return tuple(int(s) for s in args)
 
 
-def _dtype(kw: dict, default: str) -> str:
+def _dtype(kw: dict[str, Any], default: str) -> str:
     dt = kw.get("dtype")
     return default if dt is None else torch_dtype(dt)
 
@@ -268,7 +271,7 @@ def _reduction(name: str) -> Fn:
     def f(x: Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Tensor:
         if dtype is not None:
             x = x.to(torch_dtype(dtype))
-        y = getattr(x, name)(_dims(dim), keepdim)
+        y: Tensor = getattr(x, name)(_dims(dim), keepdim)
         return y
     return f
 
@@ -328,7 +331,8 @@ def _layer_norm(x: Tensor, normalized_shape: Any, weight: Any = None, bias: Any 
 
 
 @op("native_layer_norm")
-def _native_layer_norm(x: Tensor, normalized_shape: Any, weight: Any, bias: Any, eps: float) -> tuple:
+def _native_layer_norm(x: Tensor, normalized_shape: Any, weight: Any, bias: Any, eps: float
+                       ) -> tuple[Tensor, None, None]:
     return (C.layer_norm(x, normalized_shape, weight, bias, eps), None, None)
 
 
@@ -393,7 +397,7 @@ OPS["scaled_dot_product_attention"] = _sdpa
 
 @op("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention")
 def _sdpa_flash(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False,
-                *_: Any, attn_mask: Any = None, scale: Any = None, **__: Any) -> tuple:
+                *_: Any, attn_mask: Any = None, scale: Any = None, **__: Any) -> tuple[Any, ...]:
     # (output, logsumexp): the second is only read by the backward pass
     return (_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale), None)
 
@@ -512,17 +516,17 @@ def _stack(tensors: Any, dim: int = 0) -> Tensor:
 
 
 @op("split", "split_with_sizes")
-def _split(x: Tensor, size: Any, dim: int = 0) -> tuple:
+def _split(x: Tensor, size: Any, dim: int = 0) -> tuple[Tensor, ...]:
     return F.split(x, list(size) if isinstance(size, (list, tuple)) else size, dim)
 
 
 @op("chunk")
-def _chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple:
+def _chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
     return F.chunk(x, chunks, dim)
 
 
 @op("unbind")
-def _unbind(x: Tensor, dim: int = 0) -> tuple:
+def _unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
     d = _norm_dim(x, dim)
     return tuple(x[(slice(None),) * d + (i,)] for i in range(x.shape[d]))
 
@@ -692,7 +696,7 @@ def lookup(name: str) -> Fn:
     return fn
 
 
-def call(name: str, args: tuple, kwargs: dict) -> Any:
+def call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Apply the translation, turning shape/dtype mistakes into errors that name the op."""
     fn = lookup(name)
     try:

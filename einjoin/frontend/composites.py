@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -110,17 +111,20 @@ def _int_shape(v: Any, what: str) -> tuple[int, ...]:
         raise ShapeError(f"{what} must be an int or a sequence of ints, got {v!r}") from None
 
 
-def _widen_half(x: Tensor, *params: Tensor | None) -> Any:
+def _widen_half(x: Tensor, weight: Tensor | None, bias: Tensor | None
+                ) -> tuple[Tensor, Tensor | None, Tensor | None, Callable[[Tensor], Tensor]]:
     """A norm of float16/bfloat16 data computes in float32 and rounds once at the end, as torch
     does: its statistics in half would overflow (a mean square past 65504 when |x| > 256) or lose
     the mean (x - mean in half is garbage when the mean is large against the spread). Returns
     the widened tensors and the function that casts the result back."""
     if x.dtype not in ("float16", "bfloat16"):
-        return (x, *params, lambda y: y)
+        return x, weight, bias, lambda y: y
     dtype = x.dtype
-    wide = [None if p is None else (p.to("float32") if p.dtype in ("float16", "bfloat16") else p)
-            for p in params]
-    return (x.to("float32"), *wide, lambda y: y.to(dtype))
+
+    def wide(p: Tensor | None) -> Tensor | None:
+        return None if p is None else (p.to("float32") if p.dtype in ("float16", "bfloat16") else p)
+
+    return x.to("float32"), wide(weight), wide(bias), lambda y: y.to(dtype)
 
 
 def layer_norm(x: Tensor, normalized_shape: Any = None, weight: Tensor | None = None,

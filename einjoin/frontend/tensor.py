@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import builtins
 import math
-from typing import Any
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +128,7 @@ def elementwise(fn: str | Expr, *args: Tensor | Scalar, name: str | None = None)
     if isinstance(fn, str):
         fn, args = _promote(fn, args)
         if not fn:  # _promote built the whole result
-            return args[0]
+            return typing.cast(Tensor, args[0])
         tensors = [a for a in args if isinstance(a, Tensor)]
     what = name or (fn if isinstance(fn, str) else str(fn))
     out_shape = broadcast_shapes(*(t.shape for t in tensors), what=what)

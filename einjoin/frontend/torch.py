@@ -22,8 +22,9 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass, field
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -156,7 +157,7 @@ def _to_numpy(t: Any) -> np.ndarray:
 def _op_name(target: Any) -> str:
     packet = getattr(target, "_overloadpacket", None)
     if packet is not None:
-        return packet.__name__
+        return str(packet.__name__)
     return getattr(target, "__name__", str(target))
 
 
@@ -194,7 +195,12 @@ def _stand_in(node: Any) -> Any:
 def _reads_failed(*values: Any) -> bool:
     import torch.fx
     found = []
-    torch.fx.node.map_aggregate(values, lambda v: found.append(v) if v is _FAILED else v)
+    def note(v: Any) -> Any:
+        if isinstance(v, _Failed):
+            found.append(v)
+        return v
+
+    torch.fx.node.map_aggregate(values, note)
     return bool(found)
 
 
@@ -247,7 +253,7 @@ class _Problems:
         return err
 
 
-def _translate(node: Any, name: str, args: tuple, kwargs: dict, problems: _Problems) -> Any:
+def _translate(node: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], problems: _Problems) -> Any:
     if _reads_failed(args, kwargs):
         return _FAILED
     try:
@@ -264,7 +270,7 @@ def _translate(node: Any, name: str, args: tuple, kwargs: dict, problems: _Probl
                       f"{qualified_name(node.target)}) from {_source_line(node)}") from None
 
 
-def _map(value: Any, env: dict) -> Any:
+def _map(value: Any, env: dict[Any, Any]) -> Any:
     import torch.fx
     return torch.fx.node.map_aggregate(value, lambda v: env[v] if isinstance(v, torch.fx.Node) else v)
 
@@ -279,11 +285,11 @@ def _data_dependent_value(node: Any) -> bool:
     return isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape)
 
 
-def _check_supported(graph: Any, fx: bool, modules: Mapping[str, Any], problems: _Problems) -> set:
+def _check_supported(graph: Any, fx: bool, modules: Mapping[str, Any], problems: _Problems) -> set[Any]:
     """Look every op up before translating anything; returns the nodes to skip (their problem
     is recorded). Data-dependent values are reported where they arise, not at every reader."""
-    skip: set = set()
-    dynamic: set = set()
+    skip: set[Any] = set()
+    dynamic: set[Any] = set()
     for node in graph.nodes:
         if any(a in dynamic for a in node.all_input_nodes):
             dynamic.add(node)  # a consequence (sym_size, asserts, ...) of one reported already
@@ -318,7 +324,7 @@ def _check_supported(graph: Any, fx: bool, modules: Mapping[str, Any], problems:
 # ---------------------------------------------------------------- torch.export
 
 
-def _from_export(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
+def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
     import torch
     ep = torch.export.export(module, args, kwargs)
     sig = ep.graph_signature
@@ -387,23 +393,23 @@ def _as_output(v: Any, what: str) -> Tensor:
 # ---------------------------------------------------------------- torch.fx fallback
 
 
-def _linear_m(m: Any, p: dict, x: Tensor) -> Tensor:
-    return aten.OPS["linear"](x, p["weight"], p.get("bias"))
+def _linear_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
+    return typing.cast(Tensor, aten.OPS["linear"](x, p["weight"], p.get("bias")))
 
 
-def _layer_norm_m(m: Any, p: dict, x: Tensor) -> Tensor:
-    return aten.OPS["layer_norm"](x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps)
+def _layer_norm_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
+    return typing.cast(Tensor, aten.OPS["layer_norm"](x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps))
 
 
-def _rms_norm_m(m: Any, p: dict, x: Tensor) -> Tensor:
-    return aten.OPS["rms_norm"](x, m.normalized_shape, p.get("weight"), m.eps)
+def _rms_norm_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
+    return typing.cast(Tensor, aten.OPS["rms_norm"](x, m.normalized_shape, p.get("weight"), m.eps))
 
 
-def _dropout_m(m: Any, p: dict, x: Tensor) -> Tensor:
-    return aten.OPS["dropout"](x, m.p, m.training)
+def _dropout_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
+    return typing.cast(Tensor, aten.OPS["dropout"](x, m.p, m.training))
 
 
-MODULES = {
+MODULES: dict[str, Callable[..., Tensor]] = {
     "Linear": _linear_m,
     "LayerNorm": _layer_norm_m,
     "RMSNorm": _rms_norm_m,
@@ -420,7 +426,7 @@ MODULES = {
 FX_ONLY = frozenset({"size", "getattr", "dim"})
 
 
-def _fx_call(node: Any, name: str, args: tuple, kwargs: dict, problems: _Problems) -> Any:
+def _fx_call(node: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], problems: _Problems) -> Any:
     if _reads_failed(args, kwargs):
         return _FAILED
     if name == "size":
@@ -441,7 +447,7 @@ def _fx_call(node: Any, name: str, args: tuple, kwargs: dict, problems: _Problem
     return _translate(node, name, args, kwargs, problems)
 
 
-def _from_fx(module: Any, args: tuple, kwargs: dict) -> TorchFunction:
+def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
     import torch
     import torch.fx
 
@@ -524,7 +530,7 @@ def _arg_labels(module: Any, n: int, kwargs: Mapping[str, Any]) -> list[str]:
     return [params[i] if i < len(params) else f"argument {i}" for i in range(n)] + list(kwargs)
 
 
-def _check_signature(module: Any, args: tuple, kwargs: dict) -> None:
+def _check_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Example arguments that the forward cannot take are an error here: the fx fallback would
     otherwise drop an extra one silently."""
     try:
@@ -538,7 +544,8 @@ def _check_signature(module: Any, args: tuple, kwargs: dict) -> None:
                            f"{type(module).__name__}.forward{sig}: {e}") from None
 
 
-def _unalias(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
+def _unalias(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Copies of example arguments that are (or share memory with) an earlier one. Traced with
     ``mha(x, x, x)``, torch.export specialises the graph to ``query is key is value`` (it reads
     only one of them), so a later run with three different tensors would be silently wrong; with

@@ -16,11 +16,13 @@ share one signature and one registry.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition
+from einjoin.decomp.partition import BlockKey
 from einjoin.errors import EinjoinError
 from einjoin.ir.node import Node
 from einjoin.registry import Registry
@@ -31,7 +33,7 @@ __all__ = ["NodePlacement", "Placement", "PLACERS", "place", "register_placer"]
 @dataclass(frozen=True)
 class NodePlacement:
     kernel_devices: tuple[int, ...]
-    homes: dict  # out block key -> device (the device of the block's first partial)
+    homes: dict[BlockKey, int]  # out block key -> device (the device of the block's first partial)
 
     def __hash__(self) -> int:  # pragma: no cover - placements are compared, rarely hashed
         return hash(self.kernel_devices)
@@ -44,15 +46,20 @@ Placer = Callable[[Mapping[Node, Decomposition], Cluster, int], Placement]
 PLACERS: dict[str, Placer] = Registry()
 
 
-def register_placer(name: str) -> Callable[[Placer], Placer]:
-    def deco(fn: Placer) -> Placer:
+_P = TypeVar("_P", bound=Placer)
+
+
+def register_placer(name: str) -> Callable[[_P], _P]:
+    """Register a placer under ``name`` (``ej.compile(..., placement=name)``); the function is
+    returned unchanged."""
+    def deco(fn: _P) -> _P:
         PLACERS[name] = fn
         return fn
     return deco
 
 
 def _from_kernel_devices(d: Decomposition, devs: list[int]) -> NodePlacement:
-    homes: dict = {}
+    homes: dict[BlockKey, int] = {}
     for k, dev in zip(d.kernels, devs):
         homes.setdefault(k.out_key, dev)
     return NodePlacement(tuple(devs), homes)
@@ -66,7 +73,7 @@ def round_robin(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: i
     out: Placement = {}
     for node, d in decomps.items():
         index = {key: i for i, key in enumerate(d.out_partition.keys())}
-        seen: dict = {}
+        seen: dict[BlockKey, int] = {}
         devs = []
         for k in d.kernels:
             j = seen.get(k.out_key, 0)

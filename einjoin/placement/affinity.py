@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition, Kernel
+from einjoin.decomp.partition import BlockKey, Box, Partition
 from einjoin.decomp.flops import kernel_flops
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Node
@@ -32,11 +33,11 @@ __all__ = ["greedy", "critical_path", "nums"]
 class _State:
     def __init__(self, p: int):
         self.p = p
-        self.homes: dict[Node, dict] = {}
-        self.copies: dict[tuple[Node, tuple], set[int]] = {}
+        self.homes: dict[Node, dict[BlockKey, int]] = {}
+        self.copies: dict[tuple[Node, Box], set[int]] = {}
         self.load = [0] * p          # kernels of the current op per device
         self.ready = [0.0] * p       # critical_path: when each device is free
-        self.block_ready: dict[tuple[Node, tuple], float] = {}
+        self.block_ready: dict[tuple[Node, BlockKey], float] = {}
         self.mem = [0] * p           # nums: bytes resident, in, out
         self.net_in = [0] * p
         self.net_out = [0] * p
@@ -49,7 +50,7 @@ class _Held:
 
     __slots__ = ("copies", "home")
 
-    def __init__(self, copies: set[int] | tuple, home: int | None):
+    def __init__(self, copies: set[int] | tuple[int, ...], home: int | None):
         self.copies, self.home = copies, home
 
     def __contains__(self, dv: int) -> bool:
@@ -138,11 +139,11 @@ class _Allowed:
         return [dv for dv in range(self.p) if self.ok(dv)]
 
 
-def _overlaps(part: object, box: tuple) -> list[tuple[tuple, int]]:
-    ranges = [part.overlapping(dim, a, b) for dim, (a, b) in enumerate(box)]  # type: ignore[attr-defined]
+def _overlaps(part: Partition, box: Box) -> list[tuple[BlockKey, int]]:
+    ranges = [part.overlapping(dim, a, b) for dim, (a, b) in enumerate(box)]
     found = []
     for pk in itertools.product(*ranges):
-        pbox = part.box(pk)  # type: ignore[attr-defined]
+        pbox = part.box(pk)
         vol = 1
         for (a, b), (c, e) in zip(box, pbox):
             vol *= max(0, min(b, e) - max(a, c))
@@ -152,7 +153,7 @@ def _overlaps(part: object, box: tuple) -> list[tuple[tuple, int]]:
 
 
 def _pieces(node: Node, d: Decomposition, k: Kernel, decomps: Mapping[Node, Decomposition],
-            st: _State) -> list[tuple[Node, tuple, int, _Held]]:
+            st: _State) -> list[tuple[Node, BlockKey, int, _Held]]:
     """(producer, region, bytes, devices already holding it) for every input region ``k`` reads."""
     out = []
     for slot, (x, key) in enumerate(zip(node.inputs, k.in_keys)):
@@ -160,13 +161,13 @@ def _pieces(node: Node, d: Decomposition, k: Kernel, decomps: Mapping[Node, Deco
             continue
         box = d.in_partitions[slot].box(key)
         size = itemsize(x.dtype)
-        copies = st.copies.get((x, box), ())
+        copies: set[int] | tuple[int, ...] = st.copies.get((x, box), ())
         for pk, vol in _overlaps(decomps[x].out_partition, box):
             out.append((x, pk, vol * size, _Held(copies, st.homes[x].get(pk))))
     return out
 
 
-def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Callable) -> Placement:
+def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Callable[..., int]) -> Placement:
     p = cluster.size
     st = _State(p)
     out: Placement = {}
@@ -181,7 +182,7 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
         cap = -(-len(d.kernels) // p)
         st.load = [0] * p
         allowed = _Allowed(p, cap, st.load)
-        taken: dict = {}
+        taken: dict[BlockKey, set[int]] = {}
         devs = []
         for k in d.kernels:
             pieces = _pieces(node, d, k, decomps, st)
@@ -208,7 +209,7 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
     return {node: out[node] for node in decomps}
 
 
-def _missing(pieces: list, dev: int) -> list[tuple[int, int]]:
+def _missing(pieces: list[tuple[Node, BlockKey, int, _Held]], dev: int) -> list[tuple[int, int]]:
     """(source device, bytes) that must arrive on ``dev`` (sources unknown: inputs not yet homed)."""
     need = []
     for _, _, nbytes, held in pieces:
