@@ -3,7 +3,7 @@ lower bound, plus the planning time of a 32-layer LLaMA-7B forward graph.
 
     make bench            (or: .venv/bin/python bench/plan_quality.py [--quick])
 
-Bytes are the cost model's (einjoin.planner.search.model_cost), the quantity every planner is
+Bytes are the cost model's (einjoin.planner.cost.model_cost), the quantity every planner is
 judged by; for placed plans the runtime's exchange moves what einjoin.planner.exact.plan_bytes says.
 """
 
@@ -19,7 +19,7 @@ import einjoin as ej
 from einjoin.models.graphs import chain, llama_layers, matmul
 from einjoin.planner import PLANNERS
 from einjoin.planner.bounds import node_bound_bytes
-from einjoin.planner.search import model_cost
+from einjoin.planner.cost import model_cost
 from einjoin.plan.stats import human_bytes
 
 

@@ -26,7 +26,7 @@ from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import partial_dtype
 from einjoin.planner.cost import agg_cost
 from einjoin.planner.exact import aggregation_bytes, plan_bytes
-from einjoin.planner.search import CostModel
+from einjoin.planner.cost import CostModel
 from einjoin.placement import NodePlacement
 from einjoin.plan import build_taskgraph
 from einjoin.memplan.needs import task_needs
