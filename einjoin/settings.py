@@ -1,7 +1,8 @@
 """The tunables of the optimizer and the memory fitting, in one documented, frozen object.
 
 Every knob that shapes a plan (how many kernels an op may be cut into, how much of a device a
-kernel may hold, how long the searches run) is a field of :class:`Settings`; the code reads them
+kernel may hold, how much work the searches may do: work, never wall-clock time, so that a plan
+depends on shapes alone) is a field of :class:`Settings`; the code reads them
 from :data:`SETTINGS` (or from a ``settings`` argument where a function takes one), never from a
 module constant of its own. Change one by building a new object, never by mutation:
 
@@ -74,8 +75,20 @@ class Settings:
     ilp_keep: int = 40
     """Candidates per op offered to eindecomp's ILP step (besides the DP's choice)."""
 
-    ilp_time_limit: float = 30.0
-    """Seconds HiGHS may spend on eindecomp's ILP step (the DP's plan is kept if it finds none)."""
+    ilp_node_limit: int = 500
+    """Branch-and-bound nodes HiGHS may explore in eindecomp's ILP step: the deterministic
+    stopping rule (a plan depends on shapes alone, never on the machine's load), the best
+    solution within it kept. Measured (HiGHS 1.12 via scipy 1.17, Dec 2026): every solve of the
+    golden graphs (LLaMA block, MLP, chain at P = 2..64) and of bench/plan_quality.py's cases
+    (P = 2..64) needs 0 or 1 node (solved at the root; up to 84k variables, LLaMA-7B b8 P = 8),
+    and so do the 419 solves of the planner tests; 500 leaves a wide margin while bounding a
+    pathological solve (frustrated random problems needed 3 to ~1000 nodes at ~0.05 s each)."""
+
+    ilp_time_limit: float = 600.0
+    """Seconds after which HiGHS gives up on eindecomp's ILP step: only a far safety net (the
+    slowest measured solve took ~8 s unloaded; ``ilp_node_limit`` is the real stopping rule).
+    Hitting it makes the plan depend on the machine, so it is reported by an
+    ``einjoin.planner.ilp.IlpTimeLimitWarning``; the DP's plan is kept if HiGHS found none."""
 
     exhaustive_max_ops: int = 4
     """The exhaustive search (ground truth for tests) takes graphs of at most this many ops."""
@@ -83,8 +96,16 @@ class Settings:
     mesh_ilp_keep: int = 12
     """Strategies per op and mesh offered to the ``mesh_ilp`` baseline (the cheapest by op bytes)."""
 
-    mesh_ilp_time_limit: float = 60.0
-    """Seconds HiGHS may spend on each mesh of the ``mesh_ilp`` baseline."""
+    mesh_ilp_node_limit: int = 500
+    """Branch-and-bound nodes HiGHS may explore for each mesh of the ``mesh_ilp`` baseline (the
+    deterministic stopping rule, as ``ilp_node_limit``). Measured as there: every mesh solve of
+    the golden graphs, bench/plan_quality.py's cases (P = 2..64) and the planner tests needs 0
+    or 1 node (at most 7k variables, ~0.5 s)."""
+
+    mesh_ilp_time_limit: float = 600.0
+    """Seconds after which HiGHS gives up on one mesh of the ``mesh_ilp`` baseline: only a far
+    safety net (``mesh_ilp_node_limit`` is the stopping rule); hitting it is reported by an
+    ``einjoin.planner.ilp.IlpTimeLimitWarning``."""
 
     progress_plan_ops: int = 200
     """Graphs with at least this many ops show compile stages on a terminal."""

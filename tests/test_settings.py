@@ -41,7 +41,8 @@ def test_settings_are_frozen_and_replace_checks() -> None:
     with pytest.raises(ej.EinjoinError, match="no field 'max_kernel'"):
         SETTINGS.replace(max_kernel=8)
     for bad in ({"max_kernels": 0}, {"kernel_share": 1.5}, {"kernel_share": True},
-                {"candidate_over": ()}, {"ilp_time_limit": -1.0}, {"fit_beam": 2.5}):
+                {"candidate_over": ()}, {"ilp_time_limit": -1.0}, {"fit_beam": 2.5},
+                {"ilp_node_limit": 0}, {"mesh_ilp_node_limit": 1.5}):
         with pytest.raises(ej.EinjoinError, match=next(iter(bad))):
             Settings(**bad)  # type: ignore[arg-type]
 

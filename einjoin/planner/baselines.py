@@ -489,7 +489,8 @@ def mesh_ilp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None
     best: tuple[int, dict[Node, SpecInfo]] | None = None
     for mesh in mesh_shapes(cluster.size):
         chosen = choose(graph, model, mesh_candidates(graph, model, mesh, settings.mesh_ilp_keep),
-                        settings.mesh_ilp_time_limit, tight)
+                        settings.mesh_ilp_time_limit, tight,
+                        node_limit=settings.mesh_ilp_node_limit)
         if not chosen:
             break
         cost = total_cost(graph, model, chosen)

@@ -3,12 +3,28 @@ through ``scipy.optimize.milp``. The objective is exactly :func:`einjoin.planner
 op bytes per op, repartition bytes per edge (linearised pair variables), replicas of one tensor
 in one partition paid once. Used by the ``mesh_ilp`` baseline (strategies from device meshes) and
 by ``eindecomp``'s global refinement (strategies from its own candidates).
+
+A plan must depend on shapes alone, never on the machine's load, so HiGHS stops on WORK, not on
+time: at most ``node_limit`` branch-and-bound nodes (``Settings.ilp_node_limit`` /
+``mesh_ilp_node_limit``; HiGHS's branch and bound is deterministic, so the same problem and
+budget give the same answer on any machine). Every planner ILP measured so far needs at most one
+node (see the settings' docstrings), so the budget never binds on them; where it does bind, the
+best solution within it is returned, again the same everywhere. A wall-clock ``time_limit``
+remains only as a far safety net against a pathological solve: when it stops HiGHS first, the
+result depends on the machine, and :class:`IlpTimeLimitWarning` says so (never silently).
+
+>>> from einjoin.planner.ilp import stop_reason
+>>> stop_reason(status=1, message="Time limit reached. (HiGHS Status 13: Time limit reached)",
+...             nodes=7, node_limit=500)
+'time_limit'
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -17,8 +33,29 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.decomp.partition import Partition
 from einjoin.planner.cost import CostModel, SpecInfo
+from einjoin.settings import SETTINGS
 
-__all__ = ["Problem", "problem", "objective", "solve", "choose"]
+__all__ = ["Problem", "problem", "objective", "solve", "solve_detail", "choose", "Solved",
+           "IlpTimeLimitWarning", "stop_reason"]
+
+Stop = Literal["optimal", "node_limit", "time_limit", "other"]
+
+
+class IlpTimeLimitWarning(RuntimeWarning):
+    """HiGHS hit the wall-clock safety net before its node budget: the plan may differ from the
+    one a less loaded machine chooses (raise ``Settings.ilp_time_limit`` /
+    ``mesh_ilp_time_limit``, or lower the node limit, for a plan from shapes alone)."""
+
+
+@dataclass(frozen=True)
+class Solved:
+    """One ILP solve: the strategy index per op, the branch-and-bound nodes HiGHS explored, and
+    why it stopped (``optimal``; ``node_limit``: the best within the deterministic budget;
+    ``time_limit``: the safety net, machine-dependent; ``other``: HiGHS's message)."""
+
+    pick: dict[Node, int]
+    nodes: int
+    stop: Stop
 
 ReplicaKey = tuple[Node, Partition, int]  # a tensor, the partition it is read in, its replica bytes
 
@@ -87,13 +124,38 @@ def objective(prob: Problem, pick: dict[Node, int]) -> float:
     return float(total)
 
 
-def solve(prob: Problem, time_limit: float, tight: bool = True) -> dict[Node, int]:
+def stop_reason(*, status: int, message: str, nodes: int, node_limit: int) -> Stop:
+    """Why HiGHS stopped, from ``scipy.optimize.milp``'s result: status 0 is optimal; a time-limit
+    stop says so in the message (scipy's status 1 also covers iteration limits); a node-limit
+    stop is HiGHS's "solution limit" (status 16, which scipy does not map), seen as the budget
+    reached."""
+    if status == 0:
+        return "optimal"
+    if "time limit" in message.lower():
+        return "time_limit"
+    if nodes >= node_limit:
+        return "node_limit"
+    return "other"
+
+
+def solve(prob: Problem, time_limit: float, tight: bool = True, *,
+          node_limit: int = SETTINGS.ilp_node_limit) -> dict[Node, int]:
+    """The strategy index per op of :func:`solve_detail` (which see)."""
+    return solve_detail(prob, time_limit=time_limit, tight=tight, node_limit=node_limit).pick
+
+
+def solve_detail(prob: Problem, *, time_limit: float, node_limit: int, tight: bool = True
+                 ) -> Solved:
     """Binary one-hot choices x_{v,i} (sum_i x_{v,i} = 1). For every edge (u, v) with a nonzero
     cost matrix and strategy pair (i, j), e_{uv,ij} stands for the product x_{u,i} x_{v,j},
     linearised as e >= x_{u,i} + x_{v,j} - 1 (the objective pushes it down) or, with ``tight``,
     by the marginals sum_j e_{ij} = x_{u,i} and sum_i e_{ij} = x_{v,j}, which imply that
     inequality and give the local-polytope relaxation (integral on trees; HiGHS mostly solves
-    at the root). A replica group's y >= x_{v,j} for each reader, paid once. Minimise."""
+    at the root). A replica group's y >= x_{v,j} for each reader, paid once. Minimise.
+
+    HiGHS stops at the optimum (``mip_rel_gap`` 0) or after ``node_limit`` branch-and-bound
+    nodes (deterministic); ``time_limit`` seconds is the safety net, reported by an
+    :class:`IlpTimeLimitWarning` when it stops the solve (see the module's docstring)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -155,17 +217,31 @@ def solve(prob: Problem, time_limit: float, tight: bool = True) -> dict[Node, in
     integrality = np.zeros(n)
     integrality[:n_x] = 1
     res = milp(c / scale, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality,
-               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "time_limit": time_limit})
+               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "node_limit": node_limit,
+                                             "time_limit": time_limit})
+    nodes = int(res.mip_node_count or 0)
+    stop = stop_reason(status=int(res.status), message=str(res.message), nodes=nodes,
+                       node_limit=node_limit)
+    if stop == "time_limit":
+        warnings.warn(IlpTimeLimitWarning(
+            f"spec ILP ({len(prob.ops)} ops, {n} variables): HiGHS hit the {time_limit:g} s "
+            f"safety net after {nodes} of its {node_limit} branch-and-bound nodes, so this plan "
+            f"depends on the machine's speed and load; raise the time limit "
+            f"(Settings.ilp_time_limit / mesh_ilp_time_limit) for a plan from shapes alone"),
+            stacklevel=2)
     if res.x is None:
         raise EinjoinError(f"spec ILP: HiGHS found no solution ({res.message})")
-    return {v: int(np.argmax(res.x[col[v]:col[v] + len(prob.strategies[v])])) for v in prob.ops}
+    pick = {v: int(np.argmax(res.x[col[v]:col[v] + len(prob.strategies[v])])) for v in prob.ops}
+    return Solved(pick, nodes, stop)
 
 
 def choose(graph: Graph, model: CostModel, strategies: dict[Node, list[SpecInfo]],
-           time_limit: float = 60.0, tight: bool = True) -> dict[Node, SpecInfo]:
-    """The cheapest choice of one strategy per op."""
+           time_limit: float = SETTINGS.ilp_time_limit, tight: bool = True, *,
+           node_limit: int = SETTINGS.ilp_node_limit) -> dict[Node, SpecInfo]:
+    """The cheapest choice of one strategy per op (within ``node_limit`` branch-and-bound
+    nodes; ``time_limit`` seconds as the safety net, see :func:`solve_detail`)."""
     prob = problem(graph, model, strategies)
     if not prob.ops:
         return {}
-    pick = solve(prob, time_limit, tight)
+    pick = solve(prob, time_limit, tight, node_limit=node_limit)
     return {v: prob.strategies[v][j] for v, j in pick.items()}

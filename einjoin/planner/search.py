@@ -293,8 +293,9 @@ def _global_step(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]
         pool += sorted(rest, key=lambda c: c.op_bytes)[:max(0, keep - len(pool))]
         strategies[v] = [info] + [c for c in pool if c is not info]
     try:
-        glob = choose(graph, cands.model, strategies, cands.settings.ilp_time_limit)
-    except EinjoinError:  # HiGHS found nothing in time: keep the DP's plan
+        glob = choose(graph, cands.model, strategies, cands.settings.ilp_time_limit,
+                      node_limit=cands.settings.ilp_node_limit)
+    except EinjoinError:  # HiGHS found nothing within its budget: keep the DP's plan
         return None
     if not glob:
         return None
