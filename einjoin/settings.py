@@ -79,14 +79,16 @@ class Settings:
     """Branch-and-bound nodes HiGHS may explore in eindecomp's ILP step: the deterministic
     stopping rule (a plan depends on shapes alone, never on the machine's load), the best
     solution within it kept. Measured (HiGHS 1.12 via scipy 1.17, Dec 2026): every solve of the
-    golden graphs (LLaMA block, MLP, chain at P = 2..64) and of bench/plan_quality.py's cases
-    (P = 2..64) needs 0 or 1 node (solved at the root; up to 84k variables, LLaMA-7B b8 P = 8),
-    and so do the 419 solves of the planner tests; 500 leaves a wide margin while bounding a
-    pathological solve (frustrated random problems needed 3 to ~1000 nodes at ~0.05 s each)."""
+    golden graphs (LLaMA block, MLP, chain at P = 2..64), of bench/plan_quality.py's cases
+    (P = 2..64; up to 84k variables, LLaMA-7B b8) and the 419 of the planner tests needs 0 or 1
+    node: the local-polytope relaxation is integral at the root. 500 leaves a wide margin while
+    bounding a pathological solve (frustrated random problems needed 3 to ~1000 nodes)."""
 
-    ilp_time_limit: float = 600.0
-    """Seconds after which HiGHS gives up on eindecomp's ILP step: only a far safety net (the
-    slowest measured solve took ~8 s unloaded; ``ilp_node_limit`` is the real stopping rule).
+    ilp_time_limit: float = 1800.0
+    """Seconds after which HiGHS gives up on eindecomp's ILP step: only a far safety net
+    (``ilp_node_limit`` is the stopping rule). The slowest measured solve, LLaMA-7B b8 at P = 16
+    (84k variables, one node), took 11 s, and 108 s on a loaded 2-core machine (the old 30 s
+    limit made such plans depend on the load); the golden LLaMA block at P = 64 about 1 s.
     Hitting it makes the plan depend on the machine, so it is reported by an
     ``einjoin.planner.ilp.IlpTimeLimitWarning``; the DP's plan is kept if HiGHS found none."""
 
@@ -100,11 +102,12 @@ class Settings:
     """Branch-and-bound nodes HiGHS may explore for each mesh of the ``mesh_ilp`` baseline (the
     deterministic stopping rule, as ``ilp_node_limit``). Measured as there: every mesh solve of
     the golden graphs, bench/plan_quality.py's cases (P = 2..64) and the planner tests needs 0
-    or 1 node (at most 7k variables, ~0.5 s)."""
+    or 1 node (at most 7k variables)."""
 
     mesh_ilp_time_limit: float = 600.0
     """Seconds after which HiGHS gives up on one mesh of the ``mesh_ilp`` baseline: only a far
-    safety net (``mesh_ilp_node_limit`` is the stopping rule); hitting it is reported by an
+    safety net (``mesh_ilp_node_limit`` is the stopping rule; the slowest measured mesh solve took
+    1.4 s on a loaded machine); hitting it is reported by an
     ``einjoin.planner.ilp.IlpTimeLimitWarning``."""
 
     progress_plan_ops: int = 200
