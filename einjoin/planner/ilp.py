@@ -6,8 +6,9 @@ by ``eindecomp``'s global refinement (strategies from its own candidates).
 
 A plan must depend on shapes alone, never on the machine's load, so HiGHS stops on WORK, not on
 time: at most ``node_limit`` branch-and-bound nodes (``Settings.ilp_node_limit`` /
-``mesh_ilp_node_limit``; HiGHS's branch and bound is deterministic, so the same problem and
-budget give the same answer on any machine). Every planner ILP measured so far needs at most one
+``mesh_ilp_node_limit``; HiGHS 1.12's branch and bound is serial and deterministic, its only
+parallel part, symmetry detection, too, so the same problem and budget give the same answer on
+any machine). Every planner ILP measured so far needs at most one
 node (see the settings' docstrings), so the budget never binds on them; where it does bind, the
 best solution within it is returned, again the same everywhere. A wall-clock ``time_limit``
 remains only as a far safety net against a pathological solve: when it stops HiGHS first, the
