@@ -269,8 +269,9 @@ class Program:
             return None
         if p["use_torch"]:
             import torch
-            outs = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(
+            tensors = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(
                 o.view(np.int16)).view(torch.bfloat16) for o in outs]
+            return tuple(tensors) if self._many else tensors[0]
         return tuple(outs) if self._many else outs[0]
 
     @staticmethod

@@ -17,10 +17,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from einjoin.settings import SETTINGS
+
 __all__ = ["enabled", "stages", "RunBar", "PLAN_OPS", "RUN_TASKS"]
 
-PLAN_OPS = 200       # graphs with at least this many ops show compile stages
-RUN_TASKS = 2000     # task graphs with at least this many tasks show a run bar
+PLAN_OPS = SETTINGS.progress_plan_ops    # graphs with at least this many ops show compile stages
+RUN_TASKS = SETTINGS.progress_run_tasks  # task graphs with at least this many tasks show a run bar
 
 
 # one live display at a time: concurrent compiles or runs (several threads) would otherwise draw

@@ -22,9 +22,8 @@ from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,
                              rule_for)
 
-__all__ = ["kernel_scratch", "op_need", "MAX_KERNELS", "SCRATCH_RULES", "ScratchRule"]
+__all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule"]
 
-MAX_KERNELS = 4096  # per op when cutting for a cap: beyond this, per-task overhead dwarfs the kernels
 
 
 def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes: int) -> int:

@@ -38,9 +38,6 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner.candidates import Candidates
 from einjoin.planner.cost import CostModel, SpecInfo, input_partitions, total_cost
-# model_cost moved to the cost model (issue 17): importable from here until cli, demo and bench
-# import it from einjoin.planner.cost
-from einjoin.planner.cost import model_cost  # noqa: F401
 from einjoin.planner.fit import MemoryLimit, device_memory, memory_cap
 from einjoin.planner.ilp import choose
 from einjoin.settings import SETTINGS, Settings

@@ -292,8 +292,8 @@ def test_op_need_covers_what_half_partial_tasks_hold(dtype: str) -> None:
     z = a @ b
     prog = ej.compile(z, devices=2, specs={z: {"k": 4, "m": 2}}, memory_limit="1MiB", quiet=True)
     tasks = [n for n in task_needs(prog.taskgraph, prog.decomps)
-             if n.task.node is z.node and n.task.kind in ("kernel", "reduce")]
-    assert {n.task.kind for n in tasks} == {"kernel", "reduce"}
+             if n.task.node is z.node and n.task.kind in (TaskKind.KERNEL, TaskKind.REDUCE)]
+    assert {n.task.kind for n in tasks} == {TaskKind.KERNEL, TaskKind.REDUCE}
     assert max(n.needed for n in tasks) <= op_need(prog.decomps[z.node])
 
 
@@ -314,7 +314,7 @@ def _checked_run_reference(tg, decomps, feeds):  # type: ignore[no-untyped-def]
     vals: dict[int, np.ndarray] = {}
     host: dict[int, np.ndarray] = {}
     for t in tg.tasks:
-        p = getattr(t, "payload", t)  # a kind's fields: on its payload (issue 17), or on the task
+        p = t.payload  # a kind's own fields
         if t.kind == TaskKind.FREE:
             del vals[p.frees]
         elif t.kind in (TaskKind.EVICT, TaskKind.WRITEBACK):
