@@ -1,8 +1,10 @@
-"""The one node type of the IR, and the op payloads it carries.
+"""The one node type of the IR, and the facts of each node kind.
 
 A :class:`Node` is immutable and hash-consed: building the same op on the same inputs twice
 gives the same object, so structural equality is identity and common subexpressions are
-shared for free. Op payloads are small frozen dataclasses — plain, hashable data.
+shared for free. The op payloads it carries (small frozen dataclasses — plain, hashable data)
+and :func:`rule_for` are defined in :mod:`einjoin.ir.opkinds` and re-exported here, so
+``from einjoin.ir.node import Einsum`` keeps working.
 
 >>> from einjoin.ir import ops
 >>> x = ops.input_node("x", (2, 3), "float32")
@@ -17,102 +19,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any, TypeVar
-from collections.abc import Mapping
+from typing import Any
 
-from einjoin.errors import EinjoinError
-from einjoin.ir.agg import Agg
-from einjoin.ir.scalar import Expr
+from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Op, Reshape,
+                                Select, rule_for)
+from einjoin.ir.printing import describe
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
            "Fill", "Gather", "Cast", "KindFacts", "FACTS", "KINDS", "rule_for"]
-
-
-@dataclass(frozen=True)
-class Input:
-    """A graph input, fed by name at run time. ``param`` marks a parameter (a weight) as opposed
-    to an activation; planners such as data parallelism read it."""
-
-    name: str
-    param: bool = False
-
-
-@dataclass(frozen=True)
-class Einsum:
-    """``out[out_labels] = agg over missing labels of join(x_i[in_labels[i]] ...)``.
-
-    ``agg`` is ``none`` exactly when no label is aggregated."""
-
-    in_labels: tuple[tuple[str, ...], ...]
-    out_labels: tuple[str, ...]
-    join: Expr
-    agg: Agg
-
-    @property
-    def all_labels(self) -> tuple[str, ...]:
-        """Every label once: output labels first, then aggregated ones in order of appearance."""
-        seen = list(self.out_labels)
-        for ls in self.in_labels:
-            for lab in ls:
-                if lab not in seen:
-                    seen.append(lab)
-        return tuple(seen)
-
-    @property
-    def agg_labels(self) -> tuple[str, ...]:
-        return tuple(lab for lab in self.all_labels if lab not in self.out_labels)
-
-    @property
-    def equation(self) -> str:
-        return ",".join("".join(ls) for ls in self.in_labels) + "->" + "".join(self.out_labels)
-
-
-@dataclass(frozen=True)
-class Reshape:
-    """Row-major reshape to the node's shape (merge and split dimensions)."""
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    """Expand to the node's shape; input dim ``i`` becomes output dim ``dims[i]`` (size 1 or equal)."""
-
-    dims: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Select:
-    """The sub-box ``[starts, stops)`` of the input."""
-
-    starts: tuple[int, ...]
-    stops: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Concat:
-    """Inputs laid end to end along ``axis``."""
-
-    axis: int
-
-
-@dataclass(frozen=True)
-class Fill:
-    """A tensor with no inputs: ``expr`` evaluated over the index grid (``x_d`` is the index along
-    dim ``d``): constants, iota, the causal mask ``x0 >= x1``, rotary tables."""
-
-    expr: Expr
-
-
-@dataclass(frozen=True)
-class Gather:
-    """``out[idx..., rest...] = table[indices[idx...], rest...]`` (embedding lookup by int64 rows)."""
-
-
-@dataclass(frozen=True)
-class Cast:
-    """Convert to the node's dtype."""
-
-
-Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | Cast
 
 
 @dataclass(frozen=True)
@@ -157,21 +71,6 @@ FACTS: dict[type, KindFacts] = {
     Cast: KindFacts(computes=True),
 }
 KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule table covers them all
-
-_Rule = TypeVar("_Rule")
-
-
-def rule_for(table: Mapping[type, _Rule], op: Op, table_name: str) -> _Rule:
-    """``table``'s entry for ``op``'s kind: how each layer dispatches on node kinds.
-
-    >>> rule_for({Input: "feed"}, Input("x"), "example")
-    'feed'
-    """
-    try:
-        return table[type(op)]
-    except KeyError:
-        raise EinjoinError(f"{table_name} has no rule for node kind {type(op).__name__!r} "
-                           f"(op {op!r}); every kind needs an entry there") from None
 
 _serial = itertools.count()
 _interned: weakref.WeakValueDictionary[Any, Node] = weakref.WeakValueDictionary()
@@ -240,5 +139,4 @@ class Node:
         return n
 
     def __repr__(self) -> str:
-        from einjoin.ir.printing import describe
         return f"<Node #{self.serial} {describe(self)} : {self.dtype}{list(self.shape)}>"

@@ -16,11 +16,12 @@ import re
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape,
+                                Select, rule_for)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: Node prints itself through describe (no cycle)
     from einjoin.ir.graph import Graph
+    from einjoin.ir.node import Node
 
 __all__ = ["DESCRIBE_RULES", "describe", "format_graph", "type_str"]
 

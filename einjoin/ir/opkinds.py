@@ -1,0 +1,129 @@
+"""The op kinds of the IR: the payload classes a :class:`~einjoin.ir.node.Node` carries, and
+:func:`rule_for`, how each layer dispatches on them through its rule table.
+
+Op payloads are small frozen dataclasses — plain, hashable data. They live apart from
+:class:`~einjoin.ir.node.Node` so that what only needs the kinds (the printed forms in
+:mod:`einjoin.ir.printing`, which ``Node.__repr__`` uses) imports them without importing the
+node type. :mod:`einjoin.ir.node` re-exports every name here.
+
+>>> from einjoin.ir.agg import get_agg
+>>> from einjoin.ir.scalar import parse_join
+>>> Einsum((("i", "j"), ("j", "k")), ("i", "k"), parse_join("mul", 2), get_agg("sum")).equation
+'ij,jk->ik'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+from collections.abc import Mapping
+
+from einjoin.errors import EinjoinError
+from einjoin.ir.agg import Agg
+from einjoin.ir.scalar import Expr
+
+__all__ = ["Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather",
+           "Cast", "rule_for"]
+
+
+@dataclass(frozen=True)
+class Input:
+    """A graph input, fed by name at run time. ``param`` marks a parameter (a weight) as opposed
+    to an activation; planners such as data parallelism read it."""
+
+    name: str
+    param: bool = False
+
+
+@dataclass(frozen=True)
+class Einsum:
+    """``out[out_labels] = agg over missing labels of join(x_i[in_labels[i]] ...)``.
+
+    ``agg`` is ``none`` exactly when no label is aggregated."""
+
+    in_labels: tuple[tuple[str, ...], ...]
+    out_labels: tuple[str, ...]
+    join: Expr
+    agg: Agg
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        """Every label once: output labels first, then aggregated ones in order of appearance."""
+        seen = list(self.out_labels)
+        for ls in self.in_labels:
+            for lab in ls:
+                if lab not in seen:
+                    seen.append(lab)
+        return tuple(seen)
+
+    @property
+    def agg_labels(self) -> tuple[str, ...]:
+        return tuple(lab for lab in self.all_labels if lab not in self.out_labels)
+
+    @property
+    def equation(self) -> str:
+        return ",".join("".join(ls) for ls in self.in_labels) + "->" + "".join(self.out_labels)
+
+
+@dataclass(frozen=True)
+class Reshape:
+    """Row-major reshape to the node's shape (merge and split dimensions)."""
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """Expand to the node's shape; input dim ``i`` becomes output dim ``dims[i]`` (size 1 or equal)."""
+
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Select:
+    """The sub-box ``[starts, stops)`` of the input."""
+
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Concat:
+    """Inputs laid end to end along ``axis``."""
+
+    axis: int
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A tensor with no inputs: ``expr`` evaluated over the index grid (``x_d`` is the index along
+    dim ``d``): constants, iota, the causal mask ``x0 >= x1``, rotary tables."""
+
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Gather:
+    """``out[idx..., rest...] = table[indices[idx...], rest...]`` (embedding lookup by int64 rows)."""
+
+
+@dataclass(frozen=True)
+class Cast:
+    """Convert to the node's dtype."""
+
+
+Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | Cast
+
+
+_Rule = TypeVar("_Rule")
+
+
+def rule_for(table: Mapping[type, _Rule], op: Op, table_name: str) -> _Rule:
+    """``table``'s entry for ``op``'s kind: how each layer dispatches on node kinds.
+
+    >>> rule_for({Input: "feed"}, Input("x"), "example")
+    'feed'
+    """
+    try:
+        return table[type(op)]
+    except KeyError:
+        raise EinjoinError(f"{table_name} has no rule for node kind {type(op).__name__!r} "
+                           f"(op {op!r}); every kind needs an entry there") from None
