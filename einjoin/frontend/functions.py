@@ -20,29 +20,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
+from einjoin.errors import EinjoinError, ShapeError
 from einjoin.ir import ops
-from einjoin.ir.agg import Agg
-from einjoin.ir.equation import ELLIPSIS_LABELS, parse_equation
-from einjoin.ir.node import Node
 from einjoin.ir.scalar import Expr
 from einjoin.ir.dtypes import canonical_dtype
-from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, elementwise, permute, reduce,
-                                     wrap)
+# einsum, matmul and gather are defined beside Tensor (its operators use them) and re-exported here
+from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, einsum, elementwise, gather, matmul,
+                                     permute, reduce, wrap)
+from einjoin.frontend.tensor import _t as _t  # explicit re-export: composites imports it from here
 
 __all__ = ["input", "param", "einsum", "matmul", "where", "maximum", "minimum", "exp", "log", "sqrt",
            "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "erf", "sin", "cos", "neg",
            "logical_not", "sum", "mean", "max", "min", "prod", "concat", "cat", "stack", "split",
            "chunk", "reshape", "transpose", "permute", "broadcast_to", "full", "zeros", "ones",
            "arange", "fill", "causal_mask", "gather", "embedding", "cast"]
-
-
-def _t(x: Any, what: str) -> Tensor:
-    if isinstance(x, Tensor):
-        return x
-    if isinstance(x, Node):
-        return Tensor(x)
-    raise EinjoinError(f"{what}: expected an einjoin tensor, got {type(x).__name__}")
 
 
 def input(name: str, shape: Any, dtype: Any = "float32") -> Tensor:
@@ -63,63 +54,6 @@ def param(name: str, shape: Any, dtype: Any = "float32") -> Tensor:
     Tensor(param 'w', float32[1024, 4096])
     """
     return Tensor(ops.input_node(name, shape, dtype, param=True))
-
-
-def einsum(equation: str, *operands: Tensor, join: str | Expr | None = None,
-           agg: str | Agg | None = "sum") -> Tensor:
-    """The extended einsum: ``out = agg over missing labels of join(inputs)``.
-
-    ``join`` is a function name (``"mul"``, ``"add"``, ``"sub"``, ``"exp"``...) or an expression
-    over ``x0, x1, ...`` (``"exp(x0 - x1)"``); it defaults to the product (one input: the value
-    itself). ``agg`` is ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` or ``None``. The equation takes
-    spaces, an implicit output and ``...`` with numpy's broadcasting of size-1 batch dims."""
-    xs = [_t(x, f"einsum {equation!r}") for x in operands]
-    in_labels, out = parse_equation(equation, [x.shape for x in xs])
-    if join is None:
-        join = "mul" if len(xs) > 1 else "x0"
-    nodes = []
-    labels = []
-    # the labels '...' expanded to: capitals the equation itself does not use (a capital the
-    # user wrote is an ordinary label, and a size-1 one does not broadcast: numpy refuses it too)
-    ellipsis = set(ELLIPSIS_LABELS) - set(equation)
-    for x, ls in zip(xs, in_labels):
-        # '...' dims of size 1 broadcast against larger ones, as numpy does: squeeze them away
-        drop = [d for d, lab in enumerate(ls) if lab in ellipsis and x.shape[d] == 1
-                and any(lab in ls2 and y.shape[ls2.index(lab)] > 1 for y, ls2 in zip(xs, in_labels))]
-        if drop:
-            x = x.reshape(tuple(n for d, n in enumerate(x.shape) if d not in drop))
-            ls = tuple(lab for d, lab in enumerate(ls) if d not in drop)
-        nodes.append(x.node)
-        labels.append(ls)
-    try:
-        return wrap(ops.einsum_node(nodes, labels, out, join, agg))
-    except (ShapeError, EinsumSyntaxError, DTypeError) as e:
-        if "..." not in equation:
-            raise
-        raise type(e)(f"einsum {equation!r} (its '...' expanded to capital labels): {e}") from None
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` with torch's rules for 1-D operands and broadcast batch dims."""
-    a, b = _t(a, "matmul"), _t(b, "matmul")
-    if a.ndim == 0 or b.ndim == 0:
-        raise ShapeError(f"matmul of shapes {a.shape} and {b.shape}: rank-0 operands")
-    if a.ndim == 1 and b.ndim == 1:
-        eq = "k,k->"
-    elif a.ndim == 1:
-        eq = "k,...kn->...n"
-    elif b.ndim == 1:
-        eq = "...mk,k->...m"
-    else:
-        eq = "...mk,...kn->...mn"
-    ka = a.shape[-1]
-    kb = b.shape[0] if b.ndim == 1 else b.shape[-2]
-    if ka != kb:
-        raise ShapeError(f"matmul of shapes {a.shape} and {b.shape}: inner sizes {ka} and {kb} differ")
-    if a.ndim > 2 and b.ndim > 2:  # check batch broadcasting with a clear message
-        from einjoin.frontend.tensor import broadcast_shapes
-        broadcast_shapes(a.shape[:-2], b.shape[:-2], what=f"matmul batch dims of {a.shape} and {b.shape}")
-    return einsum(eq, a, b)
 
 
 def where(cond: Tensor, a: Tensor | Scalar, b: Tensor | Scalar) -> Tensor:
@@ -296,11 +230,6 @@ def causal_mask(rows: int, cols: int | None = None) -> Tensor:
     cols = rows if cols is None else _size(cols, "causal_mask: cols")
     shift = cols - rows
     return fill((rows, cols), f"x1 <= x0 + {shift}" if shift else "x1 <= x0", "bool")
-
-
-def gather(table: Tensor, indices: Tensor) -> Tensor:
-    """Rows of ``table`` picked by int64 ``indices``: shape ``indices.shape + table.shape[1:]``."""
-    return wrap(ops.gather_node(_t(table, "gather").node, _t(indices, "gather").node))
 
 
 def embedding(indices: Tensor, weight: Tensor) -> Tensor:
