@@ -26,7 +26,7 @@ from einjoin.decomp.partition import BlockKey, Box, Partition
 from einjoin.decomp.flops import kernel_flops
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Node
-from einjoin.placement import NodePlacement, Placement, _from_kernel_devices, register_placer, round_robin
+from einjoin.placement.base import NodePlacement, Placement, _from_kernel_devices, register_placer, round_robin
 
 __all__ = ["greedy", "critical_path", "nums"]
 
