@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
-from einjoin.frontend.functions import _t, causal_mask, concat, einsum, fill
-from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, elementwise
+from einjoin.frontend.functions import causal_mask, concat, einsum, fill
+from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, _t, elementwise
 from einjoin.ir.scalar import parse_join
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "silu", "gelu", "linear", "rope",

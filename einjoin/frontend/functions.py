@@ -25,9 +25,8 @@ from einjoin.ir import ops
 from einjoin.ir.scalar import Expr
 from einjoin.ir.dtypes import canonical_dtype
 # einsum, matmul and gather are defined beside Tensor (its operators use them) and re-exported here
-from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, einsum, elementwise, gather, matmul,
+from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, _t, einsum, elementwise, gather, matmul,
                                      permute, reduce, wrap)
-from einjoin.frontend.tensor import _t as _t  # explicit re-export: composites imports it from here
 
 __all__ = ["input", "param", "einsum", "matmul", "where", "maximum", "minimum", "exp", "log", "sqrt",
            "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "erf", "sin", "cos", "neg",
