@@ -84,11 +84,13 @@ class Settings:
     node: the local-polytope relaxation is integral at the root. 500 leaves a wide margin while
     bounding a pathological solve (frustrated random problems needed 3 to ~1000 nodes)."""
 
-    ilp_time_limit: float = 1800.0
+    ilp_time_limit: float = 300.0
     """Seconds after which HiGHS gives up on eindecomp's ILP step: only a far safety net
     (``ilp_node_limit`` is the stopping rule). The slowest measured solve, LLaMA-7B b8 at P = 16
     (84k variables, one node), took 11 s, and 108 s on a loaded 2-core machine (the old 30 s
     limit made such plans depend on the load); the golden LLaMA block at P = 64 about 1 s.
+    300 s is about three times the loaded worst: a compile never blocks for long on a
+    pathological graph.
     Hitting it makes the plan depend on the machine, so it is reported by an
     ``einjoin.planner.ilp.IlpTimeLimitWarning``; the DP's plan is kept if HiGHS found none."""
 

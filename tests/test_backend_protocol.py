@@ -58,6 +58,31 @@ def test_the_builder_refuses_a_payload_of_another_kind() -> None:
         TaskGraphBuilder().produce(TaskKind.LOAD, 0, (), (2, 2), "float32", x, Kernel(0))
 
 
+def test_a_kind_given_as_a_string_becomes_the_enum() -> None:
+    # TaskKind is a str Enum, so "load" finds PAYLOADS' entry: the builder must store the member,
+    # or the groups (kind.releases, ...) and `kind is TaskKind.X` tests would silently fail
+    from einjoin.exchange import Block, Release, TaskGraphBuilder
+    x = ej.input("x", (2, 2)).node
+    b = TaskGraphBuilder()
+    v = b.produce("load", 0, (), (2, 2), "float32", x, Block(((0, 2), (0, 2))))  # type: ignore[arg-type]
+    b.add("free", 0, (v,), -1, x, Release(v))  # type: ignore[arg-type]
+    assert [type(t.kind) for t in b.tasks] == [TaskKind, TaskKind]
+    assert b.tasks[1].kind.releases and not b.tasks[0].kind.releases
+    with pytest.raises(ValueError):
+        b.add("teleport", 0, (), -1, x, Release(v))  # type: ignore[arg-type]
+
+
+def test_a_backend_of_the_old_interface_is_told_what_replaced_it() -> None:
+    class Old:
+        name, parallel, computes = "old", False, True
+
+        def context(self, n: int) -> Any:
+            return None
+
+    with pytest.raises(ej.EinjoinError, match="old interface.*einjoin.runtime.backend.Backend"):
+        ej.compile(ej.input("x", (2, 2)) * 2, backend=Old(), quiet=True)
+
+
 def test_every_backend_implements_the_protocol() -> None:
     for b in BACKENDS.values():
         assert isinstance(b, Backend), b

@@ -263,6 +263,7 @@ class TaskGraphBuilder:
     def add(self, kind: TaskKind, device: int, reads: tuple[int, ...], writes: int, node: Node,
             payload: Payload, flops: int = 0, nbytes: int | None = None, after: tuple[int, ...] = ()) -> int:
         """Append a task; its deps are the producers of what it reads, plus ``after``."""
+        kind = TaskKind(kind)  # a plain string would pass PAYLOADS (a str Enum) but lack the groups
         if type(payload) is not PAYLOADS[kind]:  # a programming error in a floor above
             raise TypeError(f"a {kind} task takes a {PAYLOADS[kind].__name__} payload, "
                             f"not {type(payload).__name__}")

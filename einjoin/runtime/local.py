@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Store", "LocalSession"]
 
+# the kinds and groups execute() asks about, read once (TaskKind's properties stay the definition)
+_MOVE, _LOAD, _KERNEL, _RELOAD, _EVICT = (TaskKind.MOVE, TaskKind.LOAD, TaskKind.KERNEL, TaskKind.RELOAD,
+                                          TaskKind.EVICT)
+_RELEASES = frozenset(k for k in TaskKind if k.releases)
+_TO_HOST = frozenset(k for k in TaskKind if k.to_host)
+_CROSSES_HOST = frozenset(k for k in TaskKind if k.crosses_host)
+
 
 class Store:
     """One device's blocks, with the bytes it holds (a task's output and scratch count from the
@@ -120,7 +127,7 @@ class LocalSession:
     def lane(self, t: Task) -> int:
         if not self.threaded:
             return 0
-        if self.host_lanes and t.kind.crosses_host:
+        if self.host_lanes and t.kind in _CROSSES_HOST:
             return t.device + self.n
         return t.device
 
@@ -132,15 +139,17 @@ class LocalSession:
                 time.sleep(rest)
 
     def execute(self, t: Task) -> None:
-        start = time.perf_counter()
+        # the hot path: enum members and groups are module constants (a class attribute or a
+        # property costs as much as the rest of a null task), the clock read only for a host link
+        start = time.perf_counter() if self.host_link is not None else 0.0
         store = self.stores[t.device]
         kind = t.kind
-        if kind.releases:
-            if kind.to_host:
+        if kind in _RELEASES:
+            if kind in _TO_HOST:
                 if self.computes:
                     to_host(t, store.get(t.payload.frees), self.host)
                 self._throttle(start, t.nbytes)
-                if kind is TaskKind.EVICT:
+                if kind is _EVICT:
                     store.evicted += t.nbytes
             store.free(t.payload.frees)
             return
@@ -148,24 +157,24 @@ class LocalSession:
         store.reserve(t.writes, planned, t.scratch)
         value = None
         if self.computes:
-            if kind is TaskKind.RELOAD:
+            if kind is _RELOAD:
                 value = from_host(t, self.host, self.feeds)
             else:
                 # a move reads on its source device and writes on its destination
-                get = self.stores[t.payload.src_device].get if kind is TaskKind.MOVE else store.get
+                get = self.stores[t.payload.src_device].get if kind is _MOVE else store.get
                 value = compute(t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape)
-                if self.capped and kind in (TaskKind.LOAD, TaskKind.KERNEL):
+                if self.capped and (kind is _LOAD or kind is _KERNEL):
                     value = _own(value, t, get, self.feeds)
         store.unreserve(t.scratch)
         # count what really arrived: the array's bytes (the null backend has only the plan's)
         nbytes = value.nbytes if value is not None else planned
         store.put(t.writes, value, nbytes)
-        if kind is TaskKind.MOVE:
+        if kind is _MOVE:
             store.received += nbytes
-        elif kind is TaskKind.LOAD:
+        elif kind is _LOAD:
             store.loaded += nbytes
             self._throttle(start, nbytes)
-        elif kind is TaskKind.RELOAD:
+        elif kind is _RELOAD:
             store.reloaded += nbytes
             self._throttle(start, nbytes)
 

@@ -284,6 +284,12 @@ def get_backend(name: Any) -> Any:
     if isinstance(name, str) and name == "ray":  # a fresh one per program: it owns that program's actors
         from einjoin.runtime.backends.ray import RayBackend
         return RayBackend()
+    if not isinstance(name, str) and hasattr(name, "context") and not hasattr(name, "open"):
+        # the interface before issue 17 (parallel, context()): say what replaced it
+        raise EinjoinError(f"backend {name!r} has the old interface (parallel, context()); a backend now "
+                           "implements einjoin.runtime.backend.Backend (name, computes, remote, retries, "
+                           "open(run) -> session, close()): see docs/architecture.md, Backends")
     if not isinstance(name, str) or name not in BACKENDS:  # a list would be unhashable
-        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, 'ray'])}")
+        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, 'ray'])}, or an object "
+                           "implementing einjoin.runtime.backend.Backend")
     return BACKENDS[name]

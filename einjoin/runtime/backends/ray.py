@@ -535,6 +535,12 @@ class RayBackend:
         with its other-device dependencies as object references, so Ray does the waiting."""
         return _RaySession(self, run)
 
+    def run_graph(self, engine: Any, feeds: Any, cluster: Any = None, callbacks: Any = (),
+                  cancel: Any = None) -> Any:
+        """Run ``engine``'s task graph on this backend (kept from before the engine ran Ray; the
+        same as ``engine.run(feeds, self, callbacks=..., cancel=..., cluster=...)``)."""
+        return engine.run(feeds, self, callbacks=callbacks, cancel=cancel, cluster=cluster)
+
     def _done(self) -> None:
         with self._count:
             self._in_flight -= 1
