@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 BSTAMP  := $(VENV)/.installed-bench
 
-.PHONY: demo lint test test-all bench tour clean
+.PHONY: demo lint test test-all cov bench tour clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,20 +35,23 @@ lint: $(STAMP)
 	echo "== vulture"; $(BIN)/vulture && echo "vulture: no dead code" || rc=1; \
 	exit $$rc
 
-# COV_MIN: the suite fails when coverage of einjoin/ drops below it. To set it, run `make test`
-# (pytest -n 2 --dist loadgroup --cov=einjoin, slow tests excluded) and take the printed TOTAL
-# less about a point for noise (hypothesis draws). Not yet measured: both measurement runs of
-# issue 17 hung in tests/adversarial/test_concurrency.py::test_sigint_at_random_moments_of_many_runs
-# (an engine worker spinning, the main thread in _drive_threads), so no TOTAL was printed.
+# Coverage of einjoin/ is measured by `make cov`, not yet by `make test`: under coverage's tracer,
+# tests/adversarial/test_concurrency.py (real SIGINTs at random moments of runs) hangs in about
+# one run in six -- on the commit before issue 17 too -- with both workers waiting on empty queues
+# and tasks left. Until that Ctrl-C hang is found, a gate in `make test` would make CI hang; then
+# `make test` gets $(PYTEST_COV) with COV_MIN = the printed TOTAL less about a point.
 # Coverage costs about +30-50% CPU (user time of test_decomp, test_scalar, test_blocked_property).
 COV_MIN ?= 0
 PYTEST_COV := --cov=einjoin --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 $(PYTEST_COV)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+
+cov: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup $(PYTEST_COV)
 
 test-all: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m '' --durations=15 $(PYTEST_COV)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m '' --durations=15
 
 tour: $(STAMP)
 	$(BIN)/python examples/tour.py

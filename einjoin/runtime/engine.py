@@ -13,6 +13,7 @@ backend that resolves dependencies itself (Ray) and collects them. Callbacks (``
 from __future__ import annotations
 
 import heapq
+import queue
 import random
 import threading
 import time
@@ -513,11 +514,15 @@ def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, 
     """Run one worker thread per lane; returns only once every worker thread has ended, also
     after a Ctrl-C (which then stops the workers and goes on).
 
-    The threads are counted under the run's lock (begun, ended) and waited for on a condition,
-    never with ``join()``/``is_alive()``: an interrupt that lands inside ``Thread.join`` marks a
-    live thread stopped (CPython bpo-45274), so a join after it returns while the worker still
-    runs tasks."""
-    ended = threading.Condition(lock)
+    The threads are counted under the run's lock (begun, ended), never waited for with
+    ``join()``/``is_alive()``: an interrupt that lands inside ``Thread.join`` marks a live thread
+    stopped (CPython bpo-45274), so a join after it returns while the worker still runs tasks.
+    Nor does this (the main) thread wait on a condition of the run's lock: a Ctrl-C that lands
+    while ``Condition.wait`` re-takes the lock leaves it not taken, and leaving the ``with``
+    block then releases the lock a worker holds — two threads in the queues at once, a run that
+    never ends. It sleeps on a C-level ``SimpleQueue`` instead, which every ending worker feeds:
+    an interrupt there changes nothing shared."""
+    ended: queue.SimpleQueue[int] = queue.SimpleQueue()
     count = {"begun": 0, "ended": 0, "launched": 0}
     began = [threading.Event() for _ in range(n_lanes)]
 
@@ -530,7 +535,7 @@ def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, 
         finally:
             with lock:
                 count["ended"] += 1
-                ended.notify_all()
+            ended.put(q)  # wakes the main thread (after the count: it finds this thread counted)
 
     interrupted: BaseException | None = None
     started: list[threading.Thread] = []
@@ -564,9 +569,10 @@ def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, 
         try:
             with lock:
                 # a launched worker always begins; one that began is counted: wait for both
-                while count["ended"] < max(count["launched"], count["begun"]):
-                    ended.wait()
-            break
+                done = count["ended"] >= max(count["launched"], count["begun"])
+            if done:
+                break
+            ended.get()  # a worker ended (its put may predate the check: then this returns at once)
         except KeyboardInterrupt as e:  # stop every worker, wait for them, then re-raise
             interrupted = interrupted or e
             halt()
