@@ -240,19 +240,11 @@ class SyncBackend:
 
 
 @dataclass(frozen=True)
-class NullBackend:
+class NullBackend(SyncBackend):
     """Runs the schedule and counts the plan's bytes; computes nothing (``run`` returns None)."""
 
     name: str = "null"
     computes: bool = False
-    remote: bool = False
-    retries: int = 0
-
-    def open(self, run: RunSpec) -> LocalSession:
-        return LocalSession(run, self.computes, threaded=False)
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)
