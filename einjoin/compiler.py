@@ -166,25 +166,26 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     task graph and, under memory caps, cut finer until every task fits and plan evictions."""
     graph = source.graph
     caps = parse_caps(options.memory_limit, cluster.size, cluster)
+    user = _user_specs(graph, options.specs)  # checked once, before the planner; read every lowering
     with stages(options.quiet, len(graph.ops)) as say:
         say("planning")
         # the planner receives the caps: eindecomp then picks cuts that fit
         chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=caps))
         say("placing, synthesising exchanges, building the task graph")
-        decomps, placed, tg = _lower(graph, cluster, chosen, options)
+        decomps, placed, tg = _lower(graph, cluster, chosen, user, options)
         if any(c is not None for c in caps.values()):
             if getattr(options.backend, "remote", False):
                 raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "
                                    "backend='threads' (or without memory_limit / Device.memory)")
             say("fitting the memory caps, planning evictions")
-            decomps, placed, tg = _fit_caps(graph, cluster, chosen, options, caps, decomps, placed,
+            decomps, placed, tg = _fit_caps(graph, cluster, chosen, user, options, caps, decomps, placed,
                                             chain_reduces(tg))
             tg = plan_memory(tg, decomps, caps, options.memory_policy)
     return CompiledPlan(graph, cluster, decomps, placed, tg, tg.stats(), options, source.many,
                         source.arg_names, source.bound)
 
 
-def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
+def _user_specs(graph: Graph, specs: Any) -> dict[Node, JoinAggSpec]:
     if specs is None:
         return {}
     if not isinstance(specs, Mapping):
@@ -199,9 +200,8 @@ def _user_specs(graph: Graph, specs: Any) -> dict[Node, Any]:
     return out
 
 
-def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], options: CompileOptions
-           ) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
-    user = _user_specs(graph, options.specs)
+def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user: dict[Node, JoinAggSpec],
+           options: CompileOptions) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
     chosen.update(user)
     # an input keeps the user's or the planner's partition, unless a user spec changed one of its
     # consumers: then it follows its first consumer again
@@ -212,12 +212,11 @@ def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], opti
     return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
 
 
-def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], options: CompileOptions,
-              caps: dict[int, int | None], decomps: dict[Node, Decomposition], placed: Placement,
-              tg: TaskGraph) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
+def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user: dict[Node, JoinAggSpec],
+              options: CompileOptions, caps: dict[int, int | None], decomps: dict[Node, Decomposition],
+              placed: Placement, tg: TaskGraph) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
     """Cut the ops whose tasks alone exceed a cap finer until every task fits; the clear
     :class:`MemoryCapError` (op, block shapes, bytes, cap) when no finer cut helps."""
-    user = _user_specs(graph, options.specs)
     cut_inputs: set[Node] = set()  # inputs cut for their own loads keep that partition
     for _ in range(SETTINGS.fit_rounds):  # each round doubles a block count of every op at fault
         over = [(nd, cap) for nd in task_needs(tg, decomps)
@@ -247,6 +246,6 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], o
             for x in op.inputs:  # inputs it reads first take its new partition
                 if x.facts.fed and graph.users[x][0] is op and x not in cut_inputs:
                     chosen.pop(x, None)
-        decomps, placed, tg = _lower(graph, cluster, chosen, options)
+        decomps, placed, tg = _lower(graph, cluster, chosen, user, options)
         tg = chain_reduces(tg)
     raise cap_error(over[0][0], over[0][1], "; gave up cutting finer")
