@@ -3,9 +3,9 @@
 from einjoin.ir.agg import AGGS, Agg, get_agg
 from einjoin.ir.graph import Graph, as_nodes
 from einjoin.ir.node import (FACTS, KINDS, Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, KindFacts,
-                             Node, Op, Reshape, Select, rule_for)
+                             Node, Op, Reshape, ScatterAdd, Select, rule_for)
 from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, parse_join
 
 __all__ = ["AGGS", "Agg", "get_agg", "Graph", "as_nodes", "Node", "Op", "Input", "Einsum",
-           "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather", "Cast", "FUNCTIONS",
+           "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather", "ScatterAdd", "Cast", "FUNCTIONS",
            "Arg", "Call", "Const", "Expr", "parse_join", "FACTS", "KINDS", "KindFacts", "rule_for"]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+                             ScatterAdd, Select, rule_for)
 from einjoin.ir.ops import fill_node
 from einjoin.ir.scalar import Arg, Call, Const, Expr, infer_dtype, substitute
 
@@ -109,7 +109,7 @@ def _fold_reshape(node: Node, op: Reshape, fills: list[Fill]) -> Node:
 
 
 def _kept(node: Node, op: object, fills: list[Fill]) -> Node:
-    """Not folded: a concat or gather of fills stays as it is (inputs and fills have no inputs)."""
+    """Not folded: a concat, gather or scatter-add of fills stays as it is (inputs and fills have no inputs)."""
     return node
 
 
@@ -123,5 +123,6 @@ FOLD_RULES: dict[type, Callable[[Node, Any, list[Fill]], Node]] = {
     Concat: _kept,
     Fill: _kept,
     Gather: _kept,
+    ScatterAdd: _kept,
     Cast: _fold_cast,
 }

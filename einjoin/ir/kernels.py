@@ -28,11 +28,11 @@ import opt_einsum  # type: ignore[import-untyped]
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+                             ScatterAdd, Select, rule_for)
 from einjoin.ir.scalar import Expr, evaluate, is_product
 
 __all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", "einsum_kernel", "fill_kernel",
-           "gather_kernel", "broadcast_kernel",
+           "gather_kernel", "scatter_add_kernel", "broadcast_kernel",
            "align", "partial_dtype", "HALF_DTYPES"]
 
 
@@ -47,7 +47,8 @@ def partial_dtype(node: Node) -> str:
     """The dtype ``node``'s partial results are kept, moved and combined in when an aggregated
     label is split: float32 for a float16/bfloat16 einsum that sums or multiplies (as torch and
     cuBLAS accumulate), cast to ``node.dtype`` once, by the last aggregation step; otherwise
-    ``node.dtype``. (A gather's row partials are exact: every element but one is 0.)
+    ``node.dtype``. (A gather's row partials are exact: every element but one is 0; a
+    scatter-add's partials are sums, kept in float32 as an einsum's.)
 
     >>> from einjoin.ir import ops
     >>> x = ops.input_node("x", (4, 8), "float16")
@@ -57,6 +58,8 @@ def partial_dtype(node: Node) -> str:
     op = node.op
     if (node.dtype in HALF_DTYPES and isinstance(op, Einsum)
             and op.agg.name in _ACCUMULATING):
+        return "float32"
+    if node.dtype in HALF_DTYPES and isinstance(op, ScatterAdd):
         return "float32"
     return node.dtype
 
@@ -243,9 +246,7 @@ def gather_kernel(table: np.ndarray, indices: np.ndarray, row_start: int, n_rows
     ``indices``; indices outside the block give the sum identity 0, so blocks over the rows are
     partial results that add up. ``n_rows`` is the whole table's row count, for the range check."""
     idx = np.asarray(indices)
-    if idx.size and (idx.min() < 0 or idx.max() >= n_rows):
-        bad = idx[(idx < 0) | (idx >= n_rows)].flat[0]
-        raise EinjoinError(f"gather: index {int(bad)} out of range for a table of {n_rows} rows")
+    _check_rows("gather", idx, n_rows, "a table")
     if row_start == 0 and len(table) == n_rows:
         return np.take(table, idx, axis=0)
     local = idx - row_start
@@ -253,6 +254,37 @@ def gather_kernel(table: np.ndarray, indices: np.ndarray, row_start: int, n_rows
     out = np.take(table, np.where(inside, local, 0), axis=0)
     out[~inside] = 0
     return out
+
+
+def _check_rows(what: str, idx: np.ndarray, n_rows: int, noun: str) -> None:
+    if idx.size and (idx.min() < 0 or idx.max() >= n_rows):
+        bad = idx[(idx < 0) | (idx >= n_rows)].flat[0]
+        raise EinjoinError(f"{what}: index {int(bad)} out of range for {noun} of {n_rows} rows")
+
+
+def scatter_add_kernel(updates: np.ndarray, indices: np.ndarray, row_start: int, block_rows: int,
+                       n_rows: int, dtype: str) -> np.ndarray:
+    """Rows ``[row_start, row_start + block_rows)`` of ``scatter_add(updates, indices, n_rows)``,
+    in ``dtype``: the updates whose index falls in that range, added at it (``np.add.at``:
+    duplicates accumulate, in index order); the rest ignored, so kernels over the rows make
+    disjoint blocks and kernels over the indices partial sums. Half types accumulate in float32
+    and round once, to ``dtype``. ``n_rows`` is the whole output's row count, for the range check.
+
+    >>> scatter_add_kernel(np.array([1., 2., 4.]), np.array([0, 2, 0]), 0, 3, 3, "float64")
+    array([5., 0., 2.])
+    """
+    idx = np.asarray(indices)
+    _check_rows("scatter_add", idx, n_rows, "an output")
+    upd = _widen(np.asarray(updates))
+    rest = upd.shape[idx.ndim:]
+    flat_idx = idx.reshape(-1)
+    flat_upd = upd.reshape((flat_idx.size,) + rest)
+    if row_start != 0 or block_rows != n_rows:
+        inside = (flat_idx >= row_start) & (flat_idx < row_start + block_rows)
+        flat_idx, flat_upd = flat_idx[inside] - row_start, flat_upd[inside]
+    out = np.zeros((block_rows,) + rest, dtype=upd.dtype)
+    np.add.at(out, flat_idx, flat_upd)
+    return out.astype(numpy_dtype(dtype), copy=False)
 
 
 def broadcast_kernel(x: np.ndarray, shape: Sequence[int], dims: Sequence[int]) -> np.ndarray:
@@ -300,6 +332,10 @@ def _eval_gather(node: Node, op: Gather, args: Sequence[np.ndarray]) -> np.ndarr
     return gather_kernel(args[0], args[1], 0, node.inputs[0].shape[0])
 
 
+def _eval_scatter_add(node: Node, op: ScatterAdd, args: Sequence[np.ndarray]) -> np.ndarray:
+    return scatter_add_kernel(args[0], args[1], 0, node.shape[0], node.shape[0], node.dtype)
+
+
 def _eval_cast(node: Node, op: Cast, args: Sequence[np.ndarray]) -> np.ndarray:
     return np.asarray(args[0]).astype(numpy_dtype(node.dtype))
 
@@ -315,6 +351,7 @@ KERNELS: dict[type, KernelRule] = {
     Concat: _eval_concat,
     Fill: _eval_fill,
     Gather: _eval_gather,
+    ScatterAdd: _eval_scatter_add,
     Cast: _eval_cast,
 }
 

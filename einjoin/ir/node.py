@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Op, Reshape,
-                                Select, rule_for)
+                                ScatterAdd, Select, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
-           "Fill", "Gather", "Cast", "KindFacts", "FACTS", "KINDS", "rule_for"]
+           "Fill", "Gather", "ScatterAdd", "Cast", "KindFacts", "FACTS", "KINDS", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,9 @@ FACTS: dict[type, KindFacts] = {
     Concat: KindFacts(),
     Fill: KindFacts(free=True),
     Gather: KindFacts(),
+    # it adds (duplicate indices accumulate), so it computes; its aggregated index labels make
+    # partial sums, but it is no einsum (``contracts`` promises an Einsum op to the planners)
+    ScatterAdd: KindFacts(computes=True),
     Cast: KindFacts(computes=True),
 }
 KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule table covers them all

@@ -23,7 +23,7 @@ from einjoin.ir.agg import Agg
 from einjoin.ir.scalar import Expr
 
 __all__ = ["Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather",
-           "Cast", "rule_for"]
+           "ScatterAdd", "Cast", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -106,11 +106,19 @@ class Gather:
 
 
 @dataclass(frozen=True)
+class ScatterAdd:
+    """``out = zeros((rows,) + rest); out[indices[idx...], rest...] += updates[idx..., rest...]``
+    (numpy's ``np.add.at``): the adjoint of :class:`Gather` with respect to its table, so an
+    embedding's gradient costs O(tokens x hidden). Inputs ``(updates, indices)``; the row count
+    is the output's first dim (the shape says it, so the op has no fields)."""
+
+
+@dataclass(frozen=True)
 class Cast:
     """Convert to the node's dtype."""
 
 
-Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | Cast
+Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast
 
 
 _Rule = TypeVar("_Rule")

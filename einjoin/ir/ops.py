@@ -27,12 +27,12 @@ from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeErr
 from einjoin.ir.agg import Agg, get_agg
 from einjoin.ir.dtypes import canonical_dtype, kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select)
+                             ScatterAdd, Select)
 from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
 
 __all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "last_declaration", "input_node",
            "einsum_node", "reshape_node", "broadcast_node", "select_node", "concat_node",
-           "fill_node", "gather_node", "cast_node"]
+           "fill_node", "gather_node", "scatter_add_node", "cast_node"]
 
 
 def _as_int(v: Any, what: str) -> int:
@@ -329,6 +329,40 @@ def gather_node(table: Node, indices: Node) -> Node:
     shape = indices.shape + table.shape[1:]
     check_size(shape, "gather")
     return Node(Gather(), (table, indices), shape, table.dtype)
+
+
+def scatter_add_node(updates: Node, indices: Node, rows: int) -> Node:
+    """``out = zeros((rows,) + rest); out[indices[i], r] += updates[i, r]`` (numpy's ``np.add.at``:
+    duplicate indices accumulate) — the adjoint of :func:`gather_node` with respect to its table.
+
+    Inputs are ``(updates, indices)`` in that order: int64 ``indices`` of shape ``I``, ``updates``
+    of shape ``I + rest`` (float or int64); the result has shape ``(rows,) + rest`` and the dtype
+    of ``updates`` (float16/bfloat16 accumulate in float32, then round once, as torch's
+    ``index_add``). An index outside ``[0, rows)`` is an error at run time, as in a gather.
+
+    >>> from einjoin.ir import ops
+    >>> u = ops.input_node("u", (2, 5, 8), "float32"); i = ops.input_node("i", (2, 5), "int64")
+    >>> ops.scatter_add_node(u, i, 100).shape
+    (100, 8)
+    """
+    updates = _need_node(updates, "scatter_add")
+    indices = _need_node(indices, "scatter_add")
+    n_rows = _as_int(rows, "scatter_add rows")
+    if n_rows < 0:
+        raise ShapeError(f"scatter_add: rows must be >= 0, got {n_rows}")
+    if indices.dtype != "int64":
+        raise DTypeError(f"scatter_add: indices must be int64, got {indices.dtype} "
+                         f"(shape {indices.shape})")
+    if kind(updates.dtype) == "bool":
+        raise DTypeError(f"scatter_add: updates of dtype bool (shape {updates.shape}) cannot be "
+                         f"added; cast them to a number type")
+    lead = updates.shape[:indices.ndim]
+    if updates.ndim < indices.ndim or lead != indices.shape:
+        raise ShapeError(f"scatter_add: updates of shape {updates.shape} must start with the "
+                         f"indices' shape {indices.shape} (updates = indices' shape + row shape)")
+    shape = (n_rows,) + updates.shape[indices.ndim:]
+    check_size(shape, "scatter_add")
+    return Node(ScatterAdd(), (updates, indices), shape, updates.dtype)
 
 
 def cast_node(x: Node, dtype: Any) -> Node:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape,
-                                Select, rule_for)
+                                ScatterAdd, Select, rule_for)
 
 if TYPE_CHECKING:  # annotations only: Node prints itself through describe (no cycle)
     from einjoin.ir.graph import Graph
@@ -55,6 +55,10 @@ def _describe_fill(op: Fill) -> str:
     return f"fill[{op.expr}]"
 
 
+def _describe_scatter_add(op: ScatterAdd) -> str:
+    return "scatter_add"
+
+
 def _bare(op: object) -> str:  # a kind without parameters: its name
     return type(op).__name__.lower()
 
@@ -69,6 +73,7 @@ DESCRIBE_RULES: dict[type, Callable[[Any], str]] = {
     Concat: _describe_concat,
     Fill: _describe_fill,
     Gather: _bare,
+    ScatterAdd: _describe_scatter_add,
     Cast: _bare,
 }
 
