@@ -42,7 +42,7 @@ from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_lab
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+                             ScatterAdd, Select, rule_for)
 from einjoin.planner.basic import derive_input_specs, largest_output_cut
 from einjoin.planner.candidates import candidate_specs
 from einjoin.planner.cost import CostModel, SpecInfo, total_cost
@@ -159,6 +159,14 @@ def _gather_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> in
     return None if not d else idx.ndim + d - 1  # the table's rows are no batch
 
 
+def _scatter_add_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    updates, idx = v.inputs
+    d = bdim.get(updates) if 0 in slots else None
+    # a batch dim among the index dims is summed away (an embedding gradient: partial sums);
+    # one in the row shape stays, after the output's rows
+    return None if d is None or d < idx.ndim else d - idx.ndim + 1
+
+
 def _no_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
     return None  # a leaf reads nothing: it is never reached from an activation
 
@@ -172,6 +180,7 @@ BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], 
     Concat: _concat_batch,
     Fill: _no_batch,
     Gather: _gather_batch,
+    ScatterAdd: _scatter_add_batch,
     Cast: _same_batch,
 }
 """Per node kind, the batch dim of its output given its activation-derived input ``slots`` and
@@ -293,6 +302,13 @@ def _broadcast_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "keep", dim_labels(u.ndim)[op.dims[d]], False
 
 
+def _scatter_add_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    n_idx = u.inputs[1].ndim
+    if slot != 0 or d < n_idx:
+        return "fail", "a scatter_add sums over the split dim (or reads it as indices)", False
+    return "keep", dim_labels(v.ndim)[d], False  # a row-shape dim: same label as in the updates
+
+
 def _no_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "fail", f"a {u.kind} reads the split dim", False  # a gather (a leaf reads nothing)
 
@@ -306,6 +322,7 @@ FOLLOW_RULES: dict[type, Callable[[Node, int, Node, int], _Step]] = {
     Concat: _concat_follow,
     Fill: _no_follow,
     Gather: _no_follow,
+    ScatterAdd: _scatter_add_follow,
     Cast: _cast_follow,
 }
 """Per node kind, how a Megatron chain's split label continues through it (see :func:`_follow`)."""
