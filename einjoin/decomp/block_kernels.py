@@ -1,7 +1,7 @@
 """Running one kernel of a decomposition on numpy blocks.
 
 The block kernel of every op is the op itself on smaller shapes (plus the block's position where
-the op needs it: a fill's corner, a gather block's first table row)."""
+the op needs it: a fill's corner, a gather block's first table row, a scatter-add block's rows)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import numpy as np
 from einjoin.decomp.decompose import Decomposition, Kernel, reshape_region
 from einjoin.decomp.partition import Box, box_shape
 from einjoin.ir.dtypes import numpy_dtype
-from einjoin.ir.kernels import broadcast_kernel, einsum_kernel, fill_kernel, gather_kernel, partial_dtype
-from einjoin.ir.node import Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select, rule_for
+from einjoin.ir.kernels import (broadcast_kernel, einsum_kernel, fill_kernel, gather_kernel, partial_dtype,
+                                scatter_add_kernel)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd, Select,
+                             rule_for)
 
 __all__ = ["run_kernel", "BLOCK_KERNELS", "BlockKernel"]
 
@@ -75,6 +77,13 @@ def _gather_block(d: Decomposition, op: Gather, k: Kernel, blocks: _Blocks, box:
                          d.node.inputs[0].shape[0])
 
 
+def _scatter_add_block(d: Decomposition, op: ScatterAdd, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    # the output block's rows [start, stop): updates indexed elsewhere belong to other blocks
+    (start, stop) = box[0]
+    dtype = partial_dtype(d.node) if d.n_partials > 1 else d.node.dtype
+    return scatter_add_kernel(blocks[0], blocks[1], start, stop - start, d.node.shape[0], dtype)
+
+
 # the block kernel of each node kind: (decomposition, its op, kernel, input blocks, output box)
 # -> the output block or partial result
 BlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], np.ndarray]
@@ -87,5 +96,6 @@ BLOCK_KERNELS: dict[type, BlockKernel] = {
     Concat: _concat_block,
     Fill: _fill_block,
     Gather: _gather_block,
+    ScatterAdd: _scatter_add_block,
     Cast: _cast_block,
 }

@@ -25,7 +25,7 @@ from einjoin.decomp.partition import BlockKey, Partition
 from einjoin.decomp.spec import ROW, JoinAggSpec, as_node, dim_labels
 from einjoin.ir.agg import AGGS, Agg
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+                             ScatterAdd, Select, rule_for)
 
 __all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups",
            "reshape_region"]
@@ -120,6 +120,26 @@ def _gather(node: Node, op: Gather, js: JoinAggSpec) -> Decomposition:
             kernels.append(Kernel(key + (r,), key, ((r,) + key[idx.ndim:], key[:idx.ndim])))
     return Decomposition(node, js, out, (table_part, idx_part), tuple(kernels), n_rows,
                          AGGS["sum"] if n_rows > 1 else AGGS["none"])
+
+
+def _scatter_add(node: Node, op: ScatterAdd, js: JoinAggSpec) -> Decomposition:
+    """Gather's mirror: one kernel per (output block, index block). Cutting the index labels
+    makes partial sums of an output block (summed), cutting ``row`` keeps each kernel to the
+    updates whose index falls in its rows (each updates block is read by every row block),
+    cutting the row-shape labels is embarrassingly parallel."""
+    updates, idx = node.inputs
+    labels = dim_labels(updates.ndim)
+    idx_labels, rest = labels[:idx.ndim], labels[idx.ndim:]
+    out = js.partition((ROW,) + rest)
+    idx_part = js.partition(idx_labels)
+    kernels = []
+    for key in out.keys():
+        for ik in idx_part.keys():
+            # the spec's label order is row, rest..., idx...: the output key, then the index key
+            kernels.append(Kernel(key + ik, key, (ik + key[1:], ik)))
+    n_idx = idx_part.num_blocks
+    return Decomposition(node, js, out, (js.partition(labels), idx_part), tuple(kernels), n_idx,
+                         AGGS["sum"] if n_idx > 1 else AGGS["none"])
 
 
 def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -295,5 +315,6 @@ DECOMPOSE_RULES: dict[type, DecomposeRule] = {
     Concat: _blockwise(_concat),
     Fill: _blockwise(_leaf),
     Gather: _gather,
+    ScatterAdd: _scatter_add,
     Cast: _blockwise(_elementwise),
 }

@@ -7,8 +7,9 @@ from typing import Any
 from collections.abc import Callable
 
 from einjoin.decomp.decompose import Decomposition
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,
-                             rule_for)
+from einjoin.decomp.spec import ROW
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd,
+                             Select, rule_for)
 from einjoin.ir.scalar import Call, is_product
 
 __all__ = ["kernel_flops", "FLOPS_RULES"]
@@ -34,6 +35,16 @@ def _einsum_flops(d: Decomposition, op: Einsum, index: tuple[int, ...]) -> int:
     return n * max(1, _count_calls(op.join))
 
 
+def _scatter_add_flops(d: Decomposition, op: ScatterAdd, index: tuple[int, ...]) -> int:
+    # one add per element of the updates block it reads: every label but the output rows (an
+    # upper bound when rows are cut: only the updates whose index falls in its rows are added)
+    n = 1
+    for lab, b, i in zip(d.spec.labels, d.spec.bounds, index):
+        if lab != ROW:
+            n *= b[i + 1] - b[i]
+    return n
+
+
 def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:
     return 0  # modelled as free: moves, cuts, casts, fills and fed inputs
 
@@ -48,5 +59,6 @@ FLOPS_RULES: dict[type, Callable[[Decomposition, Any, tuple[int, ...]], int]] = 
     Concat: _no_flops,
     Fill: _no_flops,
     Gather: _no_flops,
+    ScatterAdd: _scatter_add_flops,
     Cast: _no_flops,
 }

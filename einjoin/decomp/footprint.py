@@ -19,8 +19,8 @@ from collections.abc import Callable
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,
-                             rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd,
+                             Select, rule_for)
 
 __all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule"]
 
@@ -29,7 +29,7 @@ __all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule"]
 def kernel_scratch(d: Decomposition, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     """Bytes a block kernel allocates besides its output (an upper estimate), by its kind's rule in
     :data:`SCRATCH_RULES`. Blocks are C-contiguous under a cap, so reshapes and slices are views
-    (then copied into the output): only an einsum has scratch."""
+    (then copied into the output): only an einsum and a scatter-add have scratch."""
     rule = rule_for(SCRATCH_RULES, d.node.op, "the kernel scratch estimates (einjoin.decomp.footprint.SCRATCH_RULES)")
     return rule(d, d.node.op, kernel, in_bytes, out_bytes)
 
@@ -90,6 +90,23 @@ def _matmul_copies(route: MatmulRoute, in_bytes: list[int], out_bytes: int) -> i
     return extra
 
 
+def _scatter_add_scratch(d: Decomposition, op: ScatterAdd, kernel: int, in_bytes: list[int],
+                         out_bytes: int) -> int:
+    """:func:`~einjoin.ir.kernels.scatter_add_kernel`'s copies: half updates widened to float32
+    (twice their bytes); with the rows cut, the updates and indices whose index falls in the
+    block (at most all of them) and the mask; the float32 accumulator of a half output that is
+    no partial (partials stay float32: no cast)."""
+    upd, idx = in_bytes
+    half = d.node.dtype in ("float16", "bfloat16")
+    wide = 2 * upd if half else upd
+    scratch = wide if half else 0
+    if len(d.out_partition.bounds[0]) > 2:
+        scratch += wide + 2 * idx
+    if half and d.n_partials == 1:
+        scratch += 2 * out_bytes
+    return scratch
+
+
 def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     return 0
 
@@ -106,6 +123,7 @@ SCRATCH_RULES: dict[type, ScratchRule] = {
     Concat: _no_scratch,
     Fill: _no_scratch,
     Gather: _no_scratch,
+    ScatterAdd: _scatter_add_scratch,
     Cast: _no_scratch,
 }
 

@@ -2,7 +2,10 @@
 
 Every node kind has a label space. An einsum's labels are its own (contracted ones included);
 every other kind names its output dims ``a, b, c, ...``, and a gather adds ``row`` for the
-table rows (splitting it makes partial results, as vocab-parallel embeddings do).
+table rows (splitting it makes partial results, as vocab-parallel embeddings do). A scatter-add,
+gather's adjoint, names the same tensors the same way: its updates' dims ``a, b, c, ...`` (the
+index dims among them aggregated: cutting them makes partial sums) and ``row`` for the output
+rows, so its output labels are ``row`` and the updates' trailing dims.
 
 >>> import einjoin as ej
 >>> from einjoin.decomp.spec import JoinAggSpec, label_sizes
@@ -22,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from einjoin.decomp.partition import Partition, check_bounds, even_bounds
 from einjoin.errors import EinjoinError, PartitionError
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+                             ScatterAdd, Select, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["JoinAggSpec", "LabelRules", "LABEL_RULES", "label_sizes", "aggregated_labels",
@@ -76,6 +79,23 @@ def _gather_sizes(node: Node, op: Gather) -> dict[str, int]:
     return sizes
 
 
+def _scatter_split(node: Node) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the index labels, the row-shape labels) of a scatter-add: its updates' dims a, b, c, ..."""
+    updates, idx = node.inputs
+    labels = dim_labels(updates.ndim)
+    return labels[:idx.ndim], labels[idx.ndim:]
+
+
+def _scatter_sizes(node: Node, op: ScatterAdd) -> dict[str, int]:
+    # output labels first (row, then the row shape), then the aggregated index labels
+    updates = node.inputs[0]
+    idx, rest = _scatter_split(node)
+    sizes = {ROW: node.shape[0]}
+    sizes.update(zip(rest, node.shape[1:]))
+    sizes.update(zip(idx, updates.shape))
+    return sizes
+
+
 def _dims(node: Node, op: object) -> tuple[str, ...]:
     return dim_labels(node.ndim)
 
@@ -84,7 +104,7 @@ def _none(node: Node, op: object) -> tuple[str, ...]:
     return ()
 
 
-# every kind but einsum and gather: its output dims, named a, b, c, ...; nothing to aggregate
+# every kind but einsum, gather and scatter-add: its output dims, named a, b, c, ...; nothing to aggregate
 _DIMS_ONLY = LabelRules(_dim_sizes, _none, _dims)
 
 # the label space of each node kind
@@ -97,6 +117,8 @@ LABEL_RULES: dict[type, LabelRules] = {
     Concat: _DIMS_ONLY,
     Fill: _DIMS_ONLY,
     Gather: LabelRules(_gather_sizes, lambda node, op: (ROW,), _dims),
+    ScatterAdd: LabelRules(_scatter_sizes, lambda node, op: _scatter_split(node)[0],
+                           lambda node, op: (ROW,) + _scatter_split(node)[1]),
     Cast: _DIMS_ONLY,
 }
 

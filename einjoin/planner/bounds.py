@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+                             ScatterAdd, Select, rule_for)
 from einjoin.ir.scalar import is_product
 
 __all__ = ["matmul_bound_words", "contraction_bound_words", "contraction_dims", "node_bound_bytes",
@@ -67,6 +67,13 @@ def _no_bound(node: Node) -> None:
     return None  # moves, cuts, casts, gathers: no matmul bound applies
 
 
+def _no_scatter_bound(node: Node) -> None:
+    # no bound: which output rows an update lands in depends on the index values, unknown when
+    # planning, so no placement-independent traffic is forced (all updates of a row may already
+    # sit on one device); a data-dependent op has no matmul-style bound
+    return None
+
+
 def _einsum_dims(node: Node) -> tuple[int, int, int, int] | None:
     op = cast(Einsum, node.op)  # the table dispatched on the kind
     if len(node.inputs) != 2 or not is_product(op.join, 2):
@@ -96,6 +103,7 @@ BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
     Concat: _no_bound,
     Fill: _no_bound,
     Gather: _no_bound,
+    ScatterAdd: _no_scatter_bound,
     Cast: _no_bound,
 }
 """Per node kind, its (batch, m, n, k) contraction sizes for the lower bound, or None."""

@@ -31,7 +31,7 @@ from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import op_need
 from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             Select, rule_for)
+                             ScatterAdd, Select, rule_for)
 from einjoin.settings import SETTINGS, Settings
 
 __all__ = ["op_need", "finer_cuts", "fitting_specs", "finer_spec", "element_spec", "memory_cap",
@@ -159,6 +159,7 @@ LEAP_RULES: dict[type, Callable[[dict[str, int], int], list[dict[str, int]]]] = 
     Concat: _no_leaps,
     Fill: _no_leaps,
     Gather: _no_leaps,
+    ScatterAdd: _no_leaps,
     Cast: _no_leaps,
 }
 """Per node kind, the extra cuts (label -> count) :func:`finer_spec` tries at a local minimum of
