@@ -60,8 +60,9 @@ class CompileOptions:
     """The options of ``ej.compile`` (all but the outputs and the devices), checked when built:
     a bad one raises an :class:`EinjoinError` naming it, before anything is planned.
 
-    - ``planner``: a registered name (:data:`einjoin.planner.PLANNERS`) or a callable
-      ``(graph, cluster) -> {node: join-agg spec}``;
+    - ``planner``: a registered name (:data:`einjoin.planner.PLANNERS`) or a
+      :class:`einjoin.planner.Planner`, ``(graph, cluster, *, memory_limit) -> {node: join-agg
+      spec}`` (a plain ``(graph, cluster)`` callable is adapted);
     - ``backend``: ``"threads"``, ``"sync"``, ``"null"``, ``"ray"`` or a backend object; the
       options hold the backend object (a name is resolved when they are built; ``"ray"`` is a
       fresh Ray backend, owning the actors of one program);
