@@ -8,6 +8,7 @@
 ((4, 3), 4.0)
 """
 
+from einjoin.autodiff import grad, stop_gradient, value_and_grad, vjp
 from einjoin.cluster import Cluster, Device, local
 from einjoin.decomp import (Decomposition, JoinAggSpec, Kernel, Partition, TensorRelation,
                             decompose, execute_blocked)
@@ -27,4 +28,4 @@ __all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "C
            "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
-           *_frontend_all]
+           "grad", "value_and_grad", "vjp", "stop_gradient", *_frontend_all]

@@ -32,15 +32,17 @@ FLOORS: list[set[str]] = [
     {"plan"},                         # the task graph
     {"memplan"},                      # the task graph under memory caps
     {"runtime"},                      # the engine and its backends
-    {"frontend", "models", "viz"},    # build IR (user code, model zoo); draw plans and traces
+    {"frontend", "models", "viz", "autodiff"},  # build IR (user code, model zoo, gradients); draw plans and traces
     {"program", "compiler", "cli", "demo", "__main__", "__init__"},  # wiring: ej.compile, CLI
 ]
 
-# The frontend and the models build IR only: they may import these rooms and nothing else,
+# The frontend, the models and autodiff build IR only: they may import these rooms and nothing else,
 # whatever their floor (a frontend that plans or runs would hide a second compiler).
 IR_BUILDERS: dict[str, set[str]] = {
     "frontend": {"errors", "registry", "settings", "ir", "frontend"},
     "models": {"errors", "registry", "settings", "ir", "frontend", "models"},
+    # gradients are graphs too: built from the IR and the frontend's tensors, nothing above
+    "autodiff": {"errors", "registry", "settings", "ir", "frontend", "autodiff"},
 }
 
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

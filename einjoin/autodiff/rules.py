@@ -1,0 +1,129 @@
+"""The gradient rule of every node kind, as data: :data:`GRAD_RULES`.
+
+A rule takes the node, the cotangent ``g`` of its output (a node of the output's shape and
+dtype) and which inputs need a cotangent, and returns one node (or None: no contribution) per
+input, built from IR nodes only — the backward pass is an ordinary graph.
+
+- ``Input``, ``Fill``: no inputs.
+- ``Einsum``: :func:`einjoin.autodiff.einsum_rule.einsum_adjoints` (contractions, symbolic
+  joins, max/min/prod aggregations).
+- ``Reshape``: reshape back. ``Cast``: cast back.
+- ``Broadcast``: sum over the broadcast dims (an einsum with agg sum), reshaped to the input.
+- ``Select``: the cotangent placed in zeros: a concat of fills around it, dim by dim.
+- ``Concat``: the select of each input's range.
+- ``Gather``: a scatter-add of the cotangent into the table's rows (O(tokens x hidden), never a
+  one-hot contraction); nothing for the int64 indices.
+- ``ScatterAdd``: a gather of the cotangent (its adjoint w.r.t. the updates).
+
+>>> from einjoin.ir import ops
+>>> from einjoin.ir.node import rule_for
+>>> x = ops.input_node("x", (4, 6), "float64")
+>>> y = ops.select_node(x, (1, 0), (3, 6))
+>>> g = ops.input_node("g", (2, 6), "float64")
+>>> (dx,) = rule_for(GRAD_RULES, y.op, "GRAD_RULES")(y, g, (True,))
+>>> dx.kind, dx.shape
+('concat', (4, 6))
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Sequence
+
+from einjoin.autodiff.einsum_rule import einsum_adjoints
+from einjoin.errors import EinjoinError
+from einjoin.ir import ops
+from einjoin.ir.fold import fold
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+                             ScatterAdd, Select)
+
+__all__ = ["GRAD_RULES", "GradRule"]
+
+GradRule = Callable[[Node, Node, Sequence[bool]], tuple[Node | None, ...]]
+
+_LETTERS = string.ascii_letters
+
+
+def _no_inputs(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    return ()
+
+
+def _reshape(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    return (fold(ops.reshape_node(g, node.inputs[0].shape)),)
+
+
+def _cast(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    return (fold(ops.cast_node(g, node.inputs[0].dtype)),)
+
+
+def _broadcast(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    x = node.inputs[0]
+    dims: tuple[int, ...] = node.op.dims  # type: ignore[union-attr]
+    if node.ndim > len(_LETTERS):
+        raise EinjoinError(f"the gradient of a broadcast to rank {node.ndim} (shape {node.shape}): "
+                           f"at most {len(_LETTERS)} dims")
+    labels = _LETTERS[:node.ndim]
+    # output dims that came from an input dim of the same size stay; the rest are summed
+    keep = [dims[i] for i in range(x.ndim) if x.shape[i] == node.shape[dims[i]]]
+    out = "".join(labels[d] for d in keep)
+    s = fold(ops.einsum_node([g], [labels], out, "x0", "sum"))
+    return (fold(ops.reshape_node(s, x.shape)),)
+
+
+def _select(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    x = node.inputs[0]
+    starts: tuple[int, ...] = node.op.starts  # type: ignore[union-attr]
+    stops: tuple[int, ...] = node.op.stops  # type: ignore[union-attr]
+    cur = g
+    for d in range(x.ndim):
+        before, after = starts[d], x.shape[d] - stops[d]
+        if not before and not after:
+            continue
+        parts = []
+        for width in (before, after):
+            shape = list(cur.shape)
+            shape[d] = width
+            parts.append(ops.fill_node(tuple(shape), g.dtype, 0) if width else None)
+        cur = ops.concat_node([p for p in (parts[0], cur, parts[1]) if p is not None], d)
+    return (cur,)
+
+
+def _concat(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    axis: int = node.op.axis  # type: ignore[union-attr]
+    out: list[Node | None] = []
+    offset = 0
+    for x, w in zip(node.inputs, wanted):
+        n = x.shape[axis]
+        if w:
+            starts = [0] * node.ndim
+            stops = list(node.shape)
+            starts[axis], stops[axis] = offset, offset + n
+            out.append(fold(ops.select_node(g, starts, stops)))
+        else:
+            out.append(None)
+        offset += n
+    return tuple(out)
+
+
+def _gather(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    table, indices = node.inputs
+    return (ops.scatter_add_node(g, indices, table.shape[0]) if wanted[0] else None, None)
+
+
+def _scatter_add(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    indices = node.inputs[1]
+    return (ops.gather_node(g, indices) if wanted[0] else None, None)
+
+
+GRAD_RULES: dict[type, GradRule] = {
+    Input: _no_inputs,
+    Fill: _no_inputs,
+    Einsum: einsum_adjoints,
+    Reshape: _reshape,
+    Broadcast: _broadcast,
+    Select: _select,
+    Concat: _concat,
+    Cast: _cast,
+    Gather: _gather,
+    ScatterAdd: _scatter_add,
+}
