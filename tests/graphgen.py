@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.ir import Arg, Call, Const
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, Select,
-                             rule_for)
+from einjoin.ir import ops
+from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd,
+                             Select, rule_for)
 
 LABELS = "ijklmnopqrstuvwxyzabcdefgh"
 
@@ -83,7 +84,8 @@ def graphs(draw: Any, dtype: str = "float64", max_dim: int = 4, max_rank: int = 
     made: list[ej.Tensor] = []
     for _ in range(n_ops):
         kind = draw(st.sampled_from(["einsum"] * 6 + ["reshape", "select", "concat", "broadcast",
-                                                      "elementwise", "gather", "fill"]))
+                                                      "elementwise", "gather", "scatter_add",
+                                                      "fill"]))
         y = draw(_op(kind, pool, feeds, rng, dtype))
         if y is not None:
             pool.append(y)
@@ -176,6 +178,18 @@ def _op(draw: Any, kind: str, pool: list[ej.Tensor], feeds: dict[str, np.ndarray
         idx = ej.input(name, ishape, "int64")
         feeds[name] = rng.integers(0, x.shape[0], ishape)
         return ej.gather(x, idx)
+    if kind == "scatter_add":
+        # x is the updates: its first k dims are the indices' shape (k = 0: one index for all)
+        if x.ndim == 0:
+            return None
+        k = draw(st.integers(0, min(2, x.ndim)))
+        if x.ndim - k + 1 > 4:
+            return None
+        rows = draw(st.integers(1, 5))
+        name = f"idx{len(feeds)}"
+        idx = ej.input(name, x.shape[:k], "int64")
+        feeds[name] = rng.integers(0, rows, x.shape[:k])  # duplicates accumulate
+        return ej.Tensor(ops.scatter_add_node(x.node, idx.node, rows))
     if kind == "fill":
         shape = draw(shapes(1, 3))
         fill = ej.fill(shape, draw(st.sampled_from(["x0 * 0.25", "0.5", f"where(x0 >= x{len(shape) - 1}, 1.0, -1.0)"])),
@@ -283,6 +297,12 @@ def _broadcast(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) ->
     return np.broadcast_to(xs[0].reshape(shape), node.shape)
 
 
+def _scatter_add(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+    out = np.zeros(node.shape, xs[0].dtype)
+    np.add.at(out, xs[1], xs[0])  # the index array of shape I picks rows for updates I + rest
+    return out
+
+
 def _fill(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
     grid = np.meshgrid(*[np.arange(n, dtype=np.float64) for n in node.shape], indexing="ij")
     return np.broadcast_to(np.asarray(_expr(node.op.expr, grid)), node.shape)
@@ -301,6 +321,7 @@ ORACLE_RULES: dict[type, Callable[[Any, list[np.ndarray], dict[str, np.ndarray]]
     Concat: lambda node, xs, feeds: np.concatenate(xs, axis=node.op.axis),
     Broadcast: _broadcast,
     Gather: lambda node, xs, feeds: xs[0][xs[1]],
+    ScatterAdd: _scatter_add,
     Cast: lambda node, xs, feeds: xs[0].astype(ej.ir.dtypes.numpy_dtype(node.dtype)),
     Fill: _fill,
 }
