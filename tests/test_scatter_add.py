@@ -192,6 +192,43 @@ def test_flops_are_tokens_times_hidden_not_vocab() -> None:
         assert sum(kernel_flops(d, k.index) for k in d.kernels) == 4 * 16 * 32
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("ishape, rest, rows, spec", [
+    ((64, 32), (128,), 500, {}), ((64, 32), (128,), 500, {"row": 2}), ((64, 32), (128,), 500, {"a": 2}),
+    ((2048,), (64,), 50, {"row": 3, "a": 2}), ((2048,), (64,), 50, {"row": 3}), ((), (1000,), 5, {"row": 2})])
+def test_the_footprint_bounds_what_a_kernel_allocates(dtype: str, ishape: tuple[int, ...],
+                                                      rest: tuple[int, ...], rows: int,
+                                                      spec: dict[str, int]) -> None:
+    """The scratch the footprint estimates covers what a scatter_add block kernel allocates
+    (traced by tracemalloc), as for an einsum's matmul route; a few KiB of slack."""
+    import tracemalloc
+
+    from einjoin.decomp.block_kernels import run_kernel
+    from einjoin.decomp.footprint import kernel_scratch
+    from einjoin.ir.dtypes import itemsize
+
+    y = scatter_add(ej.input("u", ishape + rest, dtype), ej.input("i", ishape, "int64"), rows)
+    d = ej.decompose(y.node, spec)
+    k = d.kernels[0]
+    rng = np.random.default_rng(0)
+    arrays = [_values(rng, ishape + rest, dtype), rng.integers(0, rows, ishape)]
+    blocks = [np.array(a[tuple(slice(lo, hi) for lo, hi in p.box(key))], order="C")
+              for a, p, key in zip(arrays, d.in_partitions, k.in_keys)]
+    out_item = itemsize(partial_dtype(y.node) if d.n_partials > 1 else y.dtype)
+    out_bytes = int(np.prod(d.out_partition.block_shape(k.out_key))) * out_item
+    scratch = kernel_scratch(d, 0, [b.nbytes for b in blocks], out_bytes)
+    run_kernel(d, k, blocks)  # warm numpy's caches outside the measurement
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        result = run_kernel(d, k, blocks)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert result.nbytes == out_bytes
+    assert peak <= out_bytes + scratch + 4096, (peak, out_bytes, scratch)
+
+
 # ---------------------------------------------------------------- planning a gradient
 
 

@@ -90,18 +90,21 @@ def _matmul_copies(route: MatmulRoute, in_bytes: list[int], out_bytes: int) -> i
     return extra
 
 
+_ADD_AT_BUFFER = 8192  # np.add.at iterates through a small buffer of its own (measured: ~6 KB)
+
+
 def _scatter_add_scratch(d: Decomposition, op: ScatterAdd, kernel: int, in_bytes: list[int],
                          out_bytes: int) -> int:
     """:func:`~einjoin.ir.kernels.scatter_add_kernel`'s copies: half updates widened to float32
     (twice their bytes); with the rows cut, the updates and indices whose index falls in the
     block (at most all of them) and the mask; the float32 accumulator of a half output that is
-    no partial (partials stay float32: no cast)."""
+    no partial (partials stay float32: no cast); ``np.add.at``'s own buffer (a few KiB)."""
     upd, idx = in_bytes
     half = d.node.dtype in ("float16", "bfloat16")
     wide = 2 * upd if half else upd
-    scratch = wide if half else 0
+    scratch = _ADD_AT_BUFFER + (wide if half else 0)
     if len(d.out_partition.bounds[0]) > 2:
-        scratch += wide + 2 * idx
+        scratch += wide + 3 * idx  # the picked updates and indices, shifted, and the masks
     if half and d.n_partials == 1:
         scratch += 2 * out_bytes
     return scratch
