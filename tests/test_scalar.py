@@ -23,6 +23,7 @@ TORCH = {
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos,
+    "stop_gradient": torch.Tensor.detach,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
 }
 POSITIVE = {"log", "sqrt", "rsqrt", "pow"}  # domains: first argument positive

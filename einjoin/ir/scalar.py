@@ -208,6 +208,9 @@ _FN_LIST = [
     ScalarFn("logical_not", 1, "logical", np.logical_not),
     ScalarFn("logical_and", 2, "logical", np.logical_and, "&", 3),
     ScalarFn("logical_or", 2, "logical", np.logical_or, "|", 2),
+    # the identity whose derivative is 0 (einjoin.ir.derivative): ej.stop_gradient's join; a
+    # copy, so no kernel hands back its input's buffer
+    ScalarFn("stop_gradient", 1, "arith", lambda x: np.array(x, copy=True)),
 ]
 FUNCTIONS: dict[str, ScalarFn] = {f.name: f for f in _FN_LIST}
 # n-ary folds allowed when a join is named rather than written out ("mul" over three inputs)
