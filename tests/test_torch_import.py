@@ -184,9 +184,12 @@ def test_bad_modules_and_arguments():
         ej.from_torch(lambda x: x, (torch.randn(2),))
     with pytest.raises(ej.EinjoinError, match="method"):
         ej.from_torch(nn.Linear(2, 2), (torch.randn(2),), method="jit")
-    drop = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+    # plain dropout is translated in training mode (tests/test_grad_torch.py); alpha dropout is not
+    drop = nn.Sequential(nn.Linear(4, 4), nn.AlphaDropout(0.5)).train()
     with pytest.raises(ej.UnsupportedOpError, match="eval"):
         ej.from_torch(drop, (torch.randn(2, 4),))
+    with pytest.raises(ej.EinjoinError, match="dropout_seed"):
+        ej.from_torch(nn.Linear(2, 2), (torch.randn(2),), dropout_seed=0.5)
     _, args, fn = traced("zoo:mlp")
     prog = ej.compile(fn, devices=2)
     with pytest.raises(ej.EinjoinError, match="missing forward argument"):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import builtins
 import math
 import operator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from collections.abc import Callable
 
@@ -27,7 +29,8 @@ from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
 from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
 
-__all__ = ["OPS", "NO_OPS", "DATA_DEPENDENT", "NOTES", "torch_dtype", "data_dependent"]
+__all__ = ["OPS", "NO_OPS", "DATA_DEPENDENT", "NOTES", "torch_dtype", "data_dependent", "DROPOUT",
+           "DROPOUT_SEED", "DropoutSites"]
 
 Fn = Callable[..., Any]
 OPS: dict[str, Fn] = {}
@@ -51,7 +54,9 @@ NOTES: dict[str, str] = {
     "logical_not": "of bool tensors only",
     "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
     "max": "an error naming the fix: use `amax` / `amin` (reductions) or `maximum` / `minimum`",
-    "dropout": "the identity in eval mode; an error in training mode",
+    "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
+               "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",
+    "feature_dropout": "the identity in eval mode; an error in training mode",
     "scaled_dot_product_attention": "no `dropout_p`; `is_causal` aligns top-left as in torch",
     "slice": "step 1 only",
     "index": "one 1-D integer index tensor; a boolean mask is data-dependent",
@@ -359,10 +364,44 @@ def _embedding(weight: Tensor, indices: Tensor, *_: Any, **__: Any) -> Tensor:
     return F.gather(weight, indices)
 
 
-@op("dropout", "dropout_", "feature_dropout", "alpha_dropout")
+DROPOUT_SEED = "dropout_seed"
+"""The name of the int64 scalar graph input that seeds an imported module's training-mode dropouts."""
+
+
+@dataclass
+class DropoutSites:
+    """The training-mode dropouts met while importing one module: the seed input they share and
+    how many there were (each gets its own mask stream, in graph order)."""
+
+    seed: Tensor | None = None
+    count: int = 0
+
+    def mask_stream(self) -> tuple[Tensor, int]:
+        if self.seed is None:
+            self.seed = F.input(DROPOUT_SEED, (), "int64")
+        self.count += 1
+        return self.seed, self.count - 1
+
+
+DROPOUT: ContextVar[DropoutSites | None] = ContextVar("einjoin_dropout_sites", default=None)
+"""Set by ``from_torch`` around a translation; outside one, each training-mode dropout starts a
+fresh :class:`DropoutSites` (stream 0)."""
+
+
+@op("dropout", "dropout_")
 def _dropout(x: Tensor, p: float = 0.5, train: bool = False, inplace: bool = False) -> Tensor:
+    if not train or p == 0:
+        return x
+    sites = DROPOUT.get() or DropoutSites()
+    seed, stream = sites.mask_stream()
+    return F.dropout(x, p, seed, True, stream)
+
+
+@op("feature_dropout", "alpha_dropout")
+def _other_dropout(x: Tensor, p: float = 0.5, train: bool = False, inplace: bool = False) -> Tensor:
     if train and p > 0:
-        raise UnsupportedOpError(f"dropout with p={p} in training mode; call module.eval() first")
+        raise UnsupportedOpError(f"feature/alpha dropout with p={p} in training mode; call module.eval() "
+                                 f"first (plain dropout is translated in training mode)")
     return x
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from einjoin.errors import EinjoinError, ShapeError
 from einjoin.ir import ops
-from einjoin.ir.scalar import Expr
+from einjoin.ir.scalar import Expr, parse_join
 from einjoin.ir.dtypes import canonical_dtype
 # einsum, matmul and gather are defined beside Tensor (its operators use them) and re-exported here
 from einjoin.frontend.tensor import (Scalar, Tensor, _norm_dim, _t, einsum, elementwise, gather, matmul,
@@ -32,7 +32,7 @@ __all__ = ["input", "param", "einsum", "matmul", "where", "maximum", "minimum", 
            "rsqrt", "reciprocal", "abs", "relu", "tanh", "sigmoid", "erf", "sin", "cos", "neg",
            "logical_not", "sum", "mean", "max", "min", "prod", "concat", "cat", "stack", "split",
            "chunk", "reshape", "transpose", "permute", "broadcast_to", "full", "zeros", "ones",
-           "arange", "fill", "causal_mask", "gather", "embedding", "cast"]
+           "arange", "fill", "causal_mask", "gather", "embedding", "cast", "dropout_mask", "dropout"]
 
 
 def input(name: str, shape: Any, dtype: Any = "float32") -> Tensor:
@@ -239,3 +239,86 @@ def embedding(indices: Tensor, weight: Tensor) -> Tensor:
 def cast(x: Tensor, dtype: Any) -> Tensor:
     return _t(x, "cast").to(dtype)
 
+
+
+# ---- dropout: a keep-mask from a hash of (seed, stream, element index), computed in the graph.
+# Why a hash and not a random input: the mask is then computed where each block is needed (no
+# mask is loaded or moved), it is the same on every plan and backend (blocks hash their global
+# indices), and the seed is an ordinary int64 graph input, so one compiled program serves every
+# step. The hash works modulo the prime 2**31 - 1 so every product fits int64.
+_HASH_M = 2147483647
+
+
+def _hash_expr(p: float, stream: int) -> str:
+    """``x0`` (an int64 element index) and ``x1`` (the int64 seed) -> True where kept: a hash of
+    the index keyed by (seed, stream), uniform on [0, M), compared with ``round(p * M)``."""
+    m = _HASH_M
+    key = f"((x1 % {m}) * 48271 + {stream % m * 69621 % m + 1}) % {m}"
+    n = f"(x0 % {m})"
+    h = f"({n} * 16807 + {key}) % {m}"
+    h = f"({h} * {h} + 12345) % {m}"
+    h = f"({h} * 48271 + {n}) % {m}"
+    h = f"({h} * {h} + {key}) % {m}"
+    return f"{h} >= {round(p * m)}"
+
+
+def _check_p(p: Any) -> float:
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(p) <= 1.0:
+        raise EinjoinError(f"dropout: p must be a probability in [0, 1], got {p!r:.60}")
+    return float(p)
+
+
+def dropout_mask(shape: Any, p: float, seed: Tensor | int = 0, stream: int = 0) -> Tensor:
+    """The bool keep-mask of :func:`dropout`: True with probability ``1 - p`` per element,
+    independently (a hash of the element's index keyed by ``seed`` and ``stream``). ``seed`` is an
+    int64 scalar tensor (a graph input: a new seed per step, one compiled program) or an int;
+    ``stream`` tells apart the masks of several dropouts of one graph.
+
+    >>> import numpy as np, einjoin as ej
+    >>> keep = ej.dropout_mask((1000,), 0.25, ej.input("seed", (), "int64"))
+    >>> m = ej.reference(keep, seed=np.int64(7))
+    >>> m.dtype, bool(0.7 < m.mean() < 0.8)
+    (dtype('bool'), True)
+    """
+    dims = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    p = _check_p(p)
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise EinjoinError(f"dropout: stream must be an int, got {stream!r:.60}")
+    strides, acc = [], 1
+    for n in reversed(dims):
+        strides.append(acc)
+        acc *= n
+    linear = " + ".join(f"x{d} * {s}" for d, s in zip(range(len(dims)), reversed(strides))) or "0"
+    index = fill(dims, linear, "int64")
+    if isinstance(seed, Tensor):
+        if seed.ndim != 0 or seed.dtype != "int64":
+            raise EinjoinError(f"dropout: seed must be an int64 scalar tensor, got "
+                               f"{seed.dtype}{list(seed.shape)}")
+        return elementwise(parse_join(_hash_expr(p, int(stream)), 2), index, seed, name="dropout mask")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise EinjoinError(f"dropout: seed must be an int or an int64 scalar tensor, got {seed!r:.60}")
+    return elementwise(parse_join(_hash_expr(p, int(stream)).replace("x1", f"({int(seed)})"), 1), index,
+                       name="dropout mask")
+
+
+def dropout(x: Tensor, p: float = 0.5, seed: Tensor | int = 0, training: bool = True,
+            stream: int = 0) -> Tensor:
+    """torch's dropout: in training, each element is kept with probability ``1 - p`` and scaled
+    by ``1 / (1 - p)``, else 0 (the mask is :func:`dropout_mask`'s); the identity otherwise. Its
+    gradient is the same mask, scaled alike.
+
+    >>> import numpy as np, einjoin as ej
+    >>> y = ej.dropout(ej.input("x", (4, 256)), 0.5, seed=3)
+    >>> out = ej.reference(y, x=np.ones((4, 256), np.float32))
+    >>> sorted(set(out.ravel().tolist()))
+    [0.0, 2.0]
+    """
+    x = _t(x, "dropout")
+    p = _check_p(p)
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:  # nothing kept (torch returns zeros)
+        return full(x.shape, 0, x.dtype) if x.dtype != "bool" else x
+    keep = dropout_mask(x.shape, p, seed, stream)
+    return elementwise(parse_join(f"where(x1, x0 * {1.0 / (1.0 - p)!r}, 0)", 2), x, keep, name="dropout")

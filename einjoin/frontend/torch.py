@@ -51,6 +51,34 @@ class TorchFunction:
     many: bool = False
     method: str = "export"
     notes: tuple[str, ...] = ()
+    parameters: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
+    """The module's parameters as the graph inputs holding them (``ej.param`` tensors), by
+    qualified name in ``module.named_parameters()`` order: ``ej.grad(loss,
+    list(fn.parameters.values()))`` differentiates the imported model."""
+    buffers: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
+    """The buffers and constant tensors (graph inputs too, bound like the parameters; not
+    parameters: nothing trains them)."""
+
+    def with_outputs(self, outputs: Tensor | Sequence[Tensor]) -> TorchFunction:
+        """The same import computing ``outputs`` instead (a tensor, or a list: a loss and its
+        gradients built on :attr:`outputs` and :attr:`parameters`): compiled or evaluated, it
+        binds the module's tensors and takes the forward's arguments as this one does; other
+        inputs of ``outputs`` are fed by name.
+
+        >>> import torch, numpy as np, einjoin as ej
+        >>> fn = ej.from_torch(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
+        >>> loss = fn.outputs[0].sum()
+        >>> train = fn.with_outputs([loss, *ej.grad(loss, list(fn.parameters.values()))])
+        >>> [g.shape for g in train.reference(torch.ones(4, 3))[1:]]
+        [(2, 3), (2,)]
+        """
+        from dataclasses import replace
+        many = isinstance(outputs, (list, tuple))
+        outs = tuple(outputs) if isinstance(outputs, (list, tuple)) else (outputs,)
+        for i, o in enumerate(outs):
+            if not isinstance(o, Tensor):
+                raise EinjoinError(f"with_outputs: output {i} is {type(o).__name__}, not an einjoin tensor")
+        return replace(self, outputs=outs, many=many)
 
     def reference(self, *args: Any, **feeds: Any) -> Any:
         """Evaluate with the numpy reference (``ej.reference``), binding the module's tensors."""
@@ -70,7 +98,8 @@ class TorchFunction:
         shapes = ", ".join(f"{o.dtype}{list(o.shape)}" for o in self.outputs)
         notes = "".join(f"; note: {n}" for n in self.notes)
         return (f"TorchFunction({self.method}; args {', '.join(self.arg_names)}; "
-                f"{len(self.bound)} bound tensors; outputs {shapes}{notes})")
+                f"{len(self.parameters)} parameters, {len(self.bound)} bound tensors; "
+                f"outputs {shapes}{notes})")
 
 
 # ---------------------------------------------------------------- naming and locating nodes
@@ -333,6 +362,8 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     skip = _check_supported(ep.graph, False, {}, problems)
     env: dict[Any, Any] = {}
     bound: dict[str, np.ndarray] = {}
+    params: dict[str, Tensor] = {}
+    buffers: dict[str, Tensor] = {}
     arg_names: list[str] = []
     outputs: list[Tensor] = []
     for node in ep.graph.nodes:
@@ -345,6 +376,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants[spec.target]
                 name = spec.target
                 env[node] = F.param(name, tuple(t.shape), _dtype_of(t, f"{kind.lower()} {name!r}"))
+                (params if kind == "PARAMETER" else buffers)[name] = env[node]
                 if not t.is_meta:  # a module on the meta device plans but cannot run
                     bound[name] = _to_numpy(t)
             elif kind == "USER_INPUT":
@@ -377,7 +409,15 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         else:
             raise UnsupportedOpError(f"from_torch: fx node kind {node.op!r} ({node.name})")
     problems.check()
-    return TorchFunction(tuple(outputs), tuple(arg_names), bound, _many(ep.call_spec.out_spec), "export")
+    return TorchFunction(tuple(outputs), tuple(arg_names), bound, _many(ep.call_spec.out_spec), "export",
+                         parameters=_in_module_order(module, params), buffers=buffers)
+
+
+def _in_module_order(module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``params`` in ``module.named_parameters()`` order (the order an optimizer sees them)."""
+    order = [n for n, _ in module.named_parameters()]
+    rank = {n: i for i, n in enumerate(order)}
+    return dict(sorted(params.items(), key=lambda kv: rank.get(kv[0], len(order))))
 
 
 def _many(out_spec: Any) -> bool:
@@ -466,6 +506,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
     arg_names: list[str] = []
     given = list(args)
     params: dict[str, Tensor] = {}
+    trained = {id(t) for t in module.parameters()}
 
     def param(qual: str, t: Any) -> Tensor:
         if qual not in params:
@@ -513,7 +554,18 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
             many = isinstance(out, (tuple, list))
             outputs = [_as_output(o, f"{i}") for i, o in enumerate(out if many else [out])]
     problems.check()
-    return TorchFunction(tuple(outputs), tuple(arg_names), bound, many, "fx")
+    names = dict(module.named_parameters())
+    weights = {q: t for q, t in params.items() if q in names or id(_attr(module, q)) in trained}
+    return TorchFunction(tuple(outputs), tuple(arg_names), bound, many, "fx",
+                         parameters=_in_module_order(module, weights),
+                         buffers={q: t for q, t in params.items() if q not in weights})
+
+
+def _attr(module: Any, qual: str) -> Any:
+    t = module
+    for part in qual.split("."):
+        t = getattr(t, part, None)
+    return t
 
 
 # ---------------------------------------------------------------- the entry point
@@ -610,8 +662,24 @@ def _notes(fn: TorchFunction, notes: list[str]) -> TorchFunction:
     return replace(fn, notes=tuple(notes)) if notes else fn
 
 
+def _capture(how: Callable[[Any, tuple[Any, ...], dict[str, Any]], TorchFunction], module: Any,
+             args: tuple[Any, ...], kwargs: dict[str, Any], dropout_seed: int) -> TorchFunction:
+    """``how(module, args, kwargs)`` with its own record of training-mode dropouts: if there were
+    any, their seed input is bound to ``dropout_seed`` (a feed of that name overrides it)."""
+    from dataclasses import replace
+    sites = aten.DropoutSites()
+    token = aten.DROPOUT.set(sites)
+    try:
+        fn = how(module, args, kwargs)
+    finally:
+        aten.DROPOUT.reset(token)
+    if sites.count:
+        fn = replace(fn, bound={**fn.bound, aten.DROPOUT_SEED: np.asarray(dropout_seed, np.int64)})
+    return fn
+
+
 def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None,
-               method: str = "auto") -> TorchFunction:
+               method: str = "auto", *, dropout_seed: int = 0) -> TorchFunction:
     """Trace ``module`` on example inputs (their shapes and dtypes fix the graph's) and translate
     it. ``method``: ``"export"`` (torch.export), ``"fx"`` (torch.fx.symbolic_trace) or ``"auto"``
     (export, then fx if export cannot capture the module). A module using ops einjoin cannot
@@ -621,7 +689,14 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     ``docs/torch_ops.md`` (:func:`supported_ops`). When export fails and the fx fallback fails too,
     the error gives both causes. Example arguments that are one tensor (``mha(x, x, x)``) are traced
     as copies, so the graph holds for distinct tensors too; ``notes`` on the result says so, and
-    names forward arguments the graph never reads (``run()`` accepts and ignores them)."""
+    names forward arguments the graph never reads (``run()`` accepts and ignores them).
+
+    ``fn.parameters`` maps each parameter's qualified name to the graph input holding it, so
+    ``ej.grad(loss, list(fn.parameters.values()))`` differentiates the model; compare with torch
+    in eval mode. A module in training mode keeps its dropouts: each draws its keep-mask from a
+    hash of the element index and the int64 scalar input ``dropout_seed`` (bound to
+    ``dropout_seed``; feed ``dropout_seed=`` to ``run()`` for a new mask each step), scaled by
+    ``1 / (1 - p)`` as torch's; torch's own random masks cannot be reproduced."""
     import torch
 
     if not isinstance(module, torch.nn.Module):
@@ -633,14 +708,16 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
         raise EinjoinError(f"from_torch: example_kwargs must be a mapping name -> value, got "
                            f"{type(example_kwargs).__name__}")
     kwargs = dict(example_kwargs or {})
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, (int, np.integer)):
+        raise EinjoinError(f"from_torch: dropout_seed must be an int, got {dropout_seed!r:.60}")
     _check_signature(module, args, kwargs)
     args, kwargs, notes = _unalias(module, args, kwargs)
     name = type(module).__name__
     if method == "fx":
-        return _notes(_from_fx(module, args, kwargs), notes)
+        return _notes(_capture(_from_fx, module, args, kwargs, dropout_seed), notes)
     try:
         with torch.no_grad():
-            return _notes(_from_export(module, args, kwargs), notes)
+            return _notes(_capture(_from_export, module, args, kwargs, dropout_seed), notes)
     except EinjoinError:
         raise
     except Exception as e:  # export could not capture the module: fx, when allowed
@@ -649,7 +726,7 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
         if method == "export":
             raise EinjoinError(f"from_torch: torch.export could not capture {name}: {cause}{hint}") from e
         try:
-            return _notes(_from_fx(module, args, kwargs), notes)
+            return _notes(_capture(_from_fx, module, args, kwargs, dropout_seed), notes)
         except Exception as e2:  # both failed: both causes, so neither is hidden
             detail = str(e2).removeprefix("from_torch: ") if isinstance(e2, EinjoinError) else _cause(e2)
             if BRANCH_HELP in detail:

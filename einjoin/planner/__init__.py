@@ -1,8 +1,8 @@
 """Planners: graph + cluster + memory limit -> one join-agg spec per node. All share one
 signature (:class:`Planner`) and one registry, with ``auto`` (= ``eindecomp``, the EinDecomp
 dynamic program with refinement, see :mod:`einjoin.planner.search`); ``exhaustive`` is ground
-truth for small graphs; the named baselines ``data_parallel``, ``megatron`` and ``mesh_ilp``
-(:mod:`einjoin.planner.baselines`) are what a user would otherwise pick; ``split_largest`` and
+truth for small graphs; the named baselines ``data_parallel``, ``megatron``, ``mesh_ilp`` and
+``zero`` (:mod:`einjoin.planner.baselines`) are what a user would otherwise pick; ``split_largest`` and
 ``single`` are simple references (:mod:`einjoin.planner.basic`).
 
 The package's rooms, lower first (none imports a higher one, nor this one): ``fit`` (cutting an
@@ -32,7 +32,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
-from einjoin.planner.baselines import data_parallel, megatron, mesh_ilp
+from einjoin.planner.baselines import data_parallel, megatron, mesh_ilp, zero
 from einjoin.planner.basic import derive_input_specs, largest_output_cut, single_block, split_largest
 from einjoin.planner.fit import MemoryLimit, device_memory
 from einjoin.planner.search import eindecomp, exhaustive
@@ -87,6 +87,7 @@ PLANNERS["auto"] = eindecomp
 PLANNERS["data_parallel"] = data_parallel
 PLANNERS["megatron"] = megatron
 PLANNERS["mesh_ilp"] = mesh_ilp
+PLANNERS["zero"] = zero
 
 
 def _planner_name(planner: Any) -> str:

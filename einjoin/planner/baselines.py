@@ -38,7 +38,7 @@ from collections.abc import Callable
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import reshape_groups
 from einjoin.decomp.partition import even_bounds
-from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_labels
+from einjoin.decomp.spec import ROW, JoinAggSpec, aggregated_labels, dim_labels, label_sizes, output_labels
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
@@ -50,8 +50,9 @@ from einjoin.planner.fit import MemoryLimit
 from einjoin.planner.ilp import choose
 from einjoin.settings import SETTINGS, Settings
 
-__all__ = ["NotApplicable", "data_parallel", "megatron", "mesh_ilp", "mesh_shapes",
-           "mesh_strategies", "batch_dims", "BATCH_DIM_RULES", "FOLLOW_RULES"]
+__all__ = ["NotApplicable", "data_parallel", "megatron", "mesh_ilp", "mesh_shapes", "zero",
+           "mesh_strategies", "batch_dims", "contracted_batch", "parameter_gradients",
+           "BATCH_DIM_RULES", "FOLLOW_RULES"]
 
 
 class NotApplicable(EinjoinError):
@@ -187,27 +188,140 @@ BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], 
 their batch dims (``data_parallel``; see :func:`batch_dims`)."""
 
 
-def data_parallel(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None
-                  ) -> dict[Node, JoinAggSpec]:
-    """Split the batch label P ways in every op that has one (see :func:`batch_dims`); every
-    other op runs in one block. NotApplicable when no op has a batch label of size >= P."""
-    p = cluster.size
+def _einsum_input_label(v: Node, slot: int, d: int) -> str | None:
+    return cast(Einsum, v.op).in_labels[slot][d]
+
+
+def _gather_input_label(v: Node, slot: int, d: int) -> str | None:
+    if slot == 1:  # the indices' dims are the output's leading dims
+        return dim_labels(v.ndim)[d]
+    return ROW if d == 0 else dim_labels(v.ndim)[v.inputs[1].ndim + d - 1]
+
+
+def _scatter_add_input_label(v: Node, slot: int, d: int) -> str | None:
+    return dim_labels(v.inputs[0].ndim)[d]  # updates and indices share the index labels a, b, ...
+
+
+def _no_input_label(v: Node, slot: int, d: int) -> str | None:
+    return None  # no aggregated labels: nothing to contract
+
+
+_INPUT_LABEL_RULES: dict[type, Callable[[Node, int, int], str | None]] = {
+    Input: _no_input_label,
+    Einsum: _einsum_input_label,
+    Reshape: _no_input_label,
+    Broadcast: _no_input_label,
+    Select: _no_input_label,
+    Concat: _no_input_label,
+    Fill: _no_input_label,
+    Gather: _gather_input_label,
+    ScatterAdd: _scatter_add_input_label,
+    Cast: _no_input_label,
+}
+"""Per node kind with aggregated labels, the label of dim ``d`` of input ``slot`` in the node's
+label space (None for kinds that aggregate nothing): where a batch dim is contracted."""
+
+
+def contracted_batch(v: Node, bdim: dict[Node, int | None]) -> str | None:
+    """The batch label ``v`` aggregates away, if any: the one label that every operand with a
+    batch dim has at that dim, when it is an aggregated label of ``v``. In a gradient graph the
+    gradient of a parameter contracts the batch (``gW = x^T g``): cutting that label P ways
+    leaves P partial sums, and their aggregation across the devices is the all-reduce (or, into
+    a cut output, the reduce-scatter) that data parallelism needs, synthesised by the exchange."""
+    labels = set()
+    for s, u in enumerate(v.inputs):
+        d = bdim.get(u)
+        if d is not None:
+            labels.add(rule_for(_INPUT_LABEL_RULES, v.op, "data-parallel input labels")(v, s, d))
+    if len(labels) != 1:
+        return None
+    lab = labels.pop()
+    return lab if lab is not None and lab in aggregated_labels(v) else None
+
+
+def _data_parallel_specs(graph: Graph, p: int) -> dict[Node, JoinAggSpec]:
     bdim, _ = batch_dims(graph)
     specs: dict[Node, JoinAggSpec] = {}
     largest = 0
     for v in graph.ops:
-        d = bdim.get(v)
-        if v.facts.free or d is None:
+        if v.facts.free:
             continue
-        lab = output_labels(v)[d]
+        d = bdim.get(v)
+        lab = output_labels(v)[d] if d is not None else contracted_batch(v, bdim)
+        if lab is None:
+            continue
         size = label_sizes(v)[lab]
-        largest = max(largest, size)
+        if d is not None:
+            largest = max(largest, size)
         specs[v] = JoinAggSpec.for_node(v, {lab: min(p, size)})
     if largest == 0:
         raise NotApplicable("no batch label: no op keeps a batch dim of the activation inputs")
     if largest < p:
         raise NotApplicable(f"batch smaller than the devices: the largest batch label has size "
                             f"{largest} < P = {p}")
+    return specs
+
+
+def data_parallel(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None
+                  ) -> dict[Node, JoinAggSpec]:
+    """Split the batch label P ways in every op that has one (see :func:`batch_dims`); an op that
+    contracts the batch away (a parameter's gradient, a loss summed over the batch) cuts that
+    label into P partial sums (:func:`contracted_batch`); every other op runs in one block.
+    NotApplicable when no op has a batch label of size >= P."""
+    return _finish(graph, _data_parallel_specs(graph, cluster.size))
+
+
+# --------------------------------------------------------------------------------------------
+# ZeRO: data parallelism with parameters and their gradients sharded
+
+
+def _shard(v: Node, p: int) -> JoinAggSpec:
+    """``v``'s output cut along its largest dim into min(P, size) even blocks (the first such
+    dim on ties)."""
+    d = max(range(v.ndim), key=lambda i: v.shape[i])
+    return JoinAggSpec.for_node(v, {output_labels(v)[d]: min(p, v.shape[d])})
+
+
+def parameter_gradients(graph: Graph) -> list[Node]:
+    """The graph outputs that are parameters' gradients: those with the shape and dtype of a
+    parameter (``ej.param``) that are not the parameter itself. A training graph's outputs are
+    ``[loss, *ej.grad(loss, params)]``; parameters of one shape are cut alike, so which
+    parameter a gradient belongs to does not matter."""
+    shapes = {(x.shape, x.dtype) for x in graph.params if x.ndim}
+    return [v for v in dict.fromkeys(graph.outputs)
+            if not v.facts.fed and v.ndim and (v.shape, v.dtype) in shapes]
+
+
+def zero(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None
+         ) -> dict[Node, JoinAggSpec]:
+    """ZeRO-style (stage 3) data parallelism: the batch is split as :func:`data_parallel` does,
+    but every parameter (an ``ej.param`` input) is held cut along its largest dim into P blocks,
+    one per device, and so is every parameter's gradient (:func:`parameter_gradients`): the
+    gradient op keeps its batch cut into P partial sums and cuts that dim P ways too, so the
+    partials of each block meet on one device (a reduce-scatter rather than an all-reduce).
+    The forward gathers the parameter blocks each op needs; all of it is synthesised by the
+    exchange. NotApplicable without parameters or without a batch (as data_parallel).
+
+    >>> import einjoin as ej
+    >>> x, w = ej.input("x", (64, 32)), ej.param("w", (32, 16))
+    >>> loss = (x @ w).sum()
+    >>> gw = ej.einsum("mk,mn->kn", x, ej.input("g", (64, 16)))   # the gradient of w for cotangent g
+    >>> specs = zero(ej.Graph([loss, gw]), ej.local(4))
+    >>> print(specs[w.node], specs[gw.node])
+    {a: 4, b: 1} {k: 4, n: 1, m: 4}
+    """
+    p = cluster.size
+    params = [x for x in graph.params if x.ndim]
+    if not params:
+        raise NotApplicable("no parameters (ej.param inputs) to shard")
+    specs = _data_parallel_specs(graph, p)
+    for x in params:
+        specs[x] = _shard(x, p)
+    for g in parameter_gradients(graph):
+        counts = specs[g].counts() if g in specs else {}
+        shard = _shard(g, p).counts()
+        cut = {lab: n for lab, n in shard.items() if n > 1}
+        specs[g] = JoinAggSpec.for_node(g, {**{k: n for k, n in counts.items() if n > 1}, **cut})
     return _finish(graph, specs)
 
 
