@@ -20,7 +20,8 @@ Label bookkeeping (:func:`onto`): a label repeated within ``l_i`` (``ii->i``) re
 values on the diagonal only — the adjoint is computed over fresh labels for the repeats and
 multiplied by a diagonal fill ``x_a == x_b`` (free: computed where it is read); a label of
 ``l_i`` that no other operand of the adjoint carries (it was summed away in the forward) is
-added back by a broadcast.
+added back by a broadcast; a label of the op that the adjoint's operands no longer carry (the
+operand it came from is not read by ``∂f/∂x_i``) multiplies the adjoint by its size.
 
 >>> from einjoin.ir import ops
 >>> a = ops.input_node("a", (2, 3), "float64"); b = ops.input_node("b", (3, 4), "float64")
@@ -121,7 +122,17 @@ def onto(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]], join: Expr,
     >>> d.op.equation, str(d.op.join), str(d.inputs[1].op.expr)
     ('i,ia->ia', 'x0 * x1', 'where(x0 == x1, 1.0, 0.0)')
     """
+    grid = {lab: d for x, ls in zip(inputs, in_labels) for lab, d in zip(ls, x.shape)}
     join, nodes, labels = _compact(join, inputs, in_labels)
+    # a label of the op's grid that no input read by the join carries (nor the target) still
+    # counts its size: summing a value that does not vary along it multiplies it by the size
+    kept = {lab for ls in labels for lab in ls} | set(target_labels)
+    factor = 1
+    for lab, d in grid.items():
+        if lab not in kept:
+            factor *= d
+    if factor != 1:
+        join = Call("mul", (join, Const(factor)))
     taken = {lab for ls in labels for lab in ls} | set(target_labels)
     fresh = iter(c for c in string.ascii_letters if c not in taken)
     first: dict[str, int] = {}
