@@ -228,7 +228,8 @@ def test_masked_cotangent_stays_zero() -> None:
     ("log(x0)", 0, "1.0 / x0"),
     ("sin(x0)", 0, "cos(x0)"),
     ("cos(x0)", 0, "-sin(x0)"),
-    ("x0 * x0", 0, "x0 + x0"),
+    ("x0 * x0", 0, "2 * x0"),
+    ("x0 * x0 * 0.5", 0, "x0"),
     ("where(x1 > 0, x0, 0.0)", 0, "where(x1 > 0, 1.0, 0.0)"),
     ("where(x0 > 0, x1, 2.0)", 0, "0.0"),
     ("x0 > x1", 0, "0.0"),
@@ -270,7 +271,9 @@ def test_zero_factors_are_kept_unless_structural() -> None:
     ("x0 + -x1", "x0 - x1"), ("x0 - -x1", "x0 + x1"), ("-x0 * x1", "-(x0 * x1)"),
     ("2 * 3 + x0", "6 + x0"), ("where(x0 > 1, x1, x1)", "x1"), ("where(1 > 0, x0, x1)", "x0"),
     ("(x0 > 0) & (1 < 0)", "False"), ("(x0 > 0) | (1 < 0)", "x0 > 0"), ("x0 // 0", "x0 // 0"),
-    ("sqrt(4.0) * x0", "2.0 * x0"), ("x0 * 2 * 3", "6 * x0"),
+    ("sqrt(4.0) * x0", "2.0 * x0"), ("x0 * 2 * 3", "6 * x0"), ("x0 + x0", "2 * x0"),
+    ("x0 * (2 * x1)", "2 * (x0 * x1)"), ("(x0 * 0.5) * x1", "0.5 * (x0 * x1)"),
+    ("where(x0 > 0, 1, 0) + where(x0 > 0, 1.0, 0.0)", "where(x0 > 0, 1, 0) + where(x0 > 0, 1.0, 0.0)"),
 ])
 def test_simplify(text: str, want: str) -> None:
     e = parse_join(text, 2)

@@ -83,6 +83,25 @@ def test_printing_round_trips(e) -> None:  # type: ignore[no-untyped-def]
     np.testing.assert_array_equal(a, b)
 
 
+def test_shared_subexpressions_are_computed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    tanh = FUNCTIONS["tanh"]
+
+    def counted(x: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        return np.tanh(x)
+
+    monkeypatch.setitem(FUNCTIONS, "tanh", type(tanh)("tanh", 1, "float", counted))
+    t = Call("tanh", (Arg(0),))
+    e = Call("sub", (Const(1.0), Call("mul", (t, t))))  # tanh's derivative shares tanh(x0)
+    np.testing.assert_allclose(evaluate(e, [X]), 1 - np.tanh(X) ** 2, rtol=1e-14)
+    assert len(calls) == 1
+    # equal but distinct objects are not merged: their constants may differ in kind
+    two = Call("add", (Call("where", (Arg(0), Const(1), Const(0))),
+                       Call("where", (Arg(0), Const(1.0), Const(0.0)))))
+    assert evaluate(two, [np.array([True])]).dtype == np.float64
+
+
 def test_named_join_folds_over_inputs() -> None:
     assert str(parse_join("mul", 3)) == "x0 * x1 * x2"
     assert str(parse_join("max", 3)) == "max(max(x0, x1), x2)"

@@ -3,8 +3,8 @@
 The adjoint of input ``i`` of an elementwise einsum ``f(x0, ..., xn)`` is the einsum over the op's
 labels with join ``g * ∂f/∂x_i`` (``g`` the cotangent), aggregated onto input i's labels; this
 module builds that join. Each function of :data:`einjoin.ir.scalar.FUNCTIONS` has one entry in
-:data:`DERIVATIVES` (data, not an if-chain): a forward-mode rule ``(args, tangent) -> Expr`` that
-builds the derivative of the call from its arguments and (lazily) their derivatives, or a
+:data:`DERIVATIVES` (data, not an if-chain): a forward-mode rule ``(call, tangent) -> Expr`` that
+builds the derivative of the call from the call and (lazily) its arguments' derivatives, or a
 :class:`NoDerivative` saying why there is none. The rules follow torch's backward formulas, tie and
 kink rules included (``max``/``min`` ties split the gradient evenly; ``abs'(0) = relu'(0) = 0``;
 ``d/dx x**0 = 0``), so gradients agree with ``torch.autograd`` at those points too.
@@ -40,8 +40,8 @@ __all__ = ["derivative", "vjp_join", "simplify", "uses_arg", "DERIVATIVES", "NoD
 
 # the derivative of argument k of a call, built on demand; None when it is a structural zero
 Tangent = Callable[[int], "Expr | None"]
-# a forward-mode rule: (the call's arguments, their derivatives) -> the call's derivative or None
-Rule = Callable[[tuple[Expr, ...], Tangent], "Expr | None"]
+# a forward-mode rule: (the call, its arguments' derivatives) -> the call's derivative or None
+Rule = Callable[[Call, Tangent], "Expr | None"]
 
 
 @dataclass(frozen=True)
@@ -109,9 +109,17 @@ def simplify(expr: Expr) -> Expr:
     >>> print(simplify(parse_join("1 * x0 + 0 * 2 - -x1 ** 1", 2)))
     x0 + x1
     """
-    if isinstance(expr, Call):
-        return _mk(expr.fn, *(simplify(a) for a in expr.args))
-    return expr
+    memo: dict[int, Expr] = {}  # by identity: a shared sub-expression stays shared
+
+    def go(e: Expr) -> Expr:
+        if not isinstance(e, Call):
+            return e
+        out = memo.get(id(e))
+        if out is None:
+            out = memo[id(e)] = _mk(e.fn, *(go(a) for a in e.args))
+        return out
+
+    return go(expr)
 
 
 # ---------------------------------------------------------------- differentiation
@@ -124,11 +132,12 @@ def _differentiate(expr: Expr, i: int, seed: Expr, dtypes: Sequence[str] | None)
         if kind(dtypes[i]) != "float":
             raise ExpressionError(f"derivative of {expr} with respect to x{i}: gradients need "
                                   f"float inputs, x{i} is {dtypes[i]}")
-    memo: dict[Expr, Expr | None] = {}
+    # by identity, not equality: Const(1) == Const(1.0) == Const(True) in Python
+    memo: dict[int, Expr | None] = {}
 
     def d(e: Expr) -> Expr | None:
-        if e in memo:
-            return memo[e]
+        if id(e) in memo:
+            return memo[id(e)]
         out: Expr | None
         if isinstance(e, Arg):
             out = seed if e.index == i else None
@@ -142,9 +151,9 @@ def _differentiate(expr: Expr, i: int, seed: Expr, dtypes: Sequence[str] | None)
             if isinstance(rule, NoDerivative):
                 raise ExpressionError(f"{e.fn} has no derivative ({rule.reason}); it is on the "
                                       f"path to x{i} in {expr}")
-            args = e.args
-            out = rule(args, lambda k: d(args[k]))
-        memo[e] = out
+            call = e
+            out = rule(call, lambda k: d(call.args[k]))
+        memo[id(e)] = out
         return out
 
     try:
@@ -179,6 +188,8 @@ def _id_add(a: Expr, b: Expr) -> Expr | None:
         return _mk("sub", a, nb)
     if (na := _neg_of(a)) is not None:
         return _mk("sub", b, na)  # IEEE addition commutes exactly
+    if not isinstance(a, Const) and _same(a, b):
+        return _mk("mul", Const(2), a)  # x + x is 2x exactly; an int 2 is weak for any dtype
     return None
 
 
@@ -189,6 +200,13 @@ def _id_sub(a: Expr, b: Expr) -> Expr | None:
         return _mk("neg", b)
     if (nb := _neg_of(b)) is not None:
         return _mk("add", a, nb)
+    return None
+
+
+def _const_factor(e: Expr) -> tuple[Const, Expr] | None:
+    """``c * y`` as ``(c, y)``."""
+    if isinstance(e, Call) and e.fn == "mul" and isinstance(e.args[0], Const):
+        return e.args[0], e.args[1]
     return None
 
 
@@ -203,9 +221,14 @@ def _id_mul(a: Expr, b: Expr) -> Expr | None:
         return _mk("neg", _mk("mul", na, b))
     if (nb := _neg_of(b)) is not None:
         return _mk("neg", _mk("mul", a, nb))
-    if (isinstance(a, Const) and isinstance(b, Call) and b.fn == "mul"
-            and isinstance(b.args[0], Const)):
-        return _mk("mul", _mk("mul", a, b.args[0]), b.args[1])  # a constant factor folds
+    # a constant factor moves to the front, where it folds with the others: c1 * (c2 * y) is
+    # (c1 * c2) * y, and x * (c * y) is c * (x * y)
+    if (fb := _const_factor(b)) is not None:
+        if isinstance(a, Const):
+            return _mk("mul", _mk("mul", a, fb[0]), fb[1])
+        return _mk("mul", fb[0], _mk("mul", a, fb[1]))
+    if not isinstance(a, Const) and (fa := _const_factor(a)) is not None:
+        return _mk("mul", fa[0], _mk("mul", fa[1], b))
     return None
 
 
@@ -230,13 +253,15 @@ def _id_pow(a: Expr, b: Expr) -> Expr | None:
 def _id_where(c: Expr, a: Expr, b: Expr) -> Expr | None:
     if isinstance(c, Const):
         return a if c.value else b
-    if a == b and type(_value(a)) is type(_value(b)):  # Const(1) == Const(1.0): keep the kind
+    if _same(a, b):
         return a
     return None
 
 
-def _value(e: Expr) -> object:
-    return e.value if isinstance(e, Const) else None
+def _same(a: Expr, b: Expr) -> bool:
+    """Equal expressions with equal constant kinds (``Const(1) == Const(1.0) == Const(True)`` in
+    Python, but ``where(c, 1, 0)`` is int64 and ``where(c, 1.0, 0.0)`` a float)."""
+    return a is b or (a == b and str(a) == str(b))
 
 
 def _id_and(a: Expr, b: Expr) -> Expr | None:
@@ -317,39 +342,40 @@ def _or_zero(e: Expr | None) -> Expr:
 # ---------------------------------------------------------------- the rules
 
 
-def _unary(partial: Callable[[Expr], Expr]) -> Rule:
-    """The chain rule of a one-argument function: ``f'(a) * da``."""
-    def rule(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _unary(partial: Callable[[Call], Expr]) -> Rule:
+    """The chain rule of a one-argument function: ``f'(a) * da`` (``partial`` gets the call
+    ``f(a)`` itself, so a derivative that reuses the value, ``exp' = exp``, shares it)."""
+    def rule(e: Call, t: Tangent) -> Expr | None:
         da = t(0)
-        return None if da is None else _mul(partial(args[0]), da)
+        return None if da is None else _mul(partial(e), da)
     return rule
 
 
-def _zero(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _zero(e: Call, t: Tangent) -> Expr | None:
     """Piecewise constant (comparisons, logical ops) or cut (stop_gradient): a structural zero;
     the arguments are not differentiated at all."""
     return None
 
 
-def _d_add(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_add(e: Call, t: Tangent) -> Expr | None:
     return _sum(t(0), t(1))
 
 
-def _d_sub(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_sub(e: Call, t: Tangent) -> Expr | None:
     da, db = t(0), t(1)
     if db is None:
         return da
     return _mk("neg", db) if da is None else _sub(da, db)
 
 
-def _d_mul(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
-    a, b = args
+def _d_mul(e: Call, t: Tangent) -> Expr | None:
+    a, b = e.args
     da, db = t(0), t(1)
     return _sum(None if da is None else _mul(da, b), None if db is None else _mul(a, db))
 
 
-def _d_div(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
-    a, b = args
+def _d_div(e: Call, t: Tangent) -> Expr | None:
+    a, b = e.args
     da, db = t(0), t(1)
     ta = None if da is None else _div(da, b)
     if db is None:
@@ -358,10 +384,10 @@ def _d_div(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
     return _mk("neg", tb) if ta is None else _sub(ta, tb)
 
 
-def _d_pow(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_pow(e: Call, t: Tangent) -> Expr | None:
     """torch's pow_backward: ``b * a**(b-1)``, masked to 0 where ``b == 0``; for the exponent
     ``a**b * log(a)``, masked to 0 where ``a == 0 and b >= 0`` (no 0 * -inf)."""
-    a, b = args
+    a, b = e.args
     da, db = t(0), t(1)
     ta = tb = None
     if da is not None:
@@ -377,9 +403,9 @@ def _d_pow(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
     return _sum(ta, tb)
 
 
-def _d_mod(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_mod(e: Call, t: Tangent) -> Expr | None:
     """torch's remainder backward: ``da - floor(a / b) * db``."""
-    a, b = args
+    a, b = e.args
     da, db = t(0), t(1)
     if db is None:
         return da
@@ -390,8 +416,8 @@ def _d_mod(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
 def _extremum(loses: str, beats: str) -> Rule:
     """max (min): torch's backward ``where(a == b, grad / 2, grad)`` masked to 0 where the
     argument loses; so a tie splits the gradient evenly and a NaN passes it to both."""
-    def rule(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
-        a, b = args
+    def rule(e: Call, t: Tangent) -> Expr | None:
+        a, b = e.args
         da, db = t(0), t(1)
         tie = _mk("eq", a, b)
         ta = None if da is None else _where(_mk(loses, a, b), _c(0.0),
@@ -402,24 +428,26 @@ def _extremum(loses: str, beats: str) -> Rule:
     return rule
 
 
-def _d_relu(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_relu(e: Call, t: Tangent) -> Expr | None:
     da = t(0)  # torch's threshold_backward: where(x <= 0, 0, grad); relu'(0) = 0
-    return None if da is None else _where(_mk("le", args[0], _c(0)), _c(0.0), da)
+    return None if da is None else _where(_mk("le", e.args[0], _c(0)), _c(0.0), da)
 
 
-def _d_where(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_where(e: Call, t: Tangent) -> Expr | None:
     da, db = t(1), t(2)  # the condition is piecewise constant: never differentiated
     if da is None and db is None:
         return None
-    return _where(args[0], _or_zero(da), _or_zero(db))
+    return _where(e.args[0], _or_zero(da), _or_zero(db))
 
 
-def _sign(a: Expr) -> Expr:
+def _sign(e: Call) -> Expr:
+    a = e.args[0]
     # torch's sgn: 0 at 0 (and at NaN), so abs'(0) = 0
     return _where(_mk("gt", a, _c(0)), _c(1.0), _where(_mk("lt", a, _c(0)), _c(-1.0), _c(0.0)))
 
 
-def _silu(a: Expr) -> Expr:
+def _silu(e: Call) -> Expr:
+    a = e.args[0]
     s = _mk("sigmoid", a)  # torch: sigmoid(x) * (1 + x * (1 - sigmoid(x)))
     return _mul(s, _add(_c(1.0), _mul(a, _sub(_c(1.0), s))))
 
@@ -431,14 +459,16 @@ _BETA = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
 
 
-def _gelu(a: Expr) -> Expr:
+def _gelu(e: Call) -> Expr:
+    a = e.args[0]
     # torch's gelu_backward (erf form): cdf(x) + x * pdf(x)
     cdf = _mul(_c(0.5), _add(_c(1.0), _mk("erf", _mul(a, _c(_SQRT1_2)))))
     pdf = _mul(_c(_INV_SQRT_2PI), _mk("exp", _mul(_c(-0.5), _mul(a, a))))
     return _add(cdf, _mul(a, pdf))
 
 
-def _gelu_tanh(a: Expr) -> Expr:
+def _gelu_tanh(e: Call) -> Expr:
+    a = e.args[0]
     # torch's gelu_backward (tanh form): 0.5 (1 + tanh u) + 0.5 x (1 - tanh² u) β (1 + 3κ x²)
     inner = _mul(_c(_BETA), _add(a, _mul(_c(_KAPPA), _mul(_mul(a, a), a))))
     th = _mk("tanh", inner)
@@ -448,36 +478,33 @@ def _gelu_tanh(a: Expr) -> Expr:
     return _add(left, right)
 
 
-def _tanh(a: Expr) -> Expr:
-    y = _mk("tanh", a)
-    return _sub(_c(1.0), _mul(y, y))
+def _tanh(e: Call) -> Expr:
+    return _sub(_c(1.0), _mul(e, e))  # torch: 1 - tanh²
 
 
-def _sigmoid(a: Expr) -> Expr:
-    s = _mk("sigmoid", a)
-    return _mul(_sub(_c(1.0), s), s)
+def _sigmoid(e: Call) -> Expr:
+    return _mul(_sub(_c(1.0), e), e)  # torch: (1 - s) s
 
 
-def _rsqrt(a: Expr) -> Expr:
-    return _mul(_c(-0.5), _mk("pow", _mk("rsqrt", a), _c(3.0)))  # torch: -0.5 * rsqrt(x)**3
+def _rsqrt(e: Call) -> Expr:
+    return _mul(_c(-0.5), _mk("pow", e, _c(3.0)))  # torch: -0.5 * rsqrt(x)**3
 
 
-def _reciprocal(a: Expr) -> Expr:
-    r = _mk("reciprocal", a)
-    return _mk("neg", _mul(r, r))  # torch: -(1/x)²
+def _reciprocal(e: Call) -> Expr:
+    return _mk("neg", _mul(e, e))  # torch: -(1/x)²
 
 
-def _d_sqrt(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_sqrt(e: Call, t: Tangent) -> Expr | None:
     da = t(0)  # torch: grad / (2 * sqrt(x))
-    return None if da is None else _div(da, _mul(_c(2.0), _mk("sqrt", args[0])))
+    return None if da is None else _div(da, _mul(_c(2.0), e))
 
 
-def _d_log(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_log(e: Call, t: Tangent) -> Expr | None:
     da = t(0)
-    return None if da is None else _div(da, args[0])
+    return None if da is None else _div(da, e.args[0])
 
 
-def _d_neg(args: tuple[Expr, ...], t: Tangent) -> Expr | None:
+def _d_neg(e: Call, t: Tangent) -> Expr | None:
     da = t(0)
     return None if da is None else _mk("neg", da)
 
@@ -499,7 +526,7 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "min": _extremum("gt", "lt"),
     "neg": _d_neg,
     "abs": _unary(_sign),
-    "exp": _unary(lambda a: _mk("exp", a)),
+    "exp": _unary(lambda e: e),
     "log": _d_log,
     "sqrt": _d_sqrt,
     "rsqrt": _unary(_rsqrt),
@@ -509,10 +536,11 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "gelu": _unary(_gelu),
     "gelu_tanh": _unary(_gelu_tanh),
     "tanh": _unary(_tanh),
-    "erf": _unary(lambda a: _mul(_c(_TWO_OVER_SQRT_PI), _mk("exp", _mk("neg", _mul(a, a))))),
+    "erf": _unary(lambda e: _mul(_c(_TWO_OVER_SQRT_PI),
+                                 _mk("exp", _mk("neg", _mul(e.args[0], e.args[0]))))),
     "sigmoid": _unary(_sigmoid),
-    "sin": _unary(lambda a: _mk("cos", a)),
-    "cos": _unary(lambda a: _mk("neg", _mk("sin", a))),
+    "sin": _unary(lambda e: _mk("cos", e.args[0])),
+    "cos": _unary(lambda e: _mk("neg", _mk("sin", e.args[0]))),
     "where": _d_where,
     "lt": _zero, "le": _zero, "gt": _zero, "ge": _zero, "eq": _zero, "ne": _zero,
     "logical_not": _zero, "logical_and": _zero, "logical_or": _zero,

@@ -470,17 +470,28 @@ Number = int | float | bool
 
 def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray | Number:
     """Evaluate ``expr`` elementwise over numpy arrays that broadcast together. An expression of
-    constants only gives a Python number (a weak scalar: numpy keeps the array dtype it meets)."""
+    constants only gives a Python number (a weak scalar: numpy keeps the array dtype it meets).
+    A sub-expression object that occurs several times (``tanh(u)`` in ``tanh``'s derivative
+    ``1 - tanh(u) * tanh(u)``) is computed once."""
+    return _evaluate(expr, args, {})
+
+
+def _evaluate(expr: Expr, args: Sequence[np.ndarray], memo: dict[int, np.ndarray | Number]
+              ) -> np.ndarray | Number:
     if isinstance(expr, Arg):
         return args[expr.index]
     if isinstance(expr, Const):
         return expr.value
+    # by identity, not equality: Const(1) == Const(1.0) == Const(True), yet where(c, 1, 0) and
+    # where(c, 1.0, 0.0) give different dtypes; the tree keeps every key alive meanwhile
+    if id(expr) in memo:
+        return memo[id(expr)]
     f = FUNCTIONS[expr.fn]
-    vals = [evaluate(a, args) for a in expr.args]
+    vals = [_evaluate(a, args, memo) for a in expr.args]
     numbers = [v for v in vals if isinstance(v, (int, float, bool))]
-    if len(numbers) == len(vals):
-        return _eval_consts(f, numbers)
-    return f.impl(*vals)
+    out = _eval_consts(f, numbers) if len(numbers) == len(vals) else f.impl(*vals)
+    memo[id(expr)] = out
+    return out
 
 
 def _as_float(v: Number) -> float:
