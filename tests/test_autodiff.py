@@ -188,6 +188,8 @@ def test_stop_gradient_is_detach():
     close(ej.reference(ej.stop_gradient(x), x=x0), x0, "stop_gradient's value")
     (dz,) = ej.grad(ej.stop_gradient(x).sum(), [x])
     assert dz.node.facts.free and not ej.reference(dz).any()
+    mask = x > 0
+    assert ej.stop_gradient(mask) is mask
 
 
 # ---------------------------------------------------------------- the API's contracts

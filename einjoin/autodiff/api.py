@@ -132,6 +132,8 @@ def stop_gradient(t: Tensor) -> Tensor:
     [1.0, 2.0, 3.0]
     """
     t = _tensor(t, "stop_gradient")
+    if t.dtype == "bool":  # a bool value has no gradient to stop (and no arithmetic)
+        return t
     if "stop_gradient" not in FUNCTIONS:  # pragma: no cover - added by einjoin.ir with issue 18
         raise EinjoinError("stop_gradient: the scalar function 'stop_gradient' is not registered")
     return elementwise("stop_gradient", t)

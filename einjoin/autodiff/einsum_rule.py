@@ -37,8 +37,8 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 
-from einjoin.errors import EinjoinError
 from einjoin.ir import ops
+from einjoin.ir.derivative import vjp_join
 from einjoin.ir.fold import fold
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import Einsum
@@ -54,31 +54,20 @@ def _hit(key: str) -> None:
     JOIN_HITS[key] = JOIN_HITS.get(key, 0) + 1
 
 
-def _derivative(expr: Expr, i: int) -> Expr:
-    """∂expr/∂x_i: a product of distinct arguments directly (the contraction case), anything else
-    through the symbolic derivative of :mod:`einjoin.ir.derivative`."""
+def _adjoint_join(expr: Expr, i: int, seed: Expr, dtypes: Sequence[str]) -> Expr:
+    """``seed · ∂expr/∂x_i``: for a product of distinct arguments (the contraction case) the seed
+    times the other arguments, a plain product; anything else through
+    :func:`einjoin.ir.derivative.vjp_join`, which places the seed inside the branches of masks
+    (``where``, ``relu``, ``max``) as torch's backward does, so a masked position gets an exact 0
+    even where the seed or the other branch is infinite (causal ``-inf`` scores)."""
     n = num_args(expr)
-    if is_product(expr, n) and n >= 1:
-        others: list[Expr] = [Arg(j) for j in range(n) if j != i]
-        if not others:
-            return Const(1)
-        out = others[0]
-        for o in others[1:]:
-            out = Call("mul", (out, o))
+    if n >= 1 and is_product(expr, n):
+        out = seed
+        for j in range(n):
+            if j != i:
+                out = Call("mul", (out, Arg(j)))
         return out
-    try:
-        from einjoin.ir.derivative import derivative
-    except ImportError:  # pragma: no cover - the module lands with issue 18
-        raise EinjoinError(f"the gradient of the join {expr} needs einjoin.ir.derivative") from None
-    return derivative(expr, i)
-
-
-def _mul(a: Expr, b: Expr) -> Expr:
-    if b == Const(1):
-        return a
-    if a == Const(1):
-        return b
-    return Call("mul", (a, b))
+    return vjp_join(expr, i, seed, dtypes)
 
 
 def _compact(expr: Expr, inputs: Sequence[Node], labels: Sequence[Sequence[str]]
@@ -209,26 +198,28 @@ def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
         zeros = _count(node, zero, [], [], node.dtype)
         P, Z = Arg(n + 1), Arg(n + 2)
         extra_nodes, extra_labels = [nonzero_prod, zeros], [op.out_labels, op.out_labels]
+    dtypes = [x.dtype for x in base_nodes + extra_nodes]
     out: list[Node | None] = []
     for i in range(n):
         if not wanted[i]:
             out.append(None)
             continue
-        d = _derivative(f, i)
-        if d == Const(0) or d == Const(0.0):
+        if agg in ("max", "min"):
+            # ties split evenly; the seed sits inside the mask, so a position that lost gets an
+            # exact 0 whatever its derivative (an infinite one included)
+            join: Expr = Call("where", (Call("eq", (f, Y)), _adjoint_join(f, i, Call("div", (G, C)), dtypes),
+                                        Const(0)))
+        elif agg == "prod":
+            # g times the exclusive product of the group (no division by a zero factor)
+            excl = Call("where", (zero, Call("where", (Call("eq", (Z, Const(1))), P, Const(0))),
+                                  Call("where", (Call("eq", (Z, Const(0))), Call("div", (P, f)),
+                                                 Const(0)))))
+            join = _adjoint_join(f, i, Call("mul", (G, excl)), dtypes)
+        else:
+            join = _adjoint_join(f, i, G, dtypes)
+        if join == Const(0):  # the join does not read x_i
             out.append(None)
             continue
-        gd = _mul(G, d)
-        if agg in ("max", "min"):
-            # ties split evenly; the where keeps an infinite derivative off the other positions
-            join: Expr = Call("where", (Call("eq", (f, Y)), Call("div", (gd, C)), Const(0)))
-        elif agg == "prod":
-            join = Call("where", (zero,
-                                  Call("where", (Call("eq", (Z, Const(1))), _mul(gd, P), Const(0))),
-                                  Call("where", (Call("eq", (Z, Const(0))),
-                                                 Call("div", (_mul(gd, P), f)), Const(0)))))
-        else:
-            join = gd
         out.append(onto(base_nodes + extra_nodes, base_labels + extra_labels, join,
                         op.in_labels[i], xs[i].shape))
     return tuple(out)
