@@ -7,7 +7,11 @@ module builds that join. Each function of :data:`einjoin.ir.scalar.FUNCTIONS` ha
 builds the derivative of the call from the call and (lazily) its arguments' derivatives, or a
 :class:`NoDerivative` saying why there is none. The rules follow torch's backward formulas, tie and
 kink rules included (``max``/``min`` ties split the gradient evenly; ``abs'(0) = relu'(0) = 0``;
-``d/dx x**0 = 0``), so gradients agree with ``torch.autograd`` at those points too.
+``d/dx x**0 = 0``; ``mod`` as torch's ``remainder``), so gradients agree with ``torch.autograd``
+at those points too. Comparisons and logical ops are piecewise constant (derivative 0), a
+``where``'s condition is never differentiated, ``stop_gradient`` cuts (0), and ``floordiv`` has no
+derivative (torch's ``floor_divide`` has none either): an :class:`ExpressionError` naming it, but
+only when it lies on a path to ``x_i``.
 
 Results are simplified as they are built (constants fold, ``x*1``, ``x+0``, ``--x``, ``x**1``,
 ``x/1`` disappear), so ``∂(x0*x1)/∂x0`` is exactly ``x1``. A sub-expression that does not read
@@ -391,9 +395,10 @@ def _d_pow(e: Call, t: Tangent) -> Expr | None:
     da, db = t(0), t(1)
     ta = tb = None
     if da is not None:
-        if isinstance(b, Const):
-            if not _is(b, 0):
-                ta = _mul(_mul(b, _mk("pow", a, _mk("sub", b, _c(1)))), da)
+        c = simplify(b) if db is None else b  # x0 ** (1 / 2): a constant exponent
+        if isinstance(c, Const):
+            if not _is(c, 0):
+                ta = _mul(_mul(c, _mk("pow", a, _mk("sub", c, _c(1)))), da)
         else:
             ta = _where(_mk("eq", b, _c(0)), _c(0.0),
                         _mul(_mul(b, _mk("pow", a, _sub(b, _c(1)))), da))
