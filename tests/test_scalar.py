@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.ir import AGGS, FUNCTIONS, Arg, Call, Const
-from einjoin.ir.scalar import evaluate, infer_dtype, parse_join
+from einjoin.ir.scalar import evaluate, infer_dtype, parse_join, substitute
 
 X = np.random.default_rng(0).uniform(-3, 3, 64)
 Y = np.random.default_rng(1).uniform(0.5, 3, 64)
@@ -96,6 +96,9 @@ def test_shared_subexpressions_are_computed_once(monkeypatch: pytest.MonkeyPatch
     e = Call("sub", (Const(1.0), Call("mul", (t, t))))  # tanh's derivative shares tanh(x0)
     np.testing.assert_allclose(evaluate(e, [X]), 1 - np.tanh(X) ** 2, rtol=1e-14)
     assert len(calls) == 1
+    moved = substitute(e, [Call("neg", (Arg(1),))])  # renumbering keeps the sharing
+    np.testing.assert_allclose(evaluate(moved, [X, Y]), 1 - np.tanh(-Y) ** 2, rtol=1e-14)
+    assert len(calls) == 2
     # equal but distinct objects are not merged: their constants may differ in kind
     two = Call("add", (Call("where", (Arg(0), Const(1), Const(0))),
                        Call("where", (Arg(0), Const(1.0), Const(0.0)))))

@@ -542,9 +542,19 @@ def is_identity(expr: Expr) -> bool:
 
 
 def substitute(expr: Expr, args: Sequence[Expr]) -> Expr:
-    """Replace each ``Arg(i)`` by ``args[i]`` (used to fuse elementwise chains and fold constants)."""
-    if isinstance(expr, Arg):
-        return args[expr.index]
-    if isinstance(expr, Const):
-        return expr
-    return Call(expr.fn, tuple(substitute(a, args) for a in expr.args))
+    """Replace each ``Arg(i)`` by ``args[i]`` (used to fuse elementwise chains and fold constants).
+    A sub-expression object used several times stays one object, so :func:`evaluate` still
+    computes it once."""
+    memo: dict[int, Expr] = {}
+
+    def go(e: Expr) -> Expr:
+        if isinstance(e, Arg):
+            return args[e.index]
+        if isinstance(e, Const):
+            return e
+        out = memo.get(id(e))
+        if out is None:
+            out = memo[id(e)] = Call(e.fn, tuple(go(a) for a in e.args))
+        return out
+
+    return go(expr)
