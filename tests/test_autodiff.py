@@ -416,3 +416,18 @@ def test_gradient_program_under_a_memory_cap():
     assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
     for g, w in zip(got, want):
         close(g, w, "under a memory cap")
+
+
+@pytest.mark.xdist_group("ray")
+def test_gradient_program_on_ray(ray_session):
+    outs, feeds = _mlp_grads()
+    want = ej.reference(outs, **feeds)
+    cluster = ej.ray_cluster(devices_per_node=1)
+    prog = ej.compile(outs, devices=cluster, backend="ray", quiet=True)
+    try:
+        got = prog.run(**feeds)
+        assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+        for g, w in zip(got, want):
+            close(g, w, "on ray")
+    finally:
+        prog.close()
