@@ -305,6 +305,11 @@ def test_backward_reuses_forward_nodes():
     # one max, one exp and one sum reduction in the whole graph: the backward reads the forward's
     assert sum(1 for n in both if n.kind == "einsum" and n.op.agg.name == "max") == 1
     assert y.node in set(both) and fwd <= set(both)
+    # an elementwise op's derivative reads its output: exp' = exp is the plain product g * y
+    e = x.exp()
+    g = ej.input("g", (4, 6), "float64")
+    (de,) = ej.grad(e, [x], cotangent=g)
+    assert set(de.node.inputs) == {g.node, e.node} and is_product(de.node.op.join, 2)
 
 
 @pytest.mark.parametrize("eq,shapes", [("ii->i", [(4, 4)]), ("ii->", [(3, 3)]), ("iij->j", [(3, 3, 2)]),

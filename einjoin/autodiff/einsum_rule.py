@@ -70,6 +70,15 @@ def _adjoint_join(expr: Expr, i: int, seed: Expr, dtypes: Sequence[str]) -> Expr
     return vjp_join(expr, i, seed, dtypes)
 
 
+def _reuse(expr: Expr, f: Expr, value: Expr) -> Expr:
+    """``expr`` with every sub-expression equal to ``f`` replaced by ``value``."""
+    if expr == f:
+        return value
+    if isinstance(expr, Call):
+        return Call(expr.fn, tuple(_reuse(a, f, value) for a in expr.args))
+    return expr
+
+
 def _compact(expr: Expr, inputs: Sequence[Node], labels: Sequence[Sequence[str]]
              ) -> tuple[Expr, list[Node], list[tuple[str, ...]]]:
     """Drop the inputs ``expr`` does not read and merge repeated (node, labels) pairs;
@@ -217,9 +226,14 @@ def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
             join = _adjoint_join(f, i, Call("mul", (G, excl)), dtypes)
         else:
             join = _adjoint_join(f, i, G, dtypes)
+            if agg == "none" and isinstance(f, Call):
+                # an elementwise op's value is at hand: exp' = exp, tanh' = 1 - tanh**2, and the
+                # softmax's exp(x0 - x1)' read the forward output instead of recomputing it (as
+                # torch saves the result), so ``g * exp(x0 - x1)`` becomes the product ``g * y``
+                join = _reuse(join, f, Arg(len(base_nodes) + len(extra_nodes)))
         if join == Const(0):  # the join does not read x_i
             out.append(None)
             continue
-        out.append(onto(base_nodes + extra_nodes, base_labels + extra_labels, join,
-                        op.in_labels[i], xs[i].shape))
+        out.append(onto(base_nodes + extra_nodes + [node], base_labels + extra_labels + [op.out_labels],
+                        join, op.in_labels[i], xs[i].shape))
     return tuple(out)
