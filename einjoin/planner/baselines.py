@@ -239,8 +239,31 @@ def contracted_batch(v: Node, bdim: dict[Node, int | None]) -> str | None:
     return lab if lab is not None and lab in aggregated_labels(v) else None
 
 
+def _cut_like_readers(graph: Graph, specs: dict[Node, JoinAggSpec], derived: set[Node]) -> None:
+    """Ops that no activation reaches (the cotangent seed of a loss broadcast to the batch's
+    shape, in a gradient graph) take the batch cut of an op reading them, so their blocks are
+    made where they are read instead of in one block that is then scattered. Reverse
+    topological order: a chain of such ops takes the cut from its end."""
+    for v in reversed(graph.ops):
+        if v in specs or v in derived or v.facts.free:
+            continue
+        for u in graph.users[v]:
+            if u not in specs or v in specs:
+                continue
+            for slot, x in enumerate(u.inputs):
+                if x is not v:
+                    continue
+                for d in range(v.ndim):
+                    lab = rule_for(_INPUT_LABEL_RULES, u.op, "data-parallel input labels")(u, slot, d)
+                    if lab is not None and len(specs[u][lab]) > 2 and specs[u][lab][-1] == v.shape[d]:
+                        specs[v] = JoinAggSpec.for_node(v, {output_labels(v)[d]: list(specs[u][lab])})
+                        break
+                if v in specs:
+                    break
+
+
 def _data_parallel_specs(graph: Graph, p: int) -> dict[Node, JoinAggSpec]:
-    bdim, _ = batch_dims(graph)
+    bdim, derived = batch_dims(graph)
     specs: dict[Node, JoinAggSpec] = {}
     largest = 0
     for v in graph.ops:
@@ -259,6 +282,7 @@ def _data_parallel_specs(graph: Graph, p: int) -> dict[Node, JoinAggSpec]:
     if largest < p:
         raise NotApplicable(f"batch smaller than the devices: the largest batch label has size "
                             f"{largest} < P = {p}")
+    _cut_like_readers(graph, specs, derived)
     return specs
 
 
