@@ -18,12 +18,12 @@ from einjoin.planner import PLANNERS
 from einjoin.planner.ilp import objective as _objective, problem
 from einjoin.planner.baselines import mesh_candidates
 from einjoin.planner.baselines import (NotApplicable, data_parallel, megatron,
-                                     mesh_ilp, mesh_shapes, mesh_strategies)
+                                     mesh_ilp, mesh_shapes, mesh_strategies, parameter_gradients, zero)
 from einjoin.planner.cost import CostModel, model_cost, total_cost
 from einjoin.planner.search import exhaustive
 from graphgen import graphs, oracle
 
-BASELINES = ["data_parallel", "megatron", "mesh_ilp"]
+BASELINES = ["data_parallel", "megatron", "mesh_ilp", "zero"]
 F32 = 4
 
 
@@ -256,6 +256,96 @@ def test_mesh_ilp_plans_the_default_block_quickly() -> None:
     specs = mesh_ilp(g, c)
     assert time.perf_counter() - t0 < 20
     assert model_cost(g, c, specs) <= model_cost(g, c, data_parallel(g, c))
+
+
+# --------------------------------------------------------------------------------------------
+# training graphs: forward + backward (ej.grad)
+
+
+def _training(out: ej.Tensor) -> list[ej.Tensor]:
+    """``[loss, *gradients w.r.t. every parameter]`` for ``loss = sum(out * R)``."""
+    loss = (out * ej.input("loss_weights", out.shape)).sum()
+    return [loss, *ej.grad(loss, [ej.Tensor(x) for x in ej.Graph(out).params])]
+
+
+def _train_cases() -> dict[str, list[ej.Tensor]]:
+    return {"mlp": _training(_mlp()),
+            "block": _training(transformer_block(seq=32, d=32, heads=4, hidden=48)[0])}
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "megatron", "zero"])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("case", ["mlp", "block"])
+def test_baselines_on_training_graphs_run_correctly(name: str, p: int, case: str) -> None:
+    outs = _train_cases()[case]
+    feeds = _feeds({k: x.shape for k, x in ej.Graph(outs).input_by_name.items()})
+    prog = ej.compile(outs, devices=p, planner=name)
+    for got, want in zip(prog.run(**feeds), ej.reference(outs, **feeds)):
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+    assert prog.run_stats is not None and prog.run_stats.bytes_moved == prog.stats.bytes_moved
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_data_parallel_gradients_sum_partials_across_the_batch(p: int) -> None:
+    outs = _train_cases()["mlp"]
+    g = ej.Graph(outs)
+    specs = data_parallel(g, ej.local(p))
+    grads = parameter_gradients(g)
+    assert len(grads) == 2 and {x.shape for x in grads} == {x.shape for x in g.params}
+    prog = ej.compile(outs, devices=p, planner="data_parallel")
+    for v in grads:
+        # the batch label is contracted and cut P ways: P partial sums, on P devices, that the
+        # exchange adds up (the all-reduce is not a node of the graph)
+        d = prog.decomps[v]
+        assert d.n_partials == p and sorted(specs[v].counts().values())[-1] == p
+        assert sorted(prog.placement[v].kernel_devices) == list(range(p))
+    for x in g.params:  # replicated, as data parallelism holds them
+        assert specs[x].num_kernels == 1
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_zero_shards_parameters_and_their_gradients(p: int) -> None:
+    outs = _train_cases()["block"]
+    g = ej.Graph(outs)
+    specs = zero(g, ej.local(p))
+    dp = data_parallel(g, ej.local(p))
+    grads = parameter_gradients(g)
+    assert len(grads) == len(g.params) == 9
+    for x in [*g.params, *grads]:
+        part = specs[x].partition(ej.decomp.spec.output_labels(x))
+        sizes = [int(np.prod(part.block_shape(k))) for k in part.keys()]
+        assert len(sizes) == p and set(sizes) == {int(np.prod(x.shape)) // p}  # 1/P each
+        d = max(range(x.ndim), key=lambda i: x.shape[i])
+        assert len(part.bounds[d]) == p + 1  # cut along the largest dim
+    for v in grads:  # the batch stays cut: the partials of each block meet where it lives
+        assert specs[v].num_kernels == p * p and dp[v].num_kernels == p
+    # non-parameter ops plan as data parallelism does
+    assert all(specs[v] == dp[v] for v in g.ops if v not in grads)
+    # placed round robin, block i of every parameter and of its gradient lives on device i
+    prog = ej.compile(outs, devices=p, planner="zero", placement="round_robin", backend="null")
+    for x in grads:
+        assert sorted(prog.placement[x].homes.values()) == list(range(p))
+
+
+def test_zero_needs_parameters() -> None:
+    z = ej.input("a", (64, 32)) @ ej.input("b", (32, 16))
+    with pytest.raises(NotApplicable, match="no parameters"):
+        zero(ej.Graph(z), ej.local(2))
+
+
+def test_megatron_splits_the_backward_of_its_chains() -> None:
+    outs = _train_cases()["mlp"]
+    g = ej.Graph(outs)
+    specs = megatron(g, ej.local(4))
+    w1, w2 = g.params
+    g1, g2 = outs[1:]
+    # column-parallel W1 (its output columns cut) and row-parallel W2 (its rows cut): their
+    # gradients are cut the same way, each device computing its own slice
+    assert specs[w1].counts() == {"a": 1, "b": 4} and specs[w2].counts() == {"a": 4, "b": 1}
+    for grad, param in ((g1, w1), (g2, w2)):
+        part = ej.decompose(grad.node, specs[grad.node]).out_partition
+        assert part.bounds == specs[param].partition(("a", "b")).bounds
 
 
 # --------------------------------------------------------------------------------------------
