@@ -66,9 +66,19 @@ def _ops(dim: int, keep: bool):
         "bias": (lambda h, p: h + p["b"], lambda h, p: h + p["b"]),
         "embedding": (lambda h, p: h + ej.embedding(p["tokens"], p["table"]),
                       lambda h, p: h + F.embedding(p["tokens"], p["table"])),
+        "rope": (lambda h, p: ej.rope(h), lambda h, p: _torch_rope(h)),
         "attention": (lambda h, p: ej.attention(h @ p["wq"], h, h, causal=True),
                       lambda h, p: F.scaled_dot_product_attention(h @ p["wq"], h, h, is_causal=True)),
     }
+
+
+def _torch_rope(x, base=10000.0):
+    s, d = x.shape[-2:]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], -1)
+    rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * ang.cos() + rot * ang.sin()
 
 
 def _fed(outputs, feeds):
@@ -358,6 +368,34 @@ def test_prod_with_zeros_has_no_nan():
     got = ej.reference(dx, x=x0)
     assert np.isfinite(got).all()
     close(got, want.numpy(), "prod with zeros")
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mask", "plain", "scale"])
+def test_attention_variants_match_torch(variant):
+    rng = np.random.default_rng(10)
+    hq = 4 if variant == "gqa" else 2
+    shapes = {"q": (2, hq, 5, 4), "k": (2, 2, 5, 4), "v": (2, 2, 5, 3)}
+    vals = {k: rng.normal(size=s) for k, s in shapes.items()}
+    mask0 = rng.random((5, 5)) < 0.7
+    np.fill_diagonal(mask0, True)  # every query may attend somewhere
+    t = {k: ej.input(k, s, "float64") for k, s in shapes.items()}
+    th = {k: torch.tensor(v, requires_grad=True) for k, v in vals.items()}
+    kw = {"gqa": {}, "mask": {"mask": ej.input("m", (5, 5), "bool"), "causal": False},
+          "plain": {"causal": False}, "scale": {"scale": 0.3}}[variant]
+    out = ej.attention(t["q"], t["k"], t["v"], **kw)
+    tk, tv = th["k"], th["v"]
+    if variant == "gqa":
+        tk, tv = tk.repeat_interleave(2, 1), tv.repeat_interleave(2, 1)
+    tkw = {"gqa": {"is_causal": True}, "mask": {"attn_mask": torch.tensor(mask0)}, "plain": {},
+           "scale": {"is_causal": True, "scale": 0.3}}[variant]
+    tout = F.scaled_dot_product_attention(th["q"], tk, tv, **tkw)
+    r0 = rng.normal(size=out.shape)
+    loss = (out * ej.input("r", out.shape, "float64")).sum()
+    grads = ej.grad(loss, [t["q"], t["k"], t["v"]])
+    want = torch.autograd.grad((tout * torch.tensor(r0)).sum(), [th["q"], th["k"], th["v"]])
+    got = ej.reference(grads, **_fed(grads, dict(vals, r=r0, m=mask0)))
+    for g, w, n in zip(got, want, "qkv"):
+        close(g, w.numpy(), f"{variant} attention d/d{n}")
 
 
 def test_causal_masks_get_exact_zero_not_nan():
