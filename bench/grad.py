@@ -44,7 +44,7 @@ from threadpoolctl import threadpool_info  # noqa: E402
 
 import einjoin as ej  # noqa: E402
 from einjoin.models.graphs import llama_layers  # noqa: E402
-from einjoin.models.zoo import LlamaConfig, example  # noqa: E402
+from einjoin.models.zoo import example  # noqa: E402
 from einjoin.plan.stats import human_bytes  # noqa: E402
 from einjoin.planner import PLANNERS  # noqa: E402
 from einjoin.planner.bounds import node_bound_bytes  # noqa: E402
