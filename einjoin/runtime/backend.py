@@ -30,6 +30,8 @@ True
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from einjoin.runtime.engine import CancelToken, Engine, RunStats
 
 __all__ = ["Backend", "Session", "ReadySession", "EagerSession", "Callback", "RunSpec", "TaskFailed", "DeviceLost",
-           "note"]
+           "note", "WAIT_SLICE", "wait_event", "join_thread"]
 
 
 class Callback(Protocol):
@@ -149,4 +151,39 @@ def note(backend: Backend, message: str) -> None:
         print(f"einjoin: {message}", file=sys.stderr)
 
 
+# Waiting for another thread during a run (the engine for its workers, the BLAS limiter for its
+# helper, a caller for its run): never in one unbounded sleep. A Ctrl-C wakes a sleeping main
+# thread, except one whose signal lands just before the thread blocks: Python's handler then runs
+# only when the sleep ends. Unbounded, that is when the other thread ends -- the run's end, or
+# never: under a tracer on CPython 3.11 (coverage, a debugger) a signal left pending makes every
+# other traced thread spin at its next function entry (it cannot run the handler, and the eval
+# loop re-checks the pending signal before the entry's trace event, for ever), so the workers
+# never end and the sleep never ends. Sleeping in slices, the main thread sees such a signal
+# within WAIT_SLICE seconds.
+WAIT_SLICE = 0.1
 
+
+def wait_event(event: threading.Event, timeout: float | None = None) -> bool:
+    """``event.wait(timeout)`` in slices of :data:`WAIT_SLICE` seconds (a Ctrl-C that lands just
+    before a slice is seen at its end); returns whether the event is set.
+
+    >>> e = threading.Event(); wait_event(e, 0.01)
+    False
+    >>> e.set(); wait_event(e)
+    True
+    """
+    if timeout is None:
+        while not event.wait(WAIT_SLICE):
+            pass
+        return True
+    deadline = time.monotonic() + timeout
+    while not event.wait(max(0.0, min(WAIT_SLICE, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
+def join_thread(th: threading.Thread) -> None:
+    """``th.join()`` in slices of :data:`WAIT_SLICE` seconds (see :func:`wait_event`)."""
+    while th.is_alive():
+        th.join(WAIT_SLICE)

@@ -31,7 +31,8 @@ from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.plan.taskgraph import TaskGraph
-from einjoin.runtime.backend import Backend, Callback, DeviceLost, EagerSession, ReadySession, RunSpec, TaskFailed, note
+from einjoin.runtime.backend import (WAIT_SLICE, Backend, Callback, DeviceLost, EagerSession, ReadySession, RunSpec,
+                                    TaskFailed, join_thread, note, wait_event)
 from einjoin.runtime.local import Store
 
 if TYPE_CHECKING:
@@ -198,7 +199,7 @@ class RunHandle:
     def result(self, timeout: float | None = None) -> Any:
         """The run's outputs, as ``Program.run`` returns them; re-raises the run's error. Waits at
         most ``timeout`` seconds (None: until the end), then raises :class:`RunTimeoutError`."""
-        if not self._finished.wait(timeout):
+        if not wait_event(self._finished, timeout):  # in slices: a Ctrl-C is seen while waiting
             raise RunTimeoutError(f"the run did not end within timeout={timeout!r} s; it goes on "
                                   f"(handle.cancel() stops it)")
         assert self._outcome is not None
@@ -521,7 +522,12 @@ def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, 
     while ``Condition.wait`` re-takes the lock leaves it not taken, and leaving the ``with``
     block then releases the lock a worker holds — two threads in the queues at once, a run that
     never ends. It sleeps on a C-level ``SimpleQueue`` instead, which every ending worker feeds:
-    an interrupt there changes nothing shared."""
+    an interrupt there changes nothing shared. It sleeps in slices (:data:`WAIT_SLICE`), never
+    unboundedly: a Ctrl-C landing just before it blocks is seen at the end of the slice, not once
+    the run ends -- or never, under a tracer (see :mod:`einjoin.runtime.backend`). Every wait, every
+    ``halt()`` and the inner loops' back edges are inside the ``try``: an interrupt cuts short only
+    an idempotent step, which the next pass repeats (what is left outside is the outer loop's back
+    edge, taken right after a caught interrupt: only a second Ctrl-C landing there escapes)."""
     ended: queue.SimpleQueue[int] = queue.SimpleQueue()
     count = {"begun": 0, "ended": 0, "launched": 0}
     began = [threading.Event() for _ in range(n_lanes)]
@@ -553,7 +559,7 @@ def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, 
                 count["launched"] += 1
     except BaseException as e:  # KeyboardInterrupt, or no thread could be started
         interrupted = e
-        halt()  # a worker whose start was cut short but that runs anyway finds stop set
+        halt()  # a worker whose start was cut short but that runs anyway finds stop set (again below)
         if starting is not None:
             # Thread.start() waits for the new thread to begin: an interrupt there leaves one
             # that exists (it begins at once) or, cut before its creation, none
@@ -565,23 +571,24 @@ def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, 
                     break
                 except KeyboardInterrupt:
                     pass
-    while True:
+    def all_ended() -> bool:
+        with lock:  # a launched worker always begins; one that began is counted: wait for both
+            return count["ended"] >= max(count["launched"], count["begun"])
+
+    while True:  # the back edge is taken only after an interrupt was caught
         try:
-            with lock:
-                # a launched worker always begins; one that began is counted: wait for both
-                done = count["ended"] >= max(count["launched"], count["begun"])
-            if done:
-                break
-            ended.get()  # a worker ended (its put may predate the check: then this returns at once)
+            if interrupted is not None:
+                halt()  # stop every worker (again, if a second interrupt cut the first halt short)
+            while not all_ended():
+                try:
+                    ended.get(timeout=WAIT_SLICE)  # a worker ended (its put may predate the check)
+                except queue.Empty:
+                    pass
+            # done with the run: let the threads end too (no thread outlives run())
+            for th in started:
+                join_thread(th)
+            break
         except KeyboardInterrupt as e:  # stop every worker, wait for them, then re-raise
             interrupted = interrupted or e
-            halt()
-    for th in started:  # done with the run: let them end too (no thread outlives run())
-        while True:
-            try:
-                th.join()
-                break
-            except KeyboardInterrupt as e:
-                interrupted = interrupted or e
     if interrupted is not None:
         raise interrupted

@@ -495,6 +495,73 @@ def test_sigint_at_random_moments_of_many_runs(blas_control: Any) -> None:
     np.testing.assert_allclose(prog.run(**f), ej.reference(out, **f), **F32)
 
 
+def test_ctrl_c_pending_while_the_main_thread_waits_stops_the_run() -> None:
+    """A Ctrl-C whose signal lands just before the main thread blocks waiting for the workers
+    does not wake it: Python runs the handler only when that wait ends. The engine waited until a
+    worker ended -- the run's end, or never under coverage on CPython 3.11, where the pending
+    signal makes the traced workers spin (about one run in four of this file's SIGINT tests
+    hung). Made
+    deterministic here with ``_thread.interrupt_main()`` called by a worker: SIGINT pending, the
+    main thread not woken. The workers hold the run until the main thread has run the handler."""
+    import _thread
+    import signal
+    import sys
+    import time
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT is handled on the main thread only")
+    prog, _ = mlp(2)
+    seen = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        seen.set()
+        raise KeyboardInterrupt
+
+    class Ask(TaskCount):
+        """Marks SIGINT pending at the first task; every task waits until the main thread saw it
+        (all of them go on, unheld, once one wait timed out)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.timed_out = False
+            self.asleep = False
+
+        def on_start(self, task: Any) -> None:
+            with self.lock:
+                self.n += 1
+                first = self.n == 1
+            if first:
+                self.asleep = main_asleep_in_the_engine()
+                _thread.interrupt_main()
+            if not self.timed_out and not seen.wait(WAIT):
+                self.timed_out = True
+
+    def main_asleep_in_the_engine() -> bool:
+        """Whether the main thread is (within WAIT) blocked in a call of the engine's wait for
+        its workers: its innermost frame is ``_drive_threads``, at the same instruction before and
+        after 10 ms without the GIL."""
+        main = threading.main_thread().ident or 0
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            f = sys._current_frames().get(main)
+            at = None if f is None else (f.f_code.co_name, f.f_lasti)
+            time.sleep(0.01)
+            f = sys._current_frames().get(main)
+            if f is not None and at == (f.f_code.co_name, f.f_lasti) and at[0] == "_drive_threads":
+                return True
+        return False
+
+    ask = Ask()
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            prog.run(**feeds_for(0), callbacks=[ask])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert ask.asleep, "the main thread never slept in the engine's wait for its workers"
+    assert not ask.timed_out, "the main thread slept through a pending Ctrl-C until the run ended"
+    assert ask.n < len(prog.taskgraph), "the interrupted run ran every task"
+
+
 def test_blas_limits_reuse_one_library_scan_and_skip_unchanged_limits(blas_control: Any,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Review 9, item 7: every run scanned the loaded libraries twice (a ``threadpool_limits``

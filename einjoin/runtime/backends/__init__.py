@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from einjoin.errors import EinjoinError
-from einjoin.runtime.backend import Backend, RunSpec
+from einjoin.runtime.backend import Backend, RunSpec, join_thread, wait_event
 from einjoin.runtime.local import LocalSession
 
 __all__ = ["BACKENDS", "get_backend", "SyncBackend", "ThreadsBackend", "NullBackend", "BlasLimiter", "BLAS_LIMITER"]
@@ -183,14 +183,15 @@ class BlasLimiter:
         while True:
             try:
                 # an Event only the helper sets, never join()/is_alive() alone: an interrupt
-                # inside join() marks a live thread stopped (CPython bpo-45274)
-                if done.wait():
+                # inside join() marks a live thread stopped (CPython bpo-45274); in slices, so
+                # that a Ctrl-C landing just before the wait is seen (see wait_event)
+                if wait_event(done):
                     break
             except KeyboardInterrupt as e:
                 interrupted = e
         while True:  # its work is done: wait for its end, so that no thread outlives the run
             try:
-                th.join()
+                join_thread(th)
                 break
             except KeyboardInterrupt as e:
                 interrupted = e
