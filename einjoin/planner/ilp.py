@@ -99,6 +99,7 @@ def problem(graph: Graph, model: CostModel, strategies: dict[Node, list[SpecInfo
                 for j, info in enumerate(sv):
                     if info.join_in[slot]:
                         replicas[(u, info.ins[slot], info.join_in[slot])].append((v, j))
+            need = [model.pid(b.ins[slot]) for b in sv]
             if u.facts.fed:
                 c0 = graph.users[u][0]
                 s0 = c0.inputs.index(u)
@@ -108,12 +109,21 @@ def problem(graph: Graph, model: CostModel, strategies: dict[Node, list[SpecInfo
                     unary[v] = unary[v] + np.array(
                         [float(model.repart(i.ins[s0], i.ins[slot], u.dtype)) for i in sv])
                     continue
-                add_pair(c0, v, np.array([[float(model.repart(a.ins[s0], b.ins[slot], u.dtype))
-                                           for b in sv] for a in strategies[c0]]))
+                have = [model.pid(a.ins[s0]) for a in strategies[c0]]
+                add_pair(c0, v, _repart_matrix(model, have, need, u.dtype))
                 continue
-            add_pair(u, v, np.array([[float(model.repart(a.out, b.ins[slot], u.dtype)) for b in sv]
-                                     for a in strategies[u]]))
+            have = [model.pid(a.out) for a in strategies[u]]
+            add_pair(u, v, _repart_matrix(model, have, need, u.dtype))
     return Problem(ops, strategies, unary, pair, dict(replicas))
+
+
+def _repart_matrix(model: CostModel, have: list[int], need: list[int], dtype: str) -> np.ndarray:
+    """Repartition bytes from each of ``have`` to each of ``need`` (interned partition ids),
+    each distinct pair computed once: many strategies share a partition."""
+    hs, hi = np.unique(np.array(have), return_inverse=True)
+    ns, ni = np.unique(np.array(need), return_inverse=True)
+    small = np.array([[float(model.repart_ids(int(a), int(b), dtype)) for b in ns] for a in hs])
+    return small[np.ix_(hi.reshape(-1), ni.reshape(-1))]
 
 
 def objective(prob: Problem, pick: dict[Node, int]) -> float:

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import itertools
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from einjoin.cluster import Cluster
-from einjoin.decomp.partition import Partition
 from einjoin.decomp.spec import JoinAggSpec, dim_labels
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
@@ -53,10 +52,10 @@ def _candidates(graph: Graph, cluster: Cluster, memory_limit: MemoryLimit | None
 
 def _replica_bytes(graph: Graph, chosen: dict[Node, SpecInfo], u: Node) -> int:
     """Replica bytes of tensor ``u`` over all its readers, each (partition, replication) once."""
-    seen: set[tuple[Partition, int]] = set()
+    seen: set[tuple[int, int]] = set()  # interned partition ids: hashing a partition is slow
     for w in graph.users[u]:
         info = chosen[w]
-        for x, need, join in zip(w.inputs, info.ins, info.join_in):
+        for x, need, join in zip(w.inputs, info.in_ids, info.join_in):
             if x is u and join:
                 seen.add((need, join))
     return sum(j for _, j in seen)
@@ -230,8 +229,28 @@ def _break_ties(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -
                      cands.settings.tie_break_rounds)
 
 
+def _seeded(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo],
+            seeds: Sequence[Mapping[Node, JoinAggSpec]]) -> dict[Node, SpecInfo]:
+    """The cheapest of ``chosen`` and the ``seeds`` (whole plans, e.g. the named baselines'),
+    by the same cost model; a seed that wins is then improved by single-op moves. So the result
+    is never worse than any seed: the baselines' plans are a floor, not a competitor."""
+    best, best_cost = chosen, total_cost(graph, cands.model, chosen)
+    ops = [v for v in graph.ops if not v.facts.free]
+    for seed in seeds:
+        if any(v not in seed for v in ops):
+            continue  # not a whole plan
+        plan = {v: cands.model.info(v, seed[v]) for v in ops}
+        cost = total_cost(graph, cands.model, plan)
+        if cost < best_cost:
+            best, best_cost = plan, cost
+    if best is not chosen:
+        _local_search(graph, cands, best)
+    return best
+
+
 def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None,
-              refine: bool = True, settings: Settings = SETTINGS) -> dict[Node, JoinAggSpec]:
+              refine: bool = True, settings: Settings = SETTINGS,
+              seeds: Sequence[Mapping[Node, JoinAggSpec]] = ()) -> dict[Node, JoinAggSpec]:
     """The EinDecomp DP over trees of the DAG, then refinement across tree borders: trees
     re-solved with their neighbours' choices and single-op moves (``settings.refine_rounds``);
     and, for graphs of at most ``settings.ilp_max_ops`` ops, a global step: an ILP
@@ -240,7 +259,14 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
     bytes), followed by the same local moves. The cheapest plan wins; among equal ones, single-op
     moves prefer less of the bytes waiting on compute (partial sums, op results repartitioned or
     replicated). A ``memory_limit`` (device -> bytes or None; default: the cluster's
-    ``Device.memory``) restricts the candidates (see the module's docstring)."""
+    ``Device.memory``) restricts the candidates (see the module's docstring).
+
+    ``seeds`` are whole plans (node -> spec, e.g. the named baselines' on this graph) that the
+    result must not lose to: when one costs less than the search's plan it is taken and
+    improved by single-op moves (:func:`_seeded`). Seeds are only used without a memory cap
+    (under one, a seed's cuts need not fit it). The search itself offers every op k * P blocks
+    (balanced work), so a plan that leaves a tiny op, such as the broadcast of a loss's
+    cotangent, in one block can be cheaper in bytes; a seed carries that choice in."""
     cands = _candidates(graph, cluster, memory_limit, settings)
     model = cands.model
     outputs = set(graph.outputs)
@@ -274,6 +300,8 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
             if glob is not None and total_cost(graph, model, glob) < best:
                 chosen = glob
         _break_ties(graph, cands, chosen)
+    if seeds and cands.cap is None:
+        chosen = _seeded(graph, cands, chosen, seeds)
     return _specs_of(graph, chosen)
 
 
