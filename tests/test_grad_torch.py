@@ -131,6 +131,19 @@ def test_training_mode_dropout_and_its_gradient_is_the_mask():
             assert np.all(got[0][~keep] == 0) and np.all(got[0][keep] != 0)
 
 
+def test_training_mode_dropout_is_the_same_through_export_and_fx():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 8), nn.Dropout(0.1)).train()
+    x = torch.randn(8, 16)
+    a, b = (ej.from_torch(module, (x,), method=m) for m in ("export", "fx"))
+    assert (a.method, b.method) == ("export", "fx")
+    assert list(a.parameters) == list(b.parameters) == [n for n, _ in module.named_parameters()]
+    for s in (0, 3):
+        ya, yb = a.reference(x, dropout_seed=np.int64(s)), b.reference(x, dropout_seed=np.int64(s))
+        np.testing.assert_allclose(ya, yb, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(a.reference(x, dropout_seed=np.int64(0)), a.reference(x, dropout_seed=np.int64(3)))
+
+
 def test_gpt2_block_in_training_mode_has_one_stream_per_dropout():
     module, args = example("gpt2-block", seed=0)
     module.train()
