@@ -1,6 +1,6 @@
-"""Named baseline planners: ``data_parallel``, ``megatron`` and ``mesh_ilp``.
+"""Named baseline planners: ``data_parallel``, ``zero``, ``megatron`` and ``mesh_ilp``.
 
-All three have the planner signature (:class:`einjoin.planner.Planner`: ``planner(graph, cluster,
+All four have the planner signature (:class:`einjoin.planner.Planner`: ``planner(graph, cluster,
 *, memory_limit) -> dict[Node, JoinAggSpec]``; they do not plan for memory, the memory planner fits
 their plans later) and give every node a spec (fills one block, they are computed where needed; graph inputs the
 partition their first consumer needs, via :func:`einjoin.planner.derive_input_specs`). A planner
@@ -8,7 +8,11 @@ that does not apply to a graph raises :class:`NotApplicable` saying why; callers
 
 - ``data_parallel``: the batch dims of the activation inputs (dim 0 of every input that is not an
   ``ej.param``; for a graph without params, dim 0 of its first input only) are followed through
-  the graph; every op that keeps a batch label splits it P ways, every other op runs in one block.
+  the graph; every op that keeps a batch label splits it P ways, an op that contracts it (a
+  parameter's gradient in a training graph) cuts it into P partial sums (the all-reduce is the
+  exchange's), every other op runs in one block.
+- ``zero``: ZeRO-style data parallelism: as ``data_parallel``, with every parameter and every
+  parameter's gradient cut along its largest dim into P blocks (the forward gathers them).
 - ``megatron``: column- then row-parallel contraction pairs with parameters (MLPs) and head
   parallel attention, found structurally; the split label is cut P ways along the whole chain,
   every other op cuts its largest output label P ways (as ``split_largest`` does).
