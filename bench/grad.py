@@ -9,8 +9,8 @@
 * planned, not run (shapes only, the cost model's bytes as ``bench/plan_quality.py`` reports them):
   forward + backward of the LLaMA-7B block (``einjoin.models.graphs.llama_layers``, batch 64 x
   seq 2048 so that the batch-splitting baselines apply at every P) at P in {8, 16, 64}: eindecomp
-  against ``data_parallel``, ``megatron``, ``zero`` and the sum of per-op lower bounds
-  (:mod:`einjoin.planner.bounds`);
+  (the registered one, seeded with the baselines' plans) against ``data_parallel``, ``megatron``,
+  ``zero`` and the sum of per-op lower bounds (:mod:`einjoin.planner.bounds`);
 * measured here: building (``ej.grad``) and compiling (``ej.compile(..., devices=2)``) the
   gradient graph of a model of at most 100 ops.
 
@@ -46,10 +46,9 @@ import einjoin as ej  # noqa: E402
 from einjoin.models.graphs import llama_layers  # noqa: E402
 from einjoin.models.zoo import example  # noqa: E402
 from einjoin.plan.stats import human_bytes  # noqa: E402
-from einjoin.planner import PLANNERS  # noqa: E402
+from einjoin.planner import PLANNERS, seeded_eindecomp  # noqa: E402
 from einjoin.planner.bounds import node_bound_bytes  # noqa: E402
 from einjoin.planner.cost import model_cost  # noqa: E402
-from einjoin.planner.search import eindecomp  # noqa: E402
 from einjoin.settings import SETTINGS  # noqa: E402
 
 DEVICES = 2
@@ -175,7 +174,7 @@ def plan_row(graph: ej.Graph, p: int, full: bool, log: Callable[[str], None]) ->
         note = f" (ILP step: {FAST_ILP_KEEP} candidates per op, not {SETTINGS.ilp_keep}; --full)"
     log(f"LLaMA-7B fwd+bwd: eindecomp at P={p}{note}")
     t0 = time.perf_counter()
-    ours = model_cost(graph, cluster, eindecomp(graph, cluster, settings=settings))
+    ours = model_cost(graph, cluster, seeded_eindecomp(graph, cluster, settings=settings))
     bound = int(sum(node_bound_bytes(n, p) or 0 for n in graph.ops))
     return Planned(p, ours, time.perf_counter() - t0, note, base, bound)
 

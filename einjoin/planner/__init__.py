@@ -1,6 +1,7 @@
 """Planners: graph + cluster + memory limit -> one join-agg spec per node. All share one
 signature (:class:`Planner`) and one registry, with ``auto`` (= ``eindecomp``, the EinDecomp
-dynamic program with refinement, see :mod:`einjoin.planner.search`); ``exhaustive`` is ground
+dynamic program with refinement, see :mod:`einjoin.planner.search`, seeded with the named
+baselines' plans so that it never loses to them: :func:`seeded_eindecomp`); ``exhaustive`` is ground
 truth for small graphs; the named baselines ``data_parallel``, ``megatron``, ``mesh_ilp`` and
 ``zero`` (:mod:`einjoin.planner.baselines`) are what a user would otherwise pick; ``split_largest`` and
 ``single`` are simple references (:mod:`einjoin.planner.basic`).
@@ -37,8 +38,9 @@ from einjoin.planner.basic import derive_input_specs, largest_output_cut, single
 from einjoin.planner.fit import MemoryLimit, device_memory
 from einjoin.planner.search import eindecomp, exhaustive
 from einjoin.registry import Registry
+from einjoin.settings import SETTINGS, Settings
 
-__all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs",
+__all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs", "seeded_eindecomp",
            "largest_output_cut", "resolve_planner", "as_planner", "takes_memory_limit",
            "check_planned", "memory_limit_for", "MemoryLimit"]
 
@@ -79,11 +81,34 @@ def register_planner(name: str) -> Callable[[Callable[..., Any]], Callable[..., 
     return deco
 
 
+def seeded_eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None,
+                     settings: Settings = SETTINGS) -> dict[Node, JoinAggSpec]:
+    """eindecomp (:func:`einjoin.planner.search.eindecomp`) seeded with the plans of the named
+    baselines that apply (``data_parallel``, ``megatron``, ``zero``): by the cost model it is
+    never worse than any of them (without a memory cap, where the seeds are used). The
+    registered ``eindecomp`` and ``auto``.
+
+    >>> import einjoin as ej
+    >>> from einjoin.planner.cost import model_cost
+    >>> x = ej.input("x", (64, 32)); w = ej.param("w", (32, 16))
+    >>> g, c = ej.Graph((x @ w).relu()), ej.local(4)
+    >>> model_cost(g, c, seeded_eindecomp(g, c)) <= model_cost(g, c, data_parallel(g, c))
+    True
+    """
+    seeds = []
+    for base in (data_parallel, megatron, zero):
+        try:
+            seeds.append(base(graph, cluster, memory_limit=memory_limit))
+        except EinjoinError:  # NotApplicable: the baseline does not fit this graph
+            pass
+    return eindecomp(graph, cluster, memory_limit=memory_limit, settings=settings, seeds=seeds)
+
+
 PLANNERS["split_largest"] = split_largest
 PLANNERS["single"] = single_block
-PLANNERS["eindecomp"] = eindecomp
+PLANNERS["eindecomp"] = seeded_eindecomp
 PLANNERS["exhaustive"] = exhaustive
-PLANNERS["auto"] = eindecomp
+PLANNERS["auto"] = seeded_eindecomp
 PLANNERS["data_parallel"] = data_parallel
 PLANNERS["megatron"] = megatron
 PLANNERS["mesh_ilp"] = mesh_ilp
