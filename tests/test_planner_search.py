@@ -237,3 +237,36 @@ def test_a_cap_aware_plan_of_a_llama_block_evicts_far_less() -> None:
     aware, blind_plan = plans["aware"], plans["blind"]
     assert max(aware.peak_bytes_per_device.values()) <= 9.5 * 2**20
     assert 3 * (aware.bytes_evicted + aware.bytes_reloaded) < blind_plan.bytes_evicted + blind_plan.bytes_reloaded
+
+
+def _training_graph(d: int, p: int) -> ej.Graph:
+    """[loss, *grads] of the small LLaMA block (loss: the output's squares summed)."""
+    from einjoin.models.graphs import transformer_block
+    out, _ = transformer_block(seq=16, d=d, heads=4, hidden=48)
+    loss = (out * out).sum()
+    params = [ej.Tensor(x) for x in ej.Graph(out).inputs if getattr(x.op, "param", False)]
+    return ej.Graph([loss.node, *(g.node for g in ej.grad(loss, params))])
+
+
+def test_seeds_are_a_floor_never_a_competitor() -> None:
+    # at P = 3 the even cuts of d = 32 (11/11/10) cross the heads' 8-column boundaries;
+    # megatron's plan on the same graph is a floor the seeded search must reach or beat
+    from einjoin.planner.baselines import NotApplicable, data_parallel, megatron, zero
+    g, c = _training_graph(32, 3), ej.local(3)
+    seeds, costs = [], []
+    for base in (data_parallel, megatron, zero):
+        try:
+            seeds.append(base(g, c))
+        except NotApplicable:
+            continue
+        costs.append(model_cost(g, c, seeds[-1]))
+    plain = model_cost(g, c, eindecomp(g, c))
+    seeded = model_cost(g, c, eindecomp(g, c, seeds=seeds))
+    assert seeded <= min(costs) and seeded <= plain
+    # a seed costlier than the search's own plan changes nothing
+    worst = max(seeds, key=lambda s: model_cost(g, c, s))
+    assert model_cost(g, c, worst) > plain
+    assert model_cost(g, c, eindecomp(g, c, seeds=[worst])) == plain
+    # a partial plan is no seed
+    partial = dict(list(min(seeds, key=lambda s: model_cost(g, c, s)).items())[:3])
+    assert model_cost(g, c, eindecomp(g, c, seeds=[partial])) == plain
