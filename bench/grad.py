@@ -68,6 +68,26 @@ def blas_lines() -> list[str]:
     return lines
 
 
+def _cpu() -> tuple[float, float, float] | None:
+    """(busy CPU seconds of the whole machine, of this process, wall clock), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+
+def others_load(start: tuple[float, float, float] | None) -> str:
+    """The share of the cores other processes used since ``start`` (they skew the timings)."""
+    end = _cpu()
+    if start is None or end is None:
+        return "n/a"
+    busy, own, wall = (b - a for a, b in zip(start, end))
+    frac = max(0.0, busy - own) / (wall * CORES) if wall > 0 else 0.0
+    return f"{100 * frac:.0f}% of the {CORES} cores" + (" (machine not quiet: timings skewed)" if frac > 0.05 else "")
+
+
 # --------------------------------------------------------------------------------------------
 # forward + backward, timed
 
@@ -232,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                batch=1024)),
              ("LLaMA block d 512, 8 heads, seq 512, SwiGLU 1376",
               *example("llama-block", dim=512, heads=8, kv_heads=8, hidden=1376, seq=512, batch=1))]
+    load0 = _cpu()
     timed = [time_case(name, module, a, args.reps, log) for name, module, a in cases]
+    load = others_load(load0)
 
     builds = []
     for name, make in (("MLP (2 layers)", mlp_graph), ("LLaMA block", block_graph)):
@@ -273,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{escape(t.name)}: {t.ops} ops planned, compiled in {t.compile_s:.1f} s; max rel "
                       f"err of the float32 gradients vs torch autograd in float64: einjoin {t.err:.1e} "
                       f"(every run), torch {t.torch_err:.1e}")
+    console.print(f"other processes while the timings ran: {load}")
     console.print("zero's bytes: its gradient ops cut the batch and the parameter's largest dim P ways "
                   "each (P x P kernels, so the partials of each block meet on its device); the cost model "
                   "charges every input block read by kernels of another device, which the placer avoids.")
