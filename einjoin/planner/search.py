@@ -27,6 +27,7 @@ also agree along chains of ops, so the memory planner needs few evictions.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
@@ -48,17 +49,6 @@ def _candidates(graph: Graph, cluster: Cluster, memory_limit: MemoryLimit | None
                 settings: Settings) -> Candidates:
     limit = device_memory(cluster) if memory_limit is None else memory_limit
     return Candidates(CostModel(graph, cluster.size), memory_cap(limit), settings)
-
-
-def _replica_bytes(graph: Graph, chosen: dict[Node, SpecInfo], u: Node) -> int:
-    """Replica bytes of tensor ``u`` over all its readers, each (partition, replication) once."""
-    seen: set[tuple[int, int]] = set()  # interned partition ids: hashing a partition is slow
-    for w in graph.users[u]:
-        info = chosen[w]
-        for x, need, join in zip(w.inputs, info.in_ids, info.join_in):
-            if x is u and join:
-                seen.add((need, join))
-    return sum(j for _, j in seen)
 
 
 def _specs_of(graph: Graph, chosen: dict[Node, SpecInfo]) -> dict[Node, JoinAggSpec]:
@@ -144,32 +134,67 @@ def _solve_tree(graph: Graph, cands: Candidates, root: Node, members: set[Node],
     return result
 
 
-def _local_cost(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo], v: Node) -> int:
+@dataclass(frozen=True)
+class _Around:
+    """What :func:`_local_cost` reads of the graph's structure, computed once per search (the
+    local moves evaluate it for every candidate of every op, many times)."""
+
+    first: dict[Node, tuple[Node, int]]  # a graph input -> (first consumer, its slot)
+    edges: dict[Node, tuple[tuple[int, Node], ...]]  # op -> the (slot, input) edges it pays
+    reads: dict[Node, tuple[tuple[Node, int], ...]]  # tensor -> its (reader, slot) pairs
+    inputs: dict[Node, tuple[Node, ...]]  # op -> its distinct inputs that are not fills
+    touched: dict[Node, tuple[Node, ...]]  # op -> ops whose in-edges its spec changes
+
+    @staticmethod
+    def of(graph: Graph) -> _Around:
+        first = {u: (graph.users[u][0], graph.users[u][0].inputs.index(u))
+                 for u in graph.nodes if u.facts.fed and graph.users[u]}
+        edges, reads, inputs, touched = {}, {}, {}, {}
+        for w in graph.ops:
+            # a fill is computed in place; an input is loaded as its first use needs
+            edges[w] = tuple((slot, u) for slot, u in enumerate(w.inputs)
+                             if not (u.facts.free or first.get(u) == (w, slot)))
+            inputs[w] = tuple(dict.fromkeys(u for u in w.inputs if not u.facts.free))
+            near = dict.fromkeys(graph.users[w])
+            for u in w.inputs:
+                if u in first and first[u][0] is w:
+                    near.update(dict.fromkeys(x for x in graph.users[u] if x is not w))
+            touched[w] = tuple(near)
+        for u in graph.nodes:
+            reads[u] = tuple(dict.fromkeys((w, slot) for w in graph.users[u]
+                                           for slot, x in enumerate(w.inputs) if x is u))
+        return _Around(first, edges, reads, inputs, touched)
+
+
+def _local_cost(around: _Around, cands: Candidates, chosen: dict[Node, SpecInfo], v: Node) -> int:
     """The part of the total that depends on v's spec: its op, its in- and out-edges, and the
     edges of inputs whose loaded partition v (as first consumer) decides."""
-
-    def have(u: Node) -> int:
-        if u.facts.fed:
-            c = graph.users[u][0]
-            return chosen[c].in_ids[c.inputs.index(u)]
-        return chosen[u].out_id
+    repart = cands.model.repart_ids
+    first = around.first
 
     def edges_into(w: Node) -> int:
         cost = 0
-        for slot, (u, need) in enumerate(zip(w.inputs, chosen[w].in_ids)):
-            if u.facts.free or (u.facts.fed and graph.users[u][0] is w
-                                           and slot == w.inputs.index(u)):
-                continue  # a fill is computed in place; an input is loaded as its first use needs
-            cost += cands.model.repart_ids(have(u), need, u.dtype)
+        need = chosen[w].in_ids
+        for slot, u in around.edges[w]:
+            if u in first:
+                c, s = first[u]
+                have = chosen[c].in_ids[s]
+            else:
+                have = chosen[u].out_id
+            cost += repart(have, need[slot], u.dtype)
         return cost
 
+    def replica_bytes(u: Node) -> int:  # each (partition, replication) of u once
+        seen: set[tuple[int, int]] = set()
+        for w, slot in around.reads[u]:
+            info = chosen[w]
+            if info.join_in[slot]:
+                seen.add((info.in_ids[slot], info.join_in[slot]))
+        return sum(j for _, j in seen)
+
     cost = chosen[v].agg_bytes + edges_into(v)
-    cost += sum(_replica_bytes(graph, chosen, u) for u in set(v.inputs) if not u.facts.free)
-    touched = {w for w in graph.users[v]}
-    for u in v.inputs:
-        if u.facts.fed and graph.users[u][0] is v:
-            touched.update(w for w in graph.users[u] if w is not v)
-    for w in touched:
+    cost += sum(replica_bytes(u) for u in around.inputs[v])
+    for w in around.touched[v]:
         cost += edges_into(w)
     return cost
 
@@ -199,7 +224,8 @@ def _single_op_moves(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInf
 
 def _local_search(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -> None:
     """Re-choose each op's spec with all others fixed while that lowers the total."""
-    _single_op_moves(graph, cands, chosen, lambda v: _local_cost(graph, cands, chosen, v),
+    around = _Around.of(graph)
+    _single_op_moves(graph, cands, chosen, lambda v: _local_cost(around, cands, chosen, v),
                      cands.settings.local_search_rounds)
 
 
@@ -224,7 +250,8 @@ def _waiting_bytes(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]
 def _break_ties(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -> None:
     """Single-op moves that keep the modelled bytes (or lower them) and lower the bytes waiting
     on compute: of two plans moving as much, the one whose transfers can overlap compute."""
-    _single_op_moves(graph, cands, chosen, lambda v: (_local_cost(graph, cands, chosen, v),
+    around = _Around.of(graph)
+    _single_op_moves(graph, cands, chosen, lambda v: (_local_cost(around, cands, chosen, v),
                                                       _waiting_bytes(graph, cands, chosen, v)),
                      cands.settings.tie_break_rounds)
 
