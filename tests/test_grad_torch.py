@@ -164,3 +164,52 @@ def test_gpt2_block_in_training_mode_has_one_stream_per_dropout():
         close(h, g, 1e-4, "gpt2 training-mode gradients, compiled vs reference")
     c = train.reference(*args, dropout_seed=np.int64(5))
     assert abs(float(c[0]) - float(a[0])) > 1e-6  # another seed, other masks
+
+
+def test_detach_cuts_the_gradient_as_in_torch():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.lin(x))
+            return (h * h.detach()).sum(-1)   # the detached factor carries no gradient
+
+    torch.manual_seed(1)
+    m = M().double().eval()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    fn = ej.from_torch(m, (x,))
+    loss = fn.outputs[0].sum()
+    grads = ej.grad(loss, list(fn.parameters.values()))
+    got = fn.with_outputs(grads).reference(x.numpy())
+    want = torch.autograd.grad(m(x).sum(), list(m.parameters()))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-10, atol=1e-12)
+    # and the gradient is not the one without detach (twice as large in the first factor)
+    plain = torch.autograd.grad((torch.tanh(m.lin(x)) ** 2).sum(), list(m.parameters()))
+    assert not np.allclose(got[0], plain[0].numpy())
+
+
+def test_attention_mask_of_another_dtype_than_the_queries_is_refused():
+    # torch requires a bool mask or the queries' dtype; its CPU kernel silently gives wrong values
+    # for a float32 causal mask on float64 queries, so einjoin refuses rather than differ
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])  # float32
+            return self.att(x, x, x, attn_mask=mask.to(x.dtype) if self.same else mask,
+                            need_weights=False)[0]
+
+    torch.manual_seed(2)
+    m = M().double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    m.same = False
+    with pytest.raises(ej.EinjoinError, match=r"attn_mask is float32 but the queries are float64"):
+        ej.from_torch(m, (x,))
+    m.same = True
+    fn = ej.from_torch(m, (x,))
+    np.testing.assert_allclose(fn.reference(x.numpy()), m(x).detach().numpy(), rtol=1e-10, atol=1e-12)

@@ -416,6 +416,14 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: flo
         causal = F.fill((s, t), "x1 <= x0", "bool")
         mask = causal if mask is None else (mask & causal)
         is_causal = False
+    if mask is not None and mask.dtype not in ("bool", q.dtype):
+        # torch's contract: "attn_mask dtype to be bool or to match query dtype". torch 2.13's
+        # CPU kernel does not check it and returns wrong values for some mask shapes (a float32
+        # (s, t) causal mask with float64 queries: off by more than 1); refuse rather than differ
+        raise UnsupportedOpError(
+            f"scaled_dot_product_attention: attn_mask is {mask.dtype} but the queries are {q.dtype}; "
+            f"torch requires a bool mask or one of the queries' dtype (build the mask with "
+            f"dtype=query.dtype, or convert the model and its masks together)")
     if mask is not None and mask.dtype != "bool":
         # an additive float mask: written out, since ej.attention takes boolean masks
         if is_causal:
@@ -471,10 +479,18 @@ def _t(x: Tensor) -> Tensor:
     return x if x.ndim < 2 else x.transpose(0, 1)
 
 
-@op("contiguous", "clone", "alias", "detach", "lift_fresh_copy", "lift_fresh", "detach_",
-    "_to_dim_order_copy", "identity")
+@op("contiguous", "clone", "alias", "lift_fresh_copy", "lift_fresh", "_to_dim_order_copy", "identity")
 def _identity(x: Any, *_: Any, **__: Any) -> Any:
     return x
+
+
+@op("detach", "detach_")
+def _detach(x: Any, *_: Any, **__: Any) -> Any:
+    # torch's detach cuts the gradient: ej.grad must not flow through it either (the
+    # stop_gradient scalar function; only float tensors carry gradients)
+    if not isinstance(x, Tensor) or not x.dtype.startswith(("float", "bfloat")):
+        return x
+    return elementwise("stop_gradient", x)
 
 
 @op("unsqueeze")
