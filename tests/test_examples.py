@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 import runpy
+import textwrap
 
 import einjoin as ej
 from einjoin.cli import main
@@ -17,6 +18,14 @@ def test_readme_example_runs() -> None:
     assert text.lstrip().startswith("# einjoin") and "make demo" in text[:400] and "make test" in text[:400]
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_gradient_examples_run() -> None:
+    # the gradient examples, in order (the second uses the first's imports), against torch.autograd
+    text = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "ej.grad(" in b]
+    assert len(blocks) == 2
+    exec(compile("\n".join(textwrap.dedent(b) for b in blocks), "README.md", "exec"), {})
 
 
 def test_tour_runs(capsys) -> None:  # type: ignore[no-untyped-def]
