@@ -256,16 +256,29 @@ def _break_ties(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -
                      cands.settings.tie_break_rounds)
 
 
+def _balanced(spec: JoinAggSpec) -> bool:
+    """Whether every label's blocks are as even as the search's own cuts (sizes differ by at
+    most one). The cost model counts bytes, not work: uneven cuts (megatron's 32/16/16 of 64 on
+    3 devices, aligned to heads) can move fewer bytes while one device does twice the work of
+    the others, a trade the search's even candidates never make; a seed may not bring it in."""
+    for b in spec.bounds:
+        sizes = [hi - lo for lo, hi in zip(b, b[1:])]
+        if max(sizes) - min(sizes) > 1:
+            return False
+    return True
+
+
 def _seeded(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo],
             seeds: Sequence[Mapping[Node, JoinAggSpec]]) -> dict[Node, SpecInfo]:
     """The cheapest of ``chosen`` and the ``seeds`` (whole plans, e.g. the named baselines'),
     by the same cost model; a seed that wins is then improved by single-op moves. So the result
-    is never worse than any seed: the baselines' plans are a floor, not a competitor."""
+    is never worse than any seed with even cuts (:func:`_balanced`): the baselines' plans are a
+    floor, not a competitor."""
     best, best_cost = chosen, total_cost(graph, cands.model, chosen)
     ops = [v for v in graph.ops if not v.facts.free]
     for seed in seeds:
-        if any(v not in seed for v in ops):
-            continue  # not a whole plan
+        if any(v not in seed or not _balanced(seed[v]) for v in ops):
+            continue  # not a whole plan, or one whose uneven cuts overload a device
         plan = {v: cands.model.info(v, seed[v]) for v in ops}
         cost = total_cost(graph, cands.model, plan)
         if cost < best_cost:
@@ -291,9 +304,11 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
     ``seeds`` are whole plans (node -> spec, e.g. the named baselines' on this graph) that the
     result must not lose to: when one costs less than the search's plan it is taken and
     improved by single-op moves (:func:`_seeded`). Seeds are only used without a memory cap
-    (under one, a seed's cuts need not fit it). The search itself offers every op k * P blocks
-    (balanced work), so a plan that leaves a tiny op, such as the broadcast of a loss's
-    cotangent, in one block can be cheaper in bytes; a seed carries that choice in."""
+    (under one, a seed's cuts need not fit it) and only if every cut is even (blocks of a label
+    differ by at most one element: the bytes model does not see an overloaded device). The
+    search itself offers every op k * P blocks (balanced work), so a plan that leaves a tiny op,
+    such as the broadcast of a loss's cotangent, in one block can be cheaper in bytes; a seed
+    carries that choice in."""
     cands = _candidates(graph, cluster, memory_limit, settings)
     model = cands.model
     outputs = set(graph.outputs)
