@@ -10,7 +10,9 @@ of ``y``'s shape, the cotangent of ``x_i`` is one einsum over the op's labels, a
   differentiated symbolically (:func:`einjoin.ir.derivative.derivative`).
 - ``agg`` max/min: the cotangent goes to the positions whose joined value equals the result,
   **split evenly between ties** (as torch's ``amax``/``amin``): ``where(f == y, g / count, 0)``
-  with ``count`` the number of ties, an einsum too.
+  with ``count`` the number of ties, an einsum too; a NaN result (no position equals it) gives
+  NaN to its whole group, as torch's does. In float16/bfloat16 the join is computed in float32
+  and only the result rounded, so the winners are found on the join rounded to the op's dtype.
 - ``agg`` prod: ``g`` times the product of the *other* factors of the group, computed without
   dividing by zero: with ``P`` the product of the group's nonzero factors and ``z`` its number of
   zeros, a nonzero factor gets ``P / f`` when ``z == 0`` (else 0) and a zero factor gets ``P``
@@ -45,6 +47,8 @@ from einjoin.ir.opkinds import Einsum
 from einjoin.ir.scalar import Arg, Call, Const, Expr, is_product, num_args, substitute
 
 __all__ = ["einsum_adjoints", "onto", "JOIN_HITS"]
+
+_HALF = ("float16", "bfloat16")
 
 # "agg:<name>" and "join:<expr>" -> how many adjoints were built for it (the tests' hit counter)
 JOIN_HITS: dict[str, int] = {}
@@ -184,6 +188,34 @@ def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     """The cotangent of each input of the einsum ``node`` (None where not ``wanted`` or where
     the join does not depend on it), given the cotangent ``g`` of its output."""
     op: Einsum = node.op  # type: ignore[assignment]
+    if (op.agg.name in ("max", "min") and node.dtype in _HALF
+            and not isinstance(op.join, Arg)):
+        return _rounded_extremum(node, g, wanted)
+    return _adjoints(node, g, wanted, node)
+
+
+def _rounded_extremum(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    """A half-precision max/min over a computed join: the join is evaluated in float32 and only
+    the result is rounded, so comparing the recomputed float32 join with the half result finds
+    no winner (every gradient 0). The join is taken apart instead: ``y = max(fj)`` with
+    ``fj`` the join rounded to the node's dtype (an elementwise einsum over the op's grid),
+    whose winners compare exactly; rounding is monotone, so ``y`` is the forward value."""
+    op: Einsum = node.op  # type: ignore[assignment]
+    grid = list(op.out_labels)
+    for ls in op.in_labels:
+        grid += [lab for lab in ls if lab not in grid]
+    fj = fold(ops.einsum_node(list(node.inputs), op.in_labels, tuple(grid), op.join, None))
+    pick = ops.einsum_node([fj], [tuple(grid)], op.out_labels, Arg(0), op.agg)
+    (gf,) = _adjoints(pick, g, (True,), node)  # node holds pick's value: never recomputed
+    assert gf is not None
+    return _adjoints(fj, fold(ops.cast_node(gf, fj.dtype)), wanted, fj)
+
+
+def _adjoints(node: Node, g: Node, wanted: Sequence[bool], value: Node
+              ) -> tuple[Node | None, ...]:
+    """:func:`einsum_adjoints` with ``value`` a node holding ``node``'s value (itself, or the
+    forward node it stands for)."""
+    op: Einsum = node.op  # type: ignore[assignment]
     f = op.join
     xs = list(node.inputs)
     n = len(xs)
@@ -197,9 +229,9 @@ def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     extra_labels: list[tuple[str, ...]] = []
     if agg in ("max", "min"):
         Y = Arg(n + 1)
-        count = _count(node, Call("eq", (f, Arg(n))), [node], [op.out_labels], node.dtype)
+        count = _count(node, Call("eq", (f, Arg(n))), [value], [op.out_labels], node.dtype)
         C = Arg(n + 2)
-        extra_nodes, extra_labels = [node, count], [op.out_labels, op.out_labels]
+        extra_nodes, extra_labels = [value, count], [op.out_labels, op.out_labels]
     elif agg == "prod":
         zero = Call("eq", (f, Const(0)))
         nonzero_prod = fold(ops.einsum_node(xs, op.in_labels, op.out_labels,
@@ -216,8 +248,11 @@ def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
         if agg in ("max", "min"):
             # ties split evenly; the seed sits inside the mask, so a position that lost gets an
             # exact 0 whatever its derivative (an infinite one included)
+            # a NaN result has no winner (count 0): the whole group gets NaN, as torch's
+            # amax backward gives (grad / 0 * 0)
+            lost = Call("where", (Call("ne", (Y, Y)), Y, Const(0)))
             join: Expr = Call("where", (Call("eq", (f, Y)), _adjoint_join(f, i, Call("div", (G, C)), dtypes),
-                                        Const(0)))
+                                        lost))
         elif agg == "prod":
             # g times the exclusive product of the group (no division by a zero factor)
             excl = Call("where", (zero, Call("where", (Call("eq", (Z, Const(1))), P, Const(0))),
@@ -234,6 +269,6 @@ def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
         if join == Const(0):  # the join does not read x_i
             out.append(None)
             continue
-        out.append(onto(base_nodes + extra_nodes + [node], base_labels + extra_labels + [op.out_labels],
+        out.append(onto(base_nodes + extra_nodes + [value], base_labels + extra_labels + [op.out_labels],
                         join, op.in_labels[i], xs[i].shape))
     return tuple(out)
