@@ -27,6 +27,7 @@ from einjoin.decomp.flops import kernel_flops
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Node
 from einjoin.placement.base import NodePlacement, Placement, _from_kernel_devices, register_placer, round_robin
+from einjoin.placement.homes import settle_homes
 
 __all__ = ["greedy", "critical_path", "nums"]
 
@@ -206,7 +207,8 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
             rr = round_robin({node: d}, cluster)[node].homes
             h = {key: st.homes[node].get(key, rr[key]) for key in d.out_partition.keys()}
             out[node] = NodePlacement(tuple(h[k.out_key] for k in d.kernels), h)
-    return {node: out[node] for node in decomps}
+    # the kernels placed, every block that may live anywhere moves to its cheapest home
+    return settle_homes(decomps, {node: out[node] for node in decomps}, p)
 
 
 def _missing(pieces: list[tuple[Node, BlockKey, int, _Held]], dev: int) -> list[tuple[int, int]]:
