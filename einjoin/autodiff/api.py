@@ -20,7 +20,7 @@ from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
-from einjoin.ir.fold import fold
+from einjoin.autodiff.folding import refold
 from einjoin.ir.node import Node
 from einjoin.ir.scalar import FUNCTIONS
 
@@ -65,7 +65,7 @@ def _cotangent(y: Tensor, c: Any, what: str) -> Node:
                          f"{y.shape}")
     if kind(ct.dtype) != "float":
         raise DTypeError(f"the cotangent of {what} is {ct.dtype}; it must be a float tensor")
-    return fold(ops.cast_node(ct.node, y.dtype))
+    return refold(ops.cast_node(ct.node, y.dtype))
 
 
 def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor | float | None],

@@ -24,7 +24,7 @@ from einjoin.autodiff.rules import GRAD_RULES
 from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
-from einjoin.ir.fold import fold
+from einjoin.autodiff.folding import refold
 from einjoin.ir.node import Node, rule_for
 from einjoin.ir.scalar import parse_join
 
@@ -62,7 +62,7 @@ def _total(parts: list[Node]) -> Node:
     labels = "".join(chr(ord("a") + d) for d in range(parts[0].ndim)) if parts[0].ndim <= 26 else None
     if labels is None:
         raise EinjoinError(f"summing cotangents of rank {parts[0].ndim}: at most 26 dims")
-    return fold(ops.einsum_node(parts, [labels] * len(parts), labels,
+    return refold(ops.einsum_node(parts, [labels] * len(parts), labels,
                                 parse_join("add", len(parts)), None))
 
 
@@ -71,7 +71,7 @@ def _fit(adj: Node, x: Node, node: Node) -> Node:
         raise EinjoinError(f"gradient rule of {node.kind} gave shape {adj.shape} for an input of "
                            f"shape {x.shape}")
     if adj.dtype != x.dtype:
-        adj = fold(ops.cast_node(adj, x.dtype))
+        adj = refold(ops.cast_node(adj, x.dtype))
     return adj
 
 

@@ -88,3 +88,30 @@ def test_tied_parameters_get_torchs_whole_gradient(method):
     assert list(fn.parameters) == list(want)  # the names an optimizer sees
     for (n, w), g in zip(want.items(), got):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=n)
+
+
+# ---------------------------------------------------------------- long chains
+
+
+def test_gradient_of_a_long_float64_chain_keeps_its_constant_cotangent_small():
+    # the loss's cotangent (a fill) carried down the chain was folded into a fill expression one
+    # level deeper per op, until hash-consing it overflowed Python's recursion limit
+    x = ej.input("x", (4,), "float64")
+    tx = torch.full((4,), 0.3, dtype=torch.float64, requires_grad=True)
+    h, th = x, tx
+    for _ in range(1200):
+        h, th = h * 0.99 + 0.01, th * 0.99 + 0.01
+    (g,) = ej.grad(h.sum(), [x])  # a constant gradient: 0.99 ** 1200
+    th.sum().backward()
+    got = ej.reference([h.sum(), g], x=np.full(4, 0.3))[1]
+    np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-12)
+
+
+@pytest.mark.xfail(strict=True, reason="einjoin/ir/fold.py (not H8's): folding an einsum of "
+                   "float64 fills substitutes expressions without computing their constants, so "
+                   "a chain of ~170 constant ops nests too deeply (a raw RecursionError)")
+def test_a_long_chain_of_float64_constants_folds_to_a_number():
+    h, want = ej.ones((4,), "float64"), np.ones(4)
+    for _ in range(400):
+        h, want = h * 0.99 + 0.01, want * 0.99 + 0.01
+    np.testing.assert_allclose(ej.reference(h), want, rtol=1e-12)
