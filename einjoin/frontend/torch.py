@@ -359,6 +359,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs}
     problems = _Problems(module, "torch.export")
+    canon = _canonical_names(module)
     skip = _check_supported(ep.graph, False, {}, problems)
     env: dict[Any, Any] = {}
     bound: dict[str, np.ndarray] = {}
@@ -374,7 +375,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             kind = spec.kind.name
             if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
                 t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants[spec.target]
-                name = spec.target
+                name = canon.get(spec.target, spec.target)
                 env[node] = F.param(name, tuple(t.shape), _dtype_of(t, f"{kind.lower()} {name!r}"))
                 (params if kind == "PARAMETER" else buffers)[name] = env[node]
                 if not t.is_meta:  # a module on the meta device plans but cannot run
@@ -411,6 +412,19 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     problems.check()
     return TorchFunction(tuple(outputs), tuple(arg_names), bound, _many(ep.call_spec.out_spec), "export",
                          parameters=_in_module_order(module, params), buffers=buffers)
+
+
+def _canonical_names(module: Any) -> dict[str, str]:
+    """Every qualified name of a parameter or buffer -> the name ``named_parameters()`` /
+    ``named_buffers()`` give it. A tied weight (GPT-2's ``wte`` and ``lm_head``) has several names
+    but is one tensor: it must be one graph input, so its gradient is the sum over its uses (what
+    torch accumulates in its one ``.grad``), under the name an optimizer sees."""
+    canon: dict[str, str] = {}
+    for named in (module.named_parameters, module.named_buffers):
+        first = {id(t): n for n, t in named()}
+        for n, t in named(remove_duplicate=False):
+            canon[n] = first.get(id(t), n)
+    return canon
 
 
 def _in_module_order(module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -507,8 +521,10 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
     given = list(args)
     params: dict[str, Tensor] = {}
     trained = {id(t) for t in module.parameters()}
+    canon = _canonical_names(module)
 
     def param(qual: str, t: Any) -> Tensor:
+        qual = canon.get(qual, qual)
         if qual not in params:
             params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t, f"tensor {qual!r}"))
             if not t.is_meta:
