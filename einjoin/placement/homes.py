@@ -110,6 +110,7 @@ def settle_homes(decomps: Mapping[Node, Decomposition], placement: Placement, p:
     # bytes per device of the blocks that stay for the whole run: graph inputs' and those of
     # tensors nothing reads (outputs: a gradient, the loss); intermediates come and go
     held = [0] * p
+    inbound = [0] * p  # bytes each device receives, for the homes given so far
     out: Placement = {}
     for node, d in decomps.items():
         pl = placement[node]
@@ -132,16 +133,21 @@ def settle_homes(decomps: Mapping[Node, Decomposition], placement: Placement, p:
             for a, b in d.out_partition.box(key):
                 elems *= b - a
             parts = partials.get(key, ())
-            at = per.get(key, {})
-            if len(parts) == 1 or not (parts or at):
+            need = {dv: isz * _volume(boxes) for dv, boxes in per.get(key, {}).items()}
+            if len(parts) == 1 or not (parts or need):
                 home = old  # computed where it lives; or an input block nobody reads
             else:
-                saved = {dv: isz * _volume(boxes) for dv, boxes in at.items()}
+                saved = dict(need)
                 for dv in set(parts):
                     saved[dv] = saved.get(dv, 0) + acc * elems
                 top = max(saved.values())
                 home = min((dv for dv, s in saved.items() if s == top),
-                           key=lambda dv: (mine[dv], held[dv], dv != old, dv))
+                           key=lambda dv: (mine[dv], held[dv] if stays else 0, inbound[dv], dv != old, dv))
+            # the traffic into each device, as the task graph will have it
+            for dv, nbytes in need.items():
+                if dv != home:
+                    inbound[dv] += nbytes
+            inbound[home] += acc * elems * len(set(parts) - {home})
             homes[key] = home
             mine[home] += 1
             if stays:
