@@ -26,6 +26,9 @@ from einjoin.ir.scalar import FUNCTIONS
 
 __all__ = ["grad", "value_and_grad", "vjp", "stop_gradient"]
 
+# one cotangent per output (a tensor, a number, or None for a one-element output), or one alone
+Cotangents = Tensor | float | None | Sequence[Tensor | float | None]
+
 
 def _tensor(x: Any, what: str) -> Tensor:
     if isinstance(x, Tensor):
@@ -68,11 +71,12 @@ def _cotangent(y: Tensor, c: Any, what: str) -> Node:
     return refold(ops.cast_node(ct.node, y.dtype))
 
 
-def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor | float | None],
-        wrt: Sequence[Tensor]) -> list[Tensor]:
+def vjp(outputs: Tensor | Sequence[Tensor], cotangents: Cotangents,
+        wrt: Tensor | Sequence[Tensor]) -> list[Tensor]:
     """The vector-Jacobian product: ``sum_k cotangents[k] · ∂outputs[k]/∂wrt[j]`` for each
     ``wrt[j]``, a list in ``wrt`` order with ``wrt``'s shapes and dtypes. A cotangent may be
-    None for a one-element output (a 1).
+    None for a one-element output (a 1), or a number (a constant tensor). One tensor is one
+    output (with one cotangent), as in ``torch.autograd.grad``.
 
     >>> import numpy as np, einjoin as ej
     >>> a = ej.input("a", (2,), "float64")
@@ -81,11 +85,29 @@ def vjp(outputs: Sequence[Tensor], cotangents: Sequence[Tensor | float | None],
     >>> ej.reference(da, a=np.array([1.0, 2.0]), g=np.array([3.0, 1.0]))
     array([6., 4.])
     """
-    outs = [_tensor(y, f"outputs[{k}]") for k, y in enumerate(outputs)]
+    return _vjp(outputs, cotangents, wrt, None)
+
+
+def _vjp(outputs: Tensor | Sequence[Tensor], cotangents: Cotangents,
+         wrt: Tensor | Sequence[Tensor], name: str | None) -> list[Tensor]:
+    """:func:`vjp`; ``name`` names a single output in errors (``y`` of :func:`grad`)."""
+    # one tensor is one output, as torch.autograd.grad takes it (iterating it would make each
+    # of its rows an output); likewise one cotangent
+    if isinstance(outputs, (Tensor, Node)):
+        outputs = [outputs]
+    if cotangents is None or isinstance(cotangents, (Tensor, Node, int, float)):
+        cotangents = [cotangents]
+    if not isinstance(outputs, (list, tuple)):
+        raise EinjoinError(f"vjp: outputs must be a tensor or a list of tensors, got "
+                           f"{type(outputs).__name__}")
+    if not isinstance(cotangents, (list, tuple)):
+        raise EinjoinError(f"vjp: cotangents must be a list (one per output), got "
+                           f"{type(cotangents).__name__}")
+    outs = [_tensor(y, name or f"outputs[{k}]") for k, y in enumerate(outputs)]
     cots = list(cotangents)
     if len(cots) != len(outs):
         raise EinjoinError(f"vjp: {len(outs)} output(s) but {len(cots)} cotangent(s)")
-    gs = [_cotangent(y, c, f"outputs[{k}]") for k, (y, c) in enumerate(zip(outs, cots))]
+    gs = [_cotangent(y, c, name or f"outputs[{k}]") for k, (y, c) in enumerate(zip(outs, cots))]
     ws = _wrt(wrt)
     nodes = backward([y.node for y in outs], gs, [w.node for w in ws])
     return [Tensor(n) for n in nodes]
@@ -105,7 +127,7 @@ def grad(y: Tensor, wrt: Tensor | Sequence[Tensor], cotangent: Tensor | float | 
     ((2, 2), (2,), 'float64')
     """
     y = _tensor(y, "grad: y")
-    return vjp([y], [cotangent], _wrt(wrt))
+    return _vjp([y], [cotangent], _wrt(wrt), "y")
 
 
 def value_and_grad(y: Tensor, wrt: Tensor | Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:

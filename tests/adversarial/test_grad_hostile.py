@@ -70,11 +70,10 @@ class _Tied(torch.nn.Module):
         return self.head(self.emb(i))
 
 
-@pytest.mark.xfail(strict=True, reason="einjoin/frontend/torch.py (not H8's): a tied parameter "
-                   "becomes one graph input per name (export: 'emb.weight' unread, its gradient 0; "
-                   "fx: the gradient split between the names), not the one named_parameters() gives")
 @pytest.mark.parametrize("method", ["export", "fx"])
 def test_tied_parameters_get_torchs_whole_gradient(method):
+    # a tied parameter was one graph input per name (export: 'emb.weight' unread, its gradient 0;
+    # fx: the gradient split between the names); fixed in einjoin/frontend/torch.py (e25e267)
     torch.manual_seed(0)
     m = _Tied()
     i = torch.tensor([[1, 2, 2, 9]])
@@ -115,3 +114,56 @@ def test_a_long_chain_of_float64_constants_folds_to_a_number():
     for _ in range(400):
         h, want = h * 0.99 + 0.01, want * 0.99 + 0.01
     np.testing.assert_allclose(ej.reference(h), want, rtol=1e-12)
+
+
+# ---------------------------------------------------------------- the API's contracts
+
+
+def test_vjp_takes_one_tensor_as_one_output_as_torch():
+    # a tensor given as ``outputs`` was iterated: each of its rows became an output, so one
+    # cotangent of the tensor's shape was refused ("2 output(s) but 1 cotangent(s)")
+    v = np.arange(6.0).reshape(2, 3)
+    c = np.array([[1.0, -1.0, 2.0], [0.5, 3.0, -2.0]])
+    x = ej.input("x", (2, 3), "float64")
+    ct = ej.input("c", (2, 3), "float64")
+    (dx,) = ej.vjp(x.tanh(), ct, [x])
+    (dx_list,) = ej.vjp([x.tanh()], [ct], [x])
+    tx = torch.tensor(v, requires_grad=True)
+    (want,) = torch.autograd.grad(tx.tanh(), tx, torch.tensor(c))
+    for d in (dx, dx_list):
+        np.testing.assert_allclose(ej.reference([x, d], x=v, c=c)[1], want.numpy(), rtol=1e-12)
+
+
+def test_grad_of_a_non_scalar_without_cotangent_names_y():
+    x = ej.input("x", (3,), "float64")
+    with pytest.raises(ej.ShapeError, match=r"^y has shape \(3,\).*cotangent"):
+        ej.grad(x * 2.0, [x])
+
+
+# ---------------------------------------------------------------- training-mode dropout
+
+
+def test_gpt2_block_training_gradients_match_torch_with_the_same_masks():
+    # GPT-2's block calls its one nn.Dropout three times (attention probabilities, then each
+    # residual branch): streams 0, 1, 2 of the seeded keep-masks, in call order
+    from einjoin.models.zoo import example
+
+    module, args = example("gpt2-block", seed=0)
+    module.train()
+    p = module.drop.p
+    fn = ej.from_torch(module, args, dropout_seed=7)
+    out = fn.outputs[0]
+    seed = ej.Tensor(ej.Graph(out).input_by_name["dropout_seed"])
+    w = np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
+    loss = (out * ej.input("lw", out.shape)).sum()
+    got = fn.with_outputs([loss, *ej.grad(loss, list(fn.parameters.values()))]).reference(*args, lw=w)
+    b, t, d = args[0].shape
+    shapes = [(b, module.heads, t, t), (b, t, d), (b, t, d)]
+    masks = iter([ej.reference(ej.dropout_mask(s, p, seed, stream=k), dropout_seed=np.int64(7))
+                  for k, s in enumerate(shapes)])
+    module.drop.forward = lambda x: x * torch.from_numpy(next(masks).astype(np.float32)) / (1 - p)
+    module.zero_grad()
+    (module(*args) * torch.from_numpy(w)).sum().backward()
+    for (n, param), g in zip(module.named_parameters(), got[1:]):
+        want = param.grad.numpy()
+        assert np.abs(g - want).max() <= 1e-4 * np.abs(want).max(), n
