@@ -94,6 +94,14 @@ class Settings:
     Hitting it makes the plan depend on the machine, so it is reported by an
     ``einjoin.planner.ilp.IlpTimeLimitWarning``; the DP's plan is kept if HiGHS found none."""
 
+    ilp_cost_range: float = 1000.0
+    """The planner ILPs' largest cost coefficient (all costs are bytes scaled by one factor):
+    HiGHS's tolerances are about 1e-7 absolute, so scaled to 1 two plans of a 4 GB training
+    graph 192 bytes apart looked equal and solves of the same problem returned either (measured,
+    HiGHS 1.12 via scipy 1.17, Dec 2026); at 1000 they differ by 5e-5 and the solve is
+    repeatable, while the costs stay far below where the LP's numerics suffer. Every golden plan
+    (forward and training) is the same at 1 and at 1000."""
+
     exhaustive_max_ops: int = 4
     """The exhaustive search (ground truth for tests) takes graphs of at most this many ops."""
 

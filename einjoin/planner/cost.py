@@ -51,7 +51,7 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Inpu
 
 __all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate",
            "op_cost", "SpecInfo", "CostModel", "total_cost", "model_cost", "input_partitions",
-           "INFO_RULES"]
+           "INFO_RULES", "GraphEdges"]
 
 
 def join_cost(d: Decomposition) -> int:
@@ -250,6 +250,49 @@ class CostModel:
             # cached in elements: the same pair of partitions serves every dtype
             found = self._repart[key] = repartition_estimate(self._parts[q], self._parts[r], "bool")
         return found * itemsize(dtype)
+
+
+@dataclass(frozen=True)
+class GraphEdges:
+    """The graph's structure as :func:`total_cost` accounts it, computed once per search (the
+    searches' local moves re-cost every candidate of every op, many times): each graph input's
+    first consumer (it loads the input as it needs it), the edges each op pays a repartition on
+    (not fills, not an input's first use), each tensor's readers (its replicas are paid once per
+    partition), each op's distinct non-fill inputs, and the ops whose in-edges an op's spec
+    changes (its consumers, and the other consumers of inputs it loads).
+
+    >>> import einjoin as ej
+    >>> x = ej.input("x", (4, 4)); y = ej.input("w", (4, 4)) @ x; z = y + x
+    >>> e = GraphEdges.of(ej.Graph(z))
+    >>> e.edges[y.node], [slot for slot, _ in e.edges[z.node]]  # x's second use pays, and y
+    ((), [0, 1])
+    """
+
+    first: dict[Node, tuple[Node, int]]  # a graph input -> (first consumer, its slot)
+    edges: dict[Node, tuple[tuple[int, Node], ...]]  # op -> the (slot, input) edges it pays
+    reads: dict[Node, tuple[tuple[Node, int], ...]]  # tensor -> its (reader, slot) pairs
+    inputs: dict[Node, tuple[Node, ...]]  # op -> its distinct inputs that are not fills
+    touched: dict[Node, tuple[Node, ...]]  # op -> ops whose in-edges its spec changes
+
+    @staticmethod
+    def of(graph: Graph) -> GraphEdges:
+        first = {u: (graph.users[u][0], graph.users[u][0].inputs.index(u))
+                 for u in graph.nodes if u.facts.fed and graph.users[u]}
+        edges, reads, inputs, touched = {}, {}, {}, {}
+        for w in graph.ops:
+            # a fill is computed in place; an input is loaded as its first use needs
+            edges[w] = tuple((slot, u) for slot, u in enumerate(w.inputs)
+                             if not (u.facts.free or first.get(u) == (w, slot)))
+            inputs[w] = tuple(dict.fromkeys(u for u in w.inputs if not u.facts.free))
+            near = dict.fromkeys(graph.users[w])
+            for u in w.inputs:
+                if u in first and first[u][0] is w:
+                    near.update(dict.fromkeys(x for x in graph.users[u] if x is not w))
+            touched[w] = tuple(near)
+        for u in graph.nodes:
+            reads[u] = tuple(dict.fromkeys((w, slot) for w in graph.users[u]
+                                           for slot, x in enumerate(w.inputs) if x is u))
+        return GraphEdges(first, edges, reads, inputs, touched)
 
 
 def input_partitions(graph: Graph, chosen: Mapping[Node, SpecInfo]) -> dict[Node, Partition]:

@@ -7,8 +7,10 @@ by ``eindecomp``'s global refinement (strategies from its own candidates).
 A plan must depend on shapes alone, never on the machine's load, so HiGHS stops on WORK, not on
 time: at most ``node_limit`` branch-and-bound nodes (``Settings.ilp_node_limit`` /
 ``mesh_ilp_node_limit``; HiGHS 1.12's branch and bound is serial and deterministic, its only
-parallel part, symmetry detection, too, so the same problem and budget give the same answer on
-any machine). Every planner ILP measured so far needs at most one
+parallel part, symmetry detection, too), with costs scaled so that byte differences stay above
+its tolerances (``Settings.ilp_cost_range``: with costs scaled to at most 1, two plans 192 bytes
+apart in 4 GB were equal to HiGHS, and solves of the same problem in one process returned
+either: the LLaMA-7B block's training graph at P = 16). Every planner ILP measured so far needs at most one
 node (see the settings' docstrings), so the budget never binds on them; where it does bind, the
 best solution within it is returned, again the same everywhere. A wall-clock ``time_limit``
 remains only as a far safety net against a pathological solve: when it stops HiGHS first, the
@@ -155,8 +157,8 @@ def solve(prob: Problem, time_limit: float, tight: bool = True, *,
     return solve_detail(prob, time_limit=time_limit, tight=tight, node_limit=node_limit).pick
 
 
-def solve_detail(prob: Problem, *, time_limit: float, node_limit: int, tight: bool = True
-                 ) -> Solved:
+def solve_detail(prob: Problem, *, time_limit: float, node_limit: int, tight: bool = True,
+                 cost_range: float = SETTINGS.ilp_cost_range) -> Solved:
     """Binary one-hot choices x_{v,i} (sum_i x_{v,i} = 1). For every edge (u, v) with a nonzero
     cost matrix and strategy pair (i, j), e_{uv,ij} stands for the product x_{u,i} x_{v,j},
     linearised as e >= x_{u,i} + x_{v,j} - 1 (the objective pushes it down) or, with ``tight``,
@@ -164,6 +166,7 @@ def solve_detail(prob: Problem, *, time_limit: float, node_limit: int, tight: bo
     inequality and give the local-polytope relaxation (integral on trees; HiGHS mostly solves
     at the root). A replica group's y >= x_{v,j} for each reader, paid once. Minimise.
 
+    Costs are scaled so that the largest is ``cost_range`` (``Settings.ilp_cost_range``).
     HiGHS stops at the optimum (``mip_rel_gap`` 0) or after ``node_limit`` branch-and-bound
     nodes (deterministic); ``time_limit`` seconds is the safety net, reported by an
     :class:`IlpTimeLimitWarning` when it stops the solve (see the module's docstring)."""
@@ -190,7 +193,9 @@ def solve_detail(prob: Problem, *, time_limit: float, node_limit: int, tight: bo
         cost.append(np.array([float(key[2])]))
         n += 1
     c = np.concatenate(cost)
-    scale = max(1.0, float(c.max()))
+    # the largest cost becomes cost_range: byte differences that decide between plans must stay
+    # above HiGHS's tolerances (about 1e-7 absolute), or it returns any of several near-ties
+    scale = max(1.0, float(c.max())) / cost_range
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []

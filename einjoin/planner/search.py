@@ -27,7 +27,6 @@ also agree along chains of ops, so the memory planner needs few evictions.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
@@ -37,7 +36,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner.candidates import Candidates
-from einjoin.planner.cost import CostModel, SpecInfo, input_partitions, total_cost
+from einjoin.planner.cost import CostModel, GraphEdges, SpecInfo, input_partitions, total_cost
 from einjoin.planner.fit import MemoryLimit, device_memory, memory_cap
 from einjoin.planner.ilp import choose
 from einjoin.settings import SETTINGS, Settings
@@ -134,39 +133,7 @@ def _solve_tree(graph: Graph, cands: Candidates, root: Node, members: set[Node],
     return result
 
 
-@dataclass(frozen=True)
-class _Around:
-    """What :func:`_local_cost` reads of the graph's structure, computed once per search (the
-    local moves evaluate it for every candidate of every op, many times)."""
-
-    first: dict[Node, tuple[Node, int]]  # a graph input -> (first consumer, its slot)
-    edges: dict[Node, tuple[tuple[int, Node], ...]]  # op -> the (slot, input) edges it pays
-    reads: dict[Node, tuple[tuple[Node, int], ...]]  # tensor -> its (reader, slot) pairs
-    inputs: dict[Node, tuple[Node, ...]]  # op -> its distinct inputs that are not fills
-    touched: dict[Node, tuple[Node, ...]]  # op -> ops whose in-edges its spec changes
-
-    @staticmethod
-    def of(graph: Graph) -> _Around:
-        first = {u: (graph.users[u][0], graph.users[u][0].inputs.index(u))
-                 for u in graph.nodes if u.facts.fed and graph.users[u]}
-        edges, reads, inputs, touched = {}, {}, {}, {}
-        for w in graph.ops:
-            # a fill is computed in place; an input is loaded as its first use needs
-            edges[w] = tuple((slot, u) for slot, u in enumerate(w.inputs)
-                             if not (u.facts.free or first.get(u) == (w, slot)))
-            inputs[w] = tuple(dict.fromkeys(u for u in w.inputs if not u.facts.free))
-            near = dict.fromkeys(graph.users[w])
-            for u in w.inputs:
-                if u in first and first[u][0] is w:
-                    near.update(dict.fromkeys(x for x in graph.users[u] if x is not w))
-            touched[w] = tuple(near)
-        for u in graph.nodes:
-            reads[u] = tuple(dict.fromkeys((w, slot) for w in graph.users[u]
-                                           for slot, x in enumerate(w.inputs) if x is u))
-        return _Around(first, edges, reads, inputs, touched)
-
-
-def _local_cost(around: _Around, cands: Candidates, chosen: dict[Node, SpecInfo], v: Node) -> int:
+def _local_cost(around: GraphEdges, cands: Candidates, chosen: dict[Node, SpecInfo], v: Node) -> int:
     """The part of the total that depends on v's spec: its op, its in- and out-edges, and the
     edges of inputs whose loaded partition v (as first consumer) decides."""
     repart = cands.model.repart_ids
@@ -224,7 +191,7 @@ def _single_op_moves(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInf
 
 def _local_search(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -> None:
     """Re-choose each op's spec with all others fixed while that lowers the total."""
-    around = _Around.of(graph)
+    around = GraphEdges.of(graph)
     _single_op_moves(graph, cands, chosen, lambda v: _local_cost(around, cands, chosen, v),
                      cands.settings.local_search_rounds)
 
@@ -250,7 +217,7 @@ def _waiting_bytes(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]
 def _break_ties(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -> None:
     """Single-op moves that keep the modelled bytes (or lower them) and lower the bytes waiting
     on compute: of two plans moving as much, the one whose transfers can overlap compute."""
-    around = _Around.of(graph)
+    around = GraphEdges.of(graph)
     _single_op_moves(graph, cands, chosen, lambda v: (_local_cost(around, cands, chosen, v),
                                                       _waiting_bytes(graph, cands, chosen, v)),
                      cands.settings.tie_break_rounds)
