@@ -39,6 +39,7 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 
+from einjoin.errors import ExpressionError
 from einjoin.ir import ops
 from einjoin.ir.derivative import vjp_join
 from einjoin.autodiff.folding import refold
@@ -52,6 +53,14 @@ _HALF = ("float16", "bfloat16")
 
 # "agg:<name>" and "join:<expr>" -> how many adjoints were built for it (the tests' hit counter)
 JOIN_HITS: dict[str, int] = {}
+
+
+def _shown(e: Expr) -> str:
+    """``str(e)``, or a placeholder for an expression nested too deeply to print."""
+    try:
+        return str(e)
+    except RecursionError:
+        return "<deep join>"
 
 
 def _hit(key: str) -> None:
@@ -188,10 +197,16 @@ def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     """The cotangent of each input of the einsum ``node`` (None where not ``wanted`` or where
     the join does not depend on it), given the cotangent ``g`` of its output."""
     op: Einsum = node.op  # type: ignore[assignment]
-    if (op.agg.name in ("max", "min") and node.dtype in _HALF
-            and not isinstance(op.join, Arg)):
-        return _rounded_extremum(node, g, wanted)
-    return _adjoints(node, g, wanted, node)
+    try:
+        if (op.agg.name in ("max", "min") and node.dtype in _HALF
+                and not isinstance(op.join, Arg)):
+            return _rounded_extremum(node, g, wanted)
+        return _adjoints(node, g, wanted, node)
+    except RecursionError:
+        # the parser takes joins nested ~100 deep; their derivatives nest deeper still
+        raise ExpressionError(f"the gradient of einsum {op.equation!r} (shape {node.shape}): its "
+                              f"join nests too deeply to differentiate; split it into several "
+                              f"einsums") from None
 
 
 def _rounded_extremum(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
@@ -221,7 +236,7 @@ def _adjoints(node: Node, g: Node, wanted: Sequence[bool], value: Node
     n = len(xs)
     agg = op.agg.name
     _hit(f"agg:{agg}")
-    _hit(f"join:{f}")
+    _hit(f"join:{_shown(f)}")
     base_nodes: list[Node] = xs + [g]
     base_labels: list[tuple[str, ...]] = [tuple(ls) for ls in op.in_labels] + [op.out_labels]
     G = Arg(n)  # the cotangent, after the forward operands
