@@ -56,14 +56,23 @@ def topological(outputs: Sequence[Node]) -> list[Node]:
     return order
 
 
+# cotangents summed by one n-ary add einsum at most: a tensor read by hundreds of ops (a weight
+# shared by every step of an unrolled loop) would make one join nested too deep to parse
+_FAN_IN = 16
+
+
 def _total(parts: list[Node]) -> Node:
-    if len(parts) == 1:
-        return parts[0]
-    labels = "".join(chr(ord("a") + d) for d in range(parts[0].ndim)) if parts[0].ndim <= 26 else None
-    if labels is None:
+    """The sum of a node's incoming cotangents: n-ary adds of at most :data:`_FAN_IN` parts, in
+    a tree."""
+    if parts[0].ndim > 26:
         raise EinjoinError(f"summing cotangents of rank {parts[0].ndim}: at most 26 dims")
-    return refold(ops.einsum_node(parts, [labels] * len(parts), labels,
-                                parse_join("add", len(parts)), None))
+    labels = "".join(chr(ord("a") + d) for d in range(parts[0].ndim))
+    while len(parts) > 1:
+        parts = [group[0] if len(group) == 1 else
+                 refold(ops.einsum_node(group, [labels] * len(group), labels,
+                                        parse_join("add", len(group)), None))
+                 for group in (parts[k:k + _FAN_IN] for k in range(0, len(parts), _FAN_IN))]
+    return parts[0]
 
 
 def _fit(adj: Node, x: Node, node: Node) -> Node:

@@ -217,3 +217,24 @@ def test_a_join_the_parser_accepts_can_be_compiled():
     feeds = {"a": np.full(3, 0.1), "b": np.full(3, 0.2)}
     np.testing.assert_array_equal(ej.compile([y], devices=2, quiet=True).run(**feeds)[0],
                                   ej.reference(y, **feeds))
+
+
+# ---------------------------------------------------------------- a tensor with many consumers
+
+
+def test_a_weight_shared_by_400_unrolled_steps_gets_torchs_gradient():
+    # a node's incoming cotangents were summed by one n-ary add einsum: 400 of them made a join
+    # nested too deep to parse (ExpressionError "join expression nests too deeply ('add'...)")
+    steps, d = 400, 3
+    rng = np.random.default_rng(4)
+    wv, xv, h0 = rng.normal(size=(d, d)) * 0.5, rng.normal(size=(steps, d)), rng.normal(size=d)
+    w, x = ej.input("w", (d, d), "float64"), ej.input("x", (steps, d), "float64")
+    tw, tx = torch.tensor(wv, requires_grad=True), torch.tensor(xv, requires_grad=True)
+    h, th = ej.input("h0", (d,), "float64"), torch.tensor(h0)
+    for t in range(steps):
+        h, th = (h @ w + x[t]).tanh(), torch.tanh(th @ tw + tx[t])
+    gw, gx = ej.grad((h * h).sum(), [w, x])
+    (th * th).sum().backward()
+    got = ej.reference([h, gw, gx], w=wv, x=xv, h0=h0)
+    np.testing.assert_allclose(got[1], tw.grad.numpy(), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got[2], tx.grad.numpy(), rtol=1e-9, atol=1e-12)
