@@ -12,10 +12,11 @@ only, and on nothing else's, so each block can take the best home on its own:
 The home that saves most moves the fewest bytes, exactly as the task graph counts them
 (:mod:`einjoin.plan.taskgraph`, :mod:`einjoin.exchange`). Among equally good homes (for a
 parameter every device reads whole, for a gradient nobody reads: all of them) the block goes to
-the device holding the fewest blocks of the same tensor, then the fewest bytes of homes so far:
-so a ZeRO plan's parameter and gradient blocks spread one per device (a reduce-scatter, not a
-reduce to device 0), and whole parameters and gradients of data parallelism spread over the
-devices instead of piling on the first. A block computed by one kernel stays where it is
+the device holding the fewest blocks of the same tensor, then (for a block that stays all run: an
+input's, an output's) the fewest bytes of such blocks, then the least traffic in so far: so a
+ZeRO plan's parameter and gradient blocks spread one per device (a reduce-scatter, not a reduce
+to device 0), and whole parameters and gradients of data parallelism spread over the devices
+instead of piling on the first. A block computed by one kernel stays where it is
 computed (the task graph never moves it to a home).
 
 >>> import einjoin as ej
