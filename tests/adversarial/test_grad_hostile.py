@@ -238,3 +238,34 @@ def test_a_weight_shared_by_400_unrolled_steps_gets_torchs_gradient():
     got = ej.reference([h, gw, gx], w=wv, x=xv, h0=h0)
     np.testing.assert_allclose(got[1], tw.grad.numpy(), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(got[2], tx.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------- from_torch: clamp at its bounds
+
+
+class _Clamp(torch.nn.Module):
+    def __init__(self, lo, hi) -> None:
+        super().__init__()
+        self.lo, self.hi = lo, hi
+
+    def forward(self, x):
+        return torch.clamp(x, self.lo, self.hi)
+
+
+@pytest.mark.xfail(strict=True, reason="einjoin/frontend/aten.py (not H8's): clamp/clip import as "
+                   "maximum/minimum, whose tie rule halves the gradient at x == min or max; torch's "
+                   "clamp_backward passes all of it (min <= x <= max)")
+@pytest.mark.parametrize("lo, hi", [(-0.5, 0.5), (0.0, None), (None, 1.0)])
+def test_imported_clamp_passes_the_whole_gradient_at_its_bounds(lo, hi):
+    v = torch.tensor([[-1.0, -0.5, 0.0, 0.5, 1.0, float("nan"), 6.0]], dtype=torch.float64)
+    c = np.arange(1.0, 8.0).reshape(1, 7)
+    fn = ej.from_torch(_Clamp(lo, hi), (v,))
+    out = fn.outputs[0]
+    x = ej.Tensor(ej.Graph(out).input_by_name[fn.arg_names[0]])
+    (g,) = ej.grad(out, [x], cotangent=ej.input("c", out.shape, "float64"))
+    got = fn.with_outputs([out, g]).reference(v.numpy(), c=c)
+    t = v.clone().requires_grad_(True)
+    y = torch.clamp(t, lo, hi)
+    y.backward(torch.tensor(c))
+    np.testing.assert_array_equal(got[0], y.detach().numpy())
+    np.testing.assert_array_equal(got[1], t.grad.numpy())
