@@ -5,6 +5,8 @@ against every other device by rebuilding the task graph)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,7 +34,7 @@ CASES = {"mlp": lambda: _training(mlp(batch=32, d=16, hidden=24)),
          "block": lambda: _training(transformer_block(seq=32, d=32, heads=4, hidden=48)[0])}
 
 
-def _feeds(outs: list[ej.Tensor], seed: int = 0) -> dict[str, np.ndarray]:
+def _feeds(outs: list[ej.Tensor], seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     return {k: (rng.standard_normal(x.shape) * 0.3).astype(np.float32)
             for k, x in ej.Graph(outs).input_by_name.items()}
@@ -108,7 +110,8 @@ def test_each_settled_home_is_the_cheapest(data: st.DataObject) -> None:
     """On random graphs and specs: settled homes never move more bytes than the old ones, and
     moving any one block that may live anywhere (a graph input's, or one summed from several
     partials) to any other device moves no fewer bytes; results equal ej.reference."""
-    outs, feeds = data.draw(graphs("float64"))
+    outs, drawn = data.draw(graphs("float64"))
+    feeds: dict[str, Any] = drawn
     specs = data.draw(specs_for(outs))
     devices = data.draw(st.sampled_from([2, 3, 4]))
     placement = data.draw(st.sampled_from(AFFINITY))
