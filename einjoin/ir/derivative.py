@@ -388,6 +388,16 @@ def _d_div(e: Call, t: Tangent) -> Expr | None:
     return _mk("neg", tb) if ta is None else _sub(ta, tb)
 
 
+def _pow_const(a: Expr, c: Expr) -> Expr:
+    """``a ** c`` for a constant ``c`` as torch's pow kernel computes it: the exponents 0.5 and
+    -0.5 as sqrt and rsqrt (NaN at -inf, -0.0 / -inf at -0.0, where IEEE pow gives +inf / 0)."""
+    if _is(c, 0.5):
+        return _mk("sqrt", a)
+    if _is(c, -0.5):
+        return _mk("rsqrt", a)
+    return _mk("pow", a, c)
+
+
 def _d_pow(e: Call, t: Tangent) -> Expr | None:
     """torch's pow_backward: ``b * a**(b-1)``, masked to 0 where ``b == 0``; for the exponent
     ``a**b * log(a)``, masked to 0 where ``a == 0 and b >= 0`` (no 0 * -inf)."""
@@ -398,7 +408,7 @@ def _d_pow(e: Call, t: Tangent) -> Expr | None:
         c = simplify(b) if db is None else b  # x0 ** (1 / 2): a constant exponent
         if isinstance(c, Const):
             if not _is(c, 0):
-                ta = _mul(_mul(c, _mk("pow", a, _mk("sub", c, _c(1)))), da)
+                ta = _mul(_mul(c, _pow_const(a, _mk("sub", c, _c(1)))), da)
         else:
             ta = _where(_mk("eq", b, _c(0)), _c(0.0),
                         _mul(_mul(b, _mk("pow", a, _sub(b, _c(1)))), da))

@@ -273,16 +273,8 @@ def test_imported_clamp_passes_the_whole_gradient_at_its_bounds(lo, hi):
 
 # ---------------------------------------------------------------- pow at special values
 
-_POW_WHY = ("d/dx x**c is c * pow(x, c - 1); torch's pow kernel computes the exponents -0.5 and "
-            "0.5 as rsqrt and sqrt (NaN at -inf, -inf at -0.0 where IEEE pow gives 0, +inf). Fix "
-            "in ir/derivative.py's _d_pow is ready but changes tests/test_derivative.py's exact "
-            "structure '0.5 * x0 ** (-0.5)' (not H8's) to '0.5 * rsqrt(x0)'")
 
-
-@pytest.mark.parametrize("p", [
-    pytest.param(0.5, marks=pytest.mark.xfail(strict=True, reason=_POW_WHY)),
-    1.5,
-    -0.5, 2.0, 3.0, -1.0])
+@pytest.mark.parametrize("p", [0.5, 1.5, -0.5, 2.0, 3.0, -1.0])
 def test_pow_gradient_at_special_values_is_torchs(p):
     # torch's pow computes x ** -0.5 as rsqrt and x ** 0.5 as sqrt: the gradient of x ** 0.5 is
     # NaN at -inf and -inf at -0.0 there; IEEE pow gave 0 and +inf
