@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"err of the float32 gradients vs torch autograd in float64: einjoin {t.err:.1e} "
                       f"(every run), torch {t.torch_err:.1e}")
     console.print(f"other processes while the timings ran: {load}")
+    console.print("per-op bounds: the sum of each op's own lower bound; on a training graph it is not a lower "
+                  "bound of the whole plan (replicas of forward activations are shared with the backward "
+                  "ops and paid once)")
     console.print("zero's bytes: its gradient ops cut the batch and the parameter's largest dim P ways "
                   "each (P x P kernels, so the partials of each block meet on its device); the cost model "
                   "charges every input block read by kernels of another device, which the placer avoids.")

@@ -85,7 +85,8 @@ def seeded_eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimi
                      settings: Settings = SETTINGS) -> dict[Node, JoinAggSpec]:
     """eindecomp (:func:`einjoin.planner.search.eindecomp`) seeded with the plans of the named
     baselines that apply (``data_parallel``, ``megatron``, ``zero``): by the cost model it is
-    never worse than any of them (without a memory cap, where the seeds are used). The
+    never worse than any of them whose cuts are even (a seed with uneven cuts is ignored: the
+    bytes model cannot see an overloaded device), without a memory cap, where seeds are used. The
     registered ``eindecomp`` and ``auto``.
 
     >>> import einjoin as ej
