@@ -562,3 +562,18 @@ def test_real_sigint_mid_run_is_a_plain_keyboard_interrupt(backend: str) -> None
     assert type(info.value) is KeyboardInterrupt
     assert threading.active_count() == before, threading.enumerate()
     np.testing.assert_allclose(prog.run(**_feeds()), prog.run_reference(**_feeds()), rtol=1e-5, atol=1e-6)
+
+
+def test_a_feed_the_outputs_do_not_read_is_told_from_a_typo() -> None:
+    # a gradient need not read its own weight: d(x @ w)/dw reads x only
+    x = ej.input("x", (4, 3), "float64")
+    w = ej.input("w", (3, 2), "float64")
+    (dw,) = ej.grad((x @ w).sum(), [w])
+    feeds = dict(x=np.ones((4, 3)), w=np.ones((3, 2)))
+    with pytest.raises(ej.EinjoinError, match=r"input 'w' is not read by these outputs .*inputs are x"):
+        ej.reference(dw, **feeds)
+    with pytest.raises(ej.EinjoinError, match=r"input 'w' is not read"):
+        ej.compile(dw, devices=2, quiet=True).run(**feeds)
+    with pytest.raises(ej.EinjoinError, match=r"unknown input 'wq'; the graph's inputs are x"):
+        ej.reference(dw, x=feeds["x"], wq=feeds["w"])
+    np.testing.assert_allclose(ej.reference(dw, x=feeds["x"]), np.full((3, 2), 4.0))

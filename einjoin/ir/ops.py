@@ -30,7 +30,7 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Inpu
                              ScatterAdd, Select)
 from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
 
-__all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "last_declaration", "input_node",
+__all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "last_declaration", "declared_elsewhere", "input_node",
            "einsum_node", "reshape_node", "broadcast_node", "select_node", "concat_node",
            "fill_node", "gather_node", "scatter_add_node", "cast_node"]
 
@@ -93,6 +93,12 @@ def last_declaration(node: Node) -> int | None:
     """The counter of the last :func:`input_node` call that returned ``node`` (None for a node
     not built by it, e.g. unpickled); increasing with time, comparable only between inputs."""
     return _declared.get(node)
+
+
+def declared_elsewhere(name: str) -> bool:
+    """Whether a live input node named ``name`` exists (declared by :func:`input_node`), so that a
+    feed for an input some graph has but this one does not read can be told from a typo."""
+    return any(n.op.name == name for n in list(_declared.keys()))  # type: ignore[union-attr]
 
 
 def input_node(name: str, shape: Any, dtype: Any = "float32", param: bool = False) -> Node:

@@ -18,6 +18,7 @@ from einjoin.ir.dtypes import canonical_dtype, exact_cast, numpy_dtype
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import eval_node
 from einjoin.ir.node import Node
+from einjoin.ir.ops import declared_elsewhere
 
 __all__ = ["reference", "bind_feeds", "to_numpy"]
 
@@ -164,8 +165,12 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
         bound[x.op.name] = v  # type: ignore[union-attr]
     for name, v in feeds.items():
         if name not in graph.input_by_name:
-            raise EinjoinError(f"unknown input {name!r}; the graph's inputs are "
-                               f"{', '.join(graph.input_by_name) or '(none)'}")
+            known = f"the graph's inputs are {', '.join(graph.input_by_name) or '(none)'}"
+            if declared_elsewhere(name):  # e.g. a weight its own gradient does not read
+                raise EinjoinError(f"input {name!r} is not read by these outputs ({known}); leave it "
+                                   f"out, or evaluate the outputs together with one that reads it "
+                                   f"(a gradient need not read its own weight: d(x @ w)/dw reads x only)")
+            raise EinjoinError(f"unknown input {name!r}; {known}")
         if name in bound:
             raise EinjoinError(f"input {name!r} given both by position and by name")
         bound[name] = v
