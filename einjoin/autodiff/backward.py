@@ -24,7 +24,7 @@ from einjoin.autodiff.rules import GRAD_RULES
 from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
-from einjoin.autodiff.folding import refold
+from einjoin.ir.fold import fold
 from einjoin.ir.node import Node, rule_for
 from einjoin.ir.scalar import parse_join
 
@@ -69,7 +69,7 @@ def _total(parts: list[Node]) -> Node:
     labels = "".join(chr(ord("a") + d) for d in range(parts[0].ndim))
     while len(parts) > 1:
         parts = [group[0] if len(group) == 1 else
-                 refold(ops.einsum_node(group, [labels] * len(group), labels,
+                 fold(ops.einsum_node(group, [labels] * len(group), labels,
                                         parse_join("add", len(group)), None))
                  for group in (parts[k:k + _FAN_IN] for k in range(0, len(parts), _FAN_IN))]
     return parts[0]
@@ -80,7 +80,7 @@ def _fit(adj: Node, x: Node, node: Node) -> Node:
         raise EinjoinError(f"gradient rule of {node.kind} gave shape {adj.shape} for an input of "
                            f"shape {x.shape}")
     if adj.dtype != x.dtype:
-        adj = refold(ops.cast_node(adj, x.dtype))
+        adj = fold(ops.cast_node(adj, x.dtype))
     return adj
 
 

@@ -28,6 +28,7 @@ from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
 from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
+from einjoin.ir.dtypes import FLOAT_DTYPES
 
 __all__ = ["OPS", "NO_OPS", "DATA_DEPENDENT", "NOTES", "torch_dtype", "data_dependent", "DROPOUT",
            "DROPOUT_SEED", "DropoutSites"]
@@ -228,11 +229,36 @@ def _minimum(a: Any, b: Any) -> Tensor:
 
 @op("clamp", "clip")
 def _clamp(x: Tensor, min: Any = None, max: Any = None) -> Tensor:
+    """torch's clamp: the value ``min(max(x, min), max)`` (NaN anywhere gives NaN); the gradient
+    is clamp_backward's, not that of maximum/minimum (whose tie rule halves it at a bound)."""
+    lo = x if min is None else F.maximum(x, min)
+    out = lo if max is None else F.minimum(lo, max)
+    if out.dtype not in FLOAT_DTYPES:
+        return out  # no gradient to route (and stop_gradient is for floats only)
+    # x gets the whole gradient where min <= x <= max (none at NaN); a tensor bound gets it
+    # where x < min < max (min), x > max or max < min (max); torch's masks, NaN bounds included
+    keep = x == x
     if min is not None:
-        x = F.maximum(x, min)
+        keep = keep & (x >= min)
     if max is not None:
-        x = F.minimum(x, max)
-    return x
+        keep = keep & (x <= max)
+    fixed = elementwise("stop_gradient", out)
+    if not isinstance(min, Tensor) and not isinstance(max, Tensor):
+        return F.where(keep, x, fixed)  # a tie keeps x's signed zero, as torch's scalar clamp
+
+    def carry(t: Tensor) -> Tensor:
+        # out's value bitwise (out - +0.0 is out: a tie at a tensor bound gives the bound's
+        # signed zero, as torch) with t's gradient; an infinite t (t - t is NaN) is out's
+        # value where it equals out (else out is NaN: no gradient there)
+        return F.where(t - t == 0, fixed - (elementwise("stop_gradient", t) - t),
+                       F.where(t == fixed, t, fixed))
+
+    y = fixed
+    if isinstance(max, Tensor):
+        y = F.where(x > max if min is None else (x > max) | (max < min), carry(max), y)
+    if isinstance(min, Tensor):
+        y = F.where(x < min if max is None else (x < min) & (min < max), carry(min), y)
+    return F.where(keep, carry(x), y)
 
 
 # ------------------------------------------------------------------ contractions

@@ -17,6 +17,7 @@ from typing import Any
 from collections.abc import Callable
 
 from einjoin.errors import EinjoinError
+from einjoin.ir.derivative import simplify
 from einjoin.ir.dtypes import kind
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              ScatterAdd, Select, rule_for)
@@ -63,8 +64,17 @@ def fold(node: Node) -> Node:
         return node
     if kind(node.dtype) != "float" and any(kind(i.dtype) == "float" for i in node.inputs):
         return node
-    return rule_for(FOLD_RULES, node.op, "constant folding (einjoin.ir.fold.FOLD_RULES)")(
+    out = rule_for(FOLD_RULES, node.op, "constant folding (einjoin.ir.fold.FOLD_RULES)")(
         node, node.op, fills)
+    if out is not node and out.kind == "fill" and out.dtype == "float64":
+        # compute the composed expression's constants (in float64, as the fill would at run
+        # time): a chain of constant ops then stays one number instead of nesting one level
+        # deeper per op until hash-consing it overflows the stack
+        expr = _fill(out).expr
+        simple = simplify(expr)
+        if simple is not expr:
+            out = fill_node(out.shape, out.dtype, simple)
+    return out
 
 
 def _fill(node: Node) -> Fill:
