@@ -152,3 +152,32 @@ def test_half_precision_matmul_softmax(dtype: str, tol: float) -> None:
     np.testing.assert_allclose(ref.astype(np.float32), want, atol=tol)
     blocked = ej.execute_blocked(y, lambda n: {lab: 2 for lab in ej.decomp.label_sizes(n)}, **feeds)
     np.testing.assert_allclose(blocked.astype(np.float32), want, atol=tol)
+
+
+def test_a_deep_call_hashes_and_compares_without_recursing() -> None:
+    # Call caches its hash and depth at construction: hash-consing a deep expression (or the
+    # cycle collector freeing one deep in another recursion) no longer recurses
+    import pickle
+    import sys
+
+    from einjoin.ir.scalar import MAX_DEPTH
+
+    def chain(n: int) -> Call:
+        e: Call = Call("exp", (Arg(0),))
+        for k in range(n - 1):
+            e = Call("add", (e, Const(k)))
+        return e
+
+    deep = chain(3 * sys.getrecursionlimit())
+    assert deep.depth == 3 * sys.getrecursionlimit()
+    assert hash(deep) == hash(deep) and deep == deep
+    assert chain(5) == chain(5) and hash(chain(5)) == hash(chain(5)) and chain(5) != chain(6)
+    small = chain(5)
+    back = pickle.loads(pickle.dumps(small))
+    assert back == small and hash(back) == hash(small) and back.depth == 5
+    with pytest.raises(ej.ExpressionError, match=f"nests too deeply: calls {MAX_DEPTH + 1} deep"):
+        parse_join(chain(MAX_DEPTH + 1), 1)
+    assert parse_join(chain(MAX_DEPTH), 1).depth == MAX_DEPTH
+    text = "x0" + " + 1" * (MAX_DEPTH + 1)  # Python's parser allows ~200 nested parentheses
+    with pytest.raises(ej.ExpressionError, match=r"^join expression 'x0 \+ 1 \+ 1.*nests too deep"):
+        parse_join(text, 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -25,7 +25,7 @@ from scipy import special
 from einjoin.errors import DTypeError, EinjoinError, ExpressionError
 from einjoin.ir.dtypes import kind, promote
 
-__all__ = ["Arg", "Const", "Call", "Expr", "ScalarFn", "FUNCTIONS", "parse_join",
+__all__ = ["Arg", "Const", "Call", "Expr", "ScalarFn", "FUNCTIONS", "MAX_DEPTH", "parse_join",
            "infer_dtype", "evaluate", "is_product", "is_identity", "num_args", "substitute"]
 
 
@@ -47,8 +47,39 @@ class Const:
 
 @dataclass(frozen=True)
 class Call:
+    """``fn(*args)``. Its hash and nesting depth are computed once, at construction, from its
+    arguments' (so hashing a deep expression does not recurse); ``depth`` is 1 + the deepest
+    argument's (an Arg or a Const counts 0). Equality is structural, as a dataclass's."""
+
     fn: str
     args: tuple[Expr, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
+    depth: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # frozen: set the cached fields past the dataclass's __setattr__; an argument that is not
+        # an Expr (a hand-built bad tree) gets depth 1 and is refused by parse_join's check
+        try:
+            h = hash((self.fn, self.args))
+        except TypeError:  # args not a tuple of Exprs: parse_join's check refuses it
+            h = 0
+        object.__setattr__(self, "_hash", h)
+        object.__setattr__(self, "depth", 1 + max(
+            (a.depth if isinstance(a, Call) else 0 for a in self.args), default=0)
+            if isinstance(self.args, tuple) else 1)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Call):
+            return NotImplemented
+        return self._hash == other._hash and self.fn == other.fn and self.args == other.args
+
+    def __reduce__(self) -> tuple[type, tuple[str, tuple[Expr, ...]]]:
+        return Call, (self.fn, self.args)  # str hashes differ between processes: recompute
 
     def __str__(self) -> str:
         f = FUNCTIONS[self.fn]
@@ -227,11 +258,19 @@ _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq
 _NAMED_CONSTS = {"pi": math.pi, "e": math.e, "inf": math.inf, "nan": math.nan}
 
 
+# the deepest nesting of calls a join may have: printing, comparing and evaluating an expression
+# recurse about 2-3 Python frames per call, so a deeper join would parse and then fail as a raw
+# RecursionError in the planner or a kernel (Python's default limit is 1000 frames)
+MAX_DEPTH = 200
+
+
 def parse_join(join: str | Expr, n_inputs: int) -> Expr:
     """Parse a join given as a function name (``"mul"``, ``"exp"``), an expression string over
-    ``x0, x1, ...`` (``"exp(x0 - x1)"``, ``"x0 * 0.5"``), or an :data:`Expr`; check its arguments."""
+    ``x0, x1, ...`` (``"exp(x0 - x1)"``, ``"x0 * 0.5"``), or an :data:`Expr`; check its arguments.
+    A join nesting calls deeper than :data:`MAX_DEPTH` is an :class:`ExpressionError`."""
     if isinstance(join, (Arg, Const, Call)):
         expr = join
+        _check_depth(expr, join)
         try:
             _check_expr(expr)
         except RecursionError:
@@ -264,6 +303,7 @@ def parse_join(join: str | Expr, n_inputs: int) -> Expr:
             expr = _from_ast(tree.body, join)
         except RecursionError:
             raise ExpressionError(f"join expression {join[:40]!r}... nests too deeply") from None
+    _check_depth(expr, join)
     try:
         used = _max_arg(expr)
     except RecursionError:
@@ -272,6 +312,13 @@ def parse_join(join: str | Expr, n_inputs: int) -> Expr:
         raise ExpressionError(
             f"join {str(expr)!r} uses x{used} but the einsum has only {n_inputs} input(s)")
     return expr
+
+
+def _check_depth(expr: Expr, join: object) -> None:
+    if isinstance(expr, Call) and expr.depth > MAX_DEPTH:
+        text = join if isinstance(join, str) else f"{expr.fn}(...)"
+        raise ExpressionError(f"join expression {text[:40]!r}... nests too deeply: calls {expr.depth} deep, "
+                              f"above the limit of {MAX_DEPTH} (einjoin.ir.scalar.MAX_DEPTH)")
 
 
 def _check_expr(e: object) -> None:

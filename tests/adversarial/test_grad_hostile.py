@@ -189,16 +189,17 @@ def _nested(depth: int) -> str:
 
 
 def test_gradient_of_a_deeply_nested_join_matches_torch():
-    # the rule's hit counter printed the join: a raw RecursionError for a join of ~100 levels,
-    # which the parser accepts and the derivative handles
+    # the rule's hit counter printed the join: a raw RecursionError for a join of ~100 levels;
+    # 60 levels nest calls 180 deep (the parser's limit is MAX_DEPTH = 200) and so do their
+    # derivatives
     a, b = ej.input("a", (3,), "float64"), ej.input("b", (3,), "float64")
     av, bv = np.array([0.1, -0.2, 0.3]), np.array([0.2, 0.1, -0.4])
-    y = ej.einsum("i,i->i", a, b, join=_nested(100), agg=None)
+    y = ej.einsum("i,i->i", a, b, join=_nested(60), agg=None)
     ga, gb = ej.grad(y.sum(), [a, b])
     got = ej.reference([y, ga, gb], a=av, b=bv)
     ta, tb = (torch.tensor(v, requires_grad=True) for v in (av, bv))
     h = ta
-    for _ in range(100):
+    for _ in range(60):
         h = torch.tanh(h * 1.01 + tb)
     h.sum().backward()
     np.testing.assert_allclose(got[0], h.detach().numpy(), rtol=1e-12)
@@ -206,15 +207,22 @@ def test_gradient_of_a_deeply_nested_join_matches_torch():
     np.testing.assert_allclose(got[2], tb.grad.numpy(), rtol=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason="einjoin/ir/scalar.py (not H8's): Expr.__str__ recurses "
-                   "~3 frames per level, so a join the parser accepts (100 levels here) cannot be "
-                   "printed: the planner's describe() fails (planner 'auto' failed: RecursionError)")
 def test_a_join_the_parser_accepts_can_be_compiled():
+    # a join of 100 levels parsed, but printing it (the planner's describe()) overflowed the
+    # stack; now the parser refuses a join nesting calls deeper than MAX_DEPTH, naming it, and
+    # the deepest it accepts (66 levels: 198 calls) compiles
+    from einjoin.ir.scalar import MAX_DEPTH
+
     a, b = ej.input("a", (3,), "float64"), ej.input("b", (3,), "float64")
-    y = ej.einsum("i,i->i", a, b, join=_nested(100), agg=None)  # its gradient works (above)
+    levels = MAX_DEPTH // 3
+    y = ej.einsum("i,i->i", a, b, join=_nested(levels), agg=None)
     feeds = {"a": np.full(3, 0.1), "b": np.full(3, 0.2)}
     np.testing.assert_array_equal(ej.compile([y], devices=2, quiet=True).run(**feeds)[0],
                                   ej.reference(y, **feeds))
+    with pytest.raises(ej.ExpressionError, match=r"^join expression 'tanh\(tanh.*nests too deeply"):
+        ej.einsum("i,i->i", a, b, join=_nested(levels + 1), agg=None)
+    with pytest.raises(ej.ExpressionError, match="nests too deeply"):  # its derivative: deeper
+        ej.grad(y.sum(), [a])
 
 
 # ---------------------------------------------------------------- a tensor with many consumers
