@@ -20,7 +20,7 @@ from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
-from einjoin.autodiff.folding import refold
+from einjoin.ir.fold import fold
 from einjoin.ir.node import Node
 from einjoin.ir.scalar import FUNCTIONS
 
@@ -68,7 +68,7 @@ def _cotangent(y: Tensor, c: Any, what: str) -> Node:
                          f"{y.shape}")
     if kind(ct.dtype) != "float":
         raise DTypeError(f"the cotangent of {what} is {ct.dtype}; it must be a float tensor")
-    return refold(ops.cast_node(ct.node, y.dtype))
+    return fold(ops.cast_node(ct.node, y.dtype))
 
 
 def vjp(outputs: Tensor | Sequence[Tensor], cotangents: Cotangents,

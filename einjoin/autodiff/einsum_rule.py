@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from einjoin.errors import ExpressionError
 from einjoin.ir import ops
 from einjoin.ir.derivative import vjp_join
-from einjoin.autodiff.folding import refold
+from einjoin.ir.fold import fold
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import Einsum
 from einjoin.ir.scalar import Arg, Call, Const, Expr, is_product, num_args, substitute
@@ -167,10 +167,10 @@ def onto(inputs: Sequence[Node], in_labels: Sequence[Sequence[str]], join: Expr,
         labels.append(tuple(pos))
     present = {lab for ls in labels for lab in ls}
     out = tuple(lab for lab in pos if lab in present)
-    y = refold(ops.einsum_node(nodes, labels, out, join, "sum"))
+    y = fold(ops.einsum_node(nodes, labels, out, join, "sum"))
     if len(out) < len(pos):
         dims = tuple(p for p, lab in enumerate(pos) if lab in present)
-        y = refold(ops.broadcast_node(y, target_shape, dims))
+        y = fold(ops.broadcast_node(y, target_shape, dims))
     return y
 
 
@@ -187,10 +187,10 @@ def _count(node: Node, equal: Expr, extra: Sequence[Node], extra_labels: Sequenc
     positions where the bool expression ``equal`` holds, as a float of ``dtype``'s precision
     (float32 for half types: exact counts beyond 2048)."""
     op: Einsum = node.op  # type: ignore[assignment]
-    c = refold(ops.einsum_node(list(node.inputs) + list(extra), list(op.in_labels) + list(extra_labels),
+    c = fold(ops.einsum_node(list(node.inputs) + list(extra), list(op.in_labels) + list(extra_labels),
                              op.out_labels, Call("where", (equal, Const(1.0), Const(0.0))), "sum"))
     want = "float64" if dtype == "float64" else "float32"
-    return refold(ops.cast_node(c, want))
+    return fold(ops.cast_node(c, want))
 
 
 def einsum_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
@@ -219,11 +219,11 @@ def _rounded_extremum(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node
     grid = list(op.out_labels)
     for ls in op.in_labels:
         grid += [lab for lab in ls if lab not in grid]
-    fj = refold(ops.einsum_node(list(node.inputs), op.in_labels, tuple(grid), op.join, None))
+    fj = fold(ops.einsum_node(list(node.inputs), op.in_labels, tuple(grid), op.join, None))
     pick = ops.einsum_node([fj], [tuple(grid)], op.out_labels, Arg(0), op.agg)
     (gf,) = _adjoints(pick, g, (True,), node)  # node holds pick's value: never recomputed
     assert gf is not None
-    return _adjoints(fj, refold(ops.cast_node(gf, fj.dtype)), wanted, fj)
+    return _adjoints(fj, fold(ops.cast_node(gf, fj.dtype)), wanted, fj)
 
 
 def _adjoints(node: Node, g: Node, wanted: Sequence[bool], value: Node
@@ -249,7 +249,7 @@ def _adjoints(node: Node, g: Node, wanted: Sequence[bool], value: Node
         extra_nodes, extra_labels = [value, count], [op.out_labels, op.out_labels]
     elif agg == "prod":
         zero = Call("eq", (f, Const(0)))
-        nonzero_prod = refold(ops.einsum_node(xs, op.in_labels, op.out_labels,
+        nonzero_prod = fold(ops.einsum_node(xs, op.in_labels, op.out_labels,
                                             Call("where", (zero, Const(1), f)), "prod"))
         zeros = _count(node, zero, [], [], node.dtype)
         P, Z = Arg(n + 1), Arg(n + 2)

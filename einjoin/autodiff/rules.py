@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from einjoin.autodiff.einsum_rule import einsum_adjoints
 from einjoin.errors import EinjoinError
 from einjoin.ir import ops
-from einjoin.autodiff.folding import refold
+from einjoin.ir.fold import fold
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              ScatterAdd, Select)
 
@@ -49,11 +49,11 @@ def _no_inputs(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None
 
 
 def _reshape(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
-    return (refold(ops.reshape_node(g, node.inputs[0].shape)),)
+    return (fold(ops.reshape_node(g, node.inputs[0].shape)),)
 
 
 def _cast(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
-    return (refold(ops.cast_node(g, node.inputs[0].dtype)),)
+    return (fold(ops.cast_node(g, node.inputs[0].dtype)),)
 
 
 def _broadcast(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
@@ -66,8 +66,8 @@ def _broadcast(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None
     # output dims that came from an input dim of the same size stay; the rest are summed
     keep = [dims[i] for i in range(x.ndim) if x.shape[i] == node.shape[dims[i]]]
     out = "".join(labels[d] for d in keep)
-    s = refold(ops.einsum_node([g], [labels], out, "x0", "sum"))
-    return (refold(ops.reshape_node(s, x.shape)),)
+    s = fold(ops.einsum_node([g], [labels], out, "x0", "sum"))
+    return (fold(ops.reshape_node(s, x.shape)),)
 
 
 def _select(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
@@ -98,7 +98,7 @@ def _concat(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, .
             starts = [0] * node.ndim
             stops = list(node.shape)
             starts[axis], stops[axis] = offset, offset + n
-            out.append(refold(ops.select_node(g, starts, stops)))
+            out.append(fold(ops.select_node(g, starts, stops)))
         else:
             out.append(None)
         offset += n
