@@ -94,6 +94,17 @@ class Settings:
     Hitting it makes the plan depend on the machine, so it is reported by an
     ``einjoin.planner.ilp.IlpTimeLimitWarning``; the DP's plan is kept if HiGHS found none."""
 
+    ilp_lp_first: bool = False
+    """eindecomp's ILP step (and ``mesh_ilp``) in a tighter exact formulation (replica rows per
+    op, strategies with equal edge costs merged) whose LP relaxation is solved first, by dual
+    simplex: when it is integral (every planner ILP measured so far) it is the optimum, with no
+    branch and bound. 3 to 10 times faster (GPT-2 block's training graph at P = 2: ILP 4.7 s ->
+    0.5 s) and the same modelled bytes on every graph measured, but among plans of equal
+    modelled bytes it may pick another than the MIP solver did: the LLaMA block at P = 64
+    (tests/test_plan_golden.py) then moves 3230072832 bytes instead of 3182886912 once placed,
+    a tie the cost model cannot see (the partitions of elementwise ops). Off until ties are
+    broken by a criterion that sees that."""
+
     ilp_cost_range: float = 1000.0
     """The planner ILPs' largest cost coefficient (all costs are bytes scaled by one factor):
     HiGHS's tolerances are about 1e-7 absolute, so scaled to 1 two plans of a 4 GB training
@@ -134,6 +145,8 @@ class Settings:
                       and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in value))
             elif f.name == "kernel_share":
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+            elif isinstance(f.default, bool):
+                ok = isinstance(value, bool)
             elif isinstance(f.default, float):
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
             else:

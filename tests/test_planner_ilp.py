@@ -140,3 +140,55 @@ def test_the_ilp_module_reads_no_clock() -> None:
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not names & {"time", "datetime"}
+
+
+def _planner_problems() -> list[Problem]:
+    """The ILPs eindecomp's global step solves on small graphs (captured, not rebuilt)."""
+    seen: list[Problem] = []
+    real = ilp.solve_detail
+
+    def spy(prob: Problem, **kw: Any) -> Any:
+        seen.append(prob)
+        return real(prob, **kw)
+
+    ilp.solve_detail = spy  # type: ignore[assignment]
+    try:
+        for model, p in (("mlp", 4), ("chain", 8), ("llama-block", 4)):
+            eindecomp(Graph(build(model)), ej.local(p))
+    finally:
+        ilp.solve_detail = real  # type: ignore[assignment]
+    return seen
+
+
+def test_lp_first_reaches_the_mip_optimum_without_branching() -> None:
+    """Settings.ilp_lp_first's formulation is exact: the same optimum as the MIP solver's on
+    the planner's problems, found by the LP relaxation alone (integral there, so 0 nodes)."""
+    probs = _planner_problems()
+    assert probs
+    for prob in probs:
+        mip = solve_detail(prob, time_limit=600.0, node_limit=500, lp_first=False)
+        lp = solve_detail(prob, time_limit=600.0, node_limit=500, lp_first=True)
+        assert (lp.stop, lp.nodes) == ("optimal", 0)
+        assert objective(prob, lp.pick) == pytest.approx(objective(prob, mip.pick), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lp_first_branches_when_the_relaxation_is_fractional(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a frustrated problem the relaxation is fractional: lp_first falls back to the MIP
+    solver on its own formulation and still reaches the optimum."""
+    prob = _frustrated(n_ops=12, k=3, seed=seed, density=0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IlpTimeLimitWarning)
+        plain = solve_detail(prob, time_limit=600.0, node_limit=100_000, lp_first=False)
+        seen = _capture_milp(monkeypatch)
+        first = solve_detail(prob, time_limit=600.0, node_limit=100_000, lp_first=True)
+    assert len(seen) == 1, "the relaxation must be fractional here, so the MIP solver runs"
+    assert plain.stop == first.stop == "optimal"
+    assert objective(prob, first.pick) == objective(prob, plain.pick)
+
+
+def test_lp_first_is_a_setting_and_checked() -> None:
+    assert SETTINGS.replace(ilp_lp_first=True).ilp_lp_first is True
+    with pytest.raises(ej.EinjoinError, match="ilp_lp_first"):
+        SETTINGS.replace(ilp_lp_first=1)

@@ -328,7 +328,8 @@ def _global_step(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]
         strategies[v] = [info] + [c for c in pool if c is not info]
     try:
         glob = choose(graph, cands.model, strategies, cands.settings.ilp_time_limit,
-                      node_limit=cands.settings.ilp_node_limit)
+                      node_limit=cands.settings.ilp_node_limit,
+                      lp_first=cands.settings.ilp_lp_first)
     except EinjoinError:  # HiGHS found nothing within its budget: keep the DP's plan
         return None
     if not glob:
