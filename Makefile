@@ -37,10 +37,12 @@ lint: $(STAMP)
 
 # Coverage of einjoin/ is printed by `make test` (and by `make cov`, which skips the linters); the
 # suite fails below COV_MIN: the TOTAL of the full suite (-n 2) at the end of issue 17, rounded
-# down, less one point, because work in progress moves the figure a little (see COV_MIN's line).
-# Raise it as coverage grows; lower it only with the reason in the commit.
+# down, less one point, because work in progress moves the figure a little. Raise it as coverage
+# grows; lower it only with the reason in the commit.
 # Coverage costs about +30-50% CPU (user time of test_decomp, test_scalar, test_blocked_property).
-COV_MIN ?= 0
+# Measured 2026-12-04 22:42 UTC (pytest -q -n 2 --dist loadgroup --cov=einjoin): TOTAL 93%
+# (9990 statements, 679 missed: 93.2%) -> 93 - 1.
+COV_MIN ?= 92
 PYTEST_COV := --cov=einjoin --cov-report=term:skip-covered --cov-fail-under=$(COV_MIN)
 
 test: lint
