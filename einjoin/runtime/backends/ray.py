@@ -59,7 +59,7 @@ import numpy as np
 from einjoin.cluster import Cluster, Device, LinkMatrix
 from einjoin.errors import EinjoinError
 from einjoin.exchange import Task, TaskKind
-from einjoin.runtime.backend import DeviceLost, RunSpec, TaskFailed
+from einjoin.runtime.backend import DeviceLost, RunSpec, TaskFailed, wait_event
 
 if TYPE_CHECKING:
     from einjoin.runtime.engine import RunStats
@@ -137,7 +137,7 @@ def _init_on_a_lasting_thread(ray: Any, opts: dict[str, Any]) -> None:
             _keeper = queue.SimpleQueue()
             threading.Thread(target=_keep, args=(_keeper,), name="einjoin-ray-keeper", daemon=True).start()
         _keeper.put(init)
-    done.wait()
+    wait_event(done)  # in slices: a Ctrl-C while Ray starts is seen within WAIT_SLICE
     if failed:
         raise failed[0]
 
