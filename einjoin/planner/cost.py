@@ -217,6 +217,7 @@ class CostModel:
         self.p = p
         self._info: dict[tuple[Node, JoinAggSpec], SpecInfo] = {}
         self._repart: dict[tuple[int, int], int] = {}
+        self._repart_bytes: dict[tuple[int, int, str], int] = {}
         self._pid: dict[Partition, int] = {}
         self._parts: list[Partition] = []
 
@@ -244,12 +245,16 @@ class CostModel:
 
     def repart_ids(self, q: int, r: int, dtype: str) -> int:
         """:meth:`repart` for interned partition ids."""
+        got = self._repart_bytes.get((q, r, dtype))  # the searches ask ~10^5 times per graph
+        if got is not None:
+            return got
         key = (q, r)
         found = self._repart.get(key)
         if found is None:
             # cached in elements: the same pair of partitions serves every dtype
             found = self._repart[key] = repartition_estimate(self._parts[q], self._parts[r], "bool")
-        return found * itemsize(dtype)
+        got = self._repart_bytes[(q, r, dtype)] = found * itemsize(dtype)
+        return got
 
 
 @dataclass(frozen=True)
