@@ -94,16 +94,18 @@ class Settings:
     Hitting it makes the plan depend on the machine, so it is reported by an
     ``einjoin.planner.ilp.IlpTimeLimitWarning``; the DP's plan is kept if HiGHS found none."""
 
-    ilp_lp_first: bool = False
+    ilp_lp_first: bool = True
     """eindecomp's ILP step (and ``mesh_ilp``) in a tighter exact formulation (replica rows per
     op, strategies with equal edge costs merged) whose LP relaxation is solved first, by dual
     simplex: when it is integral (every planner ILP measured so far) it is the optimum, with no
-    branch and bound. 3 to 10 times faster (GPT-2 block's training graph at P = 2: ILP 4.7 s ->
-    0.5 s) and the same modelled bytes on every graph measured, but among plans of equal
-    modelled bytes it may pick another than the MIP solver did: the LLaMA block at P = 64
-    (tests/test_plan_golden.py) then moves 3230072832 bytes instead of 3182886912 once placed,
-    a tie the cost model cannot see (the partitions of elementwise ops). Off until ties are
-    broken by a criterion that sees that."""
+    branch and bound; otherwise the MIP runs under ``ilp_node_limit``. 3 to 10 times faster
+    (GPT-2 block's training graph at P = 2: ILP 4.7 s -> 0.5 s; ej.grad + compile 4.9 s -> 0.7 s,
+    the LLaMA block's 1.4 s -> 0.5 s: issue 18's 1 s goal) and the same modelled bytes on every
+    graph measured. Among plans of equal modelled bytes it may pick another than the MIP solver
+    did, and placement moves different bytes for such ties (a cost-model blind spot: the
+    partitions of elementwise ops), within about +-4% both ways: the golden LLaMA block at
+    P = 64 moves 1.5% more (tests/test_plan_golden.py), GPT-2's forward at P = 2 3.2% less.
+    False: the MIP on the looser formulation (the plans before issue 18's last change)."""
 
     ilp_cost_range: float = 1000.0
     """The planner ILPs' largest cost coefficient (all costs are bytes scaled by one factor):

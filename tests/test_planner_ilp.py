@@ -99,14 +99,16 @@ def test_eindecomp_and_mesh_ilp_give_highs_their_settings_budgets(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _capture_milp(monkeypatch)
     graph, cluster = Graph(build("mlp")), ej.local(4)
-    settings = SETTINGS.replace(ilp_node_limit=7, ilp_time_limit=123.0,
-                                mesh_ilp_node_limit=9, mesh_ilp_time_limit=321.0)
+    # the MIP path (with ilp_lp_first an integral LP relaxation never reaches the MIP solver)
+    mip = SETTINGS.replace(ilp_lp_first=False)
+    settings = mip.replace(ilp_node_limit=7, ilp_time_limit=123.0,
+                           mesh_ilp_node_limit=9, mesh_ilp_time_limit=321.0)
     # each planner runs once with the settings, once with the defaults (same plan: no budget binds)
     for plan, node_limit, time_limit, default in (
             (eindecomp, 7, 123.0, SETTINGS.ilp_node_limit),
             (mesh_ilp, 9, 321.0, SETTINGS.mesh_ilp_node_limit)):
         seen.clear()
-        assert plan(graph, cluster, settings=settings) == plan(graph, cluster)
+        assert plan(graph, cluster, settings=settings) == plan(graph, cluster, settings=mip)
         half = len(seen) // 2
         assert half and all(o["node_limit"] == node_limit and o["time_limit"] == time_limit
                             for o in seen[:half])
@@ -126,10 +128,11 @@ def test_the_default_budgets_are_far_above_what_the_golden_plans_need(
         return res
 
     monkeypatch.setattr(scipy.optimize, "milp", spy)
+    mip = SETTINGS.replace(ilp_lp_first=False)  # the MIP path, whose budget this is
     for model in ("mlp", "chain"):
         for p in (2, 8):
-            eindecomp(Graph(build(model)), ej.local(p))
-            mesh_ilp(Graph(build(model)), ej.local(p))
+            eindecomp(Graph(build(model)), ej.local(p), settings=mip)
+            mesh_ilp(Graph(build(model)), ej.local(p), settings=mip)
     assert seen and max(seen) * 100 <= min(SETTINGS.ilp_node_limit, SETTINGS.mesh_ilp_node_limit)
 
 
@@ -192,3 +195,18 @@ def test_lp_first_is_a_setting_and_checked() -> None:
     assert SETTINGS.replace(ilp_lp_first=True).ilp_lp_first is True
     with pytest.raises(ej.EinjoinError, match="ilp_lp_first"):
         SETTINGS.replace(ilp_lp_first=1)
+
+
+@pytest.mark.parametrize("lp_first", [True, False])
+def test_an_op_reading_one_input_several_ways_is_feasible(lp_first: bool) -> None:
+    # the einsum reads in0 three times: its replica readers repeat strategies, which the tight
+    # formulation's one row per op once summed into y >= 2 x (infeasible: a raw HiGHS error)
+    x = ej.input("in0", (2,), "float64")
+    y = ej.einsum("i,j,k->", x, x, x, join="x0 * x1 * x2")
+    settings = SETTINGS.replace(ilp_lp_first=lp_first)
+    for planner in (mesh_ilp, eindecomp):
+        specs = planner(Graph(y), ej.local(2), settings=settings)
+        assert y.node in specs
+    prog = ej.compile(y, devices=2, planner="mesh_ilp", quiet=True)
+    feed = np.array([0.5, -2.0])
+    np.testing.assert_allclose(prog.run(in0=feed), feed.sum() ** 3)

@@ -28,7 +28,7 @@ that does not apply to a graph raises :class:`NotApplicable` saying why; callers
 {m: 4, n: 1, k: 1}
 >>> z = ej.input("a", (8192, 8192)) @ ej.input("b", (8192, 8192))
 >>> print(mesh_ilp(ej.Graph(z), ej.local(8))[z.node])   # 2 x 4 mesh: no 3-D split (2, 2, 2)
-{m: 2, n: 4, k: 1}
+{m: 2, n: 1, k: 4}
 """
 
 from __future__ import annotations
@@ -649,7 +649,7 @@ def mesh_ilp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None
     for mesh in mesh_shapes(cluster.size):
         chosen = choose(graph, model, mesh_candidates(graph, model, mesh, settings.mesh_ilp_keep),
                         settings.mesh_ilp_time_limit, tight,
-                        node_limit=settings.mesh_ilp_node_limit)
+                        node_limit=settings.mesh_ilp_node_limit, lp_first=settings.ilp_lp_first)
         if not chosen:
             break
         cost = total_cost(graph, model, chosen)

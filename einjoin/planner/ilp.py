@@ -338,7 +338,11 @@ def _solve_lp_first(prob: Problem, *, time_limit: float, node_limit: int, tight:
         for v, j in readers:
             by_op[v].append(j)
         if tight:
-            for v, js in by_op.items():
+            for v, reads in by_op.items():
+                # one row per op over its distinct strategies: an op may read the same replica
+                # in several ways (an einsum reading one input thrice), and a repeated x in the
+                # row would add up (y >= 2 x: infeasible with y <= 1)
+                js = sorted(set(reads))
                 add(np.zeros(1 + len(js), dtype=np.int64),
                     np.array([n] + [col[v] + j for j in js]), -1.0)
                 vals[-1][0] = 1.0
