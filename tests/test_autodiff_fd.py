@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -47,7 +46,7 @@ def _value(loss, feeds):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                  HealthCheck.data_too_large])
 @given(g=graphs(dtype="float64"), seed=st.integers(0, 2**31 - 1))
-def test_every_rule_matches_central_differences(g, seed):
+def _random_graphs_match_central_differences(g, seed):
     outs, feeds = g
     rng = np.random.default_rng(seed)
     loss, rfeeds = _scalar(outs, rng)
@@ -103,8 +102,7 @@ EQUATIONS = {1: ["ij->i", "ii->i", "ij->ji"], 2: ["ij,jk->ik", "ij,ij->j", "ij,k
              3: ["ij,jk,ik->i", "ij,ij,kj->j", "ij,jk,k->ik"]}
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_every_join_and_agg_of_graphgen_on_fixed_einsums(n):
+def _sweep_joins_and_aggs(n):
     """Each join of graphgen.JOINS under each aggregation, on einsums with contracted,
     repeated and summed-away labels: a deterministic sweep (the random graphs may miss one)."""
     rng = np.random.default_rng(n)
@@ -137,12 +135,16 @@ def test_leaf_rules_have_no_inputs():
     assert set(GRAD_RULES) == set(KINDS)
 
 
-def test_every_kind_join_and_agg_was_reached():
-    """Runs after the property test above (file order): every node kind graphgen draws that
-    carries a gradient (a fill is a constant: it never receives one), every join of
-    graphgen.JOINS (and the bounded joins it swaps in under prod) and every aggregation."""
-    if not HITS:
-        pytest.skip("needs test_every_rule_matches_central_differences to run first")
+def test_every_rule_matches_central_differences_and_every_kind_join_and_agg_is_reached():
+    """The property test on graphgen's random graphs, then the deterministic sweep of every join
+    under every aggregation, in one test (so that the reach check below never depends on which
+    xdist worker ran what): every node kind graphgen draws that carries a gradient (a fill is a
+    constant: it never receives one), every join of graphgen.JOINS (and the bounded joins it
+    swaps in under prod) and every aggregation must have been differentiated."""
+    HITS.clear()
+    _random_graphs_match_central_differences()
+    for n in (1, 2, 3):
+        _sweep_joins_and_aggs(n)
     kinds = {"Input", "Einsum", "Reshape", "Select", "Concat", "Broadcast", "Gather", "ScatterAdd"}
     joins = {str(parse_join(j, n)) for n, js in JOINS.items() for j in js}
     joins |= {"sigmoid(x0)", "exp(-abs(x0 - x1))", "exp(-abs(x0 * x1 * x2))"}
