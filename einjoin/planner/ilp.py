@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -178,7 +178,6 @@ def solve_detail(prob: Problem, *, time_limit: float, node_limit: int, tight: bo
     if lp_first and tight:  # Settings.ilp_lp_first: see _solve_lp_first
         return _solve_lp_first(prob, time_limit=time_limit, node_limit=node_limit, tight=tight,
                                cost_range=cost_range)
-    from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
     col: dict[Node, int] = {}
@@ -238,25 +237,7 @@ def solve_detail(prob: Problem, *, time_limit: float, node_limit: int, tight: bo
         for v, j in readers:
             row([(off, 1.0), (col[v] + j, -1.0)], 0.0, np.inf)
     a_mat = coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr()
-    integrality = np.zeros(n)
-    integrality[:n_x] = 1
-    res = milp(c / scale, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality,
-               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "node_limit": node_limit,
-                                             "time_limit": time_limit})
-    nodes = int(res.mip_node_count or 0)
-    stop = stop_reason(status=int(res.status), message=str(res.message), nodes=nodes,
-                       node_limit=node_limit)
-    if stop == "time_limit":
-        warnings.warn(IlpTimeLimitWarning(
-            f"spec ILP ({len(prob.ops)} ops, {n} variables): HiGHS hit the {time_limit:g} s "
-            f"safety net after {nodes} of its {node_limit} branch-and-bound nodes, so this plan "
-            f"depends on the machine's speed and load; raise the time limit "
-            f"(Settings.ilp_time_limit / mesh_ilp_time_limit) for a plan from shapes alone"),
-            stacklevel=2)
-    if res.x is None:
-        raise EinjoinError(f"spec ILP: HiGHS found no solution ({res.message})")
-    pick = {v: int(np.argmax(res.x[col[v]:col[v] + len(prob.strategies[v])])) for v in prob.ops}
-    return Solved(pick, nodes, stop)
+    return _run_milp(prob, col, n_x, c / scale, a_mat, lo, hi, node_limit=node_limit, time_limit=time_limit)
 
 
 def _solve_lp_first(prob: Problem, *, time_limit: float, node_limit: int, tight: bool,
@@ -280,7 +261,6 @@ def _solve_lp_first(prob: Problem, *, time_limit: float, node_limit: int, tight:
     after ``node_limit`` branch-and-bound nodes (deterministic); ``time_limit`` seconds is the
     safety net, reported by an :class:`IlpTimeLimitWarning` when it stops the solve (see the
     module's docstring)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
     col: dict[Node, int] = {}
@@ -368,9 +348,20 @@ def _solve_lp_first(prob: Problem, *, time_limit: float, node_limit: int, tight:
         pick = _integral_relaxation(prob, col, c / scale, a_mat, lo, hi, time_limit)
         if pick is not None:
             return Solved(pick, 0, "optimal")
+    return _run_milp(prob, col, n_x, c / scale, a_mat, lo, hi, node_limit=node_limit, time_limit=time_limit)
+
+
+def _run_milp(prob: Problem, col: dict[Node, int], n_x: int, c: np.ndarray, a_mat: Any, lo: Any,
+              hi: Any, *, node_limit: int, time_limit: float) -> Solved:
+    """HiGHS's MIP solver on ``min c.x`` subject to ``lo <= a_mat x <= hi``, x in [0, 1], the first
+    ``n_x`` variables (the choices) binary: stops at the optimum or after ``node_limit`` nodes;
+    hitting ``time_limit`` warns (:class:`IlpTimeLimitWarning`)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    n = len(c)
     integrality = np.zeros(n)
     integrality[:n_x] = 1
-    res = milp(c / scale, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality,
+    res = milp(c, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality,
                bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "node_limit": node_limit,
                                              "time_limit": time_limit})
     nodes = int(res.mip_node_count or 0)
