@@ -27,6 +27,7 @@ from collections.abc import Callable
 from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
+from einjoin.frontend.aten_notes import NOTES
 from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
 from einjoin.ir.dtypes import FLOAT_DTYPES
 
@@ -48,26 +49,6 @@ DATA_DEPENDENT_HELP = (
     "fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0) and then a reduction instead of "
     "x[mask] or masked_select, a mask instead of nonzero(); a Python value read from a tensor "
     "(.item(), a branch on it) becomes an argument bound with functools.partial")
-# what a translation does not cover, for docs/torch_ops.md (keyed by any of its names)
-NOTES: dict[str, str] = {
-    "div": "`rounding_mode` None or 'floor' (not 'trunc')",
-    "floordiv": "an integer divisor of 0 is an error, as in torch",
-    "logical_not": "of bool tensors only",
-    "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
-    "max": "an error naming the fix: use `amax` / `amin` (reductions) or `maximum` / `minimum`",
-    "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
-               "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",
-    "feature_dropout": "the identity in eval mode; an error in training mode",
-    "scaled_dot_product_attention": "no `dropout_p`; `is_causal` aligns top-left as in torch",
-    "slice": "step 1 only",
-    "index": "one 1-D integer index tensor; a boolean mask is data-dependent",
-    "getitem": "ints, slices, None, Ellipsis and one 1-D integer index tensor; a boolean mask is "
-               "data-dependent",
-    "repeat_interleave": "an int `repeats` and a `dim`",
-    "view": "to a shape (not a dtype view)",
-    "arange": "non-empty ranges",
-    "_scaled_dot_product_flash_attention_for_cpu": "the output only (the logsumexp is for backward)",
-}
 
 
 def data_dependent(what: str) -> UnsupportedOpError:

@@ -1,0 +1,30 @@
+"""What each torch-op translation of :mod:`einjoin.frontend.aten` does not cover, as data: the
+notes column of ``docs/torch_ops.md`` (keyed by any of a translation's names).
+
+>>> NOTES["div"]
+"`rounding_mode` None or 'floor' (not 'trunc')"
+"""
+
+from __future__ import annotations
+
+__all__ = ["NOTES"]
+
+NOTES: dict[str, str] = {
+    "div": "`rounding_mode` None or 'floor' (not 'trunc')",
+    "floordiv": "an integer divisor of 0 is an error, as in torch",
+    "logical_not": "of bool tensors only",
+    "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
+    "max": "an error naming the fix: use `amax` / `amin` (reductions) or `maximum` / `minimum`",
+    "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
+               "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",
+    "feature_dropout": "the identity in eval mode; an error in training mode",
+    "scaled_dot_product_attention": "no `dropout_p`; `is_causal` aligns top-left as in torch",
+    "slice": "step 1 only",
+    "index": "one 1-D integer index tensor; a boolean mask is data-dependent",
+    "getitem": "ints, slices, None, Ellipsis and one 1-D integer index tensor; a boolean mask is "
+               "data-dependent",
+    "repeat_interleave": "an int `repeats` and a `dim`",
+    "view": "to a shape (not a dtype view)",
+    "arange": "non-empty ranges",
+    "_scaled_dot_product_flash_attention_for_cpu": "the output only (the logsumexp is for backward)",
+}
