@@ -21,6 +21,7 @@ from einjoin.ir.reference import reference
 from einjoin.program import Program, compile
 from einjoin.runtime.engine import CancelToken, RunHandle
 from einjoin.runtime.backends.ray import ray_cluster
+from einjoin.train import optim
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,4 @@ __all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "C
            "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
-           "grad", "value_and_grad", "vjp", "stop_gradient", *_frontend_all]
+           "grad", "value_and_grad", "vjp", "stop_gradient", "optim", *_frontend_all]

@@ -32,7 +32,8 @@ FLOORS: list[set[str]] = [
     {"plan"},                         # the task graph
     {"memplan"},                      # the task graph under memory caps
     {"runtime"},                      # the engine and its backends
-    {"frontend", "models", "viz", "autodiff"},  # build IR (user code, model zoo, gradients); draw plans and traces
+    {"frontend", "models", "viz", "autodiff", "train"},  # build IR (user code, model zoo, gradients,
+    # optimizer steps); draw plans and traces
     {"program", "compiler", "cli", "demo", "__main__", "__init__"},  # wiring: ej.compile, CLI
 ]
 
@@ -43,6 +44,8 @@ IR_BUILDERS: dict[str, set[str]] = {
     "models": {"errors", "registry", "settings", "ir", "frontend", "models"},
     # gradients are graphs too: built from the IR and the frontend's tensors, nothing above
     "autodiff": {"errors", "registry", "settings", "ir", "frontend", "autodiff"},
+    # optimizer steps and clipping are graphs too (the Trainer that runs them is einjoin.trainer)
+    "train": {"errors", "registry", "settings", "ir", "frontend", "autodiff", "train"},
 }
 
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
