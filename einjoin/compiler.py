@@ -37,13 +37,15 @@ from einjoin.ir.node import Node
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
 from einjoin.memplan.chain import chain_reduces
 from einjoin.memplan.needs import blamed_op, cap_error
-from einjoin.placement import PLACERS, Placement, place
+from einjoin.ir.printing import describe
+from einjoin.placement import PLACERS, Placement, place, tie_homes
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph
-from einjoin.planner import PLANNERS, derive_input_specs, plan_specs
+from einjoin.planner import PLANNERS, derive_input_specs, plan_specs, tie_state
 from einjoin.planner.fit import element_spec, finer_spec
 from einjoin.progress import stages
 from einjoin.runtime import get_backend
 from einjoin.runtime.engine import check_host_link, check_order, check_seed
+from einjoin.runtime.state import StateSlot
 from einjoin.settings import SETTINGS
 
 __all__ = ["CompileOptions", "CompiledPlan", "Source", "build_plan", "check_quiet"]
@@ -72,7 +74,10 @@ class CompileOptions:
     - ``quiet``: no progress display (while compiling and in the program's runs);
     - ``memory_limit``: per-device caps (bytes, ``"2GiB"``, or a mapping device -> size; None:
       the cluster's ``Device.memory``); ``memory_policy``: ``"belady"`` or ``"naive"`` evictions;
-    - ``host_link``: emulated host<->device bytes per second for the runs (None: none).
+    - ``host_link``: emulated host<->device bytes per second for the runs (None: none);
+    - ``state``: a mapping new value -> state input (a program with state; see ``ej.compile``);
+    - ``deterministic``: every run's results are bit-identical (partials combine in a fixed order;
+      see :mod:`einjoin.runtime.state`).
 
     >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
     (3, 'threads')
@@ -90,6 +95,8 @@ class CompileOptions:
     memory_limit: Any = None
     memory_policy: str = "belady"
     host_link: float | None = None
+    state: Any = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
@@ -107,6 +114,10 @@ class CompileOptions:
         if not (isinstance(policy, str) and policy in POLICIES):
             raise EinjoinError(f"unknown memory policy {policy!r}; known: {', '.join(POLICIES)}")
         check_host_link(self.host_link)
+        if self.state:
+            _state_pairs(self.state)  # checked now; Source.of builds the graph with it
+        if not isinstance(self.deterministic, (bool, np.bool_)):
+            raise EinjoinError(f"deterministic must be True or False, got {self.deterministic!r:.60}")
 
     def replace(self, **changes: Any) -> CompileOptions:
         """A copy with ``changes`` (checked again)."""
@@ -132,6 +143,7 @@ class CompiledPlan:
     many: bool
     arg_names: tuple[str, ...] | None = None
     bound: dict[str, Any] | None = None
+    state: tuple[StateSlot, ...] = ()
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -143,23 +155,72 @@ class CompiledPlan:
 class Source:
     """What is compiled: the graph reaching the outputs, whether they were several (a list or
     tuple: runs return a tuple), and for ``ej.from_torch``'s result its forward's argument names
-    and bound parameters and buffers."""
+    and bound parameters and buffers. With ``state`` (``{new value: state input}``), the graph's
+    outputs are the user's then the new values (:class:`StateSlot` s say which)."""
 
     graph: Graph
     many: bool = False
     arg_names: tuple[str, ...] | None = None
     bound: dict[str, Any] | None = None
+    state: tuple[StateSlot, ...] = ()
 
     @staticmethod
-    def of(outputs: Any) -> Source:
-        """``outputs``: a tensor, a list/tuple of them, or ``ej.from_torch``'s result."""
+    def of(outputs: Any, state: Mapping[Any, Any] | None = None) -> Source:
+        """``outputs``: a tensor, a list/tuple of them, or ``ej.from_torch``'s result; ``state``:
+        a mapping new value -> the graph input it replaces after each run (checked here)."""
         if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
-            arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), outputs.many
-            graph = Graph(list(outputs.outputs) if many else outputs.outputs[0])
-            # parameters the forward never reads are not graph inputs
+            arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), bool(outputs.many)
+            outs = list(outputs.outputs) if many else outputs.outputs[0]
+        else:
+            arg_names, bound, many, outs = None, None, isinstance(outputs, (list, tuple)), outputs
+        if not state:
+            graph = Graph(outs)
+            slots: tuple[StateSlot, ...] = ()
+        else:
+            user = Graph(outs).outputs
+            pairs = _state_pairs(state)
+            graph = Graph([*user, *(new for new, _ in pairs)])
+            slots = tuple(StateSlot(old.op.name, old, new, len(user) + i)  # type: ignore[union-attr]
+                          for i, (new, old) in enumerate(pairs))
+            for slot in slots:
+                if slot.node not in graph.input_by_name.values():
+                    raise EinjoinError(f"state input {slot.name!r} is read neither by the outputs nor by any "
+                                       f"new state value: leave it out of state=")
+        if bound is not None:  # parameters the forward never reads are not graph inputs
             bound = {k: v for k, v in bound.items() if k in graph.input_by_name}
-            return Source(graph, bool(many), arg_names, bound)
-        return Source(Graph(outputs), isinstance(outputs, (list, tuple)))
+        return Source(graph, many, arg_names, bound, slots)
+
+
+def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
+    """``state`` ({new value: state input}) as (new, old) nodes, checked: the old side is a
+    graph input, each at most once and not another state's new value; shapes and dtypes agree."""
+    if not isinstance(state, Mapping):
+        raise EinjoinError(f"state must be a mapping new value -> state input ({{w_new: w}}), got "
+                           f"{type(state).__name__}")
+    pairs: list[tuple[Node, Node]] = []
+    seen: dict[Node, Node] = {}
+    for new_t, old_t in state.items():
+        new, old = getattr(new_t, "node", new_t), getattr(old_t, "node", old_t)
+        for side, n in (("new value", new), ("state input", old)):
+            if not isinstance(n, Node):
+                raise EinjoinError(f"state: a {side} must be a tensor, got {type(n).__name__} {n!r:.60}")
+        if not old.facts.fed:
+            raise EinjoinError(f"state: the old side of a pair must be a graph input (ej.input / ej.param), "
+                               f"got {describe(old)} (new value {describe(new)})")
+        name = old.op.name  # type: ignore[union-attr]
+        if old in seen:
+            raise EinjoinError(f"state input {name!r} is given two new values: {describe(seen[old])} and "
+                               f"{describe(new)}")
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise EinjoinError(f"state input {name!r} is {old.dtype}{list(old.shape)} but its new value "
+                               f"{describe(new)} is {new.dtype}{list(new.shape)}: they must agree")
+        seen[old] = new
+        pairs.append((new, old))
+    for new, old in pairs:
+        if new.facts.fed and new is not old and new in seen:
+            raise EinjoinError(f"the new value of state input {old.op.name!r} is the state input "  # type: ignore[union-attr]
+                               f"{new.op.name!r} itself: give it a computed value (or w itself: unchanged)")  # type: ignore[union-attr]
+    return pairs
 
 
 def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
@@ -168,22 +229,23 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     graph = source.graph
     caps = parse_caps(options.memory_limit, cluster.size, cluster)
     user = _user_specs(graph, options.specs)  # checked once, before the planner; read every lowering
+    tied = {s.node: s.new for s in source.state}  # state input -> new value: one layout, one home
     with stages(options.quiet, len(graph.ops)) as say:
         say("planning")
         # the planner receives the caps: eindecomp then picks cuts that fit
-        chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=caps))
+        chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=caps, tied=tied))
         say("placing, synthesising exchanges, building the task graph")
-        decomps, placed, tg = _lower(graph, cluster, chosen, user, options)
+        decomps, placed, tg = _lower(graph, cluster, chosen, user, options, tied)
         if any(c is not None for c in caps.values()):
             if getattr(options.backend, "remote", False):
                 raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "
                                    "backend='threads' (or without memory_limit / Device.memory)")
             say("fitting the memory caps, planning evictions")
             decomps, placed, tg = _fit_caps(graph, cluster, chosen, user, options, caps, decomps, placed,
-                                            chain_reduces(tg))
+                                            chain_reduces(tg), tied)
             tg = plan_memory(tg, decomps, caps, options.memory_policy)
     return CompiledPlan(graph, cluster, decomps, placed, tg, tg.stats(), options, source.many,
-                        source.arg_names, source.bound)
+                        source.arg_names, source.bound, source.state)
 
 
 def _user_specs(graph: Graph, specs: Any) -> dict[Node, JoinAggSpec]:
@@ -202,20 +264,26 @@ def _user_specs(graph: Graph, specs: Any) -> dict[Node, JoinAggSpec]:
 
 
 def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user: dict[Node, JoinAggSpec],
-           options: CompileOptions) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
+           options: CompileOptions, tied: dict[Node, Node]) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
     chosen.update(user)
     # an input keeps the user's or the planner's partition, unless a user spec changed one of its
-    # consumers: then it follows its first consumer again
+    # consumers: then it follows its first consumer again; a state input follows its new value
     stale = {x for x in graph.inputs if x not in user and any(c in user for c in graph.users[x])}
-    chosen = derive_input_specs(graph, {n: s for n, s in chosen.items() if n not in stale})
+    chosen = tie_state(derive_input_specs(graph, {n: s for n, s in chosen.items() if n not in stale}), tied)
+    for old in tied:
+        if old in user and user[old] != chosen[old]:
+            raise EinjoinError(f"state input {old.op.name!r}: the join-agg spec given for it, {user[old]}, "  # type: ignore[union-attr]
+                               f"differs from its new value's layout {chosen[old]} (a state input is cut as "
+                               f"its new value: give the spec to {describe(tied[old])} instead)")
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
-    placed = place(options.placement, decomps, cluster, options.seed)
+    placed = tie_homes(decomps, place(options.placement, decomps, cluster, options.seed), tied)
     return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
 
 
 def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user: dict[Node, JoinAggSpec],
               options: CompileOptions, caps: dict[int, int | None], decomps: dict[Node, Decomposition],
-              placed: Placement, tg: TaskGraph) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
+              placed: Placement, tg: TaskGraph, tied: dict[Node, Node]
+              ) -> tuple[dict[Node, Decomposition], Placement, TaskGraph]:
     """Cut the ops whose tasks alone exceed a cap finer until every task fits; the clear
     :class:`MemoryCapError` (op, block shapes, bytes, cap) when no finer cut helps."""
     cut_inputs: set[Node] = set()  # inputs cut for their own loads keep that partition
@@ -229,6 +297,8 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], u
             op = blamed_op(nd.task, tg)
             if op.facts.free and graph.users[op] and op not in graph.outputs:
                 op = graph.users[op][0]  # a fill is computed in the blocks its consumer reads
+            if op in tied and tied[op] is not op:
+                op = tied[op]  # a state input is cut as its new value: cut that
             if op in done:
                 continue
             done.add(op)
@@ -247,6 +317,6 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], u
             for x in op.inputs:  # inputs it reads first take its new partition
                 if x.facts.fed and graph.users[x][0] is op and x not in cut_inputs:
                     chosen.pop(x, None)
-        decomps, placed, tg = _lower(graph, cluster, chosen, user, options)
+        decomps, placed, tg = _lower(graph, cluster, chosen, user, options, tied)
         tg = chain_reduces(tg)
     raise cap_error(over[0][0], over[0][1], "; gave up cutting finer")

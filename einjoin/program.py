@@ -18,7 +18,7 @@ import sys
 import threading
 import warnings
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -26,17 +26,43 @@ from einjoin.cluster import Cluster, as_cluster
 from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
+from einjoin.ir.dtypes import itemsize, numpy_dtype
+from einjoin.ir.printing import describe
 from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
 from einjoin.progress import RunBar
+from einjoin.placement import block_devices
 from einjoin.plan import PlanStats, explain, run_reference
+from einjoin.plan.stats import human_bytes
 from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
+from einjoin.runtime.state import Resident, StateRun
 
 __all__ = ["compile", "Program", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
 _nothing = contextlib.nullcontext
+
+
+class _Inputs:
+    """Just enough of a graph for :func:`bind_feeds` to check some of its inputs by name."""
+
+    positional_conflict = None
+
+    def __init__(self, inputs: list[Node]):
+        self.inputs = tuple(inputs)
+        self.input_by_name = {x.op.name: x for x in inputs}  # type: ignore[union-attr]
+
+
+def _assemble(node: Node, blocks: Mapping[Any, Any], backend: str) -> np.ndarray:
+    """A state value from its resident blocks (box -> block); a backend that computes nothing
+    has none to give."""
+    if any(b is None for b in blocks.values()):
+        raise EinjoinError(f"the {backend} backend computes no values: there is no state to read")
+    out = np.empty(node.shape, dtype=next(iter(blocks.values())).dtype)
+    for box, b in blocks.items():
+        out[tuple(slice(a, e) for a, e in box)] = b
+    return out
 
 
 class TraceWriteWarning(UserWarning):
@@ -46,7 +72,8 @@ class TraceWriteWarning(UserWarning):
 def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
             backend: Any = "threads", specs: Any = None, placement: str = "greedy",
             order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
-            memory_policy: str = "belady", host_link: float | None = None) -> Program:
+            memory_policy: str = "belady", host_link: float | None = None,
+            state: Mapping[Any, Any] | None = None, deterministic: bool = False) -> Program:
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
     is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
@@ -61,16 +88,26 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     RAM and reloaded so that every run, in any order, stays within the cap. ``host_link`` (bytes
     per second) emulates a host<->device link for the program's runs.
 
+    ``state`` (``{new_value: state_input}``) makes a program that carries values from one run to
+    the next (parameters, optimizer moments, a step count): each new value is computed by every
+    run but not returned; it stays resident on its devices and is the state input's value in the
+    next run (see :meth:`Program.read_state`, :meth:`Program.write_state`). Shapes and dtypes of
+    a pair must agree, and the state input must be a graph input. Every planner cuts and places a
+    state input as its new value, so the carry-over moves nothing. ``deterministic``: the runs'
+    results are bit-identical (partials combine in a fixed order; see
+    :mod:`einjoin.runtime.state`).
+
     >>> import einjoin as ej
     >>> prog = ej.compile(ej.input("a", (8, 4)) @ ej.input("b", (4, 2)), devices=2, quiet=True)
     >>> prog.plan.options.planner, prog.cluster.size
     ('auto', 2)
     """
-    source = Source.of(outputs)
     cluster = as_cluster(devices)
     options = CompileOptions(planner=planner, backend=backend, specs=specs, placement=placement,
                              order=order, seed=seed, quiet=quiet, memory_limit=memory_limit,
-                             memory_policy=memory_policy, host_link=host_link)
+                             memory_policy=memory_policy, host_link=host_link, state=state,
+                             deterministic=deterministic)
+    source = Source.of(outputs, options.state)
     return Program(build_plan(source, cluster, options))
 
 
@@ -107,8 +144,30 @@ class Program:
         self.run_stats: RunStats | None = None
         self._runs_lock = threading.Lock()
         self._active: set[CancelToken] = set()  # the runs in progress, for cancel()
+        self._slots = plan.state
+        self._resident = Resident()
+        self._state_nodes = {s.node for s in plan.state}
+        if self._bound and plan.state:  # an imported module's bound parameters: the first state
+            first = {s.name: self._bound.pop(s.name) for s in plan.state if s.name in self._bound}
+            if first:
+                self.write_state(first)
 
     def _bind(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
+        """The run's feeds by node; a state input not given is left out (the state supplies it)."""
+        if not self._slots:
+            return self._bind_all(args, feeds)
+        by_position = ([x.op.name for x in self.graph.inputs] if self._arg_names is None  # type: ignore[union-attr]
+                       else list(self._arg_names))
+        given = set(by_position[:len(args)]) | set(feeds)
+        # a state input not given: a stand-in of no memory satisfies the check, then is dropped
+        absent = {s.node: np.broadcast_to(np.zeros((), numpy_dtype(s.node.dtype)), s.node.shape)
+                  for s in self._slots if s.name not in given}
+        values = self._bind_all(args, {**feeds, **{x.op.name: v for x, v in absent.items()}})  # type: ignore[union-attr]
+        for x in absent:
+            del values[x]
+        return values
+
+    def _bind_all(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
         if self._arg_names is None:
             return bind_feeds(self.graph, args, feeds)
         if len(args) > len(self._arg_names):
@@ -250,8 +309,13 @@ class Program:
                 # a token cancelled before the start: Engine.run raises "run cancelled before it
                 # started" before running anything; every backend (Ray too) runs through the engine
                 with bar if bar is not None else _nothing():
-                    outs, stats = self._engine.run(p["values"], self.backend, p["order"], p["seed"],
-                                                   callbacks, p["host_link"], cancel=token, cluster=self.cluster)
+                    with self._resident.lock if self._slots else _nothing():  # runs with state: one at a time
+                        values, state = self._with_state(p["values"])
+                        outs, stats = self._engine.run(values, self.backend, p["order"], p["seed"], callbacks,
+                                                       p["host_link"], cancel=token, cluster=self.cluster,
+                                                       state=state)
+                        if state is not None:  # only a run that succeeded replaces the state
+                            self._resident.commit(state)
             except BaseException as exc:
                 if recorder is not None:  # what was recorded; the run's error stays the error
                     self._write_trace(recorder, p["trace"], exc, handle)
@@ -273,6 +337,83 @@ class Program:
                 o.view(np.int16)).view(torch.bfloat16) for o in outs]
             return tuple(tensors) if self._many else tensors[0]
         return tuple(outs) if self._many else outs[0]
+
+    # ---- state: values that persist between runs
+
+    def _with_state(self, values: dict[Node, np.ndarray]) -> tuple[dict[Node, np.ndarray], StateRun | None]:
+        """The run's feeds and its view of the state (under the state lock): a state input not fed
+        takes its resident value (blocks on the devices, or a host array: then it is fed)."""
+        if not self._slots:
+            return values, None
+        run = StateRun(self._slots, len(self.graph.outputs) - len(self._slots))
+        res = self._resident
+        values = dict(values)
+        missing = []
+        for s in self._slots:
+            if s.node in values:
+                continue  # fed explicitly: replaces the resident value (loaded and counted)
+            if s.node in res.blocks:
+                run.resident[s.node] = res.blocks[s.node]
+            elif s.node in res.refs:
+                run.refs[s.node] = res.refs[s.node]
+            elif s.node in res.host:
+                values[s.node] = res.host[s.node]
+                if s.node not in res.written:  # a capped graph's state in host RAM: reloaded
+                    run.on_host.add(s.node)
+            else:
+                missing.append(s.name)
+        if missing:
+            raise EinjoinError(f"state input(s) {', '.join(map(repr, missing))} have no value yet: feed them "
+                               f"in the first run (prog.run(..., {missing[0]}=...)) or call prog.write_state")
+        return values, run
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        """The names of the state inputs (``ej.compile(..., state={new: input})``), in the given order."""
+        return tuple(s.name for s in self._slots)
+
+    def has_state(self) -> bool:
+        """Whether every state input has a value (from a run, or :meth:`write_state`)."""
+        with self._resident.lock:
+            return all(self._resident.has(s.node) for s in self._slots)
+
+    def _slot(self, name: Any) -> Any:
+        for s in self._slots:
+            if s.name == name:
+                return s
+        raise EinjoinError(f"{name!r} is not a state input of this program; its state: "
+                           f"{', '.join(self.state) or '(none)'}")
+
+    def read_state(self, names: Sequence[str] | str | None = None) -> dict[str, np.ndarray]:
+        """The state's current values as host arrays (copies), by input name (``names``: some of
+        them; default all). Only this reads state back to the host. A state input without a value
+        yet raises an :class:`EinjoinError`."""
+        wanted = self.state if names is None else ((names,) if isinstance(names, str) else tuple(names))
+        slots = [self._slot(n) for n in wanted]
+        out: dict[str, np.ndarray] = {}
+        with self._resident.lock:
+            res = self._resident
+            for s in slots:
+                if s.node in res.blocks:
+                    out[s.name] = _assemble(s.node, res.blocks[s.node], self.backend.name)
+                elif s.node in res.refs:
+                    out[s.name] = self.backend.read_state(res.refs[s.node])
+                elif s.node in res.host:
+                    out[s.name] = np.array(res.host[s.node])
+                else:
+                    raise EinjoinError(f"state input {s.name!r} has no value yet (run the program or write_state)")
+        return out
+
+    def write_state(self, values: Mapping[str, Any]) -> None:
+        """Set state values from host arrays (by input name; shapes and dtypes checked as feeds
+        are). The next run loads them (counted in its ``bytes_loaded``) and carries on from them."""
+        if not isinstance(values, Mapping):
+            raise EinjoinError(f"write_state takes a mapping name -> array, got {type(values).__name__}")
+        slots = {n: self._slot(n) for n in values}
+        checked = bind_feeds(_Inputs([s.node for s in slots.values()]), (), dict(values))  # type: ignore[arg-type]
+        with self._resident.lock:
+            for s in slots.values():
+                self._resident.set_host(s.node, np.array(checked[s.node], order="C"))
 
     @staticmethod
     def _write_trace(recorder: Any, path: pathlib.Path, error: BaseException | None,
@@ -297,8 +438,14 @@ class Program:
                 warnings.warn(message, TraceWriteWarning, stacklevel=5)
 
     def run_reference(self, *args: Any, **feeds: Any) -> Any:
-        """Run the task graph with the few-line reference executor (the engines' oracle)."""
-        outs = run_reference(self.taskgraph, self.decomps, self._bind(args, feeds))
+        """Run the task graph with the few-line reference executor (the engines' oracle). A state
+        input not fed takes its current value; the state is not changed."""
+        values = self._bind(args, feeds)
+        absent = [s.name for s in self._slots if s.node not in values]
+        if absent:
+            values.update({self.graph.input_by_name[n]: v for n, v in self.read_state(absent).items()})
+        outs = run_reference(self.taskgraph, self.decomps, values)
+        outs = outs[:len(outs) - len(self._slots)]
         return tuple(outs) if self._many else outs[0]
 
     def explain(self, file: Any = "stdout") -> str:
@@ -309,7 +456,7 @@ class Program:
         if not (file is None or to_stdout or callable(getattr(file, "write", None))):
             raise EinjoinError(f"explain(file=...): expected 'stdout', None or an open text file (an "
                                f"object with write()), got {type(file).__name__} {file!r:.60}")
-        text = explain(self.taskgraph, self.decomps, list(self.graph.nodes))
+        text = explain(self.taskgraph, self.decomps, list(self.graph.nodes)) + self._explain_state()
         unused = [a for a in (self._arg_names or ()) if a not in self.graph.input_by_name]
         if unused:  # an imported forward's arguments that the graph never reads
             text += (f"\nnote: forward argument(s) {', '.join(unused)} are not read by the graph; "
@@ -317,6 +464,23 @@ class Program:
         if file is not None:
             print(text, file=sys.stdout if to_stdout else file)
         return text
+
+    def _explain_state(self) -> str:
+        """The state inputs: each one's layout and the bytes its carry-over to the next run moves
+        (0 when every block ends where the next run loads it, as every planner arranges)."""
+        if not self._slots:
+            return ""
+        lines = ["", "state (kept on the devices between runs; loaded only when fed or written):"]
+        for s in self._slots:
+            part = self.decomps[s.new].out_partition
+            ends = block_devices(s.new, self.decomps[s.new], self.placement[s.new])
+            homes = self.placement[s.node].homes
+            size = itemsize(s.node.dtype)
+            carried = sum(int(np.prod(part.block_shape(k), dtype=np.int64)) * size
+                          for k, dev in ends.items() if homes.get(k) != dev)
+            lines.append(f"  {s.name!r} <- {describe(s.new)}: {self.decomps[s.node].spec}, "
+                         f"{part.num_blocks} block(s), {human_bytes(carried)} carried")
+        return "\n".join(lines)
 
     def save_plan_png(self, path: str | os.PathLike[str], **options: Any) -> pathlib.Path:
         """Draw the plan to the PNG file ``path``: per op its spec and the device holding each

@@ -20,6 +20,7 @@ which registers them when this package imports it.
 from einjoin.placement.base import (PLACERS, NodePlacement, Placement, Placer, place,
                                     random_placement, register_placer, round_robin)
 from einjoin.placement import affinity  # registers greedy, critical_path and nums
+from einjoin.placement.homes import block_devices, tie_homes
 
 __all__ = ["NodePlacement", "Placement", "Placer", "PLACERS", "place", "register_placer",
-           "round_robin", "random_placement", "affinity"]
+           "round_robin", "random_placement", "affinity", "tie_homes", "block_devices"]

@@ -40,7 +40,7 @@ from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Node
 from einjoin.placement.base import NodePlacement, Placement
 
-__all__ = ["settle_homes"]
+__all__ = ["settle_homes", "tie_homes", "block_devices"]
 
 _Reads = dict[BlockKey, dict[int, set[Box]]]  # block -> device -> the parts of it read there
 
@@ -154,4 +154,70 @@ def settle_homes(decomps: Mapping[Node, Decomposition], placement: Placement, p:
             if stays:
                 held[home] += isz * elems
         out[node] = NodePlacement(pl.kernel_devices, homes)
+    return out
+
+
+def block_devices(node: Node, d: Decomposition, pl: NodePlacement) -> dict[BlockKey, int]:
+    """Where each output block of ``node`` ends up in the task graph: on the device of its one
+    kernel when one kernel computes it, else at its home (a loaded, filled or summed block)."""
+    count: dict[BlockKey, int] = {}
+    first: dict[BlockKey, int] = {}
+    if not (node.facts.fed or node.facts.free):
+        for k, dev in zip(d.kernels, pl.kernel_devices):
+            count[k.out_key] = count.get(k.out_key, 0) + 1
+            first.setdefault(k.out_key, dev)
+    return {key: first[key] if count.get(key) == 1 else pl.homes[key] for key in d.out_partition.keys()}
+
+
+def tie_homes(decomps: Mapping[Node, Decomposition], placement: Placement, tied: Mapping[Node, Node]
+              ) -> Placement:
+    """``placement`` with every state input's block ``k`` (a key of ``tied``: state input -> new
+    value, cut alike by :func:`einjoin.planner.tie_state`) homed where the new value's block ``k``
+    ends, so the carry-over from one run's end to the next run's start moves nothing. A new block
+    summed from several partials takes the home that saves most for the pair (its partials, its
+    readers, the input block's readers); one computed by one kernel fixes the input's home.
+
+    >>> import einjoin as ej
+    >>> w = ej.input("w", (8, 4)); new = w * 2.0
+    >>> d = {w.node: ej.decompose(w.node, {"a": 2}), new.node: ej.decompose(new.node, {"a": 2})}
+    >>> pl = {w.node: NodePlacement((), {(0, 0): 0, (1, 0): 0}),
+    ...       new.node: NodePlacement((1, 0), {(0, 0): 1, (1, 0): 0})}
+    >>> tie_homes(d, pl, {w.node: new.node})[w.node].homes
+    {(0, 0): 1, (1, 0): 0}
+    """
+    if not any(old is not new for old, new in tied.items()):
+        return placement
+    reads = _reads(decomps, placement)
+    out = dict(placement)
+    for old, new in tied.items():
+        if old is new:
+            continue
+        d, pl = decomps[new], out[new]
+        ends = block_devices(new, d, pl)
+        partials: dict[BlockKey, list[int]] = {}
+        if not (new.facts.fed or new.facts.free):
+            for k, dev in zip(d.kernels, pl.kernel_devices):
+                partials.setdefault(k.out_key, []).append(dev)
+        isz = itemsize(new.dtype)
+        acc = itemsize(partial_dtype(new)) if d.n_partials > 1 else isz
+        homes_new, homes_old = dict(pl.homes), {}
+        for key in d.out_partition.keys():
+            home = ends[key]
+            parts = partials.get(key, ())
+            if len(parts) > 1:  # summed: where the pair saves most (ties: where it was)
+                elems = 1
+                for a, b in d.out_partition.box(key):
+                    elems *= b - a
+                saved: dict[int, int] = {}
+                for x in (new, old):
+                    for dv, boxes in reads.get(x, {}).get(key, {}).items():
+                        saved[dv] = saved.get(dv, 0) + isz * _volume(boxes)
+                for dv in set(parts):
+                    saved[dv] = saved.get(dv, 0) + acc * elems
+                top = max(saved.values())
+                home = min((dv for dv, s_ in saved.items() if s_ == top), key=lambda dv: (dv != ends[key], dv))
+                homes_new[key] = home
+            homes_old[key] = home
+        out[new] = NodePlacement(pl.kernel_devices, homes_new)
+        out[old] = NodePlacement(out[old].kernel_devices, homes_old)
     return out

@@ -27,8 +27,9 @@ from typing import Any, Protocol, cast
 from collections.abc import Callable, Mapping
 
 from einjoin.cluster import Cluster
+from einjoin.decomp.decompose import decompose
 from einjoin.decomp.partition import check_bounds
-from einjoin.decomp.spec import JoinAggSpec, label_sizes
+from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
@@ -42,7 +43,7 @@ from einjoin.settings import SETTINGS, Settings
 
 __all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs", "seeded_eindecomp",
            "largest_output_cut", "resolve_planner", "as_planner", "takes_memory_limit",
-           "check_planned", "memory_limit_for", "MemoryLimit"]
+           "check_planned", "memory_limit_for", "MemoryLimit", "tie_state"]
 
 
 class Planner(Protocol):
@@ -221,13 +222,34 @@ def memory_limit_for(cluster: Cluster, memory_limit: Mapping[int, Any] | None) -
     return device_memory(cluster.with_memory(memory_limit))
 
 
+def tie_state(specs: Mapping[Node, JoinAggSpec], tied: Mapping[Node, Node] | None) -> dict[Node, JoinAggSpec]:
+    """``specs`` with every state input (a key of ``tied``: state input -> its new value) cut as
+    its new value's output is, so one step's result is the next step's input where it lies: the
+    carry-over between runs moves nothing (the inputs' first readers repartition them inside the
+    step, where the task graph counts it). A new value that is its own input is left as it is.
+
+    >>> import einjoin as ej
+    >>> w = ej.input("w", (8, 4)); new = (w * 2.0).node
+    >>> tie_state({new: JoinAggSpec.for_node(new, {"a": 2})}, {w.node: new})[w.node].bounds
+    ((0, 4, 8), (0, 4))
+    """
+    out = dict(specs)
+    for old, new in (tied or {}).items():
+        if old is not new:
+            part = decompose(new, out.get(new)).out_partition
+            out[old] = JoinAggSpec(dim_labels(old.ndim), part.bounds)
+    return out
+
+
 def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster, *,
-               memory_limit: Mapping[int, Any] | None = None) -> dict[Node, JoinAggSpec]:
+               memory_limit: Mapping[int, Any] | None = None,
+               tied: Mapping[Node, Node] | None = None) -> dict[Node, JoinAggSpec]:
     """Run ``planner`` (a registered name or a callable) on ``graph`` and ``cluster`` with the
     per-device ``memory_limit`` (see :func:`memory_limit_for`; default: the devices' memory)
     and check what it returns (:func:`check_planned`): one join-agg spec per node it cuts. A
     planner's own non-einjoin exception is raised as an :class:`EinjoinError` naming it (the
-    cause chained)."""
+    cause chained). ``tied`` (state input -> new value, a program with state) constrains the
+    plan for every planner: each state input takes its new value's layout (:func:`tie_state`)."""
     who, fn = resolve_planner(planner)
     limit = memory_limit_for(cluster, memory_limit)
     try:
@@ -236,4 +258,4 @@ def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster
         raise
     except Exception as e:  # a user's planner (or a bug): name it, keep the cause
         raise EinjoinError(f"planner {who} failed: {type(e).__name__}: {e}") from e
-    return check_planned(result, graph, who)
+    return tie_state(check_planned(result, graph, who), tied)

@@ -44,6 +44,7 @@ from einjoin.ir.node import Node
 if TYPE_CHECKING:
     from einjoin.cluster import Cluster
     from einjoin.runtime.engine import CancelToken, Engine, RunStats
+    from einjoin.runtime.state import StateRun
 
 __all__ = ["Backend", "Session", "ReadySession", "EagerSession", "Callback", "RunSpec", "TaskFailed", "DeviceLost",
            "note", "WAIT_SLICE", "wait_event", "join_thread"]
@@ -59,7 +60,8 @@ class Callback(Protocol):
 @dataclass(frozen=True)
 class RunSpec:
     """One run, as a backend sees it: the engine (its task graph and decompositions; Ray keys
-    the plan it ships by it), the bound feeds, the run's options, the cluster (None: local)."""
+    the plan it ships by it), the bound feeds, the run's options, the cluster (None: local), and
+    for a program with state the run's view of it (:class:`einjoin.runtime.state.StateRun`)."""
 
     engine: Engine
     feeds: Mapping[Node, np.ndarray]
@@ -68,6 +70,7 @@ class RunSpec:
     host_link: float | None = None
     cancel: CancelToken | None = None
     cluster: Cluster | None = None
+    state: StateRun | None = None
 
 
 class TaskFailed(Exception):

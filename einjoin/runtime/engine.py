@@ -37,6 +37,7 @@ from einjoin.runtime.local import Store
 
 if TYPE_CHECKING:
     from einjoin.cluster import Cluster
+    from einjoin.runtime.state import StateRun
 
 __all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend", "check_host_link",
            "check_seed", "check_order", "check_callbacks", "CancelToken", "RunHandle", "RunTimeoutError"]
@@ -281,20 +282,22 @@ class Engine:
 
     def run(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str = "fifo",
             seed: int = 0, callbacks: Sequence[Callback] = (), host_link: float | None = None,
-            cancel: CancelToken | None = None, cluster: Cluster | None = None
-            ) -> tuple[list[np.ndarray] | None, RunStats]:
+            cancel: CancelToken | None = None, cluster: Cluster | None = None,
+            state: StateRun | None = None) -> tuple[list[np.ndarray] | None, RunStats]:
         """Run every task once. ``order``: the ready-queue policy (backends that resolve
         dependencies themselves, Ray, ignore it). ``host_link``: emulate a host<->device link of
         that many bytes per second (loads, evictions, reloads and write-backs take at least their
         bytes over it), e.g. 16e9 for PCIe 4 x16. ``cancel``: stop when that token is cancelled
         (at once, running nothing, if it already is). ``cluster``: where the devices are (a
-        remote backend places its workers on the nodes it names).
+        remote backend places its workers on the nodes it names). ``state``: a program's state
+        for this run (:mod:`einjoin.runtime.state`): resident blocks its loads take, and where
+        the session keeps the new values (returned outputs are then only the user's).
 
         A lost device re-runs the graph from the inputs, ``backend.retries`` times. A
         ``KeyboardInterrupt`` (or ``SystemExit``) raised by a task or a callback stops every
         worker and is re-raised as it is, not wrapped; any other failure raises an
         :class:`EinjoinError` naming the task."""
-        spec = self._check(feeds, backend, order, seed, host_link, cancel, cluster)
+        spec = self._check(feeds, backend, order, seed, host_link, cancel, cluster, state)
         callbacks = check_callbacks(callbacks)
         recovery = _Recovery(backend, cancel)
         while True:
@@ -311,14 +314,15 @@ class Engine:
     # ---- the steps of a run
 
     def _check(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str, seed: int,
-               host_link: float | None, cancel: CancelToken | None, cluster: Cluster | None) -> RunSpec:
+               host_link: float | None, cancel: CancelToken | None, cluster: Cluster | None,
+               state: StateRun | None = None) -> RunSpec:
         """Every run argument checked; a token cancelled already runs nothing."""
         check_host_link(host_link)
         check_order(order)
         seed = check_seed(seed)
         if cancel is not None and cancel.cancelled:
             raise EinjoinError(f"run cancelled before it started (none of its {len(self.tg.tasks)} tasks ran)")
-        return RunSpec(self, feeds, order, seed, host_link, cancel, cluster)
+        return RunSpec(self, feeds, order, seed, host_link, cancel, cluster, state)
 
     def _attempt(self, spec: RunSpec, backend: Backend, callbacks: tuple[Callback, ...]
                  ) -> tuple[list[np.ndarray] | None, RunStats]:

@@ -115,6 +115,7 @@ class LocalSession:
         self.host: dict[int, np.ndarray] = {}  # the host store of a memory-capped graph
         self._limit = limit
         self._stack = contextlib.ExitStack()
+        self.state = run.state  # a program's state (einjoin.runtime.state), or None
 
     def __enter__(self) -> LocalSession:
         if self._limit is not None:
@@ -155,6 +156,8 @@ class LocalSession:
             return
         planned = self.tg.values[t.writes].nbytes
         store.reserve(t.writes, planned, t.scratch)
+        if kind is _LOAD and self.state is not None and self.state.load(t, store, planned, self.computes, self.feeds):
+            return  # a state block the last run left here (or one resident in host RAM)
         value = None
         if self.computes:
             if kind is _RELOAD:
@@ -186,10 +189,16 @@ class LocalSession:
         stats.bytes_evicted = sum(s.evicted for s in stores)
         stats.bytes_reloaded = sum(s.reloaded for s in stores)
         stats.peak_bytes_per_device = {s.device: s.peak for s in stores}
+        state = self.state  # new state values are kept where they are, not fetched
+        fetched = tg if state is None else state.fetched(tg)
         if not self.computes:
-            stats.bytes_fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
+            stats.bytes_fetched = sum(tg.values[v].nbytes for lay in fetched.outputs for v in lay.blocks.values())
+            if state is not None:
+                state.keep(tg, None, self.capped, self.feeds)
             return None
         get = self.host.__getitem__ if self.capped else (lambda v: stores[tg.values[v].device].get(v))
-        outs = assemble_outputs(tg, get, self.feeds)
+        if state is not None:
+            state.keep(tg, get, self.capped, self.feeds)
+        outs = assemble_outputs(fetched, get, self.feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs

@@ -1,0 +1,179 @@
+"""Program state that persists between runs: the values of a program's *state inputs* (a
+parameter, an optimizer moment, a step count) that stay where the last run computed them.
+
+A program compiled with ``state={new_value: old_input}`` computes each new value as an extra
+output of its task graph (:class:`StateSlot` says which). The planner cuts the input as its new
+value is cut and places input block ``k`` where new-value block ``k`` ends
+(:func:`einjoin.planner.tie_state`, :func:`einjoin.placement.tie_homes`), so one run's result is
+the next run's input on the same device. :class:`Resident` is a program's store of those values;
+:class:`StateRun` is one run's view of it:
+
+- the run's ``load`` of a resident state block takes the block the last run left on that device:
+  nothing is loaded (``RunStats.bytes_loaded`` counts only the other inputs);
+- under a memory cap the new values end in the host store (the graph writes its outputs back),
+  so state is resident in host RAM: its loads are then host -> device copies counted as
+  ``bytes_reloaded`` (not ``bytes_loaded``);
+- at the end of a run the new values' blocks are kept (:meth:`StateRun.keep`), not fetched; the
+  program commits them only when the whole run succeeded, so a failed or cancelled run leaves
+  the previous state as it was.
+
+Runs of a program with state are serialised (:attr:`Resident.lock`): each run starts from the
+state the previous one left.
+
+Determinism: every partial sum is combined by ``reduce`` tasks that read their partials in the
+order the task graph lists them (:mod:`einjoin.plan.taskgraph`), on every backend, whatever the
+thread timing; touches write disjoint regions and moves copy. So the runs of one plan are
+bit-identical on ``sync``, ``threads`` and ``ray`` as long as each kernel is (numpy's einsum and
+BLAS with a fixed thread count are).
+
+>>> import numpy as np, einjoin as ej
+>>> w = ej.input("w", (4,)); prog = ej.compile([w.sum()], state={w * 0.5: w}, quiet=True)
+>>> prog.run(w=np.ones(4, np.float32)), prog.run()[0], prog.run_stats.bytes_loaded
+((array(4., dtype=float32),), array(2., dtype=float32), 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from einjoin.decomp.partition import Box
+from einjoin.decomp.relation import TensorRelation
+from einjoin.exchange import Task
+from einjoin.ir.node import Node
+
+if TYPE_CHECKING:
+    from einjoin.plan.taskgraph import TaskGraph
+    from einjoin.runtime.local import Store
+
+__all__ = ["StateSlot", "Resident", "StateRun"]
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    """One piece of state: the graph input ``node`` (named ``name``), its ``new`` value, and
+    ``output``, the index of the new value among the task graph's outputs."""
+
+    name: str
+    node: Node
+    new: Node
+    output: int
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+@dataclass
+class Resident:
+    """A program's state between runs. ``blocks``: per state input, its blocks on their devices
+    (box -> block; None blocks for a backend that computes nothing); ``host``: per state input,
+    its value in host RAM (a memory-capped graph's state, or a value given by
+    :meth:`einjoin.program.Program.write_state`, ``written`` then: loaded and counted by the next
+    run). A run reads and replaces these under ``lock``."""
+
+    blocks: dict[Node, dict[Box, Any]] = field(default_factory=dict)
+    host: dict[Node, np.ndarray] = field(default_factory=dict)
+    written: set[Node] = field(default_factory=set)
+    refs: dict[Node, Any] = field(default_factory=dict)  # a remote backend's handles (Ray)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def has(self, node: Node) -> bool:
+        return node in self.blocks or node in self.host or node in self.refs
+
+    def set_host(self, node: Node, value: np.ndarray) -> None:
+        """A value given from the host: the next run loads it (and counts it)."""
+        self.blocks.pop(node, None)
+        self.refs.pop(node, None)
+        self.host[node] = value
+        self.written.add(node)
+
+    def commit(self, run: StateRun) -> None:
+        """A successful run's new values become the state."""
+        for node, blocks in run.kept.items():
+            self.host.pop(node, None)
+            self.refs.pop(node, None)
+            self.written.discard(node)
+            self.blocks[node] = blocks
+        for node, value in run.kept_host.items():
+            self.blocks.pop(node, None)
+            self.refs.pop(node, None)
+            self.written.discard(node)
+            self.host[node] = value
+        for node, refs in run.kept_refs.items():
+            self.blocks.pop(node, None)
+            self.host.pop(node, None)
+            self.written.discard(node)
+            self.refs[node] = refs
+
+
+@dataclass
+class StateRun:
+    """One run's view of the state: ``slots``; ``n_outputs`` (the user's outputs, the first of
+    the task graph's; the rest are new state values, kept, not fetched); ``resident`` (per state
+    input not fed this run, its blocks on their devices: the loads take them); ``on_host`` (state
+    inputs resident in host RAM: fed from there, their loads counted as reloads); ``refs`` (a
+    remote backend's block handles); ``kept`` / ``kept_host`` / ``kept_refs``: the new values
+    once the run finished (committed by the program only if the whole run succeeded)."""
+
+    slots: tuple[StateSlot, ...]
+    n_outputs: int
+    resident: dict[Node, dict[Box, Any]] = field(default_factory=dict)
+    on_host: set[Node] = field(default_factory=set)
+    refs: dict[Node, Any] = field(default_factory=dict)
+    kept: dict[Node, dict[Box, Any]] = field(default_factory=dict)
+    kept_host: dict[Node, np.ndarray] = field(default_factory=dict)
+    kept_refs: dict[Node, Any] = field(default_factory=dict)
+
+    def fetched(self, tg: TaskGraph) -> TaskGraph:
+        """``tg`` with only the user's outputs (what a run fetches and returns)."""
+        return dataclasses.replace(tg, outputs=tg.outputs[:self.n_outputs])
+
+    def load(self, t: Task, store: Store, planned: int, computes: bool, feeds: Mapping[Node, np.ndarray]
+             ) -> bool:
+        """The ``load`` task ``t`` (its output already reserved in ``store``) served from the
+        state, if its input is resident: True when done here. A block resident on the device is
+        taken as it is (nothing loaded); one resident in host RAM is copied in (a reload)."""
+        node = t.node
+        blocks = self.resident.get(node)
+        if blocks is not None:
+            value = blocks[t.payload.box]
+            store.unreserve(t.scratch)
+            store.put(t.writes, value, planned if value is None else value.nbytes)
+            return True
+        if node in self.on_host:
+            value = np.array(feeds[node][_slices(t.payload.box)], order="C") if computes else None
+            store.unreserve(t.scratch)
+            nbytes = planned if value is None else value.nbytes
+            store.put(t.writes, value, nbytes)
+            store.reloaded += nbytes
+            return True
+        return False
+
+    def keep(self, tg: TaskGraph, get: Any, capped: bool, feeds: Mapping[Node, np.ndarray]) -> None:
+        """Keep the new values at the end of a run: their blocks where they are (``get(value id)``;
+        None: a backend that computes nothing), or, for a capped graph whose outputs end in the
+        host store, the assembled host array. A block that shares memory with a feed (a state
+        passed through unchanged: loads are views) is copied, so the caller's arrays never alias
+        the state."""
+        for slot in self.slots:
+            lay = tg.outputs[slot.output]
+            if get is None:
+                self.kept[slot.node] = {lay.partition.box(k): None for k in lay.blocks}
+                continue
+            blocks = {k: _unaliased(get(v), feeds) for k, v in lay.blocks.items()}
+            if capped:
+                self.kept_host[slot.node] = TensorRelation(lay.partition, blocks).to_dense()
+            else:
+                self.kept[slot.node] = {lay.partition.box(k): b for k, b in blocks.items()}
+
+
+def _unaliased(value: Any, feeds: Mapping[Node, np.ndarray]) -> Any:
+    if value is not None and any(np.may_share_memory(value, f) for f in feeds.values()):
+        return np.array(value, order="C")
+    return value
