@@ -22,6 +22,7 @@ from einjoin.program import Program, compile
 from einjoin.runtime.engine import CancelToken, RunHandle
 from einjoin.runtime.backends.ray import ray_cluster
 from einjoin.train import optim
+from einjoin.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,4 @@ __all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "C
            "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
-           "grad", "value_and_grad", "vjp", "stop_gradient", "optim", *_frontend_all]
+           "grad", "value_and_grad", "vjp", "stop_gradient", "optim", "Trainer", *_frontend_all]

@@ -1,0 +1,582 @@
+"""``ej.Trainer``: train a ``torch.nn.Module`` with einjoin — forward, backward and the optimizer's
+update as one planned graph whose parameters and optimizer state stay on their devices.
+
+The trainer captures ``loss_fn(module(*args), target)`` with :func:`einjoin.from_torch` (through a
+small wrapper module, whose parameter names are the module's own), differentiates it with
+:func:`einjoin.grad` with respect to the trainable parameters, appends the optimizer's update
+(:mod:`einjoin.optim`: elementwise EinSums) and compiles ``[loss]`` once per batch shape with the
+parameters and the optimizer state as *program state* (``ej.compile(..., state={new: old},
+deterministic=True)``): after the first step only the batch is loaded from the host.
+
+>>> import torch, einjoin as ej
+>>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+<torch._C.Generator object at ...>
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+>>> x, y = torch.randn(16, 4), torch.randn(16, 1)
+>>> mse = lambda out, target: ((out - target) ** 2).mean()
+>>> trainer = ej.Trainer(model, (x, y), mse,
+...                      optimizer=ej.optim.SGD(lr=0.1), devices=2)
+>>> losses = [trainer.step(x, y) for _ in range(5)]
+>>> losses[-1] < losses[0]
+True
+>>> model.load_state_dict(trainer.state_dict(), strict=True)
+<All keys matched successfully>
+
+Semantics, as a torch user writes the loop:
+
+- ``trainer.step(*batch)`` is ``opt.zero_grad(); loss_fn(module(*args), target).backward();
+  opt.step()`` and returns the loss (a float). The module is captured in training mode
+  (``module.train()``): a dropout draws its mask from a hash of the element index and a per-step
+  seed (``seed`` and the number of steps taken), so a run is reproducible and a resumed run
+  continues with the same masks. ``trainer.evaluate(*batch)`` captures the module in eval mode.
+- ``accumulate=k``: each ``step`` call is one micro-batch; gradients are summed over k calls and
+  every k-th call updates with their mean — torch's ``(loss / k).backward()`` over k micro-batches
+  and then ``opt.step()``. ``step`` returns each micro-batch's own (unscaled) loss;
+  :attr:`Trainer.steps` counts updates, :attr:`Trainer.micro_steps` calls.
+- A batch of another shape than the example is captured and compiled once more (logged by the
+  ``einjoin.trainer`` logger) and its program cached; switching programs moves the state through
+  the host once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from einjoin.autodiff import grad
+from einjoin.errors import DTypeError, EinjoinError, ShapeError
+from einjoin.frontend import functions as F
+from einjoin.frontend.tensor import Tensor
+from einjoin.frontend.torch import TorchFunction, from_torch
+from einjoin.ir.graph import Graph
+from einjoin.program import Program
+from einjoin.program import compile as ej_compile
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "module."      # the wrapper's attribute holding the user's module: stripped from names
+DROPOUT_SEED = "dropout_seed"  # from_torch's dropout seed input (einjoin.frontend.aten.DROPOUT_SEED)
+APPLY = "accumulate_apply"     # the bool input that says "this micro-batch ends an accumulation"
+FORMAT = "einjoin.Trainer/1"   # the safetensors metadata "format" of a saved trainer
+
+
+# ---------------------------------------------------------------- capture
+
+
+def _with_loss(module: Any, loss_fn: Callable[..., Any]) -> Any:
+    """A module whose forward is ``loss_fn(module(*args), target)``; the user's module is its
+    only child (``module.``), the loss function is not a child (its tensors, if any, become
+    constants), so every parameter's name is ``"module." + `` the module's own name."""
+    import torch
+
+    class WithLoss(torch.nn.Module):
+        loss_fn: Callable[..., Any]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = module
+            object.__setattr__(self, "loss_fn", loss_fn)  # not a submodule: its names stay out
+
+        def forward(self, *batch: Any) -> Any:
+            *args, target = batch
+            model: Any = self._modules["module"]
+            return self.loss_fn(model(*args), target)
+
+    return WithLoss()
+
+
+def _dtype_name(x: Any) -> str:
+    name = str(x.dtype)
+    return name.removeprefix("torch.")
+
+
+def _as_torch(x: Any) -> Any:
+    import torch
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+
+
+def _input_name(t: Tensor) -> str:
+    op = t.node.op
+    name = getattr(op, "name", None)
+    if not t.node.facts.fed or not isinstance(name, str):
+        raise EinjoinError(f"the optimizer's state and hyperparameters must be graph inputs; got {t!r}")
+    return name
+
+
+def _method(update: Any, optimizer: Any, name: str) -> Callable[..., Any]:
+    """``update.name`` (the interface), else ``optimizer.name``."""
+    fn = getattr(update, name, None) or getattr(optimizer, name, None)
+    if fn is None:
+        raise EinjoinError(f"the optimizer {type(optimizer).__name__} has no {name}()")
+    return fn  # type: ignore[no-any-return]
+
+
+def _supports(keyword: str) -> bool:
+    """Whether ``ej.compile`` takes ``keyword`` (program state arrived with issue 19)."""
+    return keyword in inspect.signature(ej_compile).parameters
+
+
+@dataclass
+class _StepProgram:
+    """One compiled program for one batch shape: ``feeds`` names the batch's graph inputs in
+    order (None: not read), ``state`` the state inputs (stateful programs keep them resident;
+    otherwise they are fed and their new values are the outputs after the loss, in that order)."""
+
+    prog: Program
+    batch: tuple[str | None, ...]
+    state: tuple[str, ...]
+    fixed: tuple[str, ...]          # buffers, frozen parameters, constants: fed by name
+    hyper: dict[str, str] = field(default_factory=dict)  # hyper key -> input name
+    stateful: bool = False
+    seeded: bool = False            # reads dropout_seed
+    apply: bool = False             # reads accumulate_apply
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """Train ``module`` on batches ``(*module_args, target)`` with ``loss_fn(module(*args),
+    target)`` and ``optimizer`` (default ``ej.optim.AdamW(lr=3e-4)``) on ``devices`` (an int or
+    an :class:`ej.Cluster`), planned by ``planner`` and run by ``backend``; ``memory`` caps each
+    device (``ej.compile``'s ``memory_limit``). ``example_batch`` fixes the first program's
+    shapes and the batch's dtypes. The module itself is not changed: read the trained weights
+    with :meth:`state_dict`. See the module docstring for the semantics and an example."""
+
+    def __init__(self, module: Any, example_batch: Sequence[Any], loss_fn: Callable[..., Any],
+                 optimizer: Any = None, devices: Any = 4, memory: Any = None, planner: Any = "auto",
+                 backend: Any = "threads", *, accumulate: int = 1, seed: int = 0, quiet: bool = True):
+        import torch
+        if not isinstance(module, torch.nn.Module):
+            raise EinjoinError(f"Trainer: expected a torch.nn.Module, got {type(module).__name__}")
+        if not callable(loss_fn):
+            raise EinjoinError(f"Trainer: loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not isinstance(example_batch, (tuple, list)) or len(example_batch) < 2:
+            raise EinjoinError("Trainer: example_batch must be a tuple (*module_args, target) with at least "
+                               "one module argument and the target")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise EinjoinError(f"Trainer: accumulate must be an int >= 1, got {accumulate!r:.40}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise EinjoinError(f"Trainer: seed must be an int, got {seed!r:.40}")
+        trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise EinjoinError(f"Trainer: {type(module).__name__} has no trainable parameters (none with "
+                               f"requires_grad=True): nothing to train")
+        if optimizer is None:
+            from einjoin.train import optim
+            optimizer = optim.AdamW(lr=3e-4)
+        self.module = module
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.accumulate = accumulate
+        self.seed = int(seed)
+        self.steps = 0          # optimizer updates taken
+        self.micro_steps = 0    # step() calls (micro-batches)
+        self._lr = float(getattr(optimizer, "lr", 0.0))
+        self._options = dict(devices=devices, memory_limit=memory, planner=planner, backend=backend, quiet=quiet)
+        self._wrapper = _with_loss(module, loss_fn)
+        self._trainable = tuple(trainable)
+        example = tuple(_as_torch(x) for x in example_batch)
+        self._dtypes = tuple(_dtype_name(x) for x in example)
+        self._programs: dict[tuple[Any, ...], _StepProgram] = {}
+        self._evals: dict[tuple[Any, ...], _StepProgram] = {}
+        self._owner: _StepProgram | None = None   # the program whose resident state is current
+        self._host: dict[str, np.ndarray] = {}    # state values on the host, where current
+        self._fixed: dict[str, np.ndarray] = {}   # buffers, frozen parameters, constants
+        first = self._compile(example, key=self._key(example))
+        self._init_state(first)
+        self._keys = self._state_dict_keys()
+
+    # ---- names
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """The trained parameters, as ``module.named_parameters()`` names them (tied ones once)."""
+        return self._trainable
+
+    @property
+    def program(self) -> Program:
+        """The training step's compiled program for the example batch's shapes (its ``stats``,
+        ``run_stats``, ``explain()``)."""
+        return next(iter(self._programs.values())).prog
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next update: an input of the step, so setting it (a schedule)
+        never replans."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not value >= 0:
+            raise EinjoinError(f"Trainer.lr must be a number >= 0, got {value!r:.40}")
+        self._lr = float(value)
+
+    # ---- building one program
+
+    def _key(self, batch: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple((tuple(x.shape), _dtype_name(x)) for x in batch)
+
+    def _capture(self, batch: tuple[Any, ...], training: bool) -> tuple[TorchFunction, Tensor]:
+        was = self.module.training
+        self.module.train(training)
+        try:
+            fn = from_torch(self._wrapper, batch)
+        finally:
+            self.module.train(was)
+        if len(fn.outputs) != 1 or fn.many:
+            raise EinjoinError(f"Trainer: loss_fn returned {len(fn.outputs)} tensors; it must return one "
+                               f"scalar loss")
+        loss = fn.outputs[0]
+        if loss.node.size != 1 or loss.shape != ():
+            raise ShapeError(f"Trainer: the loss must be a scalar, but loss_fn returned shape {loss.shape} "
+                             f"(reduce it, e.g. reduction='mean')")
+        if not loss.dtype.startswith(("float", "bfloat")):
+            raise DTypeError(f"Trainer: the loss is {loss.dtype}; it must be a float scalar")
+        return fn, loss
+
+    def _fixed_inputs(self, fn: TorchFunction, used: Mapping[str, Any]) -> tuple[str, ...]:
+        """Bound tensors that are not trained (buffers, frozen parameters, constants): fed by
+        name from :attr:`_fixed`, filled from the first capture that meets them."""
+        trained = {PREFIX + n for n in self._trainable}
+        out = []
+        for name, value in fn.bound.items():
+            if name in trained or name == DROPOUT_SEED or name not in used:
+                continue
+            self._fixed.setdefault(name, np.array(value, copy=True))
+            out.append(name)
+        return tuple(out)
+
+    def _compile(self, batch: tuple[Any, ...], key: tuple[Any, ...]) -> _StepProgram:
+        fn, loss = self._capture(batch, training=True)
+        missing = [n for n in self._trainable if PREFIX + n not in fn.parameters]
+        if missing:
+            raise EinjoinError(f"Trainer: the loss does not read the parameter(s) {', '.join(missing)} "
+                               f"(freeze them with requires_grad_(False))")
+        params = {n: fn.parameters[PREFIX + n] for n in self._trainable}
+        grads = dict(zip(params, grad(loss, list(params.values()))))
+        new_of: dict[str, Tensor] = {}   # state input name -> its new value
+        old_of: dict[str, Tensor] = {}   # state input name -> the input itself
+        hyper: dict[str, str] = {}
+        apply = None
+        if self.accumulate > 1:
+            # sum the micro-batches' gradients in a state buffer; the k-th call updates with their
+            # mean and empties the buffer; otherwise parameters and optimizer state pass unchanged
+            apply = F.input(APPLY, (), "bool")
+            acc_new = {}
+            for n, p in params.items():
+                acc = F.input(f"grad_acc.{n}", p.shape, p.dtype)
+                acc_new[n] = acc + grads[n]
+                old_of[_input_name(acc)] = acc
+                new_of[_input_name(acc)] = F.where(apply, 0.0, acc_new[n])
+            grads = {n: a / float(self.accumulate) for n, a in acc_new.items()}
+        upd = self.optimizer.update(params, grads)
+        for n, p in params.items():
+            old_of[_input_name(p)] = p
+            new_of[_input_name(p)] = upd.params[n] if apply is None else F.where(apply, upd.params[n], p)
+        for k, old in upd.state_in.items():
+            new = upd.state_out[k]
+            old_of[_input_name(old)] = old
+            new_of[_input_name(old)] = new if apply is None else F.where(apply, new, old)
+        for k, h in upd.hyper.items():
+            hyper[k] = _input_name(h)
+        self._update = upd
+        names = tuple(new_of)
+        opts = dict(self._options)
+        stateful = _supports("state")
+        if _supports("deterministic"):
+            opts["deterministic"] = True
+        log.info("Trainer: compiling the training step for batch shapes %s (%d program(s) cached before)",
+                 [list(s) for s, _ in key], len(self._programs))
+        if stateful:
+            prog = ej_compile([loss], state={new_of[n]: old_of[n] for n in names}, **opts)
+        else:
+            prog = ej_compile([loss, *(new_of[n] for n in names)], **opts)
+        used = Graph([loss, *new_of.values()]).input_by_name
+        sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), names,
+                          self._fixed_inputs(fn, used), {k: v for k, v in hyper.items() if v in used},
+                          stateful, DROPOUT_SEED in used, APPLY in used)
+        self._programs[key] = sp
+        return sp
+
+    def _compile_eval(self, batch: tuple[Any, ...], key: tuple[Any, ...]) -> _StepProgram:
+        fn, loss = self._capture(batch, training=False)
+        log.info("Trainer: compiling the evaluation for batch shapes %s", [list(s) for s, _ in key])
+        opts = dict(self._options)
+        if _supports("deterministic"):
+            opts["deterministic"] = True
+        prog = ej_compile([loss], **opts)
+        used = Graph([loss]).input_by_name
+        params = tuple(PREFIX + n for n in self._trainable if PREFIX + n in used)
+        sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), params,
+                          self._fixed_inputs(fn, used), seeded=DROPOUT_SEED in used)
+        self._evals[key] = sp
+        return sp
+
+    def _init_state(self, sp: _StepProgram) -> None:
+        """The state's first values: the module's parameters, the optimizer's initial state
+        (``init_state``, as torch starts), empty gradient sums."""
+        named = dict(self.module.named_parameters())
+        params = {n: np.array(named[n].detach().cpu().numpy(), copy=True) for n in self._trainable}
+        host = {PREFIX + n: a for n, a in params.items()}
+        init = _method(self._update, self.optimizer, "init_state")(params)
+        for k, old in self._update.state_in.items():
+            host[_input_name(old)] = np.asarray(init[k] if k in init else init[_input_name(old)])
+        for n in sp.state:
+            if n.startswith("grad_acc."):
+                host[n] = np.zeros_like(params[n.removeprefix("grad_acc.")])
+        missing = [n for n in sp.state if n not in host]
+        if missing:  # pragma: no cover - an optimizer breaking its own interface
+            raise EinjoinError(f"Trainer: no initial value for state {', '.join(missing)}")
+        self._host = host
+
+    # ---- state: where the current values are
+
+    def _current(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Current state values by input name (all, or ``names``), read back from the owning
+        program's devices where they are not on the host yet."""
+        want = list(self._state_names() if names is None else names)
+        stale = [n for n in want if n not in self._host]
+        if stale:
+            if self._owner is None or not self._owner.stateful:  # pragma: no cover - invariant
+                raise EinjoinError(f"Trainer: state {stale[0]!r} has no current value")
+            self._host.update({k: np.asarray(v) for k, v in self._owner.prog.read_state(stale).items()})
+        return {n: self._host[n] for n in want}
+
+    def _state_names(self) -> tuple[str, ...]:
+        return next(iter(self._programs.values())).state
+
+    def _take(self, sp: _StepProgram) -> None:
+        """Make ``sp`` hold the current state (a stateful program keeps it resident)."""
+        if not sp.stateful or self._owner is sp:
+            return
+        values = self._current(sp.state)
+        sp.prog.write_state(values)
+        self._owner = sp
+
+    # ---- checking a batch
+
+    def _check(self, batch: tuple[Any, ...], what: str) -> tuple[Any, ...]:
+        if len(batch) != len(self._dtypes):
+            raise EinjoinError(f"Trainer.{what}: the batch has {len(batch)} tensor(s) but the example batch "
+                               f"had {len(self._dtypes)} (*module_args, target)")
+        out = tuple(_as_torch(x) for x in batch)
+        for i, (x, want) in enumerate(zip(out, self._dtypes)):
+            got = _dtype_name(x)
+            if got != want:
+                which = "the target" if i == len(out) - 1 else f"module argument {i}"
+                raise DTypeError(f"Trainer.{what}: {which} is {got} but the example batch's was {want}")
+        return out
+
+    def _feeds(self, sp: _StepProgram, batch: tuple[Any, ...]) -> dict[str, Any]:
+        feeds: dict[str, Any] = {n: x for n, x in zip(sp.batch, batch) if n is not None}
+        feeds.update({n: self._fixed[n] for n in sp.fixed})
+        if sp.hyper:
+            values = _method(self._update, self.optimizer, "hyper_values")(lr=self._lr)
+            feeds.update({name: values[k] for k, name in sp.hyper.items()})
+        if sp.seeded:  # a new dropout mask each micro-batch, reproducible from (seed, step)
+            feeds[DROPOUT_SEED] = np.asarray(self.seed * 1_000_003 + self.micro_steps, np.int64)
+        if sp.apply:
+            feeds[APPLY] = np.asarray((self.micro_steps + 1) % self.accumulate == 0)
+        return feeds
+
+    # ---- training and evaluation
+
+    def step(self, *batch: Any) -> float:
+        """One training step on ``batch`` = ``(*module_args, target)``; returns the loss."""
+        batch = self._check(batch, "step")
+        key = self._key(batch)
+        sp = self._programs.get(key) or self._compile(batch, key)
+        feeds = self._feeds(sp, batch)
+        if sp.stateful:
+            self._take(sp)
+            out = sp.prog.run(**feeds)
+            self._host = {}  # the new values stay on the devices
+            loss = out[0] if isinstance(out, (tuple, list)) else out
+        else:
+            feeds.update(self._current(sp.state))
+            outs = sp.prog.run(**feeds)
+            loss = outs[0]
+            self._host = {n: np.asarray(v) for n, v in zip(sp.state, outs[1:])}
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulate == 0:
+            self.steps += 1
+        return float(np.asarray(loss))
+
+    def evaluate(self, *batch: Any) -> float:
+        """The loss on ``batch`` with the current parameters, the module in eval mode (no
+        dropout); no gradient, no update. Its own program (one per batch shape) reads the
+        parameters from the training program's devices: the first evaluation after a step costs
+        the parameters' bytes twice (read back to the host, loaded again); later ones until the
+        next step only the load."""
+        batch = self._check(batch, "evaluate")
+        key = self._key(batch)
+        sp = self._evals.get(key) or self._compile_eval(batch, key)
+        feeds = self._feeds(sp, batch)
+        feeds.update(self._current(sp.state))
+        out = sp.prog.run(**feeds)
+        return float(np.asarray(out[0] if isinstance(out, (tuple, list)) else out))
+
+    # ---- torch state dicts
+
+    def _state_dict_keys(self) -> dict[str, tuple[str, Any]]:
+        """``module.state_dict()`` key -> (where its value lives: a state input name, a fixed
+        input name, or '' for a value kept as given), and the module's tensor (dtype, shape)."""
+        canon: dict[str, str] = {}
+        for named in (self.module.named_parameters, self.module.named_buffers):
+            first = {id(t): n for n, t in named()}
+            for n, t in named(remove_duplicate=False):
+                canon[n] = first.get(id(t), n)
+        trained = set(self._trainable)
+        self._kept: dict[str, Any] = {}
+        out: dict[str, tuple[str, Any]] = {}
+        for key, t in self.module.state_dict().items():
+            name = canon.get(key, key)
+            if name in trained:
+                out[key] = (PREFIX + name, t)
+            elif PREFIX + name in self._fixed:
+                out[key] = (PREFIX + name, t)
+            else:  # a buffer the loss never reads: kept as it was, for a strict load
+                self._kept[key] = t.detach().clone()
+                out[key] = ("", t)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The module's state dict with the trained values: every key of
+        ``module.state_dict()`` (buffers included, tied weights under each name), the same
+        shapes and dtypes, as torch tensors (copies), so ``module.load_state_dict(sd,
+        strict=True)`` works."""
+        import torch
+        names = [n for n, _ in self._keys.values() if n and n not in self._fixed]
+        values = {**self._current(sorted(set(names))), **self._fixed}
+        out = {}
+        for key, (name, t) in self._keys.items():
+            if not name:
+                out[key] = self._kept[key].clone()
+                continue
+            a = np.asarray(values[name], order="C")
+            if t.dtype == torch.bfloat16:
+                out[key] = torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+            else:
+                out[key] = torch.from_numpy(a.copy()).to(t.dtype)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Set the parameters and buffers from a state dict with exactly ``module.state_dict()``'s
+        keys, shapes and dtypes (strict, as torch's); the optimizer state is kept."""
+        given = set(state_dict)
+        want = set(self._keys)
+        if given != want:
+            missing, extra = sorted(want - given), sorted(given - want)
+            raise EinjoinError("Trainer.load_state_dict: keys do not match the module's state dict"
+                               + (f"; missing: {', '.join(missing)}" if missing else "")
+                               + (f"; unexpected: {', '.join(extra)}" if extra else ""))
+        import torch
+        current = self._current()
+        for key, (name, t) in self._keys.items():
+            v = state_dict[key]
+            v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+            if tuple(v.shape) != tuple(t.shape):
+                raise ShapeError(f"Trainer.load_state_dict: {key!r} has shape {tuple(v.shape)}, the module's "
+                                 f"has {tuple(t.shape)}")
+            if v.dtype != t.dtype:
+                raise DTypeError(f"Trainer.load_state_dict: {key!r} is {v.dtype}, the module's is {t.dtype}")
+            if not name:
+                self._kept[key] = v.detach().clone()
+                continue
+            a = v.detach().cpu()
+            like = current[name] if name in current else self._fixed[name]
+            arr = a.view(torch.uint16).numpy().view(like.dtype) if a.dtype == torch.bfloat16 else a.numpy()
+            if name in self._fixed:
+                self._fixed[name] = np.array(arr, copy=True)
+            else:
+                current[name] = np.array(arr, copy=True)
+        self._host = current
+        self._owner = None  # the next run writes the state to its program
+
+    # ---- safetensors
+
+    def _optimizer_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {}
+        for k, v in vars(self.optimizer).items():
+            if k.startswith("_"):
+                continue
+            if isinstance(v, (bool, int, float, str)) or v is None:
+                cfg[k] = v
+            elif isinstance(v, (tuple, list)) and all(isinstance(e, (int, float)) for e in v):
+                cfg[k] = list(v)
+        return {"class": type(self.optimizer).__name__, "hyper": cfg}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the parameters, the optimizer state (moments, step count, gradient sums of an
+        unfinished accumulation), the buffers, the step counters, the learning rate and the
+        optimizer's hyperparameters to a safetensors file; :meth:`load` resumes from it
+        bit-identically."""
+        from safetensors.numpy import save_file
+        tensors = {f"state/{n}": np.asarray(v, order="C") for n, v in self._current().items()}
+        tensors.update({f"fixed/{n}": np.asarray(v, order="C") for n, v in self._fixed.items()})
+        meta = {"format": FORMAT, "steps": str(self.steps), "micro_steps": str(self.micro_steps),
+                "lr": repr(self._lr), "seed": str(self.seed), "accumulate": str(self.accumulate),
+                "optimizer": json.dumps(self._optimizer_config()),
+                "parameters": json.dumps(list(self._trainable))}
+        save_file(tensors, os.fspath(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], module: Any, example_batch: Sequence[Any],
+             loss_fn: Callable[..., Any], optimizer: Any = None, **options: Any) -> Trainer:
+        """A trainer for ``module`` (built as for the saved run) that continues the run saved by
+        :meth:`save` at ``path``. ``optimizer`` defaults to the saved one (class and
+        hyperparameters); ``options`` are the constructor's (``devices``, ``accumulate``, ...)."""
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+        with safe_open(os.fspath(path), "np") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise EinjoinError(f"Trainer.load: {os.fspath(path)!r} is not a saved einjoin Trainer "
+                               f"(format {meta.get('format')!r})")
+        cfg = json.loads(meta["optimizer"])
+        if optimizer is None:
+            from einjoin.train import optim
+            kind = getattr(optim, cfg["class"], None)
+            if kind is None:
+                raise EinjoinError(f"Trainer.load: unknown optimizer {cfg['class']!r}; pass optimizer=")
+            hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg["hyper"].items()}
+            optimizer = kind(**{k: v for k, v in hyper.items() if k in inspect.signature(kind).parameters})
+        elif type(optimizer).__name__ != cfg["class"]:
+            raise EinjoinError(f"Trainer.load: the run was saved with {cfg['class']}, not "
+                               f"{type(optimizer).__name__}")
+        options.setdefault("accumulate", int(meta.get("accumulate", "1")))
+        options.setdefault("seed", int(meta.get("seed", "0")))
+        trainer = cls(module, example_batch, loss_fn, optimizer, **options)
+        tensors = load_file(os.fspath(path))
+        state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
+        want = set(trainer._state_names())
+        if set(state) != want:
+            raise EinjoinError(f"Trainer.load: the saved state does not fit this module and optimizer; "
+                               f"missing {sorted(want - set(state))[:5]}, unexpected "
+                               f"{sorted(set(state) - want)[:5]}")
+        for n, v in state.items():
+            old = trainer._host[n]
+            if v.shape != old.shape or v.dtype != old.dtype:
+                raise EinjoinError(f"Trainer.load: saved {n!r} is {v.dtype}{list(v.shape)}, this module's is "
+                                   f"{old.dtype}{list(old.shape)}")
+        trainer._host = dict(state)
+        trainer._owner = None
+        trainer._fixed.update({k.removeprefix("fixed/"): v for k, v in tensors.items() if k.startswith("fixed/")})
+        trainer.steps = int(meta["steps"])
+        trainer.micro_steps = int(meta["micro_steps"])
+        trainer._lr = float(meta["lr"])
+        return trainer
+
+    def __repr__(self) -> str:
+        return (f"Trainer({type(self.module).__name__}, {len(self._trainable)} parameters, "
+                f"{type(self.optimizer).__name__}, step {self.steps}, {len(self._programs)} program(s))")

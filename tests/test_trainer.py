@@ -1,0 +1,379 @@
+"""``ej.Trainer`` against torch: the same initial weights, batches, loss and optimizer in torch
+(``torch.optim``'s single-tensor path) and in einjoin; losses, parameters, state dicts, resumes,
+accumulation, learning-rate changes, dropout, per-shape programs and errors."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import einjoin as ej
+from einjoin.models.zoo import example
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+LLAMA = dict(dim=64, layers=2, vocab=256, heads=4, kv_heads=2, hidden=96, seq=16, batch=2)
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the vocabulary (class-index targets, mean)."""
+    onehot = (target[..., None] == torch.arange(logits.shape[-1])).to(logits.dtype)
+    return -(torch.log_softmax(logits, -1) * onehot).sum(-1).mean()
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def llama_task(steps: int, seed: int = 0) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The zoo's small LLaMA and ``steps`` batches of a synthetic next-token task: the targets are
+    the tokens shifted by one (a learnable rule: next = (token * 7 + 3) mod vocab)."""
+    module, _ = example("llama", seed=seed, **LLAMA)
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(steps):
+        start = torch.randint(0, LLAMA["vocab"], (LLAMA["batch"], 1), generator=g)
+        seq = [start]
+        for _ in range(LLAMA["seq"]):
+            seq.append((seq[-1] * 7 + 3) % LLAMA["vocab"])
+        toks = torch.cat(seq, dim=1)
+        batches.append((toks[:, :-1].contiguous(), toks[:, 1:].contiguous()))
+    return module, batches
+
+
+def mlp_task(steps: int, seed: int = 0, batch: int = 16, dim: int = 32
+             ) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The zoo's MLP on a regression task: y = sin(x @ A)."""
+    module, _ = example("mlp", seed=seed, dim=dim, hidden=64, layers=2, batch=batch)
+    g = torch.Generator().manual_seed(seed + 1)
+    a = torch.randn(dim, dim, generator=g) / dim ** 0.5
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(batch, dim, generator=g)
+        batches.append((x, torch.sin(x @ a)))
+    return module, batches
+
+
+def torch_run(module: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]], loss_fn, make_opt,
+              accumulate: int = 1, lrs: list[float] | None = None) -> tuple[list[float], torch.nn.Module]:
+    """Train a copy of ``module`` as a torch user would; returns the losses and the module."""
+    m = copy.deepcopy(module)
+    m.train()
+    opt = make_opt(m.parameters())
+    losses = []
+    opt.zero_grad()
+    for i, (*args, target) in enumerate(batches):
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[i]
+        loss = loss_fn(m(*args), target)
+        (loss / accumulate).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses, m
+
+
+def adamw(lr: float = 1e-2):
+    return (ej.optim.AdamW(lr=lr), lambda ps: torch.optim.AdamW(ps, lr=lr, foreach=False))
+
+
+def sgd(lr: float = 0.05):
+    return (ej.optim.SGD(lr=lr, momentum=0.9, weight_decay=1e-3),
+            lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=1e-3, foreach=False))
+
+
+def assert_matches(trainer: ej.Trainer, losses: list[float], want: list[float], ref: torch.nn.Module) -> None:
+    got_l, want_l = np.array(losses), np.array(want)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-4)
+    sd, want_sd = trainer.state_dict(), ref.state_dict()
+    assert list(sd) == list(want_sd)
+    for k, w in want_sd.items():
+        assert sd[k].dtype == w.dtype and sd[k].shape == w.shape, k
+        scale = max(float(w.abs().max()), 1e-30)
+        assert float((sd[k] - w).abs().max()) <= 1e-4 * scale, k
+
+
+# ---------------------------------------------------------------- equivalence with torch
+
+
+@pytest.mark.parametrize("opt", [adamw, sgd], ids=["adamw", "sgd"])
+def test_mlp_matches_torch(opt) -> None:
+    module, batches = mlp_task(10)
+    ours, theirs = opt()
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, backend="threads")
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, mse, theirs)
+    assert_matches(trainer, losses, want, ref)
+    assert trainer.steps == 10
+
+
+def test_llama_matches_torch_adamw() -> None:
+    module, batches = llama_task(10)
+    ours, theirs = adamw(1e-3)
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, backend="threads")
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, next_token_loss, theirs)
+    assert_matches(trainer, losses, want, ref)
+    assert losses[-1] < losses[0]
+    # evaluation: the forward loss with the current parameters, its own program
+    ref.eval()
+    with torch.no_grad():
+        want_eval = next_token_loss(ref(batches[0][0]), batches[0][1]).item()
+    assert trainer.evaluate(*batches[0]) == pytest.approx(want_eval, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2, 4])
+@pytest.mark.parametrize("model", ["llama", "mlp"])
+def test_matches_torch_50_steps(model: str, devices: int) -> None:
+    module, batches = llama_task(50) if model == "llama" else mlp_task(50)
+    loss_fn = next_token_loss if model == "llama" else mse
+    ours, theirs = adamw(1e-3)
+    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=devices)
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, loss_fn, theirs)
+    np.testing.assert_allclose(losses[:10], want[:10], rtol=1e-4)
+    assert losses[-1] == pytest.approx(want[-1], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_matches_torch_under_memory_cap() -> None:
+    module, batches = llama_task(10)
+    ours, theirs = adamw(1e-3)
+    free = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2)
+    working = max(free.program.stats.peak_bytes_per_device.values())
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, memory=working // 2)
+    assert trainer.program.stats.bytes_evicted > 0  # the cap binds: blocks go to host RAM and back
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, next_token_loss, theirs)
+    assert_matches(trainer, losses, want, ref)
+
+
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+@pytest.mark.parametrize("model", ["llama", "mlp"])
+def test_matches_torch_on_ray(model: str, ray_session) -> None:  # type: ignore[no-untyped-def]
+    module, batches = llama_task(10) if model == "llama" else mlp_task(10)
+    loss_fn = next_token_loss if model == "llama" else mse
+    ours, theirs = adamw(1e-3)
+    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=2, backend="ray")
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, loss_fn, theirs)
+    assert_matches(trainer, losses, want, ref)
+
+
+# ---------------------------------------------------------------- state that stays put
+
+
+def test_after_the_first_step_only_the_batch_is_loaded() -> None:
+    module, batches = mlp_task(3)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.AdamW(lr=1e-3), devices=2)
+    if not getattr(trainer.program, "state", None):
+        pytest.skip("program state (ej.compile(state=...)) is not in this tree yet")
+    trainer.step(*batches[0])
+    trainer.step(*batches[1])
+    batch_bytes = sum(t.numel() * t.element_size() for t in batches[1])
+    assert trainer.program.run_stats.bytes_loaded == batch_bytes + 8  # and the learning rate (float64)
+
+
+# ---------------------------------------------------------------- state dicts and files
+
+
+def test_state_dict_round_trip() -> None:
+    module, batches = llama_task(3)
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    for b in batches:
+        trainer.step(*b)
+    sd = trainer.state_dict()
+    assert set(sd) == set(module.state_dict())
+    fresh, _ = example("llama", seed=5, **LLAMA)
+    assert str(fresh.load_state_dict(sd, strict=True)) == "<All keys matched successfully>"
+    fresh.eval()
+    with torch.no_grad():
+        want = next_token_loss(fresh(batches[0][0]), batches[0][1]).item()
+    assert trainer.evaluate(*batches[0]) == pytest.approx(want, rel=1e-5)
+    # and back: a trainer loading another module's weights continues from them
+    other = ej.Trainer(fresh, batches[0], next_token_loss, optimizer=ej.optim.SGD(lr=0.0), devices=2)
+    other.load_state_dict(module.state_dict())
+    with torch.no_grad():
+        want0 = next_token_loss(module(batches[1][0]), batches[1][1]).item()
+    assert other.step(*batches[1]) == pytest.approx(want0, rel=1e-5)
+    with pytest.raises(ej.EinjoinError, match="missing: output.weight"):
+        other.load_state_dict({k: v for k, v in sd.items() if k != "output.weight"})
+    with pytest.raises(ej.ShapeError, match="norm.weight"):
+        other.load_state_dict({**sd, "norm.weight": torch.ones(3)})
+
+
+class Tied(torch.nn.Module):
+    """An embedding whose weight is also the output projection (GPT-2's wte / lm_head), and a
+    persistent buffer."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(tokens))) * self.scale)
+
+
+def test_tied_weights_are_one_parameter() -> None:
+    torch.manual_seed(0)
+    module = Tied()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g))
+               for _ in range(5)]
+    ours, theirs = adamw(1e-2)
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2)
+    assert trainer.parameter_names == ("emb.weight", "mix.weight", "mix.bias")
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, next_token_loss, theirs)
+    assert_matches(trainer, losses, want, ref)
+    sd = trainer.state_dict()
+    assert torch.equal(sd["emb.weight"], sd["head.weight"]) and float(sd["scale"]) == 0.5
+
+
+def test_save_and_load_in_process(tmp_path: pathlib.Path) -> None:
+    module, batches = mlp_task(6)
+    opt = ej.optim.AdamW(lr=1e-2, weight_decay=0.05)
+    straight = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    want = [straight.step(*b) for b in batches]
+    first = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    for b in batches[:3]:
+        first.step(*b)
+    first.lr = 1e-2  # the saved learning rate comes back
+    first.save(tmp_path / "run.safetensors")
+    resumed = ej.Trainer.load(tmp_path / "run.safetensors", module, batches[0], mse, devices=2)
+    assert type(resumed.optimizer).__name__ == "AdamW" and resumed.optimizer.weight_decay == 0.05
+    assert resumed.steps == 3
+    assert [resumed.step(*b) for b in batches[3:]] == want[3:]
+    with pytest.raises(ej.EinjoinError, match="saved with AdamW"):
+        ej.Trainer.load(tmp_path / "run.safetensors", module, batches[0], mse, ej.optim.SGD(lr=0.1), devices=2)
+
+
+RESUME = textwrap.dedent("""
+    import sys, json, torch
+    sys.path.insert(0, {tests!r})
+    import einjoin as ej
+    from test_trainer import mlp_task, mse
+    module, batches = mlp_task(30)
+    trainer = ej.Trainer.load({path!r}, module, batches[0], mse, devices=2)
+    print(json.dumps([trainer.step(*b) for b in batches[20:]]))
+""")
+
+
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: pathlib.Path) -> None:
+    module, batches = mlp_task(30)
+    opt = ej.optim.AdamW(lr=1e-2)
+    straight = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    want = [straight.step(*b) for b in batches]
+    first = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    for b in batches[:20]:
+        first.step(*b)
+    path = tmp_path / "run.safetensors"
+    first.save(path)
+    code = RESUME.format(tests=str(ROOT / "tests"), path=str(path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want[20:]
+
+
+# ---------------------------------------------------------------- the loop's knobs
+
+
+def test_accumulate_updates_with_the_mean_gradient() -> None:
+    module, batches = mlp_task(8, batch=8)
+    ours, theirs = adamw(1e-2)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, accumulate=4)
+    losses = [trainer.step(*b) for b in batches]
+    assert trainer.steps == 2 and trainer.micro_steps == 8
+    want, ref = torch_run(module, batches, mse, theirs, accumulate=4)
+    assert_matches(trainer, losses, want, ref)
+
+
+def test_lr_changes_without_replanning() -> None:
+    module, batches = mlp_task(8)
+    ours, theirs = sgd(0.05)
+    lrs = [0.05, 0.05, 0.02, 0.02, 0.01, 0.0, 0.1, 0.1]
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2)
+    prog = trainer.program
+    losses = []
+    for lr, b in zip(lrs, batches):
+        trainer.lr = lr
+        losses.append(trainer.step(*b))
+    assert trainer.program is prog
+    want, ref = torch_run(module, batches, mse, theirs, lrs=lrs)
+    assert_matches(trainer, losses, want, ref)
+    with pytest.raises(ej.EinjoinError, match="lr"):
+        trainer.lr = -1.0
+
+
+def test_a_batch_of_another_shape_compiles_once(caplog) -> None:  # type: ignore[no-untyped-def]
+    module, batches = mlp_task(3, batch=16)
+    _, small = mlp_task(3, batch=4)
+    mixed = [batches[0], small[0], batches[1], small[1], small[2], batches[2]]
+    ours, theirs = adamw(1e-2)
+    with caplog.at_level(logging.INFO, logger="einjoin.trainer"):
+        trainer = ej.Trainer(module, mixed[0], mse, optimizer=ours, devices=2)
+        losses = [trainer.step(*b) for b in mixed]
+    compiled = [r for r in caplog.records if "compiling the training step" in r.getMessage()]
+    assert len(compiled) == 2 and "[4, 32]" in compiled[1].getMessage()
+    assert len(trainer._programs) == 2
+    want, ref = torch_run(module, mixed, mse, theirs)
+    assert_matches(trainer, losses, want, ref)
+
+
+def test_dropout_draws_from_a_seeded_generator() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                 torch.nn.Linear(64, 16))
+    _, batches = mlp_task(4, dim=16)
+    runs = []
+    for seed in (0, 0, 1):
+        trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.0), devices=2, seed=seed)
+        runs.append([trainer.step(*b) for b in batches])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    same = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.0), devices=2)
+    assert len({same.step(*batches[0]) for _ in range(3)}) == 3  # a new mask each step
+    module.eval()
+    with torch.no_grad():
+        want = mse(module(batches[0][0]), batches[0][1]).item()
+    assert same.evaluate(*batches[0]) == pytest.approx(want, rel=1e-5)  # evaluation: no dropout
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors() -> None:
+    module, batches = mlp_task(1)
+    x, y = batches[0]
+    trainer = ej.Trainer(module, (x, y), mse, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    with pytest.raises(ej.EinjoinError, match="the batch has 1 tensor"):
+        trainer.step(x)
+    with pytest.raises(ej.DTypeError, match="the target is float64 but the example batch's was float32"):
+        trainer.step(x, y.double())
+    frozen = copy.deepcopy(module).requires_grad_(False)
+    with pytest.raises(ej.EinjoinError, match="no trainable parameters"):
+        ej.Trainer(frozen, (x, y), mse, optimizer=ej.optim.SGD(lr=0.1))
+    with pytest.raises(ej.ShapeError, match="the loss must be a scalar"):
+        ej.Trainer(module, (x, y), lambda o, t: (o - t) ** 2, optimizer=ej.optim.SGD(lr=0.1))
+    with pytest.raises(ej.EinjoinError, match="accumulate"):
+        ej.Trainer(module, (x, y), mse, optimizer=ej.optim.SGD(lr=0.1), accumulate=0)
