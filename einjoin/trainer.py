@@ -120,23 +120,17 @@ def _method(update: Any, optimizer: Any, name: str) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
-def _supports(keyword: str) -> bool:
-    """Whether ``ej.compile`` takes ``keyword`` (program state arrived with issue 19)."""
-    return keyword in inspect.signature(ej_compile).parameters
-
-
 @dataclass
 class _StepProgram:
-    """One compiled program for one batch shape: ``feeds`` names the batch's graph inputs in
-    order (None: not read), ``state`` the state inputs (stateful programs keep them resident;
-    otherwise they are fed and their new values are the outputs after the loss, in that order)."""
+    """One compiled program for one batch shape: ``batch`` names the batch's graph inputs in
+    order (None: not read), ``state`` the program's state inputs (kept resident on the devices
+    between runs; for an evaluation program, the parameters it is fed)."""
 
     prog: Program
     batch: tuple[str | None, ...]
     state: tuple[str, ...]
     fixed: tuple[str, ...]          # buffers, frozen parameters, constants: fed by name
     hyper: dict[str, str] = field(default_factory=dict)  # hyper key -> input name
-    stateful: bool = False
     seeded: bool = False            # reads dropout_seed
     apply: bool = False             # reads accumulate_apply
 
@@ -291,30 +285,22 @@ class Trainer:
             hyper[k] = _input_name(h)
         self._update = upd
         names = tuple(new_of)
-        opts = dict(self._options)
-        stateful = _supports("state")
-        if _supports("deterministic"):
-            opts["deterministic"] = True
         log.info("Trainer: compiling the training step for batch shapes %s (%d program(s) cached before)",
                  [list(s) for s, _ in key], len(self._programs))
-        if stateful:
-            prog = ej_compile([loss], state={new_of[n]: old_of[n] for n in names}, **opts)
-        else:
-            prog = ej_compile([loss, *(new_of[n] for n in names)], **opts)
+        # deterministic: partials meet in a fixed order, so a resumed run is bit-identical
+        prog = ej_compile([loss], state={new_of[n]: old_of[n] for n in names}, deterministic=True,
+                          **self._options)
         used = Graph([loss, *new_of.values()]).input_by_name
         sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), names,
                           self._fixed_inputs(fn, used), {k: v for k, v in hyper.items() if v in used},
-                          stateful, DROPOUT_SEED in used, APPLY in used)
+                          DROPOUT_SEED in used, APPLY in used)
         self._programs[key] = sp
         return sp
 
     def _compile_eval(self, batch: tuple[Any, ...], key: tuple[Any, ...]) -> _StepProgram:
         fn, loss = self._capture(batch, training=False)
         log.info("Trainer: compiling the evaluation for batch shapes %s", [list(s) for s, _ in key])
-        opts = dict(self._options)
-        if _supports("deterministic"):
-            opts["deterministic"] = True
-        prog = ej_compile([loss], **opts)
+        prog = ej_compile([loss], deterministic=True, **self._options)
         used = Graph([loss]).input_by_name
         params = tuple(PREFIX + n for n in self._trainable if PREFIX + n in used)
         sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), params,
@@ -347,7 +333,7 @@ class Trainer:
         want = list(self._state_names() if names is None else names)
         stale = [n for n in want if n not in self._host]
         if stale:
-            if self._owner is None or not self._owner.stateful:  # pragma: no cover - invariant
+            if self._owner is None:  # pragma: no cover - invariant: values are on the host or there
                 raise EinjoinError(f"Trainer: state {stale[0]!r} has no current value")
             self._host.update({k: np.asarray(v) for k, v in self._owner.prog.read_state(stale).items()})
         return {n: self._host[n] for n in want}
@@ -356,8 +342,8 @@ class Trainer:
         return next(iter(self._programs.values())).state
 
     def _take(self, sp: _StepProgram) -> None:
-        """Make ``sp`` hold the current state (a stateful program keeps it resident)."""
-        if not sp.stateful or self._owner is sp:
+        """Make ``sp`` hold the current state (its devices keep it between runs)."""
+        if self._owner is sp:
             return
         values = self._current(sp.state)
         sp.prog.write_state(values)
@@ -397,16 +383,10 @@ class Trainer:
         key = self._key(batch)
         sp = self._programs.get(key) or self._compile(batch, key)
         feeds = self._feeds(sp, batch)
-        if sp.stateful:
-            self._take(sp)
-            out = sp.prog.run(**feeds)
-            self._host = {}  # the new values stay on the devices
-            loss = out[0] if isinstance(out, (tuple, list)) else out
-        else:
-            feeds.update(self._current(sp.state))
-            outs = sp.prog.run(**feeds)
-            loss = outs[0]
-            self._host = {n: np.asarray(v) for n, v in zip(sp.state, outs[1:])}
+        self._take(sp)
+        out = sp.prog.run(**feeds)
+        self._host = {}  # the new values stay on the devices
+        loss = out[0] if isinstance(out, (tuple, list)) else out
         self.micro_steps += 1
         if self.micro_steps % self.accumulate == 0:
             self.steps += 1
