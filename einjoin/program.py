@@ -311,11 +311,16 @@ class Program:
                 with bar if bar is not None else _nothing():
                     with self._resident.lock if self._slots else _nothing():  # runs with state: one at a time
                         values, state = self._with_state(p["values"])
-                        outs, stats = self._engine.run(values, self.backend, p["order"], p["seed"], callbacks,
-                                                       p["host_link"], cancel=token, cluster=self.cluster,
-                                                       state=state)
+                        try:
+                            outs, stats = self._engine.run(values, self.backend, p["order"], p["seed"], callbacks,
+                                                           p["host_link"], cancel=token, cluster=self.cluster,
+                                                           state=state)
+                        except BaseException:
+                            if state is not None:  # a failed run's new blocks (kept remotely) go
+                                self._release(list(state.kept_refs.values()))
+                            raise
                         if state is not None:  # only a run that succeeded replaces the state
-                            self._resident.commit(state)
+                            self._release(self._resident.commit(state))
             except BaseException as exc:
                 if recorder is not None:  # what was recorded; the run's error stays the error
                     self._write_trace(recorder, p["trace"], exc, handle)
@@ -397,7 +402,7 @@ class Program:
                 if s.node in res.blocks:
                     out[s.name] = _assemble(s.node, res.blocks[s.node], self.backend.name)
                 elif s.node in res.refs:
-                    out[s.name] = self.backend.read_state(res.refs[s.node])
+                    out[s.name] = _assemble(s.node, self.backend.read_state(res.refs[s.node]), self.backend.name)
                 elif s.node in res.host:
                     out[s.name] = np.array(res.host[s.node])
                 else:
@@ -413,7 +418,14 @@ class Program:
         checked = bind_feeds(_Inputs([s.node for s in slots.values()]), (), dict(values))  # type: ignore[arg-type]
         with self._resident.lock:
             for s in slots.values():
-                self._resident.set_host(s.node, np.array(checked[s.node], order="C"))
+                self._release(self._resident.set_host(s.node, np.array(checked[s.node], order="C")))
+
+    def _release(self, refs: list[Any]) -> None:
+        """Drop state blocks a remote backend keeps that nothing refers to any more."""
+        release = getattr(self.backend, "release_state", None)
+        if release is not None:
+            for r in refs:
+                release(r)
 
     @staticmethod
     def _write_trace(recorder: Any, path: pathlib.Path, error: BaseException | None,

@@ -86,30 +86,37 @@ class Resident:
     def has(self, node: Node) -> bool:
         return node in self.blocks or node in self.host or node in self.refs
 
-    def set_host(self, node: Node, value: np.ndarray) -> None:
-        """A value given from the host: the next run loads it (and counts it)."""
+    def _drop(self, node: Node, dropped: list[Any]) -> None:
         self.blocks.pop(node, None)
-        self.refs.pop(node, None)
+        self.host.pop(node, None)
+        self.written.discard(node)
+        old = self.refs.pop(node, None)
+        if old is not None:
+            dropped.append(old)
+
+    def set_host(self, node: Node, value: np.ndarray) -> list[Any]:
+        """A value given from the host: the next run loads it (and counts it). Returns the
+        remote handles it replaced (for the backend to release)."""
+        dropped: list[Any] = []
+        self._drop(node, dropped)
         self.host[node] = value
         self.written.add(node)
+        return dropped
 
-    def commit(self, run: StateRun) -> None:
-        """A successful run's new values become the state."""
+    def commit(self, run: StateRun) -> list[Any]:
+        """A successful run's new values become the state; returns the remote handles they
+        replaced (for the backend to release)."""
+        dropped: list[Any] = []
         for node, blocks in run.kept.items():
-            self.host.pop(node, None)
-            self.refs.pop(node, None)
-            self.written.discard(node)
+            self._drop(node, dropped)
             self.blocks[node] = blocks
         for node, value in run.kept_host.items():
-            self.blocks.pop(node, None)
-            self.refs.pop(node, None)
-            self.written.discard(node)
+            self._drop(node, dropped)
             self.host[node] = value
         for node, refs in run.kept_refs.items():
-            self.blocks.pop(node, None)
-            self.host.pop(node, None)
-            self.written.discard(node)
+            self._drop(node, dropped)
             self.refs[node] = refs
+        return dropped
 
 
 @dataclass

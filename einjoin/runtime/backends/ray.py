@@ -70,6 +70,7 @@ _started_here = False          # this process started the local Ray it uses
 _lock = threading.Lock()
 _live: set[RayBackend] = set()   # backends holding actors, for shutdown()
 _run_ids = itertools.count(1)  # one namespace per run on every actor (process-wide: backends share Ray)
+_state_keys = itertools.count(1)  # the keys of state blocks kept on the actors between runs
 _plan_ids = itertools.count(1)
 # the node address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
 # but every 127/8 address is loopback on Linux (elsewhere only 127.0.0.1 is up: Ray's choice stays)
@@ -229,7 +230,7 @@ def _check_number(where: str, name: str, value: Any, positive: bool = False, fin
 class _Run:
     """One run's namespace on one actor."""
 
-    __slots__ = ("tg", "decomps", "feeds", "store", "intervals", "received_from", "delay")
+    __slots__ = ("tg", "decomps", "feeds", "store", "intervals", "received_from", "delay", "resident")
 
     def __init__(self, plan: tuple[Any, Any], feeds: Mapping[Any, np.ndarray], device: int, delay: float):
         from einjoin.runtime.local import Store
@@ -239,6 +240,7 @@ class _Run:
         self.intervals: list[tuple[int, float, float]] = []
         self.received_from: dict[int, int] = {}
         self.delay = delay
+        self.resident: dict[int, np.ndarray] = {}  # load task id -> the state block kept here
 
 
 class DeviceWorker:
@@ -252,6 +254,7 @@ class DeviceWorker:
         self.plans: dict[int, tuple[Any, Any]] = {}
         self.runs: dict[int, _Run] = {}
         self.aborted: set[int] = set()   # written by the control thread: the run's tasks are no-ops
+        self.kept: dict[int, np.ndarray] = {}  # programs' state blocks, kept between runs by key
 
     def pid(self) -> int:
         return os.getpid()
@@ -268,12 +271,20 @@ class DeviceWorker:
         for k in keys:
             self.plans.pop(k, None)
 
-    def begin(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0) -> None:
+    def begin(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0,
+              resident: Mapping[int, int] | None = None) -> None:
         """Open run ``run`` of plan ``key``; ``delay``: a test hook, seconds slept before every
-        kernel (so a fault or a cancel lands while work is outstanding)."""
+        kernel (so a fault or a cancel lands while work is outstanding); ``resident``: load task
+        id -> the kept state block that load takes (nothing is loaded)."""
         if key not in self.plans:
             raise RuntimeError(f"device {self.device} has no plan {key} (its actor was replaced)")
-        self.runs[run] = _Run(self.plans[key], feeds, self.device, float(delay))
+        r = _Run(self.plans[key], feeds, self.device, float(delay))
+        if resident:
+            if any(k not in self.kept for k in resident.values()):
+                raise RuntimeError(f"device {self.device} no longer holds this program's state (its actor was "
+                                   f"replaced): write_state() it again")
+            r.resident = {tid: self.kept[k] for tid, k in resident.items()}
+        self.runs[run] = r
 
     def _get(self, run: int) -> _Run | None:
         # None: the run was aborted (or its begin failed, which the driver sees on begin's ref)
@@ -295,10 +306,14 @@ class DeviceWorker:
         else:
             if t.kind is TaskKind.KERNEL and r.delay:
                 time.sleep(r.delay)
-            value = compute(t, r.store.get, r.feeds, r.decomps, r.tg.values[t.writes].shape)
-            r.store.put(t.writes, value, value.nbytes)
-            if t.kind is TaskKind.LOAD:
-                r.store.loaded += value.nbytes
+            kept = r.resident.get(tid) if t.kind is TaskKind.LOAD else None
+            if kept is not None:  # a state block the last run left here: nothing is loaded
+                r.store.put(t.writes, kept, kept.nbytes)
+            else:
+                value = compute(t, r.store.get, r.feeds, r.decomps, r.tg.values[t.writes].shape)
+                r.store.put(t.writes, value, value.nbytes)
+                if t.kind is TaskKind.LOAD:
+                    r.store.loaded += value.nbytes
         r.intervals.append((tid, start, time.time()))
 
     def send(self, run: int, vid: int, *deps: Any) -> np.ndarray | None:
@@ -321,14 +336,26 @@ class DeviceWorker:
         r = self._get(run)
         return None if r is None else r.store.get(vid)
 
-    def finish(self, run: int) -> dict[str, Any] | None:
-        """Close the run: its report; its feeds and blocks are dropped."""
+    def finish(self, run: int, keep: Mapping[int, int] | None = None) -> dict[str, Any] | None:
+        """Close the run: its report; its feeds and blocks are dropped, but for ``keep`` (value id
+        -> key: a program's new state blocks, kept under those keys for its next runs)."""
         r = self.runs.pop(run, None)
         if r is None or run in self.aborted:
             return None
         s = r.store
+        for vid, k in (keep or {}).items():
+            self.kept[k] = s.get(vid)
         return {"received": s.received, "loaded": s.loaded, "peak": s.peak, "intervals": r.intervals,
                 "received_from": r.received_from}
+
+    def release(self, keys: Sequence[int]) -> None:
+        """Drop kept state blocks (replaced by a later run's, or of a failed run)."""
+        for k in keys:
+            self.kept.pop(k, None)
+
+    def read(self, keys: Sequence[int]) -> list[np.ndarray]:
+        """Kept state blocks (``Program.read_state``)."""
+        return [self.kept[k] for k in keys]
 
     def drop(self, run: int) -> None:
         """Forget a failed or cancelled run (idempotent)."""
@@ -541,6 +568,28 @@ class RayBackend:
         same as ``engine.run(feeds, self, callbacks=..., cancel=..., cluster=...)``)."""
         return engine.run(feeds, self, callbacks=callbacks, cancel=cancel, cluster=cluster)
 
+    def read_state(self, refs: Mapping[Any, tuple[int, int, int, Any]]) -> dict[Any, np.ndarray]:
+        """The state blocks ``refs`` (box -> (pool generation, device, key, actor)) kept on the
+        actors, fetched to the host (``Program.read_state``)."""
+        ray = _ray()
+        if any(g != self.generation for g, _, _, _ in refs.values()):
+            raise EinjoinError("the Ray actors that held this program's state were replaced (a lost device or "
+                               "close()): the state is lost; write_state() it again")
+        boxes = list(refs)
+        got = ray.get([refs[b][3].read.remote([refs[b][2]]) for b in boxes])
+        return {b: np.asarray(v[0]) for b, v in zip(boxes, got)}
+
+    def release_state(self, refs: Mapping[Any, tuple[int, int, int, Any]]) -> None:
+        """Drop kept state blocks on the actors (best effort: a dead actor dropped them)."""
+        by_actor: dict[int, tuple[Any, list[int]]] = {}
+        for _, _dev, k, actor in refs.values():
+            by_actor.setdefault(id(actor), (actor, []))[1].append(k)
+        for actor, keys in by_actor.values():
+            try:
+                actor.release.remote(keys)
+            except Exception:  # noqa: BLE001 - the actor is gone, and its blocks with it
+                pass
+
     def _done(self) -> None:
         with self._count:
             self._in_flight -= 1
@@ -618,10 +667,12 @@ class _RaySession:
         self.pool, key, self.gen, self.closes = b._prepare(self.spec.engine, self.spec.cluster, tg.n_devices)
         self.actors = self.pool.actors
         try:
+            resident = self._state()  # its errors are the user's, not a lost device
             try:
                 feeds_ref = ray.put(dict(self.spec.feeds))
                 delay = float(b.kernel_delay)
-                self.begins = [x.begin.remote(self.run, key, feeds_ref, delay) for x in self.actors]
+                self.begins = [x.begin.remote(self.run, key, feeds_ref, delay, resident[d])
+                               for d, x in enumerate(self.actors)]
             except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
                 raise _unreachable(e) from None
         except BaseException:
@@ -629,6 +680,34 @@ class _RaySession:
             raise
         self.refs: list[Any] = [None] * len(tg.tasks)
         return self
+
+    def _state(self) -> list[dict[int, int]]:
+        """For a program with state: per device, the load tasks served by kept state blocks
+        (load task id -> key), and the new state blocks this run keeps (``self.keep``: value id
+        -> a fresh key, also handed to the run's state as ``kept_refs``, committed by the program
+        only when the run succeeds)."""
+        tg, st, n = self.tg, self.spec.state, len(self.actors)
+        resident: list[dict[int, int]] = [{} for _ in range(n)]
+        self.keep: list[dict[int, int]] = [{} for _ in range(n)]
+        if st is None:
+            return resident
+        if any(g != self.gen for refs in st.refs.values() for g, _, _, _ in refs.values()):
+            raise EinjoinError("the Ray actors that held this program's state were replaced (a lost device or "
+                               "close()): the state is lost; write_state() it (or feed it) and run again")
+        for t in tg.tasks:
+            if t.kind is TaskKind.LOAD and t.node in st.refs:
+                _, dev, k, _ = st.refs[t.node][t.payload.box]
+                assert dev == t.device, "a state block is not loaded where the last run left it"
+                resident[t.device][t.id] = k
+        st.kept_refs.clear()
+        for slot in st.slots:
+            lay = tg.outputs[slot.output]
+            refs = st.kept_refs[slot.node] = {}
+            for bk, vid in lay.blocks.items():
+                dev, k = tg.values[vid].device, next(_state_keys)
+                self.keep[dev][vid] = k
+                refs[lay.partition.box(bk)] = (self.gen, dev, k, self.actors[dev])
+        return resident
 
     def submit(self, t: Task) -> None:
         # same-device order is the actor's submission order; other devices' by reference
@@ -648,10 +727,11 @@ class _RaySession:
     def collect(self, cancel: Any) -> None:
         """Wait for every task, then fetch the output blocks and each actor's report."""
         ray, tg, a = self.ray, self.tg, self.actors
+        fetched = tg if self.spec.state is None else self.spec.state.fetched(tg)  # not the new state
         try:
             blocks = {v: a[tg.values[v].device].fetch.remote(self.run, v)
-                      for lay in tg.outputs for v in lay.blocks.values()}
-            finals = [x.finish.remote(self.run) for x in a]
+                      for lay in fetched.outputs for v in lay.blocks.values()}
+            finals = [x.finish.remote(self.run, self.keep[d]) for d, x in enumerate(a)]
         except Exception as e:  # noqa: BLE001
             raise _unreachable(e) from None
         self._wait([*self.begins, *self.refs], len(self.begins), cancel)
@@ -721,7 +801,8 @@ class _RaySession:
         self.backend.received_per_pair = {(src, d): b for d, r in enumerate(reports)
                                           for src, b in r["received_from"].items()}
         fetched = self.fetched
-        outs = assemble_outputs(tg, fetched.__getitem__, self.spec.feeds)
+        outs = assemble_outputs(tg if self.spec.state is None else self.spec.state.fetched(tg),
+                                fetched.__getitem__, self.spec.feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs
 
