@@ -216,6 +216,12 @@ def _batched_matmul(r: MatmulRoute, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     if r.y_sum:
         y = y.sum(axis=r.y_sum)
     lx, ly = r.x_labels, r.y_labels
+    if not r.k:
+        # nothing contracted (an elementwise or outer product): one broadcast multiply, which
+        # computes the same single products as a matmul with k = 1, at memory speed (a matmul
+        # over (batch, m, 1) x (batch, 1, n) runs ~20x slower per element)
+        outer: np.ndarray = np.multiply(align(x, lx, r.out_labels), align(y, ly, r.out_labels))
+        return outer
     size = dict(zip(lx, x.shape)) | dict(zip(ly, y.shape))
 
     def prod(labels: tuple[str, ...]) -> int:

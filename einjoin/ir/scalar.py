@@ -18,6 +18,7 @@ import ast
 import math
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from scipy import special
@@ -518,27 +519,161 @@ Number = int | float | bool
 def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray | Number:
     """Evaluate ``expr`` elementwise over numpy arrays that broadcast together. An expression of
     constants only gives a Python number (a weak scalar: numpy keeps the array dtype it meets).
-    A sub-expression object that occurs several times (``tanh(u)`` in ``tanh``'s derivative
-    ``1 - tanh(u) * tanh(u)``) is computed once."""
-    return _evaluate(expr, args, {})
+    A sub-expression that occurs several times (``tanh(u)`` in ``tanh``'s derivative
+    ``1 - tanh(u) * tanh(u)``, also as equal but distinct objects) is computed once; a float
+    temporary this evaluation allocated is overwritten in place by the next function that
+    consumes it for the last time when that gives the same dtype and shape (the same numbers
+    as a fresh array, one pass less over new memory).
 
-
-def _evaluate(expr: Expr, args: Sequence[np.ndarray], memo: dict[int, np.ndarray | Number]
-              ) -> np.ndarray | Number:
+    >>> evaluate(parse_join("exp(x0) * 2.0 + exp(x0)", 1), [np.zeros(3, np.float32)])
+    array([3., 3., 3.], dtype=float32)
+    """
     if isinstance(expr, Arg):
         return args[expr.index]
     if isinstance(expr, Const):
         return expr.value
-    # by identity, not equality: Const(1) == Const(1.0) == Const(True), yet where(c, 1, 0) and
-    # where(c, 1.0, 0.0) give different dtypes; the tree keeps every key alive meanwhile
-    if id(expr) in memo:
-        return memo[id(expr)]
-    f = FUNCTIONS[expr.fn]
-    vals = [_evaluate(a, args, memo) for a in expr.args]
-    numbers = [v for v in vals if isinstance(v, (int, float, bool))]
-    out = _eval_consts(f, numbers) if len(numbers) == len(vals) else f.impl(*vals)
-    memo[id(expr)] = out
+    out: np.ndarray | Number = _compiled(expr).run(args)
     return out
+
+
+# in-place forms of FUNCTIONS' implementations, keyed by the implementation object (a function
+# replaced in FUNCTIONS, as a test's counting wrapper, is called as it is): (args, out or None)
+# -> the value, computing exactly what the implementation computes
+_Fast = Callable[[list[Any], "np.ndarray | None"], np.ndarray]
+
+
+def _ufunc_form(u: Any) -> _Fast:
+    def run(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
+        r: np.ndarray = u(*xs) if out is None else u(*xs, out=out)
+        return r
+    return run
+
+
+def _rsqrt_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
+    t: np.ndarray = np.sqrt(xs[0], out=out)
+    r: np.ndarray = np.divide(1.0, t, out=t) if type(t) is np.ndarray else 1.0 / t
+    return r
+
+
+def _reciprocal_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
+    r: np.ndarray = np.divide(1.0, xs[0], out=out) if out is not None else 1.0 / xs[0]
+    return r
+
+
+def _silu_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
+    s = special.expit(xs[0])
+    if type(s) is not np.ndarray:
+        return xs[0] * s  # type: ignore[no-any-return]
+    r: np.ndarray = np.multiply(xs[0], s, out=s)  # x * sigmoid(x), into the fresh sigmoid
+    return r
+
+
+_FAST: dict[Any, _Fast] = {FUNCTIONS[name].impl: _ufunc_form(u) for name, u in [
+    ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.true_divide),
+    ("pow", np.power), ("max", np.maximum), ("min", np.minimum), ("neg", np.negative), ("abs", np.abs),
+    ("exp", np.exp), ("log", np.log), ("sqrt", np.sqrt), ("tanh", np.tanh), ("erf", special.erf),
+    ("sigmoid", special.expit), ("sin", np.sin), ("cos", np.cos)]}
+_FAST[FUNCTIONS["rsqrt"].impl] = _rsqrt_form
+_FAST[FUNCTIONS["reciprocal"].impl] = _reciprocal_form
+_FAST[FUNCTIONS["silu"].impl] = _silu_form
+_WEAK = (int, float, bool)  # Python scalars: numpy keeps the array dtype they meet
+
+
+def _fits(t: Any, xs: list[Any]) -> bool:
+    """Whether a function of ``xs`` gives exactly ``t``'s dtype and shape (so writing into ``t``
+    changes no number): a float array, every other argument of its dtype broadcasting into it,
+    or a Python scalar."""
+    if type(t) is not np.ndarray or t.dtype.kind != "f":
+        return False
+    for x in xs:
+        if x is t or type(x) in _WEAK:
+            continue
+        if type(x) is not np.ndarray or x.dtype != t.dtype or x.ndim > t.ndim:
+            return False
+        if any(a != b and a != 1 for a, b in zip(x.shape[::-1], t.shape[::-1])):
+            return False
+    return True
+
+
+class _Compiled:
+    """An expression as straight-line steps over value slots, one slot per distinct leaf or call
+    (equal sub-expressions share one; constants are told apart by type and sign, so
+    ``where(c, 1, 0)`` and ``where(c, 1.0, 0.0)`` stay two), each step knowing which
+    computed slots it reads for the last time."""
+
+    def __init__(self, expr: Expr):
+        self.leaves: list[tuple[int, bool, Any]] = []  # (slot, is an argument, its index or the constant)
+        steps: list[tuple[int, str, tuple[int, ...]]] = []  # (slot, function, argument slots)
+        index: dict[tuple[Any, ...], int] = {}
+
+        def slot(e: Expr) -> int:
+            if isinstance(e, Arg):
+                key: tuple[Any, ...] = ("a", e.index)
+            elif isinstance(e, Const):
+                key = ("c", type(e.value).__name__, repr(e.value))
+            else:
+                key = ("f", e.fn, tuple(slot(a) for a in e.args))
+            got = index.get(key)
+            if got is None:
+                got = index[key] = len(index)
+                if isinstance(e, Call):
+                    steps.append((got, e.fn, key[2]))
+                else:
+                    self.leaves.append((got, isinstance(e, Arg), e.index if isinstance(e, Arg) else e.value))
+            return got
+
+        self.result = slot(expr)
+        self.size = len(index)
+        computed = {s for s, _, _ in steps}
+        last: dict[int, int] = {}
+        for i, (_, _, args) in enumerate(steps):
+            for x in args:
+                last[x] = i
+        self.steps = [(s, fn, args, tuple(sorted({x for x in args if x in computed and last[x] == i})))
+                      for i, (s, fn, args) in enumerate(steps)]
+
+    def run(self, args: Sequence[Any]) -> Any:
+        vals: list[Any] = [None] * self.size
+        for s, is_arg, v in self.leaves:
+            vals[s] = args[v] if is_arg else v
+        owned: set[int] = set()  # slots holding arrays this evaluation allocated
+        with np.errstate(all="ignore"):
+            for s, fn, a, dying in self.steps:
+                f = FUNCTIONS[fn]
+                xs = [vals[i] for i in a]
+                if all(isinstance(x, _WEAK) for x in xs):  # constants only: Python numbers
+                    vals[s] = _eval_consts(f, xs)
+                    continue
+                fast = _FAST.get(f.impl)
+                if fast is None:
+                    vals[s] = f.impl(*xs)
+                    continue
+                out = None
+                for i in dying:
+                    if i in owned and _fits(vals[i], xs):
+                        out = vals[i]
+                        break
+                vals[s] = fast(xs, out)
+                owned.add(s)
+                for i in dying:  # nothing later reads it: its memory goes back now
+                    if i != s:
+                        vals[i] = None
+        return vals[self.result]
+
+
+_COMPILED: dict[int, tuple[Expr, _Compiled]] = {}
+
+
+def _compiled(expr: Expr) -> _Compiled:
+    # keyed by identity (an op keeps its join alive), checked, since an id can be reused
+    hit = _COMPILED.get(id(expr))
+    if hit is not None and hit[0] is expr:
+        return hit[1]
+    if len(_COMPILED) > 4096:
+        _COMPILED.clear()
+    c = _Compiled(expr)
+    _COMPILED[id(expr)] = (expr, c)
+    return c
 
 
 def _as_float(v: Number) -> float:

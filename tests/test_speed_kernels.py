@@ -1,0 +1,139 @@
+"""The speed paths of the numpy kernels give the same numbers as the plain ones: join expressions
+evaluated with shared sub-expressions and in-place temporaries against a naive recursive
+evaluation (bit for bit, inputs untouched), products without a contraction against np.einsum,
+and the malloc tuning of the local backends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+from einjoin.ir import FUNCTIONS, Arg, Call, Const, ops
+from einjoin.ir.kernels import einsum_kernel, matmul_route
+from einjoin.ir.scalar import Expr, evaluate
+from einjoin.runtime import backends
+
+
+def naive(e: Expr, args: list[Any]) -> Any:
+    """The expression's value by plain recursion: every call on fresh arrays, nothing shared."""
+    if isinstance(e, Arg):
+        return args[e.index]
+    if isinstance(e, Const):
+        return e.value
+    vals = [naive(a, args) for a in e.args]
+    if all(isinstance(v, (int, float, bool)) for v in vals):
+        return evaluate(Call(e.fn, tuple(Const(v) for v in vals)), [])
+    with np.errstate(all="ignore"):
+        return FUNCTIONS[e.fn].impl(*vals)
+
+
+_FLOAT_FNS = sorted(n for n, f in FUNCTIONS.items()
+                    if f.rule in ("arith", "float") and n not in ("ipow", "floordiv", "mod"))
+_leaf = st.one_of(st.integers(0, 2).map(Arg), st.sampled_from([0.5, 1.0, -2.0, 3, 0.125]).map(Const))
+
+
+def _calls(children: st.SearchStrategy) -> st.SearchStrategy:
+    plain = st.sampled_from(_FLOAT_FNS).flatmap(
+        lambda n: st.tuples(*[children] * FUNCTIONS[n].arity).map(lambda a: Call(n, a)))
+    # where over a comparison: a function the in-place path leaves to its implementation
+    where = st.tuples(children, children, children).map(
+        lambda a: Call("where", (Call("gt", (a[0], Const(0.0))), a[1], a[2])))
+    return st.one_of(plain, where)
+
+
+def _shared(e: Expr) -> st.SearchStrategy:
+    # reuse a sub-expression as an equal but distinct object (the derivative rules build such)
+    return st.just(e) | st.just(Call("mul", (e, Call("add", (e, Const(1.0)))))) if isinstance(e, Call) else st.just(e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(_leaf, _calls, max_leaves=10).flatmap(_shared),
+       st.sampled_from([np.float32, np.float64]),
+       st.sampled_from([[(3, 4), (3, 4), (3, 4)], [(3, 4), (4,), (3, 1)], [(2, 1, 4), (3, 4), (1,)]]),
+       st.integers(0, 2 ** 31))
+def test_evaluate_equals_a_naive_evaluation_bit_for_bit(e: Expr, dtype: Any, shape: list[tuple[int, ...]],
+                                                         seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    args = [rng.uniform(-2, 2, s).astype(dtype) for s in shape]
+    before = [a.copy() for a in args]
+    want = naive(e, args)
+    got = evaluate(e, args)
+    for a, b in zip(args, before):
+        np.testing.assert_array_equal(a, b)  # no input was written in place
+    assert np.asarray(got).dtype == np.asarray(want).dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_shared_sub_expression_is_computed_once_even_as_distinct_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    sig = FUNCTIONS["sigmoid"]
+
+    def counted(x: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        return sig.impl(x)
+
+    monkeypatch.setitem(FUNCTIONS, "sigmoid", type(sig)("sigmoid", 1, "float", counted))
+    # silu's derivative as the autodiff builds it: two equal sigmoid(x0) objects
+    one_minus = Call("sub", (Const(1.0), Call("sigmoid", (Arg(0),))))
+    e = Call("mul", (Call("sigmoid", (Arg(0),)), Call("add", (Const(1.0), Call("mul", (Arg(0), one_minus))))))
+    x = np.linspace(-3, 3, 7)
+    s = 1 / (1 + np.exp(-x))
+    np.testing.assert_allclose(evaluate(e, [x]), s * (1 + x * (1 - s)), rtol=1e-14)
+    assert len(calls) == 1
+
+
+def test_constants_of_different_kinds_are_not_shared() -> None:
+    c = np.array([True, False])
+    two = Call("add", (Call("where", (Arg(0), Const(1), Const(0))), Call("where", (Arg(0), Const(1.0), Const(0.0)))))
+    assert evaluate(two, [c]).dtype == np.float64
+    neg = Call("add", (Call("div", (Const(1.0), Call("mul", (Arg(0), Const(0.0))))),
+                       Call("div", (Const(1.0), Call("mul", (Arg(0), Const(-0.0)))))))
+    np.testing.assert_array_equal(evaluate(neg, [np.array([1.0])]), naive(neg, [np.array([1.0])]))
+
+
+@st.composite
+def _products(draw: Any) -> tuple[Any, list[np.ndarray]]:
+    """Two-input products with no contracted label (elementwise, broadcast and outer products)."""
+    labels = "abcd"
+    size = {lab: draw(st.integers(1, 4)) for lab in labels}
+    lx = "".join(draw(st.permutations(labels))[: draw(st.integers(0, 4))])
+    ly = "".join(draw(st.permutations(labels))[: draw(st.integers(0, 4))])
+    out = "".join(draw(st.permutations(sorted(set(lx) | set(ly)))))
+    dts = [draw(st.sampled_from(["float32", "float64"])) for _ in range(2)]
+    a = ops.input_node("a", tuple(size[lab] for lab in lx), dts[0])
+    b = ops.input_node("b", tuple(size[lab] for lab in ly), dts[1])
+    z = ops.einsum_node([a, b], (lx, ly), out, "mul", "sum")
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 31)))
+    return z, [rng.standard_normal(x.shape).astype(x.dtype) for x in (a, b)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_products())
+def test_products_without_a_contraction_equal_einsum(case: tuple[Any, list[np.ndarray]]) -> None:
+    z, (x, y) = case
+    route = matmul_route(z.op, [x.dtype, y.dtype])
+    assert route.path == "matmul" and not route.k
+    got = einsum_kernel(z.op, [x, y], z.dtype)
+    (lx, ly), out = z.op.in_labels, z.op.out_labels
+    want = np.einsum(f"{''.join(lx)},{''.join(ly)}->{''.join(out)}", x, y)  # one product per element: exact either way
+    assert got.dtype == want.dtype and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tune_malloc_is_idempotent_and_runs_give_the_same_numbers() -> None:
+    first = backends.tune_malloc()
+    assert backends.tune_malloc() is first
+    x = ej.input("x", (64, 32))
+    w = ej.input("w", (32, 48))
+    y = ej.sigmoid(x @ w) * (x @ w)
+    rng = np.random.default_rng(0)
+    xs, ws = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((32, 48)).astype(np.float32)
+    want = ej.reference(y, x=xs, w=ws)
+    for backend in ("sync", "threads"):
+        got = ej.compile(y, devices=2, backend=backend, quiet=True).run(xs, ws)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
