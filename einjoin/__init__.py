@@ -22,6 +22,7 @@ from einjoin.program import Program, compile
 from einjoin.runtime.engine import CancelToken, RunHandle
 from einjoin.runtime.backends.ray import ray_cluster
 from einjoin.train import optim
+from einjoin.frontend.losses import cross_entropy, mse_loss, nll_loss
 from einjoin.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -30,4 +31,5 @@ __all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "C
            "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
-           "grad", "value_and_grad", "vjp", "stop_gradient", "optim", "Trainer", *_frontend_all]
+           "grad", "value_and_grad", "vjp", "stop_gradient", "optim", "Trainer", "cross_entropy", "nll_loss",
+           "mse_loss", *_frontend_all]

@@ -28,6 +28,7 @@ from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
 from einjoin.frontend.aten_notes import NOTES
+from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
 from einjoin.ir.dtypes import FLOAT_DTYPES
 
@@ -776,6 +777,10 @@ for _alias, _name in (("__and__", "logical_and"), ("__or__", "logical_or"), ("__
                       ("__neg__", "neg"), ("__pow__", "pow"), ("__floordiv__", "floordiv"),
                       ("__mod__", "remainder")):
     OPS[_alias] = OPS[_name]
+
+
+# the losses (cross_entropy, nll_loss, mse_loss) live in their own module
+OPS.update(LOSS_OPS)
 
 
 @op("outer", "ger")

@@ -27,4 +27,11 @@ NOTES: dict[str, str] = {
     "view": "to a shape (not a dtype view)",
     "arange": "non-empty ranges",
     "_scaled_dot_product_flash_attention_for_cpu": "the output only (the logsumexp is for backward)",
+    "cross_entropy": "class-index (int64) or class-probability targets, `weight`, `ignore_index`, "
+                     "`label_smoothing`; a target out of range counts 0 (torch raises)",
+    "cross_entropy_loss": "as `cross_entropy`",
+    "nll_loss": "class-index targets, `weight`, `ignore_index`; a target out of range counts 0 "
+                "(torch raises)",
+    "mse_loss": "no `weight`",
+    "broadcast_tensors": "tensors only",
 }

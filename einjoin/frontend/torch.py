@@ -31,6 +31,7 @@ import numpy as np
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.frontend import aten
 from einjoin.frontend import functions as F
+from einjoin.frontend.losses import LOSS_MODULES
 from einjoin.frontend.tensor import Tensor
 
 __all__ = ["from_torch", "TorchFunction", "supported_ops", "ops_markdown", "DOCS_PAGE"]
@@ -476,6 +477,7 @@ MODULES: dict[str, Callable[..., Tensor]] = {
     "Tanh": lambda m, p, x: aten.OPS["tanh"](x),
     "Sigmoid": lambda m, p, x: aten.OPS["sigmoid"](x),
     "Softmax": lambda m, p, x: aten.OPS["softmax"](x, m.dim),
+    **LOSS_MODULES,  # CrossEntropyLoss, NLLLoss, MSELoss: (module, params, input, target)
 }
 FX_ONLY = frozenset({"size", "getattr", "dim"})
 

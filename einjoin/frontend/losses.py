@@ -1,0 +1,327 @@
+"""Losses as torch defines them — ``cross_entropy``, ``nll_loss``, ``mse_loss`` — written with the
+frontend, and their translations for the torch importer (:data:`LOSS_OPS`, merged into
+``einjoin.frontend.aten.OPS``; :data:`LOSS_MODULES`, the ``nn`` loss modules for torch.fx).
+
+The target's class is picked without a gather: one EinSum over (log-probabilities, targets, class
+indices) with the join ``where(target == class, -logp, 0)`` summed over the class label, so the
+pick is decomposed like any op (cut along the batch, the classes, or both) and its gradient is
+the same select. Ignored targets (``ignore_index``) count 0 and are left out of the mean's
+denominator, as in torch (a mean over no target at all is nan, as torch's).
+
+>>> import numpy as np, einjoin as ej
+>>> logits = ej.input("logits", (2, 3), "float64"); target = ej.input("target", (2,), "int64")
+>>> loss = ej.cross_entropy(logits, target)
+>>> float(ej.reference(loss, logits=np.zeros((2, 3)), target=np.array([0, 2]))) == float(np.log(3))
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.frontend import composites as C
+from einjoin.frontend import functions as F
+from einjoin.frontend.tensor import LETTERS, Tensor, _t, broadcast_shapes, einsum, elementwise
+from einjoin.ir.dtypes import FLOAT_DTYPES, kind, promote
+from einjoin.ir.scalar import parse_join
+
+__all__ = ["cross_entropy", "nll_loss", "mse_loss", "LOSS_OPS", "LOSS_MODULES"]
+
+_REDUCTIONS = ("none", "mean", "sum")  # torch's enum order: Reduction::None, Mean, Sum
+
+
+def _reduction(reduction: Any, what: str) -> str:
+    """``"none"``, ``"mean"`` or ``"sum"`` from a string or ATen's enum (0, 1, 2)."""
+    if isinstance(reduction, int) and not isinstance(reduction, bool) and 0 <= reduction < 3:
+        return _REDUCTIONS[reduction]
+    if isinstance(reduction, str) and reduction in _REDUCTIONS:
+        return reduction
+    raise EinjoinError(f"{what}: reduction must be 'none', 'mean' or 'sum', got {reduction!r:.60}")
+
+
+def _legacy(size_average: Any, reduce: Any, reduction: Any) -> Any:
+    """torch's deprecated ``size_average`` / ``reduce`` flags, as torch maps them to a reduction."""
+    if size_average is None and reduce is None:
+        return reduction
+    size_average = True if size_average is None else size_average
+    reduce = True if reduce is None else reduce
+    return "none" if not reduce else ("mean" if size_average else "sum")
+
+
+def _float_input(value: Any, what: str) -> Tensor:
+    x = _t(value, what)
+    if x.dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"{what}: the input is {x.dtype}; it must be a float tensor")
+    if x.ndim == 0:
+        raise ShapeError(f"{what}: the input must have a class dim (shape (C,), (N, C) or "
+                         f"(N, C, d1, ...)), got a scalar")
+    return x
+
+
+def _class_targets(x: Tensor, target: Tensor, what: str) -> tuple[int, str, str]:
+    """Check int class-index targets against input ``x``: (class dim, input labels, target labels)."""
+    if kind(target.dtype) != "int":
+        raise DTypeError(f"{what}: class-index targets must be int64, got {target.dtype}")
+    cdim = 0 if x.ndim == 1 else 1
+    want = x.shape[:cdim] + x.shape[cdim + 1:]
+    if target.shape != want:
+        raise ShapeError(f"{what}: input of shape {x.shape} (classes on dim {cdim}) needs targets of "
+                         f"shape {want}, got {target.shape}")
+    ls = LETTERS[:x.ndim]
+    return cdim, ls, ls[:cdim] + ls[cdim + 1:]
+
+
+def _weight(weight: Any, n_classes: int, dtype: str, what: str) -> Tensor | None:
+    if weight is None:
+        return None
+    w = _t(weight, f"{what}: weight")
+    if w.shape != (n_classes,):
+        raise ShapeError(f"{what}: weight must have one entry per class, shape ({n_classes},), got {w.shape}")
+    if kind(w.dtype) != "float":
+        raise DTypeError(f"{what}: weight must be a float tensor, got {w.dtype}")
+    return w if w.dtype == dtype else w.to(dtype)
+
+
+def _ignore(ignore_index: Any, what: str) -> int:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise EinjoinError(f"{what}: ignore_index must be an int, got {ignore_index!r:.60}")
+    return ignore_index
+
+
+def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, what: str
+         ) -> tuple[Tensor, Tensor, str]:
+    """(per-target losses ``-w[t] * logp[t]``, 0 where ignored; per-target weights ``w[t]``, 0 where
+    ignored; the class label of ``logp``)."""
+    cdim, ls, tl = _class_targets(logp, target, what)
+    c = ls[cdim]
+    n_classes = logp.shape[cdim]
+    if target.dtype != "int64":
+        target = target.to("int64")
+    classes = F.arange(n_classes)
+    # an ignored target of a valid class must match no class: it becomes -1 (any other ignored
+    # value, -100 by default, matches none already)
+    picked = target if not 0 <= ignore_index < n_classes else elementwise(
+        "where", target == ignore_index, -1, target, name=f"{what} ignore_index")
+    if weight is None:
+        loss = einsum(f"{ls},{tl},{c}->{tl}", logp, picked, classes, join="where(x1 == x2, -x0, 0)")
+        wt = elementwise("where", target == ignore_index, 0, 1, name=f"{what} counted").to(logp.dtype)
+    else:
+        loss = einsum(f"{ls},{tl},{c},{c}->{tl}", logp, picked, classes, weight,
+                      join="where(x1 == x2, -(x0 * x3), 0)")
+        wt = einsum(f"{tl},{c},{c}->{tl}", picked, classes, weight, join="where(x0 == x1, x2, 0)")
+    return loss, wt, c
+
+
+def _reduce(loss: Tensor, wt: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / wt.sum()  # 0 / 0 = nan when every target is ignored, as torch
+
+
+def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, ignore_index: int = -100,
+             reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.nll_loss: ``-weight[t] * input[t]`` per target ``t`` (class indices,
+    int64), input ``(C,)``, ``(N, C)`` or ``(N, C, d1, ...)`` of log-probabilities; ``mean``
+    divides by the summed weights of the targets that are not ``ignore_index``.
+
+    >>> import numpy as np, einjoin as ej
+    >>> logp = ej.input("logp", (3, 2), "float64"); t = ej.input("t", (3,), "int64")
+    >>> ej.reference(ej.nll_loss(logp, t, reduction="none"), logp=-np.arange(6.0).reshape(3, 2),
+    ...              t=np.array([1, -100, 0]))
+    array([1., 0., 4.])
+    """
+    what = "nll_loss"
+    logp = _float_input(input, what)
+    red = _reduction(reduction, what)
+    ii = _ignore(ignore_index, what)
+    n_classes = logp.shape[0 if logp.ndim == 1 else 1]
+    loss, wt, _ = _nll(logp, _t(target, f"{what}: target"), _weight(weight, n_classes, logp.dtype, what),
+                       ii, what)
+    return _reduce(loss, wt, red)
+
+
+def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+    """torch.nn.functional.cross_entropy of logits ``input`` (``(C,)``, ``(N, C)`` or ``(N, C, d1,
+    ...)``, classes on dim 1) and ``target``: class indices (int64, ``ignore_index`` left out) or
+    class probabilities (a float tensor of the input's shape); ``weight`` per class;
+    ``label_smoothing`` as torch mixes it in.
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (2, 4), "float64"); t = ej.input("t", (2,), "int64")
+    >>> loss = ej.cross_entropy(x, t, reduction="sum")
+    >>> round(float(ej.reference(loss, x=np.eye(2, 4) * 10, t=np.array([0, 1]))), 6)
+    0.000272
+    """
+    what = "cross_entropy"
+    x = _float_input(input, what)
+    red = _reduction(reduction, what)
+    ii = _ignore(ignore_index, what)
+    eps = label_smoothing
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps <= 1.0:
+        raise EinjoinError(f"{what}: label_smoothing must be a number in [0, 1], got {label_smoothing!r:.60}")
+    cdim = 0 if x.ndim == 1 else 1
+    n_classes = x.shape[cdim]
+    w = _weight(weight, n_classes, x.dtype, what)
+    target = _t(target, f"{what}: target")
+    logp = C.log_softmax(x, cdim)
+    ls = LETTERS[:x.ndim]
+    if kind(target.dtype) == "float":
+        return _probabilities(logp, target, w, red, float(eps), ls, cdim, what)
+    loss, wt, c = _nll(logp, target, w, ii, what)
+    nll = _reduce(loss, wt, red)
+    if eps == 0:
+        return nll
+    # torch: (1 - eps) * nll + eps / C * (the sum over classes of -w[c] logp[c]), ignored ones 0
+    tl = ls[:cdim] + ls[cdim + 1:]
+    if w is None:
+        smooth = einsum(f"{ls},{tl}->{tl}", logp, target, join=f"where(x1 == {ii}, 0, -x0)")
+    else:
+        smooth = einsum(f"{ls},{tl},{c}->{tl}", logp, target, w, join=f"where(x1 == {ii}, 0, -(x0 * x2))")
+    return (1.0 - eps) * nll + _reduce(smooth, wt, red) * (eps / n_classes)
+
+
+def _probabilities(logp: Tensor, target: Tensor, w: Tensor | None, red: str, eps: float, ls: str,
+                   cdim: int, what: str) -> Tensor:
+    """cross_entropy with class-probability targets: ``-sum_c w[c] t[c] logp[c]``; ``mean``
+    divides by the number of targets (not by the weights), as torch."""
+    if target.shape != logp.shape:
+        raise ShapeError(f"{what}: class-probability targets must have the input's shape {logp.shape}, "
+                         f"got {target.shape}")
+    if target.dtype != logp.dtype:
+        raise DTypeError(f"{what}: class-probability targets must have the input's dtype {logp.dtype}, "
+                         f"got {target.dtype}")
+    n_classes = logp.shape[cdim]
+    if eps > 0:
+        target = target * (1.0 - eps) + eps / n_classes
+    tl = ls[:cdim] + ls[cdim + 1:]
+    out = tl if red == "none" else ""
+    c = ls[cdim]
+    if w is None:
+        loss = einsum(f"{ls},{ls}->{out}", logp, target, join="-(x0 * x1)")
+    else:
+        loss = einsum(f"{ls},{ls},{c}->{out}", logp, target, w, join="-(x0 * x1 * x2)")
+    if red != "mean":
+        return loss
+    n = math.prod(logp.shape) // n_classes if n_classes else 0
+    return loss / n if n else loss * math.nan
+
+
+def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.mse_loss: ``(input - target) ** 2`` (broadcasting), its mean, sum or
+    every element.
+
+    >>> import numpy as np, einjoin as ej
+    >>> a = ej.input("a", (3,), "float64"); b = ej.input("b", (3,), "float64")
+    >>> float(ej.reference(ej.mse_loss(a, b), a=np.array([1.0, 2.0, 3.0]), b=np.zeros(3)))
+    4.666666666666667
+    """
+    what = "mse_loss"
+    a, b = _t(input, what), _t(target, f"{what}: target")
+    red = _reduction(reduction, what)
+    for t in (a, b):
+        if kind(t.dtype) != "float":
+            raise DTypeError(f"{what}: input and target must be float tensors, got {a.dtype} and {b.dtype}")
+    if a.dtype != b.dtype:
+        dt = promote(a.dtype, b.dtype)
+        a, b = a.to(dt), b.to(dt)
+    sq = elementwise(parse_join("(x0 - x1) * (x0 - x1)", 2), a, b, name=what)
+    if red == "none":
+        return sq
+    if red == "sum" or sq.dtype in ("float16", "bfloat16"):
+        return sq.sum() if red == "sum" else sq.mean()  # a half mean scales before summing
+    n = math.prod(sq.shape)
+    return sq.sum() / n if n else sq.sum() * math.nan  # sum / n as torch's mean (not sum * (1/n))
+
+
+# ---------------------------------------------------------------- the importer's translations
+# torch.export gives ATen ops (reduction an int enum); torch.fx gives the torch.nn.functional
+# calls (reduction a string, and the deprecated size_average / reduce flags). Both spell
+# nll_loss and mse_loss alike: the argument in the slot where they differ tells them apart.
+
+
+def _t_cross_entropy_loss(x: Tensor, target: Tensor, weight: Any = None, reduction: Any = 1,
+                          ignore_index: int = -100, label_smoothing: float = 0.0) -> Tensor:
+    return cross_entropy(x, target, weight, ignore_index, _reduction(reduction, "cross_entropy"),
+                         label_smoothing)
+
+
+def _f_cross_entropy(x: Tensor, target: Tensor, weight: Any = None, size_average: Any = None,
+                     ignore_index: int = -100, reduce: Any = None, reduction: Any = "mean",
+                     label_smoothing: float = 0.0) -> Tensor:
+    return cross_entropy(x, target, weight, ignore_index, _legacy(size_average, reduce, reduction),
+                         label_smoothing)
+
+
+def _nll_any(x: Tensor, target: Tensor, weight: Any = None, third: Any = None, ignore_index: int = -100,
+             reduce: Any = None, reduction: Any = "mean", *, size_average: Any = None) -> Tensor:
+    """aten ``nll_loss(self, target, weight, reduction: int, ignore_index)`` or torch's
+    ``F.nll_loss(input, target, weight, size_average, ignore_index, reduce, reduction)``."""
+    if isinstance(third, int) and not isinstance(third, bool):  # the ATen form: an enum
+        reduction = third
+    else:
+        size_average = third if third is not None else size_average
+        reduction = _legacy(size_average, reduce, reduction)
+    return nll_loss(x, target, weight, ignore_index, _reduction(reduction, "nll_loss"))
+
+
+def _nll_forward(x: Tensor, target: Tensor, weight: Any, reduction: Any, ignore_index: int
+                 ) -> tuple[Tensor, Tensor]:
+    """aten ``nll_loss_forward``: (the loss, the total weight of the counted targets)."""
+    what = "nll_loss"
+    logp = _float_input(x, what)
+    red = _reduction(reduction, what)
+    n_classes = logp.shape[0 if logp.ndim == 1 else 1]
+    loss, wt, _ = _nll(logp, target, _weight(weight, n_classes, logp.dtype, what), _ignore(ignore_index, what),
+                       what)
+    return _reduce(loss, wt, red), wt.sum()
+
+
+def _mse_any(x: Tensor, target: Tensor, third: Any = None, reduce: Any = None, reduction: Any = "mean",
+             weight: Any = None, *, size_average: Any = None) -> Tensor:
+    """aten ``mse_loss(self, target, reduction: int)`` or ``F.mse_loss(input, target,
+    size_average, reduce, reduction, weight)``."""
+    if weight is not None:
+        raise UnsupportedOpError("mse_loss with weight= is not supported")
+    if isinstance(third, int) and not isinstance(third, bool):
+        reduction = third
+    else:
+        size_average = third if third is not None else size_average
+        reduction = _legacy(size_average, reduce, reduction)
+    return mse_loss(x, target, _reduction(reduction, "mse_loss"))
+
+
+def _broadcast_tensors(*tensors: Any) -> tuple[Tensor, ...]:
+    """``torch.broadcast_tensors`` (torch.export puts it before ``mse_loss``)."""
+    ts = list(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)) else list(tensors)
+    shape = broadcast_shapes(*(_t(t, "broadcast_tensors").shape for t in ts), what="broadcast_tensors")
+    return tuple(t if t.shape == shape else t.expand(shape) for t in ts)
+
+
+LOSS_OPS: dict[str, Callable[..., Any]] = {
+    "cross_entropy_loss": _t_cross_entropy_loss,
+    "cross_entropy": _f_cross_entropy,
+    "nll_loss": _nll_any, "nll_loss_nd": _nll_any, "nll_loss2d": _nll_any,
+    "nll_loss_forward": _nll_forward, "nll_loss2d_forward": _nll_forward,
+    "mse_loss": _mse_any,
+    "broadcast_tensors": _broadcast_tensors,
+}
+"""The losses' translations by ATen op / torch function name (merged into ``aten.OPS``)."""
+
+
+def _module_reduction(m: Any) -> str:
+    return str(m.reduction)
+
+
+LOSS_MODULES: dict[str, Callable[..., Tensor]] = {
+    "CrossEntropyLoss": lambda m, p, x, t: cross_entropy(x, t, p.get("weight"), m.ignore_index,
+                                                         _module_reduction(m), m.label_smoothing),
+    "NLLLoss": lambda m, p, x, t: nll_loss(x, t, p.get("weight"), m.ignore_index, _module_reduction(m)),
+    "MSELoss": lambda m, p, x, t: mse_loss(x, t, _module_reduction(m)),
+}
+"""The ``nn`` loss modules, as torch.fx records them (leaf modules), by class name."""
