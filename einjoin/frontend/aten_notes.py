@@ -32,6 +32,7 @@ NOTES: dict[str, str] = {
     "cross_entropy_loss": "as `cross_entropy`",
     "nll_loss": "class-index targets, `weight`, `ignore_index`; a target out of range counts 0 "
                 "(torch raises)",
+    "nll_loss_forward": "as `nll_loss`; returns (the loss, the total weight of the counted targets)",
     "mse_loss": "no `weight`",
     "broadcast_tensors": "tensors only",
 }
