@@ -207,7 +207,7 @@ def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
         if not old.facts.fed:
             raise EinjoinError(f"state: the old side of a pair must be a graph input (ej.input / ej.param), "
                                f"got {describe(old)} (new value {describe(new)})")
-        name = old.op.name  # type: ignore[union-attr]
+        name = old.op.name
         if old in seen:
             raise EinjoinError(f"state input {name!r} is given two new values: {describe(seen[old])} and "
                                f"{describe(new)}")

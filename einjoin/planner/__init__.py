@@ -29,13 +29,14 @@ from collections.abc import Callable, Mapping
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.partition import check_bounds
-from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes
+from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_labels
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.planner.baselines import data_parallel, megatron, mesh_ilp, zero
 from einjoin.planner.basic import derive_input_specs, largest_output_cut, single_block, split_largest
+from einjoin.planner.cost import CostModel, total_cost
 from einjoin.planner.fit import MemoryLimit, device_memory
 from einjoin.planner.search import eindecomp, exhaustive
 from einjoin.registry import Registry
@@ -43,7 +44,8 @@ from einjoin.settings import SETTINGS, Settings
 
 __all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs", "seeded_eindecomp",
            "largest_output_cut", "resolve_planner", "as_planner", "takes_memory_limit",
-           "check_planned", "memory_limit_for", "MemoryLimit", "tie_state"]
+           "check_planned", "memory_limit_for", "MemoryLimit", "tie_state", "align_state",
+           "state_cost"]
 
 
 class Planner(Protocol):
@@ -241,6 +243,64 @@ def tie_state(specs: Mapping[Node, JoinAggSpec], tied: Mapping[Node, Node] | Non
     return out
 
 
+def state_cost(graph: Graph, model: CostModel, specs: Mapping[Node, JoinAggSpec], tied: Mapping[Node, Node]) -> int:
+    """The model's bytes of a plan of a program with state: the step's (:func:`total_cost`, where
+    an input is loaded as its first reader needs it), plus, per state input, turning its new
+    value's layout (the input's, :func:`tie_state`) into what that first reader needs: the
+    repartition from the step's end back to its start."""
+    ops = [n for n in graph.ops if not n.facts.free]
+    chosen = {n: model.info(n, JoinAggSpec.for_node(n, specs.get(n))) for n in ops}
+    total = total_cost(graph, model, chosen)
+    for old, new in tied.items():
+        if old is new or not graph.users[old]:
+            continue
+        reader = graph.users[old][0]
+        need = chosen[reader].ins[reader.inputs.index(old)]
+        have = chosen[new].out if new in chosen else decompose(new, specs.get(new)).out_partition
+        total += model.repart(have, need, old.dtype)
+    return total
+
+
+def align_state(graph: Graph, cluster: Cluster, specs: Mapping[Node, JoinAggSpec],
+                tied: Mapping[Node, Node] | None) -> dict[Node, JoinAggSpec]:
+    """``specs`` where, for each state pair, the new value is computed in the layout the state
+    input's first reader needs when that costs fewer modelled bytes (:func:`state_cost`): then
+    the step starts without a repartition of the state. Pairs are tried one at a time, in order.
+
+    >>> import einjoin as ej
+    >>> x, w = ej.input("x", (64, 32)), ej.param("w", (32, 16))
+    >>> new = w - 0.1 * ej.einsum("mk,mn->kn", x, x @ w)
+    >>> g, tied = ej.Graph([(x @ w).sum(), new]), {w.node: new.node}
+    >>> specs = {n: JoinAggSpec.for_node(n, None) for n in g.ops}
+    >>> specs[(x @ w).node] = JoinAggSpec.for_node((x @ w).node, {"k": 2})   # reads w cut in rows
+    >>> align_state(g, ej.local(2), specs, tied)[new.node].bounds[0]        # so the update is cut so
+    (0, 16, 32)
+    """
+    out = dict(specs)
+    if not tied:
+        return out
+    model = CostModel(graph, cluster.size)
+    best = state_cost(graph, model, out, tied)
+    for old, new in tied.items():
+        if old is new or new.facts.fed or new.facts.free or not graph.users[old]:
+            continue
+        reader = graph.users[old][0]
+        need = decompose(reader, out.get(reader)).in_partitions[reader.inputs.index(old)]
+        spec = JoinAggSpec.for_node(new, out.get(new))
+        outs = output_labels(new)
+        if len(set(outs)) != len(outs):  # a label on two output dims (a diagonal): left as it is
+            continue
+        bounds = dict(zip(spec.labels, spec.bounds))
+        bounds.update(zip(outs, need.bounds))
+        trial = JoinAggSpec(spec.labels, tuple(bounds[lab] for lab in spec.labels))
+        if trial == spec:
+            continue
+        cost = state_cost(graph, model, {**out, new: trial}, tied)
+        if cost < best:
+            best, out[new] = cost, trial
+    return out
+
+
 def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster, *,
                memory_limit: Mapping[int, Any] | None = None,
                tied: Mapping[Node, Node] | None = None) -> dict[Node, JoinAggSpec]:
@@ -249,7 +309,9 @@ def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster
     and check what it returns (:func:`check_planned`): one join-agg spec per node it cuts. A
     planner's own non-einjoin exception is raised as an :class:`EinjoinError` naming it (the
     cause chained). ``tied`` (state input -> new value, a program with state) constrains the
-    plan for every planner: each state input takes its new value's layout (:func:`tie_state`)."""
+    plan for every planner: each new value is computed in its input's first reader's layout
+    where that pays (:func:`align_state`, without memory caps), and each state input takes its
+    new value's layout (:func:`tie_state`)."""
     who, fn = resolve_planner(planner)
     limit = memory_limit_for(cluster, memory_limit)
     try:
@@ -258,4 +320,7 @@ def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster
         raise
     except Exception as e:  # a user's planner (or a bug): name it, keep the cause
         raise EinjoinError(f"planner {who} failed: {type(e).__name__}: {e}") from e
-    return tie_state(check_planned(result, graph, who), tied)
+    planned = check_planned(result, graph, who)
+    if tied and all(c is None for c in limit.values()):
+        planned = align_state(graph, cluster, planned, tied)
+    return tie_state(planned, tied)
