@@ -116,7 +116,9 @@ class Program:
 
     Thread-safe to run: concurrent ``run`` / ``run_async`` calls of one program (threads, sync,
     null and Ray backends) are independent runs, each with its own feeds, stores, results and
-    cancellation; ``run_stats`` is the stats of the run that finished last.
+    cancellation; ``run_stats`` is the stats of the run that finished last. The runs of a
+    program with state (``ej.compile(..., state=...)``) are serialised instead: each starts from
+    the state the previous one left (a failed or cancelled run leaves it unchanged).
 
     Built from a :class:`~einjoin.compiler.CompiledPlan` (``prog.plan``); its parts are also
     attributes (``graph``, ``cluster``, ``decomps``, ``placement``, ``taskgraph``, ``stats``), as
@@ -404,6 +406,9 @@ class Program:
                 elif s.node in res.refs:
                     out[s.name] = _assemble(s.node, self.backend.read_state(res.refs[s.node]), self.backend.name)
                 elif s.node in res.host:
+                    if res.host[s.node] is None:
+                        raise EinjoinError(f"the {self.backend.name} backend computes no values: there is no "
+                                           f"state to read")
                     out[s.name] = np.array(res.host[s.node])
                 else:
                     raise EinjoinError(f"state input {s.name!r} has no value yet (run the program or write_state)")

@@ -308,3 +308,52 @@ def test_deterministic_many_partials_threads():
     first = prog.run(A, Bv)
     for order in ["fifo", "lifo", "random"] * 7:
         np.testing.assert_array_equal(prog.run(A, Bv, order=order, seed=len(order)), first)
+
+
+@pytest.mark.parametrize("backend", ["threads", "null"])
+@pytest.mark.parametrize("planner", ["auto", "data_parallel", "zero"])
+def test_memory_cap_planners_three_devices(backend, planner):
+    x, y, w, b, loss, state = _step_graph()
+    prog = ej.compile([loss], 3, planner=planner, backend=backend, state=state, quiet=True, memory_limit=1536)
+    assert prog.taskgraph.memory is not None and _carry_bytes(prog) == 0
+    batches = _batches(3)
+    W, B = _init()
+    losses = _train(prog, batches, W, B)
+    X, Y = batches[-1]
+    assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes
+    assert prog.run_stats.bytes_reloaded >= W.nbytes + B.nbytes
+    assert max(prog.run_stats.peak_bytes_per_device.values()) <= 1536
+    if backend == "null":
+        with pytest.raises(EinjoinError, match="computes no values"):
+            prog.read_state()
+        return
+    want, Wn, _ = _np_train(batches, W, B)
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    np.testing.assert_allclose(prog.read_state()["w"], Wn, rtol=1e-4, atol=1e-5)
+
+
+def test_positional_feeds_and_torch_module_parameters_as_first_state():
+    x, y, w, b, loss, state = _step_graph()
+    prog = ej.compile([loss], 2, state=state, quiet=True)
+    (X, Y), (W, B) = _batches(1)[0], _init()
+    names = [n.op.name for n in prog.graph.inputs]
+    feeds = dict(x=X, y=Y, w=W, b=B)
+    prog.run(*[feeds[n] for n in names])
+    _, Wn, _ = _np_step(X, Y, W, B)
+    np.testing.assert_allclose(prog.read_state()["w"], Wn, rtol=1e-4, atol=1e-5)
+
+    torch = pytest.importorskip("torch")
+    lin = torch.nn.Linear(4, 3).double()
+    fn = ej.from_torch(lin, torch.zeros(5, 4, dtype=torch.float64))
+    wt = fn.parameters["weight"]
+    out = fn.outputs[0]
+    prog = ej.compile(fn, 2, state={wt * 0.5: wt}, quiet=True)
+    assert prog.state == (wt.node.op.name,) and prog.has_state()  # the module's weight is the first value
+    xin = torch.ones(5, 4, dtype=torch.float64)
+    first = prog.run(xin)
+    second = prog.run(xin)
+    torch.testing.assert_close(first, lin(xin))
+    with torch.no_grad():
+        lin.weight *= 0.5
+    torch.testing.assert_close(second, lin(xin))
+    assert out is not None

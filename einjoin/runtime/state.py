@@ -170,8 +170,11 @@ class StateRun:
         the state."""
         for slot in self.slots:
             lay = tg.outputs[slot.output]
-            if get is None:
-                self.kept[slot.node] = {lay.partition.box(k): None for k in lay.blocks}
+            if get is None:  # nothing computed: the blocks are only counted (in host RAM under a cap)
+                if capped:
+                    self.kept_host[slot.node] = None  # type: ignore[assignment]
+                else:
+                    self.kept[slot.node] = {lay.partition.box(k): None for k in lay.blocks}
                 continue
             blocks = {k: _unaliased(get(v), feeds) for k, v in lay.blocks.items()}
             if capped:
