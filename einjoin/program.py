@@ -118,7 +118,9 @@ class Program:
     null and Ray backends) are independent runs, each with its own feeds, stores, results and
     cancellation; ``run_stats`` is the stats of the run that finished last. The runs of a
     program with state (``ej.compile(..., state=...)``) are serialised instead: each starts from
-    the state the previous one left (a failed or cancelled run leaves it unchanged).
+    the state the previous one left (a failed or cancelled run leaves it unchanged); so are those
+    of a ``deterministic`` program (concurrent runs would change the BLAS threads each kernel gets,
+    and OpenBLAS's sums depend on them).
 
     Built from a :class:`~einjoin.compiler.CompiledPlan` (``prog.plan``); its parts are also
     attributes (``graph``, ``cluster``, ``decomps``, ``placement``, ``taskgraph``, ``stats``), as
@@ -147,6 +149,8 @@ class Program:
         self._runs_lock = threading.Lock()
         self._active: set[CancelToken] = set()  # the runs in progress, for cancel()
         self._slots = plan.state
+        self.deterministic = bool(options.deterministic)
+        self._serial = bool(plan.state) or self.deterministic
         self._resident = Resident()
         self._state_nodes = {s.node for s in plan.state}
         if self._bound and plan.state:  # an imported module's bound parameters: the first state
@@ -311,7 +315,8 @@ class Program:
                 # a token cancelled before the start: Engine.run raises "run cancelled before it
                 # started" before running anything; every backend (Ray too) runs through the engine
                 with bar if bar is not None else _nothing():
-                    with self._resident.lock if self._slots else _nothing():  # runs with state: one at a time
+                    # runs with state, or deterministic ones (a fixed BLAS share), one at a time
+                    with self._resident.lock if self._serial else _nothing():
                         values, state = self._with_state(p["values"])
                         try:
                             outs, stats = self._engine.run(values, self.backend, p["order"], p["seed"], callbacks,

@@ -20,11 +20,16 @@ the next run's input on the same device. :class:`Resident` is a program's store 
 Runs of a program with state are serialised (:attr:`Resident.lock`): each run starts from the
 state the previous one left.
 
-Determinism: every partial sum is combined by ``reduce`` tasks that read their partials in the
-order the task graph lists them (:mod:`einjoin.plan.taskgraph`), on every backend, whatever the
-thread timing; touches write disjoint regions and moves copy. So the runs of one plan are
-bit-identical on ``sync``, ``threads`` and ``ray`` as long as each kernel is (numpy's einsum and
-BLAS with a fixed thread count are).
+Determinism (``ej.compile(..., deterministic=True)``): every partial sum is combined by ``reduce``
+tasks that read their partials in the order the task graph lists them (:mod:`einjoin.plan.taskgraph`;
+under a cap :mod:`einjoin.memplan.chain` keeps that order), on every backend, whatever the thread
+timing or the ready order; touches write disjoint regions and moves copy. The one other source of
+differing bits is BLAS: OpenBLAS's float32 matmul gives other bits with another thread count. A
+run's share is fixed (``threads``: cores // devices in flight, see ``BlasLimiter``; Ray: the
+actors' ``blas_threads``, the same formula), so a deterministic program's runs are serialised and
+are then bit-identical run after run (and resumed in a fresh process); other einjoin runs in
+flight in the same process at the same time would change the share. ``sync`` leaves BLAS
+unlimited, so its bits may differ from ``threads``'.
 
 >>> import numpy as np, einjoin as ej
 >>> w = ej.input("w", (4,)); prog = ej.compile([w.sum()], state={w * 0.5: w}, quiet=True)
