@@ -133,6 +133,7 @@ class _StepProgram:
     hyper: dict[str, str] = field(default_factory=dict)  # hyper key -> input name
     seeded: bool = False            # reads dropout_seed
     apply: bool = False             # reads accumulate_apply
+    resident_fixed: bool = False    # the fixed inputs are state too (a training program)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -287,13 +288,17 @@ class Trainer:
         names = tuple(new_of)
         log.info("Trainer: compiling the training step for batch shapes %s (%d program(s) cached before)",
                  [list(s) for s, _ in key], len(self._programs))
-        # deterministic: partials meet in a fixed order, so a resumed run is bit-identical
-        prog = ej_compile([loss], state={new_of[n]: old_of[n] for n in names}, deterministic=True,
-                          **self._options)
         used = Graph([loss, *new_of.values()]).input_by_name
-        sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), names,
-                          self._fixed_inputs(fn, used), {k: v for k, v in hyper.items() if v in used},
-                          DROPOUT_SEED in used, APPLY in used)
+        fixed = self._fixed_inputs(fn, used)
+        state = {new_of[n]: old_of[n] for n in names}
+        for n in fixed:  # buffers are state that a step leaves as it is: loaded once, then resident
+            t = Tensor(used[n])
+            state[t] = t
+        # deterministic: partials meet in a fixed order, so a resumed run is bit-identical
+        prog = ej_compile([loss], state=state, deterministic=True, **self._options)
+        sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), names, fixed,
+                          {k: v for k, v in hyper.items() if v in used}, DROPOUT_SEED in used,
+                          APPLY in used, resident_fixed=True)
         self._programs[key] = sp
         return sp
 
@@ -346,7 +351,7 @@ class Trainer:
         if self._owner is sp:
             return
         values = self._current(sp.state)
-        sp.prog.write_state(values)
+        sp.prog.write_state({**values, **{n: self._fixed[n] for n in sp.fixed}})
         self._owner = sp
 
     # ---- checking a batch
@@ -365,7 +370,8 @@ class Trainer:
 
     def _feeds(self, sp: _StepProgram, batch: tuple[Any, ...]) -> dict[str, Any]:
         feeds: dict[str, Any] = {n: x for n, x in zip(sp.batch, batch) if n is not None}
-        feeds.update({n: self._fixed[n] for n in sp.fixed})
+        if not sp.resident_fixed:
+            feeds.update({n: self._fixed[n] for n in sp.fixed})
         if sp.hyper:
             values = _method(self._update, self.optimizer, "hyper_values")(lr=self._lr)
             feeds.update({name: values[k] for k, name in sp.hyper.items()})

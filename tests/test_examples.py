@@ -60,3 +60,12 @@ def test_plan_cli_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-def
     out = capsys.readouterr().out
     assert "eindecomp" in out and "split_largest" in out and "/ bound" in out
     assert "1.00" in out  # eindecomp meets the bound on the square matmul
+
+
+def test_train_example_runs(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # examples/train.py, shortened: the Trainer and torch on the same bytes, a PNG of both curves
+    ns = runpy.run_path(str(ROOT / "examples" / "train.py"))
+    assert ns["main"](["--steps", "3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "einjoin" in out and "torch" in out and "tokens/s" in out
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
