@@ -32,9 +32,15 @@ def test_ray_steps_match_numpy_and_load_only_the_batch(ray_session, planner, dev
         st = prog.read_state()
         np.testing.assert_allclose(st["w"], Wn, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(st["b"], Bn, rtol=1e-4, atol=1e-5)
-        # the replaced blocks were released: each actor keeps one step's state only
-        kept = ray.get([a.read.remote([]) for a in prog.backend.actors])
-        assert kept == [[]] * devices
+        # the replaced blocks were released: the actors keep one step's state blocks only
+        kept = ray.get([a.kept_keys.remote() for a in prog.backend.actors])
+        blocks = sum(prog.decomps[s.new].out_partition.num_blocks for s in prog.plan.state)
+        assert sum(len(k) for k in kept) == blocks
+        per_device = [0] * devices
+        for s in prog.plan.state:
+            for v in prog.taskgraph.outputs[s.output].blocks.values():
+                per_device[prog.taskgraph.values[v].device] += 1
+        assert [len(k) for k in kept] == per_device
 
 
 def test_ray_write_refeed_failure_and_determinism(ray_session):
@@ -61,6 +67,10 @@ def test_ray_write_refeed_failure_and_determinism(ray_session):
         after = prog.read_state()
         for k in before:
             np.testing.assert_array_equal(before[k], after[k])
+        # the failed runs' new blocks were released too
+        kept = ray.get([a.kept_keys.remote() for a in prog.backend.actors])
+        assert sum(len(k) for k in kept) == sum(prog.decomps[s.new].out_partition.num_blocks
+                                                for s in prog.plan.state)
         # re-feed w: loaded and counted; the rest carries on
         out = prog.run(x=X, y=Y, w=W)
         assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes + W.nbytes

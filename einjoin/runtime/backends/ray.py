@@ -357,6 +357,10 @@ class DeviceWorker:
         """Kept state blocks (``Program.read_state``)."""
         return [self.kept[k] for k in keys]
 
+    def kept_keys(self) -> list[int]:
+        """The keys of the state blocks kept here (tests: one step's blocks, none leaked)."""
+        return sorted(self.kept)
+
     def drop(self, run: int) -> None:
         """Forget a failed or cancelled run (idempotent)."""
         self.runs.pop(run, None)
