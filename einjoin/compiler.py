@@ -32,6 +32,7 @@ from einjoin.decomp.decompose import Decomposition, decompose
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
 from einjoin.exchange.tasks import TaskKind
+from einjoin.ir.fuse import fuse_elementwise
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
@@ -40,6 +41,7 @@ from einjoin.memplan.needs import blamed_op, cap_error
 from einjoin.ir.printing import describe
 from einjoin.placement import PLACERS, Placement, place, tie_homes
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph
+from einjoin.plan.stats import with_state
 from einjoin.planner import PLANNERS, derive_input_specs, plan_specs, tie_state
 from einjoin.planner.fit import element_spec, finer_spec
 from einjoin.progress import stages
@@ -77,7 +79,9 @@ class CompileOptions:
     - ``host_link``: emulated host<->device bytes per second for the runs (None: none);
     - ``state``: a mapping new value -> state input (a program with state; see ``ej.compile``);
     - ``deterministic``: every run's results are bit-identical (partials combine in a fixed order;
-      see :mod:`einjoin.runtime.state`).
+      see :mod:`einjoin.runtime.state`);
+    - ``fuse``: chains of elementwise einsums are fused into one node before planning
+      (:mod:`einjoin.ir.fuse`; the same values; off when ``specs`` names nodes).
 
     >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
     (3, 'threads')
@@ -97,6 +101,7 @@ class CompileOptions:
     host_link: float | None = None
     state: Any = None
     deterministic: bool = False
+    fuse: bool = True
 
     def __post_init__(self) -> None:
         # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
@@ -118,6 +123,8 @@ class CompileOptions:
             _state_pairs(self.state)  # checked now; Source.of builds the graph with it
         if not isinstance(self.deterministic, (bool, np.bool_)):
             raise EinjoinError(f"deterministic must be True or False, got {self.deterministic!r:.60}")
+        if not isinstance(self.fuse, (bool, np.bool_)):
+            raise EinjoinError(f"fuse must be True or False, got {self.fuse!r:.60}")
 
     def replace(self, **changes: Any) -> CompileOptions:
         """A copy with ``changes`` (checked again)."""
@@ -226,6 +233,8 @@ def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
 def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
     """Plan the join-agg specs of ``source``'s graph for ``cluster``, decompose, place, build the
     task graph and, under memory caps, cut finer until every task fits and plan evictions."""
+    if options.fuse and not options.specs:  # user specs name nodes of the graph as written
+        source = _fused(source)
     graph = source.graph
     caps = parse_caps(options.memory_limit, cluster.size, cluster)
     user = _user_specs(graph, options.specs)  # checked once, before the planner; read every lowering
@@ -244,8 +253,21 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
             decomps, placed, tg = _fit_caps(graph, cluster, chosen, user, options, caps, decomps, placed,
                                             chain_reduces(tg), tied)
             tg = plan_memory(tg, decomps, caps, options.memory_policy)
-    return CompiledPlan(graph, cluster, decomps, placed, tg, tg.stats(), options, source.many,
+    stats = tg.stats()
+    if source.state:  # state is loaded by the first run only, and never fetched
+        stats = with_state(stats, tg, set(tied), {s.output for s in source.state})
+    return CompiledPlan(graph, cluster, decomps, placed, tg, stats, options, source.many,
                         source.arg_names, source.bound, source.state)
+
+
+def _fused(source: Source) -> Source:
+    """``source`` with its elementwise chains fused (:func:`einjoin.ir.fuse.fuse_elementwise`):
+    the same outputs in the same places, state new values followed to their fused nodes."""
+    outs = fuse_elementwise(source.graph.outputs)
+    if all(a is b for a, b in zip(outs, source.graph.outputs)):
+        return source
+    state = tuple(dataclasses.replace(s, new=outs[s.output]) for s in source.state)
+    return dataclasses.replace(source, graph=Graph(outs), state=state)
 
 
 def _user_specs(graph: Graph, specs: Any) -> dict[Node, JoinAggSpec]:

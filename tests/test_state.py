@@ -103,7 +103,8 @@ def test_steps_match_numpy_and_load_only_the_batch(planner, devices):
     np.testing.assert_allclose(st["b"], Bn, rtol=1e-4, atol=1e-5)
     X, Y = batches[-1]
     assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes
-    assert prog.run_stats.bytes_fetched == 4  # the loss only: state is not fetched
+    assert prog.run_stats.bytes_fetched == 4 == prog.stats.bytes_fetched  # the loss only: state is not fetched
+    assert prog.stats.bytes_loaded - prog.stats.bytes_state == X.nbytes + Y.nbytes  # known at compile time
     assert prog.has_state()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from einjoin.exchange.tasks import TaskKind
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from einjoin.decomp.decompose import Decomposition
     from einjoin.plan.taskgraph import TaskGraph
 
-__all__ = ["PlanStats", "OpBytes", "compute_stats", "bytes_per_op", "explain", "human_bytes"]
+__all__ = ["PlanStats", "OpBytes", "compute_stats", "with_state", "bytes_per_op", "explain", "human_bytes"]
 
 
 def human_bytes(n: float) -> str:
@@ -41,9 +41,13 @@ class PlanStats:
     peak_bytes_per_device: dict[int, int] = field(default_factory=dict)  # if run in task order
     bytes_evicted: int = 0   # device -> host copies of a memory-capped plan (not in bytes_moved)
     bytes_reloaded: int = 0  # host -> device copies of a memory-capped plan
+    # of bytes_loaded, the state inputs' (a program with state): loaded by its first run only
+    bytes_state: int = 0
 
     def __str__(self) -> str:
         text = self._core()
+        if self.bytes_state:
+            text += f", of the loads {human_bytes(self.bytes_state)} state (first run only)"
         if self.bytes_evicted or self.bytes_reloaded:
             text += (f", evicted {human_bytes(self.bytes_evicted)}, "
                      f"reloaded {human_bytes(self.bytes_reloaded)}")
@@ -88,6 +92,15 @@ def compute_stats(tg: TaskGraph) -> PlanStats:
     fetched = sum(tg.values[v].nbytes for lay in tg.outputs for v in lay.blocks.values())
     return PlanStats(moved, loaded, fetched, flops, dict(inn), dict(out), dict(fl), dict(pair),
                      dict(Counter(t.kind.value for t in tg.tasks)), dict(peak), evicted, reloaded)
+
+
+def with_state(stats: PlanStats, tg: TaskGraph, inputs: set[Node], outputs: set[int]) -> PlanStats:
+    """``stats`` of a program with state: ``bytes_state`` the loads of the state ``inputs``
+    (the later runs load only the rest), and ``bytes_fetched`` without the new state values
+    (task-graph outputs ``outputs``: they stay on the devices)."""
+    state = sum(t.nbytes for t in tg.tasks if t.kind is TaskKind.LOAD and t.node in inputs)
+    kept = sum(tg.values[v].nbytes for i in outputs for v in tg.outputs[i].blocks.values())
+    return replace(stats, bytes_state=state, bytes_fetched=stats.bytes_fetched - kept)
 
 
 @dataclass(frozen=True)
