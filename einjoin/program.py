@@ -73,7 +73,8 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
             backend: Any = "threads", specs: Any = None, placement: str = "greedy",
             order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
             memory_policy: str = "belady", host_link: float | None = None,
-            state: Mapping[Any, Any] | None = None, deterministic: bool = False) -> Program:
+            state: Mapping[Any, Any] | None = None, deterministic: bool = False,
+            fuse: bool = True) -> Program:
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
     is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
@@ -95,7 +96,9 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     a pair must agree, and the state input must be a graph input. Every planner cuts and places a
     state input as its new value, so the carry-over moves nothing. ``deterministic``: the runs'
     results are bit-identical (partials combine in a fixed order; see
-    :mod:`einjoin.runtime.state`).
+    :mod:`einjoin.runtime.state`). ``fuse``: chains of elementwise ops are fused into one node
+    each before planning (:mod:`einjoin.ir.fuse`: fewer tasks and passes over memory, the same
+    values; ``explain()`` shows the fused expressions); ``fuse=False`` plans the graph as written.
 
     >>> import einjoin as ej
     >>> prog = ej.compile(ej.input("a", (8, 4)) @ ej.input("b", (4, 2)), devices=2, quiet=True)
@@ -106,7 +109,7 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     options = CompileOptions(planner=planner, backend=backend, specs=specs, placement=placement,
                              order=order, seed=seed, quiet=quiet, memory_limit=memory_limit,
                              memory_policy=memory_policy, host_link=host_link, state=state,
-                             deterministic=deterministic)
+                             deterministic=deterministic, fuse=fuse)
     source = Source.of(outputs, options.state)
     return Program(build_plan(source, cluster, options))
 
@@ -343,6 +346,9 @@ class Program:
             handle.stats = stats
         if outs is None:
             return None
+        if self._slots:  # an output that is also a new state value never aliases the state's block
+            news = {s.new for s in self._slots}
+            outs = [np.array(o) if n in news else o for o, n in zip(outs, self.graph.outputs)]
         if p["use_torch"]:
             import torch
             tensors = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(

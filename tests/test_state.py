@@ -249,11 +249,12 @@ def test_concurrent_runs_are_serialised():
     np.testing.assert_allclose(prog.read_state()["w"], Wn, rtol=1e-4, atol=1e-5)
 
 
-def test_state_that_is_also_an_output_and_unchanged_state():
+@pytest.mark.parametrize("devices", [1, 2])
+def test_state_that_is_also_an_output_and_unchanged_state(devices):
     w = ej.input("w", (6, 4))
     c = ej.input("c", (4,))
     new = w * 0.5 + c
-    prog = ej.compile([new, w.sum()], 2, state={new: w, c: c}, quiet=True)
+    prog = ej.compile([new, w.sum()], devices, state={new: w, c: c}, quiet=True)
     W, C = np.ones((6, 4), np.float32), np.arange(4, dtype=np.float32)
     a, s = prog.run(w=W, c=C)
     np.testing.assert_allclose(a, W * 0.5 + C)
