@@ -417,3 +417,25 @@ def test_training_step_state_equals_the_same_step_without_state():
     got = stateful.read_state()
     for n in names:
         np.testing.assert_allclose(got[n], vals[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["greedy", "round_robin", "random", "critical_path", "nums"])
+def test_every_placer_homes_state_where_its_new_value_ends(placement):
+    x, y, w, b, loss, state = _step_graph()
+    prog = ej.compile([loss], 3, placement=placement, state=state, quiet=True, specs={
+        next(iter(state)): {"a": 3}}, seed=7)
+    assert _carry_bytes(prog) == 0
+    batches = _batches(3)
+    W, B = _init()
+    losses = _train(prog, batches, W, B)
+    want, Wn, _ = _np_train(batches, W, B)
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    np.testing.assert_allclose(prog.read_state()["w"], Wn, rtol=1e-4, atol=1e-5)
+    X, Y = batches[-1]
+    assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes
+
+
+def test_user_spec_on_a_state_input_must_match_its_new_value():
+    x, y, w, b, loss, state = _step_graph()
+    with pytest.raises(EinjoinError, match="state input 'w'.*give the spec to"):
+        ej.compile([loss], 2, state=state, specs={w: {"a": 8, "b": 6}}, quiet=True)
