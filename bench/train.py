@@ -8,6 +8,8 @@ parameters and optimizer state stay on their devices. One table:
   alternating, median step time after a warm-up; the einjoin losses are checked against torch's
   (same initial weights and batches), and the host bytes each step loads after the first are
   measured (``run_stats.bytes_loaded``: the batch and the learning rate);
+* measured here: building the Trainer of a 2-layer, hidden-32 GPT (the zoo's GPT-2 blocks) on
+  ``ej.local(2)``, and its step time;
 * planned, not run (shapes only, the cost model's bytes with the state carry-over,
   :func:`einjoin.planner.state_cost`): a training step of one LLaMA-7B layer
   (``einjoin.models.graphs.llama_layers``, batch 8 x seq 2048, the loss ``sum(out * R)``,
@@ -47,7 +49,7 @@ from rich.table import Table  # noqa: E402
 
 import einjoin as ej  # noqa: E402
 from einjoin.models.graphs import llama_layers  # noqa: E402
-from einjoin.models.zoo import example  # noqa: E402
+from einjoin.models.zoo import GPT2Block, example  # noqa: E402
 from einjoin.plan.stats import human_bytes  # noqa: E402
 from einjoin.planner import plan_specs, seeded_eindecomp, state_cost  # noqa: E402
 from einjoin.planner.bounds import node_bound_bytes  # noqa: E402
@@ -144,6 +146,45 @@ def mlp_case() -> tuple[str, torch.nn.Module, list[tuple[torch.Tensor, ...]], An
     return "MLP 2 layers 512-2048-512, batch 1024", module, data, mse
 
 
+class TinyGPT(torch.nn.Module):
+    """A 2-layer GPT of hidden size 32: token and position embeddings, the zoo's GPT-2 blocks
+    (dropout 0.1, active: the Trainer captures training mode), a final LayerNorm and a head."""
+
+    def __init__(self, vocab: int = 256, dim: int = 32, seq: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.wpe = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = torch.nn.ModuleList(GPT2Block(dim, 4, seq) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(self.ln_f(h))
+        return out
+
+
+def gpt_build(reps: int) -> tuple[float, float]:
+    """(seconds to build the Trainer of a 2-layer hidden-32 GPT on local(2), median step seconds)."""
+    torch.manual_seed(0)
+    module = TinyGPT()
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 256, (8, 65), generator=g)
+    batch = (data[:, :-1].contiguous(), data[:, 1:].contiguous())
+    t0 = time.perf_counter()
+    trainer = ej.Trainer(module, batch, cross_entropy, optimizer=ej.optim.AdamW(lr=1e-3),
+                         devices=ej.local(DEVICES), backend="threads")
+    build = time.perf_counter() - t0
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        trainer.step(*batch)
+        times.append(time.perf_counter() - t0)
+    return build, statistics.median(times[1:])
+
+
 # --------------------------------------------------------------------------------------------
 # plan bytes of a LLaMA-7B layer's training step
 
@@ -226,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = _cpu()
     timed = [time_case(name, module, batches, loss_fn, args.reps, log)
              for name, module, batches, loss_fn in (llama_case(), mlp_case())]
+    log("2-layer hidden-32 GPT: building the Trainer")
+    gpt_s, gpt_step = gpt_build(args.reps)
     load = others_load(load0)
 
     step = llama_7b_step(batch=8, seq=2048)
@@ -247,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
                       "run_stats.bytes_loaded of the last step", human_bytes(t.loaded),
                       f"batch {human_bytes(t.batch_bytes)} (+ 8 B learning rate)", "-", "the batch only",
                       "yes" if 0 <= t.loaded <= t.batch_bytes + 8 else "no")
+    table.add_row("build the Trainer (measured): GPT, 2 layers, hidden 32, batch 8 x seq 64, dropout on",
+                  f"ej.Trainer(..., devices=local({DEVICES})): capture, grad, AdamW, plan, compile",
+                  f"{gpt_s:.1f} s", "-", "-", "<= 20 s", "yes" if gpt_s <= 20 else "no")
+    table.add_row("training step (measured): the same GPT", f"local({DEVICES}) threads; median of {args.reps}",
+                  f"{gpt_step:.3f} s", "-", "-", "<= 1 s", "yes" if gpt_step <= 1 else "no")
     g = step.graph
     for pl in plans:
         known = {k: v for k, v in pl.base.items() if v is not None}

@@ -316,8 +316,10 @@ class Trainer:
     def _init_state(self, sp: _StepProgram) -> None:
         """The state's first values: the module's parameters, the optimizer's initial state
         (``init_state``, as torch starts), empty gradient sums."""
+        from einjoin.ir.reference import to_numpy  # bfloat16 too (numpy has no such dtype)
         named = dict(self.module.named_parameters())
-        params = {n: np.array(named[n].detach().cpu().numpy(), copy=True) for n in self._trainable}
+        params = {n: np.array(to_numpy(named[n].detach().cpu().contiguous(), n), copy=True)
+                  for n in self._trainable}
         host = {PREFIX + n: a for n, a in params.items()}
         init = _method(self._update, self.optimizer, "init_state")(params)
         for k, old in self._update.state_in.items():
@@ -396,7 +398,7 @@ class Trainer:
         self.micro_steps += 1
         if self.micro_steps % self.accumulate == 0:
             self.steps += 1
-        return float(np.asarray(loss))
+        return float(loss)
 
     def evaluate(self, *batch: Any) -> float:
         """The loss on ``batch`` with the current parameters, the module in eval mode (no
@@ -410,7 +412,7 @@ class Trainer:
         feeds = self._feeds(sp, batch)
         feeds.update(self._current(sp.state))
         out = sp.prog.run(**feeds)
-        return float(np.asarray(out[0] if isinstance(out, (tuple, list)) else out))
+        return float(out[0] if isinstance(out, (tuple, list)) else out)
 
     # ---- torch state dicts
 

@@ -382,3 +382,20 @@ def test_errors() -> None:
         ej.Trainer(module, (x, y), lambda o, t: (o - t) ** 2, optimizer=ej.optim.SGD(lr=0.1))
     with pytest.raises(ej.EinjoinError, match="accumulate"):
         ej.Trainer(module, (x, y), mse, optimizer=ej.optim.SGD(lr=0.1), accumulate=0)
+
+
+def test_bfloat16_module_trains_like_torch() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 8, generator=g).bfloat16(), torch.randn(8, 4, generator=g).bfloat16())
+               for _ in range(3)]
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, mse, lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False))
+    np.testing.assert_allclose(losses, want, rtol=1e-2)
+    sd = trainer.state_dict()
+    assert all(v.dtype == torch.bfloat16 for v in sd.values())
+    for k, w in ref.state_dict().items():  # a bfloat16 ulp or two
+        assert float((sd[k].float() - w.float()).abs().max()) <= 2 ** -6 * float(w.float().abs().max()), k
+    module.load_state_dict(sd, strict=True)
