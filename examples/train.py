@@ -88,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{len(trainer.program.graph.ops)} ops, {len(trainer.parameter_names)} parameters, "
                   f"state {len(trainer.program.state)} tensors on 2 devices")
 
+    warm = 3 if len(work) > 6 else 0  # tokens/s after the first steps (torch's first steps are slow)
+
     def run(name: str, step) -> tuple[list[float], float]:  # type: ignore[no-untyped-def]
         losses: list[float] = []
-        spent = 0.0
+        spent, counted = 0.0, 0
         columns = (TextColumn(f"{name:8}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[rate]:,.0f} tokens/s"),
                    TimeElapsedColumn())
@@ -99,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             for b in work:
                 t = time.perf_counter()
                 losses.append(step(*b))
-                spent += time.perf_counter() - t
-                bar.update(task, advance=1, loss=losses[-1], rate=tokens * len(losses) / spent)
-        return losses, tokens * len(losses) / spent
+                if len(losses) > warm:
+                    spent += time.perf_counter() - t
+                    counted += 1
+                bar.update(task, advance=1, loss=losses[-1], rate=tokens * counted / spent if spent else 0.0)
+        return losses, tokens * counted / spent
 
     ours, our_rate = run("einjoin", trainer.step)
     reference.train()

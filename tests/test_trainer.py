@@ -399,3 +399,20 @@ def test_bfloat16_module_trains_like_torch() -> None:
     for k, w in ref.state_dict().items():  # a bfloat16 ulp or two
         assert float((sd[k].float() - w.float()).abs().max()) <= 2 ** -6 * float(w.float().abs().max()), k
     module.load_state_dict(sd, strict=True)
+
+
+def test_frozen_parameters_stay_as_they_are(tmp_path: pathlib.Path) -> None:
+    module, batches = mlp_task(4)
+    module.ups[0].requires_grad_(False)
+    ours, theirs = adamw(1e-2)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2)
+    assert "ups.0.weight" not in trainer.parameter_names and "ups.1.weight" in trainer.parameter_names
+    losses = [trainer.step(*b) for b in batches]
+    want, ref = torch_run(module, batches, mse, lambda ps: theirs(p for p in ps if p.requires_grad))
+    assert_matches(trainer, losses, want, ref)
+    assert torch.equal(trainer.state_dict()["ups.0.weight"], module.ups[0].weight)
+    # a file that is not a saved trainer
+    from safetensors.numpy import save_file
+    save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ej.EinjoinError, match="not a saved einjoin Trainer"):
+        ej.Trainer.load(tmp_path / "other.safetensors", module, batches[0], mse, devices=2)
