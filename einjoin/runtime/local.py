@@ -156,8 +156,8 @@ class LocalSession:
             return
         planned = self.tg.values[t.writes].nbytes
         store.reserve(t.writes, planned, t.scratch)
-        if kind is _LOAD and self.state is not None and self.state.load(t, store, planned, self.computes, self.feeds):
-            return  # a state block the last run left here (or one resident in host RAM)
+        if kind is _LOAD and self.state is not None and self.state.load(t, store, planned):
+            return  # a state block the last run left on this device: nothing loaded
         value = None
         if self.computes:
             if kind is _RELOAD:
@@ -175,7 +175,10 @@ class LocalSession:
         if kind is _MOVE:
             store.received += nbytes
         elif kind is _LOAD:
-            store.loaded += nbytes
+            if self.state is not None and t.node in self.state.on_host:
+                store.reloaded += nbytes  # state kept in host RAM (a capped graph): a reload
+            else:
+                store.loaded += nbytes
             self._throttle(start, nbytes)
         elif kind is _RELOAD:
             store.reloaded += nbytes

@@ -70,10 +70,6 @@ class StateSlot:
     output: int
 
 
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
 @dataclass
 class Resident:
     """A program's state between runs. ``blocks``: per state input, its blocks on their devices
@@ -146,26 +142,18 @@ class StateRun:
         """``tg`` with only the user's outputs (what a run fetches and returns)."""
         return dataclasses.replace(tg, outputs=tg.outputs[:self.n_outputs])
 
-    def load(self, t: Task, store: Store, planned: int, computes: bool, feeds: Mapping[Node, np.ndarray]
-             ) -> bool:
+    def load(self, t: Task, store: Store, planned: int) -> bool:
         """The ``load`` task ``t`` (its output already reserved in ``store``) served from the
-        state, if its input is resident: True when done here. A block resident on the device is
-        taken as it is (nothing loaded); one resident in host RAM is copied in (a reload)."""
-        node = t.node
-        blocks = self.resident.get(node)
-        if blocks is not None:
-            value = blocks[t.payload.box]
-            store.unreserve(t.scratch)
-            store.put(t.writes, value, planned if value is None else value.nbytes)
-            return True
-        if node in self.on_host:
-            value = np.array(feeds[node][_slices(t.payload.box)], order="C") if computes else None
-            store.unreserve(t.scratch)
-            nbytes = planned if value is None else value.nbytes
-            store.put(t.writes, value, nbytes)
-            store.reloaded += nbytes
-            return True
-        return False
+        state, if its input is resident on the device: True when done here (the block is taken
+        as it is: nothing loaded). A state input resident in host RAM (``on_host``) is fed, so
+        its load runs as any other and is counted as a reload by the session."""
+        blocks = self.resident.get(t.node)
+        if blocks is None:
+            return False
+        value = blocks[t.payload.box]
+        store.unreserve(t.scratch)
+        store.put(t.writes, value, planned if value is None else value.nbytes)
+        return True
 
     def keep(self, tg: TaskGraph, get: Any, capped: bool, feeds: Mapping[Node, np.ndarray]) -> None:
         """Keep the new values at the end of a run: their blocks where they are (``get(value id)``;
