@@ -81,7 +81,8 @@ class CompileOptions:
     - ``deterministic``: every run's results are bit-identical (partials combine in a fixed order;
       see :mod:`einjoin.runtime.state`);
     - ``fuse``: chains of elementwise einsums are fused into one node before planning
-      (:mod:`einjoin.ir.fuse`; the same values; off when ``specs`` names nodes).
+      (:mod:`einjoin.ir.fuse`; the same values); not for a planner given as a callable, nor
+      when ``specs`` name nodes that fusing would replace.
 
     >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
     (3, 'threads')
@@ -233,8 +234,8 @@ def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
 def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
     """Plan the join-agg specs of ``source``'s graph for ``cluster``, decompose, place, build the
     task graph and, under memory caps, cut finer until every task fits and plan evictions."""
-    if options.fuse and not options.specs:  # user specs name nodes of the graph as written
-        source = _fused(source)
+    if options.fuse and isinstance(options.planner, str):
+        source = _fused(source, options.specs)
     graph = source.graph
     caps = parse_caps(options.memory_limit, cluster.size, cluster)
     user = _user_specs(graph, options.specs)  # checked once, before the planner; read every lowering
@@ -260,12 +261,19 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
                         source.arg_names, source.bound, source.state)
 
 
-def _fused(source: Source) -> Source:
+def _fused(source: Source, specs: Any) -> Source:
     """``source`` with its elementwise chains fused (:func:`einjoin.ir.fuse.fuse_elementwise`):
-    the same outputs in the same places, state new values followed to their fused nodes."""
+    the same outputs in the same places, state new values followed to their fused nodes. Left
+    as written when user ``specs`` name a node the fused graph lacks (specs of the graph as
+    written; a fused program's ``prog.specs`` name the fused one). A planner given as a callable
+    is never fused for (it may return specs of the graph as written): the caller checks."""
     outs = fuse_elementwise(source.graph.outputs)
     if all(a is b for a, b in zip(outs, source.graph.outputs)):
         return source
+    if isinstance(specs, Mapping) and specs:
+        kept = set(Graph(outs).nodes)
+        if not all(getattr(k, "node", k) in kept for k in specs):
+            return source
     state = tuple(dataclasses.replace(s, new=outs[s.output]) for s in source.state)
     return dataclasses.replace(source, graph=Graph(outs), state=state)
 

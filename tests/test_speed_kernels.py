@@ -29,7 +29,14 @@ def naive(e: Expr, args: list[Any]) -> Any:
     if all(isinstance(v, (int, float, bool)) for v in vals):
         return evaluate(Call(e.fn, tuple(Const(v) for v in vals)), [])
     with np.errstate(all="ignore"):
+        if e.fn in TORCH_FORMULA and isinstance(vals[0], np.ndarray) and vals[0].dtype.kind == "f":
+            return TORCH_FORMULA[e.fn](vals[0])
         return FUNCTIONS[e.fn].impl(*vals)
+
+
+# sigmoid and silu are evaluated as torch computes them (numpy's vectorised exp; scipy's expit,
+# FUNCTIONS' implementation, is not vectorised)
+TORCH_FORMULA = {"sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "silu": lambda x: x / (1.0 + np.exp(-x))}
 
 
 _FLOAT_FNS = sorted(n for n, f in FUNCTIONS.items()
@@ -137,3 +144,22 @@ def test_tune_malloc_is_idempotent_and_runs_give_the_same_numbers() -> None:
     for backend in ("sync", "threads"):
         got = ej.compile(y, devices=2, backend=backend, quiet=True).run(xs, ws)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("fn", ["sigmoid", "silu"])
+def test_sigmoid_and_silu_match_torch_and_do_not_depend_on_the_block(fn: str, dtype: Any) -> None:
+    import torch
+
+    x = np.concatenate([np.random.default_rng(0).uniform(-30, 30, 4099),
+                        [0.0, -0.0, 100.0, -100.0, 1e-30, np.inf, -np.inf, np.nan]]).astype(dtype)
+    e = Call(fn, (Arg(0),))
+    got = evaluate(e, [x])
+    want = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu}[fn](torch.from_numpy(x)).numpy()
+    tiny = np.finfo(dtype).tiny  # expit gives denormals where 1 / (1 + inf) is 0, as in torch
+    np.testing.assert_allclose(got, want, rtol=4 * np.finfo(dtype).eps, atol=tiny)
+    # an element's value does not depend on where its block starts or ends
+    for a, b in [(1, 17), (3, 1000), (7, 4099), (13, 14)]:
+        np.testing.assert_array_equal(evaluate(e, [x[a:b]]), got[a:b])
+    for i in (0, 5, 4100, 4105):  # a 0-d block (a scalar tensor) too
+        np.testing.assert_array_equal(evaluate(e, [x[i].reshape(())]), got[i])
