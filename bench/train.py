@@ -34,7 +34,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,7 +91,7 @@ class Timed:
     batch_bytes: int
 
 
-def time_case(name: str, module: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]], loss_fn: Any,
+def time_case(name: str, module: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, ...]], loss_fn: Any,
               reps: int, log: Callable[[str], None]) -> Timed:
     reference = copy.deepcopy(module).train()
     t0 = time.perf_counter()
@@ -130,7 +130,7 @@ def time_case(name: str, module: torch.nn.Module, batches: list[tuple[torch.Tens
     return Timed(name, len(trainer.program.graph.ops), build_s, es, ts, err, loaded, batch_bytes)
 
 
-def llama_case() -> tuple[str, torch.nn.Module, list[tuple[torch.Tensor, ...]], Any]:
+def llama_case() -> tuple[str, torch.nn.Module, Sequence[tuple[torch.Tensor, ...]], Any]:
     batch, seq = 16, 128
     module, _ = example("llama", dim=64, layers=2, vocab=256, seq=seq, batch=batch)
     g = torch.Generator().manual_seed(1)
@@ -139,7 +139,7 @@ def llama_case() -> tuple[str, torch.nn.Module, list[tuple[torch.Tensor, ...]], 
             [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data], cross_entropy)
 
 
-def mlp_case() -> tuple[str, torch.nn.Module, list[tuple[torch.Tensor, ...]], Any]:
+def mlp_case() -> tuple[str, torch.nn.Module, Sequence[tuple[torch.Tensor, ...]], Any]:
     module, _ = example("mlp", dim=512, hidden=2048, layers=2, batch=1024)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(1024, 512, generator=g), torch.randn(1024, 512, generator=g)) for _ in range(4)]

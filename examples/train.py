@@ -35,7 +35,7 @@ def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def batches(data: np.ndarray, steps: int, batch: int, seq: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
     """``steps`` batches of ``batch`` random windows of the text: the tokens and the next ones."""
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[tuple[torch.Tensor, ...]] = []
     for _ in range(steps):
         starts = rng.integers(0, len(data) - seq - 1, batch)
         win = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64)

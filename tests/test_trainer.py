@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,7 +65,7 @@ def mlp_task(steps: int, seed: int = 0, batch: int = 16, dim: int = 32
     return module, batches
 
 
-def torch_run(module: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]], loss_fn, make_opt,
+def torch_run(module: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, ...]], loss_fn: Any, make_opt: Any,
               accumulate: int = 1, lrs: list[float] | None = None) -> tuple[list[float], torch.nn.Module]:
     """Train a copy of ``module`` as a torch user would; returns the losses and the module."""
     m = copy.deepcopy(module)
@@ -84,11 +86,11 @@ def torch_run(module: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]], 
     return losses, m
 
 
-def adamw(lr: float = 1e-2):
+def adamw(lr: float = 1e-2) -> tuple[Any, Any]:
     return (ej.optim.AdamW(lr=lr), lambda ps: torch.optim.AdamW(ps, lr=lr, foreach=False))
 
 
-def sgd(lr: float = 0.05):
+def sgd(lr: float = 0.05) -> tuple[Any, Any]:
     return (ej.optim.SGD(lr=lr, momentum=0.9, weight_decay=1e-3),
             lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=1e-3, foreach=False))
 
@@ -108,7 +110,7 @@ def assert_matches(trainer: ej.Trainer, losses: list[float], want: list[float], 
 
 
 @pytest.mark.parametrize("opt", [adamw, sgd], ids=["adamw", "sgd"])
-def test_mlp_matches_torch(opt) -> None:
+def test_mlp_matches_torch(opt: Any) -> None:
     module, batches = mlp_task(10)
     ours, theirs = opt()
     trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, backend="threads")
