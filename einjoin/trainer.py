@@ -133,7 +133,8 @@ class _StepProgram:
     hyper: dict[str, str] = field(default_factory=dict)  # hyper key -> input name
     seeded: bool = False            # reads dropout_seed
     apply: bool = False             # reads accumulate_apply
-    resident_fixed: bool = False    # the fixed inputs are state too (a training program)
+    resident_fixed: bool = False    # the fixed inputs are state too
+    version: int = -1               # an evaluation's: the Trainer.version its parameters are from
 
 
 # ---------------------------------------------------------------- the trainer
@@ -175,6 +176,7 @@ class Trainer:
         self.accumulate = accumulate
         self.seed = int(seed)
         self.steps = 0          # optimizer updates taken
+        self.version = 0        # bumped whenever the parameters or buffers change
         self.micro_steps = 0    # step() calls (micro-batches)
         self._lr = float(getattr(optimizer, "lr", 0.0))
         self._options = dict(devices=devices, memory_limit=memory, planner=planner, backend=backend, quiet=quiet)
@@ -305,11 +307,15 @@ class Trainer:
     def _compile_eval(self, batch: tuple[Any, ...], key: tuple[Any, ...]) -> _StepProgram:
         fn, loss = self._capture(batch, training=False)
         log.info("Trainer: compiling the evaluation for batch shapes %s", [list(s) for s, _ in key])
-        prog = ej_compile([loss], deterministic=True, **self._options)
         used = Graph([loss]).input_by_name
         params = tuple(PREFIX + n for n in self._trainable if PREFIX + n in used)
-        sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), params,
-                          self._fixed_inputs(fn, used), seeded=DROPOUT_SEED in used)
+        fixed = self._fixed_inputs(fn, used)
+        # the parameters and buffers as state that the evaluation leaves as it is: written when
+        # the training has changed them, resident across evaluations in between
+        kept = [Tensor(used[n]) for n in (*params, *fixed)]
+        prog = ej_compile([loss], state={t: t for t in kept}, deterministic=True, **self._options)
+        sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), params, fixed,
+                          seeded=DROPOUT_SEED in used, resident_fixed=True)
         self._evals[key] = sp
         return sp
 
@@ -394,6 +400,7 @@ class Trainer:
         self._take(sp)
         out = sp.prog.run(**feeds)
         self._host = {}  # the new values stay on the devices
+        self.version += 1
         loss = out[0] if isinstance(out, (tuple, list)) else out
         self.micro_steps += 1
         if self.micro_steps % self.accumulate == 0:
@@ -402,16 +409,17 @@ class Trainer:
 
     def evaluate(self, *batch: Any) -> float:
         """The loss on ``batch`` with the current parameters, the module in eval mode (no
-        dropout); no gradient, no update. Its own program (one per batch shape) reads the
-        parameters from the training program's devices: the first evaluation after a step costs
-        the parameters' bytes twice (read back to the host, loaded again); later ones until the
-        next step only the load."""
+        dropout); no gradient, no update. Its own program (one per batch shape) holds the
+        parameters as state: the first evaluation after a step (or a load) costs the parameters'
+        bytes twice (read back from the training program's devices to the host, loaded into the
+        evaluation's), later ones until the next step only the batch."""
         batch = self._check(batch, "evaluate")
         key = self._key(batch)
         sp = self._evals.get(key) or self._compile_eval(batch, key)
-        feeds = self._feeds(sp, batch)
-        feeds.update(self._current(sp.state))
-        out = sp.prog.run(**feeds)
+        if sp.version != self.version:
+            sp.prog.write_state({**self._current(sp.state), **{n: self._fixed[n] for n in sp.fixed}})
+            sp.version = self.version
+        out = sp.prog.run(**self._feeds(sp, batch))
         return float(out[0] if isinstance(out, (tuple, list)) else out)
 
     # ---- torch state dicts
@@ -490,6 +498,7 @@ class Trainer:
                 current[name] = np.array(arr, copy=True)
         self._host = current
         self._owner = None  # the next run writes the state to its program
+        self.version += 1
 
     # ---- safetensors
 
@@ -559,6 +568,7 @@ class Trainer:
                                    f"{old.dtype}{list(old.shape)}")
         trainer._host = dict(state)
         trainer._owner = None
+        trainer.version += 1
         trainer._fixed.update({k.removeprefix("fixed/"): v for k, v in tensors.items() if k.startswith("fixed/")})
         trainer.steps = int(meta["steps"])
         trainer.micro_steps = int(meta["micro_steps"])

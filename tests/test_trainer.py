@@ -193,7 +193,12 @@ def test_after_the_first_step_only_the_batch_is_loaded(model: str) -> None:
     trainer.step(*batches[1])
     batch_bytes = sum(t.numel() * t.element_size() for t in batches[1])
     assert trainer.program.run_stats.bytes_loaded == batch_bytes + 8  # and the learning rate (float64)
-    assert trainer.evaluate(*batches[2]) != first
+    # evaluation: its program holds the parameters until the next step changes them
+    ev = [trainer.evaluate(*batches[2]) for _ in range(2)]
+    (prog,) = [sp.prog for sp in trainer._evals.values()]
+    assert ev[0] == ev[1] != first and prog.run_stats.bytes_loaded == batch_bytes
+    trainer.step(*batches[2])
+    assert trainer.evaluate(*batches[2]) < ev[0] and prog.run_stats.bytes_loaded > batch_bytes
 
 
 # ---------------------------------------------------------------- state dicts and files
