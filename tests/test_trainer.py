@@ -311,7 +311,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: pathlib.Path) -> N
 # ---------------------------------------------------------------- the loop's knobs
 
 
-def test_accumulate_updates_with_the_mean_gradient() -> None:
+def test_accumulate_updates_with_the_mean_gradient(tmp_path: pathlib.Path) -> None:
     module, batches = mlp_task(8, batch=8)
     ours, theirs = adamw(1e-2)
     trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, accumulate=4)
@@ -319,6 +319,15 @@ def test_accumulate_updates_with_the_mean_gradient() -> None:
     assert trainer.steps == 2 and trainer.micro_steps == 8
     want, ref = torch_run(module, batches, mse, theirs, accumulate=4)
     assert_matches(trainer, losses, want, ref)
+    # saved in the middle of an accumulation (the gradient sums are state too), resumed exactly
+    first = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, accumulate=4)
+    for b in batches[:6]:
+        first.step(*b)
+    first.save(tmp_path / "mid.safetensors")
+    resumed = ej.Trainer.load(tmp_path / "mid.safetensors", module, batches[0], mse, devices=2)
+    assert resumed.accumulate == 4 and (resumed.steps, resumed.micro_steps) == (1, 6)
+    assert [resumed.step(*b) for b in batches[6:]] == losses[6:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), trainer.state_dict().values()))
 
 
 def test_lr_changes_without_replanning() -> None:
