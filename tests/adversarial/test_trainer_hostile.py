@@ -1,0 +1,422 @@
+"""Hostile review of issue 19's ``ej.Trainer`` as a torch user drives it: tied weights and a
+buffer the forward reads (state_dict strictness against ``module.load_state_dict``), loading
+weights and buffers then training on (vs torch), BatchNorm refused clearly, wrong batch arity /
+dtype / shape and a failing step that leave the state, learning-rate changes, accumulation with
+Nesterov SGD, evaluate changing nothing, a batch of another shape compiled once and cached
+(losses still torch's), float64 models, memory caps on 1/2/4 devices, and a save / load in a
+fresh process that resumes bit-identically mid-accumulation with dropout. Every comparison is
+against torch running the same loop (``torch.optim`` with ``foreach=False``)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+from torch import nn
+
+import einjoin as ej
+
+
+class Tied(nn.Module):
+    """An LM-ish head whose output projection is the embedding (tied), with a buffer it reads
+    and one it never reads."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("unused", torch.arange(3.0))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x))) * self.scale)
+
+
+def lm_loss(out, t):
+    return TF.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1))
+
+
+def _tokens(n, shape=(2, 5), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 11, shape, generator=g), torch.randint(0, 11, shape, generator=g)) for _ in range(n)]
+
+
+def _mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def _cls(n, rows=6, seed=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, 4, generator=g, dtype=dtype), torch.randint(0, 3, (rows,), generator=g))
+            for _ in range(n)]
+
+
+def _torch_step(model, opt, loss_fn, x, t):
+    opt.zero_grad()
+    loss = loss_fn(model(x), t)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _max_diff(sd, module):
+    return max(float((sd[k].double() - v.double()).abs().max()) for k, v in module.state_dict().items())
+
+
+# ---------------------------------------------------------------- tied weights, buffers, state_dict
+
+
+def test_tied_weights_buffers_and_lr_changes_follow_torch():
+    model, ref = Tied(), Tied()
+    batches = _tokens(6)
+    tr = ej.Trainer(model, batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    assert tr.parameter_names == ("emb.weight", "mid.weight", "mid.bias")  # tied: one state tensor
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for i, (x, t) in enumerate(batches):
+        if i == 3:  # a schedule: set between steps, no replanning
+            tr.lr = 3e-2
+            for group in opt.param_groups:
+                group["lr"] = 3e-2
+        want = _torch_step(ref, opt, lm_loss, x, t)
+        assert tr.step(x, t) == pytest.approx(want, rel=1e-5)
+    assert len(tr._programs) == 1
+    sd = tr.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert sd[k].shape == v.shape and sd[k].dtype == v.dtype, k
+    assert _max_diff(sd, ref) < 1e-6
+    assert torch.equal(sd["emb.weight"], sd["head.weight"])
+    fresh = Tied()
+    assert not fresh.load_state_dict(sd, strict=True).missing_keys
+    assert fresh.head.weight is fresh.emb.weight
+    sd["emb.weight"][0, 0] = 123.0  # a copy: the trainer is not changed
+    assert float(tr.state_dict()["emb.weight"][0, 0]) != 123.0
+
+
+def test_load_state_dict_weights_and_buffer_then_train_as_torch():
+    donor = Tied()
+    with torch.no_grad():
+        for p in donor.parameters():
+            p.mul_(-1.5).add_(0.1)
+        donor.scale.fill_(2.0)
+    sd = donor.state_dict()
+    batches = _tokens(3, seed=5)
+    tr = ej.Trainer(Tied(), batches[0], lm_loss, optimizer=ej.optim.SGD(lr=0.1, momentum=0.9), devices=2)
+    tr.load_state_dict(sd)
+    ref = Tied()
+    ref.load_state_dict(sd)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    for x, t in batches:
+        assert tr.step(x, t) == pytest.approx(_torch_step(ref, opt, lm_loss, x, t), rel=1e-5)
+    out = tr.state_dict()
+    assert float(out["scale"]) == 2.0 and _max_diff(out, ref) < 1e-5
+
+
+def test_load_state_dict_is_strict_about_keys_and_shapes():
+    batches = _tokens(1)
+    tr = ej.Trainer(Tied(), batches[0], lm_loss, devices=1)
+    sd = tr.state_dict()
+    before = tr.state_dict()
+    for bad, err, match in (
+            ({k: v for k, v in sd.items() if k != "mid.bias"}, ej.EinjoinError, "missing: mid.bias"),
+            ({**sd, "extra": torch.zeros(1)}, ej.EinjoinError, "unexpected: extra"),
+            ({**sd, "mid.bias": torch.zeros(7)}, ej.ShapeError, r"'mid.bias'.*\(7,\)"),
+            ({**sd, "unused": torch.zeros(4)}, ej.ShapeError, "'unused'")):
+        with pytest.raises(err, match=match):
+            tr.load_state_dict(bad)
+        after = tr.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    # tied keys given different values: the last one wins, as module.load_state_dict
+    sd2 = {**sd, "head.weight": torch.zeros(11, 6)}
+    tr.load_state_dict(sd2)
+    torch_module = Tied()
+    torch_module.load_state_dict(sd2)
+    assert torch.equal(tr.state_dict()["emb.weight"], torch_module.emb.weight.detach())
+
+
+@pytest.mark.xfail(strict=True, reason="Trainer.load_state_dict refuses a state dict of another float dtype "
+                   "(DTypeError 'mid.bias is torch.float64'), where module.load_state_dict(strict=True) copies "
+                   "and converts (float64 or bfloat16 checkpoints into a float32 model are common); its "
+                   "docstring says 'strict, as torch's', but torch's strict is about keys only "
+                   "(einjoin/trainer.py load_state_dict)")
+def test_load_state_dict_converts_dtypes_as_torch():
+    batches = _tokens(1)
+    tr = ej.Trainer(Tied(), batches[0], lm_loss, devices=1)
+    sd = {k: v.double() if v.is_floating_point() else v for k, v in Tied().state_dict().items()}
+    sd["mid.bias"] = torch.full((6,), 0.25, dtype=torch.float64)
+    module = Tied()
+    module.load_state_dict(sd, strict=True)  # torch: fine
+    tr.load_state_dict(sd)
+    assert tr.state_dict()["mid.bias"].dtype == torch.float32
+    assert torch.equal(tr.state_dict()["mid.bias"], module.mid.bias.detach())
+
+
+@pytest.mark.xfail(strict=True, reason="Trainer.load_state_dict has no strict= (TypeError), so a partial load "
+                   "(a checkpoint without the new head, module.load_state_dict(sd, strict=False)) cannot be "
+                   "done (einjoin/trainer.py load_state_dict)")
+def test_load_state_dict_strict_false_loads_the_keys_given():
+    batches = _tokens(1)
+    tr = ej.Trainer(Tied(), batches[0], lm_loss, devices=1)
+    part = {"mid.bias": torch.full((6,), 0.25)}
+    tr.load_state_dict(part, strict=False)
+    assert torch.equal(tr.state_dict()["mid.bias"], part["mid.bias"])
+
+
+def test_batchnorm_is_refused_clearly():
+    class BN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 8)
+            self.bn = nn.BatchNorm1d(8)
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.bn(self.lin(x))))
+
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with pytest.raises(ej.UnsupportedOpError, match=r"batch_norm(.|\n)*module\.bn \(BatchNorm1d\)"):
+        ej.Trainer(BN(), (x, y), TF.mse_loss, devices=1)
+
+
+# ---------------------------------------------------------------- batches: errors, shapes, evaluate
+
+
+def test_bad_batches_and_a_failing_step_leave_the_state():
+    batches = _tokens(2)
+    tr = ej.Trainer(Tied(), batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    tr.step(*batches[0])
+    before = tr.state_dict()
+    x, t = batches[1]
+    bad = [
+        (lambda: tr.step(x), ej.EinjoinError, "1 tensor.*had 2"),
+        (lambda: tr.step(x, t, t), ej.EinjoinError, "3 tensor.*had 2"),
+        (lambda: tr.step(x.int(), t), ej.DTypeError, "module argument 0 is int32.*int64"),
+        (lambda: tr.step(x, t.float()), ej.DTypeError, "the target is float32"),
+        (lambda: tr.step(x, t[:, :3]), ej.EinjoinError, "batch_size"),    # the loss's own shape check
+        (lambda: tr.step(torch.full((2, 5), 50), t), ej.EinjoinError, "index 50 out of range"),
+        (lambda: setattr(tr, "lr", float("nan")), ej.EinjoinError, "lr"),
+        (lambda: tr.evaluate(x), ej.EinjoinError, "1 tensor"),
+    ]
+    for make, err, match in bad:
+        with pytest.raises(err, match=match):
+            make()
+    tr.lr = float("inf")
+    with pytest.raises(ej.EinjoinError, match="lr=inf"):
+        tr.step(x, t)
+    after = tr.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert (tr.steps, tr.micro_steps) == (1, 1)
+    # and training goes on as torch from there
+    tr.lr = 1e-2
+    ref = Tied()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    _torch_step(ref, opt, lm_loss, *batches[0])
+    assert tr.step(x, t) == pytest.approx(_torch_step(ref, opt, lm_loss, x, t), rel=1e-5)
+
+
+def test_other_batch_shape_compiles_once_and_evaluate_changes_nothing(caplog):
+    ref = Tied()
+    a, b = _tokens(1)[0], _tokens(1, shape=(3, 4), seed=9)[0]
+    tr = ej.Trainer(Tied(), a, lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with caplog.at_level(logging.INFO, logger="einjoin.trainer"):
+        for _ in range(3):
+            for batch in (b, a):
+                assert tr.step(*batch) == pytest.approx(_torch_step(ref, opt, lm_loss, *batch), rel=1e-5)
+    compiles = [r for r in caplog.records if "compiling the training step" in r.getMessage()]
+    assert len(compiles) == 1 and "[3, 4]" in compiles[0].getMessage()
+    assert len(tr._programs) == 2
+    before, counters = tr.state_dict(), (tr.steps, tr.micro_steps)
+    ref.eval()
+    for batch in (a, b, a):
+        assert tr.evaluate(*batch) == pytest.approx(lm_loss(ref(batch[0]), batch[1]).item(), rel=1e-5)
+    after = tr.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert (tr.steps, tr.micro_steps) == counters
+    ref.train()
+    assert tr.step(*a) == pytest.approx(_torch_step(ref, opt, lm_loss, *a), rel=1e-5)
+
+
+def test_loss_and_module_misuse_is_refused_clearly():
+    (x, t), = _cls(1)
+    with pytest.raises(ej.ShapeError, match="scalar"):
+        ej.Trainer(_mlp(), (x, t), lambda o, y: TF.cross_entropy(o, y, reduction="none"), devices=1)
+    with pytest.raises(ej.EinjoinError, match="example_batch"):
+        ej.Trainer(_mlp(), (x,), TF.cross_entropy, devices=1)
+    frozen = _mlp().requires_grad_(False)
+    with pytest.raises(ej.EinjoinError, match="no trainable parameters"):
+        ej.Trainer(frozen, (x, t), TF.cross_entropy, devices=1)
+
+
+class _Spare(nn.Module):
+    """A model with a layer its forward never uses (an unused pooler, a head for another task)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _mlp()
+        torch.manual_seed(1)
+        self.spare = nn.Linear(2, 2)
+
+    def forward(self, v):
+        return self.body(v)
+
+
+@pytest.mark.xfail(strict=True, reason="a parameter the loss never reads gets a zero gradient and is updated "
+                   "anyway: AdamW's decoupled weight decay shrinks it every step (0.364 -> 0.312 after 3 steps "
+                   "at lr=0.1, wd=0.5) and it gets moment/step state, where torch.optim skips a parameter whose "
+                   ".grad is None and leaves it bit-identical (einjoin/trainer.py _compile: every trainable "
+                   "parameter goes to optimizer.update; refuse it, or pass it through unchanged)")
+def test_parameter_the_loss_never_reads_is_left_alone_as_torch():
+    (x, t), = _cls(1)
+    tr = ej.Trainer(_Spare(), (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW(lr=0.1, weight_decay=0.5),
+                    devices=1)
+    ref = _Spare()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.5, foreach=False)
+    for _ in range(3):
+        assert tr.step(x, t) == pytest.approx(_torch_step(ref, opt, TF.cross_entropy, x, t), rel=1e-5)
+    sd = tr.state_dict()
+    assert torch.equal(sd["spare.weight"], ref.spare.weight.detach())
+    assert torch.equal(sd["spare.weight"], _Spare().spare.weight.detach())
+
+
+@pytest.mark.xfail(strict=True, reason="Trainer(backend='null').step raises a bare TypeError ('float() argument "
+                   "must be ... not NoneType'): the null backend computes no loss and the trainer does not say "
+                   "so (einjoin/trainer.py step: float(out[0]))")
+def test_null_backend_step_says_it_computes_nothing():
+    (x, t), = _cls(1)
+    tr = ej.Trainer(_mlp(), (x, t), TF.cross_entropy, devices=2, backend="null")
+    with pytest.raises(ej.EinjoinError, match="null"):
+        tr.step(x, t)
+
+
+# ---------------------------------------------------------------- optimizers, accumulation, caps
+
+
+def test_accumulate_with_nesterov_sgd_matches_torch():
+    batches = _cls(8)
+    ref = _mlp()
+    tr = ej.Trainer(_mlp(), batches[0], TF.cross_entropy,
+                    optimizer=ej.optim.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+                    devices=2, accumulate=2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                          foreach=False)
+    for i, (x, t) in enumerate(batches):
+        loss = TF.cross_entropy(ref(x), t)
+        (loss / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        assert tr.step(x, t) == pytest.approx(loss.item(), rel=1e-5)
+        assert (tr.steps, tr.micro_steps) == ((i + 1) // 2, i + 1)
+    assert _max_diff(tr.state_dict(), ref) < 1e-6
+
+
+def test_float64_module_stays_float64_and_matches_torch_closely():
+    batches = _cls(4, dtype=torch.float64)
+    ref = _mlp(torch.float64)
+    tr = ej.Trainer(_mlp(torch.float64), batches[0], TF.cross_entropy, optimizer=ej.optim.AdamW(lr=1e-2),
+                    devices=3)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for x, t in batches:
+        assert tr.step(x, t) == pytest.approx(_torch_step(ref, opt, TF.cross_entropy, x, t), rel=1e-12)
+    sd = tr.state_dict()
+    assert all(v.dtype == torch.float64 for v in sd.values())
+    assert _max_diff(sd, ref) < 1e-12
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_memory_caps_and_loss_modules_match_torch(devices):
+    batches = _cls(4)
+    weight = torch.tensor([1.0, 2.0, 0.5])
+    crit = nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)
+    ref = _mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    want = [_torch_step(ref, opt, crit, x, t) for x, t in batches]
+    tr = ej.Trainer(_mlp(), batches[0], nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1),
+                    optimizer=ej.optim.AdamW(lr=1e-2), devices=devices, memory=600)
+    np.testing.assert_allclose([tr.step(x, t) for x, t in batches], want, rtol=1e-5)
+    assert _max_diff(tr.state_dict(), ref) < 1e-6
+    x, t = batches[-1]
+    assert tr.program.run_stats.bytes_loaded == x.numpy().nbytes + t.numpy().nbytes + 8  # + the lr
+
+
+# ---------------------------------------------------------------- save / load in a fresh process
+
+_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.nn.functional as TF
+    from torch import nn
+    import einjoin as ej
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.l1, self.drop, self.l2 = nn.Linear(4, 16), nn.Dropout(0.25), nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.l2(self.drop(torch.relu(self.l1(x))))
+
+    g = torch.Generator().manual_seed(2)
+    bs = [(torch.randn(12, 4, generator=g), torch.randint(0, 3, (12,), generator=g)) for _ in range(9)]
+    mode, path = sys.argv[1], sys.argv[2]
+    if mode == "full":
+        tr = ej.Trainer(Net(), bs[0], TF.cross_entropy, optimizer=ej.optim.AdamW(lr=1e-2, weight_decay=0.1),
+                        devices=2, accumulate=2, seed=7)
+        losses = []
+        for i, b in enumerate(bs):
+            if i == 5:  # mid-accumulation (an odd micro-step), then a new lr
+                tr.save(path)
+                tr.lr = 5e-3
+            losses.append(tr.step(*b))
+        losses = losses[5:]
+    else:
+        tr = ej.Trainer.load(path, Net(), bs[0], TF.cross_entropy, devices=2)
+        assert (tr.steps, tr.micro_steps, tr.lr) == (2, 5, 1e-2), (tr.steps, tr.micro_steps, tr.lr)
+        tr.lr = 5e-3
+        losses = [tr.step(*b) for b in bs[5:]]
+    sd = tr.state_dict()
+    print(repr(losses), repr(float(sum(v.double().sum() for v in sd.values()))))
+""")
+
+
+@pytest.mark.slow
+def test_save_then_load_in_a_fresh_process_resumes_bit_identically(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT)
+    path = str(tmp_path / "ckpt.safetensors")
+    outs = []
+    for mode in ("full", "resume"):
+        proc = subprocess.run([sys.executable, str(script), mode, path], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(proc.stdout.strip().splitlines()[-1])
+    assert outs[0] == outs[1]
+
+
+def test_load_refuses_another_module_and_another_optimizer(tmp_path):
+    batches = _cls(2)
+    tr = ej.Trainer(_mlp(), batches[0], TF.cross_entropy, optimizer=ej.optim.AdamW(lr=1e-2), devices=1)
+    tr.step(*batches[0])
+    path = tmp_path / "t.safetensors"
+    tr.save(path)
+    wider = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 3))
+    with pytest.raises(ej.EinjoinError, match=r"saved .*0\.(weight|bias).*float32\[8.*float32\[9"):
+        ej.Trainer.load(path, wider, batches[0], TF.cross_entropy, devices=1)
+    with pytest.raises(ej.EinjoinError, match="AdamW, not SGD"):
+        ej.Trainer.load(path, _mlp(), batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=1)
+    back = ej.Trainer.load(path, _mlp(), batches[0], TF.cross_entropy, devices=1)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), tr.state_dict().values()))
+    assert back.step(*batches[1]) == tr.step(*batches[1])  # the same devices: bit-identical
+    ref = copy.deepcopy(_mlp())
+    assert _max_diff(back.state_dict(), ref) > 0  # it did train
