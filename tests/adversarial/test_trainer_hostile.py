@@ -146,7 +146,8 @@ def test_load_state_dict_is_strict_about_keys_and_shapes():
 
 
 @pytest.mark.xfail(strict=True, reason="Trainer.load_state_dict refuses a state dict of another float dtype "
-                   "(DTypeError 'mid.bias is torch.float64'), where module.load_state_dict(strict=True) copies "
+                   "(DTypeError: 'scale' is torch.float64, the module's is torch.float32), where "
+                   "module.load_state_dict(strict=True) copies "
                    "and converts (float64 or bfloat16 checkpoints into a float32 model are common); its "
                    "docstring says 'strict, as torch's', but torch's strict is about keys only "
                    "(einjoin/trainer.py load_state_dict)")
