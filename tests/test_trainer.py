@@ -398,6 +398,21 @@ def test_errors() -> None:
         ej.Trainer(module, (x, y), lambda o, t: (o - t) ** 2, optimizer=ej.optim.SGD(lr=0.1))
     with pytest.raises(ej.EinjoinError, match="accumulate"):
         ej.Trainer(module, (x, y), mse, optimizer=ej.optim.SGD(lr=0.1), accumulate=0)
+    with pytest.raises(ej.EinjoinError, match="torch.nn.Module"):
+        ej.Trainer(lambda t: t, (x, y), mse)
+    with pytest.raises(ej.EinjoinError, match="callable"):
+        ej.Trainer(module, (x, y), "mse")
+    with pytest.raises(ej.EinjoinError, match=r"\(\*module_args, target\)"):
+        ej.Trainer(module, (x,), mse)
+    with pytest.raises(ej.EinjoinError, match="seed"):
+        ej.Trainer(module, (x, y), mse, seed=1.5)
+    with pytest.raises(ej.EinjoinError, match="lr"):
+        trainer.lr = "fast"
+    sd = trainer.state_dict()
+    with pytest.raises(ej.EinjoinError, match="unexpected: extra"):
+        trainer.load_state_dict({**sd, "extra": torch.zeros(1)})
+    with pytest.raises(ej.DTypeError, match="ups.0.bias"):
+        trainer.load_state_dict({**sd, "ups.0.bias": sd["ups.0.bias"].double()})
 
 
 def test_bfloat16_module_trains_like_torch() -> None:
