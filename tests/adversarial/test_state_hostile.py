@@ -109,6 +109,42 @@ def test_cancelled_or_partial_first_run_leaves_no_state():
     np.testing.assert_allclose(got[0], _np_step(X, Y, W, B)[0], rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["threads", "sync"])
+def test_a_run_cancelled_midway_or_async_keeps_a_whole_state(backend):
+    x, y, w, b, loss, state = _step_graph()
+    prog = ej.compile([loss], 3, state=state, backend=backend, quiet=True)
+    (X, Y), (W, B) = _batches(1)[0], _init()
+    prog.run(x=X, y=Y, w=W, b=B)
+    before = prog.read_state()
+    tok = ej.runtime.CancelToken()
+
+    class CancelAfter:
+        n = 0
+
+        def on_start(self, task):
+            self.n += 1
+            if self.n == 25:  # a third of the way in: some new state blocks already exist
+                tok.cancel()
+
+        def on_end(self, task, start, end):
+            pass
+
+    with pytest.raises(EinjoinError, match="cancelled"):
+        prog.run(x=X, y=Y, cancel=tok, callbacks=[CancelAfter()])
+    assert _same(prog.read_state(), before)
+    handle = prog.run_async(x=X, y=Y)
+    handle.cancel()
+    try:
+        handle.result()
+    except EinjoinError as e:
+        assert "cancelled" in str(e)
+    st = prog.read_state()
+    _, Wn, Bn = _np_step(X, Y, before["w"], before["b"])
+    if not _same(st, before):  # the cancel came too late: then exactly one whole step
+        np.testing.assert_allclose(st["w"], Wn, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(st["b"], Bn, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("devices", [1, 3])
 def test_int_bool_float64_and_scalar_state(devices):
     cnt, acc, m = ej.input("cnt", (), "int64"), ej.input("acc", (5,), "float64"), ej.input("m", (5,), "bool")

@@ -288,6 +288,24 @@ def test_clip_half_small_gradients_follow_torch(dtype):
         np.testing.assert_allclose(g.astype(np.float64), w, rtol=4 * ulp, atol=ulp * 1e-2)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0])
+def test_clip_mixed_dtypes_and_an_empty_gradient_as_torch(norm_type):
+    vals = {"a": np.array([3.0, 4.0], np.float32), "b": np.array([1.0, 2.0, 2.0]),
+            "e": np.zeros((0, 3), np.float32)}
+    ins = {n: ej.input(n, v.shape, v.dtype.name) for n, v in vals.items()}
+    clipped, total = ej.optim.clip_grad_norm(ins, 1.0, norm_type)
+    got = ej.reference([total, *clipped.values()], **vals)
+    ts = [torch.tensor(v, requires_grad=True) for v in vals.values()]
+    for t, v in zip(ts, vals.values()):
+        t.grad = torch.tensor(v)
+    want = torch.nn.utils.clip_grad_norm_(ts, 1.0, norm_type, foreach=False)
+    assert got[0].dtype == np.float64
+    np.testing.assert_allclose(got[0], want.numpy(), rtol=1e-12)
+    for g, t in zip(got[1:], ts):
+        assert g.dtype == t.grad.numpy().dtype and g.shape == tuple(t.shape)
+        np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-6)
+
+
 @pytest.mark.xfail(strict=True, reason="clip_grad_norm of float16 gradients squares them in float16: entries "
                    "of 300/400/1000 (norm 1118, well inside float16) give a total norm of inf and every "
                    "gradient clipped to 0; torch's vector_norm accumulates in float32 and returns 1118 "

@@ -323,6 +323,25 @@ def test_accumulate_with_nesterov_sgd_matches_torch():
     assert _max_diff(tr.state_dict(), ref) < 1e-6
 
 
+def test_accumulation_across_batch_shapes_matches_torch():
+    # micro-batches of 6 and 5 rows alternate: the gradient sums move between the two programs
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(r, 4, generator=g), torch.randint(0, 3, (r,), generator=g)) for r in (6, 5, 6, 5, 5, 6)]
+    tr = ej.Trainer(_mlp(), batches[0], TF.cross_entropy, optimizer=ej.optim.AdamW(lr=1e-2), devices=2,
+                    accumulate=2)
+    ref = _mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for i, (x, t) in enumerate(batches):
+        loss = TF.cross_entropy(ref(x), t)
+        (loss / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        assert tr.step(x, t) == pytest.approx(loss.item(), rel=1e-5)
+    assert len(tr._programs) == 2
+    assert _max_diff(tr.state_dict(), ref) < 1e-6
+
+
 def test_float64_module_stays_float64_and_matches_torch_closely():
     batches = _cls(4, dtype=torch.float64)
     ref = _mlp(torch.float64)
