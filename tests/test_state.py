@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
@@ -475,7 +475,8 @@ def test_random_graphs_with_state_match_the_oracle_step_after_step(data):
         prog = ej.compile(list(outs), devices, planner=planner, placement=placement, specs=specs,
                           backend=backend, state=state, memory_limit=cap, quiet=True, seed=3)
     except EinjoinError as e:  # a baseline that does not apply, a cap nothing fits under
-        assume(False, str(e))
+        note(f"not compiled: {e}")
+        assume(False)
     assert _carry_bytes(prog) == 0
     vals = dict(feeds)
     names = [x.node.op.name for x in state.values()]
