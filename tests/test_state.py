@@ -224,6 +224,21 @@ def test_failed_run_keeps_previous_state():
     tok.cancel()
     with pytest.raises(EinjoinError, match="cancelled"):
         prog.run(x=X, y=Y, cancel=tok)
+
+    class CancelMidway:  # cancels the run after some of its tasks ran
+        def __init__(self, tok):
+            self.tok, self.n = tok, 0
+
+        def on_start(self, task):
+            self.n += 1
+            if self.n == 8:
+                self.tok.cancel()
+
+        def on_end(self, task, start, end):
+            pass
+    tok = ej.runtime.CancelToken()
+    with pytest.raises(EinjoinError, match="cancelled with"):
+        prog.run(x=X, y=Y, cancel=tok, callbacks=[CancelMidway(tok)])
     after = prog.read_state()
     for k in before:
         np.testing.assert_array_equal(before[k], after[k])
