@@ -46,7 +46,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -118,6 +118,21 @@ def _method(update: Any, optimizer: Any, name: str) -> Callable[..., Any]:
     if fn is None:
         raise EinjoinError(f"the optimizer {type(optimizer).__name__} has no {name}()")
     return fn  # type: ignore[no-any-return]
+
+
+def _loss(out: Any, prog: Program, what: str) -> float:
+    """The loss a run returned, as a float."""
+    if out is None:
+        raise EinjoinError(f"Trainer.{what}: the {prog.backend.name!r} backend computes nothing (it schedules "
+                           f"and counts only), so there is no loss; use 'threads' or 'ray'")
+    return float(out[0] if isinstance(out, (tuple, list)) else out)
+
+
+class Keys(NamedTuple):
+    """What :meth:`Trainer.load_state_dict` did not match (torch's ``_IncompatibleKeys``)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 @dataclass
@@ -255,10 +270,22 @@ class Trainer:
 
     def _compile(self, batch: tuple[Any, ...], key: tuple[Any, ...]) -> _StepProgram:
         fn, loss = self._capture(batch, training=True)
-        missing = [n for n in self._trainable if PREFIX + n not in fn.parameters]
+        reached = Graph([loss]).input_by_name
+        if not self._programs:
+            # torch leaves a parameter the loss never reads alone (its .grad stays None, the
+            # optimizer skips it, no weight decay): so does the trainer, keeping it as it is
+            unread = [n for n in self._trainable if PREFIX + n not in reached]
+            if unread:
+                log.info("Trainer: the loss never reads %s; left as it is, as torch.optim leaves a "
+                         "parameter without a gradient", ", ".join(unread))
+                self._trainable = tuple(n for n in self._trainable if n not in unread)
+            if not self._trainable:
+                raise EinjoinError(f"Trainer: the loss reads none of {type(self.module).__name__}'s trainable "
+                                   f"parameters ({', '.join(unread)}): nothing to train")
+        missing = [n for n in self._trainable if PREFIX + n not in reached]
         if missing:
-            raise EinjoinError(f"Trainer: the loss does not read the parameter(s) {', '.join(missing)} "
-                               f"(freeze them with requires_grad_(False))")
+            raise EinjoinError(f"Trainer: for batch shapes {[list(s) for s, _ in key]} the loss does not read "
+                               f"the parameter(s) {', '.join(missing)}, which the first batch trained")
         params = {n: fn.parameters[PREFIX + n] for n in self._trainable}
         grads = dict(zip(params, grad(loss, list(params.values()))))
         new_of: dict[str, Tensor] = {}   # state input name -> its new value
@@ -398,14 +425,13 @@ class Trainer:
         sp = self._programs.get(key) or self._compile(batch, key)
         feeds = self._feeds(sp, batch)
         self._take(sp)
-        out = sp.prog.run(**feeds)
+        loss = _loss(sp.prog.run(**feeds), sp.prog, "step")
         self._host = {}  # the new values stay on the devices
         self.version += 1
-        loss = out[0] if isinstance(out, (tuple, list)) else out
         self.micro_steps += 1
         if self.micro_steps % self.accumulate == 0:
             self.steps += 1
-        return float(loss)
+        return loss
 
     def evaluate(self, *batch: Any) -> float:
         """The loss on ``batch`` with the current parameters, the module in eval mode (no
@@ -419,8 +445,7 @@ class Trainer:
         if sp.version != self.version:
             sp.prog.write_state({**self._current(sp.state), **{n: self._fixed[n] for n in sp.fixed}})
             sp.version = self.version
-        out = sp.prog.run(**self._feeds(sp, batch))
-        return float(out[0] if isinstance(out, (tuple, list)) else out)
+        return _loss(sp.prog.run(**self._feeds(sp, batch)), sp.prog, "evaluate")
 
     # ---- torch state dicts
 
@@ -466,39 +491,43 @@ class Trainer:
                 out[key] = torch.from_numpy(a.copy()).to(t.dtype)
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Set the parameters and buffers from a state dict with exactly ``module.state_dict()``'s
-        keys, shapes and dtypes (strict, as torch's); the optimizer state is kept."""
-        given = set(state_dict)
-        want = set(self._keys)
-        if given != want:
-            missing, extra = sorted(want - given), sorted(given - want)
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Keys:
+        """Set parameters and buffers from a state dict named like ``module.state_dict()``, as
+        ``module.load_state_dict`` does: with ``strict`` the keys must be exactly the module's
+        (else an EinjoinError naming the missing and unexpected ones), without it the keys given
+        are loaded and the rest kept; shapes must match; values are converted to the module's
+        dtypes (a float64 checkpoint into a float32 model). The optimizer state is kept. Returns
+        ``(missing_keys, unexpected_keys)``."""
+        import torch
+        from einjoin.ir.reference import to_numpy
+        missing = sorted(set(self._keys) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(self._keys))
+        if strict and (missing or unexpected):
             raise EinjoinError("Trainer.load_state_dict: keys do not match the module's state dict"
                                + (f"; missing: {', '.join(missing)}" if missing else "")
-                               + (f"; unexpected: {', '.join(extra)}" if extra else ""))
-        import torch
+                               + (f"; unexpected: {', '.join(unexpected)}" if unexpected else ""))
         current = self._current()
         for key, (name, t) in self._keys.items():
+            if key not in state_dict:
+                continue
             v = state_dict[key]
             v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
             if tuple(v.shape) != tuple(t.shape):
                 raise ShapeError(f"Trainer.load_state_dict: {key!r} has shape {tuple(v.shape)}, the module's "
                                  f"has {tuple(t.shape)}")
-            if v.dtype != t.dtype:
-                raise DTypeError(f"Trainer.load_state_dict: {key!r} is {v.dtype}, the module's is {t.dtype}")
+            v = v.detach().to(device="cpu", dtype=t.dtype)  # torch's copy_ converts the dtype too
             if not name:
-                self._kept[key] = v.detach().clone()
+                self._kept[key] = v.clone()
                 continue
-            a = v.detach().cpu()
-            like = current[name] if name in current else self._fixed[name]
-            arr = a.view(torch.uint16).numpy().view(like.dtype) if a.dtype == torch.bfloat16 else a.numpy()
+            arr = np.array(to_numpy(v.contiguous(), key), copy=True)
             if name in self._fixed:
-                self._fixed[name] = np.array(arr, copy=True)
+                self._fixed[name] = arr
             else:
-                current[name] = np.array(arr, copy=True)
+                current[name] = arr
         self._host = current
         self._owner = None  # the next run writes the state to its program
         self.version += 1
+        return Keys(missing, unexpected)
 
     # ---- safetensors
 
