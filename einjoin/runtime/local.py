@@ -162,6 +162,13 @@ class LocalSession:
         if self.computes:
             if kind is _RELOAD:
                 value = from_host(t, self.host, self.feeds)
+            elif kind is _MOVE and not self.capped:
+                # zero-copy: devices in one process share memory, and a block is never written
+                # in place once produced (a reduce copies its first partial, a touch fills its
+                # own buffer), so a move hands the source block over; it still counts the plan's
+                # bytes as moved. Under a cap every block owns its bytes (freeing one must free
+                # them), so a capped move copies.
+                value = self.stores[t.payload.src_device].get(t.reads[0])
             else:
                 # a move reads on its source device and writes on its destination
                 get = self.stores[t.payload.src_device].get if kind is _MOVE else store.get
