@@ -163,3 +163,27 @@ def test_sigmoid_and_silu_match_torch_and_do_not_depend_on_the_block(fn: str, dt
         np.testing.assert_array_equal(evaluate(e, [x[a:b]]), got[a:b])
     for i in (0, 5, 4100, 4105):  # a 0-d block (a scalar tensor) too
         np.testing.assert_array_equal(evaluate(e, [x[i].reshape(())]), got[i])
+
+
+def test_a_local_move_hands_the_block_over_and_counts_the_planned_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from einjoin.exchange import TaskKind
+    from einjoin.runtime.local import LocalSession
+
+    handed: list[bool] = []
+    real = LocalSession.execute
+
+    def execute(self: LocalSession, t: Any) -> None:
+        real(self, t)
+        if t.kind is TaskKind.MOVE:
+            src = self.stores[t.payload.src_device].get(t.reads[0])
+            handed.append(self.stores[t.device].get(t.writes) is src)
+
+    monkeypatch.setattr(LocalSession, "execute", execute)
+    x, w = ej.input("x", (64, 32)), ej.input("w", (32, 48))
+    y = ej.tanh(x @ w).sum(0)
+    rng = np.random.default_rng(0)
+    xs, ws = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((32, 48)).astype(np.float32)
+    prog = ej.compile(y, devices=2, backend="sync", quiet=True)
+    np.testing.assert_allclose(prog.run(xs, ws), ej.reference(y, x=xs, w=ws), rtol=1e-5, atol=1e-5)
+    assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+    assert handed and all(handed), "a move copied its block"
