@@ -145,6 +145,31 @@ def test_a_run_cancelled_midway_or_async_keeps_a_whole_state(backend):
         np.testing.assert_allclose(st["b"], Bn, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_outputs_never_alias_blocks_a_later_run_reuses(devices):
+    # returned arrays stay as they were after later runs, writing into them touches no state,
+    # and an output is never a view of a fed array (zero-copy loads and moves, reused memory)
+    x, y, w, b, loss, state = _step_graph()
+    new_w = next(iter(state))
+    prog = ej.compile([loss, new_w, x * 2.0], devices, state=state, quiet=True)
+    batches, (W, B) = _batches(3), _init()
+    first = prog.run(x=batches[0][0], y=batches[0][1], w=W, b=B)
+    kept = [np.array(a, copy=True) for a in first]
+    last = None
+    for X, Y in batches[1:]:
+        last = prog.run(x=X, y=Y)
+    for a, k in zip(first, kept):
+        np.testing.assert_array_equal(a, k)
+    st = prog.read_state()
+    for a in last:
+        a[...] = 5.0
+    assert _same(prog.read_state(), st)
+    X = batches[0][0].copy()
+    out = prog.run(x=X, y=batches[0][1])
+    X[:] = 3.0
+    np.testing.assert_allclose(out[2], batches[0][0] * 2.0)
+
+
 @pytest.mark.parametrize("devices", [1, 3])
 def test_int_bool_float64_and_scalar_state(devices):
     cnt, acc, m = ej.input("cnt", (), "int64"), ej.input("acc", (5,), "float64"), ej.input("m", (5,), "bool")

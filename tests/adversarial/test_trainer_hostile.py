@@ -489,3 +489,23 @@ def test_load_refuses_another_module_and_another_optimizer(tmp_path):
     assert back.step(*batches[1]) == tr.step(*batches[1])  # the same devices: bit-identical
     ref = copy.deepcopy(_mlp())
     assert _max_diff(back.state_dict(), ref) > 0  # it did train
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_ray_backend_trains_as_torch_and_resumes(ray_session, tmp_path):
+    pytest.importorskip("ray")
+    batches = _cls(5)
+    ref = _mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    want = [_torch_step(ref, opt, TF.cross_entropy, x, t) for x, t in batches]
+    tr = ej.Trainer(_mlp(), batches[0], TF.cross_entropy, optimizer=ej.optim.AdamW(lr=1e-2), devices=2,
+                    backend="ray")
+    got = [tr.step(x, t) for x, t in batches[:3]]
+    tr.save(tmp_path / "r.safetensors")
+    got += [tr.step(x, t) for x, t in batches[3:]]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert _max_diff(tr.state_dict(), ref) < 1e-6
+    back = ej.Trainer.load(tmp_path / "r.safetensors", _mlp(), batches[0], TF.cross_entropy, devices=2,
+                           backend="ray")
+    assert [back.step(x, t) for x, t in batches[3:]] == got[3:]  # bit-identical resume on Ray
