@@ -351,7 +351,11 @@ def clip_grad_norm(grads: dict[str, Tensor], max_norm: float, norm_type: float =
 
 
 def _norm(x: Tensor, p: float) -> Tensor:
-    """torch.linalg.vector_norm(x, p) over all elements."""
+    """torch.linalg.vector_norm(x, p) over all elements, in ``x``'s dtype; a half ``x`` is
+    raised to float32 first and the norm rounded once at the end, as torch accumulates (the
+    squares of fp16 gradients of a few hundred would overflow fp16, their norm does not)."""
+    if x.dtype in ("float16", "bfloat16"):
+        return _norm(x.to("float32"), p).to(x.dtype)
     if p == math.inf:
         return x.abs().max() if x.node.size else F.full((), 0.0, x.dtype)
     if p == 2.0:
