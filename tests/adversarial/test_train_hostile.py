@@ -597,9 +597,6 @@ def test_nn_logsoftmax_then_nllloss_with_export():
     _check_module(_CritHead(nn.NLLLoss(reduction="sum"), log_softmax=True), "cls", "export")
 
 
-@pytest.mark.xfail(strict=True, reason="from_torch(method='fx') has no translation of the nn.LogSoftmax module "
-                   "(nn.Softmax has one), so the classic nn.LogSoftmax + nn.NLLLoss head fails under fx with "
-                   "UnsupportedOpError (einjoin/frontend/torch.py MODULES)")
 def test_nn_logsoftmax_then_nllloss_with_fx():
     _check_module(_CritHead(nn.NLLLoss(reduction="sum"), log_softmax=True), "cls", "fx")
 
