@@ -187,3 +187,19 @@ def test_a_local_move_hands_the_block_over_and_counts_the_planned_bytes(monkeypa
     np.testing.assert_allclose(prog.run(xs, ws), ej.reference(y, x=xs, w=ws), rtol=1e-5, atol=1e-5)
     assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
     assert handed and all(handed), "a move copied its block"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_where_selects_the_same_bits_as_np_where(dtype: Any) -> None:
+    rng = np.random.default_rng(3)
+    special_values = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -2.5], dtype)
+    a = np.concatenate([special_values, rng.standard_normal(500)]).astype(dtype).reshape(-1, 1)
+    b = rng.standard_normal((1, 7)).astype(dtype)
+    cond = rng.random((a.shape[0], 7)) < 0.5
+    e = Call("where", (Arg(0), Arg(1), Arg(2)))
+    for args in ([cond, a, b], [cond, a, 0.0], [cond, 0.0, b], [cond, -0.0, b], [cond, a, -np.inf],
+                 [cond[:, :1], a, b], [cond, 2, b], [cond, a, a.astype(np.float16)], [cond, 1.0, 2.0]):
+        want = np.where(*args)
+        got = evaluate(e, list(args))
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
