@@ -170,6 +170,33 @@ def test_outputs_never_alias_blocks_a_later_run_reuses(devices):
     np.testing.assert_allclose(out[2], batches[0][0] * 2.0)
 
 
+@pytest.mark.parametrize("planner", ["auto", "data_parallel", "split_largest"])
+@pytest.mark.parametrize("devices", [1, 3])
+def test_state_that_swaps_rotates_or_resets_reads_the_old_values(devices, planner):
+    # new values computed from other state inputs: every new value reads the OLD values (no
+    # block is overwritten before all its readers ran, whatever moves are zero-copy)
+    a, b, s = ej.input("a", (6,)), ej.input("b", (6,)), ej.input("s", (6,))
+    A, Bv, S = np.zeros(6, np.float32), np.ones(6, np.float32), np.full(6, 2.0, np.float32)
+    swap = ej.compile([(a * 1.0).sum()], devices, planner=planner, state={b * 2.0: a, a * 2.0: b}, quiet=True)
+    swap.run(a=A, b=Bv)
+    st = swap.read_state()
+    np.testing.assert_array_equal(st["a"], Bv * 2)
+    np.testing.assert_array_equal(st["b"], A * 2)
+    swap.run()
+    np.testing.assert_array_equal(swap.read_state()["b"], Bv * 4)
+    rot = ej.compile([s.sum()], devices, planner=planner, state={b + 0.0: a, s * 1.0: b, a + 1.0: s}, quiet=True)
+    rot.run(a=A, b=Bv, s=S)
+    rot.run()
+    st = rot.read_state()
+    np.testing.assert_array_equal(st["a"], S)        # a <- b <- s
+    np.testing.assert_array_equal(st["b"], A + 1)    # b <- s <- a + 1
+    np.testing.assert_array_equal(st["s"], Bv + 1)   # s <- a + 1 <- b + 1
+    reset = ej.compile([a.sum()], devices, planner=planner, state={ej.zeros((6,)): a}, quiet=True)
+    assert [float(reset.run(a=Bv)[0]), float(reset.run()[0])] == [6.0, 0.0]
+    with pytest.raises(EinjoinError, match="is the state input 'b' itself"):
+        ej.compile([a.sum()], devices, planner=planner, state={b: a, a: b}, quiet=True)
+
+
 @pytest.mark.parametrize("devices", [1, 3])
 def test_int_bool_float64_and_scalar_state(devices):
     cnt, acc, m = ej.input("cnt", (), "int64"), ej.input("acc", (5,), "float64"), ej.input("m", (5,), "bool")
