@@ -170,7 +170,7 @@ def test_outputs_never_alias_blocks_a_later_run_reuses(devices):
     np.testing.assert_allclose(out[2], batches[0][0] * 2.0)
 
 
-@pytest.mark.parametrize("planner", ["auto", "data_parallel", "split_largest"])
+@pytest.mark.parametrize("planner", ["auto", "split_largest", "single"])
 @pytest.mark.parametrize("devices", [1, 3])
 def test_state_that_swaps_rotates_or_resets_reads_the_old_values(devices, planner):
     # new values computed from other state inputs: every new value reads the OLD values (no
