@@ -176,6 +176,25 @@ def test_softmax_modules_under_fx_pick_torchs_dim(module, shape):
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("case", ["ce-weight", "ce-smoothing", "nll-none", "module-ce"])
+def test_imported_out_of_range_class_is_an_error_at_run_time(case):
+    # torch raises IndexError; einjoin's gather of the class weights raises naming the index, on
+    # the reference and on a compiled program, and a valid batch then runs as before
+    fn, target = CASES[case]
+    x, good = torch.randn(6, 4, dtype=torch.float64), target()
+    bad = good.clone()
+    bad[3] = 5
+    with pytest.raises(IndexError):
+        Head(fn)(x, bad)
+    imported = ej.from_torch(Head(fn), (x, good))
+    prog = ej.compile(imported, devices=2, quiet=True)
+    for run in (imported.reference, prog.run):
+        with pytest.raises(ej.EinjoinError, match="index 5 out of range"):
+            run(x.numpy(), bad.numpy())
+    np.testing.assert_allclose(prog.run(x.numpy(), good.numpy()), imported.reference(x.numpy(), good.numpy()),
+                               rtol=RTOL)
+
+
 def test_all_targets_ignored_is_nan_as_torch():
     x = torch.randn(3, 5, dtype=torch.float64)
     t = torch.full((3,), -100)

@@ -28,10 +28,10 @@ NOTES: dict[str, str] = {
     "arange": "non-empty ranges",
     "_scaled_dot_product_flash_attention_for_cpu": "the output only (the logsumexp is for backward)",
     "cross_entropy": "class-index (int64) or class-probability targets, `weight`, `ignore_index`, "
-                     "`label_smoothing`; a target out of range counts 0 (torch raises)",
+                     "`label_smoothing`; a class index out of range is an error at run time (as torch)",
     "cross_entropy_loss": "as `cross_entropy`",
-    "nll_loss": "class-index targets, `weight`, `ignore_index`; a target out of range counts 0 "
-                "(torch raises)",
+    "nll_loss": "class-index targets, `weight`, `ignore_index`; a class index out of range is an "
+                "error at run time (as torch)",
     "nll_loss_forward": "as `nll_loss`; returns (the loss, the total weight of the counted targets)",
     "mse_loss": "no `weight`",
     "broadcast_tensors": "tensors only",

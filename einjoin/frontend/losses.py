@@ -5,8 +5,11 @@ frontend, and their translations for the torch importer (:data:`LOSS_OPS`, merge
 The target's class is picked without a gather: one EinSum over (log-probabilities, targets, class
 indices) with the join ``where(target == class, -logp, 0)`` summed over the class label, so the
 pick is decomposed like any op (cut along the batch, the classes, or both) and its gradient is
-the same select. Ignored targets (``ignore_index``) count 0 and are left out of the mean's
-denominator, as in torch (a mean over no target at all is nan, as torch's).
+the same select. Each target's class weight (1 without ``weight``) is read by a gather from a
+table of C entries, whose run-time index check makes a class index outside ``[0, C)`` (other
+than ``ignore_index``) an error naming it, as torch raises. Ignored targets (``ignore_index``)
+count 0 and are left out of the mean's denominator, as in torch (a mean over no target at all
+is nan, as torch's).
 
 >>> import numpy as np, einjoin as ej
 >>> logits = ej.input("logits", (2, 3), "float64"); target = ej.input("target", (2,), "int64")
@@ -24,7 +27,7 @@ from typing import Any
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
-from einjoin.frontend.tensor import LETTERS, Tensor, _t, broadcast_shapes, einsum, elementwise
+from einjoin.frontend.tensor import LETTERS, Tensor, _t, broadcast_shapes, einsum, elementwise, gather
 from einjoin.ir.dtypes import FLOAT_DTYPES, kind, promote
 from einjoin.ir.scalar import parse_join
 
@@ -103,16 +106,19 @@ def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
     classes = F.arange(n_classes)
     # an ignored target of a valid class must match no class: it becomes -1 (any other ignored
     # value, -100 by default, matches none already)
+    ignored = target == ignore_index
     picked = target if not 0 <= ignore_index < n_classes else elementwise(
-        "where", target == ignore_index, -1, target, name=f"{what} ignore_index")
-    if weight is None:
-        loss = einsum(f"{ls},{tl},{c}->{tl}", logp, picked, classes, join="where(x1 == x2, -x0, 0)")
-        wt = elementwise("where", target == ignore_index, 0, 1, name=f"{what} counted").to(logp.dtype)
-    else:
-        loss = einsum(f"{ls},{tl},{c},{c}->{tl}", logp, picked, classes, weight,
-                      join="where(x1 == x2, -(x0 * x3), 0)")
-        wt = einsum(f"{tl},{c},{c}->{tl}", picked, classes, weight, join="where(x0 == x1, x2, 0)")
-    return loss, wt, c
+        "where", ignored, -1, target, name=f"{what} ignore_index")
+    # each target's weight w[t] (1 without a weight), 0 where ignored, read by a gather: the
+    # gather checks its indices at run time, so a class outside [0, C) that is not ignore_index
+    # is an error naming it ("index 3 out of range"), as torch raises, not a silent loss of 0
+    table = weight if weight is not None else F.full((n_classes,), 1.0, logp.dtype)
+    rows = elementwise("where", ignored, 0, target, name=f"{what} ignored to row 0")
+    wt = F.where(ignored, 0.0, gather(table, rows))
+    # -logp[t] by one EinSum over the classes (decomposed like any op), times w[t]: the same
+    # bits as -(logp[t] * w[t]) (negation is exact), and 0 where ignored (the pick matches none)
+    pick = einsum(f"{ls},{tl},{c}->{tl}", logp, picked, classes, join="where(x1 == x2, -x0, 0)")
+    return pick * wt, wt, c
 
 
 def _reduce(loss: Tensor, wt: Tensor, reduction: str) -> Tensor:

@@ -448,11 +448,6 @@ def test_every_variant_compiled_matches_torch_autograd(devices):
     _loss_vs_torch(ce, tce, np.zeros((0, 5)), np.zeros(0, np.int64), devices)
 
 
-@pytest.mark.xfail(strict=True, reason="cross_entropy / nll_loss with a class index outside [0, C) that is not "
-                   "ignore_index (3 with C=3, or -1) silently counts a loss of 0 for it and 1 in the mean's "
-                   "denominator (a wrong loss, no error); torch raises IndexError 'Target 3 is out of "
-                   "bounds' and einjoin's own embedding/gather raise 'index 5 out of range' "
-                   "(einjoin/frontend/losses.py _nll: the where(target == class) pick has no range check)")
 @pytest.mark.parametrize("bad", [3, -1, 7])
 def test_out_of_range_targets_raise(bad):
     xi, ti = ej.input("x", (4, 3), "float64"), ej.input("t", (4,), "int64")
