@@ -206,6 +206,8 @@ def test_bad_batches_and_a_failing_step_leave_the_state():
         (lambda: tr.step(x, t.float()), ej.DTypeError, "the target is float32"),
         (lambda: tr.step(x, t[:, :3]), ej.EinjoinError, "batch_size"),    # the loss's own shape check
         (lambda: tr.step(torch.full((2, 5), 50), t), ej.EinjoinError, "index 50 out of range"),
+        (lambda: tr.step(x, torch.full((2, 5), 11)), ej.EinjoinError, "index 11 out of range"),  # a target
+        (lambda: tr.step(x, torch.full((2, 5), -3)), ej.EinjoinError, "-3"),
         (lambda: setattr(tr, "lr", float("nan")), ej.EinjoinError, "lr"),
         (lambda: tr.evaluate(x), ej.EinjoinError, "1 tensor"),
     ]
