@@ -393,6 +393,24 @@ def test_dropout_is_seeded_reproducible_and_scaled_as_torch():
     assert tr.evaluate(x, t) == pytest.approx(TF.cross_entropy(ref(x), t).item(), rel=1e-5)  # no dropout
 
 
+def test_every_planner_trains_a_layernorm_gelu_mlp_as_torch():
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+    batches = _cls(3, rows=8)
+    ref = net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    want = [_torch_step(ref, opt, TF.cross_entropy, x, t) for x, t in batches]
+    for planner in ("auto", "zero", "data_parallel", "split_largest", "single"):
+        tr = ej.Trainer(net(), batches[0], TF.cross_entropy, optimizer=ej.optim.AdamW(lr=1e-2), devices=4,
+                        planner=planner)
+        np.testing.assert_allclose([tr.step(x, t) for x, t in batches], want, rtol=1e-5, err_msg=planner)
+        assert _max_diff(tr.state_dict(), ref) < 1e-6, planner
+        x, t = batches[-1]
+        assert tr.program.run_stats.bytes_loaded == x.numpy().nbytes + t.numpy().nbytes + 8, planner
+
+
 def test_float64_module_stays_float64_and_matches_torch_closely():
     batches = _cls(4, dtype=torch.float64)
     ref = _mlp(torch.float64)
