@@ -493,6 +493,24 @@ def test_save_then_load_in_a_fresh_process_resumes_bit_identically(tmp_path):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("options", [dict(devices=3, memory=600), dict(devices=2, planner="zero", backend="sync")],
+                         ids=["cap-3-devices", "zero-sync"])
+def test_resume_is_bit_identical_under_a_cap_and_with_zero_sync(tmp_path, options):
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+    batches = _cls(8, rows=8)
+    tr = ej.Trainer(net(), batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1, momentum=0.9), **options)
+    for b in batches[:4]:
+        tr.step(*b)
+    tr.save(tmp_path / "c.safetensors")
+    full = [tr.step(*b) for b in batches[4:]]
+    back = ej.Trainer.load(tmp_path / "c.safetensors", net(), batches[0], TF.cross_entropy, **options)
+    assert [back.step(*b) for b in batches[4:]] == full
+    assert all(torch.equal(a, b) for a, b in zip(tr.state_dict().values(), back.state_dict().values()))
+
+
 def test_load_refuses_another_module_and_another_optimizer(tmp_path):
     batches = _cls(2)
     tr = ej.Trainer(_mlp(), batches[0], TF.cross_entropy, optimizer=ej.optim.AdamW(lr=1e-2), devices=1)
