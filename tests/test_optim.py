@@ -139,17 +139,18 @@ def test_update_interface():
     grads = {"w": ej.input("gw", (3, 2)), "b": ej.input("gb", (2,), "float32")}
     up = ej.optim.AdamW(lr=1e-3).update({"w": w, "b": b}, grads)
     assert set(up.state_in) == {"exp_avg.w", "exp_avg_sq.w", "exp_avg.b", "exp_avg_sq.b", "step"}
-    assert set(up.state_out) == set(up.state_in) and set(up.hyper) == {"lr"}
+    # the learning rate is named after the first parameter: one per update (see the groups test)
+    assert set(up.state_out) == set(up.state_in) and set(up.hyper) == {"lr.w"}
     for k, t in up.state_in.items():
         assert t.shape == up.state_out[k].shape and t.dtype == up.state_out[k].dtype, k
     assert up.state_in["step"].dtype == "float64" and up.state_in["step"].shape == ()
-    assert up.hyper["lr"].dtype == "float64"
+    assert up.hyper["lr.w"].dtype == "float64" and up.hyper["lr.w"].shape == ()
     # a float64 param stays float64 (its float32 gradient is cast), a float32 one float32
     assert up.params["b"].dtype == "float64" and up.params["w"].dtype == "float32"
     init = up.init_state({"w": np.ones((3, 2), np.float32)})
     assert init["exp_avg_sq.b"].dtype == np.float64 and not init["exp_avg.w"].any()
     assert float(init["step"]) == 0.0
-    assert float(up.hyper_values()["lr"]) == 1e-3 and float(up.hyper_values(0.5)["lr"]) == 0.5
+    assert up.hyper_values() == {"lr.w": 1e-3} and up.hyper_values(0.5) == {"lr.w": 0.5}
     with pytest.raises(ej.ShapeError, match="'w'.*\\(4,\\)"):
         up.init_state({"w": np.ones(4)})
     with pytest.raises(ej.EinjoinError, match="'zz'"):
@@ -160,6 +161,66 @@ def test_update_interface():
     assert set(sgd.state_in) == {"step"}
     assert set(ej.optim.SGD(lr=0.1, momentum=0.9).update({"w": w}, {"w": grads["w"]}).state_in) == {
         "step", "momentum_buffer.w"}
+
+
+@pytest.mark.parametrize("devices", ["reference", 2])
+def test_two_optimizers_in_one_graph_are_torchs_param_groups(devices):
+    # AdamW with weight decay on the matrix, without on the bias, each group on its own lr
+    # schedule, in one graph: as torch's one optimizer with two param groups
+    p0, grads = _data("float64", 4, seed=7)
+    lr_w, lr_b = [1e-2, 5e-3, 2e-3, 1e-3], [0.1, 0.05, 0.05, 0.02]
+    params = {n: ej.param(n, v.shape, v.dtype.name) for n, v in p0.items()}
+    gins = {n: ej.input(f"grad.{n}", v.shape, v.dtype.name) for n, v in p0.items()}
+    u1 = ej.optim.AdamW(lr=1.0, weight_decay=0.1).update({"w": params["w"]}, {"w": gins["w"]})
+    u2 = ej.optim.AdamW(lr=1.0, weight_decay=0.0).update({"b": params["b"], "s": params["s"]},
+                                                          {"b": gins["b"], "s": gins["s"]})
+    assert set(u1.hyper) == {"lr.w"} and set(u2.hyper) == {"lr.b"}
+    assert u1.state_in["step"].node is u2.state_in["step"].node  # one step count: the groups step together
+    outs = {**u1.params, **u2.params}
+    state_in = {**u1.state_in, **u2.state_in}
+    state_out = {**u1.state_out, **u2.state_out}
+    every = [*outs.values(), *state_out.values()]
+    prog = None if devices == "reference" else ej.compile(every, devices=devices, quiet=True)
+
+    def run(feeds):
+        return ej.reference(every, **feeds) if prog is None else prog.run(**feeds)
+
+    ps, state = dict(p0), {**u1.init_state(), **u2.init_state()}
+    ts = {n: torch.tensor(v.copy(), requires_grad=True) for n, v in p0.items()}
+    topt = torch.optim.AdamW([{"params": [ts["w"]], "weight_decay": 0.1},
+                              {"params": [ts["b"], ts["s"]], "weight_decay": 0.0}], lr=1.0, foreach=False)
+    for k, g in enumerate(grads):
+        feeds = {**ps, **{f"grad.{n}": v for n, v in g.items()}, **state, **u1.hyper_values(lr_w[k]),
+                 **u2.hyper_values(lr_b[k])}
+        res = run(feeds)
+        ps = dict(zip(outs, res[:len(outs)]))
+        state = dict(zip(state_out, res[len(outs):]))
+        assert set(state) == set(state_in)
+        for n, t in ts.items():
+            t.grad = torch.from_numpy(g[n].copy())
+        topt.param_groups[0]["lr"], topt.param_groups[1]["lr"] = lr_w[k], lr_b[k]
+        topt.step()
+        for n, t in ts.items():
+            np.testing.assert_allclose(ps[n], t.detach().numpy(), rtol=1e-12, atol=1e-12, err_msg=f"{n} {k}")
+
+
+def test_state_and_lr_inputs_never_alias_a_parameter_or_an_input():
+    # an input that would be the very node of a state or learning-rate input is refused, naming it
+    w = ej.param("w", (2,), "float64")
+    for other, name in ((ej.param("exp_avg_sq.w", (2,), "float64"), "exp_avg_sq.w"),
+                        (ej.input("lr.w", (), "float64"), "lr.w"),
+                        (ej.input("step", (), "float64"), "step")):
+        with pytest.raises(ej.EinjoinError, match=f"'{name}'"):
+            ej.optim.AdamW(lr=0.1).update({"w": w, "o": other}, {"w": w * 2, "o": other * 1})
+    buf = ej.param("momentum_buffer.w", (2,), "float64")  # an input only the gradient reads
+    with pytest.raises(ej.EinjoinError, match="'momentum_buffer.w' \\(the state of parameter 'w'\\)"):
+        ej.optim.SGD(lr=0.1, momentum=0.9).update({"w": w}, {"w": w * buf})
+    # another shape (or a param next to an input of the name) is another node: accepted here,
+    # refused by the graph once both are in it
+    up = ej.optim.AdamW(lr=0.1).update({"w": w, "exp_avg.w": ej.param("exp_avg.w", (3,), "float64")},
+                                       {"w": w * 2, "exp_avg.w": ej.param("exp_avg.w", (3,), "float64")})
+    with pytest.raises(ej.EinjoinError, match="two different inputs are named 'exp_avg.w'"):
+        ej.reference(list(up.params.values()), **{**up.init_state(), "w": np.ones(2), "exp_avg.w": np.ones(3)})
 
 
 @pytest.mark.parametrize("make,match", [

@@ -9,13 +9,21 @@ buffers, the step count) are graph *inputs* whose new values are outputs of the 
 the learning rate is a scalar input: a schedule changes a number fed at run time, never the
 graph. Bias corrections are computed in the graph from the step count (float64).
 
+Input names: an update's learning rate is the input ``"lr.<its first parameter>"``, so two
+optimizers in one graph (torch's parameter groups: say, no weight decay on biases) each keep
+their own; the step count ``"step"`` is one input for all (every group steps together); the
+state is per parameter (``"exp_avg.<param>"``, ...). A state or learning-rate input that would
+be the very node of a parameter or of an input the gradients read (same name, shape and dtype:
+hash-consed into one) is refused, naming it. Feed ``init_state()`` and ``hyper_values()`` by
+name: they use the same names.
+
 >>> import numpy as np, einjoin as ej
 >>> w = ej.param("w", (3,), "float64")
 >>> loss = (w * w).sum()
 >>> opt = ej.optim.SGD(lr=0.1)
 >>> up = opt.update({"w": w}, dict(zip(["w"], ej.grad(loss, [w]))))
 >>> sorted(up.state_in), sorted(up.hyper)
-(['step'], ['lr'])
+(['step'], ['lr.w'])
 >>> feeds = {"w": np.array([1.0, 2.0, 3.0]), **up.init_state({"w": np.zeros(3)}), **up.hyper_values()}
 >>> w1, step1 = ej.reference([up.params["w"], up.state_out["step"]], **feeds)   # w - 0.1 * 2w
 >>> w1, float(step1)
@@ -35,6 +43,7 @@ from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.frontend import functions as F
 from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir.dtypes import kind, numpy_dtype, promote
+from einjoin.ir.graph import Graph
 from einjoin.ir.scalar import parse_join
 
 __all__ = ["Update", "Optimizer", "SGD", "AdamW", "clip_grad_norm"]
@@ -48,7 +57,9 @@ class Update:
     """One optimizer step as a graph. ``params``: the new parameter values (same names as given);
     ``state_in``: the optimizer-state graph inputs it created (``"exp_avg.<param>"``,
     ``"exp_avg_sq.<param>"``, ``"momentum_buffer.<param>"``, ``"step"``), and ``state_out`` their
-    new values (same keys); ``hyper``: the per-step scalar inputs (``"lr"``, float64). Feed
+    new values (same keys); ``hyper``: the per-step scalar inputs (the learning rate
+    ``"lr.<first parameter>"``, float64: one per update, so two optimizers in one graph keep
+    their own). Every key is its graph input's name. Feed
     ``init_state(...)`` for the first step and ``hyper_values(lr)`` at every step; feed each
     ``state_out`` back as its ``state_in`` at the next."""
 
@@ -85,15 +96,16 @@ class Update:
         return {name: np.zeros(t.shape, numpy_dtype(t.dtype)) for name, t in self.state_in.items()}
 
     def hyper_values(self, lr: float | None = None) -> dict[str, np.ndarray]:
-        """The per-step scalar inputs: ``{"lr": float64}`` (the optimizer's ``lr`` unless given).
+        """The per-step scalar inputs by name: the learning rate (the optimizer's ``lr`` unless
+        given), float64.
 
         >>> import einjoin as ej
         >>> w = ej.param("w", (2,))
         >>> ej.optim.SGD(lr=0.5).update({"w": w}, {"w": w}).hyper_values(0.25)
-        {'lr': array(0.25)}
+        {'lr.w': array(0.25)}
         """
         value = self.lr if lr is None else _check_lr(lr)
-        return {LR: np.asarray(value, np.float64)}
+        return {name: np.asarray(value, np.float64) for name in self.hyper}
 
 
 def _number(v: Any, what: str) -> float:
@@ -153,6 +165,35 @@ def _checked(params: Any, grads: Any) -> list[tuple[str, Tensor, Tensor]]:
     return out
 
 
+def _made(items: list[tuple[str, Tensor, Tensor]], grads: Mapping[str, Tensor], new_params: dict[str, Tensor],
+          state_in: dict[str, Tensor], state_out: dict[str, Tensor], lr_in: Tensor, lr: float) -> Update:
+    """The :class:`Update`, once no input it created is a node the caller's graph already has.
+
+    Inputs are hash-consed by (name, shape, dtype): a parameter named like another's state
+    (``"exp_avg.w"`` next to ``"w"``) would silently BE that state input, and its moment would
+    start at the parameter's value. Such a name is refused. (A same-named input of another shape
+    is a distinct node: the graph refuses the two names when it is built.)"""
+    made = {**state_in, _input_name(lr_in): lr_in}
+    try:
+        seen = Graph([*(p for _, p, _ in items), *(g for g in grads.values() if isinstance(g, Tensor))]
+                     ).input_by_name
+    except EinjoinError:  # two inputs of one name already: the caller's graph reports it
+        seen = {}
+    owner = {f"{kind_}.{name}": name for name, _, _ in items
+             for kind_ in ("exp_avg", "exp_avg_sq", "momentum_buffer")}
+    for name, t in made.items():
+        if seen.get(name) is t.node:
+            whose = f" (the state of parameter {owner[name]!r})" if name in owner else ""
+            raise EinjoinError(f"update: the optimizer input {name!r}{whose} has the name, shape and dtype "
+                               f"of an input the parameters or gradients already use, so the two would be "
+                               f"one graph input; rename that parameter or input")
+    return Update(new_params, state_in, state_out, {_input_name(lr_in): lr_in}, lr)
+
+
+def _input_name(t: Tensor) -> str:
+    return str(getattr(t.node.op, "name", ""))  # an Input (the optimizer made it)
+
+
 def _ew(expr: str, *args: Tensor, name: str) -> Tensor:
     """One elementwise EinSum node computing ``expr`` over ``x0, x1, ...`` (numpy broadcasting)."""
     return elementwise(parse_join(expr, len(args)), *args, name=name)
@@ -173,13 +214,16 @@ class _Casts:
 
 
 class Optimizer:
-    """The optimizers' shared part: the learning rate and the scalar inputs ``lr`` and ``step``."""
+    """The optimizers' shared part: the learning rate and the scalar inputs ``lr.<first
+    parameter>`` and ``step``."""
 
     lr: float
 
-    def _scalars(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(lr input, step input, step + 1): float64 scalars."""
-        lr = F.input(LR, (), "float64")
+    def _scalars(self, first: str) -> tuple[Tensor, Tensor, Tensor]:
+        """(lr input, step input, step + 1): float64 scalars. The learning rate is named after
+        the update's first parameter (one per update: two optimizers in one graph must not share
+        it); the step count is shared (every update in a graph steps together)."""
+        lr = F.input(f"{LR}.{first}", (), "float64")
         step = F.input(STEP, (), "float64")
         return lr, step, step + 1.0
 
@@ -223,7 +267,7 @@ class SGD(Optimizer):
     def update(self, params: dict[str, Tensor], grads: dict[str, Tensor]) -> Update:
         """The step's graph: new parameters and state (see :class:`Update`)."""
         items = _checked(params, grads)
-        lr_in, step_in, step_out = self._scalars()
+        lr_in, step_in, step_out = self._scalars(items[0][0])
         lr = _Casts(lr_in)
         first = step_in == 0.0  # the momentum buffer starts as the first gradient (torch)
         new_params: dict[str, Tensor] = {}
@@ -244,7 +288,7 @@ class SGD(Optimizer):
                 else:
                     g = buf1
             new_params[name] = _ew("x0 - x2 * x1", p, g, lr(p.dtype), name="sgd step")
-        return Update(new_params, state_in, state_out, {LR: lr_in}, self.lr)
+        return _made(items, grads, new_params, state_in, state_out, lr_in, self.lr)
 
 
 class AdamW(Optimizer):
@@ -283,7 +327,7 @@ class AdamW(Optimizer):
     def update(self, params: dict[str, Tensor], grads: dict[str, Tensor]) -> Update:
         """The step's graph: new parameters and state (see :class:`Update`)."""
         items = _checked(params, grads)
-        lr_in, step_in, step_out = self._scalars()
+        lr_in, step_in, step_out = self._scalars(items[0][0])
         b1, b2 = self.betas
         # float64 scalars, as torch computes them in Python: bias corrections from the new step
         bc1 = _ew(f"1.0 - {b1!r} ** x0", step_out, name="adam bias correction 1")
@@ -307,7 +351,7 @@ class AdamW(Optimizer):
                                    step_size(p.dtype), m1, v1, bc2_sqrt(p.dtype), name="adam step")
             state_in[km], state_out[km] = m, m1
             state_in[kv], state_out[kv] = v, v1
-        return Update(new_params, state_in, state_out, {LR: lr_in}, self.lr)
+        return _made(items, grads, new_params, state_in, state_out, lr_in, self.lr)
 
 
 def clip_grad_norm(grads: dict[str, Tensor], max_norm: float, norm_type: float = 2.0
