@@ -8,7 +8,8 @@ logits, and the ways a module calls its loss — each against torch (torch.optim
 Tests marked ``xfail(strict=True)`` are bugs found here (the reason says what is wrong); the
 others pin behaviour that is right. Bugs found here and since fixed (their tests now guard them):
 float16 clip_grad_norm overflowing (4e9f9f5), nn.LogSoftmax under fx (cbf77a1), out-of-range
-class indices silently counted as a loss of 0 (42c4988)."""
+class indices silently counted as a loss of 0 (42c4988), two optimizers sharing one 'lr' input and
+state names aliasing a parameter (238be85)."""
 
 from __future__ import annotations
 
@@ -211,6 +212,33 @@ def test_two_optimizers_in_one_graph_keep_their_own_learning_rates():
     got = ej.reference(outs, **feeds)
     np.testing.assert_allclose(got[0], 1 - 0.1 * 2)  # group a keeps lr=0.1
     np.testing.assert_allclose(got[1], 1 - 0.5 * 2)
+
+
+def test_param_groups_as_two_adamw_updates_match_torch_param_groups():
+    # torch's usual recipe: weight decay on weights, none on biases, and a different lr per group
+    p0, grads = _data("float32", 5, {"w": (6, 4), "v": (4, 3), "b": (4,), "c": (3,)}, seed=8)
+    params = {n: ej.param(n, v.shape) for n, v in p0.items()}
+    gins = {n: ej.input(f"grad.{n}", v.shape) for n, v in p0.items()}
+    u1 = ej.optim.AdamW(lr=1e-2, weight_decay=0.1).update({n: params[n] for n in "wv"}, {n: gins[n] for n in "wv"})
+    u2 = ej.optim.AdamW(lr=3e-2, weight_decay=0.0).update({n: params[n] for n in "bc"}, {n: gins[n] for n in "bc"})
+    assert set(u1.hyper).isdisjoint(u2.hyper)
+    state_out = {**u1.state_out, **u2.state_out}
+    outs = [*u1.params.values(), *u2.params.values(), *state_out.values()]
+    names = [*u1.params, *u2.params]
+    prog = ej.compile(outs, devices=2, quiet=True)
+    ps, st = dict(p0), {**u1.init_state(), **u2.init_state()}
+    ts = {n: torch.tensor(v.copy(), requires_grad=True) for n, v in p0.items()}
+    opt = torch.optim.AdamW([{"params": [ts["w"], ts["v"]], "weight_decay": 0.1},
+                             {"params": [ts["b"], ts["c"]], "lr": 3e-2, "weight_decay": 0.0}], lr=1e-2, foreach=False)
+    for g in grads:
+        res = prog.run(**ps, **{f"grad.{n}": v for n, v in g.items()}, **st, **u1.hyper_values(), **u2.hyper_values())
+        ps = dict(zip(names, res[:4]))
+        st = dict(zip(state_out, res[4:]))
+        for n, t in ts.items():
+            t.grad = torch.from_numpy(g[n].copy())
+        opt.step()
+    for n, t in ts.items():
+        np.testing.assert_allclose(ps[n], t.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
 
 
 def test_state_names_cannot_alias_a_parameter():
