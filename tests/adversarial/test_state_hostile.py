@@ -307,3 +307,38 @@ def test_ray_state_survives_a_bad_feed_and_caps_are_refused_clearly(ray_session)
         losses = [float(prog.run(x=X, y=Y)[0]) for X, Y in batches[1:]]
         np.testing.assert_allclose(losses, want[1:], rtol=1e-4)
         np.testing.assert_allclose(prog.read_state()["w"], Wn, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("planner", ["megatron", "eindecomp", "mesh_ilp", "zero", "data_parallel", "auto"])
+def test_adamw_mlp_state_under_every_planner_matches_torch(planner):
+    # a whole AdamW step (parameters, both moments, the step count as state) on 2 and 4 devices
+    import torch
+
+    x, y = ej.input("x", (16, 8)), ej.input("y", (16, 4))
+    ps = {"w1": ej.param("w1", (8, 32)), "w2": ej.param("w2", (32, 4))}
+    loss = ej.mse_loss((x @ ps["w1"]).relu() @ ps["w2"], y)
+    up = ej.optim.AdamW(lr=1e-2).update(ps, dict(zip(ps, ej.grad(loss, list(ps.values())))))
+    state = {up.params[n]: ps[n] for n in ps}
+    state.update({up.state_out[k]: up.state_in[k] for k in up.state_in})
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+    W1 = (rng.standard_normal((8, 32)) * 0.3).astype(np.float32)
+    W2 = (rng.standard_normal((32, 4)) * 0.3).astype(np.float32)
+    tw = [torch.tensor(W1, requires_grad=True), torch.tensor(W2, requires_grad=True)]
+    opt = torch.optim.AdamW(tw, lr=1e-2, foreach=False)
+    want = []
+    for _ in range(4):
+        opt.zero_grad()
+        t_loss = torch.nn.functional.mse_loss(torch.relu(torch.tensor(X) @ tw[0]) @ tw[1], torch.tensor(Y))
+        t_loss.backward()
+        opt.step()
+        want.append(t_loss.item())
+    for devices in (2, 4):
+        prog = ej.compile([loss], devices, planner=planner, state=state, deterministic=True, quiet=True)
+        first = {"w1": W1, "w2": W2, **up.init_state()}
+        got = [float(prog.run(x=X, y=Y, **up.hyper_values(), **(first if i == 0 else {}))[0]) for i in range(4)]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        st = prog.read_state()
+        np.testing.assert_allclose(st["w1"], tw[0].detach().numpy(), rtol=1e-5, atol=1e-6)
+        assert float(st["step"]) == 4.0
+        assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes + 8  # the batch and the lr
