@@ -547,3 +547,17 @@ def test_ray_backend_trains_as_torch_and_resumes(ray_session, tmp_path):
     back = ej.Trainer.load(tmp_path / "r.safetensors", _mlp(), batches[0], TF.cross_entropy, devices=2,
                            backend="ray")
     assert [back.step(x, t) for x, t in batches[3:]] == got[3:]  # bit-identical resume on Ray
+
+
+@pytest.mark.xfail(strict=True, reason="a torch optimizer (the first thing a torch user passes: optimizer="
+                   "torch.optim.AdamW(model.parameters())) gives a bare AttributeError \"'AdamW' object has no "
+                   "attribute 'update'\", and the ej.optim.AdamW class itself a TypeError from update(); an "
+                   "EinjoinError saying to pass an ej.optim optimizer instance is wanted "
+                   "(einjoin/trainer.py __init__ does not check optimizer)")
+def test_a_torch_optimizer_is_refused_naming_ej_optim():
+    (x, t), = _cls(1)
+    model = _mlp()
+    with pytest.raises(ej.EinjoinError, match="ej.optim"):
+        ej.Trainer(model, (x, t), TF.cross_entropy, optimizer=torch.optim.AdamW(model.parameters()), devices=1)
+    with pytest.raises(ej.EinjoinError, match="ej.optim"):
+        ej.Trainer(model, (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW, devices=1)
