@@ -197,6 +197,22 @@ def test_state_that_swaps_rotates_or_resets_reads_the_old_values(devices, planne
         ej.compile([a.sum()], devices, planner=planner, state={b: a, a: b}, quiet=True)
 
 
+def test_null_backend_state_is_tracked_but_never_read():
+    x, y, w, b, loss, state = _step_graph()
+    prog = ej.compile([loss], 3, backend="null", state=state, quiet=True)
+    (X, Y), (W, B) = _batches(1)[0], _init()
+    with pytest.raises(EinjoinError, match="'w', 'b' have no value yet"):
+        prog.run(x=X, y=Y)
+    prog.write_state({"w": W, "b": B})
+    assert prog.has_state()
+    assert prog.run(x=X, y=Y) is None
+    assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes + W.nbytes + B.nbytes  # written: loaded once
+    prog.run(x=X, y=Y)
+    assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes
+    with pytest.raises(EinjoinError, match="null backend computes no values"):
+        prog.read_state()
+
+
 @pytest.mark.parametrize("devices", [1, 3])
 def test_int_bool_float64_and_scalar_state(devices):
     cnt, acc, m = ej.input("cnt", (), "int64"), ej.input("acc", (5,), "float64"), ej.input("m", (5,), "bool")

@@ -394,6 +394,17 @@ def test_weight_label_smoothing_and_ignore_index_together(case):
                    ignore_index=1 if "ignore1" in case else -100)
 
 
+@pytest.mark.parametrize("weight", [[0.0, 0.0, 0.0], [-1.0, 2.0, 0.5], [0.0, 1.0, 0.0]],
+                         ids=["zeros", "negative", "one-hot"])
+def test_zero_and_negative_class_weights_as_torch(weight):
+    # all-zero weights: mean = 0 / 0 = nan (torch too); negative weights are allowed by torch
+    w = np.array(weight)
+    for kw in ({}, {"label_smoothing": 0.2}, {"reduction": "none"}, {"ignore_index": 1}):
+        _loss_vs_torch(ej.cross_entropy, TF.cross_entropy, X, np.array([0, 1, 2, 1]), weight=w, **kw)
+        if "label_smoothing" not in kw:
+            _loss_vs_torch(ej.nll_loss, TF.nll_loss, X, np.array([0, 1, 2, 1]), weight=w, **kw)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_shapes_c1_empty_batch_and_4d(reduction):
     rng = np.random.default_rng(1)
@@ -624,9 +635,6 @@ def test_more_loss_call_styles(case):
         _check_module(_Head(f), "cls", method)
 
 
-@pytest.mark.xfail(strict=True, reason="from_torch(method='fx') does not translate Tensor.numel() (size() and "
-                   "dim() it does), so the common 'loss.sum() / target.numel()' fails under fx with "
-                   "UnsupportedOpError 'numel' (einjoin/frontend/torch.py FX_ONLY); export captures it")
 def test_numel_in_a_loss_under_fx():
     _check_module(_Head(MORE_STYLES["sum-over-numel"][0]), "cls", "fx")
 
@@ -694,11 +702,6 @@ def test_embedding_gradients_match_torch():
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="nn.Embedding(padding_idx=p): torch's backward gives the padding row no "
-                   "gradient (it stays as initialised, zeros), einjoin's translation ignores padding_idx "
-                   "(einjoin/frontend/aten.py _embedding: F.gather(weight, indices), every extra argument "
-                   "dropped), so ej.grad and the Trainer update the padding row: after 3 AdamW steps it is "
-                   "-0.25 where torch's is 0 — every padded NLP model trains differently from torch")
 def test_embedding_padding_idx_row_gets_no_gradient():
     mod = _Emb(padding_idx=0)
     fn = ej.from_torch(mod, _TOKENS)
@@ -710,10 +713,6 @@ def test_embedding_padding_idx_row_gets_no_gradient():
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="nn.Embedding(scale_grad_by_freq=True): torch divides each row's "
-                   "gradient by the count of its index in the batch; einjoin's translation drops the flag "
-                   "(einjoin/frontend/aten.py _embedding) and silently returns the unscaled gradient "
-                   "(refusing it with UnsupportedOpError would be right too)")
 def test_embedding_scale_grad_by_freq_as_torch_or_refused():
     mod = _Emb(scale_grad_by_freq=True)
     try:
