@@ -195,6 +195,51 @@ def test_imported_out_of_range_class_is_an_error_at_run_time(case):
                                rtol=RTOL)
 
 
+class EmbeddingLM(nn.Module):
+    """Tokens -> embedding (as nn.Embedding or F.embedding) -> logits -> cross_entropy."""
+
+    def __init__(self, functional, **kw):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb = nn.Embedding(9, 4, **kw).double()
+        self.head = nn.Linear(4, 9).double()
+        self.functional, self.kw = functional, kw
+
+    def forward(self, x, t):
+        e = TF.embedding(x, self.emb.weight, **self.kw) if self.functional else self.emb(x)
+        return TF.cross_entropy(self.head(e).reshape(-1, 9), t.reshape(-1), reduction="sum") / t.numel()
+
+
+@pytest.mark.parametrize("functional", [False, True])
+@pytest.mark.parametrize("method", ["export", "fx"])
+@pytest.mark.parametrize("kw", [{}, {"padding_idx": 0}, {"padding_idx": -2}])
+def test_embedding_lm_loss_and_gradients_match_torch(kw, method, functional):
+    # F.embedding under fx takes (input, weight); the padding row gets no gradient (torch's
+    # embedding_backward); numel() under fx is the static count
+    x, t = torch.tensor([[0, 3, 7, 5], [7, 0, 2, 2]]), torch.tensor([[3, 0, 4, 1], [-100, 2, 0, 8]])
+    module = EmbeddingLM(functional, **kw)
+    fn = ej.from_torch(module, (x, t), method=method)
+    grads = ej.grad(fn.outputs[0], list(fn.parameters.values()))
+    got = fn.with_outputs([fn.outputs[0], *grads]).reference(x.numpy(), t.numpy())
+    want = module(x, t)
+    wgrads = torch.autograd.grad(want, list(module.parameters()))
+    if "padding_idx" in kw:
+        assert not wgrads[0][kw["padding_idx"]].any()
+    for k, (g, w) in enumerate(zip(got, [want, *wgrads])):
+        np.testing.assert_allclose(g, w.detach().numpy(), rtol=RTOL, atol=1e-15, err_msg=f"output {k}")
+
+
+@pytest.mark.parametrize("kw,name", [({"max_norm": 1.0}, "max_norm"), ({"scale_grad_by_freq": True},
+                                                                     "scale_grad_by_freq")])
+@pytest.mark.parametrize("functional", [False, True])
+def test_embedding_flags_that_change_training_are_refused(kw, name, functional):
+    x = torch.tensor([[0, 3], [7, 0]])
+    for method in ("export", "fx"):
+        with pytest.raises(ej.UnsupportedOpError, match=name if method == "fx" or name != "max_norm"
+                           else "embedding_renorm_"):
+            ej.from_torch(EmbeddingLM(functional, **kw), (x, x), method=method)
+
+
 def test_all_targets_ignored_is_nan_as_torch():
     x = torch.randn(3, 5, dtype=torch.float64)
     t = torch.full((3,), -100)

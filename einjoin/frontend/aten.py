@@ -368,8 +368,38 @@ def _finfo_eps(dtype: str) -> float:
 
 
 @op("embedding")
-def _embedding(weight: Tensor, indices: Tensor, *_: Any, **__: Any) -> Tensor:
-    return F.gather(weight, indices)
+def _embedding(a: Tensor, b: Tensor, *rest: Any, **kw: Any) -> Tensor:
+    """aten ``embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False)``
+    (torch.export) or ``F.embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+    scale_grad_by_freq=False, sparse=False)`` (torch.fx): the int argument is the indices."""
+    if a.dtype in FLOAT_DTYPES:
+        return embedding(a, b, *rest, **kw)
+    return _f_embedding(a, b, *rest, **kw)
+
+
+def _f_embedding(indices: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: Any = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
+    if max_norm is not None:
+        raise UnsupportedOpError("embedding with max_norm= (torch renormalises the weight rows in place "
+                                 "during the forward) is not supported")
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]  # as F.embedding
+    return embedding(weight, indices, -1 if padding_idx is None else padding_idx, scale_grad_by_freq)
+
+
+def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+              sparse: bool = False) -> Tensor:
+    """Rows of ``weight`` picked by ``indices`` (aten's arguments); the row ``padding_idx`` (if
+    not -1) gets no gradient, as torch's embedding_backward (its value is read as is)."""
+    if scale_grad_by_freq:
+        raise UnsupportedOpError("embedding with scale_grad_by_freq=True (each row's gradient divided by "
+                                 "its count in the batch) is not supported")
+    y = F.gather(weight, indices)
+    if padding_idx == -1 or weight.dtype not in FLOAT_DTYPES:
+        return y
+    # the same value either way; where the index is the padding row, the gradient is stopped
+    pad = (indices == padding_idx).reshape(indices.shape + (1,) * (weight.ndim - 1))
+    return F.where(pad, elementwise("stop_gradient", y), y)
 
 
 DROPOUT_SEED = "dropout_seed"

@@ -34,5 +34,7 @@ NOTES: dict[str, str] = {
                 "error at run time (as torch)",
     "nll_loss_forward": "as `nll_loss`; returns (the loss, the total weight of the counted targets)",
     "mse_loss": "no `weight`",
+    "embedding": "`padding_idx` (that row gets no gradient, as torch); `max_norm` and "
+                 "`scale_grad_by_freq` refused",
     "broadcast_tensors": "tensors only",
 }

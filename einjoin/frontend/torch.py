@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from dataclasses import dataclass, field
 import typing
@@ -464,6 +465,13 @@ def _dropout_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
     return typing.cast(Tensor, aten.OPS["dropout"](x, m.p, m.training))
 
 
+def _embedding_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
+    if m.max_norm is not None:
+        raise UnsupportedOpError("nn.Embedding with max_norm= (torch renormalises the weight rows in place "
+                                 "during the forward) is not supported")
+    return aten.embedding(p["weight"], x, -1 if m.padding_idx is None else m.padding_idx, m.scale_grad_by_freq)
+
+
 def _softmax_dim(m: Any, x: Tensor) -> int:
     """An ``nn.Softmax`` / ``nn.LogSoftmax`` module's dim; ``dim=None`` is torch's legacy rule
     (dim 0 for a 0-, 1- or 3-d input, else 1)."""
@@ -474,7 +482,7 @@ MODULES: dict[str, Callable[..., Tensor]] = {
     "Linear": _linear_m,
     "LayerNorm": _layer_norm_m,
     "RMSNorm": _rms_norm_m,
-    "Embedding": lambda m, p, x: F.gather(p["weight"], x),
+    "Embedding": _embedding_m,
     "Dropout": _dropout_m,
     "Identity": lambda m, p, x: x,
     "ReLU": lambda m, p, x: aten.OPS["relu"](x),
@@ -486,7 +494,7 @@ MODULES: dict[str, Callable[..., Tensor]] = {
     "LogSoftmax": lambda m, p, x: aten.OPS["log_softmax"](x, _softmax_dim(m, x)),
     **LOSS_MODULES,  # CrossEntropyLoss, NLLLoss, MSELoss: (module, params, input, target)
 }
-FX_ONLY = frozenset({"size", "getattr", "dim"})
+FX_ONLY = frozenset({"size", "getattr", "dim", "numel"})
 
 
 def _fx_call(node: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], problems: _Problems) -> Any:
@@ -497,6 +505,8 @@ def _fx_call(node: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
         return x.shape if not d else x.shape[d[0]]
     if name == "dim":
         return args[0].ndim
+    if name == "numel":  # a Python int, as the static shape gives it
+        return math.prod(args[0].shape)
     if name == "getattr":
         x, attr = args
         if attr == "shape":
