@@ -561,3 +561,27 @@ def test_a_torch_optimizer_is_refused_naming_ej_optim():
         ej.Trainer(model, (x, t), TF.cross_entropy, optimizer=torch.optim.AdamW(model.parameters()), devices=1)
     with pytest.raises(ej.EinjoinError, match="ej.optim"):
         ej.Trainer(model, (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW, devices=1)
+
+
+def test_reading_the_state_never_makes_the_next_step_reload_it(tmp_path):
+    # state_dict / evaluate / save / a new lr read or feed around the resident state: the next step
+    # still loads only the batch and the lr; load_state_dict and a switch of batch shape reload once
+    (x, t), = _cls(1, rows=8)
+    x2, t2 = _cls(1, rows=5, seed=9)[0]
+    tr = ej.Trainer(_mlp(), (x, t), TF.cross_entropy, devices=2)
+    batch = x.numpy().nbytes + t.numpy().nbytes + 8
+
+    def loaded():
+        tr.step(x, t)
+        return tr.program.run_stats.bytes_loaded
+
+    tr.step(x, t)
+    assert loaded() == batch
+    for poke in (tr.state_dict, lambda: tr.evaluate(x, t), lambda: tr.save(tmp_path / "s.safetensors"),
+                 lambda: setattr(tr, "lr", 1e-2)):
+        poke()
+        assert loaded() == batch
+    for poke in (lambda: tr.load_state_dict(tr.state_dict()), lambda: tr.step(x2, t2)):
+        poke()
+        assert loaded() > batch  # the state goes back to the devices once
+        assert loaded() == batch
