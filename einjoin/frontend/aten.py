@@ -378,7 +378,7 @@ def _embedding(a: Tensor, b: Tensor, *rest: Any, **kw: Any) -> Tensor:
 
 
 def _f_embedding(indices: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: Any = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, *_: Any, **__: Any) -> Tensor:
     if max_norm is not None:
         raise UnsupportedOpError("embedding with max_norm= (torch renormalises the weight rows in place "
                                  "during the forward) is not supported")
@@ -388,9 +388,10 @@ def _f_embedding(indices: Tensor, weight: Tensor, padding_idx: int | None = None
 
 
 def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False,
-              sparse: bool = False) -> Tensor:
+              *_: Any, **__: Any) -> Tensor:
     """Rows of ``weight`` picked by ``indices`` (aten's arguments); the row ``padding_idx`` (if
-    not -1) gets no gradient, as torch's embedding_backward (its value is read as is)."""
+    not -1) gets no gradient, as torch's embedding_backward (its value is read as is).
+    ``sparse`` (the gradient's storage format in torch) changes no value: it is ignored."""
     if scale_grad_by_freq:
         raise UnsupportedOpError("embedding with scale_grad_by_freq=True (each row's gradient divided by "
                                  "its count in the batch) is not supported")
