@@ -724,3 +724,35 @@ def test_embedding_scale_grad_by_freq_as_torch_or_refused():
     want = torch.autograd.grad(mod(*_TOKENS), list(mod.parameters()))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-9, atol=1e-12)
+
+
+class _FEmb(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(11, 6, dtype=torch.float64))
+        self.kw = kw
+        self.head = nn.Linear(6, 11).double()
+
+    def forward(self, x, t):
+        return TF.cross_entropy(self.head(TF.embedding(x, self.w, **self.kw)).reshape(-1, 11), t.reshape(-1))
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+@pytest.mark.parametrize("make", [lambda: _Emb(padding_idx=-1), lambda: _Emb(padding_idx=10),
+                                  lambda: _FEmb(padding_idx=3)], ids=["pad-minus-1", "pad-last", "F-pad"])
+def test_embedding_padding_variants_compiled_match_torch(make, method):
+    mod = make()
+    toks = (torch.tensor([[0, 3, 10, 5], [1, 10, 2, 2]]), _TOKENS[1])
+    fn = ej.from_torch(mod, toks, method=method)
+    grads = ej.grad(fn.outputs[0], list(fn.parameters.values()))
+    got = ej.compile(fn.with_outputs([fn.outputs[0], *grads]), devices=2, quiet=True).run(*(t.numpy() for t in toks))
+    loss = mod(*toks)
+    for g, w in zip(got, [loss, *torch.autograd.grad(loss, list(mod.parameters()))]):
+        np.testing.assert_allclose(g, w.detach().numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_embedding_max_norm_is_refused():
+    for method in ("export", "fx"):
+        with pytest.raises(ej.UnsupportedOpError, match="max_norm|embedding_renorm_"):
+            ej.from_torch(_Emb(max_norm=1.0), _TOKENS, method=method)
