@@ -9,7 +9,8 @@ Tests marked ``xfail(strict=True)`` are bugs found here (the reason says what is
 others pin behaviour that is right. Bugs found here and since fixed (their tests now guard them):
 float16 clip_grad_norm overflowing (4e9f9f5), nn.LogSoftmax under fx (cbf77a1), out-of-range
 class indices silently counted as a loss of 0 (42c4988), two optimizers sharing one 'lr' input and
-state names aliasing a parameter (238be85)."""
+state names aliasing a parameter (238be85), nn.Embedding's padding_idx row trained and
+scale_grad_by_freq silently dropped, Tensor.numel under fx (18975aa)."""
 
 from __future__ import annotations
 
