@@ -585,3 +585,39 @@ def test_reading_the_state_never_makes_the_next_step_reload_it(tmp_path):
         poke()
         assert loaded() > batch  # the state goes back to the devices once
         assert loaded() == batch
+
+
+def test_zoo_llama_with_padded_labels_and_two_sequence_lengths_matches_torch():
+    # GQA, RoPE tables sliced to the batch's length (non-persistent buffers), causal SDPA, labels
+    # padded with -100; a (3, 6) batch recompiles once between (2, 8) ones
+    from einjoin.models.zoo import Llama, LlamaConfig
+
+    cfg = LlamaConfig(dim=32, heads=4, kv_heads=2, hidden=48, layers=1, vocab=40, seq=16)
+
+    def make():
+        torch.manual_seed(0)
+        return Llama(cfg)
+
+    def lm(out, t):
+        return TF.cross_entropy(out.reshape(-1, cfg.vocab), t.reshape(-1), ignore_index=-100)
+
+    g = torch.Generator().manual_seed(1)
+
+    def batch(b, s, pad=0):
+        x = torch.randint(0, cfg.vocab, (b, s), generator=g)
+        t = torch.roll(x, -1, 1).clone()
+        t[:, -1] = -100
+        if pad:
+            t[0, -pad:] = -100
+        return x, t
+
+    batches = [batch(2, 8, 2), batch(2, 8), batch(3, 6, 1), batch(2, 8, 3), batch(3, 6)]
+    tr = ej.Trainer(make(), batches[0], lm, optimizer=ej.optim.AdamW(lr=3e-3), devices=2)
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    for x, t in batches:
+        assert tr.step(x, t) == pytest.approx(_torch_step(ref, opt, lm, x, t), rel=1e-5)
+    assert len(tr._programs) == 2
+    sd = tr.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    assert _max_diff(sd, ref) < 1e-6
