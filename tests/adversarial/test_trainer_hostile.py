@@ -666,3 +666,24 @@ def test_gpt_with_tied_head_and_mask_buffers_matches_torch():
             got = sd[k]
         scale = max(1.0, float(v.abs().max()))
         assert float((got - v).abs().max()) / scale < 1e-5, k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_modules_train_as_torch_and_resume_bit_identically(tmp_path, dtype):
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+    (x, t), = _cls(1)
+    x = x.to(dtype)
+    tr = ej.Trainer(net(), (x, t), TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1, momentum=0.9), devices=2)
+    ref = net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    for _ in range(3):
+        want = _torch_step(ref, opt, TF.cross_entropy, x, t)
+        assert tr.step(x, t) == pytest.approx(want, rel=4 * float(torch.finfo(dtype).eps))
+    tr.save(tmp_path / "h.safetensors")
+    full = [tr.step(x, t) for _ in range(2)]
+    back = ej.Trainer.load(tmp_path / "h.safetensors", net(), (x, t), TF.cross_entropy, devices=2)
+    assert [back.step(x, t) for _ in range(2)] == full
+    assert all(v.dtype == dtype for v in back.state_dict().values())
