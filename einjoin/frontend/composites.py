@@ -60,7 +60,9 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
         return x
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
-    e = einsum(f"{ls},{red}->{ls}", x, m, join="exp(x0 - x1)")
+    # the value is shift invariant, so its derivative through the max is 0: stop_gradient says so
+    # (else ej.grad builds the max's tie masks over every row, as big as x, to add up to zero)
+    e = einsum(f"{ls},{red}->{ls}", x, m, join="exp(x0 - stop_gradient(x1))")
     s = einsum(f"{ls}->{red}", e)
     return einsum(f"{ls},{red}->{ls}", e, s, join="div")
 
@@ -72,8 +74,9 @@ def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
         return x
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
-    s = einsum(f"{ls},{red}->{red}", x, m, join="exp(x0 - x1)")
-    return einsum(f"{ls},{red},{red}->{ls}", x, m, s, join="x0 - x1 - log(x2)")
+    # shift invariant as softmax: no derivative through the max
+    s = einsum(f"{ls},{red}->{red}", x, m, join="exp(x0 - stop_gradient(x1))")
+    return einsum(f"{ls},{red},{red}->{ls}", x, m, s, join="x0 - stop_gradient(x1) - log(x2)")
 
 
 def _norm_labels(x: Tensor, n_trailing: int) -> tuple[str, str, str, int]:
