@@ -28,6 +28,14 @@ def test_readme_gradient_examples_run() -> None:
     exec(compile("\n".join(textwrap.dedent(b) for b in blocks), "README.md", "exec"), {})
 
 
+def test_readme_training_example_runs() -> None:
+    # the Trainer example (it asserts a resumed run continues bit-identically)
+    text = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "ej.Trainer(" in b]
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README.md", "exec"), {})
+
+
 def test_tour_runs(capsys) -> None:  # type: ignore[no-untyped-def]
     runpy.run_path(str(ROOT / "examples" / "tour.py"), run_name="__main__")
     out = capsys.readouterr().out
