@@ -120,6 +120,30 @@ def _method(update: Any, optimizer: Any, name: str) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
+def _check_optimizer(optimizer: Any) -> None:
+    """An ``ej.optim`` instance (anything with ``update``); a torch optimizer or an optimizer class
+    is refused with the ``ej.optim`` call that means the same."""
+    if isinstance(optimizer, type):
+        raise EinjoinError(f"Trainer: optimizer= takes an optimizer instance, got the class "
+                           f"{optimizer.__name__}: pass e.g. ej.optim.{optimizer.__name__}(lr=3e-4)")
+    if callable(getattr(optimizer, "update", None)):
+        return
+    groups = getattr(optimizer, "param_groups", None)
+    name = type(optimizer).__name__
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        # a torch optimizer holds the module's tensors and steps them in place: einjoin keeps its
+        # own copies on the devices, so it needs its own optimizer with the same hyperparameters
+        keys = {"SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+                "AdamW": ("lr", "betas", "eps", "weight_decay")}.get(name)
+        same = "" if keys is None else ", ".join(f"{k}={groups[0][k]!r}" for k in keys if k in groups[0])
+        hint = (f"pass ej.optim.{name}({same}) (the same hyperparameters)" if keys is not None else
+                "pass ej.optim.AdamW(...) or ej.optim.SGD(...) (the optimizers einjoin runs as EinSums)")
+        raise EinjoinError(f"Trainer: optimizer= is a torch optimizer ({name}); einjoin updates the "
+                           f"parameters on its devices with its own: {hint}")
+    raise EinjoinError(f"Trainer: optimizer= must be an ej.optim optimizer (ej.optim.AdamW(lr=...), "
+                       f"ej.optim.SGD(lr=...)), got {name} {optimizer!r:.60}")
+
+
 def _loss(out: Any, prog: Program, what: str) -> float:
     """The loss a run returned, as a float."""
     if out is None:
@@ -185,6 +209,7 @@ class Trainer:
         if optimizer is None:
             from einjoin.train import optim
             optimizer = optim.AdamW(lr=3e-4)
+        _check_optimizer(optimizer)
         self.module = module
         self.loss_fn = loss_fn
         self.optimizer = optimizer
