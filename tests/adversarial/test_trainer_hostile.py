@@ -7,9 +7,10 @@ Nesterov SGD, evaluate changing nothing, a batch of another shape compiled once 
 fresh process that resumes bit-identically mid-accumulation with dropout. Every comparison is
 against torch running the same loop (``torch.optim`` with ``foreach=False``).
 
-Four bugs these tests found were fixed in 4e445df (load_state_dict converting dtypes and taking
-``strict=``, a parameter the loss never reads left alone, the null backend's step saying it
-computes no loss); their tests now pass and guard them."""
+Bugs these tests found and since fixed (their tests now guard them): 4e445df (load_state_dict
+converting dtypes and taking ``strict=``, a parameter the loss never reads left alone, the null
+backend's step saying it computes no loss), cde71b5 (a torch optimizer or an optimizer class as
+``optimizer=`` refused naming ej.optim)."""
 
 from __future__ import annotations
 
@@ -549,11 +550,6 @@ def test_ray_backend_trains_as_torch_and_resumes(ray_session, tmp_path):
     assert [back.step(x, t) for x, t in batches[3:]] == got[3:]  # bit-identical resume on Ray
 
 
-@pytest.mark.xfail(strict=True, reason="a torch optimizer (the first thing a torch user passes: optimizer="
-                   "torch.optim.AdamW(model.parameters())) gives a bare AttributeError \"'AdamW' object has no "
-                   "attribute 'update'\", and the ej.optim.AdamW class itself a TypeError from update(); an "
-                   "EinjoinError saying to pass an ej.optim optimizer instance is wanted "
-                   "(einjoin/trainer.py __init__ does not check optimizer)")
 def test_a_torch_optimizer_is_refused_naming_ej_optim():
     (x, t), = _cls(1)
     model = _mlp()
