@@ -358,3 +358,23 @@ def test_adamw_mlp_state_under_every_planner_matches_torch(planner):
         np.testing.assert_allclose(st["w1"], tw[0].detach().numpy(), rtol=1e-5, atol=1e-6)
         assert float(st["step"]) == 4.0
         assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes + 8  # the batch and the lr
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_the_old_and_new_value_as_outputs_are_copies(devices):
+    # outputs [w, new w]: the old value as fed or resident, the new one as computed; writing into
+    # either touches neither the state nor the caller's array
+    w, c = ej.input("w", (4, 3)), ej.input("c", (3,))
+    new = w * 2.0 + c
+    prog = ej.compile([w, new], devices, state={new: w}, quiet=True)
+    W, C = np.ones((4, 3), np.float32), np.arange(3, dtype=np.float32)
+    old, fresh = prog.run(w=W, c=C)
+    np.testing.assert_array_equal(old, W)
+    np.testing.assert_array_equal(fresh, W * 2 + C)
+    old[:] = -9.0
+    fresh[:] = -9.0
+    np.testing.assert_array_equal(W, np.ones((4, 3), np.float32))
+    np.testing.assert_array_equal(prog.read_state()["w"], W * 2 + C)
+    old2, fresh2 = prog.run(c=C)
+    np.testing.assert_array_equal(old2, W * 2 + C)
+    np.testing.assert_array_equal(fresh2, (W * 2 + C) * 2 + C)
