@@ -289,7 +289,14 @@ class Trainer:
         for name, value in fn.bound.items():
             if name in trained or name == DROPOUT_SEED or name not in used:
                 continue
-            self._fixed.setdefault(name, np.array(value, copy=True))
+            if name not in self._fixed:
+                # a tensor only this capture reads (the eval-mode forward's): its value is the one
+                # a load_state_dict gave, if any, else the module's
+                kept = getattr(self, "_kept", {}).get(name.removeprefix(PREFIX))  # none before the keys
+                if kept is not None:
+                    from einjoin.ir.reference import to_numpy
+                    value = to_numpy(kept.contiguous(), name)
+                self._fixed[name] = np.array(value, copy=True)
             out.append(name)
         return tuple(out)
 
@@ -541,10 +548,12 @@ class Trainer:
                 raise ShapeError(f"Trainer.load_state_dict: {key!r} has shape {tuple(v.shape)}, the module's "
                                  f"has {tuple(t.shape)}")
             v = v.detach().to(device="cpu", dtype=t.dtype)  # torch's copy_ converts the dtype too
+            arr = np.array(to_numpy(v.contiguous(), key), copy=True)
             if not name:
                 self._kept[key] = v.clone()
+                if PREFIX + key in self._fixed:  # read by the evaluation program only
+                    self._fixed[PREFIX + key] = arr
                 continue
-            arr = np.array(to_numpy(v.contiguous(), key), copy=True)
             if name in self._fixed:
                 self._fixed[name] = arr
             else:

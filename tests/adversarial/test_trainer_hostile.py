@@ -699,12 +699,6 @@ class _EvalOnly(nn.Module):
         return y if self.training else y * self.calib
 
 
-@pytest.mark.xfail(strict=True, reason="a parameter only the eval-mode forward reads, set by load_state_dict, "
-                   "is ignored by evaluate(): it keeps using the module's original value (0.5 where the loaded "
-                   "one is 2.0) although state_dict() reports the loaded one — a silently wrong evaluation loss "
-                   "(einjoin/trainer.py: the key maps to a kept value at construction, the evaluation program's "
-                   "fixed input is filled from the module when it is first compiled, and load_state_dict "
-                   "updates only the kept copy)")
 def test_load_state_dict_reaches_a_parameter_only_evaluate_reads():
     (x, t), = _cls(1)
     tr = ej.Trainer(_EvalOnly(), (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW(lr=0.1), devices=2)
