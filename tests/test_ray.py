@@ -185,3 +185,17 @@ def test_compile_starts_and_stops_its_own_ray(tmp_path):
     while time.time() < deadline and _alive_actor_pids(pids):
         time.sleep(0.2)
     assert _alive_actor_pids(pids) == []
+
+
+def test_torch_in_torch_out_on_ray_gives_writable_tensors(ray_session):
+    # Ray's object store returns read-only arrays; torch tensors are writable, and wrapping a
+    # read-only array made torch warn on every run
+    import warnings
+    torch = pytest.importorskip("torch")
+    x, w = ej.input("x", (8, 4)), ej.input("w", (4, 3))
+    xt, wt = torch.randn(8, 4), torch.randn(4, 3)
+    with ej.compile(x @ w, devices=2, backend="ray") as prog, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = prog.run(xt, wt)
+    assert isinstance(out, torch.Tensor) and torch.allclose(out, xt @ wt, atol=1e-6)
+    out.add_(1)  # writable: a copy, not the store's buffer
