@@ -349,11 +349,12 @@ class Program:
         if self._slots:  # an output that is also a new state value never aliases the state's block
             news = {s.new for s in self._slots}
             outs = [np.array(o) if n in news else o for o, n in zip(outs, self.graph.outputs)]
+        # a read-only result (Ray's object store hands them out, backed by its shared memory) is
+        # copied: results are the caller's own writable arrays on every backend (torch would also
+        # warn on wrapping a read-only array)
+        outs = [o if o.flags.writeable else np.array(o) for o in outs]
         if p["use_torch"]:
             import torch
-            # a read-only result (Ray's object store hands them out) is copied: torch tensors are
-            # writable, and torch warns on wrapping a read-only array
-            outs = [o if o.flags.writeable else np.array(o) for o in outs]
             tensors = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(
                 o.view(np.int16)).view(torch.bfloat16) for o in outs]
             return tuple(tensors) if self._many else tensors[0]
