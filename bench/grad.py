@@ -68,6 +68,15 @@ def blas_lines() -> list[str]:
     return lines
 
 
+def print_header(console: Console, title: str) -> None:
+    """The title line with the versions, then the BLAS and threads as found (shared with train.py)."""
+    console.print(f"[bold]{title}[/]: {CORES} cores; python {platform.python_version()}, "
+                  f"numpy {np.__version__}, torch {torch.__version__}, einjoin {ej.__version__}")
+    console.print("BLAS and threads (as found):")
+    for line in blas_lines():
+        console.print(escape(line))
+
+
 def _cpu() -> tuple[float, float, float] | None:
     """(busy CPU seconds of the whole machine, of this process, wall clock), from /proc/stat."""
     try:
@@ -241,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
     log = lambda msg: console.log(escape(msg))  # noqa: E731
     torch.set_num_threads(DEVICES)  # the cores einjoin's local(2) uses: one BLAS thread per device
-    console.print(f"[bold]einjoin gradient benchmark[/]: {CORES} cores; python {platform.python_version()}, "
-                  f"numpy {np.__version__}, torch {torch.__version__}, einjoin {ej.__version__}")
-    console.print("BLAS and threads (as found):")
-    for line in blas_lines():
-        console.print(escape(line))
+    print_header(console, "einjoin gradient benchmark")
 
     torch.manual_seed(0)
     cases = [("MLP 2 layers 512-2048-512, batch 1024", *example("mlp", dim=512, hidden=2048, layers=2,

@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -59,7 +58,7 @@ from einjoin.planner.cost import CostModel  # noqa: E402
 from einjoin.settings import SETTINGS  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from grad import _cpu, blas_lines, others_load  # noqa: E402  (the same BLAS and load reports)
+from grad import _cpu, others_load, print_header  # noqa: E402  (the same BLAS and load reports)
 
 DEVICES = 2
 CORES = os.cpu_count() or 1
@@ -265,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
     log = lambda msg: console.log(escape(msg))  # noqa: E731
     torch.set_num_threads(DEVICES)  # the cores einjoin's local(2) uses: one BLAS thread per device
-    console.print(f"[bold]einjoin training benchmark[/]: {CORES} cores; python {platform.python_version()}, "
-                  f"numpy {np.__version__}, torch {torch.__version__}, einjoin {ej.__version__}")
-    console.print("BLAS and threads (as found):")
-    for line in blas_lines():
-        console.print(escape(line))
+    print_header(console, "einjoin training benchmark")
 
     load0 = _cpu()
     timed = [time_case(name, module, batches, loss_fn, args.reps, log)
