@@ -114,6 +114,28 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     return Program(build_plan(source, cluster, options))
 
 
+class _Guarded:
+    """A user callback of a serialised program's run, marking its thread while it runs (so that
+    a call back into the same program is refused, not a deadlock)."""
+
+    def __init__(self, callback: Any, marks: threading.local):
+        self.callback, self.marks = callback, marks
+
+    def on_start(self, task: Any) -> None:
+        self.marks.depth = getattr(self.marks, "depth", 0) + 1
+        try:
+            self.callback.on_start(task)
+        finally:
+            self.marks.depth -= 1
+
+    def on_end(self, task: Any, start: float, end: float) -> None:
+        self.marks.depth = getattr(self.marks, "depth", 0) + 1
+        try:
+            self.callback.on_end(task, start, end)
+        finally:
+            self.marks.depth -= 1
+
+
 class Program:
     """A compiled program: the graph, its specs and placement, the task graph, and the engine.
 
@@ -154,6 +176,7 @@ class Program:
         self._slots = plan.state
         self.deterministic = bool(options.deterministic)
         self._serial = bool(plan.state) or self.deterministic
+        self._in_callback = threading.local()  # set while a user callback of a serialised run runs
         self._resident = Resident()
         self._state_nodes = {s.node for s in plan.state}
         if self._bound and plan.state:  # an imported module's bound parameters: the first state
@@ -299,6 +322,14 @@ class Program:
 
     def _execute(self, p: dict[str, Any], token: CancelToken, handle: RunHandle | None) -> Any:
         callbacks = p["callbacks"]
+        if self._serial:
+            if getattr(self._in_callback, "depth", 0):
+                # this program's runs are one at a time and the run that called this callback
+                # waits for it: running it again from the callback would wait forever
+                raise EinjoinError("a callback cannot run the program whose run called it: runs of a program "
+                                   "with state (or deterministic=True) are serialised, so it would wait for "
+                                   "itself; run it after that run returns")
+            callbacks = tuple(_Guarded(cb, self._in_callback) for cb in callbacks)
         recorder = None
         if p["trace"] is not None:
             from einjoin.viz.trace import TraceRecorder

@@ -505,3 +505,31 @@ def test_random_graphs_with_state_match_the_oracle_step_after_step(data):
             assert prog.run_stats.bytes_loaded == sum(v.nbytes for k, v in feeds.items() if k not in names)
     for k, v in prog.read_state().items():
         np.testing.assert_allclose(v, vals[k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["sync", "threads"])
+def test_a_callback_running_its_own_stateful_program_is_refused_not_a_deadlock(backend):
+    # runs of a program with state are serialised; the run that calls a callback waits for it, so a
+    # callback running the same program again would wait for itself forever: it gets an EinjoinError
+    w, x = ej.input("w", (4,)), ej.input("x", (4,))
+    prog = ej.compile([(w * x).sum()], devices=2, backend=backend, state={w + x: w}, quiet=True)
+    seen = []
+
+    class Again:
+        def on_start(self, task):
+            if not seen:
+                try:
+                    prog.run(x=np.ones(4, np.float32))
+                    seen.append(None)
+                except ej.EinjoinError as e:
+                    seen.append(e)
+
+        def on_end(self, task, start, end):
+            pass
+
+    prog.run(w=np.zeros(4, np.float32), x=np.ones(4, np.float32))
+    handle = prog.run_async(x=np.ones(4, np.float32), callbacks=[Again()])
+    (loss,) = handle.result(timeout=30)  # a deadlock would time out here
+    assert float(loss) == 4.0  # w = 1 after the first run
+    assert isinstance(seen[0], ej.EinjoinError) and "serialised" in str(seen[0])
+    np.testing.assert_array_equal(prog.read_state()["w"], np.full(4, 2, np.float32))
