@@ -212,3 +212,26 @@ def test_llama_7b_on_the_meta_device_plans_without_weights():
     # every weight (4 of 4096 x 4096, 3 of 4096 x 11008, float32) is loaded exactly once
     weights = (4 * 4096 * 4096 + 3 * 4096 * 11008) * 4
     assert weights < prog.stats.bytes_loaded < weights + 2 * 2048 * 4096 * 4 + 3 * 2048 * 128 * 4 * 2
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize("shape", [(3,), (2, 5), (2, 3, 4), (2, 3, 4, 5)])
+def test_softmax_without_a_dim_takes_torchs_legacy_dim(method, shape):
+    # F.softmax(x) / F.log_softmax(x) with no dim: torch's legacy rule (dim 0 for 0-, 1-, 3-d
+    # inputs, else 1), as nn.Softmax() with dim None
+    import warnings
+
+    class NoDim(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sm = torch.nn.LogSoftmax()
+
+        def forward(self, x):
+            return torch.nn.functional.softmax(x) + torch.nn.functional.log_softmax(x) + self.sm(x)
+
+    x = torch.randn(*shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "implicit dimension choice" deprecation warning
+        want = NoDim()(x).numpy()
+        got = ej.from_torch(NoDim(), (x,), method=method).reference(x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

@@ -322,19 +322,25 @@ def _var(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False
     return ((x - mu) * (x - mu)).sum(dims, keepdim) * (1.0 / builtins.max(n - corr, 1))
 
 
+def softmax_dim(x: Tensor, dim: Any) -> int:
+    """A softmax's dim; ``None`` (``F.softmax(x)``, ``nn.Softmax()``) is torch's legacy rule: dim 0
+    for a 0-, 1- or 3-d input, else 1."""
+    return int(dim) if dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
+
+
 @op("softmax", "_softmax")
-def _softmax(x: Tensor, dim: int = -1, half_to_float: Any = None, *, dtype: Any = None, **_: Any) -> Tensor:
+def _softmax(x: Tensor, dim: Any = None, half_to_float: Any = None, *, dtype: Any = None, **_: Any) -> Tensor:
     if dtype is not None:
         x = x.to(torch_dtype(dtype))
-    return C.softmax(x, dim)
+    return C.softmax(x, softmax_dim(x, dim))
 
 
 @op("log_softmax", "_log_softmax")
-def _log_softmax(x: Tensor, dim: int = -1, half_to_float: Any = None, *, dtype: Any = None,
+def _log_softmax(x: Tensor, dim: Any = None, half_to_float: Any = None, *, dtype: Any = None,
                  **_: Any) -> Tensor:
     if dtype is not None:
         x = x.to(torch_dtype(dtype))
-    return C.log_softmax(x, dim)
+    return C.log_softmax(x, softmax_dim(x, dim))
 
 
 @op("layer_norm")

@@ -472,12 +472,6 @@ def _embedding_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
     return aten.embedding(p["weight"], x, -1 if m.padding_idx is None else m.padding_idx, m.scale_grad_by_freq)
 
 
-def _softmax_dim(m: Any, x: Tensor) -> int:
-    """An ``nn.Softmax`` / ``nn.LogSoftmax`` module's dim; ``dim=None`` is torch's legacy rule
-    (dim 0 for a 0-, 1- or 3-d input, else 1)."""
-    return int(m.dim) if m.dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
-
-
 MODULES: dict[str, Callable[..., Tensor]] = {
     "Linear": _linear_m,
     "LayerNorm": _layer_norm_m,
@@ -490,8 +484,8 @@ MODULES: dict[str, Callable[..., Tensor]] = {
     "GELU": lambda m, p, x: aten.OPS["gelu"](x, m.approximate),
     "Tanh": lambda m, p, x: aten.OPS["tanh"](x),
     "Sigmoid": lambda m, p, x: aten.OPS["sigmoid"](x),
-    "Softmax": lambda m, p, x: aten.OPS["softmax"](x, _softmax_dim(m, x)),
-    "LogSoftmax": lambda m, p, x: aten.OPS["log_softmax"](x, _softmax_dim(m, x)),
+    "Softmax": lambda m, p, x: aten.OPS["softmax"](x, m.dim),  # dim None: torch's legacy rule
+    "LogSoftmax": lambda m, p, x: aten.OPS["log_softmax"](x, m.dim),
     **LOSS_MODULES,  # CrossEntropyLoss, NLLLoss, MSELoss: (module, params, input, target)
 }
 FX_ONLY = frozenset({"size", "getattr", "dim", "numel"})
