@@ -23,7 +23,6 @@ import inspect
 import math
 import os
 from dataclasses import dataclass, field
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ import numpy as np
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.frontend import aten
 from einjoin.frontend import functions as F
-from einjoin.frontend.losses import LOSS_MODULES
+from einjoin.frontend.nn_modules import MODULES
 from einjoin.frontend.tensor import Tensor
 
 __all__ = ["from_torch", "TorchFunction", "supported_ops", "ops_markdown", "DOCS_PAGE"]
@@ -449,45 +448,6 @@ def _as_output(v: Any, what: str) -> Tensor:
 # ---------------------------------------------------------------- torch.fx fallback
 
 
-def _linear_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
-    return typing.cast(Tensor, aten.OPS["linear"](x, p["weight"], p.get("bias")))
-
-
-def _layer_norm_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
-    return typing.cast(Tensor, aten.OPS["layer_norm"](x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps))
-
-
-def _rms_norm_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
-    return typing.cast(Tensor, aten.OPS["rms_norm"](x, m.normalized_shape, p.get("weight"), m.eps))
-
-
-def _dropout_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
-    return typing.cast(Tensor, aten.OPS["dropout"](x, m.p, m.training))
-
-
-def _embedding_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
-    if m.max_norm is not None:
-        raise UnsupportedOpError("nn.Embedding with max_norm= (torch renormalises the weight rows in place "
-                                 "during the forward) is not supported")
-    return aten.embedding(p["weight"], x, -1 if m.padding_idx is None else m.padding_idx, m.scale_grad_by_freq)
-
-
-MODULES: dict[str, Callable[..., Tensor]] = {
-    "Linear": _linear_m,
-    "LayerNorm": _layer_norm_m,
-    "RMSNorm": _rms_norm_m,
-    "Embedding": _embedding_m,
-    "Dropout": _dropout_m,
-    "Identity": lambda m, p, x: x,
-    "ReLU": lambda m, p, x: aten.OPS["relu"](x),
-    "SiLU": lambda m, p, x: aten.OPS["silu"](x),
-    "GELU": lambda m, p, x: aten.OPS["gelu"](x, m.approximate),
-    "Tanh": lambda m, p, x: aten.OPS["tanh"](x),
-    "Sigmoid": lambda m, p, x: aten.OPS["sigmoid"](x),
-    "Softmax": lambda m, p, x: aten.OPS["softmax"](x, m.dim),  # dim None: torch's legacy rule
-    "LogSoftmax": lambda m, p, x: aten.OPS["log_softmax"](x, m.dim),
-    **LOSS_MODULES,  # CrossEntropyLoss, NLLLoss, MSELoss: (module, params, input, target)
-}
 FX_ONLY = frozenset({"size", "getattr", "dim", "numel"})
 
 
