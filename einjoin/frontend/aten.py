@@ -27,48 +27,25 @@ from collections.abc import Callable
 from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
-from einjoin.frontend.aten_notes import NOTES
+from einjoin.frontend.aten_notes import DATA_DEPENDENT, DATA_DEPENDENT_HELP, NOTES, data_dependent
+from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _repeat_interleave, _shape
 from einjoin.frontend.losses import LOSS_OPS
-from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
+from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir.dtypes import FLOAT_DTYPES
+from einjoin.registry import registrar
 
-__all__ = ["OPS", "NO_OPS", "DATA_DEPENDENT", "NOTES", "torch_dtype", "data_dependent", "DROPOUT",
-           "DROPOUT_SEED", "DropoutSites"]
+__all__ = ["OPS", "NO_OPS", "DATA_DEPENDENT", "DATA_DEPENDENT_HELP", "NOTES", "torch_dtype", "data_dependent",
+           "DROPOUT", "DROPOUT_SEED", "DropoutSites"]
 
 Fn = Callable[..., Any]
 OPS: dict[str, Fn] = {}
 # ops that only check metadata or return nothing: skipped
 NO_OPS = frozenset({"_assert_tensor_metadata", "_assert_async", "_assert_scalar", "sym_constrain_range",
                     "sym_constrain_range_for_size", "_check_is_size"})
-# ops whose result's size (or a Python value) depends on the tensor values: a static graph cannot
-# hold them, whatever the translation; named as such (with the workaround), not as "unsupported"
-DATA_DEPENDENT = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_select", "unique", "_unique",
-                            "_unique2", "unique_consecutive", "unique_dim", "item", "_local_scalar_dense",
-                            "tolist", "bincount"})
-DATA_DEPENDENT_HELP = (
-    "the result's size depends on the tensor values, and einjoin graphs are static. Keep shapes "
-    "fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0) and then a reduction instead of "
-    "x[mask] or masked_select, a mask instead of nonzero(); a Python value read from a tensor "
-    "(.item(), a branch on it) becomes an argument bound with functools.partial")
-
-
-def data_dependent(what: str) -> UnsupportedOpError:
-    """The error for a data-dependent shape (``what`` says which), marked so the importer can
-    group it apart from unsupported ops."""
-    err = UnsupportedOpError(f"{what} makes a data-dependent shape: {DATA_DEPENDENT_HELP}")
-    err.data_dependent = what  # type: ignore[attr-defined]
-    return err
-
-
 _F = TypeVar("_F", bound=Fn)
 
 
-def op(*names: str) -> Callable[[_F], _F]:
-    def reg(fn: _F) -> _F:
-        for n in names:
-            OPS[n] = fn
-        return fn
-    return reg
+op = registrar(OPS)  # @op("name", "alias"): a translation into OPS
 
 
 def torch_dtype(dt: Any) -> str:
@@ -82,13 +59,6 @@ def torch_dtype(dt: Any) -> str:
 
 def _is_t(v: Any) -> bool:
     return isinstance(v, Tensor)
-
-
-def _shape(args: tuple[Any, ...]) -> tuple[int, ...]:
-    """A size given as varargs ``(2, 3)`` or as one sequence ``([2, 3],)``."""
-    if len(args) == 1 and isinstance(args[0], (list, tuple)):
-        return tuple(int(s) for s in args[0])
-    return tuple(int(s) for s in args)
 
 
 def _dtype(kw: dict[str, Any], default: str) -> str:
@@ -272,12 +242,6 @@ def _einsum(equation: str, *operands: Any, path: Any = None) -> Tensor:
 
 
 # ------------------------------------------------------------------ reductions and composites
-
-
-def _dims(dim: Any) -> Any:
-    if isinstance(dim, (list, tuple)):
-        return tuple(dim) if dim else None
-    return dim
 
 
 def _reduction(name: str) -> Fn:
@@ -494,212 +458,6 @@ def _sdpa_flash(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_caus
     return (_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale), None)
 
 
-# ------------------------------------------------------------------ layout
-
-
-@op("view", "_unsafe_view", "reshape", "view_copy")
-def _view(x: Tensor, *shape: Any) -> Tensor:
-    if len(shape) == 1 and not isinstance(shape[0], (list, tuple)) and not isinstance(shape[0], int):
-        raise UnsupportedOpError(f"view with {type(shape[0]).__name__} (a dtype view)")
-    return x.reshape(_shape(shape))
-
-
-@op("view_as", "reshape_as")
-def _view_as(x: Tensor, other: Tensor) -> Tensor:
-    return x.reshape(other.shape)
-
-
-@op("permute")
-def _permute(x: Tensor, *dims: Any) -> Tensor:
-    return x.permute(*dims)
-
-
-@op("transpose", "swapaxes", "transpose_")
-def _transpose(x: Tensor, a: int, b: int) -> Tensor:
-    return x.transpose(a, b)
-
-
-@op("t", "numpy_T")
-def _t(x: Tensor) -> Tensor:
-    return x if x.ndim < 2 else x.transpose(0, 1)
-
-
-@op("contiguous", "clone", "alias", "lift_fresh_copy", "lift_fresh", "_to_dim_order_copy", "identity")
-def _identity(x: Any, *_: Any, **__: Any) -> Any:
-    return x
-
-
-@op("detach", "detach_")
-def _detach(x: Any, *_: Any, **__: Any) -> Any:
-    # torch's detach cuts the gradient: ej.grad must not flow through it either (the
-    # stop_gradient scalar function; only float tensors carry gradients)
-    if not isinstance(x, Tensor) or not x.dtype.startswith(("float", "bfloat")):
-        return x
-    return elementwise("stop_gradient", x)
-
-
-@op("unsqueeze")
-def _unsqueeze(x: Tensor, dim: int) -> Tensor:
-    return x.unsqueeze(dim)
-
-
-@op("squeeze")
-def _squeeze(x: Tensor, dim: Any = None) -> Tensor:
-    return x.squeeze(_dims(dim))
-
-
-@op("flatten")
-def _flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
-    return x.flatten(start_dim, end_dim)
-
-
-@op("unflatten")
-def _unflatten(x: Tensor, dim: int, sizes: Any) -> Tensor:
-    d = _norm_dim(x, dim)
-    sizes = list(sizes)
-    if -1 in sizes:
-        known = math.prod(s for s in sizes if s != -1)
-        sizes[sizes.index(-1)] = x.shape[d] // known
-    return x.reshape(x.shape[:d] + tuple(sizes) + x.shape[d + 1:])
-
-
-@op("expand", "expand_copy", "broadcast_to")
-def _expand(x: Tensor, *shape: Any, implicit: bool = False) -> Tensor:
-    return x.expand(_shape(shape))
-
-
-@op("expand_as")
-def _expand_as(x: Tensor, other: Tensor) -> Tensor:
-    return x.expand(other.shape)
-
-
-def _repeat_interleave(x: Tensor, repeats: int, dim: int) -> Tensor:
-    d = _norm_dim(x, dim)
-    y = x.unsqueeze(d + 1)
-    y = y.expand(y.shape[:d + 1] + (repeats,) + y.shape[d + 2:])
-    return y.reshape(x.shape[:d] + (x.shape[d] * repeats,) + x.shape[d + 1:])
-
-
-@op("repeat_interleave")
-def _repeat_interleave_op(x: Tensor, repeats: Any, dim: Any = None, *, output_size: Any = None) -> Tensor:
-    if _is_t(repeats):
-        raise data_dependent("repeat_interleave with tensor repeats")
-    if dim is None:
-        raise UnsupportedOpError("repeat_interleave without a dim")
-    return _repeat_interleave(x, int(repeats), dim)
-
-
-@op("repeat")
-def _repeat(x: Tensor, *sizes: Any) -> Tensor:
-    reps = _shape(sizes)
-    lead = len(reps) - x.ndim
-    y = x.reshape((1,) * lead + x.shape)
-    # tile: each dim d becomes (reps[d], n[d]) then merges
-    inter = []
-    for _, n in zip(reps, y.shape):
-        inter += [1, n]
-    y = y.reshape(tuple(inter))
-    target = []
-    for r, n in zip(reps, y.shape[1::2]):
-        target += [r, n]
-    return y.expand(tuple(target)).reshape(tuple(r * n for r, n in zip(reps, y.shape[1::2])))
-
-
-@op("cat", "concat", "concatenate")
-def _cat(tensors: Any, dim: int = 0) -> Tensor:
-    return F.concat(list(tensors), dim)
-
-
-@op("stack")
-def _stack(tensors: Any, dim: int = 0) -> Tensor:
-    return F.stack(list(tensors), dim)
-
-
-@op("split", "split_with_sizes")
-def _split(x: Tensor, size: Any, dim: int = 0) -> tuple[Tensor, ...]:
-    return F.split(x, list(size) if isinstance(size, (list, tuple)) else size, dim)
-
-
-@op("chunk")
-def _chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
-    return F.chunk(x, chunks, dim)
-
-
-@op("unbind")
-def _unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
-    d = _norm_dim(x, dim)
-    return tuple(x[(slice(None),) * d + (i,)] for i in range(x.shape[d]))
-
-
-@op("slice")
-def _slice(x: Tensor, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Tensor:
-    d = _norm_dim(x, dim)
-    a, b, s = slice(start, end, step).indices(x.shape[d])
-    if s != 1:
-        raise UnsupportedOpError(f"slice with step {step} on dim {d} of shape {x.shape}")
-    if (a, b) == (0, x.shape[d]):
-        return x
-    return x[(slice(None),) * d + (slice(a, b),)]
-
-
-@op("select")
-def _select(x: Tensor, dim: int, index: int) -> Tensor:
-    d = _norm_dim(x, dim)
-    return x[(slice(None),) * d + (int(index),)]
-
-
-@op("index_select")
-def _index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
-    d = _norm_dim(x, dim)
-    if d == 0:
-        return F.gather(x, index)
-    order = [d] + [i for i in range(x.ndim) if i != d]
-    y = F.gather(x.permute(order), index)  # (len(index), rest...)
-    back = list(range(1, d + 1)) + [0] + list(range(d + 1, x.ndim))
-    return y.permute(back)
-
-
-@op("index")
-def _index(x: Tensor, indices: Any) -> Tensor:
-    idx = list(indices)
-    tensors = [i for i, v in enumerate(idx) if v is not None]
-    if len(tensors) != 1:
-        raise UnsupportedOpError("advanced indexing with more than one index tensor")
-    d = tensors[0]
-    ix = idx[d]
-    if ix.dtype == "bool":
-        raise data_dependent("boolean-mask indexing x[mask]")
-    if ix.ndim != 1:
-        raise UnsupportedOpError(f"advanced indexing with a {ix.ndim}-D index tensor")
-    return _index_select(x, d, ix)
-
-
-@op("getitem")
-def _getitem(x: Any, index: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return x[index]  # None for results only the backward reads (logsumexp, mean, rstd)
-    if _is_t(index) and index.dtype == "bool":  # fx records x[mask] as getitem(x, mask)
-        raise data_dependent("boolean-mask indexing x[mask]")
-    if isinstance(index, tuple) and builtins.any(_is_t(i) for i in index):
-        return _index(x, index)
-    return x[index]
-
-
-def _triangle(upper: bool) -> Fn:
-    def f(x: Tensor, diagonal: int = 0) -> Tensor:
-        if x.ndim < 2:
-            raise ShapeError(f"{'triu' if upper else 'tril'} of a tensor of rank {x.ndim}")
-        rel = ">=" if upper else "<="
-        keep = F.fill(x.shape[-2:], f"x1 {rel} x0 + {int(diagonal)}", "bool")
-        zero: Any = False if x.dtype == "bool" else 0
-        return F.where(keep, x, zero)
-    return f
-
-
-OPS["tril"] = _triangle(False)
-OPS["triu"] = _triangle(True)
-
-
 # ------------------------------------------------------------------ dtype
 
 
@@ -807,6 +565,9 @@ def call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise UnsupportedOpError(f"{name!r} called in a form einjoin does not translate: {e}") from None
 
 
+# the layout ops (views, permutes, cat, slices, indexing) live in their own module
+OPS.update(LAYOUT_OPS)
+
 # dunder spellings (aten.__and__, fx call_method __getitem__ ...)
 for _alias, _name in (("__and__", "logical_and"), ("__or__", "logical_or"), ("__invert__", "logical_not"),
                       ("__getitem__", "getitem"), ("__add__", "add"), ("__mul__", "mul"),
@@ -816,7 +577,7 @@ for _alias, _name in (("__and__", "logical_and"), ("__or__", "logical_or"), ("__
     OPS[_alias] = OPS[_name]
 
 
-# the losses (cross_entropy, nll_loss, mse_loss) live in their own module
+# the losses live in their own module
 OPS.update(LOSS_OPS)
 
 

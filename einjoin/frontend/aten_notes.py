@@ -1,5 +1,6 @@
 """What each torch-op translation of :mod:`einjoin.frontend.aten` does not cover, as data: the
-notes column of ``docs/torch_ops.md`` (keyed by any of a translation's names).
+notes column of ``docs/torch_ops.md`` (keyed by any of a translation's names), and the ops no
+translation can cover (:data:`DATA_DEPENDENT`: a result whose size depends on the values).
 
 >>> NOTES["div"]
 "`rounding_mode` None or 'floor' (not 'trunc')"
@@ -7,7 +8,29 @@ notes column of ``docs/torch_ops.md`` (keyed by any of a translation's names).
 
 from __future__ import annotations
 
-__all__ = ["NOTES"]
+from einjoin.errors import UnsupportedOpError
+
+__all__ = ["NOTES", "DATA_DEPENDENT", "DATA_DEPENDENT_HELP", "data_dependent"]
+
+# ops whose result's size (or a Python value) depends on the tensor values: a static graph cannot
+# hold them, whatever the translation; named as such (with the workaround), not as "unsupported"
+DATA_DEPENDENT = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_select", "unique", "_unique",
+                            "_unique2", "unique_consecutive", "unique_dim", "item", "_local_scalar_dense",
+                            "tolist", "bincount"})
+DATA_DEPENDENT_HELP = (
+    "the result's size depends on the tensor values, and einjoin graphs are static. Keep shapes "
+    "fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0) and then a reduction instead of "
+    "x[mask] or masked_select, a mask instead of nonzero(); a Python value read from a tensor "
+    "(.item(), a branch on it) becomes an argument bound with functools.partial")
+
+
+def data_dependent(what: str) -> UnsupportedOpError:
+    """The error for a data-dependent shape (``what`` says which), marked so the importer can
+    group it apart from unsupported ops."""
+    err = UnsupportedOpError(f"{what} makes a data-dependent shape: {DATA_DEPENDENT_HELP}")
+    err.data_dependent = what  # type: ignore[attr-defined]
+    return err
+
 
 NOTES: dict[str, str] = {
     "div": "`rounding_mode` None or 'floor' (not 'trunc')",
