@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from einjoin.errors import ExpressionError
 from einjoin.ir.derivative import DERIVATIVES, NoDerivative, derivative, simplify, uses_arg, vjp_join
-from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, evaluate, infer_dtype, parse_join
+from einjoin.ir.evaluate import evaluate
+from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, infer_dtype, parse_join
 
 # functions that differentiate on floats, and where their arguments must lie to be smooth there
 SMOOTH = {"add", "sub", "mul", "div", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "pow",

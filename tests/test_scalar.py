@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.ir import AGGS, FUNCTIONS, Arg, Call, Const
-from einjoin.ir.scalar import evaluate, infer_dtype, parse_join, substitute
+from einjoin.ir.evaluate import evaluate
+from einjoin.ir.scalar import infer_dtype, parse_join, substitute
 
 X = np.random.default_rng(0).uniform(-3, 3, 64)
 Y = np.random.default_rng(1).uniform(0.5, 3, 64)

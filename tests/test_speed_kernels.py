@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.ir import FUNCTIONS, Arg, Call, Const, ops
 from einjoin.ir.kernels import einsum_kernel, matmul_route
-from einjoin.ir.scalar import Expr, evaluate
+from einjoin.ir.evaluate import evaluate
+from einjoin.ir.scalar import Expr
 from einjoin.runtime import backends
 
 

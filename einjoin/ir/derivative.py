@@ -38,7 +38,8 @@ from collections.abc import Callable, Sequence
 
 from einjoin.errors import EinjoinError, ExpressionError
 from einjoin.ir.dtypes import kind
-from einjoin.ir.scalar import Arg, Call, Const, Expr, evaluate
+from einjoin.ir.evaluate import evaluate
+from einjoin.ir.scalar import Arg, Call, Const, Expr
 
 __all__ = ["derivative", "vjp_join", "simplify", "uses_arg", "DERIVATIVES", "NoDerivative"]
 

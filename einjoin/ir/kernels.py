@@ -29,7 +29,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
                              ScatterAdd, Select, rule_for)
-from einjoin.ir.scalar import Expr, evaluate, is_product
+from einjoin.ir.evaluate import evaluate
+from einjoin.ir.scalar import Expr, is_product
 
 __all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", "einsum_kernel", "fill_kernel",
            "gather_kernel", "scatter_add_kernel", "broadcast_kernel",

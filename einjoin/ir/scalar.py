@@ -18,7 +18,6 @@ import ast
 import math
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 from scipy import special
@@ -27,7 +26,7 @@ from einjoin.errors import DTypeError, EinjoinError, ExpressionError
 from einjoin.ir.dtypes import kind, promote
 
 __all__ = ["Arg", "Const", "Call", "Expr", "ScalarFn", "FUNCTIONS", "MAX_DEPTH", "parse_join",
-           "infer_dtype", "evaluate", "is_product", "is_identity", "num_args", "substitute"]
+           "infer_dtype", "const_value", "is_product", "is_identity", "num_args", "substitute"]
 
 
 @dataclass(frozen=True)
@@ -497,7 +496,7 @@ def _check_int_range(e: Expr, a: Expr, out: str) -> None:
         for sub in a.args if isinstance(a, Call) else ():
             _check_int_range(e, sub, out)
         return
-    v = evaluate(a, ())
+    v = const_value(a)
     if isinstance(v, bool) or not isinstance(v, int):
         return
     if kind(out) == "int" and not _INT64[0] <= v < _INT64[1]:
@@ -514,233 +513,6 @@ def _check_int_range(e: Expr, a: Expr, out: str) -> None:
 
 
 Number = int | float | bool
-
-
-def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray | Number:
-    """Evaluate ``expr`` elementwise over numpy arrays that broadcast together. An expression of
-    constants only gives a Python number (a weak scalar: numpy keeps the array dtype it meets).
-    A sub-expression that occurs several times (``tanh(u)`` in ``tanh``'s derivative
-    ``1 - tanh(u) * tanh(u)``, also as equal but distinct objects) is computed once; a float
-    temporary this evaluation allocated is overwritten in place by the next function that
-    consumes it for the last time when that gives the same dtype and shape (the same numbers
-    as a fresh array, one pass less over new memory).
-
-    >>> evaluate(parse_join("exp(x0) * 2.0 + exp(x0)", 1), [np.zeros(3, np.float32)])
-    array([3., 3., 3.], dtype=float32)
-    """
-    if isinstance(expr, Arg):
-        return args[expr.index]
-    if isinstance(expr, Const):
-        return expr.value
-    out: np.ndarray | Number = _compiled(expr).run(args)
-    return out
-
-
-# in-place forms of FUNCTIONS' implementations, keyed by the implementation object (a function
-# replaced in FUNCTIONS, as a test's counting wrapper, is called as it is): (args, out or None)
-# -> the value, computing exactly what the implementation computes
-_Fast = Callable[[list[Any], "np.ndarray | None"], np.ndarray]
-
-
-def _ufunc_form(u: Any) -> _Fast:
-    def run(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
-        r: np.ndarray = u(*xs) if out is None else u(*xs, out=out)
-        return r
-    return run
-
-
-def _rsqrt_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
-    t: np.ndarray = np.sqrt(xs[0], out=out)
-    r: np.ndarray = np.divide(1.0, t, out=t) if type(t) is np.ndarray else 1.0 / t
-    return r
-
-
-def _reciprocal_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
-    r: np.ndarray = np.divide(1.0, xs[0], out=out) if out is not None else 1.0 / xs[0]
-    return r
-
-
-def _sigmoid_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
-    # 1 / (1 + exp(-x)), torch's formula, in place: numpy's exp is vectorised, scipy's expit
-    # is not (2.4x slower); the same value at every element whatever the array's extent
-    x = xs[0]
-    if type(x) is not np.ndarray or x.dtype not in _EXP_DTYPES:
-        r: np.ndarray = special.expit(x) if out is None else special.expit(x, out=out)
-        return r
-    if x.ndim == 0:  # numpy scalars come back: no buffer to work in
-        return 1.0 / (1.0 + np.exp(-x))
-    t: np.ndarray = np.negative(x, out=out)
-    np.exp(t, out=t)
-    np.add(t, 1.0, out=t)
-    return np.divide(1.0, t, out=t)  # type: ignore[no-any-return]
-
-
-def _silu_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
-    # x / (1 + exp(-x)), torch's formula (x * expit(x) before: scipy's expit is not vectorised)
-    x = xs[0]
-    if type(x) is not np.ndarray or x.dtype not in _EXP_DTYPES:
-        s = special.expit(x)
-        if type(s) is not np.ndarray:
-            return x * s  # type: ignore[no-any-return]
-        r: np.ndarray = np.multiply(x, s, out=s)  # x * sigmoid(x), into the fresh sigmoid
-        return r
-    if x.ndim == 0:  # numpy scalars come back: no buffer to work in
-        return x / (1.0 + np.exp(-x))
-    t: np.ndarray = np.negative(x)  # fresh: x is read again by the division
-    np.exp(t, out=t)
-    np.add(t, 1.0, out=t)
-    return np.divide(x, t, out=t)  # type: ignore[no-any-return]
-
-
-_EXP_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_BITS: dict[Any, Any] = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
-
-
-def _where_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
-    """``where(c, a, b)`` on floats as a bit mask: each element's bits are a's or b's, the same
-    numbers as ``np.where`` (which branches per element: ~12x slower on a data-dependent mask,
-    as relu's or max's gradient is)."""
-    c, a, b = xs
-    if type(c) is not np.ndarray or c.dtype != np.bool_ or not all(type(v) in (np.ndarray, float, int) for v in (a, b)):
-        return np.where(c, a, b)  # type: ignore[no-any-return]
-    arrays = [v for v in (a, b) if type(v) is np.ndarray]
-    dt = np.result_type(a, b) if arrays else None
-    itype = _BITS.get(dt) if dt is not None else None
-    if itype is None or any(v.dtype != dt for v in arrays):
-        return np.where(c, a, b)  # type: ignore[no-any-return]
-    assert dt is not None
-    shape = np.broadcast_shapes(c.shape, np.shape(a), np.shape(b))
-    if not shape or 0 in shape:
-        return np.where(c, a, b)  # type: ignore[no-any-return]
-
-    def bits(v: Any) -> np.ndarray:
-        r: np.ndarray = (v if type(v) is np.ndarray else np.array(v, dt)).view(itype)
-        return r
-
-    m = np.empty(shape, itype)
-    np.copyto(m, c, casting="unsafe")  # 1 where c, else 0
-    if type(a) is not np.ndarray and not bits(a).any():  # where(c, 0.0, b): b's bits or none
-        np.subtract(m, 1, out=m)
-        np.bitwise_and(bits(b), m, out=m)
-    elif type(b) is not np.ndarray and not bits(b).any():  # where(c, a, 0.0)
-        np.negative(m, out=m)
-        np.bitwise_and(bits(a), m, out=m)
-    else:
-        np.negative(m, out=m)  # all ones where c
-        picked = np.bitwise_and(bits(a), m)
-        np.invert(m, out=m)
-        np.bitwise_and(bits(b), m, out=m)
-        m = np.bitwise_or(picked, m, out=picked)
-    r: np.ndarray = m.view(dt)
-    return r
-_FAST: dict[Any, _Fast] = {FUNCTIONS[name].impl: _ufunc_form(u) for name, u in [
-    ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.true_divide),
-    ("pow", np.power), ("max", np.maximum), ("min", np.minimum), ("neg", np.negative), ("abs", np.abs),
-    ("exp", np.exp), ("log", np.log), ("sqrt", np.sqrt), ("tanh", np.tanh), ("erf", special.erf),
-    ("sin", np.sin), ("cos", np.cos)]}
-_FAST[FUNCTIONS["sigmoid"].impl] = _sigmoid_form
-_FAST[FUNCTIONS["where"].impl] = _where_form
-_FAST[FUNCTIONS["rsqrt"].impl] = _rsqrt_form
-_FAST[FUNCTIONS["reciprocal"].impl] = _reciprocal_form
-_FAST[FUNCTIONS["silu"].impl] = _silu_form
-_WEAK = (int, float, bool)  # Python scalars: numpy keeps the array dtype they meet
-
-
-def _fits(t: Any, xs: list[Any]) -> bool:
-    """Whether a function of ``xs`` gives exactly ``t``'s dtype and shape (so writing into ``t``
-    changes no number): a float array, every other argument of its dtype broadcasting into it,
-    or a Python scalar."""
-    if type(t) is not np.ndarray or t.dtype.kind != "f":
-        return False
-    for x in xs:
-        if x is t or type(x) in _WEAK:
-            continue
-        if type(x) is not np.ndarray or x.dtype != t.dtype or x.ndim > t.ndim:
-            return False
-        if any(a != b and a != 1 for a, b in zip(x.shape[::-1], t.shape[::-1])):
-            return False
-    return True
-
-
-class _Compiled:
-    """An expression as straight-line steps over value slots, one slot per distinct leaf or call
-    (equal sub-expressions share one; constants are told apart by type and sign, so
-    ``where(c, 1, 0)`` and ``where(c, 1.0, 0.0)`` stay two), each step knowing which
-    computed slots it reads for the last time."""
-
-    def __init__(self, expr: Expr):
-        self.leaves: list[tuple[int, bool, Any]] = []  # (slot, is an argument, its index or the constant)
-        steps: list[tuple[int, str, tuple[int, ...]]] = []  # (slot, function, argument slots)
-        index: dict[tuple[Any, ...], int] = {}
-
-        def slot(e: Expr) -> int:
-            if isinstance(e, Arg):
-                key: tuple[Any, ...] = ("a", e.index)
-            elif isinstance(e, Const):
-                key = ("c", type(e.value).__name__, repr(e.value))
-            else:
-                key = ("f", e.fn, tuple(slot(a) for a in e.args))
-            got = index.get(key)
-            if got is None:
-                got = index[key] = len(index)
-                if isinstance(e, Call):
-                    steps.append((got, e.fn, key[2]))
-                else:
-                    self.leaves.append((got, isinstance(e, Arg), e.index if isinstance(e, Arg) else e.value))
-            return got
-
-        self.result = slot(expr)
-        self.size = len(index)
-        computed = {s for s, _, _ in steps}
-        last: dict[int, int] = {}
-        for i, (_, _, args) in enumerate(steps):
-            for x in args:
-                last[x] = i
-        self.steps = [(s, fn, args, tuple(sorted({x for x in args if x in computed and last[x] == i})))
-                      for i, (s, fn, args) in enumerate(steps)]
-
-    def run(self, args: Sequence[Any]) -> Any:
-        vals: list[Any] = [None] * self.size
-        for s, is_arg, v in self.leaves:
-            vals[s] = args[v] if is_arg else v
-        owned: set[int] = set()  # slots holding arrays this evaluation allocated
-        with np.errstate(all="ignore"):
-            for s, fn, a, dying in self.steps:
-                f = FUNCTIONS[fn]
-                xs = [vals[i] for i in a]
-                if all(isinstance(x, _WEAK) for x in xs):  # constants only: Python numbers
-                    vals[s] = _eval_consts(f, xs)
-                    continue
-                fast = _FAST.get(f.impl)
-                if fast is None:
-                    vals[s] = f.impl(*xs)
-                    continue
-                out = None
-                for i in dying:
-                    if i in owned and _fits(vals[i], xs):
-                        out = vals[i]
-                        break
-                vals[s] = fast(xs, out)
-                owned.add(s)
-                for i in dying:  # nothing later reads it: its memory goes back now
-                    if i != s:
-                        vals[i] = None
-        return vals[self.result]
-
-
-_COMPILED: dict[int, tuple[Expr, _Compiled]] = {}
-
-
-def _compiled(expr: Expr) -> _Compiled:
-    # keyed by identity (an op keeps its join alive), checked, since an id can be reused
-    hit = _COMPILED.get(id(expr))
-    if hit is not None and hit[0] is expr:
-        return hit[1]
-    if len(_COMPILED) > 4096:
-        _COMPILED.clear()
-    c = _Compiled(expr)
-    _COMPILED[id(expr)] = (expr, c)
-    return c
 
 
 def _as_float(v: Number) -> float:
@@ -771,6 +543,15 @@ def _eval_consts(f: ScalarFn, vals: list[Number]) -> Number:
     if isinstance(out, (np.generic,)):
         out = out.item()
     return bool(out) if f.rule in ("compare", "logical") else out
+
+
+def const_value(e: Expr) -> Number:
+    """The value of an expression of constants only, as a Python number (what the evaluator gives
+    it: each call over Python scalars by :func:`_eval_consts`)."""
+    if isinstance(e, Const):
+        return e.value
+    assert isinstance(e, Call), f"{e} reads an argument"
+    return _eval_consts(FUNCTIONS[e.fn], [const_value(x) for x in e.args])
 
 
 def is_product(expr: Expr, n: int) -> bool:

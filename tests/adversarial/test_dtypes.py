@@ -551,7 +551,8 @@ def test_softmax_over_an_empty_dim_is_empty_as_in_torch(fn: str) -> None:
 
 def test_integer_powers_of_constants_follow_the_same_rule() -> None:
     """ipow over Python-int constants (folded joins) is exact and never a raw ZeroDivisionError."""
-    from einjoin.ir.scalar import Call, Const, evaluate
+    from einjoin.ir.evaluate import evaluate
+    from einjoin.ir.scalar import Call, Const
     assert evaluate(Call("ipow", (Const(0), Const(-1))), []) == 0
     assert evaluate(Call("ipow", (Const(-1), Const(-3))), []) == -1
     assert evaluate(Call("ipow", (Const(3), Const(40))), []) == 3 ** 40

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
-from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, evaluate, infer_dtype, parse_join
+from einjoin.ir.evaluate import evaluate
+from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, infer_dtype, parse_join
 
 torch = pytest.importorskip("torch")
 
