@@ -54,7 +54,8 @@ from einjoin.autodiff import grad
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.frontend import functions as F
 from einjoin.frontend.tensor import Tensor
-from einjoin.frontend.torch import TorchFunction, from_torch
+from einjoin.frontend.aten import torch_dtype
+from einjoin.frontend.torch import TorchFunction, _canonical_names, from_torch
 from einjoin.ir.graph import Graph
 from einjoin.program import Program
 from einjoin.program import compile as ej_compile
@@ -92,11 +93,6 @@ def _with_loss(module: Any, loss_fn: Callable[..., Any]) -> Any:
             return self.loss_fn(model(*args), target)
 
     return WithLoss()
-
-
-def _dtype_name(x: Any) -> str:
-    name = str(x.dtype)
-    return name.removeprefix("torch.")
 
 
 def _as_torch(x: Any) -> Any:
@@ -168,11 +164,10 @@ class _StepProgram:
     prog: Program
     batch: tuple[str | None, ...]
     state: tuple[str, ...]
-    fixed: tuple[str, ...]          # buffers, frozen parameters, constants: fed by name
+    fixed: tuple[str, ...]          # buffers, frozen parameters, constants: state that maps to itself
     hyper: dict[str, str] = field(default_factory=dict)  # hyper key -> input name
     seeded: bool = False            # reads dropout_seed
     apply: bool = False             # reads accumulate_apply
-    resident_fixed: bool = False    # the fixed inputs are state too
     version: int = -1               # an evaluation's: the Trainer.version its parameters are from
 
 
@@ -223,7 +218,7 @@ class Trainer:
         self._wrapper = _with_loss(module, loss_fn)
         self._trainable = tuple(trainable)
         example = tuple(_as_torch(x) for x in example_batch)
-        self._dtypes = tuple(_dtype_name(x) for x in example)
+        self._dtypes = tuple(torch_dtype(x.dtype) for x in example)
         self._programs: dict[tuple[Any, ...], _StepProgram] = {}
         self._evals: dict[tuple[Any, ...], _StepProgram] = {}
         self._owner: _StepProgram | None = None   # the program whose resident state is current
@@ -261,7 +256,7 @@ class Trainer:
     # ---- building one program
 
     def _key(self, batch: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple((tuple(x.shape), _dtype_name(x)) for x in batch)
+        return tuple((tuple(x.shape), torch_dtype(x.dtype)) for x in batch)
 
     def _capture(self, batch: tuple[Any, ...], training: bool) -> tuple[TorchFunction, Tensor]:
         was = self.module.training
@@ -359,7 +354,7 @@ class Trainer:
         prog = ej_compile([loss], state=state, deterministic=True, **self._options)
         sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), names, fixed,
                           {k: v for k, v in hyper.items() if v in used}, DROPOUT_SEED in used,
-                          APPLY in used, resident_fixed=True)
+                          APPLY in used)
         self._programs[key] = sp
         return sp
 
@@ -374,7 +369,7 @@ class Trainer:
         kept = [Tensor(used[n]) for n in (*params, *fixed)]
         prog = ej_compile([loss], state={t: t for t in kept}, deterministic=True, **self._options)
         sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), params, fixed,
-                          seeded=DROPOUT_SEED in used, resident_fixed=True)
+                          seeded=DROPOUT_SEED in used)
         self._evals[key] = sp
         return sp
 
@@ -417,9 +412,12 @@ class Trainer:
         """Make ``sp`` hold the current state (its devices keep it between runs)."""
         if self._owner is sp:
             return
-        values = self._current(sp.state)
-        sp.prog.write_state({**values, **{n: self._fixed[n] for n in sp.fixed}})
+        self._write(sp)
         self._owner = sp
+
+    def _write(self, sp: _StepProgram) -> None:
+        """Write the current state and fixed inputs (buffers, frozen parameters) into ``sp``."""
+        sp.prog.write_state({**self._current(sp.state), **{n: self._fixed[n] for n in sp.fixed}})
 
     # ---- checking a batch
 
@@ -429,7 +427,7 @@ class Trainer:
                                f"had {len(self._dtypes)} (*module_args, target)")
         out = tuple(_as_torch(x) for x in batch)
         for i, (x, want) in enumerate(zip(out, self._dtypes)):
-            got = _dtype_name(x)
+            got = torch_dtype(x.dtype)
             if got != want:
                 which = "the target" if i == len(out) - 1 else f"module argument {i}"
                 raise DTypeError(f"Trainer.{what}: {which} is {got} but the example batch's was {want}")
@@ -437,8 +435,6 @@ class Trainer:
 
     def _feeds(self, sp: _StepProgram, batch: tuple[Any, ...]) -> dict[str, Any]:
         feeds: dict[str, Any] = {n: x for n, x in zip(sp.batch, batch) if n is not None}
-        if not sp.resident_fixed:
-            feeds.update({n: self._fixed[n] for n in sp.fixed})
         if sp.hyper:
             values = _method(self._update, self.optimizer, "hyper_values")(lr=self._lr)
             feeds.update({name: values[k] for k, name in sp.hyper.items()})
@@ -475,7 +471,7 @@ class Trainer:
         key = self._key(batch)
         sp = self._evals.get(key) or self._compile_eval(batch, key)
         if sp.version != self.version:
-            sp.prog.write_state({**self._current(sp.state), **{n: self._fixed[n] for n in sp.fixed}})
+            self._write(sp)
             sp.version = self.version
         return _loss(sp.prog.run(**self._feeds(sp, batch)), sp.prog, "evaluate")
 
@@ -484,11 +480,7 @@ class Trainer:
     def _state_dict_keys(self) -> dict[str, tuple[str, Any]]:
         """``module.state_dict()`` key -> (where its value lives: a state input name, a fixed
         input name, or '' for a value kept as given), and the module's tensor (dtype, shape)."""
-        canon: dict[str, str] = {}
-        for named in (self.module.named_parameters, self.module.named_buffers):
-            first = {id(t): n for n, t in named()}
-            for n, t in named(remove_duplicate=False):
-                canon[n] = first.get(id(t), n)
+        canon = _canonical_names(self.module)  # a tied weight's names -> the one it is trained under
         trained = set(self._trainable)
         self._kept: dict[str, Any] = {}
         out: dict[str, tuple[str, Any]] = {}
