@@ -178,7 +178,6 @@ class Program:
         self._serial = bool(plan.state) or self.deterministic
         self._in_callback = threading.local()  # set while a user callback of a serialised run runs
         self._resident = Resident()
-        self._state_nodes = {s.node for s in plan.state}
         if self._bound and plan.state:  # an imported module's bound parameters: the first state
             first = {s.name: self._bound.pop(s.name) for s in plan.state if s.name in self._bound}
             if first:

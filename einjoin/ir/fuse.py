@@ -31,7 +31,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 from einjoin.errors import EinjoinError
-from einjoin.ir.dtypes import kind
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Einsum, Node
 from einjoin.ir.ops import einsum_node
@@ -134,6 +133,6 @@ def _fuse(n: Node, ins: tuple[Node, ...], reads: Counter[Node]) -> Node | None:
         out = einsum_node([a for a, _ in args], [ls for _, ls in args], op.out_labels, join, op.agg)
     except EinjoinError:  # pragma: no cover - the parts were valid einsums over these labels
         return None
-    if out.dtype != n.dtype or out.shape != n.shape or kind(out.dtype) != kind(n.dtype):
+    if out.dtype != n.dtype or out.shape != n.shape:
         return None
     return out

@@ -7,6 +7,7 @@ topological (id) order in a few lines — the oracle the engines are tested agai
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from einjoin.ir.kernels import fill_kernel
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 
-__all__ = ["compute", "run_reference", "assemble_outputs", "to_host", "from_host", "COMPUTE"]
+__all__ = ["compute", "run_reference", "assemble_outputs", "unaliased", "to_host", "from_host", "COMPUTE"]
 
 Getter = Callable[[int], "np.ndarray | None"]
 
@@ -131,6 +132,14 @@ def from_host(t: Task, host: Mapping[int, np.ndarray], feeds: Mapping[Node, np.n
     return np.array(host[p.host_key], order="C")
 
 
+def unaliased(value: Any, feeds: Mapping[Node, np.ndarray]) -> Any:
+    """``value``, or a C-contiguous copy of it when it shares memory with a feed (a result or a
+    kept block must never alias the caller's array); None passes through (the null backend)."""
+    if value is not None and any(np.may_share_memory(value, f) for f in feeds.values()):
+        return np.array(value, order="C")
+    return value
+
+
 def assemble_outputs(tg: object, get: Callable[[int], np.ndarray],
                      feeds: Mapping[Node, np.ndarray] = {}) -> list[np.ndarray]:
     """Dense outputs from their aggregated blocks (the fetch). An output that is a view of a
@@ -138,10 +147,7 @@ def assemble_outputs(tg: object, get: Callable[[int], np.ndarray],
     outs = []
     for lay in tg.outputs:  # type: ignore[attr-defined]
         rel = TensorRelation(lay.partition, {k: get(v) for k, v in lay.blocks.items()})
-        out = rel.to_dense()
-        if any(np.may_share_memory(out, f) for f in feeds.values()):
-            out = out.copy()
-        outs.append(out)
+        outs.append(unaliased(rel.to_dense(), feeds))
     return outs
 
 

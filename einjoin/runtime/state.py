@@ -51,6 +51,7 @@ from einjoin.decomp.partition import Box
 from einjoin.decomp.relation import TensorRelation
 from einjoin.exchange import Task
 from einjoin.ir.node import Node
+from einjoin.plan.execute import unaliased
 
 if TYPE_CHECKING:
     from einjoin.plan.taskgraph import TaskGraph
@@ -169,14 +170,10 @@ class StateRun:
                 else:
                     self.kept[slot.node] = {lay.partition.box(k): None for k in lay.blocks}
                 continue
-            blocks = {k: _unaliased(get(v), feeds) for k, v in lay.blocks.items()}
+            blocks = {k: unaliased(get(v), feeds) for k, v in lay.blocks.items()}
             if capped:
                 self.kept_host[slot.node] = TensorRelation(lay.partition, blocks).to_dense()
             else:
                 self.kept[slot.node] = {lay.partition.box(k): b for k, b in blocks.items()}
 
 
-def _unaliased(value: Any, feeds: Mapping[Node, np.ndarray]) -> Any:
-    if value is not None and any(np.may_share_memory(value, f) for f in feeds.values()):
-        return np.array(value, order="C")
-    return value

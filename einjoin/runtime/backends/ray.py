@@ -436,9 +436,12 @@ class RayBackend:
         if any(g != self.generation for g, _, _, _ in refs.values()):
             raise EinjoinError("the Ray actors that held this program's state were replaced (a lost device or "
                                "close()): the state is lost; write_state() it again")
-        boxes = list(refs)
-        got = ray.get([refs[b][3].read.remote([refs[b][2]]) for b in boxes])
-        return {b: np.asarray(v[0]) for b, v in zip(boxes, got)}
+        by_actor: dict[int, tuple[Any, list[Any]]] = {}  # one read per actor, of all its blocks
+        for box, (_, _dev, _k, actor) in refs.items():
+            by_actor.setdefault(id(actor), (actor, []))[1].append(box)
+        groups = list(by_actor.values())
+        got = ray.get([actor.read.remote([refs[b][2] for b in boxes]) for actor, boxes in groups])
+        return {b: np.asarray(v) for (_, boxes), vs in zip(groups, got) for b, v in zip(boxes, vs)}
 
     def release_state(self, refs: Mapping[Any, tuple[int, int, int, Any]]) -> None:
         """Drop kept state blocks on the actors (best effort: a dead actor dropped them)."""
@@ -588,7 +591,8 @@ class _RaySession:
     def collect(self, cancel: Any) -> None:
         """Wait for every task, then fetch the output blocks and each actor's report."""
         ray, tg, a = self.ray, self.tg, self.actors
-        fetched = tg if self.spec.state is None else self.spec.state.fetched(tg)  # not the new state
+        # the outputs without the new state (it stays on the actors), as finish assembles them
+        self.out_tg = fetched = tg if self.spec.state is None else self.spec.state.fetched(tg)
         try:
             blocks = {v: a[tg.values[v].device].fetch.remote(self.run, v)
                       for lay in fetched.outputs for v in lay.blocks.values()}
@@ -650,7 +654,7 @@ class _RaySession:
         """The run's stats from the actors' reports (intervals on the driver's clock), and its
         outputs assembled from the fetched blocks."""
         from einjoin.plan.execute import assemble_outputs
-        reports, tg = self.reports, self.tg
+        reports = self.reports
         stats.order = "ray"
         offset = time.perf_counter() - time.time()
         for d, rep in enumerate(reports):
@@ -661,9 +665,7 @@ class _RaySession:
         # bytes per (src, dst) pair as the receiving actors counted them
         self.backend.received_per_pair = {(src, d): b for d, r in enumerate(reports)
                                           for src, b in r["received_from"].items()}
-        fetched = self.fetched
-        outs = assemble_outputs(tg if self.spec.state is None else self.spec.state.fetched(tg),
-                                fetched.__getitem__, self.spec.feeds)
+        outs = assemble_outputs(self.out_tg, self.fetched.__getitem__, self.spec.feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs
 
