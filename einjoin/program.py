@@ -26,7 +26,7 @@ from einjoin.cluster import Cluster, as_cluster
 from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
-from einjoin.ir.dtypes import itemsize, numpy_dtype
+from einjoin.ir.dtypes import itemsize
 from einjoin.ir.printing import describe
 from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
@@ -42,16 +42,6 @@ from einjoin.runtime.state import Resident, StateRun
 __all__ = ["compile", "Program", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
 _nothing = contextlib.nullcontext
-
-
-class _Inputs:
-    """Just enough of a graph for :func:`bind_feeds` to check some of its inputs by name."""
-
-    positional_conflict = None
-
-    def __init__(self, inputs: list[Node]):
-        self.inputs = tuple(inputs)
-        self.input_by_name = {x.op.name: x for x in inputs}  # type: ignore[union-attr]
 
 
 def _assemble(node: Node, blocks: Mapping[Any, Any], backend: str) -> np.ndarray:
@@ -178,6 +168,7 @@ class Program:
         self._serial = bool(plan.state) or self.deterministic
         self._in_callback = threading.local()  # set while a user callback of a serialised run runs
         self._resident = Resident()
+        self._state_names = frozenset(s.name for s in plan.state)
         if self._bound and plan.state:  # an imported module's bound parameters: the first state
             first = {s.name: self._bound.pop(s.name) for s in plan.state if s.name in self._bound}
             if first:
@@ -185,22 +176,9 @@ class Program:
 
     def _bind(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
         """The run's feeds by node; a state input not given is left out (the state supplies it)."""
-        if not self._slots:
-            return self._bind_all(args, feeds)
-        by_position = ([x.op.name for x in self.graph.inputs] if self._arg_names is None  # type: ignore[union-attr]
-                       else list(self._arg_names))
-        given = set(by_position[:len(args)]) | set(feeds)
-        # a state input not given: a stand-in of no memory satisfies the check, then is dropped
-        absent = {s.node: np.broadcast_to(np.zeros((), numpy_dtype(s.node.dtype)), s.node.shape)
-                  for s in self._slots if s.name not in given}
-        values = self._bind_all(args, {**feeds, **{x.op.name: v for x, v in absent.items()}})  # type: ignore[union-attr]
-        for x in absent:
-            del values[x]
-        return values
-
-    def _bind_all(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
+        optional = self._state_names  # a state input not given: the state supplies it
         if self._arg_names is None:
-            return bind_feeds(self.graph, args, feeds)
+            return bind_feeds(self.graph, args, feeds, optional)
         if len(args) > len(self._arg_names):
             raise EinjoinError(f"{len(args)} positional inputs given but the module's forward takes "
                                f"{len(self._arg_names)}: {', '.join(self._arg_names)}")
@@ -215,7 +193,7 @@ class Program:
         if missing:
             raise EinjoinError(f"missing forward argument(s): {', '.join(missing)}")
         given = {k: v for k, v in {**named, **feeds}.items() if k in used or k not in self._arg_names}
-        return bind_feeds(self.graph, (), {**(self._bound or {}), **given})
+        return bind_feeds(self.graph, (), {**(self._bound or {}), **given}, optional)
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -465,7 +443,7 @@ class Program:
         if not isinstance(values, Mapping):
             raise EinjoinError(f"write_state takes a mapping name -> array, got {type(values).__name__}")
         slots = {n: self._slot(n) for n in values}
-        checked = bind_feeds(_Inputs([s.node for s in slots.values()]), (), dict(values))  # type: ignore[arg-type]
+        checked = bind_feeds(self.graph, (), dict(values), self.graph.input_by_name.keys())
         with self._resident.lock:
             for s in slots.values():
                 self._release(self._resident.set_host(s.node, np.array(checked[s.node], order="C")))

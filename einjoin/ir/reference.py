@@ -9,7 +9,7 @@ array([3., 3.], dtype=float32)
 from __future__ import annotations
 
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -138,8 +138,8 @@ def _feed_dtype_name(npd: np.dtype) -> str | None:
         return None
 
 
-def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] | None = None
-               ) -> dict[Node, np.ndarray]:
+def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] | None = None,
+               optional: Collection[str] = ()) -> dict[Node, np.ndarray]:
     """Match positional ``args`` (in input declaration order) and keyword ``feeds`` (by name) to
     the graph's inputs and check names and shapes. Positional args are refused (EinjoinError) when
     the declaration order is ambiguous (``Graph.positional_conflict``: two inputs re-declared in
@@ -148,7 +148,8 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
     float32 input, int32 into int64, any byte order); Python numbers and lists take the input's
     dtype when their kind allows it (ints into floats when exact, floats rounded into any float
     type they do not overflow, bools only into bool); anything else is a DTypeError naming the
-    input."""
+    input. Inputs named in ``optional`` may be left out (a program's state: its values are
+    resident); the result then has no entry for them."""
     feeds = dict(feeds or {})
     if args and graph.positional_conflict is not None:
         a, b = (x.op.name for x in graph.positional_conflict)  # type: ignore[union-attr]
@@ -178,6 +179,8 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
     for x in graph.inputs:
         name = x.op.name  # type: ignore[union-attr]
         if name not in bound:
+            if name in optional:
+                continue
             raise EinjoinError(f"missing input {name!r} ({x.dtype}{list(x.shape)})")
         arr = to_numpy(bound[name], f"input {name!r}")
         if tuple(arr.shape) != x.shape:
