@@ -235,3 +235,46 @@ def test_softmax_without_a_dim_takes_torchs_legacy_dim(method, shape):
         want = NoDim()(x).numpy()
         got = ej.from_torch(NoDim(), (x,), method=method).reference(x)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+class TwoArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return self.lin(x) * 2.0 + y.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_dynamic_is_checked_and_kept_and_recapture_imports_other_shapes(method):
+    torch.manual_seed(0)
+    m = TwoArgs().eval()
+    x, y = torch.randn(2, 8), torch.randn(2, 3)
+    fn = ej.from_torch(m, (x, y), method=method, dynamic={"x": {0: "batch"}, "y": {-2: "batch", 1: "n"}})
+    assert fn.dynamic == {"x": {0: "batch"}, "y": {0: "batch", 1: "n"}}
+    assert fn.method == method and fn.recapture is not None
+    x2, y2 = torch.randn(5, 8), torch.randn(5, 7)
+    again = fn.recapture((x2, y2), {})
+    assert again.method == method and again.dynamic == fn.dynamic and again.recapture is not None
+    assert again.outputs[0].shape == (5, 4) and fn.outputs[0].shape == (2, 4)
+    with torch.no_grad():
+        assert_close(ej.compile(again, devices=2).run(x2, y2), m(x2, y2))
+    assert ej.from_torch(m, (x, y), method=method).dynamic == {}
+    # a derived function's outputs are no longer the forward's: nothing to recapture
+    assert fn.with_outputs(fn.outputs[0].sum()).recapture is None
+    for bad, match in [({"z": {0: "b"}}, "'z', which is not a tensor argument"),
+                       ({"x": {2: "b"}}, "names dim 2, but x has 2 dims"),
+                       ({"x": {-3: "b"}}, "names dim -3"),
+                       ({"x": {True: "b"}}, "names dim True"),
+                       ({"x": {0: ""}}, "symbol name"), ({"x": {0: 3}}, "symbol name"),
+                       ({"x": [0]}, "mapping dim -> symbol"), ([("x", {0: "b"})], "must be a mapping")]:
+        with pytest.raises(ej.EinjoinError, match=match):
+            ej.from_torch(m, (x, y), method=method, dynamic=bad)
+
+
+def test_recapture_pickles_with_its_module():
+    import pickle
+    fn = ej.from_torch(nn.Linear(3, 2), (torch.randn(4, 3),), dynamic={"input": {0: "batch"}})
+    rec = pickle.loads(pickle.dumps(fn.recapture))
+    assert rec((torch.randn(6, 3),), {}).outputs[0].shape == (6, 2)

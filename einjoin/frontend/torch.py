@@ -59,6 +59,15 @@ class TorchFunction:
     buffers: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
     """The buffers and constant tensors (graph inputs too, bound like the parameters; not
     parameters: nothing trains them)."""
+    recapture: Callable[[tuple[Any, ...], dict[str, Any]], TorchFunction] | None = field(
+        default=None, repr=False, compare=False)
+    """``recapture(args, kwargs)``: the same module imported again on other example arguments
+    with the same options (``from_torch`` sets it; None where the outputs are no longer the
+    module's forward, as after :meth:`with_outputs`). A program compiled from this import calls
+    it when run with other shapes."""
+    dynamic: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    """``from_torch``'s ``dynamic=``: forward argument name -> {dim: symbol}, the dims a user
+    said will change between runs (dims non-negative; empty: any dim may)."""
 
     def with_outputs(self, outputs: Tensor | Sequence[Tensor]) -> TorchFunction:
         """The same import computing ``outputs`` instead (a tensor, or a list: a loss and its
@@ -79,7 +88,8 @@ class TorchFunction:
         for i, o in enumerate(outs):
             if not isinstance(o, Tensor):
                 raise EinjoinError(f"with_outputs: output {i} is {type(o).__name__}, not an einjoin tensor")
-        return replace(self, outputs=outs, many=many)
+        # a recapture would rebuild the forward's outputs, not these: new shapes need a new import
+        return replace(self, outputs=outs, many=many, recapture=None)
 
     def reference(self, *args: Any, **feeds: Any) -> Any:
         """Evaluate with the numpy reference (``ej.reference``), binding the module's tensors."""
@@ -667,8 +677,43 @@ def _capture(how: Callable[[Any, tuple[Any, ...], dict[str, Any]], TorchFunction
     return fn
 
 
+def _check_dynamic(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   dynamic: Any) -> dict[str, dict[int, str]]:
+    """``dynamic`` checked against the example arguments: names of tensor arguments of the
+    forward, dims in range (a negative dim counts from the end; stored non-negative), symbols
+    non-empty strings."""
+    import torch
+    if dynamic is None:
+        return {}
+    if not isinstance(dynamic, Mapping):
+        raise EinjoinError(f"from_torch: dynamic must be a mapping argument name -> {{dim: symbol}}, "
+                           f"got {type(dynamic).__name__}")
+    values = dict(zip(_arg_labels(module, len(args), kwargs), [*args, *kwargs.values()]))
+    tensors = [n for n, v in values.items() if isinstance(v, torch.Tensor)]
+    out: dict[str, dict[int, str]] = {}
+    for name, dims in dynamic.items():
+        if name not in values or not isinstance(values[name], torch.Tensor):
+            raise EinjoinError(f"from_torch: dynamic names {name!r}, which is not a tensor argument of "
+                               f"{type(module).__name__}.forward (those given: {', '.join(tensors) or 'none'})")
+        if not isinstance(dims, Mapping):
+            raise EinjoinError(f"from_torch: dynamic[{name!r}] must be a mapping dim -> symbol, got "
+                               f"{type(dims).__name__}")
+        ndim = values[name].dim()
+        out[name] = {}
+        for d, sym in dims.items():
+            if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not -ndim <= d < ndim:
+                raise EinjoinError(f"from_torch: dynamic[{name!r}] names dim {d!r}, but {name} has "
+                                   f"{ndim} dims (shape {tuple(values[name].shape)})")
+            if not isinstance(sym, str) or not sym:
+                raise EinjoinError(f"from_torch: dynamic[{name!r}][{d}] must be a symbol name (a "
+                                   f"non-empty str), got {sym!r:.60}")
+            out[name][int(d) % ndim] = sym
+    return out
+
+
 def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None,
-               method: str = "auto", *, dropout_seed: int = 0) -> TorchFunction:
+               method: str = "auto", *, dropout_seed: int = 0,
+               dynamic: Mapping[str, Mapping[int, str]] | None = None) -> TorchFunction:
     """Trace ``module`` on example inputs (their shapes and dtypes fix the graph's) and translate
     it. ``method``: ``"export"`` (torch.export), ``"fx"`` (torch.fx.symbolic_trace) or ``"auto"``
     (export, then fx if export cannot capture the module). A module using ops einjoin cannot
@@ -685,7 +730,36 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     in eval mode. A module in training mode keeps its dropouts: each draws its keep-mask from a
     hash of the element index and the int64 scalar input ``dropout_seed`` (bound to
     ``dropout_seed``; feed ``dropout_seed=`` to ``run()`` for a new mask each step), scaled by
-    ``1 / (1 - p)`` as torch's; torch's own random masks cannot be reproduced."""
+    ``1 / (1 - p)`` as torch's; torch's own random masks cannot be reproduced.
+
+    ``dynamic`` (``{"x": {0: "batch"}}``: forward argument name -> {dim: symbol}) names the dims
+    that change between runs; it is checked (tensor arguments of the forward, dims in range) and
+    kept on the result with a ``recapture`` that imports the module again for other shapes, the
+    way a compiled program does when called with them."""
+    fn, dyn = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
+    from dataclasses import replace
+    # the capture that worked: a recapture does not try export again after fx
+    return replace(fn, recapture=_Recapture(module, fn.method, int(dropout_seed), dyn), dynamic=dyn)
+
+
+@dataclass(frozen=True)
+class _Recapture:
+    """``from_torch`` again on other example arguments with the options of the first import (a
+    class, not a closure, so that a program holding it pickles with its module)."""
+
+    module: Any
+    method: str
+    dropout_seed: int
+    dynamic: Mapping[str, Mapping[int, str]]
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
+        return from_torch(self.module, args, kwargs, self.method, dropout_seed=self.dropout_seed,
+                          dynamic=self.dynamic)
+
+
+def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
+                method: str, dropout_seed: int, dynamic: Any
+                ) -> tuple[TorchFunction, dict[str, dict[int, str]]]:
     import torch
 
     if not isinstance(module, torch.nn.Module):
@@ -700,6 +774,13 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, (int, np.integer)):
         raise EinjoinError(f"from_torch: dropout_seed must be an int, got {dropout_seed!r:.60}")
     _check_signature(module, args, kwargs)
+    dyn = _check_dynamic(module, args, kwargs, dynamic)  # before the capture: a typo fails fast
+    return _import(module, args, kwargs, method, dropout_seed), dyn
+
+
+def _import(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: str,
+            dropout_seed: int) -> TorchFunction:
+    import torch
     args, kwargs, notes = _unalias(module, args, kwargs)
     name = type(module).__name__
     if method == "fx":
