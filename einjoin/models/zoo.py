@@ -8,7 +8,7 @@ matrix chain. Defaults are small enough for a laptop; ``LLAMA_7B`` is for planni
 >>> import torch
 >>> from einjoin.models.zoo import ZOO, example
 >>> sorted(ZOO)
-['chain', 'gpt2-block', 'llama', 'llama-block', 'mlp']
+['chain', 'gpt2', 'gpt2-block', 'llama', 'llama-block', 'mlp']
 >>> module, args = example("llama-block")
 >>> module(*args).shape
 torch.Size([1, 32, 64])
@@ -28,7 +28,7 @@ from torch import nn
 
 from einjoin.errors import EinjoinError
 
-__all__ = ["LlamaConfig", "LLAMA_7B", "RMSNorm", "LlamaBlock", "Llama", "GPT2Block", "MLP",
+__all__ = ["LlamaConfig", "LLAMA_7B", "RMSNorm", "LlamaBlock", "Llama", "GPT2Block", "GPT2", "MLP",
            "MatrixChain", "ZOO", "example", "block_with", "torch_block"]
 
 
@@ -204,6 +204,30 @@ class GPT2Block(nn.Module):
         return out
 
 
+class GPT2(nn.Module):
+    """GPT-2: token and learned position embeddings, ``layers`` GPT2Blocks, a final LayerNorm and an
+    lm head tied to the token embedding: tokens (b, s) -> logits (b, s, vocab)."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, seq: int = 32, layers: int = 2,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(seq, dim)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPT2Block(dim, heads, seq, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as GPT-2
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.drop(self.wte(tokens) + self.wpe(pos))
+        for block in self.h:
+            h = block(h)
+        out: torch.Tensor = self.lm_head(self.ln_f(h))
+        return out
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int = 64, hidden: int = 256, layers: int = 2):
         super().__init__()
@@ -246,6 +270,8 @@ ZOO: dict[str, Callable[..., Example]] = {
     "llama": _llama,
     "gpt2-block": lambda dim=64, heads=4, seq=32, batch=2: (GPT2Block(dim, heads, seq),
                                                           (torch.randn(batch, seq, dim),)),
+    "gpt2": lambda vocab=128, dim=64, heads=4, seq=32, layers=2, batch=2: (
+        GPT2(vocab, dim, heads, seq, layers), (torch.randint(0, vocab, (batch, seq)),)),
     "mlp": lambda dim=64, hidden=256, layers=2, batch=16: (MLP(dim, hidden, layers),
                                                          (torch.randn(batch, dim),)),
     "chain": lambda n=64, length=3: (MatrixChain(n, length), (torch.randn(n, n),)),
