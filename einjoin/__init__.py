@@ -24,6 +24,7 @@ from einjoin.runtime.backends.ray import ray_cluster
 from einjoin.train import optim
 from einjoin.frontend.losses import cross_entropy, mse_loss, nll_loss
 from einjoin.trainer import Trainer
+from einjoin.generate import generate
 
 __version__ = "0.1.0"
 
@@ -32,4 +33,4 @@ __all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "C
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
            "grad", "value_and_grad", "vjp", "stop_gradient", "optim", "Trainer", "cross_entropy", "nll_loss",
-           "mse_loss", *_frontend_all]
+           "mse_loss", "generate", *_frontend_all]
