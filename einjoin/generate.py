@@ -100,11 +100,7 @@ def _gpt2(module: Any) -> _Model:
 def _readers() -> dict[type, Callable[[Any], _Model]]:
     """The supported module classes (the zoo's), each with the reader of its weights."""
     from einjoin.models import zoo
-    readers: dict[type, Callable[[Any], _Model]] = {zoo.Llama: _llama}
-    gpt2 = getattr(zoo, "GPT2", None)  # the zoo's GPT-2 language model (GPT2Block layers)
-    if gpt2 is not None:
-        readers[gpt2] = _gpt2
-    return readers
+    return {zoo.Llama: _llama, zoo.GPT2: _gpt2}
 
 
 def _read(module: Any) -> _Model:
