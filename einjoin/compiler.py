@@ -21,7 +21,7 @@ einjoin.errors.EinjoinError: unknown placement 'nearest'; known: ...
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
 
@@ -49,6 +49,7 @@ from einjoin.runtime import get_backend
 from einjoin.runtime.engine import check_host_link, check_order, check_seed
 from einjoin.runtime.state import StateSlot
 from einjoin.settings import SETTINGS
+from einjoin.variants import check_cache_size
 
 __all__ = ["CompileOptions", "CompiledPlan", "Source", "build_plan", "check_quiet"]
 
@@ -82,7 +83,9 @@ class CompileOptions:
       see :mod:`einjoin.runtime.state`);
     - ``fuse``: chains of elementwise einsums are fused into one node before planning
       (:mod:`einjoin.ir.fuse`; the same values); not for a planner given as a callable, nor
-      when ``specs`` name nodes that fusing would replace.
+      when ``specs`` name nodes that fusing would replace;
+    - ``shape_cache``: for an imported torch module, the programs compiled for other shapes
+      kept (an LRU, :mod:`einjoin.variants`; an int >= 1, or None: no bound).
 
     >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
     (3, 'threads')
@@ -103,6 +106,7 @@ class CompileOptions:
     state: Any = None
     deterministic: bool = False
     fuse: bool = True
+    shape_cache: int | None = 8
 
     def __post_init__(self) -> None:
         # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
@@ -126,6 +130,7 @@ class CompileOptions:
             raise EinjoinError(f"deterministic must be True or False, got {self.deterministic!r:.60}")
         if not isinstance(self.fuse, (bool, np.bool_)):
             raise EinjoinError(f"fuse must be True or False, got {self.fuse!r:.60}")
+        check_cache_size(self.shape_cache)
 
     def replace(self, **changes: Any) -> CompileOptions:
         """A copy with ``changes`` (checked again)."""
@@ -152,6 +157,8 @@ class CompiledPlan:
     arg_names: tuple[str, ...] | None = None
     bound: dict[str, Any] | None = None
     state: tuple[StateSlot, ...] = ()
+    recapture: Any = field(default=None, repr=False, compare=False)
+    dynamic: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -171,14 +178,20 @@ class Source:
     arg_names: tuple[str, ...] | None = None
     bound: dict[str, Any] | None = None
     state: tuple[StateSlot, ...] = ()
+    recapture: Any = field(default=None, repr=False, compare=False)
+    dynamic: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
 
     @staticmethod
     def of(outputs: Any, state: Mapping[Any, Any] | None = None) -> Source:
         """``outputs``: a tensor, a list/tuple of them, or ``ej.from_torch``'s result; ``state``:
         a mapping new value -> the graph input it replaces after each run (checked here)."""
+        recapture, dynamic = None, {}
         if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
             arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), bool(outputs.many)
             outs = list(outputs.outputs) if many else outputs.outputs[0]
+            # how to import it again for other shapes (None after with_outputs: no longer the forward)
+            recapture = getattr(outputs, "recapture", None)
+            dynamic = {k: dict(v) for k, v in getattr(outputs, "dynamic", {}).items()}
         else:
             arg_names, bound, many, outs = None, None, isinstance(outputs, (list, tuple)), outputs
         if not state:
@@ -196,7 +209,7 @@ class Source:
                                        f"new state value: leave it out of state=")
         if bound is not None:  # parameters the forward never reads are not graph inputs
             bound = {k: v for k, v in bound.items() if k in graph.input_by_name}
-        return Source(graph, many, arg_names, bound, slots)
+        return Source(graph, many, arg_names, bound, slots, recapture, dynamic)
 
 
 def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
@@ -258,7 +271,7 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     if source.state:  # state is loaded by the first run only, and never fetched
         stats = with_state(stats, tg, set(tied), {s.output for s in source.state})
     return CompiledPlan(graph, cluster, decomps, placed, tg, stats, options, source.many,
-                        source.arg_names, source.bound, source.state)
+                        source.arg_names, source.bound, source.state, source.recapture, source.dynamic)
 
 
 def _fused(source: Source, specs: Any) -> Source:

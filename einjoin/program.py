@@ -12,11 +12,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 import pathlib
 import sys
 import threading
+import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import Mapping, Sequence
 
@@ -38,10 +42,17 @@ from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
 from einjoin.runtime.state import Resident, StateRun
+from einjoin.variants import ShapeCache, Signature, example_tensors, signature
 
-__all__ = ["compile", "Program", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
+__all__ = ["compile", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
+
+log = logging.getLogger(__name__)  # "einjoin.program": compiles for new shapes, with their time
 
 _nothing = contextlib.nullcontext
+
+
+def _shapes(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    return ", ".join(f"{n} {tuple(s)}" for n, s in shapes.items())
 
 
 def _assemble(node: Node, blocks: Mapping[Any, Any], backend: str) -> np.ndarray:
@@ -55,6 +66,19 @@ def _assemble(node: Node, blocks: Mapping[Any, Any], backend: str) -> np.ndarray
     return out
 
 
+@dataclass
+class ProgramRunStats(RunStats):
+    """A run's :class:`~einjoin.runtime.engine.RunStats` and the shape cache's view of it (an
+    imported torch module's program): ``cache_key``, the shape signature of the program that ran
+    (``((argument, shape), ...)``; None for the shapes ``ej.compile`` compiled for, and for a
+    program not imported from torch), and the cache's ``cache_hits`` / ``cache_misses`` so far
+    (a run with the compiled shapes is a hit; a miss compiled a program)."""
+
+    cache_key: Signature | None = None
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+
 class TraceWriteWarning(UserWarning):
     """A finished run's trace could not be written (a full disk, ...): the results are returned."""
 
@@ -64,7 +88,7 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
             order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
             memory_policy: str = "belady", host_link: float | None = None,
             state: Mapping[Any, Any] | None = None, deterministic: bool = False,
-            fuse: bool = True) -> Program:
+            fuse: bool = True, shape_cache: int | None = 8) -> Program:
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
     is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
@@ -90,6 +114,16 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     each before planning (:mod:`einjoin.ir.fuse`: fewer tasks and passes over memory, the same
     values; ``explain()`` shows the fused expressions); ``fuse=False`` plans the graph as written.
 
+    *Shapes that change.* A program compiled from ``ej.from_torch(module, example)`` may be
+    called with other shapes: the module is imported again for them, compiled with the same
+    devices and options, and kept per shape signature in an LRU of ``shape_cache`` programs (None:
+    no bound), so a shape seen before costs nothing more (``run_stats.cache_key``,
+    ``cache_hits``, ``cache_misses``; each compile's time is logged by the ``einjoin.program``
+    logger). With ``from_torch(..., dynamic={"x": {0: "batch"}})`` only the named dims may change
+    (else a :class:`ShapeError` naming the argument and dim); without it, any may. The parameters
+    are the ones bound at compile time. A program with state, or with ``specs``, runs the
+    shapes it was compiled for only; so does one built from tensors (a wrong shape is an error).
+
     >>> import einjoin as ej
     >>> prog = ej.compile(ej.input("a", (8, 4)) @ ej.input("b", (4, 2)), devices=2, quiet=True)
     >>> prog.plan.options.planner, prog.cluster.size
@@ -99,7 +133,7 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     options = CompileOptions(planner=planner, backend=backend, specs=specs, placement=placement,
                              order=order, seed=seed, quiet=quiet, memory_limit=memory_limit,
                              memory_policy=memory_policy, host_link=host_link, state=state,
-                             deterministic=deterministic, fuse=fuse)
+                             deterministic=deterministic, fuse=fuse, shape_cache=shape_cache)
     source = Source.of(outputs, options.state)
     return Program(build_plan(source, cluster, options))
 
@@ -159,20 +193,128 @@ class Program:
         self._many = plan.many
         self._arg_names = plan.arg_names                # set for an imported torch module
         self._bound = plan.bound
-        self._engine = Engine(plan.taskgraph, plan.decomps)
         self.run_stats: RunStats | None = None
-        self._runs_lock = threading.Lock()
-        self._active: set[CancelToken] = set()  # the runs in progress, for cancel()
         self._slots = plan.state
         self.deterministic = bool(options.deterministic)
         self._serial = bool(plan.state) or self.deterministic
-        self._in_callback = threading.local()  # set while a user callback of a serialised run runs
-        self._resident = Resident()
         self._state_names = frozenset(s.name for s in plan.state)
+        # programs for other shapes (an imported module): shared with them, with its counts
+        self._variants: ShapeCache[Program] | None = (
+            ShapeCache(options.shape_cache) if plan.recapture is not None else None)
+        self._key: Signature | None = None   # the signature this program was compiled for (None: ej.compile's)
+        self._parent: Program | None = None  # the program whose cache holds this one
+        self._fresh()
         if self._bound and plan.state:  # an imported module's bound parameters: the first state
             first = {s.name: self._bound.pop(s.name) for s in plan.state if s.name in self._bound}
             if first:
                 self.write_state(first)
+
+    def _fresh(self) -> None:
+        """What a program holds only while it lives in one process (made again on unpickling): the
+        engine (made on first run), the locks, the runs in progress, the resident state."""
+        self._made_engine: Engine | None = None
+        self._runs_lock = threading.Lock()
+        self._active: set[CancelToken] = set()  # the runs in progress, for cancel()
+        self._in_callback = threading.local()  # set while a user callback of a serialised run runs
+        self._resident = Resident()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Plain data: the plan, the options, the state's current values (host arrays); no
+        engine, lock or thread. The graph's nodes go first, in topological order, so that a deep
+        graph pickles without deep recursion (each node's inputs are pickled before it)."""
+        state: dict[str, Any] = {"_nodes": self.graph.nodes}
+        skip = {"_made_engine", "_runs_lock", "_active", "_in_callback", "_resident", "run_stats"}
+        state.update((k, v) for k, v in self.__dict__.items() if k not in skip)
+        if self._slots:
+            with self._resident.lock:
+                have = [s.name for s in self._slots if self._resident.has(s.node)]
+            state["_state_values"] = self.read_state(have) if have and self.backend.computes else {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.pop("_nodes", None)
+        values = state.pop("_state_values", None)
+        self.__dict__.update(state)
+        self.run_stats = None
+        self._fresh()
+        if values:
+            self.write_state(values)
+
+    @property
+    def _engine(self) -> Engine:
+        """The engine running this program's task graph (made on first use)."""
+        engine = self._made_engine
+        if engine is None:
+            with self._runs_lock:
+                if self._made_engine is None:
+                    self._made_engine = Engine(self.taskgraph, self.decomps)
+                engine = self._made_engine
+        return engine
+
+    # ---- shapes that change (an imported torch module)
+
+    def _for_shapes(self, args: Sequence[Any], feeds: Mapping[str, Any]) -> Program:
+        """The program for the shapes of this run's forward arguments: this one, or one from the
+        shape cache (compiled now on a miss). Counts the cache's hits and misses."""
+        cache = self._variants
+        if cache is None or self._arg_names is None:
+            return self
+        given = {**dict(zip(self._arg_names, args)),
+                 **{k: v for k, v in feeds.items() if k in self._arg_names}}
+        compiled = {n: self.graph.input_by_name[n].shape for n in self._arg_names if n in self.graph.input_by_name}
+        key = signature(self._arg_names, compiled, given, self.plan.dynamic)
+        if key is None:
+            with cache.lock:
+                cache.hits += 1
+            return self
+        if self._slots:
+            raise EinjoinError(f"this program has state ({', '.join(map(repr, self.state))}), which is laid "
+                               f"out for the shapes it was compiled for ({_shapes(compiled)}); got "
+                               f"{_shapes(dict(key))}: compile one program per shape (its state is not carried over)")
+        if self.plan.options.specs:
+            raise EinjoinError(f"this program was compiled with specs= for the nodes of its graph at shapes "
+                               f"{_shapes(compiled)}; got {_shapes(dict(key))}: compile another program for them")
+        with cache.lock:  # one compile per signature, however many threads ask
+            prog = cache.get(key)
+            if prog is None:
+                prog = self._compile_for(key, given)
+                cache.put(key, prog)
+        return prog  # type: ignore[no-any-return]
+
+    def _compile_for(self, key: Signature, given: Mapping[str, Any]) -> Program:
+        """Import the module again for the shapes ``key`` and compile it as this program was."""
+        assert self._arg_names is not None
+        shapes = dict(key)
+        dtypes = {n: self.graph.input_by_name[n].dtype for n in shapes}
+        start = time.perf_counter()
+        fn = self.plan.recapture(example_tensors(self._arg_names, shapes, dtypes, given), {})
+        if len(fn.outputs) != len(self.plan.graph.outputs) - len(self._slots):
+            raise EinjoinError(f"the module imported again for shapes {_shapes(shapes)} has {len(fn.outputs)} "
+                               f"outputs, the compiled one {len(self.graph.outputs)}")
+        source = Source.of(fn)
+        if source.bound and self._bound:  # the parameters bound at compile time, not the module's now
+            mine = self._bound
+            source = dataclasses.replace(source, bound={
+                k: (mine[k] if k in mine and np.shape(mine[k]) == np.shape(v) else v) for k, v in source.bound.items()})
+        prog = Program(build_plan(source, self.cluster, self.plan.options))
+        prog._key, prog._parent, prog._variants = key, self, None
+        assert self._variants is not None
+        log.info("compiled %d ops for shapes %s in %.3f s (%d program(s) cached before, LRU of %s)",
+                 len(prog.graph.ops), _shapes(shapes), time.perf_counter() - start, len(self._variants),
+                 self._variants.maxsize)
+        return prog
+
+    def _cache_stats(self, stats: RunStats) -> ProgramRunStats:
+        root = self._parent or self
+        cache = root._variants
+        extra = (dict(cache_key=self._key, cache_hits=cache.hits, cache_misses=cache.misses)
+                 if cache is not None else {})
+        return ProgramRunStats(**vars(stats), **extra)
+
+    @property
+    def shape_cache(self) -> ShapeCache[Program] | None:
+        """The programs compiled for other shapes (an imported module's; None otherwise)."""
+        return self._variants
 
     def _bind(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
         """The run's feeds by node; a state input not given is left out (the state supplies it)."""
@@ -218,8 +360,9 @@ class Program:
         or raised by a callback) stops the run and propagates as it is; the program stays usable.
         Several threads may run one program at once."""
         cancel = self._take_cancel(cancel, feeds)
+        prog = self._for_shapes(args, feeds)
         token = CancelToken()
-        return self._run(args, feeds, order, seed, callbacks, trace, quiet, host_link, cancel, token, None)
+        return prog._run(args, feeds, order, seed, callbacks, trace, quiet, host_link, cancel, token, None)
 
     def run_async(self, *args: Any, **kw: Any) -> RunHandle:
         """Start a run on a new thread and return its :class:`~einjoin.runtime.engine.RunHandle`
@@ -227,14 +370,15 @@ class Program:
         takes; arguments and feeds are checked here, before it returns."""
         cancel = self._take_cancel(kw.pop("cancel", None), kw)
         opts = {k: kw.pop(k) for k in ("order", "seed", "callbacks", "trace", "quiet", "host_link") if k in kw}
+        prog = self._for_shapes(args, kw)
         token = CancelToken()
         handle = RunHandle(token)
-        prepared = self._prepare(args, kw, opts.get("order"), opts.get("seed"), opts.get("callbacks", ()),
+        prepared = prog._prepare(args, kw, opts.get("order"), opts.get("seed"), opts.get("callbacks", ()),
                                  opts.get("trace"), opts.get("quiet"), opts.get("host_link"), cancel)
 
         def target() -> None:
             try:
-                out = self._execute(prepared, token, handle)
+                out = prog._execute(prepared, token, handle)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever calls result()
                 handle._set(False, exc, None)
             else:
@@ -256,11 +400,14 @@ class Program:
     def cancel(self) -> None:
         """Cancel every run of this program in progress at the moment of the call (from any
         thread); each raises ``EinjoinError("run cancelled ...")``. Later runs are not affected:
-        to cancel one run only, use ``run(..., cancel=token)`` or ``run_async(...).cancel()``."""
+        to cancel one run only, use ``run(..., cancel=token)`` or ``run_async(...).cancel()``.
+        Runs of the programs compiled for other shapes are this program's runs too."""
         with self._runs_lock:
             active = list(self._active)
         for tok in active:
             tok.cancel()
+        for prog in self._variants.values() if self._variants is not None else ():
+            prog.cancel()
 
     # ---- one run: check everything, then execute
 
@@ -349,7 +496,10 @@ class Program:
                 self._active.discard(token)
         if recorder is not None:
             self._write_trace(recorder, p["trace"], None, handle)
+        stats = self._cache_stats(stats)
         self.run_stats = stats
+        if self._parent is not None:  # the program the user called: its run_stats are the last run's
+            self._parent.run_stats = stats
         if handle is not None:
             handle.stats = stats
         if outs is None:

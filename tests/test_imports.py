@@ -34,7 +34,8 @@ FLOORS: list[set[str]] = [
     {"runtime"},                      # the engine and its backends
     {"frontend", "models", "viz", "autodiff", "train"},  # build IR (user code, model zoo, gradients,
     # optimizer steps); draw plans and traces
-    {"program", "compiler", "cli", "demo", "__main__", "__init__", "trainer", "generate"},  # wiring: ej.compile, CLI
+    {"program", "compiler", "cli", "demo", "__main__", "__init__", "trainer", "generate",
+     "variants", "program_io"},  # wiring: ej.compile, CLI; programs per shape signature, saved programs
 ]
 
 # The frontend, the models and autodiff build IR only: they may import these rooms and nothing else,

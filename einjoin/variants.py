@@ -1,0 +1,191 @@
+"""Programs per shape signature: an imported torch module's program called with other shapes is
+captured and compiled again for them, once per signature, and kept in an LRU cache.
+
+A *shape signature* is the shapes of the forward arguments the graph reads, by name, in the
+forward's order. :func:`signature` reads it from a run's arguments and checks it against the
+shapes compiled for and ``from_torch(..., dynamic=...)``: with ``dynamic``, only the dims it
+names may differ (each named dim's symbol is one size across arguments); without it, any shape
+may (the issue's "simply calling an imported program with new shapes").
+:class:`ShapeCache` is the LRU of compiled programs with its hit and miss counts; the program
+compiled by ``ej.compile`` itself is not in it (it is never evicted).
+
+>>> cache = ShapeCache(2)
+>>> cache.put((("x", (4, 3)),), "prog4"); cache.put((("x", (8, 3)),), "prog8")
+>>> cache.get((("x", (4, 3)),)), cache.get((("x", (2, 3)),)), (cache.hits, cache.misses)
+('prog4', None, (1, 1))
+>>> cache.put((("x", (2, 3)),), "prog2")  # evicts the least recently used: (8, 3)
+>>> list(cache.keys()) == [(("x", (4, 3)),), (("x", (2, 3)),)]
+True
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from einjoin.errors import EinjoinError, ShapeError
+
+__all__ = ["ShapeCache", "Signature", "signature", "check_cache_size", "example_tensors"]
+
+Signature = tuple[tuple[str, tuple[int, ...]], ...]
+"""A shape signature: ((forward argument name, shape), ...) in the forward's order."""
+
+_V = TypeVar("_V")
+
+
+def check_cache_size(size: Any, what: str = "shape_cache") -> int | None:
+    """A cache size is an int >= 1, or None (unbounded)."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise EinjoinError(f"{what} must be an int >= 1 (programs kept per shape signature) or None, got "
+                           f"{size!r:.60}")
+    return size
+
+
+class ShapeCache(Generic[_V]):
+    """An LRU mapping shape signature -> compiled program, ``maxsize`` entries (None: no bound),
+    counting ``hits`` and ``misses`` of :meth:`get`. Thread-safe; holds no lock when pickled."""
+
+    def __init__(self, maxsize: int | None = 8):
+        self.maxsize = check_cache_size(maxsize)
+        self._items: OrderedDict[Any, _V] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        self.lock = threading.RLock()  # also held by a caller compiling a missing entry
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """The entry for ``key`` (now the most recently used; a hit), else ``default`` (a miss)."""
+        with self.lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return self._items[key]
+            self.misses += 1
+            return default
+
+    def put(self, key: Any, value: _V) -> None:
+        """Add or replace ``key``'s entry, evicting the least recently used beyond ``maxsize``."""
+        with self.lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while self.maxsize is not None and len(self._items) > self.maxsize:
+                self._items.popitem(last=False)
+
+    __setitem__ = put
+
+    def __getitem__(self, key: Any) -> _V:
+        return self._items[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._items))
+
+    def keys(self) -> list[Any]:
+        return list(self._items)
+
+    def values(self) -> list[_V]:
+        return list(self._items.values())
+
+    def items(self) -> list[tuple[Any, _V]]:
+        return list(self._items.items())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"<ShapeCache {len(self)}/{self.maxsize} programs, {self.hits} hits, {self.misses} misses>"
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        try:
+            shape = np.shape(value)
+        except Exception:  # noqa: BLE001 - not array-like: bind_feeds says so
+            return None
+    return tuple(int(d) for d in shape)
+
+
+def signature(arg_names: Sequence[str], compiled: Mapping[str, tuple[int, ...]], given: Mapping[str, Any],
+              dynamic: Mapping[str, Mapping[int, str]]) -> Signature | None:
+    """The shape signature of a run's forward arguments ``given`` (name -> value), or None when
+    it is the one compiled for (``compiled``: name -> shape of each argument the graph reads;
+    an argument not given is left to the feed check). With ``dynamic`` only its named dims may
+    differ, and the dims sharing a symbol must agree: else a :class:`ShapeError` naming the
+    argument, the dim, the size compiled for and the size given.
+
+    >>> signature(("x",), {"x": (4, 3)}, {"x": np.zeros((4, 3))}, {}) is None
+    True
+    >>> signature(("x",), {"x": (4, 3)}, {"x": np.zeros((8, 3))}, {"x": {0: "batch"}})
+    (('x', (8, 3)),)
+    >>> signature(("x",), {"x": (4, 3)}, {"x": np.zeros((4, 5))}, {"x": {0: "batch"}})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    einjoin.errors.ShapeError: input 'x' dim 1 is not dynamic: the program was compiled for size 3, got 5 ...
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in arg_names:
+        if name in compiled and name in given:
+            got = _shape(given[name])
+            if got is None:
+                return None  # not an array: the feed check names it
+            shapes[name] = got
+    if all(shapes[n] == compiled[n] for n in shapes):
+        return None
+    if dynamic:
+        sizes: dict[str, tuple[str, int, int]] = {}  # symbol -> (argument, dim, size) first seen
+        for name, got in shapes.items():
+            want, dims = compiled[name], dynamic.get(name, {})
+            if len(got) != len(want):
+                raise ShapeError(f"input {name!r} has {len(got)} dims (shape {got}), but the program was "
+                                 f"compiled for {len(want)} (shape {want}); only the dims that "
+                                 f"from_torch(..., dynamic=...) names may change")
+            for d, (w, g) in enumerate(zip(want, got)):
+                if d not in dims:
+                    if w != g:
+                        named = ", ".join(map(str, sorted(dims))) or "none"
+                        raise ShapeError(f"input {name!r} dim {d} is not dynamic: the program was compiled "
+                                         f"for size {w}, got {g} (shape {got}; from_torch(..., dynamic=...) "
+                                         f"names dims {named} of {name!r})")
+                    continue
+                sym = dims[d]
+                first = sizes.setdefault(sym, (name, d, g))
+                if first[2] != g:
+                    raise ShapeError(f"dynamic dim {sym!r} has two sizes: input {first[0]!r} dim {first[1]} "
+                                     f"is {first[2]} but input {name!r} dim {d} is {g}")
+    return tuple(shapes.items())
+
+
+def example_tensors(arg_names: Sequence[str], shapes: Mapping[str, tuple[int, ...]],
+                    dtypes: Mapping[str, str], given: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Example arguments for a recapture, in the forward's order: zeros of each read argument's
+    new shape and compiled dtype (a capture reads shapes and dtypes, never values); an argument
+    the graph does not read is passed as given (it must be given)."""
+    import torch
+    out = []
+    for name in arg_names:
+        if name in shapes:
+            out.append(torch.zeros(shapes[name], dtype=getattr(torch, dtypes[name])))
+        elif name in given:
+            v = given[name]
+            out.append(v if isinstance(v, torch.Tensor) else torch.as_tensor(v))
+        else:
+            raise EinjoinError(f"to run with other shapes the module is imported again, which needs every "
+                               f"forward argument: {name!r} is not given")
+    return tuple(out)

@@ -1,0 +1,165 @@
+"""Shapes that change (issue 20): a program compiled from ``ej.from_torch`` called with other
+shapes imports the module again, compiles once per shape signature and caches the program in an
+LRU (``shape_cache``); ``dynamic=`` limits which dims may change; ``run_stats`` carries the
+cache key and the hit / miss counts; programs that cannot follow new shapes say why."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+import einjoin.program as program_mod
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+
+
+class _Attn(torch.nn.Module):
+    """Batch, sequence and hidden dims: a softmax over the sequence, a matmul per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ x.transpose(1, 2) / 8 ** 0.5
+        return torch.softmax(s + mask, dim=-1) @ x
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_new_shapes_compile_once_each_and_a_seen_shape_costs_nothing(devices, monkeypatch, caplog):
+    m = _mlp()
+    prog = ej.compile(ej.from_torch(m, (torch.randn(4, 8),)), devices=devices, quiet=True)
+    x4 = torch.randn(4, 8)
+    _close(prog.run(x4), m(x4))
+    assert prog.run_stats.cache_key is None and (prog.run_stats.cache_hits, prog.run_stats.cache_misses) == (1, 0)
+    x6 = torch.randn(6, 8)
+    with caplog.at_level(logging.INFO, logger="einjoin"):
+        _close(prog.run(x6), m(x6))
+    assert prog.run_stats.cache_key == (("input", (6, 8)),)
+    assert (prog.run_stats.cache_hits, prog.run_stats.cache_misses) == (1, 1)
+    logged = [r.getMessage() for r in caplog.records if r.name == "einjoin.program"]
+    assert len(logged) == 1 and "input (6, 8)" in logged[0] and " s " in logged[0]
+
+    # a seen shape: neither a capture nor a compile
+    def fail(*a, **k):
+        raise AssertionError("compiled again for a shape seen before")
+    monkeypatch.setattr(program_mod, "build_plan", fail)
+    object.__setattr__(prog.plan, "recapture", fail)  # a frozen dataclass: no capture either
+    x6b = torch.randn(6, 8).numpy()
+    out = prog.run(x6b)
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_allclose(out, m(torch.from_numpy(x6b)).detach().numpy(), rtol=1e-4, atol=1e-5)
+    _close(prog.run(input=x4), m(x4))  # by name, the compiled shape again
+    assert (prog.run_stats.cache_key, prog.run_stats.cache_hits, prog.run_stats.cache_misses) == (None, 3, 1)
+    assert len(prog.shape_cache) == 1
+
+
+def test_dynamic_dims_may_change_and_the_others_are_refused_by_name():
+    m = _Attn()
+    x, mask = torch.randn(2, 5, 8), torch.zeros(2, 5, 5)
+    fn = ej.from_torch(m, (x, mask), dynamic={"x": {0: "batch", 1: "seq"}, "mask": {0: "batch", 1: "seq", 2: "seq"}})
+    prog = ej.compile(fn, devices=2, quiet=True)
+    for b, s in ((2, 5), (3, 7), (1, 7), (3, 7)):
+        xb, mb = torch.randn(b, s, 8), torch.randn(b, s, s)
+        _close(prog.run(xb, mb), m(xb, mb))
+    assert (prog.run_stats.cache_hits, prog.run_stats.cache_misses) == (2, 2)
+    with pytest.raises(ej.ShapeError, match=r"input 'x' dim 2 is not dynamic: .*compiled for size 8, got 6"):
+        prog.run(torch.randn(2, 5, 6), torch.zeros(2, 5, 5))
+    with pytest.raises(ej.ShapeError, match=r"'x' has 2 dims .* compiled for 3"):
+        prog.run(torch.randn(10, 8), torch.zeros(2, 5, 5))
+    with pytest.raises(ej.ShapeError, match=r"dynamic dim 'seq' has two sizes: input 'x' dim 1 is 6 but input 'mask' "
+                                            r"dim 1 is 5"):
+        prog.run(torch.randn(2, 6, 8), torch.zeros(2, 5, 5))
+
+
+def test_the_lru_keeps_shape_cache_programs_and_the_option_is_checked():
+    m = _mlp()
+    prog = ej.compile(ej.from_torch(m, (torch.randn(4, 8),)), devices=2, quiet=True, shape_cache=2)
+    for n in (1, 2, 3, 2, 1):  # 1 and 2 compiled, 3 evicts 1, 2 hits, 1 compiles again (evicting 3)
+        x = torch.randn(n, 8)
+        _close(prog.run(x), m(x))
+    assert (prog.run_stats.cache_hits, prog.run_stats.cache_misses) == (1, 4)
+    assert [dict(k)["input"][0] for k in prog.shape_cache.keys()] == [2, 1]
+    for bad in (0, -1, True, 2.0, "8"):
+        with pytest.raises(ej.EinjoinError, match="shape_cache must be an int >= 1"):
+            ej.compile(ej.from_torch(m, (torch.randn(4, 8),)), quiet=True, shape_cache=bad)
+    unbounded = ej.compile(ej.from_torch(m, (torch.randn(4, 8),)), quiet=True, shape_cache=None)
+    for n in range(1, 12):
+        unbounded.run(torch.randn(n, 8))
+    assert len(unbounded.shape_cache) == 10
+
+
+def test_new_shapes_bind_the_same_parameters_as_the_compiled_shape():
+    """The compiled program binds the module's tensors (views: an in-place update is seen); a
+    program for other shapes binds the very same arrays, not whatever the module holds now."""
+    m = _mlp()
+    prog = ej.compile(ej.from_torch(m, (torch.randn(4, 8),)), devices=2, quiet=True)
+    with torch.no_grad():
+        m[0].weight.add_(1.0)  # in place: both shapes see it
+    for n in (4, 5):
+        x = torch.randn(n, 8)
+        _close(prog.run(x), m(x))
+    kept = _mlp()
+    kept[0].weight.data.add_(1.0)
+    m[0].weight = torch.nn.Parameter(torch.zeros(16, 8))  # replaced: the program keeps what it bound
+    for n in (4, 5, 7):
+        x = torch.randn(n, 8)
+        _close(prog.run(x), kept(x))
+
+
+def test_programs_that_cannot_follow_new_shapes_say_why():
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    fn = ej.from_torch(Scale(), (torch.randn(4, 3),))
+    w = fn.parameters["w"]
+    stateful = ej.compile(fn, devices=2, quiet=True, state={w * 0.5: w})
+    stateful.run(torch.ones(4, 3))
+    with pytest.raises(ej.EinjoinError, match=r"has state \('w'\).*x \(4, 3\).*got x \(5, 3\)"):
+        stateful.run(torch.ones(5, 3))
+    np.testing.assert_allclose(stateful.read_state()["w"], np.full(3, 0.5, np.float32))
+
+    # a graph built on the import (with_outputs) is no longer the forward: no recapture
+    loss = fn.with_outputs(fn.outputs[0].sum())
+    prog = ej.compile(loss, quiet=True)
+    assert prog.shape_cache is None
+    with pytest.raises(ej.EinjoinError, match=r"shape \(5, 3\)|\(4, 3\)"):
+        prog.run(torch.ones(5, 3))
+
+    # a program built from tensors keeps its feed error
+    plain = ej.compile(ej.input("x", (4, 3)) * 2.0, quiet=True)
+    with pytest.raises(ej.ShapeError, match=r"'x'"):
+        plain.run(np.ones((5, 3), np.float32))
+    assert plain.shape_cache is None
+    plain.run(np.ones((4, 3), np.float32))
+    assert plain.run_stats.cache_key is None and plain.run_stats.cache_hits == 0
+
+
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 6), devices=st.sampled_from([1, 2]))
+def test_any_batch_equals_torch(batch, devices):
+    m = _mlp()
+    prog = ej.compile(ej.from_torch(m, (torch.randn(3, 8),), dynamic={"input": {0: "batch"}}),
+                      devices=devices, quiet=True)
+    x = torch.randn(batch, 8)
+    _close(prog.run(x), m(x))
+    assert prog.run_stats.cache_key == (None if batch == 3 else (("input", (batch, 8)),))
