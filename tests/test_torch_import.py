@@ -196,8 +196,13 @@ def test_bad_modules_and_arguments():
         prog.run()
     with pytest.raises(ej.EinjoinError, match="positional inputs"):
         prog.run(args[0], args[0])
-    with pytest.raises(ej.ShapeError):
+    # other shapes import the module again (H4's shape cache): one it cannot take is an error
+    with pytest.raises(ej.EinjoinError, match="MLP"):
         prog.run(torch.randn(3, 3))
+    module, _ = example("mlp")
+    fixed = ej.compile(ej.from_torch(module, args, dynamic={"x": {0: "batch"}}), devices=2)
+    with pytest.raises(ej.ShapeError):  # a dim dynamic= does not name
+        fixed.run(torch.randn(16, 3))
 
 
 def test_llama_7b_on_the_meta_device_plans_without_weights():
@@ -278,3 +283,64 @@ def test_recapture_pickles_with_its_module():
     fn = ej.from_torch(nn.Linear(3, 2), (torch.randn(4, 3),), dynamic={"input": {0: "batch"}})
     rec = pickle.loads(pickle.dumps(fn.recapture))
     assert rec((torch.randn(6, 3),), {}).outputs[0].shape == (6, 2)
+
+
+class InPlace(nn.Module):
+    """In-place ops whose tensors are read again afterwards: translated as written they would be
+    read unwritten; functionalised they are not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = y * 1
+        z.add_(1.0)
+        z.relu_()
+        w = x.clone()
+        w.mul_(z)
+        z /= z.sum(-1, keepdim=True) + 1.0
+        return z * 2 + y + w
+
+
+class DeadConstant(nn.Module):
+    """An empty constant torch.export lifts and only ``detach_`` reads (what HF attention code makes),
+    beside a constant that is used."""
+
+    def forward(self, x):
+        t = torch.tensor([])
+        t.detach_()
+        return x * 2 + torch.tensor([1.0, 2.0, 3.0])
+
+
+class ZeroSize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x, e):
+        return torch.cat([self.empty, x, e], 0).sum(0) + e.sum() + self.empty.sum(0)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_in_place_ops_are_functionalised(devices):
+    torch.manual_seed(0)
+    m, x = InPlace().eval(), torch.randn(4, 6)
+    fn = ej.from_torch(m, (x,))
+    with torch.no_grad():
+        assert_close(ej.compile(fn, devices=devices).run(x), m(x))
+
+
+def test_dead_lifted_constants_are_dropped_and_zero_size_tensors_import():
+    x = torch.randn(2, 3)
+    fn = ej.from_torch(DeadConstant(), (x,))
+    assert list(fn.bound) == ["lifted_tensor_1"] and list(fn.buffers) == ["lifted_tensor_1"]
+    assert_close(ej.compile(fn, devices=2).run(x), DeadConstant()(x))
+    m, e = ZeroSize(), torch.randn(0, 3)
+    for method in ("export", "fx"):
+        fn = ej.from_torch(m, (x, e), method=method)
+        assert fn.bound["empty"].shape == (0, 3)
+        with torch.no_grad():
+            for devices in (1, 2):
+                assert_close(ej.compile(fn, devices=devices).run(x, e), m(x, e))

@@ -364,9 +364,34 @@ def _check_supported(graph: Any, fx: bool, modules: Mapping[str, Any], problems:
 # ---------------------------------------------------------------- torch.export
 
 
+def _needs_functionalising(graph: Any) -> bool:
+    """Whether an exported graph mutates (``add_``, ``index_put_``, ``div_``: the op's schema says
+    so) or holds a higher-order op (an autocast region's ``wrap_with_autocast`` and its
+    sub-graph). A translation reads each node's value once, so a tensor written in place after a
+    read would be seen unwritten by later readers: such graphs are functionalised first."""
+    import torch
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        t = node.target
+        if isinstance(t, torch._ops.HigherOrderOperator):
+            return True
+        schema = getattr(t, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
 def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
     import torch
     ep = torch.export.export(module, args, kwargs)
+    if _needs_functionalising(ep.graph):
+        # an empty table: functionalisation only, the ops stay whole (linear stays linear) and
+        # autocast regions are inlined as their casts
+        import warnings
+        with warnings.catch_warnings():  # torch's own pytree deprecation, said on every call
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+            ep = ep.run_decompositions({})
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs}
     problems = _Problems(module, "torch.export")
@@ -421,6 +446,15 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         else:
             raise UnsupportedOpError(f"from_torch: fx node kind {node.op!r} ({node.name})")
     problems.check()
+    # constants torch.export lifted that no output reads (HF attention's empty `lifted_tensor_0`,
+    # read only by a `detach_`) are dropped; parameters and buffers stay (named_parameters order)
+    from einjoin.ir.graph import Graph
+    used = Graph(list(outputs)).input_by_name
+    for spec in sig.input_specs:
+        name = canon.get(spec.target, spec.target) if spec.target else None
+        if spec.kind.name == "CONSTANT_TENSOR" and name not in used:
+            bound.pop(name, None)
+            buffers.pop(name, None)
     return TorchFunction(tuple(outputs), tuple(arg_names), bound, _many(ep.call_spec.out_spec), "export",
                          parameters=_in_module_order(module, params), buffers=buffers)
 
