@@ -277,6 +277,11 @@ class Decoder:
             self._decode = self._compile(logits, state)
         return self._decode
 
+    def prepare(self, prompt_len: int) -> None:
+        """Compile the decode program and the prefill program for prompts of ``prompt_len``."""
+        _ = self.decode
+        self._prefill(_count(prompt_len, "prompt_len", 1))
+
     def _prefill(self, s: int) -> Program:
         if s not in self._prefills:
             m = self.model
