@@ -15,8 +15,8 @@ import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.ir import Arg, Call, Const
 from einjoin.ir import ops
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd,
-                             Select, rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
+                             ScatterAdd, Select, rule_for)
 
 LABELS = "ijklmnopqrstuvwxyzabcdefgh"
 
@@ -312,6 +312,53 @@ def _einsum(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np
     return _einsum_oracle(node, [x.astype(np.float64) if x.dtype.kind == "f" else x for x in xs])
 
 
+def _windows(x: np.ndarray, kernel: tuple[int, ...], stride: Any, pads: Any, ld: Any, rd: Any,
+             fill: float) -> np.ndarray:
+    """x (N, C, *S) as (N, C, *out, *kernel): the value each (output, window) position reads,
+    ``fill`` where it reads none, by index arithmetic alone (no einjoin or torch kernel)."""
+    nd = len(kernel)
+    idx, ok = [], []
+    for n, k, s, (lo, hi), a, b in zip(x.shape[2:], kernel, stride, pads, ld, rd):
+        span = (a * (n - 1) + 1) + lo + hi - (b * (k - 1) + 1)
+        m = span // s + 1
+        q = s * np.arange(m)[:, None] + b * np.arange(k)[None, :] - lo
+        valid = (q % a == 0) & (q >= 0) & (q // a < n)
+        idx.append(np.where(valid, q // a, 0))
+        ok.append(valid)
+    out = x
+    for d in range(nd):  # gather dim 2 + d (out, window) -> moved to the end
+        out = np.take(out, idx[d], axis=2 + d)  # (.., m, k, ..)
+        out = np.moveaxis(out, 2 + d + 1, -1)
+    mask = np.ones(out.shape[2:], bool)
+    for d in range(nd):
+        shape = [1] * (2 * nd)
+        shape[d], shape[nd + d] = ok[d].shape
+        mask = mask & ok[d].reshape(shape)
+    return np.where(mask, out, fill)
+
+
+def _conv(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+    op = node.op
+    x, w = (a.astype(np.float64) for a in xs)
+    nd, g = x.ndim - 2, op.groups
+    win = _windows(x, w.shape[2:], op.stride, op.padding, op.lhs_dilation, op.rhs_dilation, 0.0)
+    n, c = x.shape[:2]
+    win = win.reshape((n, g, c // g) + win.shape[2:])           # n g c out... k...
+    wr = w.reshape((g, w.shape[0] // g) + w.shape[1:])           # g o c k...
+    sp, ks = "pqr"[:nd], "uvw"[:nd]
+    out = np.einsum(f"ngc{sp}{ks},goc{ks}->ngo{sp}", win, wr)
+    return out.reshape((n, w.shape[0]) + out.shape[3:])
+
+
+def _pool(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+    op = node.op
+    nd = len(op.window)
+    win = _windows(xs[0].astype(np.float64), op.window, op.stride, op.padding, (1,) * nd, op.dilation,
+                   -np.inf if op.agg.name == "max" else 0.0)
+    axes = tuple(range(2 + nd, 2 + 2 * nd))
+    return win.max(axis=axes) if op.agg.name == "max" else win.sum(axis=axes)
+
+
 # the oracle's rule per node kind: (node, its inputs' values, the feeds by name) -> its value
 ORACLE_RULES: dict[type, Callable[[Any, list[np.ndarray], dict[str, np.ndarray]], Any]] = {
     Input: lambda node, xs, feeds: feeds[node.op.name],
@@ -324,6 +371,8 @@ ORACLE_RULES: dict[type, Callable[[Any, list[np.ndarray], dict[str, np.ndarray]]
     ScatterAdd: _scatter_add,
     Cast: lambda node, xs, feeds: xs[0].astype(ej.ir.dtypes.numpy_dtype(node.dtype)),
     Fill: _fill,
+    Conv: _conv,
+    Pool: _pool,
 }
 
 

@@ -14,6 +14,9 @@ input, built from IR nodes only — the backward pass is an ordinary graph.
 - ``Gather``: a scatter-add of the cotangent into the table's rows (O(tokens x hidden), never a
   one-hot contraction); nothing for the int64 indices.
 - ``ScatterAdd``: a gather of the cotangent (its adjoint w.r.t. the updates).
+- ``Conv``, ``Pool``: window ops again (:mod:`einjoin.autodiff.conv_rule`): a transposed conv
+  for the input, a conv of the input by the cotangent for the weight, the max pool's cotangent
+  routed through an equality mask of its windows.
 
 >>> from einjoin.ir import ops
 >>> from einjoin.ir.node import rule_for
@@ -30,11 +33,12 @@ from __future__ import annotations
 import string
 from collections.abc import Callable, Sequence
 
+from einjoin.autodiff.conv_rule import conv_adjoints, pool_adjoints
 from einjoin.autodiff.einsum_rule import einsum_adjoints
 from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.fold import fold
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select)
 
 __all__ = ["GRAD_RULES", "GradRule"]
@@ -126,4 +130,6 @@ GRAD_RULES: dict[type, GradRule] = {
     Cast: _cast,
     Gather: _gather,
     ScatterAdd: _scatter_add,
+    Conv: conv_adjoints,
+    Pool: pool_adjoints,
 }

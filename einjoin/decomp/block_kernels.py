@@ -13,10 +13,11 @@ import numpy as np
 from einjoin.decomp.decompose import Decomposition, Kernel, reshape_region
 from einjoin.decomp.partition import Box, box_shape
 from einjoin.ir.dtypes import numpy_dtype
-from einjoin.ir.kernels import (broadcast_kernel, einsum_kernel, fill_kernel, gather_kernel, partial_dtype,
-                                scatter_add_kernel)
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd, Select,
-                             rule_for)
+from einjoin.ir.kernels import (broadcast_kernel, conv_kernel, einsum_kernel, fill_kernel, gather_kernel,
+                                partial_dtype, pool_kernel, scatter_add_kernel)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape, ScatterAdd,
+                             Select, rule_for)
+from einjoin.ir.window import local_padding
 
 __all__ = ["run_kernel", "BLOCK_KERNELS", "BlockKernel"]
 
@@ -64,7 +65,7 @@ def _concat_block(d: Decomposition, op: Concat, k: Kernel, blocks: _Blocks, box:
 
 
 def _reshape_block(d: Decomposition, op: Reshape, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
-    region = reshape_region(d.node, d.in_partitions[0], box)
+    region = reshape_region(d.node, d.in_partitions[0].core, box)  # (a reshape's is a Partition)
     x = np.reshape(blocks[0], tuple(b - a for a, b in region))
     return x[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region))]
 
@@ -84,6 +85,43 @@ def _scatter_add_block(d: Decomposition, op: ScatterAdd, k: Kernel, blocks: _Blo
     return scatter_add_kernel(blocks[0], blocks[1], start, stop - start, d.node.shape[0], dtype)
 
 
+def _conv_block(d: Decomposition, op: Conv, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    """The conv itself on the blocks, with the padding that makes the input block (its rows and
+    halo) give exactly the output block; a block of output channels that cuts a group is
+    computed with the group's missing rows of the weight as zeros, then sliced."""
+    x_key, w_key = k.in_keys
+    assert x_key is not None and w_key is not None
+    xbox = d.in_partitions[0].box(x_key)
+    x, w = np.asarray(blocks[0]), np.asarray(blocks[1])
+    kernel = d.node.inputs[1].shape[2:]
+    pads = tuple(local_padding(a, b - a, o0, o1, kk, s, lo, ld, rd) for (a, b), (o0, o1), kk, s, (lo, _), ld, rd
+                 in zip(xbox[2:], box[2:], kernel, op.stride, op.padding, op.lhs_dilation, op.rhs_dilation))
+    groups, first = 1, 0
+    if op.groups > 1:
+        og, cg = d.node.inputs[1].shape[0] // op.groups, d.node.inputs[1].shape[1]
+        g0, groups = xbox[1][0] // cg, (xbox[1][1] - xbox[1][0]) // cg
+        first = box[1][0] - g0 * og
+        if first or w.shape[0] != groups * og:
+            full = np.zeros((groups * og,) + w.shape[1:], w.dtype)
+            full[first:first + w.shape[0]] = w
+            w = full
+    dtype = partial_dtype(d.node) if d.n_partials > 1 else d.node.dtype
+    out = conv_kernel(x, w, Conv(op.stride, pads, op.lhs_dilation, op.rhs_dilation, groups), dtype)
+    if out.shape[1] != box[1][1] - box[1][0]:
+        out = np.ascontiguousarray(out[:, first:first + box[1][1] - box[1][0]])
+    return out
+
+
+def _pool_block(d: Decomposition, op: Pool, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    x_key = k.in_keys[0]
+    assert x_key is not None
+    xbox = d.in_partitions[0].box(x_key)
+    pads = tuple(local_padding(a, b - a, o0, o1, kk, s, lo, 1, dil) for (a, b), (o0, o1), kk, s, (lo, _), dil
+                 in zip(xbox[2:], box[2:], op.window, op.stride, op.padding, op.dilation))
+    return pool_kernel(np.asarray(blocks[0]), Pool(op.agg, op.window, op.stride, pads, op.dilation),
+                       d.node.dtype)
+
+
 # the block kernel of each node kind: (decomposition, its op, kernel, input blocks, output box)
 # -> the output block or partial result
 BlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], np.ndarray]
@@ -98,4 +136,6 @@ BLOCK_KERNELS: dict[type, BlockKernel] = {
     Gather: _gather_block,
     ScatterAdd: _scatter_add_block,
     Cast: _cast_block,
+    Conv: _conv_block,
+    Pool: _pool_block,
 }

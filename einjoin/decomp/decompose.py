@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
-from einjoin.decomp.partition import BlockKey, Partition
-from einjoin.decomp.spec import ROW, JoinAggSpec, as_node, dim_labels
+from einjoin.decomp.partition import BlockKey, Covering, Partition
+from einjoin.decomp.spec import ROW, SPATIAL, JoinAggSpec, as_node, conv_labels, dim_labels
 from einjoin.ir.agg import AGGS, Agg
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             ScatterAdd, Select, rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
+                             Reshape, ScatterAdd, Select, rule_for)
+from einjoin.ir.window import input_range
 
 __all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups",
            "reshape_region"]
@@ -45,7 +46,7 @@ class Decomposition:
     node: Node
     spec: JoinAggSpec
     out_partition: Partition
-    in_partitions: tuple[Partition, ...]
+    in_partitions: tuple[Partition | Covering, ...]  # a Covering: boxes that overlap (a halo)
     kernels: tuple[Kernel, ...]
     n_partials: int  # kernels per output block (1: nothing to aggregate)
     agg: Agg
@@ -69,13 +70,13 @@ def decompose(node: Node, spec: Any = None) -> Decomposition:
 
 # a kind without partial results: (node, its op, the output partition) -> (input partitions,
 # one kernel per output block)
-_Cut = Callable[[Node, Any, Partition], "tuple[tuple[Partition, ...], tuple[Kernel, ...]]"]
+_Cut = Callable[[Node, Any, Partition], "tuple[tuple[Partition | Covering, ...], tuple[Kernel, ...]]"]
 
 
 def _blockwise(cut: _Cut) -> DecomposeRule:
     """The decomposition rule of a kind whose kernels make whole output blocks (no partials)."""
     def rule(node: Node, op: Any, js: JoinAggSpec) -> Decomposition:
-        out = js.partition(dim_labels(node.ndim))
+        out = js.partition(js.labels)  # its labels are its output dims (a, b, ...; a pool's n, c, p, ...)
         partitions, kernels = cut(node, op, out)
         return Decomposition(node, js, out, partitions, kernels, 1, AGGS["none"])
     return rule
@@ -140,6 +141,64 @@ def _scatter_add(node: Node, op: ScatterAdd, js: JoinAggSpec) -> Decomposition:
     n_idx = idx_part.num_blocks
     return Decomposition(node, js, out, (js.partition(labels), idx_part), tuple(kernels), n_idx,
                          AGGS["sum"] if n_idx > 1 else AGGS["none"])
+
+
+def _intervals(bounds: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(zip(bounds, bounds[1:]))
+
+
+def _window_ranges(bounds: tuple[int, ...], n: int, k: int, stride: int, lo: int, ld: int, rd: int
+                   ) -> tuple[tuple[int, int], ...]:
+    """Per output block ``[o0, o1)`` of one spatial dim, the input range it reads: its block
+    and the halo. A block that reads only padding gets one element (its kernel crops it)."""
+    out = []
+    for o0, o1 in _intervals(bounds):
+        a, e = input_range(o0, o1, n, k, stride, lo, ld, rd) if o1 > o0 and n else (0, 0)
+        if a == e and n:
+            a = min(a, n - 1)
+            a, e = a, a + 1
+        out.append((a, e))
+    return tuple(out)
+
+
+def _conv(node: Node, op: Conv, js: JoinAggSpec) -> Decomposition:
+    """One kernel per (n, o, spatial, c) block. A spatial block reads the input rows its windows
+    reach — its own and a halo its neighbours also read (a :class:`Covering`); an output-channel
+    block reads its groups' input channels; cutting ``c`` (groups 1) makes partial sums."""
+    x, w = node.inputs
+    outs, agg = conv_labels(node)
+    nd = node.ndim - 2
+    og = w.shape[0] // op.groups
+    cg = w.shape[1]
+    if agg:
+        chans, w_c = _intervals(js["c"]), js["c"]
+    else:
+        chans = tuple((o0 // og * cg, ((o1 - 1) // og + 1) * cg) if o1 > o0 else (0, x.shape[1])
+                      for o0, o1 in _intervals(js["o"]))
+        w_c = (0, cg) if cg else (0, 0)
+    spatial = tuple(_window_ranges(js[lab], n, k, s, lo, ld, rd) for lab, n, k, s, (lo, _), ld, rd in
+                    zip(SPATIAL, x.shape[2:], w.shape[2:], op.stride, op.padding, op.lhs_dilation,
+                        op.rhs_dilation))
+    x_cov = Covering((_intervals(js["n"]), chans) + spatial, x.shape)
+    w_part = Partition((js["o"], w_c) + tuple((0, k) for k in w.shape[2:]))
+    m = len(outs)
+    kernels = []
+    for index in itertools.product(*(range(len(b) - 1) for b in js.bounds)):
+        ci = index[m] if agg else index[1]
+        kernels.append(Kernel(index, index[:m], ((index[0], ci) + index[2:m],
+                                                 (index[1], index[m] if agg else 0) + (0,) * nd)))
+    n_partials = len(js["c"]) - 1 if agg else 1
+    return Decomposition(node, js, js.partition(outs), (x_cov, w_part), tuple(kernels), n_partials,
+                         AGGS["sum"] if n_partials > 1 else AGGS["none"])
+
+
+def _pool(node: Node, op: Pool, out: Partition) -> tuple[tuple[Partition | Covering, ...], tuple[Kernel, ...]]:
+    # every output block reads its batch and channel block and its windows' rows (with a halo)
+    x = node.inputs[0]
+    spatial = tuple(_window_ranges(b, n, k, s, lo, 1, d) for b, n, k, s, (lo, _), d in
+                    zip(out.bounds[2:], x.shape[2:], op.window, op.stride, op.padding, op.dilation))
+    cov = Covering((_intervals(out.bounds[0]), _intervals(out.bounds[1])) + spatial, x.shape)
+    return (cov,), tuple(Kernel(k, k, (k,)) for k in out.keys())
 
 
 def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -317,4 +376,6 @@ DECOMPOSE_RULES: dict[type, DecomposeRule] = {
     Gather: _gather,
     ScatterAdd: _scatter_add,
     Cast: _blockwise(_elementwise),
+    Conv: _conv,
+    Pool: _blockwise(_pool),
 }

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.spec import ROW
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd,
-                             Select, rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
+                             ScatterAdd, Select, rule_for)
 from einjoin.ir.scalar import Call, is_product
 
 __all__ = ["kernel_flops", "FLOPS_RULES"]
@@ -45,6 +45,30 @@ def _scatter_add_flops(d: Decomposition, op: ScatterAdd, index: tuple[int, ...])
     return n
 
 
+def _block_elems(d: Decomposition, index: tuple[int, ...]) -> int:
+    n = 1
+    for b, i in zip(d.spec.bounds, index):
+        n *= b[i + 1] - b[i]
+    return n
+
+
+def _conv_flops(d: Decomposition, op: Conv, index: tuple[int, ...]) -> int:
+    # a multiply-add per (output element, input channel of its group, kernel position); the
+    # labels' box covers the output block and the c block (groups 1), else the group's channels
+    w = d.node.inputs[1]
+    per = 1
+    for k in w.shape[2:]:
+        per *= k
+    return 2 * _block_elems(d, index) * per * (1 if op.groups == 1 else w.shape[1])
+
+
+def _pool_flops(d: Decomposition, op: Pool, index: tuple[int, ...]) -> int:
+    per = 1
+    for k in op.window:
+        per *= k
+    return _block_elems(d, index) * per  # one max or add per window element
+
+
 def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:
     return 0  # modelled as free: moves, cuts, casts, fills and fed inputs
 
@@ -61,4 +85,6 @@ FLOPS_RULES: dict[type, Callable[[Decomposition, Any, tuple[int, ...]], int]] = 
     Gather: _no_flops,
     ScatterAdd: _scatter_add_flops,
     Cast: _no_flops,
+    Conv: _conv_flops,
+    Pool: _pool_flops,
 }

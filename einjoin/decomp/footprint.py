@@ -19,8 +19,8 @@ from collections.abc import Callable
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape, ScatterAdd,
-                             Select, rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
+                             ScatterAdd, Select, rule_for)
 
 __all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule"]
 
@@ -110,6 +110,30 @@ def _scatter_add_scratch(d: Decomposition, op: ScatterAdd, kernel: int, in_bytes
     return scratch
 
 
+def _conv_scratch(d: Decomposition, op: Conv, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
+    return _window_scratch(d, kernel, in_bytes, prod(op.lhs_dilation), prod(d.node.inputs[1].shape[1:]))
+
+
+def _pool_scratch(d: Decomposition, op: Pool, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
+    return _window_scratch(d, kernel, in_bytes, 1, prod(op.window))
+
+
+def _window_scratch(d: Decomposition, kernel: int, in_bytes: list[int], grow: int, window: int) -> int:
+    """:func:`~einjoin.ir.kernels.conv_kernel` / ``pool_kernel``'s copies: half inputs widened to
+    float32, the input block dilated and padded (up to ``lhs_dilation`` times its size plus the
+    window), torch's im2col buffer (input channels x kernel positions x output positions), and
+    torch's result before the cast."""
+    k = d.kernels[kernel]
+    half = d.node.dtype in ("float16", "bfloat16")
+    width = 4 if half else itemsize(d.node.dtype)
+    x_elems = in_bytes[0] // itemsize(d.node.dtype)
+    out_elems = prod(d.out_partition.block_shape(k.out_key))
+    per_out = out_elems // max(1, d.out_partition.block_shape(k.out_key)[1])  # one channel's positions
+    widen = sum(in_bytes) * 2 if half else 0
+    arranged = 2 * x_elems * grow * width
+    return widen + arranged + per_out * window * width + out_elems * width
+
+
 def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     return 0
 
@@ -128,6 +152,8 @@ SCRATCH_RULES: dict[type, ScratchRule] = {
     Gather: _no_scratch,
     ScatterAdd: _scatter_add_scratch,
     Cast: _no_scratch,
+    Conv: _conv_scratch,
+    Pool: _pool_scratch,
 }
 
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from einjoin.errors import PartitionError
 
-__all__ = ["Partition", "BlockKey", "Box", "even_bounds", "check_bounds", "box_shape", "box_size", "intersect",
-           "relative"]
+__all__ = ["Partition", "Covering", "BlockKey", "Box", "even_bounds", "check_bounds", "box_shape", "box_size",
+           "intersect", "relative"]
 
 BlockKey = tuple[int, ...]
 Box = tuple[tuple[int, int], ...]  # a block in global coordinates: ((start, stop) per dim)
@@ -210,6 +210,15 @@ class Partition:
     def slices(self, key: BlockKey) -> tuple[slice, ...]:
         return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.bounds, key))
 
+    @property
+    def core(self) -> Partition:
+        """The partition itself (a :class:`Covering`'s is the partition it is loaded in)."""
+        return self
+
+    def overlap(self) -> int:
+        """Elements its blocks hold beyond one copy of the tensor: 0 (blocks are disjoint)."""
+        return 0
+
     def overlapping(self, d: int, start: int, stop: int) -> range:
         """Block indices of dim ``d`` that intersect ``[start, stop)``; on an empty dim, its one
         (empty) block."""
@@ -237,3 +246,87 @@ class Partition:
             else:
                 parts.append("[" + ",".join(map(str, sizes)) + "]")
         return "(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class Covering:
+    """Per-kernel input boxes that may overlap: ``ranges[d][i]`` is the ``(start, stop)`` of block
+    ``i`` along dim ``d`` (a grid, as a partition's, but neighbours may share elements: the halo
+    of a spatially split convolution). It answers what a :class:`Partition` answers where an
+    op's input is read (``keys``, ``box``, ``block_shape``); ``core`` is the partition the tensor
+    is loaded in (cut where the boxes start), whose ``bounds`` it reports.
+
+    >>> c = Covering((((0, 5), (3, 9), (7, 10)),))   # 3 row blocks of a size-10 dim, halo 2
+    >>> c.box((1,)), c.block_shape((1,)), c.bounds, c.overlap()
+    (((3, 9),), (6,), ((0, 3, 7, 10),), 4)
+    """
+
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+    shape: tuple[int, ...]
+
+    def __init__(self, ranges: Sequence[Sequence[tuple[int, int]]], shape: Sequence[int] | None = None) -> None:
+        rs = tuple(tuple((int(a), int(b)) for a, b in r) for r in ranges)
+        dims = tuple(shape) if shape is not None else tuple(max((b for _, b in r), default=0) for r in rs)
+        for d, (r, n) in enumerate(zip(rs, dims)):
+            if not r or any(not 0 <= a <= b <= n for a, b in r):
+                raise PartitionError(f"Covering: dim {d} (size {n}) has ranges {list(r)} outside [0, {n}]")
+        object.__setattr__(self, "ranges", rs)
+        object.__setattr__(self, "shape", dims)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def nblocks(self) -> tuple[int, ...]:
+        return tuple(len(r) for r in self.ranges)
+
+    @property
+    def num_blocks(self) -> int:
+        n = 1
+        for r in self.ranges:
+            n *= len(r)
+        return n
+
+    def keys(self) -> Iterator[BlockKey]:
+        return itertools.product(*(range(len(r)) for r in self.ranges))
+
+    def box(self, key: BlockKey) -> tuple[tuple[int, int], ...]:
+        return tuple(r[i] for r, i in zip(self.ranges, key))
+
+    def block_shape(self, key: BlockKey) -> tuple[int, ...]:
+        return tuple(r[i][1] - r[i][0] for r, i in zip(self.ranges, key))
+
+    def slices(self, key: BlockKey) -> tuple[slice, ...]:
+        return tuple(slice(*r[i]) for r, i in zip(self.ranges, key))
+
+    @property
+    def core(self) -> Partition:
+        bounds = []
+        for r, n in zip(self.ranges, self.shape):
+            cuts = sorted({a for a, _ in r if 0 < a < n} | {0, n})
+            bounds.append(tuple(cuts) if n else (0, 0))
+        return Partition(tuple(bounds))
+
+    @property
+    def bounds(self) -> tuple[tuple[int, ...], ...]:
+        return self.core.bounds
+
+    def overlap(self) -> int:
+        """Elements the boxes hold beyond one copy of what they cover (the halo), counting each
+        distinct box once (several readers of one box are replicas, counted elsewhere)."""
+        total = 1
+        for r in self.ranges:
+            total *= sum(b - a for a, b in set(r))
+        covered = 1
+        for r in self.ranges:
+            marks = sorted(set(r))
+            size, end = 0, 0
+            for a, b in marks:
+                size += max(0, b - max(a, end))
+                end = max(end, b)
+            covered *= size
+        return max(0, total - covered)
+
+    def __str__(self) -> str:
+        return "(" + ", ".join(str(len(r)) if len(r) > 1 else "1" for r in self.ranges) + ") with halo"

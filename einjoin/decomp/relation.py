@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
-from einjoin.decomp.partition import BlockKey, Partition
+from einjoin.decomp.partition import BlockKey, Covering, Partition
 from einjoin.errors import PartitionError
 
 __all__ = ["TensorRelation"]
@@ -64,10 +65,11 @@ class TensorRelation:
                 self.blocks[k][tuple(slice(l - s, h - s) for l, h, (s, _) in zip(lo, hi, src))]
         return out
 
-    def repartition(self, target: Partition) -> TensorRelation:
-        """The same tensor under ``target``: each target block from the overlapping source blocks."""
+    def repartition(self, target: Partition | Covering) -> TensorRelation:
+        """The same tensor under ``target``: each target block from the overlapping source blocks
+        (a :class:`Covering`'s boxes may overlap: such a relation only feeds kernels)."""
         if target.shape != self.partition.shape:
             raise PartitionError(f"cannot repartition shape {self.partition.shape} to {target.shape}")
         if target == self.partition:
             return self
-        return TensorRelation(target, {k: self.region(target.box(k)) for k in target.keys()})
+        return TensorRelation(cast(Partition, target), {k: self.region(target.box(k)) for k in target.keys()})

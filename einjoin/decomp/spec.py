@@ -5,7 +5,11 @@ every other kind names its output dims ``a, b, c, ...``, and a gather adds ``row
 table rows (splitting it makes partial results, as vocab-parallel embeddings do). A scatter-add,
 gather's adjoint, names the same tensors the same way: its updates' dims ``a, b, c, ...`` (the
 index dims among them aggregated: cutting them makes partial sums) and ``row`` for the output
-rows, so its output labels are ``row`` and the updates' trailing dims.
+rows, so its output labels are ``row`` and the updates' trailing dims. A convolution names its
+output dims ``n, o`` (batch, output channels) and ``p, q, r`` (spatial), and its input channels
+per group ``c`` (aggregated: cutting it makes partial sums; with groups > 1 it is not cut, a
+group's channels being read by its output channels only); a pool names its output dims
+``n, c, p, q, r``.
 
 >>> import einjoin as ej
 >>> from einjoin.decomp.spec import JoinAggSpec, label_sizes
@@ -24,12 +28,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 from einjoin.decomp.partition import Partition, check_bounds, even_bounds
 from einjoin.errors import EinjoinError, PartitionError
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             ScatterAdd, Select, rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
+                             Reshape, ScatterAdd, Select, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["JoinAggSpec", "LabelRules", "LABEL_RULES", "label_sizes", "aggregated_labels",
-           "output_labels", "dim_labels", "ROW"]
+           "output_labels", "dim_labels", "ROW", "SPATIAL", "conv_labels"]
 
 ROW = "row"
 _DIMS = "abcdefghijklmnopqrstuvwxyz"
@@ -96,6 +100,28 @@ def _scatter_sizes(node: Node, op: ScatterAdd) -> dict[str, int]:
     return sizes
 
 
+SPATIAL = "pqr"  # the spatial output labels of a conv or pool
+
+
+def conv_labels(node: Node) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(output labels, aggregated labels) of a conv: ``n, o, p[, q, r]`` and ``c`` (groups 1)."""
+    op = node.op
+    outs = ("n", "o") + tuple(SPATIAL[:node.ndim - 2])
+    return outs, (("c",) if op.groups == 1 else ())  # type: ignore[union-attr]
+
+
+def _conv_sizes(node: Node, op: Conv) -> dict[str, int]:
+    outs, agg = conv_labels(node)
+    sizes = dict(zip(outs, node.shape))
+    if agg:
+        sizes["c"] = node.inputs[1].shape[1]
+    return sizes
+
+
+def _pool_labels(node: Node, op: Pool) -> tuple[str, ...]:
+    return ("n", "c") + tuple(SPATIAL[:node.ndim - 2])
+
+
 def _dims(node: Node, op: object) -> tuple[str, ...]:
     return dim_labels(node.ndim)
 
@@ -120,6 +146,8 @@ LABEL_RULES: dict[type, LabelRules] = {
     ScatterAdd: LabelRules(_scatter_sizes, lambda node, op: _scatter_split(node)[0],
                            lambda node, op: (ROW,) + _scatter_split(node)[1]),
     Cast: _DIMS_ONLY,
+    Conv: LabelRules(_conv_sizes, lambda node, op: conv_labels(node)[1], lambda node, op: conv_labels(node)[0]),
+    Pool: LabelRules(lambda node, op: dict(zip(_pool_labels(node, op), node.shape)), _none, _pool_labels),
 }
 
 

@@ -27,13 +27,14 @@ import opt_einsum  # type: ignore[import-untyped]
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind, numpy_dtype
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             ScatterAdd, Select, rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
+                             Reshape, ScatterAdd, Select, rule_for)
+from einjoin.ir.window import dilated, out_size
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr, is_product
 
 __all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", "einsum_kernel", "fill_kernel",
-           "gather_kernel", "scatter_add_kernel", "broadcast_kernel",
+           "gather_kernel", "scatter_add_kernel", "broadcast_kernel", "conv_kernel", "pool_kernel",
            "align", "partial_dtype", "HALF_DTYPES"]
 
 
@@ -60,8 +61,8 @@ def partial_dtype(node: Node) -> str:
     if (node.dtype in HALF_DTYPES and isinstance(op, Einsum)
             and op.agg.name in _ACCUMULATING):
         return "float32"
-    if node.dtype in HALF_DTYPES and isinstance(op, ScatterAdd):
-        return "float32"
+    if node.dtype in HALF_DTYPES and isinstance(op, (ScatterAdd, Conv)):
+        return "float32"  # a conv's partials are sums over input-channel blocks
     return node.dtype
 
 
@@ -299,6 +300,95 @@ def broadcast_kernel(x: np.ndarray, shape: Sequence[int], dims: Sequence[int]) -
     return np.broadcast_to(view, tuple(shape))
 
 
+def _torch_view(x: np.ndarray) -> Any:
+    """``x`` as a torch tensor sharing its memory (a copy only of a read-only or strided view:
+    torch refuses to alias those)."""
+    import torch  # the window kernels run on torch's conv and pool loops
+    if not (x.flags.c_contiguous and x.flags.writeable):
+        x = np.array(x, order="C")
+    return torch.from_numpy(x)
+
+
+def _arrange(x: np.ndarray, pads: Sequence[tuple[int, int]], ld: Sequence[int], fill: float) -> np.ndarray:
+    """``x`` (N, C, *spatial) with each spatial dim dilated by ``ld`` and padded by ``(lo, hi)``
+    (negative: cropped), the new positions set to ``fill``; ``x`` itself when nothing changes."""
+    if all(a == 1 for a in ld) and all(p == (0, 0) for p in pads):
+        return x
+    sizes = [max(0, lo + dilated(n, a) + hi) for n, (lo, hi), a in zip(x.shape[2:], pads, ld)]
+    out = np.full(x.shape[:2] + tuple(sizes), fill, dtype=x.dtype)
+    dst: list[slice] = [slice(None), slice(None)]
+    src: list[slice] = [slice(None), slice(None)]
+    for n, (lo, _), a, m in zip(x.shape[2:], pads, ld, sizes):
+        j0 = max(0, -(lo // a))                       # first source element inside [0, m)
+        j1 = min(n, (m - 1 - lo) // a + 1) if m - 1 - lo >= 0 else 0
+        if j1 <= j0:
+            return out  # every element cropped away
+        dst.append(slice(lo + a * j0, lo + a * (j1 - 1) + 1, a))
+        src.append(slice(j0, j1))
+    out[tuple(dst)] = x[tuple(src)]
+    return out
+
+
+def _conv_shape(x_shape: Sequence[int], w_shape: Sequence[int], op: Conv) -> tuple[int, ...]:
+    spatial = tuple(out_size(n, k, s, lo, hi, a, b) for n, k, s, (lo, hi), a, b in
+                    zip(x_shape[2:], w_shape[2:], op.stride, op.padding, op.lhs_dilation, op.rhs_dilation))
+    return (x_shape[0], w_shape[0]) + spatial
+
+
+def conv_kernel(x: np.ndarray, w: np.ndarray, op: Conv, dtype: str) -> np.ndarray:
+    """The convolution ``op`` of ``x`` by ``w`` (see :class:`~einjoin.ir.opkinds.Conv`), in
+    ``dtype``: half types computed in float32 and rounded once, float64 in float64. The input is
+    dilated and padded here (any padding, negative included), then torch's conv loop runs.
+
+    >>> x = np.arange(5.0).reshape(1, 1, 5); w = np.ones((1, 1, 2))
+    >>> conv_kernel(x, w, Conv((1,), ((1, 0),), (1,), (1,), 1), "float64")
+    array([[[0., 1., 3., 5., 7.]]])
+    """
+    import torch.nn.functional as tf
+    xs, ws = _widen(np.asarray(x)), _widen(np.asarray(w))
+    shape = _conv_shape(xs.shape, ws.shape, op)
+    if 0 in xs.shape or 0 in ws.shape or 0 in shape:  # a sum over nothing
+        return np.zeros(shape, numpy_dtype(dtype))
+    nd = xs.ndim - 2
+    if all(a == 1 for a in op.lhs_dilation) and all(lo == hi >= 0 for lo, hi in op.padding):
+        pad: Any = tuple(lo for lo, _ in op.padding)  # torch pads symmetric padding itself
+    else:
+        xs, pad = _arrange(xs, op.padding, op.lhs_dilation, 0.0), 0
+    fn = (tf.conv1d, tf.conv2d, tf.conv3d)[nd - 1]
+    out = fn(_torch_view(xs), _torch_view(ws.astype(xs.dtype, copy=False)), None, op.stride, pad,
+             op.rhs_dilation, op.groups)
+    return np.asarray(out.numpy(), order="C").astype(numpy_dtype(dtype), copy=False)
+
+
+def pool_kernel(x: np.ndarray, op: Pool, dtype: str) -> np.ndarray:
+    """The window aggregation ``op`` of ``x`` (see :class:`~einjoin.ir.opkinds.Pool`), in
+    ``dtype`` (half types computed in float32): max over the window with -inf padding, or the
+    sum with 0 padding (as a depthwise conv by ones, so sums are exact float32 accumulations).
+
+    >>> from einjoin.ir.agg import get_agg
+    >>> pool_kernel(np.arange(6.0).reshape(1, 1, 6), Pool(get_agg("max"), (2,), (2,), ((0, 0),), (1,)), "float64")
+    array([[[1., 3., 5.]]])
+    """
+    import torch
+    import torch.nn.functional as tf
+    xs = _widen(np.asarray(x))
+    nd = xs.ndim - 2
+    spatial = tuple(out_size(n, k, s, lo, hi, 1, d) for n, k, s, (lo, hi), d in
+                    zip(xs.shape[2:], op.window, op.stride, op.padding, op.dilation))
+    if 0 in xs.shape[:2] or 0 in spatial:
+        return np.zeros(xs.shape[:2] + spatial, numpy_dtype(dtype))
+    xs = _arrange(xs, op.padding, (1,) * nd, float(op.agg.identity or 0.0))
+    t = _torch_view(xs)
+    if op.agg.name == "max":
+        fn = (tf.max_pool1d, tf.max_pool2d, tf.max_pool3d)[nd - 1]
+        out = fn(t, op.window, op.stride, 0, op.dilation)
+    else:
+        c = xs.shape[1]
+        ones = torch.ones((c, 1) + op.window, dtype=t.dtype)
+        out = (tf.conv1d, tf.conv2d, tf.conv3d)[nd - 1](t, ones, None, op.stride, 0, op.dilation, c)
+    return np.asarray(out.numpy(), order="C").astype(numpy_dtype(dtype), copy=False)
+
+
 def eval_node(node: Node, args: Sequence[np.ndarray]) -> np.ndarray:
     """Evaluate ``node`` on the dense values of its inputs (the reference semantics).
     Floating-point edge cases (overflow, log 0, 0/0) give inf/nan as IEEE says, without numpy
@@ -347,6 +437,14 @@ def _eval_cast(node: Node, op: Cast, args: Sequence[np.ndarray]) -> np.ndarray:
     return np.asarray(args[0]).astype(numpy_dtype(node.dtype))
 
 
+def _eval_conv(node: Node, op: Conv, args: Sequence[np.ndarray]) -> np.ndarray:
+    return conv_kernel(args[0], args[1], op, node.dtype)
+
+
+def _eval_pool(node: Node, op: Pool, args: Sequence[np.ndarray]) -> np.ndarray:
+    return pool_kernel(args[0], op, node.dtype)
+
+
 # the whole-tensor kernel of each node kind: (node, its op, its inputs' values) -> its value
 KernelRule = Callable[[Node, Any, Sequence[np.ndarray]], np.ndarray]
 KERNELS: dict[type, KernelRule] = {
@@ -360,6 +458,8 @@ KERNELS: dict[type, KernelRule] = {
     Gather: _eval_gather,
     ScatterAdd: _eval_scatter_add,
     Cast: _eval_cast,
+    Conv: _eval_conv,
+    Pool: _eval_pool,
 }
 
 

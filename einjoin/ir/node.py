@@ -21,12 +21,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Op, Reshape,
-                                ScatterAdd, Select, rule_for)
+from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Op, Pool,
+                                Reshape, ScatterAdd, Select, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
-           "Fill", "Gather", "ScatterAdd", "Cast", "KindFacts", "FACTS", "KINDS", "rule_for"]
+           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "KindFacts", "FACTS", "KINDS", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,9 @@ FACTS: dict[type, KindFacts] = {
     # partial sums, but it is no einsum (``contracts`` promises an Einsum op to the planners)
     ScatterAdd: KindFacts(computes=True),
     Cast: KindFacts(computes=True),
+    # window ops: their input channels (conv) are aggregated, but neither is an Einsum op
+    Conv: KindFacts(computes=True),
+    Pool: KindFacts(computes=True),
 }
 KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule table covers them all
 

@@ -23,7 +23,7 @@ from einjoin.ir.agg import Agg
 from einjoin.ir.scalar import Expr
 
 __all__ = ["Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather",
-           "ScatterAdd", "Cast", "rule_for"]
+           "ScatterAdd", "Cast", "Conv", "Pool", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,43 @@ class Cast:
     """Convert to the node's dtype."""
 
 
-Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast
+@dataclass(frozen=True)
+class Conv:
+    """A convolution, an extended einsum with affine input indices (XLA's ConvGeneralDilated in
+    NC* layout). Inputs ``(x, w)``: ``x`` of shape ``(N, C, *spatial)`` (1-3 spatial dims), ``w``
+    of shape ``(O, C // groups, *kernel)``; the output is ``(N, O, *out)`` with
+
+        out[n, g*Og + o, y...] = sum over c, k... of
+                                 x[n, g*Cg + c, i...] * w[g*Og + o, c, k...]
+
+    where along each spatial dim ``lhs_dilation * i = stride * y + rhs_dilation * k - lo``
+    (no such ``i``: zero; see :mod:`einjoin.ir.window`). ``padding`` is one ``(lo, hi)`` pair per
+    spatial dim, negative to crop. A plain conv has dilations 1; a transposed conv (and the
+    gradient w.r.t. the input) dilates the input; the gradient w.r.t. the weight is a conv of
+    the input with the output's cotangent as its kernel."""
+
+    stride: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    lhs_dilation: tuple[int, ...]
+    rhs_dilation: tuple[int, ...]
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A window aggregation over the spatial dims of ``x`` of shape ``(N, C, *spatial)``:
+    ``out[n, c, y...] = agg over k... of x[n, c, stride*y + dilation*k - lo ...]``, the padding
+    (and every position outside the input) being the aggregation's identity (-inf for max, 0 for
+    sum). ``agg`` is ``max`` or ``sum`` (average pooling divides the sum)."""
+
+    agg: Agg
+    window: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    dilation: tuple[int, ...]
+
+
+Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool
 
 
 _Rule = TypeVar("_Rule")

@@ -26,13 +26,14 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
 from einjoin.ir.agg import Agg, get_agg
 from einjoin.ir.dtypes import canonical_dtype, kind, numpy_dtype
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
-                             ScatterAdd, Select)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
+                             Reshape, ScatterAdd, Select)
+from einjoin.ir.window import out_size
 from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
 
 __all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "last_declaration", "declared_elsewhere", "input_node",
            "einsum_node", "reshape_node", "broadcast_node", "select_node", "concat_node",
-           "fill_node", "gather_node", "scatter_add_node", "cast_node"]
+           "fill_node", "gather_node", "scatter_add_node", "cast_node", "conv_node", "pool_node"]
 
 
 def _as_int(v: Any, what: str) -> int:
@@ -377,3 +378,105 @@ def cast_node(x: Node, dtype: Any) -> Node:
     if dt == x.dtype:
         return x
     return Node(Cast(), (x,), x.shape, dt)
+
+
+def _per_dim(v: Any, nd: int, what: str, name: str, least: int = 1) -> tuple[int, ...]:
+    """An int or one int per spatial dim, each >= ``least``, or a ShapeError naming ``what``."""
+    vals = [v] * nd if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
+    try:
+        out = tuple(_as_int(d, f"{what}: {name}") for d in vals)
+    except TypeError:
+        raise ShapeError(f"{what}: {name} must be an int or {nd} ints, got {v!r}") from None
+    if len(out) != nd or any(d < least for d in out):
+        raise ShapeError(f"{what}: {name} must be an int or {nd} int(s) >= {least}, got {v!r}")
+    return out
+
+
+def _pads(v: Any, nd: int, what: str) -> tuple[tuple[int, int], ...]:
+    """Padding as one (lo, hi) pair per spatial dim: an int, one int per dim, or the pairs."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return ((int(v), int(v)),) * nd
+    try:
+        items = list(v)
+        if len(items) == nd and all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in items):
+            return tuple((int(p), int(p)) for p in items)
+        pairs = tuple((_as_int(p[0], f"{what}: padding"), _as_int(p[1], f"{what}: padding"))
+                      for p in items if len(p) == 2)
+    except (TypeError, ShapeError):
+        pairs = ()
+    if len(pairs) != nd:
+        raise ShapeError(f"{what}: padding must be an int, {nd} ints or {nd} (lo, hi) pairs, got {v!r}")
+    return pairs
+
+
+def _window_out(what: str, x: Node, kernel: tuple[int, ...], stride: tuple[int, ...],
+                pads: tuple[tuple[int, int], ...], ld: tuple[int, ...], rd: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for d, (n, k, s, (lo, hi), a, b) in enumerate(zip(x.shape[2:], kernel, stride, pads, ld, rd)):
+        m = out_size(n, k, s, lo, hi, a, b)
+        if m < 1 and n > 0:
+            raise ShapeError(f"{what}: spatial dim {d} of input {x.shape} (size {n}) with window {k}, "
+                             f"stride {s}, padding {(lo, hi)}, dilation {b} gives no output position")
+        out.append(max(m, 0))
+    return tuple(out)
+
+
+def conv_node(x: Node, w: Node, stride: Any = 1, padding: Any = 0, lhs_dilation: Any = 1,
+              rhs_dilation: Any = 1, groups: int = 1) -> Node:
+    """A convolution (:class:`~einjoin.ir.opkinds.Conv`): ``x`` of shape ``(N, C, *spatial)``
+    with 1-3 spatial dims, ``w`` of shape ``(O, C // groups, *kernel)``, both of one float dtype.
+
+    >>> from einjoin.ir import ops
+    >>> x = ops.input_node("x", (2, 4, 9, 9), "float32"); w = ops.input_node("w", (6, 2, 3, 3), "float32")
+    >>> ops.conv_node(x, w, stride=2, padding=1, groups=2).shape
+    (2, 6, 5, 5)
+    """
+    x, w = _need_node(x, "conv"), _need_node(w, "conv")
+    what = f"conv of input {x.shape} with weight {w.shape}"
+    if not 3 <= x.ndim <= 5 or w.ndim != x.ndim:
+        raise ShapeError(f"{what}: need input (N, C, *spatial) and weight (O, C/groups, *kernel) of "
+                         f"one rank, with 1-3 spatial dims")
+    if kind(x.dtype) != "float" or x.dtype != w.dtype:
+        raise DTypeError(f"{what}: input and weight must share one float dtype, got {x.dtype} and {w.dtype}")
+    nd = x.ndim - 2
+    g = _as_int(groups, f"{what}: groups")
+    if g < 1 or x.shape[1] != w.shape[1] * g or w.shape[0] % g:
+        raise ShapeError(f"{what}: groups={groups} needs input channels {x.shape[1]} = groups x weight "
+                         f"dim 1 ({w.shape[1]}) and output channels {w.shape[0]} divisible by groups")
+    st = _per_dim(stride, nd, what, "stride")
+    ld = _per_dim(lhs_dilation, nd, what, "lhs_dilation")
+    rd = _per_dim(rhs_dilation, nd, what, "rhs_dilation")
+    pads = _pads(padding, nd, what)
+    if any(k < 1 for k in w.shape[2:]):
+        raise ShapeError(f"{what}: the kernel has an empty spatial dim")
+    spatial = _window_out(what, x, w.shape[2:], st, pads, ld, rd)
+    shape = (x.shape[0], w.shape[0]) + spatial
+    check_size(shape, "conv")
+    return Node(Conv(st, pads, ld, rd, g), (x, w), shape, x.dtype)
+
+
+def pool_node(x: Node, agg: str | Agg, window: Any, stride: Any = None, padding: Any = 0,
+              dilation: Any = 1) -> Node:
+    """A window aggregation (:class:`~einjoin.ir.opkinds.Pool`, ``max`` or ``sum``) over the
+    spatial dims of ``x`` of shape ``(N, C, *spatial)``; ``stride`` defaults to the window.
+
+    >>> from einjoin.ir import ops
+    >>> ops.pool_node(ops.input_node("x", (2, 3, 8, 8), "float32"), "max", 2).shape
+    (2, 3, 4, 4)
+    """
+    x = _need_node(x, "pool")
+    a = get_agg(agg)
+    what = f"{a.name} pool of input {x.shape}"
+    if a.name not in ("max", "sum"):
+        raise EinjoinError(f"{what}: a pool aggregates with max or sum, not {a.name}")
+    if not 3 <= x.ndim <= 5:
+        raise ShapeError(f"{what}: need an input (N, C, *spatial) with 1-3 spatial dims")
+    if kind(x.dtype) != "float":
+        raise DTypeError(f"{what}: pooling needs a float input, got {x.dtype}")
+    nd = x.ndim - 2
+    win = _per_dim(window, nd, what, "window")
+    st = win if stride is None else _per_dim(stride, nd, what, "stride")
+    dil = _per_dim(dilation, nd, what, "dilation")
+    pads = _pads(padding, nd, what)
+    spatial = _window_out(what, x, win, st, pads, (1,) * nd, dil)
+    return Node(Pool(a, win, st, pads, dil), (x,), x.shape[:2] + spatial, x.dtype)

@@ -16,8 +16,8 @@ import re
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
-from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Reshape,
-                                ScatterAdd, Select, rule_for)
+from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool,
+                                Reshape, ScatterAdd, Select, rule_for)
 
 if TYPE_CHECKING:  # annotations only: Node prints itself through describe (no cycle)
     from einjoin.ir.graph import Graph
@@ -59,6 +59,28 @@ def _describe_scatter_add(op: ScatterAdd) -> str:
     return "scatter_add"
 
 
+def _pairs(pads: tuple[tuple[int, int], ...]) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in pads) + "]"
+
+
+def _describe_conv(op: Conv) -> str:
+    parts = [f"stride={list(op.stride)}", f"pad={_pairs(op.padding)}"]
+    if any(d != 1 for d in op.lhs_dilation):
+        parts.append(f"lhs_dilation={list(op.lhs_dilation)}")
+    if any(d != 1 for d in op.rhs_dilation):
+        parts.append(f"dilation={list(op.rhs_dilation)}")
+    if op.groups != 1:
+        parts.append(f"groups={op.groups}")
+    return f"conv[{', '.join(parts)}]"
+
+
+def _describe_pool(op: Pool) -> str:
+    parts = [f"window={list(op.window)}", f"stride={list(op.stride)}", f"pad={_pairs(op.padding)}"]
+    if any(d != 1 for d in op.dilation):
+        parts.append(f"dilation={list(op.dilation)}")
+    return f"{op.agg.name}_pool[{', '.join(parts)}]"
+
+
 def _bare(op: object) -> str:  # a kind without parameters: its name
     return type(op).__name__.lower()
 
@@ -75,6 +97,8 @@ DESCRIBE_RULES: dict[type, Callable[[Any], str]] = {
     Gather: _bare,
     ScatterAdd: _describe_scatter_add,
     Cast: _bare,
+    Conv: _describe_conv,
+    Pool: _describe_pool,
 }
 
 

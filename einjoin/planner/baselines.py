@@ -45,7 +45,7 @@ from einjoin.decomp.partition import even_bounds
 from einjoin.decomp.spec import ROW, JoinAggSpec, aggregated_labels, dim_labels, label_sizes, output_labels
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, rule_for)
 from einjoin.planner.basic import derive_input_specs, largest_output_cut
 from einjoin.planner.candidates import candidate_specs
@@ -172,6 +172,11 @@ def _scatter_add_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) 
     return None if d is None or d < idx.ndim else d - idx.ndim + 1
 
 
+def _window_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    # a conv's or pool's batch is its input's dim 0 and its output's (a weight has none)
+    return 0 if 0 in slots and bdim.get(v.inputs[0]) == 0 else None
+
+
 def _no_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
     return None  # a leaf reads nothing: it is never reached from an activation
 
@@ -187,6 +192,8 @@ BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], 
     Gather: _gather_batch,
     ScatterAdd: _scatter_add_batch,
     Cast: _same_batch,
+    Conv: _window_batch,
+    Pool: _window_batch,
 }
 """Per node kind, the batch dim of its output given its activation-derived input ``slots`` and
 their batch dims (``data_parallel``; see :func:`batch_dims`)."""
@@ -206,6 +213,16 @@ def _scatter_add_input_label(v: Node, slot: int, d: int) -> str | None:
     return dim_labels(v.inputs[0].ndim)[d]  # updates and indices share the index labels a, b, ...
 
 
+def _conv_input_label(v: Node, slot: int, d: int) -> str | None:
+    # the input's dim 0 is n; the input channels (dim 1 of both) are c where c is a label
+    # (groups 1): a weight gradient's conv sums the batch as its c
+    if slot == 0 and d == 0:
+        return "n"
+    if d == 1 and cast(Conv, v.op).groups == 1:
+        return "c"
+    return "o" if slot == 1 and d == 0 else None
+
+
 def _no_input_label(v: Node, slot: int, d: int) -> str | None:
     return None  # no aggregated labels: nothing to contract
 
@@ -221,6 +238,8 @@ _INPUT_LABEL_RULES: dict[type, Callable[[Node, int, int], str | None]] = {
     Gather: _gather_input_label,
     ScatterAdd: _scatter_add_input_label,
     Cast: _no_input_label,
+    Conv: _conv_input_label,
+    Pool: _no_input_label,
 }
 """Per node kind with aggregated labels, the label of dim ``d`` of input ``slot`` in the node's
 label space (None for kinds that aggregate nothing): where a batch dim is contracted."""
@@ -451,6 +470,12 @@ def _scatter_add_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "keep", dim_labels(v.ndim)[d], False  # a row-shape dim: same label as in the updates
 
 
+def _window_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    if slot != 0 or d != 0:
+        return "fail", f"a {u.kind} reads the split dim through its window or sums it", False
+    return "keep", "n", False  # the batch
+
+
 def _no_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "fail", f"a {u.kind} reads the split dim", False  # a gather (a leaf reads nothing)
 
@@ -466,6 +491,8 @@ FOLLOW_RULES: dict[type, Callable[[Node, int, Node, int], _Step]] = {
     Gather: _no_follow,
     ScatterAdd: _scatter_add_follow,
     Cast: _cast_follow,
+    Conv: _window_follow,
+    Pool: _window_follow,
 }
 """Per node kind, how a Megatron chain's split label continues through it (see :func:`_follow`)."""
 

@@ -26,7 +26,7 @@ from typing import cast
 from collections.abc import Callable
 
 from einjoin.ir.dtypes import itemsize
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, rule_for)
 from einjoin.ir.scalar import is_product
 
@@ -94,6 +94,13 @@ def _einsum_dims(node: Node) -> tuple[int, int, int, int] | None:
     return b, m, n, k
 
 
+def _no_window_bound(node: Node) -> None:
+    # no bound: a conv is a contraction, but its input is read through a sliding window (each
+    # element by up to kernel-size outputs), so the matmul bound over (batch, m, n, k) does not
+    # describe it; a pool contracts nothing
+    return None
+
+
 BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
     Input: _no_bound,
     Einsum: _einsum_dims,
@@ -105,6 +112,8 @@ BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
     Gather: _no_bound,
     ScatterAdd: _no_scatter_bound,
     Cast: _no_bound,
+    Conv: _no_window_bound,
+    Pool: _no_window_bound,
 }
 """Per node kind, its (batch, m, n, k) contraction sizes for the lower bound, or None."""
 

@@ -46,7 +46,7 @@ from einjoin.decomp.spec import JoinAggSpec
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, rule_for)
 
 __all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate",
@@ -61,7 +61,9 @@ def join_cost(d: Decomposition) -> int:
 
 
 def join_cost_per_input(d: Decomposition) -> tuple[int, ...]:
-    """:func:`join_cost` split by input slot."""
+    """:func:`join_cost` split by input slot. Input boxes that overlap (a :class:`Covering`: a
+    spatially cut conv's halo) add the elements they share: the tensor is loaded in its
+    ``core`` partition, and the halo moves."""
     out = []
     for slot, (x, part) in enumerate(zip(d.node.inputs, d.in_partitions)):
         total = 0
@@ -70,6 +72,8 @@ def join_cost_per_input(d: Decomposition) -> tuple[int, ...]:
             size = itemsize(x.dtype)
             for key, r in readers.items():
                 total += _elems(part.block_shape(key)) * size * (r - 1)
+            # a conv's halo: the rows neighbouring boxes share travel beyond the loaded copy
+            total += part.overlap() * size
         out.append(total)
     return tuple(out)
 
@@ -181,8 +185,10 @@ def _einsum_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
 
 
 def _decomposed_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
+    # an input read in overlapping boxes (a conv's halo) is needed in its core partition, the
+    # halo being counted in its join bytes
     d = decompose(node, spec)
-    return d.out_partition, d.in_partitions, agg_cost(d), join_cost_per_input(d)
+    return d.out_partition, tuple(p.core for p in d.in_partitions), agg_cost(d), join_cost_per_input(d)
 
 
 INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
@@ -196,6 +202,8 @@ INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
     Gather: _decomposed_pieces,
     ScatterAdd: _decomposed_pieces,
     Cast: _decomposed_pieces,
+    Conv: _decomposed_pieces,
+    Pool: _decomposed_pieces,
 }
 """Per node kind, how the cost model reads (node, spec): an einsum from its labels, every other
 kind from its decomposition."""

@@ -30,7 +30,7 @@ from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import op_need
 from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
-from einjoin.ir.node import (Broadcast, Cast, Concat, Einsum, Fill, Gather, Input, Node, Reshape,
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, rule_for)
 from einjoin.settings import SETTINGS, Settings
 
@@ -161,6 +161,8 @@ LEAP_RULES: dict[type, Callable[[dict[str, int], int], list[dict[str, int]]]] = 
     Gather: _no_leaps,
     ScatterAdd: _no_leaps,
     Cast: _no_leaps,
+    Conv: _no_leaps,
+    Pool: _no_leaps,
 }
 """Per node kind, the extra cuts (label -> count) :func:`finer_spec` tries at a local minimum of
 the need, given the labels' sizes and ``Settings.fit_leaps``."""
