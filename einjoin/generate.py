@@ -10,8 +10,8 @@ shape changes: one plan serves every position) and attends under the mask ``iota
 rows (LLaMA) and the learned position row (GPT-2) are picked at ``pos`` by a gather. After its
 first run a decode step loads from the host only the new ids and the position.
 
-The prefill's caches reach the decode program through the host once (``read`` as outputs,
-``write_state``). The next token is chosen on the host from the returned logits (argmax, or top-k
+The prefill's caches reach the decode program through the host once (the prefill's outputs,
+then ``write_state``). The next token is chosen on the host from the returned logits (argmax, or top-k
 sampling with ``torch.multinomial`` and ``seed``): the logits of one position per sequence are the
 only bytes a step fetches.
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from einjoin import frontend as ej
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
-from einjoin.frontend.tensor import Tensor
+from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir.scalar import parse_join
 from einjoin.program import Program, compile
 
@@ -62,8 +62,16 @@ class _Model:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
+    @property
+    def dtype(self) -> str:
+        """The keys' and values' dtype (the embedding's)."""
+        return str(self.weights["tok" if self.kind == "llama" else "wte"].dtype)
+
 
 def _np(t: Any) -> np.ndarray:
+    import torch
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; einjoin's is a raw 2-byte type
+        raise DTypeError("generate: a bfloat16 module is not supported yet (float32, float64 or float16 are)")
     return np.ascontiguousarray(t.detach().cpu().numpy())
 
 
@@ -128,7 +136,6 @@ def _heads(t: Tensor, n: int, hd: int) -> Tensor:
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x * cos + rotate_half(x) * sin``, as the zoo's LlamaBlock (cos/sin rows of its tables)."""
-    from einjoin.frontend.tensor import elementwise
     return elementwise(parse_join("x0 * x1 + x2 * x3", 4), x, cos, ej.rotate_half(x), sin, name="rope")
 
 
@@ -268,7 +275,7 @@ class Decoder:
             for i in range(m.layers):
                 for which in ("k", "v"):
                     name = f"{_prefix(m)}{i}.{which}"
-                    ctx.caches[name] = ej.input(name, _cache_shape(m, self.batch, c))
+                    ctx.caches[name] = ej.input(name, _cache_shape(m, self.batch, c), m.dtype)
             logits = _FORWARDS[m.kind](m, w, ids, ctx)
             # the caches' new values replace them; the weights are state that maps to itself:
             # written once, then resident on their devices

@@ -132,3 +132,13 @@ def test_errors_name_the_argument():
     with pytest.raises(ej.EinjoinError, match="temperature must be a positive finite number"):
         ej.generate(model, prompt, 2, top_k=3, temperature=0.0)
     assert torch.equal(ej.generate(model, prompt, 0), prompt)  # nothing to generate: the prompt
+
+
+def test_a_float64_module_decodes_in_float64():
+    model, prompt = tiny_llama(4).double(), prompt_of(1, 6)
+    dec = Decoder(model, batch=1, capacity=16)
+    logits = dec.prefill(prompt.numpy())
+    assert logits.dtype == np.float64 and dec.decode.graph.input_by_name["l0.k"].dtype == "float64"
+    assert torch.equal(ej.generate(model, prompt, 8, capacity=16), torch_greedy(model, prompt, 8))
+    with pytest.raises(ej.DTypeError, match="bfloat16 module is not supported"):
+        ej.generate(tiny_llama().bfloat16(), prompt, 2)
