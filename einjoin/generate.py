@@ -131,7 +131,15 @@ def _weight_inputs(m: _Model) -> dict[str, Tensor]:
 def _heads(t: Tensor, n: int, hd: int) -> Tensor:
     """(b, s, n * hd) -> (b, n, s, hd)."""
     b, s, _ = t.shape
+    if s == 1:  # one position (a decode step): the same values without a transposing copy
+        return t.reshape(b, n, 1, hd)
     return t.reshape(b, s, n, hd).transpose(1, 2)
+
+
+def _merge(a: Tensor) -> Tensor:
+    """(b, n, s, hd) -> (b, s, n * hd), the inverse of :func:`_heads`."""
+    b, n, s, hd = a.shape
+    return a.reshape(b, 1, n * hd) if s == 1 else a.transpose(1, 2).reshape(b, s, n * hd)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -188,7 +196,7 @@ def _llama_forward(m: _Model, w: dict[str, Tensor], ids: Tensor, ctx: _Context) 
         k = _rope(_heads(ej.linear(h, w[p + "wk"]), kv, hd), cos, sin)
         v = _heads(ej.linear(h, w[p + "wv"]), kv, hd)
         a = ctx.attend(f"l{i}", q, k, v, 1.0 / math.sqrt(hd))
-        x = x + ej.linear(a.transpose(1, 2).reshape(b, s, m.dim), w[p + "wo"])
+        x = x + ej.linear(_merge(a), w[p + "wo"])
         h = ej.rms_norm(x, w[p + "mlp_norm"], m.eps)
         x = x + ej.linear(ej.silu(ej.linear(h, w[p + "w1"])) * ej.linear(h, w[p + "w3"]), w[p + "w2"])
     last = x[:, s - 1]  # (b, d): only the last position's logits are wanted
@@ -206,7 +214,7 @@ def _gpt2_forward(m: _Model, w: dict[str, Tensor], ids: Tensor, ctx: _Context) -
         q, k, v = ej.split(ej.linear(h, w[p + "c_attn.w"], w[p + "c_attn.b"]), d, 2)
         a = ctx.attend(f"h{i}", _heads(q, m.heads, hd), _heads(k, m.heads, hd), _heads(v, m.heads, hd),
                        1.0 / math.sqrt(hd))
-        x = x + ej.linear(a.transpose(1, 2).reshape(b, s, d), w[p + "c_proj.w"], w[p + "c_proj.b"])
+        x = x + ej.linear(_merge(a), w[p + "c_proj.w"], w[p + "c_proj.b"])
         h = ej.layer_norm(x, None, w[p + "ln_2.w"], w[p + "ln_2.b"], m.eps)
         up = ej.gelu(ej.linear(h, w[p + "c_fc.w"], w[p + "c_fc.b"]), "tanh")
         x = x + ej.linear(up, w[p + "mlp_proj.w"], w[p + "mlp_proj.b"])
