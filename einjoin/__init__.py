@@ -18,19 +18,21 @@ from einjoin.frontend import *  # noqa: F401,F403
 from einjoin.frontend import __all__ as _frontend_all
 from einjoin.ir import Graph, Node
 from einjoin.ir.reference import reference
-from einjoin.program import Program, compile
+from einjoin.program import Program, compile, load
 from einjoin.runtime.engine import CancelToken, RunHandle
 from einjoin.runtime.backends.ray import ray_cluster
 from einjoin.train import optim
 from einjoin.frontend.losses import cross_entropy, mse_loss, nll_loss
 from einjoin.trainer import Trainer
 from einjoin.generate import generate
+from einjoin.frontend.conv import adaptive_avg_pool, adaptive_max_pool, avg_pool, conv, conv_transpose, max_pool, unfold
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "CancelToken", "RunHandle",
+__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "load", "CancelToken", "RunHandle",
            "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
            "grad", "value_and_grad", "vjp", "stop_gradient", "optim", "Trainer", "cross_entropy", "nll_loss",
-           "mse_loss", "generate", *_frontend_all]
+           "mse_loss", "generate", *_frontend_all,
+           "conv", "conv_transpose", "max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "unfold"]

@@ -35,6 +35,7 @@ from einjoin.ir.printing import describe
 from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
 from einjoin.progress import RunBar
+from einjoin import program_io
 from einjoin.placement import block_devices
 from einjoin.plan import PlanStats, explain, run_reference
 from einjoin.plan.stats import human_bytes
@@ -44,7 +45,7 @@ from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, che
 from einjoin.runtime.state import Resident, StateRun
 from einjoin.variants import ShapeCache, Signature, example_tensors, signature
 
-__all__ = ["compile", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
+__all__ = ["compile", "load", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
 log = logging.getLogger(__name__)  # "einjoin.program": compiles for new shapes, with their time
 
@@ -136,6 +137,28 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
                              deterministic=deterministic, fuse=fuse, shape_cache=shape_cache)
     source = Source.of(outputs, options.state)
     return Program(build_plan(source, cluster, options))
+
+
+def load(path: str | os.PathLike[str], *, backend: Any = None) -> Program:
+    """The program :meth:`Program.save` wrote to ``path``, ready to run: nothing is planned,
+    placed or lowered again, and its runs give the saved program's results bit for bit (its
+    state too). ``backend`` overrides the saved backend (a name or a backend object). A
+    truncated, corrupted or newer file, or one that is not an einjoin program, raises an
+    :class:`EinjoinError` that says which; loading never unpickles nor evaluates anything.
+
+    >>> import numpy as np, tempfile, os, einjoin as ej
+    >>> prog = ej.compile(ej.softmax(ej.input("x", (6, 5))), devices=2, quiet=True)
+    >>> path = os.path.join(tempfile.mkdtemp(), "softmax.einjoin")
+    >>> prog.save(path)
+    >>> x = np.arange(30, dtype=np.float32).reshape(6, 5)
+    >>> bool((ej.load(path).run(x) == prog.run(x)).all())
+    True
+    """
+    plan, state = program_io.read(path, backend)
+    prog = Program(plan)
+    if state:
+        prog.write_state(state)
+    return prog
 
 
 class _Guarded:
@@ -671,6 +694,20 @@ class Program:
             lines.append(f"  {s.name!r} <- {describe(s.new)}: {self.decomps[s.node].spec}, "
                          f"{part.num_blocks} block(s), {human_bytes(carried)} carried")
         return "\n".join(lines)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write this program to the file ``path`` (a zip of JSON and safetensors; see
+        :mod:`einjoin.program_io`): the graph, the plan (decompositions, placement, task graph,
+        memory plan, options, cluster), the bound weights and the state's current values. ``ej.load``
+        reads it back without planning again; runs give bit-identical results. Programs compiled
+        for other shapes (:attr:`shape_cache`) are not saved, and a loaded program runs only the
+        shapes it was compiled for (the torch module is not in the file)."""
+        state: dict[str, np.ndarray] = {}
+        if self._slots and self.backend.computes:
+            with self._resident.lock:
+                have = [s.name for s in self._slots if self._resident.has(s.node)]
+            state = self.read_state(have) if have else {}
+        program_io.write(path, self.plan, dict(self._bound or {}), state)
 
     def save_plan_png(self, path: str | os.PathLike[str], **options: Any) -> pathlib.Path:
         """Draw the plan to the PNG file ``path``: per op its spec and the device holding each

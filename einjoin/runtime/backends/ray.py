@@ -253,6 +253,11 @@ def _ray_session(ray: Any) -> tuple[str, str] | None:
     return ctx.get_session_name(), ctx.get_job_id()
 
 
+def _rebuilt(cls: type, settings: dict[str, Any]) -> Any:
+    """A :class:`RayBackend` from its pickled settings (:meth:`RayBackend.__reduce__`)."""
+    return cls(**settings)
+
+
 @dataclass(eq=False)
 class RayBackend:
     """``backend="ray"``: actors are created on first run (on the node each device names, when
@@ -295,6 +300,13 @@ class RayBackend:
         self._plans: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
         self._forgotten: list[int] = []       # plan keys of programs gone, to drop on the actors
         self._in_flight = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its settings (a program sent to another process): the copy starts its own
+        actors on its first run; the pools, locks and Ray handles belong to this process."""
+        from dataclasses import fields
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "received_per_pair"}
+        return (_rebuilt, (type(self), settings))
 
     @property
     def actors(self) -> list[Any]:

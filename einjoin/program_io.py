@@ -1,0 +1,379 @@
+"""``prog.save(path)`` and ``ej.load(path)``: a compiled program as one file that loads without
+planning again and runs bit-identically.
+
+The file is a zip archive (stored CRC-32 per member: a flipped byte is found) of three members:
+
+- ``einjoin.json``: the manifest, ``{"format": "einjoin.Program", "version": 1}``, read first, so
+  a file from a newer einjoin is refused before anything else is parsed;
+- ``program.json``: the graph (a node table in creation order: each node's op payload, input
+  ids, shape, dtype) and the plan (the cluster, each node's decomposition, the placement, the
+  task graph with its memory plan, the stats, the options, the state slots, the forward's
+  argument names);
+- ``arrays.safetensors``: the bound weights and the state's current values.
+
+The JSON is written **generically**: a dataclass is ``{"c": class index, "f": {field: value}}``
+(its ``init`` fields; the class table names each ``module:qualname``), tuples, dicts (as pairs:
+keys need not be strings), sets, enums, numpy scalars and non-finite floats have one tagged form
+each, a node is ``{"n": id}``; an aggregation and a link matrix have their own (they hold a
+numpy ufunc, or are not a dataclass). So a new node kind, or a new field, needs no change here.
+Loading never unpickles nor evaluates: a class is found by name only if it is a dataclass (or an
+enum) of an ``einjoin`` module, then built with its constructor (which checks its fields).
+
+A truncated, corrupted or newer file, and one that is no einjoin program, is an
+:class:`~einjoin.errors.EinjoinError` saying which.
+
+>>> import numpy as np, tempfile, os, einjoin as ej
+>>> prog = ej.compile(ej.input("x", (8, 4)) @ ej.input("w", (4, 2)), devices=2, quiet=True)
+>>> path = os.path.join(tempfile.mkdtemp(), "mm.einjoin")
+>>> prog.save(path)
+>>> again = ej.load(path)
+>>> x, w = np.ones((8, 4), np.float32), np.ones((4, 2), np.float32)
+>>> bool((again.run(x, w) == prog.run(x, w)).all()), again.stats == prog.stats
+(True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import io
+import json
+import math
+import os
+import zipfile
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from einjoin.cluster import LinkMatrix
+from einjoin.compiler import CompiledPlan, CompileOptions
+from einjoin.errors import EinjoinError
+from einjoin.ir.agg import Agg, get_agg
+from einjoin.ir.graph import Graph
+from einjoin.ir.node import Node
+from einjoin.planner import PLANNERS
+
+__all__ = ["write", "read", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "einjoin.Program"
+FORMAT_VERSION = 1
+_MANIFEST, _PROGRAM, _ARRAYS = "einjoin.json", "program.json", "arrays.safetensors"
+_ZIP_MAGIC = b"PK\x03\x04"
+_EOCD = b"PK\x05\x06"  # a zip's end-of-central-directory record: the last thing written
+
+# safetensors stores these numpy dtypes as they are; another (bfloat16, held by numpy as 2-byte
+# void) is stored as an unsigned integer view and its dtype kept in the JSON
+_SAFE = {"bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
+         "float32", "float64"}
+
+
+class _BadFile(Exception):
+    """A file that is not what it claims (raised while decoding; load names it corrupted)."""
+
+
+# ---------------------------------------------------------------- encoding
+
+
+class _Encoder:
+    """Plain JSON data from plan objects, with a node table and a class table."""
+
+    def __init__(self) -> None:
+        self.node_ids: dict[Node, int] = {}
+        self.nodes: list[Any] = []
+        self.classes: dict[type, int] = {}
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def add_nodes(self, nodes: Any) -> None:
+        """Give ``nodes`` and everything they read ids, in creation order (a topological one)."""
+        new = [n for n in Graph(list(nodes)).nodes if n not in self.node_ids]
+        for n in sorted(new, key=lambda n: n.serial):
+            self.node_ids[n] = len(self.nodes)
+            self.nodes.append({"op": self.enc(n.op), "in": [self.node_ids[i] for i in n.inputs],
+                               "shape": list(n.shape), "dtype": n.dtype})
+
+    def cls(self, t: type) -> int:
+        return self.classes.setdefault(t, len(self.classes))
+
+    def enc(self, x: Any) -> Any:
+        if isinstance(x, enum.Enum):  # first: a str (or int) enum is a str (an int)
+            return {"enum": self.cls(type(x)), "v": self.enc(x.value)}
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, np.generic):  # before float: a numpy float64 is a float
+            return {"np": x.dtype.str, "v": self.enc(x.item())}
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return x if math.isfinite(x) else {"float": repr(x)}
+        if isinstance(x, Node):
+            if x not in self.node_ids:
+                self.add_nodes([x])
+            return {"n": self.node_ids[x]}
+        if isinstance(x, Agg):
+            return {"agg": x.name}
+        if isinstance(x, LinkMatrix):
+            return {"links": [self.enc(v) for v in (x.groups, x.diag, x.intra, x.inter)]}
+        if isinstance(x, np.ndarray):
+            key = f"inline.{len(self.arrays)}"
+            self.arrays[key] = x
+            return {"array": key}
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return {"c": self.cls(type(x)), "f": {f.name: self.enc(getattr(x, f.name))
+                                                  for f in dataclasses.fields(x) if f.init}}
+        if isinstance(x, tuple):
+            return {"t": [self.enc(v) for v in x]}
+        if isinstance(x, list):
+            return [self.enc(v) for v in x]
+        if isinstance(x, dict):
+            return {"d": [[self.enc(k), self.enc(v)] for k, v in x.items()]}
+        if isinstance(x, (set, frozenset)):
+            return {"set" if isinstance(x, set) else "fset": [self.enc(v) for v in x]}
+        raise EinjoinError(f"prog.save: cannot write a {type(x).__module__}.{type(x).__qualname__} "
+                           f"({x!r:.60}); a program's plan holds plain data, dataclasses and nodes")
+
+
+def _options(o: CompileOptions) -> dict[str, Any]:
+    """The options as data: the planner and backend by name; ``specs`` and ``state`` are the
+    graph's business once compiled (the specs are in the decompositions, the state in the slots)."""
+    planner = o.planner if isinstance(o.planner, str) else getattr(o.planner, "__qualname__", repr(o.planner))
+    return dict(planner=planner, backend=o.backend.name, placement=o.placement, order=o.order, seed=o.seed,
+                quiet=bool(o.quiet), memory_limit=o.memory_limit, memory_policy=o.memory_policy,
+                host_link=o.host_link, deterministic=bool(o.deterministic), fuse=bool(o.fuse),
+                shape_cache=o.shape_cache)
+
+
+def _storable(name: str, a: Any) -> tuple[np.ndarray, str | None]:
+    """``a`` as safetensors stores it, and its numpy dtype when that is not how it is stored."""
+    arr = np.ascontiguousarray(np.asarray(a))
+    if arr.dtype.name in _SAFE:
+        return arr, None
+    if arr.dtype.itemsize not in (1, 2, 4, 8):
+        raise EinjoinError(f"prog.save: array {name!r} has dtype {arr.dtype}, which cannot be stored")
+    return arr.view(f"<u{arr.dtype.itemsize}"), arr.dtype.str
+
+
+def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, Any],
+          state: Mapping[str, Any]) -> None:
+    """Write ``plan``, the arrays ``bound`` to its inputs and the ``state`` values to the file
+    ``path`` (what :meth:`Program.save` does; see the module docstring); the folder must exist."""
+    from safetensors.numpy import save as st_save
+    enc = _Encoder()
+    enc.add_nodes(plan.graph.nodes)
+    body: dict[str, Any] = {
+        "graph": {"outputs": [enc.node_ids[n] for n in plan.graph.outputs],
+                  "inputs": [enc.node_ids[n] for n in plan.graph.inputs]},
+        "cluster": enc.enc(plan.cluster),
+        "decomps": enc.enc(plan.decomps),
+        "placement": enc.enc(plan.placement),
+        "taskgraph": enc.enc(plan.taskgraph),
+        "stats": enc.enc(plan.stats),
+        "options": enc.enc(_options(plan.options)),
+        "many": plan.many,
+        "arg_names": enc.enc(plan.arg_names),
+        "state": enc.enc(plan.state),
+        "dynamic": enc.enc(dict(plan.dynamic)),
+    }
+    arrays: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+
+    def put(key: str, value: Any) -> None:
+        arrays[key], dt = _storable(key, value)
+        if dt is not None:
+            dtypes[key] = dt
+    for k, v in enc.arrays.items():
+        put(k, v)
+    for k, v in bound.items():
+        put(f"bound.{k}", v)
+    for k, v in state.items():
+        put(f"state.{k}", v)
+    body["bound"] = list(bound)
+    body["state_values"] = list(state)
+    body["array_dtypes"] = dtypes
+    body["nodes"] = enc.nodes  # after everything else: encoding may have met more nodes
+    body["classes"] = [f"{t.__module__}:{t.__qualname__}" for t in enc.classes]
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION}
+    tmp = f"{os.fspath(path)}.partial"
+    try:
+        with zipfile.ZipFile(tmp, "w") as z:
+            z.writestr(_MANIFEST, json.dumps(manifest), compress_type=zipfile.ZIP_STORED)
+            z.writestr(_PROGRAM, json.dumps(body, separators=(",", ":"), allow_nan=False),
+                       compress_type=zipfile.ZIP_DEFLATED)
+            z.writestr(_ARRAYS, st_save(arrays) if arrays else b"", compress_type=zipfile.ZIP_STORED)
+        os.replace(tmp, path)  # a save that fails half-way leaves no half file under the name
+    except OSError as e:
+        raise EinjoinError(f"prog.save: cannot write {os.fspath(path)!r}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Decoder:
+    def __init__(self, classes: list[str], arrays: Mapping[str, np.ndarray]):
+        self.classes = [_find_class(c) for c in classes]
+        self.nodes: list[Node] = []
+        self.arrays = arrays
+
+    def add_nodes(self, table: list[Any]) -> None:
+        for i, row in enumerate(table):
+            inputs = tuple(self.nodes[k] for k in row["in"])
+            if any(k >= i for k in row["in"]):
+                raise _BadFile(f"node {i} reads a later node")
+            self.nodes.append(Node(self.dec(row["op"]), inputs, tuple(row["shape"]), row["dtype"]))
+
+    def dec(self, x: Any) -> Any:
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, list):
+            return [self.dec(v) for v in x]
+        if not isinstance(x, dict) or len(x) > 2:
+            raise _BadFile(f"unexpected value {x!r:.60}")
+        if "n" in x:
+            return self.nodes[x["n"]]
+        if "c" in x:
+            cls = self.classes[x["c"]]
+            if not dataclasses.is_dataclass(cls):
+                raise _BadFile(f"{cls.__qualname__} is not a dataclass")
+            return cls(**{k: self.dec(v) for k, v in x["f"].items()})
+        if "t" in x:
+            return tuple(self.dec(v) for v in x["t"])
+        if "d" in x:
+            return {self.dec(k): self.dec(v) for k, v in x["d"]}
+        if "enum" in x:
+            cls = self.classes[x["enum"]]
+            if not issubclass(cls, enum.Enum):
+                raise _BadFile(f"{cls.__qualname__} is not an enum")
+            return cls(self.dec(x["v"]))
+        if "agg" in x:
+            return get_agg(x["agg"])
+        if "links" in x:
+            groups, diag, intra, inter = (self.dec(v) for v in x["links"])
+            return LinkMatrix(groups, diag, intra, inter)
+        if "np" in x:
+            return np.dtype(x["np"]).type(self.dec(x["v"]))
+        if "float" in x:
+            if x["float"] not in ("inf", "-inf", "nan"):
+                raise _BadFile(f"bad float {x['float']!r:.20}")
+            return float(x["float"])
+        if "array" in x:
+            return self.arrays[x["array"]]
+        if "set" in x or "fset" in x:
+            items = [self.dec(v) for v in x.get("set", x.get("fset"))]
+            return set(items) if "set" in x else frozenset(items)
+        raise _BadFile(f"unexpected value {x!r:.60}")
+
+
+def _find_class(name: str) -> type:
+    """An einjoin dataclass or enum by ``module:qualname``; nothing else is ever looked up."""
+    module, _, qual = name.partition(":")
+    if not (module == "einjoin" or module.startswith("einjoin.")) or not qual or "." in qual:
+        raise _BadFile(f"class {name!r} is not an einjoin class")
+    try:
+        cls = getattr(importlib.import_module(module), qual)
+    except (ImportError, AttributeError):
+        raise _BadFile(f"class {name!r} does not exist in this einjoin") from None
+    if not isinstance(cls, type) or not (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
+        raise _BadFile(f"{name!r} is not a dataclass or enum")
+    return cls
+
+
+def _complete(data: bytes) -> bool:
+    """Whether the archive ends as prog.save ends it: an end-of-central-directory record (its
+    whole 22 bytes and comment) right after the central directory it points to."""
+    i = data.rfind(_EOCD, max(0, len(data) - 65536 - 22))
+    if i < 0 or len(data) < i + 22:
+        return False
+    size, offset, comment = (int.from_bytes(data[i + a:i + a + n], "little") for a, n in ((12, 4), (16, 4), (20, 2)))
+    return offset + size == i and len(data) == i + 22 + comment
+
+
+def _open(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
+    """The program JSON and the arrays' bytes, after the checks that say what is wrong."""
+    where = os.fspath(path)
+    try:
+        with open(where, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise EinjoinError(f"ej.load: cannot read {where!r}: {e.strerror or e}") from None
+    if not data.startswith(_ZIP_MAGIC):
+        raise EinjoinError(f"ej.load: {where!r} is not an einjoin program file (prog.save writes a zip "
+                           f"archive; this starts with {data[:8]!r})")
+    if not _complete(data):
+        raise EinjoinError(f"ej.load: {where!r} is truncated: the archive's end is missing or damaged "
+                           f"({len(data)} bytes read); save it again or copy the whole file")
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = set(z.namelist())
+            if _MANIFEST not in names:
+                raise EinjoinError(f"ej.load: {where!r} is not an einjoin program file (a zip archive "
+                                   f"without {_MANIFEST})")
+            manifest = json.loads(z.read(_MANIFEST))
+            if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+                raise EinjoinError(f"ej.load: {where!r} is not an einjoin program file (format "
+                                   f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r:.40})")
+            version = manifest.get("version")
+            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                raise _BadFile(f"format version {version!r:.40}")
+            if version > FORMAT_VERSION:
+                raise EinjoinError(f"ej.load: {where!r} was written by a newer einjoin (program format version "
+                                   f"{version}; this einjoin reads version {FORMAT_VERSION} and older): "
+                                   f"upgrade einjoin to load it")
+            body = json.loads(z.read(_PROGRAM))
+            arrays = z.read(_ARRAYS)
+    except EinjoinError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, KeyError, ValueError, EOFError, _BadFile) as e:
+        raise EinjoinError(f"ej.load: {where!r} is corrupted ({type(e).__name__}: {e})") from None
+    if not isinstance(body, dict):
+        raise EinjoinError(f"ej.load: {where!r} is corrupted (the program is not a JSON object)")
+    return body, arrays
+
+
+def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPlan, dict[str, np.ndarray]]:
+    """The plan and the state values saved at ``path`` (what ``ej.load`` runs): nothing is
+    planned, placed or lowered again. ``backend`` overrides the saved one. A truncated,
+    corrupted or newer file, or one that is not an einjoin program, raises an
+    :class:`EinjoinError` saying which."""
+    body, raw = _open(path)
+    where = os.fspath(path)
+    try:
+        arrays = _read_arrays(raw, body.get("array_dtypes", {}))
+        dec = _Decoder(body["classes"], arrays)
+        dec.add_nodes(body["nodes"])
+        outputs = [dec.nodes[i] for i in body["graph"]["outputs"]]
+        graph = Graph(outputs)
+        if [dec.nodes[i] for i in body["graph"]["inputs"]] != list(graph.inputs):
+            raise _BadFile("the graph's inputs are not in the saved order")
+        opts = dec.dec(body["options"])
+        planner = opts["planner"] if opts["planner"] in PLANNERS else "auto"  # a callable's name only
+        options = CompileOptions(**{**opts, "planner": planner,
+                                    "backend": opts["backend"] if backend is None else backend})
+        arg_names = dec.dec(body["arg_names"])
+        bound = {k: arrays[f"bound.{k}"] for k in body["bound"]} if body["bound"] or arg_names else None
+        plan = CompiledPlan(graph, dec.dec(body["cluster"]), dec.dec(body["decomps"]), dec.dec(body["placement"]),
+                            dec.dec(body["taskgraph"]), dec.dec(body["stats"]), options, bool(body["many"]),
+                            arg_names, bound, dec.dec(body["state"]), None, dec.dec(body["dynamic"]))
+        state = {k: arrays[f"state.{k}"] for k in body["state_values"]}
+    except EinjoinError as e:
+        if "ej.load" in str(e):
+            raise
+        raise EinjoinError(f"ej.load: {where!r} is corrupted or from an incompatible einjoin ({e})") from None
+    except (_BadFile, KeyError, IndexError, TypeError, ValueError) as e:
+        raise EinjoinError(f"ej.load: {where!r} is corrupted ({type(e).__name__}: {e})") from None
+    return plan, state
+
+
+def _read_arrays(raw: bytes, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
+    if not raw:
+        return {}
+    from safetensors.numpy import load as st_load
+    try:
+        arrays = st_load(raw)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise _BadFile(f"the arrays: {e}") from None
+    return {k: (v.view(np.dtype(dtypes[k])) if k in dtypes else v) for k, v in arrays.items()}
