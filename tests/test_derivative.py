@@ -19,7 +19,8 @@ from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, infer_dtype, parse_join
 
 # functions that differentiate on floats, and where their arguments must lie to be smooth there
-SMOOTH = {"add", "sub", "mul", "div", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "pow",
+SMOOTH = {"add", "sub", "mul", "div", "neg", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt",
+          "reciprocal", "pow",
           "ipow", "silu", "gelu", "gelu_tanh", "tanh", "erf", "sigmoid", "sin", "cos", "abs",
           "relu", "max", "min", "mod"}
 PIECEWISE = {"where", "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "logical_and",

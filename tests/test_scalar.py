@@ -19,7 +19,8 @@ Y = np.random.default_rng(1).uniform(0.5, 3, 64)
 TORCH = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
     "max": torch.maximum, "min": torch.minimum, "neg": torch.neg, "abs": torch.abs,
-    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "exp": torch.exp, "log": torch.log, "log1p": torch.log1p, "expm1": torch.expm1,
+    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
     "reciprocal": torch.reciprocal, "relu": torch.relu, "silu": torch.nn.functional.silu,
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
@@ -27,7 +28,7 @@ TORCH = {
     "stop_gradient": torch.Tensor.detach,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
 }
-POSITIVE = {"log", "sqrt", "rsqrt", "pow"}  # domains: first argument positive
+POSITIVE = {"log", "log1p", "sqrt", "rsqrt", "pow"}  # domains: first argument positive
 
 
 @pytest.mark.parametrize("name", sorted(TORCH))

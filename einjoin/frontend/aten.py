@@ -28,7 +28,9 @@ from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
 from einjoin.frontend.aten_notes import DATA_DEPENDENT, DATA_DEPENDENT_HELP, NOTES, data_dependent
-from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _repeat_interleave, _shape
+from einjoin.frontend.aten_index import INDEX_OPS
+from einjoin.frontend.aten_nn import NN_OPS
+from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _repeat_interleave, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir.dtypes import FLOAT_DTYPES
@@ -46,15 +48,6 @@ _F = TypeVar("_F", bound=Fn)
 
 
 op = registrar(OPS)  # @op("name", "alias"): a translation into OPS
-
-
-def torch_dtype(dt: Any) -> str:
-    """einjoin's name for a torch dtype (``torch.float32`` -> ``"float32"``)."""
-    name = str(dt).removeprefix("torch.")
-    if name in ("float", "double", "half", "long", "int", "bool"):
-        name = {"float": "float32", "double": "float64", "half": "float16", "long": "int64",
-                "int": "int32", "bool": "bool"}[name]
-    return name
 
 
 def _is_t(v: Any) -> bool:
@@ -164,11 +157,6 @@ def _where(cond: Tensor, a: Any = None, b: Any = None) -> Tensor:
     return F.where(cond, a, b)
 
 
-@op("masked_fill", "masked_fill_")
-def _masked_fill(x: Tensor, mask: Tensor, value: Any) -> Tensor:
-    return F.where(mask, value, x)
-
-
 @op("maximum", "max.other")
 def _maximum(a: Any, b: Any) -> Tensor:
     return F.maximum(a, b)
@@ -258,11 +246,6 @@ OPS["mean"] = _reduction("mean")
 OPS["prod"] = _reduction("prod")
 OPS["amax"] = _reduction("max")
 OPS["amin"] = _reduction("min")
-
-
-@op("max", "min")
-def _max_min_unsupported(*args: Any, **kw: Any) -> Any:
-    raise UnsupportedOpError("max/min with a dim (they return indices); use amax/amin")
 
 
 @op("any")
@@ -579,6 +562,12 @@ for _alias, _name in (("__and__", "logical_and"), ("__or__", "logical_or"), ("__
 
 # the losses live in their own module
 OPS.update(LOSS_OPS)
+
+# routing / indexing (gather, scatter, argmax, max(x, dim), cumsum, pad, ...) and the norms,
+# activations and further losses: their own modules (after the above: they replace the old
+# refusal of max/min with a dim and masked_fill)
+OPS.update(INDEX_OPS)
+OPS.update(NN_OPS)
 
 
 @op("outer", "ger")

@@ -20,10 +20,19 @@ from einjoin.frontend.aten_notes import data_dependent
 from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
 from einjoin.registry import registrar
 
-__all__ = ["LAYOUT_OPS"]
+__all__ = ["LAYOUT_OPS", "torch_dtype"]
 
 LAYOUT_OPS: dict[str, Callable[..., Any]] = {}
 op = registrar(LAYOUT_OPS)
+
+
+def torch_dtype(dt: Any) -> str:
+    """einjoin's name for a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    name = str(dt).removeprefix("torch.")
+    if name in ("float", "double", "half", "long", "int", "bool"):
+        name = {"float": "float32", "double": "float64", "half": "float16", "long": "int64",
+                "int": "int32", "bool": "bool"}[name]
+    return name
 
 
 def _shape(args: tuple[Any, ...]) -> tuple[int, ...]:
@@ -128,8 +137,8 @@ def _repeat_interleave(x: Tensor, repeats: int, dim: int) -> Tensor:
 def _repeat_interleave_op(x: Tensor, repeats: Any, dim: Any = None, *, output_size: Any = None) -> Tensor:
     if isinstance(repeats, Tensor):
         raise data_dependent("repeat_interleave with tensor repeats")
-    if dim is None:
-        raise UnsupportedOpError("repeat_interleave without a dim")
+    if dim is None:  # torch: of the flattened tensor
+        return _repeat_interleave(x.flatten(), int(repeats), 0)
     return _repeat_interleave(x, int(repeats), dim)
 
 

@@ -46,7 +46,8 @@ NOTES: dict[str, str] = {
     "index": "one 1-D integer index tensor; a boolean mask is data-dependent",
     "getitem": "ints, slices, None, Ellipsis and one 1-D integer index tensor; a boolean mask is "
                "data-dependent",
-    "repeat_interleave": "an int `repeats` and a `dim`",
+    "repeat_interleave": "an int `repeats` (a tensor of repeats is data-dependent); no `dim`: of the "
+                         "flattened tensor",
     "view": "to a shape (not a dtype view)",
     "arange": "non-empty ranges",
     "_scaled_dot_product_flash_attention_for_cpu": "the output only (the logsumexp is for backward)",

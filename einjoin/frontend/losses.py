@@ -31,7 +31,8 @@ from einjoin.frontend.tensor import LETTERS, Tensor, _t, broadcast_shapes, einsu
 from einjoin.ir.dtypes import FLOAT_DTYPES, kind, promote
 from einjoin.ir.scalar import parse_join
 
-__all__ = ["cross_entropy", "nll_loss", "mse_loss", "LOSS_OPS", "LOSS_MODULES"]
+__all__ = ["cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+           "binary_cross_entropy_with_logits", "binary_cross_entropy", "kl_div", "LOSS_OPS", "LOSS_MODULES"]
 
 _REDUCTIONS = ("none", "mean", "sum")  # torch's enum order: Reduction::None, Mean, Sum
 
@@ -243,6 +244,130 @@ def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
         return sq.sum() if red == "sum" else sq.mean()  # a half mean scales before summing
     n = math.prod(sq.shape)
     return sq.sum() / n if n else sq.sum() * math.nan  # sum / n as torch's mean (not sum * (1/n))
+
+
+def _pair(input: Any, target: Any, what: str) -> tuple[Tensor, Tensor]:
+    """Float input and target of one dtype (promoted as torch), broadcast together."""
+    a, b = _t(input, what), _t(target, f"{what}: target")
+    for t in (a, b):
+        if kind(t.dtype) != "float":
+            raise DTypeError(f"{what}: input and target must be float tensors, got {a.dtype} and {b.dtype}")
+    if a.dtype != b.dtype:
+        dt = promote(a.dtype, b.dtype)
+        a, b = a.to(dt), b.to(dt)
+    return a, b
+
+
+def _mean_or_sum(loss: Tensor, red: str) -> Tensor:
+    if red == "none":
+        return loss
+    if red == "sum" or loss.dtype in ("float16", "bfloat16"):
+        return loss.sum() if red == "sum" else loss.mean()
+    n = math.prod(loss.shape)
+    return loss.sum() / n if n else loss.sum() * math.nan
+
+
+def _pointwise(expr: str, input: Any, target: Any, reduction: Any, what: str) -> Tensor:
+    a, b = _pair(input, target, what)
+    red = _reduction(reduction, what)
+    return _mean_or_sum(elementwise(parse_join(expr, 2), a, b, name=what), red)
+
+
+def l1_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.l1_loss: ``|input - target|`` (broadcasting), its mean, sum or every
+    element (no gradient where they are equal, as torch's sign)."""
+    return _pointwise("abs(x0 - x1)", input, target, reduction, "l1_loss")
+
+
+def smooth_l1_loss(input: Tensor, target: Tensor, reduction: str = "mean", beta: float = 1.0) -> Tensor:
+    """torch.nn.functional.smooth_l1_loss: ``0.5 d² / beta`` where ``|d| < beta``, else
+    ``|d| - 0.5 beta`` (``beta = 0``: the L1 loss)."""
+    b = float(beta)
+    if b < 0:
+        raise EinjoinError(f"smooth_l1_loss: beta must be >= 0, got {beta!r}")
+    if b == 0:
+        return l1_loss(input, target, reduction)
+    expr = (f"where(abs(x0 - x1) < {b!r}, (x0 - x1) * (x0 - x1) * {0.5 / b!r}, abs(x0 - x1) - {0.5 * b!r})")
+    return _pointwise(expr, input, target, reduction, "smooth_l1_loss")
+
+
+def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean", delta: float = 1.0) -> Tensor:
+    """torch.nn.functional.huber_loss: ``0.5 d²`` where ``|d| < delta``, else ``delta (|d| - 0.5 delta)``."""
+    dl = float(delta)
+    if dl <= 0:
+        raise EinjoinError(f"huber_loss: delta must be > 0, got {delta!r}")
+    expr = f"where(abs(x0 - x1) < {dl!r}, (x0 - x1) * (x0 - x1) * 0.5, (abs(x0 - x1) - {0.5 * dl!r}) * {dl!r})"
+    return _pointwise(expr, input, target, reduction, "huber_loss")
+
+
+def _optional_weight(w: Any, dtype: str, what: str) -> Tensor | None:
+    if w is None:
+        return None
+    t = _t(w, what)
+    if kind(t.dtype) != "float":
+        raise DTypeError(f"{what} must be a float tensor, got {t.dtype}")
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                                     reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
+    """torch.nn.functional.binary_cross_entropy_with_logits, in torch's stable form:
+    ``(1 - t) x + (1 + (pos_weight - 1) t) (log1p(exp(-|x|)) + max(-x, 0))``, times ``weight``
+    (both broadcast against the input; ``pos_weight`` along the last dim, the classes).
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (2,), "float64"); t = ej.input("t", (2,), "float64")
+    >>> round(float(ej.reference(ej.binary_cross_entropy_with_logits(x, t), x=np.zeros(2), t=np.ones(2))), 6)
+    0.693147
+    """
+    what = "binary_cross_entropy_with_logits"
+    x, t = _pair(input, target, what)
+    if x.shape != t.shape:
+        raise ShapeError(f"{what}: target of shape {t.shape} must have the input's shape {x.shape}")
+    red = _reduction(reduction, what)
+    soft = "(log1p(exp(-abs(x0))) + max(-x0, 0))"
+    pw = _optional_weight(pos_weight, x.dtype, f"{what}: pos_weight")
+    if pw is None:
+        loss = elementwise(parse_join(f"(1 - x1) * x0 + {soft}", 2), x, t, name=what)
+    else:
+        loss = elementwise(parse_join(f"(1 - x1) * x0 + ((x2 - 1) * x1 + 1) * {soft}", 3), x, t, pw, name=what)
+    w = _optional_weight(weight, x.dtype, f"{what}: weight")
+    if w is not None:
+        loss = loss * w
+    return _mean_or_sum(loss, red)
+
+
+def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                         reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.binary_cross_entropy of probabilities: ``-(t log x + (1 - t) log(1 - x))``
+    with each log clamped at -100, as torch, times ``weight``."""
+    what = "binary_cross_entropy"
+    x, t = _pair(input, target, what)
+    if x.shape != t.shape:
+        raise ShapeError(f"{what}: target of shape {t.shape} must have the input's shape {x.shape}")
+    red = _reduction(reduction, what)
+    loss = elementwise(parse_join("-(x1 * max(log(x0), -100.0) + (1 - x1) * max(log(1 - x0), -100.0))", 2),
+                       x, t, name=what)
+    w = _optional_weight(weight, x.dtype, f"{what}: weight")
+    if w is not None:
+        loss = loss * w
+    return _mean_or_sum(loss, red)
+
+
+def kl_div(input: Tensor, target: Tensor, reduction: str = "mean", log_target: bool = False) -> Tensor:
+    """torch.nn.functional.kl_div of log-probabilities ``input``: ``t (log t - input)`` (0 where
+    ``t = 0``), or ``exp(t) (t - input)`` with ``log_target``; ``batchmean`` divides the sum by the
+    first dim."""
+    what = "kl_div"
+    x, t = _pair(input, target, what)
+    if log_target:
+        loss = elementwise(parse_join("exp(x1) * (x1 - x0)", 2), x, t, name=what)
+    else:
+        loss = elementwise(parse_join("where(x1 > 0, x1 * (log(x1) - x0), where(x1 == 0, 0.0, x1 * 0.0 / 0.0))", 2),
+                           x, t, name=what)
+    if reduction == "batchmean":
+        return loss.sum() / (loss.shape[0] if loss.ndim else 1)
+    return _mean_or_sum(loss, _reduction(reduction, what))
 
 
 # ---------------------------------------------------------------- the importer's translations

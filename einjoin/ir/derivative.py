@@ -520,6 +520,11 @@ def _d_log(e: Call, t: Tangent) -> Expr | None:
     return None if da is None else _div(da, e.args[0])
 
 
+def _d_log1p(e: Call, t: Tangent) -> Expr | None:
+    da = t(0)  # torch: grad / (1 + x)
+    return None if da is None else _div(da, _add(e.args[0], _c(1.0)))
+
+
 def _d_neg(e: Call, t: Tangent) -> Expr | None:
     da = t(0)
     return None if da is None else _mk("neg", da)
@@ -544,6 +549,8 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "abs": _unary(_sign),
     "exp": _unary(lambda e: e),
     "log": _d_log,
+    "log1p": _d_log1p,
+    "expm1": _unary(lambda e: _add(e, _c(1.0))),  # torch: grad * (result + 1)
     "sqrt": _d_sqrt,
     "rsqrt": _unary(_rsqrt),
     "reciprocal": _unary(_reciprocal),

@@ -143,7 +143,8 @@ def _where_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
 _FAST: dict[Any, _Fast] = {FUNCTIONS[name].impl: _ufunc_form(u) for name, u in [
     ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.true_divide),
     ("pow", np.power), ("max", np.maximum), ("min", np.minimum), ("neg", np.negative), ("abs", np.abs),
-    ("exp", np.exp), ("log", np.log), ("sqrt", np.sqrt), ("tanh", np.tanh), ("erf", special.erf),
+    ("exp", np.exp), ("log", np.log), ("log1p", np.log1p), ("expm1", np.expm1), ("sqrt", np.sqrt),
+    ("tanh", np.tanh), ("erf", special.erf),
     ("sin", np.sin), ("cos", np.cos)]}
 _FAST[FUNCTIONS["sigmoid"].impl] = _sigmoid_form
 _FAST[FUNCTIONS["where"].impl] = _where_form

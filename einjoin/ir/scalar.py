@@ -217,6 +217,8 @@ _FN_LIST = [
     ScalarFn("abs", 1, "arith", np.abs),
     ScalarFn("exp", 1, "float", _safe(np.exp)),
     ScalarFn("log", 1, "float", _safe(np.log)),
+    ScalarFn("log1p", 1, "float", _safe(np.log1p)),  # softplus, log_sigmoid: exact near 0
+    ScalarFn("expm1", 1, "float", _safe(np.expm1)),  # elu, selu, celu: exact near 0
     ScalarFn("sqrt", 1, "float", _safe(np.sqrt)),
     ScalarFn("rsqrt", 1, "float", _safe(lambda x: 1.0 / np.sqrt(x))),
     ScalarFn("reciprocal", 1, "float", _safe(lambda x: 1.0 / x)),

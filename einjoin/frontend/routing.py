@@ -1,0 +1,410 @@
+"""Routing and indexing ops as the node kinds einjoin has: element lookups are a ``Gather`` from
+the flattened tensor at computed linear indices (its gradient a ``ScatterAdd``), scatters are a
+``ScatterAdd`` into the flattened tensor, and the scans, arg-reductions and one-hot encodings are
+EinSums with an index fill (``iota``) or a triangular mask — so the planner splits every one of
+them like any op, and ``ej.grad`` differentiates them with the existing rules.
+
+- ``take_along_dim(x, idx, dim)`` is ``torch.gather(x, dim, idx)`` (and ``torch.take_along_dim``);
+- ``scatter``, ``scatter_add`` (the dim form), ``index_add``, ``index_copy``, ``index_select``;
+- ``argmax`` / ``argmin`` (the first occurrence, NaN counting as the largest, as torch);
+- ``max_dim`` / ``min_dim`` (``torch.max(x, dim)``: values and indices);
+- ``cumsum`` / ``cumprod``: an EinSum over the mask ``j <= i`` with a sum / prod aggregation,
+  exact (no log tricks; a zero in a cumprod is a zero);
+- ``one_hot``; ``pad`` (constant, reflect, replicate, circular: a gather with a fill index).
+
+>>> import numpy as np, einjoin as ej
+>>> x = ej.input("x", (2, 4))
+>>> out = ej.reference(ej.cumsum(x, 1), x=np.ones((2, 4), np.float32))
+>>> out.tolist()
+[[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]]
+>>> ej.reference(ej.argmax(x, 1), x=np.array([[0, 3, 3, 1], [5, 0, 0, 0]], np.float32)).tolist()
+[1, 0]
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.frontend.functions import concat, fill, full
+from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, _t, einsum, elementwise, gather, wrap
+from einjoin.ir import ops
+from einjoin.ir.dtypes import kind
+
+__all__ = ["take_along_dim", "scatter", "scatter_add", "index_add", "index_copy", "index_select",
+           "argmax", "argmin", "max_dim", "min_dim", "cumsum", "cumprod", "one_hot", "pad"]
+
+
+def _int_index(idx: Any, what: str) -> Tensor:
+    idx = _t(idx, what)
+    if kind(idx.dtype) != "int":
+        raise DTypeError(f"{what}: indices must be an integer tensor, got {idx.dtype} (shape {idx.shape})")
+    return idx if idx.dtype == "int64" else idx.to("int64")
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def _linear_index(shape: tuple[int, ...], idx: Tensor, d: int, what: str) -> Tensor:
+    """The flat position in a tensor of ``shape`` of each element of ``idx`` (which gives the
+    coordinate along ``d``; its own position gives the others); -1 where ``idx`` is outside
+    ``[0, shape[d])`` so that the gather / scatter's run-time check reports it, as torch does."""
+    if idx.ndim != len(shape):
+        raise ShapeError(f"{what}: index of rank {idx.ndim} for a tensor of rank {len(shape)} "
+                         f"(shape {shape}); torch needs the same rank")
+    for k, (m, n) in enumerate(zip(idx.shape, shape)):
+        if k != d and m > n:
+            raise ShapeError(f"{what}: index shape {idx.shape} exceeds the tensor's {shape} on dim {k}")
+    st = _strides(shape)
+    base = " + ".join(f"x{k} * {st[k]}" for k in range(len(shape)) if k != d and st[k]) or "0"
+    offsets = fill(idx.shape, base, "int64")
+    n = shape[d]
+    return elementwise_expr(f"where((x0 >= 0) & (x0 < {n}), x0 * {st[d]} + x1, -1)", idx, offsets)
+
+
+def elementwise_expr(expr: str, *args: Tensor) -> Tensor:
+    """An elementwise join written out over ``x0, x1, ...`` (broadcasting as ``elementwise``)."""
+    from einjoin.ir.scalar import parse_join
+    return elementwise(parse_join(expr, len(args)), *args)
+
+
+def take_along_dim(x: Tensor, idx: Tensor, dim: int) -> Tensor:
+    """``torch.gather(x, dim, idx)``: ``out[..., i, ...] = x[..., idx[..., i, ...], ...]`` along
+    ``dim``, ``idx`` of ``x``'s rank and no larger elsewhere (torch.take_along_dim's broadcasting
+    is done by its translation). One gather of elements from the flattened ``x``; an index
+    outside ``[0, x.shape[dim])`` is an error at run time, as in torch.
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (2, 3)); i = ej.input("i", (2, 2), "int64")
+    >>> ej.reference(ej.take_along_dim(x, i, 1), x=np.arange(6.0, dtype=np.float32).reshape(2, 3),
+    ...              i=np.array([[2, 0], [1, 1]])).tolist()
+    [[2.0, 0.0], [4.0, 4.0]]
+    """
+    x = _t(x, "take_along_dim")
+    idx = _int_index(idx, "take_along_dim")
+    d = _norm_dim(x, dim)
+    lin = _linear_index(x.shape, idx, d, "take_along_dim")
+    return gather(x.reshape(math.prod(x.shape)), lin)
+
+
+def _sources(src: Any, idx: Tensor, dtype: str, what: str) -> Tensor:
+    """The values a scatter writes: ``src[:idx.shape]`` (torch reads the leading part of a larger
+    src), or a number broadcast to the index's shape."""
+    if not isinstance(src, Tensor):
+        return full(idx.shape, src, dtype)
+    if src.ndim != idx.ndim or any(s < i for s, i in zip(src.shape, idx.shape)):
+        raise ShapeError(f"{what}: src of shape {src.shape} must cover the index's {idx.shape}")
+    if src.shape != idx.shape:
+        src = src[tuple(slice(0, n) for n in idx.shape)]
+    return src if src.dtype == dtype else src.to(dtype)
+
+
+def _scatter_sum(values: Tensor, lin: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``values`` added at flat positions ``lin`` into zeros of ``shape`` (bools counted as int64)."""
+    v = values if values.dtype != "bool" else values.to("int64")
+    return wrap(ops.scatter_add_node(v.node, lin.node, math.prod(shape))).reshape(shape)
+
+
+def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    """``torch.scatter_add``: ``out = x``, then ``out[..., index[..., i, ...], ...] += src[..., i, ...]``
+    along ``dim`` (duplicates accumulate). A ``ScatterAdd`` into the flattened tensor.
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (3,)); i = ej.input("i", (2,), "int64")
+    >>> ej.reference(ej.scatter_add(x, 0, i, x[:2]), x=np.ones(3, np.float32), i=np.array([2, 2])).tolist()
+    [1.0, 1.0, 3.0]
+    """
+    x = _t(x, "scatter_add")
+    idx = _int_index(index, "scatter_add")
+    d = _norm_dim(x, dim)
+    lin = _linear_index(x.shape, idx, d, "scatter_add")
+    vals = _scatter_sum(_sources(src, idx, x.dtype, "scatter_add"), lin, x.shape)
+    return (x.to("int64") + vals).to("bool") if x.dtype == "bool" else x + vals.to(x.dtype)
+
+
+def scatter(x: Tensor, dim: int, index: Tensor, src: Any = None, *, value: Any = None,
+            reduce: str | None = None) -> Tensor:
+    """``torch.scatter``: ``x`` with ``src`` (a tensor, or a number ``value``) written at ``index``
+    along ``dim``. Where ``index`` repeats a position torch keeps one of the writes, unspecified
+    which; here the writes are summed (equal for unique indices, which is what torch promises).
+    ``reduce="add"`` adds instead of writing; ``"multiply"`` is not supported."""
+    x = _t(x, "scatter")
+    if src is None:
+        src = value
+    if src is None:
+        raise EinjoinError("scatter: needs src (a tensor) or value (a number)")
+    if reduce not in (None, "add", "sum"):
+        raise UnsupportedOpError(f"scatter with reduce={reduce!r} (only 'add')")
+    idx = _int_index(index, "scatter")
+    d = _norm_dim(x, dim)
+    lin = _linear_index(x.shape, idx, d, "scatter")
+    vals = _sources(src, idx, x.dtype, "scatter")
+    if reduce is not None:
+        return scatter_add(x, d, idx, vals)
+    hit = _scatter_sum(full(idx.shape, 1, "int64"), lin, x.shape) > 0
+    return _where(hit, _scatter_sum(vals, lin, x.shape).to(x.dtype), x)
+
+
+def _where(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    return elementwise("where", c, a, b)
+
+
+def _to_front(x: Tensor, d: int) -> Tensor:
+    return x if d == 0 else x.permute([d] + [k for k in range(x.ndim) if k != d])
+
+
+def _from_front(y: Tensor, d: int) -> Tensor:
+    return y if d == 0 else y.permute(list(range(1, d + 1)) + [0] + list(range(d + 1, y.ndim)))
+
+
+def _row_index(index: Any, x: Tensor, d: int, source: Tensor | None, what: str) -> Tensor:
+    idx = _int_index(index, what)
+    if idx.ndim > 1:
+        raise ShapeError(f"{what}: index must be 1-D, got shape {idx.shape}")
+    idx = idx.reshape(idx.shape or (1,))
+    if source is not None:
+        want = x.shape[:d] + (idx.shape[0],) + x.shape[d + 1:]
+        if source.shape != want and not (x.ndim == 0 and source.ndim == 0):
+            raise ShapeError(f"{what}: source of shape {source.shape} must be {want} (index of {idx.shape[0]})")
+    return idx
+
+
+def index_add(x: Tensor, dim: int, index: Tensor, source: Tensor, alpha: Any = 1) -> Tensor:
+    """``torch.index_add``: ``out = x``, then ``out[index[i]] += alpha * source[i]`` along ``dim``
+    (rows of ``source`` along ``dim``; duplicates accumulate): one ``ScatterAdd`` of whole rows.
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (3, 2)); i = ej.input("i", (2,), "int64")
+    >>> ej.reference(ej.index_add(x, 0, i, x[:2]), x=np.ones((3, 2), np.float32), i=np.array([0, 0])).tolist()
+    [[3.0, 3.0], [1.0, 1.0], [1.0, 1.0]]
+    """
+    x, source = _t(x, "index_add"), _t(source, "index_add source")
+    d = _norm_dim(x, dim) if x.ndim else 0
+    idx = _row_index(index, x, d, source, "index_add")
+    if alpha != 1:
+        source = source * alpha
+    if source.dtype != x.dtype:
+        source = source.to(x.dtype)
+    rows = _to_front(source.reshape(x.shape[:d] + (idx.shape[0],) + x.shape[d + 1:]) if x.ndim else
+                     source.reshape((1,)), d)
+    n = x.shape[d] if x.ndim else 1
+    added = wrap(ops.scatter_add_node(rows.node if rows.dtype != "bool" else rows.to("int64").node, idx.node, n))
+    added = _from_front(added, d).reshape(x.shape)
+    return (x.to("int64") + added).to("bool") if x.dtype == "bool" else x + added.to(x.dtype)
+
+
+def index_copy(x: Tensor, dim: int, index: Tensor, source: Tensor) -> Tensor:
+    """``torch.index_copy``: ``x`` with ``x[index[i]] = source[i]`` along ``dim`` (torch leaves a
+    repeated index unspecified; here its rows are summed)."""
+    x, source = _t(x, "index_copy"), _t(source, "index_copy source")
+    d = _norm_dim(x, dim) if x.ndim else 0
+    idx = _row_index(index, x, d, source, "index_copy")
+    n = x.shape[d] if x.ndim else 1
+    hit = wrap(ops.scatter_add_node(full(idx.shape, 1, "int64").node, idx.node, n)) > 0
+    zeros = full(x.shape, 0, x.dtype if x.dtype != "bool" else "int64")
+    src = source if source.dtype == zeros.dtype else source.to(zeros.dtype)
+    placed = index_add(zeros, d, idx, src)
+    shape = [1] * x.ndim
+    if x.ndim:
+        shape[d] = n
+    return _where(hit.reshape(tuple(shape)), placed.to(x.dtype), x)
+
+
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    """``torch.index_select``: the rows ``index`` (1-D) along ``dim``: a gather of whole rows."""
+    x = _t(x, "index_select")
+    d = _norm_dim(x, dim)
+    idx = _int_index(index, "index_select")
+    if idx.ndim > 1:
+        raise ShapeError(f"index_select: index must be 1-D, got shape {idx.shape}")
+    y = gather(_to_front(x, d), idx.reshape(idx.shape or (1,)))
+    return _from_front(y, d)
+
+
+def _arg(x: Tensor, dim: Any, keepdim: bool, agg: str, what: str) -> Tensor:
+    x = _t(x, what)
+    if dim is None:
+        flat = x.reshape(math.prod(x.shape))
+        out = _arg(flat, 0, False, agg, what)
+        return out.reshape((1,) * x.ndim) if keepdim else out
+    if x.ndim == 0:
+        return full((), 0, "int64")
+    d = _norm_dim(x, dim)
+    n = x.shape[d]
+    if n == 0:
+        raise ShapeError(f"{what} over an empty dim {d} (shape {x.shape})")
+    ls = LETTERS[:x.ndim]
+    red = ls.replace(ls[d], "")
+    best = einsum(f"{ls}->{red}", x, agg=agg)
+    # the first position holding the extremum; NaN is the largest and the smallest (torch)
+    nan = "(x0 != x0)" if kind(x.dtype) == "float" else "False"
+    idx = einsum(f"{ls},{red},{ls[d]}->{red}", x, best, fill((n,), "x0", "int64"),
+                 join=f"where((x0 == x1) | {nan}, x2, {n})", agg="min")
+    return idx.unsqueeze(d) if keepdim else idx
+
+
+def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """``torch.argmax``: the index (int64) of the first largest element along ``dim`` (of the
+    flattened tensor when ``dim`` is None); a NaN counts as the largest. Two EinSums: the max, then
+    the smallest index holding it (a ``min`` aggregation over ``where(x == max, iota, n)``)."""
+    return _arg(x, dim, keepdim, "max", "argmax")
+
+
+def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """``torch.argmin``: as :func:`argmax` for the smallest element."""
+    return _arg(x, dim, keepdim, "min", "argmin")
+
+
+def _pick(x: Tensor, idx: Tensor, d: int, keepdim: bool) -> Tensor:
+    """``x``'s element at ``idx`` along ``d`` (idx without that dim): one EinSum that keeps the
+    picked element and adds zeros, so the gradient reaches that element only (as torch's max.dim)."""
+    ls = LETTERS[:x.ndim]
+    red = ls.replace(ls[d], "")
+    zero = "False" if x.dtype == "bool" else "0"
+    agg = "max" if x.dtype == "bool" else "sum"
+    v = einsum(f"{ls},{red},{ls[d]}->{red}", x, idx, fill((x.shape[d],), "x0", "int64"),
+               join=f"where(x1 == x2, x0, {zero})", agg=agg)
+    return v.unsqueeze(d) if keepdim else v
+
+
+def max_dim(x: Tensor, dim: int, keepdim: bool = False) -> tuple[Tensor, Tensor]:
+    """``torch.max(x, dim)``: (values, indices of the first maximum)."""
+    x = _t(x, "max")
+    if x.ndim == 0:
+        return x, full((), 0, "int64")
+    d = _norm_dim(x, dim)
+    idx = argmax(x, d)
+    return _pick(x, idx, d, keepdim), (idx.unsqueeze(d) if keepdim else idx)
+
+
+def min_dim(x: Tensor, dim: int, keepdim: bool = False) -> tuple[Tensor, Tensor]:
+    """``torch.min(x, dim)``: (values, indices of the first minimum)."""
+    x = _t(x, "min")
+    if x.ndim == 0:
+        return x, full((), 0, "int64")
+    d = _norm_dim(x, dim)
+    idx = argmin(x, d)
+    return _pick(x, idx, d, keepdim), (idx.unsqueeze(d) if keepdim else idx)
+
+
+def _scan(x: Tensor, dim: int, dtype: Any, agg: str, what: str) -> Tensor:
+    x = _t(x, what)
+    if dtype is not None:
+        x = x.to(dtype)
+    elif kind(x.dtype) in ("int", "bool"):
+        x = x.to("int64")  # torch: integer scans accumulate in int64
+    if x.ndim == 0:
+        return x
+    d = _norm_dim(x, dim)
+    n = x.shape[d]
+    ls = LETTERS[:x.ndim]
+    if x.ndim >= len(LETTERS):
+        raise ShapeError(f"{what}: rank {x.ndim} is above the supported 25")
+    i = LETTERS[x.ndim]  # the output position; the input's label along d is the summed one
+    mask = fill((n, n), "x1 <= x0", "bool")  # (i, j): j contributes to i
+    out = ls[:d] + i + ls[d + 1:]
+    unit = "0" if agg == "sum" else "1"
+    return einsum(f"{ls},{i}{ls[d]}->{out}", x, mask, join=f"where(x1, x0, {unit})", agg=agg)
+
+
+def cumsum(x: Tensor, dim: int, dtype: Any = None) -> Tensor:
+    """``torch.cumsum``: ``out[i] = sum_{j <= i} x[j]`` along ``dim``, one EinSum over the mask
+    ``j <= i`` (O(n²) per row, decomposable along every label). Integers and bools give int64."""
+    return _scan(x, dim, dtype, "sum", "cumsum")
+
+
+def cumprod(x: Tensor, dim: int, dtype: Any = None) -> Tensor:
+    """``torch.cumprod``: ``out[i] = prod_{j <= i} x[j]``, one EinSum with a ``prod`` aggregation
+    (exact with zeros; its gradient is the prod rule's, with no division)."""
+    return _scan(x, dim, dtype, "prod", "cumprod")
+
+
+def one_hot(x: Tensor, num_classes: int = -1) -> Tensor:
+    """``torch.nn.functional.one_hot``: int64 ``x.shape + (num_classes,)`` with a 1 at each class.
+    ``num_classes=-1`` (``x.max() + 1``) is a data-dependent shape: give the number. A class
+    outside ``[0, num_classes)`` gives a row of zeros (torch raises)."""
+    x = _int_index(x, "one_hot")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+        raise UnsupportedOpError(f"one_hot with num_classes={num_classes!r}: the number of classes must "
+                                 f"be given (-1, the largest value + 1, is a data-dependent shape)")
+    if x.ndim >= len(LETTERS):
+        raise ShapeError(f"one_hot: rank {x.ndim} is above the supported 25")
+    ls = LETTERS[:x.ndim]
+    c = LETTERS[x.ndim]
+    return einsum(f"{ls},{c}->{ls}{c}", x, fill((num_classes,), "x0", "int64"),
+                  join="where(x0 == x1, 1, 0)", agg=None)
+
+
+_PAD_INDEX = {
+    # the source position of output position x0 along a dim of n, padded by lo before it
+    "reflect": "{m} - abs({m} - abs(x0 - {lo}))",
+    "replicate": "min(max(x0 - {lo}, 0), {m})",
+    "circular": "(x0 - {lo}) % {n}",
+}
+
+
+def _pad_pairs(x: Tensor, pad: Any, what: str) -> list[tuple[int, int, int]]:
+    try:
+        p = [operator.index(v) for v in pad]
+    except TypeError:
+        raise ShapeError(f"{what}: pad must be a sequence of ints, got {pad!r:.60}") from None
+    if len(p) % 2 or len(p) // 2 > x.ndim:
+        raise ShapeError(f"{what}: pad {tuple(p)} must have an even length of at most 2 * rank ({x.ndim})")
+    return [(x.ndim - 1 - k, p[2 * k], p[2 * k + 1]) for k in range(len(p) // 2)]
+
+
+def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: Any = None) -> Tensor:
+    """``torch.nn.functional.pad``: ``pad`` is (before, after) pairs from the last dim backwards.
+    ``constant`` lays fills of ``value`` (0 by default) beside ``x`` (a negative pad crops);
+    ``reflect``, ``replicate`` and ``circular`` gather each output row from a fill of source
+    positions (one gather per padded dim; its gradient a scatter-add).
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (1, 3))
+    >>> ej.reference(ej.pad(x, (2, 1), "reflect"), x=np.array([[1, 2, 3]], np.float32)).tolist()
+    [[3.0, 2.0, 1.0, 2.0, 3.0, 2.0]]
+    """
+    x = _t(x, "pad")
+    what = f"pad (mode {mode!r})"
+    if mode not in ("constant", *_PAD_INDEX):
+        raise UnsupportedOpError(f"pad with mode={mode!r} (constant, reflect, replicate, circular)")
+    y = x
+    for d, lo, hi in _pad_pairs(x, pad, what):
+        n = y.shape[d]
+        if mode == "constant":
+            y = _pad_constant(y, d, lo, hi, 0 if value is None else value)
+            continue
+        if value not in (None, 0, 0.0):
+            raise EinjoinError(f"{what}: value={value!r} is only for mode 'constant'")
+        if mode == "reflect" and (lo >= n or hi >= n):
+            raise ShapeError(f"{what}: padding ({lo}, {hi}) must be below the size {n} of dim {d}")
+        if lo < 0 or hi < 0 or n == 0:
+            raise ShapeError(f"{what}: padding ({lo}, {hi}) of dim {d} of size {n}")
+        src = fill((n + lo + hi,), _PAD_INDEX[mode].format(m=n - 1, lo=lo, n=n), "int64")
+        y = index_select(y, d, src)
+    return y
+
+
+def _pad_constant(y: Tensor, d: int, lo: int, hi: int, value: Any) -> Tensor:
+    if lo < 0 or hi < 0:  # a negative pad crops
+        n = y.shape[d]
+        a, b = max(0, -lo), n - max(0, -hi)
+        if b < a:
+            raise ShapeError(f"pad: cropping ({lo}, {hi}) of dim {d} of size {n}")
+        y = y[(slice(None),) * d + (slice(a, b),)]
+        lo, hi = max(0, lo), max(0, hi)
+    parts = []
+    if lo:
+        parts.append(full(y.shape[:d] + (lo,) + y.shape[d + 1:], value, y.dtype))
+    parts.append(y)
+    if hi:
+        parts.append(full(y.shape[:d] + (hi,) + y.shape[d + 1:], value, y.dtype))
+    return concat(parts, d) if len(parts) > 1 else y
