@@ -325,6 +325,8 @@ class Decoder:
 
     def step(self, ids: np.ndarray, pos: int) -> np.ndarray:
         """One decode step: ``ids`` (batch, 1) int64 at position ``pos`` (after :meth:`prefill`)."""
+        if not self._weights_written:
+            raise EinjoinError("generate: Decoder.step before Decoder.prefill: the cache holds no prompt yet")
         if not 0 <= pos < self.capacity:
             raise EinjoinError(f"generate: position {pos} is outside the cache (capacity {self.capacity})")
         return np.asarray(self.decode.run(ids=ids, pos=np.int64(pos)))

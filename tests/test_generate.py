@@ -132,6 +132,12 @@ def test_errors_name_the_argument():
     with pytest.raises(ej.EinjoinError, match="temperature must be a positive finite number"):
         ej.generate(model, prompt, 2, top_k=3, temperature=0.0)
     assert torch.equal(ej.generate(model, prompt, 0), prompt)  # nothing to generate: the prompt
+    dec = Decoder(model, batch=1, capacity=16)
+    with pytest.raises(ej.EinjoinError, match="step before Decoder.prefill"):
+        dec.step(np.array([[1]]), 0)
+    dec.prefill(prompt.numpy())
+    with pytest.raises(ej.EinjoinError, match="position 16 is outside the cache"):
+        dec.step(np.array([[1]]), 16)
 
 
 def test_a_float64_module_decodes_in_float64():
