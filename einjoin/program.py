@@ -328,11 +328,10 @@ class Program:
         return prog
 
     def _cache_stats(self, stats: RunStats) -> ProgramRunStats:
-        root = self._parent or self
-        cache = root._variants
-        extra = (dict(cache_key=self._key, cache_hits=cache.hits, cache_misses=cache.misses)
-                 if cache is not None else {})
-        return ProgramRunStats(**vars(stats), **extra)
+        cache = (self._parent or self)._variants
+        if cache is None:
+            return ProgramRunStats(**vars(stats))
+        return ProgramRunStats(**vars(stats), cache_key=self._key, cache_hits=cache.hits, cache_misses=cache.misses)
 
     @property
     def shape_cache(self) -> ShapeCache[Program] | None:

@@ -263,7 +263,7 @@ class _Decoder:
         if "array" in x:
             return self.arrays[x["array"]]
         if "set" in x or "fset" in x:
-            items = [self.dec(v) for v in x.get("set", x.get("fset"))]
+            items = [self.dec(v) for v in (x["set"] if "set" in x else x["fset"])]
             return set(items) if "set" in x else frozenset(items)
         raise _BadFile(f"unexpected value {x!r:.60}")
 

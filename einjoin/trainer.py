@@ -59,6 +59,7 @@ from einjoin.frontend.torch import TorchFunction, _canonical_names, from_torch
 from einjoin.ir.graph import Graph
 from einjoin.program import Program
 from einjoin.program import compile as ej_compile
+from einjoin.variants import ShapeCache
 
 __all__ = ["Trainer"]
 
@@ -219,8 +220,8 @@ class Trainer:
         self._trainable = tuple(trainable)
         example = tuple(_as_torch(x) for x in example_batch)
         self._dtypes = tuple(torch_dtype(x.dtype) for x in example)
-        self._programs: dict[tuple[Any, ...], _StepProgram] = {}
-        self._evals: dict[tuple[Any, ...], _StepProgram] = {}
+        self._programs: ShapeCache[_StepProgram] = ShapeCache(None)  # per batch shape; the first: the example's
+        self._evals: ShapeCache[_StepProgram] = ShapeCache(None)
         self._owner: _StepProgram | None = None   # the program whose resident state is current
         self._host: dict[str, np.ndarray] = {}    # state values on the host, where current
         self._fixed: dict[str, np.ndarray] = {}   # buffers, frozen parameters, constants

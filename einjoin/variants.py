@@ -48,8 +48,9 @@ def check_cache_size(size: Any, what: str = "shape_cache") -> int | None:
 
 
 class ShapeCache(Generic[_V]):
-    """An LRU mapping shape signature -> compiled program, ``maxsize`` entries (None: no bound),
-    counting ``hits`` and ``misses`` of :meth:`get`. Thread-safe; holds no lock when pickled."""
+    """An LRU mapping shape signature -> compiled program, ``maxsize`` entries (None: no bound,
+    and the entries stay in insertion order), counting ``hits`` and ``misses`` of :meth:`get`.
+    Thread-safe; holds no lock when pickled. ``ej.Trainer`` keeps its step programs in one."""
 
     def __init__(self, maxsize: int | None = 8):
         self.maxsize = check_cache_size(maxsize)
@@ -62,7 +63,8 @@ class ShapeCache(Generic[_V]):
         """The entry for ``key`` (now the most recently used; a hit), else ``default`` (a miss)."""
         with self.lock:
             if key in self._items:
-                self._items.move_to_end(key)
+                if self.maxsize is not None:  # unbounded: nothing is evicted, insertion order kept
+                    self._items.move_to_end(key)
                 self.hits += 1
                 return self._items[key]
             self.misses += 1

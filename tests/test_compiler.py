@@ -122,3 +122,25 @@ def test_compile_equals_its_pipeline_and_the_reference(planner: str, devices: in
     assert built.specs == prog.specs and built.stats == prog.stats
     feeds = _feeds()
     np.testing.assert_allclose(prog.run(**feeds), ej.reference(z, **feeds), rtol=1e-5, atol=1e-6)
+
+
+def test_an_imported_module_compiles_with_its_recapture_and_dynamic_dims() -> None:
+    """Issue 20: Source and CompiledPlan carry from_torch's recapture and dynamic= (what a
+    program needs to compile itself for other shapes); a graph built on the import does not."""
+    import torch
+    fn = ej.from_torch(torch.nn.Linear(3, 2), (torch.randn(4, 3),), dynamic={"input": {0: "batch"}})
+    source = Source.of(fn)
+    assert source.recapture is fn.recapture and source.dynamic == {"input": {0: "batch"}}
+    plan = build_plan(source, ej.local(2), CompileOptions(quiet=True, shape_cache=3))
+    assert plan.recapture is fn.recapture and plan.dynamic == {"input": {0: "batch"}}
+    prog = Program(plan)
+    assert prog.shape_cache is not None and prog.shape_cache.maxsize == 3
+    built_on = Source.of(fn.with_outputs(fn.outputs[0].sum()))
+    assert built_on.recapture is None and Source.of(_mm()).recapture is None
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5, "4", [4]])
+def test_shape_cache_is_an_int_of_at_least_one_or_none(bad) -> None:
+    with pytest.raises(ej.EinjoinError, match="shape_cache must be an int >= 1"):
+        CompileOptions(shape_cache=bad)
+    assert CompileOptions(shape_cache=None).shape_cache is None and CompileOptions().shape_cache == 8

@@ -163,3 +163,26 @@ def test_any_batch_equals_torch(batch, devices):
     x = torch.randn(batch, 8)
     _close(prog.run(x), m(x))
     assert prog.run_stats.cache_key == (None if batch == 3 else (("input", (batch, 8)),))
+
+
+def test_threads_meeting_a_new_shape_compile_it_once():
+    import threading
+    m = _mlp()
+    prog = ej.compile(ej.from_torch(m, (torch.randn(4, 8),)), devices=2, quiet=True)
+    x = torch.randn(9, 8)
+    outs, errors = [], []
+
+    def run() -> None:
+        try:
+            outs.append(prog.run(x))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(outs) == 4
+    for o in outs:
+        _close(o, m(x))
+    assert (prog.shape_cache.hits, prog.shape_cache.misses) == (3, 1) and len(prog.shape_cache) == 1
