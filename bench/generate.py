@@ -118,7 +118,7 @@ def _gpt2_cached(model: Any, ids: torch.Tensor, pos: int, caches: list[list[torc
 
 def _caches(model: Any, batch: int) -> list[list[torch.Tensor]]:
     if isinstance(model, Llama):
-        c = model.layers[0].c
+        c: Any = model.layers[0].c
         shape = (batch, c.kv_heads, CAPACITY, c.dim // c.heads)
         n = len(model.layers)
     else:
@@ -224,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
-    log = lambda msg: console.log(escape(msg))  # noqa: E731
+
+    def log(msg: str) -> None:
+        console.log(escape(msg))
     torch.set_num_threads(THREADS)
     print_header(console, "einjoin decoding benchmark")
 
