@@ -117,10 +117,10 @@ def softsign(x: Tensor) -> Tensor:
 
 
 def threshold(x: Tensor, threshold: float, value: float) -> Tensor:
-    """``x`` where ``x > threshold``, else ``value``."""
+    """``value`` where ``x <= threshold``, else ``x`` (NaN stays NaN)."""
     t, v = _num(threshold, "threshold: threshold"), _num(value, "threshold: value")
     xt = _t(x, "threshold")
-    return elementwise(parse_join(f"where(x0 > {t!r}, x0, {v!r})", 1), xt, name="threshold")
+    return elementwise(parse_join(f"where(x0 <= {t!r}, {v!r}, x0)", 1), xt, name="threshold")
 
 
 def prelu(x: Tensor, weight: Tensor) -> Tensor:

@@ -190,6 +190,19 @@ def _roll(x: Tensor, shifts: Any, dims: Any = None) -> Tensor:
     return x
 
 
+@op("linspace")
+def _linspace(start: Any, end: Any, steps: int, *, dtype: Any = None, **_: Any) -> Tensor:
+    """torch's linspace: the first half counted up from ``start``, the second down from ``end``
+    (torch's kernel), a fill."""
+    dt = _dt(dtype) or "float32"
+    n = int(steps)
+    if n == 1:
+        return F.full((1,), start, dt)
+    step = (float(end) - float(start)) / (n - 1)
+    expr = f"where(x0 < {n // 2}, {float(start)!r} + x0 * {step!r}, {float(end)!r} - ({n - 1} - x0) * {step!r})"
+    return F.fill((n,), expr, "float64").to(dt)
+
+
 @op("masked_fill", "masked_fill_")
 def _masked_fill(x: Tensor, mask: Tensor, value: Any) -> Tensor:
     """``x`` with ``value`` where ``mask`` (broadcast to ``x``): a number, or a 0-d tensor taken

@@ -205,7 +205,7 @@ for _names, _fn in ((("softplus",), A.softplus), (("mish", "mish_"), A.mish),
                     (("selu", "selu_"), A.selu), (("celu", "celu_"), A.celu),
                     (("leaky_relu", "leaky_relu_"), A.leaky_relu), (("relu6", "relu6_"), A.relu6),
                     (("hardtanh", "hardtanh_"), A.hardtanh), (("log_sigmoid", "logsigmoid"), A.log_sigmoid),
-                    (("softsign",), A.softsign), (("threshold", "threshold_"), A.threshold),
+                    (("softsign",), A.softsign), (("threshold", "threshold_", "_threshold"), A.threshold),
                     (("prelu", "_prelu_kernel"), A.prelu), (("glu",), A.glu)):
     for _n in _names:
         NN_OPS[_n] = _no_inplace(_fn)
