@@ -101,6 +101,19 @@ MODULES = {
 }
 
 
+# zoo models that stop at an op not built yet (owner): a strict xfail until it lands
+BLOCKED = {"zoo:moe": "topk (H1)", "zoo:lstm": "aten.lstm: unrolled nn.LSTM (H2)"}
+NEW_ZOO = ["zoo:resnet18", "zoo:vit-tiny", "zoo:whisper-encoder", "zoo:moe", "zoo:lstm"]
+LARGE = {"zoo:resnet18", "zoo:vit-tiny"}  # their capped runs are slow
+
+
+def _module(name: str, slow: bool = False):
+    marks = [pytest.mark.xfail(reason=BLOCKED[name], strict=True)] if name in BLOCKED else []
+    if slow:
+        marks.append(pytest.mark.slow)
+    return pytest.param(name, marks=marks)
+
+
 @functools.cache
 def traced(name: str, method: str = "auto"):
     """One trace per module per test session (export is the slow part)."""
@@ -110,7 +123,7 @@ def traced(name: str, method: str = "auto"):
     return module, args, ej.from_torch(module, args, method=method)
 
 
-@pytest.mark.parametrize("name", sorted(MODULES))
+@pytest.mark.parametrize("name", [_module(n) for n in sorted(MODULES)])
 @pytest.mark.parametrize("devices", [1, 2, 4])
 def test_matches_torch(name, devices):
     module, args, fn = traced(name)
@@ -124,6 +137,21 @@ def test_matches_torch(name, devices):
     else:
         assert isinstance(out, torch.Tensor)
         assert_close(out, expected)
+
+
+@pytest.mark.parametrize("name", [_module(n, slow=n in LARGE) for n in NEW_ZOO])
+def test_zoo_model_under_half_its_working_set(name):
+    # the issue's memory cap: half the uncapped run's peak on every device; the capped run stays
+    # under it (evicting and reloading blocks) and still equals torch
+    module, args, fn = traced(name)
+    with torch.no_grad():
+        expected = module(*args)
+    free = ej.compile(fn, devices=2)
+    assert_close(free.run(*args), expected)
+    cap = max(free.run_stats.peak_bytes_per_device.values()) // 2
+    capped = ej.compile(fn, devices=2, memory_limit=cap)
+    assert_close(capped.run(*args), expected)
+    assert max(capped.run_stats.peak_bytes_per_device.values()) <= cap
 
 
 @pytest.mark.parametrize("name", ["nn.Sequential MLP", "zoo:mlp", "zoo:chain"])
@@ -166,15 +194,15 @@ def test_input_free_subgraphs_fold_to_constants():
 class Unsupported(nn.Module):
     def forward(self, x):
         y = x * 2
-        return torch.cumsum(y, dim=0)  # the line the error must name
+        return torch.linalg.inv(y)  # the line the error must name
 
 
 def test_unsupported_op_names_op_and_source_line():
     with pytest.raises(ej.UnsupportedOpError) as e:
-        ej.from_torch(Unsupported(), (torch.randn(3, 4),))
+        ej.from_torch(Unsupported(), (torch.randn(3, 3),))
     msg = str(e.value)
-    assert "'cumsum'" in msg and "aten.cumsum" in msg
-    assert "test_torch_import.py" in msg and "torch.cumsum(y, dim=0)" in msg
+    assert "'linalg_inv'" in msg and "aten.linalg_inv" in msg
+    assert "test_torch_import.py" in msg and "torch.linalg.inv(y)" in msg
     # points to the page that lists the supported ops instead of repeating the 169 names
     assert "docs/torch_ops.md" in msg and "masked_fill" not in msg
 

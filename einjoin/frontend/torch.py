@@ -451,7 +451,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     from einjoin.ir.graph import Graph
     used = Graph(list(outputs)).input_by_name
     for spec in sig.input_specs:
-        name = canon.get(spec.target, spec.target) if spec.target else None
+        name = canon.get(spec.target, spec.target) if spec.target else ""
         if spec.kind.name == "CONSTANT_TENSOR" and name not in used:
             bound.pop(name, None)
             buffers.pop(name, None)

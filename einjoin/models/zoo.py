@@ -2,13 +2,16 @@
 
 LLaMA (RMSNorm written out, RoPE with ``rotate_half`` and sin/cos tables, grouped-query attention
 through ``scaled_dot_product_attention``, SwiGLU), a small LLaMA (embedding + blocks + final norm
-+ lm head), a GPT-2 block (LayerNorm, fused qkv, a masked_fill causal mask, tanh GELU), an MLP and a
-matrix chain. Defaults are small enough for a laptop; ``LLAMA_7B`` is for planning only.
++ lm head), a GPT-2 block (LayerNorm, fused qkv, a masked_fill causal mask, tanh GELU) and GPT-2, an
+MLP and a matrix chain; ResNet-18 and ViT-Tiny (:mod:`einjoin.models.vision`), a Whisper-style
+encoder, a top-2 MoE layer and a 2-layer LSTM (:mod:`einjoin.models.sequence`). Defaults are small
+enough for a laptop; ``LLAMA_7B`` is for planning only.
 
 >>> import torch
 >>> from einjoin.models.zoo import ZOO, example
->>> sorted(ZOO)
-['chain', 'gpt2', 'gpt2-block', 'llama', 'llama-block', 'mlp']
+>>> sorted(ZOO)  # doctest: +NORMALIZE_WHITESPACE
+['chain', 'gpt2', 'gpt2-block', 'llama', 'llama-block', 'lstm', 'mlp', 'moe', 'resnet18',
+ 'vit-tiny', 'whisper-encoder']
 >>> module, args = example("llama-block")
 >>> module(*args).shape
 torch.Size([1, 32, 64])
@@ -27,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from einjoin.errors import EinjoinError
+from einjoin.models.sequence import LSTMModel, MoE, WhisperEncoder
+from einjoin.models.vision import ResNet18, ViTTiny
 
 __all__ = ["LlamaConfig", "LLAMA_7B", "RMSNorm", "LlamaBlock", "Llama", "GPT2Block", "GPT2", "MLP",
            "MatrixChain", "ZOO", "example", "block_with", "torch_block"]
@@ -275,6 +280,17 @@ ZOO: dict[str, Callable[..., Example]] = {
     "mlp": lambda dim=64, hidden=256, layers=2, batch=16: (MLP(dim, hidden, layers),
                                                          (torch.randn(batch, dim),)),
     "chain": lambda n=64, length=3: (MatrixChain(n, length), (torch.randn(n, n),)),
+    # vision, audio, routing and recurrent models (einjoin/models/vision.py, sequence.py)
+    "resnet18": lambda num_classes=1000, width=64, image=64, batch=2: (
+        ResNet18(num_classes, width), (torch.randn(batch, 3, image, image),)),
+    "vit-tiny": lambda image=32, patch=8, dim=192, depth=12, heads=3, batch=2: (
+        ViTTiny(image, patch, dim, depth, heads, 4 * dim), (torch.randn(batch, 3, image, image),)),
+    "whisper-encoder": lambda mels=80, dim=64, heads=4, layers=2, frames=64, batch=2: (
+        WhisperEncoder(mels, dim, heads, layers, frames), (torch.randn(batch, mels, frames),)),
+    "moe": lambda dim=32, hidden=64, experts=4, k=2, seq=16, batch=2: (
+        MoE(dim, hidden, experts, k), (torch.randn(batch, seq, dim),)),
+    "lstm": lambda inputs=16, hidden=32, layers=2, outputs=8, seq=12, batch=2: (
+        LSTMModel(inputs, hidden, layers, outputs), (torch.randn(batch, seq, inputs),)),
 }
 
 
