@@ -332,6 +332,35 @@ class Decoder:
         return np.asarray(self.decode.run(ids=ids, pos=np.int64(pos)))
 
 
+    def generate(self, prompt_ids: Any, max_new_tokens: int, *, top_k: int | None = None,
+                 temperature: float = 1.0, seed: int | None = None) -> Any:
+        """:func:`generate` with this decoder's programs (compiled once, so further generations
+        of this batch size pay no compile; the weights were read when the decoder was made)."""
+        import torch
+        m_new = _count(max_new_tokens, "max_new_tokens", 0)
+        ids, one = _ids(prompt_ids, self.model.vocab)
+        b, s = ids.shape
+        if b != self.batch:
+            raise ShapeError(f"generate: this decoder runs batches of {self.batch}, got prompt_ids of shape "
+                             f"{tuple(ids.shape)}")
+        total = s + m_new
+        if total > self.capacity:
+            raise EinjoinError(f"generate: prompt ({s} tokens) + max_new_tokens ({m_new}) = {total} exceeds "
+                               f"the cache's capacity={self.capacity}")
+        if total > self.model.positions:
+            raise EinjoinError(f"generate: prompt ({s} tokens) + max_new_tokens ({m_new}) = {total} exceeds "
+                               f"the {self.model.positions} positions the module holds")
+        pick = _sampler(top_k, temperature, seed, self.model.vocab)
+        out = [ids]
+        if m_new:
+            nxt = pick(self.prefill(ids)).reshape(b, 1).astype(np.int64)
+            out.append(nxt)
+            for j in range(m_new - 1):
+                nxt = pick(self.step(nxt, s + j)).reshape(b, 1).astype(np.int64)
+                out.append(nxt)
+        res = torch.from_numpy(np.concatenate(out, axis=1))
+        return res[0] if one else res
+
 def _prefix(m: _Model) -> str:
     return "l" if m.kind == "llama" else "h"
 
@@ -412,26 +441,6 @@ def generate(module: Any, prompt_ids: Any, max_new_tokens: int, *, devices: Any 
     >>> bool((ours == ids).all())
     True
     """
-    import torch
-    m_new = _count(max_new_tokens, "max_new_tokens", 0)
-    capacity = _count(capacity, "capacity", 1)
-    ids, one = _ids(prompt_ids, _read(module).vocab)
-    b, s = ids.shape
-    dec = Decoder(module, b, capacity, devices=devices, backend=backend, planner=planner)
-    total = s + m_new
-    if total > capacity:
-        raise EinjoinError(f"generate: prompt ({s} tokens) + max_new_tokens ({m_new}) = {total} exceeds the "
-                           f"cache's capacity={capacity}")
-    if total > dec.model.positions:
-        raise EinjoinError(f"generate: prompt ({s} tokens) + max_new_tokens ({m_new}) = {total} exceeds the "
-                           f"{dec.model.positions} positions the module holds")
-    pick = _sampler(top_k, temperature, seed, dec.model.vocab)
-    out = [ids]
-    if m_new:
-        nxt = pick(dec.prefill(ids)).reshape(b, 1).astype(np.int64)
-        out.append(nxt)
-        for j in range(m_new - 1):
-            nxt = pick(dec.step(nxt, s + j)).reshape(b, 1).astype(np.int64)
-            out.append(nxt)
-    res = torch.from_numpy(np.concatenate(out, axis=1))
-    return res[0] if one else res
+    ids, _ = _ids(prompt_ids, _read(module).vocab)
+    dec = Decoder(module, ids.shape[0], capacity, devices=devices, backend=backend, planner=planner)
+    return dec.generate(prompt_ids, max_new_tokens, top_k=top_k, temperature=temperature, seed=seed)

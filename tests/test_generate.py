@@ -148,3 +148,16 @@ def test_a_float64_module_decodes_in_float64():
     assert torch.equal(ej.generate(model, prompt, 8, capacity=16), torch_greedy(model, prompt, 8))
     with pytest.raises(ej.DTypeError, match="bfloat16 module is not supported"):
         ej.generate(tiny_llama().bfloat16(), prompt, 2)
+
+
+def test_a_decoder_generates_again_without_compiling_the_decode_step_again():
+    model = tiny_llama(6)
+    dec = Decoder(model, batch=1, capacity=32, devices=2)
+    first = dec.generate(prompt_of(1, 5, seed=1), 6)
+    prog = dec.decode
+    second = dec.generate(prompt_of(1, 9, seed=2), 6)  # another prompt length: another prefill only
+    assert dec.decode is prog
+    assert torch.equal(first, torch_greedy(model, prompt_of(1, 5, seed=1), 6))
+    assert torch.equal(second, torch_greedy(model, prompt_of(1, 9, seed=2), 6))
+    with pytest.raises(ej.ShapeError, match="batches of 1, got prompt_ids of shape \\(2, 5\\)"):
+        dec.generate(prompt_of(2, 5), 2)
