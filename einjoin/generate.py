@@ -231,8 +231,9 @@ def _cache_shape(m: _Model, batch: int, capacity: int) -> tuple[int, int, int, i
 
 class Decoder:
     """The prefill and decode programs of one module for a batch size and a cache ``capacity``
-    on ``devices`` (what :func:`generate` builds and runs; kept for its programs' statistics:
-    ``decoder.decode.run_stats`` is the last step's).
+    on ``devices``: what :func:`generate` builds and runs. Keep one to generate again without
+    compiling again (:meth:`generate`; one prefill program per prompt length) or to read its
+    programs' statistics (``decoder.decode.run_stats`` is the last step's).
 
     ``prefill(ids)`` runs a prompt (batch, s) and makes its keys and values the decode program's
     cache state; ``step(ids, pos)`` runs one token per sequence at position ``pos``; both return
