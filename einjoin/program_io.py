@@ -351,8 +351,12 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
             raise _BadFile("the graph's inputs are not in the saved order")
         opts = dec.dec(body["options"])
         planner = opts["planner"] if opts["planner"] in PLANNERS else "auto"  # a callable's name only
-        options = CompileOptions(**{**opts, "planner": planner,
-                                    "backend": opts["backend"] if backend is None else backend})
+        try:
+            options = CompileOptions(**{**opts, "planner": planner,
+                                        "backend": opts["backend"] if backend is None else backend})
+        except EinjoinError as e:  # e.g. a Ray program where Ray is missing
+            raise EinjoinError(f"ej.load: {where!r}: the saved options do not apply here ({e}); "
+                               f"ej.load(..., backend=...) chooses another backend") from None
         arg_names = dec.dec(body["arg_names"])
         bound = {k: arrays[f"bound.{k}"] for k in body["bound"]} if body["bound"] or arg_names else None
         plan = CompiledPlan(graph, dec.dec(body["cluster"]), dec.dec(body["decomps"]), dec.dec(body["placement"]),

@@ -20,12 +20,15 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin import program_io
 from einjoin.ir.agg import Agg, get_agg
 from einjoin.ir.node import KINDS
 from einjoin.ir.scalar import Arg, Call, Const
+from graphgen import graphs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,6 +132,19 @@ def test_a_loaded_program_is_the_saved_plan(tmp_path):
     assert again.plan.options.memory_limit == "12KiB" and again.cluster == prog.cluster
     assert np.array_equal(again.run(*args), prog.run(*args))
     assert again.run_stats.bytes_evicted == prog.run_stats.bytes_evicted
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), devices=st.sampled_from([1, 2, 4]), fuse=st.booleans())
+def test_random_graphs_round_trip_bit_identically(tmp_path_factory, data, devices, fuse):
+    outs, feeds = data.draw(graphs("float64"))
+    prog = ej.compile(outs, devices=devices, quiet=True, fuse=fuse)
+    path = tmp_path_factory.mktemp("g") / "g.einjoin"
+    prog.save(path)
+    again = ej.load(path)
+    assert again.stats == prog.stats and again.specs == prog.specs
+    for a, b in zip(again.run(**feeds), prog.run(**feeds)):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
 
 
 # ---- every node kind's payload, written generically
@@ -238,6 +254,8 @@ def test_truncated_corrupted_newer_and_foreign_files_say_which(tmp_path):
         ej.load(bad)
     with pytest.raises(ej.EinjoinError, match="cannot read"):
         ej.load(tmp_path / "missing.einjoin")
+    with pytest.raises(ej.EinjoinError, match=r"saved options do not apply here \(unknown backend 'gpu'"):
+        ej.load(path, backend="gpu")
 
 
 def test_a_file_naming_other_classes_is_refused_without_importing_them(tmp_path):
