@@ -16,7 +16,7 @@ from einjoin.decomp.spec import label_sizes
 from einjoin.ir import Arg, Call, Const
 from einjoin.ir import ops
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
-                             ScatterAdd, Select, rule_for)
+                             ScatterAdd, Select, TopK, rule_for)
 
 LABELS = "ijklmnopqrstuvwxyzabcdefgh"
 
@@ -359,6 +359,14 @@ def _pool(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.n
     return win.max(axis=axes) if op.agg.name == "max" else win.sum(axis=axes)
 
 
+def _topk(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.ndarray:
+    op = node.op
+    x = xs[0]
+    order = np.argsort(-x if op.largest else x, axis=op.axis, kind="stable")  # ties: first first
+    order = np.take(order, np.arange(op.k), axis=op.axis)
+    return order if op.indices else np.take_along_axis(x, order, axis=op.axis)
+
+
 # the oracle's rule per node kind: (node, its inputs' values, the feeds by name) -> its value
 ORACLE_RULES: dict[type, Callable[[Any, list[np.ndarray], dict[str, np.ndarray]], Any]] = {
     Input: lambda node, xs, feeds: feeds[node.op.name],
@@ -373,6 +381,7 @@ ORACLE_RULES: dict[type, Callable[[Any, list[np.ndarray], dict[str, np.ndarray]]
     Fill: _fill,
     Conv: _conv,
     Pool: _pool,
+    TopK: _topk,
 }
 
 

@@ -17,6 +17,8 @@ input, built from IR nodes only — the backward pass is an ordinary graph.
 - ``Conv``, ``Pool``: window ops again (:mod:`einjoin.autodiff.conv_rule`): a transposed conv
   for the input, a conv of the input by the cotangent for the weight, the max pool's cotangent
   routed through an equality mask of its windows.
+- ``TopK``: the values' cotangent placed back at their positions (an einsum comparing the
+  indices with an iota); nothing for the indices.
 
 >>> from einjoin.ir import ops
 >>> from einjoin.ir.node import rule_for
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from einjoin.autodiff.conv_rule import conv_adjoints, pool_adjoints
 from einjoin.autodiff.einsum_rule import einsum_adjoints
@@ -39,7 +42,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.fold import fold
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
-                             ScatterAdd, Select)
+                             ScatterAdd, Select, TopK)
 
 __all__ = ["GRAD_RULES", "GradRule"]
 
@@ -119,6 +122,25 @@ def _scatter_add(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | No
     return (ops.gather_node(g, indices) if wanted[0] else None, None)
 
 
+def _topk(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    """The values' cotangent scattered back to the positions they came from: one einsum over
+    (row, output position, input position) with the indices compared to an iota (O(n k) a row)."""
+    op = cast(TopK, node.op)
+    x = node.inputs[0]
+    if op.indices or not wanted[0]:
+        return (None,)  # int64 positions have no derivative
+    idx = ops.topk_node(x, op.k, op.axis, op.largest, indices=True)
+    if x.ndim + 1 > len(_LETTERS):
+        raise EinjoinError(f"the gradient of a topk of rank {x.ndim}: at most {len(_LETTERS) - 1} dims")
+    labels = _LETTERS[:x.ndim]
+    i = _LETTERS[x.ndim]  # the input's position on the axis (the output's is labels[axis])
+    iota = ops.fill_node((x.shape[op.axis],), "int64", "x0")
+    out = labels[:op.axis] + i + labels[op.axis + 1:]
+    dx = ops.einsum_node([g, idx, iota], [tuple(labels), tuple(labels), (i,)], tuple(out),
+                         "where(x1 == x2, x0, 0)", "sum")
+    return (dx,)
+
+
 GRAD_RULES: dict[type, GradRule] = {
     Input: _no_inputs,
     Fill: _no_inputs,
@@ -132,4 +154,5 @@ GRAD_RULES: dict[type, GradRule] = {
     ScatterAdd: _scatter_add,
     Conv: conv_adjoints,
     Pool: pool_adjoints,
+    TopK: _topk,
 }

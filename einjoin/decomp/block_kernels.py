@@ -14,9 +14,9 @@ from einjoin.decomp.decompose import Decomposition, Kernel, reshape_region
 from einjoin.decomp.partition import Box, box_shape
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import (broadcast_kernel, conv_kernel, einsum_kernel, fill_kernel, gather_kernel,
-                                partial_dtype, pool_kernel, scatter_add_kernel)
-from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape, ScatterAdd,
-                             Select, rule_for)
+                                partial_dtype, pool_kernel, scatter_add_kernel, topk_kernel)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
+                             ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import local_padding
 
 __all__ = ["run_kernel", "BLOCK_KERNELS", "BlockKernel"]
@@ -122,6 +122,11 @@ def _pool_block(d: Decomposition, op: Pool, k: Kernel, blocks: _Blocks, box: Box
                        d.node.dtype)
 
 
+def _topk_block(d: Decomposition, op: TopK, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    start, stop = box[op.axis]  # its range of the order, from whole rows
+    return topk_kernel(np.asarray(blocks[0]), op, start, stop)
+
+
 # the block kernel of each node kind: (decomposition, its op, kernel, input blocks, output box)
 # -> the output block or partial result
 BlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], np.ndarray]
@@ -138,4 +143,5 @@ BLOCK_KERNELS: dict[type, BlockKernel] = {
     Cast: _cast_block,
     Conv: _conv_block,
     Pool: _pool_block,
+    TopK: _topk_block,
 }

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from einjoin.decomp.partition import BlockKey, Covering, Partition
 from einjoin.decomp.spec import ROW, SPATIAL, JoinAggSpec, as_node, conv_labels, dim_labels
 from einjoin.ir.agg import AGGS, Agg
-from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
-                             Reshape, ScatterAdd, Select, rule_for)
+from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
+                             ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import input_range
 
 __all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups",
@@ -199,6 +199,15 @@ def _pool(node: Node, op: Pool, out: Partition) -> tuple[tuple[Partition | Cover
                     zip(out.bounds[2:], x.shape[2:], op.window, op.stride, op.padding, op.dilation))
     cov = Covering((_intervals(out.bounds[0]), _intervals(out.bounds[1])) + spatial, x.shape)
     return (cov,), tuple(Kernel(k, k, (k,)) for k in out.keys())
+
+
+def _topk(node: Node, op: TopK, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    # every kernel orders whole rows (the sorted dim is read whole): a cut of the sorted dim
+    # makes kernels that each keep their range of the order (the rows replicated to them)
+    x = node.inputs[0]
+    inp = Partition(tuple((0, x.shape[d]) if d == op.axis else b for d, b in enumerate(out.bounds)))
+    return (inp,), tuple(Kernel(k, k, (tuple(0 if d == op.axis else i for d, i in enumerate(k)),))
+                         for k in out.keys())
 
 
 def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -378,4 +387,5 @@ DECOMPOSE_RULES: dict[type, DecomposeRule] = {
     Cast: _blockwise(_elementwise),
     Conv: _conv,
     Pool: _blockwise(_pool),
+    TopK: _blockwise(_topk),
 }

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.spec import ROW
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
-                             ScatterAdd, Select, rule_for)
+                             ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.scalar import Call, is_product
 
 __all__ = ["kernel_flops", "FLOPS_RULES"]
@@ -69,6 +69,14 @@ def _pool_flops(d: Decomposition, op: Pool, index: tuple[int, ...]) -> int:
     return _block_elems(d, index) * per  # one max or add per window element
 
 
+def _topk_flops(d: Decomposition, op: TopK, index: tuple[int, ...]) -> int:
+    # a comparison sort of each whole row it reads: n log2 n per row
+    n = d.node.inputs[0].shape[op.axis]
+    rows = _block_elems(d, index) // max(1, d.spec.bounds[op.axis][index[op.axis] + 1]
+                                         - d.spec.bounds[op.axis][index[op.axis]])
+    return rows * n * max(1, n.bit_length())
+
+
 def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:
     return 0  # modelled as free: moves, cuts, casts, fills and fed inputs
 
@@ -87,4 +95,5 @@ FLOPS_RULES: dict[type, Callable[[Decomposition, Any, tuple[int, ...]], int]] = 
     Cast: _no_flops,
     Conv: _conv_flops,
     Pool: _pool_flops,
+    TopK: _topk_flops,
 }

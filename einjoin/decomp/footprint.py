@@ -20,7 +20,7 @@ from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
-                             ScatterAdd, Select, rule_for)
+                             ScatterAdd, Select, TopK, rule_for)
 
 __all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule"]
 
@@ -134,6 +134,14 @@ def _window_scratch(d: Decomposition, kernel: int, in_bytes: list[int], grow: in
     return widen + arranged + per_out * window * width + out_elems * width
 
 
+def _topk_scratch(d: Decomposition, op: TopK, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
+    """:func:`~einjoin.ir.kernels.topk_kernel`'s copies: the sorted values and int64 order of the
+    whole rows it reads (torch's sort), half inputs widened to float32 first."""
+    elems = in_bytes[0] // itemsize(d.node.inputs[0].dtype)
+    width = max(4, itemsize(d.node.inputs[0].dtype))
+    return elems * (2 * width + 8)
+
+
 def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     return 0
 
@@ -154,6 +162,7 @@ SCRATCH_RULES: dict[type, ScratchRule] = {
     Cast: _no_scratch,
     Conv: _conv_scratch,
     Pool: _pool_scratch,
+    TopK: _topk_scratch,
 }
 
 

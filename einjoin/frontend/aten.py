@@ -30,6 +30,8 @@ from einjoin.frontend import functions as F
 from einjoin.frontend.aten_notes import DATA_DEPENDENT, DATA_DEPENDENT_HELP, NOTES, data_dependent
 from einjoin.frontend.aten_index import INDEX_OPS
 from einjoin.frontend.aten_nn import NN_OPS
+from einjoin.frontend.recurrent import RECURRENT_OPS
+from einjoin.frontend.aten_conv import CONV_OPS
 from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _repeat_interleave, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
@@ -568,6 +570,8 @@ OPS.update(LOSS_OPS)
 # refusal of max/min with a dim and masked_fill)
 OPS.update(INDEX_OPS)
 OPS.update(NN_OPS)
+OPS.update(RECURRENT_OPS)
+OPS.update(CONV_OPS)  # convolution and pooling (H1's frontend/aten_conv.py)
 
 
 @op("outer", "ger")

@@ -17,12 +17,13 @@ from typing import Any
 
 from einjoin.errors import UnsupportedOpError
 from einjoin.frontend import conv as C
+from einjoin.frontend.sorting import SORT_OPS
 from einjoin.frontend.tensor import Tensor
 from einjoin.registry import registrar
 
 __all__ = ["CONV_OPS", "CONV_MODULES"]
 
-CONV_OPS: dict[str, Callable[..., Any]] = {}
+CONV_OPS: dict[str, Callable[..., Any]] = dict(SORT_OPS)  # and topk / sort / argsort (frontend/sorting.py)
 op = registrar(CONV_OPS)
 
 
@@ -35,18 +36,18 @@ def _batched(x: Tensor, nd: int, fn: Callable[[Tensor], Any]) -> Any:
     return fn(x)
 
 
-def _conv_nd(nd: int | None) -> Callable[..., Tensor]:
+def _conv_nd(nd: int | None) -> Callable[..., Any]:
     def translate(x: Tensor, w: Tensor, bias: Any = None, stride: Any = 1, padding: Any = 0,
-                  dilation: Any = 1, groups: int = 1) -> Tensor:
+                  dilation: Any = 1, groups: int = 1) -> Any:
         n = w.ndim - 2 if nd is None else nd
         return _batched(x, n, lambda b: C.conv(b, w, bias, stride=stride, padding=padding,
                                                dilation=dilation, groups=groups))
     return translate
 
 
-def _conv_transpose_nd(nd: int | None) -> Callable[..., Tensor]:
+def _conv_transpose_nd(nd: int | None) -> Callable[..., Any]:
     def translate(x: Tensor, w: Tensor, bias: Any = None, stride: Any = 1, padding: Any = 0,
-                  output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+                  output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Any:
         n = w.ndim - 2 if nd is None else nd
         return _batched(x, n, lambda b: C.conv_transpose(b, w, bias, stride=stride, padding=padding,
                                                          output_padding=output_padding, dilation=dilation,
@@ -61,7 +62,7 @@ for _n, _name in ((1, "conv1d"), (2, "conv2d"), (3, "conv3d")):
 
 @op("convolution", "_convolution")
 def _convolution(x: Tensor, w: Tensor, bias: Any, stride: Any, padding: Any, dilation: Any, transposed: bool,
-                 output_padding: Any, groups: int, *_: Any) -> Tensor:
+                 output_padding: Any, groups: int, *_: Any) -> Any:
     if transposed:
         return _conv_transpose_nd(None)(x, w, bias, stride, padding, output_padding, groups, dilation)
     return _conv_nd(None)(x, w, bias, stride, padding, dilation, groups)
@@ -76,9 +77,9 @@ def _max_pool_nd(nd: int, with_indices: bool) -> Callable[..., Any]:
     return translate
 
 
-def _avg_pool_nd(nd: int) -> Callable[..., Tensor]:
+def _avg_pool_nd(nd: int) -> Callable[..., Any]:
     def translate(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
-                  count_include_pad: bool = True, divisor_override: Any = None) -> Tensor:
+                  count_include_pad: bool = True, divisor_override: Any = None) -> Any:
         return _batched(x, nd, lambda b: C.avg_pool(b, kernel_size, stride, padding, ceil_mode,
                                                     count_include_pad, divisor_override))
     return translate
@@ -101,7 +102,7 @@ for _n in (1, 2, 3):
 
 
 @op("im2col")
-def _im2col(x: Tensor, kernel_size: Any, dilation: Any = 1, padding: Any = 0, stride: Any = 1) -> Tensor:
+def _im2col(x: Tensor, kernel_size: Any, dilation: Any = 1, padding: Any = 0, stride: Any = 1) -> Any:
     return _batched(x, 2, lambda b: C.unfold(b, kernel_size, dilation, padding, stride))
 
 
@@ -115,7 +116,7 @@ def _padding_mode(m: Any) -> None:
                                  f"as its own pad op")
 
 
-def _conv_m(m: Any, p: dict[str, Any], x: Tensor) -> Tensor:
+def _conv_m(m: Any, p: dict[str, Any], x: Tensor) -> Any:
     _padding_mode(m)
     nd = len(m.kernel_size)
     if getattr(m, "transposed", False):

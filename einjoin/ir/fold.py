@@ -20,7 +20,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.derivative import simplify
 from einjoin.ir.dtypes import kind
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
-                             Reshape, ScatterAdd, Select, rule_for)
+                             Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.ops import fill_node
 from einjoin.ir.scalar import Arg, Call, Const, Expr, infer_dtype, substitute
 
@@ -119,7 +119,7 @@ def _fold_reshape(node: Node, op: Reshape, fills: list[Fill]) -> Node:
 
 
 def _kept(node: Node, op: object, fills: list[Fill]) -> Node:
-    """Not folded: a concat, gather, scatter-add, conv or pool of fills stays as it is (inputs and
+    """Not folded: a concat, gather, scatter-add, conv, pool or topk of fills stays as it is (inputs and
     fills have no inputs)."""
     return node
 
@@ -138,4 +138,5 @@ FOLD_RULES: dict[type, Callable[[Node, Any, list[Fill]], Node]] = {
     Cast: _fold_cast,
     Conv: _kept,
     Pool: _kept,
+    TopK: _kept,
 }

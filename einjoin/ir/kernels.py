@@ -28,13 +28,13 @@ import opt_einsum  # type: ignore[import-untyped]
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
-                             Reshape, ScatterAdd, Select, rule_for)
+                             Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import dilated, out_size
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr, is_product
 
 __all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", "einsum_kernel", "fill_kernel",
-           "gather_kernel", "scatter_add_kernel", "broadcast_kernel", "conv_kernel", "pool_kernel",
+           "gather_kernel", "scatter_add_kernel", "broadcast_kernel", "conv_kernel", "pool_kernel", "topk_kernel",
            "align", "partial_dtype", "HALF_DTYPES"]
 
 
@@ -389,6 +389,28 @@ def pool_kernel(x: np.ndarray, op: Pool, dtype: str) -> np.ndarray:
     return np.asarray(out.numpy(), order="C").astype(numpy_dtype(dtype), copy=False)
 
 
+def topk_kernel(x: np.ndarray, op: TopK, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Positions ``[start, stop)`` of the order ``op`` asks for along its axis: the values (in
+    ``x``'s dtype) or the int64 indices. A stable sort by torch (NaN largest, as torch's); half
+    types are sorted as float32, which holds them exactly.
+
+    >>> topk_kernel(np.array([[3., 1., 2., 3.]]), TopK(1, 2, True, True))
+    array([[0, 3]])
+    """
+    import torch
+    xs = _widen(np.asarray(x))
+    stop = op.k if stop is None else stop
+    if xs.shape[op.axis] == 0 or stop <= start:
+        shape = list(xs.shape)
+        shape[op.axis] = stop - start
+        return np.zeros(shape, np.int64 if op.indices else x.dtype)
+    _, order = torch.sort(_torch_view(xs), dim=op.axis, descending=op.largest, stable=True)
+    idx = order.numpy()[(slice(None),) * op.axis + (slice(start, stop),)]
+    if op.indices:
+        return np.ascontiguousarray(idx)
+    return np.take_along_axis(np.asarray(x), idx, axis=op.axis)
+
+
 def eval_node(node: Node, args: Sequence[np.ndarray]) -> np.ndarray:
     """Evaluate ``node`` on the dense values of its inputs (the reference semantics).
     Floating-point edge cases (overflow, log 0, 0/0) give inf/nan as IEEE says, without numpy
@@ -445,6 +467,10 @@ def _eval_pool(node: Node, op: Pool, args: Sequence[np.ndarray]) -> np.ndarray:
     return pool_kernel(args[0], op, node.dtype)
 
 
+def _eval_topk(node: Node, op: TopK, args: Sequence[np.ndarray]) -> np.ndarray:
+    return topk_kernel(args[0], op)
+
+
 # the whole-tensor kernel of each node kind: (node, its op, its inputs' values) -> its value
 KernelRule = Callable[[Node, Any, Sequence[np.ndarray]], np.ndarray]
 KERNELS: dict[type, KernelRule] = {
@@ -460,6 +486,7 @@ KERNELS: dict[type, KernelRule] = {
     Cast: _eval_cast,
     Conv: _eval_conv,
     Pool: _eval_pool,
+    TopK: _eval_topk,
 }
 
 

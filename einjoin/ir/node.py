@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Op, Pool,
-                                Reshape, ScatterAdd, Select, rule_for)
+                                Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
-           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "KindFacts", "FACTS", "KINDS", "rule_for"]
+           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "KindFacts", "FACTS", "KINDS", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ FACTS: dict[type, KindFacts] = {
     # window ops: their input channels (conv) are aggregated, but neither is an Einsum op
     Conv: KindFacts(computes=True),
     Pool: KindFacts(computes=True),
+    TopK: KindFacts(computes=True),
 }
 KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule table covers them all
 

@@ -23,7 +23,7 @@ from einjoin.ir.agg import Agg
 from einjoin.ir.scalar import Expr
 
 __all__ = ["Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather",
-           "ScatterAdd", "Cast", "Conv", "Pool", "rule_for"]
+           "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,20 @@ class Pool:
     dilation: tuple[int, ...]
 
 
-Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool
+@dataclass(frozen=True)
+class TopK:
+    """The ``k`` largest (``largest``) or smallest values along ``axis``, in order — or their
+    int64 positions (``indices``): torch's ``topk`` / ``sort`` / ``argsort`` (a sort is ``k`` =
+    the dim's size). Equal values keep their order (a stable sort); NaN counts as the largest,
+    as in torch. Values and indices are two nodes (each computes the order of its rows)."""
+
+    axis: int
+    k: int
+    largest: bool
+    indices: bool
+
+
+Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool | TopK
 
 
 _Rule = TypeVar("_Rule")

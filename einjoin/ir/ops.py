@@ -27,13 +27,13 @@ from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeErr
 from einjoin.ir.agg import Agg, get_agg
 from einjoin.ir.dtypes import canonical_dtype, kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
-                             Reshape, ScatterAdd, Select)
+                             Reshape, ScatterAdd, Select, TopK)
 from einjoin.ir.window import out_size
 from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
 
 __all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "last_declaration", "declared_elsewhere", "input_node",
            "einsum_node", "reshape_node", "broadcast_node", "select_node", "concat_node",
-           "fill_node", "gather_node", "scatter_add_node", "cast_node", "conv_node", "pool_node"]
+           "fill_node", "gather_node", "scatter_add_node", "cast_node", "conv_node", "pool_node", "topk_node"]
 
 
 def _as_int(v: Any, what: str) -> int:
@@ -480,3 +480,29 @@ def pool_node(x: Node, agg: str | Agg, window: Any, stride: Any = None, padding:
     pads = _pads(padding, nd, what)
     spatial = _window_out(what, x, win, st, pads, (1,) * nd, dil)
     return Node(Pool(a, win, st, pads, dil), (x,), x.shape[:2] + spatial, x.dtype)
+
+
+def topk_node(x: Node, k: int, axis: int = -1, largest: bool = True, indices: bool = False) -> Node:
+    """The ``k`` largest (or smallest) values of ``x`` along ``axis`` in order, or (``indices``)
+    their int64 positions (:class:`~einjoin.ir.opkinds.TopK`; ``k`` = the dim's size sorts).
+
+    >>> from einjoin.ir import ops
+    >>> x = ops.input_node("x", (4, 10), "float32")
+    >>> ops.topk_node(x, 3).shape, ops.topk_node(x, 3, indices=True).dtype
+    ((4, 3), 'int64')
+    """
+    x = _need_node(x, "topk")
+    what = f"topk of input {x.shape} ({x.dtype})"
+    if x.ndim == 0:
+        raise ShapeError(f"{what}: needs at least one dim")
+    ax = _as_int(axis, f"{what}: dim")
+    if not -x.ndim <= ax < x.ndim:
+        raise ShapeError(f"{what}: dim {axis} out of range for rank {x.ndim}")
+    ax %= x.ndim
+    kk = _as_int(k, f"{what}: k")
+    if not 0 <= kk <= x.shape[ax]:
+        raise ShapeError(f"{what}: k={k} outside [0, {x.shape[ax]}] (the size of dim {ax})")
+    if kind(x.dtype) == "bool":
+        raise DTypeError(f"{what}: sorting bool values; cast them to a number type")
+    shape = x.shape[:ax] + (kk,) + x.shape[ax + 1:]
+    return Node(TopK(ax, kk, bool(largest), bool(indices)), (x,), shape, "int64" if indices else x.dtype)

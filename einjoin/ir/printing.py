@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool,
-                                Reshape, ScatterAdd, Select, rule_for)
+                                Reshape, ScatterAdd, Select, TopK, rule_for)
 
 if TYPE_CHECKING:  # annotations only: Node prints itself through describe (no cycle)
     from einjoin.ir.graph import Graph
@@ -81,6 +81,11 @@ def _describe_pool(op: Pool) -> str:
     return f"{op.agg.name}_pool[{', '.join(parts)}]"
 
 
+def _describe_topk(op: TopK) -> str:
+    which = "indices" if op.indices else "values"
+    return f"topk[dim={op.axis}, k={op.k}, {'largest' if op.largest else 'smallest'}, {which}]"
+
+
 def _bare(op: object) -> str:  # a kind without parameters: its name
     return type(op).__name__.lower()
 
@@ -99,6 +104,7 @@ DESCRIBE_RULES: dict[type, Callable[[Any], str]] = {
     Cast: _bare,
     Conv: _describe_conv,
     Pool: _describe_pool,
+    TopK: _describe_topk,
 }
 
 

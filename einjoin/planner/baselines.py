@@ -46,7 +46,7 @@ from einjoin.decomp.spec import ROW, JoinAggSpec, aggregated_labels, dim_labels,
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
-                             ScatterAdd, Select, rule_for)
+                             ScatterAdd, Select, TopK, rule_for)
 from einjoin.planner.basic import derive_input_specs, largest_output_cut
 from einjoin.planner.candidates import candidate_specs
 from einjoin.planner.cost import CostModel, SpecInfo, total_cost
@@ -177,6 +177,11 @@ def _window_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> in
     return 0 if 0 in slots and bdim.get(v.inputs[0]) == 0 else None
 
 
+def _topk_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    d = bdim.get(v.inputs[0])
+    return None if d is None or d == cast(TopK, v.op).axis else d  # the sorted dim is no batch
+
+
 def _no_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
     return None  # a leaf reads nothing: it is never reached from an activation
 
@@ -194,6 +199,7 @@ BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], 
     Cast: _same_batch,
     Conv: _window_batch,
     Pool: _window_batch,
+    TopK: _topk_batch,
 }
 """Per node kind, the batch dim of its output given its activation-derived input ``slots`` and
 their batch dims (``data_parallel``; see :func:`batch_dims`)."""
@@ -240,6 +246,7 @@ _INPUT_LABEL_RULES: dict[type, Callable[[Node, int, int], str | None]] = {
     Cast: _no_input_label,
     Conv: _conv_input_label,
     Pool: _no_input_label,
+    TopK: _no_input_label,
 }
 """Per node kind with aggregated labels, the label of dim ``d`` of input ``slot`` in the node's
 label space (None for kinds that aggregate nothing): where a batch dim is contracted."""
@@ -476,6 +483,12 @@ def _window_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "keep", "n", False  # the batch
 
 
+def _topk_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    if d == cast(TopK, u.op).axis:
+        return "fail", "a topk orders the split dim", False
+    return "keep", dim_labels(u.ndim)[d], False
+
+
 def _no_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "fail", f"a {u.kind} reads the split dim", False  # a gather (a leaf reads nothing)
 
@@ -493,6 +506,7 @@ FOLLOW_RULES: dict[type, Callable[[Node, int, Node, int], _Step]] = {
     Cast: _cast_follow,
     Conv: _window_follow,
     Pool: _window_follow,
+    TopK: _topk_follow,
 }
 """Per node kind, how a Megatron chain's split label continues through it (see :func:`_follow`)."""
 

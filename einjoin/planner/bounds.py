@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
-                             ScatterAdd, Select, rule_for)
+                             ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.scalar import is_product
 
 __all__ = ["matmul_bound_words", "contraction_bound_words", "contraction_dims", "node_bound_bytes",
@@ -114,6 +114,7 @@ BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
     Cast: _no_bound,
     Conv: _no_window_bound,
     Pool: _no_window_bound,
+    TopK: _no_bound,
 }
 """Per node kind, its (batch, m, n, k) contraction sizes for the lower bound, or None."""
 

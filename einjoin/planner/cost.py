@@ -47,7 +47,7 @@ from einjoin.ir.dtypes import itemsize
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
-                             ScatterAdd, Select, rule_for)
+                             ScatterAdd, Select, TopK, rule_for)
 
 __all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate",
            "op_cost", "SpecInfo", "CostModel", "total_cost", "model_cost", "input_partitions",
@@ -204,6 +204,7 @@ INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
     Cast: _decomposed_pieces,
     Conv: _decomposed_pieces,
     Pool: _decomposed_pieces,
+    TopK: _decomposed_pieces,
 }
 """Per node kind, how the cost model reads (node, spec): an einsum from its labels, every other
 kind from its decomposition."""

@@ -31,7 +31,7 @@ from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import op_need
 from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
-                             ScatterAdd, Select, rule_for)
+                             ScatterAdd, Select, TopK, rule_for)
 from einjoin.settings import SETTINGS, Settings
 
 __all__ = ["op_need", "finer_cuts", "fitting_specs", "finer_spec", "element_spec", "memory_cap",
@@ -163,6 +163,7 @@ LEAP_RULES: dict[type, Callable[[dict[str, int], int], list[dict[str, int]]]] = 
     Cast: _no_leaps,
     Conv: _no_leaps,
     Pool: _no_leaps,
+    TopK: _no_leaps,
 }
 """Per node kind, the extra cuts (label -> count) :func:`finer_spec` tries at a local minimum of
 the need, given the labels' sizes and ``Settings.fit_leaps``."""

@@ -1,0 +1,82 @@
+"""Ordering along a dim, as torch names it: ``topk``, ``sort``, ``argsort`` on the IR's
+:class:`~einjoin.ir.opkinds.TopK` kind (the sorted dim is read whole by each kernel; every other
+dim cuts freely). Equal values keep their order (a stable sort: one of the orders torch may
+give); NaN counts as the largest. The values' gradient is placed back at their positions. Also
+the torch translations (:data:`SORT_OPS`, merged into the op table with the convolutions').
+
+>>> import einjoin as ej
+>>> v, i = topk(ej.input("x", (4, 10)), 3)
+>>> v.shape, i.dtype, argsort(ej.input("y", (5, 6)), dim=0, descending=True).shape
+((4, 3), 'int64', (5, 6))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from einjoin.errors import EinjoinError
+from einjoin.frontend.tensor import Tensor
+from einjoin.ir import ops
+from einjoin.registry import registrar
+
+__all__ = ["topk", "sort", "argsort", "SORT_OPS"]
+
+
+def _x(x: Any, what: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise EinjoinError(f"{what}: expected an einjoin tensor, got {type(x).__name__}")
+    return x
+
+
+def _rank1(x: Tensor) -> tuple[Tensor, bool]:
+    # torch orders a 0-d tensor as one element
+    return (x.reshape((1,)), True) if x.ndim == 0 else (x, False)
+
+
+def _pair(x: Tensor, k: int, dim: int, largest: bool) -> tuple[Tensor, Tensor]:
+    x, scalar = _rank1(x)
+    v = Tensor(ops.topk_node(x.node, k, dim, largest))
+    i = Tensor(ops.topk_node(x.node, k, dim, largest, indices=True))
+    return (v.reshape(()), i.reshape(())) if scalar else (v, i)
+
+
+def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Tensor, Tensor]:
+    """torch's ``topk``: the ``k`` largest (or smallest) values along ``dim`` and their int64
+    positions, in order (also when ``sorted=False``: any order is torch's contract then)."""
+    return _pair(_x(x, "topk"), k, dim, largest)
+
+
+def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> tuple[Tensor, Tensor]:
+    """torch's ``sort``: (values, int64 indices) along ``dim`` (always stable)."""
+    x = _x(x, "sort")
+    n = x.shape[dim] if x.ndim else 1
+    return _pair(x, n, dim, descending)
+
+
+def argsort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> Tensor:
+    """torch's ``argsort``: the int64 positions that sort ``x`` along ``dim`` (stable)."""
+    return sort(x, dim, descending, stable)[1]
+
+
+SORT_OPS: dict[str, Callable[..., Any]] = {}
+op = registrar(SORT_OPS)
+
+
+@op("topk")
+def _topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Tensor, Tensor]:
+    return topk(x, int(k), int(dim), bool(largest), bool(sorted))
+
+
+@op("sort")
+def _sort(x: Tensor, dim: Any = -1, descending: bool = False, stable: Any = False) -> tuple[Tensor, Tensor]:
+    if isinstance(dim, bool):  # aten.sort.stable(x, stable, dim, descending) spelled positionally
+        dim, stable = -1, dim
+    return sort(x, int(dim), bool(descending), bool(stable))
+
+
+@op("argsort")
+def _argsort(x: Tensor, dim: Any = -1, descending: bool = False, stable: Any = False) -> Tensor:
+    if isinstance(dim, bool):
+        dim, stable = -1, dim
+    return argsort(x, int(dim), bool(descending), bool(stable))
