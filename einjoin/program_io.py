@@ -17,7 +17,8 @@ keys need not be strings), sets, enums, numpy scalars and non-finite floats have
 each, a node is ``{"n": id}``; an aggregation and a link matrix have their own (they hold a
 numpy ufunc, or are not a dataclass). So a new node kind, or a new field, needs no change here.
 Loading never unpickles nor evaluates: a class is found by name only if it is a dataclass (or an
-enum) of an ``einjoin`` module, then built with its constructor (which checks its fields).
+enum) of one of einjoin's plan-data packages (the IR, decompositions, placement, task graphs,
+memory plans, the cluster, state slots), then built with its constructor (which checks its fields).
 
 A truncated, corrupted or newer file, and one that is no einjoin program, is an
 :class:`~einjoin.errors.EinjoinError` saying which.
@@ -68,6 +69,12 @@ _EOCD = b"PK\x05\x06"  # a zip's end-of-central-directory record: the last thing
 # void) is stored as an unsigned integer view and its dtype kept in the JSON
 _SAFE = {"bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
          "float32", "float64"}
+
+
+# the packages whose dataclasses and enums a plan is made of (the IR, the decompositions, the
+# placement, the task graph, its memory plan, the cluster, the state slots): a file may name no other
+_DATA_MODULES = ("einjoin.ir.", "einjoin.decomp.", "einjoin.placement.", "einjoin.exchange.", "einjoin.plan.",
+                 "einjoin.memplan.", "einjoin.cluster", "einjoin.runtime.state")
 
 
 class _BadFile(Exception):
@@ -271,8 +278,8 @@ class _Decoder:
 def _find_class(name: str) -> type:
     """An einjoin dataclass or enum by ``module:qualname``; nothing else is ever looked up."""
     module, _, qual = name.partition(":")
-    if not (module == "einjoin" or module.startswith("einjoin.")) or not qual or "." in qual:
-        raise _BadFile(f"class {name!r} is not an einjoin class")
+    if not module.startswith(_DATA_MODULES) or not qual or "." in qual:
+        raise _BadFile(f"class {name!r} is not one of einjoin's plan data classes")
     try:
         cls = getattr(importlib.import_module(module), qual)
     except (ImportError, AttributeError):

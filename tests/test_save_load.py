@@ -270,6 +270,7 @@ def test_a_file_naming_other_classes_is_refused_without_importing_them(tmp_path)
             return json.dumps(body).encode()
         return change
     for name in ("os:system", "builtins:eval", "subprocess:Popen", "einjoin.program:Program",
+                 "einjoin.runtime.backends.ray:RayBackend", "einjoin.ir.node:Node", "einjoin.ir.ops:einsum_node",
                  "einjoin.nonexistent_module_xyz:X", "pickle:loads"):
         _rezip(path, data, evil(name))
         with pytest.raises(ej.EinjoinError, match="is corrupted"):
