@@ -87,6 +87,8 @@ def test_decode_logits_equal_torch_and_a_step_loads_only_ids_and_position(make):
         stats = dec.decode.run_stats
         if step:  # after the first step the state (weights, caches) is on the devices
             assert stats.bytes_loaded == nxt.numpy().nbytes + np.int64(0).nbytes == dec.step_bytes
+            # nothing else crosses the host link: the logits come back, the caches stay
+            assert stats.bytes_fetched == logits.nbytes and stats.bytes_reloaded == stats.bytes_evicted == 0
         else:     # the first loads the written state too: the weights and the prefill's caches
             assert stats.bytes_loaded == dec.decode.stats.bytes_loaded
         ids = torch.cat([ids, nxt], 1)
