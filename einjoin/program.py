@@ -43,7 +43,7 @@ from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
 from einjoin.runtime.state import Resident, StateRun
-from einjoin.variants import ShapeCache, Signature, example_tensors, signature
+from einjoin.variants import ShapeCache, Signature, example_tensors, signature, split_arguments
 
 __all__ = ["compile", "load", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
@@ -310,10 +310,13 @@ class Program:
         shapes = dict(key)
         dtypes = {n: self.graph.input_by_name[n].dtype for n in shapes}
         start = time.perf_counter()
-        fn = self.plan.recapture(example_tensors(self._arg_names, shapes, dtypes, given), {})
-        if len(fn.outputs) != len(self.plan.graph.outputs) - len(self._slots):
+        examples = example_tensors(self._arg_names, shapes, dtypes, given)
+        fn = self.plan.recapture(*split_arguments(getattr(self.plan.recapture, "module", None), self._arg_names,
+                                                  examples))
+        if len(fn.outputs) != len(self.graph.outputs) or tuple(fn.arg_names) != self._arg_names:
             raise EinjoinError(f"the module imported again for shapes {_shapes(shapes)} has {len(fn.outputs)} "
-                               f"outputs, the compiled one {len(self.graph.outputs)}")
+                               f"outputs and arguments {', '.join(fn.arg_names)}; the compiled one "
+                               f"{len(self.graph.outputs)} and {', '.join(self._arg_names)}")
         source = Source.of(fn)
         if source.bound and self._bound:  # the parameters bound at compile time, not the module's now
             mine = self._bound

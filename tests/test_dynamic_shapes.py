@@ -186,3 +186,22 @@ def test_threads_meeting_a_new_shape_compile_it_once():
     for o in outs:
         _close(o, m(x))
     assert (prog.shape_cache.hits, prog.shape_cache.misses) == (3, 1) and len(prog.shape_cache) == 1
+
+
+def test_an_argument_given_by_keyword_past_an_optional_one_is_recaptured_by_keyword():
+    """As Hugging Face forwards are called (input_ids, then attention_mask=... past others)."""
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, past=None, mask=None):
+            return self.lin(x) + (mask if past is None else past)
+
+    m = M()
+    fn = ej.from_torch(m, (torch.randn(2, 4),), {"mask": torch.randn(2, 4)}, dynamic={"x": {0: "b"}, "mask": {0: "b"}})
+    prog = ej.compile(fn, devices=2, quiet=True)
+    x, mask = torch.randn(3, 4), torch.randn(3, 4)
+    _close(prog.run(x, mask), m(x, mask=mask))
+    _close(prog.run(x=x, mask=mask), m(x, mask=mask))
+    assert prog.run_stats.cache_key == (("x", (3, 4)), ("mask", (3, 4)))
