@@ -102,7 +102,7 @@ MODULES = {
 
 
 # zoo models that stop at an op not built yet (owner): a strict xfail until it lands
-BLOCKED = {"zoo:moe": "topk (H1)", "zoo:lstm": "aten.lstm: unrolled nn.LSTM (H2)"}
+BLOCKED: dict[str, str] = {}
 NEW_ZOO = ["zoo:resnet18", "zoo:vit-tiny", "zoo:whisper-encoder", "zoo:moe", "zoo:lstm"]
 LARGE = {"zoo:resnet18", "zoo:vit-tiny"}  # their capped runs are slow
 
@@ -372,3 +372,40 @@ def test_dead_lifted_constants_are_dropped_and_zero_size_tensors_import():
         with torch.no_grad():
             for devices in (1, 2):
                 assert_close(ej.compile(fn, devices=devices).run(x, e), m(x, e))
+
+
+class CacheLike(nn.Module):
+    """What a Hugging Face model looks like to from_torch: ``config.use_cache`` on, a cache object
+    returned unless ``use_cache=False``, non-tensor keyword arguments beside tensor ones."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+        self.config = SimpleNamespace(use_cache=True)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, mask=None, use_cache=None, scale=2.0):
+        y = self.lin(x) * scale
+        if mask is not None:
+            y = y * mask
+        return (y, object()) if use_cache else y
+
+
+def test_non_tensor_arguments_are_constants_and_use_cache_is_turned_off():
+    torch.manual_seed(0)
+    m = CacheLike().eval()
+    x, mask = torch.randn(2, 6), torch.rand(2, 6)
+    fn = ej.from_torch(m, (x,), {"mask": mask, "scale": 3.0})
+    assert fn.arg_names == ("x", "mask") and any("use_cache=False" in n for n in fn.notes)
+    with torch.no_grad():
+        assert_close(ej.compile(fn, devices=2).run(x, mask=mask), m(x, mask, use_cache=False, scale=3.0))
+        # a recapture keeps the non-tensor arguments; keyword tensors come positionally or by name
+        x2, mask2 = torch.randn(5, 6), torch.rand(5, 6)
+        want = m(x2, mask2, use_cache=False, scale=3.0)
+        for args, kwargs in [((x2, mask2), {}), ((x2,), {"mask": mask2})]:
+            again = fn.recapture(args, kwargs)
+            assert again.arg_names == ("x", "mask")
+            assert_close(torch.from_numpy(again.reference(x2, mask2)), want)
+    assert ej.from_torch(m, (x,), {"use_cache": False}).notes == ()
+    with pytest.raises(ej.EinjoinError, match="object"):  # asked for the cache: export cannot return it
+        ej.from_torch(m, (x,), {"use_cache": True}, method="export")

@@ -418,6 +418,11 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                     bound[name] = _to_numpy(t)
             elif kind == "USER_INPUT":
                 val = node.meta.get("val")
+                if val is None or isinstance(val, (bool, int, float, str)):
+                    # export specialised the graph on this value (use_cache=False, a flag): a
+                    # constant of the graph, not an input (``constants`` on the result)
+                    env[node] = val
+                    continue
                 if not isinstance(val, torch.Tensor):
                     raise EinjoinError(f"from_torch: forward argument {node.name!r} is "
                                        f"{type(val).__name__}, not a tensor; bind it with "
@@ -770,30 +775,58 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     that change between runs; it is checked (tensor arguments of the forward, dims in range) and
     kept on the result with a ``recapture`` that imports the module again for other shapes, the
     way a compiled program does when called with them."""
-    fn, dyn = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
+    fn, dyn, args, kwargs = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
+    import torch
     from dataclasses import replace
-    # the capture that worked: a recapture does not try export again after fx
-    return replace(fn, recapture=_Recapture(module, fn.method, int(dropout_seed), dyn), dynamic=dyn)
+    # what a recapture needs besides new tensors: the example's non-tensor arguments as they were,
+    # and which tensors were keyword arguments; the capture that worked (export is not tried
+    # again after fx)
+    layout = tuple(None if isinstance(a, torch.Tensor) else _Fixed(a) for a in args)
+    fixed = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    keywords = tuple(n for n in fn.arg_names if isinstance(kwargs.get(n), torch.Tensor))
+    rec = _Recapture(module, fn.method, int(dropout_seed), dyn, layout, fixed, keywords)
+    return replace(fn, recapture=rec, dynamic=dyn)
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """A non-tensor positional example argument, kept as given."""
+
+    value: Any
 
 
 @dataclass(frozen=True)
 class _Recapture:
-    """``from_torch`` again on other example arguments with the options of the first import (a
-    class, not a closure, so that a program holding it pickles with its module)."""
+    """``from_torch`` again on other example tensors with the options of the first import (a
+    class, not a closure, so that a program holding it pickles with its module). Called with the
+    forward's tensors positionally in ``arg_names`` order (those past the positional ones are the
+    keyword tensors) and/or by name; non-tensor arguments are the first import's."""
 
     module: Any
     method: str
     dropout_seed: int
     dynamic: Mapping[str, Mapping[int, str]]
+    layout: tuple[_Fixed | None, ...] = ()
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    keywords: tuple[str, ...] = ()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
-        return from_torch(self.module, args, kwargs, self.method, dropout_seed=self.dropout_seed,
-                          dynamic=self.dynamic)
+        given = list(args)
+        positional = []
+        for slot in self.layout:
+            if slot is not None:
+                positional.append(slot.value)
+            elif given:
+                positional.append(given.pop(0))
+        kw = {**self.fixed, **dict(zip(self.keywords, given)), **kwargs}
+        extra = given[len(self.keywords):]
+        return from_torch(self.module, (*positional, *extra), kw, self.method,
+                          dropout_seed=self.dropout_seed, dynamic=self.dynamic)
 
 
 def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
                 method: str, dropout_seed: int, dynamic: Any
-                ) -> tuple[TorchFunction, dict[str, dict[int, str]]]:
+                ) -> tuple[TorchFunction, dict[str, dict[int, str]], tuple[Any, ...], dict[str, Any]]:
     import torch
 
     if not isinstance(module, torch.nn.Module):
@@ -809,7 +842,29 @@ def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mappin
         raise EinjoinError(f"from_torch: dropout_seed must be an int, got {dropout_seed!r:.60}")
     _check_signature(module, args, kwargs)
     dyn = _check_dynamic(module, args, kwargs, dynamic)  # before the capture: a typo fails fast
-    return _import(module, args, kwargs, method, dropout_seed), dyn
+    kwargs, notes = _no_cache(module, args, kwargs)
+    fn = _import(module, args, kwargs, method, dropout_seed)
+    if notes:
+        from dataclasses import replace
+        fn = replace(fn, notes=(*fn.notes, *notes))
+    return fn, dyn, args, kwargs
+
+
+def _no_cache(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A Hugging Face model returns its key/value cache (a ``DynamicCache`` object torch.export
+    cannot return) unless told ``use_cache=False``: when the forward takes ``use_cache``, the
+    example does not set it and the model's config would, it is set False (noted)."""
+    config = getattr(module, "config", None)
+    if "use_cache" in kwargs or not getattr(config, "use_cache", False):
+        return kwargs, []
+    try:
+        sig = inspect.signature(module.forward)
+        sig.bind(*args, **kwargs, use_cache=False)
+    except (TypeError, ValueError):  # no use_cache argument (or given positionally)
+        return kwargs, []
+    return {**kwargs, "use_cache": False}, [
+        "use_cache=False was passed (an einjoin graph returns tensors, not cache objects; "
+        "ej.generate decodes with a static cache)"]
 
 
 def _import(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: str,
