@@ -172,6 +172,27 @@ def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
     return elementwise("pow", elementwise("pow", elementwise("abs", x), o).sum(dims, keepdim), 1.0 / o)
 
 
+@op("baddbmm", "baddbmm_")
+def _baddbmm(x: Tensor, b1: Tensor, b2: Tensor, *, beta: Any = 1, alpha: Any = 1) -> Tensor:
+    """``beta * x + alpha * (b1 @ b2)`` (beta 0: x is not read, as torch)."""
+    y = einsum("bij,bjk->bik", b1, b2)
+    if alpha != 1:
+        y = y * alpha
+    if beta == 0:
+        return y
+    return y + (x if beta == 1 else x * beta)
+
+
+@op("addcmul", "addcmul_")
+def _addcmul(x: Tensor, a: Tensor, b: Tensor, *, value: Any = 1) -> Tensor:
+    return x + a * b * value if value != 1 else x + a * b
+
+
+@op("addcdiv", "addcdiv_")
+def _addcdiv(x: Tensor, a: Tensor, b: Tensor, *, value: Any = 1) -> Tensor:
+    return x + a / b * value if value != 1 else x + a / b
+
+
 @op("clamp_min", "clamp_min_")
 def _clamp_min(x: Tensor, m: Any) -> Tensor:
     return elementwise("max", x, m, name="clamp_min")
