@@ -43,7 +43,7 @@ from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
 from einjoin.runtime.state import Resident, StateRun
-from einjoin.variants import ShapeCache, Signature, example_tensors, signature, split_arguments
+from einjoin.variants import ShapeCache, Signature, example_tensors, signature
 
 __all__ = ["compile", "load", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
@@ -311,8 +311,9 @@ class Program:
         dtypes = {n: self.graph.input_by_name[n].dtype for n in shapes}
         start = time.perf_counter()
         examples = example_tensors(self._arg_names, shapes, dtypes, given)
-        fn = self.plan.recapture(*split_arguments(getattr(self.plan.recapture, "module", None), self._arg_names,
-                                                  examples))
+        # the forward's tensors positionally in arg_names order (TorchFunction.recapture's contract:
+        # the import puts keyword tensors and non-tensor arguments back where they were)
+        fn = self.plan.recapture(examples, {})
         if len(fn.outputs) != len(self.graph.outputs) or tuple(fn.arg_names) != self._arg_names:
             raise EinjoinError(f"the module imported again for shapes {_shapes(shapes)} has {len(fn.outputs)} "
                                f"outputs and arguments {', '.join(fn.arg_names)}; the compiled one "

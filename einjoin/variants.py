@@ -29,7 +29,7 @@ import numpy as np
 
 from einjoin.errors import EinjoinError, ShapeError
 
-__all__ = ["ShapeCache", "Signature", "signature", "check_cache_size", "example_tensors", "split_arguments"]
+__all__ = ["ShapeCache", "Signature", "signature", "check_cache_size", "example_tensors"]
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
 """A shape signature: ((forward argument name, shape), ...) in the forward's order."""
@@ -192,27 +192,3 @@ def example_tensors(arg_names: Sequence[str], shapes: Mapping[str, tuple[int, ..
                                f"forward argument: {name!r} is not given")
     return tuple(out)
 
-
-def split_arguments(module: Any, arg_names: Sequence[str], values: Sequence[Any]
-                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``values`` (one per forward argument, in ``arg_names`` order) as the ``(args, kwargs)`` a
-    capture takes: by keyword when every name is a parameter of ``module.forward`` (an argument
-    given by keyword at import, past optional ones, lands where it did), else by position.
-
-    >>> import torch
-    >>> class M(torch.nn.Module):
-    ...     def forward(self, x, past=None, mask=None): return x
-    >>> split_arguments(M(), ("x", "mask"), (1, 2))
-    ((), {'x': 1, 'mask': 2})
-    >>> split_arguments(None, ("argument 0",), (1,))
-    ((1,), {})
-    """
-    import inspect
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
-    keyword = {p.name for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if arg_names and all(n in keyword for n in arg_names):
-        return (), dict(zip(arg_names, values))
-    return tuple(values), {}

@@ -205,3 +205,19 @@ def test_an_argument_given_by_keyword_past_an_optional_one_is_recaptured_by_keyw
     _close(prog.run(x, mask), m(x, mask=mask))
     _close(prog.run(x=x, mask=mask), m(x, mask=mask))
     assert prog.run_stats.cache_key == (("x", (3, 4)), ("mask", (3, 4)))
+
+
+def test_non_tensor_arguments_stay_as_imported_for_new_shapes():
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, scale, mask=None):
+            return self.lin(x) * scale + mask
+
+    m = M()
+    prog = ej.compile(ej.from_torch(m, (torch.randn(2, 4), 3.0), {"mask": torch.randn(2, 4)}), quiet=True)
+    x, mask = torch.randn(5, 4), torch.randn(5, 4)
+    _close(prog.run(x, mask), m(x, 3.0, mask=mask))
+    assert prog.run_stats.cache_misses == 1
