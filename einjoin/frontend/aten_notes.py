@@ -37,7 +37,6 @@ NOTES: dict[str, str] = {
     "floordiv": "an integer divisor of 0 is an error, as in torch",
     "logical_not": "of bool tensors only",
     "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
-    "max": "an error naming the fix: use `amax` / `amin` (reductions) or `maximum` / `minimum`",
     "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
                "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",
     "feature_dropout": "the identity in eval mode; an error in training mode",
@@ -61,4 +60,35 @@ NOTES: dict[str, str] = {
     "embedding": "`padding_idx` (that row gets no gradient, as torch); `max_norm` and "
                  "`scale_grad_by_freq` refused",
     "broadcast_tensors": "tensors only",
+    # issue 20: routing and indexing (frontend/routing.py, aten_index.py)
+    "gather": "an index outside [0, size) is an error at run time (as torch)",
+    "take_along_dim": "broadcasts as torch; no `dim`: of the flattened tensors",
+    "scatter": "`reduce` 'add' only (not 'multiply'); a repeated index sums its writes (torch leaves "
+               "which one wins unspecified)",
+    "scatter_reduce": "`reduce` 'sum' and 'mean' (not 'prod', 'amax', 'amin')",
+    "index_copy": "a repeated index sums its rows (torch leaves it unspecified)",
+    "one_hot": "`num_classes` given (-1 is data-dependent); a class outside [0, num_classes) gives a zero "
+               "row (torch raises)",
+    "argmax": "the first occurrence; NaN counts as the largest (as torch)",
+    "max": "`max(x)`, `max(x, dim, keepdim)` (values and the first maximum's index; the gradient goes "
+           "to that element, as torch) and `max(a, b)`",
+    "cumsum": "an EinSum over the mask j <= i (O(n²) per row, exact, decomposable); ints and bools "
+              "give int64",
+    "pad": "modes constant, reflect, replicate, circular; a negative constant pad crops",
+    "masked_fill": "a number or a 0-d tensor value (taken in the input's dtype); the mask broadcasts "
+                   "to the input",
+    # norms, recurrences, losses (frontend/norms.py, recurrent.py, aten_nn.py)
+    "batch_norm": "eval mode, or training mode without running statistics; training mode with running "
+                  "statistics is refused (their in-place update is not in the graph): import in eval mode",
+    "_native_batch_norm_legit_functional": "training mode returns the new running statistics (outputs 3 "
+                                           "and 4)",
+    "_native_batch_norm_legit": "as `batch_norm`",
+    "instance_norm": "training mode with track_running_stats refused, as `batch_norm`",
+    "gru": "padded tensors (not packed sequences); no dropout between layers in training mode",
+    "lstm": "as `gru`; no `proj_size`",
+    "linalg_vector_norm": "`ord` a number (2, 1, inf, -inf, 0, p) or 'fro'",
+    "l1_loss": "no `weight`",
+    "huber_loss": "no `weight`",
+    "kl_div": "`reduction` 'batchmean' too",
+    "binary_cross_entropy": "each log clamped at -100, as torch",
 }

@@ -20,6 +20,7 @@ from einjoin.frontend import losses as L
 from einjoin.frontend import norms as N
 from einjoin.frontend import routing as R
 from einjoin.frontend.aten_nn import TRAINING_BN_HELP
+from einjoin.frontend.aten_conv import CONV_MODULES
 from einjoin.frontend.attention_modules import ATTENTION_MODULES
 from einjoin.frontend.losses import LOSS_MODULES
 from einjoin.frontend.recurrent import RECURRENT_MODULES
@@ -137,4 +138,5 @@ MODULES: dict[str, Callable[..., Tensor]] = {
     "LogSoftmax": lambda m, p, x: aten.OPS["log_softmax"](x, m.dim),
     **LOSS_MODULES,  # CrossEntropyLoss, NLLLoss, MSELoss: (module, params, input, target)
     **_ACTIVATIONS, **_NORMS, **_LOSSES, **RECURRENT_MODULES, **ATTENTION_MODULES,
+    **CONV_MODULES,  # convolutions and pooling (frontend/aten_conv.py)
 }
