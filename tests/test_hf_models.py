@@ -156,9 +156,7 @@ BLOCKED: dict[str, str] = {
     "llama no mask": f"{_INDEX}; aten.diff (H2)",
     "t5-encoder": f"{_INDEX}; ir/fold.py folds a bool->int64 cast keeping the bool expression (H1)",
     "roberta": f"{_INDEX}; to(torch.int32) (H2)",
-    "mixtral": f"{_INDEX}; {_SAFE}; int32 (H2); topk (H1)",
-    "vit": "conv2d (H1)",
-    "whisper-encoder": "conv1d (H1)",
+    "mixtral": f"{_INDEX}; {_SAFE}",
 }
 
 

@@ -409,3 +409,31 @@ def test_non_tensor_arguments_are_constants_and_use_cache_is_turned_off():
     assert ej.from_torch(m, (x,), {"use_cache": False}).notes == ()
     with pytest.raises(ej.EinjoinError, match="object"):  # asked for the cache: export cannot return it
         ej.from_torch(m, (x,), {"use_cache": True}, method="export")
+
+
+class Experts(nn.Module):
+    """A Hugging Face MoE's switch: ``config._experts_implementation`` other than 'batched_mm'
+    dispatches with a data-dependent shape (here ``nonzero``)."""
+
+    def __init__(self, impl: str):
+        super().__init__()
+        from types import SimpleNamespace
+        self.config = SimpleNamespace(_experts_implementation=impl)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.config._experts_implementation != "batched_mm":
+            return y[torch.nonzero(y[:, 0] > 0)[:, 0]]
+        return y * (y[:, :1] > 0)
+
+
+def test_hf_experts_are_captured_with_static_shapes_and_the_setting_is_restored():
+    m, x = Experts("grouped_mm").eval(), torch.randn(6, 4)
+    fn = ej.from_torch(m, (x,))
+    assert m.config._experts_implementation == "grouped_mm"
+    assert any("batched_mm" in n for n in fn.notes)
+    m.config._experts_implementation = "batched_mm"
+    with torch.no_grad():
+        assert_close(ej.compile(fn, devices=2).run(x), m(x))
+    assert ej.from_torch(m, (x,)).notes == ()

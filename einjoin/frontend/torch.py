@@ -19,11 +19,12 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
 from dataclasses import dataclass, field
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -843,11 +844,33 @@ def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mappin
     _check_signature(module, args, kwargs)
     dyn = _check_dynamic(module, args, kwargs, dynamic)  # before the capture: a typo fails fast
     kwargs, notes = _no_cache(module, args, kwargs)
-    fn = _import(module, args, kwargs, method, dropout_seed)
+    with _static_experts(module, notes):
+        fn = _import(module, args, kwargs, method, dropout_seed)
     if notes:
         from dataclasses import replace
         fn = replace(fn, notes=(*fn.notes, *notes))
     return fn, dyn, args, kwargs
+
+
+@contextlib.contextmanager
+def _static_experts(module: Any, notes: list[str]) -> Iterator[None]:
+    """A Hugging Face mixture of experts (Mixtral, Qwen2-MoE, ...) dispatches tokens to experts with
+    data-dependent shapes (``grouped_mm``: an opaque custom op over per-expert token counts;
+    ``eager``: a loop over ``nonzero()``); ``batched_mm`` is the same sum with static shapes (each
+    token's chosen experts' weights gathered, batched matmuls, weighted sum). The capture uses it;
+    the model's setting is restored afterwards."""
+    config: Any = getattr(module, "config", None)
+    impl = getattr(config, "_experts_implementation", None)
+    if impl is None or impl == "batched_mm":
+        yield
+        return
+    config._experts_implementation = "batched_mm"
+    notes.append(f"the experts were captured with experts_implementation='batched_mm' (the model's "
+                 f"{impl!r} dispatches with data-dependent shapes; the result is the same sum)")
+    try:
+        yield
+    finally:
+        config._experts_implementation = impl
 
 
 def _no_cache(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
