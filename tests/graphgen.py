@@ -85,7 +85,7 @@ def graphs(draw: Any, dtype: str = "float64", max_dim: int = 4, max_rank: int = 
     for _ in range(n_ops):
         kind = draw(st.sampled_from(["einsum"] * 6 + ["reshape", "select", "concat", "broadcast",
                                                       "elementwise", "gather", "scatter_add",
-                                                      "fill"]))
+                                                      "fill", "window", "topk"]))
         y = draw(_op(kind, pool, feeds, rng, dtype))
         if y is not None:
             pool.append(y)
@@ -198,6 +198,41 @@ def _op(draw: Any, kind: str, pool: list[ej.Tensor], feeds: dict[str, np.ndarray
         if other:
             return fill * draw(st.sampled_from(other))
         return ej.einsum(f"{LABELS[:len(shape)]}->", fill)  # a reduction over a fill
+    if kind == "window":
+        # a conv (weight a new input) or a max/sum pool over x's trailing dims as (N, C, *spatial):
+        # random stride, (lo, hi) padding (negative: cropped), input and window dilation, groups
+        if not 3 <= x.ndim <= 4 or ej.ir.dtypes.kind(x.dtype) != "float" or 0 in x.shape:
+            return None
+        nd = x.ndim - 2
+        win = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+        stride = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+        dil = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+        pads = tuple((draw(st.integers(-1, 2)), draw(st.integers(-1, 2))) for _ in range(nd))
+        try:
+            if draw(st.booleans()):
+                # padding of at most half the window (as torch's): no window is padding alone
+                pool_pads = tuple((min(max(0, lo), (k - 1) // 2), min(max(0, hi), (k - 1) // 2))
+                                  for (lo, hi), k in zip(pads, win))
+                return ej.Tensor(ops.pool_node(x.node, draw(st.sampled_from(["max", "sum"])), win, stride,
+                                               pool_pads, dil))
+            groups = draw(st.sampled_from([g for g in (1, 2, 3) if x.shape[1] % g == 0]))
+            name = f"w{len(feeds)}"
+            wshape = (groups * draw(st.integers(1, 2)), x.shape[1] // groups) + win
+            w = ej.input(name, wshape, x.dtype)
+            feeds[name] = rng.uniform(-1, 1, wshape).astype(x.dtype)
+            ld = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+            return ej.Tensor(ops.conv_node(x.node, w.node, stride, pads, ld, dil, groups))
+        except ej.ShapeError:  # no output position: skip
+            return None
+    if kind == "topk":
+        if x.ndim == 0 or ej.ir.dtypes.kind(x.dtype) == "bool":
+            return None
+        # the values (later ops join float tensors; the indices are tested in test_topk.py), k >= 1
+        # (later max/min aggregations need non-empty dims)
+        axis = draw(st.integers(0, x.ndim - 1))
+        if x.shape[axis] == 0:
+            return None
+        return ej.Tensor(ops.topk_node(x.node, draw(st.integers(1, x.shape[axis])), axis, draw(st.booleans())))
     raise AssertionError(kind)
 
 

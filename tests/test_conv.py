@@ -18,7 +18,7 @@ import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.errors import DTypeError, ShapeError
 from einjoin.ir import ops
-from tests.graphgen import oracle
+from graphgen import oracle
 
 F = torch.nn.functional
 TORCH_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}

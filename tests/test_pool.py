@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.ir import ops
-from tests.graphgen import oracle
+from graphgen import oracle
 
 F = torch.nn.functional
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))

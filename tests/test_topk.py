@@ -17,7 +17,7 @@ import einjoin as ej
 from einjoin.decomp.spec import label_sizes
 from einjoin.errors import DTypeError, ShapeError
 from einjoin.frontend.sorting import argsort, sort, topk
-from tests.graphgen import oracle
+from graphgen import oracle
 
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 
