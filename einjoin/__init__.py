@@ -26,6 +26,7 @@ from einjoin.frontend.losses import cross_entropy, mse_loss, nll_loss
 from einjoin.trainer import Trainer
 from einjoin.generate import generate
 from einjoin.frontend.conv import adaptive_avg_pool, adaptive_max_pool, avg_pool, conv, conv_transpose, max_pool, unfold
+from einjoin.frontend.sorting import argsort, sort, topk
 
 __version__ = "0.1.0"
 
@@ -35,4 +36,5 @@ __all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "l
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",
            "grad", "value_and_grad", "vjp", "stop_gradient", "optim", "Trainer", "cross_entropy", "nll_loss",
            "mse_loss", "generate", *_frontend_all,
-           "conv", "conv_transpose", "max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "unfold"]
+           "conv", "conv_transpose", "max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "unfold",
+           "topk", "sort", "argsort"]
