@@ -225,3 +225,43 @@ def test_shape_ops_stack_flatten_expand_repeat_interleave_broadcast_tensors():
     check_import(Fn1(lambda x: (torch.stack([x, 2 * x], 1).flatten(1), x[:, :1].expand(2, 5, 4),
                                 x.repeat_interleave(2, dim=1), torch.repeat_interleave(x, 2),
                                 torch.broadcast_tensors(x, x[0, :, :1])[1])), (x,))
+
+
+def test_advanced_indexing_with_several_index_tensors():
+    x = torch.randn(4, 5, 6)
+    i, j = torch.tensor([[0, 3], [-1, 2]]), torch.tensor([1, -2])
+    # adjacent index tensors keep their place; separated ones go first (numpy's rule)
+    check_import(Fn(lambda x, i: (x[i, j], x[:, i, j], x[i, :, j], x[1:3, i], x[..., j], x[2, :, j])), (x, i))
+
+
+def test_index_put_and_masked_put():
+    x = torch.randn(4, 5)
+    i, j = torch.tensor([0, 3, 1]), torch.tensor([4, 0, 1])
+    v = torch.randn(3)
+
+    class Put(nn.Module):
+        def forward(self, x, i):
+            y = x.clone()
+            y[i, j] = v
+            z = x.clone()
+            z[i] = 2.0
+            w = torch.index_put(x, (i, j), v * 2, accumulate=True)
+            m = x.clone()
+            m[x > 0] = -1.0  # a bool mask with one value: where(mask, value, x)
+            return y, z, w, m
+    check_import(Put(), (x, i), methods=("export",))
+
+
+def test_diff_and_narrow_int_casts():
+    x = torch.randn(3, 6)
+    check_import(Fn1(lambda x: (torch.diff(x), torch.diff(x, n=2, dim=0), torch.diff(x, prepend=x[:, :1]),
+                                (x > 0).int().cumsum(1).long())), (x,), methods=("export",))
+
+
+def test_sdpa_fully_masked_rows_give_zeros_as_torch():
+    q, k = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.ones(2, 1, 4, 5, dtype=torch.bool)
+    mask[0, :, 0] = False  # a query that may attend nothing (a left-padded row)
+    fmask = torch.zeros(2, 1, 4, 5).masked_fill(~mask, float("-inf"))
+    check_import(Fn(lambda q, k: (F.scaled_dot_product_attention(q, k, k, attn_mask=mask),
+                                  F.scaled_dot_product_attention(q, k, k, attn_mask=fmask))), (q, k))

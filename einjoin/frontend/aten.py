@@ -429,8 +429,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: flo
             k = _repeat_interleave(k, g, q.ndim - 3)
             v = _repeat_interleave(v, g, q.ndim - 3)
         scores = F.matmul(q, k.transpose(-2, -1)) * sc + mask
-        return F.matmul(C.softmax(scores, -1), v)
-    return C.attention(q, k, v, causal=bool(is_causal), scale=scale, mask=mask)
+        return F.matmul(C.softmax(scores, -1, safe=True), v)
+    # torch's sdpa gives a query with no allowed key zeros (a left-padded row), not NaN
+    return C.attention(q, k, v, causal=bool(is_causal), scale=scale, mask=mask, safe=True)
 
 
 OPS["scaled_dot_product_attention"] = _sdpa
@@ -453,7 +454,18 @@ def _to(x: Tensor, *args: Any, dtype: Any = None, **_: Any) -> Tensor:
             dtype = a.dtype
         elif "dtype" in type(a).__name__:
             dtype = a
-    return x if dtype is None else x.to(torch_dtype(dtype) if not isinstance(dtype, str) else dtype)
+    if dtype is None:
+        return x
+    return x.to(_narrow_int(torch_dtype(dtype) if not isinstance(dtype, str) else dtype))
+
+
+# einjoin's integers are int64: a cast to a narrower integer type (RoBERTa's position ids go
+# through int32) computes in int64, equal wherever the narrow type holds the values
+_NARROW_INTS = frozenset({"int32", "int16", "int8", "uint8"})
+
+
+def _narrow_int(dtype: str) -> str:
+    return "int64" if dtype in _NARROW_INTS else dtype
 
 
 @op("type_as")
@@ -462,7 +474,7 @@ def _type_as(x: Tensor, other: Tensor) -> Tensor:
 
 
 for _name, _dt in (("float", "float32"), ("double", "float64"), ("half", "float16"),
-                   ("bfloat16", "bfloat16"), ("long", "int64"), ("int", "int32"), ("bool", "bool")):
+                   ("bfloat16", "bfloat16"), ("long", "int64"), ("int", "int64"), ("bool", "bool")):
     OPS[_name] = (lambda dt: lambda x, *a, **k: x.to(dt))(_dt)
 
 

@@ -33,7 +33,11 @@ MaxResult = namedtuple("MaxResult", ["values", "indices"])
 
 
 def _dt(dtype: Any) -> Any:
-    return None if dtype is None else torch_dtype(dtype)
+    """A dtype argument; narrow integer types compute in int64 (einjoin's integer type)."""
+    if dtype is None:
+        return None
+    name = torch_dtype(dtype)
+    return "int64" if name in ("int32", "int16", "int8", "uint8") else name
 
 
 @op("gather")
@@ -187,6 +191,24 @@ def _roll(x: Tensor, shifts: Any, dims: Any = None) -> Tensor:
         n = x.shape[dd]
         if n and s % n:
             x = R.index_select(x, dd, F.fill((n,), f"(x0 + {n - s % n}) % {n}", "int64"))
+    return x
+
+
+@op("diff")
+def _diff(x: Tensor, n: int = 1, dim: int = -1, prepend: Any = None, append: Any = None) -> Tensor:
+    """``torch.diff``: ``n`` times the difference of neighbours along ``dim`` (after laying
+    ``prepend`` / ``append`` beside ``x``)."""
+    d = _norm_dim(x, dim)
+    parts = [p for p in (prepend, x, append) if p is not None]
+    if len(parts) > 1:
+        parts = [p if isinstance(p, Tensor) else F.full(x.shape[:d] + (1,) + x.shape[d + 1:], p, x.dtype)
+                 for p in parts]
+        x = F.concat(parts, d)
+    for _ in range(int(n)):
+        m = x.shape[d]
+        hi = x[(slice(None),) * d + (slice(1, m),)]
+        lo = x[(slice(None),) * d + (slice(0, max(m - 1, 0)),)]
+        x = elementwise("ne", hi, lo) if x.dtype == "bool" else hi - lo  # bools: xor, as torch
     return x
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from einjoin.errors import ShapeError, UnsupportedOpError
 from einjoin.frontend import functions as F
+from einjoin.frontend import routing as R
 from einjoin.frontend.aten_notes import data_dependent
 from einjoin.frontend.tensor import Tensor, _norm_dim, elementwise
 from einjoin.registry import registrar
@@ -212,19 +213,36 @@ def _index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
     return y.permute(back)
 
 
-@op("index")
+@op("index", "_unsafe_index")
 def _index(x: Tensor, indices: Any) -> Tensor:
-    idx = list(indices)
-    tensors = [i for i, v in enumerate(idx) if v is not None]
-    if len(tensors) != 1:
-        raise UnsupportedOpError("advanced indexing with more than one index tensor")
-    d = tensors[0]
-    ix = idx[d]
-    if ix.dtype == "bool":
-        raise data_dependent("boolean-mask indexing x[mask]")
-    if ix.ndim != 1:
-        raise UnsupportedOpError(f"advanced indexing with a {ix.ndim}-D index tensor")
-    return _index_select(x, d, ix)
+    """ATen's ``index``: one entry per leading dim, an index tensor or None (the whole dim)."""
+    return R.advanced_index(x, list(indices))
+
+
+def _fx_advanced(x: Tensor, index: tuple[Any, ...]) -> Tensor:
+    """``x[...]`` as torch.fx records it with index tensors among ints, slices and ``...``: the
+    slices and ints first, then the tensors in one gather."""
+    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+    items: list[Any] = []
+    for i in index:
+        if i is Ellipsis:
+            items += [slice(None)] * (x.ndim - n_real)
+        elif i is None:
+            raise UnsupportedOpError("indexing with None (a new axis) among index tensors")
+        else:
+            items.append(i)
+    items += [slice(None)] * (x.ndim - len(items))
+    # slices and ints first, as torch does (an int selects before the tensors index: x[2, :, j]
+    # is x[2][:, j], unlike numpy, which would count the int as an index array)
+    if any(not isinstance(i, Tensor) and i != slice(None) for i in items):
+        x = x[tuple(slice(None) if isinstance(i, Tensor) else i for i in items)]
+    idx = [i for i in items if not isinstance(i, int) or isinstance(i, bool)]
+    return R.advanced_index(x, [i if isinstance(i, Tensor) else None for i in idx])
+
+
+@op("index_put", "index_put_", "_unsafe_index_put")
+def _index_put(x: Tensor, indices: Any, values: Any, accumulate: bool = False) -> Tensor:
+    return R.index_put(x, list(indices), values, bool(accumulate))
 
 
 @op("getitem")
@@ -234,7 +252,7 @@ def _getitem(x: Any, index: Any) -> Any:
     if isinstance(index, Tensor) and index.dtype == "bool":  # fx records x[mask] as getitem(x, mask)
         raise data_dependent("boolean-mask indexing x[mask]")
     if isinstance(index, tuple) and any(isinstance(i, Tensor) for i in index):
-        return _index(x, index)
+        return _fx_advanced(x, index)
     return x[index]
 
 

@@ -91,4 +91,7 @@ NOTES: dict[str, str] = {
     "huber_loss": "no `weight`",
     "kl_div": "`reduction` 'batchmean' too",
     "binary_cross_entropy": "each log clamped at -100, as torch",
+    "_to_copy": "a cast to int32 / int16 / int8 / uint8 computes in int64 (einjoin's integer type): equal "
+                "where the narrow type holds the values, no wrap-around",
+    "int": "as `_to_copy`: int64",
 }

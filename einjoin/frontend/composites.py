@@ -52,8 +52,10 @@ def _labels(x: Tensor, dim: int) -> tuple[str, str]:
     return ls, ls.replace(ls[dim], "")
 
 
-def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """``exp(x - max) / sum(exp(x - max))`` along ``dim``: four einsums."""
+def softmax(x: Tensor, dim: int = -1, safe: bool = False) -> Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` along ``dim``: four einsums. ``safe``: a row that is
+    -inf throughout gives zeros instead of NaN (torch's scaled_dot_product_attention does so for
+    fully masked rows, as left-padded batches have)."""
     x = _t(x, "softmax")
     d = _norm_dim(x, dim)
     if x.shape[d] == 0:  # nothing to normalise: the empty tensor itself, as torch returns
@@ -62,6 +64,10 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     m = einsum(f"{ls}->{red}", x, agg="max")
     # the value is shift invariant, so its derivative through the max is 0: stop_gradient says so
     # (else ej.grad builds the max's tie masks over every row, as big as x, to add up to zero)
+    if safe:  # a -inf max shifts by 0: every exp is 0, the sum 0, and the row 0 (not -inf - -inf)
+        e = einsum(f"{ls},{red}->{ls}", x, m, join="exp(x0 - where(x1 == -inf, 0.0, stop_gradient(x1)))")
+        s = einsum(f"{ls}->{red}", e)
+        return einsum(f"{ls},{red}->{ls}", e, s, join="where(x1 == 0, 0.0, x0 / x1)")
     e = einsum(f"{ls},{red}->{ls}", x, m, join="exp(x0 - stop_gradient(x1))")
     s = einsum(f"{ls}->{red}", e)
     return einsum(f"{ls},{red}->{ls}", e, s, join="div")
@@ -232,10 +238,11 @@ def rope(x: Tensor, base: float = 10000.0, start: int = 0) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
-              mask: Tensor | None = None) -> Tensor:
+              mask: Tensor | None = None, safe: bool = False) -> Tensor:
     """Scaled dot-product attention. ``q`` (..., heads, s, d), ``k`` (..., kv_heads, t, d),
     ``v`` (..., kv_heads, t, e); fewer kv heads than query heads is grouped-query attention.
-    ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs; ``causal`` adds the causal mask."""
+    ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs; ``causal`` adds the causal mask.
+    ``safe``: a query that may attend nothing gets zeros (torch's sdpa), not NaN."""
     q, k, v = _t(q, "attention q"), _t(k, "attention k"), _t(v, "attention v")
     causal = _flag(causal, "attention: causal")
     if mask is not None:
@@ -278,7 +285,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float
                              name="attention mask")
     else:
         scores = scores * scale
-    p = softmax(scores, -1)
+    p = softmax(scores, -1, safe=safe and allowed is not None)
     out = einsum(f"{sc},...te->{sc[:-2]}se", p, v)
     if group > 1:
         out = out.reshape(out.shape[:-4] + (out.shape[-4] * group,) + out.shape[-2:])

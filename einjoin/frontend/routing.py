@@ -29,13 +29,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.frontend.aten_notes import data_dependent
 from einjoin.frontend.functions import concat, fill, full
-from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, _t, einsum, elementwise, gather, wrap
+from einjoin.frontend.tensor import (LETTERS, Tensor, _norm_dim, _t, broadcast_shapes, einsum, elementwise, gather,
+                                    wrap)
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
 
 __all__ = ["take_along_dim", "scatter", "scatter_add", "index_add", "index_copy", "index_select",
-           "argmax", "argmin", "max_dim", "min_dim", "cumsum", "cumprod", "one_hot", "pad"]
+           "argmax", "argmin", "max_dim", "min_dim", "cumsum", "cumprod", "one_hot", "pad", "advanced_index",
+           "index_put"]
 
 
 def _int_index(idx: Any, what: str) -> Tensor:
@@ -408,3 +411,106 @@ def _pad_constant(y: Tensor, d: int, lo: int, hi: int, value: Any) -> Tensor:
     if hi:
         parts.append(full(y.shape[:d] + (hi,) + y.shape[d + 1:], value, y.dtype))
     return concat(parts, d) if len(parts) > 1 else y
+
+
+# ---------------------------------------------------------------- advanced indexing (x[i, j], x[i, j] = v)
+
+
+def _advanced(x: Tensor, indices: Sequence[Any], what: str
+              ) -> tuple[list[int], list[int], Tensor, Tensor, tuple[int, ...], list[int]]:
+    """The layout of ``x[indices]`` (ATen's form: one entry per leading dim, None for a whole dim):
+    (indexed dims, other dims, the table — ``x`` with the indexed dims first and merged into one
+    — the flat row of each indexed element (-1 when out of range), the index shape, and the
+    order of the result's dims relative to [index dims..., other dims...])."""
+    idx = list(indices) + [None] * (x.ndim - len(indices))
+    if len(idx) > x.ndim:
+        raise ShapeError(f"{what}: {len(indices)} indices for a tensor of rank {x.ndim}")
+    dims = [d for d, i in enumerate(idx) if i is not None]
+    rest = [d for d in range(x.ndim) if d not in dims]
+    ts = [_int_index(idx[d], what) for d in dims]
+    bshape = broadcast_shapes(*(t.shape for t in ts), what=f"{what}: index tensors")
+    sizes = [x.shape[d] for d in dims]
+    st = _strides(sizes)
+    valid = " & ".join(f"(x{k} >= {-n}) & (x{k} < {n})" for k, n in enumerate(sizes))
+    terms = " + ".join(f"where(x{k} < 0, x{k} + {n}, x{k}) * {s}" for k, (n, s) in enumerate(zip(sizes, st)))
+    lin = elementwise_expr(f"where({valid}, {terms}, -1)", *ts)
+    if lin.shape != bshape:
+        lin = lin.expand(bshape)
+    table = x.permute(dims + rest) if dims + rest != list(range(x.ndim)) else x
+    table = table.reshape((math.prod(sizes),) + tuple(x.shape[d] for d in rest))
+    nb = len(bshape)
+    order = list(range(nb + len(rest)))
+    if dims == list(range(dims[0], dims[-1] + 1)) and dims[0] > 0:
+        # adjacent indexed dims: the index dims take their place (numpy's and torch's rule)
+        before = dims[0]
+        order = list(range(nb, nb + before)) + list(range(nb)) + list(range(nb + before, nb + len(rest)))
+    return dims, rest, table, lin, bshape, order
+
+
+def advanced_index(x: Tensor, indices: Sequence[Any]) -> Tensor:
+    """``x[i0, i1, ...]`` with integer index tensors (broadcast together; None keeps a dim), as
+    ATen's ``index``: one gather of rows from ``x`` with the indexed dims merged; negative
+    indices count from the end, out-of-range ones are an error at run time (as torch).
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (3, 4)); i = ej.input("i", (2,), "int64"); j = ej.input("j", (2,), "int64")
+    >>> ej.reference(advanced_index(x, [i, j]), x=np.arange(12.0, dtype=np.float32).reshape(3, 4),
+    ...              i=np.array([0, 2]), j=np.array([-1, 1])).tolist()
+    [3.0, 9.0]
+    """
+    x = _t(x, "index")
+    if any(isinstance(i, Tensor) and i.dtype == "bool" for i in indices):
+        raise data_dependent("boolean-mask indexing x[mask]")
+    _, _, table, lin, _, order = _advanced(x, indices, "index")
+    y = gather(table, lin)
+    return y if order == list(range(y.ndim)) else y.permute(order)
+
+
+def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Tensor:
+    """``x[i0, i1, ...] = values`` (``+=`` with ``accumulate``), functional, as ATen's
+    ``index_put``: a scatter-add of ``values`` (broadcast to ``x[indices]``'s shape) into ``x``
+    with the indexed dims merged; without ``accumulate`` a repeated index sums its writes (torch
+    leaves it unspecified). A bool mask index with one value is ``where(mask, value, x)``."""
+    x = _t(x, "index_put")
+    if any(isinstance(i, Tensor) and i.dtype == "bool" for i in indices):
+        return _masked_put(x, indices, values, accumulate)
+    dims, rest, table, lin, bshape, order = _advanced(x, indices, "index_put")
+    shape_r = bshape + tuple(x.shape[d] for d in rest)
+    res_shape = tuple(shape_r[k] for k in order)  # the shape of x[indices]
+    v = values if isinstance(values, Tensor) else full((), values, x.dtype)
+    v = (v if v.dtype == x.dtype else v.to(x.dtype))
+    if v.shape != res_shape:
+        v = v.expand(res_shape)
+    inverse = [order.index(k) for k in range(len(order))]
+    v = v if inverse == list(range(v.ndim)) else v.permute(inverse)  # to [index dims..., other dims...]
+    vv = v if v.dtype != "bool" else v.to("int64")
+    placed = wrap(ops.scatter_add_node(vv.node, lin.node, table.shape[0]))
+    if accumulate:
+        new = (table.to("int64") + placed).to("bool") if table.dtype == "bool" else table + placed.to(table.dtype)
+    else:
+        hit = wrap(ops.scatter_add_node(full(bshape, 1, "int64").node, lin.node, table.shape[0])) > 0
+        hit = hit.reshape((table.shape[0],) + (1,) * (table.ndim - 1))
+        new = _where(hit, placed.to(table.dtype), table)
+    new = new.reshape(tuple(x.shape[d] for d in dims) + tuple(x.shape[d] for d in rest))
+    perm = dims + rest
+    back = [perm.index(d) for d in range(x.ndim)]
+    return new if back == list(range(x.ndim)) else new.permute(back)
+
+
+def _masked_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool) -> Tensor:
+    ts = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(ts) != 1 or ts[0][1].dtype != "bool":
+        raise UnsupportedOpError("index_put mixing a bool mask with other index tensors")
+    d, mask = ts[0]
+    if isinstance(values, Tensor) and math.prod(values.shape) != 1:
+        raise data_dependent("x[mask] = values with more than one value (their count depends on the mask)")
+    if x.shape[d:d + mask.ndim] != mask.shape:
+        raise ShapeError(f"index_put: mask of shape {mask.shape} does not fit dims {d}.. of {x.shape}")
+    m = mask.reshape(mask.shape + (1,) * (x.ndim - d - mask.ndim))
+    v = values.reshape(()) if isinstance(values, Tensor) else values
+    if isinstance(v, Tensor) and v.dtype != x.dtype:
+        v = v.to(x.dtype)
+    if accumulate:
+        return x + _where(m, v if isinstance(v, Tensor) else full((), v, x.dtype), full((), 0, x.dtype))
+    out = _where(m, v if isinstance(v, Tensor) else full((), v, x.dtype), x)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
