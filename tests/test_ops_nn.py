@@ -280,3 +280,48 @@ class GroupNormPool(nn.Module):
 @pytest.mark.skipif(not HAVE_CONV, reason="the avg-pool is einjoin.frontend.conv's (issue 20, H1), not there yet")
 def test_group_norm_avg_pool_block():
     check_import(GroupNormPool(), (torch.randn(2, 4, 6, 8),))
+
+
+def test_batch_norm_after_functionalisation():
+    # an in-place op makes from_torch functionalise the export (run_decompositions): batch norm
+    # then arrives as _native_batch_norm_legit_no_training
+    m = nn.Sequential(nn.Conv2d(3, 4, 1) if HAVE_CONV else nn.Identity(), nn.BatchNorm2d(3 if not HAVE_CONV else 4),
+                      nn.ReLU(inplace=True)).eval()
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-1, 1)
+        m[1].running_var.uniform_(0.5, 2)
+    check_import(m, (torch.randn(2, 3, 4, 5),), methods=("export",))
+
+
+def test_native_norm_ops():
+    from einjoin.frontend.aten import OPS
+    x = torch.randn(2, 6, 5, dtype=torch.float64)
+    w, b = torch.rand(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    rm, rv = torch.randn(6, dtype=torch.float64), torch.rand(6, dtype=torch.float64) + 0.5
+    ex, ew, eb, erm, erv = (ej.input(n, tuple(t.shape), "float64") for n, t in
+                            (("x", x), ("w", w), ("b", b), ("rm", rm), ("rv", rv)))
+    feeds = {"x": x.numpy(), "w": w.numpy(), "b": b.numpy(), "rm": rm.numpy(), "rv": rv.numpy()}
+
+    def ref(t):
+        used = ej.Graph(t).input_by_name
+        return torch.from_numpy(ej.reference(t, **{k: v for k, v in feeds.items() if k in used}))
+    torch.testing.assert_close(ref(OPS["native_group_norm"](ex, ew, eb, 2, 6, 5, 3, 1e-5)[0]),
+                               F.group_norm(x, 3, w, b))
+    torch.testing.assert_close(ref(OPS["_native_batch_norm_legit_no_training"](ex, ew, eb, erm, erv, 0.1, 1e-5)[0]),
+                               F.batch_norm(x, rm, rv, w, b))
+    out = OPS["_native_batch_norm_legit_functional"](ex, ew, eb, erm, erv, True, 0.2, 1e-5)
+    trm, trv = rm.clone(), rv.clone()
+    want = F.batch_norm(x, trm, trv, w, b, training=True, momentum=0.2)
+    for got, w_ in zip((out[0], out[3], out[4]), (want, trm, trv)):
+        torch.testing.assert_close(ref(got), w_)
+    torch.testing.assert_close(ref(OPS["_native_batch_norm_legit"](ex, ew, eb, True, 0.1, 1e-5)[0]),
+                               F.batch_norm(x, None, None, w, b, training=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_ops(dtype):
+    m = nn.Sequential(nn.GroupNorm(2, 4), nn.Mish(), nn.Hardswish()).to(dtype)
+    x = (torch.randn(2, 4, 6) * 3).to(dtype)
+    check_import(m, (x,), rtol=2e-2, atol=2e-2)
+    check_import(Fn1(lambda x: (x.cumsum(-1), F.softplus(x), x.argmax(1))), (x,), rtol=2e-2, atol=2e-2,
+                 methods=("export",))

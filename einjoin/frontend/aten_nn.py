@@ -98,13 +98,14 @@ def _bn_legit(x: Tensor, weight: Any, bias: Any, *rest: Any) -> tuple[Any, ...]:
 
 @op("group_norm")
 def _group_norm(x: Tensor, num_groups: int, weight: Any = None, bias: Any = None, eps: float = 1e-5,
-                cudnn_enabled: bool = True) -> Tensor:
+                *_: Any) -> Tensor:  # aten's cudnn_enabled changes no value
     return N.group_norm(x, num_groups, weight, bias, eps)
 
 
 @op("native_group_norm")
-def _native_group_norm(x: Tensor, weight: Any, bias: Any, n: int, c: int, hxw: int, group: int,
-                       eps: float) -> tuple[Tensor, None, None]:
+def _native_group_norm(x: Tensor, weight: Any, bias: Any, *sizes_group_eps: Any) -> tuple[Tensor, None, None]:
+    """``native_group_norm(input, weight, bias, N, C, HxW, group, eps)``: the sizes are x's."""
+    group, eps = sizes_group_eps[3], sizes_group_eps[4]
     return N.group_norm(x, group, weight, bias, eps), None, None
 
 

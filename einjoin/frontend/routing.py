@@ -41,8 +41,8 @@ __all__ = ["take_along_dim", "scatter", "scatter_add", "index_add", "index_copy"
            "index_put"]
 
 
-def _int_index(idx: Any, what: str) -> Tensor:
-    idx = _t(idx, what)
+def _int_index(value: Any, what: str) -> Tensor:
+    idx = _t(value, what)
     if kind(idx.dtype) != "int":
         raise DTypeError(f"{what}: indices must be an integer tensor, got {idx.dtype} (shape {idx.shape})")
     return idx if idx.dtype == "int64" else idx.to("int64")
@@ -105,9 +105,8 @@ def _sources(src: Any, idx: Tensor, dtype: str, what: str) -> Tensor:
         return full(idx.shape, src, dtype)
     if src.ndim != idx.ndim or any(s < i for s, i in zip(src.shape, idx.shape)):
         raise ShapeError(f"{what}: src of shape {src.shape} must cover the index's {idx.shape}")
-    if src.shape != idx.shape:
-        src = src[tuple(slice(0, n) for n in idx.shape)]
-    return src if src.dtype == dtype else src.to(dtype)
+    out: Tensor = src if src.shape == idx.shape else src[tuple(slice(0, n) for n in idx.shape)]
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _scatter_sum(values: Tensor, lin: Tensor, shape: tuple[int, ...]) -> Tensor:
