@@ -225,3 +225,50 @@ def test_conv_prints_and_hash_conses() -> None:
     y = ej.conv(x, w, stride=2, padding=((1, 0), (2, 1)), dilation=(1, 2), groups=2)
     assert "conv[stride=[2, 2], pad=[1:0, 2:1], dilation=[1, 2], groups=2](x, w)" in str(ej.Graph(y))
     assert ej.conv(x, w, stride=2, padding=((1, 0), (2, 1)), dilation=(1, 2), groups=2).node is y.node
+
+
+_MODULES = [
+    (lambda: torch.nn.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), (2, 4, 11)),
+    (lambda: torch.nn.Conv2d(3, 4, 3, padding="same", dilation=2), (2, 3, 9, 8)),
+    (lambda: torch.nn.Conv3d(2, 2, 2, stride=(1, 2, 1), bias=False), (1, 2, 4, 5, 4)),
+    (lambda: torch.nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1, output_padding=1), (2, 4, 5, 6)),
+    (lambda: torch.nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 3, 9, 8)),
+    (lambda: torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False), (2, 3, 9, 8)),
+    (lambda: torch.nn.AvgPool1d(2), (2, 3, 9)),
+    (lambda: torch.nn.AdaptiveAvgPool2d((3, 2)), (2, 3, 9, 8)),
+    (lambda: torch.nn.AdaptiveMaxPool1d(4), (2, 3, 9)),
+    (lambda: torch.nn.Unfold(2, stride=2), (2, 3, 6, 6)),
+]
+
+
+@pytest.mark.parametrize("make, shape", _MODULES)
+def test_the_nn_module_table_as_torch_fx_calls_it(make: Any, shape: tuple[int, ...]) -> None:
+    """CONV_MODULES (merged into the fx path's module table): (module, its parameters, input)."""
+    from einjoin.frontend.aten_conv import CONV_MODULES
+    torch.manual_seed(0)
+    m = make()
+    X = torch.randn(shape)
+    params = {name: ej.param(name, tuple(p.shape)) for name, p in m.named_parameters()}
+    x = ej.input("x", shape)
+    y = CONV_MODULES[type(m).__name__](m, params, x)
+    feeds = {name: p.detach().numpy() for name, p in m.named_parameters()} | {"x": X.numpy()}
+    np.testing.assert_allclose(ej.compile(y, devices=2, quiet=True).run(**feeds), m(X).detach().numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_conv_padding_modes_other_than_zeros_are_refused_on_the_fx_path() -> None:
+    from einjoin.frontend.aten_conv import CONV_MODULES
+    m = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+    with pytest.raises(ej.UnsupportedOpError, match="padding_mode='reflect'.*torch.export"):
+        CONV_MODULES["Conv2d"](m, {"weight": ej.param("w", (4, 3, 3, 3))}, ej.input("x", (1, 3, 8, 8)))
+
+
+@pytest.mark.parametrize("dim, size, step", [(1, 3, 2), (0, 2, 1), (-1, 4, 1), (2, 1, 3)])
+def test_tensor_unfold_is_an_identity_kernel_conv(dim: int, size: int, step: int) -> None:
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.unfold(dim, size, step) * 2
+
+    X = torch.randn(3, 10, 4)
+    got = ej.compile(ej.from_torch(M(), (X,)), devices=2, quiet=True).run(X)
+    torch.testing.assert_close(got, M()(X))

@@ -12,7 +12,8 @@ import torch
 
 import einjoin as ej
 from einjoin.decomp.partition import Covering
-from einjoin.planner.cost import join_cost_per_input
+from einjoin.planner.cost import join_cost_per_input, model_cost
+from einjoin.planner.exact import plan_bytes
 
 N, C, O, H, W, K = 1, 2, 2, 512, 512, 3   # float32, 3x3 kernel, padding 1 (a 'same' conv)
 F32 = 4
@@ -38,6 +39,8 @@ def test_a_spatially_split_conv_moves_only_the_halo(cut: dict[str, int], halo_el
     weight_replicas = 3 * O * C * K * K * F32          # the weight goes to the 3 other devices
     expected = halo_elems * F32 + weight_replicas
     assert prog.stats.bytes_moved == expected
+    assert plan_bytes(prog.graph, prog.decomps, prog.placement) == expected  # the exact volume formula
+    assert model_cost(prog.graph, ej.local(4), prog.specs) == expected       # the planners' cost model
     assert prog.stats.bytes_loaded == (N * C * H * W + O * C * K * K) * F32  # one copy of each
     rng = np.random.default_rng(0)
     X, Wt = rng.standard_normal((N, C, H, W)).astype("float32"), rng.standard_normal((O, C, K, K)).astype("float32")

@@ -19,6 +19,7 @@ from einjoin.errors import UnsupportedOpError
 from einjoin.frontend import conv as C
 from einjoin.frontend.sorting import SORT_OPS
 from einjoin.frontend.tensor import Tensor
+from einjoin.ir import ops
 from einjoin.registry import registrar
 
 __all__ = ["CONV_OPS", "CONV_MODULES"]
@@ -104,6 +105,30 @@ for _n in (1, 2, 3):
 @op("im2col")
 def _im2col(x: Tensor, kernel_size: Any, dilation: Any = 1, padding: Any = 0, stride: Any = 1) -> Any:
     return _batched(x, 2, lambda b: C.unfold(b, kernel_size, dilation, padding, stride))
+
+
+@op("unfold")
+def _unfold(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.unfold(dim, size, step)`` (three ints, as ATen's ``unfold``), else ``F.unfold``
+    (torch.fx names both ``unfold``)."""
+    if kwargs or len(args) != 3 or not all(isinstance(a, int) and not isinstance(a, bool) for a in args):
+        return _im2col(x, *args, **kwargs)
+    return _windows(x, *args)
+
+
+def _windows(x: Tensor, dim: int, size: int, step: int) -> Tensor:
+    """``x.unfold(dim, size, step)``: the windows of ``dim`` as a new last dim — an identity-kernel
+    conv along that dim (so it cuts and differentiates as a conv)."""
+    d = dim % max(x.ndim, 1)
+    if x.ndim == 0 or step < 1 or not 0 <= size <= x.shape[d]:
+        raise UnsupportedOpError(f"unfold(dim={dim}, size={size}, step={step}) of a tensor of shape {x.shape}")
+    rest = tuple(n for i, n in enumerate(x.shape) if i != d)
+    moved = x.permute(*[i for i in range(x.ndim) if i != d], d).reshape((-1, 1, x.shape[d]))
+    y = ops.conv_node(moved.node, C.identity_kernel(1, (size,), x.dtype), step, 0, 1, 1, 1)  # (B, size, L)
+    out = Tensor(y).permute(0, 2, 1).reshape(rest + (y.shape[2], size))
+    perm = list(range(len(rest)))
+    perm.insert(d, len(rest))
+    return out.permute(*perm, len(rest) + 1)
 
 
 # ---------------------------------------------------------------- nn modules (torch.fx keeps them whole)
