@@ -313,11 +313,12 @@ class Covering:
         return self.core.bounds
 
     def overlap(self) -> int:
-        """Elements the boxes hold beyond one copy of what they cover (the halo), counting each
-        distinct box once (several readers of one box are replicas, counted elsewhere)."""
+        """Elements the blocks hold beyond one copy of what they cover: the halo, and blocks of
+        other keys over the same box (a conv's output-channel blocks of one group read its input
+        channels alike). Several readers of one key are replicas, counted elsewhere."""
         total = 1
         for r in self.ranges:
-            total *= sum(b - a for a, b in set(r))
+            total *= sum(b - a for a, b in r)
         covered = 1
         for r in self.ranges:
             marks = sorted(set(r))
