@@ -334,7 +334,8 @@ def _open(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
             arrays = z.read(_ARRAYS)
     except EinjoinError:
         raise
-    except (zipfile.BadZipFile, zlib.error, KeyError, ValueError, EOFError, _BadFile) as e:
+    # RecursionError: JSON nested deeper than the parser's stack (a hand-made file, not ours)
+    except (zipfile.BadZipFile, zlib.error, KeyError, ValueError, EOFError, RecursionError, _BadFile) as e:
         raise EinjoinError(f"ej.load: {where!r} is corrupted ({type(e).__name__}: {e})") from None
     if not isinstance(body, dict):
         raise EinjoinError(f"ej.load: {where!r} is corrupted (the program is not a JSON object)")
@@ -374,7 +375,7 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
         if "ej.load" in str(e):
             raise
         raise EinjoinError(f"ej.load: {where!r} is corrupted or from an incompatible einjoin ({e})") from None
-    except (_BadFile, KeyError, IndexError, TypeError, ValueError) as e:
+    except (_BadFile, KeyError, IndexError, TypeError, ValueError, RecursionError) as e:
         raise EinjoinError(f"ej.load: {where!r} is corrupted ({type(e).__name__}: {e})") from None
     return plan, state
 
