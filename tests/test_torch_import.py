@@ -437,3 +437,7 @@ def test_hf_experts_are_captured_with_static_shapes_and_the_setting_is_restored(
     with torch.no_grad():
         assert_close(ej.compile(fn, devices=2).run(x), m(x))
     assert ej.from_torch(m, (x,)).notes == ()
+    m.config._experts_implementation = "eager"  # inside a user's wrapper too
+    wrapped = nn.Sequential(m, nn.ReLU())
+    assert any("'eager'" in n for n in ej.from_torch(wrapped, (x,)).notes)
+    assert m.config._experts_implementation == "eager"

@@ -859,18 +859,25 @@ def _static_experts(module: Any, notes: list[str]) -> Iterator[None]:
     ``eager``: a loop over ``nonzero()``); ``batched_mm`` is the same sum with static shapes (each
     token's chosen experts' weights gathered, batched matmuls, weighted sum). The capture uses it;
     the model's setting is restored afterwards."""
-    config: Any = getattr(module, "config", None)
-    impl = getattr(config, "_experts_implementation", None)
-    if impl is None or impl == "batched_mm":
+    configs: dict[int, tuple[Any, str]] = {}  # the module or any submodule (a user's wrapper around a model)
+    for m in module.modules():
+        config: Any = getattr(m, "config", None)
+        impl = getattr(config, "_experts_implementation", None)
+        if isinstance(impl, str) and impl != "batched_mm":
+            configs.setdefault(id(config), (config, impl))
+    if not configs:
         yield
         return
-    config._experts_implementation = "batched_mm"
+    for config, _ in configs.values():
+        config._experts_implementation = "batched_mm"
+    was = sorted({impl for _, impl in configs.values()})
     notes.append(f"the experts were captured with experts_implementation='batched_mm' (the model's "
-                 f"{impl!r} dispatches with data-dependent shapes; the result is the same sum)")
+                 f"{', '.join(map(repr, was))} dispatches with data-dependent shapes; the result is the same sum)")
     try:
         yield
     finally:
-        config._experts_implementation = impl
+        for config, impl in configs.values():
+            config._experts_implementation = impl
 
 
 def _no_cache(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
