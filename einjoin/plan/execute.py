@@ -31,9 +31,13 @@ def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
 
 
 def compute(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray],
-            decomps: Mapping[Node, Decomposition], shape: tuple[int, ...]) -> np.ndarray:
+            decomps: Mapping[Node, Decomposition], shape: tuple[int, ...],
+            fast: Callable[[list[Any]], np.ndarray | None] | None = None) -> np.ndarray:
     """The array task ``t`` writes (for a touch: the buffer after the write). ``get`` reads a
     value by id (None for a buffer no touch has allocated yet); ``shape`` is the written value's.
+    ``fast``: for a kernel task, its kernel prepared for its blocks
+    (:func:`einjoin.runtime.fastkernels.prepare_kernels`; it returns None for blocks it was not
+    prepared for, and the general path runs).
 
     Floating-point edge cases (overflow, log 0, 0/0) give inf/nan as IEEE says and raise no
     numpy warning, whichever backend or thread runs the task (errstate is per thread, so it is
@@ -42,6 +46,10 @@ def compute(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray],
     if rule is None:  # pragma: no cover - releases and reloads are the runtime's, not computations
         raise AssertionError(f"no computation for task kind {t.kind}")
     with np.errstate(all="ignore"):
+        if fast is not None:
+            out = fast([get(v) for v in t.reads])
+            if out is not None and out.shape == shape:
+                return out
         return rule(t, get, feeds, decomps, shape)
 
 

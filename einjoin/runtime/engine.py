@@ -253,6 +253,29 @@ class ReadyQueue:
         return len(self.items)
 
 
+_SCHEDULES = 8  # inline schedules kept per engine
+
+
+def _simulate(tg: TaskGraph, q: ReadyQueue) -> tuple[tuple[Task, ...], int]:
+    """The tasks in the order an inline worker with ready queue ``q`` runs them (the queue
+    seeded with the tasks without dependencies in id order, each finished task pushing the
+    dependents it makes ready in the graph's order), and the count of tasks never ready."""
+    tasks, dependents = tg.tasks, tg.dependents
+    counters = [len(t.deps) for t in tasks]
+    for t in tasks:
+        if not t.deps:
+            q.push(t.id)
+    out = []
+    while len(q):
+        tid = q.pop()
+        out.append(tasks[tid])
+        for dep in dependents[tid]:
+            counters[dep] -= 1
+            if counters[dep] == 0:
+                q.push(dep)
+    return tuple(out), len(tasks) - len(out)
+
+
 def _blevels(tg: TaskGraph) -> list[float]:
     """Longest remaining path from each task (work in flops plus bytes), for priority order."""
     level = [0.0] * len(tg.tasks)
@@ -273,12 +296,39 @@ class Engine:
         self.decomps = decomps
         self._priority: list[float] | None = None
         self._priority_lock = threading.Lock()
+        self._schedules: dict[tuple[str, int], tuple[tuple[Task, ...], int]] = {}
+        self.planned = [v.nbytes for v in tg.values]  # value id -> planned bytes (a property, read per task)
+        self._fast: list[Any] | None = None
+
+    def fast_kernels(self) -> list[Any]:
+        """Per task id, its einsum kernel prepared once (:mod:`einjoin.runtime.fastkernels`), or None."""
+        if self._fast is None:
+            from einjoin.runtime.fastkernels import prepare_kernels
+            fast = prepare_kernels(self.tg, self.decomps)
+            with self._priority_lock:
+                if self._fast is None:
+                    self._fast = fast
+        return self._fast
 
     def priority(self) -> list[float]:
         with self._priority_lock:
             if self._priority is None:
                 self._priority = _blevels(self.tg)
             return self._priority
+
+    def schedule(self, order: str, seed: int) -> tuple[tuple[Task, ...], int]:
+        """The order one inline worker runs the tasks in under ``order`` / ``seed`` (the ready
+        queue's, simulated once: it depends on the graph alone), and how many tasks never get
+        ready (a cycle). Cached per (order, seed), a few of them."""
+        key = (order, seed)
+        got = self._schedules.get(key)
+        if got is None:
+            got = _simulate(self.tg, ReadyQueue(order, self.priority() if order == "priority" else (), seed))
+            with self._priority_lock:
+                if len(self._schedules) >= _SCHEDULES:  # a random order with a new seed each run
+                    self._schedules.pop(next(iter(self._schedules)))
+                self._schedules[key] = got
+        return got
 
     def run(self, feeds: Mapping[Node, np.ndarray], backend: Backend, order: str = "fifo",
             seed: int = 0, callbacks: Sequence[Callback] = (), host_link: float | None = None,
@@ -335,6 +385,8 @@ class Engine:
             if session.eager:
                 self._submit(session)
                 session.collect(spec.cancel)
+            elif not session.threaded:
+                _Inline(self, spec, session, callbacks, stats).run()
             else:
                 _Dispatch(self, spec, session, callbacks, stats).run()
             stats.wall_time = time.perf_counter() - t0
@@ -398,6 +450,83 @@ class _Recovery:
             raise EinjoinError(f"run cancelled while recovering from a lost device ({e})") from None
 
 
+class _Inline:
+    """Ready dispatch with one inline worker (sync, null, a one-lane threads run): the tasks in
+    the order the ready queue gives them, precomputed once per graph and order
+    (:meth:`Engine.schedule`), so a task costs its execution, two clock reads and a flag test:
+    no counters, queues or locks. A cancel (from another thread) sets ``stop``; the task in
+    flight ends first."""
+
+    def __init__(self, engine: Engine, spec: RunSpec, session: ReadySession, callbacks: tuple[Callback, ...],
+                 stats: RunStats):
+        self.engine, self.spec, self.session, self.callbacks, self.stats = engine, spec, session, callbacks, stats
+        self.stop = False
+
+    def _halt(self) -> None:  # the token's listener
+        self.stop = True
+
+    def run(self) -> None:
+        sched, never = self.engine.schedule(self.spec.order, self.spec.seed)
+        cancel = self.spec.cancel
+        unsubscribe = cancel.subscribe(self._halt) if cancel is not None else (lambda: None)
+        done = 0
+        try:
+            done = self._loop(sched) if not self.callbacks else self._loop_callbacks(sched)
+        finally:
+            unsubscribe()
+            self.stats.tasks_run = done
+        n = len(self.engine.tg.tasks)
+        if done < n:
+            if cancel is not None and cancel.cancelled:
+                raise EinjoinError(f"run cancelled with {n - done} of {n} tasks left")
+            raise EinjoinError(f"run stopped with {never} tasks never ready (a cycle?)")
+
+    def _loop(self, sched: tuple[Task, ...]) -> int:
+        execute, clock, iv = self.session.execute, time.perf_counter, self.stats.intervals
+        done = 0
+        t = None
+        try:
+            for t in sched:
+                if self.stop:
+                    break
+                start = clock()
+                execute(t)
+                iv[t.device].append((start, clock(), t.id))
+                done += 1
+        except BaseException as exc:  # noqa: BLE001 - reported with the task's context
+            _raise_failed(t, exc)  # type: ignore[arg-type]
+        return done
+
+    def _loop_callbacks(self, sched: tuple[Task, ...]) -> int:
+        execute, clock, iv, callbacks = self.session.execute, time.perf_counter, self.stats.intervals, self.callbacks
+        done = 0
+        t = None
+        try:
+            for t in sched:
+                if self.stop:
+                    break
+                for cb in callbacks:
+                    cb.on_start(t)
+                start = clock()
+                execute(t)
+                end = clock()
+                iv[t.device].append((start, end, t.id))
+                for cb in callbacks:
+                    cb.on_end(t, start, end)
+                done += 1
+        except BaseException as exc:  # noqa: BLE001 - reported with the task's context
+            _raise_failed(t, exc)  # type: ignore[arg-type]
+        return done
+
+
+def _raise_failed(t: Task, exc: BaseException) -> None:
+    """A task's failure as the engine reports it: KeyboardInterrupt / SystemExit as they are,
+    anything else as :class:`TaskFailed` (named by :func:`_task_error`)."""
+    if not isinstance(exc, Exception):
+        raise exc
+    raise TaskFailed(t, exc) from exc
+
+
 class _Dispatch:
     """Ready dispatch for one run: a dependency counter per task, ready queues (one per lane of
     the session), and workers that execute ready tasks — inline, or one thread per lane."""
@@ -416,6 +545,7 @@ class _Dispatch:
         # one condition per queue (all on one lock): a finished task wakes only the workers whose
         # queues it filled, not every thread (each wake-up costs a GIL hand-over)
         self.conds = [threading.Condition(self.lock) for _ in self.queues]
+        self.waiting = [False] * len(self.queues)  # per queue: its worker waits on its condition
 
     def run(self) -> None:
         """Seed the queues, drive the workers, raise what stopped the run."""
@@ -459,27 +589,42 @@ class _Dispatch:
         self._halt()
 
     def worker(self, q: int) -> None:
-        queue, cond, lock, tasks = self.queues[q], self.conds[q], self.lock, self.tg.tasks
+        """One lane's worker: pop a ready task, execute it, and — under one hold of the lock —
+        release its dependents and pop the next (a lock round trip per task, not two: each
+        acquire by a device thread can mean a GIL hand-over)."""
+        queue, cond, lock, tasks, waiting = self.queues[q], self.conds[q], self.lock, self.tg.tasks, self.waiting
+        pop, dispatch = queue.pop, (self.dispatch if self.callbacks else self._dispatch_plain)
+        t: Task | None = None
         while True:
             with lock:
+                if t is not None:
+                    self.complete(t)
                 # every change a worker waits for notifies it: a task made ready in its queue,
                 # the last task done, a failure, a cancel (_on_cancel), a Ctrl-C (_drive_threads)
                 while not len(queue) and self.remaining and not self.stop:
                     if not self.session.threaded:  # one inline worker and nothing ready: stuck
                         self.stop = True
                         break
-                    cond.wait()
+                    waiting[q] = True
+                    try:
+                        cond.wait()
+                    finally:
+                        waiting[q] = False
                 if self.stop or not self.remaining:
                     self._wake_all()
                     return
-                t = tasks[queue.pop()]
+                t = tasks[pop()]
             try:
-                self.dispatch(t)
+                dispatch(t)
             except BaseException as exc:  # noqa: BLE001 - reported with the task's context
                 self.fail(t, exc)
                 return
-            with lock:
-                self.complete(t)
+
+    def _dispatch_plain(self, t: Task) -> None:
+        """:meth:`dispatch` without callbacks."""
+        start = time.perf_counter()
+        self.session.execute(t)
+        self.stats.intervals[t.device].append((start, time.perf_counter(), t.id))
 
     def dispatch(self, t: Task) -> None:
         """Execute one ready task on the session, between the callbacks, timing it."""
@@ -493,14 +638,17 @@ class _Dispatch:
             cb.on_end(t, start, end)
 
     def complete(self, t: Task) -> None:  # under lock
-        """Release the task's dependents: those now ready go to their lanes' queues."""
-        counters, lane, tasks = self.counters, self.session.lane, self.tg.tasks
+        """Release the task's dependents: those now ready go to their lanes' queues (a worker
+        is notified only when it waits: a notify is Python code, and a busy worker finds the
+        task when it looks next)."""
+        counters, lane, tasks, waiting = self.counters, self.session.lane, self.tg.tasks, self.waiting
         for dep in self.tg.dependents[t.id]:
             counters[dep] -= 1
             if counters[dep] == 0:
                 q = lane(tasks[dep])
                 self.queues[q].push(dep)
-                self.conds[q].notify()  # one worker per queue: notify() reaches it
+                if waiting[q]:
+                    self.conds[q].notify()  # one worker per queue: notify() reaches it
         self.remaining -= 1
         self.stats.tasks_run += 1
         if not self.remaining:

@@ -43,7 +43,7 @@ class Store:
     moment it starts), its peak and the bytes it received. Thread-safe: a device's compute and
     host-transfer lanes share it."""
 
-    def __init__(self, device: int):
+    def __init__(self, device: int, shared: bool = True):
         self.device = device
         self.values: dict[int, Any] = {}
         self.sizes: dict[int, int] = {}
@@ -53,20 +53,33 @@ class Store:
         self.loaded = 0
         self.evicted = 0
         self.reloaded = 0
-        self.lock = threading.Lock()
+        # ``shared``: several threads write this store (a device's compute and host lanes, a Ray
+        # actor's threads); a store only one thread writes skips the lock (a task's bookkeeping
+        # is a few dict operations, and an uncontended lock costs as much again)
+        self.lock: Any = threading.Lock() if shared else contextlib.nullcontext()
+        if not shared:
+            self.reserve, self.unreserve, self.free = (  # type: ignore[method-assign]
+                self._reserve, self._unreserve, self._free)
 
     def reserve(self, vid: int, nbytes: int, scratch: int = 0) -> None:
         """Count a value about to be written (once) and the task's scratch, before it runs."""
         with self.lock:
-            if vid >= 0 and vid not in self.sizes:
-                self.sizes[vid] = nbytes
-                self.live += nbytes
-            self.live += scratch
-            self.peak = max(self.peak, self.live)
+            self._reserve(vid, nbytes, scratch)
+
+    def _reserve(self, vid: int, nbytes: int, scratch: int = 0) -> None:
+        if vid >= 0 and vid not in self.sizes:
+            self.sizes[vid] = nbytes
+            self.live += nbytes
+        self.live += scratch
+        if self.live > self.peak:
+            self.peak = self.live
 
     def unreserve(self, scratch: int) -> None:
         with self.lock:
             self.live -= scratch
+
+    def _unreserve(self, scratch: int) -> None:
+        self.live -= scratch
 
     def put(self, vid: int, value: Any, nbytes: int) -> None:
         self.reserve(vid, nbytes)
@@ -77,8 +90,11 @@ class Store:
 
     def free(self, vid: int) -> None:
         with self.lock:
-            self.values.pop(vid, None)
-            self.live -= self.sizes.pop(vid, 0)
+            self._free(vid)
+
+    def _free(self, vid: int) -> None:
+        self.values.pop(vid, None)
+        self.live -= self.sizes.pop(vid, 0)
 
 
 def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[Node, np.ndarray]
@@ -111,7 +127,14 @@ class LocalSession:
         self.host_link = run.host_link
         self.host_lanes = threaded and (self.capped or run.host_link is not None)
         self.lanes = (2 * n if self.host_lanes else n) if threaded else 1
-        self.stores = [Store(d) for d in range(n)]
+        if self.lanes == 1:
+            self.threaded = False  # one lane: its worker runs inline (no thread to start and hand over to)
+        # a store is written by one thread unless a host lane shares it with its compute lane
+        self.stores = [Store(d, shared=self.host_lanes) for d in range(n)]
+        self.planned = getattr(run.engine, "planned", None) or [v.nbytes for v in tg.values]
+        # per task, its einsum kernel prepared once per engine (None: the general path)
+        fast = getattr(run.engine, "fast_kernels", None) if computes else None
+        self.fast: list[Any] = fast() if fast is not None else [None] * len(tg.tasks)
         self.host: dict[int, np.ndarray] = {}  # the host store of a memory-capped graph
         self._limit = limit
         self._stack = contextlib.ExitStack()
@@ -154,7 +177,7 @@ class LocalSession:
                     store.evicted += t.nbytes
             store.free(t.payload.frees)
             return
-        planned = self.tg.values[t.writes].nbytes
+        planned = self.planned[t.writes]
         store.reserve(t.writes, planned, t.scratch)
         if kind is _LOAD and self.state is not None and self.state.load(t, store, planned):
             return  # a state block the last run left on this device: nothing loaded
@@ -172,7 +195,7 @@ class LocalSession:
             else:
                 # a move reads on its source device and writes on its destination
                 get = self.stores[t.payload.src_device].get if kind is _MOVE else store.get
-                value = compute(t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape)
+                value = compute(t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape, self.fast[t.id])
                 if self.capped and (kind is _LOAD or kind is _KERNEL):
                     value = _own(value, t, get, self.feeds)
         store.unreserve(t.scratch)

@@ -1,0 +1,117 @@
+"""Einsum kernels prepared once per task: what :func:`einjoin.ir.kernels.einsum_kernel` works out
+on every call from the op and its blocks' dtypes and shapes (the route, each input's axis
+permutation and shape, the broadcast shape, the axes aggregated, the output dtype) is fixed for
+a task of a task graph, so the local backends work it out once per engine. On a small model most
+of a task's time was that bookkeeping (an 8x8 ``tanh`` block: ~45 us of Python around a ~1 us
+ufunc).
+
+A prepared kernel runs the same numpy calls in the same order as ``einsum_kernel`` (the same
+bits); it checks that its blocks have the shapes and dtypes it was prepared for and returns None
+otherwise (the caller then takes the general path, which also raises the errors). Kernels it does
+not prepare (other node kinds, half-precision inputs, repeated labels, the ``einsum`` and
+``diagonal`` routes) take the general path.
+
+>>> import numpy as np, einjoin as ej
+>>> x = ej.input("x", (4, 4)); prog = ej.compile([ej.tanh(x)], 1, backend="sync", fuse=False, quiet=True)
+>>> fast = prepare_kernels(prog.taskgraph, prog.plan.decomps)
+>>> sum(f is not None for f in fast)
+1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from einjoin.decomp.block_kernels import BLOCK_KERNELS, _einsum_block
+from einjoin.decomp.decompose import Decomposition
+from einjoin.exchange import Task, TaskKind
+from einjoin.ir.dtypes import numpy_dtype
+from einjoin.ir.evaluate import evaluate
+from einjoin.ir.kernels import HALF_DTYPES, _batched_matmul, matmul_route, partial_dtype
+from einjoin.ir.node import Node, rule_for
+from einjoin.plan.taskgraph import TaskGraph
+
+__all__ = ["prepare_kernels", "FastKernel"]
+
+# a prepared kernel: the task's input blocks (in the kernel's input order) -> its output block,
+# or None when the blocks are not what it was prepared for
+FastKernel = Callable[[Sequence[Any]], "np.ndarray | None"]
+
+
+def prepare_kernels(tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> list[FastKernel | None]:
+    """Per task id, its prepared kernel (None: the general path)."""
+    out: list[FastKernel | None] = [None] * len(tg.tasks)
+    for t in tg.tasks:
+        if t.kind is TaskKind.KERNEL:
+            out[t.id] = _prepare(t, tg, decomps)
+    return out
+
+
+def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> FastKernel | None:
+    d = decomps.get(t.node)
+    if d is None:
+        return None
+    op = d.node.op
+    if rule_for(BLOCK_KERNELS, op, "the block kernels") is not _einsum_block:
+        return None  # not an einsum: no per-call bookkeeping worth saving here
+    k = d.kernels[t.payload.kernel]
+    if any(key is None for key in k.in_keys) or len(t.reads) != len(k.in_keys) or not t.reads:
+        return None
+    vals = [tg.values[r] for r in t.reads]
+    if any(v.dtype in HALF_DTYPES for v in vals):
+        return None  # widened to float32 first: the general path
+    shapes = tuple(v.shape for v in vals)
+    dtypes = tuple(np.dtype(numpy_dtype(v.dtype)) for v in vals)
+    out_dtype = np.dtype(numpy_dtype(partial_dtype(d.node) if d.n_partials > 1 else d.node.dtype))
+    route = matmul_route(op, list(dtypes))
+    core: Callable[[Sequence[np.ndarray]], Any]
+    if route.path == "matmul":
+        def core(xs: Sequence[np.ndarray]) -> Any:
+            return _batched_matmul(route, xs[0], xs[1])
+    elif route.path == "join":
+        got = _join_core(op, shapes)
+        if got is None:
+            return None
+        core = got
+    else:
+        return None
+    n = len(shapes)
+
+    def run(blocks: Sequence[Any]) -> np.ndarray | None:
+        for i in range(n):
+            b = blocks[i]
+            if not (isinstance(b, np.ndarray) and b.shape == shapes[i] and b.dtype == dtypes[i]):
+                return None
+        return np.asarray(core(blocks), order="C").astype(out_dtype, copy=False)
+    return run
+
+
+def _join_core(op: Any, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence[np.ndarray]], Any] | None:
+    """The ``join`` route of ``einsum_kernel`` with its alignment worked out: each input
+    transposed to the op's label order and reshaped (size 1 for its absent labels), the join
+    evaluated, broadcast to the full shape when it ignores an input, aggregated."""
+    order = op.all_labels
+    perms, targets = [], []
+    for shape, ls in zip(shapes, op.in_labels):
+        if len(set(ls)) < len(ls) or len(shape) != len(ls):
+            return None  # a diagonal: the general path
+        perm = sorted(range(len(ls)), key=lambda k: order.index(ls[k]))
+        it = iter([shape[p] for p in perm])
+        present = set(ls)
+        perms.append(tuple(perm))
+        targets.append(tuple(next(it) if lab in present else 1 for lab in order))
+    full = tuple(min(s) if 0 in s else max(s) for s in ([tg[dim] for tg in targets] for dim in range(len(order))))
+    axes = tuple(range(len(op.out_labels), len(order)))
+    join, agg = op.join, op.agg
+    pairs = tuple(zip(perms, targets))
+
+    def core(xs: Sequence[np.ndarray]) -> Any:
+        aligned = [x.transpose(p).reshape(tgt) for x, (p, tgt) in zip(xs, pairs)]
+        val = np.asarray(evaluate(join, aligned))
+        if val.shape != full:  # a join that ignores an input still ranges over its labels
+            val = np.broadcast_to(val, full)
+        return agg.reduce(val, axes) if axes else val
+    return core
