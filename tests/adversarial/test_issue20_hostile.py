@@ -304,11 +304,12 @@ def test_index_copy_with_duplicate_indices_keeps_one_row() -> None:
     assert got[1].tolist() in ([0.0, 1.0], [2.0, 3.0]), got
 
 
-@pytest.mark.xfail(strict=True, reason="x[idx] with a negative tensor index (torch's advanced indexing "
-                   "wraps it) fails at run time: 'gather: index -1 out of range'; owner H2 (aten index)")
 def test_advanced_indexing_with_negative_indices_wraps_as_torch() -> None:
+    """Was a defect (H2, fixed in ecfb76d): 'gather: index -1 out of range' at run time."""
     args = (torch.randn(3, 2), torch.tensor([-1, 0]))
-    _same(_run(lambda x, i: x[i], args), args[0][args[1]])
+    _same(_run(lambda x, i: x[i], args, 2), args[0][args[1]])
+    both = (torch.randn(3, 4), torch.tensor([-1, 0, -3]), torch.tensor([1, -4, 2]))
+    _same(_run(lambda x, i, j: x[i, j], both, 2), both[0][both[1], both[2]])
 
 
 @pytest.mark.xfail(strict=True, reason="one_hot of an index >= num_classes (or negative) fed at run time "
