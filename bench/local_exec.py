@@ -3,6 +3,9 @@ one process, dask.array on its threaded scheduler (with einjoin's blocks, and wi
 "auto" chunks) and torch eager, on four cases: a 4096^2 float32 matmul, a chain A@B@C, an MLP
 and a LLaMA-style block: the graphs of :mod:`einjoin.models.graphs` (``matmul``, ``chain``, ``mlp``,
 ``transformer_block``); the torch peer of the block is the zoo's (``einjoin.models.zoo.torch_block``).
+Two more rows are torch models imported with ``ej.from_torch``, the zoo's ResNet-18 and ViT-Tiny
+(eval mode, batch 8 of 224x224 images): there the peer is torch eager alone (no numpy or dask
+version of a ResNet exists to compare with), and torch's output is the reference.
 
 Run it with ``make bench`` (or ``.venv/bin/python bench/local_exec.py``). Every time is a median
 over a few repetitions after one warm-up run; each einjoin result is checked against numpy.
@@ -65,9 +68,9 @@ class Case:
     name: str
     out: Any                                   # the einjoin tensor
     feeds: Feeds
-    numpy_fn: Callable[[Feeds], np.ndarray]
+    numpy_fn: Callable[[Feeds], np.ndarray] | None  # None: an imported torch model, torch is the reference
     numpy_label: str
-    dask_fn: Callable[[dict[str, Any]], Any]   # dask arrays in, a lazy dask array out
+    dask_fn: Callable[[dict[str, Any]], Any] | None  # dask arrays in, a lazy dask array out
     torch_fn: Callable[[Feeds], np.ndarray]
     reps: int = 3
     extra: dict[str, Callable[[Feeds], np.ndarray]] = field(default_factory=dict)  # more numpy peers
@@ -162,6 +165,33 @@ def llama_case(rng: np.random.Generator) -> Case:
                 lambda t: ej.reference(out, **t), "numpy (ej.reference)",
                 lambda t: block_math(da, t, HEADS), torch_fn,
                 extra={"numpy (hand-written block)": lambda t: block_math(np, t, HEADS)})
+
+
+def _imported(name: str, title: str, module: Any, x: np.ndarray) -> Case:
+    """A torch model as a user has it: imported with ``ej.from_torch`` (its weights bound), run on
+    the same input by einjoin and by torch eager."""
+    fn = ej.from_torch(module, (torch.from_numpy(x),))
+    (arg,) = fn.arg_names
+
+    def torch_fn(t: Feeds) -> np.ndarray:
+        with torch.no_grad():
+            return module(torch.from_numpy(t[arg])).numpy()
+
+    return Case(title, fn, {arg: x}, None, "torch eager", None, torch_fn)
+
+
+def resnet_case(rng: np.random.Generator) -> Case:
+    from einjoin.models.vision import ResNet18
+    torch.manual_seed(0)
+    return _imported("resnet18", "ResNet-18 (from_torch), batch 8 x 3x224x224", ResNet18().eval(),
+                     _randn(rng, (8, 3, 224, 224)))
+
+
+def vit_case(rng: np.random.Generator) -> Case:
+    from einjoin.models.vision import ViTTiny
+    torch.manual_seed(0)
+    return _imported("vit-tiny", "ViT-Tiny (from_torch), batch 8 x 3x224x224, 197 tokens",
+                     ViTTiny().eval(), _randn(rng, (8, 3, 224, 224)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,28 +305,33 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
     t0 = time.perf_counter()
     prog = ej.compile(case.out, devices=ej.local(DEVICES), backend="threads")
     compile_s = time.perf_counter() - t0
-    names = [n.op.name for n in prog.graph.inputs]
+    names = [n for n in (x.op.name for x in prog.graph.inputs) if n in case.feeds]  # not bound weights
     feeds = case.feeds
 
     same = {k: chunks_of(prog, k) for k in names}
-    lazy_same = case.dask_fn({k: da.from_array(feeds[k], chunks=same[k]) for k in names})
-    auto_in = {k: da.from_array(feeds[k], chunks="auto") for k in names}
-    auto = {k: auto_in[k].chunks for k in names}
-    lazy_auto = case.dask_fn(auto_in)
-    per_worker = max(1, CORES // DEVICES)
+    columns: dict[str, Callable[[], Any]] = {"einjoin": lambda: prog.run(**feeds)}
+    if case.numpy_fn is not None:
+        numpy_fn = case.numpy_fn
+        columns["numpy"] = lambda: numpy_fn(feeds)
+    columns.update({label: (lambda fn=fn: fn(feeds)) for label, fn in case.extra.items()})
+    dask_tasks: dict[str, int] = {}
+    auto: dict[str, tuple[tuple[int, ...], ...]] = {}
+    if case.dask_fn is not None:
+        lazy_same = case.dask_fn({k: da.from_array(feeds[k], chunks=same[k]) for k in names})
+        auto_in = {k: da.from_array(feeds[k], chunks="auto") for k in names}
+        auto = {k: auto_in[k].chunks for k in names}
+        lazy_auto = case.dask_fn(auto_in)
+        per_worker = max(1, CORES // DEVICES)
 
-    def dask_same() -> np.ndarray:
-        with threadpool_limits(limits=per_worker):
-            return lazy_same.compute(scheduler="threads", num_workers=DEVICES)
+        def dask_same() -> np.ndarray:
+            with threadpool_limits(limits=per_worker):
+                return lazy_same.compute(scheduler="threads", num_workers=DEVICES)
 
-    columns: dict[str, Callable[[], Any]] = {
-        "einjoin": lambda: prog.run(**feeds),
-        "numpy": lambda: case.numpy_fn(feeds),
-        **{label: (lambda fn=fn: fn(feeds)) for label, fn in case.extra.items()},
-        "dask (einjoin blocks)": dask_same,
-        "dask (auto chunks)": lambda: lazy_auto.compute(scheduler="threads"),
-        "torch eager": lambda: case.torch_fn(feeds),
-    }
+        columns["dask (einjoin blocks)"] = dask_same
+        columns["dask (auto chunks)"] = lambda: lazy_auto.compute(scheduler="threads")
+        dask_tasks = {"same": len(lazy_same.__dask_graph__()), "auto": len(lazy_auto.__dask_graph__())}
+    columns["torch eager"] = lambda: case.torch_fn(feeds)
+    ref = "numpy" if case.numpy_fn is not None else "torch eager"  # what every result is checked against
 
     # warm-up: every column once; numpy's result is the reference every later result is checked
     # against (einjoin's warm-up is timed, to size the repetitions)
@@ -309,13 +344,13 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
         warm[label] = time.perf_counter() - t0
         return out
 
-    want = np.asarray(timed("numpy"))
+    want = np.asarray(timed(ref))
     ej_out = np.asarray(timed("einjoin"))
     errs = {"einjoin": rel_err(ej_out, want)}
     for label in columns:
-        if label not in ("numpy", "einjoin"):
+        if label not in (ref, "einjoin"):
             errs[label] = rel_err(timed(label), want)
-    if case.numpy_label != "numpy":
+    if case.numpy_label not in ("numpy", ref):
         errs["einjoin vs torch"] = rel_err(ej_out, np.asarray(columns["torch eager"]()))
     ej_out = None
     round_s = sum(warm.values())
@@ -326,11 +361,10 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
                      f"time budget was {time_left_s:.0f} s")
 
     def check(label: str, result: Any) -> None:
-        if label != "numpy":
+        if label != ref:
             errs[label] = max(errs[label], rel_err(result, want))
 
     times = measure(columns, reps, check, log)
-    dask_tasks = {"same": len(lazy_same.__dask_graph__()), "auto": len(lazy_auto.__dask_graph__())}
     return Result(case, prog, compile_s, times, errs, same, auto, dask_tasks, notes, watch.others())
 
 
@@ -368,18 +402,26 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
         table.add_column(c + "\n(s)", justify="right")
     table.add_column("einjoin\n/ numpy", justify="right")
     table.add_column("einjoin\n/ dask\nsame blocks", justify="right")
-    table.add_column("einjoin max\nrel err\nvs numpy", justify="right")
+    table.add_column("einjoin\n/ torch\neager", justify="right")
+    table.add_column("einjoin max\nrel err vs\nreference", justify="right")
+
+    def ratio(t: dict[str, Timing], peer: str) -> str:
+        return f"{t['einjoin'].median / t[peer].median:.2f}" if peer in t else "-"
+
     for r in results:
         t = r.times
-        name = r.case.name + ("" if r.case.numpy_label == "numpy" else f"\n(numpy column = {r.case.numpy_label})")
-        table.add_row(escape(name), *(fmt_s(t.get(c)) for c in cols),
-                      f"{t['einjoin'].median / t['numpy'].median:.2f}",
-                      f"{t['einjoin'].median / t['dask (einjoin blocks)'].median:.2f}",
-                      f"{r.errs['einjoin']:.1e}")
+        name = r.case.name
+        if r.case.numpy_fn is None:
+            name += "\n(no numpy or dask peer; error vs torch eager)"
+        elif r.case.numpy_label != "numpy":
+            name += f"\n(numpy column = {r.case.numpy_label})"
+        table.add_row(escape(name), *(fmt_s(t.get(c)) for c in cols), ratio(t, "numpy"),
+                      ratio(t, "dask (einjoin blocks)"), ratio(t, "torch eager"), f"{r.errs['einjoin']:.1e}")
     console.print(table)
     console.print("ratios < 1: einjoin faster. '*': a single timed repetition. Every column ran once "
                   "untimed (warm-up), then the timed repetitions went round the columns in turn; every "
-                  "result, warm-up and timed, was checked against numpy's (max over all runs shown).")
+                  "result, warm-up and timed, was checked against numpy's (torch's for the imported models; max "
+                  "over all runs shown).")
 
     console.print("\n[bold]per case: einjoin's plan and run, the dask graphs, the peers' agreement[/]")
     for r in results:
@@ -398,11 +440,15 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
                           f"of {r.times['einjoin'].times[-1]:.3f} s in Program.run, busy per device {busy}, "
                           f"peak per device {peak}")
         blocks = ", ".join(f"{k} {grid(c)}" for k, c in r.chunks_same.items())
-        autos = ", ".join(f"{k} {grid(c)}" for k, c in r.chunks_auto.items())
-        console.print(f"  input blocks (einjoin = dask same): {blocks}; dask auto: {autos}; "
-                      f"dask graph tasks: same {r.dask_tasks['same']}, auto {r.dask_tasks['auto']}")
+        if r.dask_tasks:
+            autos = ", ".join(f"{k} {grid(c)}" for k, c in r.chunks_auto.items())
+            console.print(f"  input blocks (einjoin = dask same): {blocks}; dask auto: {autos}; "
+                          f"dask graph tasks: same {r.dask_tasks['same']}, auto {r.dask_tasks['auto']}")
+        else:
+            console.print(f"  input blocks: {blocks}; {len(r.prog.graph.ops)} ops imported from torch")
         errs = ", ".join(f"{k} {v:.1e}" for k, v in r.errs.items() if k != "einjoin")
-        console.print(f"  max rel err vs {escape(r.case.numpy_label)}: {escape(errs)}")
+        if errs:
+            console.print(f"  max rel err vs {escape(r.case.numpy_label)}: {escape(errs)}")
         for label in r.case.extra:
             console.print(f"  {escape(label)}: {fmt_s(r.times[label])} s "
                           f"(einjoin / it = {r.times['einjoin'].median / r.times[label].median:.2f})")
@@ -415,8 +461,8 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", default="matmul,chain,mlp,llama",
-                    help="comma-separated subset of matmul,chain,mlp,llama")
+    ap.add_argument("--cases", default="matmul,chain,mlp,llama,resnet18,vit-tiny",
+                    help="comma-separated subset of matmul,chain,mlp,llama,resnet18,vit-tiny")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per column (after a warm-up)")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds for the whole run; cases get fewer repetitions (never smaller "
@@ -436,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"dask (einjoin blocks) {DEVICES} workers x {max(1, CORES // DEVICES)} BLAS; "
                   f"dask (auto) default workers, BLAS untouched; numpy and torch {CORES} threads")
 
-    makers = {"matmul": matmul_case, "chain": chain_case, "mlp": mlp_case, "llama": llama_case}
+    makers = {"matmul": matmul_case, "chain": chain_case, "mlp": mlp_case, "llama": llama_case,
+              "resnet18": resnet_case, "vit-tiny": vit_case}
     la = os.getloadavg() if hasattr(os, "getloadavg") else ()
     console.print("load average at start: " + " ".join(f"{x:.2f}" for x in la))
     watch = CpuWatch()
@@ -448,14 +495,15 @@ def main(argv: list[str] | None = None) -> int:
         case.reps = args.reps
         # the case's share of what is left of the budget: weights by size of the work (the chain
         # and the LLaMA block take about twice the others)
-        weight = {"chain": 2.0, "llama": 2.5}.get(key, 1.0)
-        rest = sum({"chain": 2.0, "llama": 2.5}.get(k, 1.0) for k in keys[i:])
+        weights = {"chain": 2.0, "llama": 2.5, "resnet18": 1.5, "vit-tiny": 1.5}
+        weight = weights.get(key, 1.0)
+        rest = sum(weights.get(k, 1.0) for k in keys[i:])
         share = (args.budget - (time.perf_counter() - T_START)) * weight / rest
         results.append(run_case(case, console, share))
     report(results, console, time.perf_counter() - T_START, watch)
     bad = [r.case.name for r in results if not r.errs["einjoin"] < 1e-3]
     if bad:
-        console.print(f"[red]einjoin result differs from numpy[/] in: {', '.join(bad)}")
+        console.print(f"[red]einjoin result differs from the reference[/] in: {', '.join(bad)}")
         return 1
     return 0
 
