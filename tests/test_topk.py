@@ -119,6 +119,18 @@ class _Router(torch.nn.Module):
         return torch.softmax(w, dim=-1), idx, order, s, j
 
 
+def test_fx_reads_the_named_fields_values_and_indices() -> None:
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = torch.sort(x, dim=0)
+            t = x.topk(2)
+            return s.values + s.indices + t.values.sum() + t.indices.sum()
+
+    x = torch.randn(4, 5)
+    got = ej.compile(ej.from_torch(M(), (x,), method="fx"), devices=2, quiet=True).run(x)
+    torch.testing.assert_close(got, M()(x))
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_from_torch_top2_router(devices: int) -> None:
     torch.manual_seed(0)

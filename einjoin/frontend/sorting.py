@@ -13,14 +13,21 @@ the torch translations (:data:`SORT_OPS`, merged into the op table with the conv
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from einjoin.errors import EinjoinError
 from einjoin.frontend.tensor import Tensor
 from einjoin.ir import ops
 from einjoin.registry import registrar
 
-__all__ = ["topk", "sort", "argsort", "SORT_OPS"]
+__all__ = ["topk", "sort", "argsort", "Ordered", "SORT_OPS"]
+
+
+class Ordered(NamedTuple):
+    """(values, indices), with the field names of torch's ``torch.return_types.topk`` / ``sort``."""
+
+    values: Tensor
+    indices: Tensor
 
 
 def _x(x: Any, what: str) -> Tensor:
@@ -34,20 +41,20 @@ def _rank1(x: Tensor) -> tuple[Tensor, bool]:
     return (x.reshape((1,)), True) if x.ndim == 0 else (x, False)
 
 
-def _pair(x: Tensor, k: int, dim: int, largest: bool) -> tuple[Tensor, Tensor]:
+def _pair(x: Tensor, k: int, dim: int, largest: bool) -> Ordered:
     x, scalar = _rank1(x)
     v = Tensor(ops.topk_node(x.node, k, dim, largest))
     i = Tensor(ops.topk_node(x.node, k, dim, largest, indices=True))
-    return (v.reshape(()), i.reshape(())) if scalar else (v, i)
+    return Ordered(v.reshape(()), i.reshape(())) if scalar else Ordered(v, i)
 
 
-def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Tensor, Tensor]:
+def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Ordered:
     """torch's ``topk``: the ``k`` largest (or smallest) values along ``dim`` and their int64
     positions, in order (also when ``sorted=False``: any order is torch's contract then)."""
     return _pair(_x(x, "topk"), k, dim, largest)
 
 
-def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> tuple[Tensor, Tensor]:
+def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> Ordered:
     """torch's ``sort``: (values, int64 indices) along ``dim`` (always stable)."""
     x = _x(x, "sort")
     n = x.shape[dim] if x.ndim else 1
@@ -64,12 +71,12 @@ op = registrar(SORT_OPS)
 
 
 @op("topk")
-def _topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Tensor, Tensor]:
+def _topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Ordered:
     return topk(x, int(k), int(dim), bool(largest), bool(sorted))
 
 
 @op("sort")
-def _sort(x: Tensor, dim: Any = -1, descending: bool = False, stable: Any = False) -> tuple[Tensor, Tensor]:
+def _sort(x: Tensor, dim: Any = -1, descending: bool = False, stable: Any = False) -> Ordered:
     if isinstance(dim, bool):  # aten.sort.stable(x, stable, dim, descending) spelled positionally
         dim, stable = -1, dim
     return sort(x, int(dim), bool(descending), bool(stable))
