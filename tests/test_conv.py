@@ -272,3 +272,20 @@ def test_tensor_unfold_is_an_identity_kernel_conv(dim: int, size: int, step: int
     X = torch.randn(3, 10, 4)
     got = ej.compile(ej.from_torch(M(), (X,)), devices=2, quiet=True).run(X)
     torch.testing.assert_close(got, M()(X))
+
+
+@given(conv_cases(), st.sampled_from([False, False, True]))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+def test_from_torch_random_conv_modules_on_one_and_two_devices(c: dict[str, Any], transpose: bool) -> None:
+    """nn.Conv*d / nn.ConvTranspose*d with random stride, padding, dilation and groups, imported
+    with from_torch (torch.export) and run on 1 and 2 devices."""
+    torch.manual_seed(c["seed"])
+    nd, g = c["nd"], c["groups"]
+    cls = getattr(torch.nn, f"ConvTranspose{nd}d" if transpose else f"Conv{nd}d")
+    m = cls(g * c["cg"], g * c["og"], c["kernel"], stride=c["stride"], padding=c["padding"],
+            dilation=c["dilation"], groups=g).double().eval()
+    x = torch.randn((c["n"], g * c["cg"]) + c["spatial"], dtype=torch.float64)
+    want = m(x).detach()
+    fn = ej.from_torch(m, (x,))
+    for devices in (1, 2):
+        torch.testing.assert_close(ej.compile(fn, devices=devices, quiet=True).run(x), want, rtol=1e-10, atol=1e-10)
