@@ -265,3 +265,31 @@ def test_sdpa_fully_masked_rows_give_zeros_as_torch():
     fmask = torch.zeros(2, 1, 4, 5).masked_fill(~mask, float("-inf"))
     check_import(Fn(lambda q, k: (F.scaled_dot_product_attention(q, k, k, attn_mask=mask),
                                   F.scaled_dot_product_attention(q, k, k, attn_mask=fmask))), (q, k))
+
+
+def test_repeated_indices_keep_the_last_write_as_torchs_cpu_kernel():
+    x = torch.zeros(2, 4)
+    i = torch.tensor([[1, 1, 3], [0, 2, 0]])
+    src = torch.arange(1.0, 7.0).reshape(2, 3)
+    check_import(Fn(lambda x, i: (x.scatter(1, i, src), x.scatter(1, i, 9.0))), (x, i))
+    rows = torch.tensor([2, 0, 2])
+    check_import(Fn(lambda x, i: x.index_copy(1, i, src)), (x, rows))
+
+
+@pytest.mark.parametrize("what", ["one_hot", "scatter", "index_copy"])
+def test_out_of_range_indices_are_run_time_errors(what):
+    f = {"one_hot": lambda x, i: F.one_hot(i, 4),
+         "scatter": lambda x, i: x.scatter(1, i[None, :2], 1.0),
+         "index_copy": lambda x, i: x.index_copy(1, i, x[:, :3])}[what]
+    x = torch.zeros(2, 4)
+    prog = ej.compile(ej.from_torch(Fn(f), (x, torch.tensor([0, 1, 2]))), devices=2)
+    with pytest.raises(ej.EinjoinError, match="out of range|index"):
+        prog.run(x, torch.tensor([0, 4, 2]))
+
+
+def test_scatter_gradient():
+    class M(nn.Module):
+        def forward(self, x, src):
+            i = torch.tensor([[3, 0], [1, 2], [0, 3]])
+            return (x.scatter(1, i, src * src) * torch.arange(12.0, dtype=torch.float64).reshape(3, 4)).sum()
+    check_grads(M(), (torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)))

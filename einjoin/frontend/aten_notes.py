@@ -63,12 +63,14 @@ NOTES: dict[str, str] = {
     # issue 20: routing and indexing (frontend/routing.py, aten_index.py)
     "gather": "an index outside [0, size) is an error at run time (as torch)",
     "take_along_dim": "broadcasts as torch; no `dim`: of the flattened tensors",
-    "scatter": "`reduce` 'add' only (not 'multiply'); a repeated index sums its writes (torch leaves "
-               "which one wins unspecified)",
+    "scatter": "`reduce` 'add' only (not 'multiply'); a repeated index keeps the last write (torch: "
+               "unspecified; its CPU kernel keeps the last); O(n·m) per row along `dim`",
     "scatter_reduce": "`reduce` 'sum' and 'mean' (not 'prod', 'amax', 'amin')",
-    "index_copy": "a repeated index sums its rows (torch leaves it unspecified)",
-    "one_hot": "`num_classes` given (-1 is data-dependent); a class outside [0, num_classes) gives a zero "
-               "row (torch raises)",
+    "index_copy": "a repeated index keeps the last row (torch: unspecified)",
+    "index_put": "without `accumulate`, a repeated index sums its writes (torch: unspecified); a bool "
+                 "mask index takes one value",
+    "one_hot": "`num_classes` given (-1 is data-dependent); a class outside [0, num_classes) is an "
+               "error at run time (as torch)",
     "argmax": "the first occurrence; NaN counts as the largest (as torch)",
     "max": "`max(x)`, `max(x, dim, keepdim)` (values and the first maximum's index; the gradient goes "
            "to that element, as torch) and `max(a, b)`",

@@ -135,9 +135,11 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
 def scatter(x: Tensor, dim: int, index: Tensor, src: Any = None, *, value: Any = None,
             reduce: str | None = None) -> Tensor:
     """``torch.scatter``: ``x`` with ``src`` (a tensor, or a number ``value``) written at ``index``
-    along ``dim``. Where ``index`` repeats a position torch keeps one of the writes, unspecified
-    which; here the writes are summed (equal for unique indices, which is what torch promises).
-    ``reduce="add"`` adds instead of writing; ``"multiply"`` is not supported."""
+    along ``dim``; where ``index`` repeats a position, the last write wins (torch leaves it
+    unspecified; its CPU kernel keeps the last). EinSums along ``dim``: the winning source
+    position per target (a ``max`` over ``where(index == t, j, -1)``), then its value — O(n·m) per
+    row for a dim of n written from m positions. ``reduce="add"`` adds instead (a scatter-add);
+    ``"multiply"`` is not supported."""
     x = _t(x, "scatter")
     if src is None:
         src = value
@@ -148,11 +150,35 @@ def scatter(x: Tensor, dim: int, index: Tensor, src: Any = None, *, value: Any =
     idx = _int_index(index, "scatter")
     d = _norm_dim(x, dim)
     lin = _linear_index(x.shape, idx, d, "scatter")
-    vals = _sources(src, idx, x.dtype, "scatter")
     if reduce is not None:
-        return scatter_add(x, d, idx, vals)
-    hit = _scatter_sum(full(idx.shape, 1, "int64"), lin, x.shape) > 0
-    return _where(hit, _scatter_sum(vals, lin, x.shape).to(x.dtype), x)
+        return scatter_add(x, d, idx, _sources(src, idx, x.dtype, "scatter"))
+    if x.ndim >= len(LETTERS):
+        raise ShapeError(f"scatter: rank {x.ndim} is above the supported 25")
+    m, n = idx.shape[d], x.shape[d]
+    if m == 0 or math.prod(idx.shape) == 0:
+        return x
+    # an index outside [0, n) is an error at run time, as in torch: a gather of the flat
+    # positions checks them (its zeros are added to the winners, so it runs)
+    check = gather(full((math.prod(x.shape),), 0, "int64"), lin).sum()
+    # idx (and src) cover the leading part of x's other dims: -1 (no target) beyond
+    pads = [(k, 0, x.shape[k] - idx.shape[k]) for k in range(x.ndim) if k != d and idx.shape[k] < x.shape[k]]
+    idx_p = idx
+    for k, lo, hi in pads:
+        idx_p = _pad_constant(idx_p, k, lo, hi, -1)
+    ls = LETTERS[:x.ndim]
+    j = LETTERS[x.ndim]
+    ils = ls[:d] + j + ls[d + 1:]
+    winner = einsum(f"{ils},{ls[d]},{j}->{ls}", idx_p, fill((n,), "x0", "int64"), fill((m,), "x0", "int64"),
+                    join="where(x0 == x1, x2, -1)", agg="max") + check
+    if not isinstance(src, Tensor):
+        return _where(winner >= 0, full((), src, x.dtype), x)
+    vals = _sources(src, idx, x.dtype, "scatter")
+    for k, lo, hi in pads:
+        vals = _pad_constant(vals, k, lo, hi, False if vals.dtype == "bool" else 0)
+    zero, agg = ("False", "max") if x.dtype == "bool" else ("0", "sum")
+    new = einsum(f"{ils},{ls},{j}->{ls}", vals, winner, fill((m,), "x0", "int64"),
+                 join=f"where(x2 == x1, x0, {zero})", agg=agg)
+    return _where(winner >= 0, new, x)
 
 
 def _where(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -204,20 +230,25 @@ def index_add(x: Tensor, dim: int, index: Tensor, source: Tensor, alpha: Any = 1
 
 
 def index_copy(x: Tensor, dim: int, index: Tensor, source: Tensor) -> Tensor:
-    """``torch.index_copy``: ``x`` with ``x[index[i]] = source[i]`` along ``dim`` (torch leaves a
-    repeated index unspecified; here its rows are summed)."""
+    """``torch.index_copy``: ``x`` with ``x[index[i]] = source[i]`` along ``dim``; a repeated index
+    keeps its last row (torch leaves it unspecified; its CPU kernel keeps the last). The winning
+    row per target is a ``max`` EinSum over (targets, index), then one gather of whole rows."""
     x, source = _t(x, "index_copy"), _t(source, "index_copy source")
     d = _norm_dim(x, dim) if x.ndim else 0
     idx = _row_index(index, x, d, source, "index_copy")
-    n = x.shape[d] if x.ndim else 1
-    hit = wrap(ops.scatter_add_node(full(idx.shape, 1, "int64").node, idx.node, n)) > 0
-    zeros = full(x.shape, 0, x.dtype if x.dtype != "bool" else "int64")
-    src = source if source.dtype == zeros.dtype else source.to(zeros.dtype)
-    placed = index_add(zeros, d, idx, src)
+    n, k = (x.shape[d] if x.ndim else 1), idx.shape[0]
+    if k == 0:
+        return x
+    check = gather(full((n,), 0, "int64"), idx).sum()  # an index outside [0, n): error at run time
+    winner = einsum("j,t,j->t", idx, fill((n,), "x0", "int64"), fill((k,), "x0", "int64"),
+                    join="where(x0 == x1, x2, -1)", agg="max") + check
+    if not x.ndim:
+        return _where(winner.reshape(()) >= 0, source.reshape(()).to(x.dtype), x)
+    rows = index_select(source if source.dtype == x.dtype else source.to(x.dtype), d,
+                        elementwise("max", winner, 0))
     shape = [1] * x.ndim
-    if x.ndim:
-        shape[d] = n
-    return _where(hit.reshape(tuple(shape)), placed.to(x.dtype), x)
+    shape[d] = n
+    return _where((winner >= 0).reshape(tuple(shape)), rows, x)
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
@@ -332,17 +363,16 @@ def cumprod(x: Tensor, dim: int, dtype: Any = None) -> Tensor:
 def one_hot(x: Tensor, num_classes: int = -1) -> Tensor:
     """``torch.nn.functional.one_hot``: int64 ``x.shape + (num_classes,)`` with a 1 at each class.
     ``num_classes=-1`` (``x.max() + 1``) is a data-dependent shape: give the number. A class
-    outside ``[0, num_classes)`` gives a row of zeros (torch raises)."""
+    outside ``[0, num_classes)`` is an error at run time (as torch)."""
     x = _int_index(x, "one_hot")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
         raise UnsupportedOpError(f"one_hot with num_classes={num_classes!r}: the number of classes must "
                                  f"be given (-1, the largest value + 1, is a data-dependent shape)")
     if x.ndim >= len(LETTERS):
         raise ShapeError(f"one_hot: rank {x.ndim} is above the supported 25")
-    ls = LETTERS[:x.ndim]
-    c = LETTERS[x.ndim]
-    return einsum(f"{ls},{c}->{ls}{c}", x, fill((num_classes,), "x0", "int64"),
-                  join="where(x0 == x1, 1, 0)", agg=None)
+    # rows of the identity (a fill) gathered by class: an index outside [0, num_classes) is an
+    # error at run time, as torch raises
+    return gather(fill((num_classes, num_classes), "where(x0 == x1, 1, 0)", "int64"), x)
 
 
 _PAD_INDEX = {
