@@ -441,3 +441,50 @@ def test_hf_experts_are_captured_with_static_shapes_and_the_setting_is_restored(
     wrapped = nn.Sequential(m, nn.ReLU())
     assert any("'eager'" in n for n in ej.from_torch(wrapped, (x,)).notes)
     assert m.config._experts_implementation == "eager"
+
+
+def test_training_batch_norm_running_stats_are_buffer_updates():
+    import copy
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    x = torch.randn(2, 3, 8, 8)
+    fn = ej.from_torch(m, (x,))
+    assert sorted(fn.buffer_updates) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    assert any("buffer_updates" in n for n in fn.notes)
+    after = copy.deepcopy(m)
+    with torch.no_grad():
+        want = after(x)  # one training step's forward: updates the deep copy's buffers
+    full = fn.with_outputs([fn.outputs[0], *fn.buffer_updates.values()])
+    got = ej.compile(full, devices=2).run(x)
+    assert_close(got[0], want)
+    buffers = dict(after.named_buffers())
+    for name, new in zip(fn.buffer_updates, got[1:]):
+        assert_close(new, buffers[name])
+    assert_close(ej.compile(fn, devices=2).run(x), want)  # the forward alone: outputs unchanged
+
+
+class NamedResults(nn.Module):
+    def forward(self, x):
+        return torch.max(x, 1).values + torch.min(x, 1).indices
+
+
+def test_fx_reads_fields_of_named_tuple_results():
+    x = torch.randn(3, 5)
+    fn = ej.from_torch(NamedResults(), (x,), method="fx")
+    assert_close(ej.compile(fn, devices=2).run(x), NamedResults()(x))
+
+
+class SliceAssign(nn.Module):
+    def forward(self, x, y):
+        w = x.clone()
+        w[:, 0] = 0.0  # functionalised: fill + select_scatter
+        w[:, 2:4] = y[:, :2]  # copy + slice_scatter
+        return w * 2
+
+
+@pytest.mark.xfail(reason="fill / copy / select_scatter / slice_scatter translations (H2)", strict=True,
+                   raises=ej.UnsupportedOpError)
+def test_slice_assignment_is_functionalised():
+    x, y = torch.randn(3, 6), torch.randn(3, 6)
+    fn = ej.from_torch(SliceAssign(), (x, y))
+    assert_close(ej.compile(fn, devices=2).run(x, y), SliceAssign()(x, y))

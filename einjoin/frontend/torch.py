@@ -60,6 +60,11 @@ class TorchFunction:
     buffers: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
     """The buffers and constant tensors (graph inputs too, bound like the parameters; not
     parameters: nothing trains them)."""
+    buffer_updates: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
+    """The buffers the forward writes (a training-mode BatchNorm's ``running_mean``, ``running_var``,
+    ``num_batches_tracked``): name -> the tensor of its new value, computed from the graph's inputs
+    like the outputs but not among them (``with_outputs`` adds them; a program can keep them as
+    state: ``state={name: new value}``)."""
     recapture: Callable[[tuple[Any, ...], dict[str, Any]], TorchFunction] | None = field(
         default=None, repr=False, compare=False)
     """``recapture(args, kwargs)``: the same module imported again on other example arguments
@@ -404,6 +409,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     buffers: dict[str, Tensor] = {}
     arg_names: list[str] = []
     outputs: list[Tensor] = []
+    updates: dict[str, Tensor] = {}
     for node in ep.graph.nodes:
         if node in skip:
             env[node] = _stand_in(node)
@@ -445,10 +451,13 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             problems.check()  # every unsupported op, all at once
             outs = _map(node.args[0], env)
             for s, o in zip(sig.output_specs, outs):
-                if s.kind.name != "USER_OUTPUT":
+                if s.kind.name == "BUFFER_MUTATION":  # training BatchNorm's running stats: kept aside
+                    updates[canon.get(s.target, s.target)] = _as_output(o, f"new value of {s.target}")
+                elif s.kind.name != "USER_OUTPUT":
                     raise UnsupportedOpError(f"from_torch: the forward mutates {s.target!r} "
                                              f"({s.kind.name}); einjoin graphs are functional")
-                outputs.append(_as_output(o, s.arg.name))
+                else:
+                    outputs.append(_as_output(o, s.arg.name))
         else:
             raise UnsupportedOpError(f"from_torch: fx node kind {node.op!r} ({node.name})")
     problems.check()
@@ -461,8 +470,11 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         if spec.kind.name == "CONSTANT_TENSOR" and name not in used:
             bound.pop(name, None)
             buffers.pop(name, None)
+    notes = (f"the forward updates buffer{'s' if len(updates) > 1 else ''} {', '.join(updates)} (training-mode "
+             f"running statistics): the new values are buffer_updates, not outputs",) if updates else ()
     return TorchFunction(tuple(outputs), tuple(arg_names), bound, _many(ep.call_spec.out_spec), "export",
-                         parameters=_in_module_order(module, params), buffers=buffers)
+                         notes=notes, parameters=_in_module_order(module, params), buffers=buffers,
+                         buffer_updates=updates)
 
 
 def _canonical_names(module: Any) -> dict[str, str]:
@@ -519,6 +531,8 @@ def _fx_call(node: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
             return x.dtype
         if attr == "T":
             return x.T
+        if not isinstance(x, Tensor) and hasattr(x, attr):  # max(x, 1).values: a named tuple's field
+            return getattr(x, attr)
         problems.add(node, f"getattr {attr!r}", f"attribute {attr!r} of a tensor")
         return _FAILED
     return _translate(node, name, args, kwargs, problems)
@@ -578,7 +592,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
                 env[node] = _FAILED
                 continue
             ps = {n: param(f"{node.target}.{n}", t) for n, t in
-                  [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t is not None}
+                  [*m.named_parameters(), *m.named_buffers()] if t is not None}  # submodules' too: "out_proj.weight"
             try:
                 env[node] = MODULES[type(m).__name__](m, ps, *margs)
             except UnsupportedOpError as e:
@@ -698,7 +712,7 @@ def _notes(fn: TorchFunction, notes: list[str]) -> TorchFunction:
         notes = [*notes, f"forward argument{'s' if len(unused) > 1 else ''} {', '.join(unused)} "
                          f"{'are' if len(unused) > 1 else 'is'} not used by the graph; run() accepts "
                          f"and ignores {'them' if len(unused) > 1 else 'it'}"]
-    return replace(fn, notes=tuple(notes)) if notes else fn
+    return replace(fn, notes=(*fn.notes, *notes)) if notes else fn
 
 
 def _capture(how: Callable[[Any, tuple[Any, ...], dict[str, Any]], TorchFunction], module: Any,
