@@ -260,3 +260,18 @@ def test_family_matches_torch(family: str, devices: int) -> None:
     with torch.no_grad():
         expected = module(*args)
     assert_close(ej.compile(fn, devices=devices).run(*args), expected)
+
+
+@pytest.mark.parametrize("family", ["gpt2", pytest.param("bert", marks=pytest.mark.slow)])
+def test_other_batch_and_sequence_lengths_import_again(family: str) -> None:
+    # what a user does next: the program compiled for (2, 16) called with (3, 10) captures the
+    # model again for those shapes (TorchFunction.recapture) and matches torch
+    module, _, fn = captured(family)
+    prog = ej.compile(fn, devices=2)
+    ids = torch.randint(3, VOCAB, (3, 10))
+    am = torch.ones(3, 10, dtype=torch.long)
+    am[0, :2] = 0
+    with torch.no_grad():
+        expected = module(ids, am)
+    assert_close(prog.run(ids, am), expected)
+    assert prog.run_stats.cache_misses == 1
