@@ -21,8 +21,14 @@ def _check(m: nn.Module, args: tuple, kwargs: dict | None = None, devices: int =
     got = ej.compile(fn, devices=devices, quiet=True).run(*args, **(kwargs or {}))
     with torch.no_grad():
         want = m(*args, **(kwargs or {}))
-    for g, w in zip(got if isinstance(want, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+    gots, wants = _flat(got), _flat(want)
+    assert len(gots) == len(wants), (len(gots), len(wants))
+    for g, w in zip(gots, wants):
         torch.testing.assert_close(torch.as_tensor(g), w, rtol=tol, atol=tol, equal_nan=True)
+
+
+def _flat(v: Any) -> list:
+    return [t for x in v for t in _flat(x)] if isinstance(v, (tuple, list)) else [v]
 
 
 _X = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(0))
@@ -173,3 +179,71 @@ def test_hf_gpt2_refuses_mismatched_dynamic_sizes_and_too_long_sequences(gpt2_pr
         prog.run(torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 8))
     with pytest.raises(ej.EinjoinError, match="out of range"):  # 70 positions, the model holds 64
         prog.run(torch.zeros(1, 70, dtype=torch.long), attention_mask=torch.ones(1, 70, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- recurrences and attention modules
+
+
+@pytest.mark.parametrize("name, module, args", [
+    ("LSTM, 2 layers, bidirectional", lambda: nn.LSTM(4, 6, 2, bidirectional=True), (torch.randn(5, 2, 4),)),
+    ("GRU, 2 layers, dropout (eval)", lambda: nn.GRU(4, 6, 2, dropout=0.5), (torch.randn(5, 2, 4),)),
+    ("unbatched GRU", lambda: nn.GRU(4, 6), (torch.randn(5, 4),)),
+    ("RNN relu", lambda: nn.RNN(4, 6, nonlinearity="relu"), (torch.randn(5, 2, 4),)),
+    ("GRUCell without hx", lambda: nn.GRUCell(4, 6), (torch.randn(3, 4),)),
+])
+def test_recurrent_modules_equal_torch(name: str, module: Any, args: tuple) -> None:
+    torch.manual_seed(4)
+    _check(module().eval(), args)
+
+
+@pytest.mark.xfail(strict=True, reason="a forward argument that is a tuple of tensors (LSTMCell(x, (h, c)), "
+                   "LSTM(x, (h0, c0)): torch's own call) imports, but prog.run(x, (h, c)) fails with 'to run "
+                   "with other shapes the module is imported again, which needs every forward argument: "
+                   "hx_1 is not given' (same shapes; only the flattened run(x, h, c) works); owner H3/H4")
+@pytest.mark.parametrize("module, args", [
+    (lambda: nn.LSTMCell(4, 6), (torch.randn(3, 4), (torch.randn(3, 6), torch.randn(3, 6)))),
+    (lambda: nn.LSTM(4, 6, batch_first=True), (torch.randn(5, 2, 4), (torch.randn(1, 5, 6), torch.randn(1, 5, 6)))),
+])
+def test_tuple_arguments_run_as_torch_calls_them(module: Any, args: tuple) -> None:
+    torch.manual_seed(5)
+    _check(module().eval(), args)
+
+
+_Q = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(6))
+_KPM = torch.tensor([[False] * 5, [False, False, True, True, True]])
+
+
+def _mha() -> nn.MultiheadAttention:
+    torch.manual_seed(7)
+    return nn.MultiheadAttention(8, 2, batch_first=True).eval()
+
+
+class _Call(nn.Module):
+    def __init__(self, f: Any, mod: nn.Module) -> None:
+        super().__init__()
+        self.f, self.mod = f, mod
+
+    def forward(self, *a: Any) -> Any:
+        return self.f(self.mod, *a)
+
+
+@pytest.mark.parametrize("name, f, args", [
+    ("bool key padding mask", lambda m, q, k: m(q, q, q, key_padding_mask=k), (_Q, _KPM)),
+    ("float key padding mask", lambda m, q, k: m(q, q, q, key_padding_mask=k), (_Q, _KPM.float() * -1e9)),
+    ("3-D bool attn_mask, per-head weights", lambda m, q, a: m(q, q, q, attn_mask=a, average_attn_weights=False),
+     (_Q, torch.randn(4, 5, 5, generator=torch.Generator().manual_seed(8)) > 0.5)),
+    ("a sequence with every key masked", lambda m, q, k: m(q, q, q, key_padding_mask=k),
+     (_Q, torch.tensor([[False] * 5, [True] * 5]))),
+])
+def test_multihead_attention_masks_equal_torch(name: str, f: Any, args: tuple) -> None:
+    _check(_Call(f, _mha()), args)
+
+
+@pytest.mark.xfail(strict=True, reason="nn.TransformerEncoder in eval mode with src_key_padding_mask (torch's "
+                   "nested-tensor fast path, the default) returns zeros at padded positions; the import "
+                   "returns the slow path's values there (unpadded positions agree to 4e-7), so the module's "
+                   "output differs from torch's by ~2; owner H2 (nn_modules / attention_modules)")
+def test_transformer_encoder_fast_path_padding_equals_torch() -> None:
+    torch.manual_seed(9)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
+    _check(_Call(lambda m, q, k: m(q, src_key_padding_mask=k), enc), (_Q, _KPM), devices=1)
