@@ -213,7 +213,7 @@ def _op(draw: Any, kind: str, pool: list[ej.Tensor], feeds: dict[str, np.ndarray
                 # padding of at most half the window (as torch's): no window is padding alone
                 pool_pads = tuple((min(max(0, lo), (k - 1) // 2), min(max(0, hi), (k - 1) // 2))
                                   for (lo, hi), k in zip(pads, win))
-                return ej.Tensor(ops.pool_node(x.node, draw(st.sampled_from(["max", "sum"])), win, stride,
+                return ej.Tensor(ops.pool_node(x.node, draw(st.sampled_from(["max", "sum", "none"])), win, stride,
                                                pool_pads, dil))
             groups = draw(st.sampled_from([g for g in (1, 2, 3) if x.shape[1] % g == 0]))
             name = f"w{len(feeds)}"
@@ -391,6 +391,9 @@ def _pool(node: Any, xs: list[np.ndarray], feeds: dict[str, np.ndarray]) -> np.n
     win = _windows(xs[0].astype(np.float64), op.window, op.stride, op.padding, (1,) * nd, op.dilation,
                    -np.inf if op.agg.name == "max" else 0.0)
     axes = tuple(range(2 + nd, 2 + 2 * nd))
+    if op.agg.name == "none":  # (N, C, *out, *window) -> (N, C * window, *out)
+        perm = (0, 1) + axes + tuple(range(2, 2 + nd))
+        return np.transpose(win, perm).reshape(node.shape)
     return win.max(axis=axes) if op.agg.name == "max" else win.sum(axis=axes)
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.decomp.spec import label_sizes
+from einjoin.frontend.conv import max_pool_with_indices
 from einjoin.ir import ops
 from graphgen import oracle
 
@@ -180,3 +181,50 @@ def test_from_torch_pool_functions(devices: int) -> None:
     m = M()
     got = ej.compile(ej.from_torch(m, (x,)), devices=devices, quiet=True).run(x)
     torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
+
+
+@given(pool_cases())
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+def test_max_pool_indices_equal_torch(c: dict[str, Any]) -> None:
+    rng = np.random.default_rng(c["seed"])
+    X = rng.standard_normal((2, 3) + c["spatial"])
+    x = ej.input("x", X.shape, "float64")
+    v, i = max_pool_with_indices(x, c["kernel"], c["stride"], c["padding"], c["dilation"], c["ceil"])
+    tv, ti = getattr(F, f"max_pool{c['nd']}d")(torch.tensor(X), c["kernel"], c["stride"], c["padding"],
+                                                c["dilation"], c["ceil"], return_indices=True)
+    got = ej.execute_blocked([v, i], _random_specs(v, rng) | _random_specs(i, rng), x=X)
+    np.testing.assert_array_equal(got[0], tv.numpy())
+    np.testing.assert_array_equal(got[1], ti.numpy())
+
+
+def test_windows_are_copied_exactly_inf_and_nan_included() -> None:
+    """unfold, max-pool indices: the windows are copies (a pool with agg none), so an inf or
+    NaN stays where it is (a conv by an identity kernel would spread 0 * inf = NaN)."""
+    X = np.random.default_rng(0).random((2, 3, 6, 6))
+    X[0, 1, 2, 3], X[1, 0, 0, 0], X[1, 2, 4, 4] = np.inf, np.nan, -np.inf
+    x = ej.input("x", X.shape, "float64")
+    u = ej.unfold(x, 3, padding=1, stride=2)
+    want = F.unfold(torch.tensor(X), 3, padding=1, stride=2).numpy()
+    win = next(n for n in ej.Graph(u).nodes if n.kind == "pool")
+    for spec in (None, {"c": 5, "p": 2}, {"c": 27, "q": 3}):  # output blocks cutting a channel's windows
+        got = ej.execute_blocked(u, {win: spec} if spec else None, x=X)
+        np.testing.assert_array_equal(got, want)
+    v, i = max_pool_with_indices(x, 2, 1)
+    tv, ti = F.max_pool2d(torch.tensor(X), 2, 1, return_indices=True)
+    got = ej.reference([v, i], x=X)
+    np.testing.assert_array_equal(got[0], tv.numpy())
+    np.testing.assert_array_equal(got[1], ti.numpy())
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_from_torch_max_pool_with_used_indices(devices: int) -> None:
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            v, i = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+            return v * 2, i + 1
+
+    x = torch.randn(2, 3, 9, 8)
+    got = ej.compile(ej.from_torch(M(), (x,)), devices=devices, quiet=True).run(x)
+    want = M()(x)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])

@@ -7,8 +7,9 @@ and all, as the forward does):
   kernel dilation swapped), batch and channels exchanged by einsum transposes;
 - a sum pool's input gradient is the transposed conv of the cotangent by a kernel of ones;
 - a max pool's routes the cotangent to the window positions equal to the window's maximum (every
-  tied position gets it; torch picks one): the windows as an identity-kernel conv, an
-  elementwise mask, and the transposed conv back.
+  tied position gets it; torch picks one): the windows (a pool with agg ``none``), an
+  elementwise mask, and the transposed conv by an identity kernel back;
+- the windows' (``none``) is that transposed conv alone (im2col's adjoint, col2im).
 
 >>> from einjoin.ir import ops
 >>> x = ops.input_node("x", (2, 3, 8, 8), "float64"); w = ops.input_node("w", (4, 3, 3, 3), "float64")
@@ -82,7 +83,9 @@ def pool_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | N
         return (conv_input_grad(g, ones, as_conv, x.shape),)
     kt = math.prod(op.window)
     eye = identity_kernel(c, op.window, x.dtype)                      # (C*Kt, 1, *K)
-    windows = ops.conv_node(x, eye, op.stride, op.padding, 1, op.dilation, c)   # (N, C*Kt, *out)
+    if op.agg.name == "none":  # the windows: each cotangent back to where it was copied from
+        return (conv_input_grad(g, eye, as_conv, x.shape),)
+    windows = ops.pool_node(x, "none", op.window, op.stride, op.padding, op.dilation)  # (N, C*Kt, *out)
     sp = "pqr"[:nd]
     wr = ops.reshape_node(windows, (x.shape[0], c, kt) + node.shape[2:])
     masked = ops.einsum_node([wr, node, g], [tuple("ncj" + sp), tuple("nc" + sp), tuple("nc" + sp)],

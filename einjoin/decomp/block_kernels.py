@@ -118,8 +118,13 @@ def _pool_block(d: Decomposition, op: Pool, k: Kernel, blocks: _Blocks, box: Box
     xbox = d.in_partitions[0].box(x_key)
     pads = tuple(local_padding(a, b - a, o0, o1, kk, s, lo, 1, dil) for (a, b), (o0, o1), kk, s, (lo, _), dil
                  in zip(xbox[2:], box[2:], op.window, op.stride, op.padding, op.dilation))
-    return pool_kernel(np.asarray(blocks[0]), Pool(op.agg, op.window, op.stride, pads, op.dilation),
-                       d.node.dtype)
+    out = pool_kernel(np.asarray(blocks[0]), Pool(op.agg, op.window, op.stride, pads, op.dilation),
+                      d.node.dtype)
+    first = box[1][0] - xbox[1][0] * (out.shape[1] // max(1, xbox[1][1] - xbox[1][0]))
+    if op.agg.name == "none" and (first or out.shape[1] != box[1][1] - box[1][0]):
+        # the block starts or ends within a channel's windows
+        out = np.ascontiguousarray(out[:, first:first + box[1][1] - box[1][0]])
+    return out
 
 
 def _topk_block(d: Decomposition, op: TopK, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:

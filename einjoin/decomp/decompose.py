@@ -194,10 +194,14 @@ def _conv(node: Node, op: Conv, js: JoinAggSpec) -> Decomposition:
 
 def _pool(node: Node, op: Pool, out: Partition) -> tuple[tuple[Partition | Covering, ...], tuple[Kernel, ...]]:
     # every output block reads its batch and channel block and its windows' rows (with a halo)
+    # (the windows, agg none: output channel c*K + j reads input channel c)
     x = node.inputs[0]
     spatial = tuple(_window_ranges(b, n, k, s, lo, 1, d) for b, n, k, s, (lo, _), d in
                     zip(out.bounds[2:], x.shape[2:], op.window, op.stride, op.padding, op.dilation))
-    cov = Covering((_intervals(out.bounds[0]), _intervals(out.bounds[1])) + spatial, x.shape)
+    kt = node.shape[1] // x.shape[1] if x.shape[1] else 1
+    chans = tuple((c0 // kt, (c1 - 1) // kt + 1) if c1 > c0 else (0, x.shape[1])
+                  for c0, c1 in _intervals(out.bounds[1]))
+    cov = Covering((_intervals(out.bounds[0]), chans) + spatial, x.shape)
     return (cov,), tuple(Kernel(k, k, (k,)) for k in out.keys())
 
 

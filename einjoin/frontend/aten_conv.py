@@ -72,9 +72,10 @@ def _convolution(x: Tensor, w: Tensor, bias: Any, stride: Any, padding: Any, dil
 def _max_pool_nd(nd: int, with_indices: bool) -> Callable[..., Any]:
     def translate(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
                   ceil_mode: bool = False, return_indices: bool = False) -> Any:
-        y = _batched(x, nd, lambda b: C.max_pool(b, kernel_size, stride, padding, dilation, ceil_mode))
-        # the indices: a reader of them is refused where it reads None (only values are built)
-        return (y, None) if with_indices or return_indices else y
+        if with_indices or return_indices:
+            return _batched(x, nd, lambda b: C.max_pool_with_indices(b, kernel_size, stride, padding, dilation,
+                                                                     ceil_mode))
+        return _batched(x, nd, lambda b: C.max_pool(b, kernel_size, stride, padding, dilation, ceil_mode))
     return translate
 
 
@@ -117,14 +118,14 @@ def _unfold(x: Tensor, *args: Any, **kwargs: Any) -> Any:
 
 
 def _windows(x: Tensor, dim: int, size: int, step: int) -> Tensor:
-    """``x.unfold(dim, size, step)``: the windows of ``dim`` as a new last dim — an identity-kernel
-    conv along that dim (so it cuts and differentiates as a conv)."""
+    """``x.unfold(dim, size, step)``: the windows of ``dim`` as a new last dim (a pool with agg
+    ``none`` along that dim: copied, cut and differentiated as a pool)."""
     d = dim % max(x.ndim, 1)
     if x.ndim == 0 or step < 1 or not 0 <= size <= x.shape[d]:
         raise UnsupportedOpError(f"unfold(dim={dim}, size={size}, step={step}) of a tensor of shape {x.shape}")
     rest = tuple(n for i, n in enumerate(x.shape) if i != d)
     moved = x.permute(*[i for i in range(x.ndim) if i != d], d).reshape((-1, 1, x.shape[d]))
-    y = ops.conv_node(moved.node, C.identity_kernel(1, (size,), x.dtype), step, 0, 1, 1, 1)  # (B, size, L)
+    y = ops.pool_node(moved.node, "none", (size,), step)  # the windows: (B, size, L)
     out = Tensor(y).permute(0, 2, 1).reshape(rest + (y.shape[2], size))
     perm = list(range(len(rest)))
     perm.insert(d, len(rest))

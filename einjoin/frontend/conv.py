@@ -23,8 +23,8 @@ from einjoin.ir import ops
 from einjoin.ir.node import Node
 from einjoin.ir.window import out_size
 
-__all__ = ["conv", "conv_transpose", "max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool",
-           "unfold", "identity_kernel", "flip_kernel"]
+__all__ = ["conv", "conv_transpose", "max_pool", "max_pool_with_indices", "avg_pool", "adaptive_avg_pool",
+           "adaptive_max_pool", "unfold", "identity_kernel", "flip_kernel"]
 
 _K, _F = "uvw", "xyz"  # kernel labels, and the same flipped
 
@@ -192,6 +192,49 @@ def max_pool(x: Tensor, kernel: Any, stride: Any = None, padding: Any = 0, dilat
     return Tensor(ops.pool_node(x.node, "max", k, st, _ceil_pads(x, k, st, pad, dil, ceil_mode, what), dil))
 
 
+def max_pool_with_indices(x: Tensor, kernel: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+                          ceil_mode: bool = False) -> tuple[Tensor, Tensor]:
+    """torch's ``max_pool*d(..., return_indices=True)``: the values and, in int64, the position of
+    each window's first maximum in its (flattened) input plane (a NaN window: its first NaN).
+    The windows are a pool with agg ``none``; the first maximum a min over window positions.
+
+    >>> import einjoin as ej
+    >>> v, i = max_pool_with_indices(ej.input("x", (1, 2, 6, 6)), 2)
+    >>> v.shape, i.shape, i.dtype
+    ((1, 2, 3, 3), (1, 2, 3, 3), 'int64')
+    """
+    x = _tensor(x, "max_pool")
+    what = f"max_pool of input {x.shape}"
+    nd, k, st, pad, dil = _pool_args(x, kernel, stride, padding, dilation, what)
+    pads = _ceil_pads(x, k, st, pad, dil, ceil_mode, what)
+    values = Tensor(ops.pool_node(x.node, "max", k, st, pads, dil))
+    n, c, kt = x.shape[0], x.shape[1], math.prod(k)
+    out = values.shape[2:]
+    windows = ops.reshape_node(ops.pool_node(x.node, "none", k, st, pads, dil), (n, c, kt) + out)
+    # per (window position j, output o): the input position along each dim, and whether it is one
+    pos, inside, step = [], [], kt
+    for d, (kk, s, (lo, _), dl, size) in enumerate(zip(k, st, pads, dil, x.shape[2:])):
+        step //= kk
+        p = f"(x{d + 1} * {s} - {lo} + {dl} * ((x0 // {step}) % {kk}))"
+        pos.append(p)
+        inside.append(f"({p} >= 0) & ({p} < {size})")
+    grid = (kt,) + out
+    real = ops.fill_node(grid, "bool", " & ".join(inside))
+    flat, stride_flat = [], 1
+    for d in reversed(range(nd)):
+        flat.append(f"{pos[d]} * {stride_flat}")
+        stride_flat *= x.shape[2 + d]
+    where_from = ops.fill_node(grid, "int64", " + ".join(flat))
+    iota = ops.fill_node((kt,), "int64", "x0")
+    sp = "pqr"[:nd]
+    nc, ncj, jsp = tuple("nc" + sp), tuple("ncj" + sp), tuple("j" + sp)
+    masked = ops.einsum_node([windows, real], [ncj, jsp], ncj, "where(x1, x0, -inf)", None)
+    first = ops.einsum_node([masked, values.node, iota], [ncj, nc, ("j",)], nc,
+                            f"where((x0 == x1) | (x0 != x0), x2, {kt})", "min")
+    index = ops.einsum_node([first, iota, where_from], [nc, ("j",), jsp], nc, "where(x0 == x1, x2, 0)", "sum")
+    return values, Tensor(index)
+
+
 def avg_pool(x: Tensor, kernel: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
              count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
     """torch's ``avg_pool1d/2d/3d``: a sum pool divided by torch's divisor (the window clipped to
@@ -297,8 +340,8 @@ def identity_kernel(c: int, window: Sequence[int], dtype: str) -> Node:
 
 
 def unfold(x: Tensor, kernel: Any, dilation: Any = 1, padding: Any = 0, stride: Any = 1) -> Tensor:
-    """torch's ``F.unfold`` (im2col): (N, C, *spatial) -> (N, C * prod(kernel), L), a depthwise
-    conv with an identity kernel, so it cuts and differentiates as a conv.
+    """torch's ``F.unfold`` (im2col): (N, C, *spatial) -> (N, C * prod(kernel), L): the windows
+    (a :class:`~einjoin.ir.opkinds.Pool` with agg ``none``: copied, cut with a halo as a pool).
 
     >>> import einjoin as ej
     >>> unfold(ej.input("x", (2, 3, 6, 6)), 3, padding=1, stride=2).shape
@@ -309,7 +352,6 @@ def unfold(x: Tensor, kernel: Any, dilation: Any = 1, padding: Any = 0, stride: 
     nd = _nd(x, what)
     k, dil = _ints(kernel, nd, what, "kernel"), _ints(dilation, nd, what, "dilation")
     st, pad = _ints(stride, nd, what, "stride"), _ints(padding, nd, what, "padding")
-    c = x.shape[1]
-    y = ops.conv_node(x.node, identity_kernel(c, k, x.dtype), st, pad, 1, dil, c)
+    y = ops.pool_node(x.node, "none", k, st, pad, dil)
     return Tensor(ops.reshape_node(y, (x.shape[0], y.shape[1], math.prod(y.shape[2:]))))
 

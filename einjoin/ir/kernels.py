@@ -17,6 +17,7 @@ array([[3., 3.],
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
@@ -375,9 +376,17 @@ def pool_kernel(x: np.ndarray, op: Pool, dtype: str) -> np.ndarray:
     nd = xs.ndim - 2
     spatial = tuple(out_size(n, k, s, lo, hi, 1, d) for n, k, s, (lo, hi), d in
                     zip(xs.shape[2:], op.window, op.stride, op.padding, op.dilation))
+    kt = math.prod(op.window) if op.agg.name == "none" else 1
     if 0 in xs.shape[:2] or 0 in spatial:
-        return np.zeros(xs.shape[:2] + spatial, numpy_dtype(dtype))
+        return np.zeros((xs.shape[0], xs.shape[1] * kt) + spatial, numpy_dtype(dtype))
     xs = _arrange(xs, op.padding, (1,) * nd, float(op.agg.identity or 0.0))
+    if op.agg.name == "none":  # the windows, by strides: copied, never multiplied
+        st = xs.strides[2:]
+        view = np.lib.stride_tricks.as_strided(
+            xs, xs.shape[:2] + op.window + spatial,
+            xs.strides[:2] + tuple(d * s for d, s in zip(op.dilation, st))
+            + tuple(k * s for k, s in zip(op.stride, st)), writeable=False)
+        return view.reshape((xs.shape[0], xs.shape[1] * kt) + spatial).astype(numpy_dtype(dtype))
     t = _torch_view(xs)
     if op.agg.name == "max":
         fn = (tf.max_pool1d, tf.max_pool2d, tf.max_pool3d)[nd - 1]

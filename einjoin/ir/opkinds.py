@@ -145,7 +145,9 @@ class Pool:
     """A window aggregation over the spatial dims of ``x`` of shape ``(N, C, *spatial)``:
     ``out[n, c, y...] = agg over k... of x[n, c, stride*y + dilation*k - lo ...]``, the padding
     (and every position outside the input) being the aggregation's identity (-inf for max, 0 for
-    sum). ``agg`` is ``max`` or ``sum`` (average pooling divides the sum)."""
+    sum). ``agg`` is ``max`` or ``sum`` (average pooling divides the sum), or ``none``: the windows
+    themselves, ``out[n, c*K + j, y...]`` for window position ``j`` (row-major), zero padded —
+    torch's unfold (im2col) order, copied exactly (no arithmetic: an inf or NaN stays put)."""
 
     agg: Agg
     window: tuple[int, ...]

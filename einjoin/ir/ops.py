@@ -457,8 +457,9 @@ def conv_node(x: Node, w: Node, stride: Any = 1, padding: Any = 0, lhs_dilation:
 
 def pool_node(x: Node, agg: str | Agg, window: Any, stride: Any = None, padding: Any = 0,
               dilation: Any = 1) -> Node:
-    """A window aggregation (:class:`~einjoin.ir.opkinds.Pool`, ``max`` or ``sum``) over the
-    spatial dims of ``x`` of shape ``(N, C, *spatial)``; ``stride`` defaults to the window.
+    """A window aggregation (:class:`~einjoin.ir.opkinds.Pool`, ``max`` or ``sum``, or ``none``:
+    the windows as ``C * prod(window)`` channels) over the spatial dims of ``x`` of shape
+    ``(N, C, *spatial)``; ``stride`` defaults to the window.
 
     >>> from einjoin.ir import ops
     >>> ops.pool_node(ops.input_node("x", (2, 3, 8, 8), "float32"), "max", 2).shape
@@ -467,8 +468,8 @@ def pool_node(x: Node, agg: str | Agg, window: Any, stride: Any = None, padding:
     x = _need_node(x, "pool")
     a = get_agg(agg)
     what = f"{a.name} pool of input {x.shape}"
-    if a.name not in ("max", "sum"):
-        raise EinjoinError(f"{what}: a pool aggregates with max or sum, not {a.name}")
+    if a.name not in ("max", "sum", "none"):
+        raise EinjoinError(f"{what}: a pool aggregates with max or sum (or none: the windows), not {a.name}")
     if not 3 <= x.ndim <= 5:
         raise ShapeError(f"{what}: need an input (N, C, *spatial) with 1-3 spatial dims")
     if kind(x.dtype) != "float":
@@ -479,7 +480,8 @@ def pool_node(x: Node, agg: str | Agg, window: Any, stride: Any = None, padding:
     dil = _per_dim(dilation, nd, what, "dilation")
     pads = _pads(padding, nd, what)
     spatial = _window_out(what, x, win, st, pads, (1,) * nd, dil)
-    return Node(Pool(a, win, st, pads, dil), (x,), x.shape[:2] + spatial, x.dtype)
+    channels = x.shape[1] * math.prod(win) if a.name == "none" else x.shape[1]
+    return Node(Pool(a, win, st, pads, dil), (x,), (x.shape[0], channels) + spatial, x.dtype)
 
 
 def topk_node(x: Node, k: int, axis: int = -1, largest: bool = True, indices: bool = False) -> Node:

@@ -78,7 +78,7 @@ def _describe_pool(op: Pool) -> str:
     parts = [f"window={list(op.window)}", f"stride={list(op.stride)}", f"pad={_pairs(op.padding)}"]
     if any(d != 1 for d in op.dilation):
         parts.append(f"dilation={list(op.dilation)}")
-    return f"{op.agg.name}_pool[{', '.join(parts)}]"
+    return f"{'windows' if op.agg.name == 'none' else op.agg.name + '_pool'}[{', '.join(parts)}]"
 
 
 def _describe_topk(op: TopK) -> str:
