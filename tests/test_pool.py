@@ -118,6 +118,9 @@ def test_pool_gradients_equal_torch_autograd(c: dict[str, Any]) -> None:
                                                       c["include"])),
              (ej.adaptive_avg_pool(x, 2), lambda t: getattr(F, f"adaptive_avg_pool{nd}d")(t, 2)),
              (ej.adaptive_max_pool(x, 3), lambda t: getattr(F, f"adaptive_max_pool{nd}d")(t, 3))]
+    if nd == 2:  # the windows' adjoint (col2im)
+        cases.append((ej.unfold(x, c["kernel"], c["dilation"], c["padding"], c["stride"]),
+                      lambda t: F.unfold(t, c["kernel"], c["dilation"], c["padding"], c["stride"])))
     for y, fn in cases:
         G = rng.standard_normal(y.shape)
         g = ej.input("g", y.shape, "float64")
@@ -228,3 +231,17 @@ def test_from_torch_max_pool_with_used_indices(devices: int) -> None:
     want = M()(x)
     torch.testing.assert_close(got[0], want[0])
     assert torch.equal(got[1], want[1])
+
+
+def test_unfold_gradient_equals_torch_autograd() -> None:
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((2, 3, 9, 8))
+    x = ej.input("x", X.shape, "float64")
+    y = ej.unfold(x, (3, 2), (1, 2), 1, (2, 1))
+    G = rng.standard_normal(y.shape)
+    (dx,) = ej.grad((y * ej.input("g", y.shape, "float64")).sum(), [x])
+    tx = torch.tensor(X, requires_grad=True)
+    (F.unfold(tx, (3, 2), (1, 2), 1, (2, 1)) * torch.tensor(G)).sum().backward()
+    assert tx.grad is not None
+    got = ej.compile(dx, devices=2, quiet=True).run(g=G)
+    np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
