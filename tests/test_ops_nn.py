@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 import einjoin as ej
-from tests.ops_harness import check_grads, check_import
+from tests.ops_harness import assert_close, check_grads, check_import
 
 HYP = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -61,11 +61,24 @@ def test_batch_norm_without_running_stats_uses_batch_statistics():
     check_import(m, (torch.randn(4, 3, 2, 5),))
 
 
-def test_batch_norm_training_with_running_stats_is_refused_clearly():
-    m = nn.Sequential(nn.BatchNorm1d(3)).train()
-    for method in ("export", "fx"):
-        with pytest.raises(ej.UnsupportedOpError, match="mutates|eval mode"):
-            ej.from_torch(m, (torch.randn(4, 3),), method=method)
+def test_batch_norm_training_mode_running_stats():
+    """torch.export: the output uses the batch statistics and the new running statistics come
+    back as the import's buffer updates (from_torch keeps buffer writes aside); torch.fx (whose
+    module translation cannot return them) refuses, naming the fix."""
+    m = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, momentum=0.3)).train()
+    x = torch.randn(6, 3)
+    fn = ej.from_torch(m, (x,), method="export")
+    updates = dict(fn.buffer_updates)
+    names = [n for n in updates if n.endswith(("running_mean", "running_var"))]
+    assert sorted(names) == ["1.running_mean", "1.running_var"]
+    prog = ej.compile(fn.with_outputs([fn.outputs[0]] + [updates[n] for n in sorted(names)]), devices=2)
+    got = prog.run(x)
+    want = m(x)  # training mode: updates m's running statistics in place
+    assert_close(got[0], want, atol=1e-5)
+    assert_close(got[1], m[1].running_mean, atol=1e-6)
+    assert_close(got[2], m[1].running_var, atol=1e-6)
+    with pytest.raises(ej.UnsupportedOpError, match="eval mode"):
+        ej.from_torch(m, (x,), method="fx")
 
 
 def test_batch_norm_train_function_matches_torch_running_stats():
@@ -325,3 +338,27 @@ def test_half_precision_ops(dtype):
     check_import(m, (x,), rtol=2e-2, atol=2e-2)
     check_import(Fn1(lambda x: (x.cumsum(-1), F.softplus(x), x.argmax(1))), (x,), rtol=2e-2, atol=2e-2,
                  methods=("export",))
+
+
+# ---------------------------------------------------------------- resizing
+
+
+@pytest.mark.parametrize("mode,align", [("nearest", None), ("nearest-exact", None), ("bilinear", False),
+                                        ("bilinear", True), ("bicubic", False), ("bicubic", True)])
+@pytest.mark.parametrize("how", [{"scale_factor": 2}, {"size": (5, 7)}, {"scale_factor": (1.5, 0.7)}])
+def test_interpolate_2d(mode, align, how):
+    x = torch.randn(2, 3, 4, 6)
+    kw = {} if align is None else {"align_corners": align}
+    check_import(Fn1(lambda x: F.interpolate(x, mode=mode, **how, **kw)), (x,))
+
+
+def test_interpolate_1d_3d_modules_and_gradient():
+    check_import(Fn1(lambda x: (F.interpolate(x, scale_factor=3, mode="linear"),
+                                F.interpolate(x, size=4, mode="nearest"))), (torch.randn(2, 3, 5),))
+    check_import(Fn1(lambda x: F.interpolate(x, size=(3, 4, 2), mode="trilinear")), (torch.randn(1, 2, 2, 3, 4),))
+    seq = nn.Sequential(nn.Upsample(scale_factor=2, mode="bilinear"), nn.UpsamplingNearest2d(size=(3, 5)),
+                        nn.UpsamplingBilinear2d(scale_factor=2))
+    check_import(seq, (torch.randn(1, 2, 3, 4),))
+    check_grads(Fn1(lambda x: (F.interpolate(x, scale_factor=2, mode="bilinear") ** 2).sum()
+                    + F.interpolate(x, size=(5, 3), mode="nearest").sum()),
+                (torch.randn(1, 2, 3, 4, dtype=torch.float64),))

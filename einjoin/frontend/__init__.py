@@ -10,6 +10,7 @@ from einjoin.frontend.functions import __all__ as _fn_all
 from einjoin.frontend.losses import (binary_cross_entropy, binary_cross_entropy_with_logits, huber_loss, kl_div,
                                      l1_loss, smooth_l1_loss)
 from einjoin.frontend.norms import batch_norm, batch_norm_train, group_norm, instance_norm
+from einjoin.frontend.resize import interpolate
 from einjoin.frontend.routing import (argmax, argmin, cumprod, cumsum, index_add, index_copy, index_select,
                                       max_dim, min_dim, one_hot, pad, scatter, scatter_add, take_along_dim)
 from einjoin.frontend.tensor import Tensor
@@ -24,4 +25,4 @@ __all__ = ["Tensor", "TorchFunction", "from_torch", "attention", "gelu", "layer_
            "binary_cross_entropy", "binary_cross_entropy_with_logits", "huber_loss", "kl_div", "l1_loss",
            "smooth_l1_loss",
            "argmax", "argmin", "cumprod", "cumsum", "index_add", "index_copy", "index_select", "max_dim",
-           "min_dim", "one_hot", "pad", "scatter", "scatter_add", "take_along_dim"]
+           "min_dim", "one_hot", "pad", "scatter", "scatter_add", "take_along_dim", "interpolate"]

@@ -31,6 +31,7 @@ from einjoin.frontend.aten_notes import DATA_DEPENDENT, DATA_DEPENDENT_HELP, NOT
 from einjoin.frontend.aten_index import INDEX_OPS
 from einjoin.frontend.aten_nn import NN_OPS
 from einjoin.frontend.recurrent import RECURRENT_OPS
+from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
 from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _repeat_interleave, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
@@ -583,6 +584,7 @@ OPS.update(LOSS_OPS)
 OPS.update(INDEX_OPS)
 OPS.update(NN_OPS)
 OPS.update(RECURRENT_OPS)
+OPS.update(RESIZE_OPS)
 OPS.update(CONV_OPS)  # convolution and pooling (H1's frontend/aten_conv.py)
 
 

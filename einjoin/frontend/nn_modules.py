@@ -24,6 +24,7 @@ from einjoin.frontend.aten_conv import CONV_MODULES
 from einjoin.frontend.attention_modules import ATTENTION_MODULES
 from einjoin.frontend.losses import LOSS_MODULES
 from einjoin.frontend.recurrent import RECURRENT_MODULES
+from einjoin.frontend.resize import RESIZE_MODULES
 from einjoin.frontend.tensor import Tensor
 
 __all__ = ["MODULES"]
@@ -137,6 +138,6 @@ MODULES: dict[str, Callable[..., Tensor]] = {
     "Softmax": lambda m, p, x: aten.OPS["softmax"](x, m.dim),  # dim None: torch's legacy rule
     "LogSoftmax": lambda m, p, x: aten.OPS["log_softmax"](x, m.dim),
     **LOSS_MODULES,  # CrossEntropyLoss, NLLLoss, MSELoss: (module, params, input, target)
-    **_ACTIVATIONS, **_NORMS, **_LOSSES, **RECURRENT_MODULES, **ATTENTION_MODULES,
+    **_ACTIVATIONS, **_NORMS, **_LOSSES, **RECURRENT_MODULES, **ATTENTION_MODULES, **RESIZE_MODULES,
     **CONV_MODULES,  # convolutions and pooling (frontend/aten_conv.py)
 }
