@@ -154,7 +154,7 @@ def test_zoo_model_under_half_its_working_set(name):
     assert max(capped.run_stats.peak_bytes_per_device.values()) <= cap
 
 
-@pytest.mark.parametrize("name", ["nn.Sequential MLP", "zoo:mlp", "zoo:chain"])
+@pytest.mark.parametrize("name", ["nn.Sequential MLP", "zoo:mlp", "zoo:chain", "zoo:resnet18", "zoo:moe", "zoo:lstm"])
 def test_fx_fallback_matches_torch(name):
     module, args, fn = traced(name, "fx")
     assert fn.method == "fx"
