@@ -7,15 +7,17 @@ ufunc).
 
 A prepared kernel runs the same numpy calls in the same order as ``einsum_kernel`` (the same
 bits); it checks that its blocks have the shapes and dtypes it was prepared for and returns None
-otherwise (the caller then takes the general path, which also raises the errors). Kernels it does
-not prepare (other node kinds, half-precision inputs, repeated labels, the ``einsum`` and
-``diagonal`` routes) take the general path.
+otherwise (the caller then takes the general path, which also raises the errors). Einsum kernels
+it does not prepare (half-precision inputs, repeated labels, the ``einsum`` and ``diagonal``
+routes) take the general path; a kernel of another kind is its block kernel with the
+decomposition, kernel and output box looked up once.
 
 >>> import numpy as np, einjoin as ej
 >>> x = ej.input("x", (4, 4)); prog = ej.compile([ej.tanh(x)], 1, backend="sync", fuse=False, quiet=True)
 >>> fast = prepare_kernels(prog.taskgraph, prog.plan.decomps)
->>> sum(f is not None for f in fast)
-1
+>>> [t.id for t in prog.taskgraph.tasks if fast[t.id] is not None] == [t.id for t in prog.taskgraph.tasks
+...                                                                    if t.kind.value == "kernel"]
+True
 """
 
 from __future__ import annotations
@@ -55,9 +57,14 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
     if d is None:
         return None
     op = d.node.op
-    if rule_for(BLOCK_KERNELS, op, "the block kernels") is not _einsum_block:
-        return None  # not an einsum: no per-call bookkeeping worth saving here
     k = d.kernels[t.payload.kernel]
+    rule = rule_for(BLOCK_KERNELS, op, "the block kernels (einjoin.decomp.block_kernels.BLOCK_KERNELS)")
+    if rule is not _einsum_block:
+        # another kind: its block kernel with the decomposition, kernel and box looked up once
+        box = d.out_partition.box(k.out_key)
+        if len(t.reads) != sum(key is not None for key in k.in_keys):
+            return None
+        return _other(rule, d, op, k, box)
     if any(key is None for key in k.in_keys) or len(t.reads) != len(k.in_keys) or not t.reads:
         return None
     vals = [tg.values[r] for r in t.reads]
@@ -87,6 +94,21 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
                 return None
         return np.asarray(core(blocks), order="C").astype(out_dtype, copy=False)
     return run
+
+
+def _other(rule: Any, d: Decomposition, op: Any, k: Any, box: Any) -> FastKernel:
+    """A block kernel of another kind, called as :func:`einjoin.decomp.block_kernels.run_kernel`
+    calls it (the blocks in the kernel's input order, None where it reads nothing)."""
+    keys = tuple(key is not None for key in k.in_keys)
+    if all(keys):
+        def run(blocks: Sequence[Any]) -> np.ndarray | None:
+            return np.asarray(rule(d, op, k, blocks, box))
+        return run
+
+    def run_sparse(blocks: Sequence[Any]) -> np.ndarray | None:
+        it = iter(blocks)
+        return np.asarray(rule(d, op, k, [next(it) if has else None for has in keys], box))
+    return run_sparse
 
 
 def _join_core(op: Any, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence[np.ndarray]], Any] | None:
