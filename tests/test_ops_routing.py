@@ -83,13 +83,17 @@ def test_scatter_add_and_scatter(dim, seed):
     check_import(Fn(lambda x, i: x.scatter(dim, i, 2.5)), (x, perm))
 
 
-def test_scatter_reduce_sum_and_mean():
+def test_scatter_reduce():
     x, src = torch.randn(4, 5), torch.randn(4, 5)
     i = _idx((4, 5), 5, 3)
     for include in (True, False):
-        for red in ("sum", "mean"):
+        for red in ("sum", "mean", "prod", "amax", "amin"):
             check_import(Fn(lambda x, i, red=red, inc=include: x.scatter_reduce(1, i, src, red, include_self=inc)),
                          (x, i), methods=("export",))
+    xi, si = torch.arange(20).reshape(4, 5), torch.arange(12).reshape(3, 4) - 6  # ints; an index smaller than x
+    for red in ("amax", "amin", "prod", "sum"):
+        check_import(Fn(lambda x, i, red=red: x.scatter_reduce(0, i, si, red)), (xi, _idx((3, 4), 4, 5)),
+                     methods=("export",))
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])

@@ -16,7 +16,7 @@ from collections import namedtuple
 from collections.abc import Callable
 from typing import Any
 
-from einjoin.errors import ShapeError, UnsupportedOpError
+from einjoin.errors import ShapeError
 from einjoin.frontend import functions as F
 from einjoin.frontend import routing as R
 from einjoin.frontend.aten_layout import torch_dtype
@@ -77,18 +77,7 @@ def _scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
 @op("scatter_reduce", "scatter_reduce_")
 def _scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str, *,
                     include_self: bool = True) -> Tensor:
-    if reduce not in ("sum", "mean"):
-        raise UnsupportedOpError(f"scatter_reduce with reduce={reduce!r} (only 'sum' and 'mean')")
-    zero = F.full(x.shape, 0, x.dtype)
-    base = x if include_self else R.scatter(x, dim, index, value=0)
-    total = R.scatter_add(base, dim, index, src)
-    if reduce == "sum":
-        return total
-    ones = F.full(index.shape, 1, x.dtype)
-    count = R.scatter_add(zero if not include_self else F.full(x.shape, 1, x.dtype), dim, index, ones)
-    count = elementwise("max", count, 1)  # untouched positions keep their value (torch)
-    out = total / count
-    return out if x.dtype == out.dtype else elementwise("floordiv", total, count).to(x.dtype)
+    return R.scatter_reduce(x, dim, index, src, reduce, bool(include_self))
 
 
 @op("index_add", "index_add_")

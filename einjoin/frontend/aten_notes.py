@@ -65,7 +65,8 @@ NOTES: dict[str, str] = {
     "take_along_dim": "broadcasts as torch; no `dim`: of the flattened tensors",
     "scatter": "`reduce` 'add' only (not 'multiply'); a repeated index keeps the last write (torch: "
                "unspecified; its CPU kernel keeps the last); O(n·m) per row along `dim`",
-    "scatter_reduce": "`reduce` 'sum' and 'mean' (not 'prod', 'amax', 'amin')",
+    "scatter_reduce": "'sum', 'mean' (scatter-adds), 'prod', 'amax', 'amin' (an EinSum along `dim`, "
+                      "O(n·m) per row)",
     "index_copy": "a repeated index keeps the last row (torch: unspecified)",
     "index_put": "without `accumulate`, a repeated index sums its writes (torch: unspecified); a bool "
                  "mask index takes one value",

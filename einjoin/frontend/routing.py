@@ -36,7 +36,7 @@ from einjoin.frontend.tensor import (LETTERS, Tensor, _norm_dim, _t, broadcast_s
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
 
-__all__ = ["take_along_dim", "scatter", "scatter_add", "index_add", "index_copy", "index_select",
+__all__ = ["take_along_dim", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_select",
            "argmax", "argmin", "max_dim", "min_dim", "cumsum", "cumprod", "one_hot", "pad", "advanced_index",
            "index_put"]
 
@@ -179,6 +179,56 @@ def scatter(x: Tensor, dim: int, index: Tensor, src: Any = None, *, value: Any =
     new = einsum(f"{ils},{ls},{j}->{ls}", vals, winner, fill((m,), "x0", "int64"),
                  join=f"where(x2 == x1, x0, {zero})", agg=agg)
     return _where(winner >= 0, new, x)
+
+
+_REDUCE_AGG = {"prod": ("prod", "1"), "amax": ("max", "-inf"), "amin": ("min", "inf")}
+
+
+def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str, include_self: bool = True
+                   ) -> Tensor:
+    """``torch.scatter_reduce`` along ``dim``: ``sum`` and ``mean`` by scatter-adds; ``prod``,
+    ``amax`` and ``amin`` as one EinSum along ``dim`` with that aggregation over
+    ``where(index == t, src, identity)`` (O(n·m) per row), combined with ``x`` where
+    ``include_self`` and kept as ``x`` where nothing is written."""
+    x = _t(x, "scatter_reduce")
+    idx = _int_index(index, "scatter_reduce")
+    d = _norm_dim(x, dim)
+    vals = _sources(_t(src, "scatter_reduce src"), idx, x.dtype, "scatter_reduce")
+    if reduce in ("sum", "mean"):
+        base = x if include_self else scatter(x, d, idx, value=0)
+        total = scatter_add(base, d, idx, vals)
+        if reduce == "sum":
+            return total
+        count = scatter_add(full(x.shape, 1 if include_self else 0, x.dtype), d, idx, full(idx.shape, 1, x.dtype))
+        count = elementwise("max", count, 1)  # untouched positions keep their value (torch)
+        out = total / count
+        return out if out.dtype == x.dtype else elementwise("floordiv", total, count).to(x.dtype)
+    if reduce not in _REDUCE_AGG:
+        raise UnsupportedOpError(f"scatter_reduce with reduce={reduce!r} (sum, mean, prod, amax, amin)")
+    if x.ndim >= len(LETTERS) or x.dtype == "bool":
+        raise UnsupportedOpError(f"scatter_reduce {reduce!r} of a {x.dtype} tensor of rank {x.ndim}")
+    agg, ident = _REDUCE_AGG[reduce]
+    if kind(x.dtype) == "int" and reduce != "prod":
+        ident = str(-2 ** 63) if reduce == "amax" else str(2 ** 63 - 1)
+    m, n = idx.shape[d], x.shape[d]
+    if m == 0 or math.prod(idx.shape) == 0:
+        return x
+    lin = _linear_index(x.shape, idx, d, "scatter_reduce")
+    check = gather(full((math.prod(x.shape),), 0, "int64"), lin).sum()
+    pads = [(k, 0, x.shape[k] - idx.shape[k]) for k in range(x.ndim) if k != d and idx.shape[k] < x.shape[k]]
+    idx_p, vals_p = idx, vals
+    for k, lo, hi in pads:
+        idx_p = _pad_constant(idx_p, k, lo, hi, -1)
+        vals_p = _pad_constant(vals_p, k, lo, hi, 0)
+    ls = LETTERS[:x.ndim]
+    j = LETTERS[x.ndim]
+    ils = ls[:d] + j + ls[d + 1:]
+    iota = fill((n,), "x0", "int64")
+    count = einsum(f"{ils},{ls[d]}->{ls}", idx_p, iota, join="where(x0 == x1, 1, 0)") + check
+    red = einsum(f"{ils},{ils},{ls[d]}->{ls}", vals_p, idx_p, iota, join=f"where(x1 == x2, x0, {ident})", agg=agg)
+    if include_self:
+        red = elementwise({"prod": "mul", "amax": "max", "amin": "min"}[reduce], red, x)
+    return _where(count > 0, red, x)
 
 
 def _where(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
