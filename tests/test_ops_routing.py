@@ -297,3 +297,13 @@ def test_scatter_gradient():
             i = torch.tensor([[3, 0], [1, 2], [0, 3]])
             return (x.scatter(1, i, src * src) * torch.arange(12.0, dtype=torch.float64).reshape(3, 4)).sum()
     check_grads(M(), (torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)))
+
+
+def test_advanced_index_and_index_put_gradients():
+    class M(nn.Module):
+        def forward(self, x, v):
+            i, j = torch.tensor([0, 2, 2]), torch.tensor([-1, 1, 1])
+            y = x[i, j] * v + x[:, j].sum(0)
+            z = torch.index_put(x, (i, j), v * v, accumulate=True)
+            return (y * y).sum() + (z * torch.arange(12.0, dtype=torch.float64).reshape(3, 4)).sum()
+    check_grads(M(), (torch.randn(3, 4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)))
