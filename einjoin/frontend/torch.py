@@ -60,6 +60,14 @@ class TorchFunction:
     buffers: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
     """The buffers and constant tensors (graph inputs too, bound like the parameters; not
     parameters: nothing trains them)."""
+    constants: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    """The forward's non-tensor arguments the import was given (``scale=2.0``, ``use_cache=False``),
+    by parameter name: the graph holds for these values (torch.export specialised it on them), so
+    a call giving the same values may be run, and other values need a new import."""
+    call_args: tuple[str, ...] = ()
+    """The forward's parameters in the order the example gave them (positional, then keyword): each
+    a tensor input of ``arg_names`` or a name in ``constants``; for binding a torch-style call
+    ``run(x, 2.0, True)`` to the graph's inputs."""
     buffer_updates: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
     """The buffers the forward writes (a training-mode BatchNorm's ``running_mean``, ``running_var``,
     ``num_batches_tracked``): name -> the tensor of its new value, computed from the graph's inputs
@@ -800,7 +808,9 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     fixed = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     keywords = tuple(n for n in fn.arg_names if isinstance(kwargs.get(n), torch.Tensor))
     rec = _Recapture(module, fn.method, int(dropout_seed), dyn, layout, fixed, keywords)
-    return replace(fn, recapture=rec, dynamic=dyn)
+    labels = _arg_labels(module, len(args), kwargs)
+    constants = {lab: v for lab, v in zip(labels, [*args, *kwargs.values()]) if not isinstance(v, torch.Tensor)}
+    return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=tuple(labels))
 
 
 @dataclass(frozen=True)
