@@ -169,3 +169,45 @@ def test_cancel_from_another_thread_stops_an_inline_run() -> None:
     with pytest.raises(ej.EinjoinError, match=rf"run cancelled with {n - 3} of {n} tasks left"):
         prog.run(**feeds, cancel=tok, callbacks=[Stall()])
     np.testing.assert_allclose(prog.run(**feeds)[1], (feeds["x"] ** 2).sum(axis=1), rtol=1e-5)
+
+
+def test_a_run_that_changes_no_blas_limit_starts_no_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The BLAS limiter counts a run in and out on the caller's thread when no library's limit
+    would change (one device: its share is every core); a share that differs still goes through
+    the helper, and the limits are the original ones after either run."""
+    from threadpoolctl import ThreadpoolController
+
+    from einjoin.runtime.backends import BLAS_LIMITER, BlasLimiter
+    build, feeds = GRAPHS["matmul"]
+    one = ej.compile(build(), 1, backend="threads", fuse=False, quiet=True)
+    one.run(**feeds)  # the first run: the helper finds the libraries
+    blas = [lc for lc in ThreadpoolController().lib_controllers if lc.user_api == "blas"]
+    before = [lc.num_threads for lc in blas]
+    calls: list[bool] = []
+    real = BlasLimiter._apply
+
+    def counted(self: Any, ticket: Any, entering: bool) -> None:
+        calls.append(entering)
+        real(self, ticket, entering)
+    monkeypatch.setattr(BlasLimiter, "_apply", counted)
+    inside: list[list[int]] = []
+
+    class Limits:
+        def on_start(self, task: Any) -> None:
+            if not inside:
+                inside.append([lc.num_threads for lc in blas])
+
+        def on_end(self, task: Any, start: float, end: float) -> None:
+            pass
+    if any(n != BlasLimiter._share(1) for n in before):
+        pytest.skip("the BLAS libraries are not at all the cores here: a one-device run changes them")
+    for _ in range(3):
+        one.run(**feeds, callbacks=[Limits()])
+    assert calls == [] and BLAS_LIMITER.devices_in_flight == 0
+    assert inside == [[BlasLimiter._share(1)] * len(blas)]
+    assert [lc.num_threads for lc in blas] == before
+    two = ej.compile(build(), 2, backend="threads", fuse=False, quiet=True)
+    two.run(**feeds)
+    if BlasLimiter._share(2) != BlasLimiter._share(1):
+        assert calls == [True, False]  # the share changes: set on the way in, restored on the way out
+    assert [lc.num_threads for lc in blas] == before

@@ -181,11 +181,37 @@ class BlasLimiter:
             else:
                 return False
             if not (self._devices and devices and self._share(devices) == self._current):
-                return False
+                return self._nothing_to_set(ticket, entering, devices)
             ticket.state, self._devices = ("in" if entering else "out"), devices  # no call between
             return True
         finally:
             self._lock.release()
+
+    def _nothing_to_set(self, ticket: _Ticket, entering: bool, devices: int) -> bool:  # under _lock
+        """The first run in when every BLAS library is at its share already (one device: all the
+        cores, the usual default), or the last run out when every library is back at its
+        original limit: counted here, without a helper (reading a limit pins nothing), since
+        the helper would change nothing. A helper thread per run cost a one-device program
+        ~1-5 ms per run (its start and the wait for it, more on a loaded machine). Reads the
+        libraries only once a helper has found them."""
+        libs = self._libs
+        if libs is None:
+            return False
+        if entering and not self._devices and devices:
+            share = self._share(devices)
+            current = [lc.num_threads for lc in libs]
+            if any(c != share for c in current):
+                return False
+            self._original, self._current = current, share
+            ticket.state, self._devices = "in", devices
+            return True
+        if not entering and not devices and self._original is not None:
+            if [lc.num_threads for lc in libs] != self._original:
+                return False
+            self._original = self._current = None
+            ticket.state, self._devices = "out", 0
+            return True
+        return False
 
     def _send(self, ticket: _Ticket, entering: bool) -> BaseException | None:
         """Have the helper enter or leave ``ticket`` and wait until it has; returns a
