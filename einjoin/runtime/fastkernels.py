@@ -56,7 +56,7 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
     d = decomps.get(t.node)
     if d is None:
         return None
-    op = d.node.op
+    op: Any = d.node.op  # an einsum once its block kernel is the einsum one
     k = d.kernels[t.payload.kernel]
     rule = rule_for(BLOCK_KERNELS, op, "the block kernels (einjoin.decomp.block_kernels.BLOCK_KERNELS)")
     if rule is not _einsum_block:
