@@ -2,9 +2,8 @@
 module class name in :data:`MODULES`, each ``(module, its parameters by name, *inputs) -> Tensor``
 built from the ATen translations (:data:`einjoin.frontend.aten.OPS`) and the losses.
 
->>> import torch
->>> sorted(MODULES)[:3]
-['CrossEntropyLoss', 'Dropout', 'Embedding']
+>>> [name in MODULES for name in ("CrossEntropyLoss", "GroupNorm", "LSTM", "MultiheadAttention")]
+[True, True, True, True]
 """
 
 from __future__ import annotations
