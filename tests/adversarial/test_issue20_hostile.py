@@ -383,6 +383,17 @@ def test_losses_and_activations_at_their_edges_equal_torch(name: str, f: Any, ar
     _same(_run(f, args, 2), f(*args))
 
 
+def test_cross_entropy_4d_with_weights_smoothing_and_ignores_equals_torch() -> None:
+    torch.manual_seed(0)
+    x, t, w = torch.randn(2, 5, 3, 4), torch.randint(0, 5, (2, 3, 4)), torch.rand(5)
+    t[0, 1, 2] = -100
+    t[1, 0, :] = -100
+    for reduction in ("none", "mean", "sum"):
+        def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(a, b, weight=w, reduction=reduction, label_smoothing=0.2)
+        _same(_run(f, (x, t), 2), f(x, t))
+
+
 @pytest.mark.xfail(strict=True, reason="unbatched cross_entropy (logits (C,), 0-d target) on 2 devices: "
                    "task 'kernel of gather' fails with a raw TypeError (\"'numpy.float32' object does not "
                    "support item assignment\" in ir/kernels.gather_kernel on a 0-d block of a row-split "
@@ -708,3 +719,14 @@ def test_trainer_updates_batch_norm_running_stats_as_torch() -> None:
     sd = tr.state_dict()
     for k in ("0.weight", "1.running_mean", "1.running_var"):
         torch.testing.assert_close(torch.as_tensor(sd[k]), ref.state_dict()[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_stateful_imported_program_refuses_new_shapes_clearly() -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3).eval()
+    fn = ej.from_torch(m, (torch.randn(2, 4),))
+    w = fn.parameters["weight"]
+    prog = ej.compile(fn, state={w * 0.99: w}, quiet=True)
+    assert prog.run(torch.randn(2, 4)).shape == (2, 3)
+    with pytest.raises(ej.EinjoinError, match="state"):
+        prog.run(torch.randn(5, 4))
