@@ -414,7 +414,10 @@ def test_non_tensor_arguments_are_constants_and_use_cache_is_turned_off():
 
 class Experts(nn.Module):
     """A Hugging Face MoE's switch: ``config._experts_implementation`` other than 'batched_mm'
-    dispatches with a data-dependent shape (here ``nonzero``)."""
+    dispatches with a data-dependent shape (here ``nonzero``); transformers' experts classes have
+    ``_apply_gate``."""
+
+    _apply_gate = None
 
     def __init__(self, impl: str):
         super().__init__()
@@ -442,6 +445,10 @@ def test_hf_experts_are_captured_with_static_shapes_and_the_setting_is_restored(
     wrapped = nn.Sequential(m, nn.ReLU())
     assert any("'eager'" in n for n in ej.from_torch(wrapped, (x,)).notes)
     assert m.config._experts_implementation == "eager"
+    # a config that says 'eager' on a model without experts classes is left alone, and no note
+    plain = nn.Linear(4, 4)
+    plain.config = m.config
+    assert ej.from_torch(plain, (x,)).notes == ()
 
 
 def test_training_batch_norm_running_stats_are_buffer_updates():

@@ -883,8 +883,10 @@ def _static_experts(module: Any, notes: list[str]) -> Iterator[None]:
     ``eager``: a loop over ``nonzero()``); ``batched_mm`` is the same sum with static shapes (each
     token's chosen experts' weights gathered, batched matmuls, weighted sum). The capture uses it;
     the model's setting is restored afterwards."""
-    configs: dict[int, tuple[Any, str]] = {}  # the module or any submodule (a user's wrapper around a model)
+    configs: dict[int, tuple[Any, str]] = {}  # any submodule (a user's wrapper around a model)
     for m in module.modules():
+        if not hasattr(type(m), "_apply_gate"):  # transformers' experts classes (use_experts_implementation)
+            continue
         config: Any = getattr(m, "config", None)
         impl = getattr(config, "_experts_implementation", None)
         if isinstance(impl, str) and impl != "batched_mm":
