@@ -275,3 +275,21 @@ def test_other_batch_and_sequence_lengths_import_again(family: str) -> None:
         expected = module(ids, am)
     assert_close(prog.run(ids, am), expected)
     assert prog.run_stats.cache_misses == 1
+
+
+def test_a_7b_sized_hf_llama_on_the_meta_device_plans_without_weights() -> None:
+    # two layers of LLaMA-7B's sizes, built on the meta device: imported and planned for 8 devices
+    # with no weights anywhere (backend "null": shapes only)
+    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=2,
+                                   num_attention_heads=32, vocab_size=32000, max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(cfg).eval()
+        ids = torch.zeros(1, 2048, dtype=torch.long)
+    fn = ej.from_torch(model, (ids,))
+    assert fn.bound == {} and fn.outputs[0].shape == (1, 2048, 4096)
+    assert any("use_cache=False" in n for n in fn.notes)
+    prog = ej.compile(fn, devices=8, backend="null")
+    # the weights of two layers (4 of 4096^2, 3 of 4096 x 11008) and the embedding, float32, loaded once
+    weights = (2 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 32000 * 4096) * 4
+    assert weights <= prog.stats.bytes_loaded < weights * 1.05
+    assert prog.stats.flops > 2 * 2 * 2048 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
