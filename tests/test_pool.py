@@ -245,3 +245,62 @@ def test_unfold_gradient_equals_torch_autograd() -> None:
     assert tx.grad is not None
     got = ej.compile(dx, devices=2, quiet=True).run(g=G)
     np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def _grad(X: np.ndarray, mine: Any, theirs: Any) -> tuple[np.ndarray, np.ndarray]:
+    x = ej.input("x", X.shape, "float64")
+    y = mine(x)
+    G = np.random.default_rng(1).standard_normal(y.shape)
+    (dx,) = ej.grad((y * ej.input("g", y.shape, "float64")).sum(), [x])
+    tx = torch.tensor(X, requires_grad=True)
+    (theirs(tx) * torch.tensor(G)).sum().backward()
+    assert tx.grad is not None
+    return ej.compile(dx, devices=2, quiet=True).run(x=X, g=G), tx.grad.numpy()
+
+
+@pytest.mark.parametrize("X, mine, theirs", [
+    (np.ones((1, 1, 4, 4)), lambda x: ej.max_pool(x, 2), lambda t: F.max_pool2d(t, 2)),
+    (np.round(np.random.default_rng(0).standard_normal((1, 2, 5, 5))), lambda x: ej.max_pool(x, 3, 1, 1),
+     lambda t: F.max_pool2d(t, 3, 1, 1)),
+    (np.array([[[1.0, np.nan, 2.0, 3.0, np.nan, np.nan]]]), lambda x: ej.max_pool(x, 2),
+     lambda t: F.max_pool1d(t, 2)),
+    (np.array([[[np.nan, 1.0, np.nan, 3.0, np.nan, 2.0, 2.0]]]), lambda x: ej.max_pool(x, 3, 1, 1),
+     lambda t: F.max_pool1d(t, 3, 1, 1)),
+    (np.array([[[np.nan, 1.0, np.nan, 3.0, np.nan, 2.0, 2.0]]]), lambda x: ej.adaptive_max_pool(x, 3),
+     lambda t: F.adaptive_max_pool1d(t, 3)),
+    (np.ones((1, 1, 4, 3)), lambda x: ej.adaptive_max_pool(x, 2), lambda t: F.adaptive_max_pool2d(t, 2)),
+    (np.round(np.random.default_rng(2).standard_normal((2, 2, 7, 5))), lambda x: ej.adaptive_max_pool(x, (3, 2)),
+     lambda t: F.adaptive_max_pool2d(t, (3, 2))),
+])
+def test_max_pool_gradients_route_to_the_first_maximum_as_torch(X: np.ndarray, mine: Any, theirs: Any) -> None:
+    """Ties (and NaN windows) send each window's cotangent to one position — the first maximum
+    in row-major window order, or the last NaN — as torch's indices do."""
+    got, want = _grad(X, mine, theirs)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)  # (overlapping windows: sums in another order)
+
+
+def test_adaptive_max_pool_indices_equal_torch() -> None:
+    from einjoin.frontend.conv import adaptive_max_pool_with_indices
+    rng = np.random.default_rng(4)
+    for shape, out in (((2, 3, 7, 8), (3, 5)), ((2, 3, 9), 4), ((1, 2, 5, 6, 7), (2, 4, 3)), ((2, 3, 8, 8), 4)):
+        X = np.round(rng.standard_normal(shape))  # ties
+        x = ej.input("x", shape, "float64")
+        v, i = adaptive_max_pool_with_indices(x, out)
+        tv, ti = getattr(F, f"adaptive_max_pool{len(shape) - 2}d")(torch.tensor(X), out, return_indices=True)
+        got = ej.compile([v, i], devices=2, quiet=True).run(x=X)
+        np.testing.assert_array_equal(got[0], tv.numpy())
+        np.testing.assert_array_equal(got[1], ti.numpy())
+
+
+def test_half_precision_average_pools_round_once_as_torch() -> None:
+    X = (torch.rand(2, 3, 7, 9) * 200).to(torch.bfloat16)
+    x = ej.input("x", tuple(X.shape), "bfloat16")
+    feeds = dict(x=X.float().numpy().astype(ej.ir.dtypes.numpy_dtype("bfloat16")))
+    for mine, theirs in ((lambda t: ej.adaptive_avg_pool(t, (3, 4)), lambda t: F.adaptive_avg_pool2d(t, (3, 4))),
+                         (lambda t: ej.avg_pool(t, 3, 2, 1), lambda t: F.avg_pool2d(t, 3, 2, 1)),
+                         (lambda t: ej.adaptive_avg_pool(t, 1), lambda t: F.adaptive_avg_pool2d(t, 1))):
+        y = mine(x)
+        assert y.dtype == "bfloat16"
+        want = theirs(X.float()).to(torch.bfloat16).float().numpy()
+        got = ej.compile(y, devices=2, quiet=True).run(**feeds).astype(np.float32)
+        np.testing.assert_array_equal(got, want)

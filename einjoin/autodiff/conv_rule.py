@@ -6,9 +6,9 @@ and all, as the forward does):
 - its weight gradient is a conv of the input with the cotangent as the kernel (stride and
   kernel dilation swapped), batch and channels exchanged by einsum transposes;
 - a sum pool's input gradient is the transposed conv of the cotangent by a kernel of ones;
-- a max pool's routes the cotangent to the window positions equal to the window's maximum (every
-  tied position gets it; torch picks one): the windows (a pool with agg ``none``), an
-  elementwise mask, and the transposed conv by an identity kernel back;
+- a max pool's routes each window's cotangent to its first maximum (the last NaN of a NaN
+  window), as torch does: that position found from the windows (a pool with agg ``none``), the
+  cotangent placed there, and the transposed conv by an identity kernel back;
 - the windows' (``none``) is that transposed conv alone (im2col's adjoint, col2im).
 
 >>> from einjoin.ir import ops
@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from typing import cast
 
-from einjoin.frontend.conv import flip_kernel, identity_kernel
+from einjoin.frontend.conv import first_max, flip_kernel, identity_kernel
 from einjoin.ir import ops
 from einjoin.ir.node import Conv, Node, Pool
 from einjoin.ir.window import dilated
@@ -85,10 +85,11 @@ def pool_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | N
     eye = identity_kernel(c, op.window, x.dtype)                      # (C*Kt, 1, *K)
     if op.agg.name == "none":  # the windows: each cotangent back to where it was copied from
         return (conv_input_grad(g, eye, as_conv, x.shape),)
-    windows = ops.pool_node(x, "none", op.window, op.stride, op.padding, op.dilation)  # (N, C*Kt, *out)
+    # torch's routing: each window's cotangent to its first maximum (the last NaN in a NaN window)
+    first, _ = first_max(x, node, op.window, op.stride, op.padding, op.dilation)
     sp = "pqr"[:nd]
-    wr = ops.reshape_node(windows, (x.shape[0], c, kt) + node.shape[2:])
-    masked = ops.einsum_node([wr, node, g], [tuple("ncj" + sp), tuple("nc" + sp), tuple("nc" + sp)],
-                             tuple("ncj" + sp), "where(x0 == x1, x2, 0)", None)
-    flat = ops.reshape_node(masked, (x.shape[0], c * kt) + node.shape[2:])
+    iota = ops.fill_node((kt,), "int64", "x0")
+    routed = ops.einsum_node([first, iota, g], [tuple("nc" + sp), ("j",), tuple("nc" + sp)], tuple("ncj" + sp),
+                             "where(x0 == x1, x2, 0)", None)
+    flat = ops.reshape_node(routed, (x.shape[0], c * kt) + node.shape[2:])
     return (conv_input_grad(flat, eye, as_conv, x.shape),)

@@ -89,8 +89,9 @@ def _avg_pool_nd(nd: int) -> Callable[..., Any]:
 
 def _adaptive_nd(nd: int, fn: Callable[[Tensor, Any], Tensor], with_indices: bool) -> Callable[..., Any]:
     def translate(x: Tensor, output_size: Any, return_indices: bool = False) -> Any:
-        y = _batched(x, nd, lambda b: fn(b, output_size))
-        return (y, None) if with_indices or return_indices else y
+        if with_indices or return_indices:  # adaptive max pool only
+            return _batched(x, nd, lambda b: C.adaptive_max_pool_with_indices(b, output_size))
+        return _batched(x, nd, lambda b: fn(b, output_size))
     return translate
 
 

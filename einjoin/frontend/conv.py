@@ -24,9 +24,11 @@ from einjoin.ir.node import Node
 from einjoin.ir.window import out_size
 
 __all__ = ["conv", "conv_transpose", "max_pool", "max_pool_with_indices", "avg_pool", "adaptive_avg_pool",
-           "adaptive_max_pool", "unfold", "identity_kernel", "flip_kernel"]
+           "adaptive_max_pool", "adaptive_max_pool_with_indices", "unfold", "identity_kernel", "flip_kernel",
+           "first_max"]
 
 _K, _F = "uvw", "xyz"  # kernel labels, and the same flipped
+_HALF = ("float16", "bfloat16")
 
 
 def _tensor(x: Any, what: str) -> Tensor:
@@ -192,25 +194,16 @@ def max_pool(x: Tensor, kernel: Any, stride: Any = None, padding: Any = 0, dilat
     return Tensor(ops.pool_node(x.node, "max", k, st, _ceil_pads(x, k, st, pad, dil, ceil_mode, what), dil))
 
 
-def max_pool_with_indices(x: Tensor, kernel: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
-                          ceil_mode: bool = False) -> tuple[Tensor, Tensor]:
-    """torch's ``max_pool*d(..., return_indices=True)``: the values and, in int64, the position of
-    each window's first maximum in its (flattened) input plane (a NaN window: its first NaN).
-    The windows are a pool with agg ``none``; the first maximum a min over window positions.
-
-    >>> import einjoin as ej
-    >>> v, i = max_pool_with_indices(ej.input("x", (1, 2, 6, 6)), 2)
-    >>> v.shape, i.shape, i.dtype
-    ((1, 2, 3, 3), (1, 2, 3, 3), 'int64')
-    """
-    x = _tensor(x, "max_pool")
-    what = f"max_pool of input {x.shape}"
-    nd, k, st, pad, dil = _pool_args(x, kernel, stride, padding, dilation, what)
-    pads = _ceil_pads(x, k, st, pad, dil, ceil_mode, what)
-    values = Tensor(ops.pool_node(x.node, "max", k, st, pads, dil))
-    n, c, kt = x.shape[0], x.shape[1], math.prod(k)
+def first_max(x: Node, values: Node, k: Sequence[int], st: Sequence[int], pads: Sequence[tuple[int, int]],
+              dil: Sequence[int]) -> tuple[Node, Node]:
+    """(the window position ``j`` of each window's first maximum, int64 (N, C, *out); a fill over
+    (j, *out) of the flattened input-plane position each window position reads) for the max pool
+    of ``x`` whose values are ``values``: torch's choice (the first maximum in row-major window
+    order, or the last NaN), as its indices and its gradient route it."""
+    n, c, kt, nd = x.shape[0], x.shape[1], math.prod(k), len(k)
     out = values.shape[2:]
-    windows = ops.reshape_node(ops.pool_node(x.node, "none", k, st, pads, dil), (n, c, kt) + out)
+    windows = ops.reshape_node(ops.pool_node(x, "none", tuple(k), tuple(st), tuple(pads), tuple(dil)),
+                               (n, c, kt) + out)
     # per (window position j, output o): the input position along each dim, and whether it is one
     pos, inside, step = [], [], kt
     for d, (kk, s, (lo, _), dl, size) in enumerate(zip(k, st, pads, dil, x.shape[2:])):
@@ -229,9 +222,45 @@ def max_pool_with_indices(x: Tensor, kernel: Any, stride: Any = None, padding: A
     sp = "pqr"[:nd]
     nc, ncj, jsp = tuple("nc" + sp), tuple("ncj" + sp), tuple("j" + sp)
     masked = ops.einsum_node([windows, real], [ncj, jsp], ncj, "where(x1, x0, -inf)", None)
-    first = ops.einsum_node([masked, values.node, iota], [ncj, nc, ("j",)], nc,
-                            f"where((x0 == x1) | (x0 != x0), x2, {kt})", "min")
-    index = ops.einsum_node([first, iota, where_from], [nc, ("j",), jsp], nc, "where(x0 == x1, x2, 0)", "sum")
+    return _torch_pick(masked, values, iota, ncj, nc, ("j",), kt), where_from
+
+
+def _torch_pick(vals: Node, top: Node, pos: Node, v_labels: tuple[str, ...], out: tuple[str, ...],
+                p_labels: tuple[str, ...], none: int, extra: Sequence[Node] = (),
+                extra_labels: Sequence[tuple[str, ...]] = (), cond: str = "") -> Node:
+    """The position torch's max pools pick in each window of ``vals`` whose maximum is ``top``:
+    the first maximum, or in a window with NaN the last NaN (torch's CPU loop takes ``val >
+    max or isnan(val)``). ``extra`` inputs (masks, read by ``cond``) limit the window."""
+    inside = f"({cond}) & " if cond else ""
+    ins, labels = [vals, top, pos, *extra], [v_labels, out, p_labels, *extra_labels]
+    first = ops.einsum_node(ins, labels, out, f"where({inside}(x0 == x1), x2, {none})", "min")
+    last_nan = ops.einsum_node(ins, labels, out, f"where({inside}(x0 != x0), x2, -1)", "max")
+    return ops.einsum_node([top, first, last_nan], [out, out, out], out, "where(x0 != x0, x2, x1)", None)
+
+
+def max_pool_with_indices(x: Tensor, kernel: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+                          ceil_mode: bool = False) -> tuple[Tensor, Tensor]:
+    """torch's ``max_pool*d(..., return_indices=True)``: the values and, in int64, the position of
+    each window's first maximum in its (flattened) input plane (a NaN window: its last NaN, as
+    torch's CPU loop picks).
+    The windows are a pool with agg ``none``; the first maximum a min over window positions.
+
+    >>> import einjoin as ej
+    >>> v, i = max_pool_with_indices(ej.input("x", (1, 2, 6, 6)), 2)
+    >>> v.shape, i.shape, i.dtype
+    ((1, 2, 3, 3), (1, 2, 3, 3), 'int64')
+    """
+    x = _tensor(x, "max_pool")
+    what = f"max_pool of input {x.shape}"
+    nd, k, st, pad, dil = _pool_args(x, kernel, stride, padding, dilation, what)
+    pads = _ceil_pads(x, k, st, pad, dil, ceil_mode, what)
+    values = Tensor(ops.pool_node(x.node, "max", k, st, pads, dil))
+    first, where_from = first_max(x.node, values.node, k, st, pads, dil)
+    nd, kt = len(k), math.prod(k)
+    sp = "pqr"[:nd]
+    iota = ops.fill_node((kt,), "int64", "x0")
+    index = ops.einsum_node([first, iota, where_from], [tuple("nc" + sp), ("j",), tuple("j" + sp)], tuple("nc" + sp),
+                            "where(x0 == x1, x2, 0)", "sum")
     return values, Tensor(index)
 
 
@@ -246,6 +275,9 @@ def avg_pool(x: Tensor, kernel: Any, stride: Any = None, padding: Any = 0, ceil_
     (1, 1, 3, 3)
     """
     x = _tensor(x, "avg_pool")
+    if x.dtype in _HALF:  # torch sums and divides in float32, then rounds once
+        return avg_pool(x.to("float32"), kernel, stride, padding, ceil_mode, count_include_pad,
+                        divisor_override).to(x.dtype)
     what = f"avg_pool of input {x.shape}"
     nd, k, st, pad, dil = _pool_args(x, kernel, stride, padding, 1, what)
     pads = _ceil_pads(x, k, st, pad, dil, ceil_mode, what)
@@ -297,13 +329,39 @@ def _adaptive(x: Tensor, output_size: Any, agg: str, what: str) -> Tensor:
         return y / math.prod(k) if agg == "sum" else y
     # uneven windows: one einsum over the spatial dims with a window mask per dim
     sp, win = "pqr"[:nd], "ijk"[:nd]
-    masks = _window_masks(x, sizes, x.dtype, agg == "sum")
+    masks = _window_masks(x, sizes, x.dtype, True)
     labels = [tuple("nc" + sp)] + [(a, b) for a, b in zip(sp, win)]
-    if agg == "sum":
-        return Tensor(ops.einsum_node([x.node, *masks], labels, tuple("nc" + win), "mul", "sum"))
+    return Tensor(ops.einsum_node([x.node, *masks], labels, tuple("nc" + win), "mul", "sum"))
+
+
+def _adaptive_max(x: Tensor, output_size: Any, what: str) -> tuple[Tensor, Tensor]:
+    """(values, int64 flattened input-plane indices) of torch's adaptive max pool: a max pool
+    for even windows; for uneven ones the first maximum of each window (a NaN window: its last
+    NaN, as torch) found by einsums over window masks, and the value read there by a ``where``
+    sum (no product: an inf elsewhere stays out), so the gradient goes to that one position, as
+    torch routes it."""
+    sizes = _adaptive_sizes(x, output_size, what)
+    nd = x.ndim - 2
+    if all(n % m == 0 for n, m in zip(x.shape[2:], sizes)):
+        k = tuple(n // m for n, m in zip(x.shape[2:], sizes))
+        return max_pool_with_indices(x, k, k)
+    sp, win = "pqr"[:nd], "ijk"[:nd]
+    nc_sp, nc_win = tuple("nc" + sp), tuple("nc" + win)
+    masks = _window_masks(x, sizes, x.dtype, False)
+    pairs = [(a, b) for a, b in zip(sp, win)]
     cond = " & ".join(f"x{i + 1}" for i in range(nd))
-    return Tensor(ops.einsum_node([x.node, *masks], labels, tuple("nc" + win),
-                                  f"where({cond}, x0, -inf)", "max"))
+    top = ops.einsum_node([x.node, *masks], [nc_sp, *pairs], nc_win, f"where({cond}, x0, -inf)", "max")
+    plane = math.prod(x.shape[2:])
+    flat, step = [], plane
+    for d, n in enumerate(x.shape[2:]):
+        step //= n
+        flat.append(f"x{d} * {step}")
+    where_from = ops.fill_node(x.shape[2:], "int64", " + ".join(flat))
+    inside = " & ".join(f"x{i + 3}" for i in range(nd))
+    first = _torch_pick(x.node, top, where_from, nc_sp, nc_win, tuple(sp), plane, masks, pairs, inside)
+    values = ops.einsum_node([x.node, first, where_from], [nc_sp, nc_win, tuple(sp)], nc_win,
+                             "where(x1 == x2, x0, 0)", "sum")
+    return Tensor(values), Tensor(first)
 
 
 def adaptive_avg_pool(x: Tensor, output_size: Any) -> Tensor:
@@ -314,18 +372,26 @@ def adaptive_avg_pool(x: Tensor, output_size: Any) -> Tensor:
     (2, 3, 3, 8)
     """
     x = _tensor(x, "adaptive_avg_pool")
+    if x.dtype in _HALF:  # torch sums and divides in float32, then rounds once
+        return adaptive_avg_pool(x.to("float32"), output_size).to(x.dtype)
     return _adaptive(x, output_size, "sum", f"adaptive_avg_pool of input {x.shape}")
 
 
 def adaptive_max_pool(x: Tensor, output_size: Any) -> Tensor:
-    """torch's ``adaptive_max_pool1d/2d/3d`` (values only).
+    """torch's ``adaptive_max_pool1d/2d/3d`` (values; see :func:`adaptive_max_pool_with_indices`).
 
     >>> import einjoin as ej
     >>> adaptive_max_pool(ej.input("x", (2, 3, 7, 8)), 3).shape
     (2, 3, 3, 3)
     """
+    return adaptive_max_pool_with_indices(x, output_size)[0]
+
+
+def adaptive_max_pool_with_indices(x: Tensor, output_size: Any) -> tuple[Tensor, Tensor]:
+    """torch's ``adaptive_max_pool*d(..., return_indices=True)``: the values and the int64
+    position of each window's first maximum in its flattened input plane."""
     x = _tensor(x, "adaptive_max_pool")
-    return _adaptive(x, output_size, "max", f"adaptive_max_pool of input {x.shape}")
+    return _adaptive_max(x, output_size, f"adaptive_max_pool of input {x.shape}")
 
 
 def identity_kernel(c: int, window: Sequence[int], dtype: str) -> Node:
