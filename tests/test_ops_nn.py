@@ -362,3 +362,17 @@ def test_interpolate_1d_3d_modules_and_gradient():
     check_grads(Fn1(lambda x: (F.interpolate(x, scale_factor=2, mode="bilinear") ** 2).sum()
                     + F.interpolate(x, size=(5, 3), mode="nearest").sum()),
                 (torch.randn(1, 2, 3, 4, dtype=torch.float64),))
+
+
+def test_rounding_sign_and_float_predicates():
+    x = torch.tensor([[-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.7, -3.2],
+                      [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-3, 2.0, 7.49]])
+    check_import(Fn1(lambda x: (x.floor(), x.ceil(), x.round(), x.trunc(), x.frac(), torch.sign(x), x.isnan(),
+                                x.isinf(), x.isfinite(), torch.nan_to_num(x), torch.nan_to_num(x, 1.0, 5.0, -5.0),
+                                torch.log1p(x.abs()), torch.expm1(x), torch.log2(x.abs()), torch.log10(x.abs()),
+                                torch.exp2(x), torch.special.erfc(x), torch.lerp(x, x * 2, 0.3), torch.hypot(x, x + 1),
+                                torch.fmax(x, x.flip(0)), torch.fmin(x, x.flip(0)),
+                                torch.logical_xor(x > 0, x < 1))), (x,))
+    # rounding has no gradient (torch: zeros); frac passes it through
+    check_grads(Fn1(lambda x: (x.floor() + x.round() * 2 + x.frac() * 3 + torch.sign(x)).sum()),
+                (torch.tensor([-1.3, 0.2, 2.5, 3.7], dtype=torch.float64),))

@@ -210,6 +210,124 @@ def _softmin(x: Tensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None
     return softmax(-x, dim if dim is not None else (0 if x.ndim in (0, 1, 3) else 1))
 
 
+# ---------------------------------------------------------------- more elementwise functions
+
+
+def _float_of(x: Tensor) -> Tensor:
+    return x if x.dtype in ("float16", "bfloat16", "float32", "float64") else x.to("float32")
+
+
+def _join(expr: str, name: str, floats: bool = True) -> Callable[..., Tensor]:
+    """An elementwise translation written as one join over ``x0`` (the input in a float dtype
+    when ``floats``); integer inputs of rounding functions are returned as they are."""
+    def f(x: Tensor, *, decimals: int = 0) -> Tensor:
+        if decimals:
+            raise UnsupportedOpError(f"{name} with decimals={decimals}")
+        if name in ("floor", "ceil", "round", "trunc") and x.dtype in ("int64", "bool"):
+            return x
+        from einjoin.ir.scalar import parse_join
+        return elementwise(parse_join(expr, 1), _float_of(x) if floats else x, name=name)
+    return f
+
+
+# rounding has no gradient (torch: zero), so the value is a stop_gradient of the floor division
+# (inf stays inf: inf // 1 is NaN)
+_FLOOR = "stop_gradient(where(abs(x0) == inf, x0, x0 // 1))"
+_TRUNC = "stop_gradient(where(abs(x0) == inf, x0, where(x0 < 0, -((-x0) // 1), x0 // 1)))"
+for _names, _expr in (
+        (("floor", "floor_"), _FLOOR),
+        (("ceil", "ceil_"), "stop_gradient(where(abs(x0) == inf, x0, -((-x0) // 1)))"),
+        (("trunc", "trunc_", "fix"), _TRUNC),
+        (("frac", "frac_"), f"x0 - {_TRUNC}"),
+        # half to even, as torch.round
+        (("round", "round_"), f"where(x0 - {_FLOOR} > 0.5, {_FLOOR} + 1, where(x0 - {_FLOOR} < 0.5, "
+                              f"{_FLOOR}, where({_FLOOR} % 2 == 0, {_FLOOR}, {_FLOOR} + 1)))"),
+        (("log1p", "log1p_"), "log1p(x0)"), (("expm1", "expm1_"), "expm1(x0)"),
+        (("log2", "log2_"), f"log(x0) * {1 / math.log(2)!r}"), (("log10", "log10_"), f"log(x0) * {1 / math.log(10)!r}"),
+        (("exp2", "exp2_"), "pow(2.0, x0)"), (("erfc", "erfc_", "special_erfc"), "1 - erf(x0)")):
+    for _n in _names:
+        NN_OPS[_n] = _join(_expr, _names[0])
+
+
+@op("sign", "sgn", "sign_")
+def _sign(x: Tensor) -> Tensor:
+    if x.dtype == "bool":
+        return x
+    from einjoin.ir.scalar import parse_join  # NaN and -0.0 give 0, as torch
+    y = elementwise(parse_join("where(x0 > 0, 1, where(x0 < 0, -1, 0))", 1), x, name="sign")  # int64
+    return y if y.dtype == x.dtype else y.to(x.dtype)  # no gradient: a where of constants
+
+
+@op("isnan")
+def _isnan(x: Tensor) -> Tensor:
+    return x != x
+
+
+@op("isinf")
+def _isinf(x: Tensor) -> Tensor:
+    return elementwise("abs", x) == math.inf if x.dtype in ("float16", "bfloat16", "float32", "float64") \
+        else F_full_like_bool(x, False)
+
+
+@op("isfinite")
+def _isfinite(x: Tensor) -> Tensor:
+    if x.dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return F_full_like_bool(x, True)
+    return (x == x) & (elementwise("abs", x) != math.inf)
+
+
+def F_full_like_bool(x: Tensor, v: bool) -> Tensor:  # noqa: N802 (reads as the torch call it is)
+    from einjoin.frontend.functions import full
+    return full(x.shape, v, "bool")
+
+
+@op("nan_to_num", "nan_to_num_")
+def _nan_to_num(x: Tensor, nan: Any = 0.0, posinf: Any = None, neginf: Any = None) -> Tensor:
+    """NaN to ``nan``, +-inf to ``posinf`` / ``neginf`` (default: the dtype's largest / smallest)."""
+    if x.dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return x
+    import ml_dtypes
+    import numpy as np
+    info = ml_dtypes.finfo(x.dtype) if x.dtype == "bfloat16" else np.finfo(x.dtype)
+    hi = float(info.max) if posinf is None else float(posinf)
+    lo = float(info.min) if neginf is None else float(neginf)
+    from einjoin.ir.scalar import parse_join
+    expr = f"where(x0 != x0, {float(nan or 0.0)!r}, where(x0 == inf, {hi!r}, where(x0 == -inf, {lo!r}, x0)))"
+    return elementwise(parse_join(expr, 1), x, name="nan_to_num")
+
+
+@op("logical_xor", "bitwise_xor", "__xor__")
+def _xor(a: Any, b: Any) -> Tensor:
+    if not isinstance(a, Tensor) or a.dtype != "bool" or not isinstance(b, Tensor) or b.dtype != "bool":
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            return a.to("bool") != b.to("bool")
+        raise UnsupportedOpError("xor of a non-bool tensor (bitwise integer xor)")
+    return a != b
+
+
+@op("lerp", "lerp_")
+def _lerp(a: Tensor, b: Tensor, w: Any) -> Tensor:
+    return a + (b - a) * w
+
+
+@op("hypot")
+def _hypot(a: Tensor, b: Tensor) -> Tensor:
+    return (a * a + b * b).sqrt()
+
+
+@op("fmax")
+def _fmax(a: Tensor, b: Tensor) -> Tensor:
+    """The maximum ignoring NaN (NaN only where both are)."""
+    from einjoin.ir.scalar import parse_join
+    return elementwise(parse_join("where(x0 != x0, x1, where(x1 != x1, x0, max(x0, x1)))", 2), a, b, name="fmax")
+
+
+@op("fmin")
+def _fmin(a: Tensor, b: Tensor) -> Tensor:
+    from einjoin.ir.scalar import parse_join
+    return elementwise(parse_join("where(x0 != x0, x1, where(x1 != x1, x0, min(x0, x1)))", 2), a, b, name="fmin")
+
+
 # ---------------------------------------------------------------- activations
 
 

@@ -97,4 +97,5 @@ NOTES: dict[str, str] = {
     "_to_copy": "a cast to int32 / int16 / int8 / uint8 computes in int64 (einjoin's integer type): equal "
                 "where the narrow type holds the values, no wrap-around",
     "int": "as `_to_copy`: int64",
+    "round": "half to even, as torch; no `decimals`",
 }
