@@ -307,7 +307,8 @@ def _xor(a: Any, b: Any) -> Tensor:
 
 @op("lerp", "lerp_")
 def _lerp(a: Tensor, b: Tensor, w: Any) -> Tensor:
-    return a + (b - a) * w
+    out: Tensor = a + (b - a) * w
+    return out
 
 
 @op("hypot")
@@ -340,14 +341,16 @@ def _no_inplace(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return f
 
 
-for _names, _fn in ((("softplus",), A.softplus), (("mish", "mish_"), A.mish),
-                    (("hardswish", "hardswish_"), A.hardswish), (("hardsigmoid", "hardsigmoid_"), A.hardsigmoid),
-                    (("selu", "selu_"), A.selu), (("celu", "celu_"), A.celu),
-                    (("leaky_relu", "leaky_relu_"), A.leaky_relu), (("relu6", "relu6_"), A.relu6),
-                    (("hardtanh", "hardtanh_"), A.hardtanh), (("log_sigmoid", "logsigmoid"), A.log_sigmoid),
-                    (("softsign",), A.softsign), (("threshold", "threshold_", "_threshold"), A.threshold),
-                    (("prelu", "_prelu_kernel"), A.prelu), (("glu",), A.glu)):
-    for _n in _names:
+_ACTS: tuple[tuple[tuple[str, ...], Callable[..., Tensor]], ...] = (
+    (("softplus",), A.softplus), (("mish", "mish_"), A.mish),
+    (("hardswish", "hardswish_"), A.hardswish), (("hardsigmoid", "hardsigmoid_"), A.hardsigmoid),
+    (("selu", "selu_"), A.selu), (("celu", "celu_"), A.celu),
+    (("leaky_relu", "leaky_relu_"), A.leaky_relu), (("relu6", "relu6_"), A.relu6),
+    (("hardtanh", "hardtanh_"), A.hardtanh), (("log_sigmoid", "logsigmoid"), A.log_sigmoid),
+    (("softsign",), A.softsign), (("threshold", "threshold_", "_threshold"), A.threshold),
+    (("prelu", "_prelu_kernel"), A.prelu), (("glu",), A.glu))
+for _act_names, _fn in _ACTS:
+    for _n in _act_names:
         NN_OPS[_n] = _no_inplace(_fn)
 
 
