@@ -262,3 +262,26 @@ def test_transformer_encoder_fast_path_padding_equals_torch() -> None:
     torch.manual_seed(9)
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
     _check(_Call(lambda m, q, k: m(q, src_key_padding_mask=k), enc), (_Q, _KPM), devices=1)
+
+
+def test_imported_program_takes_transposed_expanded_and_grad_requiring_tensors() -> None:
+    torch.manual_seed(10)
+    lin = nn.Linear(4, 3).eval()
+    prog = ej.compile(ej.from_torch(lin, (torch.randn(5, 4),)), devices=2, quiet=True)
+    for x in (torch.randn(4, 5).t(), torch.randn(1, 4).expand(5, 4), torch.randn(5, 4, requires_grad=True)):
+        torch.testing.assert_close(prog.run(x), lin(x).detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ej.EinjoinError, match="meta"):
+        prog.run(torch.empty(5, 4, device="meta"))
+
+
+def test_generate_takes_a_strided_int32_prompt() -> None:
+    from einjoin.models.zoo import Llama, LlamaConfig
+    torch.manual_seed(11)
+    m = Llama(LlamaConfig(dim=16, heads=2, kv_heads=1, hidden=24, layers=1, vocab=32, seq=16)).eval()
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9], [2, 6, 5, 3, 5, 8]], dtype=torch.int32)[:, ::2]
+    ids = prompt.long()
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.cat([ids, m(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    got = ej.generate(m, prompt, 3, capacity=8)
+    assert got.dtype == torch.int64 and torch.equal(got, ids)
