@@ -153,3 +153,14 @@ def test_topk_errors_name_the_argument() -> None:
     with pytest.raises(DTypeError, match="bool"):
         topk(ej.input("b", (3,), "bool"), 1)
     assert "topk[dim=1, k=2, smallest, indices](x)" in str(ej.Graph(topk(x, 2, largest=False)[1]))
+
+
+def test_a_gather_of_a_0d_index_from_a_row_split_table() -> None:
+    """ir.kernels.gather_kernel on a 0-d index block of a table cut in rows (the unbatched
+    cross_entropy pattern): a 0-d array, not a numpy scalar the masking cannot assign to."""
+    for T in (np.arange(6.0), np.arange(12.0).reshape(6, 2)):
+        t, i = ej.input("t", T.shape, "float64"), ej.input("i", (), "int64")
+        y = ej.gather(t, i)
+        for row in (1, 4):
+            got = ej.execute_blocked(y, {y.node: {"row": 2}}, t=T, i=np.array(row))
+            np.testing.assert_array_equal(got, T[row])

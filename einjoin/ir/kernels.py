@@ -260,7 +260,7 @@ def gather_kernel(table: np.ndarray, indices: np.ndarray, row_start: int, n_rows
         return np.take(table, idx, axis=0)
     local = idx - row_start
     inside = (local >= 0) & (local < len(table))
-    out = np.take(table, np.where(inside, local, 0), axis=0)
+    out = np.asarray(np.take(table, np.where(inside, local, 0), axis=0))  # (0-d indices into rows: a 0-d array)
     out[~inside] = 0
     return out
 
