@@ -131,6 +131,8 @@ def test_max_min_with_dim(keepdim):
     check_import(Fn1(lambda x: torch.max(x, 1, keepdim)), (x,))
     check_import(Fn1(lambda x: x.min(0, keepdim)), (x,), methods=("export",))
     check_import(Fn1(lambda x: (x.max(), torch.max(x, x * 0.5), torch.min(x))), (x,))
+    # the named-tuple fields torch.fx code reads
+    check_import(Fn1(lambda x: (torch.max(x, 1).values, x.min(1, keepdim).indices)), (x,))
 
 
 def test_max_dim_gradient_goes_to_the_first_maximum():
