@@ -11,8 +11,9 @@ from einjoin.frontend.losses import (binary_cross_entropy, binary_cross_entropy_
                                      l1_loss, smooth_l1_loss)
 from einjoin.frontend.norms import batch_norm, batch_norm_train, group_norm, instance_norm
 from einjoin.frontend.resize import interpolate
-from einjoin.frontend.routing import (argmax, argmin, cumprod, cumsum, index_add, index_copy, index_select,
-                                      max_dim, min_dim, one_hot, pad, scatter, scatter_add, take_along_dim)
+from einjoin.frontend.routing import (argmax, argmin, cumprod, cumsum, index_add, index_copy, index_put,
+                                      index_select, max_dim, min_dim, one_hot, pad, scatter, scatter_add,
+                                      scatter_reduce, take_along_dim)
 from einjoin.frontend.tensor import Tensor
 from einjoin.frontend.torch import TorchFunction, from_torch
 
@@ -25,4 +26,5 @@ __all__ = ["Tensor", "TorchFunction", "from_torch", "attention", "gelu", "layer_
            "binary_cross_entropy", "binary_cross_entropy_with_logits", "huber_loss", "kl_div", "l1_loss",
            "smooth_l1_loss",
            "argmax", "argmin", "cumprod", "cumsum", "index_add", "index_copy", "index_select", "max_dim",
-           "min_dim", "one_hot", "pad", "scatter", "scatter_add", "take_along_dim", "interpolate"]
+           "min_dim", "one_hot", "pad", "scatter", "scatter_add", "take_along_dim", "interpolate", "index_put",
+           "scatter_reduce"]
