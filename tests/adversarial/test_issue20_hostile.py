@@ -199,33 +199,28 @@ def test_torch_non_contiguous_and_channels_last_inputs() -> None:
     torch.testing.assert_close(got, m(Xc).detach(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="max_pool's gradient gives the FULL cotangent to every tied "
-                   "position of a window (4x the gradient mass for a 2x2 window of equal values); torch "
-                   "routes it to one (the first); owner H1 (autodiff/conv_rule.py)")
 def test_max_pool_gradient_with_ties_equals_autograd() -> None:
+    """Was a defect (H1: every tied position got the full cotangent; fixed in d9bb205)."""
     got, want = _grad_vs_torch(np.ones((1, 1, 4, 4)), lambda x: ej.max_pool(x, 2), lambda t: F.max_pool2d(t, 2))
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="max_pool's gradient with overlapping windows and tied values "
-                   "differs from torch's (not even the same total); owner H1 (autodiff/conv_rule.py)")
 def test_max_pool_gradient_overlapping_windows_with_ties_equals_autograd() -> None:
+    """Was a defect (H1: ties in overlapping windows; fixed in d9bb205)."""
     X = np.round(np.random.default_rng(0).standard_normal((1, 1, 5, 5)))
     got, want = _grad_vs_torch(X, lambda x: ej.max_pool(x, 3, 1, 1), lambda t: F.max_pool2d(t, 3, 1, 1))
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="adaptive_max_pool (uneven windows: an einsum with max) gives "
-                   "every tied position the cotangent; torch routes it to one; owner H1 (frontend/conv.py)")
 def test_adaptive_max_pool_gradient_with_ties_equals_autograd() -> None:
+    """Was a defect (H1: every tie got the cotangent; fixed in d9bb205)."""
     got, want = _grad_vs_torch(np.ones((1, 1, 4, 3)), lambda x: ej.adaptive_max_pool(x, 2),
                                lambda t: F.adaptive_max_pool2d(t, 2))
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="max_pool's gradient drops the cotangent of a window whose max "
-                   "is NaN (x == max is False for NaN); torch routes it to the NaN; owner H1")
 def test_max_pool_gradient_through_nan_equals_autograd() -> None:
+    """Was a defect (H1: a NaN window lost its cotangent; fixed in d9bb205)."""
     got, want = _grad_vs_torch(np.array([[[1.0, np.nan, 2.0, 3.0]]]), lambda x: ej.max_pool(x, 2),
                                lambda t: F.max_pool1d(t, 2))
     np.testing.assert_array_equal(got, want)
@@ -394,11 +389,8 @@ def test_cross_entropy_4d_with_weights_smoothing_and_ignores_equals_torch() -> N
         _same(_run(f, (x, t), 2), f(x, t))
 
 
-@pytest.mark.xfail(strict=True, reason="unbatched cross_entropy (logits (C,), 0-d target) on 2 devices: "
-                   "task 'kernel of gather' fails with a raw TypeError (\"'numpy.float32' object does not "
-                   "support item assignment\" in ir/kernels.gather_kernel on a 0-d block of a row-split "
-                   "table); 1 device is right; owner H1 (ir/kernels.py)")
 def test_unbatched_cross_entropy_on_two_devices() -> None:
+    """Was a defect (H1: raw TypeError in gather_kernel on 2 devices; fixed in 3d7053d)."""
     x, t = torch.randn(5), torch.tensor(3)
     _same(_run(lambda x, t: F.cross_entropy(x, t), (x, t), 2), F.cross_entropy(x, t))
 
@@ -677,11 +669,8 @@ def test_bfloat16_program_runs_after_save_and_load(tmp_path: Any) -> None:
     assert torch.equal(ej.load(tmp_path / "bf16.einjoin").run(x), want)
 
 
-@pytest.mark.xfail(strict=True, reason="adaptive_avg_pool with uneven windows in bfloat16 / float16 weighs "
-                   "each window by 1/size rounded to the input dtype (frontend/conv._window_masks fills in "
-                   "x.dtype), so results are off by up to ~1 ulp (3x torch's error: 0.44 vs 0.15 at values "
-                   "~100 in bf16), not float32-accumulated and rounded once as torch; owner H1")
 def test_adaptive_avg_pool_uneven_windows_in_bfloat16_round_as_torch() -> None:
+    """Was a defect (H1: window weights rounded to bf16; fixed in d9bb205)."""
     torch.manual_seed(0)
     x = (torch.rand(1, 2, 16, 16) + 100).to(torch.bfloat16)
     y = ej.adaptive_avg_pool(ej.input("x", tuple(x.shape), "bfloat16"), (3, 5))

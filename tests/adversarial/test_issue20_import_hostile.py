@@ -82,10 +82,8 @@ def test_max_pool_returning_indices_gives_torchs_indices() -> None:
     assert torch.equal(torch.as_tensor(indices), want_i)
 
 
-@pytest.mark.xfail(strict=True, reason="AdaptiveMaxPool2d(return_indices=True) imports as 'from_torch: "
-                   "output getitem_1 is NoneType, not a tensor' (the indices dropped): neither torch's indices "
-                   "nor an UnsupportedOpError naming them; owner H1 (frontend/aten_conv.py)")
 def test_adaptive_max_pool_returning_indices_gives_torchs_indices_or_names_them() -> None:
+    """Was a defect (H1: indices dropped; fixed in d9bb205)."""
     m = nn.AdaptiveMaxPool2d(4, return_indices=True)
     try:
         fn = ej.from_torch(m, (_X,))
@@ -129,11 +127,6 @@ class _Scaled(nn.Module):
         return -y if flip else y
 
 
-@pytest.mark.xfail(strict=True, reason="a program imported with non-tensor forward arguments (scale=2.0, "
-                   "flip=True) refuses to be run with those same arguments: positionally '3 positional "
-                   "inputs given but the module's forward takes 1: x' (it takes 3), by keyword \"unknown input "
-                   "'scale'\"; only run(x) works (and silently uses the import-time values); owner H3 "
-                   "(frontend/torch.py argument binding) / H4 (program.py)")
 def test_run_with_the_same_non_tensor_arguments_as_at_import() -> None:
     torch.manual_seed(3)
     m, x = _Scaled().eval(), torch.randn(5, 4)
@@ -211,10 +204,6 @@ def test_recurrent_modules_equal_torch(name: str, module: Any, args: tuple) -> N
     _check(module().eval(), args)
 
 
-@pytest.mark.xfail(strict=True, reason="a forward argument that is a tuple of tensors (LSTMCell(x, (h, c)), "
-                   "LSTM(x, (h0, c0)): torch's own call) imports, but prog.run(x, (h, c)) fails with 'to run "
-                   "with other shapes the module is imported again, which needs every forward argument: "
-                   "hx_1 is not given' (same shapes; only the flattened run(x, h, c) works); owner H3/H4")
 @pytest.mark.parametrize("module, args", [
     (lambda: nn.LSTMCell(4, 6), (torch.randn(3, 4), (torch.randn(3, 6), torch.randn(3, 6)))),
     (lambda: nn.LSTM(4, 6, batch_first=True), (torch.randn(5, 2, 4), (torch.randn(1, 5, 6), torch.randn(1, 5, 6)))),
