@@ -729,3 +729,34 @@ def test_narrow_integer_casts_wrap_as_torch(dtype: torch.dtype) -> None:
         return v.to(dtype).long() * 3
 
     _same(_run(f, (x,), 2), f(x))
+
+
+def test_saving_while_another_thread_runs_a_stateful_program_saves_whole_steps(tmp_path: Any) -> None:
+    import threading
+    w, x = ej.input("w", (64,), "float64"), ej.input("x", (64,), "float64")
+    prog = ej.compile([(w * x).sum()], state={w + 1.0: w}, quiet=True, devices=2)  # w split over 2 devices
+    prog.write_state({"w": np.zeros(64)})
+    errs: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(100):
+                prog.run(x=np.ones(64))
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errs.append(e)
+
+    def save() -> None:
+        try:
+            for i in range(8):
+                prog.save(tmp_path / f"s{i}.einjoin")
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errs.append(e)
+    ts = [threading.Thread(target=run), threading.Thread(target=save)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in ts) and not errs, errs
+    seen = [ej.load(tmp_path / f"s{i}.einjoin").read_state()["w"] for i in range(8)]
+    assert all(s.min() == s.max() for s in seen), "a saved state mixes two steps across the devices"
+    assert [s[0] for s in seen] == sorted(s[0] for s in seen)
