@@ -327,3 +327,19 @@ def test_a_node_of_an_unknown_kind_is_refused_with_the_table_named(name: str, en
     msg = str(e.value)
     assert repr(name) in msg and "has no rule for node kind" in msg
     assert any(t.rsplit(".", 1)[1] in msg for t in rule_tables()), msg
+
+
+def test_the_fold_rule_of_a_cast_changes_the_expression_s_kind() -> None:
+    """FOLD_RULES[Cast]: a folded cast's fill gives values of the new kind, so an op folded over
+    it later sees that kind (a causal bool mask cast to int64 and multiplied, as T5's relative
+    position buckets do, was refused: 'mul does not take bool arguments')."""
+    import numpy as np
+    from einjoin.ir import ops
+    from einjoin.ir.fold import fold
+    mask = ops.fill_node((4, 4), "bool", "x1 - x0 > 0")
+    as_int = fold(ops.cast_node(mask, "int64"))
+    scaled = fold(ops.einsum_node([as_int], ("ij",), "ij", "x0 * 16", None))
+    assert scaled.kind == "fill" and scaled.dtype == "int64"
+    np.testing.assert_array_equal(einjoin.reference(einjoin.Tensor(scaled)), np.triu(np.full((4, 4), 16), 1))
+    as_bool = fold(ops.cast_node(ops.fill_node((3,), "int64", "x0 - 1"), "bool"))
+    np.testing.assert_array_equal(einjoin.reference(einjoin.Tensor(as_bool)), [True, False, True])

@@ -104,7 +104,20 @@ def _fold_broadcast(node: Node, op: Broadcast, fills: list[Fill]) -> Node:
 
 
 def _fold_cast(node: Node, op: Cast, fills: list[Fill]) -> Node:
-    return fill_node(node.shape, node.dtype, fills[0].expr)
+    # the expression must give values of the new kind, or an op folded over it later reads the
+    # old kind (a bool mask cast to int64 and multiplied: ``mul`` refuses bools): bool -> number
+    # is where(e, 1, 0), number -> bool is e != 0
+    expr = fills[0].expr
+    idx = "float64" if kind(node.dtype) == "float" else "int64"
+    try:
+        natural = kind(infer_dtype(expr, [idx] * node.ndim))
+    except EinjoinError:
+        return node
+    if natural == "bool" and kind(node.dtype) != "bool":
+        expr = Call("where", (expr, Const(1), Const(0)))
+    elif natural != "bool" and kind(node.dtype) == "bool":
+        expr = Call("ne", (expr, Const(0)))
+    return fill_node(node.shape, node.dtype, expr)
 
 
 def _fold_reshape(node: Node, op: Reshape, fills: list[Fill]) -> Node:
