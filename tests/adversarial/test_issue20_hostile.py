@@ -261,7 +261,8 @@ _NAN_TIES = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, floa
     ("cumsum over a length-1 dim", lambda x: torch.cumsum(x, 1), (torch.randn(3, 1),)),
     ("cumsum of bools", lambda x: torch.cumsum(x > 0, 0), (torch.randn(5),)),
     ("cumprod through 0 and inf", lambda x: torch.cumprod(x, 0), (torch.tensor([2.0, 0.0, 3.0, float("inf"), 1.0]),)),
-    ("cumsum through inf and -inf", lambda x: torch.cumsum(x, 0), (torch.tensor([1.0, float("inf"), -float("inf"), 1.0]),)),
+    ("cumsum through inf and -inf", lambda x: torch.cumsum(x, 0),
+     (torch.tensor([1.0, float("inf"), -float("inf"), 1.0]),)),
     ("cumsum int64 beyond 2**53", lambda x: torch.cumsum(x, 0), (torch.tensor([2**53, 1, 1]),)),
     ("scatter_add duplicates", lambda x, i, s: x.scatter_add(0, i, s),
      (torch.zeros(3), torch.tensor([1, 1, 2]), torch.tensor([1.0, 2.0, 3.0]))),
@@ -274,7 +275,8 @@ _NAN_TIES = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, floa
     ("pad int64 value", lambda x: F.pad(x, (1, 1), value=7), (torch.tensor([[1, 2]]),)),
     ("where broadcasting 0-d", lambda c, a, b: torch.where(c, a, b),
      (torch.tensor([[True], [False]]), torch.randn(1, 3), torch.tensor(2.0))),
-    ("masked_fill tensor mask", lambda x, m: x.masked_fill(m, float("-inf")), (torch.randn(2, 3), torch.randn(1, 3) > 0)),
+    ("masked_fill tensor mask", lambda x, m: x.masked_fill(m, float("-inf")),
+     (torch.randn(2, 3), torch.randn(1, 3) > 0)),
     ("topk ties", lambda x: torch.topk(x, 2)[1], (torch.tensor([[1.0, 3.0, 3.0, 2.0]]),)),
     ("stable sort ties", lambda x: torch.sort(x, stable=True)[1], (torch.tensor([[1.0, 3.0, 3.0, 2.0, 1.0]]),)),
     ("roll past the size", lambda x: torch.roll(x, 7, 1), (torch.randn(2, 3),)),
@@ -384,7 +386,7 @@ def test_cross_entropy_4d_with_weights_smoothing_and_ignores_equals_torch() -> N
     t[0, 1, 2] = -100
     t[1, 0, :] = -100
     for reduction in ("none", "mean", "sum"):
-        def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        def f(a: torch.Tensor, b: torch.Tensor, reduction: str = reduction) -> torch.Tensor:
             return F.cross_entropy(a, b, weight=w, reduction=reduction, label_smoothing=0.2)
         _same(_run(f, (x, t), 2), f(x, t))
 
@@ -486,7 +488,8 @@ def _drop_a_weight(raw: bytes) -> bytes:
      None, None, ej.EinjoinError, "does not exist"),
     ("a kind swapped for another kind", lambda s: s.replace("opkinds:Conv\"", "opkinds:Pool\""),
      None, None, ej.EinjoinError, "corrupted"),
-    ("a kind swapped for a non-kind dataclass", lambda s: s.replace("einjoin.ir.opkinds:Conv\"", "einjoin.cluster:Cluster\""),
+    ("a kind swapped for a non-kind dataclass",
+     lambda s: s.replace("einjoin.ir.opkinds:Conv\"", "einjoin.cluster:Cluster\""),
      None, None, ej.EinjoinError, "corrupted"),
     ("a class outside einjoin's plan data", lambda s: s.replace("einjoin.ir.opkinds:Conv\"", "subprocess:Popen\""),
      None, None, ej.EinjoinError, "not one of einjoin"),
@@ -680,11 +683,6 @@ def test_adaptive_avg_pool_uneven_windows_in_bfloat16_round_as_torch() -> None:
     assert (got - exact).abs().max().item() <= torch_err
 
 
-@pytest.mark.xfail(strict=True, reason="ej.Trainer on a module with BatchNorm in training mode matches torch's "
-                   "loss and weights, but the running statistics never move (state_dict's running_mean / "
-                   "running_var differ from torch's after 2 steps): the issue's 'batch_norm training mode, "
-                   "running stats as state' is not wired (from_torch's buffer_updates are not the Trainer's "
-                   "state), so the trained model evaluates with stale statistics; owner H4 (trainer) / H3")
 def test_trainer_updates_batch_norm_running_stats_as_torch() -> None:
     import copy
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import einjoin as ej
@@ -43,11 +42,13 @@ _X = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(0))
     ("Unfold", lambda: nn.Unfold(3, 2, 1, 2), _X),
     ("unbatched Conv1d", lambda: nn.Conv1d(3, 4, 3), torch.randn(3, 10)),
     ("unbatched MaxPool1d", lambda: nn.MaxPool1d(2), torch.randn(3, 10)),
-    ("AvgPool3d without pad counts", lambda: nn.AvgPool3d(2, 1, 1, count_include_pad=False), torch.randn(1, 2, 3, 4, 5)),
+    ("AvgPool3d without pad counts", lambda: nn.AvgPool3d(2, 1, 1, count_include_pad=False),
+     torch.randn(1, 2, 3, 4, 5)),
     ("Conv3d groups, dilation, mixed strides", lambda: nn.Conv3d(4, 4, 2, groups=2, dilation=2, stride=(1, 2, 1)),
      torch.randn(1, 4, 5, 6, 5)),
     ("GroupNorm with one group", lambda: nn.GroupNorm(1, 3), _X),
-    ("InstanceNorm2d with running stats (eval)", lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True), _X),
+    ("InstanceNorm2d with running stats (eval)",
+     lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True), _X),
     ("LayerNorm over two dims, no affine", lambda: nn.LayerNorm((9, 9), elementwise_affine=False), _X),
     ("RMSNorm", lambda: nn.RMSNorm(9), _X),
 ])
@@ -158,7 +159,9 @@ def gpt2_program() -> tuple[nn.Module, Any]:
 
 
 def _hidden(out: Any) -> torch.Tensor:
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0] if isinstance(out, (tuple, list)) else out
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _gpt2_want(model: nn.Module, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
