@@ -49,7 +49,7 @@ from einjoin.runtime import get_backend
 from einjoin.runtime.engine import check_host_link, check_order, check_seed
 from einjoin.runtime.state import StateSlot
 from einjoin.settings import SETTINGS
-from einjoin.variants import check_cache_size
+from einjoin.variants import call_template, check_cache_size
 
 __all__ = ["CompileOptions", "CompiledPlan", "Source", "build_plan", "check_quiet"]
 
@@ -159,6 +159,9 @@ class CompiledPlan:
     state: tuple[StateSlot, ...] = ()
     recapture: Any = field(default=None, repr=False, compare=False)
     dynamic: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    call: tuple[tuple[str, Any], ...] | None = None
+    """An imported module's forward parameters as torch calls it (``variants.call_template``):
+    how ``run(x, (h, c), 2.0)`` binds to the graph's inputs; None: by ``arg_names`` only."""
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -180,18 +183,23 @@ class Source:
     state: tuple[StateSlot, ...] = ()
     recapture: Any = field(default=None, repr=False, compare=False)
     dynamic: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    call: tuple[tuple[str, Any], ...] | None = None
+    """An imported module's forward parameters as torch calls it (``variants.call_template``):
+    how ``run(x, (h, c), 2.0)`` binds to the graph's inputs; None: by ``arg_names`` only."""
 
     @staticmethod
     def of(outputs: Any, state: Mapping[Any, Any] | None = None) -> Source:
         """``outputs``: a tensor, a list/tuple of them, or ``ej.from_torch``'s result; ``state``:
         a mapping new value -> the graph input it replaces after each run (checked here)."""
-        recapture, dynamic = None, {}
+        recapture, dynamic, call = None, {}, None
         if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
             arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), bool(outputs.many)
             outs = list(outputs.outputs) if many else outputs.outputs[0]
             # how to import it again for other shapes (None after with_outputs: no longer the forward)
             recapture = getattr(outputs, "recapture", None)
             dynamic = {k: dict(v) for k, v in getattr(outputs, "dynamic", {}).items()}
+            call = call_template(getattr(outputs, "call_args", ()) or arg_names,
+                                 getattr(outputs, "constants", {}), arg_names)
         else:
             arg_names, bound, many, outs = None, None, isinstance(outputs, (list, tuple)), outputs
         if not state:
@@ -209,7 +217,7 @@ class Source:
                                        f"new state value: leave it out of state=")
         if bound is not None:  # parameters the forward never reads are not graph inputs
             bound = {k: v for k, v in bound.items() if k in graph.input_by_name}
-        return Source(graph, many, arg_names, bound, slots, recapture, dynamic)
+        return Source(graph, many, arg_names, bound, slots, recapture, dynamic, call)
 
 
 def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
@@ -271,7 +279,8 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     if source.state:  # state is loaded by the first run only, and never fetched
         stats = with_state(stats, tg, set(tied), {s.output for s in source.state})
     return CompiledPlan(graph, cluster, decomps, placed, tg, stats, options, source.many,
-                        source.arg_names, source.bound, source.state, source.recapture, source.dynamic)
+                        source.arg_names, source.bound, source.state, source.recapture, source.dynamic,
+                        source.call)
 
 
 def _fused(source: Source, specs: Any) -> Source:

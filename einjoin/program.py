@@ -43,7 +43,7 @@ from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
 from einjoin.runtime.state import Resident, StateRun
-from einjoin.variants import ShapeCache, Signature, example_tensors, signature
+from einjoin.variants import ShapeCache, Signature, bind_call, example_tensors, signature
 
 __all__ = ["compile", "load", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
@@ -342,6 +342,14 @@ class Program:
         """The programs compiled for other shapes (an imported module's; None otherwise)."""
         return self._variants
 
+    def _torch_call(self, args: Sequence[Any], feeds: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """An imported module called as torch calls it (``run(x, (h, c), scale=2.0)``) as the
+        graph's own call: tuples flattened as at the import, non-tensor arguments checked
+        against the import's values (an error names a different one) and dropped."""
+        if self._arg_names is None:
+            return tuple(args), feeds
+        return bind_call(self.plan.call, self._arg_names, args, feeds)
+
     def _bind(self, args: Sequence[Any], feeds: dict[str, Any]) -> dict[Node, np.ndarray]:
         """The run's feeds by node; a state input not given is left out (the state supplies it)."""
         optional = self._state_names  # a state input not given: the state supplies it
@@ -386,6 +394,7 @@ class Program:
         or raised by a callback) stops the run and propagates as it is; the program stays usable.
         Several threads may run one program at once."""
         cancel = self._take_cancel(cancel, feeds)
+        args, feeds = self._torch_call(args, feeds)
         prog = self._for_shapes(args, feeds)
         token = CancelToken()
         return prog._run(args, feeds, order, seed, callbacks, trace, quiet, host_link, cancel, token, None)
@@ -396,6 +405,7 @@ class Program:
         takes; arguments and feeds are checked here, before it returns."""
         cancel = self._take_cancel(kw.pop("cancel", None), kw)
         opts = {k: kw.pop(k) for k in ("order", "seed", "callbacks", "trace", "quiet", "host_link") if k in kw}
+        args, kw = self._torch_call(args, kw)
         prog = self._for_shapes(args, kw)
         token = CancelToken()
         handle = RunHandle(token)
@@ -656,6 +666,7 @@ class Program:
     def run_reference(self, *args: Any, **feeds: Any) -> Any:
         """Run the task graph with the few-line reference executor (the engines' oracle). A state
         input not fed takes its current value; the state is not changed."""
+        args, feeds = self._torch_call(args, feeds)
         values = self._bind(args, feeds)
         absent = [s.name for s in self._slots if s.node not in values]
         if absent:

@@ -53,6 +53,7 @@ from einjoin.cluster import LinkMatrix
 from einjoin.compiler import CompiledPlan, CompileOptions
 from einjoin.errors import EinjoinError
 from einjoin.ir.agg import Agg, get_agg
+from einjoin.ir.dtypes import DTYPES
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner import PLANNERS
@@ -110,7 +111,7 @@ class _Encoder:
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, np.generic):  # before float: a numpy float64 is a float
-            return {"np": x.dtype.str, "v": self.enc(x.item())}
+            return {"np": _dtype_text(x.dtype), "v": self.enc(x.item())}
         if isinstance(x, int):
             return int(x)
         if isinstance(x, float):
@@ -159,7 +160,33 @@ def _storable(name: str, a: Any) -> tuple[np.ndarray, str | None]:
         return arr, None
     if arr.dtype.itemsize not in (1, 2, 4, 8):
         raise EinjoinError(f"prog.save: array {name!r} has dtype {arr.dtype}, which cannot be stored")
-    return arr.view(f"<u{arr.dtype.itemsize}"), arr.dtype.str
+    return arr.view(f"<u{arr.dtype.itemsize}"), _dtype_text(arr.dtype)
+
+
+def _dtype_text(dt: np.dtype) -> str:
+    """A numpy dtype as the file names it: einjoin's name for one of its dtypes (bfloat16's
+    ``dtype.str`` is ``<V2``, a raw void that would come back without its type), else numpy's."""
+    return str(dt.name) if DTYPES.get(dt.name) == dt else str(dt.str)
+
+
+def _dtype_of(text: Any) -> np.dtype:
+    """The numpy dtype :func:`_dtype_text` wrote (an einjoin dtype name first; files written
+    before bfloat16 was named hold ``<V2`` and stay raw)."""
+    if not isinstance(text, str):
+        raise _BadFile(f"bad dtype {text!r:.40}")
+    if text in DTYPES:
+        return DTYPES[text]
+    try:
+        return np.dtype(text)
+    except (TypeError, ValueError):
+        raise _BadFile(f"bad dtype {text!r:.40}") from None
+
+
+def _plain(x: Any) -> bool:
+    """``x`` is plain data (None, bool, int, float, str, in tuples and lists)."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return True
+    return isinstance(x, (tuple, list)) and all(_plain(v) for v in x)
 
 
 def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, Any],
@@ -182,6 +209,8 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
         "arg_names": enc.enc(plan.arg_names),
         "state": enc.enc(plan.state),
         "dynamic": enc.enc(dict(plan.dynamic)),
+        # how a torch-style call binds (its constants only when plain data: a file holds no objects)
+        "call": enc.enc(plan.call) if _plain(plan.call) else None,
     }
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
@@ -262,7 +291,7 @@ class _Decoder:
             groups, diag, intra, inter = (self.dec(v) for v in x["links"])
             return LinkMatrix(groups, diag, intra, inter)
         if "np" in x:
-            return np.dtype(x["np"]).type(self.dec(x["v"]))
+            return _dtype_of(x["np"]).type(self.dec(x["v"]))
         if "float" in x:
             if x["float"] not in ("inf", "-inf", "nan"):
                 raise _BadFile(f"bad float {x['float']!r:.20}")
@@ -369,7 +398,8 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
         bound = {k: arrays[f"bound.{k}"] for k in body["bound"]} if body["bound"] or arg_names else None
         plan = CompiledPlan(graph, dec.dec(body["cluster"]), dec.dec(body["decomps"]), dec.dec(body["placement"]),
                             dec.dec(body["taskgraph"]), dec.dec(body["stats"]), options, bool(body["many"]),
-                            arg_names, bound, dec.dec(body["state"]), None, dec.dec(body["dynamic"]))
+                            arg_names, bound, dec.dec(body["state"]), None, dec.dec(body["dynamic"]),
+                            _call(dec.dec(body.get("call"))))
         state = {k: arrays[f"state.{k}"] for k in body["state_values"]}
     except EinjoinError as e:
         if "ej.load" in str(e):
@@ -380,6 +410,16 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
     return plan, state
 
 
+def _call(call: Any) -> Any:
+    """The saved call template, as tuples (it binds run()'s arguments: checked for its shape)."""
+    if call is None:
+        return None
+    if not isinstance(call, tuple) or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                              and isinstance(p[1], tuple) for p in call):
+        raise _BadFile(f"bad call {call!r:.60}")
+    return call
+
+
 def _read_arrays(raw: bytes, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
     if not raw:
         return {}
@@ -388,4 +428,4 @@ def _read_arrays(raw: bytes, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]
         arrays = st_load(raw)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise _BadFile(f"the arrays: {e}") from None
-    return {k: (v.view(np.dtype(dtypes[k])) if k in dtypes else v) for k, v in arrays.items()}
+    return {k: (v.view(_dtype_of(dtypes[k])) if k in dtypes else v) for k, v in arrays.items()}

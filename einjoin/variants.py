@@ -29,7 +29,8 @@ import numpy as np
 
 from einjoin.errors import EinjoinError, ShapeError
 
-__all__ = ["ShapeCache", "Signature", "signature", "check_cache_size", "example_tensors"]
+__all__ = ["ShapeCache", "Signature", "signature", "check_cache_size", "example_tensors", "call_template",
+           "bind_call"]
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
 """A shape signature: ((forward argument name, shape), ...) in the forward's order."""
@@ -192,3 +193,131 @@ def example_tensors(arg_names: Sequence[str], shapes: Mapping[str, tuple[int, ..
                                f"forward argument: {name!r} is not given")
     return tuple(out)
 
+
+
+# ---------------------------------------------------------------- torch-style calls
+
+Template = Any
+"""How one forward parameter reaches the graph: ``("in", input name)`` (a tensor), ``("tuple",
+[templates])`` / ``("list", [templates])`` (a structure holding tensors, flattened as torch.export
+flattens it: ``hx`` -> ``hx_0``, ``hx_1``) or ``("const", value)`` (a value the graph was
+specialised on)."""
+
+
+def _is_array(v: Any) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def _template(value: Any, name: str, arg_names: Sequence[str]) -> Template | None:
+    """``value``'s template under parameter (or flattened) name ``name``; None where a tensor in
+    it is no graph argument of that name (it cannot be bound)."""
+    if _is_array(value):
+        return ("in", name) if name in arg_names else None
+    if isinstance(value, (tuple, list)):
+        items = [_template(v, f"{name}_{i}", arg_names) for i, v in enumerate(value)]
+        if any(t is None for t in items):
+            return None
+        if any(t is not None and t[0] != "const" for t in items):
+            return ("tuple" if isinstance(value, tuple) else "list", items)
+    elif isinstance(value, Mapping) and any(_is_array(v) for v in value.values()):
+        return None
+    return ("const", value)
+
+
+def call_template(call_args: Sequence[str], constants: Mapping[str, Any], arg_names: Sequence[str]
+                  ) -> tuple[tuple[str, Template], ...] | None:
+    """The forward's parameters as an import saw them (``TorchFunction.call_args`` with its
+    ``constants`` and ``arg_names``): (parameter name, template) in the example's order, for
+    :func:`bind_call`; None where some parameter cannot be bound to the graph's inputs.
+
+    >>> call_template(("x", "hx", "scale"), {"hx": (np.zeros(2), np.zeros(2)), "scale": 2.0},
+    ...               ("x", "hx_0", "hx_1"))
+    (('x', ('in', 'x')), ('hx', ('tuple', [('in', 'hx_0'), ('in', 'hx_1')])), ('scale', ('const', 2.0)))
+    """
+    out = []
+    for name in call_args:
+        if name in arg_names:
+            t: Template | None = ("in", name)
+        elif name in constants:
+            t = _template(constants[name], name, arg_names)
+        else:
+            t = None
+        if t is None:
+            return None
+        out.append((name, t))
+    return tuple(out)
+
+
+class _Flat(Exception):
+    """The call gives a flattened tensor where the template has a structure or a constant: it is
+    the graph's own calling convention (``run(x, h, c)``), bound as such."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare (arrays) are not the same
+        return False
+
+
+def _match(name: str, t: Template, value: Any, out: dict[str, Any]) -> None:
+    kind = t[0]
+    if kind == "in":
+        out[t[1]] = value
+        return
+    if _is_array(value):
+        raise _Flat
+    if kind == "const":
+        if not _same(value, t[1]):
+            raise EinjoinError(f"argument {name!r} is {value!r:.60}, but the program was specialised on the "
+                               f"import's value {t[1]!r:.60} (torch.export fixes non-tensor arguments): "
+                               f"give {t[1]!r:.60} or leave it out, or import the module again with {name}="
+                               f"{value!r:.40} in from_torch's example arguments for the other value")
+        return
+    items = t[1]
+    if not isinstance(value, (tuple, list)) or len(value) != len(items):
+        got = f"{type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else type(value).__name__
+        raise EinjoinError(f"argument {name!r} must be a {kind} of {len(items)} (as at the import), got {got}")
+    for i, (sub, v) in enumerate(zip(items, value)):
+        _match(f"{name}[{i}]", sub, v, out)
+
+
+def bind_call(call: Sequence[tuple[str, Template]] | None, arg_names: Sequence[str], args: Sequence[Any],
+              feeds: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A torch-style call ``run(x, (h, c), 2.0, flip=True)`` as the graph's own: (positional
+    arguments, feeds by input name). Non-tensor arguments must equal the import's (an
+    :class:`EinjoinError` names the argument and both values; left out, the import's hold);
+    tuples and lists are flattened as at the import. A call already in the graph's convention
+    (flattened tensors ``run(x, h, c)``, inputs by their graph names) is returned as it is.
+
+    >>> call = (("x", ("in", "x")), ("hx", ("tuple", [("in", "hx_0"), ("in", "hx_1")])), ("k", ("const", 2)))
+    >>> x, h, c = np.zeros(1), np.ones(1), np.full(1, 2.0)
+    >>> args, feeds = bind_call(call, ("x", "hx_0", "hx_1"), (x, (h, c)), {"k": 2})
+    >>> args, sorted(feeds)
+    ((), ['hx_0', 'hx_1', 'x'])
+    >>> bind_call(call, ("x", "hx_0", "hx_1"), (x, h, c), {})[0] == (x, h, c)  # the flat convention
+    True
+    """
+    if call is None or len(args) > len(call):
+        return tuple(args), dict(feeds)
+    params = dict(call)
+    if (all(t[0] == "in" for _, t in call) and not any(k in params and k not in arg_names for k in feeds)):
+        return tuple(args), dict(feeds)  # every parameter a tensor input: the graph's convention
+    out: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    try:
+        for (name, t), v in zip(call, args):
+            _match(name, t, v, out)
+        for k, v in feeds.items():
+            if k in params and params[k][0] != "in":
+                if k in [n for n, _ in call[:len(args)]]:
+                    raise EinjoinError(f"argument {k!r} is given both by position and by name")
+                _match(k, params[k], v, out)
+            else:
+                rest[k] = v
+    except _Flat:
+        return tuple(args), dict(feeds)
+    for k in rest:
+        if k in out:
+            raise EinjoinError(f"input {k!r} is given both by position and by name")
+    return (), {**out, **rest}

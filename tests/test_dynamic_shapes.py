@@ -6,6 +6,7 @@ cache key and the hit / miss counts; programs that cannot follow new shapes say 
 from __future__ import annotations
 
 import logging
+import pickle
 
 import numpy as np
 import pytest
@@ -221,3 +222,55 @@ def test_non_tensor_arguments_stay_as_imported_for_new_shapes():
     x, mask = torch.randn(5, 4), torch.randn(5, 4)
     _close(prog.run(x, mask), m(x, 3.0, mask=mask))
     assert prog.run_stats.cache_misses == 1
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, scale: float = 1.0, flip: bool = False):
+        y = self.lin(x) * scale
+        return -y if flip else y
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_program_is_called_as_torch_calls_its_module(devices, tmp_path):
+    """Non-tensor arguments equal to the import's, positionally or by name (or left out), at the
+    compiled shape and at another; a different value is refused by name with both values; the
+    binding survives save / load and pickle."""
+    torch.manual_seed(0)
+    m, x = _Scaled().eval(), torch.randn(5, 4)
+    prog = ej.compile(ej.from_torch(m, (x, 2.0, True)), devices=devices, quiet=True)
+    want = m(x, 2.0, True).detach()
+    for got in (prog.run(x, 2.0, True), prog.run(x, scale=2.0, flip=True), prog.run(x, 2.0), prog.run(x),
+                prog.run(x=x, flip=True), prog.run_reference(x, 2.0, flip=True)):
+        _close(torch.as_tensor(got), want)
+    x8 = torch.randn(8, 4)
+    _close(prog.run(x8, 2.0, True), m(x8, 2.0, True).detach())
+    with pytest.raises(ej.EinjoinError, match=r"'scale' is 3.0.*import's value 2.0"):
+        prog.run(x, 3.0, True)
+    with pytest.raises(ej.EinjoinError, match=r"'flip' is False.*import's value True"):
+        prog.run(x, flip=False)
+    with pytest.raises(ej.EinjoinError, match="'scale' is given both by position and by name"):
+        prog.run(x, 2.0, scale=2.0)
+    prog.save(tmp_path / "p.einjoin")
+    for again in (ej.load(tmp_path / "p.einjoin"), pickle.loads(pickle.dumps(prog))):
+        _close(again.run(x, 2.0, flip=True), want)
+        with pytest.raises(ej.EinjoinError, match="'scale' is 3.0"):
+            again.run(x, scale=3.0)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_tuple_arguments_are_flattened_as_at_the_import(devices):
+    """LSTMCell(x, (h, c)) runs as run(x, (h, c)), run(x, hx=[h, c]) and flattened run(x, h, c)."""
+    torch.manual_seed(1)
+    cell = torch.nn.LSTMCell(4, 6)
+    x, h, c = torch.randn(3, 4), torch.randn(3, 6), torch.randn(3, 6)
+    prog = ej.compile(ej.from_torch(cell, (x, (h, c))), devices=devices, quiet=True)
+    want = cell(x, (h, c))
+    for got in (prog.run(x, (h, c)), prog.run(x, hx=[h, c]), prog.run(x, h, c), prog.run(x, hx_0=h, hx_1=c)):
+        for g, w in zip(got, want):
+            _close(g, w.detach())
+    with pytest.raises(ej.EinjoinError, match="'hx' must be a tuple of 2"):
+        prog.run(x, (h,))

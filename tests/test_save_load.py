@@ -333,3 +333,29 @@ def test_a_ray_program_pickles_as_its_settings():
     again = pickle.loads(pickle.dumps(prog))  # no actor is started, none is pickled
     assert again.backend is not prog.backend and again.backend.name == "ray"
     assert (again.backend.num_cpus, again.backend.retries) == (3, 2) and again.backend._pools == {}
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_bfloat16_state_weights_and_constants_round_trip(tmp_path, devices):
+    """bfloat16 (numpy holds it as ml_dtypes' 2-byte type, whose dtype.str is a raw void ``<V2``)
+    comes back as bfloat16: the state's values and a bound weight."""
+    import ml_dtypes
+    bf = ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    w, g = ej.input("w", (8, 4), "bfloat16"), ej.input("g", (8, 4), "bfloat16")
+    step = ej.compile([(w * g).sum()], devices=devices, quiet=True, state={w - 0.25 * g: w})
+    step.write_state({"w": rng.standard_normal((8, 4)).astype(bf)})
+    gv = rng.standard_normal((8, 4)).astype(bf)
+    step.run(g=gv)
+    step.save(tmp_path / "s.einjoin")
+    again = ej.load(tmp_path / "s.einjoin")
+    assert again.read_state()["w"].dtype == np.dtype(bf)
+    assert np.array_equal(again.read_state()["w"], step.read_state()["w"])
+    a, b = again.run(g=gv), step.run(g=gv)
+    assert a[0].dtype == b[0].dtype == np.dtype(bf) and np.array_equal(a[0], b[0])
+    assert np.array_equal(again.read_state()["w"], step.read_state()["w"])
+    m = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    prog = ej.compile(ej.from_torch(m, (x,)), devices=devices, quiet=True)
+    prog.save(tmp_path / "m.einjoin")
+    assert torch.equal(ej.load(tmp_path / "m.einjoin").run(x), prog.run(x))
