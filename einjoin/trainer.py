@@ -225,6 +225,9 @@ class Trainer:
         self._owner: _StepProgram | None = None   # the program whose resident state is current
         self._host: dict[str, np.ndarray] = {}    # state values on the host, where current
         self._fixed: dict[str, np.ndarray] = {}   # buffers, frozen parameters, constants
+        # buffers the training-mode forward writes (BatchNorm's running statistics): state of the
+        # step program (new value: buffer input), by input name, with their first values
+        self._moving: dict[str, np.ndarray] = {}
         first = self._compile(example, key=self._key(example))
         self._init_state(first)
         self._keys = self._state_dict_keys()
@@ -283,7 +286,7 @@ class Trainer:
         trained = {PREFIX + n for n in self._trainable}
         out = []
         for name, value in fn.bound.items():
-            if name in trained or name == DROPOUT_SEED or name not in used:
+            if name in trained or name in self._moving or name == DROPOUT_SEED or name not in used:
                 continue
             if name not in self._fixed:
                 # a tensor only this capture reads (the eval-mode forward's): its value is the one
@@ -341,6 +344,7 @@ class Trainer:
             new_of[_input_name(old)] = new if apply is None else F.where(apply, new, old)
         for k, h in upd.hyper.items():
             hyper[k] = _input_name(h)
+        self._buffer_updates(fn, new_of, old_of, first=not self._programs)
         self._update = upd
         names = tuple(new_of)
         log.info("Trainer: compiling the training step for batch shapes %s (%d program(s) cached before)",
@@ -359,11 +363,34 @@ class Trainer:
         self._programs[key] = sp
         return sp
 
+    def _buffer_updates(self, fn: TorchFunction, new_of: dict[str, Tensor], old_of: dict[str, Tensor],
+                        first: bool) -> None:
+        """The buffers the forward writes (``fn.buffer_updates``: a training-mode BatchNorm's
+        running_mean, running_var, num_batches_tracked) as state of the step: each step leaves
+        the value torch's forward leaves, on every micro-batch (torch updates them at each
+        forward, whatever the optimizer does). The first capture says which buffers move."""
+        updates = dict(getattr(fn, "buffer_updates", {}) or {})
+        reads = Graph(list(updates.values())).input_by_name if updates else {}
+        for name, new in updates.items():
+            if name in reads:
+                old = Tensor(reads[name])
+            elif name in fn.buffers:  # overwritten without being read: its input is still the state's
+                old = fn.buffers[name]
+            else:  # pragma: no cover - from_torch names buffers it binds
+                continue
+            if first:
+                self._moving[name] = np.array(fn.bound[name], copy=True)
+            elif name not in self._moving:
+                raise EinjoinError(f"Trainer: for this batch shape the forward writes buffer "
+                                   f"{name.removeprefix(PREFIX)!r}, which the first batch's did not")
+            old_of[name], new_of[name] = old, new
+
     def _compile_eval(self, batch: tuple[Any, ...], key: tuple[Any, ...]) -> _StepProgram:
         fn, loss = self._capture(batch, training=False)
         log.info("Trainer: compiling the evaluation for batch shapes %s", [list(s) for s, _ in key])
         used = Graph([loss]).input_by_name
         params = tuple(PREFIX + n for n in self._trainable if PREFIX + n in used)
+        params += tuple(n for n in self._moving if n in used)  # running statistics as trained so far
         fixed = self._fixed_inputs(fn, used)
         # the parameters and buffers as state that the evaluation leaves as it is: written when
         # the training has changed them, resident across evaluations in between
@@ -388,6 +415,7 @@ class Trainer:
         for n in sp.state:
             if n.startswith("grad_acc."):
                 host[n] = np.zeros_like(params[n.removeprefix("grad_acc.")])
+        host.update({n: v.copy() for n, v in self._moving.items()})
         missing = [n for n in sp.state if n not in host]
         if missing:  # pragma: no cover - an optimizer breaking its own interface
             raise EinjoinError(f"Trainer: no initial value for state {', '.join(missing)}")
@@ -489,7 +517,7 @@ class Trainer:
             name = canon.get(key, key)
             if name in trained:
                 out[key] = (PREFIX + name, t)
-            elif PREFIX + name in self._fixed:
+            elif PREFIX + name in self._fixed or PREFIX + name in self._moving:
                 out[key] = (PREFIX + name, t)
             else:  # a buffer the loss never reads: kept as it was, for a strict load
                 self._kept[key] = t.detach().clone()
@@ -613,6 +641,9 @@ class Trainer:
         tensors = load_file(os.fspath(path))
         state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
         want = set(trainer._state_names())
+        for n in want - set(state):  # a moving buffer saved as a fixed input (before they were state)
+            if n in trainer._moving and f"fixed/{n}" in tensors:
+                state[n] = tensors[f"fixed/{n}"]
         if set(state) != want:
             raise EinjoinError(f"Trainer.load: the saved state does not fit this module and optimizer; "
                                f"missing {sorted(want - set(state))[:5]}, unexpected "
@@ -625,7 +656,8 @@ class Trainer:
         trainer._host = dict(state)
         trainer._owner = None
         trainer.version += 1
-        trainer._fixed.update({k.removeprefix("fixed/"): v for k, v in tensors.items() if k.startswith("fixed/")})
+        trainer._fixed.update({k.removeprefix("fixed/"): v for k, v in tensors.items()
+                               if k.startswith("fixed/") and k.removeprefix("fixed/") not in trainer._moving})
         trainer.steps = int(meta["steps"])
         trainer.micro_steps = int(meta["micro_steps"])
         trainer._lr = float(meta["lr"])

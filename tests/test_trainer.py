@@ -486,3 +486,50 @@ def test_frozen_parameters_stay_as_they_are(tmp_path: pathlib.Path) -> None:
     save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ej.EinjoinError, match="not a saved einjoin Trainer"):
         ej.Trainer.load(tmp_path / "other.safetensors", module, batches[0], mse, devices=2)
+
+
+def _bn_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)).train()
+
+
+@pytest.mark.parametrize("devices, accumulate", [(1, 1), (2, 2)])
+def test_batch_norm_running_statistics_move_as_torchs(devices: int, accumulate: int, tmp_path: pathlib.Path) -> None:
+    """A training-mode BatchNorm's running_mean / running_var / num_batches_tracked (the forward's
+    buffer writes) are state of the step: after each step they are torch's, on every micro-batch
+    of an accumulation too; evaluate() (eval mode) reads them; a batch of another shape, a save /
+    load and load_state_dict carry them."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g) + i, torch.tensor([0, 1, 2, 0])) for i in range(3)]
+    batches.append((torch.randn(6, 3, 8, 8, generator=g), torch.tensor([0, 1, 2, 0, 1, 2])))
+    m = _bn_net()
+    ref = copy.deepcopy(m)
+    tr = ej.Trainer(m, batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=devices,
+                    accumulate=accumulate)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, (x, t) in enumerate(batches):
+        want = TF.cross_entropy(ref(x), t)
+        (want / accumulate).backward()
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+        assert abs(tr.step(x, t) - float(want.detach())) < 1e-5
+        sd = tr.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+    assert int(sd["1.num_batches_tracked"]) == len(batches)
+    ref.eval()
+    with torch.no_grad():
+        x, t = batches[0]
+        assert abs(tr.evaluate(x, t) - float(TF.cross_entropy(ref(x), t))) < 1e-5
+        if devices == 1:
+            return
+        tr.save(tmp_path / "bn.safetensors")
+        again = ej.Trainer.load(tmp_path / "bn.safetensors", _bn_net(), batches[0], TF.cross_entropy,
+                                devices=devices, accumulate=accumulate)
+        assert all(torch.equal(again.state_dict()[k], v) for k, v in tr.state_dict().items())
+        fresh = ej.Trainer(_bn_net(), batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=devices)
+        fresh.load_state_dict(ref.state_dict())
+        x, t = batches[1]
+        assert abs(fresh.evaluate(x, t) - float(TF.cross_entropy(ref(x), t))) < 1e-5
