@@ -222,7 +222,6 @@ _STEP = "aten.slice.Tensor with step 2 (rotate_every_two / patch merging; H2)"
 BLOCKED: dict[str, str] = {
     **{f: _STEP for f in ("codegen", "cohere", "gpt-j", "swin")},
     **{f: "aten.arange with dtype=torch.int32 (ALiBi slopes; H2)" for f in ("bloom", "mpt")},
-    "t5-encoder": "ir/fold.py folds a bool->int64 cast keeping the bool expression (H1)",
 }
 
 

@@ -496,3 +496,31 @@ def test_slice_assignment_is_functionalised():
     x, y = torch.randn(3, 6), torch.randn(3, 6)
     fn = ej.from_torch(SliceAssign(), (x, y))
     assert_close(ej.compile(fn, devices=2).run(x, y), SliceAssign()(x, y))
+
+
+def test_recapture_fills_tuple_arguments_and_keeps_the_import_time_modes():
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(4, 6).eval()
+    x, h, c = torch.randn(3, 4), torch.randn(3, 6), torch.randn(3, 6)
+    fn = ej.from_torch(cell, (x, (h, c)))
+    assert len(fn.arg_names) == 3  # x and hx flattened
+    x5, h5, c5 = torch.randn(5, 4), torch.randn(5, 6), torch.randn(5, 6)
+    with torch.no_grad():
+        want = cell(x5, (h5, c5))
+    for again in (fn.recapture((x5, h5, c5), {}), fn.recapture((x5,), {"hx": (h5, c5)})):
+        got = again.reference(x5, h5, c5)
+        for g, w in zip(got, want):
+            assert_close(torch.from_numpy(g), w)
+    # imported in eval mode; the user then trains the module in torch: a recapture stays in eval mode,
+    # captures a copy (the live module is left alone) and computes with the module's current weights
+    m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
+    fn = ej.from_torch(m, (torch.randn(3, 4),))
+    m.train()
+    with torch.no_grad():
+        m[0].weight.mul_(2.0)
+    again = fn.recapture((torch.randn(6, 4),), {})
+    assert m.training and again.method == "export" and again.recapture.module is not m
+    assert again.recapture.module[0].weight is m[0].weight
+    x6 = torch.randn(6, 4)
+    with torch.no_grad():
+        assert_close(torch.from_numpy(again.reference(x6)), m.eval()(x6))

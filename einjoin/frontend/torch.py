@@ -802,51 +802,105 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     import torch
     from dataclasses import replace
     # what a recapture needs besides new tensors: the example's non-tensor arguments as they were,
-    # and which tensors were keyword arguments; the capture that worked (export is not tried
-    # again after fx)
-    layout = tuple(None if isinstance(a, torch.Tensor) else _Fixed(a) for a in args)
-    fixed = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-    keywords = tuple(n for n in fn.arg_names if isinstance(kwargs.get(n), torch.Tensor))
-    rec = _Recapture(module, fn.method, int(dropout_seed), dyn, layout, fixed, keywords)
+    # where its tensors sat (containers too), the modules' training modes; the capture that worked
+    # (export is not tried again after fx)
     labels = _arg_labels(module, len(args), kwargs)
+    slots = [(lab, _slot(v)) for lab, v in zip(labels, [*args, *kwargs.values()])]
+    order = {n: i for i, n in enumerate(fn.arg_names)}
+
+    def first_input(item: tuple[str, Any]) -> int:  # keyword tensors in the order export took them
+        lab, slot = item
+        return order.get(lab, order.get(f"{lab}_0", len(order))) if slot is None or isinstance(slot, _Tree) \
+            else len(order)
+
+    rec = _Recapture(module, fn.method, int(dropout_seed), dyn, tuple(slots[:len(args)]),
+                     tuple(sorted(slots[len(args):], key=first_input)), tuple(m.training for m in module.modules()))
     constants = {lab: v for lab, v in zip(labels, [*args, *kwargs.values()]) if not isinstance(v, torch.Tensor)}
     return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=tuple(labels))
 
 
 @dataclass(frozen=True)
 class _Fixed:
-    """A non-tensor positional example argument, kept as given."""
+    """A non-tensor example argument, kept as given."""
 
     value: Any
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """An example argument holding tensors in a container (``hx=(h, c)``): export flattened its
+    tensors into consecutive inputs (``hx_0``, ``hx_1``); a recapture refills them in that order."""
+
+    value: Any
+
+    def fill(self, given: list[Any]) -> Any:
+        import torch
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+        leaves, spec = tree_flatten(self.value)
+        return tree_unflatten([_take(None, given) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+
+def _slot(v: Any) -> _Fixed | _Tree | None:
+    import torch
+    from torch.utils._pytree import tree_leaves
+    if isinstance(v, torch.Tensor):
+        return None
+    return _Tree(v) if any(isinstance(x, torch.Tensor) for x in tree_leaves(v)) else _Fixed(v)
+
+
+def _take(slot: _Fixed | _Tree | None, given: list[Any]) -> Any:
+    if isinstance(slot, _Fixed):
+        return slot.value
+    if isinstance(slot, _Tree):
+        return slot.fill(given)
+    if not given:
+        raise EinjoinError("recapture: fewer tensors given than the forward's first import took")
+    return given.pop(0)
 
 
 @dataclass(frozen=True)
 class _Recapture:
     """``from_torch`` again on other example tensors with the options of the first import (a
     class, not a closure, so that a program holding it pickles with its module). Called with the
-    forward's tensors positionally in ``arg_names`` order (those past the positional ones are the
-    keyword tensors) and/or by name; non-tensor arguments are the first import's."""
+    forward's tensors flat, in ``arg_names`` order (positional arguments first, then keyword ones;
+    a container's tensors in turn), and/or whole arguments by name; non-tensor arguments are the
+    first import's unless given by name. It captures in the modules' import-time training modes."""
 
     module: Any
     method: str
     dropout_seed: int
     dynamic: Mapping[str, Mapping[int, str]]
-    layout: tuple[_Fixed | None, ...] = ()
-    fixed: Mapping[str, Any] = field(default_factory=dict)
-    keywords: tuple[str, ...] = ()
+    positional: tuple[tuple[str, _Fixed | _Tree | None], ...] = ()
+    keywords: tuple[tuple[str, _Fixed | _Tree | None], ...] = ()
+    modes: tuple[bool, ...] = ()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
-        given = list(args)
-        positional = []
-        for slot in self.layout:
-            if slot is not None:
-                positional.append(slot.value)
-            elif given:
-                positional.append(given.pop(0))
-        kw = {**self.fixed, **dict(zip(self.keywords, given)), **kwargs}
-        extra = given[len(self.keywords):]
-        return from_torch(self.module, (*positional, *extra), kw, self.method,
+        # torch.export instruments the module it captures while it runs; a recapture happens while the
+        # user may be calling that module in torch (serving both side by side), so it captures a copy
+        # of the module tree that shares the parameters and buffers (no weight is copied), in the
+        # training modes of the first import (the user may have called .train() on the module since)
+        module = _shared_copy(self.module)
+        if module is not self.module and len(self.modes) == len(list(module.modules())):
+            for m, mode in zip(module.modules(), self.modes):
+                m.training = mode
+        given, named = list(args), dict(kwargs)
+        positional = [named.pop(name) if name in named else _take(slot, given) for name, slot in self.positional]
+        keyword = {name: named.pop(name) if name in named else _take(slot, given) for name, slot in self.keywords}
+        return from_torch(module, (*positional, *given), {**keyword, **named}, self.method,
                           dropout_seed=self.dropout_seed, dynamic=self.dynamic)
+
+
+def _shared_copy(module: Any) -> Any:
+    """``module``'s tree of modules copied, its parameters and buffers the same tensors (the
+    copy's forward computes with the module's weights, now and after in-place updates); the module
+    itself when it cannot be deep-copied."""
+    import copy
+    import itertools
+    memo: dict[int, Any] = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception:  # an attribute deepcopy refuses (a lock, a handle): the live module
+        return module
 
 
 def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
