@@ -662,6 +662,7 @@ def test_generate_gpt2_with_an_untied_head_and_a_float16_llama() -> None:
 
 
 def test_bfloat16_program_runs_after_save_and_load(tmp_path: Any) -> None:
+    """Was a defect (H4: a loaded bf16 program failed 'expected bfloat16, got |V2'; fixed in 82b74b3)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6, 2)).eval().to(torch.bfloat16)
     x = torch.randn(2, 3, 8).to(torch.bfloat16)
@@ -684,6 +685,7 @@ def test_adaptive_avg_pool_uneven_windows_in_bfloat16_round_as_torch() -> None:
 
 
 def test_trainer_updates_batch_norm_running_stats_as_torch() -> None:
+    """Was a defect (H4/H3: running statistics never moved; fixed in 1239be0)."""
     import copy
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
