@@ -19,18 +19,17 @@ True
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import os
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.frontend import aten
+from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
 from einjoin.frontend.nn_modules import MODULES
 from einjoin.frontend.tensor import Tensor
@@ -632,65 +631,6 @@ def _attr(module: Any, qual: str) -> Any:
 # ---------------------------------------------------------------- the entry point
 
 
-def _arg_labels(module: Any, n: int, kwargs: Mapping[str, Any]) -> list[str]:
-    """The forward's parameter names for ``n`` positional arguments (``argument i`` where the
-    signature does not say)."""
-    try:
-        params = [p.name for p in inspect.signature(module.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    return [params[i] if i < len(params) else f"argument {i}" for i in range(n)] + list(kwargs)
-
-
-def _check_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Example arguments that the forward cannot take are an error here: the fx fallback would
-    otherwise drop an extra one silently."""
-    try:
-        sig = inspect.signature(module.forward)
-    except (TypeError, ValueError):  # no signature to check against (a builtin forward)
-        return
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        raise EinjoinError(f"from_torch: the example arguments do not fit "
-                           f"{type(module).__name__}.forward{sig}: {e}") from None
-
-
-def _unalias(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-             ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
-    """Copies of example arguments that are (or share memory with) an earlier one. Traced with
-    ``mha(x, x, x)``, torch.export specialises the graph to ``query is key is value`` (it reads
-    only one of them), so a later run with three different tensors would be silently wrong; with
-    copies the graph holds for any tensors, the same one included."""
-    import torch
-
-    def storage(t: Any) -> int:
-        try:
-            return 0 if t.is_meta else t.untyped_storage().data_ptr()
-        except Exception:  # tensor subclasses without storage
-            return 0
-
-    labels = _arg_labels(module, len(args), kwargs)
-    values = [*args, *kwargs.values()]
-    seen: list[tuple[Any, str]] = []
-    groups: dict[str, list[str]] = {}
-    out = []
-    for v, label in zip(values, labels):
-        if isinstance(v, torch.Tensor):
-            first = next((lab for t, lab in seen if t is v or (storage(t) and storage(t) == storage(v))), None)
-            if first is not None:
-                groups.setdefault(first, [first]).append(label)
-                v = v.clone()
-            else:
-                seen.append((v, label))
-        out.append(v)
-    notes = [f"example arguments {', '.join(g)} were one tensor (or shared memory); they were "
-             f"traced as separate tensors, so run() takes the same tensor or different ones"
-             for g in groups.values()]
-    return tuple(out[:len(args)]), dict(zip(kwargs, out[len(args):])), notes
-
-
 def _cause(e: BaseException) -> str:
     """One line for a capture failure: the exception's first line and the user's frame it names."""
     text = str(e)
@@ -739,40 +679,6 @@ def _capture(how: Callable[[Any, tuple[Any, ...], dict[str, Any]], TorchFunction
     return fn
 
 
-def _check_dynamic(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   dynamic: Any) -> dict[str, dict[int, str]]:
-    """``dynamic`` checked against the example arguments: names of tensor arguments of the
-    forward, dims in range (a negative dim counts from the end; stored non-negative), symbols
-    non-empty strings."""
-    import torch
-    if dynamic is None:
-        return {}
-    if not isinstance(dynamic, Mapping):
-        raise EinjoinError(f"from_torch: dynamic must be a mapping argument name -> {{dim: symbol}}, "
-                           f"got {type(dynamic).__name__}")
-    values = dict(zip(_arg_labels(module, len(args), kwargs), [*args, *kwargs.values()]))
-    tensors = [n for n, v in values.items() if isinstance(v, torch.Tensor)]
-    out: dict[str, dict[int, str]] = {}
-    for name, dims in dynamic.items():
-        if name not in values or not isinstance(values[name], torch.Tensor):
-            raise EinjoinError(f"from_torch: dynamic names {name!r}, which is not a tensor argument of "
-                               f"{type(module).__name__}.forward (those given: {', '.join(tensors) or 'none'})")
-        if not isinstance(dims, Mapping):
-            raise EinjoinError(f"from_torch: dynamic[{name!r}] must be a mapping dim -> symbol, got "
-                               f"{type(dims).__name__}")
-        ndim = values[name].dim()
-        out[name] = {}
-        for d, sym in dims.items():
-            if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not -ndim <= d < ndim:
-                raise EinjoinError(f"from_torch: dynamic[{name!r}] names dim {d!r}, but {name} has "
-                                   f"{ndim} dims (shape {tuple(values[name].shape)})")
-            if not isinstance(sym, str) or not sym:
-                raise EinjoinError(f"from_torch: dynamic[{name!r}][{d}] must be a symbol name (a "
-                                   f"non-empty str), got {sym!r:.60}")
-            out[name][int(d) % ndim] = sym
-    return out
-
-
 def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None,
                method: str = "auto", *, dropout_seed: int = 0,
                dynamic: Mapping[str, Mapping[int, str]] | None = None) -> TorchFunction:
@@ -799,108 +705,10 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     kept on the result with a ``recapture`` that imports the module again for other shapes, the
     way a compiled program does when called with them."""
     fn, dyn, args, kwargs = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
-    import torch
     from dataclasses import replace
-    # what a recapture needs besides new tensors: the example's non-tensor arguments as they were,
-    # where its tensors sat (containers too), the modules' training modes; the capture that worked
-    # (export is not tried again after fx)
-    labels = _arg_labels(module, len(args), kwargs)
-    slots = [(lab, _slot(v)) for lab, v in zip(labels, [*args, *kwargs.values()])]
-    order = {n: i for i, n in enumerate(fn.arg_names)}
-
-    def first_input(item: tuple[str, Any]) -> int:  # keyword tensors in the order export took them
-        lab, slot = item
-        return order.get(lab, order.get(f"{lab}_0", len(order))) if slot is None or isinstance(slot, _Tree) \
-            else len(order)
-
-    rec = _Recapture(module, fn.method, int(dropout_seed), dyn, tuple(slots[:len(args)]),
-                     tuple(sorted(slots[len(args):], key=first_input)), tuple(m.training for m in module.modules()))
-    constants = {lab: v for lab, v in zip(labels, [*args, *kwargs.values()]) if not isinstance(v, torch.Tensor)}
-    return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=tuple(labels))
-
-
-@dataclass(frozen=True)
-class _Fixed:
-    """A non-tensor example argument, kept as given."""
-
-    value: Any
-
-
-@dataclass(frozen=True)
-class _Tree:
-    """An example argument holding tensors in a container (``hx=(h, c)``): export flattened its
-    tensors into consecutive inputs (``hx_0``, ``hx_1``); a recapture refills them in that order."""
-
-    value: Any
-
-    def fill(self, given: list[Any]) -> Any:
-        import torch
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-        leaves, spec = tree_flatten(self.value)
-        return tree_unflatten([_take(None, given) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
-
-
-def _slot(v: Any) -> _Fixed | _Tree | None:
-    import torch
-    from torch.utils._pytree import tree_leaves
-    if isinstance(v, torch.Tensor):
-        return None
-    return _Tree(v) if any(isinstance(x, torch.Tensor) for x in tree_leaves(v)) else _Fixed(v)
-
-
-def _take(slot: _Fixed | _Tree | None, given: list[Any]) -> Any:
-    if isinstance(slot, _Fixed):
-        return slot.value
-    if isinstance(slot, _Tree):
-        return slot.fill(given)
-    if not given:
-        raise EinjoinError("recapture: fewer tensors given than the forward's first import took")
-    return given.pop(0)
-
-
-@dataclass(frozen=True)
-class _Recapture:
-    """``from_torch`` again on other example tensors with the options of the first import (a
-    class, not a closure, so that a program holding it pickles with its module). Called with the
-    forward's tensors flat, in ``arg_names`` order (positional arguments first, then keyword ones;
-    a container's tensors in turn), and/or whole arguments by name; non-tensor arguments are the
-    first import's unless given by name. It captures in the modules' import-time training modes."""
-
-    module: Any
-    method: str
-    dropout_seed: int
-    dynamic: Mapping[str, Mapping[int, str]]
-    positional: tuple[tuple[str, _Fixed | _Tree | None], ...] = ()
-    keywords: tuple[tuple[str, _Fixed | _Tree | None], ...] = ()
-    modes: tuple[bool, ...] = ()
-
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
-        # torch.export instruments the module it captures while it runs; a recapture happens while the
-        # user may be calling that module in torch (serving both side by side), so it captures a copy
-        # of the module tree that shares the parameters and buffers (no weight is copied), in the
-        # training modes of the first import (the user may have called .train() on the module since)
-        module = _shared_copy(self.module)
-        if module is not self.module and len(self.modes) == len(list(module.modules())):
-            for m, mode in zip(module.modules(), self.modes):
-                m.training = mode
-        given, named = list(args), dict(kwargs)
-        positional = [named.pop(name) if name in named else _take(slot, given) for name, slot in self.positional]
-        keyword = {name: named.pop(name) if name in named else _take(slot, given) for name, slot in self.keywords}
-        return from_torch(module, (*positional, *given), {**keyword, **named}, self.method,
-                          dropout_seed=self.dropout_seed, dynamic=self.dynamic)
-
-
-def _shared_copy(module: Any) -> Any:
-    """``module``'s tree of modules copied, its parameters and buffers the same tensors (the
-    copy's forward computes with the module's weights, now and after in-place updates); the module
-    itself when it cannot be deep-copied."""
-    import copy
-    import itertools
-    memo: dict[int, Any] = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
-    try:
-        return copy.deepcopy(module, memo)
-    except Exception:  # an attribute deepcopy refuses (a lock, a handle): the live module
-        return module
+    rec, constants, call_args = A.recapture_for(from_torch, module, fn.arg_names, fn.method, int(dropout_seed),
+                                                dyn, args, kwargs)
+    return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args)
 
 
 def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
@@ -919,10 +727,10 @@ def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mappin
     kwargs = dict(example_kwargs or {})
     if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, (int, np.integer)):
         raise EinjoinError(f"from_torch: dropout_seed must be an int, got {dropout_seed!r:.60}")
-    _check_signature(module, args, kwargs)
-    dyn = _check_dynamic(module, args, kwargs, dynamic)  # before the capture: a typo fails fast
-    kwargs, notes = _no_cache(module, args, kwargs)
-    with _static_experts(module, notes):
+    A.check_signature(module, args, kwargs)
+    dyn = A.check_dynamic(module, args, kwargs, dynamic)  # before the capture: a typo fails fast
+    kwargs, notes = A.no_cache(module, args, kwargs)
+    with A.static_experts(module, notes):
         fn = _import(module, args, kwargs, method, dropout_seed)
     if notes:
         from dataclasses import replace
@@ -930,57 +738,10 @@ def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mappin
     return fn, dyn, args, kwargs
 
 
-@contextlib.contextmanager
-def _static_experts(module: Any, notes: list[str]) -> Iterator[None]:
-    """A Hugging Face mixture of experts (Mixtral, Qwen2-MoE, ...) dispatches tokens to experts with
-    data-dependent shapes (``grouped_mm``: an opaque custom op over per-expert token counts;
-    ``eager``: a loop over ``nonzero()``); ``batched_mm`` is the same sum with static shapes (each
-    token's chosen experts' weights gathered, batched matmuls, weighted sum). The capture uses it;
-    the model's setting is restored afterwards."""
-    configs: dict[int, tuple[Any, str]] = {}  # any submodule (a user's wrapper around a model)
-    for m in module.modules():
-        if not hasattr(type(m), "_apply_gate"):  # transformers' experts classes (use_experts_implementation)
-            continue
-        config: Any = getattr(m, "config", None)
-        impl = getattr(config, "_experts_implementation", None)
-        if isinstance(impl, str) and impl != "batched_mm":
-            configs.setdefault(id(config), (config, impl))
-    if not configs:
-        yield
-        return
-    for config, _ in configs.values():
-        config._experts_implementation = "batched_mm"
-    was = sorted({impl for _, impl in configs.values()})
-    notes.append(f"the experts were captured with experts_implementation='batched_mm' (the model's "
-                 f"{', '.join(map(repr, was))} dispatches with data-dependent shapes; the result is the same sum)")
-    try:
-        yield
-    finally:
-        for config, impl in configs.values():
-            config._experts_implementation = impl
-
-
-def _no_cache(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """A Hugging Face model returns its key/value cache (a ``DynamicCache`` object torch.export
-    cannot return) unless told ``use_cache=False``: when the forward takes ``use_cache``, the
-    example does not set it and the model's config would, it is set False (noted)."""
-    config = getattr(module, "config", None)
-    if "use_cache" in kwargs or not getattr(config, "use_cache", False):
-        return kwargs, []
-    try:
-        sig = inspect.signature(module.forward)
-        sig.bind(*args, **kwargs, use_cache=False)
-    except (TypeError, ValueError):  # no use_cache argument (or given positionally)
-        return kwargs, []
-    return {**kwargs, "use_cache": False}, [
-        "use_cache=False was passed (an einjoin graph returns tensors, not cache objects; "
-        "ej.generate decodes with a static cache)"]
-
-
 def _import(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: str,
             dropout_seed: int) -> TorchFunction:
     import torch
-    args, kwargs, notes = _unalias(module, args, kwargs)
+    args, kwargs, notes = A.unalias(module, args, kwargs)
     name = type(module).__name__
     if method == "fx":
         return _notes(_capture(_from_fx, module, args, kwargs, dropout_seed), notes)
