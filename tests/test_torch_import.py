@@ -524,3 +524,19 @@ def test_recapture_fills_tuple_arguments_and_keeps_the_import_time_modes():
     x6 = torch.randn(6, 4)
     with torch.no_grad():
         assert_close(torch.from_numpy(again.reference(x6)), m.eval()(x6))
+
+
+@pytest.mark.parametrize("hook", ["forward", "pre"])
+def test_fx_refuses_module_hooks_export_runs_them(hook):
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    if hook == "forward":
+        m[0].register_forward_hook(lambda mod, inp, out: out * 10)
+    else:
+        m[2].register_forward_pre_hook(lambda mod, inp: (inp[0] + 1,))
+    x = torch.randn(3, 4)
+    with pytest.raises(ej.UnsupportedOpError, match=f"{'pre-' if hook == 'pre' else 'forward'} hook on "
+                                                    f"{'0' if hook == 'forward' else '2'} \\(Linear\\)"):
+        ej.from_torch(m, (x,), method="fx")
+    with torch.no_grad():
+        assert_close(ej.compile(ej.from_torch(m, (x,)), devices=2).run(x), m(x))

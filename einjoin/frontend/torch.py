@@ -545,10 +545,28 @@ def _fx_call(node: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     return _translate(node, name, args, kwargs, problems)
 
 
+def _refuse_hooks(module: Any) -> None:
+    """torch.fx traces ``forward`` and keeps leaf modules whole: forward hooks and pre-hooks would
+    be left out of the graph silently, so a module with any is refused, naming them (torch.export
+    runs them: ``method="export"``)."""
+    import torch.nn.modules.module as mm
+    found = [f"{kind} hook on {name or 'the top module'} ({type(m).__name__})"
+             for name, m in module.named_modules()
+             for kind, hooks in (("forward", m._forward_hooks), ("forward pre-", m._forward_pre_hooks))
+             if hooks]
+    found += [f"global {kind} hook" for kind, hooks in (("forward", mm._global_forward_hooks),
+                                                        ("forward pre-", mm._global_forward_pre_hooks)) if hooks]
+    if found:
+        raise UnsupportedOpError(f"from_torch: torch.fx does not apply module hooks, and {type(module).__name__} "
+                                 f"has {len(found)}: {'; '.join(found[:4])}{' ...' if len(found) > 4 else ''}; "
+                                 f"import with method='export' (which runs them) or remove them")
+
+
 def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
     import torch
     import torch.fx
 
+    _refuse_hooks(module)
     tracer = torch.fx.Tracer()
     tracer.record_stack_traces = True
     try:
