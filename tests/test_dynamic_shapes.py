@@ -274,3 +274,7 @@ def test_tuple_arguments_are_flattened_as_at_the_import(devices):
             _close(g, w.detach())
     with pytest.raises(ej.EinjoinError, match="'hx' must be a tuple of 2"):
         prog.run(x, (h,))
+    x5, h5, c5 = torch.randn(5, 4), torch.randn(5, 6), torch.randn(5, 6)  # another batch: recaptured
+    for g, w in zip(prog.run(x5, (h5, c5)), cell(x5, (h5, c5))):
+        _close(g, w.detach())
+    assert prog.run_stats.cache_key == (("input", (5, 4)), ("hx_0", (5, 6)), ("hx_1", (5, 6)))
