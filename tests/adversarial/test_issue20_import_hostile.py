@@ -281,13 +281,8 @@ def test_generate_takes_a_strided_int32_prompt() -> None:
     assert got.dtype == torch.int64 and torch.equal(got, ids)
 
 
-@pytest.mark.xfail(strict=True, reason="a program called with a new shape re-exports the user's LIVE module "
-                   "(torch.export wraps it as _export_root); while another thread calls that module in torch, "
-                   "the torch calls fail (AssertionError: Unexpected key _export_root@N ...) and the recapture "
-                   "fails too (EinjoinError: torch.export could not capture Linear: AssertionError ...): serving "
-                   "torch and einjoin side by side breaks both; owner H3 (recapture on a copy of the module, "
-                   "or under a lock with a documented caveat)")
 def test_recapture_for_new_shapes_leaves_torch_in_other_threads_alone() -> None:
+    """Was a defect (H3: the recapture exported the live module; fixed in a8e68e3 (a copy sharing its weights))."""
     import threading
 
     import numpy as np
@@ -321,11 +316,8 @@ def test_recapture_for_new_shapes_leaves_torch_in_other_threads_alone() -> None:
     assert errors == {"einjoin": [], "torch": []}, {k: v[:2] for k, v in errors.items()}
 
 
-@pytest.mark.xfail(strict=True, reason="a program imported from an eval-mode module, called with a new shape "
-                   "after the user switched the module to train() (fine-tuning it in torch), recaptures in "
-                   "TRAINING mode: the new shape silently gets dropout (8 zeros) while the old shape keeps eval "
-                   "semantics; the recapture should use the import-time mode; owner H3 (recapture)")
 def test_recapture_keeps_the_import_time_eval_mode() -> None:
+    """Was a defect (H3: the recapture took the current training mode; fixed in a8e68e3)."""
     torch.manual_seed(13)
     m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
     prog = ej.compile(ej.from_torch(m, (torch.randn(3, 4),)), quiet=True)
@@ -339,12 +331,9 @@ def test_recapture_keeps_the_import_time_eval_mode() -> None:
     torch.testing.assert_close(got, m(xb).detach())
 
 
-@pytest.mark.xfail(strict=True, reason="with method='fx' (and so with 'auto' whenever export fails and fx is the "
-                   "fallback) a module's forward hooks and pre-hooks are silently ignored: the imported program "
-                   "differs from torch's module (export keeps them); it should apply them or refuse naming the "
-                   "hook; owner H3 (frontend/torch.py fx path)")
 @pytest.mark.parametrize("hook", ["forward", "pre"])
 def test_fx_import_keeps_forward_hooks_or_refuses(hook: str) -> None:
+    """Was a defect (H3: fx ignored hooks silently; fixed in d642291 (refused, naming the hook))."""
     torch.manual_seed(14)
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
     if hook == "forward":
