@@ -175,7 +175,7 @@ def test_load_state_dict_strict_false_loads_the_keys_given():
     assert all(torch.equal(after[k], before[k]) for k in before if k != "mid.bias")
 
 
-def test_batchnorm_is_refused_clearly():
+def test_batchnorm_trains_as_torch():  # refused before issue 20; now its running stats are state
     class BN(nn.Module):
         def __init__(self):
             super().__init__()
@@ -186,9 +186,22 @@ def test_batchnorm_is_refused_clearly():
         def forward(self, x):
             return self.out(torch.relu(self.bn(self.lin(x))))
 
+    torch.manual_seed(0)
     x, y = torch.randn(16, 4), torch.randn(16, 1)
-    with pytest.raises(ej.UnsupportedOpError, match=r"batch_norm(.|\n)*module\.bn \(BatchNorm1d\)"):
-        ej.Trainer(BN(), (x, y), TF.mse_loss, devices=1)
+    model = BN()
+    ref = copy.deepcopy(model)
+    tr = ej.Trainer(model, (x, y), TF.mse_loss, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        got = tr.step(x, y)
+        opt.zero_grad()
+        want = TF.mse_loss(ref(x), y)
+        want.backward()
+        opt.step()
+        assert got == pytest.approx(want.item(), rel=1e-5)
+    sd = tr.state_dict()
+    for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        torch.testing.assert_close(sd[k], ref.state_dict()[k], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- batches: errors, shapes, evaluate
