@@ -77,3 +77,11 @@ def test_train_example_runs(capsys, tmp_path) -> None:  # type: ignore[no-untype
     out = capsys.readouterr().out
     assert "einjoin" in out and "torch" in out and "tokens/s" in out
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_torch_models_example_runs() -> None:
+    # ResNet-18 on 2 devices at two batch sizes, save / load bit-identical, KV-cache decoding
+    text = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "ej.generate(" in b]
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README.md", "exec"), {})
