@@ -407,6 +407,7 @@ def test_non_tensor_arguments_are_constants_and_use_cache_is_turned_off():
             assert again.arg_names == ("x", "mask")
             assert_close(torch.from_numpy(again.reference(x2, mask2)), want)
     assert fn.constants == {"scale": 3.0, "use_cache": False} and fn.call_args == ("x", "mask", "scale", "use_cache")
+    assert fn.defaults == {"scale": 2.0, "use_cache": None}  # what leaving them out means in torch
     assert ej.from_torch(m, (x,), {"use_cache": False}).notes == ()
     with pytest.raises(ej.EinjoinError, match="object"):  # asked for the cache: export cannot return it
         ej.from_torch(m, (x,), {"use_cache": True}, method="export")

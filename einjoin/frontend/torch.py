@@ -63,6 +63,9 @@ class TorchFunction:
     """The forward's non-tensor arguments the import was given (``scale=2.0``, ``use_cache=False``),
     by parameter name: the graph holds for these values (torch.export specialised it on them), so
     a call giving the same values may be run, and other values need a new import."""
+    defaults: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    """The forward's default value of each name in ``constants`` that has one (``scale=1.0``): a call
+    leaving that argument out means the default, as in torch, not the import's value."""
     call_args: tuple[str, ...] = ()
     """The forward's parameters in the order the example gave them (positional, then keyword): each
     a tensor input of ``arg_names`` or a name in ``constants``; for binding a torch-style call
@@ -726,7 +729,8 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     from dataclasses import replace
     rec, constants, call_args = A.recapture_for(from_torch, module, fn.arg_names, fn.method, int(dropout_seed),
                                                 dyn, args, kwargs)
-    return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args)
+    return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args,
+                   defaults=A.defaults(module, constants))
 
 
 def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,

@@ -24,7 +24,7 @@ from einjoin.errors import EinjoinError
 if TYPE_CHECKING:
     from einjoin.frontend.torch import TorchFunction
 
-__all__ = ["labels", "check_signature", "unalias", "check_dynamic", "static_experts", "no_cache",
+__all__ = ["labels", "defaults", "check_signature", "unalias", "check_dynamic", "static_experts", "no_cache",
            "recapture_for", "shared_copy"]
 
 
@@ -37,6 +37,16 @@ def labels(module: Any, n: int, kwargs: Mapping[str, Any]) -> list[str]:
     except (TypeError, ValueError):
         params = []
     return [params[i] if i < len(params) else f"argument {i}" for i in range(n)] + list(kwargs)
+
+
+def defaults(module: Any, names: Mapping[str, Any]) -> dict[str, Any]:
+    """The forward's default values of the parameters ``names`` (those with one)."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {n: params[n].default for n in names
+            if n in params and params[n].default is not inspect.Parameter.empty}
 
 
 def check_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
