@@ -199,7 +199,7 @@ class Source:
             recapture = getattr(outputs, "recapture", None)
             dynamic = {k: dict(v) for k, v in getattr(outputs, "dynamic", {}).items()}
             call = call_template(getattr(outputs, "call_args", ()) or arg_names,
-                                 getattr(outputs, "constants", {}), arg_names)
+                                 getattr(outputs, "constants", {}), arg_names, getattr(outputs, "defaults", {}))
         else:
             arg_names, bound, many, outs = None, None, isinstance(outputs, (list, tuple)), outputs
         if not state:

@@ -224,8 +224,8 @@ def _template(value: Any, name: str, arg_names: Sequence[str]) -> Template | Non
     return ("const", value)
 
 
-def call_template(call_args: Sequence[str], constants: Mapping[str, Any], arg_names: Sequence[str]
-                  ) -> tuple[tuple[str, Template], ...] | None:
+def call_template(call_args: Sequence[str], constants: Mapping[str, Any], arg_names: Sequence[str],
+                  defaults: Mapping[str, Any] | None = None) -> tuple[tuple[str, Template], ...] | None:
     """The forward's parameters as an import saw them (``TorchFunction.call_args`` with its
     ``constants`` and ``arg_names``): (parameter name, template) in the example's order, for
     :func:`bind_call`; None where some parameter cannot be bound to the graph's inputs.
@@ -240,6 +240,11 @@ def call_template(call_args: Sequence[str], constants: Mapping[str, Any], arg_na
             t: Template | None = ("in", name)
         elif name in constants:
             t = _template(constants[name], name, arg_names)
+            d = (defaults or {}).get(name, constants[name])
+            if (t is not None and t[0] == "const" and not _same(d, constants[name])
+                    and (d is None or isinstance(d, (bool, int, float, str)))):
+                # left out at run(), torch would use this default, not the import's value
+                t = ("const", constants[name], d)
         else:
             t = None
         if t is None:
@@ -286,7 +291,8 @@ def bind_call(call: Sequence[tuple[str, Template]] | None, arg_names: Sequence[s
               feeds: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A torch-style call ``run(x, (h, c), 2.0, flip=True)`` as the graph's own: (positional
     arguments, feeds by input name). Non-tensor arguments must equal the import's (an
-    :class:`EinjoinError` names the argument and both values; left out, the import's hold);
+    :class:`EinjoinError` names the argument and both values; left out, the import's hold, unless
+    the forward's default differs: then torch would use the default, and that is an error too);
     tuples and lists are flattened as at the import. A call already in the graph's convention
     (flattened tensors ``run(x, h, c)``, inputs by their graph names) is returned as it is.
 
@@ -320,4 +326,10 @@ def bind_call(call: Sequence[tuple[str, Template]] | None, arg_names: Sequence[s
     for k in rest:
         if k in out:
             raise EinjoinError(f"input {k!r} is given both by position and by name")
+    given = {n for n, _ in call[:len(args)]} | set(feeds)
+    for name, t in call:
+        if name not in given and t[0] == "const" and len(t) == 3:
+            raise EinjoinError(f"argument {name!r} is left out, so torch would use its default {t[2]!r:.60}, "
+                               f"but the program was specialised on the import's value {t[1]!r:.60}: give "
+                               f"{name}={t[1]!r:.40}, or import the module with the default")
     return (), {**out, **rest}

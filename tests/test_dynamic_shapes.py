@@ -236,16 +236,21 @@ class _Scaled(torch.nn.Module):
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_program_is_called_as_torch_calls_its_module(devices, tmp_path):
-    """Non-tensor arguments equal to the import's, positionally or by name (or left out), at the
-    compiled shape and at another; a different value is refused by name with both values; the
-    binding survives save / load and pickle."""
+    """Non-tensor arguments equal to the import's, positionally or by name, at the compiled shape
+    and at another; a different value is refused by name with both values, and so is leaving out
+    one whose default (what torch would use) is not the import's; the binding survives save /
+    load and pickle."""
     torch.manual_seed(0)
     m, x = _Scaled().eval(), torch.randn(5, 4)
     prog = ej.compile(ej.from_torch(m, (x, 2.0, True)), devices=devices, quiet=True)
     want = m(x, 2.0, True).detach()
-    for got in (prog.run(x, 2.0, True), prog.run(x, scale=2.0, flip=True), prog.run(x, 2.0), prog.run(x),
-                prog.run(x=x, flip=True), prog.run_reference(x, 2.0, flip=True)):
+    for got in (prog.run(x, 2.0, True), prog.run(x, scale=2.0, flip=True), prog.run(x, flip=True, scale=2.0),
+                prog.run(x=x, scale=2.0, flip=True), prog.run_reference(x, 2.0, flip=True)):
         _close(torch.as_tensor(got), want)
+    with pytest.raises(ej.EinjoinError, match=r"'flip' is left out.*default False.*import's value True"):
+        prog.run(x, 2.0)  # torch's m(x, 2.0) would use flip=False
+    with pytest.raises(ej.EinjoinError, match=r"'scale' is left out.*default 1.0.*import's value 2.0"):
+        prog.run(x)
     x8 = torch.randn(8, 4)
     _close(prog.run(x8, 2.0, True), m(x8, 2.0, True).detach())
     with pytest.raises(ej.EinjoinError, match=r"'scale' is 3.0.*import's value 2.0"):

@@ -457,16 +457,24 @@ def _to(x: Tensor, *args: Any, dtype: Any = None, **_: Any) -> Tensor:
             dtype = a
     if dtype is None:
         return x
-    return x.to(_narrow_int(torch_dtype(dtype) if not isinstance(dtype, str) else dtype))
+    return _cast(x, torch_dtype(dtype) if not isinstance(dtype, str) else dtype)
 
 
 # einjoin's integers are int64: a cast to a narrower integer type (RoBERTa's position ids go
-# through int32) computes in int64, equal wherever the narrow type holds the values
-_NARROW_INTS = frozenset({"int32", "int16", "int8", "uint8"})
+# through int32) computes in int64 and wraps as the narrow type would (two's complement), so
+# 200 -> int8 is -56 and -1 -> uint8 is 255, as torch gives
+_NARROW_INTS = {"int32": (32, True), "int16": (16, True), "int8": (8, True), "uint8": (8, False)}
 
 
-def _narrow_int(dtype: str) -> str:
-    return "int64" if dtype in _NARROW_INTS else dtype
+def _cast(x: Tensor, dtype: str) -> Tensor:
+    if dtype not in _NARROW_INTS:
+        return x.to(dtype)
+    bits, signed = _NARROW_INTS[dtype]
+    y = x.to("int64")  # floats truncate toward zero first, as torch's conversion
+    if signed:
+        half = 1 << (bits - 1)
+        return (y + half) % (1 << bits) - half  # mod takes the divisor's sign (torch.remainder)
+    return y % (1 << bits)
 
 
 @op("type_as")
@@ -475,8 +483,9 @@ def _type_as(x: Tensor, other: Tensor) -> Tensor:
 
 
 for _name, _dt in (("float", "float32"), ("double", "float64"), ("half", "float16"),
-                   ("bfloat16", "bfloat16"), ("long", "int64"), ("int", "int64"), ("bool", "bool")):
-    OPS[_name] = (lambda dt: lambda x, *a, **k: x.to(dt))(_dt)
+                   ("bfloat16", "bfloat16"), ("long", "int64"), ("int", "int32"), ("short", "int16"),
+                   ("char", "int8"), ("byte", "uint8"), ("bool", "bool")):
+    OPS[_name] = (lambda dt: lambda x, *a, **k: _cast(x, dt))(_dt)
 
 
 # ------------------------------------------------------------------ factories (fold to constants)

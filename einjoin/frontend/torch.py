@@ -729,8 +729,11 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     from dataclasses import replace
     rec, constants, call_args = A.recapture_for(from_torch, module, fn.arg_names, fn.method, int(dropout_seed),
                                                 dyn, args, kwargs)
+    # the defaults of what the user gave (a setting the import added, use_cache=False, has none:
+    # leaving it out at run() is no departure from torch's call)
+    given = {k: v for k, v in constants.items() if k in (example_kwargs or {}) or k not in kwargs}
     return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args,
-                   defaults=A.defaults(module, constants))
+                   defaults=A.defaults(module, given))
 
 
 def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,

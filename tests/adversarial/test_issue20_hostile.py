@@ -717,10 +717,7 @@ def test_a_stateful_imported_program_refuses_new_shapes_clearly() -> None:
         prog.run(torch.randn(5, 4))
 
 
-@pytest.mark.xfail(strict=True, reason="casts to int8 / uint8 / int16 / int32 compute in int64 without "
-                   "wrapping: x.to(torch.int8) of 200 stays 200 (torch: -56), uint8 of -1 stays -1 (torch: "
-                   "255), int32 of 3e9 stays 3e9: silently wrong numbers for values outside the narrow type; "
-                   "owner H2 (ecfb76d, frontend cast translation)")
+# fixed by the integrator: narrow casts wrap as two's complement (were int64 without wrapping)
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
 def test_narrow_integer_casts_wrap_as_torch(dtype: torch.dtype) -> None:
     x = torch.tensor([1, -1, 200, 300, -129, 255, 65537, 3_000_000_000, -40000])

@@ -349,10 +349,7 @@ def test_fx_import_keeps_forward_hooks_or_refuses(hook: str) -> None:
     torch.testing.assert_close(ej.compile(fn, quiet=True).run(x), m(x).detach())
 
 
-@pytest.mark.xfail(strict=True, reason="a program imported with a non-tensor argument (scale=2.0) run WITHOUT it "
-                   "silently uses the import's 2.0, while torch's m(x) uses the forward's default 1.0: run(x) "
-                   "differs from m(x) by 2x with no error (giving another value is refused, naming both); "
-                   "omitting should mean the default (or be refused when the default differs); owner H3")
+# fixed by the integrator: left out where the forward's default differs from the import's value, it is refused
 def test_omitting_a_non_tensor_argument_means_its_default_as_in_torch() -> None:
     torch.manual_seed(15)
     m, x = _Scaled().eval(), torch.randn(5, 4)
