@@ -177,10 +177,20 @@ def op_need(d: Decomposition) -> int:
         return max(prod(d.out_partition.block_shape(k)) * out_item for k in d.out_partition.keys())
     part_item = itemsize(partial_dtype(node)) if d.n_partials > 1 else out_item
     worst = 0
+    seen: set[tuple[Any, ...]] = set()
     for i, k in enumerate(d.kernels):
         ins = [prod(d.in_partitions[s].block_shape(key)) * itemsize(x.dtype)
                for s, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None]
         out = prod(d.out_partition.block_shape(k.out_key)) * part_item
+        # a scratch rule reads only the kernel's block bytes and shapes and its labels' extents:
+        # kernels alike in those hold alike (an even cut has one such class; the fitting searches
+        # weigh thousands of kernels per candidate spec)
+        extents = tuple(b[j + 1] - b[j] for b, j in zip(d.spec.bounds, k.index))
+        sig = (tuple(ins), d.out_partition.block_shape(k.out_key), extents,
+               tuple(d.in_partitions[s].block_shape(key) for s, key in enumerate(k.in_keys) if key is not None))
+        if sig in seen:
+            continue
+        seen.add(sig)
         worst = max(worst, sum(ins) + out + kernel_scratch(d, i, ins, out))
         if d.n_partials > 1:
             worst = max(worst, 3 * out)  # one accumulating step (see memplan.chain)

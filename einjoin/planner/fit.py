@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
@@ -34,7 +34,7 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.settings import SETTINGS, Settings
 
-__all__ = ["op_need", "finer_cuts", "fitting_specs", "finer_spec", "element_spec", "memory_cap",
+__all__ = ["op_need", "finer_cuts", "fitting_specs", "finer_spec", "element_spec", "element_cuts", "memory_cap",
            "device_memory", "MemoryLimit"]
 
 MemoryLimit = Mapping[int, "int | None"]
@@ -125,7 +125,9 @@ def finer_spec(node: Node, spec: JoinAggSpec, settings: Settings = SETTINGS) -> 
     (a local minimum of the need), the spec that holds least among those cutting every label
     whole or into single elements (at most ``settings.fit_leaps`` of them) and the kind's own
     extra cuts (:data:`LEAP_RULES`: a reshape's divisor cuts), if it holds less — it may cut some
-    labels coarser; else None (also when every helpful cut exceeds ``settings.max_kernels``)."""
+    labels coarser; else None (also when every helpful cut exceeds ``settings.max_kernels``).
+    The whole-or-element cuts are all tried when at most ``settings.fit_leaps`` of them stay within
+    ``max_kernels`` (:func:`element_cuts`); beyond, the first that many in its order."""
     outs = set(output_labels(node))
     sizes = label_sizes(node)
     current = op_need(decompose(node, spec))
@@ -169,12 +171,40 @@ LEAP_RULES: dict[type, Callable[[dict[str, int], int], list[dict[str, int]]]] = 
 the need, given the labels' sizes and ``Settings.fit_leaps``."""
 
 
+def element_cuts(node: Node, settings: Settings = SETTINGS) -> Iterator[dict[str, int]]:
+    """The cuts of ``node`` taking each label (of size > 1) whole or into single elements, within
+    ``settings.max_kernels`` kernels: the output labels first, larger labels first, each cut before
+    it is kept whole — so the cuts into most kernels without partial results come first (the
+    search stops after ``settings.fit_leaps`` of them). Cuts beyond ``max_kernels`` are pruned, not
+    counted: under a small cap the fitting cut is often one of the few near that bound.
+
+    >>> import einjoin as ej
+    >>> z = ej.input("a", (4, 3)) @ ej.input("b", (3, 2))
+    >>> [sorted(c.items()) for c in element_cuts(z.node)][:3]
+    [[('k', 3), ('m', 4), ('n', 2)], [('m', 4), ('n', 2)], [('k', 3), ('m', 4)]]
+    """
+    outs = set(output_labels(node))
+    sizes = sorted(((lab, n) for lab, n in label_sizes(node).items() if n > 1),
+                   key=lambda ln: (ln[0] not in outs, -ln[1]))  # stable: the spec's order on ties
+
+    def walk(i: int, kernels: int, cut: dict[str, int]) -> Iterator[dict[str, int]]:
+        if i == len(sizes):
+            yield dict(cut)
+            return
+        lab, n = sizes[i]
+        if kernels * n <= settings.max_kernels:
+            cut[lab] = n
+            yield from walk(i + 1, kernels * n, cut)
+            del cut[lab]
+        yield from walk(i + 1, kernels, cut)
+
+    return walk(0, 1, {})
+
+
 def _leap(node: Node, current: int, settings: Settings) -> JoinAggSpec | None:
     # labels of size 1 have one cut only
     sizes = {lab: n for lab, n in label_sizes(node).items() if n > 1}
-    tries: list[dict[str, int]] = []
-    for cut in itertools.islice(itertools.product((False, True), repeat=len(sizes)), settings.fit_leaps):
-        tries.append({lab: (n if c else 1) for (lab, n), c in zip(sizes.items(), cut)})
+    tries = list(itertools.islice(element_cuts(node, settings), settings.fit_leaps))
     tries += rule_for(LEAP_RULES, node.op, "finer-cut leap rules")(sizes, settings.fit_leaps)
     found: tuple[tuple[int, int], JoinAggSpec] | None = None
     for counts in tries:
