@@ -817,3 +817,32 @@ def test_iteration_and_numpy_integer_indices() -> None:
     assert len(rows) == 3 and all(r.shape == (2,) for r in rows)
     np.testing.assert_array_equal(ej.reference(rows[2], x=xv), xv[2])
     np.testing.assert_array_equal(ej.reference(x[np.int64(1)], x=xv), xv[1])
+
+
+@pytest.mark.parametrize("shape, idx", [
+    ((10, 7), (slice(None), slice(None, None, 2))), ((10, 7), (slice(1, 9, 3),)),
+    ((10, 7), (slice(2, None, 4), slice(0, 7, 3))), ((5,), (slice(None, None, 5),)),
+    ((6, 4), (slice(5, 2, 2),)), ((2, 9, 3), (Ellipsis, slice(1, None, 2), 1))])
+def test_strided_slices_equal_numpy_and_torch_with_their_gradient(shape, idx):
+    # x[a:b:s] (GPT-J's rotate_every_two, Swin's patch merging): a select, a reshape and a select
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    t = ej.input("x", shape)
+    out = t[idx]
+    got = ej.compile(out, devices=2, quiet=True).run(x=x)
+    assert got.shape == x[idx].shape and np.array_equal(got, x[idx])
+
+    class M(torch.nn.Module):
+        def forward(self, v):
+            return v[idx] * 2
+
+    xt = torch.from_numpy(x)
+    r = ej.compile(ej.from_torch(M(), (xt,)), devices=2, quiet=True).run(xt)
+    assert torch.equal(torch.as_tensor(r), M()(xt))
+    want = np.zeros_like(x)
+    want[idx] = 2 * x[idx]
+    assert np.allclose(ej.reference(ej.grad((out * out).sum(), [t])[0], x=x), want)
+
+
+def test_a_nonpositive_slice_step_is_a_shape_error():
+    with pytest.raises(ej.ShapeError, match="step must be positive"):
+        ej.input("x", (4,))[::-1]

@@ -398,7 +398,10 @@ def test_non_tensor_arguments_are_constants_and_use_cache_is_turned_off():
     fn = ej.from_torch(m, (x,), {"mask": mask, "scale": 3.0})
     assert fn.arg_names == ("x", "mask") and any("use_cache=False" in n for n in fn.notes)
     with torch.no_grad():
-        assert_close(ej.compile(fn, devices=2).run(x, mask=mask), m(x, mask, use_cache=False, scale=3.0))
+        prog = ej.compile(fn, devices=2)
+        assert_close(prog.run(x, mask=mask, scale=3.0), m(x, mask, use_cache=False, scale=3.0))
+        with pytest.raises(ej.EinjoinError, match="'scale' is left out.*default 2.0.*import's value 3.0"):
+            prog.run(x, mask=mask)  # torch's m(x, mask) would scale by 2.0
         # a recapture keeps the non-tensor arguments; keyword tensors come positionally or by name
         x2, mask2 = torch.randn(5, 6), torch.rand(5, 6)
         want = m(x2, mask2, use_cache=False, scale=3.0)
@@ -407,7 +410,8 @@ def test_non_tensor_arguments_are_constants_and_use_cache_is_turned_off():
             assert again.arg_names == ("x", "mask")
             assert_close(torch.from_numpy(again.reference(x2, mask2)), want)
     assert fn.constants == {"scale": 3.0, "use_cache": False} and fn.call_args == ("x", "mask", "scale", "use_cache")
-    assert fn.defaults == {"scale": 2.0, "use_cache": None}  # what leaving them out means in torch
+    # what leaving them out means in torch (use_cache=False was the import's own setting: none)
+    assert fn.defaults == {"scale": 2.0}
     assert ej.from_torch(m, (x,), {"use_cache": False}).notes == ()
     with pytest.raises(ej.EinjoinError, match="object"):  # asked for the cache: export cannot return it
         ej.from_torch(m, (x,), {"use_cache": True}, method="export")

@@ -58,8 +58,11 @@ def _is_t(v: Any) -> bool:
 
 
 def _dtype(kw: dict[str, Any], default: str) -> str:
+    """A factory's dtype; a narrow int (BLOOM's int32 arange) is einjoin's int64: a constant
+    holds the same values either way, and a later cast wraps (:func:`_cast`)."""
     dt = kw.get("dtype")
-    return default if dt is None else torch_dtype(dt)
+    name = default if dt is None else torch_dtype(dt)
+    return "int64" if name in _NARROW_INTS else name
 
 
 # ------------------------------------------------------------------ arithmetic

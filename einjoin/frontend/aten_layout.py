@@ -189,11 +189,9 @@ def _unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
 def _slice(x: Tensor, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Tensor:
     d = _norm_dim(x, dim)
     a, b, s = slice(start, end, step).indices(x.shape[d])
-    if s != 1:
-        raise UnsupportedOpError(f"slice with step {step} on dim {d} of shape {x.shape}")
-    if (a, b) == (0, x.shape[d]):
+    if (a, b, s) == (0, x.shape[d], 1):
         return x
-    return x[(slice(None),) * d + (slice(a, b),)]
+    return x[(slice(None),) * d + (slice(a, b, s),)]
 
 
 @op("select")

@@ -41,7 +41,7 @@ NOTES: dict[str, str] = {
                "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",
     "feature_dropout": "the identity in eval mode; an error in training mode",
     "scaled_dot_product_attention": "no `dropout_p`; `is_causal` aligns top-left as in torch",
-    "slice": "step 1 only",
+    "slice": "a step above 1 is a select, a reshape and a select (padded past the end)",
     "index": "one 1-D integer index tensor; a boolean mask is data-dependent",
     "getitem": "ints, slices, None, Ellipsis and one 1-D integer index tensor; a boolean mask is "
                "data-dependent",

@@ -527,6 +527,9 @@ class Tensor:
             index = index[:k] + (slice(None),) * (self.ndim - n_real) + index[k + 1:]
         else:
             index = index + (slice(None),) * (self.ndim - n_real)
+        strided = _strided_slices(self, index)
+        if strided is not None:  # x[a:b:s] with s > 1: those dims first, then the rest as usual
+            return strided
         starts, stops, out_shape = [], [], []
         d = 0
         for item in index:
@@ -537,16 +540,14 @@ class Tensor:
             if isinstance(item, np.integer):
                 item = int(item)
             if isinstance(item, slice):
-                if isinstance(item.step, (int, np.integer)) and item.step != 1:
-                    raise UnsupportedOpError(f"slicing with step {item.step} on dim {d} (shape "
-                                             f"{self.shape}); only step 1 is supported")
+                if isinstance(item.step, (int, np.integer)) and item.step < 1:
+                    raise ShapeError(f"slicing with step {item.step} on dim {d} (shape {self.shape}): "
+                                     f"the step must be positive, as in torch")
                 try:
                     a, b, step = item.indices(n)  # bounds and step must be ints (or None)
                 except (TypeError, ValueError) as e:  # a float bound, an array, step 0
                     raise ShapeError(f"slice {item!r:.80} on dim {d} (shape {self.shape}): {e}") from None
-                if step != 1:
-                    raise UnsupportedOpError(f"slicing with step {step} on dim {d} (shape {self.shape}); "
-                                             f"only step 1 is supported")
+                assert step == 1, step  # steps above 1 went through _strided_slices
                 b = builtins.max(a, b)  # an empty slice is an empty tensor, as in torch
                 starts.append(a)
                 stops.append(b)
@@ -563,3 +564,44 @@ class Tensor:
             d += 1
         sel = wrap(ops.select_node(self.node, starts, stops))
         return sel.reshape(tuple(out_shape)) if tuple(out_shape) != sel.shape else sel
+
+
+def _strided_slices(x: Tensor, index: tuple[Any, ...]) -> Tensor | None:
+    """``x[index]`` when some slice of ``index`` (already padded to the rank) has a step above 1:
+    each such dim is taken first (:func:`_every`), then the rest of the index; None when no
+    slice steps."""
+    plan, d = [], 0
+    for k, item in enumerate(index):
+        if item is None:
+            continue
+        if isinstance(item, slice) and isinstance(item.step, (int, np.integer)) and item.step > 1:
+            plan.append((k, d, item))
+        d += 1
+    if not plan:
+        return None
+    rest = list(index)
+    for k, d, item in plan:
+        try:
+            a, b, s = item.indices(x.shape[d])
+        except (TypeError, ValueError) as e:  # a float bound, an array
+            raise ShapeError(f"slice {item!r:.80} on dim {d} (shape {x.shape}): {e}") from None
+        x = _every(x, d, a, b, s)
+        rest[k] = slice(None)
+    return x[tuple(rest)]
+
+
+def _every(x: Tensor, d: int, a: int, b: int, s: int) -> Tensor:
+    """Every ``s``-th entry of dim ``d`` in ``[a, b)`` with the node kinds there are (no strided
+    select): the ``n * s`` entries from ``a`` (zero-padded past the end) reshaped to ``(n, s)``,
+    and the first of each row kept — a select and a reshape, so the planner still cuts ``d``."""
+    n = len(range(a, b, s))
+    lead = (slice(None),) * d
+    size = x.shape[d]
+    y = x[lead + (slice(a, builtins.min(a + n * s, size)),)]
+    if n and a + n * s > size:  # the last row runs past the end: pad it (never read)
+        pad = list(y.shape)
+        pad[d] = a + n * s - size
+        y = wrap(ops.concat_node([y.node, ops.fill_node(tuple(pad), x.dtype, False if x.dtype == "bool" else 0)],
+                                 d))
+    y = y.reshape(x.shape[:d] + (n, s) + x.shape[d + 1:])
+    return y[lead + (slice(None), 0)]
