@@ -84,8 +84,6 @@ class MHAKeywords(nn.Module):
         return self.attn(q, q, q, key_padding_mask=kpm, attn_mask=am, need_weights=False)[0]
 
 
-@pytest.mark.xfail(strict=True, reason="from_torch's fx capture drops a leaf module's keyword arguments "
-                   "(einjoin/frontend/torch.py _from_fx call_module; requested from H3): the masks are lost")
 def test_fx_module_keyword_arguments():
     kpm, _ = _masks(tl=6)
     am = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)

@@ -616,15 +616,19 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
         elif node.op == "call_module":
             m = modules[node.target]
             margs = _map(node.args, env)
-            if _reads_failed(margs):
+            mkw = _map(node.kwargs, env)  # masks given by name (attn(q, k, v, key_padding_mask=m))
+            if _reads_failed(margs, mkw):
                 env[node] = _FAILED
                 continue
             ps = {n: param(f"{node.target}.{n}", t) for n, t in
                   [*m.named_parameters(), *m.named_buffers()] if t is not None}  # submodules' too: "out_proj.weight"
             try:
-                env[node] = MODULES[type(m).__name__](m, ps, *margs)
+                env[node] = MODULES[type(m).__name__](m, ps, *margs, **mkw)
             except UnsupportedOpError as e:
                 problems.add(node, type(m).__name__, str(e).splitlines()[0])
+                env[node] = _FAILED
+            except TypeError as e:  # a keyword the translation does not take: never dropped silently
+                problems.add(node, type(m).__name__, f"arguments the translation does not take ({e})")
                 env[node] = _FAILED
         elif node.op in ("call_function", "call_method"):
             name = _op_name(node.target) if node.op == "call_function" else node.target
