@@ -229,14 +229,8 @@ def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     4.666666666666667
     """
     what = "mse_loss"
-    a, b = _t(input, what), _t(target, f"{what}: target")
+    a, b = _pair(input, target, what)
     red = _reduction(reduction, what)
-    for t in (a, b):
-        if kind(t.dtype) != "float":
-            raise DTypeError(f"{what}: input and target must be float tensors, got {a.dtype} and {b.dtype}")
-    if a.dtype != b.dtype:
-        dt = promote(a.dtype, b.dtype)
-        a, b = a.to(dt), b.to(dt)
     sq = elementwise(parse_join("(x0 - x1) * (x0 - x1)", 2), a, b, name=what)
     if red == "none":
         return sq

@@ -360,21 +360,20 @@ def _pick(x: Tensor, idx: Tensor, d: int, keepdim: bool) -> Tensor:
 
 def max_dim(x: Tensor, dim: int, keepdim: bool = False) -> tuple[Tensor, Tensor]:
     """``torch.max(x, dim)``: (values, indices of the first maximum)."""
-    x = _t(x, "max")
-    if x.ndim == 0:
-        return x, full((), 0, "int64")
-    d = _norm_dim(x, dim)
-    idx = argmax(x, d)
-    return _pick(x, idx, d, keepdim), (idx.unsqueeze(d) if keepdim else idx)
+    return _extreme_dim(_t(x, "max"), dim, keepdim, argmax)
 
 
 def min_dim(x: Tensor, dim: int, keepdim: bool = False) -> tuple[Tensor, Tensor]:
     """``torch.min(x, dim)``: (values, indices of the first minimum)."""
-    x = _t(x, "min")
+    return _extreme_dim(_t(x, "min"), dim, keepdim, argmin)
+
+
+def _extreme_dim(x: Tensor, dim: int, keepdim: bool, arg: Any) -> tuple[Tensor, Tensor]:
+    """(values, indices) of ``arg`` (argmax or argmin) along ``dim``: the values picked at the indices."""
     if x.ndim == 0:
         return x, full((), 0, "int64")
     d = _norm_dim(x, dim)
-    idx = argmin(x, d)
+    idx = arg(x, d)
     return _pick(x, idx, d, keepdim), (idx.unsqueeze(d) if keepdim else idx)
 
 
