@@ -161,7 +161,24 @@ def _repeat(x: Tensor, *sizes: Any) -> Tensor:
 
 @op("cat", "concat", "concatenate")
 def _cat(tensors: Any, dim: int = 0) -> Tensor:
-    return F.concat(list(tensors), dim)
+    """torch.cat: the inputs' common dtype (bool < int < float, then the wider type; torch's
+    promotion, the skipped inputs included), and 1-d empty tensors of shape (0,) skipped beside
+    tensors of another rank, as torch does (Hugging Face's DynamicCache starts as ``tensor([])``
+    and is concatenated with the first keys along dim -2)."""
+    from einjoin.ir.dtypes import kind, promote
+    ts = list(tensors)
+    if ts and all(isinstance(t, Tensor) for t in ts):
+        rank = {"bool": 0, "int": 1, "float": 2}
+        top = max(rank[kind(t.dtype)] for t in ts)
+        target = ""
+        for t in ts:
+            if rank[kind(t.dtype)] == top:
+                target = t.dtype if not target else promote(target, t.dtype)
+        kept = [t for t in ts if t.shape != (0,)]
+        if kept and any(t.ndim != 1 for t in kept):
+            ts = kept
+        ts = [t if t.dtype == target else t.to(target) for t in ts]
+    return F.concat(ts, dim)
 
 
 @op("stack")

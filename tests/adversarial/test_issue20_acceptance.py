@@ -1,0 +1,95 @@
+"""Issue 20's acceptance list tried from a user's side (H5 review, session 21): what a user
+does with the imported program beyond the suite's own examples. One test per defect found;
+a defect not fixed yet is a strict xfail naming it (log: /work/notes/hostile21.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import einjoin as ej
+
+transformers = pytest.importorskip("transformers")
+
+
+def _close(out: object, expected: torch.Tensor) -> None:
+    o, e = np.asarray(out), expected.detach().numpy()
+    assert o.shape == e.shape and o.dtype == e.dtype
+    np.testing.assert_allclose(o, e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(e).max())))
+
+
+def _matches(module: nn.Module, args: tuple, devices: tuple[int, ...] = (1, 2)) -> None:
+    module.eval()
+    with torch.no_grad():
+        expected = module(*args)
+    fn = ej.from_torch(module, args)
+    for d in devices:
+        _close(ej.compile(fn, devices=d).run(*args), expected)
+
+
+class _Logits(nn.Module):
+    """What a user writes around a Hugging Face model: ``model(ids, attention_mask).logits``,
+    with the model's default ``use_cache`` (True)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    ids = torch.randint(3, 96, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, -4:] = 0  # right padding
+    return ids, mask
+
+
+_DEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+            max_position_embeddings=64, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_causal_lm_logits_with_the_default_cache_inside_a_wrapper(family: str) -> None:
+    # the wrapper is no Hugging Face model, so use_cache stays True: the model builds a
+    # DynamicCache whose keys start as tensor([]) and concatenates the first keys to it along
+    # dim -2; torch.cat skips 1-d empty tensors (the import raised "concat along axis -2 of
+    # tensors of rank 1 (shape (0,))" for every decoder family's ForCausalLM)
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DEC))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=96, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2))
+    _matches(_Logits(model), _ids())
+
+
+class _Cat(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.tensor([]), a, b], -2)
+
+
+def test_cat_promotes_dtypes_and_skips_empty_1d_tensors_as_torch() -> None:
+    # torch.cat promotes (int64 with float32 -> float32; float16 with the float32 empty -> float32)
+    # and skips a (0,) tensor beside tensors of another rank; the import raised DTypeError / ShapeError
+    _matches(_Cat(), (torch.arange(6).reshape(2, 3), torch.randn(1, 3)))
+    _matches(_Cat(), (torch.randn(2, 3).half(), torch.randn(1, 3).half()), devices=(1,))
+
+
+@pytest.mark.xfail(strict=True, reason="bound weights are numpy views of the module's torch storage (no copy): "
+                                       "torch's share_memory_() (module.share_memory(), or sending the program to "
+                                       "a process pool, whose pickler moves the recapture's module tensors to shared "
+                                       "memory) frees that storage, and the program then computes with freed memory")
+def test_program_survives_share_memory_of_its_module() -> None:
+    torch.manual_seed(0)
+    m, x = nn.Linear(64, 64).eval(), torch.randn(4, 64)
+    prog = ej.compile(ej.from_torch(m, (x,)))
+    before = np.asarray(prog.run(x))
+    m.share_memory()
+    _junk = [torch.randn(64, 64) for _ in range(50)]  # reuse the freed memory
+    np.testing.assert_array_equal(np.asarray(prog.run(x)), before)
