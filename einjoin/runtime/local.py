@@ -28,7 +28,7 @@ from einjoin.runtime.backend import RunSpec
 if TYPE_CHECKING:
     from einjoin.runtime.engine import RunStats
 
-__all__ = ["Store", "LocalSession"]
+__all__ = ["Store", "SoloStore", "LocalSession"]
 
 # the kinds and groups execute() asks about, read once (TaskKind's properties stay the definition)
 _MOVE, _LOAD, _KERNEL, _RELOAD, _EVICT = (TaskKind.MOVE, TaskKind.LOAD, TaskKind.KERNEL, TaskKind.RELOAD,
@@ -43,7 +43,7 @@ class Store:
     moment it starts), its peak and the bytes it received. Thread-safe: a device's compute and
     host-transfer lanes share it."""
 
-    def __init__(self, device: int, shared: bool = True):
+    def __init__(self, device: int):
         self.device = device
         self.values: dict[int, Any] = {}
         self.sizes: dict[int, int] = {}
@@ -53,13 +53,14 @@ class Store:
         self.loaded = 0
         self.evicted = 0
         self.reloaded = 0
-        # ``shared``: several threads write this store (a device's compute and host lanes, a Ray
-        # actor's threads); a store only one thread writes skips the lock (a task's bookkeeping
-        # is a few dict operations, and an uncontended lock costs as much again)
-        self.lock: Any = threading.Lock() if shared else contextlib.nullcontext()
-        if not shared:
-            self.reserve, self.unreserve, self.free = (  # type: ignore[method-assign]
-                self._reserve, self._unreserve, self._free)
+        self.lock: Any = threading.Lock()
+
+    @staticmethod
+    def make(device: int, shared: bool = True) -> Store:
+        """A store for ``device``: locked when several threads write it (a device's compute and
+        host lanes, a Ray actor's threads), else a :class:`SoloStore`, which skips the lock (a
+        task's bookkeeping is a few dict operations, and an uncontended lock costs as much again)."""
+        return Store(device) if shared else SoloStore(device)
 
     def reserve(self, vid: int, nbytes: int, scratch: int = 0) -> None:
         """Count a value about to be written (once) and the task's scratch, before it runs."""
@@ -97,6 +98,18 @@ class Store:
         self.live -= self.sizes.pop(vid, 0)
 
 
+class SoloStore(Store):
+    """A :class:`Store` only one thread writes: its bookkeeping without the lock. (A subclass,
+    not the unlocked methods bound onto the instance: a store holding its own bound methods is
+    a reference cycle, so every run's stores -- and the blocks left in them, such as the last
+    step's state -- lived on until the cyclic garbage collector ran: 48 MiB more per step of
+    the MLP training benchmark, every allocation then a fresh mapping, 1.10x -> 1.26x torch.)"""
+
+    reserve = Store._reserve
+    unreserve = Store._unreserve
+    free = Store._free
+
+
 def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[Node, np.ndarray]
          ) -> np.ndarray:
     """Under a memory cap every block owns its bytes: a load is a real copy of the feed, and a
@@ -130,7 +143,7 @@ class LocalSession:
         if self.lanes == 1:
             self.threaded = False  # one lane: its worker runs inline (no thread to start and hand over to)
         # a store is written by one thread unless a host lane shares it with its compute lane
-        self.stores = [Store(d, shared=self.host_lanes) for d in range(n)]
+        self.stores = [Store.make(d, shared=self.host_lanes) for d in range(n)]
         self.planned = getattr(run.engine, "planned", None) or [v.nbytes for v in tg.values]
         # per task, its einsum kernel prepared once per engine (None: the general path)
         fast = getattr(run.engine, "fast_kernels", None) if computes else None
