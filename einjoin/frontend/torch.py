@@ -29,6 +29,7 @@ import numpy as np
 
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.frontend import aten
+from einjoin.frontend import attention_modules as AM
 from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
 from einjoin.frontend.nn_modules import MODULES
@@ -729,14 +730,21 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     that change between runs; it is checked (tensor arguments of the forward, dims in range) and
     kept on the result with a ``recapture`` that imports the module again for other shapes, the
     way a compiled program does when called with them."""
-    fn, dyn, args, kwargs = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
+    # torch's attention modules compute some inputs differently with autograd on or off: the import
+    # follows the call made here (a recapture: the first import's), and its notes say so
+    paths = AM.paths_at_import(example_args if isinstance(example_args, (list, tuple)) else (example_args,),
+                               example_kwargs if isinstance(example_kwargs, Mapping) else {})
+    with AM.following(module, paths) as path_notes:
+        fn, dyn, args, kwargs = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
     from dataclasses import replace
+    if path_notes:
+        fn = replace(fn, notes=(*fn.notes, *path_notes))
     rec, constants, call_args = A.recapture_for(from_torch, module, fn.arg_names, fn.method, int(dropout_seed),
                                                 dyn, args, kwargs)
     # the defaults of what the user gave (a setting the import added, use_cache=False, has none:
     # leaving it out at run() is no departure from torch's call)
     given = {k: v for k, v in constants.items() if k in (example_kwargs or {}) or k not in kwargs}
-    return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args,
+    return replace(fn, recapture=AM.SamePaths(rec, paths), dynamic=dyn, constants=constants, call_args=call_args,
                    defaults=A.defaults(module, given))
 
 
@@ -775,7 +783,7 @@ def _import(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: 
     if method == "fx":
         return _notes(_capture(_from_fx, module, args, kwargs, dropout_seed), notes)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), AM.export_forwards(module):  # the attention modules: the path torch takes
             return _notes(_capture(_from_export, module, args, kwargs, dropout_seed), notes)
     except EinjoinError:
         raise
