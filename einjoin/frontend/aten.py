@@ -509,6 +509,13 @@ def _zeros(*args: Any, **kw: Any) -> Tensor:
     return F.zeros(_shape(args), _dtype(kw, "float32"))
 
 
+@op("empty", "new_empty")
+def _empty(*args: Any, **kw: Any) -> Tensor:
+    """torch.empty: values torch leaves unspecified (read only after a copy_ / fill_ / slice
+    assignment, which functionalisation turns into ops on this tensor): zeros here."""
+    return _zeros(*args, **kw)
+
+
 def _value_dtype(v: Any) -> str:
     return "bool" if isinstance(v, bool) else ("int64" if isinstance(v, int) else "float32")
 

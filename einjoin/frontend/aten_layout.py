@@ -211,6 +211,82 @@ def _slice(x: Tensor, dim: int = 0, start: Any = None, end: Any = None, step: in
     return x[(slice(None),) * d + (slice(a, b, s),)]
 
 
+@op("slice_scatter")
+def _slice_scatter(x: Tensor, src: Tensor, dim: int = 0, start: Any = None, end: Any = None,
+                   step: int = 1) -> Tensor:
+    """``x`` with ``x[..., start:end:step, ...] = src`` (the functional form of a slice
+    assignment): a concat of the untouched parts and ``src`` for step 1, an index_copy else."""
+    d = _norm_dim(x, dim)
+    a, b, s = slice(start, end, step).indices(x.shape[d])
+    count = len(range(a, b, s))
+    want = x.shape[:d] + (count,) + x.shape[d + 1:]
+    if tuple(src.shape) != want:
+        raise ShapeError(f"slice_scatter: src has shape {tuple(src.shape)}, the slice [{a}:{b}:{s}] of dim {d} "
+                         f"of {tuple(x.shape)} has shape {want}")
+    if src.dtype != x.dtype:
+        src = src.to(x.dtype)
+    if count == 0:
+        return x
+    if s == 1:
+        lead, tail = (slice(None),) * d + (slice(0, a),), (slice(None),) * d + (slice(b, x.shape[d]),)
+        parts = ([x[lead]] if a > 0 else []) + [src] + ([x[tail]] if b < x.shape[d] else [])
+        return F.concat(parts, d) if len(parts) > 1 else src
+    index = F.fill((count,), f"{a} + {s} * x0", "int64")
+    return R.index_copy(x, d, index, src)
+
+
+@op("select_scatter")
+def _select_scatter(x: Tensor, src: Tensor, dim: int, index: int) -> Tensor:
+    """``x`` with ``x[..., index, ...] = src`` (``src`` without dim ``dim``)."""
+    d = _norm_dim(x, dim)
+    n = x.shape[d]
+    i = int(index)
+    if not -n <= i < n:
+        raise ShapeError(f"select_scatter: index {i} out of range for dim {d} of size {n}")
+    i %= n
+    return _slice_scatter(x, src.unsqueeze(d), d, i, i + 1)
+
+
+@op("copy", "copy_")
+def _copy(x: Tensor, src: Any, non_blocking: bool = False) -> Tensor:
+    """``x.copy_(src)`` functionalised: ``src`` broadcast to ``x``'s shape, in ``x``'s dtype."""
+    t: Tensor = src if isinstance(src, Tensor) else F.full((), src, x.dtype)
+    if t.dtype != x.dtype:
+        t = t.to(x.dtype)
+    return t if tuple(t.shape) == tuple(x.shape) else t.expand(tuple(x.shape))
+
+
+@op("fill", "fill_")
+def _fill(x: Tensor, value: Any) -> Tensor:
+    """``x.fill_(value)`` functionalised (``value`` a number or a 0-d tensor)."""
+    if isinstance(value, Tensor):
+        if value.ndim != 0:
+            raise ShapeError(f"fill: the value must be a 0-d tensor, got shape {tuple(value.shape)}")
+        return _copy(x, value)
+    return F.full(tuple(x.shape), value, x.dtype)
+
+
+@op("meshgrid")
+def _meshgrid(tensors: Any, indexing: str = "ij") -> tuple[Tensor, ...]:
+    """torch.meshgrid of 1-d (or 0-d) tensors; ``indexing`` "ij" or "xy" (the first two swapped)."""
+    ts = [t.reshape((-1,)) if t.ndim == 0 else t for t in tensors]
+    if any(t.ndim != 1 for t in ts):
+        raise ShapeError(f"meshgrid: expects 0-d or 1-d tensors, got shapes {[tuple(t.shape) for t in tensors]}")
+    if indexing not in ("ij", "xy"):
+        raise ShapeError(f"meshgrid: indexing must be 'ij' or 'xy', got {indexing!r}")
+    order = list(range(len(ts)))
+    if indexing == "xy" and len(ts) >= 2:
+        order[0], order[1] = 1, 0
+    shape = tuple(ts[i].shape[0] for i in order)
+    grids = []
+    for k, t in enumerate(ts):
+        at = order.index(k)
+        view = [1] * len(ts)
+        view[at] = t.shape[0]
+        grids.append(t.reshape(tuple(view)).expand(shape))
+    return tuple(grids)
+
+
 @op("select")
 def _select(x: Tensor, dim: int, index: int) -> Tensor:
     d = _norm_dim(x, dim)

@@ -173,6 +173,19 @@ def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
     return elementwise("pow", elementwise("pow", elementwise("abs", x), o).sum(dims, keepdim), 1.0 / o)
 
 
+@op("_weight_norm")
+def _weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Tensor:
+    """``torch._weight_norm`` (nn.utils.parametrizations.weight_norm): ``v * g / ||v||``, the
+    norm over every dim but ``dim`` (over all of them for ``dim=-1``), kept for broadcasting."""
+    if dim == -1:
+        axes: Any = None
+    else:
+        d = dim % v.ndim
+        axes = [i for i in range(v.ndim) if i != d]
+    norm = _vector_norm(v, 2, axes, True) if axes != [] else _vector_norm(v, 2, None, True) * 0 + abs(v)
+    return v * (g / norm)
+
+
 @op("baddbmm", "baddbmm_")
 def _baddbmm(x: Tensor, b1: Tensor, b2: Tensor, *, beta: Any = 1, alpha: Any = 1) -> Tensor:
     """``beta * x + alpha * (b1 @ b2)`` (beta 0: x is not read, as torch)."""

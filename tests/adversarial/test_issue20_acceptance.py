@@ -11,8 +11,6 @@ from torch import nn
 
 import einjoin as ej
 
-transformers = pytest.importorskip("transformers")
-
 
 def _close(out: object, expected: torch.Tensor) -> None:
     o, e = np.asarray(out), expected.detach().numpy()
@@ -26,7 +24,13 @@ def _matches(module: nn.Module, args: tuple, devices: tuple[int, ...] = (1, 2)) 
         expected = module(*args)
     fn = ej.from_torch(module, args)
     for d in devices:
-        _close(ej.compile(fn, devices=d).run(*args), expected)
+        out = ej.compile(fn, devices=d).run(*args)
+        if isinstance(expected, tuple):
+            assert isinstance(out, tuple) and len(out) == len(expected)
+            for o, e in zip(out, expected):
+                _close(o, e)
+        else:
+            _close(out, expected)
 
 
 class _Logits(nn.Module):
@@ -53,12 +57,14 @@ _DEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
             max_position_embeddings=64, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+@pytest.mark.slow  # the default run keeps test_cat_promotes_dtypes_and_skips_empty_1d_tensors_as_torch
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_hf_causal_lm_logits_with_the_default_cache_inside_a_wrapper(family: str) -> None:
     # the wrapper is no Hugging Face model, so use_cache stays True: the model builds a
     # DynamicCache whose keys start as tensor([]) and concatenates the first keys to it along
     # dim -2; torch.cat skips 1-d empty tensors (the import raised "concat along axis -2 of
     # tensors of rank 1 (shape (0,))" for every decoder family's ForCausalLM)
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DEC))
@@ -93,3 +99,58 @@ def test_program_survives_share_memory_of_its_module() -> None:
     m.share_memory()
     _junk = [torch.randn(64, 64) for _ in range(50)]  # reuse the freed memory
     np.testing.assert_array_equal(np.asarray(prog.run(x)), before)
+
+
+class _SliceAssign(nn.Module):
+    """Slice assignments, ``empty`` + ``fill_`` / ``copy_``, ``meshgrid``: what Hugging Face's BEiT
+    (its relative position index) and much user code do in forward; functionalised, they are
+    slice_scatter / select_scatter / copy / fill, which the import did not translate."""
+
+    def forward(self, x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x.clone()
+        y[:, 1:3] = 0
+        y[0] = x[1] * 2
+        y[:, ::2] = v
+        y[..., -1] += 5
+        z = torch.empty(3, 4).fill_(x.sum())
+        w = torch.empty_like(x)
+        w.copy_(x * 2)
+        grid = torch.stack(torch.meshgrid(torch.arange(3), torch.arange(2), indexing="xy"))
+        return y, z, w, grid
+
+
+def test_slice_assignment_fill_copy_and_meshgrid_import() -> None:
+    _matches(_SliceAssign(), (torch.randn(4, 6), torch.randn(4, 3)))
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_weight_norm_parametrization_imports(dim: int) -> None:
+    # nn.utils.parametrizations.weight_norm (wav2vec2 / HuBERT's positional conv): aten._weight_norm
+    _matches(nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 6, 3), dim=dim), (torch.randn(2, 4, 9),))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["beit", "wav2vec2"])
+def test_hf_families_needing_slice_assignment_or_weight_norm(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "beit":
+        model = transformers.BeitModel(transformers.BeitConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+            patch_size=4, use_relative_position_bias=True), add_pooling_layer=False)
+        args: tuple = (torch.randn(2, 3, 16, 16),)
+    else:
+        model = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+            conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4))
+        args = (torch.randn(2, 400),)
+
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x).last_hidden_state
+
+    _matches(Last(), args)
