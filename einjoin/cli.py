@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("torch-ops", help="print the torch ops ej.from_torch translates (Markdown)",
                    description="Print the page docs/torch_ops.md: every torch op, function, tensor "
                                "method and nn module that ej.from_torch translates, generated from "
-                               "the op table.")
+                               "the op table, with each translation's node kinds, the dims the "
+                               "planner may split and whether it has a gradient.")
     args = parser.parse_args(argv)
     try:
         return _dispatch(parser, args)

@@ -36,6 +36,8 @@ NOTES: dict[str, str] = {
     "div": "`rounding_mode` None or 'floor' (not 'trunc')",
     "floordiv": "an integer divisor of 0 is an error, as in torch",
     "logical_not": "of bool tensors only",
+    "bitwise_and": "of bool tensors only (integer tensors are a DTypeError)",
+    "bitwise_or": "of bool tensors only (integer tensors are a DTypeError)",
     "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
     "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
                "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",
@@ -64,7 +66,8 @@ NOTES: dict[str, str] = {
     "gather": "an index outside [0, size) is an error at run time (as torch)",
     "take_along_dim": "broadcasts as torch; no `dim`: of the flattened tensors",
     "scatter": "`reduce` 'add' only (not 'multiply'); a repeated index keeps the last write (torch: "
-               "unspecified; its CPU kernel keeps the last); O(n·m) per row along `dim`",
+               "unspecified; its CPU kernel keeps the last), and the overwritten `src` elements get no "
+               "gradient (torch's gives each the gradient of its position); O(n·m) per row along `dim`",
     "scatter_reduce": "'sum', 'mean' (scatter-adds), 'prod', 'amax', 'amin' (an EinSum along `dim`, "
                       "O(n·m) per row)",
     "index_copy": "a repeated index keeps the last row (torch: unspecified)",
