@@ -547,6 +547,12 @@ def _scalar_tensor(value: Any, **kw: Any) -> Tensor:
     return F.full((), value, _dtype(kw, "float32"))
 
 
+@op("eye")
+def _eye(n: int, m: Any = None, **kw: Any) -> Tensor:
+    """torch.eye(n[, m]): ones on the diagonal (XLNet's attention mask)."""
+    return F.fill((int(n), int(n if m is None else m)), "x0 == x1", _dtype(kw, "float32"))
+
+
 @op("arange")
 def _arange(*args: Any, **kw: Any) -> Tensor:
     start, end, step = (0, args[0], 1) if len(args) == 1 else (args[0], args[1], args[2] if len(args) > 2 else 1)
@@ -554,11 +560,17 @@ def _arange(*args: Any, **kw: Any) -> Tensor:
         end = kw.pop("end")
     if "step" in kw:
         step = kw.pop("step")
+    ints = builtins.all(isinstance(v, int) for v in (start, end, step))
+    dt = _dtype(kw, "int64" if ints else "float32")
+    if dt == "int64" and not ints:
+        # an integer arange with float bounds (XLNet's arange(0, d, 2.0, dtype=torch.int64)):
+        # torch truncates start, end and step to int64 first
+        start, end, step = int(start), int(end), int(step)
+        if step == 0:
+            raise ShapeError("arange: the step, cast to the integer dtype, is 0 (torch: step must be nonzero)")
     n = builtins.max(0, math.ceil((end - start) / step))
     if n == 0:
         raise ShapeError(f"arange({start}, {end}, {step}) is empty")
-    ints = builtins.all(isinstance(v, int) for v in (start, end, step))
-    dt = _dtype(kw, "int64" if ints else "float32")
     return F.fill((n,), f"x0 * {step!r} + {start!r}" if (start, step) != (0, 1) else "x0", dt)
 
 

@@ -154,3 +154,41 @@ def test_hf_families_needing_slice_assignment_or_weight_norm(family: str) -> Non
             return self.model(x).last_hidden_state
 
     _matches(Last(), args)
+
+
+class _IntArangeEye(nn.Module):
+    """XLNet / Funnel build position tables with ``torch.arange(0, d, 2.0, dtype=torch.int64)``
+    (float bounds, integer dtype: torch truncates them first) and masks with ``torch.eye``; the
+    import raised "x0 * 2.0: float constant 2.0 meets int64" and UnsupportedOpError 'eye'."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.arange(0, 7, 2.0, dtype=torch.int64) + torch.arange(-0.5, 4, 1.5, dtype=torch.int64)
+        b = torch.arange(5, 1, -1.0, dtype=torch.int64)
+        return x @ torch.eye(4) - torch.eye(3, 4, dtype=x.dtype), torch.cat([a, b])
+
+
+def test_integer_arange_with_float_bounds_and_eye_as_torch() -> None:
+    _matches(_IntArangeEye(), (torch.randn(3, 4),))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["xlnet", "funnel"])
+def test_hf_xlnet_and_funnel_match_torch(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "xlnet":
+        model = transformers.XLNetModel(transformers.XLNetConfig(d_model=32, n_layer=2, n_head=4, d_inner=64,
+                                                                 vocab_size=96))
+    else:
+        model = transformers.FunnelBaseModel(transformers.FunnelConfig(d_model=32, n_head=4, d_head=8, d_inner=64,
+                                                                       block_sizes=[1, 1], vocab_size=96))
+
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    _matches(Last(), _ids())
