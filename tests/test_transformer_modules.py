@@ -172,13 +172,38 @@ def test_every_mask_case_equals_torch_fx(config: tuple[Any, ...], grad: bool) ->
     _check(*config, grad, "fx", NAMES, ())
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_encoder_with_padding_export_on_one_and_two_devices(grad: bool) -> None:
-    """torch.export traces the slow path; the import follows torch's path anyway (nested tensor:
-    zeros at the padded positions under no_grad), compiled for 1 and 2 devices."""
-    fn = _check("enc", True, False, True, True, grad, "export", ("kpm", "fully padded row", "both"), (1, 2))
+def test_encoder_with_padding_export_on_one_and_two_devices() -> None:
+    """torch.export traces the slow path; the import follows torch's no_grad path anyway (nested
+    tensor: zeros at the padded positions), compiled for 1 and 2 devices."""
+    fn = _check("enc", True, False, True, True, False, "export", ("kpm", "fully padded row", "both"), (1, 2))
     assert fn.method == "export"
-    assert any(("nested-tensor fast path" if not grad else "slow path") in n for n in fn.notes), fn.notes
+    assert any("nested-tensor fast path" in n for n in fn.notes), fn.notes
+
+
+@pytest.mark.parametrize("kind", ["layer", "enc"])
+def test_gradients_through_padding_equal_torch_autograd(kind: str) -> None:
+    """With grad enabled torch differentiates its slow path (a fully padded row included: zeros,
+    not NaN); ej.grad of the import equals torch.autograd (float64, the numpy reference)."""
+    torch.manual_seed(14)
+    layer = nn.TransformerEncoderLayer(E, H, 16, batch_first=True, dropout=0.0).double()
+    m = layer if kind == "layer" else nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E).double())
+
+    class Loss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m.eval()
+
+        def forward(self, x: torch.Tensor, kpm: torch.Tensor) -> torch.Tensor:
+            return (self.m(x, src_key_padding_mask=kpm) ** 2).sum()
+    loss_m = Loss()
+    x = torch.randn(B, S, E, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
+    kpm = CASES["fully padded row" if kind == "layer" else "kpm"][1]
+    want = torch.autograd.grad(loss_m(x, kpm), list(loss_m.parameters()))
+    fn = ej.from_torch(loss_m, (x, kpm), method="fx")
+    assert list(fn.parameters) == [n for n, _ in loss_m.named_parameters()]
+    got = fn.with_outputs(list(ej.grad(fn.outputs[0], list(fn.parameters.values())))).reference(x.numpy(), kpm.numpy())
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-9, atol=1e-10)
 
 
 class _Enc(nn.Module):

@@ -33,6 +33,9 @@ path, otherwise the slow one (the parameters a module reads and its input are ta
 grad when grad is enabled and any parameter of the imported module, or an example input, does).
 A recapture for new shapes keeps the first import's choice. When the choice can change values
 (masks given), ``TorchFunction.notes`` says which path was followed and how to get the other.
+``MultiheadAttention``'s fast path also needs query, key and value to be one tensor: inside a
+module (``self.attn(x, x, x)``) that is seen; an imported ``MultiheadAttention`` called as
+``mha(q, q, q)`` is traced on copies (the program takes distinct tensors), so its slow path.
 Both captures agree: torch.fx through these translations, torch.export through the same rules
 written in torch ops (:func:`export_forwards`), since export traces the slow path.
 
@@ -195,8 +198,8 @@ def following(module: Any, paths: ImportPaths) -> Iterator[list[str]]:
     for ``paths``; the list yielded gets, on exit, a note per module where that choice matters."""
     import torch
     notes: list[str] = []
-    state = _Following(paths, module, {id(m): n for n, m in module.named_modules()},
-                       bool(torch.backends.mha.get_fastpath_enabled()))
+    named = module.named_modules() if isinstance(module, torch.nn.Module) else ()  # else from_torch refuses it
+    state = _Following(paths, module, {id(m): n for n, m in named}, bool(torch.backends.mha.get_fastpath_enabled()))
     token = _FOLLOWING.set(state)
     try:
         yield notes
