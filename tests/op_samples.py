@@ -411,6 +411,7 @@ HAND: dict[str, tuple[Sample, ...]] = {
     "copy": (S("(a * 1).copy_(b)", "f:3,4", "f:1,4"),),
     "fill": (S("(a * 1).fill_(2.0)"),),
     "empty": (S("torch.where(a > -9, a, a.new_empty((3, 4)))"),),
+    "eye": (S("a * torch.eye(3, 4)", method=E),),
     "meshgrid": (S("torch.meshgrid([a, b], indexing='xy')", "f:3", "f:4"),),
     "_weight_norm": (S("torch._weight_norm(a, b, 0)", "f:4,3", "p:4,1"),),
 }

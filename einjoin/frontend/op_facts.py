@@ -391,6 +391,10 @@ OP_FACTS: dict[str, OpFacts] = {
         ('einsum',),
         'every dim',
         'yes'),
+    'eye': OpFacts(
+        ('fill',),
+        'every dim (made in place)',
+        '—, no float input'),
     'fill': OpFacts(
         ('fill',),
         'every dim (made in place)',
