@@ -192,3 +192,20 @@ def test_hf_xlnet_and_funnel_match_torch(family: str) -> None:
             return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
     _matches(Last(), _ids())
+
+
+class _Structured(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        return {"a": x * 2, "b": (x + 1, x - 1)}
+
+
+@pytest.mark.xfail(strict=True, reason="a program returns the forward's outputs flattened to a tuple: a dict "
+                                       "(or a Hugging Face ModelOutput: prog.run(ids).last_hidden_state / "
+                                       "['logits'] fail) or a nested tuple loses its structure; torch in, torch out "
+                                       "would give the forward's structure (export's out_spec)")
+def test_program_returns_the_forwards_output_structure() -> None:
+    x = torch.randn(2, 3)
+    out = ej.compile(ej.from_torch(_Structured(), (x,))).run(x)
+    assert isinstance(out, dict) and set(out) == {"a", "b"}
+    assert isinstance(out["b"], tuple) and len(out["b"]) == 2
+    _close(out["b"][1], x - 1)
