@@ -62,7 +62,7 @@ from einjoin.frontend import functions as F
 from einjoin.frontend.tensor import Tensor, _t, einsum
 
 __all__ = ["multi_head_attention", "ATTENTION_MODULES", "ImportPaths", "paths_at_import", "following",
-           "SamePaths", "export_forwards"]
+           "forced", "export_forwards"]
 
 
 def _additive(mask: Any, dtype: str, what: str) -> Tensor | None:
@@ -182,10 +182,10 @@ _FOLLOWING: ContextVar[_Following | None] = ContextVar("einjoin_attention_paths"
 
 
 def paths_at_import(args: Any, kwargs: Any) -> ImportPaths:
-    """The grad state now (the first import's inside a recapture: :class:`SamePaths`)."""
-    forced = _FORCED.get()
-    if forced is not None:
-        return forced
+    """The grad state now (the first import's inside a recapture: :func:`forced`)."""
+    given = _FORCED.get()
+    if given is not None:
+        return given
     import torch
     from torch.utils._pytree import tree_leaves
     tensors = [t for t in tree_leaves((tuple(args), dict(kwargs or {}))) if isinstance(t, torch.Tensor)]
@@ -208,20 +208,15 @@ def following(module: Any, paths: ImportPaths) -> Iterator[list[str]]:
         notes.extend(state.notes.values())
 
 
-@dataclass(frozen=True)
-class SamePaths:
-    """A ``TorchFunction.recapture`` that imports in the first import's grad state (the recapture
-    runs inside ``Program.run``, in whatever grad mode the caller is in then); picklable."""
-
-    recapture: Callable[[tuple[Any, ...], dict[str, Any]], Any]
-    paths: ImportPaths
-
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        token = _FORCED.set(self.paths)
-        try:
-            return self.recapture(args, kwargs)
-        finally:
-            _FORCED.reset(token)
+@contextlib.contextmanager
+def forced(paths: ImportPaths) -> Iterator[None]:
+    """Imports inside take ``paths`` as their grad state (a recapture runs inside ``Program.run``, in
+    whatever grad mode the caller is in then: it keeps the first import's)."""
+    token = _FORCED.set(paths)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
 
 
 def _device_reason(tensors: list[Any]) -> str:

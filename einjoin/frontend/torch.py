@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -739,13 +740,19 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     from dataclasses import replace
     if path_notes:
         fn = replace(fn, notes=(*fn.notes, *path_notes))
-    rec, constants, call_args = A.recapture_for(from_torch, module, fn.arg_names, fn.method, int(dropout_seed),
-                                                dyn, args, kwargs)
+    rec, constants, call_args = A.recapture_for(functools.partial(_import_as, paths), module, fn.arg_names,
+                                                fn.method, int(dropout_seed), dyn, args, kwargs)
     # the defaults of what the user gave (a setting the import added, use_cache=False, has none:
     # leaving it out at run() is no departure from torch's call)
     given = {k: v for k, v in constants.items() if k in (example_kwargs or {}) or k not in kwargs}
-    return replace(fn, recapture=AM.SamePaths(rec, paths), dynamic=dyn, constants=constants, call_args=call_args,
+    return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args,
                    defaults=A.defaults(module, given))
+
+
+def _import_as(paths: AM.ImportPaths, *args: Any, **kwargs: Any) -> TorchFunction:
+    """``from_torch`` in the grad state ``paths`` (a recapture: the first import's, picklable)."""
+    with AM.forced(paths):
+        return from_torch(*args, **kwargs)
 
 
 def _from_torch(module: Any, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
