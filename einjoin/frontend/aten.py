@@ -272,7 +272,16 @@ def _var(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False
         x.shape[d] for d in ((dims,) if isinstance(dims, int) else dims))
     corr = 1 if correction is None and unbiased in (None, True) else (0 if correction is None else correction)
     mu = x.mean(dims, True)
-    return ((x - mu) * (x - mu)).sum(dims, keepdim) * (1.0 / builtins.max(n - corr, 1))
+    # torch divides by max(0, n - correction): no degrees of freedom give nan (0/0) or inf
+    dof = builtins.max(n - corr, 0)
+    return ((x - mu) * (x - mu)).sum(dims, keepdim) * (1.0 / dof if dof else math.inf)
+
+
+@op("std")
+def _std(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
+         correction: Any = None) -> Tensor:
+    """torch.std: the square root of :func:`_var`."""
+    return elementwise("sqrt", _var(x, dim, unbiased, keepdim, correction=correction))
 
 
 def softmax_dim(x: Tensor, dim: Any) -> int:

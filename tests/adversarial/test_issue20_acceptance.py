@@ -15,7 +15,7 @@ import einjoin as ej
 def _close(out: object, expected: torch.Tensor) -> None:
     o, e = np.asarray(out), expected.detach().numpy()
     assert o.shape == e.shape and o.dtype == e.dtype
-    np.testing.assert_allclose(o, e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(e).max())))
+    np.testing.assert_allclose(o, e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.nanmax(np.abs(e), initial=0.0))))
 
 
 def _matches(module: nn.Module, args: tuple, devices: tuple[int, ...] = (1, 2)) -> None:
@@ -209,3 +209,14 @@ def test_program_returns_the_forwards_output_structure() -> None:
     assert isinstance(out, dict) and set(out) == {"a", "b"}
     assert isinstance(out["b"], tuple) and len(out["b"]) == 2
     _close(out["b"][1], x - 1)
+
+
+class _Spread(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.std(1), x.std(0, correction=0), torch.std(x, 1, keepdim=True, unbiased=False), x[:1].var(0)
+
+
+def test_std_and_a_variance_without_degrees_of_freedom_as_torch() -> None:
+    # torch.std was untranslated (UnsupportedOpError 'std'); the variance of one row (unbiased)
+    # is nan in torch, the import gave 0 (it divided by max(n - correction, 1))
+    _matches(_Spread(), (torch.randn(3, 5),))
