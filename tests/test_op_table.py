@@ -159,7 +159,7 @@ def test_sample_matches_the_table(key):
     _check(key, devices=(1, 2), grad_devices=None, planners=("split_largest",))
 
 
-# the slow run: the default planner on 1 and 2 devices, every op cut, gradient compiled for 2
+# the slow run: the default planner on 1 and 2 devices, the gradient compiled for 2
 @pytest.mark.slow
 @pytest.mark.parametrize("key", SAMPLED)
 def test_sample_matches_the_table_compiled(key):

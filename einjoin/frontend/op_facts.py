@@ -232,8 +232,8 @@ OP_FACTS: dict[str, OpFacts] = {
         'every dim',
         '—, integer output'),
     'chunk': OpFacts(
-        (),
-        '— (no node: the input itself)',
+        ('select',),
+        'every dim',
         'yes'),
     'clip': OpFacts(
         ('einsum',),
@@ -895,7 +895,7 @@ OP_FACTS: dict[str, OpFacts] = {
         "every dim; a cut off a merged group's lead dim reads the group whole",
         'yes'),
     'repeat_interleave': OpFacts(
-        ('reshape',),
+        ('reshape', 'broadcast'),
         "every dim; a cut off a merged group's lead dim reads the group whole",
         'yes'),
     'replication_pad1d': OpFacts(
@@ -939,8 +939,8 @@ OP_FACTS: dict[str, OpFacts] = {
         'every dim; reduced dims make partials',
         'yes'),
     'roll': OpFacts(
-        ('gather', 'reshape', 'fill'),
-        'every output dim; table rows make partial sums',
+        ('gather', 'einsum', 'reshape', 'fill'),
+        'gather: every output dim; table rows make partial sums; einsum: every dim',
         'yes'),
     'round': OpFacts(
         ('einsum',),
@@ -1022,8 +1022,8 @@ OP_FACTS: dict[str, OpFacts] = {
         'every dim',
         'yes'),
     'slice': OpFacts(
-        (),
-        '— (no node: the input itself)',
+        ('reshape', 'select', 'concat', 'fill'),
+        "every dim; a cut off a merged group's lead dim reads the group whole",
         'yes'),
     'slice_scatter': OpFacts(
         ('select', 'concat'),
@@ -1076,6 +1076,10 @@ OP_FACTS: dict[str, OpFacts] = {
     'stack': OpFacts(
         ('reshape', 'concat'),
         "every dim; a cut off a merged group's lead dim reads the group whole",
+        'yes'),
+    'std': OpFacts(
+        ('einsum', 'reshape'),
+        'every dim; reduced dims make partials',
         'yes'),
     'sum': OpFacts(
         ('einsum',),
