@@ -59,15 +59,15 @@ def ops_markdown() -> str:
            "records them. A module using anything else raises one `UnsupportedOpError` naming every "
            "such op with its number of uses, module path and source line.", "",
            f"## Ops, functions and tensor methods ({len(aten.OPS)} names, {len(groups)} translations)", "",
-           "One row per translation (the names sharing it). Its columns come from the code: **node kinds** "
-           "are the IR kinds the translation emitted for a sample of the op run through `ej.from_torch` "
+           "One row per translation (the names sharing it). Its columns come from the code: **forward: node "
+           "kinds** are the IR kinds the translation emitted for a sample of the op run through `ej.from_torch` "
            "(computing kinds first); **decomposable dims** are what the planner may split in those kinds "
            "(`einjoin/decomp/split_facts.py`, checked against the decomposition rules); **gradient** is "
            "`yes` when `ej.grad` of the sample equals `torch.autograd` (every kind has a VJP rule in "
            "`einjoin/autodiff/rules.py`), else why there is none. `tests/test_op_table.py` runs every "
            "sample again: forward against torch on 1 and 2 devices, and the gradient where this page "
            "says `yes`.", "",
-           "| names | node kinds | decomposable dims | gradient | limits |", "|---|---|---|---|---|"]
+           "| names | forward: node kinds | decomposable dims | gradient | limits |", "|---|---|---|---|---|"]
     for key, names in groups.items():
         note = next((aten.NOTES[n] for n in names if n in aten.NOTES), "")
         f = OP_FACTS.get(key)
