@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -258,6 +258,14 @@ class _Recapture:
     keywords: tuple[tuple[str, _Fixed | _Tree | None], ...] = ()
     modes: tuple[bool, ...] = ()
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # the module's tensors go through the standard pickler, as bytes, even when a process pool
+        # pickles the program: multiprocessing's pickler has torch's reductions, which move each
+        # tensor's storage to shared memory and free the old one, of which the program's bound
+        # weights are views (that program, in this process, would compute with freed memory)
+        import pickle
+        return _unpickle_recapture, (pickle.dumps(tuple(getattr(self, f.name) for f in fields(self))),)
+
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
         # torch.export instruments the module it captures while it runs; a recapture happens while the
         # user may be calling that module in torch (serving both side by side), so it captures a copy
@@ -272,6 +280,11 @@ class _Recapture:
         keyword = {name: named.pop(name) if name in named else _take(slot, given) for name, slot in self.keywords}
         return self.importer(module, (*positional, *given), {**keyword, **named}, self.method,
                              dropout_seed=self.dropout_seed, dynamic=self.dynamic)
+
+
+def _unpickle_recapture(data: bytes) -> _Recapture:
+    import pickle
+    return _Recapture(*pickle.loads(data))
 
 
 def shared_copy(module: Any) -> Any:
