@@ -89,7 +89,7 @@ def _check_run(prog: ej.Program, feeds: dict[str, np.ndarray], want: list[np.nda
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.data_too_large])
 @given(st.data())
 def test_random_graphs_under_caps(data: st.DataObject) -> None:
