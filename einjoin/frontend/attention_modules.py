@@ -37,7 +37,9 @@ A recapture for new shapes keeps the first import's choice. When the choice can 
 module (``self.attn(x, x, x)``) that is seen; an imported ``MultiheadAttention`` called as
 ``mha(q, q, q)`` is traced on copies (the program takes distinct tensors), so its slow path.
 Both captures agree: torch.fx through these translations, torch.export through the same rules
-written in torch ops (:func:`export_forwards`), since export traces the slow path.
+written in torch ops (:func:`export_forwards`), since export traces the slow path. (torch also
+takes the slow path inside ``torch.autocast``: the export capture sees such a region, the fx
+translations do not.)
 
 >>> import einjoin as ej
 >>> q = ej.input("q", (2, 5, 8)); w = ej.input("w", (24, 8)); o = ej.input("o", (8, 8))
