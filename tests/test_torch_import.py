@@ -495,8 +495,6 @@ class SliceAssign(nn.Module):
         return w * 2
 
 
-@pytest.mark.xfail(reason="fill / copy / select_scatter / slice_scatter translations (H2)", strict=True,
-                   raises=ej.UnsupportedOpError)
 def test_slice_assignment_is_functionalised():
     x, y = torch.randn(3, 6), torch.randn(3, 6)
     fn = ej.from_torch(SliceAssign(), (x, y))
