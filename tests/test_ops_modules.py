@@ -68,7 +68,7 @@ def test_transformer_encoder_layer(norm_first, activation, method):
     am = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
     m = Encoder(norm_first=norm_first, activation=activation).eval()
     x = torch.randn(2, 6, 8)
-    with torch.enable_grad():  # torch's eval fast path (nested tensors) is not what export traces
+    with torch.enable_grad():  # grad on, as at the import below: slow path (no_grad: test_transformer_modules)
         want = m(x, kpm, am)
     fn = ej.from_torch(m, (x, kpm, am), method=method)
     for d in (1, 2):
