@@ -193,7 +193,11 @@ class Source:
         a mapping new value -> the graph input it replaces after each run (checked here)."""
         recapture, dynamic, call = None, {}, None
         if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
-            arg_names, bound, many = tuple(outputs.arg_names), dict(outputs.bound), bool(outputs.many)
+            # the bound values to feed at each run (from_torch's live module tensors, viewed when fed:
+            # a view taken now would not follow a storage that share_memory_() moves)
+            held = outputs.bound
+            bound = dict(held.feeds()) if hasattr(held, "feeds") else dict(held)
+            arg_names, many = tuple(outputs.arg_names), bool(outputs.many)
             outs = list(outputs.outputs) if many else outputs.outputs[0]
             # how to import it again for other shapes (None after with_outputs: no longer the forward)
             recapture = getattr(outputs, "recapture", None)

@@ -183,6 +183,15 @@ class _Guarded:
             self.marks.depth -= 1
 
 
+def _bound_now(bound: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An imported module's bound values for this run: its tensors (``LiveTensor``) viewed where
+    their storage is now, not where it was at import (``share_memory_()`` moves it and frees the
+    old block: see einjoin.frontend.torch.LiveTensor)."""
+    if not bound:
+        return {}
+    return {k: v if isinstance(v, np.ndarray) or not hasattr(v, "now") else v.now() for k, v in bound.items()}
+
+
 class Program:
     """A compiled program: the graph, its specs and placement, the task graph, and the engine.
 
@@ -369,7 +378,7 @@ class Program:
         if missing:
             raise EinjoinError(f"missing forward argument(s): {', '.join(missing)}")
         given = {k: v for k, v in {**named, **feeds}.items() if k in used or k not in self._arg_names}
-        return bind_feeds(self.graph, (), {**(self._bound or {}), **given}, optional)
+        return bind_feeds(self.graph, (), {**_bound_now(self._bound), **given}, optional)
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:

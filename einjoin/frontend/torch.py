@@ -207,9 +207,113 @@ def _dtype_of(t: Any, what: str) -> str:
     return name
 
 
-def _to_numpy(t: Any) -> np.ndarray:
+class LiveTensor:
+    """A module's parameter or buffer bound to a graph input: the torch tensor itself (no copy),
+    read as a numpy array (``np.asarray``: a zero-copy view) each time it is fed.
+
+    Why not a numpy view taken once at import: a torch storage can change its data pointer in
+    place. ``share_memory_()`` (``module.share_memory()``, or multiprocessing's pickler sending
+    the module, or a program holding it, to a process pool) copies the data into shared memory
+    and frees the old block, so a view taken before reads freed memory: silently wrong numbers.
+    A view taken when fed follows the storage; copying every weight instead would double the
+    memory of a large model."""
+
+    __slots__ = ("tensor", "_view", "_at")
+
+    def __init__(self, tensor: Any):
+        self.tensor = tensor  # detached, on the CPU, dense and contiguous (_bind_tensor)
+        self._view: np.ndarray | None = None
+        self._at = -1  # the data address _view was taken at
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def now(self) -> np.ndarray:
+        """A zero-copy numpy view of the tensor's storage where it is now (the last one while the
+        storage has not moved: a view is its address, shape and dtype)."""
+        t = self.tensor
+        at = t.data_ptr()
+        arr = self._view
+        if arr is None or at != self._at:  # first use, or the storage moved: a view of where it is now
+            import torch
+            if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, as ml_dtypes' type
+                import ml_dtypes
+                arr = t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
+            else:
+                arr = t.numpy()
+            self._view, self._at = arr, at
+        return arr
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        arr = self.now()
+        if dtype is not None and arr.dtype != dtype:
+            return arr.astype(dtype)
+        return np.array(arr) if copy else arr
+
+    def __reduce__(self) -> tuple[Any, tuple[np.ndarray]]:
+        # pickled as its values (a numpy array, standard pickling: a copy in the stream), never as
+        # the tensor: multiprocessing's pickler (a process pool) would move the module's storage to
+        # shared memory in place, freeing the block a run in progress here may be reading
+        return np.asarray, (np.asarray(self),)
+
+    def __repr__(self) -> str:
+        return f"LiveTensor({self.tensor.dtype}{list(self.tensor.shape)})"
+
+
+class BoundTensors(Mapping[str, np.ndarray]):
+    """:attr:`TorchFunction.bound`: name -> value, each lookup a numpy view of the module's
+    tensor as it is now (:class:`LiveTensor` says why); :meth:`feeds` gives what a program keeps
+    and feeds at each run (the live tensors, not views)."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None):
+        self._values: dict[str, Any] = dict(values or {})
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from einjoin.ir.reference import to_numpy
+        return to_numpy(self._values[name], f"bound tensor {name!r}")
+
+    def __iter__(self) -> Any:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BoundTensors):
+            return self._values == other._values
+        return Mapping.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def feeds(self) -> dict[str, Any]:
+        """Name -> the value to feed (a :class:`LiveTensor` or an array), read at each run."""
+        return dict(self._values)
+
+    def with_values(self, values: Mapping[str, Any]) -> BoundTensors:
+        return BoundTensors({**self._values, **values})
+
+    def __repr__(self) -> str:
+        return f"BoundTensors({list(self._values)})"
+
+
+def _feeds(bound: Mapping[str, Any]) -> dict[str, Any]:
+    """What a program keeps of ``bound`` to feed at each run (``BoundTensors.feeds``; a plain
+    mapping's values as they are)."""
+    return bound.feeds() if isinstance(bound, BoundTensors) else dict(bound)
+
+
+def _bind_tensor(t: Any) -> LiveTensor:
+    """A module tensor as its bound value: the same storage when it is already a dense contiguous
+    CPU tensor (a converted copy otherwise), checked now to be readable as an array."""
     from einjoin.ir.reference import to_numpy
-    return to_numpy(t.detach().cpu().contiguous(), "module tensor")
+    import torch
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.cpu().contiguous().resolve_conj().resolve_neg()
+    to_numpy(t, "module tensor")  # a dtype numpy has no type for is refused at import, as before
+    return LiveTensor(t)
 
 
 def _op_name(target: Any) -> str:
@@ -416,7 +520,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     canon = _canonical_names(module)
     skip = _check_supported(ep.graph, False, {}, problems)
     env: dict[Any, Any] = {}
-    bound: dict[str, np.ndarray] = {}
+    bound: dict[str, Any] = {}
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
     arg_names: list[str] = []
@@ -434,7 +538,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 env[node] = F.param(name, tuple(t.shape), _dtype_of(t, f"{kind.lower()} {name!r}"))
                 (params if kind == "PARAMETER" else buffers)[name] = env[node]
                 if not t.is_meta:  # a module on the meta device plans but cannot run
-                    bound[name] = _to_numpy(t)
+                    bound[name] = _bind_tensor(t)
             elif kind == "USER_INPUT":
                 val = node.meta.get("val")
                 if val is None or isinstance(val, (bool, int, float, str)):
@@ -484,7 +588,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             buffers.pop(name, None)
     notes = (f"the forward updates buffer{'s' if len(updates) > 1 else ''} {', '.join(updates)} (training-mode "
              f"running statistics): the new values are buffer_updates, not outputs",) if updates else ()
-    return TorchFunction(tuple(outputs), tuple(arg_names), bound, _many(ep.call_spec.out_spec), "export",
+    return TorchFunction(tuple(outputs), tuple(arg_names), BoundTensors(bound), _many(ep.call_spec.out_spec), "export",
                          notes=notes, parameters=_in_module_order(module, params), buffers=buffers,
                          buffer_updates=updates)
 
@@ -583,7 +687,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
     problems = _Problems(module, "torch.fx")
     skip = _check_supported(graph, True, modules, problems)
     env: dict[Any, Any] = {}
-    bound: dict[str, np.ndarray] = {}
+    bound: dict[str, Any] = {}
     arg_names: list[str] = []
     given = list(args)
     params: dict[str, Tensor] = {}
@@ -595,7 +699,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
         if qual not in params:
             params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t, f"tensor {qual!r}"))
             if not t.is_meta:
-                bound[qual] = _to_numpy(t)
+                bound[qual] = _bind_tensor(t)
         return params[qual]
 
     outputs: list[Tensor] = []
@@ -643,7 +747,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
     problems.check()
     names = dict(module.named_parameters())
     weights = {q: t for q, t in params.items() if q in names or id(_attr(module, q)) in trained}
-    return TorchFunction(tuple(outputs), tuple(arg_names), bound, many, "fx",
+    return TorchFunction(tuple(outputs), tuple(arg_names), BoundTensors(bound), many, "fx",
                          parameters=_in_module_order(module, weights),
                          buffers={q: t for q, t in params.items() if q not in weights})
 
@@ -702,7 +806,8 @@ def _capture(how: Callable[[Any, tuple[Any, ...], dict[str, Any]], TorchFunction
     finally:
         aten.DROPOUT.reset(token)
     if sites.count:
-        fn = replace(fn, bound={**fn.bound, aten.DROPOUT_SEED: np.asarray(dropout_seed, np.int64)})
+        fn = replace(fn, bound=BoundTensors(_feeds(fn.bound)).with_values(
+            {aten.DROPOUT_SEED: np.asarray(dropout_seed, np.int64)}))
     return fn
 
 
