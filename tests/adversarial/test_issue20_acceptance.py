@@ -234,6 +234,7 @@ class _Spread(nn.Module):
         return x.std(1), x.std(0, correction=0), torch.std(x, 1, keepdim=True, unbiased=False), x[:1].var(0)
 
 
+@pytest.mark.filterwarnings(r"ignore:var\(\). degrees of freedom:UserWarning")  # torch says so; the nan is the point
 def test_std_and_a_variance_without_degrees_of_freedom_as_torch() -> None:
     # torch.std was untranslated (UnsupportedOpError 'std'); the variance of one row (unbiased)
     # is nan in torch, the import gave 0 (it divided by max(n - correction, 1))
