@@ -217,11 +217,9 @@ class _Structured(nn.Module):
         return {"a": x * 2, "b": (x + 1, x - 1)}
 
 
-@pytest.mark.xfail(strict=True, reason="a program returns the forward's outputs flattened to a tuple: a dict "
-                                       "(or a Hugging Face ModelOutput: prog.run(ids).last_hidden_state / "
-                                       "['logits'] fail) or a nested tuple loses its structure; torch in, torch out "
-                                       "would give the forward's structure (export's out_spec)")
 def test_program_returns_the_forwards_output_structure() -> None:
+    # a dict / nested tuple came back as a flat tuple (TorchFunction kept only `many` of export's
+    # out_spec); tests/test_output_structure.py covers fx, NamedTuple, ModelOutput, save/load, pickle
     x = torch.randn(2, 3)
     out = ej.compile(ej.from_torch(_Structured(), (x,))).run(x)
     assert isinstance(out, dict) and set(out) == {"a", "b"}
@@ -239,3 +237,34 @@ def test_std_and_a_variance_without_degrees_of_freedom_as_torch() -> None:
     # torch.std was untranslated (UnsupportedOpError 'std'); the variance of one row (unbiased)
     # is nan in torch, the import gave 0 (it divided by max(n - correction, 1))
     _matches(_Spread(), (torch.randn(3, 5),))
+
+
+class _InPlace(nn.Module):
+    """In-place ops whose result is not used: the mutated tensor is read afterwards."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1
+        if self.op == "relu":
+            torch.nn.functional.relu(y, inplace=True)
+        elif self.op == "masked_fill_":
+            y.masked_fill_(x > 0, 0.0)
+        elif self.op == "copy_":
+            y.copy_(x * 2)
+        else:
+            y.fill_(3.0)
+        return y + 1
+
+
+@pytest.mark.parametrize("op", ["relu", "masked_fill_", "copy_", "fill_"])
+@pytest.mark.xfail(strict=True, reason="the torch.fx capture translates an in-place op as a function and leaves "
+                                       "the mutated tensor's later readers on its old value (frontend/torch.py's fx "
+                                       "loop: rebind the first argument to the result, refuse a mutated view): "
+                                       "silently wrong numbers with method='fx' (export functionalises: right)")
+def test_fx_capture_of_in_place_ops_whose_result_is_unused(op: str) -> None:
+    x = torch.randn(3, 4)
+    fn = ej.from_torch(_InPlace(op), (x,), method="fx")
+    _close(ej.compile(fn).run(x), _InPlace(op)(x))
