@@ -162,6 +162,9 @@ class CompiledPlan:
     call: tuple[tuple[str, Any], ...] | None = None
     """An imported module's forward parameters as torch calls it (``variants.call_template``):
     how ``run(x, (h, c), 2.0)`` binds to the graph's inputs; None: by ``arg_names`` only."""
+    structure: Any = None
+    """An imported forward's output structure (``TorchFunction.structure``: a TreeSpec runs
+    rebuild, a dict / nested tuple / ModelOutput); None: a tensor or a tuple (``many``)."""
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -186,12 +189,14 @@ class Source:
     call: tuple[tuple[str, Any], ...] | None = None
     """An imported module's forward parameters as torch calls it (``variants.call_template``):
     how ``run(x, (h, c), 2.0)`` binds to the graph's inputs; None: by ``arg_names`` only."""
+    structure: Any = None
+    """An imported forward's output structure (``TorchFunction.structure``); None: ``many``."""
 
     @staticmethod
     def of(outputs: Any, state: Mapping[Any, Any] | None = None) -> Source:
         """``outputs``: a tensor, a list/tuple of them, or ``ej.from_torch``'s result; ``state``:
         a mapping new value -> the graph input it replaces after each run (checked here)."""
-        recapture, dynamic, call = None, {}, None
+        recapture, dynamic, call, structure = None, {}, None, None
         if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
             # the bound values to feed at each run (from_torch's live module tensors, viewed when fed:
             # a view taken now would not follow a storage that share_memory_() moves)
@@ -204,6 +209,7 @@ class Source:
             dynamic = {k: dict(v) for k, v in getattr(outputs, "dynamic", {}).items()}
             call = call_template(getattr(outputs, "call_args", ()) or arg_names,
                                  getattr(outputs, "constants", {}), arg_names, getattr(outputs, "defaults", {}))
+            structure = getattr(outputs, "structure", None)
         else:
             arg_names, bound, many, outs = None, None, isinstance(outputs, (list, tuple)), outputs
         if not state:
@@ -221,7 +227,7 @@ class Source:
                                        f"new state value: leave it out of state=")
         if bound is not None:  # parameters the forward never reads are not graph inputs
             bound = {k: v for k, v in bound.items() if k in graph.input_by_name}
-        return Source(graph, many, arg_names, bound, slots, recapture, dynamic, call)
+        return Source(graph, many, arg_names, bound, slots, recapture, dynamic, call, structure)
 
 
 def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
@@ -284,7 +290,7 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
         stats = with_state(stats, tg, set(tied), {s.output for s in source.state})
     return CompiledPlan(graph, cluster, decomps, placed, tg, stats, options, source.many,
                         source.arg_names, source.bound, source.state, source.recapture, source.dynamic,
-                        source.call)
+                        source.call, source.structure)
 
 
 def _fused(source: Source, specs: Any) -> Source:

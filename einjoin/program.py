@@ -161,6 +161,15 @@ def load(path: str | os.PathLike[str], *, backend: Any = None) -> Program:
     return prog
 
 
+def returned(outs: Sequence[Any], many: bool, structure: Any) -> Any:
+    """A run's results as the program returns them: rebuilt in ``structure`` (an imported
+    forward's :class:`~einjoin.frontend.torch_args.OutputTree`: a dict, a nested tuple, a NamedTuple, a
+    Hugging Face ModelOutput), else a tuple if ``many``, else the one result."""
+    if structure is not None:
+        return structure.unflatten(outs)
+    return tuple(outs) if many else outs[0]
+
+
 class _Guarded:
     """A user callback of a serialised program's run, marking its thread while it runs (so that
     a call back into the same program is refused, not a deadlock)."""
@@ -223,6 +232,7 @@ class Program:
         self.quiet = bool(options.quiet)                # no progress display
         self.host_link = options.host_link              # emulated host<->device bytes per second
         self._many = plan.many
+        self._structure = plan.structure                # an imported forward's output pytree (or None)
         self._arg_names = plan.arg_names                # set for an imported torch module
         self._bound = plan.bound
         self.run_stats: RunStats | None = None
@@ -266,6 +276,7 @@ class Program:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.pop("_nodes", None)
         values = state.pop("_state_values", None)
+        state.setdefault("_structure", None)  # pickled by an einjoin that returned flat tuples
         self.__dict__.update(state)
         self.run_stats = None
         self._fresh()
@@ -560,8 +571,8 @@ class Program:
             import torch
             tensors = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(
                 o.view(np.int16)).view(torch.bfloat16) for o in outs]
-            return tuple(tensors) if self._many else tensors[0]
-        return tuple(outs) if self._many else outs[0]
+            return returned(tensors, self._many, self._structure)
+        return returned(outs, self._many, self._structure)
 
     # ---- state: values that persist between runs
 
@@ -682,7 +693,7 @@ class Program:
             values.update({self.graph.input_by_name[n]: v for n, v in self.read_state(absent).items()})
         outs = run_reference(self.taskgraph, self.decomps, values)
         outs = outs[:len(outs) - len(self._slots)]
-        return tuple(outs) if self._many else outs[0]
+        return returned(outs, self._many, self._structure)
 
     def explain(self, file: Any = "stdout") -> str:
         """Print (to ``file``; default the current ``sys.stdout``, None: don't) and return, per op,

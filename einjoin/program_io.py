@@ -11,6 +11,17 @@ The file is a zip archive (stored CRC-32 per member: a flipped byte is found) of
   argument names);
 - ``arrays.safetensors``: the bound weights and the state's current values.
 
+An imported forward's output structure (a dict, a nested tuple, a NamedTuple, a Hugging Face
+``ModelOutput``: ``CompiledPlan.structure``) is kept as ``torch.utils._pytree.treespec_dumps``'s
+JSON, never pickled. Where it does not serialise (a node type registered without a
+``serialized_type_name``, such as a plain NamedTuple, unless registered with
+``torch.utils._pytree._register_namedtuple``; a context that is no plain JSON) the file is
+written without it and a :class:`StructureWarning` says so; where the file names a type this
+process has not registered (its module not imported yet: import it before ``ej.load``, e.g.
+``transformers``' model module), ``ej.load`` warns the same way. Either way the loaded program
+returns the outputs as a flat tuple, in the order of the structure's leaves. Loading never
+imports a module the file names.
+
 The JSON is written **generically**: a dataclass is ``{"c": class index, "f": {field: value}}``
 (its ``init`` fields; the class table names each ``module:qualname``), tuples, dicts (as pairs:
 keys need not be strings), sets, enums, numpy scalars and non-finite floats have one tagged form
@@ -42,6 +53,7 @@ import io
 import json
 import math
 import os
+import warnings
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -58,7 +70,7 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner import PLANNERS
 
-__all__ = ["write", "read", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["write", "read", "FORMAT", "FORMAT_VERSION", "StructureWarning"]
 
 FORMAT = "einjoin.Program"
 FORMAT_VERSION = 1
@@ -182,6 +194,93 @@ def _dtype_of(text: Any) -> np.dtype:
         raise _BadFile(f"bad dtype {text!r:.40}") from None
 
 
+class StructureWarning(UserWarning):
+    """An imported forward's output structure could not be saved, or loaded here: the program
+    returns its outputs as a flat tuple (see the module docstring)."""
+
+
+def _dump_structure(structure: Any) -> tuple[str | None, str | None]:
+    """``structure`` (a TreeSpec or None) as treespec_dumps' JSON, or (None, why it does not serialise)."""
+    if structure is None:
+        return None, None
+    from torch.utils._pytree import treespec_dumps
+    structure = structure.spec  # an OutputTree
+    try:
+        text = treespec_dumps(structure)
+    except (NotImplementedError, TypeError, ValueError) as e:
+        return None, f"{_node_types(structure)}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    if "__enum__" in text:  # treespec_loads would import the enum's module: a file names no code
+        return None, f"{_node_types(structure)}: an enum in its context"
+    return text, None
+
+
+def _node_types(spec: Any) -> str:
+    """The container types of a TreeSpec, by qualified name (the first few)."""
+    seen: list[str] = []
+    todo = [spec]
+    while todo:
+        s = todo.pop()
+        if s.is_leaf():
+            continue
+        t = s.context if getattr(s.type, "__name__", "") == "namedtuple" else s.type  # the class, not the kind
+        name = f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', t)}"
+        if name not in seen:
+            seen.append(name)
+        todo.extend(s.children())
+    return ", ".join(seen[:4]) + (" ..." if len(seen) > 4 else "")
+
+
+def _load_structure(text: Any, lost: Any, outputs: int, where: str) -> Any:
+    """The saved output structure (a TreeSpec), or None with a :class:`StructureWarning` when the
+    file has none (it did not serialise) or names a type this process has not registered."""
+    flat = "the loaded program returns the forward's outputs as a flat tuple"
+    if lost is not None:
+        warnings.warn(f"ej.load: {where!r}: the forward's output structure was not saved ({lost}); {flat}",
+                      StructureWarning, stacklevel=4)
+        return None
+    if text is None:
+        return None
+    if not isinstance(text, str) or "__enum__" in text:
+        raise _BadFile(f"bad output structure {text!r:.60}")
+    from torch.utils._pytree import SERIALIZED_TYPE_TO_PYTHON_TYPE, treespec_loads
+    try:
+        names = _type_names(json.loads(text)[1])
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError) as e:
+        raise _BadFile(f"bad output structure ({type(e).__name__}: {e})") from None
+    unknown = sorted({n for n in names if n not in SERIALIZED_TYPE_TO_PYTHON_TYPE})
+    if unknown:
+        warnings.warn(f"ej.load: {where!r}: the forward's output structure names {', '.join(unknown)}, not "
+                      f"registered with torch's pytree in this process (import the module defining it before "
+                      f"ej.load); {flat}", StructureWarning, stacklevel=4)
+        return None
+    try:
+        spec = treespec_loads(text)
+    except NotImplementedError as e:  # a registered NamedTuple's name: in the context, not the type
+        warnings.warn(f"ej.load: {where!r}: the forward's output structure could not be rebuilt here ({e}); "
+                      f"{flat}", StructureWarning, stacklevel=4)
+        return None
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError) as e:
+        raise _BadFile(f"bad output structure ({type(e).__name__}: {e})") from None
+    if spec.num_leaves != outputs:
+        raise _BadFile(f"the output structure has {spec.num_leaves} leaves for {outputs} outputs")
+    from einjoin.frontend.torch_args import OutputTree
+    return OutputTree(spec)
+
+
+def _type_names(schema: Any) -> list[str]:
+    """The serialized type names in treespec_dumps' JSON schema (checked for its shape)."""
+    names: list[str] = []
+    todo = [schema]
+    while todo:
+        s = todo.pop()
+        if not isinstance(s, dict) or not isinstance(s["children_spec"], list):
+            raise ValueError("not a TreeSpec schema")
+        if s["type"] is not None:
+            names.append(str(s["type"]))
+        todo.extend(s["children_spec"])
+    return names
+
+
 def _plain(x: Any) -> bool:
     """``x`` is plain data (None, bool, int, float, str, in tuples and lists)."""
     if x is None or isinstance(x, (bool, int, float, str)):
@@ -194,6 +293,11 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
     """Write ``plan``, the arrays ``bound`` to its inputs and the ``state`` values to the file
     ``path`` (what :meth:`Program.save` does; see the module docstring); the folder must exist."""
     from safetensors.numpy import save as st_save
+    structure, lost = _dump_structure(plan.structure)
+    if lost is not None:
+        warnings.warn(f"prog.save: the forward's output structure does not serialise ({lost}): the file is "
+                      f"written without it and ej.load's program returns the outputs as a flat tuple",
+                      StructureWarning, stacklevel=3)
     enc = _Encoder()
     enc.add_nodes(plan.graph.nodes)
     body: dict[str, Any] = {
@@ -211,6 +315,9 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
         "dynamic": enc.enc(dict(plan.dynamic)),
         # how a torch-style call binds (its constants only when plain data: a file holds no objects)
         "call": enc.enc(plan.call) if _plain(plan.call) else None,
+        # the forward's output pytree (torch's treespec JSON), or why it is not here
+        "structure": structure,
+        "structure_lost": lost,
     }
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
@@ -400,6 +507,9 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
                             dec.dec(body["taskgraph"]), dec.dec(body["stats"]), options, bool(body["many"]),
                             arg_names, bound, dec.dec(body["state"]), None, dec.dec(body["dynamic"]),
                             _call(dec.dec(body.get("call"))))
+        if body.get("structure") is not None or body.get("structure_lost") is not None:
+            plan = dataclasses.replace(plan, structure=_load_structure(
+                body.get("structure"), body.get("structure_lost"), len(outputs) - len(plan.state), where))
         state = {k: arrays[f"state.{k}"] for k in body["state_values"]}
     except EinjoinError as e:
         if "ej.load" in str(e):

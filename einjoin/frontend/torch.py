@@ -86,6 +86,13 @@ class TorchFunction:
     dynamic: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
     """``from_torch``'s ``dynamic=``: forward argument name -> {dim: symbol}, the dims a user
     said will change between runs (dims non-negative; empty: any dim may)."""
+    structure: Any = field(default=None, repr=False)
+    """The forward's output structure (an :class:`~einjoin.frontend.torch_args.OutputTree`: its ``spec`` is
+    the ``torch.utils._pytree.TreeSpec`` over :attr:`outputs`, torch.export's ``out_spec`` or the
+    pytree of the fx-traced output) when it is more than one
+    tensor or a flat tuple of them: a dict, a nested tuple, a list, a NamedTuple, a Hugging Face
+    ``ModelOutput``. A compiled program returns its results in it (``prog.run(ids).logits``);
+    None: a tensor or a tuple (``many``)."""
 
     def with_outputs(self, outputs: Tensor | Sequence[Tensor]) -> TorchFunction:
         """The same import computing ``outputs`` instead (a tensor, or a list: a loss and its
@@ -107,7 +114,7 @@ class TorchFunction:
             if not isinstance(o, Tensor):
                 raise EinjoinError(f"with_outputs: output {i} is {type(o).__name__}, not an einjoin tensor")
         # a recapture would rebuild the forward's outputs, not these: new shapes need a new import
-        return replace(self, outputs=outs, many=many, recapture=None)
+        return replace(self, outputs=outs, many=many, recapture=None, structure=None)
 
     def reference(self, *args: Any, **feeds: Any) -> Any:
         """Evaluate with the numpy reference (``ej.reference``), binding the module's tensors."""
@@ -121,6 +128,8 @@ class TorchFunction:
         values = {**{k: v for k, v in self.bound.items() if k in used},
                   **{k: v for k, v in given.items() if k in used or k not in self.arg_names}}
         outs = reference(list(self.outputs), **values)
+        if self.structure is not None:  # the forward's dict / nested tuple / ModelOutput
+            return self.structure.unflatten(outs)
         return tuple(outs) if self.many else outs[0]
 
     def __repr__(self) -> str:
@@ -588,9 +597,10 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             buffers.pop(name, None)
     notes = (f"the forward updates buffer{'s' if len(updates) > 1 else ''} {', '.join(updates)} (training-mode "
              f"running statistics): the new values are buffer_updates, not outputs",) if updates else ()
-    return TorchFunction(tuple(outputs), tuple(arg_names), BoundTensors(bound), _many(ep.call_spec.out_spec), "export",
+    out_spec = ep.call_spec.out_spec
+    return TorchFunction(tuple(outputs), tuple(arg_names), BoundTensors(bound), _many(out_spec), "export",
                          notes=notes, parameters=_in_module_order(module, params), buffers=buffers,
-                         buffer_updates=updates)
+                         buffer_updates=updates, structure=_structure(out_spec, len(outputs)))
 
 
 def _canonical_names(module: Any) -> dict[str, str]:
@@ -615,6 +625,28 @@ def _in_module_order(module: Any, params: dict[str, Tensor]) -> dict[str, Tensor
 
 def _many(out_spec: Any) -> bool:
     return out_spec is not None and not (out_spec.num_children == 0 and out_spec.type is None)
+
+
+def _structure(spec: Any, count: int) -> Any:
+    """``spec`` (the forward's output TreeSpec) when the run must rebuild it: None for a tensor or
+    a flat tuple of tensors (``many`` says which), and where it does not cover the outputs."""
+    if spec is None or spec.is_leaf() or spec.num_leaves != count:
+        return None
+    if spec.type is tuple and all(c.is_leaf() for c in spec.children()):
+        return None
+    return A.OutputTree(spec)
+
+
+
+def _plain_containers(out: Any) -> Any:
+    """fx's output with its immutable dicts and lists as the dicts and lists the forward returned."""
+    if isinstance(out, dict):
+        return {k: _plain_containers(v) for k, v in out.items()}
+    if isinstance(out, list):
+        return [_plain_containers(v) for v in out]
+    if type(out) is tuple:
+        return tuple(_plain_containers(v) for v in out)
+    return out
 
 
 def _as_output(v: Any, what: str) -> Tensor:
@@ -674,6 +706,7 @@ def _refuse_hooks(module: Any) -> None:
 def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
     import torch
     import torch.fx
+    import torch.utils._pytree as pytree
 
     _refuse_hooks(module)
     tracer = torch.fx.Tracer()
@@ -704,6 +737,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
 
     outputs: list[Tensor] = []
     many = False
+    structure = None
     for node in graph.nodes:
         if node in skip:
             env[node] = _FAILED
@@ -742,13 +776,15 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
         elif node.op == "output":
             problems.check()
             out = _map(node.args[0], env)
-            many = isinstance(out, (tuple, list))
-            outputs = [_as_output(o, f"{i}") for i, o in enumerate(out if many else [out])]
+            many = isinstance(out, (tuple, list, dict))
+            leaves, spec = pytree.tree_flatten(_plain_containers(out))
+            outputs = [_as_output(o, f"{i}") for i, o in enumerate(leaves)]
+            structure = _structure(spec, len(outputs))
     problems.check()
     names = dict(module.named_parameters())
     weights = {q: t for q, t in params.items() if q in names or id(_attr(module, q)) in trained}
     return TorchFunction(tuple(outputs), tuple(arg_names), BoundTensors(bound), many, "fx",
-                         parameters=_in_module_order(module, weights),
+                         structure=structure, parameters=_in_module_order(module, weights),
                          buffers={q: t for q, t in params.items() if q not in weights})
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from einjoin.frontend.torch import TorchFunction
 
 __all__ = ["labels", "defaults", "check_signature", "unalias", "check_dynamic", "static_experts", "no_cache",
-           "recapture_for", "shared_copy"]
+           "recapture_for", "shared_copy", "OutputTree"]
 
 
 def labels(module: Any, n: int, kwargs: Mapping[str, Any]) -> list[str]:
@@ -298,3 +298,50 @@ def shared_copy(module: Any) -> Any:
         return copy.deepcopy(module, memo)
     except Exception:  # an attribute deepcopy refuses (a lock, a handle): the live module
         return module
+
+
+class OutputTree:
+    """An imported forward's output structure: ``spec``, a ``torch.utils._pytree.TreeSpec`` over
+    the graph's outputs (a dict, a nested tuple or list, a NamedTuple, a Hugging Face
+    ``ModelOutput``), which runs rebuild (:meth:`unflatten`). Pickled as plain nested tuples
+    (type, context, children), not as torch's TreeSpec objects (whose leaves warn on unpickling)."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+
+    def unflatten(self, leaves: Sequence[Any]) -> Any:
+        from torch.utils._pytree import tree_unflatten
+        return tree_unflatten(list(leaves), self.spec)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_output_tree, (_portable(self.spec),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OutputTree) and bool(self.spec == other.spec)
+
+    def __hash__(self) -> int:
+        return hash(repr(self.spec))
+
+    def __repr__(self) -> str:
+        return f"OutputTree({self.spec})"
+
+
+def _portable(spec: Any) -> Any:
+    """A TreeSpec as nested tuples (None: a leaf)."""
+    if spec.is_leaf():
+        return None
+    return (spec.type, spec.context, tuple(_portable(c) for c in spec.children()))
+
+
+def _treespec(p: Any) -> Any:
+    from torch.utils._pytree import TreeSpec, treespec_leaf
+    if p is None:
+        return treespec_leaf()
+    kind, context, children = p
+    return TreeSpec(kind, context, [_treespec(c) for c in children])
+
+
+def _output_tree(p: Any) -> OutputTree:
+    return OutputTree(_treespec(p))
