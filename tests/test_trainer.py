@@ -24,7 +24,9 @@ from einjoin.models.zoo import example
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-LLAMA = dict(dim=64, layers=2, vocab=256, heads=4, kv_heads=2, hidden=96, seq=16, batch=2)
+# one layer in the default run (every op and state kind of the step; planning the step is most of a
+# test's time), the slow tests two
+LLAMA = dict(dim=64, layers=1, vocab=256, heads=4, kv_heads=2, hidden=96, seq=16, batch=2)
 
 
 def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -36,10 +38,11 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def llama_task(steps: int, seed: int = 0) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+def llama_task(steps: int, seed: int = 0, layers: int = 1
+               ) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The zoo's small LLaMA and ``steps`` batches of a synthetic next-token task: the targets are
     the tokens shifted by one (a learnable rule: next = (token * 7 + 3) mod vocab)."""
-    module, _ = example("llama", seed=seed, **LLAMA)
+    module, _ = example("llama", seed=seed, **{**LLAMA, "layers": layers})
     g = torch.Generator().manual_seed(seed + 1)
     batches = []
     for _ in range(steps):
@@ -139,7 +142,7 @@ def test_llama_matches_torch_adamw() -> None:
 @pytest.mark.parametrize("devices", [1, 2, 4])
 @pytest.mark.parametrize("model", ["llama", "mlp"])
 def test_matches_torch_50_steps(model: str, devices: int) -> None:
-    module, batches = llama_task(50) if model == "llama" else mlp_task(50)
+    module, batches = llama_task(50, layers=2) if model == "llama" else mlp_task(50)
     loss_fn = next_token_loss if model == "llama" else mse
     ours, theirs = adamw(1e-3)
     trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=devices)
@@ -151,7 +154,7 @@ def test_matches_torch_50_steps(model: str, devices: int) -> None:
 
 @pytest.mark.slow
 def test_matches_torch_under_memory_cap() -> None:
-    module, batches = llama_task(10)
+    module, batches = llama_task(10, layers=2)
     ours, theirs = adamw(1e-3)
     free = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2)
     working = max(free.program.stats.peak_bytes_per_device.values())
@@ -169,7 +172,7 @@ def test_matches_torch_under_memory_cap() -> None:
 @pytest.mark.xdist_group("ray")
 @pytest.mark.parametrize("model", ["llama", "mlp"])
 def test_matches_torch_on_ray(model: str, ray_session) -> None:  # type: ignore[no-untyped-def]
-    module, batches = llama_task(10) if model == "llama" else mlp_task(10)
+    module, batches = llama_task(10, layers=2) if model == "llama" else mlp_task(10)
     loss_fn = next_token_loss if model == "llama" else mse
     ours, theirs = adamw(1e-3)
     trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=2, backend="ray")
