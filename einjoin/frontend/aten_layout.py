@@ -250,6 +250,7 @@ def _select_scatter(x: Tensor, src: Tensor, dim: int, index: int) -> Tensor:
 @op("copy", "copy_")
 def _copy(x: Tensor, src: Any, non_blocking: bool = False) -> Tensor:
     """``x.copy_(src)`` functionalised: ``src`` broadcast to ``x``'s shape, in ``x``'s dtype."""
+    del non_blocking  # torch's hint for device copies; a graph value has no copy to overlap
     t: Tensor = src if isinstance(src, Tensor) else F.full((), src, x.dtype)
     if t.dtype != x.dtype:
         t = t.to(x.dtype)
