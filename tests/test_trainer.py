@@ -124,7 +124,7 @@ def test_mlp_matches_torch(opt: Any) -> None:
 
 
 def test_llama_matches_torch_adamw() -> None:
-    module, batches = llama_task(10)
+    module, batches = llama_task(10, layers=2)  # the model: 2 layers, 10 steps, 2 threads devices
     ours, theirs = adamw(1e-3)
     trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, backend="threads")
     losses = [trainer.step(*b) for b in batches]
