@@ -197,8 +197,10 @@ def functionalize_inplace(graph: Any, modules: Mapping[str, Any], root: str = "m
         if why is not None:
             raise UnsupportedOpError(
                 f"from_torch: torch.fx capture of {root}: the in-place op {label!r} ({_where(node, root)}) "
-                f"cannot be made functional: {why}. Import with method='export' (torch.export "
-                f"functionalises in-place ops), or write the forward without the in-place op")
+                f"cannot be made functional: {why}. " + (
+                    "Write the forward without the in-place op" if target.op == "placeholder" else
+                    "Import with method='export' (torch.export functionalises in-place ops), or write the "
+                    "forward without the in-place op"))
         result = node
         others = [a for a in [*node.args[1:], *node.kwargs.values()] if isinstance(a, torch.fx.Node)
                   and a not in numbers]
