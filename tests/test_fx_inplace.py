@@ -173,3 +173,9 @@ class _Sizes(nn.Module):
 
 def test_numbers_and_plain_augmented_assignment_are_untouched() -> None:
     _matches(_Sizes(), torch.randn(3, 2))
+
+
+def test_a_rewritten_graph_traced_again_is_rewritten_to_itself() -> None:
+    """from_torch(gm, method="fx") of a GraphModule this pass made runs the pass a second time."""
+    m = _Writes().eval()
+    _matches(_functional(m), torch.randn(3, 4), torch.randn(4))

@@ -145,7 +145,14 @@ def functionalize_inplace(graph: Any, modules: Mapping[str, Any], root: str = "m
             n = first(view_of[n][0])
         return n
 
+    writes: set[Any] = set()
     for node in nodes:
+        if (node.op == "call_method" and node.target == "type_as" and len(node.args) == 2 and node.args[0] in writes
+                and isinstance(node.args[1], torch.fx.Node) and first(node.args[1]) == first(node.args[0])):
+            # this pass's own cast back (a graph rewritten already, traced again): the same tensor
+            cls[node] = first(node.args[0])
+            latest[cls[node]] = node
+            continue
         if node.op == "output" or node.op in ("call_function", "call_method", "call_module"):
             node.args = torch.fx.node.map_arg(node.args, now)
             node.kwargs = torch.fx.node.map_arg(node.kwargs, now)
@@ -212,5 +219,6 @@ def functionalize_inplace(graph: Any, modules: Mapping[str, Any], root: str = "m
             cls[result] = target
         cls[node] = target
         latest[target] = result
+        writes.add(node)
     graph.lint()
     return graph
