@@ -33,6 +33,7 @@ from einjoin.frontend import aten
 from einjoin.frontend import attention_modules as AM
 from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
+from einjoin.frontend.fx_inplace import functionalize_inplace
 from einjoin.frontend.nn_modules import MODULES
 from einjoin.frontend.op_table import DOCS_PAGE, ops_markdown, supported_ops
 from einjoin.frontend.tensor import Tensor
@@ -717,6 +718,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
         raise EinjoinError(f"from_torch: torch.fx could not trace {type(module).__name__}: "
                            f"{_cause(e)}{BRANCH_HELP if _is_data_dependent(e) else ''}") from e
     modules = dict(module.named_modules())
+    functionalize_inplace(graph, modules, type(module).__name__)  # in-place writes: later readers read the result
     problems = _Problems(module, "torch.fx")
     skip = _check_supported(graph, True, modules, problems)
     env: dict[Any, Any] = {}

@@ -260,12 +260,6 @@ class _InPlace(nn.Module):
 
 
 @pytest.mark.parametrize("op", ["relu", "masked_fill_", "copy_", "fill_"])
-@pytest.mark.xfail(strict=True, reason="the torch.fx capture translates an in-place op as a function and leaves "
-                                       "the mutated tensor's later readers on its old value (frontend/torch.py's fx "
-                                       "loop: rebind the first argument to the result, refuse a mutated view): "
-                                       "silently wrong numbers with method='fx' (export functionalises: right). "
-                                       "Fixed by einjoin/frontend/fx_inplace.py once torch.py's _from_fx calls "
-                                       "functionalize_inplace on the trace: then make this a plain test")
 def test_fx_capture_of_in_place_ops_whose_result_is_unused(op: str) -> None:
     x = torch.randn(3, 4)
     fn = ej.from_torch(_InPlace(op), (x,), method="fx")
