@@ -83,8 +83,12 @@ def _sigmoid_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
 
 
 def _silu_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
-    # x / (1 + exp(-x)), torch's formula (x * expit(x) before: scipy's expit is not vectorised)
+    # x / (1 + exp(-x)), torch's formula (x * expit(x) before: scipy's expit is not vectorised);
+    # a float numpy scalar (a 0-d result comes back as one) by the same formula, as scalar.py's
+    # silu computes it: fused and unfused graphs give the same bits (issue 22)
     x = xs[0]
+    if isinstance(x, np.floating) and x.dtype in _EXP_DTYPES:
+        return x / (1.0 + np.exp(-x))  # type: ignore[no-any-return]
     if type(x) is not np.ndarray or x.dtype not in _EXP_DTYPES:
         s = special.expit(x)
         if type(s) is not np.ndarray:

@@ -142,6 +142,17 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _silu(x: np.ndarray) -> np.ndarray:
+    # x / (1 + exp(-x)), torch's formula, on float32/float64 (arrays and numpy scalars alike:
+    # the evaluator's in-place form computes the same, so a 0-d value that came back as a numpy
+    # scalar gets the bits an array gets); x * expit(x) on other dtypes
+    if getattr(x, "dtype", None) in (np.dtype(np.float32), np.dtype(np.float64)):
+        out: np.ndarray = x / (1.0 + np.exp(-x))
+        return out
+    out = x * special.expit(x)
+    return out
+
+
 def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         out: np.ndarray = np.true_divide(a, b)
@@ -223,7 +234,7 @@ _FN_LIST = [
     ScalarFn("rsqrt", 1, "float", _safe(lambda x: 1.0 / np.sqrt(x))),
     ScalarFn("reciprocal", 1, "float", _safe(lambda x: 1.0 / x)),
     ScalarFn("relu", 1, "arith", lambda x: np.maximum(x, 0)),
-    ScalarFn("silu", 1, "float", _safe(lambda x: x * special.expit(x))),
+    ScalarFn("silu", 1, "float", _safe(_silu)),
     ScalarFn("gelu", 1, "float", _gelu),
     ScalarFn("gelu_tanh", 1, "float", _gelu_tanh),
     ScalarFn("tanh", 1, "float", np.tanh),
