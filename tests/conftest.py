@@ -1,19 +1,11 @@
 """Shared fixtures. ``ray_session``: one two-node Ray cluster on loopback for every Ray test of
 the session (a head with 2 CPUs and a second node with 1 CPU, small object stores). Tests that
 use it are grouped on one xdist worker (``xdist_group("ray")``, run with ``--dist loadgroup``).
-
-torch computes the tests' references on one thread: under ``pytest -n 2`` on two cores its
-default (one OpenMP thread per core, in each worker) oversubscribes the cores and its threads
-wait for each other, spinning: a small LLaMA's ten torch training steps took 3.7 s instead of
-0.2 s, the Trainer tests half the suite's time. einjoin's kernels are numpy's (their BLAS
-limits are the runtime's own), so what the tests check is unchanged."""
+torch's one thread per worker is set in the root ``conftest.py`` (it covers the doctests too)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-
-torch.set_num_threads(1)
 
 OBJECT_STORE = 80 * 1024 * 1024
 
