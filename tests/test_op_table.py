@@ -176,10 +176,6 @@ def test_sample_matches_the_table_compiled(key):
 # ---------------------------------------------------------------- what the samples found
 
 
-@pytest.mark.xfail(strict=True, reason="torch.fx's F.adaptive_max_pool2d(x, size) (return_indices=False) "
-                   "shares the ATen name adaptive_max_pool2d, whose translation returns (values, indices): "
-                   "the import returns a tuple where torch returns a tensor (einjoin/frontend/aten_conv.py "
-                   "_adaptive_nd)")
 def test_fx_adaptive_max_pool_returns_the_values_only():
     class M(nn.Module):
         def forward(self, a):
@@ -190,9 +186,6 @@ def test_fx_adaptive_max_pool_returns_the_values_only():
     assert len(fn.outputs) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="bitwise_xor / __xor__ of int64 tensors shares the logical_xor translation "
-                   "(einjoin/frontend/aten_nn.py _xor), which casts to bool: a silently wrong bool result where "
-                   "torch gives the bitwise int64 xor (bitwise_and / bitwise_or refuse ints with a DTypeError)")
 def test_bitwise_xor_of_ints_is_bitwise_or_refused():
     class M(nn.Module):
         def forward(self, a, b):

@@ -101,7 +101,8 @@ for _n in (1, 2, 3):
     CONV_OPS[f"avg_pool{_n}d"] = _avg_pool_nd(_n)
     CONV_OPS[f"adaptive_avg_pool{_n}d"] = _adaptive_nd(_n, C.adaptive_avg_pool, False)
     CONV_OPS[f"_adaptive_avg_pool{_n}d"] = _adaptive_nd(_n, C.adaptive_avg_pool, False)
-    CONV_OPS[f"adaptive_max_pool{_n}d"] = _adaptive_nd(_n, C.adaptive_max_pool, True)
+    CONV_OPS[f"adaptive_max_pool{_n}d"] = _adaptive_nd(_n, C.adaptive_max_pool, True)  # ATen: (values, indices)
+    CONV_OPS[f"F.adaptive_max_pool{_n}d"] = _adaptive_nd(_n, C.adaptive_max_pool, False)  # torch.fx: as called
 
 
 @op("im2col")

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from einjoin.errors import EinjoinError, UnsupportedOpError
+from einjoin.errors import DTypeError, EinjoinError, UnsupportedOpError
 from einjoin.frontend import activations as A
 from einjoin.frontend import losses as L
 from einjoin.frontend import norms as N
@@ -309,13 +309,23 @@ def _nan_to_num(x: Tensor, nan: Any = 0.0, posinf: Any = None, neginf: Any = Non
     return elementwise(parse_join(expr, 1), x, name="nan_to_num")
 
 
-@op("logical_xor", "bitwise_xor", "__xor__")
+@op("logical_xor")
 def _xor(a: Any, b: Any) -> Tensor:
     if not isinstance(a, Tensor) or a.dtype != "bool" or not isinstance(b, Tensor) or b.dtype != "bool":
         if isinstance(a, Tensor) and isinstance(b, Tensor):
             return a.to("bool") != b.to("bool")
-        raise UnsupportedOpError("xor of a non-bool tensor (bitwise integer xor)")
+        raise UnsupportedOpError("logical_xor of a tensor and a number")
     return a != b
+
+
+@op("bitwise_xor", "__xor__")
+def _bitwise_xor(a: Any, b: Any) -> Tensor:
+    # bool tensors only, as bitwise_and / bitwise_or: the bits of integers are not a join
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype == "bool":
+        return a != b
+    kinds = [x.dtype if isinstance(x, Tensor) else type(x).__name__ for x in (a, b)]
+    raise DTypeError(f"bitwise_xor of {kinds[0]} and {kinds[1]}: bool tensors only (integer bits are not "
+                     f"translated)")
 
 
 @op("lerp", "lerp_")

@@ -38,6 +38,7 @@ NOTES: dict[str, str] = {
     "logical_not": "of bool tensors only",
     "bitwise_and": "of bool tensors only (integer tensors are a DTypeError)",
     "bitwise_or": "of bool tensors only (integer tensors are a DTypeError)",
+    "bitwise_xor": "of bool tensors only (integer tensors are a DTypeError)",
     "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
     "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
                "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",

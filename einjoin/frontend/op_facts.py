@@ -34,6 +34,18 @@ class OpFacts:
 
 
 OP_FACTS: dict[str, OpFacts] = {
+    'F.adaptive_max_pool1d': OpFacts(
+        ('einsum', 'fill'),
+        'every dim; reduced dims make partials',
+        'yes'),
+    'F.adaptive_max_pool2d': OpFacts(
+        ('einsum', 'fill'),
+        'every dim; reduced dims make partials',
+        'yes'),
+    'F.adaptive_max_pool3d': OpFacts(
+        ('einsum', 'fill'),
+        'every dim; reduced dims make partials',
+        'yes'),
     'abs': OpFacts(
         ('einsum',),
         'every dim',
@@ -184,9 +196,9 @@ OP_FACTS: dict[str, OpFacts] = {
         'every dim',
         '—, no float input'),
     'bitwise_xor': OpFacts(
-        ('einsum', 'cast'),
+        ('einsum',),
         'every dim',
-        '—, integer output'),
+        '—, no float input'),
     'mm': OpFacts(
         ('einsum',),
         'every dim; reduced dims make partials',
@@ -675,6 +687,10 @@ OP_FACTS: dict[str, OpFacts] = {
         ('einsum',),
         'every dim',
         '—, no float input'),
+    'logical_xor': OpFacts(
+        ('einsum', 'cast'),
+        'every dim',
+        '—, integer output'),
     'logsigmoid': OpFacts(
         (),
         '—',

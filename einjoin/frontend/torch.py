@@ -330,7 +330,12 @@ def _op_name(target: Any) -> str:
     packet = getattr(target, "_overloadpacket", None)
     if packet is not None:
         return str(packet.__name__)
-    return getattr(target, "__name__", str(target))
+    name = getattr(target, "__name__", str(target))
+    # a torch.nn.functional function whose ATen namesake returns something else (F.adaptive_max_pool2d:
+    # the values; aten's: values and indices) has its own entry, "F.<name>"
+    if getattr(target, "__module__", None) == "torch.nn.functional" and f"F.{name}" in aten.OPS:
+        return f"F.{name}"
+    return str(name)
 
 
 # ---------------------------------------------------------------- every problem at once
