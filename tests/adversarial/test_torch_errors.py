@@ -212,18 +212,6 @@ def test_export_and_fx_both_failing_show_both_causes():
     assert "torch.where" in msg and msg.count("branches on tensor values") == 1
 
 
-# ---------------------------------------------------------------- the docs page of supported ops
-
-
-def test_docs_page_is_the_generated_op_table():
-    from einjoin.frontend.torch import ops_markdown, supported_ops
-    page = ROOT / "docs" / "torch_ops.md"
-    assert page.read_text() == ops_markdown(), "regenerate: einjoin torch-ops > docs/torch_ops.md"
-    ops = supported_ops()
-    for name in ops["ops"] + ops["modules"] + ops["data_dependent"]:
-        assert f"`{name}`" in page.read_text()
-
-
 # ---------------------------------------------------------------- the command line
 
 
