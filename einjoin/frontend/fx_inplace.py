@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from einjoin.errors import UnsupportedOpError
+from einjoin.frontend.node_source import module_path, source_line
 
 # ops whose result is (or may be) a view of, or the same tensor as, their first argument
 VIEW_OPS = frozenset({
@@ -106,8 +107,7 @@ def _is_write(node: Any, modules: Mapping[str, Any]) -> bool:
 
 
 def _where(node: Any, root: str) -> str:
-    from einjoin.frontend.torch import _module_path, _source_line
-    return f"node {node.name} in {_module_path(node, root)}: {_source_line(node)}"
+    return f"node {node.name} in {module_path(node, root)}: {source_line(node)}"
 
 
 def _op_label(node: Any, modules: Mapping[str, Any]) -> str:

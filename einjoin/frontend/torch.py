@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +33,10 @@ from einjoin.frontend import attention_modules as AM
 from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
 from einjoin.frontend.fx_inplace import functionalize_inplace
+from einjoin.frontend.node_source import module_path as _module_path
+from einjoin.frontend.node_source import qualified_name
+from einjoin.frontend.node_source import source_line as _source_line
+from einjoin.frontend.node_source import user_frame as _user_frame
 from einjoin.frontend.nn_modules import MODULES
 from einjoin.frontend.op_table import DOCS_PAGE, ops_markdown, supported_ops
 from einjoin.frontend.tensor import Tensor
@@ -139,68 +142,6 @@ class TorchFunction:
         return (f"TorchFunction({self.method}; args {', '.join(self.arg_names)}; "
                 f"{len(self.parameters)} parameters, {len(self.bound)} bound tensors; "
                 f"outputs {shapes}{notes})")
-
-
-# ---------------------------------------------------------------- naming and locating nodes
-
-
-def _source_line(node: Any) -> str:
-    """The module's source line that produced ``node`` (the last frame outside torch itself)."""
-    trace = node.meta.get("stack_trace") or getattr(node, "stack_trace", None) or ""
-    if not trace.strip():
-        return "(no source line recorded)"
-    return _user_frame(trace) or "(inside torch's own code)"  # e.g. an nn layer called by Sequential
-
-
-def _user_frame(trace: str) -> str:
-    """``File "...", line N, in f: code`` for the last frame of ``trace`` outside torch, or ''."""
-    lines = trace.strip().splitlines()
-    torch_dir = os.sep + "torch" + os.sep
-    best = ""
-    for i, line in enumerate(lines):
-        s = line.strip()
-        if s.startswith("File ") and torch_dir not in s:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            best = f"{s}: {code}"
-    return best
-
-
-def qualified_name(target: Any) -> str:
-    """How a user would spell an fx node's target: ``torch.nn.functional.gelu`` rather than
-    ``<built-in function gelu>``, ``torch.Tensor.cumsum`` for a method, ``aten.cumsum.default``
-    for an ATen overload, ``torch.nn.Conv1d`` for a module class."""
-    import operator
-
-    import torch
-    if isinstance(target, str):
-        return f"torch.Tensor.{target}"  # an fx call_method
-    if isinstance(target, torch._ops.OpOverload) or isinstance(target, torch._ops.OpOverloadPacket):
-        return str(target)
-    name = getattr(target, "__name__", None)
-    if name is not None:
-        # the public namespaces first: torch.cumsum lives in torch._C._VariableFunctions
-        for ns, label in ((torch.nn.functional, "torch.nn.functional"), (torch, "torch"),
-                          (torch.nn, "torch.nn"), (torch.Tensor, "torch.Tensor"),
-                          (torch.linalg, "torch.linalg"), (torch.special, "torch.special"),
-                          (torch.fft, "torch.fft"), (operator, "operator"), (__import__("math"), "math")):
-            if getattr(ns, name, None) is target:
-                return f"{label}.{name}"
-        mod = getattr(target, "__module__", None)
-        qual = getattr(target, "__qualname__", name)
-        return f"{mod}.{qual}" if mod else qual
-    return repr(target)
-
-
-def _module_path(node: Any, root: str) -> str:
-    """Where in the module tree ``node`` was recorded: ``blocks.0.attn (Attention)``."""
-    stack = node.meta.get("nn_module_stack") or {}
-    path, kind = "", root
-    for value in stack.values():
-        path, kind = value[0], value[1]
-    if not isinstance(kind, str):
-        kind = kind.__name__
-    kind = kind.rsplit(".", 1)[-1]
-    return f"{path} ({kind})" if path else f"the top module ({kind})"
 
 
 def _dtype_of(t: Any, what: str) -> str:
