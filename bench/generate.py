@@ -5,7 +5,7 @@ torch on the same cores, and the host bytes a decode step loads. One table:
   4096) and the zoo's GPT-2 (``GPT2``: 4 layers, hidden 512, 8 heads, vocab 4096), batch 1, a
   32-token prompt, 64 new tokens, a 256-position cache:
   - einjoin: the decode program (``einjoin.generate.Decoder``: the weights and the caches are
-    program state on the devices; a step loads the new token id and the position) on
+    program state on the devices, the position too; a step loads the new token ids only) on
     ``ej.local(1)`` and ``ej.local(2)``, threads backend; compile and prefill times beside;
   - torch, full recompute: the module's forward on the whole sequence for every token (what the
     zoo modules offer: they have no KV cache), argmax;
@@ -145,7 +145,7 @@ class Row:
     runs: list[Run] = field(default_factory=list)
     build_s: float = 0.0
     loaded: int = -1            # host bytes a decode step loads after the first (einjoin)
-    step_bytes: int = -1        # the new ids and the position
+    step_bytes: int = -1        # the new ids
 
 
 def torch_full(model: Any, prompt: torch.Tensor, n: int) -> Run:
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             same = all(torch.equal(run.tokens, ref) for run in row.runs)
             if not same:
                 bad.append(f"{name}: {row.method}")
-            loaded = "-" if row.loaded < 0 else (f"{human_bytes(row.loaded)} (ids + position: "
+            loaded = "-" if row.loaded < 0 else (f"{human_bytes(row.loaded)} (the new ids: "
                                                  f"{human_bytes(row.step_bytes)})")
             table.add_row(name, row.method, f"{1 / med:.1f}", f"{med * 1e3:.1f} ms",
                           f"{statistics.median(r.prefill_s for r in row.runs) * 1e3:.0f} ms",

@@ -2,13 +2,15 @@
 
 Two programs per generation. The **prefill** program runs the prompt (batch, prompt length) once
 and returns the last position's logits and, per layer, the keys and values padded with zeros to
-the cache's fixed ``capacity``. The **decode** program runs one token: its inputs are the token
-ids (batch, 1) and the position (an int64 scalar); the weights, the rope tables and the caches are
-program *state* (``ej.compile(..., state=...)``), written once and then kept on their devices.
+the cache's fixed ``capacity``. The **decode** program runs one token: its input is the token
+ids (batch, 1); the position (an int64 scalar that each step advances to ``pos + 1``), the
+weights, the rope tables and the caches are program *state* (``ej.compile(..., state=...)``),
+written once and then kept on their devices.
 Each layer writes its new key and value with an elementwise ``where(iota == pos, new, cache)`` (no
 shape changes: one plan serves every position) and attends under the mask ``iota <= pos``; rope
 rows (LLaMA) and the learned position row (GPT-2) are picked at ``pos`` by a gather. After its
-first run a decode step loads from the host only the new ids and the position.
+first run a decode step loads from the host only the new ids (a step at another position than
+the next writes the position first: 8 bytes more, once).
 
 The prefill's caches reach the decode program through the host once (the prefill's outputs,
 then ``write_state``). The next token is chosen on the host from the returned logits (argmax, or top-k
@@ -247,8 +249,8 @@ class Decoder:
     >>> dec.prefill(np.array([[1, 2, 3]])).shape
     (1, 32)
     >>> _ = dec.step(np.array([[4]]), 3); _ = dec.step(np.array([[5]]), 4)
-    >>> dec.decode.run_stats.bytes_loaded, dec.step_bytes  # the ids and the position only
-    (16, 16)
+    >>> dec.decode.run_stats.bytes_loaded, dec.step_bytes  # the new ids only
+    (8, 8)
     """
 
     def __init__(self, module: Any, batch: int = 1, capacity: int = 256, *, devices: Any = 1,
@@ -261,11 +263,14 @@ class Decoder:
         self._prefills: dict[int, Program] = {}
         self._decode: Program | None = None
         self._weights_written = False
+        self._next_pos = 0  # the position the decode state holds (advanced by each step)
 
     @property
     def step_bytes(self) -> int:
-        """The host bytes a decode step loads after the first: the ids (int64) and the position."""
-        return 8 * self.batch + 8
+        """The host bytes a decode step loads after the first: the new ids (int64). The position is
+        state the step advances (``pos + 1``); a step at another position than the next writes it
+        (8 more bytes, once)."""
+        return 8 * self.batch
 
     def _compile(self, outputs: Any, state: Any = None) -> Program:
         return compile(outputs, self.devices, planner=self.planner, backend=self.backend, quiet=True,
@@ -290,6 +295,7 @@ class Decoder:
             # written once, then resident on their devices
             state = {ctx.new_caches[n]: t for n, t in ctx.caches.items()}
             state.update({t: t for t in w.values()})
+            state[pos + 1] = pos  # the next step's position: advanced on the devices, not loaded
             self._decode = self._compile(logits, state)
         return self._decode
 
@@ -317,7 +323,9 @@ class Decoder:
         feeds: dict[str, Any] = {IDS: ids, **self.model.weights}  # none is named as a run() option
         logits, *caches = prog.run(**feeds)
         names = [f"{_prefix(self.model)}{i}.{w}" for i in range(self.model.layers) for w in ("k", "v")]
-        state = dict(zip(names, caches))
+        state: dict[str, Any] = dict(zip(names, caches))
+        state[POS] = np.int64(s)
+        self._next_pos = s
         if not self._weights_written:
             state.update(self.model.weights)
         self.decode.write_state(state)
@@ -330,7 +338,11 @@ class Decoder:
             raise EinjoinError("generate: Decoder.step before Decoder.prefill: the cache holds no prompt yet")
         if not 0 <= pos < self.capacity:
             raise EinjoinError(f"generate: position {pos} is outside the cache (capacity {self.capacity})")
-        return np.asarray(self.decode.run(ids=ids, pos=np.int64(pos)))
+        if pos != self._next_pos:  # not the position the last step advanced to: write it
+            self.decode.write_state({POS: np.int64(pos)})
+        out = np.asarray(self.decode.run(ids=ids))
+        self._next_pos = pos + 1
+        return out
 
 
     def generate(self, prompt_ids: Any, max_new_tokens: int, *, top_k: int | None = None,

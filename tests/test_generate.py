@@ -73,7 +73,7 @@ def test_gpt2_greedy_tokens_equal_torch(devices):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-def test_decode_logits_equal_torch_and_a_step_loads_only_ids_and_position(make):
+def test_decode_logits_equal_torch_and_a_step_loads_only_the_new_ids(make):
     model, prompt = make(), prompt_of(2, 7)
     dec = Decoder(model, batch=2, capacity=32, devices=2)
     ids = prompt
@@ -86,7 +86,7 @@ def test_decode_logits_equal_torch_and_a_step_loads_only_ids_and_position(make):
         logits = dec.step(nxt.numpy(), ids.shape[1])
         stats = dec.decode.run_stats
         if step:  # after the first step the state (weights, caches) is on the devices
-            assert stats.bytes_loaded == nxt.numpy().nbytes + np.int64(0).nbytes == dec.step_bytes
+            assert stats.bytes_loaded == nxt.numpy().nbytes == dec.step_bytes  # the new ids only
             # nothing else crosses the host link: the logits come back, the caches stay
             assert stats.bytes_fetched == logits.nbytes and stats.bytes_reloaded == stats.bytes_evicted == 0
         else:     # the first loads the written state too: the weights and the prefill's caches
@@ -163,3 +163,23 @@ def test_a_decoder_generates_again_without_compiling_the_decode_step_again():
     assert torch.equal(second, torch_greedy(model, prompt_of(1, 9, seed=2), 6))
     with pytest.raises(ej.ShapeError, match="batches of 1, got prompt_ids of shape \\(2, 5\\)"):
         dec.generate(prompt_of(2, 5), 2)
+
+
+def test_a_step_at_another_position_writes_it_and_equals_torch():
+    # the position is state each step advances; stepping back (or jumping) writes it once
+    model, prompt = tiny_llama(), prompt_of(1, 5)
+    dec = Decoder(model, batch=1, capacity=16)
+    dec.prefill(prompt.numpy())
+    tok = np.array([[7]])
+    first = dec.step(tok, 5)
+    again = dec.step(tok, 5)  # the same token at the same position: the cache row is rewritten
+    assert dec.decode.run_stats.bytes_loaded == tok.nbytes + np.int64(0).nbytes
+    np.testing.assert_array_equal(first, again)
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, torch.from_numpy(tok)], 1))[:, -1].numpy()
+    np.testing.assert_allclose(again, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    nxt = dec.step(np.array([[3]]), 6)  # the next position again: only the ids
+    assert dec.decode.run_stats.bytes_loaded == 8
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, torch.from_numpy(tok), torch.tensor([[3]])], 1))[:, -1].numpy()
+    np.testing.assert_allclose(nxt, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
