@@ -195,7 +195,7 @@ class _Guarded:
 def _bound_now(bound: Mapping[str, Any] | None) -> dict[str, Any]:
     """An imported module's bound values for this run: its tensors (``LiveTensor``) viewed where
     their storage is now, not where it was at import (``share_memory_()`` moves it and frees the
-    old block: see einjoin.frontend.torch.LiveTensor)."""
+    old block: see einjoin.frontend.bound_tensors.LiveTensor)."""
     if not bound:
         return {}
     return {k: v if isinstance(v, np.ndarray) or not hasattr(v, "now") else v.now() for k, v in bound.items()}

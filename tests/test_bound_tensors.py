@@ -1,5 +1,5 @@
 """An imported module's parameters and buffers are bound to the program as the module's own
-tensors (no copy), viewed as numpy arrays when fed (einjoin.frontend.torch.LiveTensor).
+tensors (no copy), viewed as numpy arrays when fed (einjoin.frontend.bound_tensors.LiveTensor).
 torch's ``share_memory_()`` (``module.share_memory()``; multiprocessing's pickler sending a
 module to a process pool) moves a tensor's storage and frees the old block: a view taken at
 import read freed memory (silently wrong numbers). Each test differs against torch."""

@@ -32,6 +32,7 @@ from einjoin.frontend import aten
 from einjoin.frontend import attention_modules as AM
 from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
+from einjoin.frontend.bound_tensors import BoundTensors, bind_tensor, feeds_of
 from einjoin.frontend.fx_inplace import functionalize_inplace
 from einjoin.frontend.node_source import module_path as _module_path
 from einjoin.frontend.node_source import qualified_name
@@ -156,115 +157,6 @@ def _dtype_of(t: Any, what: str) -> str:
         raise DTypeError(f"from_torch: {what} is {t.dtype}, which einjoin does not compute in ({e}); "
                          f"convert it (module.float(), x.float(), x.long()) before importing") from None
     return name
-
-
-class LiveTensor:
-    """A module's parameter or buffer bound to a graph input: the torch tensor itself (no copy),
-    read as a numpy array (``np.asarray``: a zero-copy view) each time it is fed.
-
-    Why not a numpy view taken once at import: a torch storage can change its data pointer in
-    place. ``share_memory_()`` (``module.share_memory()``, or multiprocessing's pickler sending
-    the module, or a program holding it, to a process pool) copies the data into shared memory
-    and frees the old block, so a view taken before reads freed memory: silently wrong numbers.
-    A view taken when fed follows the storage; copying every weight instead would double the
-    memory of a large model."""
-
-    __slots__ = ("tensor", "_view", "_at")
-
-    def __init__(self, tensor: Any):
-        self.tensor = tensor  # detached, on the CPU, dense and contiguous (_bind_tensor)
-        self._view: np.ndarray | None = None
-        self._at = -1  # the data address _view was taken at
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    def now(self) -> np.ndarray:
-        """A zero-copy numpy view of the tensor's storage where it is now (the last one while the
-        storage has not moved: a view is its address, shape and dtype)."""
-        t = self.tensor
-        at = t.data_ptr()
-        arr = self._view
-        if arr is None or at != self._at:  # first use, or the storage moved: a view of where it is now
-            import torch
-            if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, as ml_dtypes' type
-                import ml_dtypes
-                arr = t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
-            else:
-                arr = t.numpy()
-            self._view, self._at = arr, at
-        return arr
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        arr = self.now()
-        if dtype is not None and arr.dtype != dtype:
-            return arr.astype(dtype)
-        return np.array(arr) if copy else arr
-
-    def __reduce__(self) -> tuple[Any, tuple[np.ndarray]]:
-        # pickled as its values (a numpy array, standard pickling: a copy in the stream), never as
-        # the tensor: multiprocessing's pickler (a process pool) would move the module's storage to
-        # shared memory in place, freeing the block a run in progress here may be reading
-        return np.asarray, (np.asarray(self),)
-
-    def __repr__(self) -> str:
-        return f"LiveTensor({self.tensor.dtype}{list(self.tensor.shape)})"
-
-
-class BoundTensors(Mapping[str, np.ndarray]):
-    """:attr:`TorchFunction.bound`: name -> value, each lookup a numpy view of the module's
-    tensor as it is now (:class:`LiveTensor` says why); :meth:`feeds` gives what a program keeps
-    and feeds at each run (the live tensors, not views)."""
-
-    def __init__(self, values: Mapping[str, Any] | None = None):
-        self._values: dict[str, Any] = dict(values or {})
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        from einjoin.ir.reference import to_numpy
-        return to_numpy(self._values[name], f"bound tensor {name!r}")
-
-    def __iter__(self) -> Any:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, BoundTensors):
-            return self._values == other._values
-        return Mapping.__eq__(self, other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def feeds(self) -> dict[str, Any]:
-        """Name -> the value to feed (a :class:`LiveTensor` or an array), read at each run."""
-        return dict(self._values)
-
-    def with_values(self, values: Mapping[str, Any]) -> BoundTensors:
-        return BoundTensors({**self._values, **values})
-
-    def __repr__(self) -> str:
-        return f"BoundTensors({list(self._values)})"
-
-
-def _feeds(bound: Mapping[str, Any]) -> dict[str, Any]:
-    """What a program keeps of ``bound`` to feed at each run (``BoundTensors.feeds``; a plain
-    mapping's values as they are)."""
-    return bound.feeds() if isinstance(bound, BoundTensors) else dict(bound)
-
-
-def _bind_tensor(t: Any) -> LiveTensor:
-    """A module tensor as its bound value: the same storage when it is already a dense contiguous
-    CPU tensor (a converted copy otherwise), checked now to be readable as an array."""
-    from einjoin.ir.reference import to_numpy
-    import torch
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    t = t.cpu().contiguous().resolve_conj().resolve_neg()
-    to_numpy(t, "module tensor")  # a dtype numpy has no type for is refused at import, as before
-    return LiveTensor(t)
 
 
 def _op_name(target: Any) -> str:
@@ -494,7 +386,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 env[node] = F.param(name, tuple(t.shape), _dtype_of(t, f"{kind.lower()} {name!r}"))
                 (params if kind == "PARAMETER" else buffers)[name] = env[node]
                 if not t.is_meta:  # a module on the meta device plans but cannot run
-                    bound[name] = _bind_tensor(t)
+                    bound[name] = bind_tensor(t)
             elif kind == "USER_INPUT":
                 val = node.meta.get("val")
                 if val is None or isinstance(val, (bool, int, float, str)):
@@ -680,7 +572,7 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
         if qual not in params:
             params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t, f"tensor {qual!r}"))
             if not t.is_meta:
-                bound[qual] = _bind_tensor(t)
+                bound[qual] = bind_tensor(t)
         return params[qual]
 
     outputs: list[Tensor] = []
@@ -790,7 +682,7 @@ def _capture(how: Callable[[Any, tuple[Any, ...], dict[str, Any]], TorchFunction
     finally:
         aten.DROPOUT.reset(token)
     if sites.count:
-        fn = replace(fn, bound=BoundTensors(_feeds(fn.bound)).with_values(
+        fn = replace(fn, bound=BoundTensors(feeds_of(fn.bound)).with_values(
             {aten.DROPOUT_SEED: np.asarray(dropout_seed, np.int64)}))
     return fn
 
