@@ -1,6 +1,6 @@
 """The op coverage table of ``docs/torch_ops.md`` (issue 20): generated from the op table
 (``einjoin.frontend.aten.OPS``, ``aten_notes.NOTES``) and its facts
-(``einjoin/frontend/op_facts.py``: node kinds, decomposable dims, gradient), each fact checked
+(``einjoin/frontend/op_facts.json``: node kinds, decomposable dims, gradient), each fact checked
 here against the code:
 
 - the kinds and dims: every translation's sample (``tests/op_samples.py``) run through
@@ -49,7 +49,7 @@ def test_docs_page_is_the_generated_op_table():
 
 
 def test_every_translation_has_facts_and_a_sample():
-    assert set(OP_FACTS) == set(GROUPS), "regenerate: python -m tests.op_samples > einjoin/frontend/op_facts.py"
+    assert set(OP_FACTS) == set(GROUPS), "regenerate: python -m tests.op_samples > einjoin/frontend/op_facts.json"
     names = {n for ns in GROUPS.values() for n in ns}
     assert set(O.SAMPLES) | set(O.NO_SAMPLE) <= names, "samples of names no longer in the op table"
     assert not set(O.SAMPLES) & set(O.NO_SAMPLE)
@@ -141,7 +141,7 @@ def test_split_facts_agree_with_the_decomposition_rules():
 
 def _check(key: str, devices: tuple[int, ...], grad_devices: int | None, planners: tuple[str, ...]) -> None:
     fact = OP_FACTS.get(key)
-    assert fact, "regenerate: python -m tests.op_samples > einjoin/frontend/op_facts.py"
+    assert fact, "regenerate: python -m tests.op_samples > einjoin/frontend/op_facts.json"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runs = [O.run_sample(s) for s in O.samples_for(key)]
