@@ -200,8 +200,8 @@ class Source:
         if hasattr(outputs, "arg_names") and hasattr(outputs, "bound"):  # ej.from_torch's result
             # the bound values to feed at each run (from_torch's live module tensors, viewed when fed:
             # a view taken now would not follow a storage that share_memory_() moves)
-            held = outputs.bound
-            bound = dict(held.feeds()) if hasattr(held, "feeds") else dict(held)
+            from einjoin.frontend.bound_tensors import feeds_of  # a from_torch result: its frontend is loaded
+            bound = feeds_of(outputs.bound)
             arg_names, many = tuple(outputs.arg_names), bool(outputs.many)
             outs = list(outputs.outputs) if many else outputs.outputs[0]
             # how to import it again for other shapes (None after with_outputs: no longer the forward)
