@@ -1,8 +1,8 @@
 """The backends the engine runs on (each implements :class:`einjoin.runtime.backend.Backend`):
 ``sync`` (one inline worker, for debugging), ``threads`` (a worker thread per local device, numpy
 kernels, BLAS threads limited so that device threads times BLAS threads fit the cores), ``null``
-(runs the schedule and counts bytes, computes nothing) and ``ray`` (:mod:`.ray`: an actor per
-device)."""
+(runs the schedule and counts bytes, computes nothing), ``ray`` (:mod:`.ray`: an actor per
+device) and ``torch`` (:mod:`.torch_backend`: torch tensors and kernels)."""
 
 from __future__ import annotations
 
@@ -339,19 +339,22 @@ BACKENDS: dict[str, Any] = {"sync": SyncBackend(), "threads": ThreadsBackend(), 
 
 
 def get_backend(name: Any) -> Any:
-    """The backend named ``name`` (``sync``, ``threads``, ``null``, ``ray``), or ``name`` itself
+    """The backend named ``name`` (``sync``, ``threads``, ``null``, ``ray``, ``torch``), or ``name`` itself
     when it already is a backend object."""
     if not isinstance(name, str) and isinstance(name, Backend):
         return name
     if isinstance(name, str) and name == "ray":  # a fresh one per program: it owns that program's actors
         from einjoin.runtime.backends.ray import RayBackend
         return RayBackend()
+    if isinstance(name, str) and name == "torch":  # imported on first use: torch is slow to import
+        from einjoin.runtime.backends.torch_backend import TorchBackend
+        return TorchBackend()
     if not isinstance(name, str) and hasattr(name, "context") and not hasattr(name, "open"):
         # the interface before issue 17 (parallel, context()): say what replaced it
         raise EinjoinError(f"backend {name!r} has the old interface (parallel, context()); a backend now "
                            "implements einjoin.runtime.backend.Backend (name, computes, remote, retries, "
                            "open(run) -> session, close()): see docs/architecture.md, Backends")
     if not isinstance(name, str) or name not in BACKENDS:  # a list would be unhashable
-        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, 'ray'])}, or an object "
+        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, 'ray', 'torch'])}, or an object "
                            "implementing einjoin.runtime.backend.Backend")
     return BACKENDS[name]
