@@ -605,7 +605,7 @@ def unsampled(key: str) -> str | None:
 # the kinds that move or make data, listed after the kinds that compute (and not in the dims column
 # when a computing kind is there)
 _MOVES = ("reshape", "broadcast", "select", "concat", "cast", "fill", "input")
-_ORDER = ("conv", "pool", "topk", "scatteradd", "gather", "einsum") + _MOVES
+_ORDER = ("attention", "conv", "pool", "topk", "scatteradd", "gather", "einsum") + _MOVES
 
 
 def dims_text(texts: set[tuple[str, str]]) -> str:

@@ -29,6 +29,7 @@ from einjoin.autodiff.rules import GRAD_RULES
 from einjoin.decomp.split_facts import CASES, SPLIT_FACTS, claims, observe
 from einjoin.frontend.op_facts import OP_FACTS
 from einjoin.frontend.op_table import op_groups, ops_markdown, supported_ops
+from einjoin.frontend.composites import fused_attention
 from einjoin.ir.node import KINDS
 from tests import op_samples as O
 
@@ -74,7 +75,8 @@ def test_the_page_has_the_columns():
     for names, kind in ((("conv1d", "conv2d", "conv3d", "conv_transpose2d", "convolution"), "conv"),
                         (("max_pool2d", "avg_pool2d", "im2col"), "pool"), (("topk", "sort", "argsort"), "topk"),
                         (("gather", "embedding", "index_select"), "gather"),
-                        (("index_add", "index_put"), "scatteradd")):
+                        (("index_add", "index_put"), "scatteradd"),
+                        (("scaled_dot_product_attention", "_scaled_dot_product_flash_attention"), "attention")):
         for n in names:
             assert kind in OP_FACTS[n].kinds, (n, OP_FACTS[n].kinds)
 
@@ -107,6 +109,10 @@ def _kind_samples():
         ej.embedding(ej.input("ids", (3, 5), "int64"), ej.input("tab", (10, 6))),
         ej.scatter_add(x, 0, ej.input("si", (2, 6), "int64"), ej.input("su", (2, 6))),
     ]
+    # fused attention with an additive mask, and its gradients (q, k, v stacked; the mask's)
+    aq, am = ej.input("aq", (2, 3, 4, 6)), ej.input("am", (1, 3, 4, 4))
+    att = fused_attention(aq, aq, aq, am, causal=True)
+    out += [att] + list(ej.grad(att.sum(), [aq, am]))
     nodes = {}
     for t in out:
         for n in ej.Graph([t.node]).nodes:
@@ -132,6 +138,7 @@ def test_split_facts_agree_with_the_decomposition_rules():
     assert seen["einsum"] >= {"split", "partial"}
     assert "partial" in seen["gather"] and "partial" in seen["scatteradd"]
     assert seen["reshape"] == {"split", "replicated"}
+    assert seen["attention"] == {"split", "replicated"} and seen["attentiongrad"] == {"split", "replicated"}
     assert set().union(*seen.values()) == set(CASES)
     assert set(SPLIT_FACTS) == set(KINDS)
 

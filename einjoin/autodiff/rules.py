@@ -19,6 +19,9 @@ input, built from IR nodes only — the backward pass is an ordinary graph.
   routed through an equality mask of its windows.
 - ``TopK``: the values' cotangent placed back at their positions (an einsum comparing the
   indices with an iota); nothing for the indices.
+- ``Attention``: :class:`~einjoin.ir.opkinds.AttentionGrad` nodes (torch's fused backward in
+  their kernels; the score matrix is never a tensor of the graph), read back by selects.
+  ``AttentionGrad`` itself has no rule (no second derivative through fused attention).
 
 >>> from einjoin.ir import ops
 >>> from einjoin.ir.node import rule_for
@@ -40,7 +43,9 @@ from einjoin.autodiff.conv_rule import conv_adjoints, pool_adjoints
 from einjoin.autodiff.einsum_rule import einsum_adjoints
 from einjoin.errors import EinjoinError
 from einjoin.ir import ops
+from einjoin.ir.attention import GRAD_PARTS, attention_grad_node, grad_rows
 from einjoin.ir.fold import fold
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK)
 
@@ -141,6 +146,41 @@ def _topk(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...
     return (dx,)
 
 
+def _attention(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    """dq, dk, dv from as few :class:`~einjoin.ir.opkinds.AttentionGrad` nodes as their widths
+    allow, and an additive mask's gradient from one of its own.
+
+    Why stacked: a node has one output, and torch's fused backward makes dq, dk and dv in one
+    pass. One node per gradient (as TopK's values and indices) would run that backward three
+    times; one node whose output is the wanted gradients stacked along the rows runs it once, and
+    a select per gradient reads its rows back (the exchange moves only those rows). Gradients of
+    another last dim (``Ev != E``: dv) go to a second node."""
+    q, k, v = node.inputs[:3]
+    width = {"q": q.shape[-1], "k": k.shape[-1], "v": v.shape[-1]}
+    groups: list[list[str]] = []
+    for p, w in zip(GRAD_PARTS, wanted):
+        if w:
+            if groups and width[groups[-1][0]] == width[p]:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+    found: dict[str, Node] = {}
+    for parts in groups:
+        stacked = attention_grad_node(node, g, parts)
+        for p, (a, b) in zip(parts, grad_rows(q, k, parts)):
+            found[p] = ops.select_node(stacked, (0,) * (q.ndim - 2) + (a, 0), stacked.shape[:-2] + (b, width[p]))
+    out: list[Node | None] = [found.get(p) for p in GRAD_PARTS]
+    if len(node.inputs) > 3:
+        mask = node.inputs[3]
+        out.append(attention_grad_node(node, g, ("mask",)) if wanted[3] and mask.dtype != "bool" else None)
+    return tuple(out)
+
+
+def _no_second(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    raise EinjoinError("the gradient of an attention gradient (a second derivative through fused attention) "
+                       "is not supported")
+
+
 GRAD_RULES: dict[type, GradRule] = {
     Input: _no_inputs,
     Fill: _no_inputs,
@@ -155,4 +195,6 @@ GRAD_RULES: dict[type, GradRule] = {
     Conv: conv_adjoints,
     Pool: pool_adjoints,
     TopK: _topk,
+    Attention: _attention,
+    AttentionGrad: _no_second,
 }

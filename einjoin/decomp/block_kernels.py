@@ -15,6 +15,8 @@ from einjoin.decomp.partition import Box, box_shape
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import (broadcast_kernel, conv_kernel, einsum_kernel, fill_kernel, gather_kernel,
                                 partial_dtype, pool_kernel, scatter_add_kernel, topk_kernel)
+from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.attention import attention_grad_kernel, attention_kernel
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import local_padding
@@ -132,6 +134,27 @@ def _topk_block(d: Decomposition, op: TopK, k: Kernel, blocks: _Blocks, box: Box
     return topk_kernel(np.asarray(blocks[0]), op, start, stop)
 
 
+def _attention_block(d: Decomposition, op: Attention, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    # a block of query rows (its first row places the causal diagonal) over every key; a cut of
+    # the value dim (v read whole) keeps its columns
+    nb = d.node.ndim - 2
+    out = attention_kernel(blocks[0], blocks[1], blocks[2], blocks[3] if len(blocks) > 3 else None,
+                           op.scale, op.causal, box[nb][0])
+    lo, hi = box[-1]
+    return out if (lo, hi) == (0, out.shape[-1]) else np.ascontiguousarray(out[..., lo:hi])
+
+
+def _attention_grad_block(d: Decomposition, op: AttentionGrad, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    # the gradients of a batch block, whole; a cut of the rows or the last dim keeps its box
+    nb = d.node.ndim - 2
+    out = attention_grad_kernel(blocks[0], blocks[1], blocks[2], blocks[3], blocks[4] if len(blocks) > 4 else None,
+                                op.scale, op.causal, op.parts)
+    cut = (slice(None),) * nb + tuple(slice(a, b) for a, b in box[nb:])
+    if all((a, b) == (0, n) for (a, b), n in zip(box[nb:], out.shape[nb:])):
+        return out
+    return np.ascontiguousarray(out[cut])
+
+
 # the block kernel of each node kind: (decomposition, its op, kernel, input blocks, output box)
 # -> the output block or partial result
 BlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], np.ndarray]
@@ -149,4 +172,6 @@ BLOCK_KERNELS: dict[type, BlockKernel] = {
     Conv: _conv_block,
     Pool: _pool_block,
     TopK: _topk_block,
+    Attention: _attention_block,
+    AttentionGrad: _attention_grad_block,
 }

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from einjoin.decomp.partition import BlockKey, Covering, Partition
 from einjoin.decomp.spec import ROW, SPATIAL, JoinAggSpec, as_node, conv_labels, dim_labels
 from einjoin.ir.agg import AGGS, Agg
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import input_range
@@ -214,6 +215,33 @@ def _topk(node: Node, op: TopK, out: Partition) -> tuple[tuple[Partition, ...], 
                          for k in out.keys())
 
 
+def _attention_cut(node: Node, out: Partition, row_slots: tuple[int, ...]
+                   ) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    """Attention's blocks: a cut batch dim cuts every input that has it (a mask's size-1 dims stay
+    whole); the query rows cut the inputs of ``row_slots`` (the forward's q and mask), every key
+    being read by every block; any other cut reads its inputs whole (the kernel recomputes them
+    and keeps its box)."""
+    nb = node.inputs[0].ndim - 2
+    parts, follow = [], []
+    for slot, x in enumerate(node.inputs):
+        f = tuple((d < nb or (d == nb and slot in row_slots)) and x.shape[d] == node.shape[d] and d < node.ndim
+                  for d in range(x.ndim))
+        follow.append(f)
+        parts.append(Partition(tuple(out.bounds[d] if f[d] else (0, n) for d, n in enumerate(x.shape))))
+    kernels = tuple(Kernel(k, k, tuple(tuple(k[d] if f[d] else 0 for d in range(len(f))) for f in follow))
+                    for k in out.keys())
+    return tuple(parts), kernels
+
+
+def _attention(node: Node, op: Attention, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    return _attention_cut(node, out, (0, 3))  # q and the mask (inputs q, k, v[, mask]) follow the rows
+
+
+def _attention_grad(node: Node, op: AttentionGrad, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    # dk and dv sum over every query row, so a kernel reads whole rows: its batch block only
+    return _attention_cut(node, out, ())
+
+
 def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
     """Minimal groups of dims of ``a`` and ``b`` with equal products (row-major reshape); an
     empty tensor (a 0 in the shapes) is one group of all dims."""
@@ -392,4 +420,6 @@ DECOMPOSE_RULES: dict[type, DecomposeRule] = {
     Conv: _conv,
     Pool: _blockwise(_pool),
     TopK: _blockwise(_topk),
+    Attention: _blockwise(_attention),
+    AttentionGrad: _blockwise(_attention_grad),
 }

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.spec import ROW
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.scalar import Call, is_product
@@ -77,6 +78,34 @@ def _topk_flops(d: Decomposition, op: TopK, index: tuple[int, ...]) -> int:
     return rows * n * max(1, n.bit_length())
 
 
+def _attention_batch(d: Decomposition, index: tuple[int, ...]) -> int:
+    """The query-key pairs' batch a kernel of an attention node computes: its batch block where q
+    follows the node's batch dims, q's whole dim elsewhere (a mask gradient's broadcast dims)."""
+    q = d.node.inputs[0]
+    n = 1
+    for dim in range(q.ndim - 2):
+        b = d.spec.bounds[dim]
+        n *= b[index[dim] + 1] - b[index[dim]] if q.shape[dim] == d.node.shape[dim] else q.shape[dim]
+    return n
+
+
+def _attention_flops(d: Decomposition, op: Attention, index: tuple[int, ...]) -> int:
+    # two products over (its query rows) x (every key): q k^T (E) and p v (Ev); causal: half
+    q, k, v = d.node.inputs[:3]
+    nb = q.ndim - 2
+    rows = d.spec.bounds[nb][index[nb] + 1] - d.spec.bounds[nb][index[nb]]
+    n = 2 * _attention_batch(d, index) * rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    return n // 2 if op.causal else n
+
+
+def _attention_grad_flops(d: Decomposition, op: AttentionGrad, index: tuple[int, ...]) -> int:
+    # the forward again (q k^T, p v), then q k^T, dout v^T, p^T dout, ds k and ds^T q
+    q, k, v = d.node.inputs[:3]
+    e, ev = q.shape[-1], v.shape[-1]
+    n = 2 * _attention_batch(d, index) * q.shape[-2] * k.shape[-2] * (4 * e + 3 * ev)
+    return n // 2 if op.causal else n
+
+
 def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:
     return 0  # modelled as free: moves, cuts, casts, fills and fed inputs
 
@@ -96,4 +125,6 @@ FLOPS_RULES: dict[type, Callable[[Decomposition, Any, tuple[int, ...]], int]] = 
     Conv: _conv_flops,
     Pool: _pool_flops,
     TopK: _topk_flops,
+    Attention: _attention_flops,
+    AttentionGrad: _attention_grad_flops,
 }

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -142,6 +143,26 @@ def _topk_scratch(d: Decomposition, op: TopK, kernel: int, in_bytes: list[int], 
     return elems * (2 * width + 8)
 
 
+def _attention_scratch(d: Decomposition, op: Attention, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
+    """torch's flash kernel: float32 accumulators of its output rows (and their log-sum-exp), and
+    a bool mask made additive (or a causal mask below the first row) of the block's scores."""
+    q, k = d.node.inputs[:2]
+    out_elems = out_bytes // itemsize(d.node.dtype)
+    rows = out_elems // max(1, d.node.shape[-1])
+    masked = len(d.node.inputs) > 3 or op.causal
+    return 4 * (out_elems + rows) + (rows * k.shape[-2] * itemsize(q.dtype) if masked else 0)
+
+
+def _attention_grad_scratch(d: Decomposition, op: AttentionGrad, kernel: int, in_bytes: list[int],
+                            out_bytes: int) -> int:
+    """The recomputed forward (output, log-sum-exp), the three gradients before they are stacked
+    (float32 accumulators), and an additive mask, as :func:`_attention_scratch`."""
+    q, k = d.node.inputs[:2]
+    rows = in_bytes[0] // max(1, itemsize(q.dtype) * q.shape[-1])
+    mask = rows * k.shape[-2] * itemsize(q.dtype) if len(d.node.inputs) > 4 else 0
+    return 2 * sum(in_bytes[:4]) + 4 * rows + out_bytes + mask
+
+
 def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     return 0
 
@@ -163,6 +184,8 @@ SCRATCH_RULES: dict[type, ScratchRule] = {
     Conv: _conv_scratch,
     Pool: _pool_scratch,
     TopK: _topk_scratch,
+    Attention: _attention_scratch,
+    AttentionGrad: _attention_grad_scratch,
 }
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from einjoin.decomp.partition import Partition, check_bounds, even_bounds
 from einjoin.errors import EinjoinError, PartitionError
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.printing import describe
@@ -148,6 +149,8 @@ LABEL_RULES: dict[type, LabelRules] = {
     Cast: _DIMS_ONLY,
     Conv: LabelRules(_conv_sizes, lambda node, op: conv_labels(node)[1], lambda node, op: conv_labels(node)[0]),
     TopK: _DIMS_ONLY,
+    Attention: _DIMS_ONLY,
+    AttentionGrad: _DIMS_ONLY,
     Pool: LabelRules(lambda node, op: dict(zip(_pool_labels(node, op), node.shape)), _none, _pool_labels),
 }
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.spec import ROW, aggregated_labels, conv_labels, dim_labels, label_sizes
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -76,6 +77,16 @@ def _topk(node: Node) -> dict[str, frozenset[str]]:
     return {lab: _R if d == axis else _S for d, lab in enumerate(dim_labels(node.ndim))}
 
 
+def _attention(node: Node) -> dict[str, frozenset[str]]:
+    nb = node.ndim - 2  # the batch dims and the query rows split; the value dim reads v whole
+    return {lab: _S if d <= nb else _R for d, lab in enumerate(dim_labels(node.ndim))}
+
+
+def _attention_grad(node: Node) -> dict[str, frozenset[str]]:
+    nb = node.ndim - 2  # only the batch dims split: dk and dv sum over every query row
+    return {lab: _S if d < nb else _R for d, lab in enumerate(dim_labels(node.ndim))}
+
+
 def _gather(node: Node) -> dict[str, frozenset[str]]:
     out = {lab: _S for lab in dim_labels(node.ndim)}
     out[ROW] = _P
@@ -118,6 +129,9 @@ SPLIT_FACTS: dict[type, SplitFacts] = {
                      _conv),
     Pool: SplitFacts("batch, channels; spatial dims with a halo", _pool),
     TopK: SplitFacts("every dim but the sorted one (a cut there reads whole rows)", _topk),
+    Attention: SplitFacts("batch dims and query rows (each query block reads every key; keys are not split)",
+                          _attention),
+    AttentionGrad: SplitFacts("batch dims (a kernel makes its heads' dq, dk, dv whole)", _attention_grad),
 }
 
 

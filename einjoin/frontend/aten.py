@@ -33,7 +33,7 @@ from einjoin.frontend.aten_nn import NN_OPS
 from einjoin.frontend.recurrent import RECURRENT_OPS
 from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
-from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _repeat_interleave, _shape, torch_dtype
+from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir.dtypes import FLOAT_DTYPES
@@ -416,13 +416,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: flo
           is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Tensor:
     if dropout_p:
         raise UnsupportedOpError(f"scaled_dot_product_attention with dropout_p={dropout_p}")
-    s, t = q.shape[-2], k.shape[-2]
     mask = attn_mask
-    if is_causal and s != t:
-        # torch's is_causal aligns the mask to the top left (tril of ones(s, t))
-        causal = F.fill((s, t), "x1 <= x0", "bool")
-        mask = causal if mask is None else (mask & causal)
-        is_causal = False
     if mask is not None and mask.dtype not in ("bool", q.dtype):
         # torch's contract: "attn_mask dtype to be bool or to match query dtype". torch 2.13's
         # CPU kernel does not check it and returns wrong values for some mask shapes (a float32
@@ -431,20 +425,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: flo
             f"scaled_dot_product_attention: attn_mask is {mask.dtype} but the queries are {q.dtype}; "
             f"torch requires a bool mask or one of the queries' dtype (build the mask with "
             f"dtype=query.dtype, or convert the model and its masks together)")
-    if mask is not None and mask.dtype != "bool":
-        # an additive float mask: written out, since ej.attention takes boolean masks
-        if is_causal:
-            mask = mask + F.where(F.causal_mask(s, t), 0.0, float("-inf"))
-        d = q.shape[-1]
-        sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
-            g = q.shape[-3] // k.shape[-3]
-            k = _repeat_interleave(k, g, q.ndim - 3)
-            v = _repeat_interleave(v, g, q.ndim - 3)
-        scores = F.matmul(q, k.transpose(-2, -1)) * sc + mask
-        return F.matmul(C.softmax(scores, -1, safe=True), v)
-    # torch's sdpa gives a query with no allowed key zeros (a left-padded row), not NaN
-    return C.attention(q, k, v, causal=bool(is_causal), scale=scale, mask=mask, safe=True)
+    # one fused node (torch's kernels in its blocks): top-left causal, bool or additive masks, and
+    # a query with no allowed key gets zeros, all as torch's sdpa
+    return C.fused_attention(q, k, v, mask, bool(is_causal), scale)
 
 
 OPS["scaled_dot_product_attention"] = _sdpa

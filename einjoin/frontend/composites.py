@@ -21,10 +21,11 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.frontend.functions import causal_mask, concat, einsum, fill
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, _t, elementwise
+from einjoin.ir.attention import attention_node
 from einjoin.ir.scalar import parse_join
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "silu", "gelu", "linear", "rope",
-           "rotate_half", "attention"]
+           "rotate_half", "attention", "fused_attention"]
 
 
 def _real(v: Any, what: str) -> float:
@@ -237,57 +238,76 @@ def rope(x: Tensor, base: float = 10000.0, start: int = 0) -> Tensor:
     return elementwise(parse_join("x0 * x1 + x2 * x3", 4), x, cos, rotate_half(x), sin, name="rope")
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
-              mask: Tensor | None = None, safe: bool = False) -> Tensor:
-    """Scaled dot-product attention. ``q`` (..., heads, s, d), ``k`` (..., kv_heads, t, d),
-    ``v`` (..., kv_heads, t, e); fewer kv heads than query heads is grouped-query attention.
-    ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs; ``causal`` adds the causal mask.
-    ``safe``: a query that may attend nothing gets zeros (torch's sdpa), not NaN."""
+def _repeat_heads(x: Tensor, group: int) -> Tensor:
+    """(..., kv_heads, t, d) -> (..., kv_heads * group, t, d), each head repeated ``group`` times in
+    a row (torch's ``repeat_interleave``, as grouped-query attention reads them)."""
+    shape = x.shape[:-2] + (group,) + x.shape[-2:]
+    y = x.unsqueeze(-3).broadcast_to(shape)
+    return y.reshape(x.shape[:-3] + (x.shape[-3] * group,) + x.shape[-2:])
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
+                    scale: float | None = None) -> Tensor:
+    """torch's ``scaled_dot_product_attention`` as one fused node
+    (:class:`~einjoin.ir.opkinds.Attention`): ``q`` (..., heads, L, E), ``k`` (..., kv_heads, S, E),
+    ``v`` (..., kv_heads, S, Ev), fewer kv heads being repeated (grouped-query attention);
+    ``mask`` bool (True: may attend) or additive in q's dtype, broadcastable to (..., heads, L, S);
+    ``causal`` top-left aligned (key ``j`` for query ``i`` only where ``j <= i``), as torch's.
+    A query with no allowed key gets zeros, as torch's.
+
+    >>> import einjoin as ej
+    >>> q = ej.input("q", (2, 8, 16, 4)); kv = ej.input("kv", (2, 2, 16, 4))
+    >>> out = fused_attention(q, kv, kv, causal=True)
+    >>> out.shape, [n.kind for n in ej.Graph(out).ops][-1]
+    ((2, 8, 16, 4), 'attention')
+    """
     q, k, v = _t(q, "attention q"), _t(k, "attention k"), _t(v, "attention v")
     causal = _flag(causal, "attention: causal")
+    if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} must have one rank >= 2")
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3] and k.shape[:-3] == q.shape[:-3]:
+        hq, hk = q.shape[-3], k.shape[-3]
+        if hk == 0 or hq % hk or v.shape[-3] != hk:
+            raise ShapeError(f"attention: {hq} query heads cannot share {hk} kv heads "
+                             f"(q {q.shape}, k {k.shape}, v {v.shape})")
+        k, v = _repeat_heads(k, hq // hk), _repeat_heads(v, hq // hk)
+    if scale is not None:
+        scale = _real(scale, "attention: scale")
+    node = None
+    if mask is not None:
+        mask = _t(mask, "attention mask")
+        full = q.shape[:-1] + (k.shape[-2],)
+        if mask.ndim > q.ndim or any(m not in (1, n) for m, n in zip(mask.shape[::-1], full[::-1])):
+            raise ShapeError(f"attention: a mask of shape {mask.shape} does not broadcast to the scores' "
+                             f"shape {full}")
+        if mask.ndim < q.ndim:
+            mask = mask.reshape((1,) * (q.ndim - mask.ndim) + mask.shape)
+        node = mask.node
+    return Tensor(attention_node(q.node, k.node, v.node, node, causal, scale))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
+              mask: Tensor | None = None, safe: bool = False) -> Tensor:
+    """Scaled dot-product attention as one fused node (:func:`fused_attention`). ``q`` (..., heads,
+    s, d), ``k`` (..., kv_heads, t, d), ``v`` (..., kv_heads, t, e); fewer kv heads than query heads
+    is grouped-query attention. ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs;
+    ``causal`` adds the causal mask aligned to the bottom right (:func:`causal_mask`: the last
+    query sees every key, as with a KV cache). A query that may attend nothing gets zeros, as
+    torch's sdpa (``safe`` is that, always: the fused kernel gives no NaN there)."""
+    q, k, v = _t(q, "attention q"), _t(k, "attention k"), _t(v, "attention v")
+    causal = _flag(causal, "attention: causal")
+    _flag(safe, "attention: safe")
     if mask is not None:
         mask = _t(mask, "attention mask")
         if mask.dtype != "bool":
             raise DTypeError(f"attention: mask must be bool (True = may attend), got {mask.dtype}")
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} must have one rank >= 2")
-    s, d = q.shape[-2:]
-    t = k.shape[-2]
-    if k.shape[-1] != d or v.shape[-2] != t:
+    s, t = q.shape[-2], k.shape[-2]
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != t:
         raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    scale = _real(scale, "attention: scale")
-    group = 1
-    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
-        hq, hk = q.shape[-3], k.shape[-3]
-        if hq % hk or v.shape[-3] != hk:
-            raise ShapeError(f"attention: {hq} query heads cannot share {hk} kv heads "
-                             f"(q {q.shape}, k {k.shape}, v {v.shape})")
-        group = hq // hk
-        q = q.reshape(q.shape[:-3] + (hk, group, s, d))
-    qs, ks = ("...gsd", "...td") if group > 1 else ("...sd", "...td")
-    sc = "...gst" if group > 1 else "...st"
-    scores = einsum(f"{qs},{ks}->{sc}", q, k)
-    allowed: Tensor | None = mask
-    if allowed is not None and group > 1 and allowed.ndim >= 3:
-        # the mask addresses (..., heads, s, t): give its head axis the (kv_heads, group) shape
-        hm = allowed.shape[-3]
-        if hm == group * k.shape[-3]:
-            allowed = allowed.reshape(allowed.shape[:-3] + (k.shape[-3], group) + allowed.shape[-2:])
-        elif hm == 1:
-            allowed = allowed.unsqueeze(-3)
-    if causal:
+    if causal and s != t:  # bottom-right aligned: the fused kind's causal flag is top-left
         cm = causal_mask(s, t)
-        allowed = cm if allowed is None else (allowed & cm)
-    if allowed is not None:
-        scores = elementwise(parse_join(f"where(x1, x0 * {scale!r}, -inf)", 2), scores, allowed,
-                             name="attention mask")
-    else:
-        scores = scores * scale
-    p = softmax(scores, -1, safe=safe and allowed is not None)
-    out = einsum(f"{sc},...te->{sc[:-2]}se", p, v)
-    if group > 1:
-        out = out.reshape(out.shape[:-4] + (out.shape[-4] * group,) + out.shape[-2:])
-    return out
-
+        mask = cm if mask is None else (mask & cm)
+        causal = False
+    return fused_attention(q, k, v, mask, causal, scale)

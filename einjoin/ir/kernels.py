@@ -31,6 +31,8 @@ from einjoin.ir.dtypes import kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
                              Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import dilated, out_size
+from einjoin.ir.attention import attention_grad_kernel, attention_kernel
+from einjoin.ir.opkinds import Attention, AttentionGrad
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr, is_product
 
@@ -480,6 +482,15 @@ def _eval_topk(node: Node, op: TopK, args: Sequence[np.ndarray]) -> np.ndarray:
     return topk_kernel(args[0], op)
 
 
+def _eval_attention(node: Node, op: Attention, args: Sequence[np.ndarray]) -> np.ndarray:
+    return attention_kernel(args[0], args[1], args[2], args[3] if len(args) > 3 else None, op.scale, op.causal)
+
+
+def _eval_attention_grad(node: Node, op: AttentionGrad, args: Sequence[np.ndarray]) -> np.ndarray:
+    return attention_grad_kernel(args[0], args[1], args[2], args[3], args[4] if len(args) > 4 else None,
+                                 op.scale, op.causal, op.parts)
+
+
 # the whole-tensor kernel of each node kind: (node, its op, its inputs' values) -> its value
 KernelRule = Callable[[Node, Any, Sequence[np.ndarray]], np.ndarray]
 KERNELS: dict[type, KernelRule] = {
@@ -496,6 +507,8 @@ KERNELS: dict[type, KernelRule] = {
     Conv: _eval_conv,
     Pool: _eval_pool,
     TopK: _eval_topk,
+    Attention: _eval_attention,
+    AttentionGrad: _eval_attention_grad,
 }
 
 

@@ -21,12 +21,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Op, Pool,
-                                Reshape, ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.opkinds import (Attention, AttentionGrad, Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather,
+                                Input, Op, Pool, Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
-           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "KindFacts", "FACTS", "KINDS", "rule_for"]
+           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad", "KindFacts",
+           "FACTS", "KINDS", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ FACTS: dict[type, KindFacts] = {
     Conv: KindFacts(computes=True),
     Pool: KindFacts(computes=True),
     TopK: KindFacts(computes=True),
+    # fused attention and its gradients: kernels that read whole key rows (no einsum labels)
+    Attention: KindFacts(computes=True),
+    AttentionGrad: KindFacts(computes=True),
 }
 KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule table covers them all
 

@@ -23,7 +23,7 @@ from einjoin.ir.agg import Agg
 from einjoin.ir.scalar import Expr
 
 __all__ = ["Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather",
-           "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "rule_for"]
+           "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,34 @@ class TopK:
     indices: bool
 
 
-Op = Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool | TopK
+@dataclass(frozen=True)
+class Attention:
+    """Fused scaled dot-product attention, torch's ``scaled_dot_product_attention``: inputs
+    ``(q, k, v[, mask])`` of shapes ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)`` (one batch
+    shape) and a mask of q's rank whose dims are 1 or ``(..., L, S)``'s (bool: True may attend;
+    or additive, in q's dtype); the output ``(..., L, Ev)`` is ``softmax(q k^T scale + mask) v``.
+    ``causal`` allows key ``j`` to query ``i`` only where ``j <= i`` (top-left aligned, as
+    torch's ``is_causal``). A query with no allowed key gets zeros, as torch's. The scores are
+    never a tensor of the graph: a kernel computes them in tiles (torch's flash kernel)."""
+
+    scale: float
+    causal: bool
+
+
+@dataclass(frozen=True)
+class AttentionGrad:
+    """The gradients of an :class:`Attention` with respect to some of its inputs, from inputs
+    ``(q, k, v, dout[, mask])``: for ``parts`` a run of ``("q", "k", "v")`` sharing their last
+    dim, ``dq``, ``dk``, ``dv`` stacked along the rows (dim -2: ``L``, ``S``, ``S`` rows), read
+    back by selects; for ``parts == ("mask",)`` an additive mask's gradient (its shape)."""
+
+    scale: float
+    causal: bool
+    parts: tuple[str, ...]
+
+
+Op = (Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool | TopK
+      | Attention | AttentionGrad)
 
 
 _Rule = TypeVar("_Rule")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool,
                                 Reshape, ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.opkinds import Attention, AttentionGrad
 
 if TYPE_CHECKING:  # annotations only: Node prints itself through describe (no cycle)
     from einjoin.ir.graph import Graph
@@ -86,6 +87,14 @@ def _describe_topk(op: TopK) -> str:
     return f"topk[dim={op.axis}, k={op.k}, {'largest' if op.largest else 'smallest'}, {which}]"
 
 
+def _describe_attention(op: Attention) -> str:
+    return f"attention[scale={op.scale!r}{', causal' if op.causal else ''}]"
+
+
+def _describe_attention_grad(op: AttentionGrad) -> str:
+    return f"attention_grad[{','.join(op.parts)}, scale={op.scale!r}{', causal' if op.causal else ''}]"
+
+
 def _bare(op: object) -> str:  # a kind without parameters: its name
     return type(op).__name__.lower()
 
@@ -105,6 +114,8 @@ DESCRIBE_RULES: dict[type, Callable[[Any], str]] = {
     Conv: _describe_conv,
     Pool: _describe_pool,
     TopK: _describe_topk,
+    Attention: _describe_attention,
+    AttentionGrad: _describe_attention_grad,
 }
 
 

@@ -45,6 +45,7 @@ from einjoin.decomp.partition import even_bounds
 from einjoin.decomp.spec import ROW, JoinAggSpec, aggregated_labels, dim_labels, label_sizes, output_labels
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.planner.basic import derive_input_specs, largest_output_cut
@@ -182,6 +183,16 @@ def _topk_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int 
     return None if d is None or d == cast(TopK, v.op).axis else d  # the sorted dim is no batch
 
 
+def _attention_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
+    # a batch dim of q, k, v (or the cotangent) stays the output's; the rows and features are no batch
+    nb = v.inputs[0].ndim - 2
+    for s in slots:
+        d = bdim.get(v.inputs[s])
+        if d is not None and d < nb and v.inputs[s].shape[d] == v.shape[d]:
+            return d
+    return None
+
+
 def _no_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> int | None:
     return None  # a leaf reads nothing: it is never reached from an activation
 
@@ -200,6 +211,8 @@ BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], 
     Conv: _window_batch,
     Pool: _window_batch,
     TopK: _topk_batch,
+    Attention: _attention_batch,
+    AttentionGrad: _attention_batch,
 }
 """Per node kind, the batch dim of its output given its activation-derived input ``slots`` and
 their batch dims (``data_parallel``; see :func:`batch_dims`)."""
@@ -247,6 +260,8 @@ _INPUT_LABEL_RULES: dict[type, Callable[[Node, int, int], str | None]] = {
     Conv: _conv_input_label,
     Pool: _no_input_label,
     TopK: _no_input_label,
+    Attention: _no_input_label,
+    AttentionGrad: _no_input_label,
 }
 """Per node kind with aggregated labels, the label of dim ``d`` of input ``slot`` in the node's
 label space (None for kinds that aggregate nothing): where a batch dim is contracted."""
@@ -489,6 +504,13 @@ def _topk_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "keep", dim_labels(u.ndim)[d], False
 
 
+def _attention_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
+    # heads (and other batch dims) pass through attention; its rows and features are read whole
+    if d < u.inputs[0].ndim - 2 and v.shape[d] == u.shape[d]:
+        return "keep", dim_labels(u.ndim)[d], False
+    return "fail", "attention reads the split dim whole", False
+
+
 def _no_follow(u: Node, slot: int, v: Node, d: int) -> _Step:
     return "fail", f"a {u.kind} reads the split dim", False  # a gather (a leaf reads nothing)
 
@@ -507,6 +529,8 @@ FOLLOW_RULES: dict[type, Callable[[Node, int, Node, int], _Step]] = {
     Conv: _window_follow,
     Pool: _window_follow,
     TopK: _topk_follow,
+    Attention: _attention_follow,
+    AttentionGrad: _attention_follow,
 }
 """Per node kind, how a Megatron chain's split label continues through it (see :func:`_follow`)."""
 

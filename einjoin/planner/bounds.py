@@ -26,6 +26,7 @@ from typing import cast
 from collections.abc import Callable
 
 from einjoin.ir.dtypes import itemsize
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.scalar import is_product
@@ -115,6 +116,11 @@ BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
     Conv: _no_window_bound,
     Pool: _no_window_bound,
     TopK: _no_bound,
+    # fused attention: its products' (q k^T, p v) batch is the heads, which a plan cuts with
+    # nothing moved when there are as many as devices; the bound's matmul form does not fit a
+    # softmax between two products, so none is claimed
+    Attention: _no_bound,
+    AttentionGrad: _no_bound,
 }
 """Per node kind, its (batch, m, n, k) contraction sizes for the lower bound, or None."""
 

@@ -46,6 +46,7 @@ from einjoin.decomp.spec import JoinAggSpec
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -205,6 +206,8 @@ INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
     Conv: _decomposed_pieces,
     Pool: _decomposed_pieces,
     TopK: _decomposed_pieces,
+    Attention: _decomposed_pieces,
+    AttentionGrad: _decomposed_pieces,
 }
 """Per node kind, how the cost model reads (node, spec): an einsum from its labels, every other
 kind from its decomposition."""

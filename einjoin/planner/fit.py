@@ -30,6 +30,7 @@ from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import op_need
 from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.settings import SETTINGS, Settings
@@ -166,6 +167,8 @@ LEAP_RULES: dict[type, Callable[[dict[str, int], int], list[dict[str, int]]]] = 
     Conv: _no_leaps,
     Pool: _no_leaps,
     TopK: _no_leaps,
+    Attention: _no_leaps,
+    AttentionGrad: _no_leaps,
 }
 """Per node kind, the extra cuts (label -> count) :func:`finer_spec` tries at a local minimum of
 the need, given the labels' sizes and ``Settings.fit_leaps``."""

@@ -1,0 +1,293 @@
+"""Fused attention: the :class:`~einjoin.ir.opkinds.Attention` and
+:class:`~einjoin.ir.opkinds.AttentionGrad` nodes (their constructors) and their kernels on dense
+blocks, torch's CPU flash-attention kernels on zero-copy views of the numpy blocks.
+
+Why a kind of its own rather than einsums: written as einsums, attention materialises the
+``(..., L, S)`` score matrix and runs the mask, the softmax and their gradients as separate passes
+over it; torch's fused kernel works in tiles and is several times faster. The kernels take a block
+of query rows (its first row ``row0`` places the causal diagonal), so the forward node is cut over
+its batch dims and its query rows; the gradient node over its batch dims.
+
+Numerics are torch's: float16/bfloat16 accumulate in float32 inside torch's kernel; a query with no
+allowed key (every key masked, or ``S == 0``) gets zeros, as torch's ``scaled_dot_product_attention``.
+
+>>> import numpy as np
+>>> from einjoin.ir import ops
+>>> q = ops.input_node("q", (2, 5, 4), "float32"); v = ops.input_node("v", (2, 7, 3), "float32")
+>>> a = attention_node(q, ops.input_node("k", (2, 7, 4), "float32"), v, causal=True)
+>>> a.shape, a.op
+((2, 5, 3), Attention(scale=0.5, causal=True))
+>>> x = np.ones((1, 2, 4), np.float32)
+>>> attention_kernel(x, x, x, None, 0.5, True)
+array([[[1., 1., 1., 1.],
+        [1., 1., 1., 1.]]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from einjoin.errors import DTypeError, EinjoinError, ShapeError
+from einjoin.ir.dtypes import kind, numpy_dtype
+from einjoin.ir.node import Attention, AttentionGrad, Node
+
+__all__ = ["attention_node", "attention_grad_node", "grad_rows", "attention_kernel", "attention_grad_kernel",
+           "attention_torch", "attention_grad_torch", "GRAD_PARTS"]
+
+GRAD_PARTS = ("q", "k", "v")  # the order of the stacked gradients (and of the node's inputs)
+
+
+def _check(q: Node, k: Node, v: Node, mask: Node | None, what: str) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Node):
+            raise EinjoinError(f"{what}: {name} must be an einjoin tensor, got {type(x).__name__}")
+    shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
+    if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ShapeError(f"{what}: {shapes} must share one rank >= 2 ((..., L, E), (..., S, E), (..., S, Ev))")
+    if k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2]:
+        raise ShapeError(f"{what}: {shapes} must share their batch dims {q.shape[:-2]} (broadcast k and v "
+                         f"first: grouped-query attention repeats them)")
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+        raise ShapeError(f"{what}: {shapes}: q and k need one feature size E, k and v one key count S")
+    if kind(q.dtype) != "float" or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise DTypeError(f"{what}: q, k and v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask is None:
+        return
+    if not isinstance(mask, Node):
+        raise EinjoinError(f"{what}: the mask must be an einjoin tensor, got {type(mask).__name__}")
+    if mask.dtype not in ("bool", q.dtype):
+        raise DTypeError(f"{what}: the mask is {mask.dtype}; it must be bool (True: may attend) or additive "
+                         f"in the queries' dtype {q.dtype}")
+    full = q.shape[:-1] + (k.shape[-2],)
+    if mask.ndim != q.ndim or any(m not in (1, n) for m, n in zip(mask.shape, full)):
+        raise ShapeError(f"{what}: a mask of shape {mask.shape} for scores of shape {full}: it needs q's rank "
+                         f"{q.ndim}, each dim 1 or the scores' (reshape it to that rank first)")
+
+
+def _scale(scale: Any, e: int, what: str) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(e) if e else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise EinjoinError(f"{what}: scale must be a real number, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise EinjoinError(f"{what}: scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def attention_node(q: Node, k: Node, v: Node, mask: Node | None = None, causal: bool = False,
+                   scale: float | None = None) -> Node:
+    """``softmax(q k^T * scale + mask) v`` as one :class:`~einjoin.ir.opkinds.Attention` node
+    (``scale`` defaults to ``1 / sqrt(E)``; ``causal`` is top-left aligned, as torch's).
+
+    >>> from einjoin.ir import ops
+    >>> q = ops.input_node("q", (2, 4, 6, 8), "float32")
+    >>> attention_node(q, q, q, causal=True).shape
+    (2, 4, 6, 8)
+    """
+    what = "attention"
+    _check(q, k, v, mask, what)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise EinjoinError(f"{what}: causal must be True or False, got {causal!r}")
+    op = Attention(_scale(scale, q.shape[-1], what), bool(causal))
+    shape = q.shape[:-1] + (v.shape[-1],)
+    return Node(op, (q, k, v) if mask is None else (q, k, v, mask), shape, q.dtype)
+
+
+def grad_rows(q: Node, k: Node, parts: Sequence[str]) -> list[tuple[int, int]]:
+    """The rows ``[start, stop)`` of each of ``parts`` (``q``, ``k``, ``v``) in a stacked gradient."""
+    out, at = [], 0
+    for p in parts:
+        n = q.shape[-2] if p == "q" else k.shape[-2]
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def attention_grad_node(fwd: Node, dout: Node, parts: Sequence[str]) -> Node:
+    """The gradients ``parts`` of the attention node ``fwd`` given its output's cotangent ``dout``:
+    a run of ``("q", "k", "v")`` sharing one last dim, stacked along dim -2 (see
+    :func:`grad_rows`), or ``("mask",)``, an additive mask's gradient.
+
+    >>> from einjoin.ir import ops
+    >>> q = ops.input_node("q", (2, 6, 8), "float32"); k = ops.input_node("k", (2, 5, 8), "float32")
+    >>> a = attention_node(q, k, k)
+    >>> attention_grad_node(a, ops.input_node("g", (2, 6, 8), "float32"), ("q", "k", "v")).shape
+    (2, 16, 8)
+    """
+    if not isinstance(fwd.op, Attention):  # the IR may look at its own classes
+        raise EinjoinError(f"attention_grad_node: {fwd} is no attention node")
+    q, k, v = fwd.inputs[:3]
+    mask = fwd.inputs[3] if len(fwd.inputs) > 3 else None
+    if not isinstance(dout, Node) or dout.shape != fwd.shape or dout.dtype != fwd.dtype:
+        raise ShapeError(f"attention gradient: the cotangent {getattr(dout, 'shape', dout)} must have the "
+                         f"output's shape {fwd.shape} and dtype {fwd.dtype}")
+    parts = tuple(parts)
+    widths = {"q": q.shape[-1], "k": k.shape[-1], "v": v.shape[-1]}
+    if parts == ("mask",):
+        if mask is None or mask.dtype == "bool":
+            raise EinjoinError("attention gradient: only an additive (float) mask has a gradient")
+        shape = mask.shape
+    elif (not parts or any(p not in GRAD_PARTS for p in parts) or list(parts) != sorted(parts, key=GRAD_PARTS.index)
+          or len(set(parts)) != len(parts) or len({widths[p] for p in parts}) != 1):
+        raise EinjoinError(f"attention gradient: parts {parts} must be ('mask',) or distinct q, k, v in that "
+                           f"order sharing one last dim (widths {widths})")
+    else:
+        shape = q.shape[:-2] + (grad_rows(q, k, parts)[-1][1], widths[parts[0]])
+    op = AttentionGrad(fwd.op.scale, fwd.op.causal, parts)
+    return Node(op, (q, k, v, dout) if mask is None else (q, k, v, dout, mask), shape, fwd.dtype)
+
+
+# ---------------------------------------------------------------- kernels (torch on numpy views)
+
+
+def _view(x: np.ndarray) -> Any:
+    """``x`` as a torch tensor sharing its memory (bfloat16 through its bits)."""
+    import torch
+    x = np.asarray(x)
+    if x.dtype == np.dtype(ml_dtypes.bfloat16):
+        return _view(x.view(np.int16)).view(torch.bfloat16)
+    if any(s < 0 for s in x.strides):
+        x = np.ascontiguousarray(x)
+    if x.flags.writeable:
+        return torch.from_numpy(x)
+    with warnings.catch_warnings():  # torch warns of a read-only array; the kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(x)
+
+
+def _array(t: Any, dtype: str) -> np.ndarray:
+    import torch
+    if t.dtype == torch.bfloat16:
+        return np.asarray(t.contiguous().view(torch.int16).numpy()).view(ml_dtypes.bfloat16)
+    return np.asarray(t.contiguous().numpy()).astype(numpy_dtype(dtype), copy=False)
+
+
+def _four(t: Any, batch: tuple[int, ...]) -> Any:
+    """(*batch, rows, cols) as torch's (B, H, rows, cols)."""
+    lead = (1, 1) if not batch else (1, batch[0]) if len(batch) == 1 else (math.prod(batch[:-1]), batch[-1])
+    return t.reshape(lead + tuple(t.shape[-2:]))
+
+
+def _mask(m: Any, dtype: Any, batch: tuple[int, ...], rows: int, cols: int, row0: int,
+          causal: bool, fold: bool) -> tuple[Any, bool]:
+    """(the additive mask of a block of ``rows`` queries starting at row ``row0``, as torch's 4-D
+    (B, H, rows, cols), or None; whether torch's own top-left ``is_causal`` is still to apply).
+    The causal part joins the mask when ``fold`` (torch's math kernel takes no mask with
+    ``is_causal``) or below the first row (its diagonal starts at ``row0``)."""
+    import torch
+    if m is not None and m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+    if causal and (row0 or (fold and m is not None)):
+        i = torch.arange(row0, row0 + rows).unsqueeze(1)
+        c = torch.zeros((rows, cols), dtype=dtype).masked_fill_(torch.arange(cols) > i, float("-inf"))
+        c = c if m is None else c.to(m.device)
+        m = c if m is None else m + c
+        causal = False
+    if m is None:
+        return None, causal
+    return _four(m.expand(batch + (rows, cols)), batch), causal
+
+
+def _flash(q: Any, v: Any) -> bool:
+    # torch's CPU flash kernel: one head size for q, k and v (elsewhere: torch's sdpa dispatch)
+    return bool(q.shape[-1] == v.shape[-1] and q.device.type == "cpu")
+
+
+def attention_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0) -> Any:
+    """:func:`attention_kernel` on torch tensors (any device; the result on q's)."""
+    import torch
+    import torch.nn.functional as tf
+    batch, rows, cols = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
+    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    if q.numel() == 0 or cols == 0 or v.shape[-1] == 0:
+        return torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+    tq, tk, tv = (_four(x, batch) for x in (q, k, v))
+    m, is_causal = _mask(mask, q.dtype, batch, rows, cols, row0, causal, not _flash(q, v))
+    with torch.no_grad():
+        if _flash(q, v):
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                tq, tk, tv, 0.0, is_causal, attn_mask=m, scale=scale)[0]
+        else:
+            out = tf.scaled_dot_product_attention(tq, tk, tv, attn_mask=m, is_causal=is_causal, scale=scale)
+            out = torch.nan_to_num(out, nan=0.0)  # a row with no key: 0, as the flash kernel's
+    return out.reshape(out_shape)
+
+
+def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float, causal: bool,
+                         parts: Sequence[str]) -> Any:
+    """:func:`attention_grad_kernel` on torch tensors (any device; the result on q's)."""
+    import torch
+    import torch.nn.functional as tf
+    batch, rows, cols = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
+    if q.numel() == 0 or cols == 0 or v.shape[-1] == 0:
+        shape = tuple(mask.shape) if parts == ("mask",) else batch + (
+            sum(rows if p == "q" else cols for p in parts), (v if parts == ("v",) else q).shape[-1])
+        return torch.zeros(shape, dtype=q.dtype, device=q.device)
+    tq, tk, tv, tg = (_four(x, batch) for x in (q, k, v, dout))
+    if parts == ("mask",) or not _flash(q, v):
+        # autograd of torch's sdpa: the one that differentiates a mask; a row with no key has
+        # NaN gradients there (softmax of -inf throughout), torch's flash kernel gives 0
+        leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+        tm = mask
+        if parts == ("mask",):
+            tm = mask.detach().clone().requires_grad_()
+        with torch.enable_grad():
+            m4 = None if tm is None else tm.expand(batch + (rows, cols))
+            m4, is_causal = _mask(m4, q.dtype, batch, rows, cols, 0, causal, True)
+            out = tf.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], attn_mask=m4, is_causal=is_causal,
+                                                  scale=scale)
+            wrt = [tm] if parts == ("mask",) else [leaves[GRAD_PARTS.index(p)] for p in parts]
+            grads = torch.autograd.grad(out, wrt, tg)
+        if parts == ("mask",):
+            return torch.nan_to_num(grads[0], nan=0.0)
+        got = dict(zip(parts, (torch.nan_to_num(g, nan=0.0) for g in grads)))
+    else:
+        m, is_causal = _mask(mask, q.dtype, batch, rows, cols, 0, causal, False)
+        with torch.no_grad():
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                tq, tk, tv, 0.0, is_causal, attn_mask=m, scale=scale)
+            got = dict(zip(GRAD_PARTS, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                tg, tq, tk, tv, out, lse, 0.0, is_causal, attn_mask=m, scale=scale)))
+    pieces = [got[p].reshape(batch + tuple(got[p].shape[-2:])) for p in parts]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
+
+
+def _name(x: np.ndarray) -> str:
+    return "bfloat16" if x.dtype == np.dtype(ml_dtypes.bfloat16) else str(x.dtype)
+
+
+def attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
+                     causal: bool, row0: int = 0) -> np.ndarray:
+    """The attention of a block of queries ``q`` (``..., Lb, E``; its first row is row ``row0`` of
+    the whole query, which places the causal diagonal) over every key: torch's CPU flash kernel
+    (its math kernel where the value size differs from E), on views of the blocks.
+
+    >>> x = np.arange(8, dtype=np.float32).reshape(1, 2, 4)
+    >>> attention_kernel(x[:, 1:], x, x, None, 0.0, True, row0=1)   # row 1 sees rows 0 and 1 alike
+    array([[[2., 3., 4., 5.]]], dtype=float32)
+    """
+    out = attention_torch(_view(q), _view(k), _view(v), None if mask is None else _view(mask), scale, causal, row0)
+    return _array(out, _name(q))
+
+
+def attention_grad_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray, mask: np.ndarray | None,
+                          scale: float, causal: bool, parts: Sequence[str]) -> np.ndarray:
+    """The gradients ``parts`` of the attention of whole query rows (``q`` ``..., L, E``), stacked
+    along dim -2, or an additive mask's gradient (``parts == ("mask",)``): torch's fused CPU
+    backward after its forward (which recomputes the softmax statistics, the score matrix never
+    being stored), or autograd of torch's sdpa (a value size other than E; the mask).
+
+    >>> x = np.ones((1, 2, 4), np.float32)
+    >>> attention_grad_kernel(x, x, x, x, None, 0.5, False, ("v",))[0]    # dv: each key gets half
+    array([[1., 1., 1., 1.],
+           [1., 1., 1., 1.]], dtype=float32)
+    """
+    out = attention_grad_torch(_view(q), _view(k), _view(v), _view(dout), None if mask is None else _view(mask),
+                               scale, causal, tuple(parts))
+    return _array(out, _name(q))
