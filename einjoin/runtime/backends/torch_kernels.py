@@ -34,7 +34,9 @@ from einjoin.decomp.decompose import Decomposition, Kernel, reshape_region
 from einjoin.decomp.partition import Box, box_shape
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind
+from einjoin.ir.attention import attention_grad_torch, attention_torch
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
+from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK)
 from einjoin.ir.window import dilated, local_padding, out_size
@@ -389,6 +391,25 @@ def _topk_block(d: Decomposition, op: TopK, k: Kernel, blocks: _Blocks, box: Box
     return _topk(blocks[0], op, start, stop)
 
 
+def _attention_block(d: Decomposition, op: Attention, k: Kernel, blocks: _Blocks, box: Box) -> torch.Tensor:
+    # as decomp.block_kernels': a block of query rows (its first row places the causal diagonal)
+    nb = d.node.ndim - 2
+    out = attention_torch(blocks[0], blocks[1], blocks[2], blocks[3] if len(blocks) > 3 else None,
+                          op.scale, op.causal, box[nb][0])
+    lo, hi = box[-1]
+    return out if (lo, hi) == (0, out.shape[-1]) else out[..., lo:hi].contiguous()
+
+
+def _attention_grad_block(d: Decomposition, op: AttentionGrad, k: Kernel, blocks: _Blocks, box: Box
+                          ) -> torch.Tensor:
+    nb = d.node.ndim - 2
+    out = attention_grad_torch(blocks[0], blocks[1], blocks[2], blocks[3], blocks[4] if len(blocks) > 4 else None,
+                               op.scale, op.causal, op.parts)
+    if all((a, b) == (0, n) for (a, b), n in zip(box[nb:], out.shape[nb:])):
+        return out
+    return out[(slice(None),) * nb + tuple(slice(a, b) for a, b in box[nb:])].contiguous()
+
+
 # the torch block kernel of each node kind: (decomposition, its op, kernel, input blocks as
 # tensors, output box) -> the output block or partial result (a test checks it covers KINDS)
 TorchBlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], torch.Tensor]
@@ -406,4 +427,6 @@ TORCH_KERNELS: dict[type, TorchBlockKernel] = {
     Conv: _conv_block,
     Pool: _pool_block,
     TopK: _topk_block,
+    Attention: _attention_block,
+    AttentionGrad: _attention_grad_block,
 }
