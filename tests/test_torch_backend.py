@@ -83,6 +83,20 @@ def test_each_scalar_function_computes_what_numpy_computes(seed: int) -> None:
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-300, equal_nan=True, err_msg=fn)
 
 
+def test_compound_joins_reuse_their_temporaries_without_changing_a_number() -> None:
+    from einjoin.ir.evaluate import evaluate
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((4, 5)), rng.standard_normal((1, 5))
+    ta, tb = torch.from_numpy(a.copy()), torch.from_numpy(b.copy())
+    for join in ["exp(x0 - x1) * 2.0 + tanh(x0) / (1.0 + x1 * x1)", "-(x0 * x1) - sigmoid(x0 + 1)",
+                 "max(exp(x0), x1) ** 2.0", "where(x0 > x1, sqrt(abs(x0 * 3.0)), -x1)"]:
+        expr = parse_join(join, 2)
+        np.testing.assert_allclose(torch_evaluate(expr, [ta, tb]).numpy(), evaluate(expr, [a, b]),
+                                   rtol=1e-14, atol=1e-14, err_msg=join)
+    np.testing.assert_array_equal(ta.numpy(), a)  # the inputs are never written
+    np.testing.assert_array_equal(tb.numpy(), b)
+
+
 def test_python_constants_take_numpy_types() -> None:
     ints = torch.arange(4)
     assert torch_evaluate(parse_join("x0 * 0.5", 1), [ints]).dtype == torch.float64  # numpy's float64
@@ -251,6 +265,20 @@ def test_torch_in_torch_out_copies_nothing(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def test_a_program_on_the_torch_backend_pickles_and_saves(tmp_path: Any) -> None:
+    import pickle
+    x = ej.input("x", (4, 4))
+    prog = ej.compile(ej.tanh(x) * 2.0, devices=2, backend=TorchBackend(cache_feeds=True), quiet=True)
+    a = np.eye(4, dtype=np.float32)
+    again = pickle.loads(pickle.dumps(prog))
+    assert isinstance(again.backend, TorchBackend) and again.backend.cache_feeds
+    np.testing.assert_allclose(again.run(x=a), np.tanh(a) * 2, **F32)
+    prog.save(tmp_path / "p")
+    loaded = ej.load(tmp_path / "p")
+    assert loaded.backend.name == "torch"
+    np.testing.assert_allclose(loaded.run(x=a), np.tanh(a) * 2, **F32)
+
+
 def test_a_read_only_feed_is_copied_once_and_counted() -> None:
     x = ej.input("x", (4, 4))
     backend = TorchBackend()
@@ -310,3 +338,46 @@ def test_device_map_cuda_without_a_gpu_is_refused_clearly() -> None:
     prog = ej.compile(x * 2.0, backend=TorchBackend(device_map="cuda"), quiet=True)
     with pytest.raises(EinjoinError, match="no CUDA device is present"):
         prog.run(x=np.ones((4, 4), np.float32))
+
+
+# ---------------------------------------------------------------- on a GPU (bench/gpu_check.sh runs these)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_cuda_random_programs_with_every_plan_device_on_one_gpu(dtype: str) -> None:
+    # the conformance suite's graphs, all plan devices on cuda:0 (a stream each), and a memory
+    # cap under which blocks go to pinned host memory and back
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from graphgen import graphs, oracle, specs_for
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data: st.DataObject) -> None:
+        outs, feeds = data.draw(graphs(dtype))
+        devices = data.draw(st.sampled_from([1, 2, 4]))
+        prog = ej.compile(outs, devices=devices, backend=TorchBackend(device_map="cuda:0"), quiet=True,
+                          specs=data.draw(specs_for(outs)), planner="split_largest")
+        got = prog.run(**feeds)
+        wide = {k: v.astype(np.float32) if v.dtype.kind in "fV" else v for k, v in feeds.items()}
+        tol = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 4 * 2.0 ** -8}[dtype]
+        for g, w in zip(got, oracle(outs, wide)):
+            w = np.asarray(w, np.float64)
+            scale = max(1.0, float(np.abs(w).max(initial=0.0)))
+            np.testing.assert_allclose(g.astype(np.float64), w, rtol=tol, atol=tol * scale)
+        assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+
+    check()
+
+
+@needs_cuda
+def test_cuda_memory_caps_offload_to_pinned_host_memory() -> None:
+    out, feeds = _block()
+    want = ej.compile(out, devices=2, quiet=True).run(**feeds)
+    prog = ej.compile(out, devices=2, backend=TorchBackend(device_map="cuda"), memory_limit=8 << 10, quiet=True)
+    np.testing.assert_allclose(prog.run(**feeds), want, rtol=1e-4, atol=1e-4)
+    assert prog.run_stats.bytes_evicted > 0

@@ -142,6 +142,7 @@ class TorchSession(LocalSession):
             if copied:
                 self._copied(t.nbytes)
         self.host_t: dict[int, torch.Tensor] = {}
+        self.run_feeds: dict[tuple[Node, str], tuple[Any, torch.Tensor]] = {}  # feeds uploaded this run
         self.lanes_cuda = CudaLanes(self.devices) if self.cuda else None  # pragma: no cover
         if self.cuda:  # pragma: no cover - UNTESTED ON A GPU
             free = {}
@@ -235,11 +236,9 @@ class TorchSession(LocalSession):
                                    f"{tuple(out.shape)}, expected {shape}")
             return out
         if kind is _LOAD:
-            feed = self.tfeeds[t.node]
-            block = feed[_slices(t.payload.box)]
-            if dev != "cpu":  # pragma: no cover - UNTESTED ON A GPU: host -> device
-                self._copied(block.nbytes)
-                return block.to(dev, non_blocking=True)
+            if dev != "cpu":  # pragma: no cover - UNTESTED ON A GPU: the feed on the device, then the block
+                return self._feed_on(t.node, dev)[_slices(t.payload.box)].contiguous()
+            block = self.tfeeds[t.node][_slices(t.payload.box)]
             if not block.is_contiguous():
                 return block.contiguous()
             return block.clone() if self.capped else block  # under a cap a block owns its bytes
@@ -263,6 +262,22 @@ class TorchSession(LocalSession):
             buf[_slices(t.payload.dst_box)] = src[_slices(t.payload.box)]
             return buf
         raise AssertionError(f"no torch computation for task kind {kind}")  # pragma: no cover
+
+    def _feed_on(self, node: Node, dev: str) -> torch.Tensor:
+        """The whole feed of ``node`` on GPU ``dev``: uploaded once per run, or, with the backend's
+        ``cache_feeds``, once while the caller feeds the same array object (bound weights)."""
+        a = self.feeds[node]
+        key = (node, dev)
+        with self.backend._cache_lock:
+            cache = self.backend._feed_cache if self.backend.cache_feeds else self.run_feeds
+            hit = cache.get(key)
+            if hit is not None and hit[0] is a:
+                return hit[1]
+        t = self.tfeeds[node].to(dev)
+        self._copied(t.nbytes)
+        with self.backend._cache_lock:
+            cache[key] = (a, t)
+        return t
 
     def _to_host(self, t: Task, value: torch.Tensor) -> None:
         """An evict or write-back: a host copy of the block (pinned memory on CUDA)."""
@@ -365,15 +380,21 @@ def _prepare(tasks: Sequence[Task], decomps: Mapping[Node, Decomposition]) -> di
 class TorchBackend:
     """Blocks as torch tensors, kernels as torch ops, on ``device_map``'s devices (``"cpu"``, or
     UNTESTED ON A GPU ``"cuda"`` / a list); ``threaded``: a worker thread per plan device (False:
-    one inline worker, as ``sync``)."""
+    one inline worker, as ``sync``). ``cache_feeds`` (GPUs only): a feed given as the same array
+    object as in an earlier run (a program's bound weights) is not uploaded again; the caller
+    promises not to change such an array in place (the cache holds it, and its GPU copy, until
+    :meth:`close`)."""
 
     device_map: str | Sequence[str] = "cpu"
     threaded: bool = True
+    cache_feeds: bool = False
     name: str = "torch"
     computes: bool = True
     remote: bool = False
     retries: int = 0
     _last_copies: int = field(default=0, repr=False, compare=False)
+    _feed_cache: dict[Any, tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
+    _cache_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def host_copies(self) -> int:
@@ -383,7 +404,16 @@ class TorchBackend:
         return self._last_copies
 
     def open(self, run: RunSpec) -> TorchSession:
+        from einjoin.runtime.backends import tune_malloc
+        tune_malloc()  # torch's CPU allocator is glibc's malloc: keep freed blocks, as threads does
         return TorchSession(run, self, self.threaded)
 
     def close(self) -> None:
-        pass
+        with self._cache_lock:
+            self._feed_cache.clear()
+
+    def __getstate__(self) -> dict[str, Any]:  # a program pickles its backend: its options only
+        return {k: v for k, v in self.__dict__.items() if k not in ("_feed_cache", "_cache_lock", "_last_copies")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _feed_cache={}, _cache_lock=threading.Lock(), _last_copies=0)

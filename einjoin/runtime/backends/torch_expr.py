@@ -130,18 +130,65 @@ class _TorchCompiled:
 
         self.result = slot(expr)
         self.size = len(index)
+        computed = {s for s, _, _ in self.steps}
+        last: dict[int, int] = {}
+        for i, (_, _, a) in enumerate(self.steps):
+            for x in a:
+                last[x] = i
+        # per step, the computed slots it reads for the last time (their tensors may be reused)
+        self.dying = [tuple(x for x in dict.fromkeys(a) if x in computed and last[x] == i)
+                      for i, (_, _, a) in enumerate(self.steps)]
 
     def run(self, args: Sequence[Any]) -> Any:
         vals: list[Any] = [None] * self.size
         for s, is_arg, v in self.leaves:
             vals[s] = args[v] if is_arg else v
-        for s, fn, a in self.steps:
+        owned: set[int] = set()  # slots holding tensors this evaluation allocated
+        for (s, fn, a), dying in zip(self.steps, self.dying):
             xs = [vals[i] for i in a]
             if all(isinstance(x, _WEAK) for x in xs):  # constants only: Python numbers
                 vals[s] = _eval_consts(FUNCTIONS[fn], xs)
                 continue
-            vals[s] = TORCH_FUNCTIONS[fn](*[_const(x) if isinstance(x, _WEAK) else x for x in xs])
+            ts = [_const(x) if isinstance(x, _WEAK) else x for x in xs]
+            out = None
+            if fn in _OUT_FORMS:
+                out = next((vals[i] for i in dying if i in owned and _fits(vals[i], ts)), None)
+            if out is not None:  # written into a temporary nothing reads later: no new memory
+                vals[s] = _OUT_FORMS[fn](*ts, out=out)
+            else:
+                vals[s] = TORCH_FUNCTIONS[fn](*ts)
+            owned.add(s)
+            for i in dying:
+                if i != s:
+                    vals[i] = None
         return vals[self.result]
+
+
+# the elementwise functions with an ``out=`` form that computes what TORCH_FUNCTIONS' does
+_OUT_FORMS: dict[str, Callable[..., torch.Tensor]] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.true_divide, "pow": torch.pow,
+    "max": torch.maximum, "min": torch.minimum, "neg": torch.neg, "abs": torch.abs, "exp": torch.exp,
+    "log": torch.log, "log1p": torch.log1p, "expm1": torch.expm1, "sqrt": torch.sqrt, "tanh": torch.tanh,
+    "erf": torch.erf, "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos,
+}
+
+
+def _fits(t: Any, xs: Sequence[Any]) -> bool:
+    """Whether a function of ``xs`` gives exactly ``t``'s dtype and shape, so that writing into
+    ``t`` changes no number: a float tensor, every other argument of its dtype (or a 0-d
+    constant, which takes it) broadcasting into it."""
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.is_contiguous()):
+        return False
+    for x in xs:
+        if x is t:
+            continue
+        if x.ndim == 0 and x.device.type == "cpu" and x.dtype in (torch.float64, torch.int64, torch.bool):
+            continue  # a constant (_const): t's dtype wins within its category, and t is a float
+        if x.dtype != t.dtype or x.ndim > t.ndim:
+            return False
+        if any(a != b and a != 1 for a, b in zip(tuple(x.shape)[::-1], tuple(t.shape)[::-1])):
+            return False
+    return True
 
 
 _COMPILED: dict[int, tuple[Expr, _TorchCompiled]] = {}
