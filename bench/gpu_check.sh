@@ -7,6 +7,9 @@
 #      backend vs torch eager and torch.compile, measured in the same process, plus the block
 #      under a memory cap of half its working set vs uncapped;
 # and prints one table. Written without a GPU: never run yet (see the closing note).
+# The einjoin run's time includes the host round trip Program.run makes today (a CUDA tensor fed
+# to run() is bound as a host array, and results come back as host arrays); "engine" is the
+# engine's own wall time (RunStats.wall_time), uploads of the input included.
 #
 # Usage: bench/gpu_check.sh   (from the repository root; PYTHON overrides the interpreter)
 set -uo pipefail
@@ -64,8 +67,7 @@ for batch in (1, 8):
         eager_s = timed(lambda: module(x))
         want = module(x)
         comp_s = timed(lambda: compiled(x))
-    fn = ej.from_torch(module.cpu(), (x.cpu(),))
-    module.cuda()
+    fn = ej.from_torch(module, (x,))  # its weights bound as host arrays: uploaded once (cache_feeds)
     backend = TorchBackend(device_map="cuda", cache_feeds=True)
     prog = ej.compile(fn, devices=1, backend=backend, quiet=True)
     got = prog.run(x)
