@@ -1,23 +1,26 @@
 """The Ray backend: one Ray actor per einjoin device, holding that device's block stores.
 
 The engine runs it like every backend (:class:`einjoin.runtime.backend.Backend`): ``open`` gives
-a session that takes tasks whose inputs are still futures (eager dispatch), so the engine
-submits the whole task graph at once, in task-id (topological) order: every task is a call on
-the actor of its device; a dependency on another device's task is passed as that task's object
-reference, so Ray, not the driver, waits for it. A ``move`` is a ``send`` on the
-source actor whose result (the block, in Ray's object store) is the argument of a ``receive``
-on the destination actor: point to point, zero-copy reads (blocks received are only read;
-kernels, reduces and touches write fresh arrays or local buffers). Blocks stay resident in the
-actors between tasks; only the outputs are fetched. The task semantics are the local devices'
-(:func:`einjoin.plan.execute.compute` and :class:`einjoin.runtime.local.Store`); Ray does the
-scheduling, which is why callbacks see each task after the run (the engine replays them), with
-its measured times.
+an eager session (the engine does not dispatch ready tasks). The driver stays out of the per-task
+and the data path: a program's plan goes to Ray's object store once and each actor builds its
+part of the task graph from it once (:class:`~einjoin.runtime.backends.ray_worker.Part`, cached
+on the actor by the program's key); per run the driver puts the feeds once and sends each actor
+a ``go`` and a ``finish`` (which returns that actor's report and output blocks when its part is
+done), so a run costs two Ray calls per device, not one per task, and the session's ``submit``
+does nothing. Each actor runs its tasks on an executor thread as their dependencies finish; a
+``move`` is a send on the source actor, a call of the destination's ``deliver`` with the block
+(through the object store, point to point; a zero-copy, read-only view there: blocks received
+are only read, kernels, reduces and touches write fresh arrays or local buffers). Blocks stay
+resident in the actors between tasks; only the outputs come back. The task semantics are the
+local devices' (:func:`einjoin.plan.execute.compute`, the prepared kernels of
+:mod:`einjoin.runtime.fastkernels`, :class:`einjoin.runtime.local.Store`); callbacks see each
+task after the run (the engine replays them), with its measured times.
 
 Runs are independent: every session (one run attempt) gets a run id, and each actor
 keeps that run's feeds, store, intervals and byte counts under it (dropped when the run ends,
-fails or is cancelled), so concurrent runs of one program never see each other's values. Two
-runs' tasks interleave on an actor in submission order; each run's submissions are in
-topological order, so the interleaving is a topological order of both graphs (no deadlock).
+fails or is cancelled), so concurrent runs of one program never see each other's values. The
+executor of an actor interleaves the ready tasks of every run in flight, and a ``go`` only
+queues work, so runs never wait for each other (no deadlock, however many are in flight).
 
 Faults: a lost actor (killed, out of memory) is reported by Ray to every waiting reference within
 seconds. The inputs are still reachable (the driver holds the feeds), so the chosen behaviour is
@@ -27,7 +30,9 @@ the engine runs the task graph again from the inputs (coarse lineage: all produc
 the lost blocks'), ``retries`` times (default 1); after that, an
 :class:`EinjoinError` names the lost device and its actor's pid, and the next run starts on fresh
 actors. Nothing is pinged before a run: an actor that died between runs fails the run's first call
-(``begin``) on it, before any of the run's work, and is replaced without using up a retry.
+(``go``) on it, before any of the run's work, and is replaced without using up a retry. A task
+that raises fails its run only (the actor's report names it); the run is then aborted on every
+actor (``abort``, on the actors' control thread: queued tasks skipped, late blocks dropped).
 ``ray.shutdown()`` or a Ray restart is noticed at the next run (the Ray session changed) and fresh
 actors start; :meth:`RayBackend.close` during a run fails that run with an EinjoinError instead of
 being undone by its recovery.
@@ -76,7 +81,9 @@ _plan_ids = itertools.count(1)
 # the node address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
 # but every 127/8 address is loopback on Linux (elsewhere only 127.0.0.1 is up: Ray's choice stays)
 LOCAL_NODE_IP = "127.0.0.2"
-CONTROL = "control"            # the actors' concurrency group for pings (not queued behind work)
+CONTROL = "control"            # the actors' concurrency group for aborts (not queued behind work)
+WAIT = "wait"                  # the actors' concurrency group for ``finish`` calls, which wait for a run
+WAITERS = 32                   # its threads: runs in flight beyond it only queue their finish
 
 
 def _ray() -> Any:
@@ -325,8 +332,9 @@ class RayBackend:
         """Start the actors of one shape (under ``_mu``)."""
         n, nodes = shape
         ray = ensure_ray(self.num_cpus, self.object_store_memory, self.quiet, self.dashboard)
-        # one thread runs the tasks in submission order; control calls get a thread of their own
-        cls = ray.remote(concurrency_groups={CONTROL: 1}, max_concurrency=1)(DeviceWorker)
+        # the default thread takes the calls that only queue work (setup, go, deliver) in order;
+        # finish calls wait on threads of their own, aborts on the control thread
+        cls = ray.remote(concurrency_groups={CONTROL: 1, WAIT: WAITERS}, max_concurrency=1)(DeviceWorker)
         per_node: dict[Any, int] = {}
         for node in nodes:
             per_node[node] = per_node.get(node, 0) + 1
@@ -339,6 +347,8 @@ class RayBackend:
                     opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
                 cores = os.cpu_count() or 1
                 actors.append(cls.options(**opts).remote(d, max(1, cores // per_node[node])))
+            for a in actors:
+                a.set_peers.remote(actors)  # before any run: sends go actor to actor
             pids = ray.get([a.pid.remote() for a in actors], timeout=120)
         except Exception as e:  # noqa: BLE001 - any failure to start is the user's to see, typed
             self._kill(actors)
@@ -372,7 +382,7 @@ class RayBackend:
     def _prepare(self, engine: Any, cluster: Cluster | None, n: int) -> tuple[_Pool, int, int, int]:
         """Live actors of this shape holding the engine's plan, the run counted in flight:
         (pool, plan key, its generation, close count). No actor is pinged: one that died since
-        the last run is found on the run's own ``begin`` and replaced without using a retry."""
+        the last run is found on the run's own ``go`` and replaced without using a retry."""
         ray = _ray()
         shape = _shape(cluster, n)
         with self._mu:
@@ -403,7 +413,7 @@ class RayBackend:
             for d, x in enumerate(pool.actors):
                 if key not in pool.shipped[d]:
                     try:
-                        x.setup.remote(key, plan)  # runs before this run's begin (same actor, in order)
+                        x.setup.remote(key, plan)  # runs before this run's go (same actor, in order)
                     except Exception as e:  # noqa: BLE001 - the handle is dead: replace the pool
                         self._retire(pool, pool.generation)
                         raise DeviceLost(f"device {d} (Ray actor pid {pool.pids[d]}) could not be "
@@ -430,9 +440,9 @@ class RayBackend:
 
     # -- runs: the engine opens a session per run attempt --------------------------------------
     def open(self, run: RunSpec) -> _RaySession:
-        """A session for one run attempt (an :class:`~einjoin.runtime.backend.EagerSession`): eager
-        dispatch — the engine submits every task in id order, each a call on its device's actor
-        with its other-device dependencies as object references, so Ray does the waiting."""
+        """A session for one run attempt (an :class:`~einjoin.runtime.backend.EagerSession`): the
+        actors hold the program's task graph, so the run is started on them when the session
+        opens and the engine's per-task ``submit`` does nothing."""
         return _RaySession(self, run)
 
     def run_graph(self, engine: Any, feeds: Any, cluster: Any = None, callbacks: Any = (),
@@ -471,10 +481,12 @@ class RayBackend:
             self._in_flight -= 1
 
     def _abandon(self, actors: Sequence[Any], run: int) -> None:
-        """Best effort, never raising: make the run's queued tasks no-ops (``abort`` runs on the
-        control thread, at once) and drop its namespace on every actor (queued after its tasks).
-        Not ``ray.cancel``: a cancelled actor task leaves a hole in the actor's sequence numbers
-        that stalls every later task on it for 30 s."""
+        """Best effort, never raising: drop the run on every actor (``abort`` runs on the control
+        thread, at once: its queued tasks are skipped, a late block or ``go`` for it ignored),
+        and wait a little for the acknowledgements, so that a failed run's new state blocks are
+        kept (and then released by the program) or never kept. Not ``ray.cancel``: a cancelled
+        actor task leaves a hole in the actor's sequence numbers that stalls every later task on
+        it for 30 s."""
         ray = sys.modules.get("ray")
         if ray is None or not ray.is_initialized():
             return
@@ -485,14 +497,9 @@ class RayBackend:
             except Exception:  # noqa: BLE001 - the actor is gone: so is the namespace
                 pass
         try:
-            ray.wait(acks, num_returns=len(acks), timeout=5.0)  # before drop: no stale abort mark
+            ray.wait(acks, num_returns=len(acks), timeout=5.0)
         except Exception:  # noqa: BLE001
             pass
-        for x in actors:
-            try:
-                x.drop.remote(run)
-            except Exception:  # noqa: BLE001
-                pass
 
     def open_runs(self) -> list[list[int]]:
         """Per actor of every pool, the run ids it holds a namespace for (tests and debugging:
@@ -524,11 +531,11 @@ def _is_ray_error(e: BaseException) -> bool:
 
 
 class _RaySession:
-    """One run attempt on the actors: opened with the pool and the run's namespace on every
-    actor (``begin``), fed task by task by the engine (``submit``), waited for (``collect``: the
-    run's token polled every 0.2 s, failures typed), then its stats and outputs (``finish``).
-    Leaving it with an exception abandons the run on the actors (other runs are untouched) and
-    retires the pool when a device was lost."""
+    """One run attempt on the actors: ``go`` and a ``finish`` on every actor when opened (the
+    actors hold the program's task graph already, so nothing is sent per task and ``submit``
+    does nothing), waited for (``collect``: the run's token polled every 0.2 s, failures
+    typed), then its stats and outputs (``finish``). Leaving it with an exception abandons the
+    run on the actors (other runs are untouched) and retires the pool when a device was lost."""
 
     eager: Literal[True] = True
 
@@ -541,20 +548,26 @@ class _RaySession:
         b, tg = self.backend, self.tg
         ray = self.ray = _ray()
         self.pool, key, self.gen, self.closes = b._prepare(self.spec.engine, self.spec.cluster, tg.n_devices)
-        self.actors = self.pool.actors
+        self.actors = a = self.pool.actors
         try:
             resident = self._state()  # its errors are the user's, not a lost device
+            # the outputs without the new state (it stays on the actors), as finish assembles them
+            self.out_tg = tg if self.spec.state is None else self.spec.state.fetched(tg)
+            fetch: list[list[int]] = [[] for _ in a]
+            for lay in self.out_tg.outputs:
+                for v in lay.blocks.values():
+                    fetch[tg.values[v].device].append(v)
             try:
                 feeds_ref = ray.put(dict(self.spec.feeds))
                 delay = float(b.kernel_delay)
-                self.begins = [x.begin.remote(self.run, key, feeds_ref, delay, resident[d])
-                               for d, x in enumerate(self.actors)]
+                self.begins = [x.go.remote(self.run, key, feeds_ref, delay, resident[d], self.keep[d], fetch[d])
+                               for d, x in enumerate(a)]
+                self.finals = [x.finish.options(concurrency_group=WAIT).remote(self.run) for x in a]
             except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
                 raise _unreachable(e) from None
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
-        self.refs: list[Any] = [None] * len(tg.tasks)
         return self
 
     def _state(self) -> list[dict[int, int]]:
@@ -586,85 +599,80 @@ class _RaySession:
         return resident
 
     def submit(self, t: Task) -> None:
-        # same-device order is the actor's submission order; other devices' by reference
-        refs, tasks, a = self.refs, self.tg.tasks, self.actors
-        try:
-            if t.kind is TaskKind.MOVE:
-                src = t.payload.src_device
-                src_deps = [refs[d] for d in t.deps if tasks[d].device == src]
-                val = a[src].send.remote(self.run, t.reads[0], *src_deps)
-                refs[t.id] = a[t.device].receive.remote(self.run, t.id, src, val)
-            else:
-                deps = [refs[d] for d in t.deps if tasks[d].device != t.device]
-                refs[t.id] = a[t.device].run.remote(self.run, t.id, *deps)
-        except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
-            raise _unreachable(e) from None
+        """Nothing to send: every actor holds its part of the task graph and was told ``go``."""
 
     def collect(self, cancel: Any) -> None:
-        """Wait for every task, then fetch the output blocks and each actor's report."""
-        ray, tg, a = self.ray, self.tg, self.actors
-        # the outputs without the new state (it stays on the actors), as finish assembles them
-        self.out_tg = fetched = tg if self.spec.state is None else self.spec.state.fetched(tg)
-        try:
-            blocks = {v: a[tg.values[v].device].fetch.remote(self.run, v)
-                      for lay in fetched.outputs for v in lay.blocks.values()}
-            finals = [x.finish.remote(self.run, self.keep[d]) for d, x in enumerate(a)]
-        except Exception as e:  # noqa: BLE001
-            raise _unreachable(e) from None
-        self._wait([*self.begins, *self.refs], len(self.begins), cancel)
-        try:
-            self.fetched = dict(zip(blocks, ray.get(list(blocks.values()))))
-            self.reports = ray.get(finals)
-        except ray.exceptions.RayActorError as e:  # died after its last task: re-run too
-            raise DeviceLost(f"a device was lost while its outputs were fetched: {type(e).__name__}") from None
+        """Wait for every actor's report (its output blocks in it)."""
+        self._wait(cancel)
 
-    def _wait(self, refs: list[Any], n_begins: int, cancel: Any) -> None:
-        ray = self.ray
-        pending = list(refs)
+    def _wait(self, cancel: Any) -> None:
+        ray, n_begins = self.ray, len(self.begins)
+        refs = [*self.begins, *self.finals]
         index = {r: i for i, r in enumerate(refs)}
-        n_tasks = len(self.tg.tasks)
+        self.reports: list[Any] = [None] * len(self.finals)
+        pending = refs
         while pending:
             if cancel is not None and cancel.cancelled:
-                left = sum(1 for r in pending if index[r] >= n_begins)
-                raise EinjoinError(f"run cancelled with {left} of {n_tasks} tasks left")
+                raise EinjoinError(f"run cancelled with {self._cancel()} of {len(self.tg.tasks)} tasks left")
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
             if not done:
                 continue
+            done.sort(key=index.__getitem__)  # a go's failure before its actor's report
             try:
-                ray.get(done)  # in bulk: one call for the whole batch when nothing failed
-                continue
-            except Exception:  # noqa: BLE001 - find the first failure in submission order
+                got = ray.get(done)  # in bulk: one call for the whole batch when nothing failed
+            except Exception:  # noqa: BLE001 - find the first failure, begins first
+                for r in done:
+                    self._check(r, index[r], n_begins)
+                raise
+            for r, rep in zip(done, got):
+                i = index[r] - n_begins
+                if i >= 0:
+                    if rep is None:  # aborted: only this session aborts its run, so never seen
+                        raise EinjoinError(f"device {i} dropped run {self.run} before its end")
+                    if "failed" in rep:
+                        tid, cause = rep["failed"]
+                        raise TaskFailed(self.tg.tasks[tid], cause)
+                    self.reports[i] = rep
+
+    def _cancel(self) -> int:
+        """Abort the run on every actor now; how many of its tasks had not run."""
+        acks = []
+        for x in self.actors:
+            try:
+                acks.append(x.abort.options(concurrency_group=CONTROL).remote(self.run))
+            except Exception:  # noqa: BLE001 - a dead actor runs nothing
                 pass
-            for r in sorted(done, key=index.__getitem__):  # a begin's failure before its tasks'
-                self._check(r, index[r], n_begins)
+        try:
+            return sum(self.ray.get(acks, timeout=5.0))
+        except Exception:  # noqa: BLE001 - a count is only said; __exit__ abandons the run anyway
+            return 0
 
     def _check(self, r: Any, i: int, n_begins: int) -> None:
         """Raise what the finished ref ``r`` (``i``-th of the run: begins first) failed with."""
         from ray.exceptions import RayActorError, RayTaskError
         pids = self.pool.pids
+        d = i if i < n_begins else i - n_begins
         try:
             self.ray.get(r)
         except RayActorError as e:
             if i < n_begins:  # nothing of this run ran on it: it died before (or as) the run began
-                raise DeviceLost(f"device {i} (Ray actor pid {pids[i]}) was found dead when the run "
+                raise DeviceLost(f"device {d} (Ray actor pid {pids[d]}) was found dead when the run "
                                  f"began: {type(e).__name__}", before_start=True) from None
-            t = self.tg.tasks[i - n_begins]
-            raise DeviceLost(f"device {t.device} (Ray actor pid {pids[t.device]}) was lost while "
-                             f"running task #{t.id} ({t.kind}): {type(e).__name__}") from None
+            raise DeviceLost(f"device {d} (Ray actor pid {pids[d]}) was lost during the run: "
+                             f"{type(e).__name__}") from None
         except RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
-            if i < n_begins:
-                raise EinjoinError(f"device {i} could not open the run: {type(cause).__name__}: "
-                                   f"{cause}") from None
-            t = self.tg.tasks[i - n_begins]
             if isinstance(cause, RayActorError):
-                raise DeviceLost(f"a device was lost (Ray actor died) before task #{t.id} "
-                                 f"on device {t.device} could run: {type(cause).__name__}") from None
-            raise TaskFailed(t, cause) from None
+                raise DeviceLost(f"a device was lost (Ray actor died) while device {d} ran: "
+                                 f"{type(cause).__name__}") from None
+            if i < n_begins:
+                raise EinjoinError(f"device {d} could not open the run: {type(cause).__name__}: "
+                                   f"{cause}") from None
+            raise EinjoinError(f"the Ray backend failed on device {d}: {type(cause).__name__}: {cause}") from None
 
     def finish(self, stats: RunStats) -> list[np.ndarray]:
         """The run's stats from the actors' reports (intervals on the driver's clock), and its
-        outputs assembled from the fetched blocks."""
+        outputs assembled from the blocks they returned."""
         from einjoin.plan.execute import assemble_outputs
         reports = self.reports
         stats.order = "ray"
@@ -677,7 +685,8 @@ class _RaySession:
         # bytes per (src, dst) pair as the receiving actors counted them
         self.backend.received_per_pair = {(src, d): b for d, r in enumerate(reports)
                                           for src, b in r["received_from"].items()}
-        outs = assemble_outputs(self.out_tg, self.fetched.__getitem__, self.spec.feeds)
+        blocks = {v: b for r in reports for v, b in r["blocks"].items()}
+        outs = assemble_outputs(self.out_tg, blocks.__getitem__, self.spec.feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs
 

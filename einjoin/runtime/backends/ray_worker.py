@@ -1,7 +1,18 @@
-"""The Ray actor body: :class:`DeviceWorker` holds one device's task graphs (shipped once per
-program), a store per run in progress (the same :class:`~einjoin.runtime.local.Store` and task
-semantics as the local backends) and the state blocks programs keep between runs.
+"""The Ray actor body: :class:`DeviceWorker` holds one device's part of each program's task graph
+(:class:`Part`, built once per program from the plan shipped once), runs it on an executor
+thread of its own, and keeps the state blocks programs leave between runs.
 :class:`~einjoin.runtime.backends.ray.RayBackend` starts one per device with ``ray.remote``.
+
+Per run the driver sends each actor one ``go`` (the run id, the feeds' object reference, the
+state keys) and waits on one ``finish`` (the actor's report and its output blocks). The actor
+runs its tasks as their dependencies finish (a ready queue, as a device thread of the
+``threads`` backend does); a ``move`` is a *send* on its source actor, which hands the block to
+the destination's ``deliver`` (a Ray actor call: the block goes through the object store, never
+through the driver), and a *receive* on the destination that completes when it has arrived. A
+dependency on another device that is not a move's (none in the graphs the planner makes today)
+is a ``signal`` from the device that ran it. Runs are independent: each has its own namespace
+(store, feeds, intervals, byte counts), and the executor interleaves the ready tasks of every
+run in flight, so no run waits for another's to end.
 
 >>> w = DeviceWorker(0)
 >>> w.kept_keys(), w.open_runs()
@@ -11,45 +22,148 @@ semantics as the local backends) and the state blocks programs keep between runs
 from __future__ import annotations
 
 import os
+import pickle
+import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from einjoin.exchange import TaskKind
+from einjoin.exchange import Task, TaskKind
 
-__all__ = ["DeviceWorker"]
+__all__ = ["DeviceWorker", "Part", "RUN", "RECEIVE", "SEND"]
+
+RUN, RECEIVE, SEND = 0, 1, 2   # what an item of a part does: run a task, take a move's block, send one
+_KERNEL, _LOAD, _MOVE = TaskKind.KERNEL, TaskKind.LOAD, TaskKind.MOVE
+_DEAD_KEPT = 4096              # run ids remembered as aborted (late deliveries for them are dropped)
+
+
+class Part:
+    """Device ``device``'s part of a task graph: its *items* (its tasks; the receive of each move
+    to it; the send of each move from it), each with the count of what it waits for and the
+    items that wait for it, the remote events each item waits for (a move's block, another
+    device's signal), and whom each item signals when done.
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (4, 4)); prog = ej.compile([(x @ x).sum()], 2, planner="split_largest", quiet=True)
+    >>> parts = [Part(prog.taskgraph, prog.plan.decomps, d) for d in range(2)]
+    >>> sum(len(p.items) for p in parts) == len(prog.taskgraph.tasks) + sum(
+    ...     t.kind.value == "move" for t in prog.taskgraph.tasks)
+    True
+    """
+
+    def __init__(self, tg: Any, decomps: Mapping[Any, Any], device: int):
+        from einjoin.runtime.fastkernels import prepare_kernels
+        tasks: Sequence[Task] = tg.tasks
+        self.device = d = device
+        self.items: list[tuple[int, int]] = []      # (RUN | RECEIVE | SEND, task id)
+        at: dict[tuple[int, int], int] = {}          # (device, task id) -> the item completing it there
+        for t in tasks:
+            if t.device == d:
+                at[(d, t.id)] = len(self.items)
+                self.items.append((RECEIVE if t.kind is _MOVE else RUN, t.id))
+            if t.kind is _MOVE and t.payload.src_device == d:
+                at[(d, -1 - t.id)] = len(self.items)  # the send, a dependency of the source's own tasks
+                self.items.append((SEND, t.id))
+        self.waiting = [0] * len(self.items)        # per item: what it waits for
+        self.then: list[list[int]] = [[] for _ in self.items]  # per item: the items waiting for it
+        self.events: dict[int, list[int]] = {}      # task id -> the items its remote event releases
+        self.signals: dict[int, list[int]] = {}     # item -> devices to signal when it is done
+        for w, tid, u in _edges(tasks):             # every "item on device w waits for task u"
+            done_on, key = _provider(tasks, w, u)
+            if w == d:
+                i = at[(d, tid)]
+                self.waiting[i] += 1
+                if done_on == d:
+                    self.then[at[(d, key)]].append(i)
+                else:
+                    self.events.setdefault(u, []).append(i)
+            elif done_on == d:  # another device waits for a task of ours: tell it when done
+                self.signals.setdefault(at[(d, key)], []).append(w)
+        for i, (kind, tid) in enumerate(self.items):
+            if kind == RECEIVE:  # its block, sent by the source
+                self.waiting[i] += 1
+                self.events.setdefault(tid, []).append(i)
+        self.tasks = {tid: tasks[tid] for _, tid in self.items}
+        self.n_local = sum(kind != SEND for kind, _ in self.items)
+        self.shapes = {t.writes: tg.values[t.writes].shape for t in self.tasks.values() if t.writes >= 0}
+        self.decomps = {t.node: decomps[t.node] for t in self.tasks.values()
+                        if t.kind is _KERNEL and t.node in decomps}
+        fast = prepare_kernels(tg, self.decomps) if self.decomps else []
+        self.fast = {tid: fast[tid] for kind, tid in self.items if kind == RUN and fast and fast[tid] is not None}
+
+
+def _edges(tasks: Sequence[Task]) -> Any:
+    """Every dependency as (device of the waiting item, its key, task waited for): a task's on its
+    device (key: its id); a move's split between its sides: those on its destination are the
+    receive's, every other the send's (on the source; key: -1 - id)."""
+    for t in tasks:
+        if t.kind is _MOVE:
+            src = t.payload.src_device
+            for u in t.deps:
+                if tasks[u].device == t.device:
+                    yield t.device, t.id, u
+                else:
+                    yield src, -1 - t.id, u
+        else:
+            for u in t.deps:
+                yield t.device, t.id, u
+
+
+def _provider(tasks: Sequence[Task], w: int, u: int) -> tuple[int, int]:
+    """Where device ``w`` learns that task ``u`` is done, and that item's key there: its own item
+    (u on ``w``, or the send of a move from ``w``: the block is handed over), else u's device."""
+    t = tasks[u]
+    if t.device != w and t.kind is _MOVE and t.payload.src_device == w:
+        return w, -1 - u
+    return t.device, u
 
 
 class _Run:
     """One run's namespace on one actor."""
 
-    __slots__ = ("tg", "decomps", "feeds", "store", "intervals", "received_from", "delay", "resident")
+    __slots__ = ("id", "part", "feeds", "store", "intervals", "received_from", "delay", "resident", "keep",
+                 "fetch", "waiting", "left", "tasks_left", "blocks")
 
-    def __init__(self, plan: tuple[Any, Any], feeds: Mapping[Any, np.ndarray], device: int, delay: float):
+    def __init__(self, run: int, part: Part, feeds: Mapping[Any, np.ndarray], delay: float,
+                 resident: dict[int, np.ndarray], keep: Mapping[int, int], fetch: Sequence[int]):
         from einjoin.runtime.local import Store
-        self.tg, self.decomps = plan
-        self.feeds = feeds
-        self.store = Store(device)
+        self.id, self.part, self.feeds = run, part, feeds
+        self.store = Store.make(part.device, shared=False)  # only the executor thread writes it
         self.intervals: list[tuple[int, float, float]] = []
         self.received_from: dict[int, int] = {}
         self.delay = delay
-        self.resident: dict[int, np.ndarray] = {}  # load task id -> the state block kept here
+        self.resident = resident     # load task id -> the state block kept here (nothing is loaded)
+        self.keep, self.fetch = keep, fetch
+        self.waiting = list(part.waiting)
+        self.left = len(part.items)
+        self.tasks_left = part.n_local      # of them, the tasks of this device (not the sends)
+        self.blocks: dict[int, tuple[int, np.ndarray]] = {}  # move id -> (source, block) arrived
 
 
 class DeviceWorker:
-    """The actor body: one device's plans, a store per run in progress, and the task semantics
-    the other backends use. Every task method takes the run id first."""
+    """The actor body: one device's parts of the programs' task graphs (``plans``: key ->
+    :class:`Part`), the runs in flight, an executor thread, and the state blocks kept between
+    runs. Ray calls ``go`` / ``deliver`` / ``signal`` on the actor's default thread (they only
+    queue work), ``finish`` on a thread of a group of its own (it waits), ``abort`` on the
+    control thread."""
 
     def __init__(self, device: int, blas_threads: int = 1):
         from threadpoolctl import threadpool_limits
         self.device = device
         self._limits = threadpool_limits(limits=max(1, blas_threads))
-        self.plans: dict[int, tuple[Any, Any]] = {}
-        self.runs: dict[int, _Run] = {}
-        self.aborted: set[int] = set()   # written by the control thread: the run's tasks are no-ops
+        self.plans: dict[int, Part] = {}
+        self.peers: list[Any] = []
         self.kept: dict[int, np.ndarray] = {}  # programs' state blocks, kept between runs by key
+        self._cv = threading.Condition()
+        self._runs: dict[int, _Run] = {}
+        self._early: dict[int, list[tuple[Any, ...]]] = {}  # events that came before their run's go
+        self._reports: dict[int, dict[str, Any]] = {}   # finished runs' reports, until ``finish`` takes them
+        self._dead: OrderedDict[int, None] = OrderedDict()  # aborted or failed runs
+        self._ready: deque[tuple[_Run, int]] = deque()
+        self._executor: threading.Thread | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -58,109 +172,215 @@ class DeviceWorker:
         import ray
         return ray.get_runtime_context().get_node_id()
 
+    def set_peers(self, peers: Sequence[Any]) -> None:
+        """The actor handles of the pool, by device: where sends go."""
+        self.peers = list(peers)
+
     def setup(self, key: int, plan: Any) -> None:
-        self.plans[key] = plan
+        """Build and keep this device's part of the plan (task graph, decompositions) ``key``."""
+        tg, decomps = plan
+        self.plans[key] = Part(tg, decomps, self.device)
 
     def forget(self, keys: Sequence[int]) -> None:
-        """Drop the plans of programs that are gone (so ``plans`` does not grow for ever)."""
+        """Drop the parts of programs that are gone (so ``plans`` does not grow for ever)."""
         for k in keys:
             self.plans.pop(k, None)
 
-    def begin(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0,
-              resident: Mapping[int, int] | None = None) -> None:
-        """Open run ``run`` of plan ``key``; ``delay``: a test hook, seconds slept before every
+    # -- a run: go (queue its first tasks), events from the peers, finish (wait for its report)
+    def go(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0,
+           resident: Mapping[int, int] | None = None, keep: Mapping[int, int] | None = None,
+           fetch: Sequence[int] = ()) -> None:
+        """Start run ``run`` of plan ``key``. ``delay``: a test hook, seconds slept before every
         kernel (so a fault or a cancel lands while work is outstanding); ``resident``: load task
-        id -> the kept state block that load takes (nothing is loaded)."""
-        if key not in self.plans:
+        id -> the kept state block that load takes (nothing is loaded); ``keep``: value id -> the
+        key its block is kept under when the run ends (a program's new state); ``fetch``: the
+        output blocks returned by ``finish``."""
+        part = self.plans.get(key)
+        if part is None:
             raise RuntimeError(f"device {self.device} has no plan {key} (its actor was replaced)")
-        r = _Run(self.plans[key], feeds, self.device, float(delay))
-        if resident:
-            if any(k not in self.kept for k in resident.values()):
+        with self._cv:
+            if run in self._dead:  # aborted before it began here
+                return
+            if resident and any(k not in self.kept for k in resident.values()):
                 raise RuntimeError(f"device {self.device} no longer holds this program's state (its actor was "
                                    f"replaced): write_state() it again")
-            r.resident = {tid: self.kept[k] for tid, k in resident.items()}
-        self.runs[run] = r
+            r = _Run(run, part, feeds, float(delay), {t: self.kept[k] for t, k in (resident or {}).items()},
+                     dict(keep or {}), list(fetch))
+            self._runs[run] = r
+            self._ready.extend((r, i) for i, n in enumerate(r.waiting) if n == 0)
+            for event in self._early.pop(run, ()):
+                self._event(r, *event)
+            if r.left == 0:
+                self._complete(r)
+            self._start()
+            self._cv.notify_all()
 
-    def _get(self, run: int) -> _Run | None:
-        # None: the run was aborted (or its begin failed, which the driver sees on begin's ref)
-        return None if run in self.aborted else self.runs.get(run)
+    def deliver(self, run: int, tid: int, src: int, block: np.ndarray) -> None:
+        """Move ``tid``'s block, sent by device ``src`` (a zero-copy, read-only view of the object
+        store: only read by later tasks)."""
+        self._arrive(run, tid, (src, block))
 
-    def abort(self, run: int) -> None:
-        """Make the run's remaining tasks no-ops (called on the control thread)."""
-        self.aborted.add(run)
+    def signal(self, run: int, tid: int) -> None:
+        """Task ``tid`` of another device is done (a dependency that moves no block)."""
+        self._arrive(run, tid, None)
 
-    def run(self, run: int, tid: int, *deps: Any) -> None:
+    def _arrive(self, run: int, tid: int, block: tuple[int, np.ndarray] | None) -> None:
+        with self._cv:
+            r = self._runs.get(run)
+            if r is not None:
+                self._event(r, tid, block)
+                self._cv.notify_all()
+            elif run not in self._dead and run not in self._reports:
+                self._early.setdefault(run, []).append((tid, block))
+
+    def _event(self, r: _Run, tid: int, block: tuple[int, np.ndarray] | None) -> None:  # under _cv
+        if block is not None:
+            r.blocks[tid] = block
+        for i in r.part.events.get(tid, ()):
+            r.waiting[i] -= 1
+            if r.waiting[i] == 0:
+                self._ready.append((r, i))
+
+    def finish(self, run: int) -> dict[str, Any] | None:
+        """Wait for the run's end here: its report (bytes, peak, intervals, the ``fetch`` blocks),
+        ``{"failed": (task id, error)}`` for a task that raised, None when it was aborted."""
+        with self._cv:
+            while run not in self._reports and run not in self._dead:
+                self._cv.wait()
+            report: dict[str, Any] | None = self._reports.pop(run, None)
+            return report
+
+    def abort(self, run: int) -> int:
+        """Drop the run here (called on the control thread, at once): its queued tasks are
+        skipped, its blocks dropped, a late ``go`` or block for it ignored, a waiting ``finish``
+        answered None. Returns how many of its tasks had not run here."""
+        with self._cv:
+            r = self._runs.pop(run, None)
+            self._bury(run)
+            self._early.pop(run, None)
+            self._reports.pop(run, None)
+            self._cv.notify_all()
+            return r.tasks_left if r is not None else 0
+
+    def _bury(self, run: int) -> None:  # under _cv
+        self._dead[run] = None
+        while len(self._dead) > _DEAD_KEPT:
+            self._dead.popitem(last=False)
+
+    # -- the executor thread
+    def _start(self) -> None:  # under _cv
+        if self._executor is None:
+            self._executor = threading.Thread(target=self._execute, name=f"einjoin-device-{self.device}",
+                                              daemon=True)
+            self._executor.start()
+
+    def _execute(self) -> None:
+        cv, ready, runs = self._cv, self._ready, self._runs
+        while True:
+            with cv:
+                while not ready:
+                    cv.wait()
+                r, i = ready.popleft()
+                if runs.get(r.id) is not r:  # aborted or failed: its items are skipped
+                    continue
+            try:
+                notify = self._item(r, i)
+            except BaseException as e:  # noqa: BLE001 - the run fails, the actor carries on
+                with cv:
+                    if runs.pop(r.id, None) is r:
+                        self._bury(r.id)
+                        self._reports[r.id] = {"failed": (r.part.items[i][1], _picklable(e))}
+                        cv.notify_all()
+                continue
+            with cv:
+                if runs.get(r.id) is not r:
+                    continue
+                part = r.part
+                for j in part.then[i]:
+                    r.waiting[j] -= 1
+                    if r.waiting[j] == 0:
+                        if part.items[j][0] == SEND:
+                            ready.appendleft((r, j))  # a send first: another device waits for it
+                        else:
+                            ready.append((r, j))
+                r.left -= 1
+                if part.items[i][0] != SEND:
+                    r.tasks_left -= 1
+                if r.left == 0:
+                    self._complete(r)
+                    cv.notify_all()
+            for w in notify:  # outside the lock: a Ray call
+                self.peers[w].signal.remote(r.id, part.items[i][1])
+
+    def _item(self, r: _Run, i: int) -> Sequence[int]:
+        """Do item ``i`` of run ``r`` (on the executor thread); returns the devices to signal."""
         from einjoin.plan.execute import compute
-        r = self._get(run)
-        if r is None:
-            return
-        t = r.tg.tasks[tid]
+        part = r.part
+        kind, tid = part.items[i]
+        t = part.tasks[tid]
+        store = r.store
+        if kind == SEND:
+            # the block goes into the object store as the call is made: the source may free it now
+            self.peers[t.device].deliver.remote(r.id, tid, self.device, store.get(t.reads[0]))
+            return ()
         start = time.time()
-        if t.kind.releases:  # a free (memory caps, hence evictions, are refused on Ray)
-            r.store.free(t.payload.frees)
+        if kind == RECEIVE:
+            src, block = r.blocks.pop(tid)
+            store.put(t.writes, block, block.nbytes)
+            store.received += block.nbytes   # counted here, at the receiving device
+            r.received_from[src] = r.received_from.get(src, 0) + block.nbytes
+        elif t.kind.releases:  # a free (memory caps, hence evictions, are refused on Ray)
+            store.free(t.payload.frees)
         else:
-            if t.kind is TaskKind.KERNEL and r.delay:
+            if t.kind is _KERNEL and r.delay:
                 time.sleep(r.delay)
-            kept = r.resident.get(tid) if t.kind is TaskKind.LOAD else None
+            kept = r.resident.get(tid) if t.kind is _LOAD else None
             if kept is not None:  # a state block the last run left here: nothing is loaded
-                r.store.put(t.writes, kept, kept.nbytes)
+                store.put(t.writes, kept, kept.nbytes)
             else:
-                value = compute(t, r.store.get, r.feeds, r.decomps, r.tg.values[t.writes].shape)
-                r.store.put(t.writes, value, value.nbytes)
-                if t.kind is TaskKind.LOAD:
-                    r.store.loaded += value.nbytes
+                value = compute(t, store.get, r.feeds, part.decomps, part.shapes[t.writes], part.fast.get(tid))
+                store.put(t.writes, value, value.nbytes)
+                if t.kind is _LOAD:
+                    store.loaded += value.nbytes
         r.intervals.append((tid, start, time.time()))
+        return part.signals.get(i, ())
 
-    def send(self, run: int, vid: int, *deps: Any) -> np.ndarray | None:
-        r = self._get(run)
-        return None if r is None else r.store.get(vid)
-
-    def receive(self, run: int, tid: int, src: int, value: np.ndarray) -> None:
-        # a zero-copy, read-only view of the object store: only read by later tasks
-        r = self._get(run)
-        if r is None:
-            return
-        t = r.tg.tasks[tid]
-        start = time.time()
-        r.store.put(t.writes, value, value.nbytes)
-        r.store.received += value.nbytes   # counted here, at the receiving device
-        r.received_from[src] = r.received_from.get(src, 0) + value.nbytes
-        r.intervals.append((tid, start, time.time()))
-
-    def fetch(self, run: int, vid: int) -> np.ndarray | None:
-        r = self._get(run)
-        return None if r is None else r.store.get(vid)
-
-    def finish(self, run: int, keep: Mapping[int, int] | None = None) -> dict[str, Any] | None:
-        """Close the run: its report; its feeds and blocks are dropped, but for ``keep`` (value id
-        -> key: a program's new state blocks, kept under those keys for its next runs)."""
-        r = self.runs.pop(run, None)
-        if r is None or run in self.aborted:
-            return None
+    def _complete(self, r: _Run) -> None:  # under _cv: every item ran
+        del self._runs[r.id]
         s = r.store
-        for vid, k in (keep or {}).items():
+        for vid, k in r.keep.items():
             self.kept[k] = s.get(vid)
-        return {"received": s.received, "loaded": s.loaded, "peak": s.peak, "intervals": r.intervals,
-                "received_from": r.received_from}
+        self._reports[r.id] = {"received": s.received, "loaded": s.loaded, "peak": s.peak,
+                               "intervals": r.intervals, "received_from": r.received_from,
+                               "blocks": {v: s.get(v) for v in r.fetch}}
 
+    # -- state kept between runs
     def release(self, keys: Sequence[int]) -> None:
         """Drop kept state blocks (replaced by a later run's, or of a failed run)."""
-        for k in keys:
-            self.kept.pop(k, None)
+        with self._cv:
+            for k in keys:
+                self.kept.pop(k, None)
 
     def read(self, keys: Sequence[int]) -> list[np.ndarray]:
         """Kept state blocks (``Program.read_state``)."""
-        return [self.kept[k] for k in keys]
+        with self._cv:
+            return [self.kept[k] for k in keys]
 
     def kept_keys(self) -> list[int]:
         """The keys of the state blocks kept here (tests: one step's blocks, none leaked)."""
-        return sorted(self.kept)
-
-    def drop(self, run: int) -> None:
-        """Forget a failed or cancelled run (idempotent)."""
-        self.runs.pop(run, None)
-        self.aborted.discard(run)
+        with self._cv:
+            return sorted(self.kept)
 
     def open_runs(self) -> list[int]:
-        """The runs with a namespace here (tests: none after every run ended)."""
-        return sorted(self.runs)
+        """The runs with anything here (tests: none after every run ended)."""
+        with self._cv:
+            return sorted({*self._runs, *self._early, *self._reports})
+
+
+def _picklable(e: BaseException) -> BaseException:
+    """``e``, or a RuntimeError saying what it was when it cannot travel back to the driver."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(e).__name__}: {e}")
