@@ -1,6 +1,13 @@
 """The Ray backend on the session's two-node loopback cluster: placement across nodes with the
-bytes counted at the receiving actors, a killed actor, cleanup, and Ray started on demand.
-(The conformance suite runs on Ray too: tests/test_conformance.py.)"""
+bytes counted at the receiving actors, a killed actor, cleanup, and Ray started on demand; and
+the actors' executors run in this process (no Ray) with their sends handed straight to the
+peer, checked against the reference: blocks exchanged actor to actor, dependencies that move no
+block (signals), concurrent runs, aborts and failing kernels.
+(The conformance suite runs on Ray too: tests/test_conformance.py.)
+
+Starting actors is most of a Ray test's time: the tests that keep their actors share one backend
+(``shared``, a pool per cluster shape); the killed-actor test, which must see every actor of its
+own die, runs first with a backend of its own."""
 
 from __future__ import annotations
 
@@ -47,11 +54,60 @@ def _einjoin_actors_alive():
             if a["State"] == "ALIVE" and "DeviceWorker" in a.get("ActorClassName", "")]
 
 
-def _wait_dead(pids, seconds=10.0):
+def _wait_dead(pids, seconds=30.0):  # a hang guard, not a timing: a loaded machine is slow
     deadline = time.time() + seconds
     while time.time() < deadline and (_alive_actor_pids(pids) or _einjoin_actors_alive()):
         time.sleep(0.1)
     return _alive_actor_pids(pids), _einjoin_actors_alive()
+
+
+@pytest.fixture(scope="module")
+def shared(ray_session):
+    """One backend for the tests that leave its actors alive (closed at the module's end)."""
+    from einjoin.runtime.backends.ray import RayBackend
+    backend = RayBackend(quiet=True)
+    yield backend
+    backend.close()
+
+
+def test_killed_actor_completes_then_raises_and_leaves_no_actor(ray_session):
+    # first in the module: no other einjoin actor is alive, so "none left" is checked globally
+    from einjoin.runtime.backends.ray import RayBackend
+    out, feeds = _mlp()
+    backend = RayBackend(kernel_delay=0.3, quiet=True, retries=1)
+    prog = ej.compile(out, devices=2, backend=backend, planner="split_largest")
+    killed, seen = [], []
+
+    def killer():
+        while not backend.pids:
+            time.sleep(0.02)
+        time.sleep(1.0)  # kernels are outstanding: each sleeps 0.3 s
+        killed.append(backend.pids[1])
+        os.kill(backend.pids[1], signal.SIGKILL)
+
+    for retries in (1, 0):
+        backend.retries = retries
+        th = threading.Thread(target=killer)
+        th.start()
+        t0 = time.time()
+        if retries:  # the inputs are reachable: fresh actors re-run the graph and the run completes
+            got = prog.run(**feeds)
+            np.testing.assert_allclose(got, ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
+            assert prog.run_stats.recoveries == 1 and prog.run_stats.bytes_moved == prog.stats.bytes_moved
+            assert killed and killed[0] not in backend.pids
+            seen += backend.pids
+        else:  # the replacement actors are killed in turn: no retry left
+            with pytest.raises(ej.EinjoinError, match=r"device 1 .*was lost|a device was lost"):
+                prog.run(**feeds)
+        assert time.time() - t0 < 120  # a hang guard
+        th.join()
+    # the program recovers on the next run with fresh actors
+    backend.kernel_delay = 0.0
+    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
+    seen += backend.pids
+    assert not set(killed) & set(backend.pids)
+    prog.close()
+    assert _wait_dead(killed + seen) == ([], [])
 
 
 def test_ray_cluster_sees_both_nodes(ray_session):
@@ -63,82 +119,59 @@ def test_ray_cluster_sees_both_nodes(ray_session):
     assert cluster.bandwidth[0][1] > cluster.bandwidth[0][2]
 
 
-def test_two_nodes_cross_node_bytes_match_the_plan(ray_session):
+def test_two_nodes_cross_node_bytes_match_the_plan(shared):
     cluster = ej.ray_cluster(devices_per_node=2)
     out, feeds = _mlp()
-    prog = ej.compile(out, devices=cluster, backend="ray", planner="split_largest")
+    prog = ej.compile(out, devices=cluster, backend=shared, planner="split_largest")
+    got = prog.run(**feeds)
+    np.testing.assert_allclose(got, ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
+    node = [d.node for d in cluster.devices]
+    # the actors really are on the nodes their devices name
+    actor_nodes = ray.get([a.node.remote() for a in prog.backend.actors])
+    assert actor_nodes == node
+    measured = prog.backend.received_per_pair
+    planned = prog.stats.bytes_per_pair
+    assert measured == {k: v for k, v in planned.items() if v}
+    cross = sum(b for (s, d), b in planned.items() if node[s] != node[d])
+    assert cross > 0, "the plan must span both nodes"
+    assert sum(b for (s, d), b in measured.items() if node[s] != node[d]) == cross
+    assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+    # every task ran once, and the callbacks saw each of them with the actors' measured times
+    seen = []
+
+    class Seen:
+        def on_start(self, task):
+            pass
+
+        def on_end(self, task, start, end):
+            seen.append((task.id, start, end))
+
+    prog.run(**feeds, callbacks=[Seen()])
+    assert sorted(t for t, _, _ in seen) == list(range(len(prog.taskgraph)))
+    assert all(s <= e for _, s, e in seen) and prog.run_stats.tasks_run == len(prog.taskgraph)
+
+
+def test_kernel_errors_name_the_task(shared):
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=2, backend=shared)
+    got = prog.run(**feeds)
+    assert got.shape == (256, 64)
+    with pytest.raises(ej.EinjoinError, match="x"):
+        prog.run(**dict(feeds, x=np.ones((3, 3), np.float32)))  # checked before any kernel
+    shared.kernel_delay = -1.0  # time.sleep(-1) raises in the actor: the first kernel fails
     try:
-        got = prog.run(**feeds)
-        np.testing.assert_allclose(got, ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
-        node = [d.node for d in cluster.devices]
-        # the actors really are on the nodes their devices name
-        actor_nodes = ray.get([a.node.remote() for a in prog.backend.actors])
-        assert actor_nodes == node
-        measured = prog.backend.received_per_pair
-        planned = prog.stats.bytes_per_pair
-        assert measured == {k: v for k, v in planned.items() if v}
-        cross = sum(b for (s, d), b in planned.items() if node[s] != node[d])
-        assert cross > 0, "the plan must span both nodes"
-        assert sum(b for (s, d), b in measured.items() if node[s] != node[d]) == cross
-        assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
-    finally:
-        prog.close()
-
-
-@pytest.mark.parametrize("retries", [1, 0])
-def test_killed_actor_completes_or_raises_and_leaves_no_actor(ray_session, retries):
-    from einjoin.runtime.backends.ray import RayBackend
-    out, feeds = _mlp()
-    backend = RayBackend(kernel_delay=0.3, quiet=True, retries=retries)
-    prog = ej.compile(out, devices=2, backend=backend, planner="split_largest")
-    killed = []
-
-    def killer():
-        while not backend.pids:
-            time.sleep(0.02)
-        time.sleep(1.0)  # kernels are outstanding: each sleeps 0.3 s
-        killed.append(backend.pids[1])
-        os.kill(backend.pids[1], signal.SIGKILL)
-
-    th = threading.Thread(target=killer)
-    th.start()
-    t0 = time.time()
-    if retries:  # the inputs are reachable: fresh actors re-run the graph and the run completes
-        got = prog.run(**feeds)
-        np.testing.assert_allclose(got, ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
-        assert prog.run_stats.recoveries == 1 and prog.run_stats.bytes_moved == prog.stats.bytes_moved
-        assert killed and killed[0] not in backend.pids
-        killed += backend.pids
-    else:
-        with pytest.raises(ej.EinjoinError, match=r"device 1 .*was lost|a device was lost"):
+        with pytest.raises(ej.EinjoinError, match=r"task #\d+ \(kernel .*ValueError"):
             prog.run(**feeds)
-    assert time.time() - t0 < 30
-    th.join()
-    pids = list(killed)
-    prog.close()
-    assert _wait_dead(pids) == ([], [])
-    # the program recovers on the next run with fresh actors
-    backend.kernel_delay = 0.0
-    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
-    pids = list(backend.pids)
-    prog.close()
-    assert _wait_dead(pids) == ([], [])
-
-
-def test_kernel_errors_name_the_task(ray_session):
-    out, feeds = _mlp()
-    with ej.compile(out, devices=2, backend="ray") as prog:
-        feeds = dict(feeds, x=feeds["x"].astype(np.float32))
-        got = prog.run(**feeds)
-        assert got.shape == (256, 64)
-        with pytest.raises(ej.EinjoinError, match="x"):
-            prog.run(**dict(feeds, x=np.ones((3, 3), np.float32)))  # checked before any kernel
+    finally:
+        shared.kernel_delay = 0.0
+    assert all(r == [] for r in shared.open_runs())
+    np.testing.assert_allclose(prog.run(**feeds), got)
 
 
 SCRIPT = r"""
 import numpy as np, einjoin as ej, ray
 x = ej.input("x", (8, 4)); w = ej.param("w", (4, 6))
-prog = ej.compile((x @ w).relu(), devices=4, backend="ray")
+prog = ej.compile((x @ w).relu(), devices=2, backend="ray")
 out = prog.run(np.ones((8, 4), np.float32), np.ones((4, 6), np.float32))
 assert out.shape == (8, 6) and float(out[0, 0]) == 4.0
 node = ray._private.worker._global_node
@@ -187,17 +220,146 @@ def test_compile_starts_and_stops_its_own_ray(tmp_path):
     assert _alive_actor_pids(pids) == []
 
 
-def test_results_are_writable_arrays_on_ray_as_on_threads(ray_session):
+def test_results_are_writable_arrays_on_ray_as_on_threads(shared):
     # Ray's object store hands out read-only arrays backed by its shared memory; a result is the
     # caller's own writable array on every backend (and torch in gives writable torch tensors)
     torch = pytest.importorskip("torch")
     x, w = ej.input("x", (64, 32)), ej.input("w", (32, 16))
     xs, ws = np.ones((64, 32), np.float32), np.ones((32, 16), np.float32)
     for devices in (1, 2):
-        with ej.compile([x @ w, (x @ w).sum()], devices=devices, backend="ray") as prog:
-            outs = prog.run(xs, ws)
-            assert all(o.flags.writeable for o in outs), devices
-            outs[0][:] = 0  # the caller's own array
-            t = prog.run(torch.from_numpy(xs), torch.from_numpy(ws))[0]
-            assert torch.equal(t, torch.full((64, 16), 32.0))
-            t.add_(1)
+        prog = ej.compile([x @ w, (x @ w).sum()], devices=devices, backend=shared)
+        outs = prog.run(xs, ws)
+        assert all(o.flags.writeable for o in outs), devices
+        outs[0][:] = 0  # the caller's own array
+        t = prog.run(torch.from_numpy(xs), torch.from_numpy(ws))[0]
+        assert torch.equal(t, torch.full((64, 16), 32.0))
+        t.add_(1)
+
+
+# ---- the actors' executors in this process: DeviceWorker without Ray, a send handed straight to
+# the peer's deliver (what the Ray call does, minus the object store)
+
+class _Direct:
+    """A stand-in for an actor handle: ``h.method.remote(*args)`` calls the worker at once."""
+
+    def __init__(self, worker):
+        self._w = worker
+
+    def __getattr__(self, name):
+        fn = getattr(self._w, name)
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                return fn(*args)
+        return _Method
+
+
+def _workers(prog):
+    from einjoin.runtime.backends.ray_worker import DeviceWorker
+    ws = [DeviceWorker(d) for d in range(prog.taskgraph.n_devices)]
+    for w in ws:
+        w.set_peers([_Direct(p) for p in ws])
+        w.setup(1, (prog.taskgraph, prog.plan.decomps))
+    return ws
+
+
+def _run_in_process(prog, ws, run, feeds, delay=0.0):
+    """One run on the in-process workers: go everywhere, then each one's report (its outputs)."""
+    tg = prog.taskgraph
+    values = {prog.graph.input_by_name[k]: v for k, v in feeds.items()}
+    fetch = [[] for _ in ws]
+    for lay in tg.outputs:
+        for v in lay.blocks.values():
+            fetch[tg.values[v].device].append(v)
+    for d, w in enumerate(ws):
+        w.go(run, 1, values, delay, None, None, fetch[d])
+    return [w.finish(run) for w in ws]
+
+
+def _outputs(prog, reports):
+    from einjoin.plan.execute import assemble_outputs
+    blocks = {v: b for r in reports for v, b in r["blocks"].items()}
+    return assemble_outputs(prog.taskgraph, blocks.__getitem__)
+
+
+def test_in_process_workers_exchange_blocks_and_run_concurrent_runs():
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=2, backend="sync", planner="split_largest", quiet=True)
+    tg = prog.taskgraph
+    moves = [t for t in tg.tasks if t.kind.value == "move"]
+    assert moves, "the plan must move blocks"
+    ws = _workers(prog)
+    want = ej.reference(out, **feeds)
+    # every task is an item of its device's part, every move a send on its source too
+    from einjoin.runtime.backends.ray_worker import SEND
+    assert sorted(tid for w in ws for kind, tid in w.plans[1].items if kind != SEND) == list(range(len(tg.tasks)))
+    assert sorted(tid for w in ws for kind, tid in w.plans[1].items if kind == SEND) == [t.id for t in moves]
+    reports = _run_in_process(prog, ws, 1, feeds)
+    np.testing.assert_allclose(_outputs(prog, reports)[0], want, rtol=1e-5, atol=1e-6)
+    assert sum(r["received"] for r in reports) == prog.stats.bytes_moved
+    assert sorted(tid for r in reports for tid, _, _ in r["intervals"]) == list(range(len(tg.tasks)))
+    # runs in flight at once keep their own namespaces: different feeds, each its own result
+    other = {k: v * 2 for k, v in feeds.items()}
+    values = [{prog.graph.input_by_name[k]: v for k, v in f.items()} for f in (feeds, other)]
+    fetch = [[v for lay in tg.outputs for v in lay.blocks.values() if tg.values[v].device == d] for d in (0, 1)]
+    for run, vals in ((2, values[0]), (3, values[1])):
+        for d, w in enumerate(ws):
+            w.go(run, 1, vals, 0.0, None, None, fetch[d])
+    got = {run: _outputs(prog, [w.finish(run) for w in ws])[0] for run in (3, 2)}
+    np.testing.assert_allclose(got[2], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[3], ej.reference(out, **other), rtol=1e-5, atol=1e-5)
+    assert [w.open_runs() for w in ws] == [[], []]
+
+
+def test_in_process_workers_abort_and_fail_a_run_only():
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=2, backend="sync", planner="split_largest", quiet=True)
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+    ws = _workers(prog)
+    # a failing kernel (time.sleep(-1) raises): the run's report names the task, the workers carry on
+    for w in ws:
+        w.go(1, 1, {prog.graph.input_by_name[k]: v for k, v in feeds.items()}, -1.0)
+    with ThreadPoolExecutor(2) as pool:
+        waits = [pool.submit(w.finish, 1) for w in ws]
+        done, _ = wait(waits, timeout=60, return_when=FIRST_COMPLETED)
+        tid, e = next(iter(done)).result()["failed"]
+        assert prog.taskgraph.tasks[tid].kind.value == "kernel" and isinstance(e, ValueError)
+        for w in ws:
+            w.abort(1)  # as the driver does when a run fails: the other device waits for it no more
+        for f in waits:
+            r = f.result(60)
+            assert r is None or "failed" in r
+    assert [w.open_runs() for w in ws] == [[], []]
+    # aborted before its go and its blocks came: nothing of it runs or stays, finish answers None
+    for w in ws:
+        assert w.abort(2) == 0
+    assert _run_in_process(prog, ws, 2, feeds) == [None, None]
+    assert [w.open_runs() for w in ws] == [[], []]
+    # the workers still run the program
+    np.testing.assert_allclose(_outputs(prog, _run_in_process(prog, ws, 3, feeds))[0], ej.reference(out, **feeds),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_in_process_workers_signal_a_dependency_that_moves_no_block():
+    # the planner makes none today: a kernel on device 1 made to wait for a kernel on device 0
+    import dataclasses
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=2, backend="sync", planner="split_largest", quiet=True)
+    tg = prog.taskgraph
+    k0 = max(t.id for t in tg.tasks if t.kind.value == "kernel" and t.device == 0)
+    k1 = next(t.id for t in tg.tasks if t.kind.value == "kernel" and t.device == 1 and t.id > k0)
+    tasks = list(tg.tasks)
+    tasks[k1] = dataclasses.replace(tasks[k1], deps=tasks[k1].deps + (k0,))
+    tg2 = dataclasses.replace(tg, tasks=tuple(tasks))
+    from einjoin.runtime.backends.ray_worker import DeviceWorker
+    ws = [DeviceWorker(d) for d in range(2)]
+    for w in ws:
+        w.set_peers([_Direct(p) for p in ws])
+        w.setup(1, (tg2, prog.plan.decomps))
+    assert any(k0 == ws[0].plans[1].items[i][1] for i in ws[0].plans[1].signals)
+    reports = _run_in_process(prog, ws, 1, feeds, delay=0.01)
+    np.testing.assert_allclose(_outputs(prog, reports)[0], ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
+    end0 = next(e for tid, _, e in reports[0]["intervals"] if tid == k0)
+    start1 = next(s for tid, s, _ in reports[1]["intervals"] if tid == k1)
+    assert start1 >= end0
