@@ -3,9 +3,13 @@ one process, dask.array on its threaded scheduler (with einjoin's blocks, and wi
 "auto" chunks) and torch eager, on four cases: a 4096^2 float32 matmul, a chain A@B@C, an MLP
 and a LLaMA-style block: the graphs of :mod:`einjoin.models.graphs` (``matmul``, ``chain``, ``mlp``,
 ``transformer_block``); the torch peer of the block is the zoo's (``einjoin.models.zoo.torch_block``).
-Two more rows are torch models imported with ``ej.from_torch``, the zoo's ResNet-18 and ViT-Tiny
-(eval mode, batch 8 of 224x224 images): there the peer is torch eager alone (no numpy or dask
-version of a ResNet exists to compare with), and torch's output is the reference.
+More rows are torch models imported with ``ej.from_torch``: the zoo's ResNet-18 and ViT-Tiny
+(eval mode, batch 8 of 224x224 images) and its LLaMA block (the llama case's sizes): there the
+peer is torch eager alone (no numpy or dask version of a ResNet exists to compare with), and
+torch's output is the reference. The LLaMA block, and its import, also run on einjoin's torch
+backend (``backend="torch"``, CPU), the import fed torch tensors (torch in, torch out); a table of
+their own gives them against torch eager, and the bytes the torch backend copied between numpy
+and torch (0: no round trip).
 
 Run it with ``make bench`` (or ``.venv/bin/python bench/local_exec.py``). Every time is a median
 over a few repetitions after one warm-up run; each einjoin result is checked against numpy.
@@ -54,6 +58,7 @@ from einjoin.models.zoo import block_with  # noqa: E402
 from einjoin.plan.stats import human_bytes  # noqa: E402
 
 DEVICES = 2
+TORCH_COL = "einjoin (torch backend)"
 CORES = os.cpu_count() or 1
 HEADS = 8
 Feeds = dict[str, np.ndarray]
@@ -74,6 +79,8 @@ class Case:
     torch_fn: Callable[[Feeds], np.ndarray]
     reps: int = 3
     extra: dict[str, Callable[[Feeds], np.ndarray]] = field(default_factory=dict)  # more numpy peers
+    torch_backend: bool = False  # also run einjoin on backend="torch" (CPU): a column of its own
+    torch_in: bool = False       # ... fed torch tensors (torch in, torch out: no numpy round trip)
 
 
 def _randn(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
@@ -164,7 +171,20 @@ def llama_case(rng: np.random.Generator) -> Case:
     return Case("LLaMA block seq 2048, d 1024, 8 heads, SwiGLU 2816", out, feeds,
                 lambda t: ej.reference(out, **t), "numpy (ej.reference)",
                 lambda t: block_math(da, t, HEADS), torch_fn,
-                extra={"numpy (hand-written block)": lambda t: block_math(np, t, HEADS)})
+                extra={"numpy (hand-written block)": lambda t: block_math(np, t, HEADS)}, torch_backend=True)
+
+
+def llama_import_case(rng: np.random.Generator) -> Case:
+    """The zoo's LLaMA block (the llama case's sizes and weights) imported with ``ej.from_torch``:
+    on the torch backend it runs torch in, torch out (the bench reports the bytes it copied)."""
+    _, shapes = transformer_block(seq=2048, d=1024, heads=HEADS, hidden=2816)
+    weights = {k: _randn(rng, s, 0.05) for k, s in shapes.items() if k != "x"}
+    for g in ("attn_norm", "mlp_norm"):
+        weights[g] = np.ones(shapes[g], np.float32)
+    case = _imported("llama-import", "LLaMA block (from_torch, zoo), seq 2048, d 1024, 8 heads",
+                     block_with(weights, HEADS, seq=2048), _randn(rng, (1, 2048, 1024)))
+    case.torch_backend = case.torch_in = True
+    return case
 
 
 def _imported(name: str, title: str, module: Any, x: np.ndarray) -> Case:
@@ -294,6 +314,7 @@ class Result:
     dask_tasks: dict[str, int]
     notes: list[str]
     load: str = ""
+    torch_copies: int | None = None  # bytes the torch backend copied between numpy and torch (last run)
 
 
 def run_case(case: Case, console: Console, time_left_s: float) -> Result:
@@ -331,6 +352,15 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
         columns["dask (auto chunks)"] = lambda: lazy_auto.compute(scheduler="threads")
         dask_tasks = {"same": len(lazy_same.__dask_graph__()), "auto": len(lazy_auto.__dask_graph__())}
     columns["torch eager"] = lambda: case.torch_fn(feeds)
+    prog_t = None
+    if case.torch_backend:  # einjoin's torch backend on the same devices, in this process
+        from einjoin.runtime.backends.torch_backend import TorchBackend
+        prog_t = ej.compile(case.out, devices=ej.local(DEVICES), backend=TorchBackend(), quiet=True)
+        if case.torch_in:
+            tensors = {k: torch.from_numpy(feeds[k]) for k in names}
+            columns[TORCH_COL] = lambda: prog_t.run(**tensors)
+        else:
+            columns[TORCH_COL] = lambda: prog_t.run(**feeds)
     ref = "numpy" if case.numpy_fn is not None else "torch eager"  # what every result is checked against
 
     # warm-up: every column once; numpy's result is the reference every later result is checked
@@ -365,7 +395,14 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
             errs[label] = max(errs[label], rel_err(result, want))
 
     times = measure(columns, reps, check, log)
-    return Result(case, prog, compile_s, times, errs, same, auto, dask_tasks, notes, watch.others())
+    copies = None
+    if prog_t is not None:
+        out = columns[TORCH_COL]()
+        if case.torch_in and not isinstance(out, torch.Tensor):
+            notes.append(f"torch in gave {type(out).__name__} out, not a tensor")
+        copies = prog_t.backend.host_copies
+    return Result(case, prog, compile_s, times, errs, same, auto, dask_tasks, notes, watch.others(),
+                  torch_copies=copies)
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,13 +493,30 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
         console.print(f"  timed repetitions: {', '.join(map(str, sorted(reps)))}; while it ran: {r.load}")
         for n in r.notes:
             console.print(f"  [yellow]note[/]: {escape(n)}")
+    torch_rows = [r for r in results if TORCH_COL in r.times]
+    if torch_rows:
+        tt = Table(title=f"einjoin's torch backend (CPU, ej.local({DEVICES}): {DEVICES} device threads x "
+                         f"{max(1, CORES // DEVICES)} torch threads) vs torch eager ({CORES} threads), "
+                         f"one process, the same run: median seconds")
+        for c in ("case", "einjoin\ntorch\nbackend (s)", "torch\neager (s)",
+                  "einjoin torch\n/ torch eager\n(goal <= 1.10)", "einjoin torch\n/ einjoin\nthreads", "fed",
+                  "bytes copied\nnumpy<->torch"):
+            tt.add_column(c, justify="left" if c == "case" else "right")
+        for r in torch_rows:
+            t = r.times
+            tt.add_row(escape(r.case.name), fmt_s(t[TORCH_COL]), fmt_s(t["torch eager"]),
+                       f"{t[TORCH_COL].median / t['torch eager'].median:.2f}",
+                       f"{t[TORCH_COL].median / t['einjoin'].median:.2f}",
+                       "torch tensors" if r.case.torch_in else "numpy arrays",
+                       str(r.torch_copies) if r.torch_copies is not None else "-")
+        console.print(tt)
     console.print(f"\ntotal benchmark time: {total_s:.1f} s; while it ran: {watch.others()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", default="matmul,chain,mlp,llama,resnet18,vit-tiny",
-                    help="comma-separated subset of matmul,chain,mlp,llama,resnet18,vit-tiny")
+    ap.add_argument("--cases", default="matmul,chain,mlp,llama,llama-import,resnet18,vit-tiny",
+                    help="comma-separated subset of matmul,chain,mlp,llama,llama-import,resnet18,vit-tiny")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per column (after a warm-up)")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds for the whole run; cases get fewer repetitions (never smaller "
@@ -483,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"dask (auto) default workers, BLAS untouched; numpy and torch {CORES} threads")
 
     makers = {"matmul": matmul_case, "chain": chain_case, "mlp": mlp_case, "llama": llama_case,
-              "resnet18": resnet_case, "vit-tiny": vit_case}
+              "llama-import": llama_import_case, "resnet18": resnet_case, "vit-tiny": vit_case}
     la = os.getloadavg() if hasattr(os, "getloadavg") else ()
     console.print("load average at start: " + " ".join(f"{x:.2f}" for x in la))
     watch = CpuWatch()
@@ -495,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         case.reps = args.reps
         # the case's share of what is left of the budget: weights by size of the work (the chain
         # and the LLaMA block take about twice the others)
-        weights = {"chain": 2.0, "llama": 2.5, "resnet18": 1.5, "vit-tiny": 1.5}
+        weights = {"chain": 2.0, "llama": 3.0, "llama-import": 2.5, "resnet18": 1.5, "vit-tiny": 1.5}
         weight = weights.get(key, 1.0)
         rest = sum(weights.get(k, 1.0) for k in keys[i:])
         share = (args.budget - (time.perf_counter() - T_START)) * weight / rest
