@@ -43,7 +43,7 @@ def _const(x: Any) -> torch.Tensor:
     got = _CONSTS.get(key)
     if got is None:
         dt = torch.bool if isinstance(x, bool) else torch.int64 if isinstance(x, int) else torch.float64
-        got = _CONSTS[key] = torch.tensor(x, dtype=dt)
+        got = _CONSTS[key] = torch.tensor(x, dtype=dt, device="cpu")  # not the default device (a CUDA run sets it)
     return got
 
 
