@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable
 
+import numpy as np
+
 from einjoin.decomp.partition import even_bounds
 from einjoin.decomp.spec import JoinAggSpec, label_sizes
 from einjoin.ir.node import Node
@@ -81,11 +83,32 @@ class Candidates:
         self.over = settings.candidate_over if over is None else over
         self._cands: dict[Node, list[SpecInfo]] = {}
         self._by_shape: dict[Hashable, list[SpecInfo]] = {}
+        self._groups: dict[Node, tuple[tuple[int, ...], list[int]]] = {}
+        self._rows: dict[tuple[Node, int], np.ndarray] = {}
 
     def __call__(self, node: Node) -> list[SpecInfo]:
         found = self._cands.get(node)
         if found is None:
             found = self._cands[node] = [] if node.facts.leaf else self._of(node)
+        return found
+
+    def out_groups(self, node: Node) -> tuple[tuple[int, ...], list[int]]:
+        """``node``'s distinct output partitions (interned ids, in the order its candidates first
+        give them) and, per candidate, the index of its output there (memoised)."""
+        found = self._groups.get(node)
+        if found is None:
+            index: dict[int, int] = {}
+            group = [index.setdefault(info.out_id, len(index)) for info in self(node)]
+            found = self._groups[node] = (tuple(index), group)
+        return found
+
+    def repart_row(self, node: Node, need: int) -> np.ndarray:
+        """The placement-free bytes from each of :meth:`out_groups`' partitions of ``node`` to
+        partition ``need`` (an interned id), as int64 (memoised: the DP asks again every round)."""
+        key = (node, need)
+        found = self._rows.get(key)
+        if found is None:
+            found = self._rows[key] = self.model.repart_from(self.out_groups(node)[0], need, node.dtype)
         return found
 
     def _of(self, node: Node) -> list[SpecInfo]:

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from typing import cast
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition, decompose
 from einjoin.decomp.partition import BlockKey, Partition, box_size, intersect
@@ -121,25 +123,60 @@ def repartition_estimate(producer: Partition, consumer: Partition, dtype: str) -
     """Placement-free repartition bytes: each consumer block sits with the producer block it
     overlaps most and the rest of it moves. Both partitions are grids, so the sum over consumer
     blocks of the largest overlap factorises into a product over dims of 1-D sums: O(blocks)."""
-    if producer == consumer or 0 in consumer.shape:  # an empty tensor moves nothing
+    return _moved_elems(producer.bounds, consumer.bounds) * itemsize(dtype)
+
+
+def _moved_elems(have: tuple[tuple[int, ...], ...], need: tuple[tuple[int, ...], ...]) -> int:
+    """:func:`repartition_estimate` in elements, from the two partitions' boundaries."""
+    n = 1
+    for cb in need:
+        n *= cb[-1]
+    if n == 0 or have == need:  # an empty tensor moves nothing
         return 0
     kept = 1
-    for pb, cb in zip(producer.bounds, consumer.bounds):
-        dim_sum = 0
-        j = 0
-        for a, b in zip(cb, cb[1:]):
-            while pb[j + 1] <= a:
-                j += 1
-            best, i = 0, j
-            while i < len(pb) - 1 and pb[i] < b:
-                best = max(best, min(b, pb[i + 1]) - max(a, pb[i]))
-                i += 1
-            dim_sum += best
-        kept *= dim_sum
-    n = 1
-    for cb in consumer.bounds:
-        n *= cb[-1]
-    return (n - kept) * itemsize(dtype)
+    for pb, cb in zip(have, need):
+        kept *= _kept_along(pb, cb)
+    return n - kept
+
+
+_KEPT: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+_KEPT_MAX = 1 << 16  # entries kept before the memo starts afresh (a few MB at most)
+
+
+def _kept_along(pb: tuple[int, ...], cb: tuple[int, ...]) -> int:
+    """The 1-D factor of :func:`repartition_estimate`: the sum over the consumer's blocks along
+    one dim of its largest overlap with a producer block. Memoised on the two boundary tuples
+    (plain data): the searches ask for ~10^5 pairs of partitions that share a few hundred
+    distinct dims, so the pairs cost a product of lookups."""
+    key = (pb, cb)
+    found = _KEPT.get(key)
+    if found is not None:
+        return found
+    dim_sum = 0
+    j = 0
+    for a, b in zip(cb, cb[1:]):
+        while pb[j + 1] <= a:
+            j += 1
+        best, i = 0, j
+        while i < len(pb) - 1 and pb[i] < b:
+            best = max(best, min(b, pb[i + 1]) - max(a, pb[i]))
+            i += 1
+        dim_sum += best
+    if len(_KEPT) >= _KEPT_MAX:
+        _KEPT.clear()
+    _KEPT[key] = dim_sum
+    return dim_sum
+
+
+def _dim_groups(parts: list[tuple[tuple[int, ...], ...]]) -> list[tuple[list[tuple[int, ...]], np.ndarray]]:
+    """Per dim of partitions of one tensor (their boundaries): the distinct boundary tuples,
+    and for each partition the index of its own among them."""
+    out = []
+    for d in range(len(parts[0]) if parts else 0):
+        index: dict[tuple[int, ...], int] = {}
+        col = np.array([index.setdefault(b[d], len(index)) for b in parts], dtype=np.intp)
+        out.append((list(index), col))
+    return out
 
 
 def op_cost(d: Decomposition) -> int:
@@ -173,8 +210,8 @@ def _einsum_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
     """An einsum's pieces straight from its labels (no decomposition: the searches' hot path);
     equal to :func:`_decomposed_pieces`."""
     op = cast(Einsum, node.op)  # the table dispatched on the kind
-    out = spec.partition(op.out_labels)
-    ins = tuple(spec.partition(ls) for ls in op.in_labels)
+    out = _partition(spec, op.out_labels)
+    ins = tuple(_partition(spec, ls) for ls in op.in_labels)
     counts = spec.counts()
     joins = []
     for x, ls in zip(node.inputs, op.in_labels):
@@ -183,6 +220,21 @@ def _einsum_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
     n_agg = math.prod(counts[lab] for lab in op.agg_labels)
     agg = node.size * itemsize(partial_dtype(node)) * (n_agg - 1)  # as agg_cost
     return out, ins, agg, tuple(joins)
+
+
+_PARTS: dict[tuple[tuple[int, ...], ...], Partition] = {}
+
+
+def _partition(spec: JoinAggSpec, labels: str | tuple[str, ...]) -> Partition:
+    """``spec.partition(labels)``, one object per boundaries (plain data, memoised): a spec's
+    bounds are checked once, and equal partitions compare by identity in the searches' memos."""
+    bounds = tuple(spec[lab] for lab in labels)
+    found = _PARTS.get(bounds)
+    if found is None:
+        if len(_PARTS) >= _KEPT_MAX:
+            _PARTS.clear()
+        found = _PARTS[bounds] = Partition(bounds)
+    return found
 
 
 def _decomposed_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
@@ -232,6 +284,7 @@ class CostModel:
         self._repart_bytes: dict[tuple[int, int, str], int] = {}
         self._pid: dict[Partition, int] = {}
         self._parts: list[Partition] = []
+        self._dims: dict[tuple[int, ...], list[tuple[list[tuple[int, ...]], np.ndarray]]] = {}
 
     def pid(self, part: Partition) -> int:
         """An interned id for a partition (hashing nested tuples on every lookup is slow)."""
@@ -251,6 +304,24 @@ class CostModel:
                                                self.pid(out), tuple(self.pid(p) for p in ins))
         return found
 
+    def repart_from(self, qs: tuple[int, ...], r: int, dtype: str) -> np.ndarray:
+        """:meth:`repart_ids` from each of the interned partitions ``qs`` (of one tensor) to
+        ``r``, as int64: per dim, each distinct boundary tuple among ``qs`` is measured once (a
+        tensor's candidates cut each dim in a few ways), and the 1-D sums multiply per ``q``."""
+        dims = self._dims.get(qs)
+        if dims is None:
+            dims = self._dims[qs] = _dim_groups([self._parts[q].bounds for q in qs])
+        need = self._parts[r].bounds
+        n = 1
+        for cb in need:
+            n *= cb[-1]
+        if n == 0:  # an empty tensor moves nothing
+            return np.zeros(len(qs), dtype=np.int64)
+        kept = np.ones(len(qs), dtype=np.int64)
+        for cb, (distinct, col) in zip(need, dims):
+            kept *= np.array([_kept_along(pb, cb) for pb in distinct], dtype=np.int64)[col]
+        return (n - kept) * itemsize(dtype)
+
     def repart(self, q: Partition, r: Partition, dtype: str) -> int:
         """Placement-free bytes to turn partition ``q`` of a ``dtype`` tensor into ``r``."""
         return self.repart_ids(self.pid(q), self.pid(r), dtype)
@@ -264,7 +335,7 @@ class CostModel:
         found = self._repart.get(key)
         if found is None:
             # cached in elements: the same pair of partitions serves every dtype
-            found = self._repart[key] = repartition_estimate(self._parts[q], self._parts[r], "bool")
+            found = self._repart[key] = _moved_elems(self._parts[q].bounds, self._parts[r].bounds)
         got = self._repart_bytes[(q, r, dtype)] = found * itemsize(dtype)
         return got
 

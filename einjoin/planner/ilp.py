@@ -124,7 +124,8 @@ def _repart_matrix(model: CostModel, have: list[int], need: list[int], dtype: st
     each distinct pair computed once: many strategies share a partition."""
     hs, hi = np.unique(np.array(have), return_inverse=True)
     ns, ni = np.unique(np.array(need), return_inverse=True)
-    small = np.array([[float(model.repart_ids(int(a), int(b), dtype)) for b in ns] for a in hs])
+    qs = tuple(int(a) for a in hs)
+    small = np.stack([model.repart_from(qs, int(b), dtype) for b in ns], axis=1).astype(float)
     return small[np.ix_(hi.reshape(-1), ni.reshape(-1))]
 
 
@@ -393,23 +394,63 @@ def _integral_relaxation(prob: Problem, col: dict[Node, int], c: np.ndarray, a_m
     without presolve: deterministic, and the fastest HiGHS LP path measured on the planner's
     problems (GPT-2 block's training graph: 0.2 s, against 0.4 s with presolve, 2 s by
     interior point and 1.1 s for the MIP solver's root)."""
-    from scipy.optimize import linprog
     from scipy.sparse import csr_matrix
 
     assert isinstance(a_mat, csr_matrix)
     eq = lo == hi
-    res = linprog(c, A_ub=-a_mat[~eq], b_ub=-lo[~eq], A_eq=a_mat[eq], b_eq=lo[eq], bounds=(0, 1),
-                  method="highs-ds", options={"presolve": False, "time_limit": time_limit})
-    if res.status != 0 or res.x is None:
+    sol = _dual_simplex(c, -a_mat[~eq], -lo[~eq], a_mat[eq], lo[eq], time_limit)
+    if sol is None:
         return None
     pick: dict[Node, int] = {}
     for v in prob.ops:
-        x = res.x[col[v]:col[v] + len(prob.strategies[v])]
+        x = sol[col[v]:col[v] + len(prob.strategies[v])]
         j = int(np.argmax(x))
         if x[j] < 1.0 - INTEGRAL_TOL:
             return None  # fractional: branch and bound decides
         pick[v] = j
     return pick
+
+
+def _dual_simplex(c: np.ndarray, a_ub: Any, b_ub: np.ndarray, a_eq: Any, b_eq: np.ndarray,
+                  time_limit: float) -> np.ndarray | None:
+    """``x`` minimising ``c.x`` subject to ``a_ub x <= b_ub``, ``a_eq x = b_eq``, ``0 <= x <= 1``, by
+    HiGHS's dual simplex without presolve, or None when it ends without an optimum: what
+    ``scipy.optimize.linprog(..., method="highs-ds", options={"presolve": False})`` computes, from
+    the same model and options, so the same vertex. HiGHS is called through scipy's own binding
+    (``scipy.optimize._highspy``, private): linprog's wrapper then loops in Python over every
+    column for marginals the planner never reads (a third of the LP's time on the demo's LLaMA
+    block, 75k columns). Where that binding is not as expected, linprog itself."""
+    try:
+        from scipy.optimize._highspy import _core as hi
+        from scipy.sparse import csc_array, vstack
+
+        a = csc_array(vstack((a_ub, a_eq)))
+        lp, n, m = hi.HighsLp(), c.size, a.shape[0]
+        lp.num_col_ = lp.a_matrix_.num_col_ = n
+        lp.num_row_ = lp.a_matrix_.num_row_ = m
+        lp.a_matrix_.format_ = hi.MatrixFormat.kColwise
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = c, np.zeros(n), np.ones(n)
+        big = hi.kHighsInf  # HiGHS's infinity (linprog replaces np.inf so too)
+        lp.row_lower_ = np.clip(np.concatenate((np.full(len(b_ub), -np.inf), b_eq)), -big, big)
+        lp.row_upper_ = np.clip(np.concatenate((b_ub, b_eq)), -big, big)
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+        opts = hi.HighsOptions()
+        opts.presolve, opts.solver, opts.time_limit = "off", "simplex", time_limit
+        opts.simplex_strategy = hi.simplex_constants.SimplexStrategy.kSimplexStrategyDual
+        opts.highs_debug_level = hi.HighsDebugLevel.kHighsDebugLevelNone
+        opts.log_to_console = opts.output_flag = False
+        highs = hi._Highs()
+        if hi.HighsStatus.kError in (highs.passOptions(opts), highs.passModel(lp), highs.run()):
+            return None
+        if highs.getModelStatus() != hi.HighsModelStatus.kOptimal:
+            return None
+        return np.array(highs.getSolution().col_value)
+    except (ImportError, AttributeError, TypeError):  # scipy's private binding changed
+        from scipy.optimize import linprog
+
+        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, 1), method="highs-ds",
+                      options={"presolve": False, "time_limit": time_limit})
+        return None if res.status != 0 or res.x is None else np.asarray(res.x)
 
 
 def choose(graph: Graph, model: CostModel, strategies: dict[Node, list[SpecInfo]],

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import itertools
 from typing import Any
+
+import numpy as np
 from collections.abc import Callable, Mapping, Sequence
 
 from einjoin.cluster import Cluster
@@ -70,26 +72,27 @@ def _solve_tree(graph: Graph, cands: Candidates, root: Node, members: set[Node],
     pick: dict[Node, list[list[int]]] = {}  # per candidate J, per input slot: chosen candidate of u
     best_in: dict[tuple[Node, int], tuple[int, int]] = {}  # (u, need id) -> (cost, candidate)
 
-    by_out: dict[Node, list[tuple[int, int, int]]] = {}  # u -> [(out id, best f, candidate)]
+    by_out: dict[Node, tuple[np.ndarray, list[int]]] = {}  # u -> (best f per out id, its candidate)
 
     def serve(u: Node, need: int) -> tuple[int, int]:
         # many candidates of v need the same partition of u, and many candidates of u give the
-        # same output partition: solve each (u, need) once, over u's distinct outputs
+        # same output partition: solve each (u, need) once, over u's distinct outputs (the
+        # repartition row from those outputs to ``need`` is fixed: memoised across calls)
         key = (u, need)
         found = best_in.get(key)
         if found is None:
             if u not in by_out:
-                best_of: dict[int, tuple[int, int]] = {}
-                for j, uinfo in enumerate(cands(u)):
-                    if uinfo.out_id not in best_of or f[u][j] < best_of[uinfo.out_id][0]:
-                        best_of[uinfo.out_id] = (f[u][j], j)
-                by_out[u] = [(o, c, j) for o, (c, j) in best_of.items()]
-            best, arg = -1, -1
-            for o, c0, j in by_out[u]:
-                c = c0 + cands.model.repart_ids(o, need, u.dtype)
-                if arg < 0 or c < best:
-                    best, arg = c, j
-            found = best_in[key] = (best, arg)
+                outs, group = cands.out_groups(u)
+                best_f: list[int] = [-1] * len(outs)
+                best_j: list[int] = [-1] * len(outs)
+                for j, (g, c) in enumerate(zip(group, f[u])):
+                    if best_j[g] < 0 or c < best_f[g]:
+                        best_f[g], best_j[g] = c, j
+                by_out[u] = (np.array(best_f, dtype=np.int64), best_j)
+            c0, arg_of = by_out[u]
+            total = c0 + cands.repart_row(u, need)
+            k = int(total.argmin())  # the first of equal minima, as a strict < scan
+            found = best_in[key] = (int(total[k]), arg_of[k])
         return found
 
     for v in order:
