@@ -149,12 +149,15 @@ def test_a_bigger_imported_block_in_each_dtype_against_torch(dtype: torch.dtype)
     module = LlamaBlock(LlamaConfig(dim=512, heads=8, kv_heads=8, hidden=1376, seq=256)).eval().to(dtype)
     x = torch.randn(2, 256, 512, dtype=dtype)
     prog = ej.compile(ej.from_torch(module, (x,)), devices=4, backend="torch", quiet=True)
-    got = prog.run(x)
+    got = prog.run(x).float()
     with torch.no_grad():
+        eager = module(x).float()
         want = module.float()(x.float())
-    # against torch in float32: the half types' rounding of each op (a few epsilons of the values)
-    tol = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 8e-3}[dtype]
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # against torch in float32: no further from it than torch eager in the same dtype (measured:
+    # the same max error, 3.0e-2 bfloat16, 3.0e-3 float16, on values up to 4.7), plus an epsilon
+    eps = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    err, eager_err = float((got - want).abs().max()), float((eager - want).abs().max())
+    assert err <= 1.25 * eager_err + eps * float(want.abs().max()), (err, eager_err)
 
 
 # ---------------------------------------------------------------- backend features
