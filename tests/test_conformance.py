@@ -23,7 +23,7 @@ from graphgen import graphs, specs_for
 # null runs nothing (it checks the accounting, as every backend does): fewer cases too; the
 # compile path is the same for every backend, so the four draw 875 programs in all.
 BACKENDS = ["sync", "threads", "null", "torch", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))]
-CASES = {"sync": 300, "threads": 300, "null": 150, "torch": 60, "ray": 25}
+CASES = {"sync": 300, "threads": 300, "null": 150, "torch": 50, "ray": 25}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
