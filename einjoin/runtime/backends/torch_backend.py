@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -151,7 +152,7 @@ class TorchSession(LocalSession):
                 free[dev] = f + torch.cuda.memory_reserved(torch.device(dev)) - torch.cuda.memory_allocated(
                     torch.device(dev))
             check_caps(self.devices, getattr(self.tg.memory, "caps", None), free)
-        self.prepared = _prepare(self.tg.tasks, self.decomps)
+        self.prepared = _prepared(run.engine)
 
     def _copied(self, nbytes: int) -> None:
         with self.copies_lock:
@@ -359,6 +360,21 @@ def _assemble(lay: Any, get: Callable[[int], torch.Tensor]) -> torch.Tensor:
     for k, b in blocks.items():
         out[part.slices(k)] = b.to(first.device)
     return out
+
+
+_PREPARED: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+_PREPARED_LOCK = threading.Lock()
+
+
+def _prepared(engine: Any) -> dict[int, tuple[Any, ...]]:
+    """:func:`_prepare` once per engine (a program's runs share it; it goes with the engine)."""
+    with _PREPARED_LOCK:
+        got = _PREPARED.get(engine)
+    if got is None:
+        got = _prepare(engine.tg.tasks, engine.decomps)
+        with _PREPARED_LOCK:
+            _PREPARED[engine] = got
+    return got
 
 
 def _prepare(tasks: Sequence[Task], decomps: Mapping[Node, Decomposition]) -> dict[int, tuple[Any, ...]]:
