@@ -126,10 +126,18 @@ def _equation(op: Einsum) -> str:
         sym[lab] for lab in op.out_labels)
 
 
+_ROUTES: dict[tuple[Einsum, tuple[torch.dtype, ...]], MatmulRoute] = {}
+
+
 def torch_einsum(op: Einsum, xs: Sequence[torch.Tensor], out_dtype: str) -> torch.Tensor:
     """One einsum on (blocks of) its inputs, in ``out_dtype`` (see the module's numerics)."""
     tdt = TORCH_DTYPES[out_dtype]
-    route = matmul_route(op, [_NAMES[x.dtype] for x in xs])
+    key = (op, tuple(x.dtype for x in xs))
+    route = _ROUTES.get(key)
+    if route is None:  # matmul_route reads numpy dtypes: looked up once per op and dtypes
+        if len(_ROUTES) > 4096:
+            _ROUTES.clear()
+        route = _ROUTES[key] = matmul_route(op, [_NAMES[x.dtype] for x in xs])
     native = tdt in _HALF and all(x.dtype == tdt for x in xs)  # torch's half matmul: float32 accumulation
     if route.path == "matmul":
         out = _batched_matmul(route, *(xs if native else [_widen(x) for x in xs]))
