@@ -131,6 +131,61 @@ def test_half_sums_accumulate_in_float32(dtype: str) -> None:
     np.testing.assert_array_equal(got.astype(np.float64), np.full((2, 3), float(n)))
 
 
+def _kind_graphs() -> dict[str, tuple[Any, dict[str, np.ndarray]]]:
+    """A small graph per node kind (window ops with odd strides, padding and groups, so that
+    their blocks get halos and cut groups), with feeds."""
+    from einjoin.ir import ops
+    rng = np.random.default_rng(5)
+    x = ej.input("x", (2, 6, 9, 8))
+    w = ej.input("w", (6, 3, 3, 2))
+    idx = ej.input("i", (5,), "int64")
+    feeds = {"x": rng.standard_normal((2, 6, 9, 8)).astype(np.float32),
+             "w": rng.standard_normal((6, 3, 3, 2)).astype(np.float32),
+             "i": np.array([1, 0, 1, 1, 0])}
+    conv = ej.Tensor(ops.conv_node(x.node, w.node, (2, 1), ((1, 2), (0, -1)), (1, 2), (2, 1), 2))
+    graphs = {
+        "conv": conv,
+        "pool-max": ej.Tensor(ops.pool_node(x.node, "max", (3, 2), (2, 1), ((1, 1), (0, 0)), (1, 2))),
+        "pool-sum": ej.Tensor(ops.pool_node(x.node, "sum", (2, 2), (1, 2))),
+        "pool-none": ej.Tensor(ops.pool_node(x.node, "none", (2, 3), (2, 2), ((0, 1), (1, 1)))),
+        "topk": ej.Tensor(ops.topk_node(x.node, 4, 2, True)),
+        "topk-indices": ej.Tensor(ops.topk_node(x.node, 3, 3, False, True)),
+        "gather": ej.gather(x.reshape(2, 6 * 9 * 8), idx) * 2.0,
+        "scatter_add": ej.Tensor(ops.scatter_add_node(x.reshape(2, 432).node, ej.input("j", (2,), "int64").node, 3)),
+        "cast": ej.cast(x * 100.0, "int64"),
+        "concat-select": ej.concat([x[:, :2], x[:, 4:]], 1).sum(0),
+        "fill": ej.fill((9, 8), "where(x0 >= x1, 1.0, -0.5)", "float32") * x,
+    }
+    feeds["j"] = np.array([2, 0])
+    out = {}
+    for name, g in graphs.items():
+        used = {n.op.name for n in ej.Graph([g]).inputs}
+        out[name] = (g, {k: v for k, v in feeds.items() if k in used})
+    return out
+
+
+@pytest.mark.parametrize("kind", list(_kind_graphs()))
+def test_every_kind_matches_the_numpy_kernels_on_cut_blocks(kind: str) -> None:
+    out, feeds = _kind_graphs()[kind]
+    want = ej.reference(out, **feeds)
+    for devices in (2, 3):
+        got = ej.compile(out, devices=devices, backend="torch", planner="split_largest", quiet=True).run(**feeds)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, spec", [("conv", {"o": 3}), ("conv", {"o": 2, "q": 2}), ("gather", {"row": 2}),
+                                        ("scatter_add", {"row": 3}), ("scatter_add", {"a": 2}),
+                                        ("pool-none", {"c": 5}), ("topk", {"d": 2, "b": 2})])
+def test_kinds_whose_blocks_cut_groups_rows_and_partials(kind: str, spec: dict[str, int]) -> None:
+    out, feeds = _kind_graphs()[kind]
+    node = next(n for n in ej.Graph([out]).nodes if str(n.kind).replace("scatteradd", "scatter_add").startswith(
+        kind.split("-")[0]))
+    got = ej.compile(out, devices=3, backend="torch", specs={node: spec}, planner="split_largest",
+                     quiet=True).run(**feeds)
+    np.testing.assert_allclose(got, ej.reference(out, **feeds), rtol=1e-5, atol=1e-5)
+
+
 def test_a_transformer_block_matches_the_threads_backend_and_torch() -> None:
     from einjoin.models.zoo import torch_block
     out, feeds = _block()
