@@ -2,6 +2,8 @@
 
 Each is written as the join-aggregations it is, so the optimizer sees (and may split) every
 piece: softmax is a max-reduction, an ``exp(x0 - x1)`` join, a sum and a division.
+Attention is the exception: one fused node (:func:`fused_attention`), since its scores written
+as einsums would be a tensor of the graph and its softmax several passes over it.
 
 >>> import einjoin as ej
 >>> x = ej.input("x", (4, 8))
