@@ -75,13 +75,17 @@ for batch in (1, 8):
     ej_s = timed(lambda: prog.run(x))
     engine_s = prog.run_stats.wall_time  # the engine's run, without binding and the host round trip
     peak = max(prog.run_stats.peak_bytes_per_device.values())
-    capped = ej.compile(fn, devices=1, backend=TorchBackend(device_map="cuda", cache_feeds=True),
-                        memory_limit=peak // 2, quiet=True)
-    capped.run(x)
-    cap_s = timed(lambda: capped.run(x), reps=5)
+    try:  # under a cap of half the working set: blocks go to pinned host memory and back
+        capped = ej.compile(fn, devices=1, backend=TorchBackend(device_map="cuda", cache_feeds=True),
+                            memory_limit=peak // 2, quiet=True)
+        capped.run(x)
+        cap_s, evicted = timed(lambda: capped.run(x), reps=5), capped.run_stats.bytes_evicted / 1e6
+    except Exception as e:  # the rest of the table still prints
+        print(f"capped run failed: {type(e).__name__}: {e}"[:2000], file=sys.stderr)
+        cap_s, evicted = float("nan"), float("nan")
     rows.append(dict(batch=batch, eager_ms=eager_s * 1e3, compile_ms=comp_s * 1e3, einjoin_ms=ej_s * 1e3,
-                     engine_ms=engine_s * 1e3, capped_ms=cap_s * 1e3, rel_err=err,
-                     evicted_mb=capped.run_stats.bytes_evicted / 1e6))
+                     engine_ms=engine_s * 1e3, capped_ms=cap_s * 1e3, rel_err=err, evicted_mb=evicted))
+    json.dump(rows, open(f"{out_dir}/llama.json", "w"))  # after each batch: a timeout keeps what ran
 json.dump(rows, open(f"{out_dir}/llama.json", "w"))
 PYEOF
 echo $? > "$OUT/llama.rc"
@@ -105,10 +109,11 @@ if os.path.exists(f"{out}/llama.json"):
         print(f"{'  einjoin / torch eager (run, engine)':<44} {r['einjoin_ms'] / r['eager_ms']:>22.2f} "
               f"{r['engine_ms'] / r['eager_ms']:>25.2f}")
         print(f"{'  capped at half the peak / uncapped':<44} {r['capped_ms'] / r['einjoin_ms']:>22.2f} "
-              f"{str(round(r['evicted_mb'])) + ' MB evicted':>25}")
+              f"{str(r['evicted_mb'] if r['evicted_mb'] != r['evicted_mb'] else round(r['evicted_mb'])) + ' MB evicted':>25}")
         print(f"{'  max error / max |torch eager|':<44} {r['rel_err']:>48.1e}")
-else:
-    print(f"{'LLaMA-7B block (rc ' + open(f'{out}/llama.rc').read().strip() + ')':<44} {'failed: see below':>48}")
+llama_rc = open(f"{out}/llama.rc").read().strip()
+if llama_rc != "0" or not os.path.exists(f"{out}/llama.json"):
+    print(f"{'LLaMA-7B block (rc ' + llama_rc + ')':<44} {'incomplete: its log follows':>48}")
     print(open(f"{out}/llama.txt").read()[-3000:])
 if rc != "0":
     print(open(f"{out}/conformance.txt").read()[-3000:])
