@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -175,10 +176,7 @@ class TorchSession(LocalSession):
     def _execute(self, t: Task) -> None:
         store = self.stores[t.device]
         kind = t.kind
-        start = 0.0
-        if self.host_link is not None:
-            import time
-            start = time.perf_counter()
+        start = time.perf_counter() if self.host_link is not None else 0.0
         if kind in _RELEASES:
             if kind in _TO_HOST:
                 self._to_host(t, store.get(t.payload.frees))
@@ -189,12 +187,13 @@ class TorchSession(LocalSession):
             return
         planned = self.planned[t.writes]
         store.reserve(t.writes, planned, t.scratch)
+        dev = self.devices[t.device]
         if kind is _LOAD and self.state is not None and self.state.load(t, store, planned):
             got = store.get(t.writes)
             if isinstance(got, np.ndarray):  # a state block kept as numpy (see finish): its tensor
-                store.values[t.writes] = to_tensor(got)[0]
+                block = to_tensor(got)[0]
+                store.values[t.writes] = block if dev == "cpu" else block.to(dev)
             return
-        dev = self.devices[t.device]
         if kind is _RELOAD:
             value = self._from_host(t, dev)
         elif kind is _MOVE:
