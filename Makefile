@@ -51,8 +51,9 @@ test: lint
 cov: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup $(PYTEST_COV)
 
+# test-all: the slow tests too, and every property test's full hypothesis budget (tests/budget.py)
 test-all: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m '' --durations=15
+	EINJOIN_HYPOTHESIS=full $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m '' --durations=15
 
 tour: $(STAMP)
 	$(BIN)/python examples/tour.py

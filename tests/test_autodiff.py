@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin as ej
 from einjoin.ir import Graph
@@ -132,7 +133,7 @@ steps_st = st.lists(st.tuples(st.sampled_from(OP_NAMES), st.integers(0, 2), st.b
                     min_size=1, max_size=4)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), steps=steps_st)
 def test_random_compositions_match_torch_on_reference(seed, steps):
     loss, grads, tloss, want, feeds, names = _problem(seed, steps)

@@ -17,6 +17,7 @@ from einjoin.ir import Graph, ops
 from einjoin.ir.node import KINDS, rule_for
 from einjoin.ir.scalar import parse_join
 
+from budget import examples
 from graphgen import AGGS, JOINS, LABELS, graphs
 
 HITS: Counter[str] = Counter()  # what the examples of this file reached (kinds, joins, aggs)
@@ -42,7 +43,7 @@ def _value(loss, feeds):
     return float(ej.reference(loss, **feeds))
 
 
-@settings(max_examples=600, deadline=None, derandomize=True,
+@settings(max_examples=examples(600), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                  HealthCheck.data_too_large])
 @given(g=graphs(dtype="float64"), seed=st.integers(0, 2**31 - 1))

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
+from budget import examples
 from graphgen import graphs, oracle, specs_for
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -19,7 +20,7 @@ def _close(a: np.ndarray, b: np.ndarray, dtype: str) -> None:
     np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tol, atol=tol)
 
 
-@settings(max_examples=400, **SETTINGS)
+@settings(max_examples=examples(400), **SETTINGS)
 @given(st.data())
 def test_blocked_equals_reference_equals_numpy(data: st.DataObject) -> None:
     outs, feeds = data.draw(graphs("float64"))
@@ -33,7 +34,7 @@ def test_blocked_equals_reference_equals_numpy(data: st.DataObject) -> None:
         _close(b, r, "float64")
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=examples(150), **SETTINGS)
 @given(st.data())
 def test_blocked_float32_threads(data: st.DataObject) -> None:
     """float32 graphs, kernels on a thread pool with partials combined in arrival order."""
@@ -46,7 +47,7 @@ def test_blocked_float32_threads(data: st.DataObject) -> None:
         _close(b, r, "float32")
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=examples(60), **SETTINGS)
 @given(st.data())
 def test_deterministic_runs_are_bitwise_equal(data: st.DataObject) -> None:
     outs, feeds = data.draw(graphs("float32"))

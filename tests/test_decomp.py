@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.decomp import Partition, TensorRelation, decompose
+from budget import examples
 from graphgen import all_cuts
 
 
@@ -106,7 +107,7 @@ def test_partition_rejects_too_many_blocks() -> None:
         Partition.from_counts((8,), (9,))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(st.data())
 def test_repartition_round_trips(data: st.DataObject) -> None:
     shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=0, max_size=3)))
@@ -120,7 +121,7 @@ def test_repartition_round_trips(data: st.DataObject) -> None:
     np.testing.assert_array_equal(r.to_dense(), x)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(st.data())
 def test_every_output_block_gets_n_partials(data: st.DataObject) -> None:
     """For random einsums and specs: each output block has exactly n_partials kernels, each kernel
@@ -173,7 +174,7 @@ def _einsums(draw: st.DrawFn, max_inputs: int = 3, size: int = 5, matmul: bool =
     return z, arrays
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(_einsums())
 def test_the_einsum_kernel_takes_the_path_matmul_route_names(case: tuple) -> None:
     import opt_einsum
@@ -209,7 +210,7 @@ def test_the_einsum_kernel_takes_the_path_matmul_route_names(case: tuple) -> Non
         f"{z.op.equation} on {[x.dtype for x in z.inputs]}: route {route.path}, kernel took {taken}")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(_einsums(size=24, matmul=True), st.data())
 def test_the_footprint_bounds_what_a_matmul_route_kernel_allocates(case: tuple, data: st.DataObject) -> None:
     """The scratch the footprint estimates from the route covers what the kernel allocates

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 from einjoin.errors import ExpressionError
 from einjoin.ir.derivative import DERIVATIVES, NoDerivative, derivative, simplify, uses_arg, vjp_join
@@ -126,7 +127,7 @@ def _is_bool(e: Expr) -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(SMOOTH | PIECEWISE))
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.tuples(_exprs, _exprs, _exprs), st.integers(0, 2), st.integers(0, 2 ** 31))
 def test_derivative_matches_finite_differences(name: str, kids: tuple[Expr, Expr, Expr], i: int,
                                                seed: int) -> None:
@@ -288,7 +289,7 @@ def test_simplify(text: str, want: str) -> None:
     np.testing.assert_allclose(_f(s, args), _f(e, args), rtol=1e-15, atol=0)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(_exprs)
 def test_simplify_keeps_values(e: Expr) -> None:
     rng = np.random.default_rng(4)

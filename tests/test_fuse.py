@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.ir import Graph
 from einjoin.ir.fuse import fuse_elementwise
+from budget import examples
 from graphgen import graphs
 
-FAST = settings(max_examples=40, deadline=None,
+FAST = settings(max_examples=examples(40), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
 

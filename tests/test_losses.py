@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 from hypothesis import HealthCheck, given, settings, strategies as st
+from budget import examples
 from torch import nn
 
 import einjoin as ej
@@ -285,7 +286,7 @@ def test_errors_name_the_argument():
 # ---------------------------------------------------------------- shapes and options at random
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 4), c=st.integers(1, 5), d=st.sampled_from([None, 1, 3]),
        reduction=st.sampled_from(["mean", "sum", "none"]), ignore=st.sampled_from([-100, 0, 2]),
        n_ignored=st.integers(0, 3), weighted=st.booleans(), smoothing=st.sampled_from([0.0, 0.25]),

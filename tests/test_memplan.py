@@ -21,6 +21,7 @@ from einjoin.planner.fit import op_need
 from einjoin.settings import SETTINGS
 from einjoin.models.graphs import build
 from einjoin.runtime import ORDERS
+from budget import examples
 from graphgen import graphs, specs_for
 
 
@@ -89,7 +90,7 @@ def _check_run(prog: ej.Program, feeds: dict[str, np.ndarray], want: list[np.nda
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.data_too_large])
 @given(st.data())
 def test_random_graphs_under_caps(data: st.DataObject) -> None:
@@ -256,7 +257,7 @@ def test_a_reshape_is_cut_at_a_divisor_of_its_dims_to_fit() -> None:
     assert prog.run_stats.peak_bytes_per_device[0] <= 48
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_finer_spec_lowers_the_need_by_the_shared_finer_cut(data: st.DataObject) -> None:
     """The memory planner's finer cut (einjoin.planner.fit.finer_spec) always lowers the op's

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
+from budget import examples
 
 import einjoin as ej
 
@@ -322,7 +323,7 @@ def test_clip_grad_norm_errors():
 # ---------------------------------------------------------------- hyperparameters at random
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["sgd", "adamw"]), lr=st.floats(0.0, 0.5), b1=st.floats(0.0, 0.99),
        b2=st.floats(0.0, 0.999), eps=st.sampled_from([0.0, 1e-8, 1e-3]), wd=st.floats(0.0, 0.5),
        momentum=st.sampled_from([0.0, 0.5, 0.9]), dampening=st.sampled_from([0.0, 0.25]),

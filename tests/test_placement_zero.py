@@ -19,6 +19,7 @@ from einjoin.placement import affinity
 from einjoin.placement.base import NodePlacement
 from einjoin.planner.baselines import parameter_gradients
 from einjoin.plan.taskgraph import build_taskgraph
+from budget import examples
 from graphgen import graphs, specs_for
 
 AFFINITY = ["greedy", "critical_path", "nums"]
@@ -104,7 +105,7 @@ def _bytes(prog: ej.Program, placement: dict[ej.Node, NodePlacement]) -> int:
     return build_taskgraph(prog.graph, prog.decomps, placement, prog.cluster.size).stats().bytes_moved
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_each_settled_home_is_the_cheapest(data: st.DataObject) -> None:
     """On random graphs and specs: settled homes never move more bytes than the old ones, and

@@ -21,6 +21,7 @@ from einjoin.planner.baselines import (NotApplicable, data_parallel, megatron,
                                      mesh_ilp, mesh_shapes, mesh_strategies, parameter_gradients, zero)
 from einjoin.planner.cost import CostModel, model_cost, total_cost
 from einjoin.planner.search import exhaustive
+from budget import examples
 from graphgen import graphs, oracle
 
 BASELINES = ["data_parallel", "megatron", "mesh_ilp", "zero"]
@@ -352,7 +353,7 @@ def test_megatron_splits_the_backward_of_its_chains() -> None:
 # any graph: a plan that runs, or NotApplicable
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_baselines_on_random_graphs_run_or_do_not_apply(data: st.DataObject) -> None:
     outs, feeds = data.draw(graphs("float64"))

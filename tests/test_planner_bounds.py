@@ -97,10 +97,11 @@ def test_repartition_cost_rows_to_columns() -> None:
 def test_repartition_estimate_equals_brute_force() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
+    from budget import examples
     from graphgen import all_cuts
     from einjoin.planner.cost import repartition_estimate
 
-    @settings(max_examples=150, deadline=None)
+    @settings(max_examples=examples(150), deadline=None)
     @given(st.data())
     def check(data: st.DataObject) -> None:
         shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))

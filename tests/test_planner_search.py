@@ -15,6 +15,7 @@ from einjoin.planner.bounds import node_bound_bytes
 from einjoin.planner.candidates import Candidates, candidate_specs
 from einjoin.planner.cost import CostModel, model_cost
 from einjoin.planner.search import eindecomp, exhaustive
+from budget import examples
 from graphgen import graphs
 
 MB = 1e6
@@ -93,7 +94,7 @@ def test_small_labels_take_the_largest_feasible_product() -> None:
     assert {tuple(s.counts().values()) for s in candidate_specs(z.node, 8)} == {(2, 1, 1)}
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_eindecomp_equals_exhaustive_on_trees(data: st.DataObject) -> None:
     outs, _ = data.draw(graphs("float64"))
@@ -117,7 +118,7 @@ def test_eindecomp_plans_run_correctly() -> None:
     assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_eindecomp_within_10_percent_of_exhaustive_on_dags(data: st.DataObject) -> None:
     outs, _ = data.draw(graphs("float64"))
@@ -131,7 +132,7 @@ def test_eindecomp_within_10_percent_of_exhaustive_on_dags(data: st.DataObject) 
     assert model_cost(g, c, eindecomp(g, c)) <= 1.10 * best
 
 
-@settings(max_examples=100, deadline=None, derandomize=True,
+@settings(max_examples=examples(100), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_placement_free_estimate_bounds_the_placed_bytes(data: st.DataObject) -> None:
@@ -182,7 +183,7 @@ def _fits_as_documented(node: ej.Node, p: int, cap: int) -> None:
     assert min(need.values()) <= min(best.values()) * 1.5  # nothing fits: about the least there is
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_fitting_specs_keep_the_coarsest_cuts_that_fit(data: st.DataObject) -> None:
     outs, _ = data.draw(graphs("float32", max_dim=6))
@@ -197,7 +198,7 @@ def test_fitting_specs_keep_the_coarsest_cuts_that_fit(data: st.DataObject) -> N
     _fits_as_documented(node, p, cap)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_eindecomp_equals_exhaustive_on_trees_under_a_cap(data: st.DataObject) -> None:
     """The DP stays exact over the cap's (restricted, sometimes finer) candidates, and the plan it

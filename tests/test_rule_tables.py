@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin
 from einjoin.errors import EinjoinError
@@ -305,7 +306,7 @@ def _entry_points() -> dict[str, Callable[[Node], Any]]:
 _kind_names = st.from_regex(r"[A-Z][a-z]{2,10}", fullmatch=True)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(_kind_names, st.sampled_from(_TABLES))
 def test_a_table_refuses_a_kind_it_lacks_naming_both(name: str, table: tuple[str, dict]) -> None:
     label, rules = table
@@ -315,7 +316,7 @@ def test_a_table_refuses_a_kind_it_lacks_naming_both(name: str, table: tuple[str
     assert label in str(e.value) and repr(name) in str(e.value)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(_kind_names, st.sampled_from(sorted(_entry_points())), st.sampled_from(["float32", "int64"]))
 def test_a_node_of_an_unknown_kind_is_refused_with_the_table_named(name: str, entry: str,
                                                                       dtype: str) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin as ej
 from einjoin.ir import AGGS, FUNCTIONS, Arg, Call, Const
@@ -73,7 +74,7 @@ def _calls(children: st.SearchStrategy) -> st.SearchStrategy:
         lambda n: st.tuples(*[children] * FUNCTIONS[n].arity).map(lambda a: Call(n, a)))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.recursive(_leaf, _calls, max_leaves=8))
 def test_printing_round_trips(e) -> None:  # type: ignore[no-untyped-def]
     assert parse_join(str(e), 3) == e

@@ -19,6 +19,7 @@ from einjoin.decomp.spec import label_sizes
 from einjoin.ir import ops
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import partial_dtype
+from budget import examples
 from graphgen import specs_for
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -61,7 +62,7 @@ def problems(draw: st.DrawFn, dtypes: list[str] = DTYPES
 # ---------------------------------------------------------------- semantics
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=examples(60), **SETTINGS)
 @given(problems())
 def test_reference_is_np_add_at(p: tuple[ej.Tensor, dict[str, np.ndarray], np.ndarray]) -> None:
     y, feeds, want = p
@@ -143,7 +144,7 @@ def test_out_of_range_index_is_a_clear_run_time_error(bad: int) -> None:
 # ---------------------------------------------------------------- decomposition
 
 
-@settings(max_examples=80, **SETTINGS)
+@settings(max_examples=examples(80), **SETTINGS)
 @given(st.data())
 def test_blocked_equals_reference_under_random_specs(data: st.DataObject) -> None:
     y, feeds, want = data.draw(problems(["float32", "float64", "int64"]))
@@ -153,7 +154,7 @@ def test_blocked_equals_reference_under_random_specs(data: st.DataObject) -> Non
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=examples(40), **SETTINGS)
 @given(st.data())
 def test_compiled_equals_reference_on_1_to_4_devices(data: st.DataObject) -> None:
     y, feeds, _ = data.draw(problems(["float64"]))
@@ -286,7 +287,7 @@ def test_embedding_gradient_under_a_memory_cap() -> None:
 # ---------------------------------------------------------------- adjoint of gather
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=examples(40), **SETTINGS)
 @given(st.data())
 def test_adjoint_identity_with_gather(data: st.DataObject) -> None:
     """<gather(T, idx), U> == <T, scatter_add(U, idx, rows)>: scatter_add is gather's transpose."""

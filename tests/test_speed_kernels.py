@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin as ej
 from einjoin.ir import FUNCTIONS, Arg, Call, Const, ops
@@ -59,7 +60,7 @@ def _shared(e: Expr) -> st.SearchStrategy:
     return st.just(e) | st.just(Call("mul", (e, Call("add", (e, Const(1.0)))))) if isinstance(e, Call) else st.just(e)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.recursive(_leaf, _calls, max_leaves=10).flatmap(_shared),
        st.sampled_from([np.float32, np.float64]),
        st.sampled_from([[(3, 4), (3, 4), (3, 4)], [(3, 4), (4,), (3, 1)], [(2, 1, 4), (3, 4), (1,)]]),
@@ -120,7 +121,7 @@ def _products(draw: Any) -> tuple[Any, list[np.ndarray]]:
     return z, [rng.standard_normal(x.shape).astype(x.dtype) for x in (a, b)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(_products())
 def test_products_without_a_contraction_equal_einsum(case: tuple[Any, list[np.ndarray]]) -> None:
     z, (x, y) = case

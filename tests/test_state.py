@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin as ej
 from einjoin.errors import EinjoinError
@@ -459,7 +460,7 @@ def test_user_spec_on_a_state_input_must_match_its_new_value():
         ej.compile([loss], 2, state=state, specs={w: {"a": 8, "b": 6}}, quiet=True)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=examples(40), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_random_graphs_with_state_match_the_oracle_step_after_step(data):

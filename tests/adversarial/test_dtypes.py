@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin as ej
 from einjoin.ir.dtypes import DTYPES, numpy_dtype
@@ -435,7 +436,7 @@ def _empty_einsums(draw: Any) -> tuple[Any, dict[str, np.ndarray], Any]:
     return eq, feeds, (xs, join, agg)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(_empty_einsums(), st.sampled_from([1, 2, 4]))
 def test_random_empty_einsums(drawn: Any, devices: int) -> None:
     from graphgen import oracle

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin as ej
 from einjoin.ir.evaluate import evaluate
@@ -98,7 +99,7 @@ def _calls(children: st.SearchStrategy) -> st.SearchStrategy:
         lambda n: st.tuples(*[children] * FUNCTIONS[n].arity).map(lambda a: Call(n, a)))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.recursive(_leaf, _calls, max_leaves=6),
        st.sampled_from(["float32", "float64", "int64", "bool"]))
 def test_any_join_expression_types_or_refuses(e: Any, dtype: str) -> None:
@@ -164,7 +165,7 @@ def _equations(draw: Any) -> tuple[str, list[tuple[int, ...]]]:
     return eq, shapes
 
 
-@settings(SETTINGS, max_examples=150)
+@settings(SETTINGS, max_examples=examples(150))
 @given(_equations())
 def test_einsum_equation_matches_numpy(case: tuple[str, list[tuple[int, ...]]]) -> None:
     """Random equations (implicit and explicit outputs, ``...`` anywhere, size-1 broadcast dims,
@@ -254,7 +255,7 @@ _FOLD_OPS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-@settings(SETTINGS, max_examples=60)
+@settings(SETTINGS, max_examples=examples(60))
 @given(expr=st.sampled_from(["x0", "x1", "x0 - x1", "x0 * 0.1", "x0 >= x1", "sin(x0 * 0.3)",
                              "x0 * x1 + 3", "where(x0 > x1, x0, -x1)", "7", "-0.0", "1e30"]),
        dtype=st.sampled_from(["float64", "float32", "float16", "bfloat16", "int64", "bool"]),

@@ -31,6 +31,7 @@ from einjoin.placement import NodePlacement
 from einjoin.plan import build_taskgraph
 from einjoin.memplan.needs import task_needs
 from einjoin.plan.execute import compute, run_reference
+from budget import examples
 from graphgen import graphs, specs_for
 
 HALF = ["float16", "bfloat16"]
@@ -153,7 +154,7 @@ def test_half_contractions_property(dtype: str) -> None:
     float64 result rounded once to the dtype (inf where that overflows)."""
     top = 2048 if dtype == "float16" else 256  # the integers the dtype holds exactly
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(m=st.integers(1, 4), k=st.integers(2, 40), n=st.integers(1, 4), data=st.data())
     def check(m: int, k: int, n: int, data: st.DataObject) -> None:
         rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -336,7 +337,7 @@ def test_half_graphs_accounting_property(dtype: str) -> None:
     dtype, measured bytes equal the plan's and the exact formula's, outputs have the reference's
     dtype."""
 
-    @settings(max_examples=40, deadline=None,
+    @settings(max_examples=examples(40), deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.data())
     def check(data: st.DataObject) -> None:

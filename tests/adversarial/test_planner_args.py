@@ -31,6 +31,7 @@ from einjoin.decomp.spec import JoinAggSpec
 from einjoin.ir.dtypes import itemsize
 from einjoin.planner import PLANNERS, plan_specs
 from einjoin.placement import PLACERS, affinity
+from budget import examples
 from graphgen import graphs, specs_for
 
 
@@ -272,7 +273,7 @@ _JUNK = st.deferred(lambda: st.one_of(
     st.dictionaries(st.sampled_from(["a", "b", "m", "k", "n", "zz"]), _JUNK, max_size=3)))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_planner_result_is_a_plan_or_a_named_error(data: st.DataObject) -> None:
     """Hypothesis: a planner returning anything (junk keys, junk specs, real nodes with junk
@@ -338,7 +339,7 @@ def _nums_by_the_rule(decomps: Any, cluster: ej.Cluster, seed: int = 0) -> Any:
     return affinity._place(decomps, cluster, choose)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fast_placers_place_as_their_rules_say(data: st.DataObject) -> None:
     outs, _ = data.draw(graphs(max_dim=6))

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from budget import examples
 
 import einjoin as ej
 
@@ -427,7 +428,7 @@ CLUSTER_ARGS = {"devices_per_node": lambda v: v is None or _is_int(v, 1),
                 "intra_node": lambda v: _is_num(v, True, False), "inter_node": lambda v: _is_num(v, True, False)}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(name=st.sampled_from(sorted(BACKEND_ARGS)), value=HOSTILE)
 def test_hostile_ray_backend_arguments_are_named(name, value):
     from einjoin.runtime.backends.ray import RayBackend
@@ -439,7 +440,7 @@ def test_hostile_ray_backend_arguments_are_named(name, value):
         assert BACKEND_ARGS[name](value), f"RayBackend({name}={value!r}) was accepted"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(CLUSTER_ARGS)), value=HOSTILE)
 def test_hostile_ray_cluster_arguments_are_named(ray_session, name, value):
     try:
