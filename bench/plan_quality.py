@@ -1,16 +1,27 @@
 """Plan quality: bytes moved by every planner on a suite of cases x device counts, next to the
-lower bound, plus the planning time of a 32-layer LLaMA-7B forward graph.
+lower bound, plus planning and first-run latency (issue 22): the planning time of the demo's
+LLaMA block at 4 devices (``einjoin demo``; goal <= 1 s) and of a 32-layer LLaMA-7B forward
+graph, the threads backend's per-task overhead on tiny tasks (next to ``Settings.task_overhead``),
+and the small zoo models (einjoin.models.zoo) on 1, 2 and 4 devices: run time, median of 5,
+all counts measured interleaved in one process, with every device used and with
+``leave_idle=True`` (goal: no model slower on more devices than on its best count by > 5%).
 
-    make bench            (or: .venv/bin/python bench/plan_quality.py [--quick])
+    make bench            (or: .venv/bin/python bench/plan_quality.py [--quick] [--latency] [--zoo NAME ...])
 
 Bytes are the cost model's (einjoin.planner.cost.model_cost), the quantity every planner is
 judged by; for placed plans the runtime's exchange moves what einjoin.planner.exact.plan_bytes says.
+Times are wall-clock seconds on whatever else the machine runs: compare within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+import warnings
+from typing import Any
+
+import numpy as np
 
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +32,7 @@ from einjoin.planner import PLANNERS
 from einjoin.planner.bounds import node_bound_bytes
 from einjoin.planner.cost import model_cost
 from einjoin.plan.stats import human_bytes
+from einjoin.settings import SETTINGS
 
 
 def attention(b: int = 1, h: int = 32, s: int = 2048, d: int = 128) -> ej.Tensor:
@@ -40,11 +52,110 @@ CASES = {
 }
 
 
+def demo_planning(console: Console) -> None:
+    """Planning the demo's LLaMA block (``einjoin demo``'s graph) with eindecomp at 4 devices:
+    the first call in this process (what ``make demo`` waits for; scipy.optimize is imported
+    then) and a second one."""
+    from einjoin.demo import CONFIG
+    from einjoin.models.zoo import example
+
+    module, args = example("llama-block", **CONFIG)
+    graph = ej.Graph(list(ej.from_torch(module, args).outputs))
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        PLANNERS["eindecomp"](graph, ej.local(4))
+        times.append(time.perf_counter() - t0)
+    verdict = "met" if times[0] <= 1.0 else "NOT met"
+    console.print(f"planning the demo's LLaMA block ({len(graph.ops)} ops) with eindecomp at P=4: first call "
+                  f"{times[0]:.2f} s, second {times[1]:.2f} s (goal <= 1 s: {verdict})")
+
+
+def task_overhead(console: Console) -> float:
+    """The threads backend's time per task on tiny tasks: 200 elementwise ops on an 8x8 block
+    (unfused: one kernel and one free each) on 1 and 2 devices, median of 5 runs."""
+    x = ej.input("x", (8, 8))
+    y = x
+    for i in range(200):
+        y = y * 1.0001 if i % 2 else y - 0.25
+    feed = np.ones((8, 8), np.float32)
+    per: dict[int, float] = {}
+    for p in (1, 2):
+        prog = ej.compile(y, devices=p, quiet=True, fuse=False)
+        prog.run(feed)
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            prog.run(feed)
+            runs.append(time.perf_counter() - t0)
+        per[p] = statistics.median(runs) / sum(prog.stats.task_counts.values())
+    console.print(f"threads backend, tiny tasks: {per[1] * 1e6:.1f} us a task on 1 device, {per[2] * 1e6:.1f} us "
+                  f"on 2 (Settings.task_overhead, the planner's constant: {SETTINGS.task_overhead * 1e6:.0f} us)")
+    return per[1]
+
+
+def zoo_runs(console: Console, names: list[str]) -> None:
+    """Each zoo model imported with ej.from_torch, compiled for 1, 2 and 4 devices, every device
+    used and with ``leave_idle=True``; one warm-up run each, then 5 rounds running every program
+    once (interleaved, so the machine's load falls on all alike): the median per program."""
+    from einjoin.models.zoo import example
+
+    counts = (1, 2, 4)
+    table = Table(title="zoo models, threads backend: run time (median of 5, ms) / the model's best count; "
+                        "idle = leave_idle=True (devices used)")
+    cols = ["model", *(f"P={p}" for p in counts), *(f"idle P={p}" for p in counts), "worst / best",
+            "idle worst / best"]
+    for col in cols:
+        table.add_column(col, justify="left" if col == "model" else "right")
+    failed: list[str] = []
+    for name in names:
+        module, args = example(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # export's notes on the zoo's own modules
+            fn = ej.from_torch(module, args)
+        progs: dict[tuple[bool, int], Any] = {}
+        for idle in (False, True):
+            for p in counts:
+                progs[(idle, p)] = ej.compile(fn, devices=p, quiet=True, leave_idle=idle)
+                progs[(idle, p)].run(*args)
+        runs: dict[tuple[bool, int], list[float]] = {k: [] for k in progs}
+        for _ in range(5):
+            for k, prog in progs.items():
+                t0 = time.perf_counter()
+                prog.run(*args)
+                runs[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        cells, worst = [], {}
+        for idle in (False, True):
+            best = min(med[(idle, p)] for p in counts)
+            at = min(counts, key=lambda p: med[(idle, p)])  # the best count; more devices may not be slower
+            worst[idle] = max(med[(idle, p)] for p in counts if p >= at) / best
+            for p in counts:
+                used = progs[(idle, p)].cluster.size
+                cells.append(f"{med[(idle, p)] * 1e3:.2f} ({med[(idle, p)] / best:.2f})"
+                             + (f" [{used}]" if idle else ""))
+        if worst[True] > 1.05:
+            failed.append(name)
+        table.add_row(name, *cells, f"{worst[False]:.2f}", f"{worst[True]:.2f}")
+    console.print(table)
+    console.print("worst / best: the slowest count with more devices than the best count, over the best "
+                  "(goal <= 1.05 with leave_idle); over the goal: " + (", ".join(failed) or "none"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="P in {2, 8} and no 32-layer timing")
+    ap.add_argument("--quick", action="store_true", help="P in {2, 8}, no 32-layer timing, zoo: mlp and llama-block")
+    ap.add_argument("--zoo", nargs="*", default=None, help="zoo models to run on 1, 2, 4 devices (default: all)")
+    ap.add_argument("--latency", action="store_true", help="only the planning and run-time sections (issue 22)")
     args = ap.parse_args()
     console = Console(width=160)
+    from einjoin.models.zoo import ZOO
+
+    demo_planning(console)
+    task_overhead(console)
+    zoo_runs(console, args.zoo if args.zoo is not None else (["mlp", "llama-block"] if args.quick else sorted(ZOO)))
+    if args.latency:
+        return
     devices = [2, 8] if args.quick else [2, 4, 8, 16, 64]
     planners = [n for n in sorted(PLANNERS) if n not in ("auto", "single", "exhaustive")]
     baselines = [n for n in planners if n != "eindecomp"]

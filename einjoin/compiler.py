@@ -21,6 +21,7 @@ einjoin.errors.EinjoinError: unknown placement 'nearest'; known: ...
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
@@ -44,6 +45,7 @@ from einjoin.plan import PlanStats, TaskGraph, build_taskgraph
 from einjoin.plan.stats import with_state
 from einjoin.planner import PLANNERS, derive_input_specs, plan_specs, tie_state
 from einjoin.planner.fit import element_spec, finer_spec
+from einjoin.planner.overhead import device_ladder, plan_time, time_floor
 from einjoin.progress import stages
 from einjoin.runtime import get_backend
 from einjoin.runtime.engine import check_host_link, check_order, check_seed
@@ -85,7 +87,12 @@ class CompileOptions:
       (:mod:`einjoin.ir.fuse`; the same values); not for a planner given as a callable, nor
       when ``specs`` name nodes that fusing would replace;
     - ``shape_cache``: for an imported torch module, the programs compiled for other shapes
-      kept (an LRU, :mod:`einjoin.variants`; an int >= 1, or None: no bound).
+      kept (an LRU, :mod:`einjoin.variants`; an int >= 1, or None: no bound);
+    - ``leave_idle``: on devices of this process (``ej.local(n)``, no caps, no state), plan on
+      as many of them as pay: the counts of :func:`einjoin.planner.overhead.device_ladder` are
+      planned and the fastest by the modelled per-task overhead and work per device
+      (:func:`einjoin.planner.overhead.plan_time`) is kept; the rest stay idle, and
+      ``explain()`` says so. Off by default: a plan uses every device it is given.
 
     >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
     (3, 'threads')
@@ -107,6 +114,7 @@ class CompileOptions:
     deterministic: bool = False
     fuse: bool = True
     shape_cache: int | None = 8
+    leave_idle: bool = False
 
     def __post_init__(self) -> None:
         # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
@@ -130,6 +138,8 @@ class CompileOptions:
             raise EinjoinError(f"deterministic must be True or False, got {self.deterministic!r:.60}")
         if not isinstance(self.fuse, (bool, np.bool_)):
             raise EinjoinError(f"fuse must be True or False, got {self.fuse!r:.60}")
+        if not isinstance(self.leave_idle, (bool, np.bool_)):
+            raise EinjoinError(f"leave_idle must be True or False, got {self.leave_idle!r:.60}")
         check_cache_size(self.shape_cache)
 
     def replace(self, **changes: Any) -> CompileOptions:
@@ -165,6 +175,9 @@ class CompiledPlan:
     structure: Any = None
     """An imported forward's output structure (``TorchFunction.structure``: a TreeSpec runs
     rebuild, a dict / nested tuple / ModelOutput); None: a tensor or a tuple (``many``)."""
+    devices_note: str | None = None
+    """With ``leave_idle``, why the plan uses fewer devices than it was given (``explain()``
+    prints it); None: it uses them all, or was not asked to choose."""
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -271,12 +284,16 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     caps = parse_caps(options.memory_limit, cluster.size, cluster)
     user = _user_specs(graph, options.specs)  # checked once, before the planner; read every lowering
     tied = {s.node: s.new for s in source.state}  # state input -> new value: one layout, one home
+    note = None
     with stages(options.quiet, len(graph.ops)) as say:
         say("planning")
         # the planner receives the caps: eindecomp then picks cuts that fit
         chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=caps, tied=tied))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, user, options, tied)
+        if options.leave_idle and not tied and all(c is None for c in caps.values()):
+            cluster, chosen, decomps, placed, tg, note = _fewer_devices(
+                graph, cluster, options, user, (chosen, decomps, placed, tg))
         if any(c is not None for c in caps.values()):
             if getattr(options.backend, "remote", False):
                 raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "
@@ -290,7 +307,49 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
         stats = with_state(stats, tg, set(tied), {s.output for s in source.state})
     return CompiledPlan(graph, cluster, decomps, placed, tg, stats, options, source.many,
                         source.arg_names, source.bound, source.state, source.recapture, source.dynamic,
-                        source.call, source.structure)
+                        source.call, source.structure, note)
+
+
+_Lowered = tuple[dict[Node, JoinAggSpec], dict[Node, Decomposition], Placement, TaskGraph]
+
+
+def _fewer_devices(graph: Graph, cluster: Cluster, options: CompileOptions, user: dict[Node, JoinAggSpec],
+                   full: _Lowered) -> tuple[Cluster, dict[Node, JoinAggSpec], dict[Node, Decomposition],
+                                            Placement, TaskGraph, str | None]:
+    """``leave_idle``: the plan on as many of ``cluster``'s devices as pay (see
+    :mod:`einjoin.planner.overhead`), ``full`` being the plan on all of them. Only for devices of
+    this process, alike and uniformly linked (``ej.local(n)``): their first k are a cluster of k."""
+    p = cluster.size
+    d0 = cluster.devices[0]
+    if p == 1 or cluster != Cluster.uniform(p, d0.kind, d0.memory) or d0.node is not None:
+        return (cluster, *full, None)
+    cores = os.cpu_count() or 1
+
+    def modelled(tg: TaskGraph) -> float:
+        st = tg.stats()
+        return plan_time(sum(st.task_counts.values()), st.flops_per_device, cores)
+
+    best, best_k, best_time = full, p, modelled(full[3])
+    flops = full[3].stats().flops
+    ops = sum(1 for n in graph.ops if not n.facts.free)  # every plan runs at least a kernel per op
+    times = {p: best_time}
+    for k in device_ladder(p)[:-1]:
+        if time_floor(flops, ops, k, cores) >= best_time:
+            continue  # no plan on k devices can beat the best so far
+        sub = Cluster.uniform(k, d0.kind, d0.memory)
+        chosen = dict(plan_specs(options.planner, graph, sub, memory_limit=None))
+        lowered = (chosen, *_lower(graph, sub, chosen, dict(user), options, {}))
+        times[k] = modelled(lowered[3])
+        if times[k] < best_time:
+            best, best_k, best_time = lowered, k, times[k]
+    if best_k == p:
+        return (cluster, *full, None)
+    shown = ", ".join(f"{k}: {t * 1e3:.2f} ms" for k, t in sorted(times.items()))
+    note = (f"planned on {best_k} of the {p} devices given (leave_idle=True; the other {p - best_k} stay idle): "
+            f"the work per block is below the per-task overhead (modelled run time by devices used "
+            f"{shown}; Settings.task_overhead {SETTINGS.task_overhead * 1e6:.0f} us, flop_rate "
+            f"{SETTINGS.flop_rate / 1e9:.0f} GFLOP/s, {cores} cores)")
+    return (Cluster.uniform(best_k, d0.kind, d0.memory), *best, note)
 
 
 def _fused(source: Source, specs: Any) -> Source:

@@ -89,7 +89,7 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
             order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
             memory_policy: str = "belady", host_link: float | None = None,
             state: Mapping[Any, Any] | None = None, deterministic: bool = False,
-            fuse: bool = True, shape_cache: int | None = 8) -> Program:
+            fuse: bool = True, shape_cache: int | None = 8, leave_idle: bool = False) -> Program:
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
     is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
@@ -114,6 +114,8 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     :mod:`einjoin.runtime.state`). ``fuse``: chains of elementwise ops are fused into one node
     each before planning (:mod:`einjoin.ir.fuse`: fewer tasks and passes over memory, the same
     values; ``explain()`` shows the fused expressions); ``fuse=False`` plans the graph as written.
+    ``leave_idle``: on local devices, plan on only as many as pay when the work per block is
+    below the per-task overhead (:mod:`einjoin.planner.overhead`; ``explain()`` says so).
 
     *Shapes that change.* A program compiled from ``ej.from_torch(module, example)`` may be
     called with other shapes: the module is imported again for them, compiled with the same
@@ -134,7 +136,8 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     options = CompileOptions(planner=planner, backend=backend, specs=specs, placement=placement,
                              order=order, seed=seed, quiet=quiet, memory_limit=memory_limit,
                              memory_policy=memory_policy, host_link=host_link, state=state,
-                             deterministic=deterministic, fuse=fuse, shape_cache=shape_cache)
+                             deterministic=deterministic, fuse=fuse, shape_cache=shape_cache,
+                             leave_idle=leave_idle)
     source = Source.of(outputs, options.state)
     return Program(build_plan(source, cluster, options))
 
@@ -704,6 +707,8 @@ class Program:
             raise EinjoinError(f"explain(file=...): expected 'stdout', None or an open text file (an "
                                f"object with write()), got {type(file).__name__} {file!r:.60}")
         text = explain(self.taskgraph, self.decomps, list(self.graph.nodes)) + self._explain_state()
+        if self.plan.devices_note:  # compile(..., leave_idle=True) left devices idle
+            text += f"\nnote: {self.plan.devices_note}"
         unused = [a for a in (self._arg_names or ()) if a not in self.graph.input_by_name]
         if unused:  # an imported forward's arguments that the graph never reads
             text += (f"\nnote: forward argument(s) {', '.join(unused)} are not read by the graph; "

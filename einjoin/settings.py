@@ -133,6 +133,21 @@ class Settings:
     1.4 s on a loaded machine); hitting it is reported by an
     ``einjoin.planner.ilp.IlpTimeLimitWarning``."""
 
+    task_overhead: float = 5e-5
+    """Seconds one task costs the threads backend beyond its kernel (dispatch, the ready queue,
+    handing blocks between worker threads), for ``ej.compile(..., leave_idle=True)``'s choice of
+    how many devices pay (:mod:`einjoin.planner.overhead`). A constant measured here until the
+    simulator issue calibrates one. Tiny elementwise kernels and their frees (bench/plan_quality.py
+    prints the figure) took 16-23 us a task on ``local(1)``/``local(2)`` on a 2-core machine,
+    56-110 us when it was heavily loaded (Dec 2026); tasks of real models cost more than tiny
+    ones, their moves hand blocks between threads (the LLaMA block on ``local(2)``: ~80 us a
+    task all in); 50 us sits between."""
+
+    flop_rate: float = 5e9
+    """Modelled flops per second of one device's kernels (one core of numpy/BLAS), the other half
+    of that choice: work per device against per-task overhead. A 512^3 float32 matmul ran at
+    2.8 GFLOP/s on the same busy machine; 5e9 leans toward using the devices."""
+
     progress_plan_ops: int = 200
     """Graphs with at least this many ops show compile stages on a terminal."""
 

@@ -1,0 +1,107 @@
+"""``ej.compile(..., leave_idle=True)``: plans on fewer devices when the work per block is below
+the per-task overhead (einjoin.planner.overhead), says so in explain(), and computes the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+from einjoin.compiler import CompileOptions
+from einjoin.planner.overhead import device_ladder, plan_time, time_floor
+
+
+def _small() -> tuple[ej.Tensor, dict[str, np.ndarray]]:
+    x, w = ej.input("x", (16, 8)), ej.param("w", (8, 8))
+    rng = np.random.default_rng(0)
+    return ej.softmax((x @ w).relu() @ w), {"x": rng.standard_normal((16, 8)).astype(np.float32),
+                                              "w": rng.standard_normal((8, 8)).astype(np.float32)}
+
+
+def test_a_small_model_is_planned_on_one_device_and_explain_says_so() -> None:
+    out, feeds = _small()
+    spread = ej.compile(out, devices=4, quiet=True)
+    idle = ej.compile(out, devices=4, quiet=True, leave_idle=True)
+    assert spread.cluster.size == 4 and spread.plan.devices_note is None
+    assert idle.cluster.size == 1
+    assert "planned on 1 of the 4 devices" in idle.explain(file=None)
+    assert "planned on" not in spread.explain(file=None)
+    want = ej.reference(out, **feeds)
+    np.testing.assert_allclose(idle.run(**feeds), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(spread.run(**feeds), want, rtol=1e-5, atol=1e-5)
+
+
+def test_enough_work_keeps_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("einjoin.compiler.os.cpu_count", lambda: 8)  # the choice reads the cores
+    z = ej.input("a", (4096, 4096)) @ ej.input("b", (4096, 4096))  # 137 GFLOP: seconds of work
+    prog = ej.compile(z, devices=4, backend="null", quiet=True, leave_idle=True)
+    assert prog.cluster.size == 4 and prog.plan.devices_note is None
+
+
+def test_devices_are_left_idle_only_when_asked_and_only_where_it_applies() -> None:
+    out, _ = _small()
+    capped = ej.compile(out, devices=2, backend="null", quiet=True, leave_idle=True, memory_limit="1GiB")
+    assert capped.cluster.size == 2  # under caps every device is planned for
+    islands = ej.Cluster.islands([1, 1], intra=20e9, inter=1e9)
+    assert ej.compile(out, devices=islands, backend="null", quiet=True, leave_idle=True).cluster.size == 2
+    with pytest.raises(ej.EinjoinError, match="leave_idle"):
+        CompileOptions(leave_idle="yes")
+
+
+def test_device_ladder() -> None:
+    assert device_ladder(1) == [1]
+    assert device_ladder(4) == [1, 2, 4]
+    assert device_ladder(12) == [1, 2, 4, 8, 12]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 10**12), min_size=1, max_size=8), st.integers(0, 10**5),
+       st.integers(0, 10**5), st.integers(1, 64))
+def test_time_floor_bounds_plan_time(flops: list[int], tasks: int, extra: int, cores: int) -> None:
+    # a plan with at least `tasks` tasks on len(flops) devices never beats the floor
+    per_device = dict(enumerate(flops))
+    assert time_floor(sum(flops), tasks, len(flops), cores) <= plan_time(tasks + extra, per_device, cores) * (1 + 1e-12)
+
+
+# the planner's speed-ups (issue 22) compute what they replace
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 5)), min_size=1, max_size=3), st.data())
+def test_repart_from_equals_the_estimate_pair_by_pair(dims: list[tuple[int, int]], data: st.DataObject) -> None:
+    from einjoin.decomp.partition import Partition, even_bounds
+    from einjoin.planner.cost import CostModel, repartition_estimate
+
+    def part() -> Partition:
+        return Partition(tuple(even_bounds(n, min(n, data.draw(st.integers(1, k)))) for n, k in dims))
+    model = CostModel(ej.Graph(ej.input("x", (1,))), 2)
+    have = [part() for _ in range(data.draw(st.integers(1, 6)))]
+    need = part()
+    got = model.repart_from(tuple(model.pid(h) for h in have), model.pid(need), "float16")
+    assert got.tolist() == [repartition_estimate(h, need, "float16") for h in have]
+    assert [model.repart(h, need, "float16") for h in have] == got.tolist()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_dual_simplex_is_linprogs_highs_ds(seed: int) -> None:
+    from scipy.optimize import linprog
+    from scipy.sparse import csr_matrix
+
+    from einjoin.planner.ilp import _dual_simplex
+
+    rng = np.random.default_rng(seed)
+    n, m_ub, m_eq = 12, 5, 3
+    c = rng.integers(0, 9, n).astype(float)
+    a_ub = csr_matrix(rng.integers(-2, 3, (m_ub, n)).astype(float))
+    a_eq = csr_matrix((rng.random((m_eq, n)) < 0.4).astype(float))
+    b_ub, b_eq = rng.integers(0, 4, m_ub).astype(float), np.ones(m_eq)
+    want = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, 1), method="highs-ds",
+                   options={"presolve": False, "time_limit": 60.0})
+    got = _dual_simplex(c, a_ub, b_ub, a_eq, b_eq, 60.0)
+    if want.status != 0:
+        assert got is None
+    else:
+        assert got is not None and np.array_equal(got, want.x)
