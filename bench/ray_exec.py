@@ -34,11 +34,14 @@ def _tiny(depth: int = 150) -> ej.Tensor:
     return h
 
 
-CASES: dict[str, Callable[[], ej.Tensor]] = {
-    "MLP relu(x@W1)@W2, x 2048x512, W1 512x2048": lambda: mlp(2048, 512, 2048),
-    "LLaMA block b1 s256 d512 h8 ffn 1376": lambda: llama_layers(1, batch=1, seq=256, d=512, heads=8,
-                                                                 hidden=1376),
-    "tiny tasks: 150 x tanh(h @ W), 16x8": _tiny,
+# name -> (graph, devices: None for --devices); the tiny chain on one device is the per-task
+# dispatch overhead alone, on two it also waits for a move (actor to actor on Ray) every layer
+CASES: dict[str, tuple[Callable[[], ej.Tensor], int | None]] = {
+    "MLP relu(x@W1)@W2, x 2048x512, W1 512x2048": (lambda: mlp(2048, 512, 2048), None),
+    "LLaMA block b1 s256 d512 h8 ffn 1376": (lambda: llama_layers(1, batch=1, seq=256, d=512, heads=8,
+                                                                  hidden=1376), None),
+    "tiny tasks: 150 x tanh(h @ W), 16x8, 1 device": (_tiny, 1),
+    "tiny tasks: 150 x tanh(h @ W), 16x8": (_tiny, None),
 }
 
 
@@ -62,7 +65,7 @@ def _first_runs(console: Console, devices: int) -> None:
     """The first run of the LLaMA block on fresh actors, then a second program's on the same ones."""
     from einjoin.runtime.backends.ray import RayBackend, ensure_ray
     ensure_ray(quiet=True)
-    out = CASES["LLaMA block b1 s256 d512 h8 ffn 1376"]()
+    out = CASES["LLaMA block b1 s256 d512 h8 ffn 1376"][0]()
     feeds = _feeds(out)
     backend = RayBackend(quiet=True)
     first = ej.compile(out, devices=devices, backend=backend, planner="eindecomp", quiet=True)
@@ -85,27 +88,29 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--devices", type=int, default=2)
     args = ap.parse_args()
-    console = Console(width=160)
+    console = Console(width=200)
     blas = ", ".join(f"{i['internal_api']} {i.get('version')} ({i.get('threading_layer', '?')})"
                      for i in threadpool_info() if i.get("user_api") == "blas") or "unknown"
     console.print(f"Ray {ray.__version__}; BLAS: {blas}; devices {args.devices}")
     _first_runs(console, args.devices)
-    table = Table(title=f"threads vs ray backend, same task graph, {args.devices} devices "
-                        f"(best of {args.reps}; goal: LLaMA block ray / threads <= 2.0)")
-    for col in ("case", "tasks", "threads (s)", "ray (s)", "ray / threads", "threads per task (ms)",
-                "ray per task (ms)", "ray extra per task (ms)", "bytes moved"):
+    table = Table(title=f"threads vs ray backend, same task graph (best of {args.reps}; goal: LLaMA block "
+                        f"ray / threads <= 2.0)")
+    for col in ("case", "devices", "tasks", "moves", "threads (s)", "ray (s)", "ray / threads",
+                "threads per task (ms)", "ray per task (ms)", "ray extra per task (ms)", "bytes moved"):
         table.add_column(col, justify="left" if col == "case" else "right")
-    for name, make in CASES.items():
+    for name, (make, devices) in CASES.items():
         out = make()
         feeds = _feeds(out)
-        progs = {b: ej.compile(out, devices=args.devices, backend=b, planner="eindecomp", quiet=True)
+        devices = devices or args.devices
+        progs = {b: ej.compile(out, devices=devices, backend=b, planner="eindecomp", quiet=True)
                  for b in ("threads", "ray")}
         a = progs["threads"].run(**feeds)
         b = progs["ray"].run(**feeds)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         times = {k: _best(lambda p=p, f=feeds: p.run(**f), args.reps) for k, p in progs.items()}
         n = len(progs["ray"].taskgraph)
-        table.add_row(name, str(n), f"{times['threads']:.4f}", f"{times['ray']:.4f}",
+        moves = sum(t.kind.value == "move" for t in progs["ray"].taskgraph.tasks)
+        table.add_row(name, str(devices), str(n), str(moves), f"{times['threads']:.4f}", f"{times['ray']:.4f}",
                       f"{times['ray'] / times['threads']:.2f}", f"{times['threads'] / n * 1e3:.3f}",
                       f"{times['ray'] / n * 1e3:.3f}", f"{(times['ray'] - times['threads']) / n * 1e3:.3f}",
                       str(progs["ray"].run_stats.bytes_moved))

@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 
 from einjoin.exchange import Task, TaskKind
+from einjoin.plan.execute import compute
 
-__all__ = ["DeviceWorker", "Part", "RUN", "RECEIVE", "SEND"]
+__all__ = ["DeviceWorker", "Part", "RUN", "RECEIVE", "SEND", "FREE"]
 
-RUN, RECEIVE, SEND = 0, 1, 2   # what an item of a part does: run a task, take a move's block, send one
+# what an item of a part does: run a task, take a move's block, send one, free a value
+RUN, RECEIVE, SEND, FREE = 0, 1, 2, 3
 _KERNEL, _LOAD, _MOVE = TaskKind.KERNEL, TaskKind.LOAD, TaskKind.MOVE
 _DEAD_KEPT = 4096              # run ids remembered as aborted (late deliveries for them are dropped)
 
@@ -63,7 +65,7 @@ class Part:
         for t in tasks:
             if t.device == d:
                 at[(d, t.id)] = len(self.items)
-                self.items.append((RECEIVE if t.kind is _MOVE else RUN, t.id))
+                self.items.append((RECEIVE if t.kind is _MOVE else FREE if t.kind.releases else RUN, t.id))
             if t.kind is _MOVE and t.payload.src_device == d:
                 at[(d, -1 - t.id)] = len(self.items)  # the send, a dependency of the source's own tasks
                 self.items.append((SEND, t.id))
@@ -275,16 +277,21 @@ class DeviceWorker:
             self._executor.start()
 
     def _execute(self) -> None:
+        # one lock section per item: the last item's dependents released, the next item taken
         cv, ready, runs = self._cv, self._ready, self._runs
+        last: tuple[_Run, int] | None = None
         while True:
             with cv:
+                if last is not None:
+                    self._done(*last)
+                    last = None
                 while not ready:
                     cv.wait()
                 r, i = ready.popleft()
                 if runs.get(r.id) is not r:  # aborted or failed: its items are skipped
                     continue
             try:
-                notify = self._item(r, i)
+                self._item(r, i)
             except BaseException as e:  # noqa: BLE001 - the run fails, the actor carries on
                 with cv:
                     if runs.pop(r.id, None) is r:
@@ -292,29 +299,30 @@ class DeviceWorker:
                         self._reports[r.id] = {"failed": (r.part.items[i][1], _picklable(e))}
                         cv.notify_all()
                 continue
-            with cv:
-                if runs.get(r.id) is not r:
-                    continue
-                part = r.part
-                for j in part.then[i]:
-                    r.waiting[j] -= 1
-                    if r.waiting[j] == 0:
-                        if part.items[j][0] == SEND:
-                            ready.appendleft((r, j))  # a send first: another device waits for it
-                        else:
-                            ready.append((r, j))
-                r.left -= 1
-                if part.items[i][0] != SEND:
-                    r.tasks_left -= 1
-                if r.left == 0:
-                    self._complete(r)
-                    cv.notify_all()
-            for w in notify:  # outside the lock: a Ray call
-                self.peers[w].signal.remote(r.id, part.items[i][1])
+            for w in r.part.signals.get(i, ()):  # outside the lock: a Ray call
+                self.peers[w].signal.remote(r.id, r.part.items[i][1])
+            last = (r, i)
 
-    def _item(self, r: _Run, i: int) -> Sequence[int]:
-        """Do item ``i`` of run ``r`` (on the executor thread); returns the devices to signal."""
-        from einjoin.plan.execute import compute
+    def _done(self, r: _Run, i: int) -> None:  # under _cv: item i of run r ran
+        if self._runs.get(r.id) is not r:
+            return
+        part, waiting, ready = r.part, r.waiting, self._ready
+        for j in part.then[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                if part.items[j][0] == SEND:
+                    ready.appendleft((r, j))  # a send first: another device waits for it
+                else:
+                    ready.append((r, j))
+        r.left -= 1
+        if part.items[i][0] != SEND:
+            r.tasks_left -= 1
+        if r.left == 0:
+            self._complete(r)
+            self._cv.notify_all()
+
+    def _item(self, r: _Run, i: int) -> None:
+        """Do item ``i`` of run ``r`` (on the executor thread)."""
         part = r.part
         kind, tid = part.items[i]
         t = part.tasks[tid]
@@ -322,28 +330,28 @@ class DeviceWorker:
         if kind == SEND:
             # the block goes into the object store as the call is made: the source may free it now
             self.peers[t.device].deliver.remote(r.id, tid, self.device, store.get(t.reads[0]))
-            return ()
+            return
         start = time.time()
         if kind == RECEIVE:
             src, block = r.blocks.pop(tid)
             store.put(t.writes, block, block.nbytes)
             store.received += block.nbytes   # counted here, at the receiving device
             r.received_from[src] = r.received_from.get(src, 0) + block.nbytes
-        elif t.kind.releases:  # a free (memory caps, hence evictions, are refused on Ray)
+        elif kind == FREE:  # memory caps, hence evictions, are refused on Ray
             store.free(t.payload.frees)
         else:
-            if t.kind is _KERNEL and r.delay:
+            tk = t.kind
+            if tk is _KERNEL and r.delay:
                 time.sleep(r.delay)
-            kept = r.resident.get(tid) if t.kind is _LOAD else None
+            kept = r.resident.get(tid) if tk is _LOAD else None
             if kept is not None:  # a state block the last run left here: nothing is loaded
                 store.put(t.writes, kept, kept.nbytes)
             else:
                 value = compute(t, store.get, r.feeds, part.decomps, part.shapes[t.writes], part.fast.get(tid))
                 store.put(t.writes, value, value.nbytes)
-                if t.kind is _LOAD:
+                if tk is _LOAD:
                     store.loaded += value.nbytes
         r.intervals.append((tid, start, time.time()))
-        return part.signals.get(i, ())
 
     def _complete(self, r: _Run) -> None:  # under _cv: every item ran
         del self._runs[r.id]
