@@ -13,8 +13,8 @@ two kinds (:data:`Session`):
 - **eager dispatch** (an :class:`EagerSession`: Ray). The backend resolves dependencies itself
   (Ray passes object references between actors), so the engine hands it every task at once, in
   dependency (task-id) order, with ``session.submit(task)``, then ``session.collect(cancel)``
-  waits for them all. Per task this costs one method call on top of the backend's own
-  submission: Ray's overhead per task stays what it was.
+  waits for them all. Per task this costs one method call; Ray's actors hold each program's
+  task graph already, so its ``submit`` does nothing and a run is two calls per actor.
 
 Either way ``session.finish(stats)`` fills the run's :class:`~einjoin.runtime.engine.RunStats`
 (bytes, peaks, and for eager sessions the measured intervals, which the engine then replays to
