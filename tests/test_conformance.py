@@ -16,6 +16,7 @@ import einjoin as ej
 from einjoin.planner.baselines import NotApplicable
 from einjoin.planner.exact import plan_bytes
 from einjoin.runtime import ORDERS
+from budget import examples
 from graphgen import graphs, specs_for
 
 # Ray: fewer cases (a run costs ~10 ms per task round trip), each device count on one reused
@@ -23,7 +24,7 @@ from graphgen import graphs, specs_for
 # null runs nothing (it checks the accounting, as every backend does): fewer cases too; the
 # compile path is the same for every backend, so the four draw 875 programs in all.
 BACKENDS = ["sync", "threads", "null", "torch", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))]
-CASES = {"sync": 300, "threads": 300, "null": 150, "torch": 50, "ray": 25}
+CASES = {"sync": 300, "threads": 300, "null": 150, "torch": 90, "ray": 25}  # make test: examples() of them
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -41,7 +42,7 @@ def test_random_programs(backend: str, request: pytest.FixtureRequest) -> None:
             ray_backends[devices] = RayBackend(quiet=True)
         return ray_backends[devices]
 
-    @settings(max_examples=CASES[backend], deadline=None,
+    @settings(max_examples=examples(CASES[backend]), deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.data())
     def check(data: st.DataObject) -> None:
@@ -95,7 +96,7 @@ HALF_TOL = {"float16": 4 * 2.0 ** -11, "bfloat16": 4 * 2.0 ** -8}
 def test_random_programs_in_half_precision_on_torch(dtype: str) -> None:
     from graphgen import oracle
 
-    @settings(max_examples=25, deadline=None,
+    @settings(max_examples=examples(60), deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.data())
     def check(data: st.DataObject) -> None:
