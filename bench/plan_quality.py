@@ -97,7 +97,9 @@ def task_overhead(console: Console) -> float:
 def zoo_runs(console: Console, names: list[str]) -> None:
     """Each zoo model imported with ej.from_torch, compiled for 1, 2 and 4 devices, every device
     used and with ``leave_idle=True``; one warm-up run each, then 5 rounds running every program
-    once (interleaved, so the machine's load falls on all alike): the median per program."""
+    once (interleaved, so the machine's load falls on all alike): the median per program.
+    Programs that use the same number of devices ([k] in the idle columns) run the same plan:
+    their times differ by noise only."""
     from einjoin.models.zoo import example
 
     counts = (1, 2, 4)
@@ -121,6 +123,7 @@ def zoo_runs(console: Console, names: list[str]) -> None:
         runs: dict[tuple[bool, int], list[float]] = {k: [] for k in progs}
         for _ in range(5):
             for k, prog in progs.items():
+                time.sleep(0.05)  # the previous program's BLAS threads stop spinning before this one runs
                 t0 = time.perf_counter()
                 prog.run(*args)
                 runs[k].append(time.perf_counter() - t0)

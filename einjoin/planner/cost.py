@@ -237,11 +237,24 @@ def _partition(spec: JoinAggSpec, labels: str | tuple[str, ...]) -> Partition:
     return found
 
 
+_DECOMPOSED: dict[tuple[object, ...], _Pieces] = {}
+
+
 def _decomposed_pieces(node: Node, spec: JoinAggSpec) -> _Pieces:
-    # an input read in overlapping boxes (a conv's halo) is needed in its core partition, the
-    # halo being counted in its join bytes
-    d = decompose(node, spec)
-    return d.out_partition, tuple(p.core for p in d.in_partitions), agg_cost(d), join_cost_per_input(d)
+    # memoised on plain data (the op, the shapes, dtypes and fill-ness around it, the spec): a
+    # reshape's decomposition is the slow part of a small graph's candidates, and plans of the
+    # same layers for other device counts, or again for a compile, ask for the same ones
+    key = (node.op, node.shape, node.dtype, tuple((x.shape, x.dtype, x.facts.free) for x in node.inputs), spec)
+    found = _DECOMPOSED.get(key)
+    if found is None:
+        # an input read in overlapping boxes (a conv's halo) is needed in its core partition, the
+        # halo being counted in its join bytes
+        d = decompose(node, spec)
+        if len(_DECOMPOSED) >= _KEPT_MAX:
+            _DECOMPOSED.clear()
+        found = _DECOMPOSED[key] = (d.out_partition, tuple(p.core for p in d.in_partitions), agg_cost(d),
+                                    join_cost_per_input(d))
+    return found
 
 
 INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
