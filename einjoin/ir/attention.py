@@ -9,7 +9,9 @@ of query rows (its first row ``row0`` places the causal diagonal), so the forwar
 its batch dims and its query rows; the gradient node over its batch dims.
 
 Numerics are torch's: float16/bfloat16 accumulate in float32 inside torch's kernel; a query with no
-allowed key (every key masked, or ``S == 0``) gets zeros, as torch's ``scaled_dot_product_attention``.
+allowed key (every key masked, or ``S == 0``) gets zeros, as torch's ``scaled_dot_product_attention``;
+``E == 0`` averages the allowed values (every score 0), and a causal node with a scale <= 0 gets
+torch's math-kernel values (torch's flash kernels give NaN rows there: the causal part is then a mask).
 
 >>> import numpy as np
 >>> from einjoin.ir import ops
@@ -174,19 +176,22 @@ def _four(t: Any, batch: tuple[int, ...]) -> Any:
     return t.reshape(lead + tuple(t.shape[-2:]))
 
 
-def _mask(m: Any, dtype: Any, batch: tuple[int, ...], rows: int, cols: int, row0: int,
+def _mask(m: Any, like: Any, batch: tuple[int, ...], rows: int, cols: int, row0: int,
           causal: bool, fold: bool) -> tuple[Any, bool]:
     """(the additive mask of a block of ``rows`` queries starting at row ``row0``, as torch's 4-D
-    (B, H, rows, cols), or None; whether torch's own top-left ``is_causal`` is still to apply).
-    The causal part joins the mask when ``fold`` (torch's math kernel takes no mask with
-    ``is_causal``) or below the first row (its diagonal starts at ``row0``)."""
+    (B, H, rows, cols), in the dtype and on the device of ``like``, or None; whether torch's own
+    top-left ``is_causal`` is still to apply). The causal part joins the mask when ``fold``
+    (torch's math kernel takes no mask with ``is_causal``; the flash kernel's own causal mask is
+    NaN for a scale <= 0) or below the first row (its diagonal starts at ``row0``)."""
     import torch
+    dtype, device = like.dtype, like.device
     if m is not None and m.dtype == torch.bool:
         m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
-    if causal and (row0 or (fold and m is not None)):
-        i = torch.arange(row0, row0 + rows).unsqueeze(1)
-        c = torch.zeros((rows, cols), dtype=dtype).masked_fill_(torch.arange(cols) > i, float("-inf"))
-        c = c if m is None else c.to(m.device)
+    if causal and (row0 or fold):
+        # made on q's device: torch's sdpa takes no mask from another device
+        i = torch.arange(row0, row0 + rows, device=device).unsqueeze(1)
+        c = torch.zeros((rows, cols), dtype=dtype, device=device).masked_fill_(
+            torch.arange(cols, device=device) > i, float("-inf"))
         m = c if m is None else m + c
         causal = False
     if m is None:
@@ -199,16 +204,37 @@ def _flash(q: Any, v: Any) -> bool:
     return bool(q.shape[-1] == v.shape[-1] and q.device.type == "cpu")
 
 
+def _fold(q: Any, v: Any, mask: Any, scale: float) -> bool:
+    """Whether the causal part must be an additive mask: torch's math kernel takes no mask with
+    ``is_causal``, and its flash kernels (CPU and GPU) mask causally with ``-inf * scale``, NaN
+    for a scale that is <= 0 in float32, the kernels' accumulation type (torch 2.13)."""
+    return (mask is not None and not _flash(q, v)) or not _positive(scale)
+
+
+def _positive(scale: float) -> bool:
+    # above float32's normal range's floor (a smaller scale may round to 0 in the kernel; folding
+    # the causal mask is always right, only a little slower)
+    return scale > float(np.finfo(np.float32).tiny)
+
+
+def _feature_pad(x: Any) -> Any:
+    # E == 0: every score is 0; one zero feature gives the kernels the same scores
+    import torch
+    return torch.zeros(tuple(x.shape[:-1]) + (1,), dtype=x.dtype, device=x.device)
+
+
 def attention_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0) -> Any:
     """:func:`attention_kernel` on torch tensors (any device; the result on q's)."""
     import torch
     import torch.nn.functional as tf
     batch, rows, cols = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
-    if q.numel() == 0 or cols == 0 or v.shape[-1] == 0:
+    if v.numel() == 0 or rows == 0:
         return torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+    if q.shape[-1] == 0:
+        q, k = _feature_pad(q), _feature_pad(k)
     tq, tk, tv = (_four(x, batch) for x in (q, k, v))
-    m, is_causal = _mask(mask, q.dtype, batch, rows, cols, row0, causal, not _flash(q, v))
+    m, is_causal = _mask(mask, q, batch, rows, cols, row0, causal, _fold(q, v, mask, scale))
     with torch.no_grad():
         if _flash(q, v):
             out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -225,10 +251,13 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
     import torch
     import torch.nn.functional as tf
     batch, rows, cols = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
-    if q.numel() == 0 or cols == 0 or v.shape[-1] == 0:
+    width = (v if parts == ("v",) else q).shape[-1]
+    if v.numel() == 0 or rows == 0 or (parts != ("mask",) and width == 0):
         shape = tuple(mask.shape) if parts == ("mask",) else batch + (
-            sum(rows if p == "q" else cols for p in parts), (v if parts == ("v",) else q).shape[-1])
+            sum(rows if p == "q" else cols for p in parts), width)
         return torch.zeros(shape, dtype=q.dtype, device=q.device)
+    if q.shape[-1] == 0:  # only dv or the mask's gradient are wanted (dq and dk are empty)
+        q, k = _feature_pad(q), _feature_pad(k)
     tq, tk, tv, tg = (_four(x, batch) for x in (q, k, v, dout))
     if parts == ("mask",) or not _flash(q, v):
         # autograd of torch's sdpa: the one that differentiates a mask; a row with no key has
@@ -239,7 +268,7 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
             tm = mask.detach().clone().requires_grad_()
         with torch.enable_grad():
             m4 = None if tm is None else tm.expand(batch + (rows, cols))
-            m4, is_causal = _mask(m4, q.dtype, batch, rows, cols, 0, causal, True)
+            m4, is_causal = _mask(m4, q, batch, rows, cols, 0, causal, m4 is not None or not _positive(scale))
             out = tf.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], attn_mask=m4, is_causal=is_causal,
                                                   scale=scale)
             wrt = [tm] if parts == ("mask",) else [leaves[GRAD_PARTS.index(p)] for p in parts]
@@ -248,7 +277,7 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
             return torch.nan_to_num(grads[0], nan=0.0)
         got = dict(zip(parts, (torch.nan_to_num(g, nan=0.0) for g in grads)))
     else:
-        m, is_causal = _mask(mask, q.dtype, batch, rows, cols, 0, causal, False)
+        m, is_causal = _mask(mask, q, batch, rows, cols, 0, causal, _fold(q, v, mask, scale))
         with torch.no_grad():
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 tq, tk, tv, 0.0, is_causal, attn_mask=m, scale=scale)
