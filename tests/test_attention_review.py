@@ -175,3 +175,31 @@ def test_half_types_against_torchs_own_half_sdpa(dtype):
     got = np.asarray(ej.compile(out, devices=ej.local(2)).run(**feeds), np.float32)
     eps = float(torch.finfo(tdt).eps)
     assert float(np.abs(got - want).max()) <= 2 * eps * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.mark.xfail(strict=True, reason="fused_attention refused batch dims that torch's sdpa broadcasts")
+def test_sdpa_broadcasts_batch_dims_of_q_k_and_v_as_torch():
+    """torch's sdpa broadcasts the batch dims of q, k and v (a shared k/v over the batch, one
+    query for many key sets, GQA with a broadcast batch); gradients sum over the broadcast."""
+    class Block(torch.nn.Module):
+        def forward(self, q, k, q1, k2, q4, kv1):
+            a = TF.scaled_dot_product_attention(q, k, k, is_causal=True)
+            b = TF.scaled_dot_product_attention(q1, k2, k2)
+            c = TF.scaled_dot_product_attention(q4, kv1, kv1, enable_gqa=True)
+            return a.sum() + b.sum() + c.sum(-1)
+
+    xs = (torch.randn(2, 3, 5, 8), torch.randn(1, 3, 6, 8), torch.randn(1, 3, 5, 8), torch.randn(2, 3, 6, 8),
+          torch.randn(2, 4, 5, 8), torch.randn(1, 2, 6, 8))
+    fn = ej.from_torch(Block(), xs)
+    np.testing.assert_allclose(np.asarray(fn.reference(*xs)), Block()(*xs).numpy(), rtol=1e-5, atol=1e-5)
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 3, 6, 4)).astype(np.float32) for _ in range(2))
+    g = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    prog, _ = _program([q.shape, k.shape, v.shape], True)
+    leaves = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v)]
+    out = _math_sdpa(*leaves, causal=True)
+    want = [out.detach().numpy()] + [x.numpy() for x in torch.autograd.grad(out, leaves, torch.tensor(g).double())]
+    _close(prog.run(q=q, k=k, v=v, g=g), want, 1e-4)
+    with pytest.raises(ej.errors.ShapeError, match=r"\(3, 5, 8\)"):
+        fused_attention(ej.input("a", (2, 3, 5, 8)), ej.input("b", (3, 3, 6, 8)), ej.input("b", (3, 3, 6, 8)))
