@@ -248,6 +248,18 @@ def _repeat_heads(x: Tensor, group: int) -> Tensor:
     return y.reshape(x.shape[:-3] + (x.shape[-3] * group,) + x.shape[-2:])
 
 
+def _broadcast_batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v with their batch dims (all but the last two) broadcast to one shape, as torch's
+    sdpa broadcasts them (a key set shared over the batch; the fused node takes one batch shape)."""
+    try:
+        batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    except ValueError:
+        raise ShapeError(f"attention: the batch dims of q {q.shape}, k {k.shape}, v {v.shape} do not "
+                         f"broadcast") from None
+    return tuple(x if x.shape[:-2] == batch else x.broadcast_to(batch + x.shape[-2:])  # type: ignore[return-value]
+                 for x in (q, k, v))
+
+
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
                     scale: float | None = None) -> Tensor:
     """torch's ``scaled_dot_product_attention`` as one fused node
@@ -267,12 +279,13 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     causal = _flag(causal, "attention: causal")
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} must have one rank >= 2")
-    if q.ndim >= 3 and k.shape[-3] != q.shape[-3] and k.shape[:-3] == q.shape[:-3]:
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3] and 1 not in (q.shape[-3], k.shape[-3]):
         hq, hk = q.shape[-3], k.shape[-3]
         if hk == 0 or hq % hk or v.shape[-3] != hk:
             raise ShapeError(f"attention: {hq} query heads cannot share {hk} kv heads "
                              f"(q {q.shape}, k {k.shape}, v {v.shape})")
         k, v = _repeat_heads(k, hq // hk), _repeat_heads(v, hq // hk)
+    q, k, v = _broadcast_batch(q, k, v)
     if scale is not None:
         scale = _real(scale, "attention: scale")
     node = None
