@@ -178,6 +178,9 @@ class CompiledPlan:
     devices_note: str | None = None
     """With ``leave_idle``, why the plan uses fewer devices than it was given (``explain()``
     prints it); None: it uses them all, or was not asked to choose."""
+    given: Cluster | None = field(default=None, compare=False)
+    """With ``leave_idle`` and fewer devices used, the cluster the plan was asked for (a program
+    compiled again for other shapes chooses among its devices again); None: ``cluster``."""
 
     @property
     def specs(self) -> dict[Node, JoinAggSpec]:
@@ -284,7 +287,7 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     caps = parse_caps(options.memory_limit, cluster.size, cluster)
     user = _user_specs(graph, options.specs)  # checked once, before the planner; read every lowering
     tied = {s.node: s.new for s in source.state}  # state input -> new value: one layout, one home
-    note = None
+    note, given = None, cluster
     with stages(options.quiet, len(graph.ops)) as say:
         say("planning")
         # the planner receives the caps: eindecomp then picks cuts that fit
@@ -307,7 +310,7 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
         stats = with_state(stats, tg, set(tied), {s.output for s in source.state})
     return CompiledPlan(graph, cluster, decomps, placed, tg, stats, options, source.many,
                         source.arg_names, source.bound, source.state, source.recapture, source.dynamic,
-                        source.call, source.structure, note)
+                        source.call, source.structure, note, given if given is not cluster else None)
 
 
 _Lowered = tuple[dict[Node, JoinAggSpec], dict[Node, Decomposition], Placement, TaskGraph]

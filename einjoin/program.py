@@ -346,7 +346,8 @@ class Program:
             mine = self._bound
             source = dataclasses.replace(source, bound={
                 k: (mine[k] if k in mine and np.shape(mine[k]) == np.shape(v) else v) for k, v in source.bound.items()})
-        prog = Program(build_plan(source, self.cluster, self.plan.options))
+        # with leave_idle, the devices asked for (the plan may have left some idle for these shapes)
+        prog = Program(build_plan(source, self.plan.given or self.cluster, self.plan.options))
         prog._key, prog._parent, prog._variants = key, self, None
         assert self._variants is not None
         log.info("compiled %d ops for shapes %s in %.3f s (%d program(s) cached before, LRU of %s)",

@@ -105,3 +105,17 @@ def test_dual_simplex_is_linprogs_highs_ds(seed: int) -> None:
         assert got is None
     else:
         assert got is not None and np.array_equal(got, want.x)
+
+
+def test_a_program_compiled_again_for_other_shapes_chooses_among_the_devices_given() -> None:
+    import torch
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    prog = ej.compile(ej.from_torch(module, (torch.randn(4, 8),)), devices=4, quiet=True, leave_idle=True)
+    assert prog.cluster.size == 1 and prog.plan.given is not None and prog.plan.given.size == 4
+    x = torch.randn(6, 8)
+    np.testing.assert_allclose(np.asarray(prog.run(x)), module(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    cache = prog.shape_cache
+    assert cache is not None and len(cache) == 1  # the program compiled for the new shapes
+    again = [cache[k] for k in cache]
+    assert again[0] is not prog and "of the 4 devices given" in (again[0].plan.devices_note or "")
