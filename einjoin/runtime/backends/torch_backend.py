@@ -45,6 +45,7 @@ from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.backends.torch_cuda import CudaLanes, check_caps, map_devices, pinned_copy
 from einjoin.runtime.backends.torch_kernels import TORCH_DTYPES, TORCH_KERNELS, combine, fill_block
 from einjoin.runtime.local import LocalSession
+from einjoin.runtime.malloc import tune_malloc
 
 if TYPE_CHECKING:
     from einjoin.runtime.engine import RunStats
@@ -419,7 +420,6 @@ class TorchBackend:
         return self._last_copies
 
     def open(self, run: RunSpec) -> TorchSession:
-        from einjoin.runtime.backends import tune_malloc
         tune_malloc()  # torch's CPU allocator is glibc's malloc: keep freed blocks, as threads does
         return TorchSession(run, self, self.threaded)
 
