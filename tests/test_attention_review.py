@@ -204,8 +204,6 @@ def test_sdpa_broadcasts_batch_dims_of_q_k_and_v_as_torch():
         fused_attention(ej.input("a", (2, 3, 5, 8)), ej.input("b", (3, 3, 6, 8)), ej.input("b", (3, 3, 6, 8)))
 
 
-@pytest.mark.xfail(strict=True, reason="the footprint left out the score matrices of torch's math kernel "
-                                        "(a value size other than E)")
 def test_the_footprint_counts_the_math_kernels_score_matrices():
     """Where the value size differs from E (and for an additive mask's gradient) the kernel is
     torch's math sdpa, which holds the (batch, L, S) weights, and its autograd their gradient as

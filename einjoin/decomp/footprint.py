@@ -143,24 +143,40 @@ def _topk_scratch(d: Decomposition, op: TopK, kernel: int, in_bytes: list[int], 
     return elems * (2 * width + 8)
 
 
+def _math_scores(d: Decomposition, rows: int, copies: int) -> int:
+    """``copies`` (rows, S) score matrices where the kernel is torch's math sdpa (a value size other
+    than E: it materialises the weights; float32 or wider, as an upper estimate), else 0."""
+    q, k, v = d.node.inputs[:3]
+    if q.shape[-1] == v.shape[-1] or (q.shape[-1] == 0 and v.shape[-1] == 1):
+        return 0
+    return copies * rows * k.shape[-2] * max(4, itemsize(q.dtype))
+
+
 def _attention_scratch(d: Decomposition, op: Attention, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     """torch's flash kernel: float32 accumulators of its output rows (and their log-sum-exp), and
-    a bool mask made additive (or a causal mask below the first row) of the block's scores."""
+    a bool mask made additive (or a causal mask below the first row) of the block's scores; torch's
+    math kernel (``Ev != E``) holds the scores and their softmax besides."""
     q, k = d.node.inputs[:2]
     out_elems = out_bytes // itemsize(d.node.dtype)
     rows = out_elems // max(1, d.node.shape[-1])
     masked = len(d.node.inputs) > 3 or op.causal
-    return 4 * (out_elems + rows) + (rows * k.shape[-2] * itemsize(q.dtype) if masked else 0)
+    return (4 * (out_elems + rows) + (rows * k.shape[-2] * itemsize(q.dtype) if masked else 0)
+            + _math_scores(d, rows, 2))
 
 
 def _attention_grad_scratch(d: Decomposition, op: AttentionGrad, kernel: int, in_bytes: list[int],
                             out_bytes: int) -> int:
     """The recomputed forward (output, log-sum-exp), the three gradients before they are stacked
-    (float32 accumulators), and an additive mask, as :func:`_attention_scratch`."""
+    (float32 accumulators), and an additive mask, as :func:`_attention_scratch`; autograd of torch's
+    math kernel (``Ev != E``, a mask's gradient) holds the weights, their gradient, the scores'
+    gradient and the expanded mask, (rows, S) each."""
     q, k = d.node.inputs[:2]
     rows = in_bytes[0] // max(1, itemsize(q.dtype) * q.shape[-1])
     mask = rows * k.shape[-2] * itemsize(q.dtype) if len(d.node.inputs) > 4 else 0
-    return 2 * sum(in_bytes[:4]) + 4 * rows + out_bytes + mask
+    math = _math_scores(d, rows, 4)
+    if op.parts == ("mask",) and not math:
+        math = 4 * rows * k.shape[-2] * max(4, itemsize(q.dtype))
+    return 2 * sum(in_bytes[:4]) + 4 * rows + out_bytes + mask + math
 
 
 def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
