@@ -241,17 +241,11 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 ISSUE = {"gpt2", "llama", "mistral", "bert", "t5-encoder", "mixtral", "vit", "whisper-encoder"}
 
 
-def _on_one_worker(name: str) -> Any:
-    """A family's tests run on one xdist worker (``--dist loadgroup``): it captures the model once
-    (``captured`` caches per process) instead of once on each worker."""
-    return pytest.mark.xdist_group(f"capture {name}")
-
-
 def _family(name: str) -> Any:
     marks = [] if name in ISSUE else [pytest.mark.slow]
     if name in BLOCKED:
         marks.append(pytest.mark.xfail(reason=BLOCKED[name], strict=True))
-    return pytest.param(name, marks=[*marks, _on_one_worker(name)])
+    return pytest.param(name, marks=marks)
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -263,8 +257,7 @@ def test_family_matches_torch(family: str, devices: int) -> None:
     assert_close(ej.compile(fn, devices=devices).run(*args), expected)
 
 
-@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=_on_one_worker("gpt2")),
-                                    pytest.param("bert", marks=[pytest.mark.slow, _on_one_worker("bert")])])
+@pytest.mark.parametrize("family", ["gpt2", pytest.param("bert", marks=pytest.mark.slow)])
 def test_other_batch_and_sequence_lengths_import_again(family: str) -> None:
     # what a user does next: the program compiled for (2, 16) called with (3, 10) captures the
     # model again for those shapes (TorchFunction.recapture) and matches torch

@@ -107,17 +107,11 @@ NEW_ZOO = ["zoo:resnet18", "zoo:vit-tiny", "zoo:whisper-encoder", "zoo:moe", "zo
 LARGE = {"zoo:resnet18", "zoo:vit-tiny"}  # their capped runs are slow
 
 
-def _on_one_worker(name: str):
-    """The tests of one module run on one xdist worker (``--dist loadgroup``): it traces the module
-    once (``traced`` caches per process) instead of once on each worker."""
-    return pytest.mark.xdist_group(f"trace {name}")
-
-
 def _module(name: str, slow: bool = False):
     marks = [pytest.mark.xfail(reason=BLOCKED[name], strict=True)] if name in BLOCKED else []
     if slow:
         marks.append(pytest.mark.slow)
-    return pytest.param(name, marks=[*marks, _on_one_worker(name)])
+    return pytest.param(name, marks=marks)
 
 
 @functools.cache
@@ -169,7 +163,6 @@ def test_fx_fallback_matches_torch(name):
     assert_close(ej.compile(fn, devices=2).run(*args), expected)
 
 
-@_on_one_worker("zoo:llama-block")
 def test_parameters_are_bound_inputs_and_numpy_in_numpy_out():
     module, args, fn = traced("zoo:llama-block")
     assert fn.arg_names == ("x",)
@@ -183,7 +176,6 @@ def test_parameters_are_bound_inputs_and_numpy_in_numpy_out():
     np.testing.assert_allclose(fn.reference(args[0].numpy()), out, rtol=1e-5, atol=1e-6)
 
 
-@_on_one_worker("long tail")
 def test_input_free_subgraphs_fold_to_constants():
     # masks and position tables built in forward become fills: no graph input, nothing to move
     _, _, fn = traced("long tail")
@@ -215,7 +207,6 @@ def test_unsupported_op_names_op_and_source_line():
     assert "docs/torch_ops.md" in msg and "masked_fill" not in msg
 
 
-@_on_one_worker("zoo:mlp")
 def test_bad_modules_and_arguments():
     with pytest.raises(ej.EinjoinError, match="expected a torch.nn.Module"):
         ej.from_torch(lambda x: x, (torch.randn(2),))
