@@ -216,3 +216,25 @@ def test_the_torch_backend_runs_the_same_kernels():
     on_torch = ej.compile([out] + grads, devices=ej.local(2), backend="torch").run(**feeds)
     for a, b in zip(on_torch, threads):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("causal, masked", [(False, False), (True, False), (False, True)])
+def test_a_cut_of_the_value_dim_holds_what_the_whole_rows_hold(causal, masked):
+    """A cut of the forward's value dim reads v whole, and its kernel computes every column of
+    its rows before it keeps its own: its scratch covers the uncut kernel's (same rows), plus
+    the full-width result it copies its columns from. The rule once counted only the block's
+    columns (16x too few rows at Ev / 16), so the planners took such cuts as 4x smaller."""
+    from einjoin.decomp.footprint import kernel_scratch
+    from einjoin.decomp.spec import JoinAggSpec
+
+    q, k, v = ej.input("q", (2, 4, 32, 16)), ej.input("k", (2, 4, 24, 16)), ej.input("v", (2, 4, 24, 16))
+    out = fused_attention(q, k, v, ej.input("m", (1, 4, 32, 24)) if masked else None, causal=causal).node
+    last = sorted(JoinAggSpec.for_node(out, {}).counts())[-1]  # the labels follow the output's dims
+
+    def scratch(counts):
+        d = ej.decompose(out, JoinAggSpec.for_node(out, counts))
+        ins = [int(np.prod(d.in_partitions[s].block_shape(key))) * 4 for s, key in enumerate(d.kernels[0].in_keys)]
+        return kernel_scratch(d, 0, ins, int(np.prod(d.out_partition.block_shape(d.kernels[0].out_key))) * 4)
+
+    whole = scratch({})
+    assert scratch({last: 4}) >= whole + 2 * 4 * 32 * 16 * 4  # the full-width rows, as the kernel makes them

@@ -155,12 +155,15 @@ def _math_scores(d: Decomposition, rows: int, copies: int) -> int:
 def _attention_scratch(d: Decomposition, op: Attention, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     """torch's flash kernel: float32 accumulators of its output rows (and their log-sum-exp), and
     a bool mask made additive (or a causal mask below the first row) of the block's scores; torch's
-    math kernel (``Ev != E``) holds the scores and their softmax besides."""
+    math kernel (``Ev != E``) holds the scores and their softmax besides. A cut of the value dim
+    reads v whole: the kernel computes its rows at full width, then copies its columns out."""
     q, k = d.node.inputs[:2]
-    out_elems = out_bytes // itemsize(d.node.dtype)
-    rows = out_elems // max(1, d.node.shape[-1])
+    block = d.out_partition.block_shape(d.kernels[kernel].out_key)
+    rows = prod(block[:-1])  # the block's batch x query rows (from its shape: the value dim may be cut)
+    full = rows * d.node.shape[-1]
+    whole = full * itemsize(d.node.dtype) if block[-1] < d.node.shape[-1] else 0
     masked = len(d.node.inputs) > 3 or op.causal
-    return (4 * (out_elems + rows) + (rows * k.shape[-2] * itemsize(q.dtype) if masked else 0)
+    return (4 * (full + rows) + whole + (rows * k.shape[-2] * itemsize(q.dtype) if masked else 0)
             + _math_scores(d, rows, 2))
 
 
