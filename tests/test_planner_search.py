@@ -227,9 +227,14 @@ def test_eindecomp_equals_exhaustive_on_trees_under_a_cap(data: st.DataObject) -
 
 def test_a_cap_aware_plan_of_a_llama_block_evicts_far_less() -> None:
     """At a quarter of its working set, planning for the cap (cuts that fit with room to spare,
-    lined up along the attention chain) against planning as if memory were unbounded and letting
-    the memory planner cut the ops at fault: the same cap is kept, with a fraction of the
-    host traffic."""
+    lined up along the MLP) against planning as if memory were unbounded and letting the memory
+    planner cut the ops at fault: the same cap is kept, with a fraction of the host traffic.
+
+    Measured: 17.0 MiB evicted + reloaded against 41.5 MiB (2.4x), all of it in the norms, the
+    residual and the MLP, the same bytes as before attention was fused. The fused attention
+    holds 6.5 MiB at either plan's cut (heads in 4), within 0.75 of the cap, and moves nothing
+    to the host in either plan; written as einsums its (16, 512, 512) scores cost 54 MiB of host
+    traffic planned for the cap and 252 MiB planned blind, where the bound of 3x came from."""
     from einjoin.models.graphs import llama_layers
     out = llama_layers(1, batch=1, seq=512, d=1024, heads=16, hidden=2816)
     blind = lambda g, c: eindecomp(g, c.with_memory(None))  # noqa: E731
@@ -237,7 +242,7 @@ def test_a_cap_aware_plan_of_a_llama_block_evicts_far_less() -> None:
                               quiet=True).taskgraph.memory for name, pl in (("aware", "auto"), ("blind", blind))}
     aware, blind_plan = plans["aware"], plans["blind"]
     assert max(aware.peak_bytes_per_device.values()) <= 9.5 * 2**20
-    assert 3 * (aware.bytes_evicted + aware.bytes_reloaded) < blind_plan.bytes_evicted + blind_plan.bytes_reloaded
+    assert 2 * (aware.bytes_evicted + aware.bytes_reloaded) < blind_plan.bytes_evicted + blind_plan.bytes_reloaded
 
 
 def _training_graph(d: int, p: int) -> ej.Graph:
