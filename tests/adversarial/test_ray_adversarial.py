@@ -149,11 +149,13 @@ def test_cancel_before_start_submits_nothing_and_mid_run_cancel_leaves_the_progr
     assert fresh.actors == []  # nothing was started, let alone run
 
     backend = shared
-    backend.kernel_delay = 0.2
+    # kernels sleep 0.5 s each, a device runs several in a row: 1 s in, the run is mid-way (with
+    # actors that hold their part of the plan, a run of 0.2 s kernels could end before 1 s)
+    backend.kernel_delay = 0.5
     prog = ej.compile(out, devices=2, backend=backend, planner="split_largest")
     try:
         tok = CancelToken()
-        threading.Timer(1.0, tok.cancel).start()  # kernels sleep 0.2 s each: the run is mid-way
+        threading.Timer(1.0, tok.cancel).start()
         t0 = time.time()
         with pytest.raises(ej.EinjoinError, match="run cancelled with [1-9][0-9]* of"):
             prog._engine.run(values, backend, cancel=tok, cluster=prog.cluster)

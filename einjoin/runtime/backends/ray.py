@@ -634,18 +634,32 @@ class _RaySession:
                         raise TaskFailed(self.tg.tasks[tid], cause)
                     self.reports[i] = rep
 
-    def _cancel(self) -> int:
-        """Abort the run on every actor now; how many of its tasks had not run."""
-        acks = []
-        for x in self.actors:
+    def _cancel(self) -> int | str:
+        """Abort the run on every actor now; how many of its tasks had not run ("an unknown number"
+        when an actor does not answer: a busy machine can delay the answers, and a guessed 0 would
+        say the run had finished)."""
+        acks, devs = [], []
+        for d, x in enumerate(self.actors):
             try:
                 acks.append(x.abort.options(concurrency_group=CONTROL).remote(self.run))
+                devs.append(d)
             except Exception:  # noqa: BLE001 - a dead actor runs nothing
                 pass
         try:
-            return sum(self.ray.get(acks, timeout=5.0))
+            counts = dict(zip(devs, self.ray.get(acks, timeout=10.0), strict=True))
+            # -1: the run is not on that actor. If its go has not run there (the first run of a
+            # program waits for the actor to build its part), every task of that device is left.
+            started, _ = self.ray.wait(list(self.begins), num_returns=len(self.begins), timeout=0)
+            started_set = set(started)
+            left = 0
+            for d, c in counts.items():
+                if c >= 0:
+                    left += c
+                elif self.begins[d] not in started_set:
+                    left += sum(t.device == d for t in self.tg.tasks)
+            return left
         except Exception:  # noqa: BLE001 - a count is only said; __exit__ abandons the run anyway
-            return 0
+            return "an unknown number"
 
     def _check(self, r: Any, i: int, n_begins: int) -> None:
         """Raise what the finished ref ``r`` (``i``-th of the run: begins first) failed with."""

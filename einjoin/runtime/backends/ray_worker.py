@@ -255,14 +255,15 @@ class DeviceWorker:
     def abort(self, run: int) -> int:
         """Drop the run here (called on the control thread, at once): its queued tasks are
         skipped, its blocks dropped, a late ``go`` or block for it ignored, a waiting ``finish``
-        answered None. Returns how many of its tasks had not run here."""
+        answered None. Returns how many of its tasks had not run here, or -1 when the run is not
+        here (its ``go`` has not run yet, or it finished): the driver tells which."""
         with self._cv:
             r = self._runs.pop(run, None)
             self._bury(run)
             self._early.pop(run, None)
             self._reports.pop(run, None)
             self._cv.notify_all()
-            return r.tasks_left if r is not None else 0
+            return r.tasks_left if r is not None else -1
 
     def _bury(self, run: int) -> None:  # under _cv
         self._dead[run] = None
