@@ -174,7 +174,7 @@ def _fits(t: Any, xs: list[Any]) -> bool:
     return True
 
 
-class _Compiled:
+class SlotProgram:
     """An expression as straight-line steps over value slots, one slot per distinct leaf or call
     (equal sub-expressions share one; constants are told apart by type and sign, so
     ``where(c, 1, 0)`` and ``where(c, 1.0, 0.0)`` stay two), each step knowing which
@@ -240,16 +240,16 @@ class _Compiled:
         return vals[self.result]
 
 
-_COMPILED: dict[int, tuple[Expr, _Compiled]] = {}
+_COMPILED: dict[int, tuple[Expr, SlotProgram]] = {}
 
 
-def _compiled(expr: Expr) -> _Compiled:
+def _compiled(expr: Expr) -> SlotProgram:
     # keyed by identity (an op keeps its join alive), checked, since an id can be reused
     hit = _COMPILED.get(id(expr))
     if hit is not None and hit[0] is expr:
         return hit[1]
     if len(_COMPILED) > 4096:
         _COMPILED.clear()
-    c = _Compiled(expr)
+    c = SlotProgram(expr)
     _COMPILED[id(expr)] = (expr, c)
     return c

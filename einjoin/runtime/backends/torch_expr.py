@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as tf
 
 from einjoin.errors import EinjoinError
-from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, _eval_consts
+from einjoin.ir.scalar import FUNCTIONS, Arg, Const, Expr, _eval_consts
+from einjoin.ir.evaluate import SlotProgram
 
 __all__ = ["torch_evaluate", "TORCH_FUNCTIONS", "compile_expr"]
 
@@ -104,47 +105,16 @@ TORCH_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-class _TorchCompiled:
-    """An expression as steps over value slots (one per distinct leaf or call)."""
-
-    def __init__(self, expr: Expr):
-        self.leaves: list[tuple[int, bool, Any]] = []
-        self.steps: list[tuple[int, str, tuple[int, ...]]] = []
-        index: dict[tuple[Any, ...], int] = {}
-
-        def slot(e: Expr) -> int:
-            if isinstance(e, Arg):
-                key: tuple[Any, ...] = ("a", e.index)
-            elif isinstance(e, Const):
-                key = ("c", type(e.value).__name__, repr(e.value))
-            else:
-                key = ("f", e.fn, tuple(slot(a) for a in e.args))
-            got = index.get(key)
-            if got is None:
-                got = index[key] = len(index)
-                if isinstance(e, Call):
-                    self.steps.append((got, e.fn, key[2]))
-                else:
-                    self.leaves.append((got, isinstance(e, Arg), e.index if isinstance(e, Arg) else e.value))
-            return got
-
-        self.result = slot(expr)
-        self.size = len(index)
-        computed = {s for s, _, _ in self.steps}
-        last: dict[int, int] = {}
-        for i, (_, _, a) in enumerate(self.steps):
-            for x in a:
-                last[x] = i
-        # per step, the computed slots it reads for the last time (their tensors may be reused)
-        self.dying = [tuple(x for x in dict.fromkeys(a) if x in computed and last[x] == i)
-                      for i, (_, _, a) in enumerate(self.steps)]
+class _TorchCompiled(SlotProgram):
+    """An expression as steps over value slots (the slots and last reads of
+    :class:`einjoin.ir.evaluate.SlotProgram`), run on torch tensors."""
 
     def run(self, args: Sequence[Any]) -> Any:
         vals: list[Any] = [None] * self.size
         for s, is_arg, v in self.leaves:
             vals[s] = args[v] if is_arg else v
         owned: set[int] = set()  # slots holding tensors this evaluation allocated
-        for (s, fn, a), dying in zip(self.steps, self.dying):
+        for s, fn, a, dying in self.steps:
             xs = [vals[i] for i in a]
             if all(isinstance(x, _WEAK) for x in xs):  # constants only: Python numbers
                 vals[s] = _eval_consts(FUNCTIONS[fn], xs)
