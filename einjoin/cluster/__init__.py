@@ -263,6 +263,9 @@ class Cluster:
     devices: tuple[Device, ...]
     bandwidth: Sequence[Sequence[float]]
     latency: Sequence[Sequence[float]]
+    # the time model (einjoin.cluster.model.Hardware) of a preset; None: the devices are this
+    # machine's (the simulator calibrates them) or are known by their links alone
+    hardware: Any = None
 
     def __post_init__(self) -> None:
         devs = self.devices
@@ -280,6 +283,11 @@ class Cluster:
         object.__setattr__(self, "devices", tuple(devs))
         for name in ("bandwidth", "latency"):
             object.__setattr__(self, name, _check_matrix(getattr(self, name), name, n))
+        if self.hardware is not None:
+            from einjoin.cluster.model import Hardware
+            if not isinstance(self.hardware, Hardware) or self.hardware.size != n:
+                raise EinjoinError(f"Cluster hardware must be an einjoin.cluster.model.Hardware for {n} devices, "
+                                   f"got {_short(self.hardware)}")
 
     @property
     def size(self) -> int:
@@ -342,7 +350,33 @@ class Cluster:
             mem = parse_bytes(memory)
             mems = {d.id: mem for d in self.devices}
         return Cluster(tuple(Device(d.id, d.kind, mems[d.id], d.node) for d in self.devices), self.bandwidth,
-                       self.latency)
+                       self.latency, self.hardware)
+
+    @staticmethod
+    def preset(name: str, devices: int | None = None) -> Cluster:
+        """A cluster of hardware we describe by its data sheet (:mod:`einjoin.cluster.presets`):
+        ``"dgx-a100"``, ``"dgx-h100"`` (8 GPUs on NVSwitch), ``"h200"`` (one GPU); ``devices``
+        takes that many of its GPUs instead. It carries its time model (``hardware``) for
+        ``prog.simulate()``.
+
+        >>> c = Cluster.preset("dgx-a100")
+        >>> c.size, str(c.devices[0]), c.devices[0].memory == 80 * 2**30
+        (8, 'a100:0', True)
+        """
+        from einjoin.cluster.presets import preset
+        return preset(name, devices)
+
+    @staticmethod
+    def nodes(n: int, per_node: str = "dgx-a100", network_gbps: float = 200) -> Cluster:
+        """``n`` machines of preset ``per_node``, one NIC of ``network_gbps`` Gbit/s per GPU
+        between them (a transfer between nodes goes out of its GPU's NIC and into the other's).
+
+        >>> c = Cluster.nodes(2)
+        >>> c.size, c.bandwidth[0][1] > c.bandwidth[0][8] == 25e9
+        (16, True)
+        """
+        from einjoin.cluster.presets import nodes
+        return nodes(n, per_node, network_gbps)
 
     def __str__(self) -> str:
         kinds = sorted({d.kind for d in self.devices})

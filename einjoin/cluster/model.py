@@ -1,0 +1,216 @@
+"""The time model: what a device computes how fast, and what a link carries how fast, as data.
+
+A :class:`DeviceModel` holds one device's figures (peak flop rates per dtype, a matmul efficiency
+curve, memory and copy bandwidth, memory size, the fixed cost of one task); a :class:`Hardware`
+holds a cluster's devices, the fabrics between them (routes through per-device ports, so that
+concurrent transfers through one port share its bandwidth) and, for a CPU machine, the cores the
+devices share. The times themselves are pure functions of numbers:
+
+- a kernel takes ``max(flops / (peak · efficiency(work)), bytes / memory bandwidth) + launch``,
+  with ``efficiency(W) = e_max · W / (W + half_work)`` (a small kernel runs far below peak: the
+  fixed start of its tiles and waves, which :func:`einjoin.runtime.simulate_calibrate.calibrate`
+  fits on this machine and the presets take from measured GEMM rates);
+- a transfer takes ``latency + bytes / bandwidth`` over each link of its route (the slowest
+  link sets the pace; the simulator shares each link's bandwidth between the transfers on it).
+
+>>> h100 = DeviceModel("h100", peak=(("bfloat16", 989e12), ("float32", 67e12)), mem_bw=3.35e12,
+...                    copy_bw=3.0e12, vector_rate=67e12, launch=5e-6, e_max=0.75, half_work=14e9)
+>>> t = kernel_time(h100, flops=2 * 4096**3, nbytes=3 * 2 * 4096**2, dtype="bfloat16")
+>>> round(t * 1e3, 3)   # a 4096^3 bf16 matmul: 68% of 989 TFLOP/s for its size, plus the launch
+0.209
+>>> transfer_time(latency=2e-6, nbytes=1 << 30, bandwidths=(300e9, 25e9)) > (1 << 30) / 25e9
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from einjoin.errors import EinjoinError
+
+__all__ = ["DeviceModel", "Fabric", "Hardware", "kernel_time", "transfer_time", "copy_time", "efficiency"]
+
+# a kernel whose flops per byte exceed this is a contraction (BLAS, tensor cores): it runs at the
+# matmul rate; below it, an elementwise kernel runs at the vector rate (numpy's ufuncs, CUDA cores)
+CONTRACTION_INTENSITY = 1.0
+
+
+def _positive(v: float, what: str, zero_ok: bool = False) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise EinjoinError(f"device model {what} must be a number, got {v!r}") from None
+    if math.isnan(f) or f < 0 or (f == 0 and not zero_ok):
+        raise EinjoinError(f"device model {what} must be {'>= 0' if zero_ok else 'positive'}, got {v!r}")
+    return f
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """One device's figures. ``peak``: (dtype, flop/s) pairs for dense contractions (one core's
+    rate when the hardware shares ``cores``: a kernel then runs on its share of them);
+    ``mem_bw``: bytes/s a memory-bound kernel reads plus writes; ``copy_bw``: bytes/s of a copy
+    on the device (read + write); ``vector_rate``: flop/s of elementwise work; ``launch``: the
+    fixed cost of one task (a kernel launch, a Python dispatch), s; ``e_max`` and ``half_work``:
+    the matmul efficiency curve (:func:`efficiency`); ``memory``: bytes (None: unbounded);
+    ``host_bw`` / ``host_latency``: the host link (loads, evictions, reloads of a device that
+    does not share the host's memory)."""
+
+    name: str
+    peak: tuple[tuple[str, float], ...]
+    mem_bw: float
+    copy_bw: float
+    vector_rate: float
+    launch: float
+    e_max: float = 1.0
+    half_work: float = 0.0
+    memory: int | None = None
+    host_bw: float = 25e9
+    host_latency: float = 10e-6
+
+    def __post_init__(self) -> None:
+        if not self.peak:
+            raise EinjoinError(f"device model {self.name!r} needs a peak rate for at least one dtype")
+        object.__setattr__(self, "peak", tuple((str(k), _positive(v, f"peak[{k}]")) for k, v in self.peak))
+        for f in ("mem_bw", "copy_bw", "vector_rate", "host_bw"):
+            object.__setattr__(self, f, _positive(getattr(self, f), f))
+        for f in ("launch", "half_work", "host_latency"):
+            object.__setattr__(self, f, _positive(getattr(self, f), f, zero_ok=True))
+        e = _positive(self.e_max, "e_max")
+        if e > 1:
+            raise EinjoinError(f"device model e_max must be in (0, 1], got {self.e_max!r}")
+
+    def rate(self, dtype: str) -> float:
+        """Peak contraction flop/s for ``dtype``: its own figure, else float32's (numpy computes
+        half precision in float32), else the lowest given."""
+        table = dict(self.peak)
+        if dtype in table:
+            return table[dtype]
+        return table.get("float32", min(table.values()))
+
+
+def efficiency(model: DeviceModel, work: float) -> float:
+    """The fraction of peak a contraction of ``work`` flops reaches: ``e_max · W / (W + half_work)``.
+
+    >>> m = DeviceModel("x", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e9, vector_rate=1e9,
+    ...                 launch=0.0, e_max=0.5, half_work=100.0)
+    >>> efficiency(m, 100.0), efficiency(m, 0.0)
+    (0.25, 0.0)
+    """
+    if work <= 0:
+        return 0.0
+    return model.e_max * work / (work + model.half_work)
+
+
+def kernel_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, threads: float = 1.0,
+                launch: bool = True) -> float:
+    """Seconds one kernel takes alone on ``model`` with ``threads`` of its cores: a roofline of
+    its flops (at the contraction rate scaled by :func:`efficiency`, or the vector rate for an
+    elementwise kernel) and its bytes (read + written, at ``mem_bw``), plus the launch.
+
+    >>> m = DeviceModel("x", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e9, vector_rate=1e8,
+    ...                 launch=1e-3)
+    >>> kernel_time(m, flops=1e9, nbytes=1e6, dtype="float32")   # compute-bound: 1 s + launch
+    1.001
+    >>> kernel_time(m, flops=1e6, nbytes=1e9, dtype="float32")   # memory-bound: 1 s + launch
+    1.001
+    """
+    return work_time(model, flops, nbytes, dtype, threads) + (model.launch if launch else 0.0)
+
+
+def work_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, threads: float = 1.0) -> float:
+    """:func:`kernel_time` without the launch."""
+    compute = 0.0
+    if flops > 0:
+        if is_contraction(flops, nbytes):
+            compute = flops / (model.rate(dtype) * threads * max(efficiency(model, flops), 1e-9))
+        else:
+            compute = flops / model.vector_rate
+    return max(compute, nbytes / model.mem_bw)
+
+
+def is_contraction(flops: float, nbytes: float) -> bool:
+    """Whether a kernel runs at the contraction rate (its flops per byte above
+    :data:`CONTRACTION_INTENSITY`)."""
+    return flops > CONTRACTION_INTENSITY * max(nbytes, 1.0)
+
+
+def copy_time(model: DeviceModel, nbytes: float) -> float:
+    """Seconds of a copy of ``nbytes`` on the device (read + write at ``copy_bw``), no launch."""
+    return 2.0 * nbytes / model.copy_bw
+
+
+def transfer_time(latency: float, nbytes: float, bandwidths: Sequence[float]) -> float:
+    """Seconds of a transfer alone on its route: the latency plus the bytes at the slowest link."""
+    if not bandwidths:
+        return latency
+    return latency + nbytes / min(bandwidths)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """Links of one kind: each device has a port of ``bandwidth`` bytes/s per direction into
+    it (a NVSwitch port, a NIC), and a transfer pays ``latency`` once."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", _positive(self.bandwidth, "fabric bandwidth"))
+        object.__setattr__(self, "latency", _positive(self.latency, "fabric latency", zero_ok=True))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A cluster's time model: ``models[d]`` for device ``d``; ``groups[d]`` its island or node;
+    ``intra`` the fabric inside a group, ``inter`` between groups (a route ``i -> j`` goes out
+    of ``i``'s port and into ``j``'s, so transfers through one port share it); ``cores``: the CPU
+    cores every device shares (None: each device computes on its own silicon); ``shared_memory``:
+    the devices and the host share RAM (a move is a zero-copy hand-over unless the graph is
+    memory-capped, a contiguous load is a view); ``copy_engines``: moves and host transfers run
+    beside the kernels (GPU DMA engines), not on the device's one lane."""
+
+    name: str
+    models: tuple[DeviceModel, ...]
+    groups: tuple[int, ...]
+    intra: Fabric
+    inter: Fabric
+    cores: int | None = None
+    shared_memory: bool = False
+    copy_engines: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.models) != len(self.groups) or not self.models:
+            raise EinjoinError(f"hardware {self.name!r}: {len(self.models)} device models for "
+                               f"{len(self.groups)} devices")
+        if self.cores is not None and (isinstance(self.cores, bool) or int(self.cores) < 1):
+            raise EinjoinError(f"hardware {self.name!r}: cores must be a positive int or None, got {self.cores!r}")
+
+    @property
+    def size(self) -> int:
+        return len(self.models)
+
+    def threads(self) -> float:
+        """Cores each device's kernels use (the threads backend gives each device
+        ``cores // devices`` BLAS threads, at least one); 1 for devices of their own."""
+        if self.cores is None:
+            return 1.0
+        return float(max(1, self.cores // self.size))
+
+    def fabric(self, src: int, dst: int) -> Fabric:
+        return self.intra if self.groups[src] == self.groups[dst] else self.inter
+
+    def route(self, src: int, dst: int) -> tuple[tuple[str, int, int], ...]:
+        """The link resources a transfer ``src -> dst`` crosses: (fabric, direction, device)
+        ports, ``("intra", 0, src)`` being ``src``'s outgoing port."""
+        kind = "intra" if self.groups[src] == self.groups[dst] else "inter"
+        return ((kind, 0, src), (kind, 1, dst))
+
+    def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
+        """Seconds of a transfer alone on its route (0 to itself)."""
+        if src == dst:
+            return 0.0
+        f = self.fabric(src, dst)
+        return transfer_time(f.latency, nbytes, (f.bandwidth,))

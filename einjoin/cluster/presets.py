@@ -1,0 +1,87 @@
+"""Clusters we do not have, from their data sheets: the figures of :data:`GPUS` and :data:`SYSTEMS`
+(plain data), turned into a :class:`~einjoin.cluster.Cluster` with its time model
+(:class:`~einjoin.cluster.model.Hardware`).
+
+The efficiency curves of the GPUs come from measured GEMM rates: one H200 here
+(``../shared/measured/h200.md``) ran bf16 GEMMs at up to ~740 TFLOP/s (0.75 of its 989 peak),
+and a GEMM of W flops took about ``W / 740e12 + 20 µs``: ``e_max = 0.75``, ``half_work = 740e12
+· 20e-6 ≈ 1.5e10`` flops. The H100 shares the H200's chip; the A100's curve is scaled to its peak.
+
+>>> c = preset("dgx-h100")
+>>> c.size, c.hardware.models[0].rate("bfloat16"), c.hardware.intra.bandwidth
+(8, 989000000000000.0, 450000000000.0)
+>>> nodes(2, "dgx-h100", network_gbps=400).hardware.inter.bandwidth
+50000000000.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from einjoin.cluster import MAX_DEVICES, Cluster, Device, LinkMatrix, check_device_count
+from einjoin.cluster.model import DeviceModel, Fabric, Hardware
+from einjoin.errors import EinjoinError
+
+__all__ = ["GPUS", "SYSTEMS", "preset", "nodes", "PRESETS"]
+
+GiB = 2**30
+
+# one GPU each: peak dense rates (flop/s), HBM bandwidth, device-to-device copy (read + write
+# counted), memory, the fixed cost of a kernel in a stream, the host link (PCIe), the GEMM curve
+GPUS: dict[str, dict[str, Any]] = {
+    "a100": dict(peak=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12), ("float64", 19.5e12)),
+                 mem_bw=2.0e12, copy_bw=1.7e12, vector_rate=19.5e12, launch=5e-6, e_max=0.8,
+                 half_work=0.8 * 312e12 * 20e-6, memory=80 * GiB, host_bw=25e9, host_latency=10e-6),
+    "h100": dict(peak=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float64", 67e12)),
+                 mem_bw=3.35e12, copy_bw=2.9e12, vector_rate=67e12, launch=5e-6, e_max=0.75,
+                 half_work=1.5e10, memory=80 * GiB, host_bw=50e9, host_latency=10e-6),
+    "h200": dict(peak=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float64", 67e12)),
+                 mem_bw=4.8e12, copy_bw=4.15e12, vector_rate=67e12, launch=5e-6, e_max=0.75,
+                 half_work=1.5e10, memory=141 * 10**9, host_bw=54.7e9, host_latency=10e-6),
+}
+
+# systems: which GPU, how many, and the fabric between them (bytes/s per direction per GPU, s)
+SYSTEMS: dict[str, dict[str, Any]] = {
+    "dgx-a100": dict(gpu="a100", count=8, link_bw=300e9, link_latency=2e-6),   # NVSwitch, NVLink 3
+    "dgx-h100": dict(gpu="h100", count=8, link_bw=450e9, link_latency=2e-6),   # NVSwitch, NVLink 4
+    "h200": dict(gpu="h200", count=1, link_bw=450e9, link_latency=2e-6),
+}
+
+PRESETS = tuple(SYSTEMS)
+NETWORK_LATENCY = 5e-6  # one hop through an InfiniBand switch, NIC to NIC
+
+
+def _system(name: Any) -> dict[str, Any]:
+    if not isinstance(name, str) or name not in SYSTEMS:
+        raise EinjoinError(f"unknown cluster preset {name!r}; known: {', '.join(PRESETS)}")
+    return SYSTEMS[name]
+
+
+def _build(name: str, gpu: str, groups: tuple[int, ...], intra: Fabric, inter: Fabric) -> Cluster:
+    model = DeviceModel(gpu, **GPUS[gpu])
+    n = len(groups)
+    devs = tuple(Device(i, gpu, model.memory) for i in range(n))
+    hw = Hardware(name, (model,) * n, groups, intra, inter, cores=None, shared_memory=False, copy_engines=True)
+    return Cluster(devs, LinkMatrix(groups, float("inf"), intra.bandwidth, inter.bandwidth),
+                   LinkMatrix(groups, 0.0, intra.latency, inter.latency), hw)
+
+
+def preset(name: str, devices: int | None = None) -> Cluster:
+    """The preset system ``name`` (:data:`PRESETS`), or ``devices`` of its GPUs on its fabric."""
+    s = _system(name)
+    n = s["count"] if devices is None else check_device_count(devices)
+    fabric = Fabric(s["link_bw"], s["link_latency"])
+    return _build(name, s["gpu"], (0,) * n, fabric, fabric)
+
+
+def nodes(n: int, per_node: str = "dgx-a100", network_gbps: float = 200) -> Cluster:
+    """``n`` machines of preset ``per_node``; one NIC of ``network_gbps`` Gbit/s per GPU."""
+    s = _system(per_node)
+    count = check_device_count(n, "nodes")
+    if count * s["count"] > MAX_DEVICES:
+        check_device_count(count * s["count"], f"nodes ({count} x {s['count']} devices)")
+    if isinstance(network_gbps, bool) or not isinstance(network_gbps, (int, float)) or not network_gbps > 0:
+        raise EinjoinError(f"network_gbps must be a positive number (Gbit/s per NIC), got {network_gbps!r}")
+    groups = tuple(k for k in range(count) for _ in range(s["count"]))
+    return _build(f"{count}x{per_node}", s["gpu"], groups, Fabric(s["link_bw"], s["link_latency"]),
+                  Fabric(network_gbps * 1e9 / 8, NETWORK_LATENCY))
