@@ -32,11 +32,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
-from einjoin.ir.dtypes import kind, numpy_dtype
+from einjoin.ir.dtypes import is_bfloat16, kind, numpy_dtype
 from einjoin.ir.node import Attention, AttentionGrad, Node
 
 __all__ = ["attention_node", "attention_grad_node", "grad_rows", "attention_kernel", "attention_grad_kernel",
@@ -152,7 +151,7 @@ def _view(x: np.ndarray) -> Any:
     """``x`` as a torch tensor sharing its memory (bfloat16 through its bits)."""
     import torch
     x = np.asarray(x)
-    if x.dtype == np.dtype(ml_dtypes.bfloat16):
+    if is_bfloat16(x.dtype):
         return _view(x.view(np.int16)).view(torch.bfloat16)
     if any(s < 0 for s in x.strides):
         x = np.ascontiguousarray(x)
@@ -166,7 +165,7 @@ def _view(x: np.ndarray) -> Any:
 def _array(t: Any, dtype: str) -> np.ndarray:
     import torch
     if t.dtype == torch.bfloat16:
-        return np.asarray(t.contiguous().view(torch.int16).numpy()).view(ml_dtypes.bfloat16)
+        return np.asarray(t.contiguous().view(torch.int16).numpy()).view(numpy_dtype("bfloat16"))
     return np.asarray(t.contiguous().numpy()).astype(numpy_dtype(dtype), copy=False)
 
 
@@ -288,7 +287,7 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
 
 
 def _name(x: np.ndarray) -> str:
-    return "bfloat16" if x.dtype == np.dtype(ml_dtypes.bfloat16) else str(x.dtype)
+    return "bfloat16" if is_bfloat16(x.dtype) else str(x.dtype)
 
 
 def attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,

@@ -1,7 +1,9 @@
 """Element types: names, numpy types, sizes, kinds and promotion.
 
 A dtype is named by a short string (``"float32"``, ``"bfloat16"``, ``"int64"``, ``"bool"``);
-bfloat16 comes from ``ml_dtypes`` so numpy can hold it.
+bfloat16 comes from ``ml_dtypes`` so numpy can hold it; that import costs a second or two
+(it registers its ufunc loops with numpy), so it is made on first use of bfloat16's numpy dtype,
+not when einjoin is imported.
 
 >>> from einjoin.ir.dtypes import canonical_dtype, promote
 >>> canonical_dtype("f32"), promote("float16", "float32")
@@ -10,9 +12,10 @@ bfloat16 comes from ``ml_dtypes`` so numpy can hold it.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from einjoin.errors import DTypeError
@@ -27,17 +30,47 @@ __all__ = [
     "promote",
     "compute_dtype",
     "exact_cast",
+    "is_bfloat16",
+    "is_half",
 ]
 
+class _DTypeTable(Mapping[str, np.dtype]):
+    """name -> numpy dtype, a read-only mapping whose bfloat16 entry imports ``ml_dtypes`` when
+    it is first looked up (names, membership, sizes and kinds need no import)."""
+
+    def __init__(self, eager: dict[str, np.dtype | None]):
+        self._d = eager
+
+    def __getitem__(self, name: str) -> np.dtype:
+        d = self._d[name]
+        if d is None:
+            import ml_dtypes  # ~1-2 s the first time: only a program that uses bfloat16 pays it
+            d = self._d[name] = np.dtype(ml_dtypes.bfloat16)
+        return d
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._d
+
+    def __repr__(self) -> str:
+        return f"DTYPES({', '.join(self._d)})"
+
+
 # name -> numpy dtype. The order within a kind is promotion order.
-DTYPES: dict[str, np.dtype] = {
+DTYPES: Mapping[str, np.dtype] = _DTypeTable({
     "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "bfloat16": None,  # np.dtype(ml_dtypes.bfloat16), on first lookup
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "int64": np.dtype(np.int64),
     "bool": np.dtype(np.bool_),
-}
+})
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "bool": 1}
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 _ALIASES = {
@@ -77,9 +110,11 @@ def canonical_dtype(dtype: Any) -> str:
         npd = np.dtype(dtype)
     except (TypeError, ValueError):  # ValueError: an object whose .dtype is not a numpy dtype
         raise DTypeError(f"unknown dtype {dtype!r:.80}; known: {', '.join(DTYPES)}") from None
-    for name, d in DTYPES.items():
-        if d == npd:
+    for name in DTYPES:
+        if name != "bfloat16" and DTYPES[name] == npd:
             return name
+    if is_bfloat16(npd):
+        return "bfloat16"
     if npd.kind in "iu":
         raise DTypeError(f"dtype {npd} is not supported; integers are int64 (for indices)")
     raise DTypeError(f"dtype {npd} is not supported; known: {', '.join(DTYPES)}")
@@ -91,7 +126,7 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
 def itemsize(dtype: str) -> int:
     """Bytes per element."""
-    return DTYPES[dtype].itemsize
+    return _ITEMSIZE[dtype]
 
 
 def kind(dtype: str) -> str:
@@ -115,6 +150,24 @@ def compute_dtype(dtype: str) -> np.dtype:
     if dtype in ("float16", "bfloat16"):
         return DTYPES["float32"]
     return DTYPES[dtype]
+
+
+def is_bfloat16(npd: np.dtype) -> bool:
+    """Whether numpy dtype ``npd`` is ml_dtypes' bfloat16, without importing ml_dtypes: such a
+    dtype exists only once it is imported (by einjoin's first use of bfloat16, or the caller's).
+
+    >>> is_bfloat16(np.dtype(np.float16)), is_bfloat16(numpy_dtype("bfloat16"))
+    (False, True)
+    """
+    return npd.kind == "V" and "ml_dtypes" in sys.modules and npd == DTYPES["bfloat16"]
+
+
+_F16 = np.dtype(np.float16)
+
+
+def is_half(npd: np.dtype) -> bool:
+    """Whether numpy dtype ``npd`` is float16 or bfloat16 (the types kernels widen to float32)."""
+    return npd == _F16 or is_bfloat16(npd)
 
 
 def _native(npd: np.dtype) -> np.dtype:
@@ -159,7 +212,7 @@ def exact_cast(src: Any, dst: str) -> bool:
         if d.kind == "f" or dst == "bfloat16":
             return _int_value_bits(s) <= int(np.finfo(d).nmant) + 1
         return False
-    if s.kind == "f" or s == DTYPES["bfloat16"]:
+    if s.kind == "f" or is_bfloat16(s):
         if not (d.kind == "f" or dst == "bfloat16"):
             return False
         try:

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
 
-import ml_dtypes
 import numpy as np
 import opt_einsum  # type: ignore[import-untyped]
 
 from einjoin.errors import EinjoinError
-from einjoin.ir.dtypes import kind, numpy_dtype
+from einjoin.ir.dtypes import is_half, kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
                              Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import dilated, out_size
@@ -41,7 +40,6 @@ __all__ = ["eval_node", "KERNELS", "KernelRule", "MatmulRoute", "matmul_route", 
            "align", "partial_dtype", "HALF_DTYPES"]
 
 
-_HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 HALF_DTYPES = ("float16", "bfloat16")
 # aggregations whose partial results lose range or precision when rounded to a half type
 # (max/min pick one of their arguments: exact in any dtype)
@@ -71,7 +69,7 @@ def partial_dtype(node: Node) -> str:
 
 def _widen(x: np.ndarray) -> np.ndarray:
     # half types compute in float32 (numpy sums in float16 lose precision fast)
-    if x.dtype in _HALF:
+    if is_half(x.dtype):
         return x.astype(np.float32)
     return x
 
@@ -147,7 +145,7 @@ class MatmulRoute:
 def _compute_kind(dtype: np.dtype[Any] | str) -> str:
     """numpy's kind letter of the dtype a kernel computes in: half types are widened to float32."""
     dt = np.dtype(numpy_dtype(dtype)) if isinstance(dtype, str) else np.dtype(dtype)
-    return "f" if dt in _HALF else dt.kind
+    return "f" if is_half(dt) else dt.kind
 
 
 @functools.lru_cache(maxsize=4096)

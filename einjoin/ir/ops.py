@@ -20,7 +20,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError
@@ -322,6 +321,7 @@ def _check_fill_value(v: bool | int | float, dt: str) -> None:
     with np.errstate(all="ignore"):
         rounded = np.array(f).astype(numpy_dtype(dt))
     if math.isfinite(f) and not np.isfinite(rounded):
+        import ml_dtypes  # its finfo knows bfloat16; imported only here (it is slow to import)
         raise DTypeError(f"fill value {shown} overflows {dt} (largest finite value "
                          f"{float(ml_dtypes.finfo(numpy_dtype(dt)).max)!r}); {fix}")
 

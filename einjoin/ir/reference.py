@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
-from einjoin.ir.dtypes import canonical_dtype, exact_cast, numpy_dtype
+from einjoin.ir.dtypes import canonical_dtype, exact_cast, is_bfloat16, numpy_dtype
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import eval_node
 from einjoin.ir.node import Node
@@ -79,7 +79,7 @@ _CATEGORY = {"b": 0, "i": 1, "u": 1, "f": 2}
 
 def _category(npd: np.dtype) -> int | None:
     """0 bool, 1 integer, 2 float (bfloat16 included), None for anything else."""
-    return 2 if npd == numpy_dtype("bfloat16") else _CATEGORY.get(npd.kind)
+    return 2 if is_bfloat16(npd) else _CATEGORY.get(npd.kind)
 
 
 def _weak(value: Any) -> bool:

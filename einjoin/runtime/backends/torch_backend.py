@@ -38,7 +38,7 @@ import torch
 from einjoin.decomp.decompose import Decomposition
 from einjoin.errors import EinjoinError
 from einjoin.exchange import Task, TaskKind
-from einjoin.ir.dtypes import numpy_dtype
+from einjoin.ir.dtypes import is_bfloat16, numpy_dtype
 from einjoin.ir.node import Node, rule_for
 from einjoin.plan.execute import unaliased
 from einjoin.runtime.backend import RunSpec
@@ -65,7 +65,7 @@ def to_tensor(a: np.ndarray) -> tuple[torch.Tensor, bool]:
     copied = False
     if not a.flags.writeable or any(s < 0 for s in a.strides):
         a, copied = np.array(a, order="C"), True
-    if a.dtype == np.dtype(numpy_dtype("bfloat16")):
+    if is_bfloat16(a.dtype):
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16), copied
     return torch.from_numpy(a), copied
 
