@@ -15,9 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from scipy import special
 
-from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, Number, _eval_consts
+from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, Number, _erf, _eval_consts, _expit
 
 __all__ = ["evaluate"]
 
@@ -72,7 +71,7 @@ def _sigmoid_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
     # is not (2.4x slower); the same value at every element whatever the array's extent
     x = xs[0]
     if type(x) is not np.ndarray or x.dtype not in _EXP_DTYPES:
-        r: np.ndarray = special.expit(x) if out is None else special.expit(x, out=out)
+        r: np.ndarray = _expit(x, out)
         return r
     if x.ndim == 0:  # numpy scalars come back: no buffer to work in
         return 1.0 / (1.0 + np.exp(-x))
@@ -90,7 +89,7 @@ def _silu_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
     if isinstance(x, np.floating) and x.dtype in _EXP_DTYPES:
         return x / (1.0 + np.exp(-x))  # type: ignore[no-any-return]
     if type(x) is not np.ndarray or x.dtype not in _EXP_DTYPES:
-        s = special.expit(x)
+        s = _expit(x)
         if type(s) is not np.ndarray:
             return x * s  # type: ignore[no-any-return]
         r: np.ndarray = np.multiply(x, s, out=s)  # x * sigmoid(x), into the fresh sigmoid
@@ -148,7 +147,7 @@ _FAST: dict[Any, _Fast] = {FUNCTIONS[name].impl: _ufunc_form(u) for name, u in [
     ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.true_divide),
     ("pow", np.power), ("max", np.maximum), ("min", np.minimum), ("neg", np.negative), ("abs", np.abs),
     ("exp", np.exp), ("log", np.log), ("log1p", np.log1p), ("expm1", np.expm1), ("sqrt", np.sqrt),
-    ("tanh", np.tanh), ("erf", special.erf),
+    ("tanh", np.tanh), ("erf", _erf),
     ("sin", np.sin), ("cos", np.cos)]}
 _FAST[FUNCTIONS["sigmoid"].impl] = _sigmoid_form
 _FAST[FUNCTIONS["where"].impl] = _where_form

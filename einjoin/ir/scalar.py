@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from scipy import special
 
 from einjoin.errors import DTypeError, EinjoinError, ExpressionError
 from einjoin.ir.dtypes import kind, promote
@@ -127,8 +126,21 @@ class ScalarFn:
     precedence: int = 10
 
 
+def _erf(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    # scipy.special costs ~0.5 s to import: imported on first use, not with einjoin
+    from scipy.special import erf
+    r: np.ndarray = erf(x) if out is None else erf(x, out=out)
+    return r
+
+
+def _expit(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    from scipy.special import expit
+    r: np.ndarray = expit(x) if out is None else expit(x, out=out)
+    return r
+
+
 def _gelu(x: np.ndarray) -> np.ndarray:
-    out: np.ndarray = 0.5 * x * (1.0 + special.erf(x / math.sqrt(2.0)))
+    out: np.ndarray = 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
     return out
 
 
@@ -138,7 +150,7 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    out: np.ndarray = special.expit(x)
+    out: np.ndarray = _expit(x)
     return out
 
 
@@ -149,7 +161,7 @@ def _silu(x: np.ndarray) -> np.ndarray:
     if getattr(x, "dtype", None) in (np.dtype(np.float32), np.dtype(np.float64)):
         out: np.ndarray = x / (1.0 + np.exp(-x))
         return out
-    out = x * special.expit(x)
+    out = x * _expit(x)
     return out
 
 
@@ -238,7 +250,7 @@ _FN_LIST = [
     ScalarFn("gelu", 1, "float", _gelu),
     ScalarFn("gelu_tanh", 1, "float", _gelu_tanh),
     ScalarFn("tanh", 1, "float", np.tanh),
-    ScalarFn("erf", 1, "float", special.erf),
+    ScalarFn("erf", 1, "float", _erf),
     ScalarFn("sigmoid", 1, "float", _sigmoid),
     ScalarFn("sin", 1, "float", np.sin),
     ScalarFn("cos", 1, "float", np.cos),
