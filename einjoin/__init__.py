@@ -20,6 +20,7 @@ from einjoin.ir import Graph, Node
 from einjoin.ir.reference import reference
 from einjoin.program import Program, compile, load
 from einjoin.runtime.engine import CancelToken, RunHandle
+from einjoin.runtime.simulate_calibrate import calibrate
 from einjoin.runtime.backends.ray import ray_cluster
 from einjoin.train import optim
 from einjoin.frontend.losses import cross_entropy, mse_loss, nll_loss
@@ -30,7 +31,8 @@ from einjoin.frontend.sorting import argsort, sort, topk
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Device", "local", "ray_cluster", "Program", "compile", "load", "CancelToken", "RunHandle",
+__all__ = ["Cluster", "Device", "local", "calibrate", "ray_cluster", "Program", "compile", "load", "CancelToken",
+           "RunHandle",
            "Decomposition", "JoinAggSpec", "Kernel", "Partition", "TensorRelation", "decompose",
            "execute_blocked", "DTypeError", "EinjoinError", "EinsumSyntaxError", "ExpressionError",
            "PartitionError", "ShapeError", "UnsupportedOpError", "Graph", "Node", "reference",

@@ -699,6 +699,24 @@ class Program:
         outs = outs[:len(outs) - len(self._slots)]
         return returned(outs, self._many, self._structure)
 
+    def simulate(self, cluster: Any = None, *, order: str | None = None, seed: int | None = None) -> Any:
+        """Replay this program's task graph in the event simulator
+        (:mod:`einjoin.runtime.simulate`): the same tasks and dependencies, no data, in the
+        run's ready-queue order. ``cluster``: whose time model (default: the cluster it was
+        compiled for; ``ej.local(n)`` is this machine, calibrated first when no calibration is
+        cached, a few seconds). A simulated cluster must have as many devices as the program.
+        Returns a :class:`~einjoin.runtime.simulate.Simulation` (``makespan``, ``device_busy``,
+        ``link_bytes``, ``peak_memory``, ``trace(path)``): every figure simulated.
+
+        >>> import einjoin as ej
+        >>> prog = ej.compile(ej.input("a", (512, 512)) @ ej.input("b", (512, 512)), devices=8, backend="null")
+        >>> sim = prog.simulate(ej.Cluster.preset("dgx-a100"))
+        >>> 0 < sim.makespan < 1e-3
+        True
+        """
+        from einjoin.runtime.simulate import simulate_program
+        return simulate_program(self, cluster, order, seed)
+
     def explain(self, file: Any = "stdout") -> str:
         """Print (to ``file``; default the current ``sys.stdout``, None: don't) and return, per op,
         its join-agg spec, blocks, kernels, partials and bytes moved in and out, then the totals

@@ -363,8 +363,8 @@ class Cluster:
         >>> c.size, str(c.devices[0]), c.devices[0].memory == 80 * 2**30
         (8, 'a100:0', True)
         """
-        from einjoin.cluster.presets import preset
-        return preset(name, devices)
+        from einjoin.cluster.presets import preset_hardware
+        return Cluster.of_hardware(preset_hardware(name, None if devices is None else check_device_count(devices)))
 
     @staticmethod
     def nodes(n: int, per_node: str = "dgx-a100", network_gbps: float = 200) -> Cluster:
@@ -375,8 +375,18 @@ class Cluster:
         >>> c.size, c.bandwidth[0][1] > c.bandwidth[0][8] == 25e9
         (16, True)
         """
-        from einjoin.cluster.presets import nodes
-        return nodes(n, per_node, network_gbps)
+        from einjoin.cluster.presets import nodes_hardware, size_of
+        count = check_device_count(n, "nodes")
+        check_device_count(count * size_of(per_node), f"devices of {count} nodes of {per_node}")
+        return Cluster.of_hardware(nodes_hardware(count, per_node, network_gbps))
+
+    @staticmethod
+    def of_hardware(hw: Any) -> Cluster:
+        """The cluster a time model (:class:`einjoin.cluster.model.Hardware`) describes: a device
+        per model (its name the kind, its memory), links as its fabrics."""
+        devs = tuple(Device(i, m.name, m.memory) for i, m in enumerate(hw.models))
+        return Cluster(devs, LinkMatrix(hw.groups, float("inf"), hw.intra.bandwidth, hw.inter.bandwidth),
+                       LinkMatrix(hw.groups, 0.0, hw.intra.latency, hw.inter.latency), hw)
 
     def __str__(self) -> str:
         kinds = sorted({d.kind for d in self.devices})

@@ -170,7 +170,8 @@ class Hardware:
     cores every device shares (None: each device computes on its own silicon); ``shared_memory``:
     the devices and the host share RAM (a move is a zero-copy hand-over unless the graph is
     memory-capped, a contiguous load is a view); ``copy_engines``: moves and host transfers run
-    beside the kernels (GPU DMA engines), not on the device's one lane."""
+    beside the kernels (GPU DMA engines), not on the device's one lane; ``overhead``: seconds a
+    run costs besides its tasks (binding feeds, starting workers, gathering outputs)."""
 
     name: str
     models: tuple[DeviceModel, ...]
@@ -180,6 +181,7 @@ class Hardware:
     cores: int | None = None
     shared_memory: bool = False
     copy_engines: bool = True
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.models) != len(self.groups) or not self.models:

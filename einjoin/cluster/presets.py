@@ -1,16 +1,16 @@
 """Clusters we do not have, from their data sheets: the figures of :data:`GPUS` and :data:`SYSTEMS`
-(plain data), turned into a :class:`~einjoin.cluster.Cluster` with its time model
-(:class:`~einjoin.cluster.model.Hardware`).
+(plain data), turned into time models (:class:`~einjoin.cluster.model.Hardware`); ``ej.Cluster.preset``
+and ``ej.Cluster.nodes`` make clusters of them.
 
 The efficiency curves of the GPUs come from measured GEMM rates: one H200 here
 (``../shared/measured/h200.md``) ran bf16 GEMMs at up to ~740 TFLOP/s (0.75 of its 989 peak),
 and a GEMM of W flops took about ``W / 740e12 + 20 µs``: ``e_max = 0.75``, ``half_work = 740e12
 · 20e-6 ≈ 1.5e10`` flops. The H100 shares the H200's chip; the A100's curve is scaled to its peak.
 
->>> c = preset("dgx-h100")
->>> c.size, c.hardware.models[0].rate("bfloat16"), c.hardware.intra.bandwidth
+>>> hw = preset_hardware("dgx-h100")
+>>> hw.size, hw.models[0].rate("bfloat16"), hw.intra.bandwidth
 (8, 989000000000000.0, 450000000000.0)
->>> nodes(2, "dgx-h100", network_gbps=400).hardware.inter.bandwidth
+>>> nodes_hardware(2, "dgx-h100", network_gbps=400).inter.bandwidth
 50000000000.0
 """
 
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from einjoin.cluster import MAX_DEVICES, Cluster, Device, LinkMatrix, check_device_count
 from einjoin.cluster.model import DeviceModel, Fabric, Hardware
 from einjoin.errors import EinjoinError
 
-__all__ = ["GPUS", "SYSTEMS", "preset", "nodes", "PRESETS"]
+__all__ = ["GPUS", "SYSTEMS", "PRESETS", "preset_hardware", "nodes_hardware", "size_of"]
 
 GiB = 2**30
 
@@ -57,31 +56,32 @@ def _system(name: Any) -> dict[str, Any]:
     return SYSTEMS[name]
 
 
-def _build(name: str, gpu: str, groups: tuple[int, ...], intra: Fabric, inter: Fabric) -> Cluster:
+def size_of(name: str) -> int:
+    """How many GPUs preset system ``name`` has."""
+    return int(_system(name)["count"])
+
+
+def _hardware(name: str, gpu: str, groups: tuple[int, ...], intra: Fabric, inter: Fabric) -> Hardware:
     model = DeviceModel(gpu, **GPUS[gpu])
-    n = len(groups)
-    devs = tuple(Device(i, gpu, model.memory) for i in range(n))
-    hw = Hardware(name, (model,) * n, groups, intra, inter, cores=None, shared_memory=False, copy_engines=True)
-    return Cluster(devs, LinkMatrix(groups, float("inf"), intra.bandwidth, inter.bandwidth),
-                   LinkMatrix(groups, 0.0, intra.latency, inter.latency), hw)
+    return Hardware(name, (model,) * len(groups), groups, intra, inter, cores=None, shared_memory=False,
+                    copy_engines=True)
 
 
-def preset(name: str, devices: int | None = None) -> Cluster:
-    """The preset system ``name`` (:data:`PRESETS`), or ``devices`` of its GPUs on its fabric."""
+def preset_hardware(name: str, devices: int | None = None) -> Hardware:
+    """The time model of preset system ``name`` (:data:`PRESETS`), or of ``devices`` of its GPUs
+    on its fabric (a count checked by the caller)."""
     s = _system(name)
-    n = s["count"] if devices is None else check_device_count(devices)
+    n = s["count"] if devices is None else devices
     fabric = Fabric(s["link_bw"], s["link_latency"])
-    return _build(name, s["gpu"], (0,) * n, fabric, fabric)
+    return _hardware(name, s["gpu"], (0,) * n, fabric, fabric)
 
 
-def nodes(n: int, per_node: str = "dgx-a100", network_gbps: float = 200) -> Cluster:
-    """``n`` machines of preset ``per_node``; one NIC of ``network_gbps`` Gbit/s per GPU."""
+def nodes_hardware(count: int, per_node: str = "dgx-a100", network_gbps: float = 200) -> Hardware:
+    """The time model of ``count`` machines of preset ``per_node``, one NIC of ``network_gbps``
+    Gbit/s per GPU between them."""
     s = _system(per_node)
-    count = check_device_count(n, "nodes")
-    if count * s["count"] > MAX_DEVICES:
-        check_device_count(count * s["count"], f"nodes ({count} x {s['count']} devices)")
     if isinstance(network_gbps, bool) or not isinstance(network_gbps, (int, float)) or not network_gbps > 0:
         raise EinjoinError(f"network_gbps must be a positive number (Gbit/s per NIC), got {network_gbps!r}")
     groups = tuple(k for k in range(count) for _ in range(s["count"]))
-    return _build(f"{count}x{per_node}", s["gpu"], groups, Fabric(s["link_bw"], s["link_latency"]),
-                  Fabric(network_gbps * 1e9 / 8, NETWORK_LATENCY))
+    return _hardware(f"{count}x{per_node}", s["gpu"], groups, Fabric(s["link_bw"], s["link_latency"]),
+                     Fabric(network_gbps * 1e9 / 8, NETWORK_LATENCY))

@@ -301,7 +301,8 @@ BACKENDS: dict[str, Any] = {"sync": SyncBackend(), "threads": ThreadsBackend(), 
 
 
 def get_backend(name: Any) -> Any:
-    """The backend named ``name`` (``sync``, ``threads``, ``null``, ``ray``, ``torch``), or ``name`` itself
+    """The backend named ``name`` (``sync``, ``threads``, ``null``, ``ray``, ``torch``, ``simulate``), or
+    ``name`` itself
     when it already is a backend object."""
     if not isinstance(name, str) and isinstance(name, Backend):
         return name
@@ -311,12 +312,16 @@ def get_backend(name: Any) -> Any:
     if isinstance(name, str) and name == "torch":  # imported on first use: torch is slow to import
         from einjoin.runtime.backends.torch_backend import TorchBackend
         return TorchBackend()
+    if isinstance(name, str) and name == "simulate":  # einjoin.runtime.simulate: no data, simulated times
+        from einjoin.runtime.simulate import SimulateBackend
+        return SimulateBackend()
     if not isinstance(name, str) and hasattr(name, "context") and not hasattr(name, "open"):
         # the interface before issue 17 (parallel, context()): say what replaced it
         raise EinjoinError(f"backend {name!r} has the old interface (parallel, context()); a backend now "
                            "implements einjoin.runtime.backend.Backend (name, computes, remote, retries, "
                            "open(run) -> session, close()): see docs/architecture.md, Backends")
     if not isinstance(name, str) or name not in BACKENDS:  # a list would be unhashable
-        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, 'ray', 'torch'])}, or an object "
+        raise EinjoinError(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, 'ray', 'torch', 'simulate'])}, "
+                           "or an object "
                            "implementing einjoin.runtime.backend.Backend")
     return BACKENDS[name]

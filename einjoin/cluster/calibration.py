@@ -1,0 +1,122 @@
+"""This machine's measured figures (:class:`Calibration`), their cache on disk, and the time model
+they make for ``n`` local devices (:meth:`Calibration.hardware`). The measuring itself is the
+runtime's (:func:`einjoin.runtime.simulate_calibrate.calibrate`: it runs numpy kernels and the
+threads backend); this module is plain data.
+
+The cache is ``$XDG_CACHE_HOME/einjoin/calibration.json`` (``~/.cache`` without the variable),
+keyed by the machine (host name, cores, processor): a calibration taken elsewhere is not used.
+
+>>> cal = Calibration(cores=2, matmul_rate=50e9, half_work=2e6, parallel=0.9, mem_bw=8e9,
+...                   vector_rate=1e9, copy_bw=10e9, launch=20e-6, launch_threads=40e-6, machine="m")
+>>> hw = cal.hardware(4)
+>>> hw.size, hw.cores, hw.shared_memory, hw.models[0].launch
+(4, 2, True, 4e-05)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from einjoin.cluster.model import DeviceModel, Fabric, Hardware
+
+__all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
+
+VERSION = 2  # bumped when what is measured changes: older caches are measured again
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured on one machine: ``matmul_rate`` (float32 flop/s of one core's large GEMM),
+    ``half_work`` (the flops at which a GEMM reaches half that), ``parallel`` (each further BLAS
+    thread adds that fraction of a core's rate), ``mem_bw`` (bytes read + written per second by
+    an elementwise kernel), ``vector_rate`` (elementwise flop/s, e.g. ``exp``), ``copy_bw``
+    (a copy's bytes read + written per second), ``launch`` (seconds per task of a one-device
+    run, inline), ``launch_threads`` (seconds per task of a run on device threads),
+    ``overhead`` / ``overhead_threads`` (seconds per run besides its tasks: binding feeds,
+    starting threads, assembling outputs), ``cores``
+    and the ``machine`` it was measured on."""
+
+    cores: int
+    matmul_rate: float
+    half_work: float
+    parallel: float
+    mem_bw: float
+    vector_rate: float
+    copy_bw: float
+    launch: float
+    launch_threads: float
+    machine: str
+    overhead: float = 0.0          # seconds per run besides its tasks, one device inline
+    overhead_threads: float = 0.0  # the same on device threads (their start and end)
+    seconds: float = 0.0  # how long measuring took
+
+    def hardware(self, n: int) -> Hardware:
+        """The time model of ``n`` devices of the threads backend on this machine: they share
+        its cores (each device's kernels get ``cores // n`` BLAS threads, at least one) and its
+        RAM (moves hand blocks over)."""
+        threads = max(1, self.cores // n)
+        # a device's contraction rate with its threads, as a per-thread rate (kernel_time
+        # multiplies by the threads): the first thread's full rate, each further one `parallel`
+        per_thread = self.matmul_rate * (1 + (threads - 1) * self.parallel) / threads
+        model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)),
+                            mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
+                            launch=self.launch if n == 1 else self.launch_threads, e_max=1.0,
+                            half_work=self.half_work)
+        link = Fabric(self.copy_bw / 2, 0.0)  # a copy between devices: RAM to RAM (capped graphs)
+        return Hardware(f"this machine ({n} x cpu, calibrated)", (model,) * n, (0,) * n, link, link,
+                        cores=self.cores, shared_memory=True, copy_engines=False,
+                        overhead=self.overhead if n == 1 else self.overhead_threads)
+
+    def table(self) -> str:
+        """The figures, one per line."""
+        return "\n".join([
+            f"matmul float32, one core: {self.matmul_rate / 1e9:.1f} GFLOP/s (half of it at "
+            f"{self.half_work / 1e6:.2f} MFLOP), each further thread +{self.parallel:.2f} of a core",
+            f"elementwise: {self.mem_bw / 1e9:.2f} GB/s read + written, {self.vector_rate / 1e9:.2f} GFLOP/s (exp)",
+            f"copy: {self.copy_bw / 1e9:.2f} GB/s read + written",
+            f"dispatch per task: {self.launch * 1e6:.1f} us inline, "
+            f"{self.launch_threads * 1e6:.1f} us on device threads",
+            f"per run: {self.overhead * 1e3:.2f} ms inline, {self.overhead_threads * 1e3:.2f} ms on device threads",
+            f"cores: {self.cores}; measured in {self.seconds:.1f} s on {self.machine}"])
+
+
+def machine_key() -> str:
+    """What identifies this machine for the cache."""
+    return f"{platform.node()}|{os.cpu_count()}|{platform.machine()}|{platform.processor()}"
+
+
+def cache_path() -> pathlib.Path:
+    """Where the calibration is cached: ``$XDG_CACHE_HOME/einjoin/calibration.json``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "einjoin" / "calibration.json"
+
+
+def load_cached() -> Calibration | None:
+    """The cached calibration of this machine, or None (none, another machine's, unreadable)."""
+    try:
+        data: Any = json.loads(cache_path().read_text(encoding="utf-8"))
+        if data.get("version") != VERSION or data.get("machine") != machine_key():
+            return None
+        names = {f.name for f in fields(Calibration)}
+        return Calibration(**{k: v for k, v in data["calibration"].items() if k in names})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def save_cached(cal: Calibration) -> pathlib.Path | None:
+    """Write ``cal`` to the cache (atomically); returns the path, or None when it cannot be written."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": VERSION, "machine": machine_key(), "calibration": asdict(cal)}),
+                       encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+    except OSError:
+        return None

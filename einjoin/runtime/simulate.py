@@ -1,0 +1,528 @@
+"""The event simulator: a program's task graph (the same tasks, the same dependencies, no data)
+replayed on a time model (:class:`~einjoin.cluster.model.Hardware`).
+
+Each device has the lanes the runtime gives it — a compute lane, a host-transfer lane when the
+graph is memory-capped (the threads backend's), and on GPUs (``copy_engines``) a copy lane that
+carries moves and host transfers beside the kernels — and each lane runs one task at a time,
+taking the next from its ready queue in the runtime's own order
+(:class:`~einjoin.runtime.engine.ReadyQueue`: fifo, lifo, priority by b-level, random). A task
+is phases run one after another: its launch (the runtime's dispatch; on a CPU machine the GIL,
+one at a time across devices), a fixed latency, then its work; the work of concurrent tasks
+shares the resources it runs on (fluid sharing: a link port's bandwidth between the transfers
+through it, a CPU's cores between the devices' kernels). What a task costs comes from its kind
+(:data:`COSTS`) and the numbers it carries (flops from :mod:`einjoin.decomp.flops`, bytes of the
+values it reads and writes), through the pure functions of :mod:`einjoin.cluster.model`.
+
+Memory is counted as the stores count it: a value from the moment its first writer starts, a
+task's scratch while it runs, until its release; the memory planner's evict and reload tasks are
+in the graph of a capped program, so their traffic and their waits are simulated too.
+
+>>> import einjoin as ej
+>>> x = ej.input("x", (256, 256)); w = ej.input("w", (256, 256))
+>>> prog = ej.compile(ej.relu(x @ w), devices=ej.Cluster.preset("dgx-h100", devices=2), backend="null")
+>>> sim = prog.simulate()
+>>> 0 < sim.makespan < 1e-3, sorted(sim.device_busy), str(sim).startswith("simulated")
+(True, [0, 1], True)
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from einjoin.cluster import Cluster
+from einjoin.cluster.model import Hardware, copy_time, is_contraction, work_time
+from einjoin.exchange import Task, TaskKind
+from einjoin.ir.printing import describe
+from einjoin.plan.taskgraph import TaskGraph
+from einjoin.runtime.backend import RunSpec
+from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
+
+__all__ = ["Simulation", "simulate", "simulate_program", "hardware_for", "SimulateBackend", "COSTS", "Phases"]
+
+# a task's phases: (seconds alone, the shared resources it holds meanwhile as (resource, demand))
+Resources = tuple[tuple[Any, float], ...]
+Phases = tuple[tuple[float, Resources], ...]
+GIL = ("gil",)
+CORES = ("cores",)
+
+
+@dataclass
+class Simulation:
+    """What a simulated run gives: ``makespan`` (s, the run's fixed ``overhead`` included),
+    ``device_busy`` (s of tasks per device, all
+    its lanes), ``link_bytes`` ((src, dst) -> bytes; -1 is the host), ``link_busy`` (the same
+    pairs -> s of transfer), ``peak_memory`` (bytes per device), ``intervals`` (per device,
+    (start, end, task id) in simulated seconds). Every figure is simulated, not measured."""
+
+    makespan: float
+    device_busy: dict[int, float]
+    link_bytes: dict[tuple[int, int], int]
+    link_busy: dict[tuple[int, int], float]
+    peak_memory: dict[int, int]
+    intervals: dict[int, list[tuple[float, float, int]]]
+    hardware: str
+    tasks: Sequence[Task] = field(repr=False, default=())
+
+    def trace(self, path: str | os.PathLike[str]) -> pathlib.Path:
+        """Write the simulated run as a Chrome / Perfetto trace in the format of
+        ``prog.run(trace=...)`` (:class:`einjoin.viz.trace.TraceRecorder`'s: an ``X`` event per
+        task on its device's track, the same names and args), every event and the file marked
+        simulated (``args["simulated"]``, ``otherData``, the process name). Its folder is made."""
+        out = pathlib.Path(os.fspath(path))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        names: dict[Any, str] = {}
+        events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
+                                         "args": {"name": f"einjoin (simulated on {self.hardware})"}}]
+        for d in sorted(self.intervals):
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": f"device {d}"}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": d, "args": {"sort_index": d}})
+        runs = sorted((s, e, tid) for iv in self.intervals.values() for s, e, tid in iv)
+        for s, e, tid in runs:
+            t = self.tasks[tid]
+            op = names.get(t.node)
+            if op is None:
+                op = names[t.node] = describe(t.node)
+            args: dict[str, Any] = {"op": op, "kind": t.kind.value, "bytes": t.nbytes, "task": t.id}
+            if t.kind is TaskKind.KERNEL:
+                args["kernel"] = t.payload.kernel
+            elif t.kind is TaskKind.MOVE:
+                args["src_device"] = t.payload.src_device
+            if t.flops:
+                args["flops"] = t.flops
+            args["simulated"] = True
+            events.append({"name": op if t.kind is TaskKind.KERNEL else f"{t.kind} {op}", "cat": t.kind.value,
+                           "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": 0, "tid": t.device, "args": args})
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                       "otherData": {"simulated": True, "hardware": self.hardware, "makespan_s": self.makespan}}, f)
+        return out
+
+    def __str__(self) -> str:
+        busy = max(self.device_busy.values(), default=0.0)
+        moved = sum(b for (s, d), b in self.link_bytes.items() if s >= 0 and d >= 0)
+        return (f"simulated on {self.hardware}: makespan {self.makespan * 1e3:.3f} ms (simulated), busiest device "
+                f"{busy * 1e3:.3f} ms (simulated), {moved} bytes between devices, peak memory "
+                f"{max(self.peak_memory.values(), default=0)} bytes per device (simulated)")
+
+
+# ---- what each task kind costs: a rule per kind (a new kind adds a row here)
+
+class _Ctx:
+    """What the cost rules read: the hardware, the graph's values, whether it is capped."""
+
+    def __init__(self, hw: Hardware, tg: TaskGraph):
+        self.hw, self.tg = hw, tg
+        self.capped = tg.memory is not None
+        self.threads = hw.threads()
+        self.cpu = hw.cores is not None
+        self.launch_res: Resources = ((GIL, 1.0),) if hw.shared_memory else ()
+
+    def read_bytes(self, t: Task) -> int:
+        values = self.tg.values
+        return sum(values[v].nbytes for v in t.reads)
+
+    def launch(self, t: Task) -> tuple[float, Resources]:
+        return (self.hw.models[t.device].launch, self.launch_res)
+
+    def on_cores(self, seconds: float, demand: float = 1.0) -> tuple[float, Resources]:
+        return (seconds, ((CORES, demand),) if self.cpu else ())
+
+    def copy(self, t: Task, nbytes: float) -> Phases:
+        return (self.launch(t), self.on_cores(copy_time(self.hw.models[t.device], nbytes)))
+
+    def host(self, t: Task, nbytes: float, inward: bool) -> Phases:
+        """A host <-> device copy: on a machine sharing the host's RAM a copy on the cores, else
+        the device's host link (PCIe) in that direction."""
+        if self.hw.shared_memory:
+            return self.copy(t, nbytes)
+        m = self.hw.models[t.device]
+        port = ("host", 1 if inward else 0, t.device)
+        return ((m.host_latency, ()), (nbytes / m.host_bw, ((port, m.host_bw),)))
+
+
+def _kernel(c: _Ctx, t: Task) -> Phases:
+    m = c.hw.models[t.device]
+    nbytes = c.read_bytes(t) + t.nbytes
+    dtype = t.node.dtype
+    threads = c.threads if is_contraction(t.flops, nbytes) else 1.0
+    return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads), threads))
+
+
+def _memory_bound(c: _Ctx, t: Task) -> Phases:  # fill, reduce: bytes read and written
+    m = c.hw.models[t.device]
+    return (c.launch(t), c.on_cores(work_time(m, t.flops, c.read_bytes(t) + t.nbytes, t.dtype or t.node.dtype)))
+
+
+def _copy(c: _Ctx, t: Task) -> Phases:  # select, touch: a copy of the written bytes
+    return c.copy(t, t.nbytes)
+
+
+def _contiguous(box: Any, shape: tuple[int, ...]) -> bool:
+    """Whether a box of a C-ordered array is one contiguous run (a view of the feed)."""
+    cut = [(a, b) != (0, n) for (a, b), n in zip(box, shape)]
+    first = next((i for i, c in enumerate(cut) if c), len(cut))
+    return all(b - a == 1 for (a, b) in box[:first]) and not any(cut[first + 1:])
+
+
+def _load(c: _Ctx, t: Task) -> Phases:
+    if c.hw.shared_memory and not c.capped and _contiguous(t.payload.box, t.node.shape):
+        return (c.launch(t),)  # a view of the feed (einjoin.plan.execute._load)
+    return c.copy(t, t.nbytes) if c.hw.shared_memory else c.host(t, t.nbytes, inward=True)
+
+
+def _move(c: _Ctx, t: Task) -> Phases:
+    src, dst = t.payload.src_device, t.device
+    if c.hw.shared_memory:
+        # devices in one process hand a block over (zero-copy) unless the graph is capped
+        return c.copy(t, t.nbytes) if c.capped else (c.launch(t),)
+    if src == dst:
+        return c.copy(t, t.nbytes)
+    f = c.hw.fabric(src, dst)
+    return ((f.latency, ()), (t.nbytes / f.bandwidth, tuple((port, f.bandwidth) for port in c.hw.route(src, dst))))
+
+
+def _release(c: _Ctx, t: Task) -> Phases:  # free; evict / writeback copy to the host first
+    if t.kind.to_host and t.nbytes:
+        return c.host(t, t.nbytes, inward=False) if not c.hw.shared_memory else c.copy(t, t.nbytes)
+    return (c.launch(t),) if c.hw.shared_memory else ()
+
+
+def _reload(c: _Ctx, t: Task) -> Phases:
+    return c.copy(t, t.nbytes) if c.hw.shared_memory else c.host(t, t.nbytes, inward=True)
+
+
+COSTS: dict[TaskKind, Callable[[_Ctx, Task], Phases]] = {
+    TaskKind.LOAD: _load,
+    TaskKind.FILL: _memory_bound,
+    TaskKind.KERNEL: _kernel,
+    TaskKind.REDUCE: _memory_bound,
+    TaskKind.SELECT: _copy,
+    TaskKind.MOVE: _move,
+    TaskKind.TOUCH: _copy,
+    TaskKind.FREE: _release,
+    TaskKind.EVICT: _release,
+    TaskKind.RELOAD: _reload,
+    TaskKind.WRITEBACK: _release,
+}
+
+_CROSSES_HOST = frozenset(k for k in TaskKind if k.crosses_host)
+_RELEASES = frozenset(k for k in TaskKind if k.releases)
+
+
+def _caps(hw: Hardware) -> Callable[[Any], float]:
+    def cap(r: Any) -> float:
+        if r is GIL:
+            return 1.0
+        if r is CORES:
+            return float(hw.cores or 1)
+        kind, _, dev = r
+        if kind == "host":
+            return float(hw.models[dev].host_bw)
+        return float(hw.intra.bandwidth if kind == "intra" else hw.inter.bandwidth)
+    return cap
+
+
+class _Flow:
+    """A task in flight: its phases, the one it is in, and the seconds (alone) left of it."""
+
+    __slots__ = ("task", "lane", "phases", "i", "left", "res", "rate", "start")
+
+    def __init__(self, task: Task, lane: int, phases: Phases, start: float):
+        self.task, self.lane, self.phases, self.start = task, lane, phases, start
+        self.i = -1
+        self.left = 0.0
+        self.res: Resources = ()
+        self.rate = 1.0
+
+    def advance(self) -> bool:
+        """Enter the next phase with time in it; False when none is left (the task is done)."""
+        phases = self.phases
+        while self.i + 1 < len(phases):
+            self.i += 1
+            self.left, self.res = phases[self.i]
+            if self.left > 0:
+                return True
+        return False
+
+
+def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int = 0,
+             priority: Sequence[float] | None = None) -> Simulation:
+    """Replay ``tg`` on ``hardware`` with the ready-queue policy ``order`` (``seed`` for
+    ``random``; ``priority``: the b-levels for ``priority``, computed when not given).
+
+    >>> from einjoin.cluster.presets import preset_hardware
+    >>> import einjoin as ej
+    >>> prog = ej.compile(ej.input("a", (64, 64)) @ ej.input("b", (64, 64)), devices=2, backend="null")
+    >>> sim = simulate(prog.taskgraph, preset_hardware("dgx-a100", devices=2))
+    >>> sim.makespan > 0 and len(sim.intervals[0]) + len(sim.intervals[1]) == len(prog.taskgraph)
+    True
+    """
+    order, seed = check_order(order), check_seed(seed)
+    if hardware.size != tg.n_devices:
+        from einjoin.errors import EinjoinError
+        raise EinjoinError(f"simulate: the hardware {hardware.name!r} has {hardware.size} devices, the task graph "
+                           f"{tg.n_devices}")
+    if order == "priority" and priority is None:
+        priority = Engine(tg, {}).priority()
+    ctx = _Ctx(hardware, tg)
+    n = tg.n_devices
+    host_lanes = ctx.capped or hardware.copy_engines
+    copy_lanes = hardware.copy_engines
+
+    def lane(t: Task) -> int:
+        if host_lanes and t.kind in _CROSSES_HOST:
+            return n + t.device
+        if copy_lanes and t.kind is TaskKind.MOVE:
+            return 2 * n + t.device
+        return t.device
+
+    tasks, dependents, values = tg.tasks, tg.dependents, tg.values
+    queues = [ReadyQueue(order, priority or (), seed + q) for q in range(3 * n)]
+    counters = [len(t.deps) for t in tasks]
+    lanes = [lane(t) for t in tasks]
+    for t in tasks:
+        if not t.deps:
+            queues[lanes[t.id]].push(t.id)
+    idle = [True] * (3 * n)
+    waiting = {q for q in range(3 * n) if len(queues[q])}
+    cap = _caps(hardware)
+    live, peak = [0] * n, [0] * n
+    counted: set[int] = set()
+    intervals: dict[int, list[tuple[float, float, int]]] = {d: [] for d in range(n)}
+    link_bytes: dict[tuple[int, int], int] = {}
+    link_busy: dict[tuple[int, int], float] = {}
+    active: list[_Flow] = []
+    fixed: list[tuple[float, int, _Flow]] = []  # flows in a phase that shares nothing: by end time
+    now = 0.0
+    done = 0
+    serial = 0
+
+    def finish(f: _Flow) -> None:
+        nonlocal done
+        t = f.task
+        intervals[t.device].append((f.start, now, t.id))
+        d = t.device
+        live[d] -= t.scratch
+        if t.kind in _RELEASES:
+            v = t.payload.frees
+            if v in counted:
+                counted.discard(v)
+                live[d] -= values[v].nbytes
+        pair = _pair(t)
+        if pair is not None:
+            link_bytes[pair] = link_bytes.get(pair, 0) + t.nbytes
+            link_busy[pair] = link_busy.get(pair, 0.0) + (now - f.start)
+        idle[f.lane] = True
+        if len(queues[f.lane]):
+            waiting.add(f.lane)
+        for dep in dependents[t.id]:
+            counters[dep] -= 1
+            if counters[dep] == 0:
+                q = lanes[dep]
+                queues[q].push(dep)
+                if idle[q]:
+                    waiting.add(q)
+        done += 1
+
+    def place(f: _Flow) -> None:
+        nonlocal serial
+        if f.res:
+            active.append(f)
+        else:
+            serial += 1
+            heapq.heappush(fixed, (now + f.left, serial, f))
+
+    while True:
+        while waiting:  # a task that ends as it starts may make others ready at once
+            batch = sorted(waiting)
+            waiting.clear()
+            for q in batch:
+                if not (idle[q] and len(queues[q])):
+                    continue
+                t = tasks[queues[q].pop()]
+                idle[q] = False
+                d = t.device
+                if t.writes >= 0 and t.writes not in counted:
+                    counted.add(t.writes)
+                    live[d] += values[t.writes].nbytes
+                live[d] += t.scratch
+                if live[d] > peak[d]:
+                    peak[d] = live[d]
+                f = _Flow(t, q, COSTS[t.kind](ctx, t), now)
+                if f.advance():
+                    place(f)
+                else:
+                    finish(f)  # nothing to do (a free on a GPU): it ends as it starts
+        if not active and not fixed:
+            break
+        # the next event: the first fixed phase to end, or the first shared phase to end at its rate
+        dt = fixed[0][0] - now if fixed else math.inf
+        if active:
+            load: dict[Any, float] = {}
+            for f in active:
+                for r, dem in f.res:
+                    load[r] = load.get(r, 0.0) + dem
+            for f in active:
+                rate = 1.0
+                for r, _ in f.res:
+                    share = cap(r) / load[r]
+                    if share < rate:
+                        rate = share
+                f.rate = rate
+                if f.left / rate < dt:
+                    dt = f.left / rate
+        dt = max(dt, 0.0)
+        now += dt
+        ended: list[_Flow] = []
+        if active:
+            keep = []
+            for f in active:
+                f.left -= f.rate * dt
+                if f.left <= 1e-12 * (1.0 + now):
+                    ended.append(f)
+                else:
+                    keep.append(f)
+            active[:] = keep
+        while fixed and fixed[0][0] <= now * (1 + 1e-12) + 1e-15:
+            ended.append(heapq.heappop(fixed)[2])
+        for f in ended:
+            if f.advance():
+                place(f)
+            else:
+                finish(f)
+    if done < len(tasks):
+        from einjoin.errors import EinjoinError
+        raise EinjoinError(f"simulate: {len(tasks) - done} of {len(tasks)} tasks never got ready (a cycle?)")
+    busy = {d: sum(e - s for s, e, _ in iv) for d, iv in intervals.items()}
+    return Simulation(now + hardware.overhead, busy, link_bytes, link_busy, {d: peak[d] for d in range(n)}, intervals,
+                      hardware.name, tasks)
+
+
+def _pair(t: Task) -> tuple[int, int] | None:
+    """The (src, dst) a task's bytes cross (-1: the host), or None."""
+    k = t.kind
+    if k is TaskKind.MOVE:
+        return (t.payload.src_device, t.device)
+    if k is TaskKind.LOAD or k is TaskKind.RELOAD:
+        return (-1, t.device)
+    if k.to_host and t.nbytes:
+        return (t.device, -1)
+    return None
+
+
+def hardware_for(cluster: Cluster) -> Hardware:
+    """The time model of ``cluster``: its own (a preset's), else this machine's calibration for
+    that many devices of the threads backend (measured first when none is cached: a few
+    seconds). A cluster without a time model runs on this machine, where devices share the
+    RAM: its links' figures do not slow an uncapped move (a zero-copy hand-over)."""
+    if cluster.hardware is not None:
+        hw: Hardware = cluster.hardware
+        return hw
+    from einjoin.runtime.simulate_calibrate import local_calibration
+    return local_calibration().hardware(cluster.size)
+
+
+def simulate_program(prog: Any, cluster: Cluster | None = None, order: str | None = None,
+                     seed: int | None = None) -> Simulation:
+    """``prog.simulate(...)``: its task graph on ``cluster``'s time model (default: the cluster
+    it was compiled for), in its run order."""
+    cl = prog.cluster if cluster is None else cluster
+    if not isinstance(cl, Cluster):
+        from einjoin.errors import EinjoinError
+        raise EinjoinError(f"simulate: cluster must be an ej.Cluster (e.g. ej.Cluster.preset('dgx-a100')), got "
+                           f"{type(cl).__name__} {cl!r:.60}")
+    order = check_order(prog.order if order is None else order)
+    engine = prog._engine  # noqa: SLF001 - its b-levels are the run's priority order
+    return simulate(prog.taskgraph, hardware_for(cl), order, check_seed(prog.seed if seed is None else seed),
+                    engine.priority() if order == "priority" else None)
+
+
+@dataclass(frozen=True)
+class SimulateBackend:
+    """``backend="simulate"``: a run simulates the task graph instead of computing it. ``run``
+    returns None (no data, as the null backend); ``prog.run_stats`` holds the simulated figures:
+    ``wall_time`` is the simulated makespan, ``busy_time_per_device``, ``intervals`` (on the
+    engine's clock: callbacks and ``trace=`` see the simulated durations), peak bytes per device
+    and the plan's bytes; ``last`` the :class:`Simulation` of the latest run (for its trace).
+    The cluster's time model is the program's cluster's (:func:`hardware_for`).
+
+    >>> import numpy as np, einjoin as ej
+    >>> prog = ej.compile(ej.input("a", (64, 64)) @ ej.input("b", (64, 64)),
+    ...                   devices=ej.Cluster.preset("dgx-h100", devices=2), backend="simulate")
+    >>> prog.run(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32)) is None
+    True
+    >>> prog.run_stats.wall_time == prog.backend.last.makespan > 0
+    True
+    """
+
+    name: str = "simulate"
+    computes: bool = False
+    remote: bool = False
+    retries: int = 0
+    _last: list[Simulation] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def last(self) -> Simulation | None:
+        """The latest run's simulation (None before the first)."""
+        return self._last[-1] if self._last else None
+
+    def open(self, run: RunSpec) -> _SimSession:
+        return _SimSession(run, self._last)
+
+    def close(self) -> None:
+        pass
+
+
+class _SimSession:
+    """One simulated run: an eager session whose tasks need no submitting; ``finish`` simulates."""
+
+    eager = True
+
+    def __init__(self, run: RunSpec, last: list[Simulation]):
+        self.run, self.last = run, last
+
+    def __enter__(self) -> _SimSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def submit(self, task: Task) -> None:
+        pass
+
+    def collect(self, cancel: Any) -> None:
+        if cancel is not None and cancel.cancelled:
+            from einjoin.errors import EinjoinError
+            raise EinjoinError("run cancelled before its simulation")
+
+    def finish(self, stats: RunStats) -> None:
+        run = self.run
+        engine, tg = run.engine, run.engine.tg
+        from einjoin.cluster import local
+        hw = hardware_for(run.cluster if run.cluster is not None else local(tg.n_devices))
+        sim = simulate(tg, hw, run.order, run.seed, engine.priority() if run.order == "priority" else None)
+        self.last[:] = [sim]
+        base = time.perf_counter()
+        stats.wall_time = sim.makespan
+        stats.intervals = {d: [(base + s, base + e, tid) for s, e, tid in iv] for d, iv in sim.intervals.items()}
+        stats.peak_bytes_per_device = dict(sim.peak_memory)
+        by_kind: dict[TaskKind, int] = {}
+        for t in tg.tasks:
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + t.nbytes
+        stats.bytes_moved = by_kind.get(TaskKind.MOVE, 0)
+        stats.bytes_loaded = by_kind.get(TaskKind.LOAD, 0)
+        stats.bytes_evicted = by_kind.get(TaskKind.EVICT, 0) + by_kind.get(TaskKind.WRITEBACK, 0)
+        stats.bytes_reloaded = by_kind.get(TaskKind.RELOAD, 0)
+        state = run.state
+        fetched = tg if state is None else state.fetched(tg)
+        stats.bytes_fetched = sum(tg.values[v].nbytes for lay in fetched.outputs for v in lay.blocks.values())
+        if state is not None:
+            state.keep(tg, None, tg.memory is not None, run.feeds)
