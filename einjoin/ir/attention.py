@@ -27,9 +27,12 @@ array([[[1., 1., 1., 1.],
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +42,7 @@ from einjoin.ir.dtypes import is_bfloat16, kind, numpy_dtype
 from einjoin.ir.node import Attention, AttentionGrad, Node
 
 __all__ = ["attention_node", "attention_grad_node", "grad_rows", "attention_kernel", "attention_grad_kernel",
-           "attention_torch", "attention_grad_torch", "GRAD_PARTS"]
+           "attention_torch", "attention_grad_torch", "GRAD_PARTS", "ForwardMemo", "forward_memo"]
 
 GRAD_PARTS = ("q", "k", "v")  # the order of the stacked gradients (and of the node's inputs)
 
@@ -224,29 +227,42 @@ def _feature_pad(x: Any) -> Any:
 
 def attention_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0) -> Any:
     """:func:`attention_kernel` on torch tensors (any device; the result on q's)."""
+    return _forward_torch(q, k, v, mask, scale, causal, row0)[0]
+
+
+def _forward_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0
+                   ) -> tuple[Any, Any]:
+    """(:func:`attention_torch`'s result, and (torch's 4-D output, its log-sum-exp) where torch's
+    flash kernel computed them, the two its fused backward needs; else None)."""
     import torch
     import torch.nn.functional as tf
     batch, rows, cols = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     if v.numel() == 0 or rows == 0:
-        return torch.zeros(out_shape, dtype=q.dtype, device=q.device)
-    if q.shape[-1] == 0:
+        return torch.zeros(out_shape, dtype=q.dtype, device=q.device), None
+    padded = q.shape[-1] == 0
+    if padded:
         q, k = _feature_pad(q), _feature_pad(k)
     tq, tk, tv = (_four(x, batch) for x in (q, k, v))
     m, is_causal = _mask(mask, q, batch, rows, cols, row0, causal, _fold(q, v, mask, scale))
+    saved = None
     with torch.no_grad():
         if _flash(q, v):
-            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                tq, tk, tv, 0.0, is_causal, attn_mask=m, scale=scale)[0]
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                tq, tk, tv, 0.0, is_causal, attn_mask=m, scale=scale)[:2]
+            saved = None if padded else (out, lse)
         else:
             out = tf.scaled_dot_product_attention(tq, tk, tv, attn_mask=m, is_causal=is_causal, scale=scale)
             out = torch.nan_to_num(out, nan=0.0)  # a row with no key: 0, as the flash kernel's
-    return out.reshape(out_shape)
+    return out.reshape(out_shape), saved
 
 
 def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float, causal: bool,
-                         parts: Sequence[str]) -> Any:
-    """:func:`attention_grad_kernel` on torch tensors (any device; the result on q's)."""
+                         parts: Sequence[str], saved: tuple[Any, Any] | None = None) -> Any:
+    """:func:`attention_grad_kernel` on torch tensors (any device; the result on q's). ``saved``:
+    the flash forward's (4-D output, log-sum-exp) of these very q, k, v and mask (from
+    :class:`ForwardMemo`), which the fused backward then takes instead of running the forward
+    again."""
     import torch
     import torch.nn.functional as tf
     batch, rows, cols = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
@@ -278,8 +294,11 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
     else:
         m, is_causal = _mask(mask, q, batch, rows, cols, 0, causal, _fold(q, v, mask, scale))
         with torch.no_grad():
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                tq, tk, tv, 0.0, is_causal, attn_mask=m, scale=scale)
+            if saved is None:
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    tq, tk, tv, 0.0, is_causal, attn_mask=m, scale=scale)[:2]
+            else:  # the forward's own (the same call on the same blocks: the same bits)
+                out, lse = saved
             got = dict(zip(GRAD_PARTS, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 tg, tq, tk, tv, out, lse, 0.0, is_causal, attn_mask=m, scale=scale)))
     pieces = [got[p].reshape(batch + tuple(got[p].shape[-2:])) for p in parts]
@@ -288,6 +307,87 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
 
 def _name(x: np.ndarray) -> str:
     return "bfloat16" if is_bfloat16(x.dtype) else str(x.dtype)
+
+
+class ForwardMemo:
+    """The flash forward's (4-D output, log-sum-exp) of the attention blocks of one run, for the
+    gradient kernels of the same blocks: torch's fused backward needs both, and the graph keeps
+    only the output (a node has one), so without them the gradient kernel runs the forward again
+    (a third of its time: the small LLaMA's training step spent 11 ms of ~200 ms CPU there).
+
+    Keyed by the identity of the q, k, v (and mask) arrays -- a run's blocks are never written
+    once produced, and the kernels must see the same blocks (rows and all): a forward cut into
+    row blocks, or blocks the gradient reads through another copy, simply miss -- and held only
+    while q is alive (a weak reference: the entry goes with q's last reader). A runtime scopes
+    one memo to one run's threads (:func:`forward_memo`), so a user's array written in place
+    between runs can never meet a stale entry.
+
+    >>> memo = ForwardMemo(); q = np.ones((1, 2, 4), np.float32)
+    >>> with forward_memo(memo):
+    ...     out = attention_kernel(q, q, q, None, 0.5, True)
+    ...     dq = attention_grad_kernel(q, q, q, q, None, 0.5, True, ("q",))
+    >>> memo.hits, len(memo)
+    (1, 1)
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        """Drop every entry (a run's end: an entry must not outlive its run)."""
+        with self._lock:
+            self._items.clear()
+
+    @staticmethod
+    def _key(arrays: Sequence[Any], scale: float, causal: bool) -> tuple[Any, ...] | None:
+        if not all(a is None or type(a) is np.ndarray for a in arrays):
+            return None
+        return (tuple(id(a) for a in arrays), scale, causal)
+
+    def keep(self, arrays: Sequence[Any], scale: float, causal: bool, saved: tuple[Any, Any]) -> None:
+        key = self._key(arrays, scale, causal)
+        if key is None:
+            return
+
+        def gone(_: Any, key: tuple[Any, ...] = key) -> None:  # q died: its entry goes
+            with self._lock:
+                entry = self._items.get(key)
+                if entry is not None and entry[0][0] is ref:
+                    del self._items[key]
+        ref = weakref.ref(arrays[0], gone)
+        refs = (ref, *(None if a is None else weakref.ref(a) for a in arrays[1:]))
+        with self._lock:
+            self._items[key] = (refs, saved)
+
+    def find(self, arrays: Sequence[Any], scale: float, causal: bool) -> tuple[Any, Any] | None:
+        key = self._key(arrays, scale, causal)
+        entry = self._items.get(key) if key is not None else None
+        if entry is None or any((r is None) != (a is None) or (r is not None and r() is not a)
+                                for r, a in zip(entry[0], arrays)):
+            return None  # none, or an id reused by another array
+        self.hits += 1
+        saved: tuple[Any, Any] = entry[1]
+        return saved
+
+
+_SCOPE = threading.local()  # .memo: the ForwardMemo of the run this thread works for
+
+
+@contextlib.contextmanager
+def forward_memo(memo: ForwardMemo | None) -> Iterator[None]:
+    """Within the block, this thread's attention kernels keep their forwards in ``memo`` and
+    their gradient kernels take them from it (None: neither)."""
+    before = getattr(_SCOPE, "memo", None)
+    _SCOPE.memo = memo
+    try:
+        yield
+    finally:
+        _SCOPE.memo = before
 
 
 def attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
@@ -300,7 +400,11 @@ def attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarr
     >>> attention_kernel(x[:, 1:], x, x, None, 0.0, True, row0=1)   # row 1 sees rows 0 and 1 alike
     array([[[2., 3., 4., 5.]]], dtype=float32)
     """
-    out = attention_torch(_view(q), _view(k), _view(v), None if mask is None else _view(mask), scale, causal, row0)
+    out, saved = _forward_torch(_view(q), _view(k), _view(v), None if mask is None else _view(mask), scale, causal,
+                                row0)
+    memo: ForwardMemo | None = getattr(_SCOPE, "memo", None)
+    if memo is not None and saved is not None and row0 == 0:  # a gradient's forward starts at row 0
+        memo.keep((q, k, v, mask), scale, causal, saved)
     return _array(out, _name(q))
 
 
@@ -309,13 +413,16 @@ def attention_grad_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.
     """The gradients ``parts`` of the attention of whole query rows (``q`` ``..., L, E``), stacked
     along dim -2, or an additive mask's gradient (``parts == ("mask",)``): torch's fused CPU
     backward after its forward (which recomputes the softmax statistics, the score matrix never
-    being stored), or autograd of torch's sdpa (a value size other than E; the mask).
+    being stored, unless this run's :class:`ForwardMemo` kept them), or autograd of torch's sdpa
+    (a value size other than E; the mask).
 
     >>> x = np.ones((1, 2, 4), np.float32)
     >>> attention_grad_kernel(x, x, x, x, None, 0.5, False, ("v",))[0]    # dv: each key gets half
     array([[1., 1., 1., 1.],
            [1., 1., 1., 1.]], dtype=float32)
     """
+    memo: ForwardMemo | None = getattr(_SCOPE, "memo", None)
+    saved = memo.find((q, k, v, mask), scale, causal) if memo is not None and tuple(parts) != ("mask",) else None
     out = attention_grad_torch(_view(q), _view(k), _view(v), _view(dout), None if mask is None else _view(mask),
-                               scale, causal, tuple(parts))
+                               scale, causal, tuple(parts), saved)
     return _array(out, _name(q))

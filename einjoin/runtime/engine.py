@@ -12,6 +12,7 @@ backend that resolves dependencies itself (Ray) and collects them. Callbacks (``
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import queue
 import random
@@ -20,6 +21,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -471,7 +473,8 @@ class _Inline:
         unsubscribe = cancel.subscribe(self._halt) if cancel is not None else (lambda: None)
         done = 0
         try:
-            done = self._loop(sched) if not self.callbacks else self._loop_callbacks(sched)
+            with _thread_scope(self.session):
+                done = self._loop(sched) if not self.callbacks else self._loop_callbacks(sched)
         finally:
             unsubscribe()
             self.stats.tasks_run = done
@@ -517,6 +520,13 @@ class _Inline:
         except BaseException as exc:  # noqa: BLE001 - reported with the task's context
             _raise_failed(t, exc)  # type: ignore[arg-type]
         return done
+
+
+def _thread_scope(session: Any) -> AbstractContextManager[Any]:
+    """What a thread executing the session's tasks enters first (a session's per-run context
+    for its kernels, :meth:`einjoin.runtime.local.LocalSession.thread_scope`), if it has one."""
+    scope = getattr(session, "thread_scope", None)
+    return scope() if scope is not None else contextlib.nullcontext()
 
 
 def _raise_failed(t: Task, exc: BaseException) -> None:
@@ -592,6 +602,10 @@ class _Dispatch:
         """One lane's worker: pop a ready task, execute it, and — under one hold of the lock —
         release its dependents and pop the next (a lock round trip per task, not two: each
         acquire by a device thread can mean a GIL hand-over)."""
+        with _thread_scope(self.session):
+            self._work(q)
+
+    def _work(self, q: int) -> None:
         queue, cond, lock, tasks, waiting = self.queues[q], self.conds[q], self.lock, self.tg.tasks, self.waiting
         pop, dispatch = queue.pop, (self.dispatch if self.callbacks else self._dispatch_plain)
         t: Task | None = None

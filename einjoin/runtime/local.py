@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from einjoin.exchange import Task, TaskKind
+from einjoin.ir.attention import ForwardMemo, forward_memo
 from einjoin.ir.node import Node
 from einjoin.plan.execute import assemble_outputs, compute, from_host, to_host
 from einjoin.runtime.backend import RunSpec
@@ -152,6 +153,8 @@ class LocalSession:
         self._limit = limit
         self._stack = contextlib.ExitStack()
         self.state = run.state  # a program's state (einjoin.runtime.state), or None
+        # the run's attention forwards, for their gradient kernels (bound to each worker thread)
+        self.memo = ForwardMemo() if computes else None
 
     def __enter__(self) -> LocalSession:
         if self._limit is not None:
@@ -159,7 +162,14 @@ class LocalSession:
         return self
 
     def __exit__(self, *exc: Any) -> Any:
+        if self.memo is not None:
+            self.memo.clear()
         return self._stack.__exit__(*exc)
+
+    def thread_scope(self) -> AbstractContextManager[None]:
+        """Entered by each thread that executes this run's tasks: binds the run's
+        :class:`~einjoin.ir.attention.ForwardMemo` to it (kernels see no session)."""
+        return forward_memo(self.memo)
 
     def lane(self, t: Task) -> int:
         if not self.threaded:
