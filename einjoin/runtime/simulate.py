@@ -124,10 +124,11 @@ class _Ctx:
         self.threads = hw.threads()
         self.cpu = hw.cores is not None
         self.launch_res: Resources = ((GIL, 1.0),) if hw.shared_memory else ()
+        self.vbytes = [v.nbytes for v in tg.values]  # a property: read once per value
 
     def read_bytes(self, t: Task) -> int:
-        values = self.tg.values
-        return sum(values[v].nbytes for v in t.reads)
+        vbytes = self.vbytes
+        return sum(vbytes[v] for v in t.reads)
 
     def launch(self, t: Task) -> tuple[float, Resources]:
         return (self.hw.models[t.device].launch, self.launch_res)
@@ -150,7 +151,8 @@ class _Ctx:
 
 def _kernel(c: _Ctx, t: Task) -> Phases:
     m = c.hw.models[t.device]
-    nbytes = c.read_bytes(t) + t.nbytes
+    # its scratch (a joined block, attention's scores) is written and read once more
+    nbytes = c.read_bytes(t) + t.nbytes + 2 * t.scratch
     dtype = t.node.dtype
     threads = c.threads if is_contraction(t.flops, nbytes) else 1.0
     return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads), threads))
@@ -284,7 +286,7 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
             return 2 * n + t.device
         return t.device
 
-    tasks, dependents, values = tg.tasks, tg.dependents, tg.values
+    tasks, dependents, vbytes = tg.tasks, tg.dependents, ctx.vbytes
     queues = [ReadyQueue(order, priority or (), seed + q) for q in range(3 * n)]
     counters = [len(t.deps) for t in tasks]
     lanes = [lane(t) for t in tasks]
@@ -315,7 +317,7 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
             v = t.payload.frees
             if v in counted:
                 counted.discard(v)
-                live[d] -= values[v].nbytes
+                live[d] -= vbytes[v]
         pair = _pair(t)
         if pair is not None:
             link_bytes[pair] = link_bytes.get(pair, 0) + t.nbytes
@@ -352,7 +354,7 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
                 d = t.device
                 if t.writes >= 0 and t.writes not in counted:
                     counted.add(t.writes)
-                    live[d] += values[t.writes].nbytes
+                    live[d] += vbytes[t.writes]
                 live[d] += t.scratch
                 if live[d] > peak[d]:
                     peak[d] = live[d]

@@ -1,0 +1,121 @@
+"""Simulated against measured on this machine (issue 23's calibration check): for each case and
+device count, the threads backend's warm wall time of ``prog.run(**feeds)`` (the minimum of 3 after
+a warm-up: inputs loaded, outputs gathered) next to ``prog.simulate().makespan`` on this machine's
+calibration (``ej.calibrate()``, measured afresh at the start unless ``--cached``).
+
+Cases: a matmul chain, an MLP, the LLaMA block of :func:`einjoin.models.graphs.transformer_block`,
+a causal attention, a memory-bound elementwise + softmax graph, at 1, 2 and 4 devices; and
+``--random`` plans: one of those graphs with a random cut of every op's labels (1, 2 or 4 blocks
+each) at a random device count. Prints the table, then the median and the worst absolute error
+(goals: 15% and 30%), and the load average before and after (a busy machine's times are noisy:
+other processes take the cores the model believes are free).
+
+    .venv/bin/python bench/simulate_calibration.py [--cached] [--random 10] [--devices 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import einjoin as ej
+from einjoin.decomp.spec import label_sizes
+from einjoin.models.graphs import chain, mlp, transformer_block
+
+
+def _attention() -> ej.Tensor:
+    q, k, v = (ej.input(n, (1, 8, 512, 64)) for n in "qkv")
+    return ej.attention(q, k, v, causal=True)
+
+
+def _elementwise_softmax() -> ej.Tensor:
+    x, y = ej.input("x", (1024, 2048)), ej.input("y", (1024, 2048))
+    return ej.softmax(ej.exp(x * 0.5) + y, dim=-1)
+
+
+CASES: dict[str, Callable[[], ej.Tensor]] = {
+    "chain 768^2 x3": lambda: chain(768, 3),
+    "MLP 1024x512x2048": lambda: mlp(1024, 512, 2048),
+    "LLaMA block s256 d256": lambda: transformer_block(256, 256, 4, 688)[0],
+    "causal attention 8x512x64": _attention,
+    "elementwise+softmax 1024x2048": _elementwise_softmax,
+}
+RANDOM_BASES = ("chain 768^2 x3", "MLP 1024x512x2048", "elementwise+softmax 1024x2048", "causal attention 8x512x64")
+
+
+def feeds_for(prog: ej.Program, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (rng.standard_normal(n.shape) * 0.1).astype(np.float32) for k, n in prog.graph.input_by_name.items()}
+
+
+def measure(prog: ej.Program, feeds: dict[str, np.ndarray], reps: int = 3) -> float:
+    prog.run(**feeds)  # warm
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        prog.run(**feeds)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def random_specs(out: ej.Tensor, rng: np.random.Generator) -> dict[Any, dict[str, int]]:
+    specs: dict[Any, dict[str, int]] = {}
+    for node in ej.Graph(out).ops:
+        spec = {}
+        for lab, n in label_sizes(node).items():
+            k = int(rng.choice([1, 2, 4]))
+            if n % k == 0 and n >= k:
+                spec[lab] = k
+        specs[node] = spec
+    return specs
+
+
+def row(name: str, out: ej.Tensor, devices: int, specs: Any = None) -> tuple[str, int, int, float, float]:
+    prog = ej.compile(out, devices=devices, quiet=True, specs=specs)
+    measured = measure(prog, feeds_for(prog))
+    simulated = prog.simulate().makespan
+    return name, devices, len(prog.taskgraph), measured, simulated
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cached", action="store_true", help="use the cached calibration (default: measure afresh)")
+    ap.add_argument("--random", type=int, default=10, help="random plans (default 10)")
+    ap.add_argument("--devices", default="1,2,4")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    devices = [int(d) for d in args.devices.split(",")]
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    cal = ej.calibrate(force=not args.cached)
+    print("calibration of this machine:")
+    print("  " + cal.table().replace("\n", "\n  "))
+    rows = [row(name, build(), d) for name, build in CASES.items() for d in devices]
+    rng = np.random.default_rng(args.seed)
+    for i in range(args.random):
+        base = RANDOM_BASES[i % len(RANDOM_BASES)]
+        out = CASES[base]()
+        rows.append(row(f"random plan {i}: {base}", out, int(rng.choice(devices)), random_specs(out, rng)))
+    print(f"\n{'case':<48} {'dev':>3} {'tasks':>6} {'measured ms':>12} {'simulated ms':>13} {'error':>7}")
+    errors = []
+    for name, d, n, m, s in rows:
+        err = (s - m) / m
+        errors.append(abs(err))
+        print(f"{name:<48} {d:>3} {n:>6} {m * 1e3:>12.2f} {s * 1e3:>13.2f} {err:>+7.0%}")
+    med, worst = statistics.median(errors), max(errors)
+    load1 = os.getloadavg()
+    print(f"\nabsolute error of the simulated times: median {med:.0%} (goal 15%), worst {worst:.0%} (goal 30%)")
+    print(f"load average {load0[0]:.2f} before, {load1[0]:.2f} after, on {os.cpu_count()} cores; "
+          f"{time.perf_counter() - t0:.0f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
