@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -291,10 +292,25 @@ class ThreadsBackend:
     def open(self, run: RunSpec) -> LocalSession:
         if self.computes:
             tune_malloc()
-        return LocalSession(run, self.computes, threaded=True, limit=BLAS_LIMITER.limit)
+        return LocalSession(run, self.computes, threaded=True, limit=_cores_limit)
 
     def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _cores_limit(n_devices: int) -> Iterator[None]:
+    """The threads backend's share of the cores: BLAS threads, and torch's intra-op threads when
+    torch is loaded (the attention, convolution and pooling kernels run on torch's CPU kernels:
+    with torch's own count, 2 device threads each opened a team of 2 OpenMP threads on 2 cores,
+    whose spinning workers took the cores the other device computed on)."""
+    with BLAS_LIMITER.limit(n_devices):
+        if "torch" not in sys.modules:  # not loaded: no torch kernel can run (and none is imported)
+            yield
+            return
+        from einjoin.runtime.backends.torch_backend import TORCH_THREADS
+        with TORCH_THREADS.limit(n_devices):
+            yield
 
 
 BACKENDS: dict[str, Any] = {"sync": SyncBackend(), "threads": ThreadsBackend(), "null": NullBackend()}
