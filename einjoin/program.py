@@ -699,12 +699,15 @@ class Program:
         outs = outs[:len(outs) - len(self._slots)]
         return returned(outs, self._many, self._structure)
 
-    def simulate(self, cluster: Any = None, *, order: str | None = None, seed: int | None = None) -> Any:
+    def simulate(self, cluster: Any = None, *, order: str | None = None, seed: int | None = None,
+                 resident: bool = False) -> Any:
         """Replay this program's task graph in the event simulator
         (:mod:`einjoin.runtime.simulate`): the same tasks and dependencies, no data, in the
         run's ready-queue order. ``cluster``: whose time model (default: the cluster it was
         compiled for; ``ej.local(n)`` is this machine, calibrated first when no calibration is
         cached, a few seconds). A simulated cluster must have as many devices as the program.
+        ``resident``: inputs start on their devices and outputs stay there (weights kept on GPUs):
+        loads and write-backs cost nothing.
         Returns a :class:`~einjoin.runtime.simulate.Simulation` (``makespan``, ``device_busy``,
         ``link_bytes``, ``peak_memory``, ``trace(path)``): every figure simulated.
 
@@ -715,7 +718,7 @@ class Program:
         True
         """
         from einjoin.runtime.simulate import simulate_program
-        return simulate_program(self, cluster, order, seed)
+        return simulate_program(self, cluster, order, seed, resident)
 
     def explain(self, file: Any = "stdout") -> str:
         """Print (to ``file``; default the current ``sys.stdout``, None: don't) and return, per op,
