@@ -168,6 +168,32 @@ def test_kernel_errors_name_the_task(shared):
     np.testing.assert_allclose(prog.run(**feeds), got)
 
 
+def test_device_counts_share_actors_and_a_loss_replaces_all_that_share_it(shared):
+    # device d is one actor for every device count of a local cluster: 1, 2 and 3 devices start 3
+    out, feeds = _mlp()
+    want = ej.reference(out, **feeds)
+    progs = {n: ej.compile(out, devices=n, backend=shared, planner="split_largest", quiet=True) for n in (2, 1, 3)}
+    pids = {}
+    for n, prog in progs.items():
+        np.testing.assert_allclose(prog.run(**feeds), want, rtol=1e-5, atol=1e-6)
+        pids[n] = shared.pids
+    assert pids[1] == pids[2][:1] and pids[3][:2] == pids[2] and len(set(pids[3])) == 3
+    # device 1's actor dies between runs: the 1-device program does not use it; the 2-device one
+    # finds it dead at its start, and every pool sharing it is replaced, the 1-device one's too
+    os.kill(pids[3][1], signal.SIGKILL)
+    deadline = time.time() + 30  # a hang guard
+    while time.time() < deadline and _alive_actor_pids([pids[3][1]]):
+        time.sleep(0.05)
+    np.testing.assert_allclose(progs[1].run(**feeds), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(progs[2].run(**feeds), want, rtol=1e-5, atol=1e-6)
+    fresh = shared.pids
+    assert not set(fresh) & set(pids[3])
+    for n in (1, 3):
+        np.testing.assert_allclose(progs[n].run(**feeds), want, rtol=1e-5, atol=1e-6)
+        assert shared.pids[:min(n, 2)] == fresh[:min(n, 2)]
+    assert all(r == [] for r in shared.open_runs())
+
+
 SCRIPT = r"""
 import numpy as np, einjoin as ej, ray
 x = ej.input("x", (8, 4)); w = ej.param("w", (4, 6))

@@ -39,6 +39,12 @@ being undone by its recovery.
 
 Actor pools: one per cluster shape (device count and the node of each device), so programs of
 different shapes can share one backend and run at once without replacing each other's actors.
+Shapes whose devices name no node (``devices=n``, ``ej.local(n)``) share actors: device ``d`` is
+the backend's ``d``-th local actor for every count (each run sets the BLAS threads its count
+wants), so 1, 2 and 4 devices start 4 actors, not 7; a lost actor replaces every pool holding it.
+
+Ray that einjoin starts runs its workers at nice 0 (Ray's default is 15): the actors are the
+program's compute, and on a busy machine a niced actor takes seconds to start and to run.
 
 >>> import einjoin as ej
 >>> ej.runtime.get_backend("ray").name        # nothing starts before the first run
@@ -105,9 +111,12 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
     ray = _ray()
     with _lock:
         if not ray.is_initialized():
+            # worker_niceness 0: Ray starts its workers at nice 15 by default, and einjoin's device
+            # actors are the program's compute (the threads backend runs at the caller's priority):
+            # on a busy machine a niced actor waits seconds to start and run
             opts: dict[str, Any] = dict(address="local", num_cpus=num_cpus, include_dashboard=bool(dashboard),
                                         object_store_memory=object_store_memory, log_to_driver=False,
-                                        configure_logging=False)
+                                        configure_logging=False, _system_config={"worker_niceness": 0})
             if dashboard:
                 opts["dashboard_host"] = "127.0.0.1"
             node_ip = _loopback_node_ip()
@@ -247,6 +256,12 @@ class _Pool:
         self.generation = generation
 
 
+def _blas_threads(nodes: Sequence[Any], d: int) -> int:
+    """BLAS threads for device ``d``'s actor: this machine's cores over the devices on its node."""
+    same = sum(1 for node in nodes if node == nodes[d])
+    return max(1, (os.cpu_count() or 1) // same)
+
+
 def _shape(cluster: Cluster | None, n: int) -> tuple[int, tuple[Any, ...]]:
     return n, tuple(cluster.devices[d].node if cluster is not None else None for d in range(n))
 
@@ -329,29 +344,37 @@ class RayBackend:
 
     # -- actors ------------------------------------------------------------------------------
     def _start(self, cluster: Cluster | None, shape: tuple[int, tuple[Any, ...]]) -> _Pool:
-        """Start the actors of one shape (under ``_mu``)."""
+        """The actors of one shape (under ``_mu``): started, or, for a cluster whose devices name no
+        node (``ej.local(n)``, ``devices=n``), the first ``n`` of this backend's local actors, of which
+        only those missing start. Starting an actor (a process that imports einjoin) is most of a
+        first run's time; device ``d`` is actor ``d`` whatever the count, so programs of 1, 2 and 4
+        devices share 4 actors (their runs are independent as every run is)."""
         n, nodes = shape
         ray = ensure_ray(self.num_cpus, self.object_store_memory, self.quiet, self.dashboard)
+        base = self._local_base(shape)
+        if base is not None and len(base.actors) >= n:  # a prefix of live actors: nothing starts
+            pool = self._pools[shape] = _Pool(shape, base.actors[:n], base.pids[:n], base.generation)
+            return pool
+        have, have_pids = (list(base.actors), list(base.pids)) if base is not None else ([], [])
         # the default thread takes the calls that only queue work (setup, go, deliver) in order;
         # finish calls wait on threads of their own, aborts on the control thread
         cls = ray.remote(concurrency_groups={CONTROL: 1, WAIT: WAITERS}, max_concurrency=1)(DeviceWorker)
-        per_node: dict[Any, int] = {}
-        for node in nodes:
-            per_node[node] = per_node.get(node, 0) + 1
-        actors = []
+        new: list[Any] = []
         try:
-            for d, node in enumerate(nodes):
+            for d in range(len(have), n):
+                node = nodes[d]
                 opts: dict[str, Any] = {"num_cpus": self.actor_cpus, "max_restarts": 0}
                 if node is not None:
                     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
                     opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-                cores = os.cpu_count() or 1
-                actors.append(cls.options(**opts).remote(d, max(1, cores // per_node[node])))
+                new.append(cls.options(**opts).remote(d, _blas_threads(nodes, d)))
+            actors = have + new
             for a in actors:
-                a.set_peers.remote(actors)  # before any run: sends go actor to actor
-            pids = ray.get([a.pid.remote() for a in actors], timeout=120)
+                a.set_peers.remote(actors)  # before any run: sends go actor to actor (a longer list
+                #                             for the old ones: the devices they know keep their actors)
+            pids = have_pids + ray.get([a.pid.remote() for a in new], timeout=120)
         except Exception as e:  # noqa: BLE001 - any failure to start is the user's to see, typed
-            self._kill(actors)
+            self._kill(new)
             raise EinjoinError(f"the Ray backend could not start {n} device actors: {type(e).__name__}: "
                                f"{e}") from None
         self.generation += 1
@@ -359,6 +382,15 @@ class RayBackend:
         self._session = _ray_session(ray)
         _live.add(self)
         return pool
+
+    def _local_base(self, shape: tuple[int, tuple[Any, ...]]) -> _Pool | None:
+        """For a shape whose devices name no node, the live pool of such a shape with the most
+        actors (each such pool's actors are a prefix of the next larger one's), else None."""
+        n, nodes = shape
+        if any(node is not None for node in nodes):
+            return None  # placed on named nodes: actors of its own, as the cluster says
+        local = [p for p in self._pools.values() if all(node is None for node in p.shape[1])]
+        return max(local, key=lambda p: len(p.actors), default=None)
 
     def _kill(self, actors: Sequence[Any]) -> None:
         ray = sys.modules.get("ray")
@@ -376,7 +408,10 @@ class RayBackend:
         actors for that shape; other shapes' pools are untouched."""
         with self._mu:
             if self._pools.get(pool.shape) is pool and pool.generation == seen:
-                del self._pools[pool.shape]
+                lost = {id(x) for x in pool.actors}
+                for shape, other in list(self._pools.items()):  # the pools sharing its actors too
+                    if other is pool or lost.intersection(map(id, other.actors)):
+                        del self._pools[shape]
                 self._kill(pool.actors)
 
     def _prepare(self, engine: Any, cluster: Cluster | None, n: int) -> tuple[_Pool, int, int, int]:
@@ -506,7 +541,7 @@ class RayBackend:
         ``[]`` each once every run ended). Waits for the tasks queued before it on each actor."""
         ray = _ray()
         with self._mu:
-            actors = [x for pool in self._pools.values() for x in pool.actors]
+            actors = list({id(x): x for pool in self._pools.values() for x in pool.actors}.values())
         runs: list[list[int]] = ray.get([x.open_runs.remote() for x in actors])
         return runs
 
@@ -560,7 +595,9 @@ class _RaySession:
             try:
                 feeds_ref = ray.put(dict(self.spec.feeds))
                 delay = float(b.kernel_delay)
-                self.begins = [x.go.remote(self.run, key, feeds_ref, delay, resident[d], self.keep[d], fetch[d])
+                nodes = self.pool.shape[1]  # BLAS threads as this shape wants them (actors are shared)
+                self.begins = [x.go.remote(self.run, key, feeds_ref, delay, resident[d], self.keep[d], fetch[d],
+                                           _blas_threads(nodes, d))
                                for d, x in enumerate(a)]
                 self.finals = [x.finish.options(concurrency_group=WAIT).remote(self.run) for x in a]
             except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone

@@ -127,10 +127,10 @@ class _Run:
     """One run's namespace on one actor."""
 
     __slots__ = ("id", "part", "feeds", "store", "intervals", "received_from", "delay", "resident", "keep",
-                 "fetch", "waiting", "left", "tasks_left", "blocks")
+                 "fetch", "waiting", "left", "tasks_left", "blocks", "blas")
 
     def __init__(self, run: int, part: Part, feeds: Mapping[Any, np.ndarray], delay: float,
-                 resident: dict[int, np.ndarray], keep: Mapping[int, int], fetch: Sequence[int]):
+                 resident: dict[int, np.ndarray], keep: Mapping[int, int], fetch: Sequence[int], blas: int = 0):
         from einjoin.runtime.local import Store
         self.id, self.part, self.feeds = run, part, feeds
         self.store = Store.make(part.device, shared=False)  # only the executor thread writes it
@@ -143,6 +143,7 @@ class _Run:
         self.left = len(part.items)
         self.tasks_left = part.n_local      # of them, the tasks of this device (not the sends)
         self.blocks: dict[int, tuple[int, np.ndarray]] = {}  # move id -> (source, block) arrived
+        self.blas = blas
 
 
 class DeviceWorker:
@@ -153,9 +154,9 @@ class DeviceWorker:
     control thread."""
 
     def __init__(self, device: int, blas_threads: int = 1):
-        from threadpoolctl import threadpool_limits
         self.device = device
-        self._limits = threadpool_limits(limits=max(1, blas_threads))
+        self._blas = 0
+        self._limit_blas(blas_threads)
         self.plans: dict[int, Part] = {}
         self.peers: list[Any] = []
         self.kept: dict[int, np.ndarray] = {}  # programs' state blocks, kept between runs by key
@@ -166,6 +167,15 @@ class DeviceWorker:
         self._dead: OrderedDict[int, None] = OrderedDict()  # aborted or failed runs
         self._ready: deque[tuple[_Run, int]] = deque()
         self._executor: threading.Thread | None = None
+
+    def _limit_blas(self, threads: int) -> None:
+        """BLAS threads of this process (the actor serves programs of several device counts: each
+        run says what its own wants, applied when it differs from the last)."""
+        from threadpoolctl import threadpool_limits
+        threads = max(1, threads)
+        if threads != self._blas:
+            self._limits = threadpool_limits(limits=threads)
+            self._blas = threads
 
     def pid(self) -> int:
         return os.getpid()
@@ -191,12 +201,13 @@ class DeviceWorker:
     # -- a run: go (queue its first tasks), events from the peers, finish (wait for its report)
     def go(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0,
            resident: Mapping[int, int] | None = None, keep: Mapping[int, int] | None = None,
-           fetch: Sequence[int] = ()) -> None:
+           fetch: Sequence[int] = (), blas: int = 0) -> None:
         """Start run ``run`` of plan ``key``. ``delay``: a test hook, seconds slept before every
         kernel (so a fault or a cancel lands while work is outstanding); ``resident``: load task
         id -> the kept state block that load takes (nothing is loaded); ``keep``: value id -> the
         key its block is kept under when the run ends (a program's new state); ``fetch``: the
-        output blocks returned by ``finish``."""
+        output blocks returned by ``finish``; ``blas``: the BLAS threads its kernels use (0: as
+        they are)."""
         part = self.plans.get(key)
         if part is None:
             raise RuntimeError(f"device {self.device} has no plan {key} (its actor was replaced)")
@@ -207,7 +218,7 @@ class DeviceWorker:
                 raise RuntimeError(f"device {self.device} no longer holds this program's state (its actor was "
                                    f"replaced): write_state() it again")
             r = _Run(run, part, feeds, float(delay), {t: self.kept[k] for t, k in (resident or {}).items()},
-                     dict(keep or {}), list(fetch))
+                     dict(keep or {}), list(fetch), blas)
             self._runs[run] = r
             self._ready.extend((r, i) for i, n in enumerate(r.waiting) if n == 0)
             for event in self._early.pop(run, ()):
@@ -342,8 +353,11 @@ class DeviceWorker:
             store.free(t.payload.frees)
         else:
             tk = t.kind
-            if tk is _KERNEL and r.delay:
-                time.sleep(r.delay)
+            if tk is _KERNEL:
+                if r.blas and r.blas != self._blas:
+                    self._limit_blas(r.blas)
+                if r.delay:
+                    time.sleep(r.delay)
             kept = r.resident.get(tid) if tk is _LOAD else None
             if kept is not None:  # a state block the last run left here: nothing is loaded
                 store.put(t.writes, kept, kept.nbytes)
