@@ -44,7 +44,14 @@ def _graphs() -> dict[str, Any]:
         n = ej.input("n", (6, 4), dtype="int64")
         return [(n * 3).sum(dim=0), ej.einsum("ij,ij->i", n, n)]
 
+    def build_one_input() -> Any:
+        # one-input einsums (a transposed copy, sums) and reshapes (views of a region)
+        x, n = ej.input("x", (4, 6, 8)), ej.input("n", (6, 4), dtype="int64")
+        return [ej.einsum("abc->cab", x), ej.einsum("abc->ca", x), ej.einsum("ij->j", n),
+                x.reshape(24, 8) * 2.0, x.reshape(4, 48).sum(dim=1)]
+
     return {
+        "one_input": (build_one_input, dict(x=f32(4, 6, 8), n=RNG.integers(-5, 5, (6, 4)).astype(np.int64))),
         "elementwise": (build_elementwise, dict(x=f32(8, 12), b=f32(12))),
         "matmul": (build_matmul, dict(a=f32(4, 8, 6), w=f32(6, 10))),
         "broadcast_join": (build_broadcast_join, dict(x=f32(6, 5), y=f32(5, 7))),
@@ -73,6 +80,16 @@ def test_prepared_kernels_give_the_general_paths_bits(name: str, devices: int) -
     threads = ej.compile(build(), devices, backend="threads", fuse=False, quiet=True).run(**feeds)
     for a, b in zip(threads, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_one_input_einsums_and_reshapes_are_prepared(devices: int) -> None:
+    build, _ = GRAPHS["one_input"]
+    prog = ej.compile(build(), devices, backend="sync", fuse=False, quiet=True)
+    fast = prepare_kernels(prog.taskgraph, prog.plan.decomps)
+    kinds = {t.node.kind for t in prog.taskgraph.tasks
+             if t.kind is TaskKind.KERNEL and fast[t.id] is None and t.node.kind in ("einsum", "reshape")}
+    assert not kinds, f"general path for {kinds}"
 
 
 def test_a_prepared_kernel_refuses_blocks_it_was_not_prepared_for() -> None:

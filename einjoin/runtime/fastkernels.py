@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.decomp.block_kernels import BLOCK_KERNELS, _einsum_block
-from einjoin.decomp.decompose import Decomposition
+from einjoin.decomp.block_kernels import BLOCK_KERNELS, _einsum_block, _reshape_block
+from einjoin.decomp.decompose import Decomposition, reshape_region
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.evaluate import evaluate
@@ -64,6 +64,8 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
         box = d.out_partition.box(k.out_key)
         if len(t.reads) != sum(key is not None for key in k.in_keys):
             return None
+        if rule is _reshape_block and len(t.reads) == 1:
+            return _reshape(d, box, tg.values[t.reads[0]].shape)
         return _other(rule, d, op, k, box)
     if any(key is None for key in k.in_keys) or len(t.reads) != len(k.in_keys) or not t.reads:
         return None
@@ -71,6 +73,7 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
     if any(v.dtype in HALF_DTYPES for v in vals):
         return None  # widened to float32 first: the general path
     shapes = tuple(v.shape for v in vals)
+    n_in = len(shapes)
     dtypes = tuple(np.dtype(numpy_dtype(v.dtype)) for v in vals)
     out_dtype = np.dtype(numpy_dtype(partial_dtype(d.node) if d.n_partials > 1 else d.node.dtype))
     route = matmul_route(op, list(dtypes))
@@ -80,6 +83,11 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
             return _batched_matmul(route, xs[0], xs[1])
     elif route.path == "join":
         got = _join_core(op, shapes)
+        if got is None:
+            return None
+        core = got
+    elif route.path == "einsum" and n_in == 1:
+        got = _one_core(op)
         if got is None:
             return None
         core = got
@@ -109,6 +117,43 @@ def _other(rule: Any, d: Decomposition, op: Any, k: Any, box: Any) -> FastKernel
         it = iter(blocks)
         return np.asarray(rule(d, op, k, [next(it) if has else None for has in keys], box))
     return run_sparse
+
+
+def _one_core(op: Any) -> Callable[[Sequence[np.ndarray]], Any] | None:
+    """The ``einsum`` route of ``einsum_kernel`` for one input without repeated labels (a copy in
+    another axis order, or a sum over labels): a transposed view where nothing is summed (the
+    caller's C-order copy makes it the same array ``np.einsum``'s view gives), else
+    ``np.einsum`` itself on the equation worked out once (its summation order, its bits)."""
+    ins, outs = op.in_labels[0], op.out_labels
+    if len(set(ins)) < len(ins) or len(set(outs)) < len(outs) or not set(outs) <= set(ins):
+        return None  # a diagonal, or labels the input lacks: the general path
+    if len(outs) == len(ins):
+        perm = tuple(ins.index(lab) for lab in outs)
+
+        def transpose(xs: Sequence[np.ndarray]) -> Any:
+            return xs[0].transpose(perm)
+        return transpose
+    sym = {lab: chr(ord("a") + i) for i, lab in enumerate(op.all_labels)}
+    eq = "".join(sym[lab] for lab in ins) + "->" + "".join(sym[lab] for lab in outs)
+
+    def summed(xs: Sequence[np.ndarray]) -> Any:
+        return np.einsum(eq, xs[0])
+    return summed
+
+
+def _reshape(d: Decomposition, box: Any, in_shape: tuple[int, ...]) -> FastKernel:
+    """:func:`einjoin.decomp.block_kernels._reshape_block` with its region worked out once: the
+    input block reshaped to the region, the output box sliced from it (views)."""
+    region = reshape_region(d.node, d.in_partitions[0].core, box)
+    shape = tuple(b - a for a, b in region)
+    cut = tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region))
+
+    def run(blocks: Sequence[Any]) -> np.ndarray | None:
+        b = blocks[0]
+        if not (isinstance(b, np.ndarray) and b.shape == in_shape):
+            return None
+        return np.asarray(np.reshape(b, shape)[cut])
+    return run
 
 
 def _join_core(op: Any, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence[np.ndarray]], Any] | None:
