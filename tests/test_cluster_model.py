@@ -84,3 +84,15 @@ def test_transfer_time_is_latency_plus_bytes_at_the_slowest_link():
     assert transfer_time(1e-6, 1e9, ()) == 1e-6
     hw = Hardware("t", (DeviceModel("a100", **GPUS["a100"]),) * 2, (0, 1), Fabric(1e11, 1e-6), Fabric(1e9, 1e-5))
     assert hw.transfer_time(0, 1, 1e9) == pytest.approx(1.0 + 1e-5) and hw.transfer_time(1, 1, 1e9) == 0.0
+
+
+def test_a_kind_of_its_own_runs_at_its_own_rate():
+    from einjoin.cluster.model import work_time
+    m = DeviceModel("cpu", peak=(("float32", 1e10),), mem_bw=1e12, copy_bw=1e12, vector_rate=1e9, launch=0.0,
+                    kind_rates=(("attention", 1e8),))
+    assert work_time(m, 1e9, 1e3, "float32", kind="attention") == pytest.approx(10.0)
+    assert work_time(m, 1e9, 1e3, "float32", threads=2, kind="attention") == pytest.approx(5.0)
+    assert work_time(m, 1e9, 1e3, "float32", kind="einsum") == pytest.approx(0.1)
+    with pytest.raises(EinjoinError, match="kind_rates"):
+        DeviceModel("x", peak=(("float32", 1.0),), mem_bw=1, copy_bw=1, vector_rate=1, launch=0,
+                    kind_rates=(("attention", 0.0),))

@@ -251,10 +251,12 @@ def test_simulate_without_a_cache_calibrates_first(monkeypatch):
     monkeypatch.setattr(simulate_calibrate, "_gemm", lambda reps, quick: calls.append("gemm") or (10e9, 0.0, 0.5))
     monkeypatch.setattr(simulate_calibrate, "_memory", lambda reps, quick: (5e9, 1e9, 4e9))
     monkeypatch.setattr(simulate_calibrate, "_dispatch", lambda reps, quick: (1e-5, 1e-4, 2e-5, 3e-4))
+    monkeypatch.setattr(simulate_calibrate, "_attention", lambda reps, quick: 2e9)
     sim = _prog(2).simulate()
     assert calls == ["gemm"] and sim.makespan > 0
     cal = load_cached()
     assert cal is not None and (cal.matmul_rate, cal.launch_threads, cal.overhead_threads) == (10e9, 2e-5, 3e-4)
+    assert cal.attention_rate == 2e9
     _prog(2).simulate()  # cached now: not measured again
     assert calls == ["gemm"]
 

@@ -26,7 +26,7 @@ from einjoin.cluster.model import DeviceModel, Fabric, Hardware
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
 
-VERSION = 2  # bumped when what is measured changes: older caches are measured again
+VERSION = 3  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Calibration:
     machine: str
     overhead: float = 0.0          # seconds per run besides its tasks, one device inline
     overhead_threads: float = 0.0  # the same on device threads (their start and end)
+    attention_rate: float = 0.0    # flop/s of the attention kernel on one thread (0: not measured)
     seconds: float = 0.0  # how long measuring took
 
     def hardware(self, n: int) -> Hardware:
@@ -63,7 +64,9 @@ class Calibration:
         # a device's contraction rate with its threads, as a per-thread rate (kernel_time
         # multiplies by the threads): the first thread's full rate, each further one `parallel`
         per_thread = self.matmul_rate * (1 + (threads - 1) * self.parallel) / threads
-        model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)),
+        scale = (1 + (threads - 1) * self.parallel) / threads
+        kinds = (("attention", self.attention_rate * scale),) if self.attention_rate > 0 else ()
+        model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)), kind_rates=kinds,
                             mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
                             launch=self.launch if n == 1 else self.launch_threads, e_max=1.0,
                             half_work=self.half_work)
@@ -79,6 +82,7 @@ class Calibration:
             f"{self.half_work / 1e6:.2f} MFLOP), each further thread +{self.parallel:.2f} of a core",
             f"elementwise: {self.mem_bw / 1e9:.2f} GB/s read + written, {self.vector_rate / 1e9:.2f} GFLOP/s (exp)",
             f"copy: {self.copy_bw / 1e9:.2f} GB/s read + written",
+            f"attention kernel, one thread: {self.attention_rate / 1e9:.2f} GFLOP/s",
             f"dispatch per task: {self.launch * 1e6:.1f} us inline, "
             f"{self.launch_threads * 1e6:.1f} us on device threads",
             f"per run: {self.overhead * 1e3:.2f} ms inline, {self.overhead_threads * 1e3:.2f} ms on device threads",

@@ -56,7 +56,9 @@ class DeviceModel:
     fixed cost of one task (a kernel launch, a Python dispatch), s; ``e_max`` and ``half_work``:
     the matmul efficiency curve (:func:`efficiency`); ``memory``: bytes (None: unbounded);
     ``host_bw`` / ``host_latency``: the host link (loads, evictions, reloads of a device that
-    does not share the host's memory)."""
+    does not share the host's memory); ``kind_rates``: (node kind, flop/s) for kernels whose own
+    code runs far from the GEMM rate (a CPU's attention: torch's flash kernel), instead of the
+    contraction rate and its curve."""
 
     name: str
     peak: tuple[tuple[str, float], ...]
@@ -69,11 +71,14 @@ class DeviceModel:
     memory: int | None = None
     host_bw: float = 25e9
     host_latency: float = 10e-6
+    kind_rates: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.peak:
             raise EinjoinError(f"device model {self.name!r} needs a peak rate for at least one dtype")
         object.__setattr__(self, "peak", tuple((str(k), _positive(v, f"peak[{k}]")) for k, v in self.peak))
+        object.__setattr__(self, "kind_rates", tuple((str(k), _positive(v, f"kind_rates[{k}]"))
+                                                     for k, v in self.kind_rates))
         for f in ("mem_bw", "copy_bw", "vector_rate", "host_bw"):
             object.__setattr__(self, f, _positive(getattr(self, f), f))
         for f in ("launch", "half_work", "host_latency"):
@@ -120,11 +125,15 @@ def kernel_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, thr
     return work_time(model, flops, nbytes, dtype, threads) + (model.launch if launch else 0.0)
 
 
-def work_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, threads: float = 1.0) -> float:
-    """:func:`kernel_time` without the launch."""
+def work_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, threads: float = 1.0,
+              kind: str | None = None) -> float:
+    """:func:`kernel_time` without the launch; ``kind``: the node kind, for ``model.kind_rates``."""
     compute = 0.0
+    own = dict(model.kind_rates).get(kind) if kind is not None and model.kind_rates else None
     if flops > 0:
-        if is_contraction(flops, nbytes):
+        if own is not None:
+            compute = flops / (own * threads)
+        elif is_contraction(flops, nbytes):
             compute = flops / (model.rate(dtype) * threads * max(efficiency(model, flops), 1e-9))
         else:
             compute = flops / model.vector_rate

@@ -156,7 +156,7 @@ def _kernel(c: _Ctx, t: Task) -> Phases:
     nbytes = c.read_bytes(t) + t.nbytes + (2 * t.scratch if c.hw.shared_memory else 0)
     dtype = t.node.dtype
     threads = c.threads if is_contraction(t.flops, nbytes) else 1.0
-    return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads), threads))
+    return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads, t.node.kind), threads))
 
 
 def _memory_bound(c: _Ctx, t: Task) -> Phases:  # fill, reduce: bytes read and written
@@ -238,7 +238,7 @@ def _caps(hw: Hardware) -> Callable[[Any], float]:
 class _Flow:
     """A task in flight: its phases, the one it is in, and the seconds (alone) left of it."""
 
-    __slots__ = ("task", "lane", "phases", "i", "left", "res", "rate", "start")
+    __slots__ = ("task", "lane", "phases", "i", "left", "res", "rate", "start", "since", "end")
 
     def __init__(self, task: Task, lane: int, phases: Phases, start: float):
         self.task, self.lane, self.phases, self.start = task, lane, phases, start
@@ -246,14 +246,21 @@ class _Flow:
         self.left = 0.0
         self.res: Resources = ()
         self.rate = 1.0
+        self.since = start  # when ``left`` was last brought up to date (a shared phase)
+        self.end = start    # when the phase ends at the current rate
 
     def advance(self) -> bool:
-        """Enter the next phase with time in it; False when none is left (the task is done)."""
-        phases = self.phases
-        while self.i + 1 < len(phases):
+        """Enter the next phase with time in it (consecutive phases that share nothing run as
+        one); False when none is left (the task is done)."""
+        phases, n = self.phases, len(self.phases)
+        while self.i + 1 < n:
             self.i += 1
             self.left, self.res = phases[self.i]
             if self.left > 0:
+                if not self.res:
+                    while self.i + 1 < n and not phases[self.i + 1][1]:
+                        self.i += 1
+                        self.left += phases[self.i][0]
                 return True
         return False
 
@@ -312,6 +319,7 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
     now = 0.0
     done = 0
     serial = 0
+    dirty = False  # the set of shared phases changed: their rates are recomputed
 
     def finish(f: _Flow) -> None:
         nonlocal done
@@ -341,9 +349,11 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
         done += 1
 
     def place(f: _Flow) -> None:
-        nonlocal serial
+        nonlocal serial, dirty
         if f.res:
+            f.since, f.rate = now, 0.0
             active.append(f)
+            dirty = True
         else:
             serial += 1
             heapq.heappush(fixed, (now + f.left, serial, f))
@@ -371,11 +381,13 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
                     finish(f)  # nothing to do (a free on a GPU): it ends as it starts
         if not active and not fixed:
             break
-        # the next event: the first fixed phase to end, or the first shared phase to end at its rate
-        dt = fixed[0][0] - now if fixed else math.inf
-        if active:
+        # the next event: the first fixed phase to end, or the first shared phase to end at the
+        # rates the shared phases now have (recomputed only when that set changed)
+        if dirty:
             load: dict[Any, float] = {}
             for f in active:
+                f.left -= f.rate * (now - f.since)
+                f.since = now
                 for r, dem in f.res:
                     load[r] = load.get(r, 0.0) + dem
             for f in active:
@@ -385,20 +397,21 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
                     if share < rate:
                         rate = share
                 f.rate = rate
-                if f.left / rate < dt:
-                    dt = f.left / rate
-        dt = max(dt, 0.0)
-        now += dt
+                f.end = now + max(f.left, 0.0) / rate
+            dirty = False
+        nxt = fixed[0][0] if fixed else math.inf
+        for f in active:
+            if f.end < nxt:
+                nxt = f.end
+        now = max(now, nxt)
+        limit = now * (1 + 1e-12) + 1e-15
         ended: list[_Flow] = []
         if active:
-            keep = []
-            for f in active:
-                f.left -= f.rate * dt
-                if f.left <= 1e-12 * (1.0 + now):
-                    ended.append(f)
-                else:
-                    keep.append(f)
-            active[:] = keep
+            keep = [f for f in active if f.end > limit]
+            if len(keep) < len(active):
+                ended = [f for f in active if f.end <= limit]
+                active[:] = keep
+                dirty = True
         while fixed and fixed[0][0] <= now * (1 + 1e-12) + 1e-15:
             ended.append(heapq.heappop(fixed)[2])
         for f in ended:

@@ -5,7 +5,8 @@ the rate and the work at which a GEMM reaches half of it, ``half_work = c · rat
 GEMM on every core (what each further thread adds), an elementwise add and ``exp`` (memory
 bandwidth and the vector rate of numpy's kernels, which run on one thread), a copy, and the
 threads backend's cost per task and per run (chains of tiny matmuls, warm, on one device inline
-and on two device threads). Each figure is the best of a few repetitions. About 2-5 s; the result is
+and on two device threads), and the attention kernel on one thread.
+Each figure is the best of a few repetitions. About 3-6 s; the result is
 cached (:mod:`einjoin.cluster.calibration`).
 
 >>> cal = calibrate()  # seconds, then read from the cache  # doctest: +SKIP
@@ -138,6 +139,25 @@ def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
     return out[0], out[1], out[2], out[3]
 
 
+def _attention(reps: int, quick: bool) -> float:
+    """Flop/s of the runtime's attention kernel (torch's CPU flash kernel) on one thread: a
+    causal (1, 4, L, 64) block, counted as the flop table counts it (half of the square)."""
+    import torch
+
+    from einjoin.ir.attention import attention_kernel
+    length = 128 if quick else 256
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 4, length, 64), np.float32) for _ in range(3))
+    flops = 2 * 4 * length * length * (64 + 64) // 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        secs = _best(lambda: attention_kernel(q, k, v, None, 0.125, True), reps)
+    finally:
+        torch.set_num_threads(before)
+    return flops / secs
+
+
 def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibration:
     """Measure this machine (or return its cached calibration, unless ``force``) and cache it.
     ``quick``: smaller sizes (for tests; less accurate). At most a few seconds.
@@ -151,10 +171,11 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     rate, half, parallel = _gemm(reps, quick)
     mem_bw, vector_rate, copy_bw = _memory(reps, quick)
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
+    attention_rate = _attention(reps, quick)
     cal = Calibration(cores=os.cpu_count() or 1, matmul_rate=rate, half_work=half, parallel=parallel,
                       mem_bw=mem_bw, vector_rate=vector_rate, copy_bw=copy_bw, launch=launch,
                       launch_threads=launch_threads, overhead=overhead, overhead_threads=overhead_threads,
-                      machine=machine_key(), seconds=time.perf_counter() - t0)
+                      attention_rate=attention_rate, machine=machine_key(), seconds=time.perf_counter() - t0)
     save_cached(cal)
     return cal
 
