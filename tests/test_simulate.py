@@ -288,3 +288,16 @@ def test_random_programs_simulate(data: st.DataObject) -> None:
     sim = prog.simulate()
     _check_schedule(prog.taskgraph, sim)
     assert sim.makespan >= max(sim.device_busy.values()) / 3 - 1e-12  # at most 3 lanes per device
+
+
+def test_the_simulate_backend_is_a_backend_and_its_runs_trace(tmp_path):
+    from einjoin.runtime.backend import Backend
+    from einjoin.runtime.backends import get_backend
+    assert isinstance(get_backend("simulate"), Backend) and get_backend("simulate").computes is False
+    prog = _prog(ej.Cluster.preset("dgx-h100", devices=2), backend="simulate")
+    path = tmp_path / "run.json"
+    assert prog.run(**_feeds(prog), trace=path) is None
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    sim = prog.backend.last
+    want = sorted((e - s) * 1e6 for iv in sim.intervals.values() for s, e, _ in iv)
+    assert sorted(e["dur"] for e in events) == pytest.approx(want)  # the simulated durations
