@@ -301,3 +301,15 @@ def test_the_simulate_backend_is_a_backend_and_its_runs_trace(tmp_path):
     sim = prog.backend.last
     want = sorted((e - s) * 1e6 for iv in sim.intervals.values() for s, e, _ in iv)
     assert sorted(e["dur"] for e in events) == pytest.approx(want)  # the simulated durations
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=0, max_size=4).flatmap(
+    lambda shape: st.tuples(st.just(tuple(shape)), st.tuples(*[
+        st.tuples(st.integers(0, n - 1), st.integers(1, n)).filter(lambda ab: ab[0] < ab[1]) for n in shape]))))
+def test_a_load_is_a_view_exactly_when_numpy_says_its_block_is_contiguous(case):
+    # the threads backend loads a contiguous block as a view of the feed (free), else copies it
+    from einjoin.runtime.simulate import _contiguous
+    shape, box = case
+    view = np.zeros(shape, np.float32)[tuple(slice(a, b) for a, b in box)]
+    assert _contiguous(box, shape) == view.flags["C_CONTIGUOUS"]

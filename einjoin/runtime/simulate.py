@@ -170,9 +170,9 @@ def _copy(c: _Ctx, t: Task) -> Phases:  # select, touch: a copy of the written b
 
 def _contiguous(box: Any, shape: tuple[int, ...]) -> bool:
     """Whether a box of a C-ordered array is one contiguous run (a view of the feed)."""
-    cut = [(a, b) != (0, n) for (a, b), n in zip(box, shape)]
-    first = next((i for i, c in enumerate(cut) if c), len(cut))
-    return all(b - a == 1 for (a, b) in box[:first]) and not any(cut[first + 1:])
+    cut = [i for i, ((a, b), n) in enumerate(zip(box, shape)) if (a, b) != (0, n)]
+    # every dim after the last cut one is whole, every dim before it one element wide
+    return not cut or all(b - a == 1 for (a, b) in box[:cut[-1]])
 
 
 def _load(c: _Ctx, t: Task) -> Phases:
