@@ -54,6 +54,7 @@ class Calibration:
     overhead: float = 0.0          # seconds per run besides its tasks, one device inline
     overhead_threads: float = 0.0  # the same on device threads (their start and end)
     attention_rate: float = 0.0    # flop/s of the attention kernel on one thread (0: not measured)
+    load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
     seconds: float = 0.0  # how long measuring took
 
     def hardware(self, n: int) -> Hardware:
@@ -86,7 +87,9 @@ class Calibration:
             f"dispatch per task: {self.launch * 1e6:.1f} us inline, "
             f"{self.launch_threads * 1e6:.1f} us on device threads",
             f"per run: {self.overhead * 1e3:.2f} ms inline, {self.overhead_threads * 1e3:.2f} ms on device threads",
-            f"cores: {self.cores}; measured in {self.seconds:.1f} s on {self.machine}"])
+            f"cores: {self.cores}; measured in {self.seconds:.1f} s on {self.machine}, load average {self.load:.1f}"
+            + (" (a busy machine: its figures are too low; measure again when it is quiet: "
+               "ej.calibrate(force=True))" if self.load > self.cores else "")])
 
 
 def machine_key() -> str:

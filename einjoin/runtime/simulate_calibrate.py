@@ -168,6 +168,7 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
         if cached is not None:
             return cached
     t0 = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     rate, half, parallel = _gemm(reps, quick)
     mem_bw, vector_rate, copy_bw = _memory(reps, quick)
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
@@ -175,7 +176,8 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     cal = Calibration(cores=os.cpu_count() or 1, matmul_rate=rate, half_work=half, parallel=parallel,
                       mem_bw=mem_bw, vector_rate=vector_rate, copy_bw=copy_bw, launch=launch,
                       launch_threads=launch_threads, overhead=overhead, overhead_threads=overhead_threads,
-                      attention_rate=attention_rate, machine=machine_key(), seconds=time.perf_counter() - t0)
+                      attention_rate=attention_rate, machine=machine_key(), seconds=time.perf_counter() - t0,
+                      load=load)
     save_cached(cal)
     return cal
 
