@@ -57,8 +57,8 @@ CORES = ("cores",)
 @dataclass
 class Simulation:
     """What a simulated run gives: ``makespan`` (s, the run's fixed ``overhead`` included),
-    ``device_busy`` (s of tasks per device, all
-    its lanes), ``link_bytes`` ((src, dst) -> bytes; -1 is the host), ``link_busy`` (the same
+    ``device_busy`` (s of tasks per device, all its lanes: above the makespan where a GPU's
+    copies overlap its kernels), ``link_bytes`` ((src, dst) -> bytes; -1 is the host), ``link_busy`` (the same
     pairs -> s of transfer), ``peak_memory`` (bytes per device), ``intervals`` (per device,
     (start, end, task id) in simulated seconds). Every figure is simulated, not measured."""
 
