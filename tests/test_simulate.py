@@ -313,3 +313,21 @@ def test_a_load_is_a_view_exactly_when_numpy_says_its_block_is_contiguous(case):
     shape, box = case
     view = np.zeros(shape, np.float32)[tuple(slice(a, b) for a, b in box)]
     assert _contiguous(box, shape) == view.flags["C_CONTIGUOUS"]
+
+
+def test_programs_with_state_and_gradients_simulate():
+    # a training step with state (the null-like simulate backend keeps no values) and a gradient
+    x, y = ej.input("x", (16, 8)), ej.input("y", (16, 4))
+    w = ej.param("w", (8, 4))
+    r = x @ w - y
+    loss = (r * r).sum()
+    gw = ej.einsum("mk,mn->kn", x, r)
+    step = ej.compile([loss], 2, state={w - 0.1 * gw: w}, backend="simulate", quiet=True)
+    rng = np.random.default_rng(0)
+    feeds = dict(x=rng.standard_normal((16, 8)).astype(np.float32), y=rng.standard_normal((16, 4)).astype(np.float32))
+    assert step.run(**feeds, w=rng.standard_normal((8, 4)).astype(np.float32)) is None
+    assert step.run_stats.wall_time == step.backend.last.makespan > 0
+    _check_schedule(step.taskgraph, step.simulate())
+    (g,) = ej.grad(loss, [w])
+    grad = ej.compile(g, devices=ej.Cluster.preset("dgx-a100", devices=2), backend="null", quiet=True)
+    _check_schedule(grad.taskgraph, grad.simulate())
