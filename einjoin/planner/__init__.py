@@ -23,6 +23,7 @@ op finer for a memory cap, shared with the memory planner), ``cost`` (the one co
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from typing import Any, Protocol, cast
 from collections.abc import Callable, Mapping
 
@@ -45,7 +46,7 @@ from einjoin.settings import SETTINGS, Settings
 __all__ = ["PLANNERS", "Planner", "register_planner", "plan_specs", "derive_input_specs", "seeded_eindecomp",
            "largest_output_cut", "resolve_planner", "as_planner", "takes_memory_limit",
            "check_planned", "memory_limit_for", "MemoryLimit", "tie_state", "align_state",
-           "state_cost"]
+           "state_cost", "clear_plan_cache", "PLAN_CACHE_STATS", "PLAN_CACHE_SIZE"]
 
 
 class Planner(Protocol):
@@ -311,9 +312,18 @@ def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster
     cause chained). ``tied`` (state input -> new value, a program with state) constrains the
     plan for every planner: each new value is computed in its input's first reader's layout
     where that pays (:func:`align_state`, without memory caps), and each state input takes its
-    new value's layout (:func:`tie_state`)."""
+    new value's layout (:func:`tie_state`).
+
+    A registered planner's result is cached for the process (the last :data:`PLAN_CACHE_SIZE`
+    calls): planning the same graph for the same cluster, caps and state again returns the
+    same specs without searching (:func:`clear_plan_cache` forgets them)."""
     who, fn = resolve_planner(planner)
     limit = memory_limit_for(cluster, memory_limit)
+    key = _cache_key(planner, graph, cluster, limit, tied)
+    if key is not None and key in _PLANNED:
+        _PLANNED.move_to_end(key)
+        PLAN_CACHE_STATS["hits"] += 1
+        return dict(_PLANNED[key])
     try:
         result = fn(graph, cluster, memory_limit=limit)
     except (EinjoinError, MemoryError):
@@ -323,4 +333,43 @@ def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster
     planned = check_planned(result, graph, who)
     if tied and all(c is None for c in limit.values()):
         planned = align_state(graph, cluster, planned, tied)
-    return tie_state(planned, tied)
+    planned = tie_state(planned, tied)
+    if key is not None:
+        PLAN_CACHE_STATS["misses"] += 1
+        _PLANNED[key] = dict(planned)
+        while len(_PLANNED) > PLAN_CACHE_SIZE:
+            _PLANNED.popitem(last=False)
+    return planned
+
+
+# Plans of registered planners, by everything they depend on: the planner's function (a name
+# registered again is another key), the graph's outputs (nodes are hash-consed, and a key holds
+# them, so an identical graph built again is the same nodes), the cluster, the caps, the tied
+# state and the settings. A planner is a deterministic function of these (work limits, never
+# wall-clock ones: see einjoin.settings), so a hit returns what planning again would. Why:
+# a Trainer loaded from a file, a program compiled again, a per-shape variant seen before and
+# leave_idle's device ladder all plan the same graph again, each for seconds.
+PLAN_CACHE_SIZE = 32
+PLAN_CACHE_STATS = {"hits": 0, "misses": 0}
+_PLANNED: OrderedDict[Any, dict[Node, JoinAggSpec]] = OrderedDict()
+
+
+def _cache_key(planner: Any, graph: Graph, cluster: Cluster, limit: Mapping[int, Any],
+               tied: Mapping[Node, Node] | None) -> Any:
+    """The plan cache's key of a call, or None: not cached (a planner given as a callable, whose
+    result may depend on anything, or an unhashable part)."""
+    if not (isinstance(planner, str) and planner in PLANNERS):
+        return None
+    from einjoin import settings  # read at call time: a test or user may swap SETTINGS
+    key = (PLANNERS[planner], graph.outputs, cluster, tuple(sorted(limit.items())),
+           tuple((tied or {}).items()), settings.SETTINGS)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (see :func:`plan_specs`)."""
+    _PLANNED.clear()
