@@ -7,6 +7,8 @@ import re
 import runpy
 import textwrap
 
+import pytest
+
 import einjoin as ej
 from einjoin.cli import main
 
@@ -28,6 +30,7 @@ def test_readme_gradient_examples_run() -> None:
     exec(compile("\n".join(textwrap.dedent(b) for b in blocks), "README.md", "exec"), {})
 
 
+@pytest.mark.slow  # make test-all; the Trainer's API, resume and state_dict are tests/test_trainer.py's
 def test_readme_training_example_runs() -> None:
     # the Trainer example (it asserts a resumed run continues bit-identically)
     text = (ROOT / "README.md").read_text()
@@ -70,6 +73,7 @@ def test_plan_cli_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-def
     assert "1.00" in out  # eindecomp meets the bound on the square matmul
 
 
+@pytest.mark.slow  # make test-all; examples/train.py; the Trainer vs torch is tests/test_trainer.py's
 def test_train_example_runs(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # examples/train.py, shortened: the Trainer and torch on the same bytes, a PNG of both curves
     ns = runpy.run_path(str(ROOT / "examples" / "train.py"))
@@ -79,6 +83,7 @@ def test_train_example_runs(capsys, tmp_path) -> None:  # type: ignore[no-untype
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # make test-all; import, shapes, save/load, decoding each have their tests
 def test_readme_torch_models_example_runs() -> None:
     # ResNet-18 on 2 devices at two batch sizes, save / load bit-identical, KV-cache decoding
     text = (ROOT / "README.md").read_text()

@@ -45,7 +45,8 @@ def prompt_of(batch: int, seq: int, seed: int = 5) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+# 2 devices: make test-all (GPT-2 decodes on 2 by default)
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_llama_32_greedy_tokens_equal_torch(devices):
     model, prompt = tiny_llama(), prompt_of(1, 8)
     ours = ej.generate(model, prompt, 32, devices=devices, capacity=256)
@@ -55,6 +56,7 @@ def test_llama_32_greedy_tokens_equal_torch(devices):
     assert torch.equal(ours, ref)
 
 
+@pytest.mark.slow  # make test-all; greedy decoding vs torch runs by default
 def test_llama_batch_of_two_on_two_devices_and_a_1d_prompt():
     model = tiny_llama(2)
     prompt = prompt_of(2, 5, seed=9)
@@ -94,6 +96,7 @@ def test_decode_logits_equal_torch_and_a_step_loads_only_the_new_ids(make):
         ids = torch.cat([ids, nxt], 1)
 
 
+@pytest.mark.slow  # make test-all; greedy decoding vs torch runs by default
 def test_top_k_sampling_is_reproducible_and_draws_from_the_top_k():
     model, prompt = tiny_llama(3), prompt_of(1, 4)
     a = ej.generate(model, prompt, 12, top_k=5, temperature=0.8, seed=11, capacity=32)

@@ -241,15 +241,19 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 ISSUE = {"gpt2", "llama", "mistral", "bert", "t5-encoder", "mixtral", "vit", "whisper-encoder"}
 
 
-def _family(name: str) -> Any:
-    marks = [] if name in ISSUE else [pytest.mark.slow]
+# the largest of them run on 2 devices in make test-all only (on 1 device by default)
+SLOW_ON_TWO = {"mixtral", "mistral", "t5-encoder"}
+
+
+def _family(name: str, devices: int = 1) -> Any:
+    slow = name not in ISSUE or (devices > 1 and name in SLOW_ON_TWO)
+    marks = [pytest.mark.slow] if slow else []
     if name in BLOCKED:
         marks.append(pytest.mark.xfail(reason=BLOCKED[name], strict=True))
-    return pytest.param(name, marks=marks)
+    return pytest.param(name, devices, marks=marks, id=f"{name}-{devices}")
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("family", [_family(f) for f in sorted(FAMILIES)])
+@pytest.mark.parametrize("family, devices", [_family(f, d) for f in sorted(FAMILIES) for d in (1, 2)])
 def test_family_matches_torch(family: str, devices: int) -> None:
     module, args, fn = captured(family)
     with torch.no_grad():

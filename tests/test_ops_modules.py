@@ -90,6 +90,7 @@ def test_fx_module_keyword_arguments():
     check_import(MHAKeywords().eval(), (torch.randn(2, 6, 8), kpm, am), methods=("fx",))
 
 
+@pytest.mark.slow  # make test-all; encoder gradients: test_transformer_modules' padding test
 def test_transformer_encoder_stack_gradients():
     m = Encoder(layers=2).double().eval()
     kpm, _ = _masks(tl=6)

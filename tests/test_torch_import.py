@@ -124,7 +124,8 @@ def traced(name: str, method: str = "auto"):
 
 
 @pytest.mark.parametrize("name", [_module(n) for n in sorted(MODULES)])
-@pytest.mark.parametrize("devices", [1, 2, 4])
+# 4 devices: make test-all (the conformance suite runs random programs on 4 by default)
+@pytest.mark.parametrize("devices", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_torch(name, devices):
     module, args, fn = traced(name)
     with torch.no_grad():

@@ -497,7 +497,8 @@ def _bn_net() -> torch.nn.Module:
                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)).train()
 
 
-@pytest.mark.parametrize("devices, accumulate", [(1, 1), (2, 2)])
+# (2, 2): make test-all
+@pytest.mark.parametrize("devices, accumulate", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_batch_norm_running_statistics_move_as_torchs(devices: int, accumulate: int, tmp_path: pathlib.Path) -> None:
     """A training-mode BatchNorm's running_mean / running_var / num_batches_tracked (the forward's
     buffer writes) are state of the step: after each step they are torch's, on every micro-batch

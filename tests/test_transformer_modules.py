@@ -172,6 +172,7 @@ def test_every_mask_case_equals_torch_fx(config: tuple[Any, ...], grad: bool) ->
     _check(*config, grad, "fx", NAMES, ())
 
 
+@pytest.mark.slow  # make test-all; the encoder with padding runs on one device by default
 def test_encoder_with_padding_export_on_two_devices() -> None:
     """torch.export traces the slow path; the import follows torch's no_grad path anyway (nested
     tensor: zeros at the padded positions), compiled for 2 devices (1 device: the adversarial

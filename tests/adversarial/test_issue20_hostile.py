@@ -144,6 +144,7 @@ def test_conv_split_into_more_blocks_than_rows_is_a_partition_error() -> None:
         ej.execute_blocked(y, {node: {"p": 5}}, x=RNG.standard_normal(x.shape), w=RNG.standard_normal(w.shape))
 
 
+@pytest.mark.slow  # make test-all; capped conv runs are test_torch_import's
 def test_conv_pool_chain_under_half_its_peak_on_two_devices() -> None:
     X = RNG.standard_normal((2, 4, 16, 16)).astype("float32")
     W = RNG.standard_normal((4, 4, 5, 5)).astype("float32")

@@ -170,6 +170,7 @@ def _gpt2_want(model: nn.Module, ids: torch.Tensor, am: torch.Tensor) -> torch.T
         return model(ids, attention_mask=am, use_cache=False).last_hidden_state
 
 
+@pytest.mark.slow  # make test-all; a GPT-2 per shape; HF import and dynamic shapes have their tests
 def test_hf_gpt2_with_a_keyword_mask_new_batch_and_length_and_a_fully_padded_row(gpt2_program: Any) -> None:
     model, prog = gpt2_program
     g = torch.Generator().manual_seed(5)
@@ -183,6 +184,7 @@ def test_hf_gpt2_with_a_keyword_mask_new_batch_and_length_and_a_fully_padded_row
     assert prog.run_stats.cache_hits >= 1 and prog.run_stats.cache_misses >= 1
 
 
+@pytest.mark.slow  # make test-all; a GPT-2 per shape; HF import and dynamic shapes have their tests
 def test_hf_gpt2_refuses_mismatched_dynamic_sizes_and_too_long_sequences(gpt2_program: Any) -> None:
     _, prog = gpt2_program
     with pytest.raises(ej.ShapeError, match="two sizes"):

@@ -596,6 +596,7 @@ def test_reading_the_state_never_makes_the_next_step_reload_it(tmp_path):
         assert loaded() == batch
 
 
+@pytest.mark.slow  # make test-all; tied weights, masks and padded labels have smaller tests here
 def test_zoo_llama_with_padded_labels_and_two_sequence_lengths_matches_torch():
     # GQA, RoPE tables sliced to the batch's length (non-persistent buffers), causal SDPA, labels
     # padded with -100; a (3, 6) batch recompiles once between (2, 8) ones
@@ -654,6 +655,7 @@ class _GPT(nn.Module):
         return self.head(self.ln(h))
 
 
+@pytest.mark.slow  # make test-all; tied weights, masks and padded labels have smaller tests here
 def test_gpt_with_tied_head_and_mask_buffers_matches_torch():
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g))
