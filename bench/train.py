@@ -7,7 +7,10 @@ parameters and optimizer state stay on their devices. One table:
   single-tensor path) on the same cores (``torch.set_num_threads(2)``), in one process,
   alternating, median step time after a warm-up; the einjoin losses are checked against torch's
   (same initial weights and batches), and the host bytes each step loads after the first are
-  measured (``run_stats.bytes_loaded``: the batch and the learning rate);
+  measured (``run_stats.bytes_loaded``: the batch and the learning rate); and the CPU time of a
+  step, einjoin's (every thread) against torch's on one thread (its work): CPU time hardly moves
+  with other processes' load, where wall time does (torch's 2-thread steps most: on a busy
+  2-core box they took 10-20x their quiet time), so on a busy machine this is the row to read;
 * measured here: building the Trainer of a 2-layer, hidden-32 GPT (the zoo's GPT-2 blocks) on
   ``ej.local(2)``, and its step time;
 * planned, not run (shapes only, the cost model's bytes with the state carry-over,
@@ -87,6 +90,8 @@ class Timed:
     build_s: float
     ej_s: list[float]
     torch_s: list[float]
+    ej_cpu: list[float]     # process CPU seconds of each timed einjoin step (every thread)
+    torch1_cpu: list[float]  # CPU seconds of a torch step on one thread: torch's work
     loss_err: float     # max relative difference of the losses, every step
     loaded: int         # host bytes loaded by a step after the first (measured)
     batch_bytes: int
@@ -111,24 +116,45 @@ def time_case(name: str, module: torch.nn.Module, batches: Sequence[tuple[torch.
     err = 0.0
     ts: list[float] = []
     es: list[float] = []
+    ecpu: list[float] = []
     warm = 3
     for i in range(warm + reps):  # alternate, so background load hits both columns alike
         b = batches[i % len(batches)]
         if i >= warm:
             log(f"{name}: step {i + 1 - warm}/{reps}")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ours = trainer.step(*b)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         theirs = torch_step(*b)
         t2 = time.perf_counter()
         err = max(err, abs(ours - theirs) / abs(theirs))
         if i >= warm:
             es.append(t1 - t0)
             ts.append(t2 - t1)
+            ecpu.append(c1 - c0)
+    # torch's work: CPU seconds of a step on one thread (on a copy: the reference stays in step
+    # with the trainer). CPU time hardly moves with other processes' load, where wall time does
+    # (torch's spinning OpenMP threads most of all): a busy machine's yardstick
+    copy_module = copy.deepcopy(reference)
+    copy_opt = torch.optim.AdamW(copy_module.parameters(), lr=1e-3, foreach=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t1cpu: list[float] = []
+    try:
+        for i in range(warm + reps):
+            b = batches[i % len(batches)]
+            c0 = time.process_time()
+            copy_opt.zero_grad()
+            loss_fn(copy_module(*b[:-1]), b[-1]).backward()
+            copy_opt.step()
+            if i >= warm:
+                t1cpu.append(time.process_time() - c0)
+    finally:
+        torch.set_num_threads(threads)
     stats = trainer.program.run_stats
     loaded = stats.bytes_loaded if stats is not None else -1
     batch_bytes = sum(t.numel() * t.element_size() for t in batches[0])
-    return Timed(name, len(trainer.program.graph.ops), build_s, es, ts, err, loaded, batch_bytes)
+    return Timed(name, len(trainer.program.graph.ops), build_s, es, ts, ecpu, t1cpu, err, loaded, batch_bytes)
 
 
 def llama_case() -> tuple[str, torch.nn.Module, Sequence[tuple[torch.Tensor, ...]], Any]:
@@ -288,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{1 / ej_med:.1f} steps/s ({ej_med * 1e3:.0f} ms)",
                       f"torch {1 / th_med:.1f} steps/s ({th_med * 1e3:.0f} ms)", f"{ratio:.2f}x",
                       f"<= {GOAL_RATIO}x", "yes" if ratio <= GOAL_RATIO else "no")
+        work = statistics.median(t.ej_cpu) / statistics.median(t.torch1_cpu)
+        table.add_row(f"CPU time per step (measured): {t.name}",
+                      f"einjoin local({DEVICES}), every thread, vs torch on 1 thread (its work); median of "
+                      f"{len(t.ej_cpu)}; robust to other load, not the goal",
+                      f"{statistics.median(t.ej_cpu) * 1e3:.0f} ms CPU",
+                      f"torch {statistics.median(t.torch1_cpu) * 1e3:.0f} ms CPU", f"{work:.2f}x", "-", "-")
         table.add_row(f"host bytes loaded per step after the first (measured): {t.name}",
                       "run_stats.bytes_loaded of the last step", human_bytes(t.loaded),
                       f"batch {human_bytes(t.batch_bytes)} (+ 8 B learning rate)", "-", "the batch only",
