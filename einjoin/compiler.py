@@ -44,6 +44,7 @@ from einjoin.placement import PLACERS, Placement, place, tie_homes
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph
 from einjoin.plan.stats import with_state
 from einjoin.planner import PLANNERS, derive_input_specs, plan_specs, tie_state
+from einjoin.planner.cost import OBJECTIVES
 from einjoin.planner.fit import element_spec, finer_spec
 from einjoin.planner.overhead import device_ladder, plan_time, time_floor
 from einjoin.progress import stages
@@ -92,7 +93,11 @@ class CompileOptions:
       as many of them as pay: the counts of :func:`einjoin.planner.overhead.device_ladder` are
       planned and the fastest by the modelled per-task overhead and work per device
       (:func:`einjoin.planner.overhead.plan_time`) is kept; the rest stay idle, and
-      ``explain()`` says so. Off by default: a plan uses every device it is given.
+      ``explain()`` says so. Off by default: a plan uses every device it is given;
+    - ``objective``: what the planner minimises: ``"bytes"`` (bytes moved) or ``"time"`` (each
+      transfer weighed by the links it crosses: :class:`einjoin.planner.cost.TimeWeights`);
+      None: :func:`default_objective` of the cluster (``"time"`` where its hardware's links
+      differ, e.g. ``ej.Cluster.nodes(2)``; ``"bytes"`` otherwise).
 
     >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
     (3, 'threads')
@@ -115,6 +120,7 @@ class CompileOptions:
     fuse: bool = True
     shape_cache: int | None = 8
     leave_idle: bool = False
+    objective: str | None = None
 
     def __post_init__(self) -> None:
         # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
@@ -141,6 +147,9 @@ class CompileOptions:
         if not isinstance(self.leave_idle, (bool, np.bool_)):
             raise EinjoinError(f"leave_idle must be True or False, got {self.leave_idle!r:.60}")
         check_cache_size(self.shape_cache)
+        if self.objective is not None and not (isinstance(self.objective, str) and self.objective in OBJECTIVES):
+            raise EinjoinError(f"unknown objective {self.objective!r:.60}; known: {', '.join(OBJECTIVES)} "
+                               f"(or None: the cluster's default)")
 
     def replace(self, **changes: Any) -> CompileOptions:
         """A copy with ``changes`` (checked again)."""
@@ -278,6 +287,26 @@ def _state_pairs(state: Mapping[Any, Any]) -> list[tuple[Node, Node]]:
     return pairs
 
 
+def default_objective(cluster: Cluster) -> str:
+    """The planner's objective when none is given: ``"time"`` for a cluster whose time model
+    (``Cluster.hardware``: the presets) has links of two speeds (several nodes), ``"bytes"``
+    otherwise, so every plan on ``ej.local(n)``, one preset node or a cluster described by its
+    links alone is the bytes-optimal one.
+
+    >>> default_objective(Cluster.nodes(2)), default_objective(Cluster.preset("dgx-a100"))
+    ('time', 'bytes')
+    """
+    hw = cluster.hardware
+    if hw is not None and len(set(hw.groups)) > 1 and hw.inter.bandwidth != hw.intra.bandwidth:
+        return "time"
+    return "bytes"
+
+
+def objective_of(options: CompileOptions, cluster: Cluster) -> str:
+    """The objective ``options`` plan ``cluster`` with."""
+    return options.objective if options.objective is not None else default_objective(cluster)
+
+
 def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
     """Plan the join-agg specs of ``source``'s graph for ``cluster``, decompose, place, build the
     task graph and, under memory caps, cut finer until every task fits and plan evictions."""
@@ -291,7 +320,8 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     with stages(options.quiet, len(graph.ops)) as say:
         say("planning")
         # the planner receives the caps: eindecomp then picks cuts that fit
-        chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=caps, tied=tied))
+        chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=caps, tied=tied,
+                                 objective=objective_of(options, cluster)))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, user, options, tied)
         if options.leave_idle and not tied and all(c is None for c in caps.values()):
@@ -340,7 +370,8 @@ def _fewer_devices(graph: Graph, cluster: Cluster, options: CompileOptions, user
         if time_floor(flops, ops, k, cores) >= best_time:
             continue  # no plan on k devices can beat the best so far
         sub = Cluster.uniform(k, d0.kind, d0.memory)
-        chosen = dict(plan_specs(options.planner, graph, sub, memory_limit=None))
+        chosen = dict(plan_specs(options.planner, graph, sub, memory_limit=None,
+                                 objective=objective_of(options, sub)))
         lowered = (chosen, *_lower(graph, sub, chosen, dict(user), options, {}))
         times[k] = modelled(lowered[3])
         if times[k] < best_time:

@@ -89,7 +89,8 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
             order: str = "fifo", seed: int = 0, quiet: bool = False, memory_limit: Any = None,
             memory_policy: str = "belady", host_link: float | None = None,
             state: Mapping[Any, Any] | None = None, deterministic: bool = False,
-            fuse: bool = True, shape_cache: int | None = 8, leave_idle: bool = False) -> Program:
+            fuse: bool = True, shape_cache: int | None = 8, leave_idle: bool = False,
+            objective: str | None = None) -> Program:
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
     is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
@@ -116,6 +117,8 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     values; ``explain()`` shows the fused expressions); ``fuse=False`` plans the graph as written.
     ``leave_idle``: on local devices, plan on only as many as pay when the work per block is
     below the per-task overhead (:mod:`einjoin.planner.overhead`; ``explain()`` says so).
+    ``objective``: ``"bytes"`` or ``"time"`` (bytes weighed by the links they cross); None:
+    ``"time"`` on a preset cluster of several nodes, ``"bytes"`` otherwise.
 
     *Shapes that change.* A program compiled from ``ej.from_torch(module, example)`` may be
     called with other shapes: the module is imported again for them, compiled with the same
@@ -137,7 +140,7 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
                              order=order, seed=seed, quiet=quiet, memory_limit=memory_limit,
                              memory_policy=memory_policy, host_link=host_link, state=state,
                              deterministic=deterministic, fuse=fuse, shape_cache=shape_cache,
-                             leave_idle=leave_idle)
+                             leave_idle=leave_idle, objective=objective)
     source = Source.of(outputs, options.state)
     return Program(build_plan(source, cluster, options))
 

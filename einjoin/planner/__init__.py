@@ -37,7 +37,7 @@ from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 from einjoin.planner.baselines import data_parallel, megatron, mesh_ilp, zero
 from einjoin.planner.basic import derive_input_specs, largest_output_cut, single_block, split_largest
-from einjoin.planner.cost import CostModel, total_cost
+from einjoin.planner.cost import OBJECTIVES, CostModel, total_cost
 from einjoin.planner.fit import MemoryLimit, device_memory
 from einjoin.planner.search import eindecomp, exhaustive
 from einjoin.registry import Registry
@@ -86,7 +86,7 @@ def register_planner(name: str) -> Callable[[Callable[..., Any]], Callable[..., 
 
 
 def seeded_eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None,
-                     settings: Settings = SETTINGS) -> dict[Node, JoinAggSpec]:
+                     settings: Settings = SETTINGS, objective: str = "bytes") -> dict[Node, JoinAggSpec]:
     """eindecomp (:func:`einjoin.planner.search.eindecomp`) seeded with the plans of the named
     baselines that apply (``data_parallel``, ``megatron``, ``zero``): by the cost model it is
     never worse than any of them whose cuts are even (a seed with uneven cuts is ignored: the
@@ -106,7 +106,8 @@ def seeded_eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimi
             seeds.append(base(graph, cluster, memory_limit=memory_limit))
         except EinjoinError:  # NotApplicable: the baseline does not fit this graph
             pass
-    return eindecomp(graph, cluster, memory_limit=memory_limit, settings=settings, seeds=seeds)
+    return eindecomp(graph, cluster, memory_limit=memory_limit, settings=settings, seeds=seeds,
+                     objective=objective)
 
 
 PLANNERS["split_largest"] = split_largest
@@ -136,6 +137,14 @@ def takes_memory_limit(fn: Callable[..., Any]) -> bool:
     return any(p.kind is p.VAR_KEYWORD or (p.name == "memory_limit" and p.kind in (p.KEYWORD_ONLY,
                                                                                      p.POSITIONAL_OR_KEYWORD))
                for p in params)
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name`` (by name, not through ``**kwargs``)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def as_planner(fn: Callable[..., Any]) -> Planner:
@@ -304,7 +313,7 @@ def align_state(graph: Graph, cluster: Cluster, specs: Mapping[Node, JoinAggSpec
 
 def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster, *,
                memory_limit: Mapping[int, Any] | None = None,
-               tied: Mapping[Node, Node] | None = None) -> dict[Node, JoinAggSpec]:
+               tied: Mapping[Node, Node] | None = None, objective: str = "bytes") -> dict[Node, JoinAggSpec]:
     """Run ``planner`` (a registered name or a callable) on ``graph`` and ``cluster`` with the
     per-device ``memory_limit`` (see :func:`memory_limit_for`; default: the devices' memory)
     and check what it returns (:func:`check_planned`): one join-agg spec per node it cuts. A
@@ -312,20 +321,24 @@ def plan_specs(planner: str | Callable[..., Any], graph: Graph, cluster: Cluster
     cause chained). ``tied`` (state input -> new value, a program with state) constrains the
     plan for every planner: each new value is computed in its input's first reader's layout
     where that pays (:func:`align_state`, without memory caps), and each state input takes its
-    new value's layout (:func:`tie_state`).
+    new value's layout (:func:`tie_state`). ``objective`` (``"bytes"`` or ``"time"``) goes to a
+    planner that takes it (eindecomp, exhaustive); the others plan as they always do.
 
     A registered planner's result is cached for the process (the last :data:`PLAN_CACHE_SIZE`
     calls): planning the same graph for the same cluster, caps and state again returns the
     same specs without searching (:func:`clear_plan_cache` forgets them)."""
     who, fn = resolve_planner(planner)
     limit = memory_limit_for(cluster, memory_limit)
-    key = _cache_key(planner, graph, cluster, limit, tied)
+    if objective not in OBJECTIVES:
+        raise EinjoinError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+    extra = {"objective": objective} if objective != "bytes" and _takes(fn, "objective") else {}
+    key = _cache_key(planner, graph, cluster, limit, tied, objective)
     if key is not None and key in _PLANNED:
         _PLANNED.move_to_end(key)
         PLAN_CACHE_STATS["hits"] += 1
         return dict(_PLANNED[key])
     try:
-        result = fn(graph, cluster, memory_limit=limit)
+        result = fn(graph, cluster, memory_limit=limit, **extra)
     except (EinjoinError, MemoryError):
         raise
     except Exception as e:  # a user's planner (or a bug): name it, keep the cause
@@ -355,14 +368,14 @@ _PLANNED: OrderedDict[Any, dict[Node, JoinAggSpec]] = OrderedDict()
 
 
 def _cache_key(planner: Any, graph: Graph, cluster: Cluster, limit: Mapping[int, Any],
-               tied: Mapping[Node, Node] | None) -> Any:
+               tied: Mapping[Node, Node] | None, objective: str = "bytes") -> Any:
     """The plan cache's key of a call, or None: not cached (a planner given as a callable, whose
     result may depend on anything, or an unhashable part)."""
     if not (isinstance(planner, str) and planner in PLANNERS):
         return None
     from einjoin import settings  # read at call time: a test or user may swap SETTINGS
     key = (PLANNERS[planner], graph.outputs, cluster, tuple(sorted(limit.items())),
-           tuple((tied or {}).items()), settings.SETTINGS)
+           tuple((tied or {}).items()), settings.SETTINGS, objective)
     try:
         hash(key)
     except TypeError:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from einjoin.cluster import Cluster
+from einjoin.cluster import Cluster, LinkMatrix
 from einjoin.decomp.decompose import Decomposition, decompose
 from einjoin.decomp.partition import BlockKey, Partition, box_size, intersect
 from einjoin.decomp.spec import JoinAggSpec
@@ -54,7 +54,7 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather
 
 __all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate",
            "op_cost", "SpecInfo", "CostModel", "total_cost", "model_cost", "input_partitions",
-           "INFO_RULES", "GraphEdges"]
+           "INFO_RULES", "GraphEdges", "TimeWeights", "time_weights", "OBJECTIVES"]
 
 
 def join_cost(d: Decomposition) -> int:
@@ -278,9 +278,117 @@ INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
 kind from its decomposition."""
 
 
+OBJECTIVES = ("bytes", "time")
+
+
+@dataclass(frozen=True)
+class TimeWeights:
+    """How ``objective="time"`` weighs bytes: the costs stay integers, in bytes at the fast
+    link's speed (modelled time times the fast bandwidth), so the searches and the ILP run
+    unchanged. ``groups[d]`` is device ``d``'s island or node; a byte crossing between groups
+    costs ``ratio`` (fast / slow bandwidth) times one inside a group.
+
+    - an einsum's replicas and partial sums (:meth:`grid`): its kernels are taken to run in
+      their grid order on consecutive devices (kernel ``i`` of ``K`` on device ``i * P // K``,
+      as the placers lay out an op whose inputs are not placed yet); a block's copies to
+      readers, or its partials, in groups other than the one holding most of them cross;
+    - other kinds' replicas and partials (:meth:`copies`): up to a group's size of them stay
+      inside it, the rest cross;
+    - a placement-free repartition: its moved bytes go between two devices picked evenly,
+      crossing with probability ``(P - group) / (P - 1)`` (:attr:`repart`).
+
+    >>> w = TimeWeights(groups=(0,) * 8 + (1,) * 8, ratio=12.0)
+    >>> w.copies(100, 8), w.copies(100, 16)   # 7 copies inside a node; 8 more across the network
+    (700, 10300)
+    >>> w.grid(100, (16,), (False,))            # 16 partials of one block, 8 on the other node
+    10300
+    >>> w.grid(100, (2, 8), (True, False))      # 2 blocks of 50 bytes, 8 partials each on one node
+    700
+    """
+
+    groups: tuple[int, ...]
+    ratio: float
+
+    @property
+    def p(self) -> int:
+        return len(self.groups)
+
+    @property
+    def group(self) -> int:
+        return min(Counter(self.groups).values())
+
+    @property
+    def repart(self) -> float:
+        if self.p <= 1:
+            return 1.0
+        return 1.0 + (self.ratio - 1.0) * max(0, self.p - self.group) / (self.p - 1)
+
+    def copies(self, nbytes: int, r: float) -> int:
+        """Weighted bytes of ``r - 1`` extra copies of ``nbytes`` (``r`` readers or partials)."""
+        if r <= 1:
+            return 0
+        across = max(0.0, r - self.group)
+        return int(round(nbytes * ((r - 1 - across) + across * self.ratio)))
+
+    def grid(self, nbytes: int, counts: tuple[int, ...], kept: tuple[bool, ...]) -> int:
+        """Weighted bytes of the extra copies of a tensor of ``nbytes`` cut along the grid labels
+        with ``kept`` (its blocks), read (or summed) by every kernel of the grid ``counts``:
+        per block, the kernels beyond the first, those outside the group holding most of them
+        at ``ratio``. Memoised: a few hundred grids per graph."""
+        key = (nbytes, counts, kept)
+        found = _GRID.get(key)
+        if found is None:
+            found = _GRID[key] = self._grid(nbytes, counts, kept)
+            if len(_GRID) >= _KEPT_MAX:
+                _GRID.clear()
+        return found
+
+    def _grid(self, nbytes: int, counts: tuple[int, ...], kept: tuple[bool, ...]) -> int:
+        k = math.prod(counts)
+        if k <= 1:
+            return 0
+        node = np.asarray(self.groups)[(np.arange(k) * self.p // k) if k >= self.p else np.arange(k)]
+        grid = node.reshape(counts)
+        own = [a for a, keep in enumerate(kept) if keep]
+        rest = [a for a, keep in enumerate(kept) if not keep]
+        rows = grid.transpose(own + rest).reshape(math.prod(counts[a] for a in own), -1)
+        r = rows.shape[1]
+        if r <= 1:
+            return 0
+        block = nbytes / rows.shape[0]
+        total = 0.0
+        for row in rows:
+            most = np.unique(row, return_counts=True)[1].max()
+            total += block * ((most - 1) + (r - most) * self.ratio)
+        return int(round(total))
+
+
+_GRID: dict[tuple[object, ...], int] = {}
+
+
+def time_weights(cluster: Cluster) -> TimeWeights:
+    """The :class:`TimeWeights` of ``cluster``'s links: its groups (a preset's nodes, the
+    islands of ``Cluster.islands``) and the ratio of the fast links' bandwidth to the slow
+    ones'. A cluster whose links are one speed gets ratio 1 (time is bytes).
+
+    >>> import einjoin as ej
+    >>> w = time_weights(ej.Cluster.nodes(2))
+    >>> w.group, w.ratio
+    (8, 12.0)
+    """
+    bw = cluster.bandwidth
+    if isinstance(bw, LinkMatrix):
+        if len(set(bw.groups)) > 1 and bw.inter > 0 and bw.intra > bw.inter:
+            ids = {g: i for i, g in enumerate(dict.fromkeys(bw.groups))}
+            return TimeWeights(tuple(ids[g] for g in bw.groups), bw.intra / bw.inter)
+    return TimeWeights((0,) * cluster.size, 1.0)
+
+
 class CostModel:
     """Memoised cost pieces for one graph on ``p`` devices: per (node, spec) a :class:`SpecInfo`,
-    per pair of partitions the placement-free repartition bytes.
+    per pair of partitions the placement-free repartition bytes. With ``weights``
+    (``objective="time"``, :class:`TimeWeights`), every piece is weighed by the links it is
+    modelled to cross.
 
     >>> import einjoin as ej
     >>> z = ej.input("a", (64, 32)) @ ej.input("b", (32, 16))
@@ -289,9 +397,10 @@ class CostModel:
     (4096, (0, 0))
     """
 
-    def __init__(self, graph: Graph, p: int):
+    def __init__(self, graph: Graph, p: int, weights: TimeWeights | None = None):
         self.graph = graph
         self.p = p
+        self.weights = weights
         self._info: dict[tuple[Node, JoinAggSpec], SpecInfo] = {}
         self._repart: dict[tuple[int, int], int] = {}
         self._repart_bytes: dict[tuple[int, int, str], int] = {}
@@ -313,9 +422,38 @@ class CostModel:
         found = self._info.get(key)
         if found is None:
             out, ins, agg, join_in = rule_for(INFO_RULES, node.op, "cost model rules")(node, spec)
+            if self.weights is not None:
+                agg, join_in = self._weighed(node, spec, agg, join_in)
             found = self._info[key] = SpecInfo(spec, out, ins, sum(join_in) + agg, agg, join_in,
                                                self.pid(out), tuple(self.pid(p) for p in ins))
         return found
+
+    def _weighed(self, node: Node, spec: JoinAggSpec, agg: int, join_in: tuple[int, ...]
+                 ) -> tuple[int, tuple[int, ...]]:
+        w = self.weights
+        assert w is not None
+        out_bytes = node.size * itemsize(partial_dtype(node))
+        if w.ratio == 1.0:
+            return agg, join_in
+        if isinstance(node.op, Einsum):  # its grid is its labels: where each copy goes
+            op = node.op
+            counts = tuple(len(b) - 1 for b in spec.bounds)
+            if agg:
+                agg = w.grid(out_bytes, counts, tuple(lab in op.out_labels for lab in spec.labels))
+            joins = []
+            for x, ls, j in zip(node.inputs, op.in_labels, join_in):
+                joins.append(w.grid(x.size * itemsize(x.dtype), counts, tuple(lab in ls for lab in spec.labels))
+                             if j else j)
+            return agg, tuple(joins)
+        # other kinds: the partials per output block and the readers per input element, from
+        # the bytes (join = |X| (r - 1), agg = |Z| (n - 1))
+        if agg and out_bytes:
+            agg = w.copies(out_bytes, 1 + agg / out_bytes)
+        joins = []
+        for x, j in zip(node.inputs, join_in):
+            size = x.size * itemsize(x.dtype)
+            joins.append(w.copies(size, 1 + j / size) if j and size else j)
+        return agg, tuple(joins)
 
     def repart_from(self, qs: tuple[int, ...], r: int, dtype: str) -> np.ndarray:
         """:meth:`repart_ids` from each of the interned partitions ``qs`` (of one tensor) to
@@ -333,7 +471,11 @@ class CostModel:
         kept = np.ones(len(qs), dtype=np.int64)
         for cb, (distinct, col) in zip(need, dims):
             kept *= np.array([_kept_along(pb, cb) for pb in distinct], dtype=np.int64)[col]
-        return (n - kept) * itemsize(dtype)
+        moved = (n - kept) * itemsize(dtype)
+        if self.weights is not None and self.weights.ratio != 1.0:
+            weighed: np.ndarray = np.rint(moved * self.weights.repart).astype(np.int64)
+            return weighed
+        return moved
 
     def repart(self, q: Partition, r: Partition, dtype: str) -> int:
         """Placement-free bytes to turn partition ``q`` of a ``dtype`` tensor into ``r``."""
@@ -349,7 +491,10 @@ class CostModel:
         if found is None:
             # cached in elements: the same pair of partitions serves every dtype
             found = self._repart[key] = _moved_elems(self._parts[q].bounds, self._parts[r].bounds)
-        got = self._repart_bytes[(q, r, dtype)] = found * itemsize(dtype)
+        got = found * itemsize(dtype)
+        if self.weights is not None and self.weights.ratio != 1.0:
+            got = int(np.rint(got * self.weights.repart))
+        self._repart_bytes[(q, r, dtype)] = got
         return got
 
 

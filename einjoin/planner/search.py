@@ -38,7 +38,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner.candidates import Candidates
-from einjoin.planner.cost import CostModel, GraphEdges, SpecInfo, input_partitions, total_cost
+from einjoin.planner.cost import (OBJECTIVES, CostModel, GraphEdges, SpecInfo, input_partitions, time_weights,
+                                  total_cost)
 from einjoin.planner.fit import MemoryLimit, device_memory, memory_cap
 from einjoin.planner.ilp import choose
 from einjoin.settings import SETTINGS, Settings
@@ -47,9 +48,12 @@ __all__ = ["eindecomp", "exhaustive"]
 
 
 def _candidates(graph: Graph, cluster: Cluster, memory_limit: MemoryLimit | None,
-                settings: Settings) -> Candidates:
+                settings: Settings, objective: str = "bytes") -> Candidates:
     limit = device_memory(cluster) if memory_limit is None else memory_limit
-    return Candidates(CostModel(graph, cluster.size), memory_cap(limit), settings)
+    if objective not in OBJECTIVES:
+        raise EinjoinError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+    weights = time_weights(cluster) if objective == "time" else None
+    return Candidates(CostModel(graph, cluster.size, weights), memory_cap(limit), settings)
 
 
 def _specs_of(graph: Graph, chosen: dict[Node, SpecInfo]) -> dict[Node, JoinAggSpec]:
@@ -260,7 +264,8 @@ def _seeded(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo],
 
 def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None,
               refine: bool = True, settings: Settings = SETTINGS,
-              seeds: Sequence[Mapping[Node, JoinAggSpec]] = ()) -> dict[Node, JoinAggSpec]:
+              seeds: Sequence[Mapping[Node, JoinAggSpec]] = (), objective: str = "bytes"
+              ) -> dict[Node, JoinAggSpec]:
     """The EinDecomp DP over trees of the DAG, then refinement across tree borders: trees
     re-solved with their neighbours' choices and single-op moves (``settings.refine_rounds``);
     and, for graphs of at most ``settings.ilp_max_ops`` ops, a global step: an ILP
@@ -278,8 +283,11 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
     differ by at most one element: the bytes model does not see an overloaded device). The
     search itself offers every op k * P blocks (balanced work), so a plan that leaves a tiny op,
     such as the broadcast of a loss's cotangent, in one block can be cheaper in bytes; a seed
-    carries that choice in."""
-    cands = _candidates(graph, cluster, memory_limit, settings)
+    carries that choice in.
+
+    ``objective``: ``"bytes"`` (the modelled bytes) or ``"time"`` (each byte weighed by the
+    links it is modelled to cross: :class:`~einjoin.planner.cost.TimeWeights`)."""
+    cands = _candidates(graph, cluster, memory_limit, settings, objective)
     model = cands.model
     outputs = set(graph.outputs)
     roots = [n for n in graph.ops if not n.facts.free
@@ -342,10 +350,10 @@ def _global_step(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]
 
 
 def exhaustive(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | None = None,
-               settings: Settings = SETTINGS) -> dict[Node, JoinAggSpec]:
+               settings: Settings = SETTINGS, objective: str = "bytes") -> dict[Node, JoinAggSpec]:
     """Every combination of candidate specs (graphs of at most ``settings.exhaustive_max_ops``
-    ops): ground truth. ``memory_limit`` as for :func:`eindecomp`."""
-    cands = _candidates(graph, cluster, memory_limit, settings)
+    ops): ground truth. ``memory_limit`` and ``objective`` as for :func:`eindecomp`."""
+    cands = _candidates(graph, cluster, memory_limit, settings, objective)
     ops = [n for n in graph.ops if not n.facts.free]
     if len(ops) > settings.exhaustive_max_ops:
         raise EinjoinError(f"exhaustive search takes at most {settings.exhaustive_max_ops} ops; "
