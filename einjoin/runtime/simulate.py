@@ -540,7 +540,7 @@ class _SimSession:
             by_kind[t.kind] = by_kind.get(t.kind, 0) + t.nbytes
         stats.bytes_moved = by_kind.get(TaskKind.MOVE, 0)
         stats.bytes_loaded = by_kind.get(TaskKind.LOAD, 0)
-        stats.bytes_evicted = by_kind.get(TaskKind.EVICT, 0) + by_kind.get(TaskKind.WRITEBACK, 0)
+        stats.bytes_evicted = by_kind.get(TaskKind.EVICT, 0)  # as the stores count it: write-backs are not evictions
         stats.bytes_reloaded = by_kind.get(TaskKind.RELOAD, 0)
         state = run.state
         fetched = tg if state is None else state.fetched(tg)
