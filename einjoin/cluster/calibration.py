@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from einjoin.cluster.model import DeviceModel, Fabric, Hardware
+from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
 
@@ -99,7 +100,9 @@ def machine_key() -> str:
 
 def cache_path() -> pathlib.Path:
     """Where the calibration is cached: ``$XDG_CACHE_HOME/einjoin/calibration.json``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative (or empty) value is ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "einjoin" / "calibration.json"
 
 
@@ -110,8 +113,11 @@ def load_cached() -> Calibration | None:
         if data.get("version") != VERSION or data.get("machine") != machine_key():
             return None
         names = {f.name for f in fields(Calibration)}
-        return Calibration(**{k: v for k, v in data["calibration"].items() if k in names})
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        cal = Calibration(**{k: v for k, v in data["calibration"].items() if k in names})
+        for n in (1, 2):  # a parsable but damaged file (a rate "fast" or -1) is measured again
+            cal.hardware(n)
+        return cal
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, EinjoinError):
         return None
 
 
