@@ -158,6 +158,17 @@ def test_an_aggregation_waits_for_its_partials_and_reads_them_at_hbm_speed():
     assert sim.makespan == pytest.approx(kernel + 2e-6 + 4 * e / NVSWITCH + reduce)
 
 
+def test_one_matmul_on_this_machines_calibrated_device_is_its_dispatch_and_gemm():
+    # the fixed calibration, one device inline: each task's dispatch (20 us, under the GIL, one at a
+    # time), the loads views of the feeds, the GEMM on both cores at 1.8 cores' rate along the
+    # curve ((W + half_work) / rate), the run's overhead (100 us)
+    x, w = ej.input("x", (64, 32)), ej.input("w", (32, 48))
+    prog = ej.compile(x @ w, devices=1, backend="null", quiet=True)
+    flops = 2 * 64 * 32 * 48
+    want = FIXED.overhead + len(prog.taskgraph) * FIXED.launch + (flops + FIXED.half_work) / (FIXED.matmul_rate * 1.8)
+    assert prog.simulate().makespan == pytest.approx(want, rel=1e-9)
+
+
 # ---- presets: figures and units
 
 def test_preset_figures_and_units_are_the_issues():
