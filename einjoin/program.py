@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from einjoin.cluster import Cluster, as_cluster
-from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet
+from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet, objective_of
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import itemsize
@@ -726,12 +726,18 @@ class Program:
     def explain(self, file: Any = "stdout") -> str:
         """Print (to ``file``; default the current ``sys.stdout``, None: don't) and return, per op,
         its join-agg spec, blocks, kernels, partials and bytes moved in and out, then the totals
-        and bytes per device pair."""
+        and bytes per device pair. A plan made for ``objective="time"`` says so, with its
+        simulated makespan on a cluster that has a time model (a preset)."""
         to_stdout = isinstance(file, str) and file == "stdout"
         if not (file is None or to_stdout or callable(getattr(file, "write", None))):
             raise EinjoinError(f"explain(file=...): expected 'stdout', None or an open text file (an "
                                f"object with write()), got {type(file).__name__} {file!r:.60}")
         text = explain(self.taskgraph, self.decomps, list(self.graph.nodes)) + self._explain_state()
+        if objective_of(self.plan.options, self.plan.cluster) == "time":
+            text += "\nobjective: time (bytes weighed by the links they cross)"
+            if self.plan.cluster.hardware is not None:
+                sim = self.simulate()
+                text += f"; modelled time {sim.makespan * 1e3:.3f} ms (simulated, {self.plan.cluster.hardware.name})"
         if self.plan.devices_note:  # compile(..., leave_idle=True) left devices idle
             text += f"\nnote: {self.plan.devices_note}"
         unused = [a for a in (self._arg_names or ()) if a not in self.graph.input_by_name]

@@ -135,3 +135,12 @@ def test_cost_model_with_weights_keeps_bytes_on_uniform_links() -> None:
         spec = ej.decompose(n, None).spec
         assert plain.info(n, spec).op_bytes == weighed.info(n, spec).op_bytes
     assert np.all(plain.repart_from((0,), 0, "float32") == weighed.repart_from((0,), 0, "float32"))
+
+
+def test_explain_names_the_time_objective_and_its_simulated_time() -> None:
+    c = ej.Cluster.nodes(2)
+    prog = ej.compile(_mlp(), c, backend="null", quiet=True)
+    text = prog.explain(file=None)
+    ms = prog.simulate().makespan * 1e3
+    assert "objective: time" in text and f"modelled time {ms:.3f} ms (simulated, 2xdgx-a100)" in text
+    assert "objective" not in ej.compile(_mlp(), 2, backend="null", quiet=True).explain(file=None)
