@@ -7,9 +7,11 @@ concurrent transfers through one port share its bandwidth) and, for a CPU machin
 devices share. The times themselves are pure functions of numbers:
 
 - a kernel takes ``max(flops / (peak · efficiency(work)), bytes / memory bandwidth) + launch``,
-  with ``efficiency(W) = e_max · W / (W + half_work)`` (a small kernel runs far below peak: the
-  fixed start of its tiles and waves, which :func:`einjoin.runtime.simulate_calibrate.calibrate`
-  fits on this machine and the presets take from measured GEMM rates);
+  with ``efficiency(W) = e_max · W / (W + half_work · rate(dtype) / top rate)`` (a small kernel
+  runs far below peak: the fixed start of its tiles and waves, a time, so its flops scale with
+  the dtype's rate: a float32 GEMM on an A100 starts in the same 20 µs as a bf16 one; which
+  :func:`einjoin.runtime.simulate_calibrate.calibrate` fits on this machine and the presets take
+  from measured GEMM rates);
 - a transfer takes ``latency + bytes / bandwidth`` over each link of its route (the slowest
   link sets the pace; the simulator shares each link's bandwidth between the transfers on it).
 
@@ -54,7 +56,8 @@ class DeviceModel:
     ``mem_bw``: bytes/s a memory-bound kernel reads plus writes; ``copy_bw``: bytes/s of a copy
     on the device (read + write); ``vector_rate``: flop/s of elementwise work; ``launch``: the
     fixed cost of one task (a kernel launch, a Python dispatch), s; ``e_max`` and ``half_work``:
-    the matmul efficiency curve (:func:`efficiency`); ``memory``: bytes (None: unbounded);
+    the matmul efficiency curve (:func:`efficiency`; ``half_work`` in flops at the top rate of
+    ``peak``, scaled for a slower dtype); ``memory``: bytes (None: unbounded);
     ``host_bw`` / ``host_latency``: the host link (loads, evictions, reloads of a device that
     does not share the host's memory); ``kind_rates``: (node kind, flop/s) for kernels whose own
     code runs far from the GEMM rate (a CPU's attention: torch's flash kernel), instead of the
@@ -95,18 +98,27 @@ class DeviceModel:
             return table[dtype]
         return table.get("float32", min(table.values()))
 
+    def half(self, dtype: str | None = None) -> float:
+        """The flops at which a ``dtype`` contraction reaches half of ``e_max``: ``half_work`` (given
+        at the top rate) times ``rate(dtype) / top rate``. The curve's start is a time (tiles'
+        and waves' fixed work), so a dtype at 1/16 of the rate does 1/16 of the flops in it."""
+        if dtype is None or not self.half_work:
+            return self.half_work
+        return self.half_work * self.rate(dtype) / max(r for _, r in self.peak)
 
-def efficiency(model: DeviceModel, work: float) -> float:
-    """The fraction of peak a contraction of ``work`` flops reaches: ``e_max · W / (W + half_work)``.
 
-    >>> m = DeviceModel("x", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e9, vector_rate=1e9,
-    ...                 launch=0.0, e_max=0.5, half_work=100.0)
-    >>> efficiency(m, 100.0), efficiency(m, 0.0)
-    (0.25, 0.0)
+def efficiency(model: DeviceModel, work: float, dtype: str | None = None) -> float:
+    """The fraction of peak a contraction of ``work`` flops in ``dtype`` reaches:
+    ``e_max · W / (W + model.half(dtype))`` (None: ``half_work`` as given, the top rate's).
+
+    >>> m = DeviceModel("x", peak=(("bfloat16", 16e9), ("float32", 1e9)), mem_bw=1e9, copy_bw=1e9,
+    ...                 vector_rate=1e9, launch=0.0, e_max=0.5, half_work=1600.0)
+    >>> efficiency(m, 1600.0, "bfloat16"), efficiency(m, 100.0, "float32"), efficiency(m, 0.0)
+    (0.25, 0.25, 0.0)
     """
     if work <= 0:
         return 0.0
-    return model.e_max * work / (work + model.half_work)
+    return model.e_max * work / (work + model.half(dtype))
 
 
 def kernel_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, threads: float = 1.0,
@@ -134,7 +146,7 @@ def work_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, threa
         if own is not None:
             compute = flops / (own * threads)
         elif is_contraction(flops, nbytes):
-            compute = flops / (model.rate(dtype) * threads * max(efficiency(model, flops), 1e-9))
+            compute = flops / (model.rate(dtype) * threads * max(efficiency(model, flops, dtype), 1e-9))
         else:
             compute = flops / model.vector_rate
     return max(compute, nbytes / model.mem_bw)
