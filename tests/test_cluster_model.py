@@ -65,9 +65,11 @@ def test_local_clusters_are_as_before():
 def test_roofline_takes_the_slower_of_compute_and_memory():
     m = DeviceModel("x", peak=(("float32", 1e12), ("bfloat16", 4e12)), mem_bw=1e11, copy_bw=1e11,
                     vector_rate=1e10, launch=2e-6, e_max=0.5, half_work=1e9)
-    # compute-bound contraction: W / (peak * e_max * W / (W + half)) = (W + half) / (peak * e_max)
+    # compute-bound contraction: W / (peak * e_max * W / (W + half)) = (W + half) / (peak * e_max); the
+    # curve's start is a time (half_work at the top rate, bf16's), so float32 at 1/4 of the rate has
+    # 1/4 of the flops in it: half 2.5e8
     w = 1e10
-    assert kernel_time(m, w, 1e6, "float32") == pytest.approx((w + 1e9) / (1e12 * 0.5) + 2e-6)
+    assert kernel_time(m, w, 1e6, "float32") == pytest.approx((w + 2.5e8) / (1e12 * 0.5) + 2e-6)
     assert kernel_time(m, w, 1e6, "bfloat16") == pytest.approx((w + 1e9) / (4e12 * 0.5) + 2e-6)
     assert kernel_time(m, w, 1e6, "float16") == pytest.approx(kernel_time(m, w, 1e6, "float32"))  # float32's rate
     # memory-bound elementwise: bytes at mem_bw beat its flops at the vector rate
@@ -75,8 +77,9 @@ def test_roofline_takes_the_slower_of_compute_and_memory():
     # elementwise with many flops per element (exp): the vector rate
     assert kernel_time(m, 5e8, 1e9, "float32", launch=False) == pytest.approx(5e8 / 1e10)
     # more threads of a CPU: a proportionally faster contraction
-    assert kernel_time(m, w, 1e6, "float32", threads=2, launch=False) == pytest.approx((w + 1e9) / (2e12 * 0.5))
+    assert kernel_time(m, w, 1e6, "float32", threads=2, launch=False) == pytest.approx((w + 2.5e8) / (2e12 * 0.5))
     assert efficiency(m, 1e9) == pytest.approx(0.25) and efficiency(m, 0) == 0.0
+    assert efficiency(m, 1e9, "bfloat16") == efficiency(m, 2.5e8, "float32") == pytest.approx(0.25)
 
 
 def test_transfer_time_is_latency_plus_bytes_at_the_slowest_link():
