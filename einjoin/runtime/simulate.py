@@ -1,15 +1,17 @@
 """The event simulator: a program's task graph (the same tasks, the same dependencies, no data)
 replayed on a time model (:class:`~einjoin.cluster.model.Hardware`).
 
-Each device has the lanes the runtime gives it — a compute lane, a host-transfer lane when the
-graph is memory-capped (the threads backend's), and on GPUs (``copy_engines``) a copy lane that
-carries moves and host transfers beside the kernels — and each lane runs one task at a time,
-taking the next from its ready queue in the runtime's own order
-(:class:`~einjoin.runtime.engine.ReadyQueue`: fifo, lifo, priority by b-level, random). A task
-is phases run one after another: its launch (the runtime's dispatch; on a CPU machine the GIL,
-one at a time across devices), a fixed latency, then its work; the work of concurrent tasks
-shares the resources it runs on (fluid sharing: a link port's bandwidth between the transfers
-through it, a CPU's cores between the devices' kernels). What a task costs comes from its kind
+Each device has the lanes the runtime gives it — a compute lane, and a host-transfer lane when
+the graph is memory-capped (the threads backend's) or on GPUs (``copy_engines``) — and each lane
+runs one task at a time, taking the next from its ready queue in the runtime's own order
+(:class:`~einjoin.runtime.engine.ReadyQueue`: fifo, lifo, priority by b-level, random). On GPUs
+a move between devices takes no lane: it starts as soon as it is ready (the DMA engines and
+NVLink/NIC ports carry many at once), so moves into one GPU share its incoming port instead of
+queueing behind each other. A task is phases run one after another: its launch (the runtime's
+dispatch; on a CPU machine the GIL, one at a time across devices), a fixed latency, then its
+work; the work of concurrent tasks shares the resources it runs on (fluid, max-min fair sharing
+by progressive filling: a link port's bandwidth between the transfers through it, a transfer
+held to the slower of its two ports; a CPU's cores between the devices' kernels). What a task costs comes from its kind
 (:data:`COSTS`) and the numbers it carries (flops from :mod:`einjoin.decomp.flops`, bytes of the
 values it reads and writes), through the pure functions of :mod:`einjoin.cluster.model`.
 
@@ -296,7 +298,7 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
         if host_lanes and t.kind in _CROSSES_HOST:
             return n + t.device
         if copy_lanes and t.kind is TaskKind.MOVE:
-            return 2 * n + t.device
+            return 2 * n + t.device  # a lane without a limit: its moves all start when ready
         return t.device
 
     tasks, dependents, vbytes = tg.tasks, tg.dependents, ctx.vbytes
@@ -365,39 +367,32 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
             for q in batch:
                 if not (idle[q] and len(queues[q])):
                     continue
-                t = tasks[queues[q].pop()]
-                idle[q] = False
-                d = t.device
-                if t.writes >= 0 and t.writes not in counted:
-                    counted.add(t.writes)
-                    live[d] += vbytes[t.writes]
-                live[d] += t.scratch
-                if live[d] > peak[d]:
-                    peak[d] = live[d]
-                f = _Flow(t, q, COSTS[t.kind](ctx, t), now)
-                if f.advance():
-                    place(f)
-                else:
-                    finish(f)  # nothing to do (a free on a GPU): it ends as it starts
+                for _ in range(len(queues[q]) if q >= 2 * n else 1):  # a move lane starts them all
+                    t = tasks[queues[q].pop()]
+                    idle[q] = q >= 2 * n
+                    d = t.device
+                    if t.writes >= 0 and t.writes not in counted:
+                        counted.add(t.writes)
+                        live[d] += vbytes[t.writes]
+                    live[d] += t.scratch
+                    if live[d] > peak[d]:
+                        peak[d] = live[d]
+                    f = _Flow(t, q, COSTS[t.kind](ctx, t), now)
+                    if f.advance():
+                        place(f)
+                    else:
+                        finish(f)  # nothing to do (a free on a GPU): it ends as it starts
         if not active and not fixed:
             break
         # the next event: the first fixed phase to end, or the first shared phase to end at the
         # rates the shared phases now have (recomputed only when that set changed)
         if dirty:
-            load: dict[Any, float] = {}
             for f in active:
                 f.left -= f.rate * (now - f.since)
                 f.since = now
-                for r, dem in f.res:
-                    load[r] = load.get(r, 0.0) + dem
+            _share(active, cap)
             for f in active:
-                rate = 1.0
-                for r, _ in f.res:
-                    share = cap(r) / load[r]
-                    if share < rate:
-                        rate = share
-                f.rate = rate
-                f.end = now + max(f.left, 0.0) / rate
+                f.end = now + max(f.left, 0.0) / f.rate
             dirty = False
         nxt = fixed[0][0] if fixed else math.inf
         for f in active:
@@ -425,6 +420,41 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
     busy = {d: sum(e - s for s, e, _ in iv) for d, iv in intervals.items()}
     return Simulation(now + hardware.overhead, busy, link_bytes, link_busy, {d: peak[d] for d in range(n)}, intervals,
                       hardware.name, tasks)
+
+
+def _share(flows: list[_Flow], cap: Callable[[Any], float]) -> None:
+    """Set each flow's rate (the fraction of its alone speed, at most 1) max-min fair by
+    progressive filling: every flow's rate rises together; when a resource fills, the flows
+    through it stop there and the others go on rising (a transfer slowed by a busy outgoing
+    port leaves the rest of its incoming port to the others). A flow of one resource gets
+    ``cap / load`` of it, as plain fluid sharing."""
+    left: dict[Any, float] = {}
+    for f in flows:
+        for r, _ in f.res:
+            if r not in left:
+                left[r] = cap(r)
+    rising, level = flows, 0.0
+    while rising:
+        use: dict[Any, float] = {}
+        for f in rising:
+            for r, dem in f.res:
+                use[r] = use.get(r, 0.0) + dem
+        step = min([1.0 - level] + [left[r] / u for r, u in use.items()])
+        level += step
+        for r, u in use.items():
+            left[r] -= step * u
+        full = {r for r, u in use.items() if left[r] <= 1e-12 * cap(r)}
+        if level >= 1.0 - 1e-12 or not full:
+            for f in rising:
+                f.rate = level
+            return
+        keep = []
+        for f in rising:
+            if any(r in full for r, _ in f.res):
+                f.rate = level
+            else:
+                keep.append(f)
+        rising = keep
 
 
 def _pair(t: Task) -> tuple[int, int] | None:
