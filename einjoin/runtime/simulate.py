@@ -120,8 +120,8 @@ class Simulation:
 class _Ctx:
     """What the cost rules read: the hardware, the graph's values, whether it is capped."""
 
-    def __init__(self, hw: Hardware, tg: TaskGraph, resident: bool = False):
-        self.hw, self.tg, self.resident = hw, tg, resident
+    def __init__(self, hw: Hardware, tg: TaskGraph, resident: bool = False, served: frozenset[int] = frozenset()):
+        self.hw, self.tg, self.resident, self.served = hw, tg, resident, served
         self.capped = tg.memory is not None
         self.threads = hw.threads()
         self.cpu = hw.cores is not None
@@ -178,8 +178,8 @@ def _contiguous(box: Any, shape: tuple[int, ...]) -> bool:
 
 
 def _load(c: _Ctx, t: Task) -> Phases:
-    if c.resident:
-        return ()  # on the device already (weights, state)
+    if c.resident or t.id in c.served:
+        return ()  # on the device already (weights, state the last run left there)
     if c.hw.shared_memory and not c.capped and _contiguous(t.payload.box, t.node.shape):
         return (c.launch(t),)  # a view of the feed (einjoin.plan.execute._load)
     return c.copy(t, t.nbytes) if c.hw.shared_memory else c.host(t, t.nbytes, inward=True)
@@ -268,12 +268,14 @@ class _Flow:
 
 
 def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int = 0,
-             priority: Sequence[float] | None = None, resident: bool = False) -> Simulation:
+             priority: Sequence[float] | None = None, resident: bool = False,
+             served: frozenset[int] = frozenset()) -> Simulation:
     """Replay ``tg`` on ``hardware`` with the ready-queue policy ``order`` (``seed`` for
     ``random``; ``priority``: the b-levels for ``priority``, computed when not given).
     ``resident``: the inputs are on their devices before the run and the outputs stay there
     (weights and state kept on GPUs; what a kernel benchmark times): loads and write-backs
-    cost nothing.
+    cost nothing. ``served``: ids of load tasks whose block is on its device already (a
+    program's state the last run kept there): they cost nothing.
 
     >>> from einjoin.cluster.presets import preset_hardware
     >>> import einjoin as ej
@@ -289,7 +291,7 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
                            f"{tg.n_devices}")
     if order == "priority" and priority is None:
         priority = Engine(tg, {}).priority()
-    ctx = _Ctx(hardware, tg, resident)
+    ctx = _Ctx(hardware, tg, resident, served)
     n = tg.n_devices
     host_lanes = ctx.capped or hardware.copy_engines
     copy_lanes = hardware.copy_engines
@@ -559,7 +561,15 @@ class _SimSession:
         engine, tg = run.engine, run.engine.tg
         from einjoin.cluster import local
         hw = hardware_for(run.cluster if run.cluster is not None else local(tg.n_devices))
-        sim = simulate(tg, hw, run.order, run.seed, engine.priority() if run.order == "priority" else None)
+        state = run.state
+        # as the stores do (StateRun.load): a load of state the last run left on its device takes
+        # the block as it is (nothing loaded); state kept in host RAM is fed again (a reload)
+        served = frozenset() if state is None else frozenset(
+            t.id for t in tg.tasks if t.kind is TaskKind.LOAD and t.node in state.resident)
+        on_host = 0 if state is None else sum(
+            t.nbytes for t in tg.tasks if t.kind is TaskKind.LOAD and t.node in state.on_host and t.id not in served)
+        sim = simulate(tg, hw, run.order, run.seed, engine.priority() if run.order == "priority" else None,
+                       served=served)
         self.last[:] = [sim]
         base = time.perf_counter()
         stats.wall_time = sim.makespan
@@ -567,12 +577,12 @@ class _SimSession:
         stats.peak_bytes_per_device = dict(sim.peak_memory)
         by_kind: dict[TaskKind, int] = {}
         for t in tg.tasks:
-            by_kind[t.kind] = by_kind.get(t.kind, 0) + t.nbytes
+            if t.id not in served:
+                by_kind[t.kind] = by_kind.get(t.kind, 0) + t.nbytes
         stats.bytes_moved = by_kind.get(TaskKind.MOVE, 0)
-        stats.bytes_loaded = by_kind.get(TaskKind.LOAD, 0)
+        stats.bytes_loaded = by_kind.get(TaskKind.LOAD, 0) - on_host
         stats.bytes_evicted = by_kind.get(TaskKind.EVICT, 0)  # as the stores count it: write-backs are not evictions
-        stats.bytes_reloaded = by_kind.get(TaskKind.RELOAD, 0)
-        state = run.state
+        stats.bytes_reloaded = by_kind.get(TaskKind.RELOAD, 0) + on_host
         fetched = tg if state is None else state.fetched(tg)
         stats.bytes_fetched = sum(tg.values[v].nbytes for lay in fetched.outputs for v in lay.blocks.values())
         if state is not None:
