@@ -309,7 +309,31 @@ def objective_of(options: CompileOptions, cluster: Cluster) -> str:
 
 def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
     """Plan the join-agg specs of ``source``'s graph for ``cluster``, decompose, place, build the
-    task graph and, under memory caps, cut finer until every task fits and plan evictions."""
+    task graph and, under memory caps, cut finer until every task fits and plan evictions.
+
+    With ``objective="time"`` on a cluster with a time model (a preset) and no state, the bytes
+    plan is built too and the one the simulator finishes first is kept (ties: the time plan).
+    Why: the time weights guess where the placer puts kernels
+    (:class:`einjoin.planner.cost.TimeWeights`); where it does not, the bytes plan can be the
+    faster, and a plan for time must not lose to it. Still a function of shapes and the cluster."""
+    plan = _build_plan(source, cluster, options)
+    if (objective_of(options, cluster) == "time" and isinstance(options.planner, str)
+            and cluster.hardware is not None and not source.state):
+        other = _build_plan(source, cluster, options.replace(objective="bytes"))
+        if other.specs != plan.specs and _makespan(other) < _makespan(plan):
+            return dataclasses.replace(other, options=options)
+    return plan
+
+
+def _makespan(plan: CompiledPlan) -> float:
+    """The simulated makespan of ``plan``'s task graph on its cluster's time model, weights
+    resident (a GPU benchmark's view), in the runs' order."""
+    from einjoin.runtime.simulate import simulate
+    return simulate(plan.taskgraph, plan.cluster.hardware, plan.options.order, plan.options.seed,
+                    resident=True).makespan
+
+
+def _build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
     if options.fuse and isinstance(options.planner, str):
         source = _fused(source, options.specs)
     graph = source.graph
@@ -324,9 +348,6 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
                                  objective=objective_of(options, cluster)))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, user, options, tied)
-        if objective_of(options, cluster) == "time" and _simulable(options, cluster, caps, tied):
-            say("simulating the time plan against the bytes plan")
-            chosen, decomps, placed, tg = _faster(graph, cluster, options, user, (chosen, decomps, placed, tg))
         if options.leave_idle and not tied and all(c is None for c in caps.values()):
             cluster, chosen, decomps, placed, tg, note = _fewer_devices(
                 graph, cluster, options, user, (chosen, decomps, placed, tg))
@@ -347,33 +368,6 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
 
 
 _Lowered = tuple[dict[Node, JoinAggSpec], dict[Node, Decomposition], Placement, TaskGraph]
-
-
-def _simulable(options: CompileOptions, cluster: Cluster, caps: Mapping[int, Any], tied: Mapping[Node, Node]) -> bool:
-    """Whether ``objective="time"`` checks its plan in the simulator: a registered planner, a
-    cluster with a time model (a preset), no caps and no state (their plans are fitted after)."""
-    return (isinstance(options.planner, str) and cluster.hardware is not None and not tied
-            and all(c is None for c in caps.values()))
-
-
-def _faster(graph: Graph, cluster: Cluster, options: CompileOptions, user: dict[Node, JoinAggSpec],
-            timed: _Lowered) -> _Lowered:
-    """Of the time plan ``timed`` and the bytes plan, the one whose task graph the simulator
-    (:func:`einjoin.runtime.simulate.simulate`, weights resident, the runs' order) finishes
-    first; ties keep the time plan. Why: the time weights assume where the placer puts each
-    kernel (:class:`einjoin.planner.cost.TimeWeights`); where it does not, the bytes plan can be
-    the faster, and a plan for time must not lose to it. A function of shapes and the cluster."""
-    from einjoin.runtime.simulate import simulate
-    chosen = dict(plan_specs(options.planner, graph, cluster, memory_limit=None, objective="bytes"))
-    if chosen == timed[0]:
-        return timed
-    by_bytes = (chosen, *_lower(graph, cluster, chosen, dict(user), options, {}))
-    hw = cluster.hardware
-
-    def makespan(lowered: _Lowered) -> float:
-        return simulate(lowered[3], hw, options.order, options.seed, resident=True).makespan
-
-    return by_bytes if makespan(by_bytes) < makespan(timed) else timed
 
 
 def _fewer_devices(graph: Graph, cluster: Cluster, options: CompileOptions, user: dict[Node, JoinAggSpec],
