@@ -192,7 +192,9 @@ class Hardware:
     the devices and the host share RAM (a move is a zero-copy hand-over unless the graph is
     memory-capped, a contiguous load is a view); ``copy_engines``: moves and host transfers run
     beside the kernels (GPU DMA engines), not on the device's one lane; ``overhead``: seconds a
-    run costs besides its tasks (binding feeds, starting workers, gathering outputs)."""
+    run costs besides its tasks (binding feeds, starting workers, gathering outputs);
+    ``own_links``: moves between devices cross ``intra`` / ``inter`` even where the devices
+    share RAM (this machine's devices under a cluster's own link figures)."""
 
     name: str
     models: tuple[DeviceModel, ...]
@@ -203,6 +205,7 @@ class Hardware:
     shared_memory: bool = False
     copy_engines: bool = True
     overhead: float = 0.0
+    own_links: bool = False
 
     def __post_init__(self) -> None:
         if len(self.models) != len(self.groups) or not self.models:
