@@ -1,0 +1,116 @@
+"""Clusters we do not have, by simulation (issue 23): the LLaMA-7B block's prefill (bf16, sequence
+2048, batch 1 and 8) planned for a DGX A100 and for 2 and 8 of them, each plan's task graph
+replayed by the event simulator (``prog.simulate(resident=True)``: weights on their GPUs, as a GPU
+benchmark times a block). Plans: einjoin's (``planner="auto"``, with ``objective="bytes"`` and
+``"time"`` where they differ: several nodes), Megatron tensor parallelism (``planner="megatron"``)
+and data parallelism (``planner="data_parallel"``). Every time printed is SIMULATED; planning
+times are this machine's wall time (busy or not: they are not simulated).
+
+The goal for one DGX A100 is the paper's (Einsummable, 8.97 ms vs 13.80 ms for hand-tuned
+tensor parallelism): einjoin <= 0.65x Megatron. The last column says what dominates each plan:
+the busiest device's kernel time and the bytes its plan sends over the network.
+
+    .venv/bin/python bench/simulate.py [--nodes 1,2] [--batches 1,8]
+
+``make bench`` runs one and two DGX A100s (about a minute of planning on a quiet machine); eight
+(64 GPUs, ``--nodes 1,2,8``) take several minutes of planning here, so they are left to the
+command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import einjoin as ej
+
+
+def llama7b_block(batch: int, seq: int = 2048, d: int = 4096, heads: int = 32, hidden: int = 11008) -> ej.Tensor:
+    """The LLaMA-7B block of :func:`einjoin.models.graphs.llama_block` in bfloat16 (the model
+    builders make float32 weights): RMSNorm, q/k/v, rotary, causal attention, the output
+    projection, RMSNorm, SwiGLU, residuals."""
+    hd = d // heads
+    x = ej.input("x", (batch, seq, d), "bfloat16")
+
+    def p(name: str, shape: tuple[int, ...]) -> ej.Tensor:
+        return ej.param(name, shape, "bfloat16")
+
+    def heads_of(t: ej.Tensor) -> ej.Tensor:
+        return t.reshape(batch, seq, heads, hd).transpose(-3, -2)
+
+    h = ej.rms_norm(x, p("attn_norm", (d,)))
+    q, k, v = (heads_of(ej.linear(h, p(n, (d, d)))) for n in ("wq", "wk", "wv"))
+    a = ej.attention(ej.rope(q), ej.rope(k), v, causal=True)
+    x = x + ej.linear(a.transpose(-3, -2).reshape(batch, seq, d), p("wo", (d, d)))
+    h = ej.rms_norm(x, p("mlp_norm", (d,)))
+    up = ej.silu(ej.linear(h, p("w1", (hidden, d)))) * ej.linear(h, p("w3", (hidden, d)))
+    return x + ej.linear(up, p("w2", (d, hidden)))
+
+
+def _row(cluster: ej.Cluster, batch: int, label: str, **options: Any) -> dict[str, Any] | None:
+    t0 = time.perf_counter()
+    try:
+        prog = ej.compile(llama7b_block(batch), cluster, backend="null", quiet=True, **options)
+    except ej.EinjoinError as e:  # a baseline that does not apply
+        print(f"  {label}: not planned ({e})", file=sys.stderr)
+        return None
+    planned = time.perf_counter() - t0
+    sim = prog.simulate(resident=True)
+    groups = cluster.hardware.groups
+    moved = [(s, d, b) for (s, d), b in sim.link_bytes.items() if s >= 0 and d >= 0]
+    network = sum(b for s, d, b in moved if groups[s] != groups[d])
+    busy = max(sim.device_busy.values()) if sim.device_busy else 0.0
+    return dict(label=label, ms=sim.makespan * 1e3, moved=sum(b for _, _, b in moved), network=network,
+                busy=busy * 1e3, plan_s=planned, tasks=len(prog.plan.taskgraph.tasks))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", default="1,2", help="DGX A100 counts (1: one node of 8 GPUs; 8: 64 GPUs, slow)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--budget", type=float, default=120.0,
+                    help="skip the larger clusters once planning one row took more seconds than this")
+    args = ap.parse_args(argv)
+    nodes = [int(n) for n in args.nodes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    print("LLaMA-7B block prefill, bf16, seq 2048 -- every time below is SIMULATED "
+          "(einjoin.runtime.simulate, presets of einjoin.cluster.presets; weights resident)")
+    header = (f"{'cluster':<14}{'batch':>6}  {'plan':<22}{'sim. ms':>9}{'x megatron':>11}{'moved GB':>10}"
+              f"{'network GB':>11}{'busiest ms':>11}{'tasks':>7}{'planning s':>11}")
+    print(header)
+    print("-" * len(header))
+    slow = False
+    for n in nodes:
+        cluster = ej.Cluster.preset("dgx-a100") if n == 1 else ej.Cluster.nodes(n, "dgx-a100")
+        name = "dgx-a100" if n == 1 else f"{n} x dgx-a100"
+        if slow:
+            print(f"{name:<14} skipped: planning a smaller cluster took over {args.budget:.0f} s on this machine")
+            continue
+        for batch in batches:
+            plans: list[tuple[str, dict[str, Any]]] = [("megatron", dict(planner="megatron")),
+                                                       ("data_parallel", dict(planner="data_parallel"))]
+            if n == 1:
+                plans.insert(0, ("einjoin", dict(planner="auto")))
+            else:
+                plans[:0] = [("einjoin bytes", dict(planner="auto", objective="bytes")),
+                             ("einjoin time", dict(planner="auto", objective="time"))]
+            rows = [r for label, o in plans if (r := _row(cluster, batch, label, **o)) is not None]
+            mega = next((r["ms"] for r in rows if r["label"] == "megatron"), None)
+            for r in rows:
+                ratio = f"{r['ms'] / mega:.2f}" if mega else "-"
+                print(f"{name:<14}{batch:>6}  {r['label']:<22}{r['ms']:>9.2f}{ratio:>11}{r['moved'] / 1e9:>10.2f}"
+                      f"{r['network'] / 1e9:>11.2f}{r['busy']:>11.2f}{r['tasks']:>7}{r['plan_s']:>11.1f}")
+                slow |= r["plan_s"] > args.budget
+            sys.stdout.flush()
+    print("(sim. ms: simulated makespan; x megatron: its ratio to Megatron's simulated makespan; moved: bytes "
+          "between GPUs; network: of those, between nodes; busiest: the busiest GPU's simulated busy time, "
+          "copies included; planning s: wall time on this machine, not simulated)")
+    if 8 not in nodes:
+        print("(8 x dgx-a100, 64 GPUs: --nodes 8; several minutes of planning on this machine)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
