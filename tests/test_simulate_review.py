@@ -246,15 +246,27 @@ def _toy_model(**kw):
     return DeviceModel("x", **args)
 
 
-@pytest.mark.xfail(strict=True, reason="DeviceModel(peak={...}) and Hardware(cores='x') end in raw "
-                   "ValueErrors; DeviceModel(memory=-5) is accepted")
 def test_bad_device_models_name_the_field():
-    with pytest.raises(EinjoinError, match="peak"):
-        _toy_model(peak={"float32": 1e9})
+    # fixed: a mapping is taken as the pairs (the review's suggested fix; it raised a raw ValueError);
+    # what is not pairs of numbers is refused naming the field
+    assert _toy_model(peak={"float32": 1e9}) == _toy_model()
+    for bad in ((("float32",),), 5, (("float32", "fast"),), {"float32": float("inf")}):
+        with pytest.raises(EinjoinError, match="peak"):
+            _toy_model(peak=bad)
+    with pytest.raises(EinjoinError, match="kind_rates"):
+        _toy_model(kind_rates={"attention": -1.0})
+    assert _toy_model(memory="2GiB").memory == 2**31 and _toy_model(mem_bw=np.float32(2.0)).mem_bw == 2.0
     with pytest.raises(EinjoinError, match="cores"):
         Hardware("x", (_toy_model(),), (0,), Fabric(1.0, 0.0), Fabric(1.0, 0.0), cores="x")
-    with pytest.raises(EinjoinError, match="memory"):
-        _toy_model(memory=-5)
+    with pytest.raises(EinjoinError, match="cores"):
+        Hardware("x", (_toy_model(),), (0,), Fabric(1.0, 0.0), Fabric(1.0, 0.0), cores=1.5)
+    for bad in (-5, 0, "lots"):
+        with pytest.raises(EinjoinError, match="memory"):
+            _toy_model(memory=bad)
+    for what, make in (("mem_bw", lambda: _toy_model(mem_bw=float("inf"))),
+                       ("fabric bandwidth", lambda: Fabric(float("inf"), 0.0))):
+        with pytest.raises(EinjoinError, match=what):
+            make()
 
 
 # ---- programs: memory, order, determinism, edge graphs

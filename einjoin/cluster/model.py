@@ -27,8 +27,10 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from einjoin.errors import EinjoinError
 
@@ -40,13 +42,22 @@ CONTRACTION_INTENSITY = 1.0
 
 
 def _positive(v: float, what: str, zero_ok: bool = False) -> float:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise EinjoinError(f"device model {what} must be a number, got {v!r}") from None
-    if math.isnan(f) or f < 0 or (f == 0 and not zero_ok):
-        raise EinjoinError(f"device model {what} must be {'>= 0' if zero_ok else 'positive'}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):  # numpy numbers are Real
+        raise EinjoinError(f"device model {what} must be a number, got {v!r}")
+    f = float(v)
+    if not math.isfinite(f) or f < 0 or (f == 0 and not zero_ok):
+        raise EinjoinError(f"device model {what} must be {'>= 0' if zero_ok else 'positive'} and finite, got {v!r}")
     return f
+
+
+def _pairs(v: Any, what: str) -> tuple[tuple[str, float], ...]:
+    """``(name, rate)`` pairs, from pairs or a mapping name -> rate, each rate checked."""
+    items = v.items() if isinstance(v, Mapping) else v
+    try:
+        pairs = [(k, r) for k, r in items]
+    except (TypeError, ValueError):
+        raise EinjoinError(f"device model {what} must be (name, flop/s) pairs or a mapping, got {v!r:.80}") from None
+    return tuple((str(k), _positive(r, f"{what}[{k}]")) for k, r in pairs)
 
 
 @dataclass(frozen=True)
@@ -79,9 +90,15 @@ class DeviceModel:
     def __post_init__(self) -> None:
         if not self.peak:
             raise EinjoinError(f"device model {self.name!r} needs a peak rate for at least one dtype")
-        object.__setattr__(self, "peak", tuple((str(k), _positive(v, f"peak[{k}]")) for k, v in self.peak))
-        object.__setattr__(self, "kind_rates", tuple((str(k), _positive(v, f"kind_rates[{k}]"))
-                                                     for k, v in self.kind_rates))
+        object.__setattr__(self, "peak", _pairs(self.peak, "peak"))
+        object.__setattr__(self, "kind_rates", _pairs(self.kind_rates, "kind_rates"))
+        if self.memory is not None:  # bytes, or a size "80GiB" (einjoin.cluster.parse_bytes)
+            from einjoin.cluster import parse_bytes
+            try:
+                mem = parse_bytes(self.memory)
+            except EinjoinError as err:
+                raise EinjoinError(f"device model {self.name!r} memory: {err}") from None
+            object.__setattr__(self, "memory", mem)
         for f in ("mem_bw", "copy_bw", "vector_rate", "host_bw"):
             object.__setattr__(self, f, _positive(getattr(self, f), f))
         for f in ("launch", "half_work", "host_latency"):
@@ -211,8 +228,11 @@ class Hardware:
         if len(self.models) != len(self.groups) or not self.models:
             raise EinjoinError(f"hardware {self.name!r}: {len(self.models)} device models for "
                                f"{len(self.groups)} devices")
-        if self.cores is not None and (isinstance(self.cores, bool) or int(self.cores) < 1):
-            raise EinjoinError(f"hardware {self.name!r}: cores must be a positive int or None, got {self.cores!r}")
+        c = self.cores
+        if c is not None and (isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1):
+            raise EinjoinError(f"hardware {self.name!r}: cores must be a positive int or None, got {c!r}")
+        if c is not None:
+            object.__setattr__(self, "cores", int(c))
 
     @property
     def size(self) -> int:
