@@ -16,6 +16,8 @@ and a GEMM of W flops took about ``W / 740e12 + 20 µs``: ``e_max = 0.75``, ``ha
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 from einjoin.cluster.model import DeviceModel, Fabric, Hardware
@@ -69,9 +71,13 @@ def _hardware(name: str, gpu: str, groups: tuple[int, ...], intra: Fabric, inter
 
 def preset_hardware(name: str, devices: int | None = None) -> Hardware:
     """The time model of preset system ``name`` (:data:`PRESETS`), or of ``devices`` of its GPUs
-    on its fabric (a count checked by the caller)."""
+    on its fabric (a count checked by the caller). More GPUs than the system has are refused:
+    no data sheet describes them on one switch (:func:`nodes_hardware` joins systems)."""
     s = _system(name)
     n = s["count"] if devices is None else devices
+    if n > s["count"]:
+        raise EinjoinError(f"preset {name!r} has {s['count']} GPU{'s' if s['count'] > 1 else ''}, not {n}; "
+                           f"for more, join systems over a network: ej.Cluster.nodes(k, per_node={name!r})")
     fabric = Fabric(s["link_bw"], s["link_latency"])
     return _hardware(name, s["gpu"], (0,) * n, fabric, fabric)
 
@@ -80,8 +86,10 @@ def nodes_hardware(count: int, per_node: str = "dgx-a100", network_gbps: float =
     """The time model of ``count`` machines of preset ``per_node``, one NIC of ``network_gbps``
     Gbit/s per GPU between them."""
     s = _system(per_node)
-    if isinstance(network_gbps, bool) or not isinstance(network_gbps, (int, float)) or not network_gbps > 0:
-        raise EinjoinError(f"network_gbps must be a positive number (Gbit/s per NIC), got {network_gbps!r}")
+    if (isinstance(network_gbps, bool) or not isinstance(network_gbps, numbers.Real)  # numpy numbers too
+            or not 0 < float(network_gbps) < math.inf):
+        raise EinjoinError(f"network_gbps must be a positive finite number (Gbit/s per NIC), got {network_gbps!r}")
+    network_gbps = float(network_gbps)
     groups = tuple(k for k in range(count) for _ in range(s["count"]))
     return _hardware(f"{count}x{per_node}", s["gpu"], groups, Fabric(s["link_bw"], s["link_latency"]),
                      Fabric(network_gbps * 1e9 / 8, NETWORK_LATENCY))
