@@ -73,21 +73,42 @@ class Simulation:
     intervals: dict[int, list[tuple[float, float, int]]]
     hardware: str
     tasks: Sequence[Task] = field(repr=False, default=())
+    lanes: Sequence[int] = field(repr=False, default=())  # per task: 0 compute, 1 host transfers, 2 moves
 
     def trace(self, path: str | os.PathLike[str]) -> pathlib.Path:
         """Write the simulated run as a Chrome / Perfetto trace in the format of
         ``prog.run(trace=...)`` (:class:`einjoin.viz.trace.TraceRecorder`'s: an ``X`` event per
         task on its device's track, the same names and args), every event and the file marked
-        simulated (``args["simulated"]``, ``otherData``, the process name). Its folder is made."""
+        simulated (``args["simulated"]``, ``otherData``, the process name). A device's kernels
+        are on its track (``tid`` = the device); its host transfers and its moves, which overlap
+        the kernels on a GPU, on tracks of their own ("device d host", "device d moves", one more
+        per overlapping move: a track's events never overlap). Its folder is made."""
         out = pathlib.Path(os.fspath(path))
         out.parent.mkdir(parents=True, exist_ok=True)
         names: dict[Any, str] = {}
         events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
                                          "args": {"name": f"einjoin (simulated on {self.hardware})"}}]
-        for d in sorted(self.intervals):
-            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": f"device {d}"}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": d, "args": {"sort_index": d}})
         runs = sorted((s, e, tid) for iv in self.intervals.values() for s, e, tid in iv)
+        n = len(self.intervals)
+        tracks: dict[tuple[int, int, int], int] = {(d, 0, 0): d for d in range(n)}  # (device, lane, k) -> tid
+        ends: dict[tuple[int, int], list[float]] = {}  # (device, lane) -> each sub-track's last end
+        where: dict[int, int] = {}
+        for s, e, tid in runs:
+            d, ln = self.tasks[tid].device, (self.lanes[tid] if self.lanes else 0)
+            if ln == 0:
+                where[tid] = d
+                continue
+            last = ends.setdefault((d, ln), [])
+            k = next((i for i, end in enumerate(last) if end <= s), len(last))  # the first free sub-track
+            if k == len(last):
+                last.append(e)
+            last[k] = e
+            where[tid] = tracks.setdefault((d, ln, k), len(tracks))
+        for (d, ln, k), tr in sorted(tracks.items(), key=lambda kv: kv[1]):
+            label = f"device {d}" + ("", " host", " moves")[ln] + (f" {k + 1}" if k else "")
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tr, "args": {"name": label}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tr,
+                           "args": {"sort_index": d * 1000 + ln * 100 + k}})
         for s, e, tid in runs:
             t = self.tasks[tid]
             op = names.get(t.node)
@@ -102,7 +123,7 @@ class Simulation:
                 args["flops"] = t.flops
             args["simulated"] = True
             events.append({"name": op if t.kind is TaskKind.KERNEL else f"{t.kind} {op}", "cat": t.kind.value,
-                           "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": 0, "tid": t.device, "args": args})
+                           "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": 0, "tid": where[tid], "args": args})
         with open(out, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms",
                        "otherData": {"simulated": True, "hardware": self.hardware, "makespan_s": self.makespan}}, f)
@@ -423,7 +444,7 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
         raise EinjoinError(f"simulate: {len(tasks) - done} of {len(tasks)} tasks never got ready (a cycle?)")
     busy = {d: sum(e - s for s, e, _ in iv) for d, iv in intervals.items()}
     return Simulation(now + hardware.overhead, busy, link_bytes, link_busy, {d: peak[d] for d in range(n)}, intervals,
-                      hardware.name, tasks)
+                      hardware.name, tasks, tuple(q // n for q in lanes))
 
 
 def _share(flows: list[_Flow], cap: Callable[[Any], float]) -> None:
