@@ -389,12 +389,13 @@ def test_a_clusters_own_links_slow_its_simulation():
     assert prog.simulate(matrix).makespan == pytest.approx(islands)  # the same links as a plain matrix
 
 
-@pytest.mark.xfail(strict=True, reason="after a simulate run, prog.run_stats prints wall_time etc. with no word "
-                   "'simulated' (the issue: every figure it prints says simulated)")
 def test_simulated_run_stats_say_simulated():
     prog = _prog(2, backend="simulate")
     prog.run(**_feeds(prog))
-    assert "simulated" in str(prog.run_stats)
+    assert "simulated" in str(prog.run_stats)  # fixed: RunStats.source
+    real = _prog(2, backend="null")
+    real.run(**_feeds(real))
+    assert "simulated" not in str(real.run_stats)
 
 
 # ---- the calibration cache

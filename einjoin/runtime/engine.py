@@ -63,6 +63,7 @@ class RunStats:
     recoveries: int = 0        # re-runs after a lost device (Ray)
     bytes_evicted: int = 0     # device -> host copies (memory-capped graphs; not in bytes_moved)
     bytes_reloaded: int = 0    # host -> device copies
+    source: str = "measured"   # "simulated": every figure from backend="simulate" (simulated seconds)
 
 
 def check_host_link(host_link: Any) -> None:

@@ -652,6 +652,7 @@ class _SimSession:
         self.last[:] = [sim]
         base = time.perf_counter()
         stats.wall_time = sim.makespan
+        stats.source = "simulated"  # its repr says so beside every figure
         stats.intervals = {d: [(base + s, base + e, tid) for s, e, tid in iv] for d, iv in sim.intervals.items()}
         stats.peak_bytes_per_device = dict(sim.peak_memory)
         by_kind: dict[TaskKind, int] = {}
