@@ -27,7 +27,7 @@ from collections import OrderedDict
 from typing import Any, Protocol, cast
 from collections.abc import Callable, Mapping
 
-from einjoin.cluster import Cluster
+from einjoin.cluster import Cluster, LinkMatrix
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.partition import check_bounds
 from einjoin.decomp.spec import JoinAggSpec, dim_labels, label_sizes, output_labels
@@ -374,13 +374,37 @@ def _cache_key(planner: Any, graph: Graph, cluster: Cluster, limit: Mapping[int,
     if not (isinstance(planner, str) and planner in PLANNERS):
         return None
     from einjoin import settings  # read at call time: a test or user may swap SETTINGS
-    key = (PLANNERS[planner], graph.outputs, cluster, tuple(sorted(limit.items())),
-           tuple((tied or {}).items()), settings.SETTINGS, objective)
+    parts = (PLANNERS[planner], graph.outputs, _cluster_key(cluster), tuple(sorted(limit.items())),
+             tuple((tied or {}).items()), settings.SETTINGS, objective)
     try:
-        hash(key)
+        return _Key(parts)
     except TypeError:
         return None
-    return key
+
+
+class _Key:
+    """A cache key hashed once (a dict hashes its key at every lookup and insert)."""
+
+    __slots__ = ("parts", "hashed")
+
+    def __init__(self, parts: tuple[Any, ...]):
+        self.parts, self.hashed = parts, hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hashed
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.hashed == other.hashed and self.parts == other.parts
+
+
+def _cluster_key(cluster: Cluster) -> tuple[Any, ...]:
+    """``cluster`` as a key without hashing an O(n^2) link matrix cell by cell (a LinkMatrix
+    hashes as the dense matrix it equals, in Python: 30 s of a 512-device compile's 33 under
+    tracemalloc): a LinkMatrix by its groups and values. Equal clusters written differently
+    (dense vs LinkMatrix) just miss."""
+    def matrix(m: Any) -> Any:
+        return ("groups", m.groups, m.diag, m.intra, m.inter) if isinstance(m, LinkMatrix) else m
+    return (cluster.devices, matrix(cluster.bandwidth), matrix(cluster.latency), cluster.hardware)
 
 
 def clear_plan_cache() -> None:
