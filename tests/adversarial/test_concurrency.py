@@ -380,6 +380,7 @@ print("second run ok")
 """
 
 
+@pytest.mark.slow  # make test-all: starts its own Ray
 @pytest.mark.xdist_group("ray")
 def test_ray_started_by_an_async_run_outlives_the_runs_thread(tmp_path: Any) -> None:
     pytest.importorskip("ray")

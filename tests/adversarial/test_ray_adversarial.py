@@ -106,6 +106,7 @@ def _kill_and_wait(pid: int) -> None:
     _wait_gone(pid, "did not die")
 
 
+@pytest.mark.slow  # make test-all: concurrent runs are checked on threads by default (test_concurrency)
 def test_eight_concurrent_runs_of_one_ray_program_equal_serial_runs(shared):
     out = _graph()
     feeds = [_feeds(i) for i in range(8)]
@@ -198,6 +199,7 @@ def test_actor_killed_between_runs_is_replaced_before_the_next_run(shared):
     assert _no_open_runs(backend)
 
 
+@pytest.mark.slow  # make test-all: a killed actor is test_ray's
 def test_actor_killed_while_four_runs_are_in_flight_is_replaced_once(ray_session):
     out = _graph()
     feeds = [_feeds(i) for i in range(4)]
@@ -279,6 +281,7 @@ def _nodes_cluster(nodes):
     return Cluster(devices, LinkMatrix(groups, float("inf"), 20e9, 1.25e9), LinkMatrix(groups, 0.0, 5e-6, 5e-5))
 
 
+@pytest.mark.slow  # make test-all: actor sharing across device counts is test_ray's
 def test_programs_of_different_shapes_share_a_backend_without_replacing_each_others_actors(shared):
     out = _graph()
     backend = shared
@@ -401,6 +404,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow  # make test-all: restarts Ray twice; actor loss and replacement are test_ray's
 def test_the_program_recovers_after_ray_shutdown_or_a_ray_restart(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     res = subprocess.run([sys.executable, "-c", RESTART], capture_output=True, text=True, env=env,
