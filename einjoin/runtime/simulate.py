@@ -63,7 +63,10 @@ class Simulation:
     ``device_busy`` (s of tasks per device, all its lanes: above the makespan where a GPU's
     copies overlap its kernels), ``link_bytes`` ((src, dst) -> bytes; -1 is the host), ``link_busy`` (the same
     pairs -> s of transfer), ``peak_memory`` (bytes per device), ``intervals`` (per device,
-    (start, end, task id) in simulated seconds). Every figure is simulated, not measured."""
+    (start, end, task id) in simulated seconds). Every figure is simulated, not measured. On
+    several devices ``peak_memory`` is the peak of the one interleaving simulated, not a bound:
+    a real run's tasks interleave otherwise and may peak higher (size memory from a cap, which
+    the memory planner enforces, not from this figure)."""
 
     makespan: float
     device_busy: dict[int, float]
