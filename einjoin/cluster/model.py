@@ -93,7 +93,7 @@ class DeviceModel:
         object.__setattr__(self, "peak", _pairs(self.peak, "peak"))
         object.__setattr__(self, "kind_rates", _pairs(self.kind_rates, "kind_rates"))
         if self.memory is not None:  # bytes, or a size "80GiB" (einjoin.cluster.parse_bytes)
-            from einjoin.cluster import parse_bytes
+            from einjoin.cluster.sizes import parse_bytes
             try:
                 mem = parse_bytes(self.memory)
             except EinjoinError as err:

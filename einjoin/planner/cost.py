@@ -54,7 +54,7 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather
 
 __all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate",
            "op_cost", "SpecInfo", "CostModel", "total_cost", "model_cost", "input_partitions",
-           "INFO_RULES", "GraphEdges", "TimeWeights", "time_weights", "OBJECTIVES"]
+           "INFO_RULES", "WEIGHT_RULES", "GraphEdges", "TimeWeights", "time_weights", "OBJECTIVES"]
 
 
 def join_cost(d: Decomposition) -> int:
@@ -278,6 +278,57 @@ INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
 kind from its decomposition."""
 
 
+def _grid_weighed(w: TimeWeights, node: Node, spec: JoinAggSpec, agg: int, join_in: tuple[int, ...]
+                  ) -> tuple[int, tuple[int, ...]]:
+    """An einsum's copies by its kernel grid (its labels): where each copy goes."""
+    op = cast(Einsum, node.op)
+    out_bytes = node.size * itemsize(partial_dtype(node))
+    counts = tuple(len(b) - 1 for b in spec.bounds)
+    if agg:
+        agg = w.grid(out_bytes, counts, tuple(lab in op.out_labels for lab in spec.labels))
+    joins = []
+    for x, ls, j in zip(node.inputs, op.in_labels, join_in):
+        joins.append(w.grid(x.size * itemsize(x.dtype), counts, tuple(lab in ls for lab in spec.labels))
+                     if j else j)
+    return agg, tuple(joins)
+
+
+def _count_weighed(w: TimeWeights, node: Node, spec: JoinAggSpec, agg: int, join_in: tuple[int, ...]
+                   ) -> tuple[int, tuple[int, ...]]:
+    """Any other kind's copies by count: the partials per output block and the readers per input
+    element, from the bytes (join = |X| (r - 1), agg = |Z| (n - 1))."""
+    out_bytes = node.size * itemsize(partial_dtype(node))
+    if agg and out_bytes:
+        agg = w.copies(out_bytes, 1 + agg / out_bytes)
+    joins = []
+    for x, j in zip(node.inputs, join_in):
+        size = x.size * itemsize(x.dtype)
+        joins.append(w.copies(size, 1 + j / size) if j and size else j)
+    return agg, tuple(joins)
+
+
+_Weighed = Callable[["TimeWeights", Node, JoinAggSpec, int, tuple[int, ...]], tuple[int, tuple[int, ...]]]
+WEIGHT_RULES: dict[type, _Weighed] = {
+    Input: _count_weighed,
+    Einsum: _grid_weighed,
+    Reshape: _count_weighed,
+    Broadcast: _count_weighed,
+    Select: _count_weighed,
+    Concat: _count_weighed,
+    Fill: _count_weighed,
+    Gather: _count_weighed,
+    ScatterAdd: _count_weighed,
+    Cast: _count_weighed,
+    Conv: _count_weighed,
+    Pool: _count_weighed,
+    TopK: _count_weighed,
+    Attention: _count_weighed,
+    AttentionGrad: _count_weighed,
+}
+"""Per node kind, how ``objective="time"`` weighs its replica and partial bytes by the links they
+cross (:class:`TimeWeights`): an einsum by its kernel grid, every other kind by count."""
+
+
 OBJECTIVES = ("bytes", "time")
 
 
@@ -432,28 +483,9 @@ class CostModel:
                  ) -> tuple[int, tuple[int, ...]]:
         w = self.weights
         assert w is not None
-        out_bytes = node.size * itemsize(partial_dtype(node))
         if w.ratio == 1.0:
             return agg, join_in
-        if isinstance(node.op, Einsum):  # its grid is its labels: where each copy goes
-            op = node.op
-            counts = tuple(len(b) - 1 for b in spec.bounds)
-            if agg:
-                agg = w.grid(out_bytes, counts, tuple(lab in op.out_labels for lab in spec.labels))
-            joins = []
-            for x, ls, j in zip(node.inputs, op.in_labels, join_in):
-                joins.append(w.grid(x.size * itemsize(x.dtype), counts, tuple(lab in ls for lab in spec.labels))
-                             if j else j)
-            return agg, tuple(joins)
-        # other kinds: the partials per output block and the readers per input element, from
-        # the bytes (join = |X| (r - 1), agg = |Z| (n - 1))
-        if agg and out_bytes:
-            agg = w.copies(out_bytes, 1 + agg / out_bytes)
-        joins = []
-        for x, j in zip(node.inputs, join_in):
-            size = x.size * itemsize(x.dtype)
-            joins.append(w.copies(size, 1 + j / size) if j and size else j)
-        return agg, tuple(joins)
+        return rule_for(WEIGHT_RULES, node.op, "time-weight rules")(w, node, spec, agg, join_in)
 
     def repart_from(self, qs: tuple[int, ...], r: int, dtype: str) -> np.ndarray:
         """:meth:`repart_ids` from each of the interned partitions ``qs`` (of one tensor) to
