@@ -70,6 +70,7 @@ def shared(ray_session):
     backend.close()
 
 
+@pytest.mark.slow  # make test-all: fresh actors; test_ray_adversarial kills one between runs
 def test_killed_actor_completes_then_raises_and_leaves_no_actor(ray_session):
     # first in the module: no other einjoin actor is alive, so "none left" is checked globally
     from einjoin.runtime.backends.ray import RayBackend
@@ -168,6 +169,7 @@ def test_kernel_errors_name_the_task(shared):
     np.testing.assert_allclose(prog.run(**feeds), got)
 
 
+@pytest.mark.slow  # make test-all: conformance[ray] runs every device count on one backend's shared actors
 def test_device_counts_share_actors_and_a_loss_replaces_all_that_share_it(shared):
     # device d is one actor for every device count of a local cluster: 1, 2 and 3 devices start 3
     out, feeds = _mlp()
@@ -223,6 +225,7 @@ for c in psutil.net_connections(kind="inet"):
 RAY_CORE = ("gcs_server", "raylet", "ray::IDLE", "ray::DeviceWorker")
 
 
+@pytest.mark.slow  # make test-all: starts and stops a Ray of its own
 def test_compile_starts_and_stops_its_own_ray(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,

@@ -137,6 +137,7 @@ def test_eight_concurrent_runs_of_one_ray_program_equal_serial_runs(shared):
     assert _no_open_runs(prog.backend)
 
 
+@pytest.mark.slow  # make test-all: fresh actors; cancellation is test_concurrency's on threads
 def test_cancel_before_start_submits_nothing_and_mid_run_cancel_leaves_the_program_usable(shared):
     out = _graph()
     f = _feeds(0)
