@@ -249,6 +249,7 @@ def test_compile_starts_and_stops_its_own_ray(tmp_path):
     assert _alive_actor_pids(pids) == []
 
 
+@pytest.mark.slow  # make test-all
 def test_results_are_writable_arrays_on_ray_as_on_threads(shared):
     # Ray's object store hands out read-only arrays backed by its shared memory; a result is the
     # caller's own writable array on every backend (and torch in gives writable torch tensors)

@@ -41,7 +41,9 @@ def _to_host(prog):
 
 # on one device the three planners choose the same program (the same decompositions, 21 tasks):
 # one device runs once, three devices under each planner
-@pytest.mark.parametrize("devices, planner", [(1, "auto"), (3, "auto"), (3, "data_parallel"), (3, "zero")])
+@pytest.mark.parametrize("devices, planner", [(1, "auto"), (3, "auto"),  # data_parallel: make test-all
+                                              pytest.param(3, "data_parallel", marks=pytest.mark.slow),
+                                              (3, "zero")])
 def test_ray_steps_match_numpy_and_load_only_the_batch(shared, planner, devices):
     x, y, w, b, loss, state = _step_graph()
     prog = ej.compile([loss], devices, planner=planner, backend=shared, state=state, quiet=True)

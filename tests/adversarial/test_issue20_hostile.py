@@ -608,6 +608,7 @@ def llama() -> nn.Module:
 _PROMPT = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6], [0, 0, 0, 0]])
 
 
+@pytest.mark.slow  # make test-all: decoding vs torch is test_generate's
 def test_generate_batch_of_three_on_two_devices_and_edges_of_capacity(llama: nn.Module) -> None:
     assert torch.equal(ej.generate(llama, _PROMPT, 4, capacity=8, devices=2), _greedy(llama, _PROMPT, 4))  # full
     assert torch.equal(ej.generate(llama, _PROMPT, 0, capacity=4), _PROMPT)
