@@ -27,18 +27,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from einjoin.cluster import Cluster, as_cluster
-from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet, objective_of
+from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import EinjoinError
-from einjoin.ir.dtypes import itemsize
-from einjoin.ir.printing import describe
 from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
 from einjoin.progress import RunBar
 from einjoin import program_io
-from einjoin.placement import block_devices
-from einjoin.plan import PlanStats, explain, run_reference
-from einjoin.plan.stats import human_bytes
+from einjoin.program_explain import explain_program
+from einjoin.plan import PlanStats, run_reference
 from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
@@ -732,38 +729,10 @@ class Program:
         if not (file is None or to_stdout or callable(getattr(file, "write", None))):
             raise EinjoinError(f"explain(file=...): expected 'stdout', None or an open text file (an "
                                f"object with write()), got {type(file).__name__} {file!r:.60}")
-        text = explain(self.taskgraph, self.decomps, list(self.graph.nodes)) + self._explain_state()
-        if objective_of(self.plan.options, self.plan.cluster) == "time":
-            text += "\nobjective: time (bytes weighed by the links they cross)"
-            if self.plan.cluster.hardware is not None:
-                sim = self.simulate()
-                text += f"; modelled time {sim.makespan * 1e3:.3f} ms (simulated, {self.plan.cluster.hardware.name})"
-        if self.plan.devices_note:  # compile(..., leave_idle=True) left devices idle
-            text += f"\nnote: {self.plan.devices_note}"
-        unused = [a for a in (self._arg_names or ()) if a not in self.graph.input_by_name]
-        if unused:  # an imported forward's arguments that the graph never reads
-            text += (f"\nnote: forward argument(s) {', '.join(unused)} are not read by the graph; "
-                     "run() accepts and ignores them")
+        text = explain_program(self)
         if file is not None:
             print(text, file=sys.stdout if to_stdout else file)
         return text
-
-    def _explain_state(self) -> str:
-        """The state inputs: each one's layout and the bytes its carry-over to the next run moves
-        (0 when every block ends where the next run loads it, as every planner arranges)."""
-        if not self._slots:
-            return ""
-        lines = ["", "state (kept on the devices between runs; loaded only when fed or written):"]
-        for s in self._slots:
-            part = self.decomps[s.new].out_partition
-            ends = block_devices(s.new, self.decomps[s.new], self.placement[s.new])
-            homes = self.placement[s.node].homes
-            size = itemsize(s.node.dtype)
-            carried = sum(int(np.prod(part.block_shape(k), dtype=np.int64)) * size
-                          for k, dev in ends.items() if homes.get(k) != dev)
-            lines.append(f"  {s.name!r} <- {describe(s.new)}: {self.decomps[s.node].spec}, "
-                         f"{part.num_blocks} block(s), {human_bytes(carried)} carried")
-        return "\n".join(lines)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write this program to the file ``path`` (a zip of JSON and safetensors; see
