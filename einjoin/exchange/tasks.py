@@ -247,6 +247,19 @@ class Task:
         consumer: Node | None = self.payload.consumer
         return consumer
 
+    def trace_args(self, op: str) -> dict[str, Any]:
+        """What a trace event shows of this task (``op``: its node described), in the real
+        runs' traces and the simulator's alike: op, kind, bytes, id, and the kernel, the source
+        device of a move, the flops where they apply."""
+        args: dict[str, Any] = {"op": op, "kind": self.kind.value, "bytes": self.nbytes, "task": self.id}
+        if self.kind is TaskKind.KERNEL:
+            args["kernel"] = self.payload.kernel
+        elif self.kind is TaskKind.MOVE:
+            args["src_device"] = self.payload.src_device
+        if self.flops:
+            args["flops"] = self.flops
+        return args
+
 
 @dataclass
 class TaskGraphBuilder:

@@ -117,13 +117,7 @@ class Simulation:
             op = names.get(t.node)
             if op is None:
                 op = names[t.node] = describe(t.node)
-            args: dict[str, Any] = {"op": op, "kind": t.kind.value, "bytes": t.nbytes, "task": t.id}
-            if t.kind is TaskKind.KERNEL:
-                args["kernel"] = t.payload.kernel
-            elif t.kind is TaskKind.MOVE:
-                args["src_device"] = t.payload.src_device
-            if t.flops:
-                args["flops"] = t.flops
+            args = t.trace_args(op)
             args["simulated"] = True
             events.append({"name": op if t.kind is TaskKind.KERNEL else f"{t.kind} {op}", "cat": t.kind.value,
                            "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": 0, "tid": where[tid], "args": args})

@@ -117,15 +117,9 @@ class TraceRecorder:
 
     def _event(self, task: Task, start: float, end: float, unfinished: bool = False) -> dict[str, Any]:
         op = self._op(task.node)
-        args: dict[str, Any] = {"op": op, "kind": task.kind.value, "bytes": task.nbytes, "task": task.id}
+        args = task.trace_args(op)
         if task.node in self.labels:
             args["node"] = self.labels[task.node]
-        if task.kind is TaskKind.KERNEL:
-            args["kernel"] = task.payload.kernel
-        elif task.kind is TaskKind.MOVE:
-            args["src_device"] = task.payload.src_device
-        if task.flops:
-            args["flops"] = task.flops
         if unfinished:
             args["unfinished"] = True
         return {"name": task_name(task, op), "cat": task.kind.value, "ph": "X",
