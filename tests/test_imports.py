@@ -35,7 +35,8 @@ FLOORS: list[set[str]] = [
     {"frontend", "models", "viz", "autodiff", "train"},  # build IR (user code, model zoo, gradients,
     # optimizer steps); draw plans and traces
     {"program", "compiler", "cli", "demo", "__main__", "__init__", "trainer", "generate",
-     "variants", "program_io", "program_explain"},  # wiring: ej.compile, CLI; programs per shape signature, saved programs
+     "variants", "program_io", "program_explain"},
+    # ^ wiring: ej.compile, CLI; programs per shape signature, saved programs, explain()
 ]
 
 # The frontend, the models and autodiff build IR only: they may import these rooms and nothing else,
