@@ -63,6 +63,10 @@ class RunStats:
     recoveries: int = 0        # re-runs after a lost device (Ray)
     bytes_evicted: int = 0     # device -> host copies (memory-capped graphs; not in bytes_moved)
     bytes_reloaded: int = 0    # host -> device copies
+    # the physical bytes the moves copied (bytes_moved is the plan's logical bytes): 0 where a move
+    # hands the block over (local devices, uncapped), all of them across processes (Ray); the torch
+    # backend adds its host copies (TorchBackend.host_copies)
+    bytes_copied: int = 0
     source: str = "measured"   # "simulated": every figure from backend="simulate" (simulated seconds)
 
 
