@@ -51,6 +51,7 @@ class Store:
         self.live = 0
         self.peak = 0
         self.received = 0
+        self.copied = 0  # of the received bytes, those copied (not a block handed over)
         self.loaded = 0
         self.evicted = 0
         self.reloaded = 0
@@ -227,6 +228,8 @@ class LocalSession:
         store.put(t.writes, value, nbytes)
         if kind is _MOVE:
             store.received += nbytes
+            if self.capped:  # else handed over (zero-copy)
+                store.copied += nbytes
         elif kind is _LOAD:
             if self.state is not None and t.node in self.state.on_host:
                 store.reloaded += nbytes  # state kept in host RAM (a capped graph): a reload
@@ -241,6 +244,7 @@ class LocalSession:
         """The run's totals from its stores, and its outputs assembled from the blocks."""
         tg, stores = self.tg, self.stores
         stats.bytes_moved = sum(s.received for s in stores)
+        stats.bytes_copied = sum(s.copied for s in stores)
         stats.bytes_loaded = sum(s.loaded for s in stores)
         stats.bytes_evicted = sum(s.evicted for s in stores)
         stats.bytes_reloaded = sum(s.reloaded for s in stores)
