@@ -203,6 +203,7 @@ class TorchSession(LocalSession):
                 value = src  # zero-copy in one memory: blocks are never written in place
             else:
                 value = src.to(dev, non_blocking=True, copy=True)
+                store.copied += value.nbytes
         else:
             get = store.get
             value = self._compute(t, get, dev)
@@ -338,6 +339,7 @@ class TorchSession(LocalSession):
             outs.append(unaliased(out, self.feeds))
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         self.backend._last_copies = self.copies
+        stats.bytes_copied = sum(s.copied for s in stores) + self.copies  # moves' copies + host copies
         return outs
 
     def _numpy(self, t: torch.Tensor) -> np.ndarray:
