@@ -657,6 +657,9 @@ class _SimSession:
             if t.id not in served:
                 by_kind[t.kind] = by_kind.get(t.kind, 0) + t.nbytes
         stats.bytes_moved = by_kind.get(TaskKind.MOVE, 0)
+        # as _move models them: handed over (shared memory, local(n)'s links, uncapped), else copied
+        handed = hw.shared_memory and not hw.own_links and tg.memory is None
+        stats.bytes_copied = 0 if handed else stats.bytes_moved
         stats.bytes_loaded = by_kind.get(TaskKind.LOAD, 0) - on_host
         stats.bytes_evicted = by_kind.get(TaskKind.EVICT, 0)  # as the stores count it: write-backs are not evictions
         stats.bytes_reloaded = by_kind.get(TaskKind.RELOAD, 0) + on_host
