@@ -731,6 +731,7 @@ class _RaySession:
         for d, rep in enumerate(reports):
             stats.intervals[d] = [(s + offset, e + offset, tid) for tid, s, e in rep["intervals"]]
         stats.bytes_moved = sum(r["received"] for r in reports)
+        stats.bytes_copied = stats.bytes_moved  # every move crosses processes (actor to actor)
         stats.bytes_loaded = sum(r["loaded"] for r in reports)
         stats.peak_bytes_per_device = {d: r["peak"] for d, r in enumerate(reports)}
         # bytes per (src, dst) pair as the receiving actors counted them
