@@ -137,6 +137,7 @@ def test_two_nodes_cross_node_bytes_match_the_plan(shared):
     assert cross > 0, "the plan must span both nodes"
     assert sum(b for (s, d), b in measured.items() if node[s] != node[d]) == cross
     assert prog.run_stats.bytes_moved == prog.stats.bytes_moved
+    assert prog.run_stats.bytes_copied == prog.run_stats.bytes_moved  # every move crosses processes
     # every task ran once, and the callbacks saw each of them with the actors' measured times
     seen = []
 
