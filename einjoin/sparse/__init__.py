@@ -1,0 +1,12 @@
+"""Sparse tensors (issue 24): block-sparse tensor relations, the per-label relational / dense
+layout, and an in-memory relational executor of sparse einsums.
+
+Upper-case (relational) labels are keys over non-empty blocks, joined and grouped; lower-case
+(dense) labels live inside each tuple's payload and are handled by the einsum kernel, batched
+over tuples. See docs/architecture.md, "Sparse".
+"""
+
+from einjoin.sparse.plan import SparsePlan, sparse_compile, sparse_einsum
+from einjoin.sparse.tensor import SparseTensor, is_sparse, sparse
+
+__all__ = ["SparseTensor", "SparsePlan", "sparse", "sparse_compile", "sparse_einsum", "is_sparse"]

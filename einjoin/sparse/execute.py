@@ -1,0 +1,245 @@
+"""The in-memory relational executor of one sparse einsum.
+
+Every operand becomes a relation at the chosen layout (keys over its relational labels, payloads
+over all its labels). The relations are joined on their shared keys (sorted codes and
+``searchsorted``: a sort-merge join done with vectorised numpy), one operand at a time, smallest
+first. The joined tuples are sorted by output key and processed in chunks: the payloads of a
+chunk are gathered and the einsum's own kernel runs batched over the chunk (one ``np.einsum``
+with a batch label), then ``reduceat`` combines the tuples of each output key (hash aggregation
+by sort). ``max`` aggregation multiplies out the payloads and masks the zero padding of edge
+blocks; an output key that misses some aggregated block (an absent tuple, value 0) also takes 0.
+
+>>> import numpy as np, einjoin as ej
+>>> a = ej.sparse("A", np.array([[0., 2.], [0., 0.], [1., 0.]]))
+>>> b = np.array([[1., 1.], [3., 4.]])
+>>> ej.einsum("ij,jk->ik", a, b).todense().tolist()
+[[6.0, 8.0], [0.0, 0.0], [1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from einjoin.errors import UnsupportedOpError
+from einjoin.sparse.layout import Layout
+from einjoin.sparse.tensor import SparseTensor, grid_of
+
+__all__ = ["Relation", "relation_of", "execute", "RunCounts"]
+
+CHUNK_ELEMENTS = 1 << 21  # gathered payload elements per batched kernel call (memory bound)
+
+
+@dataclass
+class Relation:
+    """One operand at a layout: keys (n × len(rel)) over ``rel`` labels, payloads over ``labels``."""
+
+    labels: tuple[str, ...]
+    rel: tuple[str, ...]
+    keys: np.ndarray
+    data: np.ndarray
+
+
+@dataclass
+class RunCounts:
+    """What a run actually met: tuples per operand, joined tuples, output tuples."""
+
+    tuples: tuple[int, ...]
+    joined: int
+    out: int
+
+
+def relation_of(value: SparseTensor | np.ndarray, labels: tuple[str, ...], layout: Layout
+                ) -> Relation:
+    """The relation of one operand at ``layout`` (a dense array becomes every block)."""
+    shape = tuple(value.shape)
+    block = tuple(layout.extent(lab, n) if layout.relational(lab) else max(n, 1)
+                  for lab, n in zip(labels, shape))
+    rel_dims = [d for d, lab in enumerate(labels) if layout.relational(lab)]
+    rel = tuple(labels[d] for d in rel_dims)
+    if isinstance(value, SparseTensor):
+        st = value.reblock(block)
+        return Relation(labels, rel, st.keys[:, rel_dims], st.data)
+    grid = grid_of(shape, block)
+    arr = np.asarray(value)
+    padded_shape = tuple(g * b for g, b in zip(grid, block))
+    if padded_shape != shape:
+        pad = np.zeros(padded_shape, arr.dtype)
+        pad[tuple(slice(0, n) for n in shape)] = arr
+        arr = pad
+    r = len(shape)
+    split = arr.reshape(tuple(x for gb in zip(grid, block) for x in gb))
+    front = [2 * d for d in rel_dims]
+    rest = [2 * d for d in range(r) if d not in rel_dims] + [2 * d + 1 for d in range(r)]
+    data = split.transpose(front + rest).reshape((-1, *block))
+    keys = (np.indices(tuple(grid[d] for d in rel_dims)).reshape(len(rel_dims), -1).T if rel_dims
+            else np.zeros((1, 0), np.int64))
+    return Relation(labels, rel, np.ascontiguousarray(keys, np.int64), data)
+
+
+def _codes(cols: Sequence[np.ndarray], grid: Sequence[int], what: str) -> np.ndarray:
+    if math.prod(grid) >= 2 ** 62:
+        raise UnsupportedOpError(f"{what}: a key grid of {math.prod(grid)} blocks overflows int64 codes")
+    code = np.zeros(len(cols[0]) if cols else 0, np.int64)
+    for c, g in zip(cols, grid):
+        code = code * g + c
+    return code
+
+
+def _join(rels: Sequence[Relation], grid: Mapping[str, int], what: str
+          ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """Joined tuples: key columns per relational label and, per operand, the tuple index."""
+    n = len(rels)
+    first = min(range(n), key=lambda i: len(rels[i].keys))
+    cols = {lab: rels[first].keys[:, p] for p, lab in enumerate(rels[first].rel)}
+    idx: list[np.ndarray | None] = [None] * n
+    idx[first] = np.arange(len(rels[first].keys))
+    m = len(rels[first].keys)
+    todo = [i for i in range(n) if i != first]
+    while todo:
+        sharing = [i for i in todo if set(rels[i].rel) & set(cols)]
+        nxt = min(sharing or todo, key=lambda i: len(rels[i].keys))
+        todo.remove(nxt)
+        y = rels[nxt]
+        shared = [lab for lab in y.rel if lab in cols]
+        if shared:
+            g = [grid[lab] for lab in shared]
+            ca = _codes([cols[lab] for lab in shared], g, what)
+            cb = _codes([y.keys[:, y.rel.index(lab)] for lab in shared], g, what)
+            order = np.argsort(cb, kind="stable")
+            cbs = cb[order]
+            lo = np.searchsorted(cbs, ca, "left")
+            cnt = np.searchsorted(cbs, ca, "right") - lo
+        else:
+            order = np.arange(len(y.keys))
+            lo = np.zeros(m, np.int64)
+            cnt = np.full(m, len(y.keys), np.int64)
+        total = int(cnt.sum())
+        left = np.repeat(np.arange(m), cnt)
+        within = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        right = order[np.repeat(lo, cnt) + within]
+        cols = {lab: c[left] for lab, c in cols.items()}
+        for p, lab in enumerate(y.rel):
+            if lab not in cols:
+                cols[lab] = y.keys[right, p]
+        idx = [None if i is None else i[left] for i in idx]
+        idx[nxt] = right
+        m = total
+    return cols, [i if i is not None else np.zeros(0, np.int64) for i in idx]
+
+
+def _letters(labels: Sequence[str]) -> tuple[dict[str, str], str]:
+    pool = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in labels]
+    return {lab: lab for lab in labels}, pool[0]
+
+
+def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tuple[str, ...]],
+            out_labels: tuple[str, ...], sizes: Mapping[str, int], layout: Layout, agg: str,
+            dtype: np.dtype, what: str) -> tuple[np.ndarray, np.ndarray | None, RunCounts]:
+    """Run the einsum: (output payloads, output keys over the relational output labels or None
+    when no output label is relational, counts). Payloads are over ``out_labels`` at the layout's
+    extents, edge padding zero."""
+    rels = [relation_of(v, ls, layout) for v, ls in zip(values, in_labels)]
+    grid = {lab: -(-sizes[lab] // b) for lab, b in layout.blocks.items() if b}
+    cols, idx = _join(rels, grid, what)
+    m = len(idx[0])
+    out_rel = [lab for lab in out_labels if layout.relational(lab)]
+    out_ext = tuple(layout.extent(lab, sizes[lab]) for lab in out_labels)
+    if out_rel:
+        gcode = _codes([cols[lab] for lab in out_rel], [grid[lab] for lab in out_rel], what)
+        order = np.argsort(gcode, kind="stable")
+        gsorted = gcode[order]
+        starts = np.flatnonzero(np.r_[True, gsorted[1:] != gsorted[:-1]]) if m else np.zeros(0, np.int64)
+        ucode = gsorted[starts]
+        keys: np.ndarray | None = (np.stack(np.unravel_index(ucode, tuple(grid[lab] for lab in out_rel)),
+                                            axis=1).astype(np.int64) if m else
+                                   np.zeros((0, len(out_rel)), np.int64))
+        ngroups = len(starts)
+    else:
+        order = np.arange(m)
+        starts = np.zeros(min(m, 1), np.int64)
+        keys, ngroups = None, 1
+    gid = np.zeros(m, np.int64)
+    if m:
+        gid[starts[1:]] = 1
+        gid = np.cumsum(gid)
+    compute = np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
+    lowest: float = -np.inf if compute.kind == "f" else int(np.iinfo(compute.type).min)
+    out = np.zeros((ngroups, *out_ext), compute) if agg == "sum" else np.full((ngroups, *out_ext), lowest, compute)
+    letters, z = _letters([lab for ls in in_labels for lab in ls])
+    all_labels = list(out_labels) + [lab for ls in in_labels for lab in ls if lab not in out_labels]
+    all_labels = list(dict.fromkeys(all_labels))
+    eq = ",".join(z + "".join(letters[lab] for lab in ls) for ls in in_labels) + "->" + z + \
+        "".join(letters[lab] for lab in out_labels)
+    per_tuple = sum(math.prod(r.data.shape[1:]) for r in rels) + math.prod(out_ext)
+    if agg == "max":
+        per_tuple += math.prod(layout.extent(lab, sizes[lab]) for lab in all_labels)
+    chunk = max(1, CHUNK_ELEMENTS // max(per_tuple, 1))
+    ufunc = np.add if agg == "sum" else np.maximum
+    for s in range(0, m, chunk):
+        sel = order[s:s + chunk]
+        payloads = [r.data[i[sel]].astype(compute, copy=False) for r, i in zip(rels, idx)]
+        if agg == "sum":
+            res = np.einsum(eq, *payloads, optimize=len(payloads) > 2)
+        else:
+            res = _max_kernel(payloads, in_labels, all_labels, out_labels, cols, sel, layout, sizes,
+                              lowest)
+        g = gid[s:s + chunk]
+        seg = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        part = ufunc.reduceat(res, seg, axis=0)
+        out[g[seg]] = ufunc(out[g[seg]], part)
+    if agg == "max":
+        # an output key missing some aggregated block meets an absent tuple: a 0 in the max
+        full = math.prod(grid[lab] for lab in all_labels if lab not in out_labels and lab in grid)
+        count = np.diff(np.r_[starts, m]) if m else np.zeros(ngroups, np.int64)
+        short = count < full
+        if ngroups and not m:
+            short = np.ones(ngroups, bool)
+        out[short] = np.maximum(out[short], 0)
+        _zero_padding(out, keys, out_labels, out_rel, layout, sizes)
+    counts = RunCounts(tuple(len(r.keys) for r in rels), m, ngroups if out_rel else int(m > 0))
+    return out.astype(dtype, copy=False), keys, counts
+
+
+def _max_kernel(payloads: Sequence[np.ndarray], in_labels: Sequence[tuple[str, ...]],
+                all_labels: list[str], out_labels: tuple[str, ...], cols: Mapping[str, np.ndarray],
+                sel: np.ndarray, layout: Layout, sizes: Mapping[str, int], lowest: float) -> np.ndarray:
+    """max over the aggregated payload axes of the product (padding of edge blocks masked)."""
+    prod: np.ndarray | None = None
+    for p, ls in zip(payloads, in_labels):
+        perm = [ls.index(lab) + 1 for lab in all_labels if lab in ls]
+        view = p.transpose([0, *perm])
+        shape = [p.shape[0]] + [p.shape[ls.index(lab) + 1] if lab in ls else 1 for lab in all_labels]
+        view = view.reshape(shape)
+        prod = view if prod is None else prod * view
+    assert prod is not None
+    prod = np.broadcast_to(prod, (prod.shape[0], *(layout.extent(lab, sizes[lab]) for lab in all_labels)))
+    nout = len(out_labels)
+    for ax, lab in enumerate(all_labels[nout:], start=nout + 1):
+        b = layout.blocks[lab]
+        if b is not None and sizes[lab] % b:
+            pos = cols[lab][sel][:, None] * b + np.arange(b)[None, :]
+            shape = [len(sel)] + [1] * len(all_labels)
+            shape[ax] = b
+            prod = np.where((pos < sizes[lab]).reshape(shape), prod, lowest)
+    return prod.max(axis=tuple(range(nout + 1, len(all_labels) + 1))) if len(all_labels) > nout else \
+        np.array(prod)
+
+
+def _zero_padding(out: np.ndarray, keys: np.ndarray | None, out_labels: tuple[str, ...],
+                  out_rel: list[str], layout: Layout, sizes: Mapping[str, int]) -> None:
+    """Keep the relation's invariant: payload positions past the shape hold 0."""
+    if keys is None:
+        return
+    for p, lab in enumerate(out_rel):
+        b = layout.blocks[lab]
+        assert b is not None
+        if sizes[lab] % b:
+            ax = out_labels.index(lab) + 1
+            pos = keys[:, p][:, None] * b + np.arange(b)[None, :]
+            shape = [len(keys)] + [1] * len(out_labels)
+            shape[ax] = b
+            np.copyto(out, 0, where=np.broadcast_to((pos >= sizes[lab]).reshape(shape), out.shape))

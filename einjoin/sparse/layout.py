@@ -1,0 +1,173 @@
+"""Which labels of a sparse einsum are relational (upper case: a key over non-empty blocks) and
+which dense (lower case: inside each tuple's payload), and at what block size.
+
+The cost of a layout, in element-operations, from the data's block histogram (non-empty block
+counts of each sparse operand at the candidate block sizes, counted exactly with a bincount):
+
+    joined ≈ Π_X tuples(X) / Π_ℓ grid(ℓ)^(c_ℓ − 1)       (independent keys; c_ℓ operands keyed on ℓ)
+    cost   = joined · (TUPLE_COST + Π_ℓ extent(ℓ))  +  Σ_X tuples(X) · payload(X)
+
+``extent`` is the block size of a relational label and the full size of a dense one, so small
+blocks pay per tuple (gathers, kernel-loop overhead) and large blocks pay for the zeros inside
+their payloads. Every combination is tried when there are few (≤ ``EXHAUSTIVE``), else a
+coordinate descent over labels; a user pin (``blocks={"j": 256}``, ``relational={"i"}``) fixes a
+label or keeps it relational.
+
+>>> import numpy as np
+>>> from einjoin.sparse.layout import Operand, choose_layout
+>>> a = Operand("A", ("i", "j"), (400, 300), np.array([[0, 0], [1, 5], [399, 299]]))
+>>> b = Operand("B", ("j", "k"), (300, 64), None)               # dense
+>>> choose_layout([a, b], ("i", "k"), {}, set()).blocks          # i, j keyed per entry; k dense
+{'i': 1, 'k': None, 'j': 1}
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from einjoin.errors import EinjoinError, PartitionError
+
+__all__ = ["Operand", "Layout", "choose_layout", "CANDIDATES", "TUPLE_COST"]
+
+CANDIDATES = (1, 4, 16, 64, 256)  # relational block sizes tried (below a label's size)
+TUPLE_COST = 48.0  # one joined tuple's overhead in element-operations (gather, kernel loop, reduce)
+EXHAUSTIVE = 1500  # try every combination up to this many, else coordinate descent
+
+
+@dataclass
+class Operand:
+    """An einsum operand as the layout sees it: labels, shape, and the stored coordinates
+    (n × rank) of a sparse one (None: dense, every block present)."""
+
+    name: str
+    labels: tuple[str, ...]
+    shape: tuple[int, ...]
+    coords: np.ndarray | None
+    _counts: dict[tuple[int | None, ...], int] = field(default_factory=dict, repr=False)
+
+    def tuples(self, blocks: Sequence[int | None]) -> int:
+        """Non-empty blocks when dim d is keyed at ``blocks[d]`` (None: dense, not keyed)."""
+        key = tuple(blocks)
+        if key not in self._counts:
+            self._counts[key] = self._count(key)
+        return self._counts[key]
+
+    def _count(self, blocks: tuple[int | None, ...]) -> int:
+        grid = [(-(-n // b) if b else 1) for n, b in zip(self.shape, blocks)]
+        if self.coords is None:
+            return math.prod(grid)
+        if len(self.coords) == 0:
+            return 0
+        dims = [d for d, b in enumerate(blocks) if b]
+        if not dims:
+            return 1
+        total = math.prod(grid[d] for d in dims)
+        code = np.zeros(len(self.coords), np.int64)
+        for d in dims:
+            b = blocks[d]
+            assert b is not None
+            col = self.coords[:, d] if b == 1 else self.coords[:, d] // b
+            code = code * grid[d] + col
+        if total <= 4 * len(code) + (1 << 20):
+            return int(np.count_nonzero(np.bincount(code, minlength=total)))
+        return int(len(np.unique(code)))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The chosen block size of each label (None: dense) and its estimates."""
+
+    blocks: dict[str, int | None]
+    tuples: tuple[int, ...]  # per operand, at these blocks
+    joined: float  # estimated joined tuples
+    cost: float
+    payload: int  # element-operations per joined tuple
+
+    def relational(self, label: str) -> bool:
+        return self.blocks[label] is not None
+
+    def extent(self, label: str, size: int) -> int:
+        b = self.blocks[label]
+        return size if b is None else min(b, size)
+
+
+def _evaluate(ops: Sequence[Operand], sizes: Mapping[str, int], blocks: dict[str, int | None]
+              ) -> Layout:
+    tuples = tuple(op.tuples([blocks[lab] for lab in op.labels]) for op in ops)
+    grid = {lab: -(-sizes[lab] // b) for lab, b in blocks.items() if b}
+    log_joined = sum(math.log(max(t, 1)) for t in tuples)
+    for lab, g in grid.items():
+        c = sum(lab in op.labels for op in ops)
+        log_joined -= (c - 1) * math.log(g)
+    joined = 0.0 if 0 in tuples else min(math.exp(log_joined), float(math.prod(grid.values())),
+                                          float(math.prod(tuples)))
+    joined = max(joined, 1.0) if 0 not in tuples else 0.0
+    payload = math.prod(min(b, sizes[lab]) if b else sizes[lab] for lab, b in blocks.items())
+    load = sum(t * math.prod(min(blocks[lab] or sizes[lab], sizes[lab]) for lab in op.labels)
+               for t, op in zip(tuples, ops))
+    cost = joined * (TUPLE_COST + payload) + load
+    return Layout(dict(blocks), tuples, joined, cost, payload)
+
+
+def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
+                  pinned: Mapping[str, int], relational: set[str], *, what: str = "sparse einsum"
+                  ) -> Layout:
+    """The cheapest layout; ``pinned`` fixes block sizes, ``relational`` labels stay keyed.
+    Labels of dense operands only stay dense (nothing to skip) unless pinned."""
+    sizes: dict[str, int] = {}
+    order: list[str] = list(out_labels)
+    for op in ops:
+        for lab, n in zip(op.labels, op.shape):
+            sizes[lab] = n
+            if lab not in order:
+                order.append(lab)
+    for lab in list(pinned) + sorted(relational):
+        if lab not in sizes:
+            raise EinjoinError(f"{what}: pinned label {lab!r} is not one of its labels "
+                               f"{''.join(order)!r}")
+    for lab, b in pinned.items():
+        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1:
+            raise PartitionError(f"{what}: block size {b!r} for label {lab!r} (size {sizes[lab]}) "
+                                 f"must be an integer >= 1")
+    in_sparse = {lab for op in ops if op.coords is not None for lab in op.labels}
+    choices: dict[str, list[int | None]] = {}
+    for lab in order:
+        n = max(sizes[lab], 1)
+        if lab in pinned:
+            choices[lab] = [min(int(pinned[lab]), n)]
+            continue
+        keyed: list[int | None] = [b for b in CANDIDATES if b < n] or [1]
+        if lab in relational:
+            choices[lab] = list(keyed)
+        elif lab in in_sparse:
+            choices[lab] = [None, *keyed]
+        else:
+            choices[lab] = [None]
+    labels = list(choices)
+    if math.prod(len(c) for c in choices.values()) <= EXHAUSTIVE:
+        best = min((_evaluate(ops, sizes, dict(zip(labels, combo)))
+                    for combo in itertools.product(*(choices[lab] for lab in labels))),
+                   key=lambda lay: lay.cost)
+        return best
+    current = {lab: c[1] if len(c) > 1 and c[0] is None else c[0] for lab, c in choices.items()}
+    best = _evaluate(ops, sizes, current)
+    for _sweep in range(3):
+        improved = False
+        for lab in labels:
+            for bb in choices[lab]:
+                trial = _evaluate(ops, sizes, {**best.blocks, lab: bb})
+                if trial.cost < best.cost:
+                    best, improved = trial, True
+        if not improved:
+            break
+    return best
+
+
+def histogram(op: Operand, sizes: Sequence[int] = CANDIDATES) -> list[tuple[int, int]]:
+    """(block size, non-empty blocks with every dim keyed at it): the block histogram."""
+    return [(b, op.tuples([b] * len(op.shape))) for b in sizes if b == 1 or b < max(op.shape, default=1)]

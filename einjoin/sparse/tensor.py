@@ -1,0 +1,291 @@
+"""Block-sparse tensor relations: only the non-empty blocks exist, each a tuple (key, payload).
+
+A :class:`SparseTensor` of rank r holds ``keys`` (n × r block coordinates, unique, sorted) and
+``data`` (n payloads of the block shape, stacked: ``data[t]`` is the block at ``keys[t]``). A
+block of size 1 in every dim is plain COO; a block of the full size in a dim makes that dim
+dense inside the payload (the key column is then 0). Edge blocks are padded with zeros, so every
+payload has the same shape and kernels run batched over tuples.
+
+>>> import numpy as np, einjoin as ej
+>>> s = ej.sparse("A", (np.array([[0, 0, 2], [1, 1, 0]]), np.array([1., 2., 5.]), (3, 2)))
+>>> s.nnz, s.todense().tolist()      # the duplicate (0, 1) entries are summed
+(2, [[0.0, 3.0], [0.0, 0.0], [5.0, 0.0]])
+>>> s.reblock((2, 2)).keys.tolist()  # two non-empty 2x2 blocks
+[[0, 0], [1, 0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from einjoin.errors import DTypeError, EinjoinError, ShapeError
+
+__all__ = ["SparseTensor", "sparse", "is_sparse"]
+
+EINSUM: dict[str, Callable[..., Any]] = {}  # {"sparse_einsum": einjoin.sparse.plan.sparse_einsum}
+_MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
+
+
+def grid_of(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
+    """Blocks per dim (ceil), at least 1 so that a size-0 dim keeps a well-formed grid."""
+    return tuple(max(1, -(-n // b)) for n, b in zip(shape, block))
+
+
+def key_codes(keys: np.ndarray, grid: Sequence[int]) -> np.ndarray | None:
+    """One int64 per key row (row-major over ``grid``), or None when the grid is too large."""
+    if int(np.prod([max(g, 1) for g in grid], dtype=object)) >= _MAX_CODE:
+        return None
+    code = np.zeros(len(keys), np.int64)
+    for d, g in enumerate(grid):
+        code = code * g + keys[:, d]
+    return code
+
+
+def unique_rows(keys: np.ndarray, grid: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted unique rows, inverse) of an int64 key matrix; codes when the grid allows."""
+    if keys.shape[1] == 0:
+        return np.zeros((min(len(keys), 1), 0), np.int64), np.zeros(len(keys), np.int64)
+    code = key_codes(keys, grid)
+    if code is None:
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        return uniq, inv.reshape(-1)
+    ucode, inv = np.unique(code, return_inverse=True)
+    return np.stack(np.unravel_index(ucode, tuple(grid)), axis=1).astype(np.int64), inv.reshape(-1)
+
+
+def _check_shape(shape: Any, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(n) for n in shape)
+        ok = all(int(n) == n for n in shape)
+    except (TypeError, ValueError):
+        raise ShapeError(f"{what}: shape must be a sequence of integers, got {shape!r}") from None
+    if not ok or any(n < 0 for n in out):
+        raise ShapeError(f"{what}: shape {tuple(shape)} has a negative or non-integer size")
+    return out
+
+
+def _check_dtype(dtype: np.dtype, what: str) -> np.dtype:
+    if dtype.kind not in "fiub" or dtype.itemsize > 8:
+        raise DTypeError(f"{what}: values of dtype {dtype} (sparse tensors hold numbers: "
+                         f"float, int, uint or bool)")
+    return np.dtype(np.float32) if dtype.kind == "b" else dtype
+
+
+class SparseTensor:
+    """A block-sparse tensor relation: ``keys`` (n × rank, int64) and ``data`` (n × block).
+
+    Build one with :func:`sparse`. ``block[d] == 1`` is COO along d; ``block[d] == shape[d]``
+    is d kept dense in the payload. Results of :func:`einjoin.einsum` on sparse operands are
+    SparseTensors where the algebra keeps them sparse.
+
+    >>> import numpy as np, einjoin as ej
+    >>> a = ej.sparse("A", np.eye(3))
+    >>> a.nnz, a.block, float(a.todense().trace())
+    (3, (1, 1), 3.0)
+    """
+
+    __slots__ = ("name", "shape", "dtype", "block", "keys", "data", "_coo")
+
+    def __init__(self, name: str, shape: tuple[int, ...], block: tuple[int, ...],
+                 keys: np.ndarray, data: np.ndarray) -> None:
+        self.name = name
+        self.shape = shape
+        self.block = block
+        self.keys = keys
+        self.data = data
+        self.dtype = data.dtype
+        self._coo: tuple[np.ndarray, np.ndarray] | None = None
+
+    # -- the sparse-operand protocol of einjoin.einsum (the frontend knows only this name); the
+    # executor registers itself in EINSUM (einjoin.sparse.plan imports this module, not back) --
+    @classmethod
+    def __einjoin_einsum__(cls, equation: str, operands: Sequence[Any], join: Any = None,
+                           agg: Any = "sum") -> Any:
+        return EINSUM["sparse_einsum"](equation, *operands, join=join, agg=agg)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        """Stored entries (inside the shape; explicit zeros count, as in scipy)."""
+        return len(self.coo()[1])
+
+    @property
+    def nblocks(self) -> int:
+        """Non-empty blocks: the relation's tuples."""
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        return (f"SparseTensor({self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+                f"block={self.block}, tuples={self.nblocks})")
+
+    def coo(self) -> tuple[np.ndarray, np.ndarray]:
+        """(coords n × rank, values n): the stored entries; for blocks > 1 the payloads' non-zeros."""
+        if self._coo is None:
+            if all(b == 1 for b in self.block):
+                coords, vals = self.keys, self.data.reshape(-1)
+            else:
+                t, *offs = np.nonzero(self.data)
+                coords = np.stack([self.keys[t, d] * b + o for d, (b, o) in
+                                   enumerate(zip(self.block, offs))], axis=1) if self.ndim else \
+                    np.zeros((len(t), 0), np.int64)
+                vals = self.data[(t,) + tuple(offs)]
+                inside = np.all(coords < np.asarray(self.shape, np.int64), axis=1)
+                coords, vals = coords[inside], vals[inside]
+            self._coo = (coords.astype(np.int64, copy=False).reshape(-1, self.ndim), vals)
+        return self._coo
+
+    def reblock(self, block: Sequence[int]) -> SparseTensor:
+        """The same tensor as a relation of ``block``-shaped tuples (sizes capped at the shape)."""
+        blk = tuple(max(1, min(int(b), max(n, 1))) for b, n in zip(block, self.shape))
+        if len(blk) != self.ndim or any(int(b) < 1 for b in block):
+            raise ShapeError(f"sparse tensor {self.name!r} of shape {self.shape}: block {tuple(block)} "
+                             f"needs {self.ndim} sizes >= 1")
+        if blk == self.block:
+            return self
+        coords, vals = self.coo()
+        return from_coo(self.name, coords, vals, self.shape, blk, summed=True)
+
+    def todense(self) -> np.ndarray:
+        """An ``np.ndarray`` of the exact shape (missing entries are 0)."""
+        grid = grid_of(self.shape, self.block)
+        padded = np.zeros(tuple(g * b for g, b in zip(grid, self.block)), self.dtype)
+        if self.nblocks:
+            split = padded.reshape(tuple(x for gb in zip(grid, self.block) for x in gb))
+            r = self.ndim
+            view = split.transpose(tuple(range(0, 2 * r, 2)) + tuple(range(1, 2 * r, 2)))
+            view[tuple(self.keys[:, d] for d in range(r))] = self.data
+        return padded[tuple(slice(0, n) for n in self.shape)].copy() if padded.shape != self.shape \
+            else padded
+
+    def to_scipy(self) -> Any:
+        """A ``scipy.sparse.csr_array`` (rank 2 only)."""
+        if self.ndim != 2:
+            raise ShapeError(f"sparse tensor {self.name!r}: to_scipy needs rank 2, shape is {self.shape}")
+        import scipy.sparse
+        coords, vals = self.coo()
+        return scipy.sparse.coo_array((vals, (coords[:, 0], coords[:, 1])), shape=self.shape).tocsr()
+
+    def tuples(self) -> dict[tuple[int, ...], np.ndarray]:
+        """The relation as a dict ``block key -> payload`` (a view of each payload)."""
+        return {tuple(int(k) for k in key): self.data[t] for t, key in enumerate(self.keys)}
+
+
+def from_coo(name: str, coords: np.ndarray, values: np.ndarray, shape: tuple[int, ...],
+             block: tuple[int, ...], summed: bool = False) -> SparseTensor:
+    """A relation of ``block`` tuples from (n × rank coords, values); duplicates summed."""
+    r = len(shape)
+    grid = grid_of(shape, block)
+    bk = np.asarray(block, np.int64)
+    keys = coords // bk if r else coords
+    if all(b == 1 for b in block):
+        if summed:
+            order = np.lexsort(keys.T[::-1]) if r else np.arange(len(keys))
+            return SparseTensor(name, shape, block, keys[order], values[order].reshape((-1,) + block))
+        uniq, inv = unique_rows(keys, grid)
+        if len(uniq) == len(keys):
+            vals = np.empty(len(uniq), values.dtype)
+            vals[inv] = values
+        else:
+            order = np.argsort(inv, kind="stable")
+            starts = np.searchsorted(inv[order], np.arange(len(uniq)))
+            vals = np.add.reduceat(values[order], starts) if len(order) else values[:0]
+        return SparseTensor(name, shape, block, uniq, vals.reshape((-1,) + block))
+    uniq, inv = unique_rows(keys, grid)
+    data = np.zeros((len(uniq),) + block, values.dtype)
+    offs = tuple((coords % bk)[:, d] for d in range(r))
+    if summed:
+        data[(inv,) + offs] = values
+    else:
+        np.add.at(data, (inv,) + offs, values)
+    return SparseTensor(name, shape, block, uniq, data)
+
+
+def is_sparse(x: Any) -> bool:
+    return isinstance(x, SparseTensor)
+
+
+def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], bool]:
+    """(coords n × rank, values, shape, duplicates already summed) of any accepted input."""
+    mod = type(data).__module__ or ""
+    if mod.startswith("scipy.sparse"):
+        coo = data.tocoo()
+        coords = np.stack([np.asarray(coo.row), np.asarray(coo.col)], axis=1).astype(np.int64)
+        return coords, np.asarray(coo.data), _check_shape(coo.shape, what), False
+    if mod.startswith("torch"):
+        import torch
+        t = data.detach()
+        if t.layout == torch.strided:
+            t = t.to_sparse()
+        elif t.layout != torch.sparse_coo:
+            t = t.to_sparse_coo()
+        t = t.coalesce()
+        vals = t.values().cpu().numpy()
+        if vals.ndim != 1:
+            raise ShapeError(f"{what}: hybrid torch sparse tensors (dense value dims {tuple(vals.shape[1:])}) "
+                             f"are not supported")
+        return (t.indices().cpu().numpy().T.astype(np.int64), vals, _check_shape(t.shape, what), True)
+    if mod.startswith("sparse") and hasattr(data, "coords"):  # pydata sparse.COO
+        return (np.asarray(data.coords).T.astype(np.int64), np.asarray(data.data),
+                _check_shape(data.shape, what), False)
+    if isinstance(data, tuple) and len(data) == 3:
+        idx, vals, shape = data
+        shape = _check_shape(shape, what)
+        idx = np.asarray(idx)
+        vals = np.asarray(vals)
+        if idx.size == 0:
+            idx = idx.reshape(len(shape), 0)
+        if idx.ndim != 2 or idx.shape[0] != len(shape):
+            raise ShapeError(f"{what}: COO indices of shape {idx.shape} for a tensor of shape {shape} "
+                             f"(expected ({len(shape)}, nnz), one row per dim)")
+        if idx.dtype.kind not in "iu":
+            raise DTypeError(f"{what}: COO indices must be integers, got {idx.dtype}")
+        if vals.shape != (idx.shape[1],):
+            raise ShapeError(f"{what}: {idx.shape[1]} COO indices but values of shape {vals.shape}")
+        coords = idx.T.astype(np.int64)
+        if len(coords):
+            lo, hi = coords.min(axis=0), coords.max(axis=0)
+            for d, n in enumerate(shape):
+                if lo[d] < 0 or hi[d] >= n:
+                    bad = int(lo[d]) if lo[d] < 0 else int(hi[d])
+                    raise ShapeError(f"{what}: COO index {bad} out of range for dim {d} of size {n} "
+                                     f"(shape {shape})")
+        return coords, vals, shape, False
+    if isinstance(data, (np.ndarray, list, float, int)) or hasattr(data, "__array__"):
+        arr = np.asarray(data)
+        nz = np.nonzero(arr)
+        coords = np.stack(nz, axis=1).astype(np.int64) if arr.ndim else np.zeros((int(arr != 0), 0), np.int64)
+        return coords, arr[nz] if arr.ndim else arr.reshape(-1)[: len(coords)], arr.shape, True
+    raise EinjoinError(f"{what}: cannot read a sparse tensor from {type(data).__name__} (give a "
+                       f"scipy.sparse matrix, a torch sparse tensor, a pydata sparse.COO, an array, "
+                       f"or COO arrays (indices, values, shape))")
+
+
+def sparse(name: str, data: Any, block: int | Sequence[int] = 1) -> SparseTensor:
+    """A sparse tensor from a ``scipy.sparse`` matrix or array, a ``torch.sparse_coo_tensor``
+    (or CSR), a pydata ``sparse.COO``, a dense array (its non-zeros), or COO arrays
+    ``(indices, values, shape)`` with indices of shape (rank, nnz); any rank. Duplicate entries
+    are summed. ``block`` stores it as a block-sparse relation (one size, or one per dim).
+
+    >>> import numpy as np, scipy.sparse, einjoin as ej
+    >>> a = ej.sparse("A", scipy.sparse.random(40, 30, density=0.1, random_state=0), block=8)
+    >>> a.block, a.nnz, np.allclose(a.todense(), a.to_scipy().toarray())
+    ((8, 8), 120, True)
+    """
+    what = f"sparse {name!r}"
+    if not isinstance(name, str) or not name:
+        raise EinjoinError(f"sparse tensor name must be a non-empty string, got {name!r}")
+    coords, vals, shape, summed = _coo_of(data, what)
+    vals = np.asarray(vals)
+    dtype = _check_dtype(vals.dtype, what)
+    vals = vals.astype(dtype, copy=False)
+    blk = (block,) * len(shape) if isinstance(block, (int, np.integer)) else tuple(block)
+    if len(blk) != len(shape) or any(int(b) < 1 for b in blk):
+        raise ShapeError(f"{what}: block {block!r} for shape {shape} (one size >= 1, or one per dim)")
+    blk = tuple(max(1, min(int(b), max(n, 1))) for b, n in zip(blk, shape))
+    return from_coo(name, coords, vals, shape, blk, summed=summed)
