@@ -32,6 +32,7 @@ FLOORS: list[set[str]] = [
     {"plan"},                         # the task graph
     {"memplan"},                      # the task graph under memory caps
     {"runtime"},                      # the engine and its backends
+    {"sparse"},                       # block-sparse relations, their layout and executor (issue 24)
     {"frontend", "models", "viz", "autodiff", "train"},  # build IR (user code, model zoo, gradients,
     # optimizer steps); draw plans and traces
     {"program", "compiler", "cli", "demo", "__main__", "__init__", "trainer", "generate",
