@@ -11,6 +11,16 @@ backend (``backend="torch"``, CPU), the import fed torch tensors (torch in, torc
 their own gives them against torch eager, and the bytes the torch backend copied between numpy
 and torch (0: no round trip).
 
+Two more rows of the table (``--cases`` keys ``memory`` and ``dispatch``):
+
+* memory: the peak RSS (``ru_maxrss``) of the llama case's block run twice on ``local(2)``, and of
+  numpy's reference (``ej.reference``) and the hand-written numpy block, each in fresh child
+  processes (``--rss-child``); the figure is the peak above the child's import baseline (every
+  child imports this module, torch and dask included), the total beside it; goal <= 1.3x numpy's;
+* dispatch: per-task time of the threads backend on ~10k tiny (8x8, elementwise, ``fuse=False``)
+  tasks against dask's threaded scheduler running a raw graph of the same blocks and ops (its
+  scheduler alone: no dask.array graph building timed); goal <= dask's.
+
 Run it with ``make bench`` (or ``.venv/bin/python bench/local_exec.py``). Every time is a median
 over a few repetitions after one warm-up run; each einjoin result is checked against numpy.
 
@@ -157,11 +167,18 @@ def block_math(xp: Any, t: dict[str, Any], heads: int) -> Any:
     return x + ((u / (1.0 + xp.exp(-u))) * (h2 @ t["w3"].T)) @ t["w2"].T
 
 
-def llama_case(rng: np.random.Generator) -> Case:
+def llama_graph(rng: np.random.Generator) -> tuple[Any, Feeds]:
+    """The llama case's graph and feeds (the memory row's children build them the same way)."""
     out, shapes = transformer_block(seq=2048, d=1024, heads=HEADS, hidden=2816)
     feeds = {k: _randn(rng, s, 0.05 if k.startswith("w") else 1.0) for k, s in shapes.items()}
     for g in ("attn_norm", "mlp_norm"):
         feeds[g] = np.ones(shapes[g], np.float32)
+    return out, feeds
+
+
+def llama_case(rng: np.random.Generator) -> Case:
+    out, feeds = llama_graph(rng)
+    shapes = {k: v.shape for k, v in feeds.items()}
     module = block_with(feeds, HEADS, seq=shapes["x"][0])  # built once, outside the timed runs
 
     def torch_fn(t: Feeds) -> np.ndarray:
@@ -406,6 +423,137 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
 
 
 # --------------------------------------------------------------------------------------------
+# memory: peak RSS of one LLaMA-block run, each peer in a fresh child process
+
+MEM_PEERS = ("einjoin", "numpy", "numpy (hand-written block)")
+MIB = 1 << 20
+
+
+def _maxrss() -> int:
+    """This process's peak resident set so far (bytes; ru_maxrss is KiB on Linux)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_child(peer: str, runs: int = 2) -> dict[str, Any]:
+    """In a fresh process (``--rss-child``): the llama case's feeds, then ``runs`` runs of
+    ``peer`` (each result dropped before the next). Peaks are ru_maxrss after the imports (this
+    module's: every peer imports the same), after the feeds, after compiling (einjoin) and at the
+    end; einjoin's stores' own peak (the blocks they counted) beside it."""
+    got: dict[str, Any] = {"peer": peer, "imports": _maxrss()}
+    out, feeds = llama_graph(np.random.default_rng(0))
+    got["feeds"] = _maxrss()
+    if peer == "einjoin":
+        prog = ej.compile(out, devices=ej.local(DEVICES), backend="threads", quiet=True)
+        got["compiled"] = _maxrss()
+        fn: Callable[[], Any] = lambda: prog.run(**feeds)  # noqa: E731
+    elif peer == "numpy":
+        fn = lambda: ej.reference(out, **feeds)  # noqa: E731
+    else:
+        fn = lambda: block_math(np, feeds, HEADS)  # noqa: E731
+    for _ in range(runs):
+        result = fn()
+        result = None  # noqa: F841 - dropped before the next run, as the timed columns do
+    got["peak"] = _maxrss()
+    if peer == "einjoin":
+        got["stores"] = sum(prog.run_stats.peak_bytes_per_device.values())
+    return got
+
+
+@dataclass
+class MemoryRow:
+    got: dict[str, list[dict[str, Any]]]  # peer -> one report per fresh child
+
+    def above(self, peer: str) -> float:
+        """The peer's peak above its import baseline (MiB), the median over its children."""
+        return statistics.median((g["peak"] - g["imports"]) / MIB for g in self.got[peer])
+
+    def total(self, peer: str) -> float:
+        return statistics.median(g["peak"] / MIB for g in self.got[peer])
+
+
+def memory_row(children: int, log: Callable[[str], None]) -> MemoryRow:
+    """``children`` fresh processes per peer, in turn (einjoin, numpy, hand-written, again ...)."""
+    import json
+    import subprocess
+    got: dict[str, list[dict[str, Any]]] = {p: [] for p in MEM_PEERS}
+    for i in range(children):
+        for peer in MEM_PEERS:
+            log(f"memory: {peer}, child {i + 1}/{children}")
+            done = subprocess.run([sys.executable, __file__, "--rss-child", peer], capture_output=True,
+                                  text=True, check=True)
+            got[peer].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return MemoryRow(got)
+
+
+# --------------------------------------------------------------------------------------------
+# per-task dispatch: tiny elementwise tasks, einjoin's threads backend vs dask's threaded scheduler
+
+
+@dataclass
+class DispatchRow:
+    tasks: int                     # kernel tasks per run (einjoin's; dask runs as many)
+    all_tasks: int                 # einjoin's tasks per run, its loads and frees too
+    einjoin: Timing                # seconds per kernel task, one entry per run
+    dask: Timing
+
+
+def dispatch_row(chain_ops: int, reps: int, log: Callable[[str], None]) -> DispatchRow:
+    """Two 8x8 inputs, each through ``chain_ops`` alternating ``* 1.0001`` / ``- 0.25`` ops,
+    compiled unfused (``fuse=False``: a task per op and block) on ``local(2)``; dask's threaded
+    scheduler (2 workers) runs a raw graph of the same blocks and ops, a task per op and block
+    (no graph building or optimisation timed: its scheduler alone). Per run, seconds / kernel
+    tasks; ``reps`` runs each, alternating, after a warm-up."""
+    import dask.threaded
+
+    def op(i: int) -> Callable[[np.ndarray], np.ndarray]:
+        return (lambda a: a * np.float32(1.0001)) if i % 2 else (lambda a: a - np.float32(0.25))
+
+    ins = [ej.input(f"t{c}", (8, 8)) for c in range(2)]
+    outs = []
+    for y in ins:
+        for i in range(chain_ops):
+            y = y * 1.0001 if i % 2 else y - 0.25
+        outs.append(y)
+    log(f"dispatch: compiling {2 * chain_ops} tiny ops (fuse=False)")
+    prog = ej.compile(outs, devices=ej.local(DEVICES), backend="threads", quiet=True, fuse=False)
+    feeds = {f"t{c}": np.ones((8, 8), np.float32) for c in range(2)}
+    kernels = prog.stats.task_counts.get("kernel", 0)
+    fns = [op(i) for i in range(chain_ops)]
+    dsk: dict[Any, Any] = {}
+    keys = []
+    for c in range(2):
+        for b, box in enumerate(chunks_box(prog, f"t{c}")):
+            dsk[(c, b, 0)] = feeds[f"t{c}"][box]
+            for i in range(chain_ops):
+                dsk[(c, b, i + 1)] = (fns[i], (c, b, i))
+            keys.append((c, b, chain_ops))
+    n_dask = len(dsk) - len(keys)
+    want = [np.asarray(o) for o in prog.run(**feeds)]
+    row = DispatchRow(kernels, sum(prog.stats.task_counts.values()), Timing(), Timing())
+    dask.threaded.get(dsk, keys, num_workers=DEVICES)
+    for r in range(reps):
+        log(f"dispatch: repetition {r + 1}/{reps}")
+        t0 = time.perf_counter()
+        got = prog.run(**feeds)
+        row.einjoin.times.append((time.perf_counter() - t0) / kernels)
+        t0 = time.perf_counter()
+        dask.threaded.get(dsk, keys, num_workers=DEVICES)
+        row.dask.times.append((time.perf_counter() - t0) / n_dask)
+    assert all(np.array_equal(a, b) for a, b in zip(want, got)), "einjoin's tiny chain changed between runs"
+    if n_dask != kernels:  # the same blocks and ops: one dask task per einjoin kernel
+        log(f"[yellow]dispatch: dask ran {n_dask} tasks, einjoin {kernels} kernels[/]")
+    return row
+
+
+def chunks_box(prog: ej.Program, name: str) -> list[tuple[slice, ...]]:
+    """The slices of einjoin's blocks of input ``name`` (the dispatch row's dask blocks)."""
+    node = prog.graph.input_by_name[name]
+    part = prog.decomps[node].out_partition
+    return [part.slices(k) for k in part.keys()]
+
+
+# --------------------------------------------------------------------------------------------
 # reporting
 
 
@@ -429,7 +577,8 @@ def fmt_s(t: Timing | None) -> str:
     return f"{t.median:.3f}" + ("" if len(t.times) > 1 else "*")
 
 
-def report(results: list[Result], console: Console, total_s: float, watch: CpuWatch) -> None:
+def report(results: list[Result], console: Console, total_s: float, watch: CpuWatch,
+           memory: MemoryRow | None = None, dispatch: DispatchRow | None = None) -> None:
     cols = {"einjoin": "einjoin\nlocal(2)", "numpy": "numpy", "dask (einjoin blocks)": "dask\neinjoin's\nblocks",
             "dask (auto chunks)": "dask\nauto\nchunks", "torch eager": "torch\neager"}
     table = Table(title=f"einjoin on ej.local({DEVICES}) (threads backend, numpy kernels) vs "
@@ -454,6 +603,15 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
             name += f"\n(numpy column = {r.case.numpy_label})"
         table.add_row(escape(name), *(fmt_s(t.get(c)) for c in cols), ratio(t, "numpy"),
                       ratio(t, "dask (einjoin blocks)"), ratio(t, "torch eager"), f"{r.errs['einjoin']:.1e}")
+    if memory is not None:
+        e, n = memory.above("einjoin"), memory.above("numpy")
+        table.add_row("LLaMA block peak RSS, MiB above the import baseline\n(ru_maxrss, a fresh process each; "
+                      "goal <= 1.30 numpy)", f"{e:.0f}", f"{n:.0f}", "-", "-", "-", f"{e / n:.2f}", "-", "-", "-")
+    if dispatch is not None:
+        e, d = dispatch.einjoin.median * 1e6, dispatch.dask.median * 1e6
+        table.add_row(f"tiny tasks: us per task, {dispatch.tasks} 8x8 elementwise tasks\n(fuse=False; dask's "
+                      f"scheduler on the same blocks; goal <= 1.00 dask)", f"{e:.1f}", "-", f"{d:.1f}", "-", "-",
+                      "-", f"{e / d:.2f}", "-", "-")
     console.print(table)
     console.print("ratios < 1: einjoin faster. '*': a single timed repetition. Every column ran once "
                   "untimed (warm-up), then the timed repetitions went round the columns in turn; every "
@@ -493,6 +651,10 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
         console.print(f"  timed repetitions: {', '.join(map(str, sorted(reps)))}; while it ran: {r.load}")
         for n in r.notes:
             console.print(f"  [yellow]note[/]: {escape(n)}")
+    if memory is not None:
+        report_memory(memory, console)
+    if dispatch is not None:
+        report_dispatch(dispatch, console)
     torch_rows = [r for r in results if TORCH_COL in r.times]
     if torch_rows:
         tt = Table(title=f"einjoin's torch backend (CPU, ej.local({DEVICES}): {DEVICES} device threads x "
@@ -513,15 +675,52 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
     console.print(f"\ntotal benchmark time: {total_s:.1f} s; while it ran: {watch.others()}")
 
 
+def report_memory(m: MemoryRow, console: Console) -> None:
+    console.print("\n[bold]memory: peak RSS of the llama case's block, each peer in fresh processes "
+                  f"({len(m.got['einjoin'])} each, median), two runs each (results dropped between)[/]")
+    console.print("  ru_maxrss (MiB) after: the imports (this bench's: every peer imports the same) / the "
+                  "feeds / compiling / the runs; the runs' peak above the import baseline; vs numpy's")
+    for peer, got in m.got.items():
+        g = got[len(got) // 2]
+        comp = f" / {g['compiled'] / MIB:.0f}" if "compiled" in g else " / -"
+        stores = f"; its stores counted {g['stores'] / MIB:.0f} MiB of blocks" if "stores" in g else ""
+        console.print(f"  {escape(peer)}: {g['imports'] / MIB:.0f} / {g['feeds'] / MIB:.0f}{comp} / "
+                      f"{m.total(peer):.0f}; above imports {m.above(peer):.0f} MiB "
+                      f"({m.above(peer) / m.above('numpy'):.2f}x numpy's, "
+                      f"total {m.total(peer) / m.total('numpy'):.2f}x){stores}")
+    r = m.above("einjoin") / m.above("numpy")
+    console.print(f"  einjoin local({DEVICES}) / numpy (ej.reference), above the import baseline: {r:.2f} "
+                  f"(goal <= 1.30: {'met' if r <= 1.3 else 'NOT met'})")
+
+
+def report_dispatch(d: DispatchRow, console: Console) -> None:
+    e, k = d.einjoin.median, d.dask.median
+    console.print(f"\n[bold]dispatch: {d.tasks} tiny kernel tasks per run ({d.all_tasks} with loads and "
+                  f"frees), median of {len(d.einjoin.times)} runs[/]")
+    console.print(f"  einjoin threads local({DEVICES}): {e * 1e6:.1f} us per kernel task "
+                  f"({e * d.tasks / d.all_tasks * 1e6:.1f} us per task, loads and frees counted); dask threaded "
+                  f"scheduler, {DEVICES} workers: {k * 1e6:.1f} us per task; einjoin / dask {e / k:.2f} "
+                  f"(goal <= 1.00: {'met' if e <= k else 'NOT met'})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", default="matmul,chain,mlp,llama,llama-import,resnet18,vit-tiny",
-                    help="comma-separated subset of matmul,chain,mlp,llama,llama-import,resnet18,vit-tiny")
+    ap.add_argument("--cases", default="matmul,chain,mlp,llama,llama-import,resnet18,vit-tiny,memory,dispatch",
+                    help="comma-separated subset of matmul,chain,mlp,llama,llama-import,resnet18,vit-tiny and "
+                         "the rows memory (peak RSS of the llama block, fresh processes) and dispatch (tiny tasks)")
+    ap.add_argument("--memory-children", type=int, default=2, help="fresh processes per peer for the memory row")
+    ap.add_argument("--tiny-tasks", type=int, default=10000,
+                    help="about how many tiny kernel tasks the dispatch row's graph has")
+    ap.add_argument("--rss-child", help=argparse.SUPPRESS)  # the memory row's child process
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per column (after a warm-up)")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds for the whole run; cases get fewer repetitions (never smaller "
                          "sizes) when their share would be exceeded")
     args = ap.parse_args(argv)
+    if args.rss_child:
+        import json
+        print(json.dumps(rss_child(args.rss_child)))
+        return 0
     console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
     torch.set_num_threads(CORES)
     dask.config.set(scheduler="threads")
@@ -544,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     results = []
     keys = [k.strip() for k in args.cases.split(",")]
+    rows = [k for k in keys if k in ("memory", "dispatch")]
+    keys = [k for k in keys if k not in rows]
     for i, key in enumerate(keys):
         case = makers[key](rng)
         case.reps = args.reps
@@ -554,7 +755,10 @@ def main(argv: list[str] | None = None) -> int:
         rest = sum(weights.get(k, 1.0) for k in keys[i:])
         share = (args.budget - (time.perf_counter() - T_START)) * weight / rest
         results.append(run_case(case, console, share))
-    report(results, console, time.perf_counter() - T_START, watch)
+    log = lambda msg: console.log(msg)  # noqa: E731
+    memory = memory_row(args.memory_children, log) if "memory" in rows else None
+    dispatch = dispatch_row(max(1, args.tiny_tasks // (2 * DEVICES)), args.reps, log) if "dispatch" in rows else None
+    report(results, console, time.perf_counter() - T_START, watch, memory, dispatch)
     bad = [r.case.name for r in results if not r.errs["einjoin"] < 1e-3]
     if bad:
         console.print(f"[red]einjoin result differs from the reference[/] in: {', '.join(bad)}")
