@@ -99,3 +99,29 @@ def test_a_kind_of_its_own_runs_at_its_own_rate():
     with pytest.raises(EinjoinError, match="kind_rates"):
         DeviceModel("x", peak=(("float32", 1.0),), mem_bw=1, copy_bw=1, vector_rate=1, launch=0,
                     kind_rates=(("attention", 0.0),))
+
+
+def test_a_kind_of_its_own_has_a_fixed_start():
+    from einjoin.cluster.model import work_time
+    m = DeviceModel("cpu", peak=(("float32", 1e10),), mem_bw=1e12, copy_bw=1e12, vector_rate=1e9, launch=0.0,
+                    kind_rates=(("attention", 1e8),), kind_half=(("attention", 5e7),))
+    assert work_time(m, 1e8, 1e3, "float32", kind="attention") == pytest.approx(1.5)
+    assert work_time(m, 1e8, 1e3, "float32", threads=2, kind="attention") == pytest.approx(0.75)
+    with pytest.raises(EinjoinError, match="kind_half"):
+        DeviceModel("x", peak=(("float32", 1.0),), mem_bw=1, copy_bw=1, vector_rate=1, launch=0,
+                    kind_half=(("attention", -1.0),))
+
+
+def test_step_by_step_elementwise_time_sums_each_function_at_its_rate():
+    from einjoin.cluster.model import steps_time
+    m = DeviceModel("cpu", peak=(("float32", 1e10),), mem_bw=2e9, copy_bw=1e9, vector_rate=1e9, launch=0.0,
+                    fn_rates={"exp": 1e8, "add": 1e9, "tanh": 5e7})
+    # 1e8 exps (1 s), 1e8 tanh (2 s), 1e9 subs at add's rate (1 s), 2e9 bytes of a reduction's pass (1 s)
+    assert steps_time(m, [("exp", 1e8), ("tanh", 1e8), ("sub", 1e9)], 2e9) == pytest.approx(5.0)
+    assert steps_time(m, [("exp", 1e8)], 0.0, itemsize=8) == pytest.approx(2.0)   # float64: twice the bytes
+    assert steps_time(m, [], 2e9) == pytest.approx(1.0)
+    gpu = DeviceModel("gpu", peak=(("float32", 1e10),), mem_bw=2e9, copy_bw=1e9, vector_rate=1e9, launch=0.0)
+    assert steps_time(gpu, [("exp", 1e8)], 0.0) is None   # no function rates: one fused pass (the roofline)
+    with pytest.raises(EinjoinError, match="fn_rates"):
+        DeviceModel("x", peak=(("float32", 1.0),), mem_bw=1, copy_bw=1, vector_rate=1, launch=0,
+                    fn_rates={"exp": 0})

@@ -251,12 +251,13 @@ def test_simulate_without_a_cache_calibrates_first(monkeypatch):
     monkeypatch.setattr(simulate_calibrate, "_gemm", lambda reps, quick: calls.append("gemm") or (10e9, 0.0, 0.5))
     monkeypatch.setattr(simulate_calibrate, "_memory", lambda reps, quick: (5e9, 1e9, 4e9))
     monkeypatch.setattr(simulate_calibrate, "_dispatch", lambda reps, quick: (1e-5, 1e-4, 2e-5, 3e-4))
-    monkeypatch.setattr(simulate_calibrate, "_attention", lambda reps, quick: 2e9)
+    monkeypatch.setattr(simulate_calibrate, "_attention", lambda reps, quick: (2e9, 1e6))
+    monkeypatch.setattr(simulate_calibrate, "_functions", lambda reps, quick: {"exp": 1e8, "add": 1e9})
     sim = _prog(2).simulate()
     assert calls == ["gemm"] and sim.makespan > 0
     cal = load_cached()
     assert cal is not None and (cal.matmul_rate, cal.launch_threads, cal.overhead_threads) == (10e9, 2e-5, 3e-4)
-    assert cal.attention_rate == 2e9
+    assert (cal.attention_rate, cal.attention_half, cal.fn_rates) == (2e9, 1e6, {"exp": 1e8, "add": 1e9})
     _prog(2).simulate()  # cached now: not measured again
     assert calls == ["gemm"]
 
@@ -331,3 +332,23 @@ def test_programs_with_state_and_gradients_simulate():
     (g,) = ej.grad(loss, [w])
     grad = ej.compile(g, devices=ej.Cluster.preset("dgx-a100", devices=2), backend="null", quiet=True)
     _check_schedule(grad.taskgraph, grad.simulate())
+
+
+def test_elementwise_kernels_are_timed_step_by_step_at_each_functions_rate():
+    # numpy evaluates exp(x * 0.5) + y one function at a time: 8192 mul, exp and add; a row max
+    # is one pass over its block's bytes; a matmul stays at the contraction rate
+    m = DeviceModel("cpu", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e12, vector_rate=1e9, launch=0.0,
+                    fn_rates={"exp": 1e6, "mul": 1e7, "add": 2e7})
+    hw = Hardware("toy", (m,), (0,), Fabric(1e9, 0.0), Fabric(1e9, 0.0), cores=1, shared_memory=True,
+                  copy_engines=False)
+    x, y, w = ej.input("x", (64, 128)), ej.input("y", (64, 128)), ej.input("w", (128, 32))
+    e = ej.exp(x * 0.5) + y
+    out = [e, ej.einsum("ab->a", e, agg="max"), e @ w]
+    prog = ej.compile(out, devices=1, backend="null", quiet=True)
+    sim = simulate(prog.taskgraph, hw)
+    took = {str(prog.taskgraph.tasks[t].node.op.join): e - s for s, e, t in sim.intervals[0]
+            if prog.taskgraph.tasks[t].kind is TaskKind.KERNEL}
+    n = 64 * 128
+    assert took["exp(x0 * 0.5) + x1"] == pytest.approx(n / 1e6 + n / 1e7 + n / 2e7)
+    assert took["x0"] == pytest.approx((4 * n + 4 * 64) / 1e9)          # the max: read the block, write a row
+    assert took["x0 * x1"] == pytest.approx(2 * n * 32 / 1e9)            # the matmul: its flops at 1 GFLOP/s

@@ -19,7 +19,7 @@ import json
 import os
 import pathlib
 import platform
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from einjoin.cluster.model import DeviceModel, Fabric, Hardware
@@ -27,7 +27,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
 
-VERSION = 3  # bumped when what is measured changes: older caches are measured again
+VERSION = 4  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,14 @@ class Calibration:
     """Measured on one machine: ``matmul_rate`` (float32 flop/s of one core's large GEMM),
     ``half_work`` (the flops at which a GEMM reaches half that), ``parallel`` (each further BLAS
     thread adds that fraction of a core's rate), ``mem_bw`` (bytes read + written per second by
-    an elementwise kernel), ``vector_rate`` (elementwise flop/s, e.g. ``exp``), ``copy_bw``
+    an elementwise kernel), ``vector_rate`` (elementwise flop/s, e.g. ``exp``), ``fn_rates``
+    (elements per second of each scalar function of :data:`einjoin.ir.scalar.FUNCTIONS`, alone
+    over float32 arrays out of the caches: numpy evaluates a join one function at a time), ``copy_bw``
     (a copy's bytes read + written per second), ``launch`` (seconds per task of a one-device
     run, inline), ``launch_threads`` (seconds per task of a run on device threads),
     ``overhead`` / ``overhead_threads`` (seconds per run besides its tasks: binding feeds,
-    starting threads, assembling outputs), ``cores``
+    starting threads, assembling outputs), ``attention_rate`` / ``attention_half`` (the
+    attention kernel's flop/s on one thread and its fixed cost per call as flops), ``cores``
     and the ``machine`` it was measured on."""
 
     cores: int
@@ -55,6 +58,8 @@ class Calibration:
     overhead: float = 0.0          # seconds per run besides its tasks, one device inline
     overhead_threads: float = 0.0  # the same on device threads (their start and end)
     attention_rate: float = 0.0    # flop/s of the attention kernel on one thread (0: not measured)
+    attention_half: float = 0.0    # its fixed cost per call, as flops at that rate
+    fn_rates: dict[str, float] = field(default_factory=dict)  # elements/s of each elementwise function
     load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
     seconds: float = 0.0  # how long measuring took
 
@@ -68,7 +73,9 @@ class Calibration:
         per_thread = self.matmul_rate * (1 + (threads - 1) * self.parallel) / threads
         scale = (1 + (threads - 1) * self.parallel) / threads
         kinds = (("attention", self.attention_rate * scale),) if self.attention_rate > 0 else ()
+        half = (("attention", self.attention_half * scale),) if kinds else ()
         model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)), kind_rates=kinds,
+                            kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())),
                             mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
                             launch=self.launch if n == 1 else self.launch_threads, e_max=1.0,
                             half_work=self.half_work)
@@ -84,7 +91,11 @@ class Calibration:
             f"{self.half_work / 1e6:.2f} MFLOP), each further thread +{self.parallel:.2f} of a core",
             f"elementwise: {self.mem_bw / 1e9:.2f} GB/s read + written, {self.vector_rate / 1e9:.2f} GFLOP/s (exp)",
             f"copy: {self.copy_bw / 1e9:.2f} GB/s read + written",
-            f"attention kernel, one thread: {self.attention_rate / 1e9:.2f} GFLOP/s",
+            f"attention kernel, one thread: {self.attention_rate / 1e9:.2f} GFLOP/s (+{self.attention_half / 1e6:.1f} "
+            "MFLOP of fixed cost per call)",
+            "elementwise functions, Gelem/s: " + (", ".join(
+                f"{k} {v / 1e9:.2f}" for k, v in sorted(self.fn_rates.items(), key=lambda kv: kv[1])[:8]) + ", ..."
+                if self.fn_rates else "not measured"),
             f"dispatch per task: {self.launch * 1e6:.1f} us inline, "
             f"{self.launch_threads * 1e6:.1f} us on device threads",
             f"per run: {self.overhead * 1e3:.2f} ms inline, {self.overhead_threads * 1e3:.2f} ms on device threads",

@@ -34,7 +34,8 @@ from typing import Any
 
 from einjoin.errors import EinjoinError
 
-__all__ = ["DeviceModel", "Fabric", "Hardware", "kernel_time", "transfer_time", "copy_time", "efficiency"]
+__all__ = ["DeviceModel", "Fabric", "Hardware", "kernel_time", "transfer_time", "copy_time", "efficiency",
+           "steps_time"]
 
 # a kernel whose flops per byte exceed this is a contraction (BLAS, tensor cores): it runs at the
 # matmul rate; below it, an elementwise kernel runs at the vector rate (numpy's ufuncs, CUDA cores)
@@ -50,14 +51,17 @@ def _positive(v: float, what: str, zero_ok: bool = False) -> float:
     return f
 
 
-def _pairs(v: Any, what: str) -> tuple[tuple[str, float], ...]:
-    """``(name, rate)`` pairs, from pairs or a mapping name -> rate, each rate checked."""
+def _pairs_any(v: Any, what: str) -> list[tuple[str, Any]]:
     items = v.items() if isinstance(v, Mapping) else v
     try:
-        pairs = [(k, r) for k, r in items]
+        return [(str(k), r) for k, r in items]
     except (TypeError, ValueError):
-        raise EinjoinError(f"device model {what} must be (name, flop/s) pairs or a mapping, got {v!r:.80}") from None
-    return tuple((str(k), _positive(r, f"{what}[{k}]")) for k, r in pairs)
+        raise EinjoinError(f"device model {what} must be (name, number) pairs or a mapping, got {v!r:.80}") from None
+
+
+def _pairs(v: Any, what: str) -> tuple[tuple[str, float], ...]:
+    """``(name, rate)`` pairs, from pairs or a mapping name -> rate, each rate checked."""
+    return tuple((k, _positive(r, f"{what}[{k}]")) for k, r in _pairs_any(v, what))
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,12 @@ class DeviceModel:
     ``host_bw`` / ``host_latency``: the host link (loads, evictions, reloads of a device that
     does not share the host's memory); ``kind_rates``: (node kind, flop/s) for kernels whose own
     code runs far from the GEMM rate (a CPU's attention: torch's flash kernel), instead of the
-    contraction rate and its curve."""
+    contraction rate and its curve; ``kind_half``: (node kind, flops) the start of such a kind's own
+    curve (its fixed cost per call as flops at its rate: ``(W + half) / rate``); ``fn_rates``:
+    (scalar function, elements/s) of each elementwise function run alone over float32 arrays
+    out of the caches — a device that evaluates an elementwise expression step by step (numpy:
+    one pass over memory per function, :func:`steps_time`); empty: the expression is one fused
+    pass (a GPU's kernels), the roofline of its flops at ``vector_rate`` and its bytes."""
 
     name: str
     peak: tuple[tuple[str, float], ...]
@@ -86,12 +95,17 @@ class DeviceModel:
     host_bw: float = 25e9
     host_latency: float = 10e-6
     kind_rates: tuple[tuple[str, float], ...] = ()
+    kind_half: tuple[tuple[str, float], ...] = ()
+    fn_rates: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.peak:
             raise EinjoinError(f"device model {self.name!r} needs a peak rate for at least one dtype")
         object.__setattr__(self, "peak", _pairs(self.peak, "peak"))
         object.__setattr__(self, "kind_rates", _pairs(self.kind_rates, "kind_rates"))
+        object.__setattr__(self, "kind_half", tuple((k, _positive(h, f"kind_half[{k}]", zero_ok=True))
+                                                    for k, h in _pairs_any(self.kind_half, "kind_half")))
+        object.__setattr__(self, "fn_rates", _pairs(self.fn_rates, "fn_rates"))
         if self.memory is not None:  # bytes, or a size "80GiB" (einjoin.cluster.parse_bytes)
             from einjoin.cluster.sizes import parse_bytes
             try:
@@ -160,13 +174,35 @@ def work_time(model: DeviceModel, flops: float, nbytes: float, dtype: str, threa
     compute = 0.0
     own = dict(model.kind_rates).get(kind) if kind is not None and model.kind_rates else None
     if flops > 0:
-        if own is not None:
-            compute = flops / (own * threads)
+        if own is not None:  # the kind's own curve: a fixed start (``kind_half``) plus its flops at its rate
+            compute = (flops + dict(model.kind_half).get(kind or "", 0.0)) / (own * threads)
         elif is_contraction(flops, nbytes):
             compute = flops / (model.rate(dtype) * threads * max(efficiency(model, flops, dtype), 1e-9))
         else:
             compute = flops / model.vector_rate
     return max(compute, nbytes / model.mem_bw)
+
+
+def steps_time(model: DeviceModel, steps: Sequence[tuple[str, float]], pass_bytes: float,
+               itemsize: int = 4) -> float | None:
+    """Seconds of an elementwise kernel evaluated step by step on ``model`` (one thread): each
+    ``(function, elements)`` step at the device's measured rate of that function (``fn_rates``:
+    its pass over memory included; a function not measured at ``add``'s), plus ``pass_bytes``
+    (an aggregation's read of the joined block and its write, or a copy: bytes at ``mem_bw``).
+    A dtype wider than float32 moves proportionally more bytes. None when ``model`` has no
+    function rates (it fuses the expression: the roofline applies).
+
+    >>> m = DeviceModel("x", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e9, vector_rate=1e8,
+    ...                 launch=0.0, fn_rates=(("exp", 1e8), ("add", 1e9)))
+    >>> steps_time(m, [("exp", 1e8), ("mul", 1e9)], pass_bytes=1e9)   # 1 s + 1 s (as add) + 1 s
+    3.0
+    """
+    if not model.fn_rates:
+        return None
+    rates = dict(model.fn_rates)
+    other = rates.get("add", model.mem_bw / 12)  # two reads and a write of float32
+    scale = max(1.0, itemsize / 4)
+    return scale * sum(n / rates.get(fn, other) for fn, n in steps) + pass_bytes / model.mem_bw
 
 
 def is_contraction(flops: float, nbytes: float) -> bool:

@@ -41,9 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from einjoin.cluster import Cluster
-from einjoin.cluster.model import Fabric, Hardware, copy_time, is_contraction, work_time
+from einjoin.cluster.model import Fabric, Hardware, copy_time, is_contraction, steps_time, work_time
 from einjoin.exchange import Task, TaskKind
+from einjoin.ir.dtypes import itemsize
+from einjoin.ir.opkinds import Einsum
 from einjoin.ir.printing import describe
+from einjoin.ir.kernels import matmul_route
+from einjoin.ir.scalar import Arg, Call
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
@@ -146,6 +150,7 @@ class _Ctx:
         self.cpu = hw.cores is not None
         self.launch_res: Resources = ((GIL, 1.0),) if hw.shared_memory else ()
         self.vbytes = [v.nbytes for v in tg.values]  # a property: read once per value
+        self.steps: dict[Any, Any] = {}  # node -> its elementwise steps (_steps), memoised
 
     def read_bytes(self, t: Task) -> int:
         vbytes = self.vbytes
@@ -170,8 +175,67 @@ class _Ctx:
         return ((m.host_latency, ()), (nbytes / m.host_bw, ((port, m.host_bw),)))
 
 
+def _steps(node: Any) -> tuple[tuple[tuple[str, float], ...], int, bool, int] | None:
+    """How an elementwise einsum's kernel evaluates its join step by step (as
+    :func:`einjoin.ir.evaluate.evaluate` does: each distinct call once, over the broadcast of
+    its arguments), or None for a contraction (a product of two or more inputs that aggregates,
+    which :func:`einjoin.ir.kernels.matmul_route` sends to BLAS) and other kinds: the calls as
+    (function, fraction of the joined box it covers), the calls the flop table counts per
+    element of the box (to recover the box from a task's flops), whether it aggregates labels
+    (one more pass, reading the joined box), and the itemsize."""
+    op = node.op
+    if not isinstance(op, Einsum):
+        return None
+    if (len(node.inputs) > 1 and op.agg_labels
+            and matmul_route(op, [x.dtype for x in node.inputs]).path != "join"):
+        return None
+    sizes: dict[str, int] = {}
+    for x, ls in zip(node.inputs, op.in_labels):
+        sizes.update(zip(ls, x.shape))
+    full = max(1, math.prod(sizes.get(lab, 1) for lab in op.all_labels))
+    frac = [math.prod(sizes[lab] for lab in set(ls)) / full for ls in op.in_labels]
+    steps: dict[Call, float] = {}
+    counted = 0
+
+    def walk(e: Any) -> float:
+        nonlocal counted
+        if isinstance(e, Arg):
+            return frac[e.index]
+        if not isinstance(e, Call):
+            return 0.0
+        counted += 1
+        f = max((walk(a) for a in e.args), default=0.0)
+        steps.setdefault(e, f)
+        return f
+    walk(op.join)
+    return (tuple((e.fn, f) for e, f in steps.items()), max(1, counted), bool(op.agg_labels),
+            itemsize(node.dtype))
+
+
+def _elementwise(c: _Ctx, t: Task) -> float | None:
+    """Seconds of an elementwise kernel's work evaluated step by step (:func:`_steps`) on a device
+    with per-function rates; None otherwise (the roofline)."""
+    m = c.hw.models[t.device]
+    if not m.fn_rates:
+        return None
+    how = c.steps.get(t.node, False)
+    if how is False:
+        how = c.steps[t.node] = _steps(t.node)
+    if how is None:
+        return None
+    calls, per, aggregates, size = how
+    box = t.flops / per
+    if not calls:  # no function: a copy, or a reduction, of the inputs
+        return steps_time(m, (), c.read_bytes(t) + t.nbytes)
+    agg = box * size + t.nbytes if aggregates else 0.0
+    return steps_time(m, [(fn, f * box) for fn, f in calls], agg, size)
+
+
 def _kernel(c: _Ctx, t: Task) -> Phases:
     m = c.hw.models[t.device]
+    steps = _elementwise(c, t)
+    if steps is not None:
+        return (c.launch(t), c.on_cores(steps, 1.0))
     # numpy's kernels write their scratch (a joined block, attention's scores) and read it once
     # more; a GPU's kernels fuse it away (flash attention, GEMM epilogues)
     nbytes = c.read_bytes(t) + t.nbytes + (2 * t.scratch if c.hw.shared_memory else 0)

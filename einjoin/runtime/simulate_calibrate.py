@@ -5,7 +5,9 @@ the rate and the work at which a GEMM reaches half of it, ``half_work = c · rat
 GEMM on every core (what each further thread adds), an elementwise add and ``exp`` (memory
 bandwidth and the vector rate of numpy's kernels, which run on one thread), a copy, and the
 threads backend's cost per task and per run (chains of tiny matmuls, warm, on one device inline
-and on two device threads), and the attention kernel on one thread.
+and on two device threads), the attention kernel on one thread, and each elementwise function
+(its elements per second: a join is evaluated one function at a time). Work on one thread is
+timed by its CPU time (on a busy machine, the speed a quiet one has).
 Each figure is the best of a few repetitions. About 3-6 s; the result is
 cached (:mod:`einjoin.cluster.calibration`).
 
@@ -30,18 +32,28 @@ from einjoin.runtime.engine import Engine
 __all__ = ["calibrate", "local_calibration"]
 
 
-def _best(fn: Callable[[], object], reps: int) -> float:
+def _best(fn: Callable[[], object], reps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The least seconds of ``reps`` warm calls of ``fn`` by ``clock``: wall time, or for work
+    on the calling thread alone its CPU time (``time.thread_time``: the machine's speed, not
+    the share of it that other processes leave; a quiet machine's wall time)."""
     fn()  # warm: pages touched, BLAS buffers allocated
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
+
+
+_CPU = time.thread_time
 
 
 def _matmul(a: np.ndarray, b: np.ndarray) -> Callable[[], object]:
     return lambda: a @ b
+
+
+def _call(fn: Callable[..., object], args: tuple[Any, ...]) -> Callable[[], object]:
+    return lambda: fn(*args)
 
 
 def _runner(engine: Engine, feeds: dict[Any, np.ndarray], backend: Any) -> Callable[[], object]:
@@ -57,7 +69,7 @@ def _gemm(reps: int, quick: bool) -> tuple[float, float, float]:
         for n in sizes:
             a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
             work.append(2.0 * n**3)
-            secs.append(_best(_matmul(a, b), reps))
+            secs.append(_best(_matmul(a, b), reps, _CPU))
     slope, intercept = np.polyfit(np.array(work), np.array(secs), 1)
     rate = 1.0 / slope if slope > 0 else work[-1] / secs[-1]
     half = max(0.0, float(intercept)) * rate
@@ -66,10 +78,13 @@ def _gemm(reps: int, quick: bool) -> tuple[float, float, float]:
     if cores > 1:
         n = sizes[-1] * (1 if quick else 4) // 3
         a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
+        # the speed-up on every core, by the wall time and by the calling thread's CPU time (it
+        # works its share and waits for the others): other processes on the cores lower either
+        # figure (they take a core, or a helper thread the caller waits for), so the larger
         with threadpool_limits(1, user_api="blas"):
-            one = _best(_matmul(a, b), reps)
+            one = _best(_matmul(a, b), reps, _CPU)
         with threadpool_limits(cores, user_api="blas"):
-            many = _best(_matmul(a, b), reps)
+            many = min(_best(_matmul(a, b), reps), _best(_matmul(a, b), reps, _CPU))
         parallel = min(1.0, max(0.0, (one / many - 1) / (cores - 1)))
     return float(rate), float(half), parallel
 
@@ -77,13 +92,37 @@ def _gemm(reps: int, quick: bool) -> tuple[float, float, float]:
 def _memory(reps: int, quick: bool) -> tuple[float, float, float]:
     n = (1 << 21) if quick else (1 << 23)  # 8 / 32 MB of float32: out of the caches
     x, y, out = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
-    add = _best(lambda: np.add(x, y, out=out), reps)
+    add = _best(lambda: np.add(x, y, out=out), reps, _CPU)
     mem_bw = 3 * 4 * n / add
     small = np.ones(1 << 16, np.float32)  # exp in the cache: its compute rate
     sm_out = np.empty_like(small)
-    vec = small.size / _best(lambda: np.exp(small, out=sm_out), reps * 3)
-    copy = _best(lambda: np.copyto(out, x), reps)
+    vec = small.size / _best(lambda: np.exp(small, out=sm_out), reps * 3, _CPU)
+    copy = _best(lambda: np.copyto(out, x), reps, _CPU)
     return mem_bw, vec, 2 * 4 * n / copy
+
+
+def _functions(reps: int, quick: bool) -> dict[str, float]:
+    """Elements per second of each scalar function (:data:`einjoin.ir.scalar.FUNCTIONS`, its
+    implementation as a kernel calls it) over float32 arrays of 4 MB (out of the L2 cache), a new result
+    each call as :func:`einjoin.ir.evaluate.evaluate`'s first step allocates one (a comparison's
+    bool for ``where``; functions that take no floats are not measured)."""
+    from einjoin.ir.scalar import FUNCTIONS
+    n = (1 << 18) if quick else (1 << 20)
+    rng = np.random.default_rng(0)
+    x = (rng.random(n, np.float32) + 0.5).astype(np.float32)  # in every function's domain
+    y = (rng.random(n, np.float32) + 0.5).astype(np.float32)
+    cond = x > 1.0
+    out: dict[str, float] = {}
+    for name, f in FUNCTIONS.items():
+        args = {"select": (cond, x, y), "logical": None}.get(f.rule, (x, y)[:f.arity])
+        if args is None:
+            continue
+        try:
+            secs = _best(_call(f.impl, args), max(1, reps - 1), _CPU)
+        except Exception:  # noqa: BLE001 - an integer-only function (ipow, floordiv): not measured
+            continue
+        out[name] = n / max(secs, 1e-9)
+    return out
 
 
 def _tiny_chain(devices: int, length: int) -> tuple[Any, dict[Any, np.ndarray]]:
@@ -139,23 +178,27 @@ def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
     return out[0], out[1], out[2], out[3]
 
 
-def _attention(reps: int, quick: bool) -> float:
-    """Flop/s of the runtime's attention kernel (torch's CPU flash kernel) on one thread: a
-    causal (1, 4, L, 64) block, counted as the flop table counts it (half of the square)."""
+def _attention(reps: int, quick: bool) -> tuple[float, float]:
+    """Flop/s of the runtime's attention kernel (torch's CPU flash kernel) on one thread and its
+    fixed cost per call (as flops at that rate): causal (1, h, L, 64) blocks of two sizes,
+    counted as the flop table counts them (half of the square), a line through the two."""
     import torch
 
     from einjoin.ir.attention import attention_kernel
-    length = 128 if quick else 256
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 4, length, 64), np.float32) for _ in range(3))
-    flops = 2 * 4 * length * length * (64 + 64) // 2
+    points = []
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        secs = _best(lambda: attention_kernel(q, k, v, None, 0.125, True), reps)
+        for heads, length in (((1, 128), (4, 256)) if quick else ((1, 128), (8, 512))):
+            q, k, v = (rng.standard_normal((1, heads, length, 64), np.float32) for _ in range(3))
+            flops = 2 * heads * length * length * (64 + 64) // 2
+            points.append((flops, _best(_call(attention_kernel, (q, k, v, None, 0.125, True)), reps, _CPU)))
     finally:
         torch.set_num_threads(before)
-    return flops / secs
+    (w0, t0), (w1, t1) = points
+    rate = (w1 - w0) / (t1 - t0) if t1 > t0 else w1 / t1
+    return rate, max(0.0, t0 * rate - w0)
 
 
 def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibration:
@@ -172,11 +215,13 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     rate, half, parallel = _gemm(reps, quick)
     mem_bw, vector_rate, copy_bw = _memory(reps, quick)
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
-    attention_rate = _attention(reps, quick)
+    attention_rate, attention_half = _attention(reps, quick)
+    fn_rates = _functions(reps, quick)
     cal = Calibration(cores=os.cpu_count() or 1, matmul_rate=rate, half_work=half, parallel=parallel,
                       mem_bw=mem_bw, vector_rate=vector_rate, copy_bw=copy_bw, launch=launch,
                       launch_threads=launch_threads, overhead=overhead, overhead_threads=overhead_threads,
-                      attention_rate=attention_rate, machine=machine_key(), seconds=time.perf_counter() - t0,
+                      attention_rate=attention_rate, attention_half=attention_half, fn_rates=fn_rates,
+                      machine=machine_key(), seconds=time.perf_counter() - t0,
                       load=load)
     save_cached(cal)
     return cal
