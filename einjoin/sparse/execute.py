@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -179,7 +180,20 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
         per_tuple += math.prod(layout.extent(lab, sizes[lab]) for lab in all_labels)
     chunk = max(1, CHUNK_ELEMENTS // max(per_tuple, 1))
     ufunc = np.add if agg == "sum" else np.maximum
-    for s in range(0, m, chunk):
+    if layout.looped and agg == "sum" and m:
+        # few large payloads: one BLAS-backed einsum per joined tuple, on views (no gathers)
+        eq1 = eq.replace(z, "")
+        path: Any = None
+        for t in range(m):
+            k = order[t]
+            args = [r.data[i[k]].astype(compute, copy=False) for r, i in zip(rels, idx)]
+            if path is None:  # the contraction order (BLAS pairs) worked out once
+                path = np.einsum_path(eq1, *args, optimize="greedy")[0]
+            out[gid[t]] += np.einsum(eq1, *args, optimize=path)
+        m_done = m
+    else:
+        m_done = 0
+    for s in range(m_done, m, chunk):
         sel = order[s:s + chunk]
         payloads = [r.data[i[sel]].astype(compute, copy=False) for r, i in zip(rels, idx)]
         if agg == "sum":

@@ -1,17 +1,22 @@
 """Which labels of a sparse einsum are relational (upper case: a key over non-empty blocks) and
 which dense (lower case: inside each tuple's payload), and at what block size.
 
-The cost of a layout, in element-operations, from the data's block histogram (non-empty block
-counts of each sparse operand at the candidate block sizes, counted exactly with a bincount):
+The cost of a layout, in units of one gathered payload element, from the data's block histogram
+(non-empty block counts of each sparse operand at the candidate block sizes, counted exactly
+with a bincount):
 
     joined ≈ Π_X tuples(X) / Π_ℓ grid(ℓ)^(c_ℓ − 1)       (independent keys; c_ℓ operands keyed on ℓ)
-    cost   = joined · (TUPLE_COST + Π_ℓ extent(ℓ))  +  Σ_X tuples(X) · payload(X)
+    cost   = joined · min(batched, looped) + Σ_X tuples(X) · payload(X)
+    batched = TUPLE_COST + Σ_X payload(X) + payload(out) + BATCH_FLOP · flops
+    looped  = CALL + BLAS_FLOP · flops                   (one BLAS einsum per tuple; sum only)
 
-``extent`` is the block size of a relational label and the full size of a dense one, so small
-blocks pay per tuple (gathers, kernel-loop overhead) and large blocks pay for the zeros inside
-their payloads. Every combination is tried when there are few (≤ ``EXHAUSTIVE``), else a
-coordinate descent over labels; a user pin (``blocks={"j": 256}``, ``relational={"i"}``) fixes a
-label or keeps it relational.
+``flops`` is the product of every label's extent: the block size of a relational label, the
+full size of a dense one. Small blocks pay per tuple (gathers, index work), large blocks pay for
+the zeros inside their payloads; a few big payloads run as one BLAS call each. The constants are
+ratios measured roughly on this machine (gather 1, batched einsum flop ~2, a BLAS flop ~0.05, a
+call ~10^4). Every combination is tried when there are few (≤ ``EXHAUSTIVE``), else a
+coordinate descent over labels; a user pin (``blocks={"j": 256}``, ``relational={"i"}``) fixes
+a label or keeps it relational.
 
 >>> import numpy as np
 >>> from einjoin.sparse.layout import Operand, choose_layout
@@ -32,10 +37,13 @@ import numpy as np
 
 from einjoin.errors import EinjoinError, PartitionError
 
-__all__ = ["Operand", "Layout", "choose_layout", "CANDIDATES", "TUPLE_COST"]
+__all__ = ["Operand", "Layout", "choose_layout", "histogram", "CANDIDATES"]
 
 CANDIDATES = (1, 4, 16, 64, 256)  # relational block sizes tried (below a label's size)
-TUPLE_COST = 48.0  # one joined tuple's overhead in element-operations (gather, kernel loop, reduce)
+TUPLE_COST = 8.0  # one joined tuple's index work (join, sort, segment), in gathered elements
+BATCH_FLOP = 2.0  # a multiply-add of the batched np.einsum over tuples
+BLAS_FLOP = 0.05  # a multiply-add inside one large einsum call (BLAS)
+CALL = 1.0e4  # one einsum call of the looped kernel
 EXHAUSTIVE = 1500  # try every combination up to this many, else coordinate descent
 
 
@@ -48,6 +56,7 @@ class Operand:
     labels: tuple[str, ...]
     shape: tuple[int, ...]
     coords: np.ndarray | None
+    estimate: float | None = None  # a planned intermediate: stored entries expected (coords None)
     _counts: dict[tuple[int | None, ...], int] = field(default_factory=dict, repr=False)
 
     def tuples(self, blocks: Sequence[int | None]) -> int:
@@ -60,7 +69,10 @@ class Operand:
     def _count(self, blocks: tuple[int | None, ...]) -> int:
         grid = [(-(-n // b) if b else 1) for n, b in zip(self.shape, blocks)]
         if self.coords is None:
-            return math.prod(grid)
+            if self.estimate is None:
+                return math.prod(grid)
+            cells = math.prod(g for g, b in zip(grid, blocks) if b)  # entries spread uniformly
+            return max(1, round(cells * -math.expm1(-self.estimate / cells))) if self.estimate else 0
         if len(self.coords) == 0:
             return 0
         dims = [d for d, b in enumerate(blocks) if b]
@@ -86,7 +98,8 @@ class Layout:
     tuples: tuple[int, ...]  # per operand, at these blocks
     joined: float  # estimated joined tuples
     cost: float
-    payload: int  # element-operations per joined tuple
+    payload: int  # multiply-adds per joined tuple
+    looped: bool  # one BLAS einsum per tuple (else one batched einsum per chunk of tuples)
 
     def relational(self, label: str) -> bool:
         return self.blocks[label] is not None
@@ -96,27 +109,36 @@ class Layout:
         return size if b is None else min(b, size)
 
 
-def _evaluate(ops: Sequence[Operand], sizes: Mapping[str, int], blocks: dict[str, int | None]
-              ) -> Layout:
+def _evaluate(ops: Sequence[Operand], out_labels: Sequence[str], sizes: Mapping[str, int],
+              blocks: dict[str, int | None], agg: str) -> Layout:
+    def ext(lab: str) -> int:
+        b = blocks[lab]
+        return sizes[lab] if b is None else min(b, sizes[lab])
     tuples = tuple(op.tuples([blocks[lab] for lab in op.labels]) for op in ops)
     grid = {lab: -(-sizes[lab] // b) for lab, b in blocks.items() if b}
-    log_joined = sum(math.log(max(t, 1)) for t in tuples)
-    for lab, g in grid.items():
-        c = sum(lab in op.labels for op in ops)
-        log_joined -= (c - 1) * math.log(g)
-    joined = 0.0 if 0 in tuples else min(math.exp(log_joined), float(math.prod(grid.values())),
-                                          float(math.prod(tuples)))
-    joined = max(joined, 1.0) if 0 not in tuples else 0.0
-    payload = math.prod(min(b, sizes[lab]) if b else sizes[lab] for lab, b in blocks.items())
-    load = sum(t * math.prod(min(blocks[lab] or sizes[lab], sizes[lab]) for lab in op.labels)
-               for t, op in zip(tuples, ops))
-    cost = joined * (TUPLE_COST + payload) + load
-    return Layout(dict(blocks), tuples, joined, cost, payload)
+    if 0 in tuples:
+        joined = 0.0
+    else:
+        log_joined = sum(math.log(t) for t in tuples)
+        for lab, g in grid.items():
+            log_joined -= (sum(lab in op.labels for op in ops) - 1) * math.log(g)
+        joined = max(1.0, min(math.exp(log_joined), float(math.prod(grid.values())),
+                              float(math.prod(tuples))))
+    sizes_in = [math.prod(ext(lab) for lab in op.labels) for op in ops]
+    flops = math.prod(ext(lab) for lab in blocks)
+    batched = TUPLE_COST + sum(sizes_in) + math.prod(ext(lab) for lab in out_labels) + BATCH_FLOP * flops
+    if agg == "max":
+        batched += flops  # the product is materialised before its max
+    looped = CALL + BLAS_FLOP * flops
+    loop = agg == "sum" and looped < batched
+    load = sum(t * n for t, n in zip(tuples, sizes_in))
+    cost = joined * (looped if loop else batched) + load
+    return Layout(dict(blocks), tuples, joined, cost, flops, loop)
 
 
 def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
-                  pinned: Mapping[str, int], relational: set[str], *, what: str = "sparse einsum"
-                  ) -> Layout:
+                  pinned: Mapping[str, int], relational: set[str], *, agg: str = "sum",
+                  what: str = "sparse einsum") -> Layout:
     """The cheapest layout; ``pinned`` fixes block sizes, ``relational`` labels stay keyed.
     Labels of dense operands only stay dense (nothing to skip) unless pinned."""
     sizes: dict[str, int] = {}
@@ -150,17 +172,17 @@ def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
             choices[lab] = [None]
     labels = list(choices)
     if math.prod(len(c) for c in choices.values()) <= EXHAUSTIVE:
-        best = min((_evaluate(ops, sizes, dict(zip(labels, combo)))
+        best = min((_evaluate(ops, out_labels, sizes, dict(zip(labels, combo)), agg)
                     for combo in itertools.product(*(choices[lab] for lab in labels))),
                    key=lambda lay: lay.cost)
         return best
     current = {lab: c[1] if len(c) > 1 and c[0] is None else c[0] for lab, c in choices.items()}
-    best = _evaluate(ops, sizes, current)
+    best = _evaluate(ops, out_labels, sizes, current, agg)
     for _sweep in range(3):
         improved = False
         for lab in labels:
             for bb in choices[lab]:
-                trial = _evaluate(ops, sizes, {**best.blocks, lab: bb})
+                trial = _evaluate(ops, out_labels, sizes, {**best.blocks, lab: bb}, agg)
                 if trial.cost < best.cost:
                     best, improved = trial, True
         if not improved:

@@ -12,27 +12,29 @@ else a dense ``np.ndarray``.
 >>> a = ej.sparse("A", scipy.sparse.random(400, 300, density=0.01, random_state=0))
 >>> h = np.ones((300, 16))
 >>> plan = ej.sparse_compile("ij,jk->ik", a, h, relational={"i"})
->>> print(plan.explain().splitlines()[1])
-  IJ, Jk -> Ik  blocks i=1 j=1 (k dense)
+>>> plan.notation(), plan.blocks
+('IJ, Jk -> Ik', {'i': 1, 'k': None, 'j': 1})
 >>> np.allclose(plan.run().todense(), a.todense() @ h)
 True
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
 from einjoin.sparse.execute import RunCounts, execute
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.tensor import EINSUM, SparseTensor
 
-__all__ = ["SparsePlan", "sparse_compile", "sparse_einsum"]
+__all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum"]
 
 AGGS = ("sum", "max")
 
@@ -50,19 +52,137 @@ def _operand(x: Any, i: int, what: str) -> SparseTensor | np.ndarray:
     return arr
 
 
+@dataclass
+class Step:
+    """One join-aggregation of the plan: operands are the plan's inputs (``("in", i)``) or earlier
+    steps' results (``("step", j)``). ``layout`` is chosen at compile when every operand is an
+    input, else at run on the intermediate's actual pattern (``ran`` keeps the last one used)."""
+
+    refs: tuple[tuple[str, int], ...]
+    in_labels: tuple[tuple[str, ...], ...]
+    out_labels: tuple[str, ...]
+    layout: Layout | None
+    infos: list[Operand] | None
+    ran: Layout | None = None
+    counts: RunCounts | None = None
+
+    def notation(self, layout: Layout) -> str:
+        """``Ij, jk -> Ik``: relational labels upper case (``Ii`` when blocks hold more than one
+        index along them), dense labels lower case."""
+        def one(lab: str) -> str:
+            b = layout.blocks[lab]
+            if b is None:
+                return lab.lower()
+            return lab.upper() if b == 1 else lab.upper() + lab.lower()
+        terms = ["".join(one(lab) for lab in ls) for ls in self.in_labels]
+        return ", ".join(terms) + " -> " + "".join(one(lab) for lab in self.out_labels)
+
+
+def _infos(values: Sequence[SparseTensor | np.ndarray], labels: Sequence[tuple[str, ...]],
+           names: Sequence[str]) -> list[Operand]:
+    return [Operand(n, ls, tuple(v.shape), v.coo()[0] if isinstance(v, SparseTensor) else None)
+            for n, ls, v in zip(names, labels, values)]
+
+
+def _path(in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],
+          infos: list[Operand], pins: Mapping[str, int], relational: set[str], agg: str,
+          what: str) -> list[Step]:
+    """The steps: one n-ary join-aggregation, or (a sum of products of three or more operands)
+    binary steps when cheaper: an n-way join enumerates every path through the operands, while
+    a binary step aggregates in between. For three operands every pairing and the n-ary step
+    are costed (a planned intermediate counted by its estimated entries); beyond, pairs are
+    taken greedily, pairs that share a label first."""
+    whole = choose_layout(infos, out_labels, pins, relational, agg=agg, what=what)
+    single = [Step(tuple(("in", i) for i in range(len(in_labels))), tuple(in_labels), out_labels,
+                   whole, infos)]
+    if agg != "sum" or len(in_labels) <= 2:
+        return single
+    live: list[tuple[tuple[str, int], tuple[str, ...], Operand, bool]] = [
+        (("in", i), ls, info, info.coords is not None) for i, (ls, info) in enumerate(zip(in_labels, infos))]
+    steps: list[Step] = []
+    total = 0.0
+    while len(live) > 2:
+        scored = []
+        for a in range(len(live)):
+            for b in range(a + 1, len(live)):
+                rest = {lab for k, x in enumerate(live) if k not in (a, b) for lab in x[1]}
+                keep = rest | set(out_labels)
+                labs = tuple(dict.fromkeys(lab for lab in live[a][1] + live[b][1] if lab in keep))
+                sub = [live[a][2], live[b][2]]
+                lay = choose_layout(sub, labs, _only(pins, sub), relational & _labels(sub), agg=agg,
+                                    what=what)
+                outer = not set(live[a][1]) & set(live[b][1])
+                extra = 0.0
+                if len(live) == 3:  # cost the last step too, on the planned intermediate
+                    extra = _last_cost(live, a, b, labs, lay, out_labels, pins, relational, what)
+                scored.append((outer, lay.cost + extra, a, b, labs, lay))
+        outer, cost, a, b, labs, lay = min(scored, key=lambda x: (x[0] and len(live) > 3, x[1]))
+        total += cost
+        original = live[a][0][0] == "in" and live[b][0][0] == "in"
+        steps.append(Step((live[a][0], live[b][0]), (live[a][1], live[b][1]), labs,
+                          lay if original else None, [live[a][2], live[b][2]] if original else None))
+        tmp, is_sparse = _intermediate(live[a], live[b], labs, lay, f"t{len(steps) - 1}")
+        live = [x for k, x in enumerate(live) if k not in (a, b)] + [(("step", len(steps) - 1), labs, tmp,
+                                                                      is_sparse)]
+    (ra, la, ia, _), (rb, lb, ib, _) = live
+    original = ra[0] == "in" and rb[0] == "in"
+    lay2 = choose_layout([ia, ib], out_labels, _only(pins, [ia, ib]), relational & _labels([ia, ib]),
+                         agg=agg, what=what) if original else None
+    steps.append(Step((ra, rb), (la, lb), out_labels, lay2, [ia, ib] if original else None))
+    if len(in_labels) == 3 and whole.cost <= total:
+        return single
+    return steps
+
+
+def _intermediate(x: tuple[tuple[str, int], tuple[str, ...], Operand, bool],
+                  y: tuple[tuple[str, int], tuple[str, ...], Operand, bool], labs: tuple[str, ...],
+                  lay: Layout, name: str) -> tuple[Operand, bool]:
+    """A planned step result as an operand: sparse (entries estimated) when an input that is
+    sparse has one of its labels, else dense."""
+    sizes = {lab: n for _, ls, info, _ in (x, y) for lab, n in zip(ls, info.shape)}
+    shape = tuple(sizes[lab] for lab in labs)
+    is_sparse = any(sp and set(ls) & set(labs) for _, ls, _, sp in (x, y))
+    estimate = None
+    if is_sparse:
+        ext = math.prod(lay.extent(lab, sizes[lab]) for lab in labs)
+        estimate = min(lay.joined * ext, float(math.prod(shape)))
+    return Operand(name, labs, shape, None, estimate), is_sparse
+
+
+def _last_cost(live: list[tuple[tuple[str, int], tuple[str, ...], Operand, bool]], a: int, b: int,
+               labs: tuple[str, ...], lay: Layout, out_labels: tuple[str, ...],
+               pins: Mapping[str, int], relational: set[str], what: str) -> float:
+    tmp, _ = _intermediate(live[a], live[b], labs, lay, "t")
+    (other,) = [x[2] for k, x in enumerate(live) if k not in (a, b)]
+    sub = [other, tmp]
+    return choose_layout(sub, out_labels, _only(pins, sub), relational & _labels(sub),
+                         what=what).cost
+
+
+def _labels(infos: Sequence[Operand]) -> set[str]:
+    return {lab for op in infos for lab in op.labels}
+
+
+def _only(pins: Mapping[str, int], infos: Sequence[Operand]) -> dict[str, int]:
+    labs = _labels(infos)
+    return {lab: b for lab, b in pins.items() if lab in labs}
+
+
 class SparsePlan:
-    """A compiled sparse einsum: the per-label layout chosen from the operands' block histograms.
+    """A compiled sparse einsum: the steps (binary join-aggregations for a sum of products) and
+    the per-label layout of each, chosen from the operands' block histograms.
 
     ``run()`` computes it on the operands it was compiled with, ``run(*operands)`` on others of
-    the same shapes and kinds (the layout is kept). ``explain()`` prints the op in
-    upper-case-lower-case notation (upper: relational key, lower: dense inside the payload),
-    the block sizes, each operand's block histogram, and estimated vs actual tuple counts.
+    the same shapes and kinds (the layouts chosen at compile are kept). ``explain()`` prints each
+    step in upper-case-lower-case notation (upper: relational key, lower: dense inside the
+    payload), the block sizes, each sparse input's block histogram, and estimated vs actual
+    tuple counts.
     """
 
     def __init__(self, equation: str, operands: Sequence[SparseTensor | np.ndarray],
                  in_labels: tuple[tuple[str, ...], ...], out_labels: tuple[str, ...],
-                 sizes: dict[str, int], agg: str, dtype: np.dtype, layout: Layout,
-                 infos: list[Operand]) -> None:
+                 sizes: dict[str, int], agg: str, dtype: np.dtype, steps: list[Step],
+                 pins: Mapping[str, int], relational: set[str]) -> None:
         self.equation = equation
         self.operands = tuple(operands)
         self.in_labels = in_labels
@@ -70,92 +190,124 @@ class SparsePlan:
         self.sizes = sizes
         self.agg = agg
         self.dtype = dtype
-        self.layout = layout
-        self._infos = infos
-        self.last: RunCounts | None = None
+        self.steps = steps
+        self._pins = dict(pins)
+        self._relational = set(relational)
 
     @property
     def blocks(self) -> dict[str, int | None]:
-        """Block size per label; None: dense (inside the payload)."""
-        return dict(self.layout.blocks)
+        """Block size per label of the last step (None: dense, inside the payload)."""
+        lay = self.steps[-1].layout or self.steps[-1].ran
+        return dict(lay.blocks) if lay is not None else {}
 
     @property
     def sparse_result(self) -> bool:
+        """Whether the result is a SparseTensor: some sparse input has an output label (a product
+        is 0 wherever that input has no entry)."""
         return any(isinstance(x, SparseTensor) and set(ls) & set(self.out_labels)
                    for x, ls in zip(self.operands, self.in_labels))
 
     def _what(self) -> str:
         return f"sparse einsum {self.equation!r}"
 
+    def _check(self, operands: Sequence[Any]) -> tuple[SparseTensor | np.ndarray, ...]:
+        if len(operands) != len(self.operands):
+            raise ShapeError(f"{self._what()}: run got {len(operands)} operand(s), compiled with "
+                             f"{len(self.operands)}")
+        values = tuple(_operand(x, i, self._what()) for i, x in enumerate(operands))
+        for i, (new, old) in enumerate(zip(values, self.operands)):
+            if tuple(new.shape) != tuple(old.shape) or isinstance(new, SparseTensor) != \
+                    isinstance(old, SparseTensor):
+                raise ShapeError(f"{self._what()}: operand {i} of shape {tuple(new.shape)} "
+                                 f"({type(new).__name__}) where the plan has {tuple(old.shape)} "
+                                 f"({type(old).__name__})")
+        return values
+
     def run(self, *operands: Any) -> SparseTensor | np.ndarray:
         """The result on the compiled operands, or on new ones of the same shapes and kinds."""
-        values = self.operands
-        if operands:
-            if len(operands) != len(self.operands):
-                raise ShapeError(f"{self._what()}: run got {len(operands)} operand(s), compiled with "
-                                 f"{len(self.operands)}")
-            values = tuple(_operand(x, i, self._what()) for i, x in enumerate(operands))
-            for i, (new, old) in enumerate(zip(values, self.operands)):
-                if tuple(new.shape) != tuple(old.shape) or isinstance(new, SparseTensor) != \
-                        isinstance(old, SparseTensor):
-                    raise ShapeError(f"{self._what()}: operand {i} of shape {tuple(new.shape)} "
-                                     f"({type(new).__name__}) where the plan has {tuple(old.shape)} "
-                                     f"({type(old).__name__})")
+        values = self._check(operands) if operands else self.operands
         out_shape = tuple(self.sizes[lab] for lab in self.out_labels)
         if 0 in self.sizes.values():
-            data, keys = np.zeros((0, *out_shape), self.dtype), np.zeros((0, len(out_shape)), np.int64)
-            self.last = RunCounts(tuple(0 for _ in values), 0, 0)
             if not self.sparse_result:
                 return np.zeros(out_shape, self.dtype)
-            return SparseTensor("out", out_shape, tuple(max(n, 1) for n in out_shape), keys, data)
-        data, rkeys, counts = execute(values, self.in_labels, self.out_labels, self.sizes, self.layout,
-                                      self.agg, self.dtype, self._what())
-        self.last = counts
-        block = tuple(self.layout.extent(lab, self.sizes[lab]) for lab in self.out_labels)
+            return SparseTensor("out", out_shape, tuple(max(n, 1) for n in out_shape),
+                                np.zeros((0, len(out_shape)), np.int64), np.zeros((0, *out_shape), self.dtype))
+        results: list[SparseTensor | np.ndarray] = []
+        for j, step in enumerate(self.steps):
+            args = [values[k] if kind == "in" else results[k] for kind, k in step.refs]
+            lay = step.layout
+            if lay is None:
+                infos = _infos(args, step.in_labels, [f"t{k}" if kind == "step" else _name(values[k], k)
+                                                      for kind, k in step.refs])
+                lay = choose_layout(infos, step.out_labels, _only(self._pins, infos),
+                                    self._relational & _labels(infos), agg=self.agg, what=self._what())
+            step.ran = lay
+            results.append(self._step(step, args, lay, last=j == len(self.steps) - 1))
+        return results[-1]
+
+    def _step(self, step: Step, args: Sequence[SparseTensor | np.ndarray], lay: Layout, last: bool
+              ) -> SparseTensor | np.ndarray:
+        out_shape = tuple(self.sizes[lab] for lab in step.out_labels)
+        data, rkeys, counts = execute(args, step.in_labels, step.out_labels, self.sizes, lay, self.agg,
+                                      self.dtype, self._what())
+        step.counts = counts
+        block = tuple(lay.extent(lab, self.sizes[lab]) for lab in step.out_labels)
+        if last:
+            sparse_out = self.sparse_result
+        else:  # an intermediate stays sparse where the same rule says so for its own inputs
+            sparse_out = any(isinstance(a, SparseTensor) and set(ls) & set(step.out_labels)
+                             for a, ls in zip(args, step.in_labels))
         if rkeys is None:
-            dense = data[0][tuple(slice(0, n) for n in out_shape)] if len(data) else \
-                np.zeros(out_shape, self.dtype)
-            if not self.sparse_result:
-                return np.ascontiguousarray(dense)
-            keys = np.zeros((1, len(out_shape)), np.int64)
-            return SparseTensor("out", out_shape, block, keys, data)
+            if not sparse_out:
+                return np.ascontiguousarray(data[0][tuple(slice(0, n) for n in out_shape)])
+            return SparseTensor("out", out_shape, block, np.zeros((1, len(out_shape)), np.int64), data)
         full = np.zeros((len(rkeys), len(out_shape)), np.int64)
-        rel = [d for d, lab in enumerate(self.out_labels) if self.layout.relational(lab)]
-        full[:, rel] = rkeys
+        full[:, [d for d, lab in enumerate(step.out_labels) if lay.relational(lab)]] = rkeys
         result = SparseTensor("out", out_shape, block, full, data)
-        return result if self.sparse_result else result.todense()
+        return result if sparse_out else result.todense()
 
     def notation(self) -> str:
-        """``Ij, jk -> Ik``: relational labels upper case (``Ii`` when blocks hold more than one
-        index along them), dense labels lower case."""
-        def one(lab: str) -> str:
-            b = self.layout.blocks[lab]
-            if b is None:
-                return lab.lower()
-            return lab.upper() if b == 1 else lab.upper() + lab.lower()
-        terms = ["".join(one(lab) for lab in ls) for ls in self.in_labels]
-        return ", ".join(terms) + " -> " + "".join(one(lab) for lab in self.out_labels)
+        """Every step in upper-case-lower-case notation, ``; ``-separated (``?`` for a layout
+        chosen only at run)."""
+        return "; ".join(s.notation(lay) if (lay := s.layout or s.ran) is not None else
+                         "?" for s in self.steps)
 
     def explain(self) -> str:
-        lay = self.layout
-        keyed = [f"{lab}={b}" for lab, b in lay.blocks.items() if b is not None]
-        dense = [lab for lab, b in lay.blocks.items() if b is None]
         lines = [f"{self._what()} ({self.agg} of mul), result "
-                 f"{'sparse' if self.sparse_result else 'dense'} {tuple(self.sizes[lab] for lab in self.out_labels)}",
-                 f"  {self.notation()}  blocks {' '.join(keyed) or '-'}"
-                 + (f" ({', '.join(dense)} dense)" if dense else "")]
-        for info, t in zip(self._infos, lay.tuples):
-            if info.coords is None:
-                lines.append(f"  {info.name}: dense {info.shape}, {t} tuple(s) at these blocks")
+                 f"{'sparse' if self.sparse_result else 'dense'} "
+                 f"{tuple(self.sizes[lab] for lab in self.out_labels)}, {len(self.steps)} step(s)"]
+        for j, step in enumerate(self.steps):
+            names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
+            lay = step.layout or step.ran
+            eq = ",".join("".join(ls) for ls in step.in_labels) + "->" + "".join(step.out_labels)
+            head = f"  t{j} = {eq} of {', '.join(names)}"
+            if lay is None:
+                lines.append(head + ": layout chosen at run, on the intermediate's pattern")
                 continue
-            hist = ", ".join(f"{b}:{n}" for b, n in histogram(info))
-            lines.append(f"  {info.name}: sparse {info.shape}, nnz {len(info.coords)}, {t} tuple(s) at "
-                         f"these blocks; block histogram (size:blocks) {hist}")
-        actual = (f", actual {self.last.joined} joined, {self.last.out} output tuple(s)"
-                  if self.last is not None else " (run() for the actual counts)")
-        lines.append(f"  joined tuples: estimated {lay.joined:.0f}{actual}; "
-                     f"payload {lay.payload} element-ops per tuple, cost {lay.cost:.3g}")
+            keyed = [f"{lab}={b}" for lab, b in lay.blocks.items() if b is not None]
+            dense = [lab for lab, b in lay.blocks.items() if b is None]
+            lines.append(f"{head}: {step.notation(lay)}  blocks {' '.join(keyed) or '-'}"
+                         + (f" ({', '.join(dense)} dense)" if dense else "")
+                         + (" [chosen at run]" if step.layout is None else ""))
+            for name, t, (kind, k) in zip(names, lay.tuples, step.refs):
+                v = self.operands[k] if kind == "in" else None
+                if isinstance(v, SparseTensor) and step.infos is not None:
+                    info = step.infos[step.refs.index((kind, k))]
+                    hist = ", ".join(f"{b}:{n}" for b, n in histogram(info))
+                    lines.append(f"    {name}: sparse {v.shape}, nnz {v.nnz}, {t} tuple(s) at these "
+                                 f"blocks; block histogram (size:blocks) {hist}")
+                else:
+                    lines.append(f"    {name}: {t} tuple(s) at these blocks")
+            actual = (f", actual {step.counts.joined} joined, {step.counts.out} output tuple(s)"
+                      if step.counts is not None else " (run() for the actual counts)")
+            lines.append(f"    joined tuples: estimated {lay.joined:.0f}{actual}; {lay.payload} "
+                         f"multiply-adds per tuple, {'one BLAS call per tuple' if lay.looped else 'batched'}"
+                         f", cost {lay.cost:.3g}")
         return "\n".join(lines)
+
+
+def _name(v: SparseTensor | np.ndarray, i: int) -> str:
+    return v.name if isinstance(v, SparseTensor) else f"x{i}"
 
 
 def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join: Any = None,
@@ -163,7 +315,8 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
                    ) -> SparsePlan:
     """Compile an einsum over sparse and dense operands (a ``mul`` join; ``sum`` or ``max``
     aggregation). ``blocks={"j": 256}`` pins a label's block size (relational), ``relational=
-    {"i"}`` keeps a label relational at a block size of the planner's choice."""
+    {"i"}`` keeps a label relational at a block size of the planner's choice. A sum over three
+    or more operands runs as binary steps, the cheapest pair first."""
     what = f"sparse einsum {equation!r}"
     if not operands:
         raise EinjoinError(f"{what}: needs at least one operand")
@@ -178,7 +331,7 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
         raise UnsupportedOpError(f"{what}: aggregation {agg_name!r}; sparse einsums support "
                                  f"{', '.join(AGGS)}")
     in_labels, out_labels = parse_equation(equation, [tuple(v.shape) for v in values])
-    names = [v.name if isinstance(v, SparseTensor) else f"x{i}" for i, v in enumerate(values)]
+    names = [_name(v, i) for i, v in enumerate(values)]
     nodes = [ops.input_node(f"{n}#{i}", tuple(v.shape), np.dtype(v.dtype).name)
              for i, (n, v) in enumerate(zip(names, values))]
     # the IR's own checks (labels vs shapes, output labels), with the dense einsum's messages
@@ -195,11 +348,25 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     dtype = np.result_type(*[v.dtype for v in values])
     if dtype.kind == "b":
         dtype = np.dtype(np.float32)
-    infos = [Operand(n, ls, tuple(v.shape), v.coo()[0] if isinstance(v, SparseTensor) else None)
-             for n, ls, v in zip(names, in_labels, values)]
-    layout = choose_layout(infos, out_labels, dict(blocks or {}), set(relational or ()), what=what)
+    infos = _infos(values, in_labels, names)
+    pins, rel = dict(blocks or {}), set(relational or ())
+    # pins are checked once against the whole equation (each step sees its own labels' pins)
+    _check_pins(pins, rel, sizes, what)
+    steps = _path(in_labels, tuple(out_labels), infos, pins, rel, agg_name, what)
     return SparsePlan(equation, values, tuple(in_labels), tuple(out_labels), sizes, agg_name, dtype,
-                      layout, infos)
+                      steps, pins, rel)
+
+
+def _check_pins(pins: Mapping[str, int], relational: set[str], sizes: Mapping[str, int], what: str
+                ) -> None:
+    for lab in list(pins) + sorted(relational):
+        if lab not in sizes:
+            raise EinjoinError(f"{what}: pinned label {lab!r} is not one of its labels "
+                               f"{''.join(sizes)!r}")
+    for lab, b in pins.items():
+        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1:
+            raise PartitionError(f"{what}: block size {b!r} for label {lab!r} (size {sizes[lab]}) "
+                                 f"must be an integer >= 1")
 
 
 def sparse_einsum(equation: str, *operands: Any, join: Any = None, agg: str | None = "sum",
