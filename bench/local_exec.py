@@ -604,14 +604,15 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
         table.add_row(escape(name), *(fmt_s(t.get(c)) for c in cols), ratio(t, "numpy"),
                       ratio(t, "dask (einjoin blocks)"), ratio(t, "torch eager"), f"{r.errs['einjoin']:.1e}")
     if memory is not None:
-        e, n = memory.above("einjoin"), memory.above("numpy")
+        mem_e, mem_n = memory.above("einjoin"), memory.above("numpy")
         table.add_row("LLaMA block peak RSS, MiB above the import baseline\n(ru_maxrss, a fresh process each; "
-                      "goal <= 1.30 numpy)", f"{e:.0f}", f"{n:.0f}", "-", "-", "-", f"{e / n:.2f}", "-", "-", "-")
+                      "goal <= 1.30 numpy)", f"{mem_e:.0f}", f"{mem_n:.0f}", "-", "-", "-", f"{mem_e / mem_n:.2f}",
+                      "-", "-", "-")
     if dispatch is not None:
-        e, d = dispatch.einjoin.median * 1e6, dispatch.dask.median * 1e6
+        us_e, us_d = dispatch.einjoin.median * 1e6, dispatch.dask.median * 1e6
         table.add_row(f"tiny tasks: us per task, {dispatch.tasks} 8x8 elementwise tasks\n(fuse=False; dask's "
-                      f"scheduler on the same blocks; goal <= 1.00 dask)", f"{e:.1f}", "-", f"{d:.1f}", "-", "-",
-                      "-", f"{e / d:.2f}", "-", "-")
+                      f"scheduler on the same blocks; goal <= 1.00 dask)", f"{us_e:.1f}", "-", f"{us_d:.1f}", "-",
+                      "-", "-", f"{us_e / us_d:.2f}", "-", "-")
     console.print(table)
     console.print("ratios < 1: einjoin faster. '*': a single timed repetition. Every column ran once "
                   "untimed (warm-up), then the timed repetitions went round the columns in turn; every "
