@@ -134,6 +134,15 @@ def test_a_loaded_program_is_the_saved_plan(tmp_path):
     assert again.run_stats.bytes_evicted == prog.run_stats.bytes_evicted
 
 
+def test_the_objective_and_leave_idle_are_kept(tmp_path):
+    x, w = ej.input("x", (64, 32)), ej.input("w", (32, 16))
+    prog = ej.compile(x @ w, devices=2, objective="time", leave_idle=True, quiet=True)
+    prog.save(tmp_path / "p.einjoin")
+    again = ej.load(tmp_path / "p.einjoin")
+    assert (again.plan.options.objective, again.plan.options.leave_idle) == ("time", True)
+    assert "objective: time" in again.explain() and again.specs == prog.specs
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), devices=st.sampled_from([1, 2, 4]), fuse=st.booleans())
 def test_random_graphs_round_trip_bit_identically(tmp_path_factory, data, devices, fuse):
