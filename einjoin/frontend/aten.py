@@ -290,18 +290,29 @@ def softmax_dim(x: Tensor, dim: Any) -> int:
     return int(dim) if dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
 
 
-@op("softmax", "_softmax")
-def _softmax(x: Tensor, dim: Any = None, half_to_float: Any = None, *, dtype: Any = None, **_: Any) -> Tensor:
+def _softmax_input(x: Tensor, third: Any, dtype: Any) -> Tensor:
+    """A softmax's input in the dtype it computes in. The third positional argument is
+    ``aten.softmax.int``'s dtype (``torch.softmax(x, -1, dtype=torch.float32)`` exports it there)
+    or ``aten._softmax``'s ``half_to_float`` flag (a half input gives float32)."""
+    if dtype is None and third is not None and not isinstance(third, bool):
+        dtype = third
     if dtype is not None:
-        x = x.to(torch_dtype(dtype))
+        return x.to(torch_dtype(dtype))
+    if third is True and x.dtype in ("float16", "bfloat16"):
+        return x.to("float32")
+    return x
+
+
+@op("softmax", "_softmax")
+def _softmax(x: Tensor, dim: Any = None, third: Any = None, *, dtype: Any = None, **_: Any) -> Tensor:
+    x = _softmax_input(x, third, dtype)
     return C.softmax(x, softmax_dim(x, dim))
 
 
 @op("log_softmax", "_log_softmax")
-def _log_softmax(x: Tensor, dim: Any = None, half_to_float: Any = None, *, dtype: Any = None,
+def _log_softmax(x: Tensor, dim: Any = None, third: Any = None, *, dtype: Any = None,
                  **_: Any) -> Tensor:
-    if dtype is not None:
-        x = x.to(torch_dtype(dtype))
+    x = _softmax_input(x, third, dtype)
     return C.log_softmax(x, softmax_dim(x, dim))
 
 

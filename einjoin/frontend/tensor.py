@@ -72,13 +72,50 @@ def _scalar_cat(v: Any) -> int:
     return 2
 
 
+def _tier_dtype(dtypes: Sequence[str]) -> str:
+    """The common dtype of one tier's operands, across categories ('' for none)."""
+    from einjoin.ir.dtypes import kind, promote
+    out = ""
+    for d in dtypes:
+        if not out or _CAT[kind(d)] > _CAT[kind(out)]:
+            out = d
+        elif _CAT[kind(d)] == _CAT[kind(out)]:
+            out = promote(out, d)
+    return out
+
+
+def _combine_tiers(higher: str, lower: str) -> str:
+    """torch's ``combine_categories``: a higher-priority tier keeps its dtype unless a lower one
+    is of a higher category (bool < int < float), which then brings its own dtype."""
+    from einjoin.ir.dtypes import kind
+    if not higher or not lower:
+        return higher or lower
+    return lower if _CAT[kind(lower)] > _CAT[kind(higher)] else higher
+
+
+def _result_dtype(vals: Sequence[Any]) -> str:
+    """torch's result type: operands in three tiers, tensors with dims, then 0-d tensors, then
+    Python numbers (as int64 / float32, torch's defaults). A lower tier counts only when its
+    category is higher: ``f16 tensor * f32 0-d tensor`` is float16, ``i64 tensor * f64 0-d``
+    is float64, ``f16 tensor * 2.5`` float16.
+
+    >>> import einjoin as ej
+    >>> _result_dtype([ej.input("x", (3,), "float16"), ej.input("c", (), "float32")])
+    'float16'
+    """
+    dims = _tier_dtype([a.dtype for a in vals if isinstance(a, Tensor) and a.ndim])
+    zero = _tier_dtype([a.dtype for a in vals if isinstance(a, Tensor) and not a.ndim])
+    nums = _tier_dtype([("bool", "int64", "float32")[_scalar_cat(a)] for a in vals
+                        if not isinstance(a, Tensor)])
+    return _combine_tiers(dims, _combine_tiers(zero, nums))
+
+
 def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
-    """torch's type promotion for a named scalar function: the result category is the highest of
-    the tensors' (bool < int < float) unless a Python number is of a higher one, which then
-    brings the default dtype (int64, float32); tensors of a lower category are cast. Functions
+    """torch's type promotion for a named scalar function (:func:`_result_dtype`); tensors of
+    another dtype are cast to the result's. Functions
     that only make sense on floats (``/``, ``exp``, ``sqrt``...) take ints and bools as float32,
     as torch does. Returns the function (bool ``+`` is ``or``) and the arguments to use."""
-    from einjoin.ir.dtypes import kind, promote
+    from einjoin.ir.dtypes import kind
     from einjoin.ir.scalar import FUNCTIONS
     f = FUNCTIONS.get(fn)
     if f is None or f.rule == "logical":
@@ -88,15 +125,7 @@ def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
     ts = [a for a in vals if isinstance(a, Tensor)]
     if not ts:
         return fn, args
-    tcat = builtins.max(_CAT[kind(t.dtype)] for t in ts)
-    scat = builtins.max((_scalar_cat(a) for a in vals if not isinstance(a, Tensor)), default=-1)
-    if scat > tcat:
-        target = _DEFAULT[scat]
-    else:
-        target = ""
-        for t in ts:
-            if _CAT[kind(t.dtype)] == tcat:
-                target = t.dtype if not target else promote(target, t.dtype)
+    target = _result_dtype(vals)
     if f.rule == "float" and kind(target) != "float":
         if fn == "pow" and kind(target) == "int" and all(
                 isinstance(a, Tensor) or _scalar_cat(a) <= 1 for a in vals):
@@ -110,8 +139,8 @@ def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
         target = "float32"
     if target == "bool" and fn in _BOOL_ARITH:
         return _BOOL_ARITH[fn], args
-    cast = tuple(a.to(target) if isinstance(a, Tensor) and kind(a.dtype) != kind(target) else a
-                 for a in vals)
+    # every tensor in the result's dtype, as torch computes: a 0-d float64 beside float32 data is cast
+    cast = tuple(a.to(target) if isinstance(a, Tensor) and a.dtype != target else a for a in vals)
     return fn, args[:first] + cast
 
 
@@ -200,8 +229,15 @@ def _norm_dim(x: Tensor, d: Any) -> int:
 
 
 def _norm_dims(x: Tensor, dim: Any) -> tuple[int, ...]:
-    if dim is None:
+    """A reduction's dims, as torch reads them: None or an empty list is every dim, and a 0-d
+    tensor takes dim 0 or -1 (reducing nothing)."""
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
         return tuple(range(x.ndim))
+    if x.ndim == 0 and (dim in (0, -1) or (isinstance(dim, (list, tuple)) and len(dim) == 1
+                                           and dim[0] in (0, -1))):
+        if isinstance(dim, bool) or (isinstance(dim, (list, tuple)) and isinstance(dim[0], bool)):
+            raise ShapeError(f"dimension must be an int, got {dim!r}")
+        return ()
     if isinstance(dim, (list, tuple)):
         dims = tuple(_norm_dim(x, d) for d in dim)
         if len(set(dims)) != len(dims):

@@ -1,0 +1,125 @@
+"""Issue 33 (session 33, H7): a hostile hunt for wrong answers and raw errors in the paths users
+hit first: ``ej.einsum``, the Tensor API and ``ej.from_torch``, compared with torch and numpy.
+Each test here failed before its fix."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import einjoin as ej
+from einjoin.ir.dtypes import numpy_dtype
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "bool"]
+TORCH = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+         "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
+
+
+def _value(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return torch.from_numpy(np.asarray(rng.random(shape) > 0.5))
+    if dtype == "int64":
+        return torch.from_numpy(np.asarray(rng.integers(-7, 8, shape)))
+    return torch.from_numpy(np.asarray(rng.standard_normal(shape) * 3)).to(TORCH[dtype])
+
+
+def _feed(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(numpy_dtype("bfloat16"))
+    return t.numpy()
+
+
+def _same(got: object, want: torch.Tensor, tol: float = 1e-2) -> None:
+    g = torch.as_tensor(np.asarray(got).astype(np.float64)) if np.asarray(got).dtype.kind == "V" \
+        else torch.as_tensor(np.asarray(got))
+    assert str(np.asarray(got).dtype) == str(want.dtype).removeprefix("torch."), (got, want)
+    assert tuple(g.shape) == tuple(want.shape)
+    assert torch.allclose(g.double(), want.double(), atol=tol, rtol=tol, equal_nan=True), (g, want)
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, f, **buffers):  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.f = f
+        for k, v in buffers.items():
+            self.register_buffer(k, v)
+
+    def forward(self, *args):  # type: ignore[no-untyped-def]
+        return self.f(self, *args)
+
+
+def _torch_check(module: torch.nn.Module, args: tuple, tol: float = 1e-5) -> None:
+    want = module.eval()(*args)
+    fn = ej.from_torch(module, args)
+    for devices in (1, 2):
+        got = ej.compile(fn, devices=devices).run(*args)
+        assert got.dtype == want.dtype, (devices, got.dtype, want.dtype)
+        assert torch.allclose(got.double(), want.double(), atol=tol, rtol=tol), devices
+
+
+# ---- finding 1: a 0-d tensor beside tensors with dims promoted like one of them (float32 data
+# times a float64 0-d tensor gave float64, torch float32; float16 data times a float32 0-d gave
+# float32, torch float16)
+
+def test_a_zero_dim_tensor_promotes_as_in_torch() -> None:
+    ops = [lambda x, y: x + y, lambda x, y: y * x,
+           lambda x, y: (ej if isinstance(x, ej.Tensor) else torch).maximum(x, y)]
+    for i, (d1, d2) in enumerate(itertools.product(DTYPES, DTYPES)):  # every pair, 1.5 s
+        a, b = _value((3,), d1, i), _value((), d2, i + 1)
+        op = ops[i % len(ops)]
+        want = op(a, b)
+        x, y = ej.input("x", (3,), d1), ej.input("c", (), d2)
+        out = op(x, y)
+        assert out.dtype == str(want.dtype).removeprefix("torch."), (d1, d2)
+        _same(ej.reference(out, x=_feed(a), c=_feed(b)), want)
+
+
+def test_zero_dim_buffers_and_arguments_of_an_imported_module_keep_the_datas_dtype() -> None:
+    x = torch.randn(3, 4)
+    _torch_check(_Fn(lambda s, x: x * s.c, c=torch.tensor(2.5, dtype=torch.float64)), (x,))
+    _torch_check(_Fn(lambda s, x: x * s.c, c=torch.tensor(2.5)), (x.half(),), tol=1e-2)
+    _torch_check(_Fn(lambda s, x, c: x + c.sum()), (x, torch.randn(3, dtype=torch.float64)))
+    _torch_check(_Fn(lambda s, x, c: x + c), (torch.arange(4), torch.tensor(1.5).half()), tol=1e-2)
+
+
+# ---- finding 2: softmax's dtype argument was dropped on import (torch.softmax(x, -1,
+# dtype=torch.float32) of half data gave float16; log_softmax to float64 gave float32)
+
+def test_softmax_and_log_softmax_dtype_arguments_import() -> None:
+    x = torch.randn(3, 50) * 10
+    _torch_check(_Fn(lambda s, x: torch.softmax(x, -1, dtype=torch.float32)), (x.half(),))
+    _torch_check(_Fn(lambda s, x: F.log_softmax(x, -1, dtype=torch.float64)), (x,))
+    _torch_check(_Fn(lambda s, x: x.softmax(0)), (x.half(),), tol=1e-2)
+
+
+# ---- finding 3: reductions over dim=() reduced nothing (torch: every dim), and a 0-d tensor
+# refused dim=0 / dim=-1 (torch takes them)
+
+@pytest.mark.parametrize("red", ["sum", "mean", "max", "min"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_an_empty_dim_list_reduces_every_dim_as_in_torch(red: str, keepdim: bool) -> None:
+    t = _value((3, 4), "float32", 3)
+    tname = {"max": "amax", "min": "amin"}.get(red, red)
+    want = getattr(t, tname)(dim=(), keepdim=keepdim)
+    x = ej.input("x", (3, 4))
+    out = getattr(x, red)(dim=(), keepdim=keepdim)
+    _same(ej.reference(out, x=t.numpy()), want, 1e-5)
+    _same(ej.compile(out, devices=2).run(x=t.numpy()), want, 1e-5)
+
+
+@pytest.mark.parametrize("red", ["sum", "mean", "max", "min", "prod"])
+def test_a_zero_dim_tensor_reduces_over_dim_0_or_minus_1(red: str) -> None:
+    x = ej.input("x", ())
+    for dim, keepdim in itertools.product((0, -1, [0]), (False, True)):
+        out = getattr(x, red)(dim, keepdim)
+        t = torch.tensor(1.5)
+        tname = {"max": "amax", "min": "amin"}.get(red, red)
+        want = getattr(t, tname)(dim, keepdim=keepdim) if red != "prod" else t.prod(0, keepdim)
+        _same(ej.reference(out, x=np.float32(1.5)), want, 1e-6)
+    with pytest.raises(ej.ShapeError):
+        x.sum(1)
