@@ -88,23 +88,52 @@ def test_repart_from_equals_the_estimate_pair_by_pair(dims: list[tuple[int, int]
 @given(st.integers(0, 2**32 - 1))
 def test_dual_simplex_is_linprogs_highs_ds(seed: int) -> None:
     from scipy.optimize import linprog
-    from scipy.sparse import csr_matrix
+    from scipy.sparse import csc_array, csr_matrix
 
-    from einjoin.planner.ilp import _dual_simplex
+    from einjoin.planner.ilp import Coo, _dual_simplex
 
     rng = np.random.default_rng(seed)
     n, m_ub, m_eq = 12, 5, 3
     c = rng.integers(0, 9, n).astype(float)
-    a_ub = csr_matrix(rng.integers(-2, 3, (m_ub, n)).astype(float))
-    a_eq = csr_matrix((rng.random((m_eq, n)) < 0.4).astype(float))
+    dense_ub = rng.integers(-2, 3, (m_ub, n)).astype(float)
+    dense_eq = (rng.random((m_eq, n)) < 0.4).astype(float)
     b_ub, b_eq = rng.integers(0, 4, m_ub).astype(float), np.ones(m_eq)
-    want = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, 1), method="highs-ds",
-                   options={"presolve": False, "time_limit": 60.0})
+    want = linprog(c, A_ub=csr_matrix(dense_ub), b_ub=b_ub, A_eq=csr_matrix(dense_eq), b_eq=b_eq, bounds=(0, 1),
+                   method="highs-ds", options={"presolve": False, "time_limit": 60.0})
+
+    def coo(a: np.ndarray) -> Coo:  # entries in a shuffled order, one split in two halves
+        r, k = np.nonzero(a)
+        order = rng.permutation(len(r))
+        rows, cols, vals = r[order], k[order], a[r, k][order]
+        if len(rows):
+            rows, cols, vals = np.append(rows, rows[0]), np.append(cols, cols[0]), np.append(vals, vals[0] / 2)
+            vals[0] /= 2
+        return Coo(rows, cols, vals, a.shape[0])
+    a_ub, a_eq = coo(dense_ub), coo(dense_eq)
+    assert np.array_equal(a_ub.dense(n), dense_ub) and np.array_equal(a_eq.dense(n), dense_eq)
+    # the arrays handed to HiGHS are scipy's compressed columns of the same matrix
+    ref = csc_array(np.vstack((dense_ub, dense_eq)))
+    got_csc = Coo.stack(a_ub, a_eq).csc(n)
+    assert [x.tolist() for x in got_csc] == [ref.indptr.tolist(), ref.indices.tolist(), ref.data.tolist()]
     got = _dual_simplex(c, a_ub, b_ub, a_eq, b_eq, 60.0)
     if want.status != 0:
         assert got is None
     else:
         assert got is not None and np.array_equal(got, want.x)
+
+
+def test_the_planner_loads_highs_without_importing_scipy_optimize() -> None:
+    # a fresh process's first plan: scipy.optimize's import (0.7-1.3 s) is not paid for the LP
+    import subprocess
+    import sys
+
+    code = ("import sys, einjoin as ej\n"
+            "x = ej.input('x', (64, 32)); w = ej.param('w', (32, 32))\n"
+            "y = (x @ w).relu(); z = y @ w + y\n"  # y read twice: not a tree, so the ILP step runs
+            "ej.compile(z, devices=2, backend='null', quiet=True)\n"
+            "print('scipy.optimize._highspy._core' in sys.modules, 'scipy.optimize' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]
 
 
 def test_a_program_compiled_again_for_other_shapes_chooses_among_the_devices_given() -> None:

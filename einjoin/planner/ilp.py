@@ -262,8 +262,6 @@ def _solve_lp_first(prob: Problem, *, time_limit: float, node_limit: int, tight:
     after ``node_limit`` branch-and-bound nodes (deterministic); ``time_limit`` seconds is the
     safety net, reported by an :class:`IlpTimeLimitWarning` when it stops the solve (see the
     module's docstring)."""
-    from scipy.sparse import coo_matrix
-
     col: dict[Node, int] = {}
     n = 0
     for v in prob.ops:
@@ -340,15 +338,17 @@ def _solve_lp_first(prob: Problem, *, time_limit: float, node_limit: int, tight:
     c = np.concatenate(cost)
     lo = np.concatenate([np.full(k, lb) for k, lb, _ in bounds])
     hi = np.concatenate([np.full(k, ub) for k, _, ub in bounds])
-    a_mat = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                       shape=(n_rows, n)).tocsr()
+    coo = Coo(np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), n_rows)
     # the largest cost becomes cost_range: byte differences that decide between plans must stay
     # above HiGHS's tolerances (about 1e-7 absolute), or it returns any of several near-ties
     scale = max(1.0, float(c.max())) / cost_range
     if tight:
-        pick = _integral_relaxation(prob, col, c / scale, a_mat, lo, hi, time_limit)
+        pick = _integral_relaxation(prob, col, c / scale, coo, lo, hi, time_limit)
         if pick is not None:
             return Solved(pick, 0, "optimal")
+    from scipy.sparse import coo_matrix
+
+    a_mat = coo_matrix((coo.vals, (coo.rows, coo.cols)), shape=(n_rows, n)).tocsr()
     return _run_milp(prob, col, n_x, c / scale, a_mat, lo, hi, node_limit=node_limit, time_limit=time_limit)
 
 
@@ -386,19 +386,17 @@ INTEGRAL_TOL = 1e-7
 HiGHS's own MIP feasibility tolerance, 1e-6)."""
 
 
-def _integral_relaxation(prob: Problem, col: dict[Node, int], c: np.ndarray, a_mat: object,
+def _integral_relaxation(prob: Problem, col: dict[Node, int], c: np.ndarray, a_mat: Coo,
                          lo: np.ndarray, hi: np.ndarray, time_limit: float
                          ) -> dict[Node, int] | None:
     """The choice per op of the LP relaxation's optimum when every choice in it is integral
     (then it is an optimum of the ILP: no branch and bound needed), else None. Dual simplex
     without presolve: deterministic, and the fastest HiGHS LP path measured on the planner's
     problems (GPT-2 block's training graph: 0.2 s, against 0.4 s with presolve, 2 s by
-    interior point and 1.1 s for the MIP solver's root)."""
-    from scipy.sparse import csr_matrix
-
-    assert isinstance(a_mat, csr_matrix)
+    interior point and 1.1 s for the MIP solver's root). The inequality rows (``lo < hi``, here
+    ``hi`` is infinite) are passed as ``-a x <= -lo``, then the equality rows: linprog's model."""
     eq = lo == hi
-    sol = _dual_simplex(c, -a_mat[~eq], -lo[~eq], a_mat[eq], lo[eq], time_limit)
+    sol = _dual_simplex(c, a_mat.take(~eq, -1.0), -lo[~eq], a_mat.take(eq, 1.0), lo[eq], time_limit)
     if sol is None:
         return None
     pick: dict[Node, int] = {}
@@ -411,21 +409,103 @@ def _integral_relaxation(prob: Problem, col: dict[Node, int], c: np.ndarray, a_m
     return pick
 
 
-def _dual_simplex(c: np.ndarray, a_ub: Any, b_ub: np.ndarray, a_eq: Any, b_eq: np.ndarray,
+@dataclass(frozen=True)
+class Coo:
+    """A sparse matrix as numpy triplets (entry ``k`` is ``vals[k]`` at ``(rows[k], cols[k])``;
+    repeated positions add up) with ``n_rows`` rows: the LP path builds and hands it to HiGHS
+    without importing scipy.sparse (0.3-0.6 s of a fresh process's first plan).
+
+    >>> Coo(np.array([1, 0]), np.array([0, 2]), np.array([5.0, 7.0]), 2).csc(3)
+    (array([0, 1, 1, 2], dtype=int32), array([1, 0], dtype=int32), array([5., 7.]))
+    """
+
+    rows: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
+    n_rows: int
+
+    def take(self, keep: np.ndarray, sign: float) -> Coo:
+        """The rows where ``keep`` (a bool per row), renumbered in order, times ``sign``."""
+        new = np.cumsum(keep) - 1
+        at = keep[self.rows]
+        return Coo(new[self.rows[at]], self.cols[at], sign * self.vals[at], int(keep.sum()))
+
+    @staticmethod
+    def stack(top: Coo, bottom: Coo) -> Coo:
+        """``top``'s rows, then ``bottom``'s."""
+        return Coo(np.concatenate((top.rows, bottom.rows + top.n_rows)), np.concatenate((top.cols, bottom.cols)),
+                   np.concatenate((top.vals, bottom.vals)), top.n_rows + bottom.n_rows)
+
+    def csc(self, n_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Column-wise compressed (start, index, value), rows ascending in each column and
+        repeated positions summed: the arrays scipy's ``csc_array`` of the same matrix holds
+        (explicit zeros kept, as there)."""
+        key = self.cols.astype(np.int64) * max(self.n_rows, 1) + self.rows
+        order = np.argsort(key, kind="stable")
+        key, vals = key[order], self.vals[order]
+        if key.size and (np.diff(key) == 0).any():  # repeated positions: sum them
+            key, inv = np.unique(key, return_inverse=True)
+            vals = np.bincount(inv.reshape(-1), weights=vals, minlength=key.size)
+        rows = key % max(self.n_rows, 1)
+        start = np.zeros(n_cols + 1, dtype=np.int64)
+        np.cumsum(np.bincount(key // max(self.n_rows, 1), minlength=n_cols), out=start[1:])
+        return start.astype(np.int32), rows.astype(np.int32), np.asarray(vals, dtype=float)
+
+    def dense(self, n_cols: int) -> np.ndarray:
+        """The matrix as a numpy array (tests, small problems)."""
+        out = np.zeros((self.n_rows, n_cols))
+        np.add.at(out, (self.rows, self.cols), self.vals)
+        return out
+
+
+def _highs_core() -> Any:
+    """scipy's HiGHS binding (``scipy.optimize._highspy._core``, private), loaded from its file
+    without running ``scipy/optimize/__init__`` (a fresh process spends 0.7-1.3 s there, mostly
+    parsing docstrings; the binding alone loads in ~30 ms). Registered under its own name, so a
+    later ``import scipy.optimize`` uses this module. Raises ImportError where it is not found."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    name = "scipy.optimize._highspy._core"
+    if name in sys.modules:
+        return sys.modules[name]
+    scipy = importlib.util.find_spec("scipy")
+    if scipy is None or scipy.origin is None:
+        raise ImportError("scipy not found")
+    folder = os.path.join(os.path.dirname(scipy.origin), "optimize", "_highspy")
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(folder, "_core" + suffix)
+        if os.path.exists(path):
+            loader = importlib.machinery.ExtensionFileLoader(name, path)
+            spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+            if spec is None:
+                break
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            sys.modules[name] = module
+            return module
+    from scipy.optimize._highspy import _core  # laid out otherwise: the ordinary import
+
+    return _core
+
+
+def _dual_simplex(c: np.ndarray, a_ub: Coo, b_ub: np.ndarray, a_eq: Coo, b_eq: np.ndarray,
                   time_limit: float) -> np.ndarray | None:
     """``x`` minimising ``c.x`` subject to ``a_ub x <= b_ub``, ``a_eq x = b_eq``, ``0 <= x <= 1``, by
     HiGHS's dual simplex without presolve, or None when it ends without an optimum: what
     ``scipy.optimize.linprog(..., method="highs-ds", options={"presolve": False})`` computes, from
-    the same model and options, so the same vertex. HiGHS is called through scipy's own binding
-    (``scipy.optimize._highspy``, private): linprog's wrapper then loops in Python over every
+    the same model (the same arrays) and options, so the same vertex. HiGHS is called through
+    scipy's own binding (:func:`_highs_core`): linprog's wrapper loops in Python over every
     column for marginals the planner never reads (a third of the LP's time on the demo's LLaMA
-    block, 75k columns). Where that binding is not as expected, linprog itself."""
+    block, 75k columns), and importing it costs a fresh process more than the whole solve.
+    Where that binding is not as expected, linprog itself."""
+    n = c.size
     try:
-        from scipy.optimize._highspy import _core as hi
-        from scipy.sparse import csc_array, vstack
-
-        a = csc_array(vstack((a_ub, a_eq)))
-        lp, n, m = hi.HighsLp(), c.size, a.shape[0]
+        hi = _highs_core()
+        start, index, value = Coo.stack(a_ub, a_eq).csc(n)
+        lp, m = hi.HighsLp(), a_ub.n_rows + a_eq.n_rows
         lp.num_col_ = lp.a_matrix_.num_col_ = n
         lp.num_row_ = lp.a_matrix_.num_row_ = m
         lp.a_matrix_.format_ = hi.MatrixFormat.kColwise
@@ -433,7 +513,7 @@ def _dual_simplex(c: np.ndarray, a_ub: Any, b_ub: np.ndarray, a_eq: Any, b_eq: n
         big = hi.kHighsInf  # HiGHS's infinity (linprog replaces np.inf so too)
         lp.row_lower_ = np.clip(np.concatenate((np.full(len(b_ub), -np.inf), b_eq)), -big, big)
         lp.row_upper_ = np.clip(np.concatenate((b_ub, b_eq)), -big, big)
-        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
         opts = hi.HighsOptions()
         opts.presolve, opts.solver, opts.time_limit = "off", "simplex", time_limit
         opts.simplex_strategy = hi.simplex_constants.SimplexStrategy.kSimplexStrategyDual
@@ -447,9 +527,12 @@ def _dual_simplex(c: np.ndarray, a_ub: Any, b_ub: np.ndarray, a_eq: Any, b_eq: n
         return np.array(highs.getSolution().col_value)
     except (ImportError, AttributeError, TypeError):  # scipy's private binding changed
         from scipy.optimize import linprog
+        from scipy.sparse import coo_matrix
 
-        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, 1), method="highs-ds",
-                      options={"presolve": False, "time_limit": time_limit})
+        def sparse(a: Coo) -> Any:
+            return coo_matrix((a.vals, (a.rows, a.cols)), shape=(a.n_rows, n)).tocsr()
+        res = linprog(c, A_ub=sparse(a_ub), b_ub=b_ub, A_eq=sparse(a_eq), b_eq=b_eq, bounds=(0, 1),
+                      method="highs-ds", options={"presolve": False, "time_limit": time_limit})
         return None if res.status != 0 or res.x is None else np.asarray(res.x)
 
 
