@@ -20,7 +20,7 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.agg import Agg
-from einjoin.ir.equation import ELLIPSIS_LABELS, parse_equation
+from einjoin.ir.equation import parse_equation
 from einjoin.ir.fold import fold
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
@@ -292,13 +292,16 @@ def einsum(equation: str, *operands: Tensor, join: str | Expr | None = None,
         join = "mul" if len(xs) > 1 else "x0"
     nodes = []
     labels = []
-    # the labels '...' expanded to: capitals the equation itself does not use (a capital the
-    # user wrote is an ordinary label, and a size-1 one does not broadcast: numpy refuses it too)
-    ellipsis = set(ELLIPSIS_LABELS) - set(equation)
+    widest: dict[str, int] = {}
     for x, ls in zip(xs, in_labels):
-        # '...' dims of size 1 broadcast against larger ones, as numpy does: squeeze them away
-        drop = [d for d, lab in enumerate(ls) if lab in ellipsis and x.shape[d] == 1
-                and any(lab in ls2 and y.shape[ls2.index(lab)] > 1 for y, ls2 in zip(xs, in_labels))]
+        for lab, n in zip(ls, x.shape):
+            widest[lab] = builtins.max(widest.get(lab, 0), n)
+    for x, ls in zip(xs, in_labels):
+        # a label's size-1 dims broadcast against its larger ones, as numpy and torch do
+        # ('ij,ij->ij' of (2, 1) and (1, 3)): squeezed away, that input does not vary along it
+        # (a repeated label only where every one of its dims here is 1: a diagonal's sizes agree)
+        drop = [d for d, lab in enumerate(ls) if widest[lab] > 1
+                and all(x.shape[e] == 1 for e, other in enumerate(ls) if other == lab)]
         if drop:
             x = x.reshape(tuple(n for d, n in enumerate(x.shape) if d not in drop))
             ls = tuple(lab for d, lab in enumerate(ls) if d not in drop)

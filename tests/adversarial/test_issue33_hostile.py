@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import einjoin as ej
 from einjoin.ir.dtypes import numpy_dtype
+from tests.budget import examples
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "bool"]
 TORCH = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -123,3 +126,47 @@ def test_a_zero_dim_tensor_reduces_over_dim_0_or_minus_1(red: str) -> None:
         _same(ej.reference(out, x=np.float32(1.5)), want, 1e-6)
     with pytest.raises(ej.ShapeError):
         x.sum(1)
+
+
+# ---- finding 4: einsum refused a label of size 1 in one operand and n in another
+# ('ij,ij->ij' of (2, 1) and (1, 3); 'ij,jk->ik' of (2, 1) and (3, 4)), which numpy and
+# torch.einsum broadcast; now squeezed away as numpy does
+
+@st.composite
+def _broadcast_einsums(draw: st.DrawFn) -> tuple[str, list[tuple[int, ...]]]:
+    labels = draw(st.lists(st.sampled_from("abcdE"), min_size=1, max_size=4, unique=True))
+    size = {lab: draw(st.sampled_from([2, 3])) for lab in labels}
+    terms, shapes = [], []
+    for _ in range(draw(st.integers(1, 3))):
+        ls = draw(st.lists(st.sampled_from(labels), min_size=0, max_size=3, unique=True))
+        terms.append("".join(ls))
+        shapes.append(tuple(draw(st.sampled_from([1, size[lab]])) for lab in ls))
+    out = draw(st.lists(st.sampled_from(sorted(set("".join(terms)))), unique=True, max_size=3)) \
+        if "".join(terms) else []
+    return ",".join(terms) + "->" + "".join(out), shapes
+
+
+@given(_broadcast_einsums(), st.integers(0, 2 ** 16))
+@settings(max_examples=examples(160), deadline=None)
+def test_einsum_broadcasts_size_one_labels_as_numpy(case: tuple[str, list[tuple[int, ...]]],
+                                                   seed: int) -> None:
+    eq, shapes = case
+    rng = np.random.default_rng(seed)
+    xs = [np.asarray(rng.standard_normal(s)) for s in shapes]
+    ins = [ej.input(f"x{i}", s, "float64") for i, s in enumerate(shapes)]
+    want = np.asarray(np.einsum(eq, *xs))
+    out = ej.einsum(eq, *ins)
+    feeds = {f"x{i}": x for i, x in enumerate(xs)}
+    np.testing.assert_allclose(ej.reference(out, **feeds), want, atol=1e-12)
+    assert torch.allclose(torch.einsum(eq, *map(torch.from_numpy, xs)), torch.from_numpy(want))
+
+
+def test_einsum_broadcasting_compiles_and_imports() -> None:
+    a, b = torch.randn(2, 1), torch.randn(3, 4)
+    x, y = ej.input("x", (2, 1)), ej.input("y", (3, 4))
+    got = ej.compile(ej.einsum("ij,jk->ik", x, y), devices=2).run(x=a.numpy(), y=b.numpy())
+    np.testing.assert_allclose(got, torch.einsum("ij,jk->ik", a, b).numpy(), rtol=1e-5)
+    _torch_check(_Fn(lambda s, x, y: torch.einsum("ij,ij->ij", x, y)), (a, torch.randn(1, 5)))
+    _torch_check(_Fn(lambda s, x, y: torch.einsum("ii,i->i", x, y)), (torch.randn(1, 1), b[0]))
+    with pytest.raises(ej.ShapeError):  # a diagonal's sizes must agree, as torch says
+        ej.einsum("ij,ij->ij", ej.input("x", (2, 1)), ej.input("z", (3, 2)))
