@@ -139,6 +139,9 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
                              deterministic=deterministic, fuse=fuse, shape_cache=shape_cache,
                              leave_idle=leave_idle, objective=objective)
     source = Source.of(outputs, options.state)
+    warm = getattr(options.backend, "warm", None)
+    if warm is not None and memory_limit is None:  # Ray: the actors start while the plan is made
+        warm(cluster, source.graph)
     return Program(build_plan(source, cluster, options))
 
 
