@@ -205,3 +205,28 @@ def test_where_selects_the_same_bits_as_np_where(dtype: Any) -> None:
         got = evaluate(e, list(args))
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_a_long_contraction_into_a_small_output_is_a_split_k_sum() -> None:
+    """A weight gradient's shape ((64 x 2048) x (2048 x 64), float32) is summed over 512-long
+    slices of k in order (bit for bit), close to the float64 product; shapes outside the rule
+    (a short k, a narrow or a large output, a batch, float64) are one np.matmul, bit for bit."""
+    from einjoin.ir import kernels
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2048, 64)).astype(np.float32).transpose(0, 2, 1)  # a transposed view
+    y = rng.standard_normal((1, 2048, 64)).astype(np.float32)
+    want = x[:, :, :512] @ y[:, :512]
+    for s in range(512, 2048, 512):
+        want = want + x[:, :, s:s + 512] @ y[:, s:s + 512]
+    got = kernels._matmul(x, y)
+    np.testing.assert_array_equal(got, want)
+    exact = x.astype(np.float64) @ y.astype(np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-3)
+    # the einsum route reaches it: a weight gradient over (batch, seq)
+    a, b = x[0].T.reshape(16, 128, 64), y[0].reshape(16, 128, 64)
+    op = ops.einsum_node([ops.input_node("a", a.shape, "float32"), ops.input_node("b", b.shape, "float32")],
+                         ("ABo", "ABi"), "oi", "mul", "sum").op
+    np.testing.assert_array_equal(einsum_kernel(op, [a, b], "float32"), want[0])
+    for xs, ys in [(x[:, :, :640], y[:, :640]), (x[:, :16], y[:, :, :16]), (x[:, :, :1024].repeat(2, 0),
+                   y[:, :1024].repeat(2, 0)), (x.astype(np.float64), y.astype(np.float64))]:
+        np.testing.assert_array_equal(kernels._matmul(xs, ys), np.matmul(xs, ys))
