@@ -13,10 +13,11 @@ and torch (0: no round trip).
 
 Two more rows of the table (``--cases`` keys ``memory`` and ``dispatch``):
 
-* memory: the peak RSS (``ru_maxrss``) of the llama case's block run twice on ``local(2)``, and of
-  numpy's reference (``ej.reference``) and the hand-written numpy block, each in fresh child
-  processes (``--rss-child``); the figure is the peak above the child's import baseline (every
-  child imports this module, torch and dask included), the total beside it; goal <= 1.3x numpy's;
+* memory: the peak RSS (Linux's ``VmHWM``, else ``ru_maxrss``) of the llama case's block run
+  twice on ``local(2)``, and of numpy's reference (``ej.reference``) and the hand-written numpy
+  block, each in fresh child processes (``--rss-child``); the figure is the peak above the
+  child's import baseline (every child imports this module, torch and dask included), the total
+  beside it; goal <= 1.3x numpy's;
 * dispatch: per-task time of the threads backend on ~10k tiny (8x8, elementwise, ``fuse=False``)
   tasks against dask's threaded scheduler running a raw graph of the same blocks and ops (its
   scheduler alone: no dask.array graph building timed); goal <= dask's.
@@ -53,6 +54,10 @@ from collections.abc import Callable
 import numpy as np
 
 T_START = time.perf_counter()
+# run as a script, bench/ is first on sys.path: a bench named like a package (bench/sparse.py) would
+# shadow it for the libraries below (dask.array imports sparse when it can)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import dask  # noqa: E402
 import dask.array as da  # noqa: E402
@@ -430,14 +435,25 @@ MIB = 1 << 20
 
 
 def _maxrss() -> int:
-    """This process's peak resident set so far (bytes; ru_maxrss is KiB on Linux)."""
+    """This process's peak resident set so far, in bytes: Linux's VmHWM, else ru_maxrss (KiB on
+    Linux, bytes on macOS). Not ru_maxrss on Linux: a child's starts at its parent's peak (exec
+    from a vfork keeps the parent's high-water mark: 426 MiB in a child of a 426 MiB parent whose
+    own VmHWM was 11 MiB), so the children would all report this bench's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def rss_child(peer: str, runs: int = 2) -> dict[str, Any]:
     """In a fresh process (``--rss-child``): the llama case's feeds, then ``runs`` runs of
-    ``peer`` (each result dropped before the next). Peaks are ru_maxrss after the imports (this
+    ``peer`` (each result dropped before the next). Peaks (:func:`_maxrss`) after the imports (this
     module's: every peer imports the same), after the feeds, after compiling (einjoin) and at the
     end; einjoin's stores' own peak (the blocks they counted) beside it."""
     got: dict[str, Any] = {"peer": peer, "imports": _maxrss()}
@@ -605,7 +621,7 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
                       ratio(t, "dask (einjoin blocks)"), ratio(t, "torch eager"), f"{r.errs['einjoin']:.1e}")
     if memory is not None:
         mem_e, mem_n = memory.above("einjoin"), memory.above("numpy")
-        table.add_row("LLaMA block peak RSS, MiB above the import baseline\n(ru_maxrss, a fresh process each; "
+        table.add_row("LLaMA block peak RSS, MiB above the import baseline\n(VmHWM, a fresh process each; "
                       "goal <= 1.30 numpy)", f"{mem_e:.0f}", f"{mem_n:.0f}", "-", "-", "-", f"{mem_e / mem_n:.2f}",
                       "-", "-", "-")
     if dispatch is not None:
@@ -679,7 +695,7 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
 def report_memory(m: MemoryRow, console: Console) -> None:
     console.print("\n[bold]memory: peak RSS of the llama case's block, each peer in fresh processes "
                   f"({len(m.got['einjoin'])} each, median), two runs each (results dropped between)[/]")
-    console.print("  ru_maxrss (MiB) after: the imports (this bench's: every peer imports the same) / the "
+    console.print("  peak RSS (VmHWM, MiB) after: the imports (this bench's: every peer imports the same) / the "
                   "feeds / compiling / the runs; the runs' peak above the import baseline; vs numpy's")
     for peer, got in m.got.items():
         g = got[len(got) // 2]
