@@ -38,7 +38,7 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.memplan import POLICIES, parse_caps, plan_memory, task_needs
 from einjoin.memplan.chain import chain_reduces
-from einjoin.memplan.needs import blamed_op, cap_error
+from einjoin.memplan.needs import blamed_op, cap_error, refuse_unfittable
 from einjoin.ir.printing import describe
 from einjoin.placement import PLACERS, Placement, place, tie_homes
 from einjoin.plan import PlanStats, TaskGraph, build_taskgraph
@@ -341,6 +341,7 @@ def _build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Co
     user = _user_specs(graph, options.specs)  # checked once, before the planner; read every lowering
     tied = {s.node: s.new for s in source.state}  # state input -> new value: one layout, one home
     note, given = None, cluster
+    refuse_unfittable(graph, caps)  # an op no cut fits: refused now, not after cutting it to elements
     with stages(options.quiet, len(graph.ops)) as say:
         say("planning")
         # the planner receives the caps: eindecomp then picks cuts that fit

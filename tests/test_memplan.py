@@ -152,15 +152,27 @@ def test_belady_moves_fewer_bytes_than_naive() -> None:
 
 
 def test_impossible_cap_is_reported_at_compile_time() -> None:
-    # small: the fitting cuts finer up to one element per block before it gives up (a 64 x 64 add
-    # took 10 s to be refused)
-    x, y = ej.input("x", (16, 16)), ej.input("y", (16, 16))
+    # below one element of each block a task holds: refused before planning (a 64 x 64 add took
+    # 10 s to be refused while the fitting cut it down to single elements)
+    x, y = ej.input("x", (64, 64)), ej.input("y", (64, 64))
+    planned: list[int] = []
+
+    def planner(graph: ej.Graph, cluster: ej.Cluster) -> dict:
+        planned.append(1)
+        return {}
     with pytest.raises(MemoryCapError) as info:  # 4-byte floats: x, y, out of one element = 12 B
-        ej.compile(x + y, devices=2, memory_limit=8)
+        ej.compile(x + y, devices=2, memory_limit=8, planner=planner, quiet=True)
     e = info.value
-    assert e.needed > e.cap == 8 and e.device in (0, 1)
-    assert "add" in str(e) or "x0 + x1" in str(e) or "einsum" in str(e)
-    assert "no finer decomposition" in str(e) and "8 B" in str(e)
+    assert not planned and (e.needed, e.cap) == (12, 8) and e.device in (0, 1) and e.node is (x + y).node
+    assert "x0 + x1" in str(e) and "12 B" in str(e) and "cap is 8 B" in str(e) and "however fine" in str(e)
+    # above that bound but below the finest cut's need (one element each plus the kernel's
+    # scratch): the fitting cuts finer until it gives up
+    x, y = ej.input("x", (16, 16)), ej.input("y", (16, 16))
+    with pytest.raises(MemoryCapError) as info:
+        ej.compile(x + y, devices=2, memory_limit=12, quiet=True)
+    e = info.value
+    assert e.needed > e.cap == 12 and e.device in (0, 1)
+    assert "no finer decomposition" in str(e) and "12 B" in str(e)
     # a spec the user fixed is not overridden: the error says so
     x, y = ej.input("x", (64, 64)), ej.input("y", (64, 64))
     with pytest.raises(MemoryCapError, match="spec given"):

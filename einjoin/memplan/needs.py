@@ -20,11 +20,14 @@ from einjoin.decomp.footprint import kernel_scratch
 from einjoin.errors import EinjoinError
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.printing import describe
+from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.plan.stats import human_bytes
 from einjoin.plan.taskgraph import TaskGraph
+from einjoin.planner.fit import least_need
 
-__all__ = ["parse_caps", "kernel_scratch", "TaskNeed", "task_needs", "MemoryCapError", "cap_error"]
+__all__ = ["parse_caps", "kernel_scratch", "TaskNeed", "task_needs", "MemoryCapError", "cap_error",
+           "refuse_unfittable"]
 
 
 class MemoryCapError(EinjoinError):
@@ -108,3 +111,31 @@ def cap_error(need: TaskNeed, cap: int, why: str = "", node: Node | None = None)
     op = describe(node)
     return MemoryCapError(f"memory cap: {op} {describe_need(need, cap)}{why}", op, need.device,
                           need.needed, cap, need.shapes, node)
+
+
+def refuse_unfittable(graph: Graph, caps: Mapping[int, int | None]) -> None:
+    """Raise :class:`MemoryCapError` at once when some op of ``graph`` cannot fit on any device
+    however finely it is cut (:func:`einjoin.planner.fit.least_need` above every cap), rather
+    than after the planner and the cap fitting have cut it down to single elements (a 64x64 add
+    under an 8-byte cap took seconds to be refused). Where some device has no cap nothing is
+    refused here (a placement could put every task there).
+
+    >>> import einjoin as ej
+    >>> z = ej.input("a", (64, 64)) + ej.input("b", (64, 64))
+    >>> try:
+    ...     refuse_unfittable(ej.Graph(z), {0: 8, 1: 8})
+    ... except MemoryCapError as e:
+    ...     print(e.op, e.needed, e.cap, str(e).split("; ")[1])
+    einsum[ab,ab->ab | x0 + x1] 12 8 no decomposition of it fits, however fine
+    """
+    if not caps or any(c is None for c in caps.values()):
+        return
+    device = max(caps, key=lambda d: caps[d] or 0)
+    cap = caps[device] or 0
+    for node in graph.nodes:
+        least = least_need(node)
+        if least > cap:
+            raise MemoryCapError(f"memory cap: {describe(node)} needs at least {human_bytes(least)} on device "
+                                 f"{device} for one task (one element of each block it must hold) but the cap "
+                                 f"is {human_bytes(cap)}; no decomposition of it fits, however fine",
+                                 describe(node), device, least, cap, ((1,) * node.ndim,), node)

@@ -30,12 +30,14 @@ from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import op_need
 from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
+from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.settings import SETTINGS, Settings
 
-__all__ = ["op_need", "finer_cuts", "fitting_specs", "finer_spec", "element_spec", "element_cuts", "memory_cap",
+__all__ = ["op_need", "least_need", "LEAST_NEED_RULES",
+           "finer_cuts", "fitting_specs", "finer_spec", "element_spec", "element_cuts", "memory_cap",
            "device_memory", "MemoryLimit"]
 
 MemoryLimit = Mapping[int, "int | None"]
@@ -228,3 +230,52 @@ def element_spec(node: Node, spec: JoinAggSpec, settings: Settings = SETTINGS) -
     if math.prod(sizes.values()) > settings.max_kernels or spec.counts() == sizes:
         return None
     return JoinAggSpec.for_node(node, dict(sizes))
+
+
+def _one_of_each(node: Node) -> int:
+    # every kernel writes an output block and reads a block of each input (a fill is computed
+    # where read; one node read in two slots is one value; an empty input's block holds nothing)
+    reads = {x for x in node.inputs if not x.facts.free and x.size}
+    return itemsize(node.dtype) + sum(itemsize(x.dtype) for x in reads)
+
+
+def _output_only(node: Node) -> int:
+    # a kernel may read nothing of some input (a concat's block beside it; a gather's or a
+    # scatter's rows), or the kind has no inputs (a load, a fill): its output block at least
+    return itemsize(node.dtype)
+
+
+LEAST_NEED_RULES: dict[type, Callable[[Node], int]] = {
+    Input: _output_only,
+    Einsum: _one_of_each,
+    Reshape: _one_of_each,
+    Broadcast: _one_of_each,
+    Select: _one_of_each,
+    Concat: _output_only,
+    Fill: _output_only,
+    Gather: _output_only,
+    ScatterAdd: _output_only,
+    Cast: _one_of_each,
+    Conv: _one_of_each,
+    Pool: _one_of_each,
+    TopK: _one_of_each,
+    Attention: _one_of_each,
+    AttentionGrad: _one_of_each,
+}
+"""Per node kind, a lower bound of what any one of its tasks holds under any cut
+(:func:`least_need`)."""
+
+
+def least_need(node: Node) -> int:
+    """Bytes that one task of ``node`` holds at least, however finely it is cut: one element of
+    its output block and of every block it must read (no scratch). A device whose cap is below
+    it cannot run the op at all, so the compiler refuses before planning instead of cutting down
+    to single elements first (0 for an empty tensor: it holds nothing).
+
+    >>> import einjoin as ej
+    >>> least_need((ej.input("a", (64, 64)) + ej.input("b", (64, 64))).node)   # 3 float32 elements
+    12
+    """
+    if node.size == 0:
+        return 0
+    return rule_for(LEAST_NEED_RULES, node.op, "least-need rules")(node)
