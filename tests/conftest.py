@@ -1,6 +1,9 @@
 """Shared fixtures. ``ray_session``: one two-node Ray cluster on loopback for every Ray test of
 the session (a head with 2 CPUs and a second node with 1 CPU, small object stores). Tests that
 use it are grouped on one xdist worker (``xdist_group("ray")``, run with ``--dist loadgroup``).
+``ray_backend``: one Ray backend on it for every test that leaves its actors alive and its
+settings as it found them (starting actors is most of a Ray test's time: a pool per cluster
+shape, local shapes sharing actors, so the session starts each device's actor once).
 torch's one thread per worker is set in the root ``conftest.py`` (it covers the doctests too)."""
 
 from __future__ import annotations
@@ -31,3 +34,14 @@ def ray_session():
     ej_ray.shutdown()
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_backend(ray_session):
+    """The session's shared :class:`~einjoin.runtime.backends.ray.RayBackend` (closed at the end).
+    A test may kill an actor or close it (the next run starts fresh ones) but restores any
+    setting it changes (``kernel_delay``, ``retries``)."""
+    from einjoin.runtime.backends.ray import RayBackend
+    backend = RayBackend(quiet=True)
+    yield backend
+    backend.close()

@@ -5,9 +5,9 @@ peer, checked against the reference: blocks exchanged actor to actor, dependenci
 block (signals), concurrent runs, aborts and failing kernels.
 (The conformance suite runs on Ray too: tests/test_conformance.py.)
 
-Starting actors is most of a Ray test's time: the tests that keep their actors share one backend
-(``shared``, a pool per cluster shape); the killed-actor test, which must see every actor of its
-own die, runs first with a backend of its own."""
+Starting actors is most of a Ray test's time: the tests that keep their actors share the session's
+backend (``shared``: tests/conftest.py's ``ray_backend``, a pool per cluster shape); the
+killed-actor test, which must see every actor of its own die, has a backend of its own."""
 
 from __future__ import annotations
 
@@ -48,31 +48,30 @@ def _alive_actor_pids(pids):
     return alive
 
 
-def _einjoin_actors_alive():
+def _einjoin_actors_alive(pids):
+    """The einjoin actors among ``pids`` that Ray still lists alive (the session's shared backend
+    keeps actors of its own alive)."""
     import ray._private.state as state
     return [a for a in state.actors().values()
-            if a["State"] == "ALIVE" and "DeviceWorker" in a.get("ActorClassName", "")]
+            if a["State"] == "ALIVE" and "DeviceWorker" in a.get("ActorClassName", "") and a.get("Pid") in pids]
 
 
 def _wait_dead(pids, seconds=30.0):  # a hang guard, not a timing: a loaded machine is slow
     deadline = time.time() + seconds
-    while time.time() < deadline and (_alive_actor_pids(pids) or _einjoin_actors_alive()):
+    while time.time() < deadline and (_alive_actor_pids(pids) or _einjoin_actors_alive(pids)):
         time.sleep(0.1)
-    return _alive_actor_pids(pids), _einjoin_actors_alive()
+    return _alive_actor_pids(pids), _einjoin_actors_alive(pids)
 
 
-@pytest.fixture(scope="module")
-def shared(ray_session):
-    """One backend for the tests that leave its actors alive (closed at the module's end)."""
-    from einjoin.runtime.backends.ray import RayBackend
-    backend = RayBackend(quiet=True)
-    yield backend
-    backend.close()
+@pytest.fixture
+def shared(ray_backend):
+    """The session's backend (tests/conftest.py) for the tests that leave its actors alive."""
+    return ray_backend
 
 
 @pytest.mark.slow  # make test-all: fresh actors; test_ray_adversarial kills one between runs
 def test_killed_actor_completes_then_raises_and_leaves_no_actor(ray_session):
-    # first in the module: no other einjoin actor is alive, so "none left" is checked globally
+    # "none left" is checked by pid: the session's shared backend keeps actors of its own alive
     from einjoin.runtime.backends.ray import RayBackend
     out, feeds = _mlp()
     backend = RayBackend(kernel_delay=0.3, quiet=True, retries=1)
@@ -370,6 +369,18 @@ def test_in_process_workers_abort_and_fail_a_run_only():
     # the workers still run the program
     np.testing.assert_allclose(_outputs(prog, _run_in_process(prog, ws, 3, feeds))[0], ej.reference(out, **feeds),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_actors_preload_what_the_kernels_of_a_graph_import():
+    import sys
+    from einjoin.runtime.backends.ray_worker import DeviceWorker, preload_modules
+    x = ej.input("x", (4, 8, 16))
+    assert preload_modules(ej.Graph(ej.softmax(x.sum(0) @ x.sum(1).T))) == ()  # numpy kernels: nothing
+    half = ej.input("h", (4, 8), "bfloat16")
+    assert preload_modules(ej.Graph([ej.attention(x, x, x), half.sum()])) == ("torch", "ml_dtypes")
+    sys.modules.pop("colorsys", None)  # a module nothing of einjoin imports
+    DeviceWorker(0).preload(["colorsys", "einjoin_no_such_module"])  # a failing one is the kernel's to say
+    assert "colorsys" in sys.modules
 
 
 def test_in_process_workers_signal_a_dependency_that_moves_no_block():

@@ -2,10 +2,11 @@
 (the driver keeps only keys), only the batch is loaded after the first step, read_state /
 write_state / re-feed, a failed run keeps the state, and runs are bit-identical.
 
-Starting actors is most of a Ray test's time: every test here shares one backend (a pool of
-actors per device count). A test ends by moving its program's state to the host
-(``write_state(read_state())`` releases the blocks on the actors), so each starts with actors
-that keep nothing and counts every block they keep as its own."""
+Starting actors is most of a Ray test's time: every test here shares the session's backend
+(tests/conftest.py's ``ray_backend``, a pool of actors per device count). A test ends by moving
+its program's state to the host (``write_state(read_state())`` releases the blocks on the
+actors), so each starts with actors that keep nothing and counts every block they keep as its
+own."""
 
 from __future__ import annotations
 
@@ -21,12 +22,9 @@ ray = pytest.importorskip("ray")
 from tests.test_state import _batches, _init, _np_step, _np_train, _step_graph, _train  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def shared(ray_session):
-    from einjoin.runtime.backends.ray import RayBackend
-    backend = RayBackend(quiet=True)
-    yield backend
-    backend.close()
+@pytest.fixture
+def shared(ray_backend):
+    return ray_backend
 
 
 def _kept(backend):
@@ -78,6 +76,13 @@ def test_ray_write_refeed_failure_and_determinism(shared):
     (X, Y), = _batches(1)
     prog.run(x=X, y=Y)
     assert prog.run_stats.bytes_loaded == X.nbytes + Y.nbytes + W.nbytes + B.nbytes
+    # a pool of another shape starting on the backend leaves the state where it is (read_state
+    # used to compare the backend's latest pool generation with the state's own pool's)
+    from einjoin.cluster import Cluster, Device, LinkMatrix
+    node = ray.get_runtime_context().get_node_id()
+    shared.warm(Cluster((Device(0, "cpu", None, node),), LinkMatrix([node], float("inf"), 1e9, 1e9),
+                        LinkMatrix([node], 0.0, 0.0, 0.0)), wait=True)
+    assert shared.generation != shared._pools[(2, (None, None))].generation  # a later pool's
     before = prog.read_state()
     _, Wn, Bn = _np_step(X, Y, W, B)
     np.testing.assert_allclose(before["w"], Wn, rtol=1e-4, atol=1e-5)

@@ -12,7 +12,7 @@
   each keep their own actors, run at once without replacing each other's (they used to kill
   each other's actors on every switch), and run on the nodes their cluster names;
 - close() during a run fails that run with an EinjoinError instead of being undone by its
-  recovery; a Ctrl-C landing in a run's cleanup does not leave the run counted in flight;
+  recovery, and a program compiled after it starts fresh actors while it plans; a Ctrl-C landing in a run's cleanup does not leave the run counted in flight;
 - ray.shutdown() or a Ray restart between runs: the next run starts fresh actors (it used to
   raise a raw ``Exception: Failed to submit task`` for ever), one keeper thread for every re-init;
 - the plans of programs that are gone are dropped from the actors;
@@ -77,13 +77,11 @@ def _backend(**kw):
     return RayBackend(quiet=True, **kw)
 
 
-@pytest.fixture(scope="module")
-def shared(ray_session):
-    """One backend (2 device actors) for the tests that leave its actors alive: starting actors
-    is most of a Ray test's time."""
-    backend = _backend()
-    yield backend
-    backend.close()
+@pytest.fixture
+def shared(ray_backend):
+    """The session's backend (tests/conftest.py) for the tests that leave its actors alive:
+    starting actors is most of a Ray test's time."""
+    return ray_backend
 
 
 def _no_open_runs(backend) -> bool:
@@ -332,8 +330,14 @@ def test_close_during_a_run_fails_that_run_and_is_not_undone(shared):
             _wait_gone(pid, "still alive after close()")
     finally:
         backend.kernel_delay, backend.retries = 0.0, 1
+    # compiling with Ray up starts the actors while it plans (RayBackend.warm): the run takes them
+    again = ej.compile(out * 2.0, devices=2, backend=backend, planner="split_largest")
+    warmed = backend._pools[(2, (None, None))]
+    assert backend.actors == [] and len(warmed.actors) == 2  # started, and no run yet
+    np.testing.assert_allclose(again.run(**_feeds(2)), ej.reference(out * 2.0, **_feeds(2)), **TOL)
+    assert backend.actors == warmed.actors and not set(pids) & set(backend.pids)
     np.testing.assert_allclose(prog.run(**_feeds(2)), ej.reference(out, **_feeds(2)), **TOL)
-    assert not set(pids) & set(backend.pids)
+    assert backend.actors == warmed.actors
 
 
 def test_a_second_ctrl_c_during_cleanup_leaves_no_run_in_flight(shared, monkeypatch):

@@ -43,6 +43,13 @@ Shapes whose devices name no node (``devices=n``, ``ej.local(n)``) share actors:
 the backend's ``d``-th local actor for every count (each run sets the BLAS threads its count
 wants), so 1, 2 and 4 devices start 4 actors, not 7; a lost actor replaces every pool holding it.
 
+First run: starting an actor (Ray hands it one of its prestarted idle workers, which then imports
+einjoin) and the imports its kernels make on first use (torch for attention: ~2.3 s of CPU) are
+most of it. :meth:`RayBackend.warm`, which ``ej.compile`` calls before planning when Ray is up,
+starts the program's actors without waiting for them and has each import what the program's
+kernels need (:func:`~einjoin.runtime.backends.ray_worker.preload_modules`), so both overlap the
+planning; ``warm(..., wait=True)`` returns once they are done (a first run then only ships the plan).
+
 Ray that einjoin starts runs its workers at nice 0 (Ray's default is 15): the actors are the
 program's compute, and on a busy machine a niced actor takes seconds to start and to run.
 
@@ -56,7 +63,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import queue
 import sys
 import threading
 import time
@@ -67,189 +73,50 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from einjoin.cluster import Cluster, Device, LinkMatrix
+from einjoin.cluster import Cluster
 from einjoin.errors import EinjoinError
 from einjoin.exchange import Task, TaskKind
-from einjoin.runtime.backend import DeviceLost, RunSpec, TaskFailed, wait_event
+from einjoin.runtime.backend import DeviceLost, RunSpec, TaskFailed
+from einjoin.runtime.backends import ray_start
+from einjoin.runtime.backends.ray_start import (LOCAL_NODE_IP, _check_int, _check_number, _ray, ensure_ray,
+                                                ray_cluster)
 from einjoin.runtime.backends.ray_worker import DeviceWorker
 
 if TYPE_CHECKING:
     from einjoin.runtime.engine import RunStats
 
-__all__ = ["RayBackend", "ray_cluster", "DeviceWorker", "ensure_ray", "shutdown"]
+__all__ = ["RayBackend", "ray_cluster", "DeviceWorker", "ensure_ray", "shutdown", "LOCAL_NODE_IP"]
 
-_started_here = False          # this process started the local Ray it uses
-_lock = threading.Lock()
 _live: set[RayBackend] = set()   # backends holding actors, for shutdown()
 _run_ids = itertools.count(1)  # one namespace per run on every actor (process-wide: backends share Ray)
 _state_keys = itertools.count(1)  # the keys of state blocks kept on the actors between runs
 _plan_ids = itertools.count(1)
-# the node address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
-# but every 127/8 address is loopback on Linux (elsewhere only 127.0.0.1 is up: Ray's choice stays)
-LOCAL_NODE_IP = "127.0.0.2"
 CONTROL = "control"            # the actors' concurrency group for aborts (not queued behind work)
 WAIT = "wait"                  # the actors' concurrency group for ``finish`` calls, which wait for a run
 WAITERS = 32                   # its threads: runs in flight beyond it only queue their finish
 
 
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError:  # ray is an optional extra
-        raise EinjoinError("backend='ray' needs Ray, which is not installed: pip install 'einjoin[ray]' "
-                           "(or use backend='threads')") from None
-    return ray
-
-
-def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet: bool = False,
-               dashboard: bool = False) -> Any:
-    """Ray, initialised: the running instance if there is one, else a new local one (never a
-    remote address nobody gave). The local one is for this machine only: its node address is a
-    loopback one (on Linux) and its dashboard is off unless ``dashboard`` (then it listens on
-    127.0.0.1 only)."""
-    global _started_here
-    ray = _ray()
-    with _lock:
-        if not ray.is_initialized():
-            # worker_niceness 0: Ray starts its workers at nice 15 by default, and einjoin's device
-            # actors are the program's compute (the threads backend runs at the caller's priority):
-            # on a busy machine a niced actor waits seconds to start and run
-            opts: dict[str, Any] = dict(address="local", num_cpus=num_cpus, include_dashboard=bool(dashboard),
-                                        object_store_memory=object_store_memory, log_to_driver=False,
-                                        configure_logging=False, _system_config={"worker_niceness": 0})
-            if dashboard:
-                opts["dashboard_host"] = "127.0.0.1"
-            node_ip = _loopback_node_ip()
-            if node_ip is not None:
-                opts["_node_ip_address"] = node_ip
-            _init_on_a_lasting_thread(ray, opts)
-            _started_here = True
-            if not quiet:
-                where = f"node address {node_ip}" if node_ip else "Ray's default node address"
-                print(f"einjoin: started a local Ray ({num_cpus} CPUs, {where}, "
-                      f"{'dashboard on 127.0.0.1' if dashboard else 'no dashboard'}); it stops at exit or "
-                      f"with einjoin.runtime.backends.ray.shutdown()", file=sys.stderr)
-    return ray
-
-
-def _init_on_a_lasting_thread(ray: Any, opts: dict[str, Any]) -> None:
-    """``ray.init`` on the main thread, else on einjoin's one keeper thread, which never ends: the
-    processes a local Ray starts die with the thread that started them (PR_SET_PDEATHSIG), so a
-    first run from ``run_async`` or any worker thread would leave the next run a dead Ray. One
-    keeper serves every re-init (after a ``ray.shutdown()``), so none leaks a thread."""
-    if threading.current_thread() is threading.main_thread():
-        ray.init(**opts)
-        return
-    global _keeper
-    done, failed = threading.Event(), []
-
-    def init() -> None:
-        try:
-            ray.init(**opts)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            failed.append(e)
-        done.set()
-
-    with _keeper_lock:
-        if _keeper is None:
-            _keeper = queue.SimpleQueue()
-            threading.Thread(target=_keep, args=(_keeper,), name="einjoin-ray-keeper", daemon=True).start()
-        _keeper.put(init)
-    wait_event(done)  # in slices: a Ctrl-C while Ray starts is seen within WAIT_SLICE
-    if failed:
-        raise failed[0]
-
-
-_keeper: queue.SimpleQueue[Any] | None = None
-_keeper_lock = threading.Lock()
-
-
-def _keep(jobs: queue.SimpleQueue[Any]) -> None:
-    while True:  # alive for ever: Ray's processes started here live as long as this thread
-        jobs.get()()
-
-
-def _loopback_node_ip() -> str | None:
-    """LOCAL_NODE_IP when this machine can bind it (Linux: all of 127/8 is loopback), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import socket
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((LOCAL_NODE_IP, 0))
-    except OSError:
-        return None
-    return LOCAL_NODE_IP
-
-
 def shutdown() -> None:
     """Kill every einjoin actor; stop Ray if einjoin started it. A no-op (and no import of Ray)
     when this process never used Ray, so an absent Ray prints nothing at exit."""
-    global _started_here
     ray = sys.modules.get("ray")
     if ray is None:  # never imported (or blocked): nothing of ours can be running
         return
     for b in list(_live):
         b.close()
-    if _started_here and ray.is_initialized():
-        ray.shutdown()
-        _started_here = False
+    ray_start.stop_started()
 
 
 atexit.register(shutdown)
 
-
-def ray_cluster(address: str | None = None, devices_per_node: int | None = None,
-                intra_node: float = 20e9, inter_node: float = 1.25e9) -> Cluster:
-    """A :class:`Cluster` from the live Ray cluster: per alive node, one device per GPU on GPU
-    nodes, else ``devices_per_node`` (default: the node's CPUs) CPU devices; bandwidth
-    ``intra_node`` between devices of one node and ``inter_node`` across nodes, so the
-    optimizer's costs see the topology. ``address`` connects to that cluster first."""
-    if devices_per_node is not None:
-        _check_int("ray_cluster", "devices_per_node", devices_per_node, 1)
-    if address is not None and not isinstance(address, str):
-        raise EinjoinError(f"ray_cluster: address must be a Ray address string such as 'auto' or "
-                           f"'10.0.0.1:6379', got {type(address).__name__} {address!r:.60}")
-    for name, bw in (("intra_node", intra_node), ("inter_node", inter_node)):
-        _check_number("ray_cluster", name, bw, positive=True, finite=False)  # inf: a free link
-    ray = _ray()
-    if address is not None and not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False)
-    ensure_ray(quiet=True)
-    devices: list[Device] = []
-    for node in sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"]):
-        res = node.get("Resources", {})
-        gpus = int(res.get("GPU", 0))
-        kind, count = ("gpu", gpus) if gpus else ("cpu", devices_per_node or max(1, int(res.get("CPU", 1))))
-        for _ in range(count):
-            devices.append(Device(len(devices), kind, None, node["NodeID"]))
-    if not devices:
-        raise EinjoinError("ray_cluster: the Ray cluster has no alive nodes")
-    groups = [d.node for d in devices]  # links in O(devices): same node or not
-    return Cluster(tuple(devices), LinkMatrix(groups, float("inf"), intra_node, inter_node),
-                   LinkMatrix(groups, 0.0, 5e-6, 5e-5))
-
-
-def _check_int(where: str, name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise EinjoinError(f"{where}: {name} must be an integer >= {least}, got {value!r:.60}")
-
-
-def _check_number(where: str, name: str, value: Any, positive: bool = False, finite: bool = True) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
-          and value == value and (value > 0 if positive else value >= 0)
-          and (not finite or value != float("inf")))
-    if not ok:
-        raise EinjoinError(f"{where}: {name} must be a {'finite ' if finite else ''}number "
-                           f"{'> 0' if positive else '>= 0'}, got {value!r:.60}")
-
-
 class _Pool:
-    """The actors of one cluster shape: a device count and the node each device is placed on."""
+    """The actors of one cluster shape: a device count and the node each device is placed on.
+    ``pids``: per actor its pid, or the reference of its ``pid`` call while it starts (a pool
+    warmed at compile time is not waited for: :meth:`RayBackend._started` waits at the run)."""
 
     __slots__ = ("shape", "actors", "pids", "shipped", "generation")
 
-    def __init__(self, shape: tuple[int, tuple[Any, ...]], actors: list[Any], pids: list[int], generation: int):
+    def __init__(self, shape: tuple[int, tuple[Any, ...]], actors: list[Any], pids: list[Any], generation: int):
         self.shape = shape
         self.actors, self.pids = actors, pids
         self.shipped: list[set[int]] = [set() for _ in actors]   # per actor: the plan keys it holds
@@ -343,12 +210,15 @@ class RayBackend:
         return list(pool.pids) if pool is not None else []
 
     # -- actors ------------------------------------------------------------------------------
-    def _start(self, cluster: Cluster | None, shape: tuple[int, tuple[Any, ...]]) -> _Pool:
+    def _start(self, cluster: Cluster | None, shape: tuple[int, tuple[Any, ...]],
+               modules: Sequence[str] = ()) -> _Pool:
         """The actors of one shape (under ``_mu``): started, or, for a cluster whose devices name no
         node (``ej.local(n)``, ``devices=n``), the first ``n`` of this backend's local actors, of which
         only those missing start. Starting an actor (a process that imports einjoin) is most of a
         first run's time; device ``d`` is actor ``d`` whatever the count, so programs of 1, 2 and 4
-        devices share 4 actors (their runs are independent as every run is)."""
+        devices share 4 actors (their runs are independent as every run is). Nothing waits for the
+        actors here: each new one is asked its pid (waited for by :meth:`_started`) and, with
+        ``modules``, to import them (``preload``, on a thread of its ``wait`` group)."""
         n, nodes = shape
         ray = ensure_ray(self.num_cpus, self.object_store_memory, self.quiet, self.dashboard)
         base = self._local_base(shape)
@@ -368,11 +238,14 @@ class RayBackend:
                     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
                     opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
                 new.append(cls.options(**opts).remote(d, _blas_threads(nodes, d)))
+            if modules:
+                for a in new:
+                    a.preload.options(concurrency_group=WAIT).remote(list(modules))
             actors = have + new
             for a in actors:
                 a.set_peers.remote(actors)  # before any run: sends go actor to actor (a longer list
                 #                             for the old ones: the devices they know keep their actors)
-            pids = have_pids + ray.get([a.pid.remote() for a in new], timeout=120)
+            pids = have_pids + [a.pid.remote() for a in new]
         except Exception as e:  # noqa: BLE001 - any failure to start is the user's to see, typed
             self._kill(new)
             raise EinjoinError(f"the Ray backend could not start {n} device actors: {type(e).__name__}: "
@@ -382,6 +255,77 @@ class RayBackend:
         self._session = _ray_session(ray)
         _live.add(self)
         return pool
+
+    def _started(self, pool: _Pool) -> None:
+        """Wait (under ``_mu``) until every actor of ``pool`` runs (its pid known); an actor that
+        failed to start fails the run with an EinjoinError, and every pool holding it is dropped."""
+        ray = _ray()
+        waiting = [i for i, p in enumerate(pool.pids) if not isinstance(p, int)]
+        if not waiting:
+            return
+        try:
+            got = ray.get([pool.pids[i] for i in waiting], timeout=120)
+        except Exception as e:  # noqa: BLE001 - any failure to start is the user's to see, typed
+            self._retire(pool, pool.generation)
+            raise EinjoinError(f"the Ray backend could not start {len(pool.actors)} device actors: "
+                               f"{type(e).__name__}: {e}") from None
+        started = dict(zip((pool.pids[i] for i in waiting), got))  # the pools sharing these actors too
+        for other in self._pools.values():
+            other.pids[:] = [started.get(p, p) if not isinstance(p, int) else p for p in other.pids]
+        pool.pids[:] = [started.get(p, p) if not isinstance(p, int) else p for p in pool.pids]
+
+    def warm(self, devices: int | Cluster, graph: Any = None, wait: bool = False) -> bool:
+        """Start the actors a program on ``devices`` runs on, ahead of its first run, and have them
+        import what the kernels of ``graph`` (an :class:`~einjoin.ir.graph.Graph`, or its nodes)
+        import on first use (torch for attention, convolutions, pools and top-k; see
+        :func:`~einjoin.runtime.backends.ray_worker.preload_modules`). ``ej.compile`` calls it
+        before planning, so the actors start while the plan is made; then only when Ray is up
+        (it never starts Ray: the first run does). ``wait``: start Ray if needed and return once
+        the actors run and their imports are done (a warm-up a caller times apart). Returns
+        whether anything was started or asked.
+
+        >>> RayBackend(quiet=True).warm(2)     # no Ray running (and no wait): nothing starts
+        False
+        """
+        ray = sys.modules.get("ray")
+        if not wait and (ray is None or not ray.is_initialized()):
+            return False
+        from einjoin.runtime.backends.ray_worker import preload_modules
+        if isinstance(devices, Cluster):
+            cluster, n = devices, devices.size
+        else:
+            _check_int("RayBackend.warm", "devices", devices, 1)
+            cluster, n = None, int(devices)
+        modules = preload_modules(graph) if graph is not None else ()
+        shape = _shape(cluster, n)
+        with self._mu:
+            try:
+                self._check_session(_ray())
+                known = self._pools.get(shape)
+                fresh = known is None
+                pool = self._start(cluster, shape, modules) if known is None else known
+                acks = [] if fresh and not wait else [
+                    x.preload.options(concurrency_group=WAIT).remote(list(modules)) for x in pool.actors]
+                if wait:
+                    self._started(pool)
+                    _ray().get(acks, timeout=300)
+            except EinjoinError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Ray's own errors, typed for the user
+                raise EinjoinError(f"the Ray backend could not warm {n} device actors: "
+                                   f"{type(e).__name__}: {e}") from None
+        return True
+
+    def _check_session(self, ray: Any) -> None:
+        """Under ``_mu``: after ``ray.shutdown()`` or a Ray restart every actor and object
+        reference of this backend is gone: forget them (the next run starts afresh)."""
+        if self._session is not None and _ray_session(ray) != self._session:
+            if self._pools and not self.quiet:
+                print("einjoin: Ray was shut down or restarted since the last run; starting "
+                      "fresh actors", file=sys.stderr)
+            self._pools.clear()
+            self._plans.clear()  # their object refs went with the old Ray too
+            self._session = None
 
     def _local_base(self, shape: tuple[int, tuple[Any, ...]]) -> _Pool | None:
         """For a shape whose devices name no node, the live pool of such a shape with the most
@@ -422,17 +366,11 @@ class RayBackend:
         shape = _shape(cluster, n)
         with self._mu:
             try:
-                if self._session is not None and _ray_session(ray) != self._session:
-                    # ray.shutdown() or a Ray restart took every actor and object with it: afresh
-                    if self._pools and not self.quiet:
-                        print("einjoin: Ray was shut down or restarted since the last run; starting "
-                              "fresh actors", file=sys.stderr)
-                    self._pools.clear()
-                    self._plans.clear()  # their object refs went with the old Ray too
-                    self._session = None
+                self._check_session(ray)
                 pool = self._pools.get(shape)
                 if pool is None:
                     pool = self._start(cluster, shape)
+                self._started(pool)
                 if engine not in self._plans:  # the plan goes to the object store once per program
                     key = next(_plan_ids)
                     self._plans[engine] = (key, ray.put((engine.tg, engine.decomps)))
@@ -490,7 +428,9 @@ class RayBackend:
         """The state blocks ``refs`` (box -> (pool generation, device, key, actor)) kept on the
         actors, fetched to the host (``Program.read_state``)."""
         ray = _ray()
-        if any(g != self.generation for g, _, _, _ in refs.values()):
+        with self._mu:  # a pool's actors with the generation they had when the state was kept
+            live = {(id(x), pool.generation) for pool in self._pools.values() for x in pool.actors}
+        if any((id(actor), g) not in live for g, _, _, actor in refs.values()):
             raise EinjoinError("the Ray actors that held this program's state were replaced (a lost device or "
                                "close()): the state is lost; write_state() it again")
         by_actor: dict[int, tuple[Any, list[Any]]] = {}  # one read per actor, of all its blocks

@@ -21,25 +21,56 @@ run in flight, so no run waits for another's to end.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from einjoin.exchange import Task, TaskKind
+from einjoin.ir.node import (Attention, AttentionGrad, Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input,
+                             Pool, Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.plan.execute import compute
 
-__all__ = ["DeviceWorker", "Part", "RUN", "RECEIVE", "SEND", "FREE"]
+__all__ = ["DeviceWorker", "Part", "RUN", "RECEIVE", "SEND", "FREE", "PRELOAD_FACTS", "preload_modules"]
 
 # what an item of a part does: run a task, take a move's block, send one, free a value
 RUN, RECEIVE, SEND, FREE = 0, 1, 2, 3
 _KERNEL, _LOAD, _MOVE = TaskKind.KERNEL, TaskKind.LOAD, TaskKind.MOVE
 _DEAD_KEPT = 4096              # run ids remembered as aborted (late deliveries for them are dropped)
+
+# What a kind's block kernels import on first use beyond einjoin and numpy: an actor imports it
+# ahead of a program's first run (torch costs ~2.3 s of CPU to import, more than such a run), so
+# a program without these kinds never loads torch into its actors.
+PRELOAD_FACTS: dict[type, tuple[str, ...]] = {
+    Input: (), Einsum: (), Reshape: (), Broadcast: (), Select: (), Concat: (), Fill: (), Gather: (),
+    ScatterAdd: (), Cast: (),
+    Conv: ("torch",), Pool: ("torch",), TopK: ("torch",),        # torch's conv, pool and sort loops
+    Attention: ("torch",), AttentionGrad: ("torch",),            # torch's fused flash kernels
+}
+
+
+def preload_modules(nodes: Iterable[Any]) -> tuple[str, ...]:
+    """The modules the kernels of ``nodes`` (a graph's) import on first use: their kinds' (:data:`PRELOAD_FACTS`),
+    and ml_dtypes for a bfloat16 value (its numpy dtype; ~2 s to import).
+
+    >>> import einjoin as ej
+    >>> x = ej.input("x", (4, 4))
+    >>> preload_modules(ej.Graph(x @ x)), preload_modules(ej.Graph(ej.attention(x, x, x)))
+    ((), ('torch',))
+    """
+    found: dict[str, None] = {}
+    for n in nodes:
+        found.update(dict.fromkeys(rule_for(PRELOAD_FACTS, n.op, "the modules its kernels import "
+                                            "(einjoin.runtime.backends.ray_worker.PRELOAD_FACTS)")))
+        if n.dtype == "bfloat16":
+            found["ml_dtypes"] = None
+    return tuple(found)
 
 
 class Part:
@@ -179,6 +210,17 @@ class DeviceWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def preload(self, modules: Sequence[str]) -> None:
+        """Import ``modules`` now (the driver calls it on a thread of the ``wait`` group when the
+        actor starts, so it overlaps the driver's planning and never holds up the calls of a
+        run): the first run's kernels then find them loaded. A module that fails to import is
+        left to the kernel that needs it, which says why."""
+        for m in modules:
+            try:
+                importlib.import_module(m)
+            except Exception:  # noqa: BLE001 - the kernel's own import raises it, named, in its run
+                pass
 
     def node(self) -> str:
         import ray
