@@ -340,3 +340,22 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_cross_entropy_of_class_targets_picks_the_logit_without_log_probabilities():
+    """Class-index targets: the same bits as nll_loss(log_softmax(x)) (the picked logit shifted
+    by the same operations), and the loss with its gradient reads the logits in four passes
+    (max, sum of exponentials, the pick, the fused gradient), not seven."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 5)).astype(np.float32) * 4
+    t = np.array([0, 4, 2, -100, 1, 3])
+    xin, tin = ej.input("x", (6, 5)), ej.input("t", (6,), "int64")
+    for red in ("none", "mean"):
+        got = ej.reference(ej.cross_entropy(xin, tin, reduction=red), x=x, t=t)
+        want = ej.reference(ej.nll_loss(ej.log_softmax(xin, 1), tin, reduction=red), x=x, t=t)
+        np.testing.assert_array_equal(got, want)
+    loss = ej.cross_entropy(xin, tin)
+    (dx,) = ej.grad(loss, [xin])
+    prog = ej.compile([loss, dx], backend="null", quiet=True)
+    passes = [n for n in prog.graph.ops if any(i.shape == (6, 5) for i in n.inputs)]
+    assert len(passes) == 4, [str(n.op) for n in passes]

@@ -95,13 +95,14 @@ def _ignore(ignore_index: Any, what: str) -> int:
     return ignore_index
 
 
-def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, what: str
-         ) -> tuple[Tensor, Tensor, str]:
-    """(per-target losses ``-w[t] * logp[t]``, 0 where ignored; per-target weights ``w[t]``, 0 where
-    ignored; the class label of ``logp``)."""
-    cdim, ls, tl = _class_targets(logp, target, what)
+def _targets(x: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, what: str
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, str, str, str]:
+    """What picking each target's class of ``x`` (log-probabilities or logits) needs: (the
+    targets as the pick compares them, the class indices, the ignored mask, per-target weights
+    ``w[t]`` (0 where ignored), ``x``'s labels, the targets' labels, the class label)."""
+    cdim, ls, tl = _class_targets(x, target, what)
     c = ls[cdim]
-    n_classes = logp.shape[cdim]
+    n_classes = x.shape[cdim]
     if target.dtype != "int64":
         target = target.to("int64")
     classes = F.arange(n_classes)
@@ -113,13 +114,40 @@ def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
     # each target's weight w[t] (1 without a weight), 0 where ignored, read by a gather: the
     # gather checks its indices at run time, so a class outside [0, C) that is not ignore_index
     # is an error naming it ("index 3 out of range"), as torch raises, not a silent loss of 0
-    table = weight if weight is not None else F.full((n_classes,), 1.0, logp.dtype)
+    table = weight if weight is not None else F.full((n_classes,), 1.0, x.dtype)
     rows = elementwise("where", ignored, 0, target, name=f"{what} ignored to row 0")
     wt = F.where(ignored, 0.0, gather(table, rows))
+    return picked, classes, ignored, wt, ls, tl, c
+
+
+def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, what: str
+         ) -> tuple[Tensor, Tensor, str]:
+    """(per-target losses ``-w[t] * logp[t]``, 0 where ignored; per-target weights ``w[t]``, 0 where
+    ignored; the class label of ``logp``)."""
+    picked, classes, _, wt, ls, tl, c = _targets(logp, target, weight, ignore_index, what)
     # -logp[t] by one EinSum over the classes (decomposed like any op), times w[t]: the same
     # bits as -(logp[t] * w[t]) (negation is exact), and 0 where ignored (the pick matches none)
     pick = einsum(f"{ls},{tl},{c}->{tl}", logp, picked, classes, join="where(x1 == x2, -x0, 0)")
     return pick * wt, wt, c
+
+
+def _cross_entropy_classes(x: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, what: str
+                           ) -> tuple[Tensor, Tensor]:
+    """cross_entropy with class-index targets (no label smoothing): (per-target losses, weights).
+    The log-probabilities are never materialised: the logit of each target's class is picked
+    (one pass over the logits, beside the max and the sum of exponentials), and only that one
+    is shifted, ``-((x[t] - max) - log(sum))`` per target: the same operations, so the same
+    bits, as torch's ``log_softmax`` then ``nll_loss`` (and as ``_nll`` of ``log_softmax``), but
+    the step's logit-sized passes go from seven (forward and gradient) to four: the gradient is
+    ``exp(x - max) * (g / sum)`` minus ``g`` at the target, one fused pass."""
+    picked, classes, ignored, wt, ls, tl, c = _targets(x, target, weight, ignore_index, what)
+    m = einsum(f"{ls}->{tl}", x, agg="max")
+    # shift invariant as softmax: no derivative through the max
+    s = einsum(f"{ls},{tl}->{tl}", x, m, join="exp(x0 - stop_gradient(x1))")
+    xt = einsum(f"{ls},{tl},{c}->{tl}", x, picked, classes, join="where(x1 == x2, x0, 0)")
+    nll = einsum(f"{tl},{tl},{tl},{tl}->{tl}", xt, m, s, ignored,
+                 join="where(x3, 0, -(x0 - stop_gradient(x1) - log(x2)))")
+    return nll * wt, wt
 
 
 def _reduce(loss: Tensor, wt: Tensor, reduction: str) -> Tensor:
@@ -176,6 +204,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, i
     n_classes = x.shape[cdim]
     w = _weight(weight, n_classes, x.dtype, what)
     target = _t(target, f"{what}: target")
+    if kind(target.dtype) != "float" and eps == 0:
+        return _reduce(*_cross_entropy_classes(x, target, w, ii, what), red)
     logp = C.log_softmax(x, cdim)
     ls = LETTERS[:x.ndim]
     if kind(target.dtype) == "float":
