@@ -120,6 +120,9 @@ def test_step_by_step_elementwise_time_sums_each_function_at_its_rate():
     assert steps_time(m, [("exp", 1e8), ("tanh", 1e8), ("sub", 1e9)], 2e9) == pytest.approx(5.0)
     assert steps_time(m, [("exp", 1e8)], 0.0, itemsize=8) == pytest.approx(2.0)   # float64: twice the bytes
     assert steps_time(m, [], 2e9) == pytest.approx(1.0)
+    called = DeviceModel("cpu", peak=(("float32", 1e10),), mem_bw=2e9, copy_bw=1e9, vector_rate=1e9, launch=0.0,
+                         fn_rates={"exp": 1e8}, fn_call=0.5)
+    assert steps_time(called, [("exp", 1e8), ("exp", 1e8)], 0.0) == pytest.approx(2.0 + 2 * 0.5)  # + a call each
     gpu = DeviceModel("gpu", peak=(("float32", 1e10),), mem_bw=2e9, copy_bw=1e9, vector_rate=1e9, launch=0.0)
     assert steps_time(gpu, [("exp", 1e8)], 0.0) is None   # no function rates: one fused pass (the roofline)
     with pytest.raises(EinjoinError, match="fn_rates"):

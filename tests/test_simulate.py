@@ -253,11 +253,13 @@ def test_simulate_without_a_cache_calibrates_first(monkeypatch):
     monkeypatch.setattr(simulate_calibrate, "_dispatch", lambda reps, quick: (1e-5, 1e-4, 2e-5, 3e-4))
     monkeypatch.setattr(simulate_calibrate, "_attention", lambda reps, quick: (2e9, 1e6))
     monkeypatch.setattr(simulate_calibrate, "_functions", lambda reps, quick: {"exp": 1e8, "add": 1e9})
+    monkeypatch.setattr(simulate_calibrate, "_step_call", lambda reps: 5e-6)
     sim = _prog(2).simulate()
     assert calls == ["gemm"] and sim.makespan > 0
     cal = load_cached()
     assert cal is not None and (cal.matmul_rate, cal.launch_threads, cal.overhead_threads) == (10e9, 2e-5, 3e-4)
-    assert (cal.attention_rate, cal.attention_half, cal.fn_rates) == (2e9, 1e6, {"exp": 1e8, "add": 1e9})
+    assert (cal.attention_rate, cal.attention_half, cal.fn_rates, cal.fn_call) == (2e9, 1e6, {"exp": 1e8, "add": 1e9},
+                                                                                  5e-6)
     _prog(2).simulate()  # cached now: not measured again
     assert calls == ["gemm"]
 
@@ -352,3 +354,18 @@ def test_elementwise_kernels_are_timed_step_by_step_at_each_functions_rate():
     assert took["exp(x0 * 0.5) + x1"] == pytest.approx(n / 1e6 + n / 1e7 + n / 2e7)
     assert took["x0"] == pytest.approx((4 * n + 4 * 64) / 1e9)          # the max: read the block, write a row
     assert took["x0 * x1"] == pytest.approx(2 * n * 32 / 1e9)            # the matmul: its flops at 1 GFLOP/s
+
+
+def test_a_fills_expression_is_timed_over_its_broadcast_index_grids():
+    # sin(x0 * 0.5) + x1 over a (64, 128) block: the mul covers dim 0's 64 indices, sin them too, the
+    # add the whole box; float64 grids (twice float32's time), each call 1 ms, then the cast to float32
+    m = DeviceModel("cpu", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e12, vector_rate=1e9, launch=0.0,
+                    fn_rates={"sin": 1e6, "mul": 1e7, "add": 2e7}, fn_call=1e-3)
+    hw = Hardware("toy", (m,), (0,), Fabric(1e9, 0.0), Fabric(1e9, 0.0), cores=1, shared_memory=True,
+                  copy_engines=False)
+    tg = ej.compile(ej.fill((64, 128), "sin(x0 * 0.5) + x1") * ej.input("y", (64, 128)), devices=1,
+                    backend="null", quiet=True, fuse=False).taskgraph
+    sim = simulate(tg, hw)
+    [(s, e)] = [(s, e) for s, e, t in sim.intervals[0] if tg.tasks[t].kind is TaskKind.FILL]
+    n = 64 * 128
+    assert e - s == pytest.approx(2 * (64 / 1e7 + 64 / 1e6 + n / 2e7) + 3 * 1e-3 + n * (8 + 4) / 1e9)

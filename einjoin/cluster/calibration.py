@@ -27,7 +27,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
 
-VERSION = 4  # bumped when what is measured changes: older caches are measured again
+VERSION = 5  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Calibration:
     thread adds that fraction of a core's rate), ``mem_bw`` (bytes read + written per second by
     an elementwise kernel), ``vector_rate`` (elementwise flop/s, e.g. ``exp``), ``fn_rates``
     (elements per second of each scalar function of :data:`einjoin.ir.scalar.FUNCTIONS`, alone
-    over float32 arrays out of the caches: numpy evaluates a join one function at a time), ``copy_bw``
+    over float32 arrays out of the caches: numpy evaluates a join one function at a time), ``fn_call``
+    (seconds of one such step besides its elements: the Python around the ufunc), ``copy_bw``
     (a copy's bytes read + written per second), ``launch`` (seconds per task of a one-device
     run, inline), ``launch_threads`` (seconds per task of a run on device threads),
     ``overhead`` / ``overhead_threads`` (seconds per run besides its tasks: binding feeds,
@@ -60,6 +61,7 @@ class Calibration:
     attention_rate: float = 0.0    # flop/s of the attention kernel on one thread (0: not measured)
     attention_half: float = 0.0    # its fixed cost per call, as flops at that rate
     fn_rates: dict[str, float] = field(default_factory=dict)  # elements/s of each elementwise function
+    fn_call: float = 0.0  # seconds of one step of a join's evaluation besides its elements
     load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
     seconds: float = 0.0  # how long measuring took
 
@@ -75,7 +77,7 @@ class Calibration:
         kinds = (("attention", self.attention_rate * scale),) if self.attention_rate > 0 else ()
         half = (("attention", self.attention_half * scale),) if kinds else ()
         model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)), kind_rates=kinds,
-                            kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())),
+                            kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())), fn_call=self.fn_call,
                             mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
                             launch=self.launch if n == 1 else self.launch_threads, e_max=1.0,
                             half_work=self.half_work)
@@ -93,7 +95,7 @@ class Calibration:
             f"copy: {self.copy_bw / 1e9:.2f} GB/s read + written",
             f"attention kernel, one thread: {self.attention_rate / 1e9:.2f} GFLOP/s (+{self.attention_half / 1e6:.1f} "
             "MFLOP of fixed cost per call)",
-            "elementwise functions, Gelem/s: " + (", ".join(
+            f"elementwise functions, {self.fn_call * 1e6:.1f} us a call, Gelem/s: " + (", ".join(
                 f"{k} {v / 1e9:.2f}" for k, v in sorted(self.fn_rates.items(), key=lambda kv: kv[1])[:8]) + ", ..."
                 if self.fn_rates else "not measured"),
             f"dispatch per task: {self.launch * 1e6:.1f} us inline, "

@@ -81,7 +81,8 @@ class DeviceModel:
     (scalar function, elements/s) of each elementwise function run alone over float32 arrays
     out of the caches — a device that evaluates an elementwise expression step by step (numpy:
     one pass over memory per function, :func:`steps_time`); empty: the expression is one fused
-    pass (a GPU's kernels), the roofline of its flops at ``vector_rate`` and its bytes."""
+    pass (a GPU's kernels), the roofline of its flops at ``vector_rate`` and its bytes;
+    ``fn_call``: seconds of one such step besides its elements (the Python around a ufunc)."""
 
     name: str
     peak: tuple[tuple[str, float], ...]
@@ -97,6 +98,7 @@ class DeviceModel:
     kind_rates: tuple[tuple[str, float], ...] = ()
     kind_half: tuple[tuple[str, float], ...] = ()
     fn_rates: tuple[tuple[str, float], ...] = ()
+    fn_call: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.peak:
@@ -115,7 +117,7 @@ class DeviceModel:
             object.__setattr__(self, "memory", mem)
         for f in ("mem_bw", "copy_bw", "vector_rate", "host_bw"):
             object.__setattr__(self, f, _positive(getattr(self, f), f))
-        for f in ("launch", "half_work", "host_latency"):
+        for f in ("launch", "half_work", "host_latency", "fn_call"):
             object.__setattr__(self, f, _positive(getattr(self, f), f, zero_ok=True))
         e = _positive(self.e_max, "e_max")
         if e > 1:
@@ -187,22 +189,23 @@ def steps_time(model: DeviceModel, steps: Sequence[tuple[str, float]], pass_byte
                itemsize: int = 4) -> float | None:
     """Seconds of an elementwise kernel evaluated step by step on ``model`` (one thread): each
     ``(function, elements)`` step at the device's measured rate of that function (``fn_rates``:
-    its pass over memory included; a function not measured at ``add``'s), plus ``pass_bytes``
+    its pass over memory included; a function not measured at ``add``'s) plus ``fn_call``, plus ``pass_bytes``
     (an aggregation's read of the joined block and its write, or a copy: bytes at ``mem_bw``).
     A dtype wider than float32 moves proportionally more bytes. None when ``model`` has no
     function rates (it fuses the expression: the roofline applies).
 
     >>> m = DeviceModel("x", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e9, vector_rate=1e8,
-    ...                 launch=0.0, fn_rates=(("exp", 1e8), ("add", 1e9)))
-    >>> steps_time(m, [("exp", 1e8), ("mul", 1e9)], pass_bytes=1e9)   # 1 s + 1 s (as add) + 1 s
-    3.0
+    ...                 launch=0.0, fn_rates=(("exp", 1e8), ("add", 1e9)), fn_call=0.25)
+    >>> steps_time(m, [("exp", 1e8), ("mul", 1e9)], pass_bytes=1e9)   # 1 s + 1 s (as add) + 1 s + 2 calls
+    3.5
     """
     if not model.fn_rates:
         return None
     rates = dict(model.fn_rates)
     other = rates.get("add", model.mem_bw / 12)  # two reads and a write of float32
     scale = max(1.0, itemsize / 4)
-    return scale * sum(n / rates.get(fn, other) for fn, n in steps) + pass_bytes / model.mem_bw
+    return (scale * sum(n / rates.get(fn, other) for fn, n in steps) + len(steps) * model.fn_call
+            + pass_bytes / model.mem_bw)
 
 
 def is_contraction(flops: float, nbytes: float) -> bool:

@@ -38,13 +38,13 @@ import pathlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from einjoin.cluster import Cluster
 from einjoin.cluster.model import Fabric, Hardware, copy_time, is_contraction, steps_time, work_time
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import itemsize
-from einjoin.ir.opkinds import Einsum
+from einjoin.ir.opkinds import Einsum, Fill
 from einjoin.ir.printing import describe
 from einjoin.ir.kernels import matmul_route
 from einjoin.ir.scalar import Arg, Call
@@ -175,60 +175,89 @@ class _Ctx:
         return ((m.host_latency, ()), (nbytes / m.host_bw, ((port, m.host_bw),)))
 
 
-def _steps(node: Any) -> tuple[tuple[tuple[str, float], ...], int, bool, int] | None:
-    """How an elementwise einsum's kernel evaluates its join step by step (as
-    :func:`einjoin.ir.evaluate.evaluate` does: each distinct call once, over the broadcast of
-    its arguments), or None for a contraction (a product of two or more inputs that aggregates,
-    which :func:`einjoin.ir.kernels.matmul_route` sends to BLAS) and other kinds: the calls as
-    (function, fraction of the joined box it covers), the calls the flop table counts per
-    element of the box (to recover the box from a task's flops), whether it aggregates labels
-    (one more pass, reading the joined box), and the itemsize."""
-    op = node.op
-    if not isinstance(op, Einsum):
-        return None
-    if (len(node.inputs) > 1 and op.agg_labels
-            and matmul_route(op, [x.dtype for x in node.inputs]).path != "join"):
-        return None
-    sizes: dict[str, int] = {}
-    for x, ls in zip(node.inputs, op.in_labels):
-        sizes.update(zip(ls, x.shape))
-    full = max(1, math.prod(sizes.get(lab, 1) for lab in op.all_labels))
-    frac = [math.prod(sizes[lab] for lab in set(ls)) / full for ls in op.in_labels]
+class _Steps(NamedTuple):
+    """How a kernel evaluates an elementwise expression step by step, as
+    :func:`einjoin.ir.evaluate.evaluate` does (each distinct call once, over the broadcast of its
+    arguments): ``calls`` (function, fraction of the block's box it covers), ``per`` the calls the
+    flop table counts per element of the box (the box is the task's flops over it; 0: the box is
+    the written block), ``aggregates`` (one more pass reading the joined box), ``size`` the
+    itemsize it computes in, ``out_pass`` bytes per element of a last pass (a fill's cast)."""
+
+    calls: tuple[tuple[str, float], ...]
+    per: int
+    aggregates: bool
+    size: int
+    out_pass: int = 0
+
+
+def _walk(expr: Any, labels: Sequence[frozenset[Any]], sizes: dict[Any, int], full: int
+          ) -> tuple[tuple[tuple[str, float], ...], int]:
+    """The distinct calls of ``expr`` with the fraction of the box each covers (its arguments'
+    labels broadcast together: ``labels[i]`` are ``Arg(i)``'s), and the calls counted with repeats."""
     steps: dict[Call, float] = {}
     counted = 0
 
-    def walk(e: Any) -> float:
+    def walk(e: Any) -> frozenset[Any]:
         nonlocal counted
         if isinstance(e, Arg):
-            return frac[e.index]
+            return labels[e.index]
         if not isinstance(e, Call):
-            return 0.0
+            return frozenset()
         counted += 1
-        f = max((walk(a) for a in e.args), default=0.0)
-        steps.setdefault(e, f)
-        return f
-    walk(op.join)
-    return (tuple((e.fn, f) for e, f in steps.items()), max(1, counted), bool(op.agg_labels),
-            itemsize(node.dtype))
+        covers = frozenset().union(*(walk(a) for a in e.args))
+        steps.setdefault(e, math.prod(sizes[lab] for lab in covers) / full)
+        return covers
+    walk(expr)
+    return tuple((e.fn, f) for e, f in steps.items()), counted
+
+
+def _einsum_steps(node: Any) -> _Steps | None:
+    # a product of two or more inputs that aggregates goes to BLAS (matmul_route): not elementwise
+    op = node.op
+    if (len(node.inputs) > 1 and op.agg_labels
+            and matmul_route(op, [x.dtype for x in node.inputs]).path != "join"):
+        return None
+    sizes: dict[Any, int] = {}
+    for x, ls in zip(node.inputs, op.in_labels):
+        sizes.update(zip(ls, x.shape))
+    full = max(1, math.prod(sizes.get(lab, 1) for lab in op.all_labels))
+    calls, counted = _walk(op.join, [frozenset(ls) for ls in op.in_labels], sizes, full)
+    return _Steps(calls, max(1, counted), bool(op.agg_labels), itemsize(node.dtype))
+
+
+def _fill_steps(node: Any) -> _Steps:
+    # the expression over index grids (float64 for a float fill), then cast to the node's dtype
+    shape = node.shape
+    calls, _ = _walk(node.op.expr, [frozenset((d,)) for d in range(len(shape))], dict(enumerate(shape)),
+                     max(1, math.prod(shape)))
+    return _Steps(calls, 0, False, 8, 8 + itemsize(node.dtype))  # fill_kernel's grids: float64 or int64
+
+
+# per task kind, the node kinds whose expression a kernel of that task evaluates step by step
+_STEP_RULES: dict[TaskKind, dict[type, Callable[[Any], _Steps | None]]] = {
+    TaskKind.KERNEL: {Einsum: _einsum_steps},
+    TaskKind.FILL: {Fill: _fill_steps},
+}
 
 
 def _elementwise(c: _Ctx, t: Task) -> float | None:
-    """Seconds of an elementwise kernel's work evaluated step by step (:func:`_steps`) on a device
-    with per-function rates; None otherwise (the roofline)."""
+    """Seconds of an elementwise kernel's work evaluated step by step (:class:`_Steps`) on a
+    device with per-function rates; None otherwise (the roofline)."""
     m = c.hw.models[t.device]
     if not m.fn_rates:
         return None
-    how = c.steps.get(t.node, False)
+    key = (t.node, t.kind)
+    how = c.steps.get(key, False)
     if how is False:
-        how = c.steps[t.node] = _steps(t.node)
+        rule = _STEP_RULES.get(t.kind, {}).get(type(t.node.op))
+        how = c.steps[key] = rule(t.node) if rule is not None else None
     if how is None:
         return None
-    calls, per, aggregates, size = how
-    box = t.flops / per
-    if not calls:  # no function: a copy, or a reduction, of the inputs
+    box = t.flops / how.per if how.per else t.nbytes / max(1, itemsize(t.node.dtype))
+    if not how.calls:  # no function: a copy, or a reduction, of the inputs (a constant fill: its write)
         return steps_time(m, (), c.read_bytes(t) + t.nbytes)
-    agg = box * size + t.nbytes if aggregates else 0.0
-    return steps_time(m, [(fn, f * box) for fn, f in calls], agg, size)
+    passes = (box * how.size + t.nbytes if how.aggregates else 0.0) + box * how.out_pass
+    return steps_time(m, [(fn, f * box) for fn, f in how.calls], passes, how.size)
 
 
 def _kernel(c: _Ctx, t: Task) -> Phases:
@@ -246,6 +275,9 @@ def _kernel(c: _Ctx, t: Task) -> Phases:
 
 def _memory_bound(c: _Ctx, t: Task) -> Phases:  # fill, reduce: bytes read and written
     m = c.hw.models[t.device]
+    steps = _elementwise(c, t)  # a fill's expression, on a device that evaluates it step by step
+    if steps is not None:
+        return (c.launch(t), c.on_cores(steps, 1.0))
     return (c.launch(t), c.on_cores(work_time(m, t.flops, c.read_bytes(t) + t.nbytes, t.dtype or t.node.dtype)))
 
 

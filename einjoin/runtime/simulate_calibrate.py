@@ -125,6 +125,18 @@ def _functions(reps: int, quick: bool) -> dict[str, float]:
     return out
 
 
+def _step_call(reps: int) -> float:
+    """Seconds of one step of a join's evaluation besides its elements: a join of six calls and
+    one of none (``x0``) on a tiny block, through :func:`einjoin.ir.evaluate.evaluate`."""
+    from einjoin.ir.evaluate import evaluate
+    from einjoin.ir.scalar import parse_join
+    x = np.ones((8, 8), np.float32)
+    six, none = parse_join("sqrt(exp(x0) * 2.0 + 1.0) / 3.0 - x0", 1), parse_join("x0", 1)
+    t6 = _best(_call(evaluate, (six, [x])), 10 * reps, _CPU)
+    t0 = _best(_call(evaluate, (none, [x])), 10 * reps, _CPU)
+    return max(0.0, (t6 - t0) / 6)
+
+
 def _tiny_chain(devices: int, length: int) -> tuple[Any, dict[Any, np.ndarray]]:
     """An engine for a chain of ``length`` tiny matmuls ``y = y @ w`` whose rows are cut over
     ``devices`` (built from the IR up: this floor does not compile), and its feeds."""
@@ -217,10 +229,11 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
     attention_rate, attention_half = _attention(reps, quick)
     fn_rates = _functions(reps, quick)
+    fn_call = _step_call(reps)
     cal = Calibration(cores=os.cpu_count() or 1, matmul_rate=rate, half_work=half, parallel=parallel,
                       mem_bw=mem_bw, vector_rate=vector_rate, copy_bw=copy_bw, launch=launch,
                       launch_threads=launch_threads, overhead=overhead, overhead_threads=overhead_threads,
-                      attention_rate=attention_rate, attention_half=attention_half, fn_rates=fn_rates,
+                      attention_rate=attention_rate, attention_half=attention_half, fn_rates=fn_rates, fn_call=fn_call,
                       machine=machine_key(), seconds=time.perf_counter() - t0,
                       load=load)
     save_cached(cal)
