@@ -311,25 +311,6 @@ def _index(x: Tensor, indices: Any) -> Tensor:
     return R.advanced_index(x, list(indices))
 
 
-def _fx_advanced(x: Tensor, index: tuple[Any, ...]) -> Tensor:
-    """``x[...]`` as torch.fx records it with index tensors among ints, slices and ``...``: the
-    slices and ints first, then the tensors in one gather."""
-    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
-    items: list[Any] = []
-    for i in index:
-        if i is Ellipsis:
-            items += [slice(None)] * (x.ndim - n_real)
-        elif i is None:
-            raise UnsupportedOpError("indexing with None (a new axis) among index tensors")
-        else:
-            items.append(i)
-    items += [slice(None)] * (x.ndim - len(items))
-    # slices and ints first, as torch does (an int selects before the tensors index: x[2, :, j]
-    # is x[2][:, j], unlike numpy, which would count the int as an index array)
-    if any(not isinstance(i, Tensor) and i != slice(None) for i in items):
-        x = x[tuple(slice(None) if isinstance(i, Tensor) else i for i in items)]
-    idx = [i for i in items if not isinstance(i, int) or isinstance(i, bool)]
-    return R.advanced_index(x, [i if isinstance(i, Tensor) else None for i in idx])
 
 
 @op("index_put", "index_put_", "_unsafe_index_put")
@@ -344,7 +325,7 @@ def _getitem(x: Any, index: Any) -> Any:
     if isinstance(index, Tensor) and index.dtype == "bool":  # fx records x[mask] as getitem(x, mask)
         raise data_dependent("boolean-mask indexing x[mask]")
     if isinstance(index, tuple) and any(isinstance(i, Tensor) for i in index):
-        return _fx_advanced(x, index)
+        return R.getitem_with_tensors(x, index)
     return x[index]
 
 

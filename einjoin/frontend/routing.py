@@ -544,6 +544,34 @@ def advanced_index(x: Tensor, indices: Sequence[Any]) -> Tensor:
     return y if order == list(range(y.ndim)) else y.permute(order)
 
 
+def getitem_with_tensors(x: Tensor, index: tuple[Any, ...]) -> Tensor:
+    """``x[...]`` with index tensors among ints, slices and ``...`` (``Tensor.__getitem__``, and
+    ``x[...]`` as torch.fx records it): the slices and ints first, then the tensors in one gather
+    (:func:`advanced_index`: negative indices count from the end, as torch).
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (2, 3)); j = ej.input("j", (2,), "int64")
+    >>> ej.reference(x[1, j], x=np.arange(6.0, dtype=np.float32).reshape(2, 3), j=np.array([-1, 0])).tolist()
+    [5.0, 3.0]
+    """
+    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+    items: list[Any] = []
+    for i in index:
+        if i is Ellipsis:
+            items += [slice(None)] * (x.ndim - n_real)
+        elif i is None:
+            raise UnsupportedOpError("indexing with None (a new axis) among index tensors")
+        else:
+            items.append(i)
+    items += [slice(None)] * (x.ndim - len(items))
+    # slices and ints first, as torch does (an int selects before the tensors index: x[2, :, j]
+    # is x[2][:, j], unlike numpy, which would count the int as an index array)
+    if any(not isinstance(i, Tensor) and i != slice(None) for i in items):
+        x = x[tuple(slice(None) if isinstance(i, Tensor) else i for i in items)]
+    idx = [i for i in items if not isinstance(i, int) or isinstance(i, bool)]
+    return advanced_index(x, [i if isinstance(i, Tensor) else None for i in idx])
+
+
 def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Tensor:
     """``x[i0, i1, ...] = values`` (``+=`` with ``accumulate``), functional, as ATen's
     ``index_put``: a scatter-add of ``values`` (broadcast to ``x[indices]``'s shape) into ``x``

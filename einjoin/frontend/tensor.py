@@ -551,10 +551,12 @@ class Tensor:
 
     # ---- indexing
     def __getitem__(self, index: Any) -> Tensor:
-        if isinstance(index, Tensor):
-            return gather(self, index)
         if not isinstance(index, tuple):
             index = (index,)
+        if any(isinstance(i, Tensor) for i in index):
+            # index tensors as torch: negative ones count from the end (routing's gather)
+            from einjoin.frontend.routing import getitem_with_tensors
+            return getitem_with_tensors(self, index)
         # a 0-d integer array indexes as its int (numpy's rule); other arrays are refused below
         index = tuple(int(i) if isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu"
                       else i for i in index)

@@ -170,3 +170,21 @@ def test_einsum_broadcasting_compiles_and_imports() -> None:
     _torch_check(_Fn(lambda s, x, y: torch.einsum("ii,i->i", x, y)), (torch.randn(1, 1), b[0]))
     with pytest.raises(ej.ShapeError):  # a diagonal's sizes must agree, as torch says
         ej.einsum("ij,ij->ij", ej.input("x", (2, 1)), ej.input("z", (3, 2)))
+
+
+# ---- finding 5: Tensor x[i] with a negative index tensor was a run-time "index -1 out of
+# range" (torch counts from the end, as imports already did), and x[:, i] was refused
+
+def test_tensor_indexing_with_index_tensors_follows_torch() -> None:
+    t, iv = torch.randn(3, 4, 5), torch.tensor([-1, 2])
+    x, i = ej.input("x", (3, 4, 5)), ej.input("i", (2,), "int64")
+    cases = [lambda x, i: x[i], lambda x, i: x[1, :, i], lambda x, i: x[..., i],
+             lambda x, i: x[i, ..., i], lambda x, i: x[:, i, i], lambda x, i: x[i, 1:3]]
+    outs = [f(x, i) for f in cases]
+    got = ej.compile(outs, devices=2).run(x=t.numpy(), i=iv.numpy())
+    for f, g, r in zip(cases, got, ej.reference(outs, x=t.numpy(), i=iv.numpy())):
+        assert np.array_equal(g, f(t, iv).numpy()) and np.array_equal(r, g)
+    with pytest.raises(ej.EinjoinError, match="out of range"):  # as torch: an error at run time
+        ej.reference(x[i], x=t.numpy(), i=np.array([3, 0]))
+    with pytest.raises(ej.UnsupportedOpError, match="data-dependent"):
+        x[ej.input("m", (3, 4, 5), "bool")]
