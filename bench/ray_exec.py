@@ -1,10 +1,11 @@
 """The same plan on the ``threads`` backend and on ``ray`` (2 devices, a local Ray), in one table:
 an MLP, a LLaMA block and a graph of many tiny tasks: time per run (best of ``--reps`` after a
 warm-up), the ratio, each backend's time per task (the tiny-task row is their per-task dispatch
-overhead), and Ray's extra time per task = (ray - threads) / tasks. Then Ray's first-run latency
-once Ray is up: a program's first run on fresh actors (they start, import einjoin, get the plan),
-a second program's first run on those actors (only its plan is shipped), and apart: the actors'
-start alone and the first run on started actors, with the threads backend's first run.
+overhead), and Ray's extra time per task = (ray - threads) / tasks. First, Ray's first-run latency
+once Ray is up (``ray.init`` returned and its prestarted workers run), timed from ``prog.run`` on
+fresh actors: as before compile-time warm-up, as ``ej.compile`` does now (the actors start and
+import what the kernels need while it plans), and after ``RayBackend.warm(wait=True)``; a second
+program on those actors; the threads backend's first run.
 
     make bench            (or: .venv/bin/python bench/ray_exec.py [--reps 5])
 
@@ -62,45 +63,117 @@ def _best(fn: Callable[[], object], reps: int) -> float:
     return best
 
 
-def _first_runs(console: Console, devices: int) -> None:
-    """The first run of the LLaMA block on fresh actors, then a second program's on the same ones;
-    where the first goes: a fresh backend's first run of a one-matmul program (its actors start:
-    a process each that imports einjoin) then the LLaMA block's on those started actors (its plan
-    shipped, each actor's part built); the threads backend's first run next to them."""
+def _idle_workers(cpus: int, timeout: float = 120.0) -> set[int]:
+    """Wait until the local Ray this process started has ``cpus`` idle workers (``ray::IDLE``
+    processes below this one, the workers Ray prestarts); their pids. Not by running tasks on
+    them: Ray hands only a worker that never ran a task to a new actor."""
+    import psutil  # Ray ships it (ray/thirdparty_files, on sys.path once ray is imported)
+    deadline = time.time() + timeout
+    idle: set[int] = set()
+    while time.time() < deadline:
+        idle = {p.pid for p in psutil.Process().children(recursive=True) if _name(p) == "ray::IDLE"}
+        if len(idle) >= cpus:
+            break
+        time.sleep(0.1)
+    return idle
+
+
+def _name(p: object) -> str:
+    try:
+        return str(p.name())  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return ""
+
+
+FIRST_CASES = {
+    "cold": "cold: actors start at the first run (as before)",
+    "compiled": "ej.compile starts them while it plans (now)",
+    "warmed": "RayBackend.warm(wait=True) before compile",
+}
+
+
+def _first_run_case(case: str, devices: int) -> None:
+    """One row of the first-run table, in a process of its own (a fresh Ray: its prestarted idle
+    workers are what a new actor takes; the actors of a closed backend do not give them back).
+    Prints a ``ROW`` line of JSON."""
+    import json
+
+    import ray
+
     from einjoin.runtime.backends.ray import RayBackend, ensure_ray
     t0 = time.perf_counter()
-    ensure_ray(quiet=True)
+    ensure_ray(num_cpus=devices, quiet=True)
+    idle = _idle_workers(devices)
     up = time.perf_counter() - t0
     out = CASES["LLaMA block b1 s256 d512 h8 ffn 1376"][0]()
     feeds = _feeds(out)
-    x = ej.input("x", (8, 8))
-    small = x @ x
-    times: dict[str, float] = {}
-
-    def timed(name: str, prog: ej.Program, f: dict[str, np.ndarray]) -> None:
+    backend = RayBackend(quiet=True)
+    if case == "cold":
+        backend.warm = lambda *a, **k: False  # type: ignore[method-assign]  # the behaviour before
+    t_warm = 0.0
+    if case == "warmed":
         t = time.perf_counter()
-        prog.run(**f)
-        times[name] = time.perf_counter() - t
+        backend.warm(devices, ej.Graph(out), wait=True)
+        t_warm = time.perf_counter() - t
+    t = time.perf_counter()
+    prog = ej.compile(out, devices=devices, backend=backend, planner="eindecomp", quiet=True)
+    t_compile = time.perf_counter() - t
+    t = time.perf_counter()
+    prog.run(**feeds)
+    t_run = time.perf_counter() - t
+    cpu = sum(ray.get([a.__ray_call__.remote(lambda w: time.process_time()) for a in backend.actors]))
+    t = time.perf_counter()
+    ej.compile(out * 2.0, devices=devices, backend=backend, planner="eindecomp", quiet=True).run(**feeds)
+    t_second = time.perf_counter() - t
+    row = dict(up=up, idle=len(idle), warm=t_warm, compile=t_compile, run=t_run, cpu=cpu, second=t_second,
+               reused=set(backend.pids) <= idle)
+    backend.close()
+    if case == "cold":  # the threads backend's first run, in this process (it imports torch too)
+        t = time.perf_counter()
+        threads = ej.compile(out, devices=devices, backend="threads", planner="eindecomp", quiet=True)
+        row["threads_compile"] = time.perf_counter() - t
+        t = time.perf_counter()
+        threads.run(**feeds)
+        row["threads_run"] = time.perf_counter() - t
+    print("ROW", json.dumps(row), flush=True)
 
-    backend = RayBackend(quiet=True)
-    t0 = time.perf_counter()
-    first = ej.compile(out, devices=devices, backend=backend, planner="eindecomp", quiet=True)
-    times["compile"] = time.perf_counter() - t0
-    second = ej.compile(out * 2.0, devices=devices, backend=backend, planner="eindecomp", quiet=True)
-    timed("first", first, feeds)
-    timed("second", second, feeds)
-    backend.close()
-    backend = RayBackend(quiet=True)
-    timed("start", ej.compile(small, devices=devices, backend=backend, quiet=True), {"x": np.ones((8, 8), np.float32)})
-    timed("started", ej.compile(out, devices=devices, backend=backend, planner="eindecomp", quiet=True), feeds)
-    backend.close()
-    timed("threads", ej.compile(out, devices=devices, backend="threads", planner="eindecomp", quiet=True), feeds)
-    console.print(f"first run of the LLaMA block once Ray is up (ray.init {up:.2f} s, compile "
-                  f"{times['compile']:.2f} s): "
-                  f"on fresh actors {times['first']:.2f} s (goal <= 2 s), a second program on the same actors "
-                  f"{times['second']:.2f} s; apart: the actors' start (a one-matmul program's first run on fresh "
-                  f"actors) {times['start']:.2f} s, then the block's first run on them {times['started']:.2f} s; "
-                  f"the threads backend's first run {times['threads']:.2f} s")
+
+def _first_runs(console: Console, devices: int) -> None:
+    """The first run of the LLaMA block after Ray is up, timed from the ``prog.run`` call on fresh
+    actors, each case in a fresh process with a fresh local Ray. "Ray is up": ``ray.init``
+    returned and the workers it prestarts (one per CPU) are idle (:func:`_idle_workers`); no
+    einjoin actor exists. "cold": the actors start at the first run (as before compile-time
+    warm-up: each imports einjoin, and torch at its first attention block); "compiled": as
+    ``ej.compile`` does now (it starts the actors, which import what the program's kernels need,
+    then plans); "warmed": after ``RayBackend.warm(..., wait=True)`` (its time apart). With each:
+    the actors' CPU seconds by the first run's end (since their processes started; wall times on
+    a busy machine are inflated, CPU seconds much less) and a second program's compile and first
+    run on the same actors; the threads backend's first run (it imports torch too)."""
+    import json
+    import subprocess
+    import sys
+
+    table = Table(title="first run of the LLaMA block after Ray is up (ray.init returned, its prestarted "
+                        "workers idle), fresh actors, a fresh process and Ray per case; goal: first run <= 2 s")
+    for col in ("case", "Ray up (s)", "warm (s)", "compile (s)", "first run (s)", "actors' CPU (s)",
+                "idle workers taken", "2nd program: compile + run (s)"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    threads = None
+    for case, title in FIRST_CASES.items():
+        res = subprocess.run([sys.executable, __file__, "--first-run", case, "--devices", str(devices)],
+                             capture_output=True, text=True, timeout=600)
+        line = next((x for x in res.stdout.splitlines() if x.startswith("ROW ")), None)
+        if line is None:
+            console.print(f"{case}: failed\n{res.stderr[-2000:]}")
+            continue
+        r = json.loads(line[4:])
+        threads = r.get("threads_run", threads) if threads is None else threads
+        table.add_row(title, f"{r['up']:.2f}", f"{r['warm']:.2f}", f"{r['compile']:.2f}", f"{r['run']:.2f}",
+                      f"{r['cpu']:.2f}", "yes" if r["reused"] else f"no ({r['idle']} idle)", f"{r['second']:.2f}")
+    console.print(table)
+    if threads is not None:
+        console.print(f"the threads backend's first run of the block (a fresh process: it imports torch for the "
+                      f"attention) {threads:.2f} s")
 
 
 def main() -> None:
@@ -110,7 +183,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--first-run", choices=sorted(FIRST_CASES), help="internal: one first-run case")
     args = ap.parse_args()
+    if args.first_run:
+        _first_run_case(args.first_run, args.devices)
+        return
     console = Console(width=200)
     blas = ", ".join(f"{i['internal_api']} {i.get('version')} ({i.get('threading_layer', '?')})"
                      for i in threadpool_info() if i.get("user_api") == "blas") or "unknown"
