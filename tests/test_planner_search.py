@@ -108,6 +108,28 @@ def test_eindecomp_equals_exhaustive_on_trees(data: st.DataObject) -> None:
     assert model_cost(g, c, eindecomp(g, c)) == model_cost(g, c, exhaustive(g, c))
 
 
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_ilp_step_is_skipped_only_where_it_cannot_change_the_plan(data: st.DataObject) -> None:
+    # where every value is read once the DP is exact (its plan as exhaustive's: the test above) and
+    # the ILP step, taken only when strictly cheaper, is skipped: the same plan as with it
+    from unittest import mock
+
+    from einjoin.planner import search
+
+    outs, _ = data.draw(graphs("float64", max_dim=8))
+    g = ej.Graph(outs[:1] if data.draw(st.booleans()) else outs)
+    tree = all(sum(u.inputs.count(n) for u in g.users[n]) + list(g.outputs).count(n) <= 1
+               for n in g.nodes if not n.facts.free)
+    assert search._dp_is_exact(g) == tree
+    c = ej.local(data.draw(st.sampled_from([2, 3, 4])))
+    with mock.patch.object(search, "choose", wraps=search.choose) as ilp:
+        skipped = eindecomp(g, c)
+    assert ilp.called != tree or not any(not n.facts.free for n in g.ops)
+    with mock.patch.object(search, "_dp_is_exact", return_value=False):
+        assert eindecomp(g, c) == skipped
+
+
 def test_eindecomp_plans_run_correctly() -> None:
     from einjoin.models.graphs import transformer_block
     out, shapes = transformer_block(seq=32, d=32, heads=4, hidden=48)

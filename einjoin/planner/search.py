@@ -27,6 +27,7 @@ also agree along chains of ops, so the memory planner needs few evictions.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -315,7 +316,7 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
             best, best_choice = cost, dict(chosen)
         chosen = best_choice
         ops = [v for v in graph.ops if not v.facts.free]
-        if ops and len(ops) <= settings.ilp_max_ops:
+        if ops and len(ops) <= settings.ilp_max_ops and not _dp_is_exact(graph):
             glob = _global_step(graph, cands, chosen)
             if glob is not None and total_cost(graph, model, glob) < best:
                 chosen = glob
@@ -323,6 +324,18 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
     if seeds and cands.cap is None:
         chosen = _seeded(graph, cands, chosen, seeds)
     return _specs_of(graph, chosen)
+
+
+def _dp_is_exact(graph: Graph) -> bool:
+    """Whether the tree DP's plan is already the cheapest over every op's candidates: every value
+    but a fill is read once (one op in one slot, or as a graph output), so the graph is a forest
+    of trees that share nothing, each solved exactly, and the DP's sum is the total cost (no
+    input loaded for one reader and repartitioned for another, no replica shared). The ILP step
+    chooses among a subset of the same candidates and is taken only when strictly cheaper, so it
+    is skipped there (plans unchanged; an MLP or a chain then plans without HiGHS)."""
+    reads = Counter(x for v in graph.nodes for x in v.inputs)
+    reads.update(graph.outputs)
+    return all(k <= 1 for x, k in reads.items() if not x.facts.free)
 
 
 def _global_step(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]
