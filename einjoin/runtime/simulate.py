@@ -240,9 +240,10 @@ _STEP_RULES: dict[TaskKind, dict[type, Callable[[Any], _Steps | None]]] = {
 }
 
 
-def _elementwise(c: _Ctx, t: Task) -> float | None:
-    """Seconds of an elementwise kernel's work evaluated step by step (:class:`_Steps`) on a
-    device with per-function rates; None otherwise (the roofline)."""
+def _elementwise(c: _Ctx, t: Task) -> Phases | None:
+    """The phases of an elementwise kernel evaluated step by step (:class:`_Steps`) on a device
+    with per-function rates (None otherwise: the roofline): its launch and the Python of its
+    steps (``fn_call`` each), which hold the GIL, then the ufuncs' work on a core."""
     m = c.hw.models[t.device]
     if not m.fn_rates:
         return None
@@ -255,16 +256,19 @@ def _elementwise(c: _Ctx, t: Task) -> float | None:
         return None
     box = t.flops / how.per if how.per else t.nbytes / max(1, itemsize(t.node.dtype))
     if not how.calls:  # no function: a copy, or a reduction, of the inputs (a constant fill: its write)
-        return steps_time(m, (), c.read_bytes(t) + t.nbytes)
+        secs = steps_time(m, (), c.read_bytes(t) + t.nbytes) or 0.0
+        return (c.launch(t), c.on_cores(secs, 1.0))
     passes = (box * how.size + t.nbytes if how.aggregates else 0.0) + box * how.out_pass
-    return steps_time(m, [(fn, f * box) for fn, f in how.calls], passes, how.size)
+    secs = steps_time(m, [(fn, f * box) for fn, f in how.calls], passes, how.size) or 0.0
+    python = len(how.calls) * m.fn_call
+    return ((m.launch + python, c.launch_res), c.on_cores(secs - python, 1.0))
 
 
 def _kernel(c: _Ctx, t: Task) -> Phases:
     m = c.hw.models[t.device]
     steps = _elementwise(c, t)
     if steps is not None:
-        return (c.launch(t), c.on_cores(steps, 1.0))
+        return steps
     # numpy's kernels write their scratch (a joined block, attention's scores) and read it once
     # more; a GPU's kernels fuse it away (flash attention, GEMM epilogues)
     nbytes = c.read_bytes(t) + t.nbytes + (2 * t.scratch if c.hw.shared_memory else 0)
@@ -277,7 +281,7 @@ def _memory_bound(c: _Ctx, t: Task) -> Phases:  # fill, reduce: bytes read and w
     m = c.hw.models[t.device]
     steps = _elementwise(c, t)  # a fill's expression, on a device that evaluates it step by step
     if steps is not None:
-        return (c.launch(t), c.on_cores(steps, 1.0))
+        return steps
     return (c.launch(t), c.on_cores(work_time(m, t.flops, c.read_bytes(t) + t.nbytes, t.dtype or t.node.dtype)))
 
 
