@@ -102,11 +102,13 @@ def _memory(reps: int, quick: bool) -> tuple[float, float, float]:
 
 
 def _functions(reps: int, quick: bool) -> dict[str, float]:
-    """Elements per second of each scalar function (:data:`einjoin.ir.scalar.FUNCTIONS`, its
-    implementation as a kernel calls it) over float32 arrays of 4 MB (out of the L2 cache), a new result
-    each call as :func:`einjoin.ir.evaluate.evaluate`'s first step allocates one (a comparison's
-    bool for ``where``; functions that take no floats are not measured)."""
-    from einjoin.ir.scalar import FUNCTIONS
+    """Elements per second of each scalar function (:data:`einjoin.ir.scalar.FUNCTIONS`) as a
+    kernel's step runs it (:func:`einjoin.ir.evaluate.evaluate` of the one call, its in-place and
+    faster forms included) over float32 arrays of 4 MB (out of the L2 cache), a new result each
+    call as a join's first step allocates one (a comparison's bool for ``where``; functions that
+    take no floats are not measured)."""
+    from einjoin.ir.evaluate import evaluate
+    from einjoin.ir.scalar import FUNCTIONS, Arg, Call
     n = (1 << 18) if quick else (1 << 20)
     rng = np.random.default_rng(0)
     x = (rng.random(n, np.float32) + 0.5).astype(np.float32)  # in every function's domain
@@ -117,8 +119,9 @@ def _functions(reps: int, quick: bool) -> dict[str, float]:
         args = {"select": (cond, x, y), "logical": None}.get(f.rule, (x, y)[:f.arity])
         if args is None:
             continue
+        step = Call(name, tuple(Arg(i) for i in range(f.arity)))
         try:
-            secs = _best(_call(f.impl, args), max(1, reps - 1), _CPU)
+            secs = _best(_call(evaluate, (step, list(args))), max(1, reps - 1), _CPU)
         except Exception:  # noqa: BLE001 - an integer-only function (ipow, floordiv): not measured
             continue
         out[name] = n / max(secs, 1e-9)
