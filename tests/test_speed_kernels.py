@@ -230,3 +230,21 @@ def test_a_long_contraction_into_a_small_output_is_a_split_k_sum() -> None:
     for xs, ys in [(x[:, :, :640], y[:, :640]), (x[:, :16], y[:, :, :16]), (x[:, :, :1024].repeat(2, 0),
                    y[:, :1024].repeat(2, 0)), (x.astype(np.float64), y.astype(np.float64))]:
         np.testing.assert_array_equal(kernels._matmul(xs, ys), np.matmul(xs, ys))
+
+
+def test_dot_products_along_an_inner_batch_take_the_einsum_loop() -> None:
+    """A norm's weight gradient ("abc,abc->c": a dot product per c, c innermost) is numpy's
+    einsum loop, close to float64; with the batch outermost it stays a matmul, bit for bit."""
+    rng = np.random.default_rng(6)
+    x, y = (rng.standard_normal((8, 128, 64)).astype(np.float32) for _ in range(2))
+    a, b = ops.input_node("a", x.shape, "float32"), ops.input_node("b", y.shape, "float32")
+    op = ops.einsum_node([a, b], ("ijc", "ijc"), "c", "mul", "sum").op
+    got = einsum_kernel(op, [x, y], "float32")
+    np.testing.assert_array_equal(got, np.einsum("ijc,ijc->c", x, y))
+    np.testing.assert_allclose(got, np.einsum("ijc,ijc->c", x.astype(np.float64), y.astype(np.float64)),
+                               rtol=1e-4, atol=1e-4)
+    xt, yt = x.reshape(1024, 64).T.copy(), y.reshape(1024, 64).T.copy()   # (c, k): the batch outermost
+    at, bt = ops.input_node("at", xt.shape, "float32"), ops.input_node("bt", yt.shape, "float32")
+    outer = ops.einsum_node([at, bt], ("ck", "ck"), "c", "mul", "sum").op
+    np.testing.assert_array_equal(einsum_kernel(outer, [xt, yt], "float32"),
+                                  np.matmul(xt[:, None, :], yt[:, :, None]).reshape(64))

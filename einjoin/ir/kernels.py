@@ -225,6 +225,12 @@ def _batched_matmul(r: MatmulRoute, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         # over (batch, m, 1) x (batch, 1, n) runs ~20x slower per element)
         outer: np.ndarray = np.multiply(align(x, lx, r.out_labels), align(y, ly, r.out_labels))
         return outer
+    if not r.m and not r.n and lx[-1] in r.batch and ly[-1] in r.batch:
+        # dot products along k per batch element, the batch innermost (a norm's weight
+        # gradient, "abc,abc->c"): numpy's einsum loop runs down the contiguous batch axis,
+        # ~4x faster than one strided matmul per batch element
+        bd: np.ndarray = np.einsum(_dot_equation(lx, ly, r.out_labels), x, y)
+        return bd
     size = dict(zip(lx, x.shape)) | dict(zip(ly, y.shape))
 
     def prod(labels: tuple[str, ...]) -> int:
@@ -239,6 +245,12 @@ def _batched_matmul(r: MatmulRoute, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     order = batch + m + nn
     z = _matmul(xm, ym).reshape([size[lab] for lab in order])
     return np.transpose(z, [order.index(lab) for lab in r.out_labels])
+
+
+@functools.lru_cache(maxsize=1024)
+def _dot_equation(lx: tuple[str, ...], ly: tuple[str, ...], out: tuple[str, ...]) -> str:
+    sym = {lab: chr(ord("a") + i) for i, lab in enumerate(dict.fromkeys(lx + ly))}
+    return ",".join("".join(sym[lab] for lab in ls) for ls in (lx, ly)) + "->" + "".join(sym[lab] for lab in out)
 
 
 SPLIT_K = 512  # the contraction slice of a split-k product (see _matmul)
