@@ -90,11 +90,14 @@ def _codes(cols: Sequence[np.ndarray], grid: Sequence[int], what: str) -> np.nda
     return code
 
 
-def _join(rels: Sequence[Relation], grid: Mapping[str, int], what: str
+def _join(rels: Sequence[Relation], grid: Mapping[str, int], out_rel: Sequence[str], what: str
           ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-    """Joined tuples: key columns per relational label and, per operand, the tuple index."""
+    """Joined tuples: key columns per relational label and, per operand, the tuple index. The
+    join starts from the relation keyed on the leading output labels (its sorted keys leave the
+    joined tuples grouped by output key: no sort for the aggregation), else the smallest."""
     n = len(rels)
-    first = min(range(n), key=lambda i: len(rels[i].keys))
+    lead = [i for i in range(n) if out_rel and rels[i].rel[:len(out_rel)] == tuple(out_rel)]
+    first = min(lead or range(n), key=lambda i: len(rels[i].keys))
     cols = {lab: rels[first].keys[:, p] for p, lab in enumerate(rels[first].rel)}
     idx: list[np.ndarray | None] = [None] * n
     idx[first] = np.arange(len(rels[first].keys))
@@ -145,14 +148,17 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
     extents, edge padding zero."""
     rels = [relation_of(v, ls, layout) for v, ls in zip(values, in_labels)]
     grid = {lab: -(-sizes[lab] // b) for lab, b in layout.blocks.items() if b}
-    cols, idx = _join(rels, grid, what)
-    m = len(idx[0])
     out_rel = [lab for lab in out_labels if layout.relational(lab)]
+    cols, idx = _join(rels, grid, out_rel, what)
+    m = len(idx[0])
     out_ext = tuple(layout.extent(lab, sizes[lab]) for lab in out_labels)
     if out_rel:
         gcode = _codes([cols[lab] for lab in out_rel], [grid[lab] for lab in out_rel], what)
-        order = np.argsort(gcode, kind="stable")
-        gsorted = gcode[order]
+        if m < 2 or bool(np.all(gcode[1:] >= gcode[:-1])):  # already grouped (see _join)
+            order, gsorted = np.arange(m), gcode
+        else:
+            order = np.argsort(gcode, kind="stable")
+            gsorted = gcode[order]
         starts = np.flatnonzero(np.r_[True, gsorted[1:] != gsorted[:-1]]) if m else np.zeros(0, np.int64)
         ucode = gsorted[starts]
         keys: np.ndarray | None = (np.stack(np.unravel_index(ucode, tuple(grid[lab] for lab in out_rel)),
@@ -180,7 +186,11 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
         per_tuple += math.prod(layout.extent(lab, sizes[lab]) for lab in all_labels)
     chunk = max(1, CHUNK_ELEMENTS // max(per_tuple, 1))
     ufunc = np.add if agg == "sum" else np.maximum
-    if layout.looped and agg == "sum" and m:
+    m_done = 0
+    if layout.kernel == "spmm" and agg == "sum" and m:
+        _spmm(rels, idx, order, gid, in_labels, out_labels, out, compute)
+        m_done = m
+    elif layout.kernel == "looped" and agg == "sum" and m:
         # few large payloads: one BLAS-backed einsum per joined tuple, on views (no gathers)
         eq1 = eq.replace(z, "")
         path: Any = None
@@ -191,20 +201,18 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
                 path = np.einsum_path(eq1, *args, optimize="greedy")[0]
             out[gid[t]] += np.einsum(eq1, *args, optimize=path)
         m_done = m
-    else:
-        m_done = 0
     for s in range(m_done, m, chunk):
         sel = order[s:s + chunk]
         payloads = [r.data[i[sel]].astype(compute, copy=False) for r, i in zip(rels, idx)]
+        g = gid[s:s + chunk]
+        seg = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
         if agg == "sum":
             res = np.einsum(eq, *payloads, optimize=len(payloads) > 2)
+            out[g[seg]] += _segment_sum(res, seg)
         else:
             res = _max_kernel(payloads, in_labels, all_labels, out_labels, cols, sel, layout, sizes,
                               lowest)
-        g = gid[s:s + chunk]
-        seg = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-        part = ufunc.reduceat(res, seg, axis=0)
-        out[g[seg]] = ufunc(out[g[seg]], part)
+            out[g[seg]] = ufunc(out[g[seg]], ufunc.reduceat(res, seg, axis=0))
     if agg == "max":
         # an output key missing some aggregated block meets an absent tuple: a 0 in the max
         full = math.prod(grid[lab] for lab in all_labels if lab not in out_labels and lab in grid)
@@ -216,6 +224,41 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
         _zero_padding(out, keys, out_labels, out_rel, layout, sizes)
     counts = RunCounts(tuple(len(r.keys) for r in rels), m, ngroups if out_rel else int(m > 0))
     return out.astype(dtype, copy=False), keys, counts
+
+
+def _segment_sum(res: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """Sums of consecutive runs of rows (runs start at ``seg``): one sparse indicator matrix
+    times the rows (``np.add.reduceat`` along axis 0 is several times slower)."""
+    import scipy.sparse
+    c = len(res)
+    if c == 0:
+        return res
+    indicator = scipy.sparse.csr_array((np.ones(c, res.dtype), np.arange(c), np.r_[seg, c]),
+                                       shape=(len(seg), c))
+    return np.asarray(indicator @ res.reshape(c, -1)).reshape((len(seg),) + res.shape[1:])
+
+
+def _spmm(rels: Sequence[Relation], idx: Sequence[np.ndarray], order: np.ndarray, gid: np.ndarray,
+          in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...], out: np.ndarray,
+          compute: np.dtype) -> None:
+    """Every payload but one is a scalar: the sum is a sparse (groups × tuples of the big one)
+    matrix of the scalars' products times the big relation's payloads (summed over their labels
+    that are not output first) — a CSR SpMM, no gathered copies."""
+    import scipy.sparse
+    sizes = [math.prod(r.data.shape[1:]) for r in rels]
+    big = max(range(len(rels)), key=lambda k: sizes[k])
+    w = np.ones(len(order), compute)
+    for k, (r, i) in enumerate(zip(rels, idx)):
+        if k != big:
+            w *= r.data.reshape(-1)[i[order]]
+    lb = in_labels[big]
+    keep = "".join(lab for lab in out_labels if lab in lb)
+    _, z = _letters(lb)
+    pay = np.einsum(f"{z}{''.join(lb)}->{z}{keep}", rels[big].data.astype(compute, copy=False))
+    nb = len(pay)
+    indptr = np.r_[0, np.cumsum(np.bincount(gid, minlength=len(out)))]  # gid is sorted: CSR as is
+    mat = scipy.sparse.csr_array((w, idx[big][order], indptr), shape=(len(out), nb))
+    out += np.asarray(mat @ pay.reshape(nb, -1)).reshape(out.shape)
 
 
 def _max_kernel(payloads: Sequence[np.ndarray], in_labels: Sequence[tuple[str, ...]],

@@ -6,16 +6,17 @@ The cost of a layout, in units of one gathered payload element, from the data's 
 with a bincount):
 
     joined ≈ Π_X tuples(X) / Π_ℓ grid(ℓ)^(c_ℓ − 1)       (independent keys; c_ℓ operands keyed on ℓ)
-    cost   = joined · min(batched, looped) + Σ_X tuples(X) · payload(X)
+    cost   = joined · min(batched, looped, spmm) + Σ_X tuples(X) · payload(X)
     batched = TUPLE_COST + Σ_X payload(X) + payload(out) + BATCH_FLOP · flops
     looped  = CALL + BLAS_FLOP · flops                   (one BLAS einsum per tuple; sum only)
+    spmm    = TUPLE_COST + SPMM_FLOP · payload(out)      (all payloads but one scalars; sum only)
 
 ``flops`` is the product of every label's extent: the block size of a relational label, the
 full size of a dense one. Small blocks pay per tuple (gathers, index work), large blocks pay for
 the zeros inside their payloads; a few big payloads run as one BLAS call each. The constants are
 ratios measured roughly on this machine (gather 1, batched einsum flop ~2, a BLAS flop ~0.05, a
 call ~10^4). Every combination is tried when there are few (≤ ``EXHAUSTIVE``), else a
-coordinate descent over labels; a user pin (``blocks={"j": 256}``, ``relational={"i"}``) fixes
+coordinate descent over labels from two corners; a user pin (``blocks={"j": 256}``, ``relational={"i"}``) fixes
 a label or keeps it relational.
 
 >>> import numpy as np
@@ -44,7 +45,8 @@ TUPLE_COST = 8.0  # one joined tuple's index work (join, sort, segment), in gath
 BATCH_FLOP = 2.0  # a multiply-add of the batched np.einsum over tuples
 BLAS_FLOP = 0.05  # a multiply-add inside one large einsum call (BLAS)
 CALL = 1.0e4  # one einsum call of the looped kernel
-EXHAUSTIVE = 1500  # try every combination up to this many, else coordinate descent
+SPMM_FLOP = 0.5  # a multiply-add of the SpMM kernel (scalar payloads times one big one)
+EXHAUSTIVE = 200  # try every combination up to this many, else coordinate descent
 
 
 @dataclass
@@ -87,7 +89,8 @@ class Operand:
             code = code * grid[d] + col
         if total <= 4 * len(code) + (1 << 20):
             return int(np.count_nonzero(np.bincount(code, minlength=total)))
-        return int(len(np.unique(code)))
+        code.sort()  # a sort, not np.unique: numpy 2's hash-based unique is ~30x slower here
+        return 1 + int(np.count_nonzero(code[1:] != code[:-1]))
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class Layout:
     joined: float  # estimated joined tuples
     cost: float
     payload: int  # multiply-adds per joined tuple
-    looped: bool  # one BLAS einsum per tuple (else one batched einsum per chunk of tuples)
+    kernel: str  # "batched" (one einsum per chunk of tuples), "looped" (one BLAS einsum per
+    # tuple) or "spmm" (every payload but one a scalar: a sparse matrix times the big payloads)
 
     def relational(self, label: str) -> bool:
         return self.blocks[label] is not None
@@ -129,11 +133,15 @@ def _evaluate(ops: Sequence[Operand], out_labels: Sequence[str], sizes: Mapping[
     batched = TUPLE_COST + sum(sizes_in) + math.prod(ext(lab) for lab in out_labels) + BATCH_FLOP * flops
     if agg == "max":
         batched += flops  # the product is materialised before its max
-    looped = CALL + BLAS_FLOP * flops
-    loop = agg == "sum" and looped < batched
+    costs = {"batched": batched}
+    if agg == "sum":
+        costs["looped"] = CALL + BLAS_FLOP * flops
+        if sorted(sizes_in)[:-1] == [1] * (len(ops) - 1):
+            costs["spmm"] = TUPLE_COST + SPMM_FLOP * math.prod(ext(lab) for lab in out_labels)
+    kernel = min(costs, key=costs.__getitem__)
     load = sum(t * n for t, n in zip(tuples, sizes_in))
-    cost = joined * (looped if loop else batched) + load
-    return Layout(dict(blocks), tuples, joined, cost, flops, loop)
+    cost = joined * costs[kernel] + load
+    return Layout(dict(blocks), tuples, joined, cost, flops, kernel)
 
 
 def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
@@ -176,18 +184,23 @@ def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
                     for combo in itertools.product(*(choices[lab] for lab in labels))),
                    key=lambda lay: lay.cost)
         return best
-    current = {lab: c[1] if len(c) > 1 and c[0] is None else c[0] for lab, c in choices.items()}
-    best = _evaluate(ops, out_labels, sizes, current, agg)
-    for _sweep in range(3):
-        improved = False
-        for lab in labels:
-            for bb in choices[lab]:
-                trial = _evaluate(ops, out_labels, sizes, {**best.blocks, lab: bb}, agg)
-                if trial.cost < best.cost:
-                    best, improved = trial, True
-        if not improved:
-            break
-    return best
+    # coordinate descent from two corners (every label keyed per entry; every label dense where
+    # it may be), the better end kept: one corner alone stalls where two labels must move at once
+    ends = []
+    for start in ({lab: c[1] if len(c) > 1 and c[0] is None else c[0] for lab, c in choices.items()},
+                  {lab: c[0] for lab, c in choices.items()}):
+        best = _evaluate(ops, out_labels, sizes, start, agg)
+        for _sweep in range(4):
+            improved = False
+            for lab in labels:
+                for bb in choices[lab]:
+                    trial = _evaluate(ops, out_labels, sizes, {**best.blocks, lab: bb}, agg)
+                    if trial.cost < best.cost:
+                        best, improved = trial, True
+            if not improved:
+                break
+        ends.append(best)
+    return min(ends, key=lambda lay: lay.cost)
 
 
 def histogram(op: Operand, sizes: Sequence[int] = CANDIDATES) -> list[tuple[int, int]]:

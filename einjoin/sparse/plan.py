@@ -37,6 +37,8 @@ from einjoin.sparse.tensor import EINSUM, SparseTensor
 __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum"]
 
 AGGS = ("sum", "max")
+KERNELS = {"batched": "one batched einsum per chunk of tuples", "looped": "one BLAS einsum per tuple",
+           "spmm": "a sparse matrix of the scalar payloads times the large ones (SpMM)"}
 
 
 def _operand(x: Any, i: int, what: str) -> SparseTensor | np.ndarray:
@@ -259,8 +261,10 @@ class SparsePlan:
                              for a, ls in zip(args, step.in_labels))
         if rkeys is None:
             if not sparse_out:
-                return np.ascontiguousarray(data[0][tuple(slice(0, n) for n in out_shape)])
-            return SparseTensor("out", out_shape, block, np.zeros((1, len(out_shape)), np.int64), data)
+                return np.array(data[0][tuple(slice(0, n) for n in out_shape)])
+            present = int(counts.joined > 0)  # no joined tuple: an empty relation
+            return SparseTensor("out", out_shape, block, np.zeros((present, len(out_shape)), np.int64),
+                                data[:present])
         full = np.zeros((len(rkeys), len(out_shape)), np.int64)
         full[:, [d for d, lab in enumerate(step.out_labels) if lay.relational(lab)]] = rkeys
         result = SparseTensor("out", out_shape, block, full, data)
@@ -301,7 +305,7 @@ class SparsePlan:
             actual = (f", actual {step.counts.joined} joined, {step.counts.out} output tuple(s)"
                       if step.counts is not None else " (run() for the actual counts)")
             lines.append(f"    joined tuples: estimated {lay.joined:.0f}{actual}; {lay.payload} "
-                         f"multiply-adds per tuple, {'one BLAS call per tuple' if lay.looped else 'batched'}"
+                         f"multiply-adds per tuple, {KERNELS[lay.kernel]}"
                          f", cost {lay.cost:.3g}")
         return "\n".join(lines)
 
