@@ -6,6 +6,7 @@ one, written to a temporary cache (XDG_CACHE_HOME)."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -369,3 +370,12 @@ def test_a_fills_expression_is_timed_over_its_broadcast_index_grids():
     [(s, e)] = [(s, e) for s, e, t in sim.intervals[0] if tg.tasks[t].kind is TaskKind.FILL]
     n = 64 * 128
     assert e - s == pytest.approx(2 * (64 / 1e7 + 64 / 1e6 + n / 2e7) + 3 * 1e-3 + n * (8 + 4) / 1e9)
+
+
+def test_the_function_sweep_measures_every_float_function_as_a_step():
+    from einjoin.ir.scalar import FUNCTIONS
+    rates = simulate_calibrate._functions(1, quick=True)
+    floats = {n for n, f in FUNCTIONS.items() if f.rule in ("float", "select")}
+    assert floats <= set(rates) and all(r > 0 and math.isfinite(r) for r in rates.values())
+    assert not {n for n, f in FUNCTIONS.items() if f.rule == "logical"} & set(rates)
+    assert simulate_calibrate._step_call(1) >= 0.0
