@@ -16,7 +16,8 @@
 - ray.shutdown() or a Ray restart between runs: the next run starts fresh actors (it used to
   raise a raw ``Exception: Failed to submit task`` for ever), one keeper thread for every re-init;
 - the plans of programs that are gone are dropped from the actors;
-- hostile arguments to RayBackend and ray_cluster are EinjoinErrors naming the argument;
+- hostile arguments to RayBackend, RayBackend.warm and ray_cluster are EinjoinErrors naming the
+  argument;
 - without Ray installed, nothing is printed at exit and backend='ray' says it needs Ray.
 
 Results are compared with ``ej.reference``; no timing is asserted (time bounds only catch hangs).
@@ -449,6 +450,16 @@ def test_hostile_ray_backend_arguments_are_named(name, value):
         assert name in str(e) and not BACKEND_ARGS[name](value)
     else:
         assert BACKEND_ARGS[name](value), f"RayBackend({name}={value!r}) was accepted"
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(value=HOSTILE)
+def test_hostile_warm_devices_are_named(value):
+    from einjoin.runtime.backends.ray import RayBackend
+    if _is_int(value, 1):  # a valid count would start actors where Ray is up
+        return
+    with pytest.raises(ej.EinjoinError, match="devices"):
+        RayBackend(quiet=True).warm(value)
 
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

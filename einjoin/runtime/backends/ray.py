@@ -287,15 +287,15 @@ class RayBackend:
         >>> RayBackend(quiet=True).warm(2)     # no Ray running (and no wait): nothing starts
         False
         """
-        ray = sys.modules.get("ray")
-        if not wait and (ray is None or not ray.is_initialized()):
-            return False
-        from einjoin.runtime.backends.ray_worker import preload_modules
         if isinstance(devices, Cluster):
             cluster, n = devices, devices.size
         else:
             _check_int("RayBackend.warm", "devices", devices, 1)
             cluster, n = None, int(devices)
+        ray = sys.modules.get("ray")
+        if not wait and (ray is None or not ray.is_initialized()):
+            return False
+        from einjoin.runtime.backends.ray_worker import preload_modules
         modules = preload_modules(graph) if graph is not None else ()
         shape = _shape(cluster, n)
         with self._mu:
@@ -308,10 +308,15 @@ class RayBackend:
                     x.preload.options(concurrency_group=WAIT).remote(list(modules)) for x in pool.actors]
                 if wait:
                     self._started(pool)
-                    _ray().get(acks, timeout=300)
             except EinjoinError:
                 raise
             except Exception as e:  # noqa: BLE001 - Ray's own errors, typed for the user
+                raise EinjoinError(f"the Ray backend could not warm {n} device actors: "
+                                   f"{type(e).__name__}: {e}") from None
+        if wait:  # the imports, waited for outside _mu: other shapes' runs go on meanwhile
+            try:
+                _ray().get(acks, timeout=300)
+            except Exception as e:  # noqa: BLE001 - a lost actor: the next run replaces it
                 raise EinjoinError(f"the Ray backend could not warm {n} device actors: "
                                    f"{type(e).__name__}: {e}") from None
         return True
