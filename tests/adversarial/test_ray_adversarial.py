@@ -12,7 +12,8 @@
   each keep their own actors, run at once without replacing each other's (they used to kill
   each other's actors on every switch), and run on the nodes their cluster names;
 - close() during a run fails that run with an EinjoinError instead of being undone by its
-  recovery, and a program compiled after it starts fresh actors while it plans; a Ctrl-C landing in a run's cleanup does not leave the run counted in flight;
+  recovery, and a program compiled after it starts fresh actors while it plans; a Ctrl-C
+  landing in a run's cleanup does not leave the run counted in flight;
 - ray.shutdown() or a Ray restart between runs: the next run starts fresh actors (it used to
   raise a raw ``Exception: Failed to submit task`` for ever), one keeper thread for every re-init;
 - the plans of programs that are gone are dropped from the actors;
