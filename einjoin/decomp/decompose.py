@@ -308,22 +308,23 @@ def _reshape(node: Node, op: Reshape, out: Partition) -> tuple[tuple[Partition, 
         if all(f % inner_a == 0 for f in flat):
             in_bounds[la] = tuple(f // inner_a for f in flat)
     inp = Partition(tuple(in_bounds))
+    # per input dim (in order): None (one block) or how a kernel's out key gives its block there,
+    # worked out once per reshape rather than per kernel
+    dims: list[tuple[int, int, int, tuple[int, ...]] | None] = []
+    for ia, jb in _groups_cached(src, dst):
+        la, lb = _lead(ia, src), _lead(jb, dst)
+        for d in ia:
+            # (a group's input is cut only where both sides have a dim > 1: la, lb are set)
+            if d == la and la is not None and lb is not None and len(inp.bounds[d]) > 2:
+                inner_b = _prod(dst[e] for e in jb[jb.index(lb) + 1:])
+                inner_a = _prod(src[e] for e in ia[ia.index(la) + 1:])
+                dims.append((lb, inner_b, inner_a, inp.bounds[d]))
+            else:
+                dims.append(None)
     kernels = []
     for key in out.keys():
-        box = out.box(key)
-        in_key = []
-        for ia, jb in _groups_cached(src, dst):
-            la, lb = _lead(ia, src), _lead(jb, dst)
-            for d in ia:
-                # (a group's input is cut only where both sides have a dim > 1: la, lb are set)
-                if d == la and la is not None and lb is not None and len(inp.bounds[d]) > 2:
-                    inner_b = _prod(dst[e] for e in jb[jb.index(lb) + 1:])
-                    inner_a = _prod(src[e] for e in ia[ia.index(la) + 1:])
-                    start = box[lb][0] * inner_b // inner_a
-                    in_key.append(inp.bounds[d].index(start))
-                else:
-                    in_key.append(0)
-        kernels.append(Kernel(key, key, (tuple(in_key),)))
+        in_key = tuple(0 if m is None else m[3].index(out.bounds[m[0]][key[m[0]]] * m[1] // m[2]) for m in dims)
+        kernels.append(Kernel(key, key, (in_key,)))
     return (inp,), tuple(kernels)
 
 
