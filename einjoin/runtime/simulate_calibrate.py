@@ -181,8 +181,9 @@ def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
     """The threads backend's cost per task and per run, on one device (inline) and on two device
     threads: warm runs of chains of tiny matmuls of two lengths (a line through the two). Inline
     runs are timed by their thread's CPU time; device threads by the wall clock and by the
-    process's CPU time, the line of the smaller cost per task taken (the wall clock holds the
-    hand-overs between threads, but on a busy machine also the waits for a core)."""
+    process's CPU time, the smaller cost per task taken (the wall clock holds the hand-overs
+    between threads, but on a busy machine also the waits for a core) and the wall clock's cost
+    per run (starting and joining the threads is waiting, not CPU)."""
     backend = _Threads()
     out: list[float] = []
     for devices in (1, 2):
@@ -196,7 +197,7 @@ def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
             (n0, t0), (n1, t1) = points
             per = max((t1 - t0) / (n1 - n0), 1e-7)
             lines.append((per, max(0.0, t0 - n0 * per)))
-        out += list(min(lines))
+        out += [min(per for per, _ in lines), lines[0][1]]
     return out[0], out[1], out[2], out[3]
 
 
