@@ -267,6 +267,9 @@ def _all(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
 @op("var")
 def _var(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
          correction: Any = None) -> Tensor:
+    if x.dtype in ("float16", "bfloat16"):  # torch computes in float32 and rounds once: the
+        # mean of half data in half loses x - mean where the mean is large against the spread
+        return _var(x.to("float32"), dim, unbiased, keepdim, correction=correction).to(x.dtype)
     dims = _dims(dim)
     n = math.prod(x.shape) if dims is None else math.prod(
         x.shape[d] for d in ((dims,) if isinstance(dims, int) else dims))
@@ -280,7 +283,10 @@ def _var(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False
 @op("std")
 def _std(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
          correction: Any = None) -> Tensor:
-    """torch.std: the square root of :func:`_var`."""
+    """torch.std: the square root of :func:`_var`, in float32 for half data (its variance can
+    pass 65504 where the std fits: [-300, 300, 0] has std 300)."""
+    if x.dtype in ("float16", "bfloat16"):
+        return _std(x.to("float32"), dim, unbiased, keepdim, correction=correction).to(x.dtype)
     return elementwise("sqrt", _var(x, dim, unbiased, keepdim, correction=correction))
 
 

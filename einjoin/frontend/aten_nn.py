@@ -23,6 +23,7 @@ from einjoin.errors import DTypeError, EinjoinError, UnsupportedOpError
 from einjoin.frontend import activations as A
 from einjoin.frontend import losses as L
 from einjoin.frontend import norms as N
+from einjoin.frontend.aten_layout import torch_dtype
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dims, einsum, elementwise
 from einjoin.registry import registrar
 
@@ -157,8 +158,13 @@ def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
     if isinstance(ord, str) or isinstance(ord, bool) or not isinstance(ord, (int, float)):
         raise UnsupportedOpError(f"norm with ord={ord!r} (numbers and 'fro' only)")
     o = float(ord)
+    if dtype is not None:
+        x = x.to(torch_dtype(dtype))
     if x.dtype not in ("float16", "bfloat16", "float32", "float64"):
         x = x.to("float32")
+    if x.dtype in ("float16", "bfloat16"):  # torch sums in float32 and rounds once: the squares
+        # of half data overflow where the norm fits (|x| > 256)
+        return _vector_norm(x.to("float32"), o, dim, keepdim).to(x.dtype)
     dims = dim if dim not in ((), []) else None
     if o == 2:
         return (x * x).sum(dims, keepdim).sqrt()

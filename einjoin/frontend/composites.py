@@ -63,6 +63,8 @@ def softmax(x: Tensor, dim: int = -1, safe: bool = False) -> Tensor:
     d = _norm_dim(x, dim)
     if x.shape[d] == 0:  # nothing to normalise: the empty tensor itself, as torch returns
         return x
+    if _sum_overflows(x, d):
+        return softmax(x.to("float32"), d, safe).to(x.dtype)
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
     # the value is shift invariant, so its derivative through the max is 0: stop_gradient says so
@@ -76,11 +78,19 @@ def softmax(x: Tensor, dim: int = -1, safe: bool = False) -> Tensor:
     return einsum(f"{ls},{red}->{ls}", e, s, join="div")
 
 
+def _sum_overflows(x: Tensor, d: int) -> bool:
+    """Whether softmax's sum of exps (each at most 1, the max's is 1) can pass float16's 65504:
+    a float16 row longer than that computes in float32, as torch does (its sum is float32)."""
+    return x.dtype == "float16" and x.shape[d] > 65504
+
+
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     x = _t(x, "log_softmax")
     d = _norm_dim(x, dim)
     if x.shape[d] == 0:  # nothing to normalise: the empty tensor itself, as torch returns
         return x
+    if _sum_overflows(x, d):
+        return log_softmax(x.to("float32"), d).to(x.dtype)
     ls, red = _labels(x, d)
     m = einsum(f"{ls}->{red}", x, agg="max")
     # shift invariant as softmax: no derivative through the max

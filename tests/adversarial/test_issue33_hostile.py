@@ -188,3 +188,32 @@ def test_tensor_indexing_with_index_tensors_follows_torch() -> None:
         ej.reference(x[i], x=t.numpy(), i=np.array([3, 0]))
     with pytest.raises(ej.UnsupportedOpError, match="data-dependent"):
         x[ej.input("m", (3, 4, 5), "bool")]
+
+
+# ---- finding 6: half-precision norms and deviations squared in half: x.norm() of float16
+# [300] * 10 was inf (torch 948.7), x.std() of [-300, 300, 0] inf (torch 300), F.normalize
+# of such rows garbage; linalg.vector_norm's dtype argument was dropped
+
+def test_half_norms_and_deviations_compute_in_float32_as_torch() -> None:
+    big = torch.full((2, 10), 300.0).half()
+    big[0, 0] = 1.0
+    dev = torch.tensor([[-300.0, 300.0, 0.0], [1000.0, 1000.5, 1001.0]])
+    _torch_check(_Fn(lambda s, x: x.norm(dim=-1)), (big,), tol=1e-3)
+    _torch_check(_Fn(lambda s, x: torch.linalg.vector_norm(x, 3, dim=-1)), (big.bfloat16(),), tol=1e-2)
+    _torch_check(_Fn(lambda s, x: F.normalize(x, dim=-1)), (big,), tol=1e-3)
+    _torch_check(_Fn(lambda s, x: x.std(-1)), (dev.half(),), tol=1e-3)
+    _torch_check(_Fn(lambda s, x: x.var(-1, correction=0)), (dev.bfloat16(),), tol=1e-2)
+    _torch_check(_Fn(lambda s, x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)), (big,))
+
+
+# ---- finding 7: softmax / log_softmax of a float16 row longer than 65504 summed its exps in
+# float16: the sum overflowed, softmax gave 0 everywhere (torch 1/n), log_softmax -inf
+
+def test_softmax_of_a_float16_row_longer_than_65504_sums_in_float32() -> None:
+    t = torch.randn(1, 70000)
+    x = ej.input("x", (1, 70000), "float16")
+    outs = [ej.softmax(x, -1), ej.log_softmax(x, -1)]
+    got = ej.reference(outs, x=t.half().numpy())
+    wants = [t.half().float().softmax(-1).half(), t.half().float().log_softmax(-1).half()]
+    for g, w in zip(got, wants):  # torch's float32 arithmetic (as on a GPU), rounded once
+        _same(g, w, 1e-3)
