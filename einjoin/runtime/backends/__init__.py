@@ -54,8 +54,8 @@ class BlasLimiter:
     on the caller cannot cut a change in half: the caller only waits (on an event, not with
     ``join``, which an interrupt confuses: CPython bpo-45274) and hands the interrupt on once
     the change is made. One ``ThreadpoolController`` (the scan of the loaded libraries, ~2 ms)
-    is built once and reused (a BLAS library loaded after the first parallel run is not
-    limited); a run that leaves the share of the cores as it is (another run in flight set it)
+    is reused until more modules have been imported (a BLAS library arrives with an extension
+    module: scipy's own OpenBLAS, loaded by a later import, is limited too); a run that leaves the share of the cores as it is (another run in flight set it)
     is counted on the caller's thread, without a helper, and a library already at the wanted
     limit is not touched. Only BLAS libraries are limited: the kernels are numpy's, and an
     OpenMP limit is per thread."""
@@ -66,7 +66,8 @@ class BlasLimiter:
         self._lock = threading.Lock()
         self._devices = 0
         self._original: list[int] | None = None  # each BLAS library's limit before the first run in
-        self._libs: list[Any] | None = None      # threadpoolctl's BLAS library controllers, built once
+        self._libs: list[Any] | None = None      # threadpoolctl's BLAS library controllers
+        self._modules = 0                        # len(sys.modules) when they were scanned
         self._current: int | None = None         # the share last set (None: the original limits)
         self.changes = 0  # limit changes made (for tests and benchmarks)
         if hasattr(os, "register_at_fork"):  # a child forked mid-change must not inherit a held lock
@@ -90,8 +91,11 @@ class BlasLimiter:
     # ---- on the helper thread
 
     def _blas_libs(self) -> list[Any]:
-        if self._libs is None:
+        # rescanned only when no limit is set (a library found mid-flight would have no original
+        # limit to restore) and modules were imported since: len(sys.modules) is the cheap sign
+        if self._libs is None or (self._original is None and len(sys.modules) != self._modules):
             from threadpoolctl import ThreadpoolController
+            self._modules = len(sys.modules)
             self._libs = [lc for lc in ThreadpoolController().lib_controllers if lc.user_api == "blas"]
         return self._libs
 
