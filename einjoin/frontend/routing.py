@@ -31,8 +31,8 @@ from typing import Any
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend.aten_notes import data_dependent
 from einjoin.frontend.functions import concat, fill, full
-from einjoin.frontend.tensor import (LETTERS, Tensor, _norm_dim, _t, broadcast_shapes, einsum, elementwise, gather,
-                                    wrap)
+from einjoin.frontend.tensor import (BUILT_ELSEWHERE, LETTERS, Tensor, _norm_dim, _t, broadcast_shapes, einsum,
+                                    elementwise, gather, wrap)
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
 
@@ -570,6 +570,9 @@ def getitem_with_tensors(x: Tensor, index: tuple[Any, ...]) -> Tensor:
         x = x[tuple(slice(None) if isinstance(i, Tensor) else i for i in items)]
     idx = [i for i in items if not isinstance(i, int) or isinstance(i, bool)]
     return advanced_index(x, [i if isinstance(i, Tensor) else None for i in idx])
+
+
+BUILT_ELSEWHERE["getitem_with_tensors"] = getitem_with_tensors  # Tensor.__getitem__ calls it
 
 
 def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Tensor:

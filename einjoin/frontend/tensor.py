@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 import math
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -342,6 +342,21 @@ def gather(table: Tensor, indices: Tensor) -> Tensor:
     return wrap(ops.gather_node(_t(table, "gather").node, _t(indices, "gather").node))
 
 
+# methods built in modules that build on this one (which therefore cannot import them back):
+# each registers itself here when imported; einjoin.frontend's __init__ imports them all
+BUILT_ELSEWHERE: dict[str, Callable[..., Any]] = {}  # {"getitem_with_tensors": routing's}
+
+
+# numpy ufuncs a Tensor answers (Tensor.__array_ufunc__), by the scalar function they are
+_UFUNCS = {"add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "div", "divide": "div",
+           "floor_divide": "floordiv", "remainder": "mod", "power": "pow", "less": "lt", "less_equal": "le",
+           "greater": "gt", "greater_equal": "ge", "equal": "eq", "not_equal": "ne", "negative": "neg",
+           "absolute": "abs", "exp": "exp", "expm1": "expm1", "log": "log", "log1p": "log1p", "sqrt": "sqrt",
+           "tanh": "tanh", "sin": "sin", "cos": "cos", "maximum": "max", "minimum": "min",
+           "reciprocal": "reciprocal", "logical_and": "logical_and", "logical_or": "logical_or",
+           "logical_not": "logical_not"}
+
+
 class Tensor:
     """A lazy tensor: an IR node plus the operators people expect. Nothing runs until the graph
     is compiled or evaluated (``ej.reference``)."""
@@ -387,6 +402,37 @@ class Tensor:
                            "data-dependent choices")
 
     __hash__ = object.__hash__  # == builds a comparison, as in torch
+
+    # ---- numpy and Python conversions: a lazy tensor has no values (numpy would otherwise
+    # iterate it into an object array of 0-d tensors, np.add(x, 1) one of per-element graphs)
+    def _no_values(self, what: str) -> EinjoinError:
+        return EinjoinError(f"{what} of a lazy einjoin tensor ({self!r:.80}): it has no values until "
+                            f"it runs; compute it with ej.reference(t, **feeds) or ej.compile(t).run(...)")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise self._no_values("a numpy array")
+
+    def __float__(self) -> float:
+        raise self._no_values("float()")
+
+    def __int__(self) -> int:
+        raise self._no_values("int()")
+
+    def __index__(self) -> int:
+        raise self._no_values("an int index")
+
+    def __complex__(self) -> complex:
+        raise self._no_values("complex()")
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Tensor:
+        """numpy's elementwise ufuncs with numpy scalars (``np.float32(2) * x``, ``np.exp(x)``)
+        build the same graph as the operators; arrays and other ufuncs are refused by name."""
+        fn = _UFUNCS.get(getattr(ufunc, "__name__", "")) if method == "__call__" and not kwargs else None
+        if fn is None:
+            raise UnsupportedOpError(f"numpy's {getattr(ufunc, '__name__', ufunc)}.{method} on a lazy "
+                                     f"einjoin tensor; use the tensor's operators or einjoin functions")
+        # numpy hands a scalar to comparisons as a 0-d array: the scalar it holds
+        return elementwise(fn, *(a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs))
 
     # ---- arithmetic
     def __add__(self, o: Any) -> Tensor: return elementwise("add", self, o)
@@ -555,8 +601,7 @@ class Tensor:
             index = (index,)
         if any(isinstance(i, Tensor) for i in index):
             # index tensors as torch: negative ones count from the end (routing's gather)
-            from einjoin.frontend.routing import getitem_with_tensors
-            return getitem_with_tensors(self, index)
+            return BUILT_ELSEWHERE["getitem_with_tensors"](self, index)
         # a 0-d integer array indexes as its int (numpy's rule); other arrays are refused below
         index = tuple(int(i) if isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu"
                       else i for i in index)

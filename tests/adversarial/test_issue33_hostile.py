@@ -217,3 +217,27 @@ def test_softmax_of_a_float16_row_longer_than_65504_sums_in_float32() -> None:
     wants = [t.half().float().softmax(-1).half(), t.half().float().log_softmax(-1).half()]
     for g, w in zip(got, wants):  # torch's float32 arithmetic (as on a GPU), rounded once
         _same(g, w, 1e-3)
+
+
+# ---- finding 8: numpy took a lazy Tensor for a sequence: np.asarray(x) was an object array of
+# 0-d tensors, np.add(x, 1) an object array of per-element graphs (silently); float(x),
+# int(x), math.exp(x), [..][x] were raw TypeErrors
+
+def test_numpy_and_python_conversions_of_a_lazy_tensor_are_refused_or_build_the_graph() -> None:
+    x, s = ej.input("x", (3,)), ej.input("s", ())
+    v = np.array([1.0, 2.0, np.nan], np.float32)
+    for f in (lambda: np.asarray(x), lambda: np.array([x, x]), lambda: float(s), lambda: int(s),
+              lambda: [1, 2, 3][s], lambda: np.einsum("i->", x)):
+        with pytest.raises(ej.EinjoinError, match="lazy"):
+            f()
+    with pytest.raises(ej.EinjoinError, match="ndarray"):
+        np.ones(3) + x
+    for f in (lambda: np.add.accumulate(x), lambda: np.arctan2(x, x)):
+        with pytest.raises(ej.UnsupportedOpError, match="accumulate|arctan2"):
+            f()
+    outs = [np.add(x, 1), np.exp(x), np.float32(2) * x, np.float64(2) > x, np.maximum(x, np.float16(1.5)),
+            np.float16(3) - x]
+    want = [v + 1, np.exp(v), 2 * v, 2 > v, np.maximum(v, 1.5), 3 - v]
+    for o, w, r in zip(outs, want, ej.compile(outs, devices=2).run(x=v)):
+        assert o.dtype == str(np.asarray(w).dtype) or (o.dtype, w.dtype) == ("float32", np.float64)
+        np.testing.assert_allclose(r, w, rtol=1e-6)
