@@ -98,7 +98,9 @@ def _capture_milp(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def test_eindecomp_and_mesh_ilp_give_highs_their_settings_budgets(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _capture_milp(monkeypatch)
-    graph, cluster = Graph(build("mlp")), ej.local(4)
+    # a residual MLP: x is read twice, so eindecomp's tree DP is not exact and its ILP step runs
+    x, w1, w2 = ej.input("x", (64, 32)), ej.input("w1", (32, 128)), ej.input("w2", (128, 32))
+    graph, cluster = Graph((x @ w1).relu() @ w2 + x), ej.local(4)
     # the MIP path (with ilp_lp_first an integral LP relaxation never reaches the MIP solver)
     mip = SETTINGS.replace(ilp_lp_first=False)
     settings = mip.replace(ilp_node_limit=7, ilp_time_limit=123.0,
