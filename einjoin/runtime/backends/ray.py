@@ -284,8 +284,9 @@ class RayBackend:
         the actors run and their imports are done (a warm-up a caller times apart). Returns
         whether anything was started or asked.
 
-        >>> RayBackend(quiet=True).warm(2)     # no Ray running (and no wait): nothing starts
-        False
+        >>> ray_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+        >>> RayBackend(quiet=True).warm(2) == ray_up   # no Ray running (and no wait): nothing starts
+        True
         """
         if isinstance(devices, Cluster):
             cluster, n = devices, devices.size
