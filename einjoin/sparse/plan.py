@@ -82,8 +82,8 @@ class Step:
 
 def _infos(values: Sequence[SparseTensor | np.ndarray], labels: Sequence[tuple[str, ...]],
            names: Sequence[str]) -> list[Operand]:
-    return [Operand(n, ls, tuple(v.shape), v.coo()[0] if isinstance(v, SparseTensor) else None)
-            for n, ls, v in zip(names, labels, values)]
+    return [Operand(n, ls, tuple(v.shape), v.coo()[0], _counts=v.counts) if isinstance(v, SparseTensor)
+            else Operand(n, ls, tuple(v.shape), None) for n, ls, v in zip(names, labels, values)]
 
 
 def _path(in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],

@@ -92,7 +92,7 @@ class SparseTensor:
     (3, (1, 1), 3.0)
     """
 
-    __slots__ = ("name", "shape", "dtype", "block", "keys", "data", "_coo")
+    __slots__ = ("name", "shape", "dtype", "block", "keys", "data", "_coo", "counts")
 
     def __init__(self, name: str, shape: tuple[int, ...], block: tuple[int, ...],
                  keys: np.ndarray, data: np.ndarray) -> None:
@@ -103,6 +103,9 @@ class SparseTensor:
         self.data = data
         self.dtype = data.dtype
         self._coo: tuple[np.ndarray, np.ndarray] | None = None
+        # non-empty blocks per keyed layout (einjoin.sparse.layout.Operand.tuples), kept with the
+        # data so that a plan choosing a layout again (a later step, another run) counts once
+        self.counts: dict[tuple[int | None, ...], int] = {}
 
     # -- the sparse-operand protocol of einjoin.einsum (the frontend knows only this name); the
     # executor registers itself in EINSUM (einjoin.sparse.plan imports this module, not back) --
