@@ -15,9 +15,9 @@ Two more rows of the table (``--cases`` keys ``memory`` and ``dispatch``):
 
 * memory: the peak RSS (Linux's ``VmHWM``, else ``ru_maxrss``) of the llama case's block run
   twice on ``local(2)``, and of numpy's reference (``ej.reference``) and the hand-written numpy
-  block, each in fresh child processes (``--rss-child``); the figure is the peak above the
-  child's import baseline (every child imports this module, torch and dask included), the total
-  beside it; goal <= 1.3x numpy's;
+  block, each in fresh child processes (``bench/llama_memory.py``, which imports only numpy and
+  einjoin); the figure is the peak above the child's import baseline, the total beside it; goal
+  <= 1.3x numpy's;
 * dispatch: per-task time of the threads backend on ~10k tiny (8x8, elementwise, ``fuse=False``)
   tasks against dask's threaded scheduler running a raw graph of the same blocks and ops (its
   scheduler alone: no dask.array graph building timed); goal <= dask's.
@@ -54,6 +54,9 @@ from collections.abc import Callable
 import numpy as np
 
 T_START = time.perf_counter()
+
+from llama_memory import HEADS, block_math, in_children, llama_graph, randn as _randn  # noqa: E402
+
 # run as a script, bench/ is first on sys.path: a bench named like a package (bench/sparse.py) would
 # shadow it for the libraries below (dask.array imports sparse when it can)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,7 +78,6 @@ from einjoin.plan.stats import human_bytes  # noqa: E402
 DEVICES = 2
 TORCH_COL = "einjoin (torch backend)"
 CORES = os.cpu_count() or 1
-HEADS = 8
 Feeds = dict[str, np.ndarray]
 
 
@@ -96,13 +98,6 @@ class Case:
     extra: dict[str, Callable[[Feeds], np.ndarray]] = field(default_factory=dict)  # more numpy peers
     torch_backend: bool = False  # also run einjoin on backend="torch" (CPU): a column of its own
     torch_in: bool = False       # ... fed torch tensors (torch in, torch out: no numpy round trip)
-
-
-def _randn(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
-    x = rng.standard_normal(shape, dtype=np.float32)
-    if scale != 1.0:
-        x *= np.float32(scale)
-    return x
 
 
 def _torch(fn: Callable[..., Any]) -> Callable[[Feeds], np.ndarray]:
@@ -134,51 +129,6 @@ def mlp_case(rng: np.random.Generator) -> Case:
                 lambda t: np.maximum(t["x"] @ t["w1"], 0) @ t["w2"], "numpy",
                 lambda t: da.maximum(t["x"] @ t["w1"], 0) @ t["w2"],
                 _torch(lambda t: torch.relu(t["x"] @ t["w1"]) @ t["w2"]))
-
-
-def block_math(xp: Any, t: dict[str, Any], heads: int) -> Any:
-    """``einjoin.models.graphs.transformer_block`` (RMSNorm, rotary causal attention, SwiGLU) as a
-    numpy or dask user writes it (``xp`` is numpy or dask.array): the peers' code, not a model."""
-    x = t["x"]
-    seq, d = x.shape
-    hd = d // heads
-    inv = (1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))).astype(np.float32)
-    f = np.outer(np.arange(seq, dtype=np.float32), inv)
-    emb = np.concatenate([f, f], -1)
-    cos, sin = np.cos(emb), np.sin(emb)
-    mask = np.tril(np.ones((seq, seq), dtype=bool))
-
-    def rms(v: Any, g: Any) -> Any:
-        return v * (1.0 / xp.sqrt((v * v).mean(-1, keepdims=True) + 1e-6)) * g
-
-    def rot(v: Any) -> Any:
-        half = xp.concatenate([-v[..., hd // 2:], v[..., :hd // 2]], axis=-1)
-        return v * cos + half * sin
-
-    h = rms(x, t["attn_norm"])
-
-    def heads_of(w: Any) -> Any:  # (seq, d) -> (heads, seq, hd)
-        return (h @ w.T).reshape(seq, heads, hd).transpose(1, 0, 2)
-
-    q, k, v = rot(heads_of(t["wq"])), rot(heads_of(t["wk"])), heads_of(t["wv"])
-    s = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / math.sqrt(hd))
-    s = xp.where(mask, s, np.float32(-np.inf))
-    p = xp.exp(s - s.max(-1, keepdims=True))
-    p = p / p.sum(-1, keepdims=True)
-    a = (p @ v).transpose(1, 0, 2).reshape(seq, d)
-    x = x + a @ t["wo"].T
-    h2 = rms(x, t["mlp_norm"])
-    u = h2 @ t["w1"].T
-    return x + ((u / (1.0 + xp.exp(-u))) * (h2 @ t["w3"].T)) @ t["w2"].T
-
-
-def llama_graph(rng: np.random.Generator) -> tuple[Any, Feeds]:
-    """The llama case's graph and feeds (the memory row's children build them the same way)."""
-    out, shapes = transformer_block(seq=2048, d=1024, heads=HEADS, hidden=2816)
-    feeds = {k: _randn(rng, s, 0.05 if k.startswith("w") else 1.0) for k, s in shapes.items()}
-    for g in ("attn_norm", "mlp_norm"):
-        feeds[g] = np.ones(shapes[g], np.float32)
-    return out, feeds
 
 
 def llama_case(rng: np.random.Generator) -> Case:
@@ -430,50 +380,7 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
 # --------------------------------------------------------------------------------------------
 # memory: peak RSS of one LLaMA-block run, each peer in a fresh child process
 
-MEM_PEERS = ("einjoin", "numpy", "numpy (hand-written block)")
 MIB = 1 << 20
-
-
-def _maxrss() -> int:
-    """This process's peak resident set so far, in bytes: Linux's VmHWM, else ru_maxrss (KiB on
-    Linux, bytes on macOS). Not ru_maxrss on Linux: a child's starts at its parent's peak (exec
-    from a vfork keeps the parent's high-water mark: 426 MiB in a child of a 426 MiB parent whose
-    own VmHWM was 11 MiB), so the children would all report this bench's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def rss_child(peer: str, runs: int = 2) -> dict[str, Any]:
-    """In a fresh process (``--rss-child``): the llama case's feeds, then ``runs`` runs of
-    ``peer`` (each result dropped before the next). Peaks (:func:`_maxrss`) after the imports (this
-    module's: every peer imports the same), after the feeds, after compiling (einjoin) and at the
-    end; einjoin's stores' own peak (the blocks they counted) beside it."""
-    got: dict[str, Any] = {"peer": peer, "imports": _maxrss()}
-    out, feeds = llama_graph(np.random.default_rng(0))
-    got["feeds"] = _maxrss()
-    if peer == "einjoin":
-        prog = ej.compile(out, devices=ej.local(DEVICES), backend="threads", quiet=True)
-        got["compiled"] = _maxrss()
-        fn: Callable[[], Any] = lambda: prog.run(**feeds)  # noqa: E731
-    elif peer == "numpy":
-        fn = lambda: ej.reference(out, **feeds)  # noqa: E731
-    else:
-        fn = lambda: block_math(np, feeds, HEADS)  # noqa: E731
-    for _ in range(runs):
-        result = fn()
-        result = None  # noqa: F841 - dropped before the next run, as the timed columns do
-    got["peak"] = _maxrss()
-    if peer == "einjoin":
-        got["stores"] = sum(prog.run_stats.peak_bytes_per_device.values())
-    return got
 
 
 @dataclass
@@ -490,16 +397,7 @@ class MemoryRow:
 
 def memory_row(children: int, log: Callable[[str], None]) -> MemoryRow:
     """``children`` fresh processes per peer, in turn (einjoin, numpy, hand-written, again ...)."""
-    import json
-    import subprocess
-    got: dict[str, list[dict[str, Any]]] = {p: [] for p in MEM_PEERS}
-    for i in range(children):
-        for peer in MEM_PEERS:
-            log(f"memory: {peer}, child {i + 1}/{children}")
-            done = subprocess.run([sys.executable, __file__, "--rss-child", peer], capture_output=True,
-                                  text=True, check=True)
-            got[peer].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return MemoryRow(got)
+    return MemoryRow(in_children(children, log))
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,7 +593,7 @@ def report(results: list[Result], console: Console, total_s: float, watch: CpuWa
 def report_memory(m: MemoryRow, console: Console) -> None:
     console.print("\n[bold]memory: peak RSS of the llama case's block, each peer in fresh processes "
                   f"({len(m.got['einjoin'])} each, median), two runs each (results dropped between)[/]")
-    console.print("  peak RSS (VmHWM, MiB) after: the imports (this bench's: every peer imports the same) / the "
+    console.print("  peak RSS (VmHWM, MiB) after: the imports (numpy, einjoin: every peer's the same) / the "
                   "feeds / compiling / the runs; the runs' peak above the import baseline; vs numpy's")
     for peer, got in m.got.items():
         g = got[len(got) // 2]
@@ -728,16 +626,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-children", type=int, default=2, help="fresh processes per peer for the memory row")
     ap.add_argument("--tiny-tasks", type=int, default=10000,
                     help="about how many tiny kernel tasks the dispatch row's graph has")
-    ap.add_argument("--rss-child", help=argparse.SUPPRESS)  # the memory row's child process
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per column (after a warm-up)")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds for the whole run; cases get fewer repetitions (never smaller "
                          "sizes) when their share would be exceeded")
     args = ap.parse_args(argv)
-    if args.rss_child:
-        import json
-        print(json.dumps(rss_child(args.rss_child)))
-        return 0
     console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
     torch.set_num_threads(CORES)
     dask.config.set(scheduler="threads")
