@@ -432,7 +432,8 @@ class Tensor:
             raise UnsupportedOpError(f"numpy's {getattr(ufunc, '__name__', ufunc)}.{method} on a lazy "
                                      f"einjoin tensor; use the tensor's operators or einjoin functions")
         # numpy hands a scalar to comparisons as a 0-d array: the scalar it holds
-        return elementwise(fn, *(a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs))
+        args: list[Any] = [a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs]
+        return elementwise(fn, *args)
 
     # ---- arithmetic
     def __add__(self, o: Any) -> Tensor: return elementwise("add", self, o)
@@ -601,7 +602,8 @@ class Tensor:
             index = (index,)
         if any(isinstance(i, Tensor) for i in index):
             # index tensors as torch: negative ones count from the end (routing's gather)
-            return BUILT_ELSEWHERE["getitem_with_tensors"](self, index)
+            got: Tensor = BUILT_ELSEWHERE["getitem_with_tensors"](self, index)
+            return got
         # a 0-d integer array indexes as its int (numpy's rule); other arrays are refused below
         index = tuple(int(i) if isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu"
                       else i for i in index)

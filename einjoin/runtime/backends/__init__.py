@@ -55,10 +55,10 @@ class BlasLimiter:
     ``join``, which an interrupt confuses: CPython bpo-45274) and hands the interrupt on once
     the change is made. One ``ThreadpoolController`` (the scan of the loaded libraries, ~2 ms)
     is reused until more modules have been imported (a BLAS library arrives with an extension
-    module: scipy's own OpenBLAS, loaded by a later import, is limited too); a run that leaves the share of the cores as it is (another run in flight set it)
-    is counted on the caller's thread, without a helper, and a library already at the wanted
-    limit is not touched. Only BLAS libraries are limited: the kernels are numpy's, and an
-    OpenMP limit is per thread."""
+    module: scipy's own OpenBLAS, loaded by a later import, is limited too); a run that leaves
+    the share of the cores as it is (another run in flight set it) is counted on the caller's
+    thread, without a helper, and a library already at the wanted limit is not touched. Only
+    BLAS libraries are limited: the kernels are numpy's, and an OpenMP limit is per thread."""
 
     def __init__(self) -> None:
         # the count and the limits: held by helpers; the caller's thread only ever tries it
