@@ -145,7 +145,7 @@ class SparseTensor:
                 vals = self.data[(t,) + tuple(offs)]
                 inside = np.all(coords < np.asarray(self.shape, np.int64), axis=1)
                 coords, vals = coords[inside], vals[inside]
-            self._coo = (coords.astype(np.int64, copy=False).reshape(-1, self.ndim), vals)
+            self._coo = (coords.astype(np.int64, copy=False).reshape(len(vals), self.ndim), vals)
         return self._coo
 
     def reblock(self, block: Sequence[int]) -> SparseTensor:
@@ -167,7 +167,7 @@ class SparseTensor:
             split = padded.reshape(tuple(x for gb in zip(grid, self.block) for x in gb))
             r = self.ndim
             view = split.transpose(tuple(range(0, 2 * r, 2)) + tuple(range(1, 2 * r, 2)))
-            view[tuple(self.keys[:, d] for d in range(r))] = self.data
+            view[tuple(self.keys[:, d] for d in range(r))] = self.data if r else self.data[0]
         return padded[tuple(slice(0, n) for n in self.shape)].copy() if padded.shape != self.shape \
             else padded
 
@@ -266,9 +266,11 @@ def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ..
         return coords, vals, shape, False
     if isinstance(data, (np.ndarray, list, float, int)) or hasattr(data, "__array__"):
         arr = np.asarray(data)
+        if arr.ndim == 0:  # a scalar: one entry with no coordinates, or none (np.nonzero refuses 0-d)
+            coords = np.zeros((int(arr != 0), 0), np.int64)
+            return coords, arr.reshape(-1)[: len(coords)], (), True
         nz = np.nonzero(arr)
-        coords = np.stack(nz, axis=1).astype(np.int64) if arr.ndim else np.zeros((int(arr != 0), 0), np.int64)
-        return coords, arr[nz] if arr.ndim else arr.reshape(-1)[: len(coords)], arr.shape, True
+        return np.stack(nz, axis=1).astype(np.int64), arr[nz], arr.shape, True
     raise EinjoinError(f"{what}: cannot read a sparse tensor from {type(data).__name__} (give a "
                        f"scipy.sparse matrix, a torch sparse tensor, a pydata sparse.COO, an array, "
                        f"or COO arrays (indices, values, shape))")
