@@ -294,8 +294,12 @@ def sparse(name: str, data: Any, block: int | Sequence[int] = 1) -> SparseTensor
     vals = np.asarray(vals)
     dtype = _check_dtype(vals.dtype, what)
     vals = vals.astype(dtype, copy=False)
-    blk = (block,) * len(shape) if isinstance(block, (int, np.integer)) else tuple(block)
-    if len(blk) != len(shape) or any(int(b) < 1 for b in blk):
+    try:
+        blk = (block,) * len(shape) if isinstance(block, (int, np.integer)) else tuple(block)
+        ok = len(blk) == len(shape) and all(isinstance(b, (int, np.integer)) and b >= 1 for b in blk)
+    except TypeError:  # not a sequence (1.5, None)
+        ok = False
+    if not ok:
         raise ShapeError(f"{what}: block {block!r} for shape {shape} (one size >= 1, or one per dim)")
     blk = tuple(max(1, min(int(b), max(n, 1))) for b, n in zip(blk, shape))
     return from_coo(name, coords, vals, shape, blk, summed=summed)

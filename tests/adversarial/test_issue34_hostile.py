@@ -24,3 +24,13 @@ def test_a_zero_dim_sparse_tensor_is_a_scalar(value: float) -> None:
         h = np.arange(6).reshape(2, 3).astype(s.dtype)
         np.testing.assert_array_equal(ej.einsum(",ij->", s, h), np.einsum(",ij->", np.array(value), h))
         np.testing.assert_array_equal(ej.einsum("->", s), np.array(value, s.dtype))
+
+
+# ---- finding 2: a block that is neither an int nor a sequence of them (block=1.5, block="2")
+# was a raw TypeError / ValueError from tuple() / int()
+
+
+@pytest.mark.parametrize("block", [1.5, "2", [1, "x"], (2.5, 1), None])
+def test_a_malformed_block_is_a_shape_error_naming_it(block: object) -> None:
+    with pytest.raises(ej.ShapeError, match="'A'.*block"):
+        ej.sparse("A", np.eye(3), block=block)  # type: ignore[arg-type]
