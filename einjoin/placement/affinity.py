@@ -42,6 +42,7 @@ class _State:
         self.mem = [0] * p           # nums: bytes resident, in, out
         self.net_in = [0] * p
         self.net_out = [0] * p
+        self.summed = [0] * p        # elements of spread sums homed per device (_spread_sums)
 
 
 class _Held:
@@ -172,6 +173,11 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
     p = cluster.size
     st = _State(p)
     out: Placement = {}
+    # the ops each tensor's blocks are read by, for _spread_sums: whether all of them are one kernel
+    whole: dict[Node, bool] = {}
+    for node, d in decomps.items():
+        for x in node.inputs:
+            whole[x] = whole.get(x, True) and len(d.kernels) == 1
     for node, d in decomps.items():
         if node.facts.fed:
             st.homes[node] = {}
@@ -200,7 +206,7 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
                     for pk, _ in _overlaps(decomps[x].out_partition, box):
                         st.homes[x].setdefault(pk, dev)
                 st.copies.setdefault((x, box), set()).add(dev)
-        out[node] = _from_kernel_devices(d, devs)
+        out[node] = _spread_sums(d, devs, st) if whole.get(node) else _from_kernel_devices(d, devs)
         st.homes[node] = out[node].homes
     for node, d in decomps.items():
         if node.facts.fed:
@@ -209,6 +215,29 @@ def _place(decomps: Mapping[Node, Decomposition], cluster: Cluster, choose: Call
             out[node] = NodePlacement(tuple(h[k.out_key] for k in d.kernels), h)
     # the kernels placed, every block that may live anywhere moves to its cheapest home
     return settle_homes(decomps, {node: out[node] for node in decomps}, p)
+
+
+def _spread_sums(d: Decomposition, devs: list[int], st: _State) -> NodePlacement:
+    """For a tensor only whole ops read (one kernel each: a training step's optimizer updates
+    of small gradients), each block summed from partials on several devices is homed on the one
+    of them with the fewest such elements so far, not always on its first partial's: the sum
+    moves the same bytes either way, and the op that reads it follows it, so those ops spread
+    over the devices instead of all queueing on device 0."""
+    pl = _from_kernel_devices(d, devs)
+    if d.n_partials < 2:
+        return pl
+    where: dict[BlockKey, set[int]] = {}
+    for k, dev in zip(d.kernels, devs):
+        where.setdefault(k.out_key, set()).add(dev)
+    homes = dict(pl.homes)
+    for key, on in where.items():
+        if len(on) > 1:
+            elems = 1
+            for a, b in d.out_partition.box(key):
+                elems *= b - a
+            homes[key] = home = min(on, key=lambda dv: (st.summed[dv], dv))
+            st.summed[home] += elems
+    return NodePlacement(pl.kernel_devices, homes)
 
 
 def _missing(pieces: list[tuple[Node, BlockKey, int, _Held]], dev: int) -> list[tuple[int, int]]:
