@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError, UnsupportedOpError
+from einjoin.errors import EinjoinError, PartitionError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
 from einjoin.sparse.execute import RunCounts, execute
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
-from einjoin.sparse.tensor import EINSUM, SparseTensor
+from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand
 
 __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum"]
 
@@ -48,10 +48,7 @@ def _operand(x: Any, i: int, what: str) -> SparseTensor | np.ndarray:
         raise UnsupportedOpError(f"{what}: operand {i} is a lazy einjoin {type(x).__name__}; sparse "
                                  f"einsums take SparseTensors and arrays with their data (lazy graphs "
                                  f"with sparse inputs are not built yet, issue 24)")
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "fiub":
-        raise DTypeError(f"{what}: operand {i} has dtype {arr.dtype}")
-    return arr
+    return dense_operand(x, i, what)
 
 
 @dataclass

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
+from einjoin.ir.reference import to_numpy
 
-__all__ = ["SparseTensor", "sparse", "is_sparse"]
+__all__ = ["SparseTensor", "sparse", "is_sparse", "dense_operand"]
 
 EINSUM: dict[str, Callable[..., Any]] = {}  # {"sparse_einsum": einjoin.sparse.plan.sparse_einsum}
 _MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
@@ -72,11 +73,29 @@ def _check_shape(shape: Any, what: str) -> tuple[int, ...]:
     return out
 
 
-def _check_dtype(dtype: np.dtype, what: str) -> np.dtype:
-    if dtype.kind not in "fiub" or dtype.itemsize > 8:
-        raise DTypeError(f"{what}: values of dtype {dtype} (sparse tensors hold numbers: "
-                         f"float, int, uint or bool)")
-    return np.dtype(np.float32) if dtype.kind == "b" else dtype
+def exact_values(arr: np.ndarray, what: str) -> np.ndarray:
+    """``arr`` in a dtype the einsum computes in, every value unchanged: float16/32/64, int64 and
+    bool as they are, narrower (u)ints as int64, uint64 as int64 when every value fits (the IR
+    knows int64 only: an int32 operand was "unknown dtype 'int32'" at every einsum)."""
+    dt = arr.dtype
+    if dt.kind in "fb" and dt.itemsize <= 8 or dt == np.int64:
+        return arr
+    if dt.kind in "iu" and (dt.itemsize < 8 or arr.size == 0 or int(arr.max()) < 2 ** 63):
+        return arr.astype(np.int64)
+    raise DTypeError(f"{what}: values of dtype {dt} (sparse einsums compute in float16/32/64, "
+                     f"int64 or bool; {dt} values beyond int64 or without a numpy kind of number "
+                     f"are refused: convert them first, e.g. .astype(np.float64) or t.float())")
+
+
+def dense_operand(x: Any, i: int, what: str) -> np.ndarray:
+    """A dense operand's values (numpy, torch, nested lists): a torch tensor is read by value
+    (requires_grad is fine: nothing here differentiates), in a dtype of :func:`exact_values`."""
+    return exact_values(to_numpy(x, f"{what}: operand {i}"), f"{what}: operand {i}")
+
+
+def _check_dtype(vals: np.ndarray, what: str) -> np.ndarray:
+    vals = exact_values(vals, what)
+    return vals.astype(np.float32) if vals.dtype.kind == "b" else vals
 
 
 class SparseTensor:
@@ -233,7 +252,7 @@ def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ..
         elif t.layout != torch.sparse_coo:
             t = t.to_sparse_coo()
         t = t.coalesce()
-        vals = t.values().cpu().numpy()
+        vals = to_numpy(t.values(), what)  # bfloat16 too (numpy() refuses it)
         if vals.ndim != 1:
             raise ShapeError(f"{what}: hybrid torch sparse tensors (dense value dims {tuple(vals.shape[1:])}) "
                              f"are not supported")
@@ -291,9 +310,7 @@ def sparse(name: str, data: Any, block: int | Sequence[int] = 1) -> SparseTensor
     if not isinstance(name, str) or not name:
         raise EinjoinError(f"sparse tensor name must be a non-empty string, got {name!r}")
     coords, vals, shape, summed = _coo_of(data, what)
-    vals = np.asarray(vals)
-    dtype = _check_dtype(vals.dtype, what)
-    vals = vals.astype(dtype, copy=False)
+    vals = _check_dtype(np.asarray(vals), what)
     try:
         blk = (block,) * len(shape) if isinstance(block, (int, np.integer)) else tuple(block)
         ok = len(blk) == len(shape) and all(isinstance(b, (int, np.integer)) and b >= 1 for b in blk)

@@ -34,3 +34,38 @@ def test_a_zero_dim_sparse_tensor_is_a_scalar(value: float) -> None:
 def test_a_malformed_block_is_a_shape_error_naming_it(block: object) -> None:
     with pytest.raises(ej.ShapeError, match="'A'.*block"):
         ej.sparse("A", np.eye(3), block=block)  # type: ignore[arg-type]
+
+
+# ---- finding 3: sparse tensors took int8/16/32 and uint values ("float, int, uint or bool"), but
+# every einsum on them was "unknown dtype 'int32'" (naming no op or operand); a dense int32
+# operand the same; a torch operand requiring grad was a raw RuntimeError from np.asarray, a
+# bfloat16 torch tensor a raw TypeError ("Got unsupported ScalarType BFloat16")
+
+@pytest.mark.parametrize("dt", ["int8", "int16", "int32", "uint8", "uint16", "uint32", "uint64"])
+def test_narrow_int_values_compute_exactly_in_int64(dt: str) -> None:
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 100, (5, 4)) * (rng.random((5, 4)) < 0.4)
+    h = rng.integers(-50, 50, (4, 3))
+    s = ej.sparse("A", a.astype(dt))
+    assert s.dtype == np.int64
+    for other in (h, h.astype("int32"), torch.from_numpy(h)):
+        got = ej.einsum("ij,jk->ik", s, other).todense()
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, a @ h)  # int8 would have wrapped: exact in int64
+    np.testing.assert_array_equal(ej.einsum("ij->j", s, agg="max").todense(), a.max(0))
+
+
+def test_values_that_no_einsum_dtype_holds_are_refused_by_name() -> None:
+    with pytest.raises(ej.DTypeError, match="'A'.*uint64"):
+        ej.sparse("A", np.array([[2 ** 63, 0]], np.uint64))
+    with pytest.raises(ej.DTypeError, match="'T'.*bfloat16"):
+        ej.sparse("T", torch.eye(2, dtype=torch.bfloat16))
+    s = ej.sparse("S", np.eye(2))
+    with pytest.raises(ej.DTypeError, match="operand 1.*bfloat16"):
+        ej.einsum("ij,jk->ik", s, torch.ones(2, 2, dtype=torch.bfloat16))
+
+
+def test_a_torch_operand_requiring_grad_is_read_by_value() -> None:
+    s = ej.sparse("S", np.eye(3, dtype=np.float32) * 2)
+    w = torch.arange(6.0).reshape(3, 2).requires_grad_()
+    np.testing.assert_array_equal(ej.einsum("ij,jk->ik", s, w).todense(), 2 * w.detach().numpy())
