@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import EinjoinError, PartitionError, ShapeError, UnsupportedOpError
+from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
 from einjoin.sparse.execute import RunCounts, execute
@@ -220,6 +220,12 @@ class SparsePlan:
                 raise ShapeError(f"{self._what()}: operand {i} of shape {tuple(new.shape)} "
                                  f"({type(new).__name__}) where the plan has {tuple(old.shape)} "
                                  f"({type(old).__name__})")
+            nd, od = np.dtype(new.dtype), np.dtype(old.dtype)
+            # exact or refused: a narrower float computes in the plan's dtype unchanged
+            if nd != od and not (nd.kind == od.kind == "f" and nd.itemsize <= self.dtype.itemsize):
+                raise DTypeError(f"{self._what()}: operand {i} is {nd} where the plan was compiled "
+                                 f"for {od} (computing in {self.dtype}); its values would change: "
+                                 f"compile again for {nd}, or convert it first")
         return values
 
     def run(self, *operands: Any) -> SparseTensor | np.ndarray:

@@ -69,3 +69,22 @@ def test_a_torch_operand_requiring_grad_is_read_by_value() -> None:
     s = ej.sparse("S", np.eye(3, dtype=np.float32) * 2)
     w = torch.arange(6.0).reshape(3, 2).requires_grad_()
     np.testing.assert_array_equal(ej.einsum("ij,jk->ik", s, w).todense(), 2 * w.detach().numpy())
+
+
+# ---- finding 4: SparsePlan.run on operands of another dtype than compiled cast them silently to
+# the plan's dtype: a float32 plan run on float64 data of 1e300 gave inf and nan where numpy gives
+# 1e300 (and float64 data of 1 + 2**-30 lost its bits)
+
+def test_a_sparse_plan_refuses_operands_it_cannot_hold_exactly() -> None:
+    a = ej.sparse("A", np.array([[1, 0, -2], [0, 3, 0]], np.float32))
+    plan = ej.sparse_compile("ij,jk->ik", a, np.ones((3, 2), np.float32))
+    big = np.full((3, 2), 1e300)
+    with pytest.raises(ej.DTypeError, match="operand 1.*float64.*float32"):
+        plan.run(a, big)
+    with pytest.raises(ej.DTypeError, match="operand 0.*float64.*float32"):
+        plan.run(ej.sparse("B", np.ones((2, 3))), np.ones((3, 2), np.float32))
+    # exact: narrower floats into the plan's dtype; the same dtype
+    half = np.full((3, 2), 0.5, np.float16)
+    np.testing.assert_array_equal(plan.run(a, half).todense(), a.todense() @ half.astype(np.float32))
+    wide = ej.sparse_compile("ij,jk->ik", ej.sparse("W", np.ones((2, 3))), big)
+    np.testing.assert_array_equal(wide.run(a, big).todense(), a.todense().astype(np.float64) @ big)
