@@ -136,8 +136,12 @@ def _join(rels: Sequence[Relation], grid: Mapping[str, int], out_rel: Sequence[s
 
 
 def _letters(labels: Sequence[str]) -> tuple[dict[str, str], str]:
+    """(label -> the letter np.einsum sees, a free letter): a label that is an ASCII letter keeps
+    it, others (``α``: einjoin takes any letter, np.einsum only ASCII ones) get free ones."""
     pool = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in labels]
-    return {lab: lab for lab in labels}, pool[0]
+    letters = {lab: lab if lab.isascii() and lab.isalpha() else pool.pop()
+               for lab in dict.fromkeys(labels)}
+    return letters, pool[0]
 
 
 def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tuple[str, ...]],
@@ -253,8 +257,9 @@ def _spmm(rels: Sequence[Relation], idx: Sequence[np.ndarray], order: np.ndarray
             w *= r.data.reshape(-1)[i[order]]
     lb = in_labels[big]
     keep = "".join(lab for lab in out_labels if lab in lb)
-    _, z = _letters(lb)
-    pay = np.einsum(f"{z}{''.join(lb)}->{z}{keep}", rels[big].data.astype(compute, copy=False))
+    letters, z = _letters(lb)
+    pay = np.einsum(f"{z}{''.join(letters[lab] for lab in lb)}->{z}{''.join(letters[lab] for lab in keep)}",
+                    rels[big].data.astype(compute, copy=False))
     nb = len(pay)
     indptr = np.r_[0, np.cumsum(np.bincount(gid, minlength=len(out)))]  # gid is sorted: CSR as is
     mat = scipy.sparse.csr_array((w, idx[big][order], indptr), shape=(len(out), nb))

@@ -88,3 +88,21 @@ def test_a_sparse_plan_refuses_operands_it_cannot_hold_exactly() -> None:
     np.testing.assert_array_equal(plan.run(a, half).todense(), a.todense() @ half.astype(np.float32))
     wide = ej.sparse_compile("ij,jk->ik", ej.sparse("W", np.ones((2, 3))), big)
     np.testing.assert_array_equal(wide.run(a, big).todense(), a.todense().astype(np.float64) @ big)
+
+
+# ---- finding 5: labels that are not ASCII letters (einjoin's dense einsum takes any character)
+# reached np.einsum as they were: a raw UnicodeEncodeError ("'ascii' codec can't encode")
+
+@pytest.mark.parametrize("agg", ["sum", "max"])
+@pytest.mark.parametrize("pins", [{}, {1: 2}, {0: 3, 1: 4}])  # block sizes by position in "ij"
+def test_labels_beyond_ascii_letters_compute_as_letters(agg: str, pins: dict) -> None:
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((6, 5)) * (rng.random((6, 5)) < 0.5)
+    h = rng.standard_normal((5, 4))
+    s = ej.sparse("A", a)
+    want = np.einsum("ij,jk->ik", a, h) if agg == "sum" else (a[:, :, None] * h[None]).max(1)
+    for eq in ("iα,αк->iк", "zα,αy->zy", "ΩΣ,ΣΨ->ΩΨ"):
+        got = ej.sparse_compile(eq, s, h, agg=agg, blocks={eq[k]: b for k, b in pins.items()}).run()
+        np.testing.assert_allclose(got.todense(), want, rtol=1e-12, atol=1e-12)
+    v = ej.sparse("V", rng.standard_normal(5) * (rng.random(5) < 0.6))
+    np.testing.assert_allclose(ej.einsum("α,αк->к", v, h), v.todense() @ h, rtol=1e-12)  # SpMM kernel
