@@ -133,6 +133,13 @@ class SparseTensor:
                            agg: Any = "sum") -> Any:
         return EINSUM["sparse_einsum"](equation, *operands, join=join, agg=agg)
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        # numpy would read it as a 0-d object array (np.asarray silently, h @ s a raw error deep in
+        # numpy); densifying implicitly could be terabytes: say which call gives what
+        raise EinjoinError(f"sparse tensor {self.name!r} {self.shape} ({self.nnz} entries): numpy does not "
+                           f"read a sparse tensor implicitly; use .todense() for the dense array, "
+                           f".to_scipy(), or ej.einsum for products with arrays")
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

@@ -106,3 +106,17 @@ def test_labels_beyond_ascii_letters_compute_as_letters(agg: str, pins: dict) ->
         np.testing.assert_allclose(got.todense(), want, rtol=1e-12, atol=1e-12)
     v = ej.sparse("V", rng.standard_normal(5) * (rng.random(5) < 0.6))
     np.testing.assert_allclose(ej.einsum("α,αк->к", v, h), v.todense() @ h, rtol=1e-12)  # SpMM kernel
+
+
+# ---- finding 6: numpy read a SparseTensor as a 0-d object array: np.asarray(s) silently gave
+# array(SparseTensor(...), dtype=object), and h @ s, s @ h, np.einsum('ij->i', s), np.sum(s) were
+# raw errors from numpy's internals ("matmul: Input operand 0 does not have enough dimensions")
+
+@pytest.mark.parametrize("use", [
+    lambda s, h: np.asarray(s), lambda s, h: np.array(s, np.float64), lambda s, h: h @ s,
+    lambda s, h: s @ h, lambda s, h: np.einsum("ij->i", s), lambda s, h: h + s, lambda s, h: np.sum(s),
+])
+def test_numpy_reading_a_sparse_tensor_is_refused_by_name(use) -> None:  # type: ignore[no-untyped-def]
+    s = ej.sparse("S", np.eye(3))
+    with pytest.raises(ej.EinjoinError, match="'S'.*todense"):
+        use(s, np.ones((3, 3)))
