@@ -456,8 +456,25 @@ def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user
                                f"differs from its new value's layout {chosen[old]} (a state input is cut as "
                                f"its new value: give the spec to {describe(tied[old])} instead)")
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
-    placed = tie_homes(decomps, place(options.placement, decomps, cluster, options.seed), tied)
+    if options.placement == "search" and cluster.hardware is not None:
+        placed = tie_homes(decomps, _searched(graph, decomps, cluster, options, tied), tied)
+    else:
+        placed = tie_homes(decomps, place(options.placement, decomps, cluster, options.seed), tied)
     return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
+
+
+def _searched(graph: Graph, decomps: dict[Node, Decomposition], cluster: Cluster, options: CompileOptions,
+              tied: dict[Node, Node]) -> Placement:
+    """``placement="search"`` on a cluster with a time model: the placement search
+    (:mod:`einjoin.placement.search`, floor 2) scored by what it cannot import, the simulated
+    makespan of the task graph each candidate gives (weights resident, as :func:`_makespan`)."""
+    from einjoin.placement.search import search
+    from einjoin.runtime.simulate import simulate
+
+    def makespan(pl: Placement) -> float:
+        tg = build_taskgraph(graph, decomps, tie_homes(decomps, pl, tied), cluster.size)
+        return simulate(tg, cluster.hardware, options.order, options.seed, resident=True).makespan
+    return search(decomps, cluster, options.seed, score=makespan)
 
 
 def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user: dict[Node, JoinAggSpec],
