@@ -10,7 +10,16 @@ The goal for one DGX A100 is the paper's (Einsummable, 8.97 ms vs 13.80 ms for h
 tensor parallelism): einjoin <= 0.65x Megatron. The last column says what dominates each plan:
 the busiest device's kernel time and the bytes its plan sends over the network.
 
+A second table compares placers on the same plans (``objective="bytes"``, so every placer gets
+the same join-agg specs): ``greedy``, ``critical_path`` (CP) and ``search`` (the local search of
+:mod:`einjoin.placement.search`, scored by the simulator, ``--search-budget`` evaluations) on the
+block's forward + backward (a training step's gradients) on one DGX A100, and its forward and
+forward + backward on two, batch 1. The goal (issue 23): search >= 20% below CP's simulated
+makespan where placement has freedom. Placing s is this machine's CPU time for the placer (the
+search's simulations included), not simulated.
+
     .venv/bin/python bench/simulate.py [--nodes 1,2] [--batches 1,8]
+                                       [--search-budget 60] [--no-placement]
 
 ``make bench`` runs one and two DGX A100s (about a minute of planning on a quiet machine); eight
 (64 GPUs, ``--nodes 1,2,8``) take several minutes of planning here, so they are left to the
@@ -49,6 +58,65 @@ def llama7b_block(batch: int, seq: int = 2048, d: int = 4096, heads: int = 32, h
     return x + ej.linear(up, p("w2", (d, hidden)))
 
 
+def llama7b_training(batch: int, seq: int = 2048) -> list[ej.Tensor]:
+    """The LLaMA-7B block's forward + backward: the loss ``sum(block(x))`` and its gradients with
+    respect to every weight (:func:`einjoin.grad`)."""
+    out = llama7b_block(batch, seq)
+    weights = [ej.Tensor(n) for n in ej.Graph([out]).inputs if n.op.name != "x"]  # type: ignore[union-attr]
+    loss = out.sum()
+    return [loss, *ej.grad(loss, weights)]
+
+
+PLACERS = ("greedy", "critical_path", "search")
+
+
+def placement_rows(budget: int) -> None:
+    """Greedy vs CP vs search on the same plans, simulated; the search at ``budget`` evaluations,
+    scored as ``ej.compile(..., placement="search")`` scores it (each candidate's task graph
+    simulated, weights resident)."""
+    from einjoin.placement import place
+    from einjoin.placement.search import search
+    from einjoin.plan import build_taskgraph
+    from einjoin.runtime.simulate import simulate
+
+    print()
+    print(f"Placement on the same plans (objective='bytes'; search: {budget} simulator evaluations) -- every "
+          "makespan below is SIMULATED")
+    header = (f"{'graph':<30}{'placer':<15}{'sim. ms':>9}{'x CP':>7}{'moved GB':>10}{'network GB':>11}"
+              f"{'placing s':>10}")
+    print(header)
+    print("-" * len(header))
+    cases = [("fwd+bwd b1, dgx-a100", ej.Cluster.preset("dgx-a100"), lambda: llama7b_training(1)),
+             ("forward b1, 2 x dgx-a100", ej.Cluster.nodes(2, "dgx-a100"), lambda: llama7b_block(1)),
+             ("fwd+bwd b1, 2 x dgx-a100", ej.Cluster.nodes(2, "dgx-a100"), lambda: llama7b_training(1))]
+    for name, cluster, build in cases:
+        plan = ej.compile(build(), cluster, backend="null", quiet=True, objective="bytes").plan
+        hw = cluster.hardware
+
+        def simulated(pl: Any, plan: Any = plan, cluster: ej.Cluster = cluster, hw: Any = hw) -> Any:
+            tg = build_taskgraph(plan.graph, plan.decomps, pl, cluster.size)
+            return simulate(tg, hw, plan.options.order, plan.options.seed, resident=True)
+        rows = []
+        for placer in PLACERS:
+            t0 = time.process_time()
+            if placer == "search":
+                pl = search(plan.decomps, cluster, 0, score=lambda p: simulated(p).makespan, budget=budget)
+            else:
+                pl = place(placer, plan.decomps, cluster)
+            cpu = time.process_time() - t0
+            sim = simulated(pl)
+            moved = [(s, d, b) for (s, d), b in sim.link_bytes.items() if s >= 0 and d >= 0]
+            network = sum(b for s, d, b in moved if hw.groups[s] != hw.groups[d])
+            rows.append((placer, sim.makespan * 1e3, sum(b for _, _, b in moved), network, cpu))
+        cp = rows[PLACERS.index("critical_path")][1]
+        for label, ms, moved_b, network, cpu in rows:
+            print(f"{name:<30}{label:<15}{ms:>9.3f}{ms / cp:>7.2f}{moved_b / 1e9:>10.2f}{network / 1e9:>11.2f}"
+                  f"{cpu:>10.1f}")
+        sys.stdout.flush()
+    print("(sim. ms: simulated makespan, weights resident; x CP: its ratio to critical_path's; placing s: CPU "
+          "seconds of placing on this machine (the search's simulations included), not simulated)")
+
+
 def _row(cluster: ej.Cluster, batch: int, label: str, **options: Any) -> dict[str, Any] | None:
     t0 = time.perf_counter()
     try:
@@ -72,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--budget", type=float, default=120.0,
                     help="skip the larger clusters once planning one row took more seconds than this")
+    ap.add_argument("--search-budget", type=int, default=60,
+                    help="evaluations of the simulator the placement search may spend per plan")
+    ap.add_argument("--no-placement", action="store_true", help="leave out the placement table")
     args = ap.parse_args(argv)
     nodes = [int(n) for n in args.nodes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -109,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
           "copies included; planning s: wall time on this machine, not simulated)")
     if 8 not in nodes:
         print("(8 x dgx-a100, 64 GPUs: --nodes 8; several minutes of planning on this machine)")
+    if not args.no_placement:
+        placement_rows(args.search_budget)
     return 0
 
 
