@@ -253,8 +253,10 @@ class Trainer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not value >= 0:
-            raise EinjoinError(f"Trainer.lr must be a number >= 0, got {value!r:.40}")
+        # the optimizers' rule (ej.optim's lr): refused here, not at the next step()
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not 0 <= float(value) < float("inf"):
+            raise EinjoinError(f"Trainer.lr must be a finite number >= 0, got {value!r:.40}")
         self._lr = float(value)
 
     # ---- building one program

@@ -120,3 +120,28 @@ def test_numpy_reading_a_sparse_tensor_is_refused_by_name(use) -> None:  # type:
     s = ej.sparse("S", np.eye(3))
     with pytest.raises(ej.EinjoinError, match="'S'.*todense"):
         use(s, np.ones((3, 3)))
+
+
+# ---- Trainer: its numbers as a torch user passes them
+
+
+def _trainer(**kw):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    kw.setdefault("optimizer", ej.optim.SGD(lr=0.1))
+    return ej.Trainer(m, (x, y), lambda o, t: ((o - t) ** 2).mean(), devices=1, **kw), x, y
+
+
+# ---- finding 7: Trainer.lr = inf was taken, and the next step() failed ("Invalid learning rate:
+# lr=inf") far from the assignment; lr = np.int64(1) was refused as "must be a number >= 0"
+
+def test_trainer_lr_is_checked_when_set_as_the_optimizers_lr() -> None:
+    t, x, y = _trainer()
+    for bad in (float("inf"), float("nan"), -0.5, "0.1", True):
+        with pytest.raises(ej.EinjoinError, match="lr"):
+            t.lr = bad
+        assert t.lr == 0.1
+    t.lr = np.int64(1)
+    assert t.lr == 1.0 and isinstance(t.lr, float)
+    assert np.isfinite(t.step(x, y))
