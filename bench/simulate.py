@@ -112,9 +112,15 @@ def placement_rows(budget: int) -> None:
         for label, ms, moved_b, network, cpu in rows:
             print(f"{name:<30}{label:<15}{ms:>9.3f}{ms / cp:>7.2f}{moved_b / 1e9:>10.2f}{network / 1e9:>11.2f}"
                   f"{cpu:>10.1f}")
+        # what no placement of this plan beats: its kernels' simulated time spread evenly
+        sim = simulated(place("critical_path", plan.decomps, cluster))
+        lanes = sum(e - s for iv in sim.intervals.values() for s, e, tid in iv if sim.lanes[tid] == 0)
+        print(f"{name:<30}{'(kernels / P)':<15}{lanes / cluster.size * 1e3:>9.3f}"
+              f"{lanes / cluster.size * 1e3 / cp:>7.2f}")
         sys.stdout.flush()
     print("(sim. ms: simulated makespan, weights resident; x CP: its ratio to critical_path's; placing s: CPU "
-          "seconds of placing on this machine (the search's simulations included), not simulated)")
+          "seconds of placing on this machine (the search's simulations included), not simulated; kernels / P: "
+          "CP's compute-lane time spread evenly over the devices, about what no placement of the plan beats)")
 
 
 def _row(cluster: ej.Cluster, batch: int, label: str, **options: Any) -> dict[str, Any] | None:
