@@ -194,7 +194,8 @@ class Trainer:
         if not isinstance(example_batch, (tuple, list)) or len(example_batch) < 2:
             raise EinjoinError("Trainer: example_batch must be a tuple (*module_args, target) with at least "
                                "one module argument and the target")
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        if isinstance(accumulate, (bool, np.bool_)) or not isinstance(accumulate, (int, np.integer)) \
+                or accumulate < 1:
             raise EinjoinError(f"Trainer: accumulate must be an int >= 1, got {accumulate!r:.40}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise EinjoinError(f"Trainer: seed must be an int, got {seed!r:.40}")
@@ -209,7 +210,7 @@ class Trainer:
         self.module = module
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.accumulate = accumulate
+        self.accumulate = int(accumulate)
         self.seed = int(seed)
         self.steps = 0          # optimizer updates taken
         self.version = 0        # bumped whenever the parameters or buffers change

@@ -145,3 +145,13 @@ def test_trainer_lr_is_checked_when_set_as_the_optimizers_lr() -> None:
     t.lr = np.int64(1)
     assert t.lr == 1.0 and isinstance(t.lr, float)
     assert np.isfinite(t.step(x, y))
+
+
+# ---- finding 8: accumulate=np.int64(2) was refused as "must be an int >= 1, got np.int64(2)"
+
+def test_trainer_accumulate_takes_numpy_ints() -> None:
+    t, x, y = _trainer(accumulate=np.int64(2))
+    assert t.accumulate == 2 and type(t.accumulate) is int
+    t.step(x, y)
+    t.step(x, y)
+    assert (t.steps, t.micro_steps) == (1, 2)
