@@ -108,3 +108,21 @@ def test_bad_budget() -> None:
     for bad in (-1, 1.5, True, "10"):
         with pytest.raises(EinjoinError, match="budget"):
             search(decomps, cl, budget=bad)  # type: ignore[arg-type]
+
+
+def test_program_with_state_carries_on() -> None:
+    """A training step with its weight as program state, placed by the search (simulator-scored:
+    each candidate's state homes tied as the compile ties them): two runs equal numpy's two steps."""
+    w, x = ej.param("w", (64, 32)), ej.input("x", (16, 64))
+    loss = (x @ w).tanh().sum()
+    (g,) = ej.grad(loss, [w])
+    prog = ej.compile([loss], ej.Cluster.preset("dgx-a100", devices=4), placement="search", quiet=True,
+                      state={w - 0.1 * g: w})
+    rng = np.random.default_rng(1)
+    wv, xv = rng.standard_normal((64, 32)), rng.standard_normal((16, 64)).astype(np.float32)
+    prog.write_state({"w": wv.astype(np.float32)})
+    for _ in range(2):
+        z = xv @ wv
+        (got,) = prog.run(x=xv)
+        np.testing.assert_allclose(got, np.tanh(z).sum(), rtol=1e-4, atol=1e-3)
+        wv = wv - 0.1 * xv.T @ (1 - np.tanh(z) ** 2)
