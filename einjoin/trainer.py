@@ -197,8 +197,9 @@ class Trainer:
         if isinstance(accumulate, (bool, np.bool_)) or not isinstance(accumulate, (int, np.integer)) \
                 or accumulate < 1:
             raise EinjoinError(f"Trainer: accumulate must be an int >= 1, got {accumulate!r:.40}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise EinjoinError(f"Trainer: seed must be an int, got {seed!r:.40}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not -2 ** 63 <= seed < 2 ** 64:
+            raise EinjoinError(f"Trainer: seed must be an int in [-2**63, 2**64) as torch.manual_seed's, "
+                               f"got {seed!r:.40}")
         trainable = [n for n, p in module.named_parameters() if p.requires_grad]
         if not trainable:
             raise EinjoinError(f"Trainer: {type(module).__name__} has no trainable parameters (none with "
@@ -471,7 +472,9 @@ class Trainer:
             values = _method(self._update, self.optimizer, "hyper_values")(lr=self._lr)
             feeds.update({name: values[k] for k, name in sp.hyper.items()})
         if sp.seeded:  # a new dropout mask each micro-batch, reproducible from (seed, step)
-            feeds[DROPOUT_SEED] = np.asarray(self.seed * 1_000_003 + self.micro_steps, np.int64)
+            # wrapped into int64 as torch wraps a seed (-1 is 2**64 - 1); small seeds feed as before
+            mixed = (self.seed * 1_000_003 + self.micro_steps + 2 ** 63) % 2 ** 64 - 2 ** 63
+            feeds[DROPOUT_SEED] = np.asarray(mixed, np.int64)
         if sp.apply:
             feeds[APPLY] = np.asarray((self.micro_steps + 1) % self.accumulate == 0)
         return feeds

@@ -155,3 +155,21 @@ def test_trainer_accumulate_takes_numpy_ints() -> None:
     t.step(x, y)
     t.step(x, y)
     assert (t.steps, t.micro_steps) == (1, 2)
+
+
+# ---- finding 9: a seed from 2**63 / 1_000_003 up (torch.manual_seed takes up to 2**64 - 1) built
+# the trainer, then its first step with dropout was a raw OverflowError ("Python int too large to
+# convert to C long") from the dropout seed feed; now the feed wraps as torch wraps a seed (-1 is
+# 2**64 - 1), small seeds feed what they fed before, and beyond torch's range is refused
+
+def test_trainer_seeds_in_torchs_range_train_and_wrap_as_torch() -> None:
+    losses = {}
+    for seed in (-1, 2 ** 64 - 1, 2 ** 63, 12345):
+        t, x, y = _trainer(seed=seed)
+        losses[seed] = [t.step(x, y) for _ in range(2)]
+        assert np.all(np.isfinite(losses[seed]))
+    assert losses[-1] == losses[2 ** 64 - 1]
+    assert losses[2 ** 63] != losses[12345]
+    for bad in (2 ** 64, -(2 ** 63) - 1):
+        with pytest.raises(ej.EinjoinError, match="seed"):
+            _trainer(seed=bad)
