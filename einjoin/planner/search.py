@@ -141,22 +141,36 @@ def _solve_tree(graph: Graph, cands: Candidates, root: Node, members: set[Node],
     return result
 
 
-def _local_cost(around: GraphEdges, cands: Candidates, chosen: dict[Node, SpecInfo], v: Node) -> int:
+def _dependent_edges(around: GraphEdges, v: Node) -> tuple[tuple[Node, int, Node], ...]:
+    """The paid edges ``(w, slot, u)`` into the ops ``v``'s spec touches whose cost depends on
+    that spec: ``u`` is ``v``'s result, or an input that ``v`` (its first consumer) loads."""
+    first = around.first
+    return tuple((w, slot, u) for w in around.touched[v] for slot, u in around.edges[w]
+                 if u is v or (u in first and first[u][0] is v))
+
+
+def _local_cost(around: GraphEdges, cands: Candidates, chosen: dict[Node, SpecInfo], v: Node,
+                dependent: dict[Node, tuple[tuple[Node, int, Node], ...]] | None = None) -> int:
     """The part of the total that depends on v's spec: its op, its in- and out-edges, and the
-    edges of inputs whose loaded partition v (as first consumer) decides."""
+    edges of inputs whose loaded partition v (as first consumer) decides. With ``dependent``
+    (a memo of :func:`_dependent_edges`), the touched ops' other in-edges are left out: they do
+    not depend on v's spec, so every candidate of v is off by the same amount and the
+    comparisons of single-op moves are unchanged (the searches re-cost every candidate of every
+    op, several rounds: a 32-layer LLaMA-7B at P=64 costs ~10^6 such edges)."""
     repart = cands.model.repart_ids
     first = around.first
+
+    def have_of(u: Node) -> int:
+        if u in first:
+            c, s = first[u]
+            return chosen[c].in_ids[s]
+        return chosen[u].out_id
 
     def edges_into(w: Node) -> int:
         cost = 0
         need = chosen[w].in_ids
         for slot, u in around.edges[w]:
-            if u in first:
-                c, s = first[u]
-                have = chosen[c].in_ids[s]
-            else:
-                have = chosen[u].out_id
-            cost += repart(have, need[slot], u.dtype)
+            cost += repart(have_of(u), need[slot], u.dtype)
         return cost
 
     def replica_bytes(u: Node) -> int:  # each (partition, replication) of u once
@@ -169,8 +183,15 @@ def _local_cost(around: GraphEdges, cands: Candidates, chosen: dict[Node, SpecIn
 
     cost = chosen[v].agg_bytes + edges_into(v)
     cost += sum(replica_bytes(u) for u in around.inputs[v])
-    for w in around.touched[v]:
-        cost += edges_into(w)
+    if dependent is None:
+        for w in around.touched[v]:
+            cost += edges_into(w)
+        return cost
+    mine = dependent.get(v)
+    if mine is None:
+        mine = dependent[v] = _dependent_edges(around, v)
+    for w, slot, u in mine:
+        cost += repart(have_of(u), chosen[w].in_ids[slot], u.dtype)
     return cost
 
 
@@ -200,7 +221,8 @@ def _single_op_moves(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInf
 def _local_search(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -> None:
     """Re-choose each op's spec with all others fixed while that lowers the total."""
     around = GraphEdges.of(graph)
-    _single_op_moves(graph, cands, chosen, lambda v: _local_cost(around, cands, chosen, v),
+    dependent: dict[Node, tuple[tuple[Node, int, Node], ...]] = {}
+    _single_op_moves(graph, cands, chosen, lambda v: _local_cost(around, cands, chosen, v, dependent),
                      cands.settings.local_search_rounds)
 
 
@@ -226,7 +248,8 @@ def _break_ties(graph: Graph, cands: Candidates, chosen: dict[Node, SpecInfo]) -
     """Single-op moves that keep the modelled bytes (or lower them) and lower the bytes waiting
     on compute: of two plans moving as much, the one whose transfers can overlap compute."""
     around = GraphEdges.of(graph)
-    _single_op_moves(graph, cands, chosen, lambda v: (_local_cost(around, cands, chosen, v),
+    dependent: dict[Node, tuple[tuple[Node, int, Node], ...]] = {}
+    _single_op_moves(graph, cands, chosen, lambda v: (_local_cost(around, cands, chosen, v, dependent),
                                                       _waiting_bytes(graph, cands, chosen, v)),
                      cands.settings.tie_break_rounds)
 
