@@ -173,3 +173,24 @@ def test_trainer_seeds_in_torchs_range_train_and_wrap_as_torch() -> None:
     for bad in (2 ** 64, -(2 ** 63) - 1):
         with pytest.raises(ej.EinjoinError, match="seed"):
             _trainer(seed=bad)
+
+
+# ---- finding 10 (not fixed; the sparse module's semantics to decide): a non-finite value that
+# meets only absent entries gives a result that depends on the block layout, which the planner
+# chooses from the data. Per entry (block 1) the product skips absent entries (scipy's and
+# torch.sparse's answer: finite); inside a block of size > 1 the absent entries are stored zeros
+# and 0 * inf is nan (numpy's dense answer); a mix of the two for other blocks. Either semantics
+# is defensible, but one einsum must not give three answers on the same data.
+
+@pytest.mark.xfail(strict=True, reason="sparse einsum results with inf/nan operands depend on the "
+                   "block layout (absent entries skipped per entry, multiplied as 0 inside blocks)")
+def test_non_finite_values_give_one_answer_whatever_the_layout() -> None:
+    a = np.zeros((4, 4))
+    a[0, 0], a[2, 3] = 1.0, 2.0
+    h = np.ones((4, 2))
+    h[1, 0] = np.inf  # row 1 of h meets only absent entries of a
+    s = ej.sparse("A", a)
+    results = [ej.sparse_compile("ij,jk->ik", s, h, blocks=pins).run().todense()
+               for pins in ({"i": 1, "j": 1}, {"j": 2}, {"i": 4, "j": 4})]
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
