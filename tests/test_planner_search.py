@@ -130,6 +130,32 @@ def test_the_ilp_step_is_skipped_only_where_it_cannot_change_the_plan(data: st.D
         assert eindecomp(g, c) == skipped
 
 
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_local_moves_cost_all_that_an_op_spec_changes(data: st.DataObject) -> None:
+    # single-op moves compare _local_cost over one op's candidates, the others fixed: the total
+    # minus it must be the same for every candidate (with and without the dependent-edge memo)
+    from einjoin.planner.cost import GraphEdges, total_cost
+    from einjoin.planner.search import _local_cost
+
+    outs, _ = data.draw(graphs("float64", max_dim=8))
+    g = ej.Graph(outs)
+    cands = Candidates(CostModel(g, data.draw(st.sampled_from([2, 3, 4]))))
+    ops = [n for n in g.ops if not n.facts.free]
+    chosen = {n: cands(n)[data.draw(st.integers(0, len(cands(n)) - 1))] for n in ops}
+    around, memo = GraphEdges.of(g), {}
+    for v in ops:
+        keep = chosen[v]
+        rests = set()
+        for info in cands(v)[:12]:
+            chosen[v] = info
+            full = total_cost(g, cands.model, chosen)
+            rests.add((full - _local_cost(around, cands, chosen, v),
+                       full - _local_cost(around, cands, chosen, v, memo)))
+        chosen[v] = keep
+        assert len(rests) == 1, v
+
+
 def test_eindecomp_plans_run_correctly() -> None:
     from einjoin.models.graphs import transformer_block
     out, shapes = transformer_block(seq=32, d=32, heads=4, hidden=48)
