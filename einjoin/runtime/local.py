@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,7 +23,7 @@ import numpy as np
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.attention import ForwardMemo, forward_memo
 from einjoin.ir.node import Node
-from einjoin.plan.execute import assemble_outputs, compute, from_host, to_host
+from einjoin.plan.execute import assemble_outputs, compute, compute_quiet, from_host, to_host
 from einjoin.runtime.backend import RunSpec
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ _MOVE, _LOAD, _KERNEL, _RELOAD, _EVICT = (TaskKind.MOVE, TaskKind.LOAD, TaskKind
 _RELEASES = frozenset(k for k in TaskKind if k.releases)
 _TO_HOST = frozenset(k for k in TaskKind if k.to_host)
 _CROSSES_HOST = frozenset(k for k in TaskKind if k.crosses_host)
+# per thread: inside a session's thread_scope, whose np.errstate covers every task (see there)
+_QUIET = threading.local()
 
 
 class Store:
@@ -167,10 +169,20 @@ class LocalSession:
             self.memo.clear()
         return self._stack.__exit__(*exc)
 
-    def thread_scope(self) -> AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def thread_scope(self) -> Iterator[None]:
         """Entered by each thread that executes this run's tasks: binds the run's
-        :class:`~einjoin.ir.attention.ForwardMemo` to it (kernels see no session)."""
-        return forward_memo(self.memo)
+        :class:`~einjoin.ir.attention.ForwardMemo` to it (kernels see no session), and holds
+        numpy's ``errstate(all="ignore")`` for the whole run, which :func:`compute` otherwise
+        enters around every task (``_QUIET``: :meth:`execute` then takes
+        :func:`compute_quiet`)."""
+        was = getattr(_QUIET, "on", False)
+        with forward_memo(self.memo), np.errstate(all="ignore"):
+            _QUIET.on = True
+            try:
+                yield
+            finally:
+                _QUIET.on = was
 
     def lane(self, t: Task) -> int:
         if not self.threaded:
@@ -219,7 +231,8 @@ class LocalSession:
             else:
                 # a move reads on its source device and writes on its destination
                 get = self.stores[t.payload.src_device].get if kind is _MOVE else store.get
-                value = compute(t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape, self.fast[t.id])
+                value = (compute_quiet if getattr(_QUIET, "on", False) else compute)(
+                    t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape, self.fast[t.id])
                 if self.capped and (kind is _LOAD or kind is _KERNEL):
                     value = _own(value, t, get, self.feeds)
         store.unreserve(t.scratch)
