@@ -198,11 +198,14 @@ class SparseTensor:
             else padded
 
     def to_scipy(self) -> Any:
-        """A ``scipy.sparse.csr_array`` (rank 2 only)."""
+        """A ``scipy.sparse.csr_array`` (rank 2 only; float16 values come as float32, which holds
+        each exactly: scipy.sparse has no float16)."""
         if self.ndim != 2:
             raise ShapeError(f"sparse tensor {self.name!r}: to_scipy needs rank 2, shape is {self.shape}")
         import scipy.sparse
         coords, vals = self.coo()
+        if vals.dtype == np.float16:
+            vals = vals.astype(np.float32)
         return scipy.sparse.coo_array((vals, (coords[:, 0], coords[:, 1])), shape=self.shape).tocsr()
 
     def tuples(self) -> dict[tuple[int, ...], np.ndarray]:

@@ -194,3 +194,18 @@ def test_non_finite_values_give_one_answer_whatever_the_layout() -> None:
                for pins in ({"i": 1, "j": 1}, {"j": 2}, {"i": 4, "j": 4})]
     for r in results[1:]:
         np.testing.assert_array_equal(r, results[0])
+
+
+# ---- finding 11: SparseTensor.to_scipy() of float16 values (ej.sparse of a float16 array, or a
+# float16 einsum's result) was a raw ValueError from scipy ("scipy.sparse does not support dtype
+# float16"): the values come as float32, which holds every float16 exactly
+
+def test_a_float16_sparse_tensor_converts_to_scipy_exactly() -> None:
+    a = (np.random.default_rng(0).standard_normal((5, 4)) * 100).astype(np.float16)
+    a[a < 0] = 0
+    s = ej.sparse("H", a, block=2)
+    m = s.to_scipy()
+    assert m.dtype == np.float32
+    np.testing.assert_array_equal(m.toarray(), a.astype(np.float32))
+    r = ej.einsum("ij,jk->ik", s, np.ones((4, 3), np.float16))
+    np.testing.assert_array_equal(r.to_scipy().toarray(), r.todense().astype(np.float32))
