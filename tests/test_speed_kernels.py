@@ -248,3 +248,30 @@ def test_dot_products_along_an_inner_batch_take_the_einsum_loop() -> None:
     outer = ops.einsum_node([at, bt], ("ck", "ck"), "c", "mul", "sum").op
     np.testing.assert_array_equal(einsum_kernel(outer, [xt, yt], "float32"),
                                   np.matmul(xt[:, None, :], yt[:, :, None]).reshape(64))
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.integers(1, 400), st.integers(1, 40), st.sampled_from([(3,), (8,), (4, 5), (64,)]),
+       st.sampled_from(["float32", "float64", "int64"]), st.integers(0, 2**31 - 1), st.booleans())
+def test_scatter_add_in_rounds_adds_the_bits_np_add_at_adds(n: int, rows: int, rest: tuple[int, ...], dtype: str,
+                                                           seed: int, skewed: bool) -> None:
+    """The rows of one index meet the output in np.add.at's order whichever path runs (the rounds
+    of _add_rounds, or np.add.at itself where an index repeats too often): the same bits, -0.0
+    included; a row block of the output adds only the rows that fall in it."""
+    from einjoin.ir.kernels import _add_rounds, scatter_add_kernel
+    rng = np.random.default_rng(seed)
+    idx = (rng.zipf(1.5, n) - 1) % rows if skewed else rng.integers(0, rows, n)
+    scale = 10.0 ** rng.integers(-6, 6, (n,) + (1,) * len(rest))
+    upd = (rng.standard_normal((n,) + rest) * scale).astype(dtype) if dtype != "int64" else \
+        rng.integers(-5, 5, (n,) + rest)
+    if dtype != "int64":
+        upd[rng.random(n) < 0.1] = -0.0
+    want = np.zeros((rows,) + rest, upd.dtype)
+    np.add.at(want, idx, upd)
+    got = scatter_add_kernel(upd, idx, 0, rows, rows, dtype)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    lo, hi = rows // 3, rows // 3 + max(1, rows // 2)
+    part = scatter_add_kernel(upd, idx, lo, hi - lo, rows, dtype)
+    assert part.tobytes() == want[lo:hi].tobytes()
+    if _add_rounds(idx, rest) is not None:  # the rounds cover every position once
+        assert sorted(np.concatenate(_add_rounds(idx, rest)).tolist()) == list(range(n))

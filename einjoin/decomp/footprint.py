@@ -99,11 +99,14 @@ def _scatter_add_scratch(d: Decomposition, op: ScatterAdd, kernel: int, in_bytes
     """:func:`~einjoin.ir.kernels.scatter_add_kernel`'s copies: half updates widened to float32
     (twice their bytes); with the rows cut, the updates and indices whose index falls in the
     block (at most all of them) and the mask; the float32 accumulator of a half output that is
-    no partial (partials stay float32: no cast); ``np.add.at``'s own buffer (a few KiB)."""
+    no partial (partials stay float32: no cast); ``np.add.at``'s own buffer (a few KiB); with rows,
+    the index arrays and a round's rows of ``kernels._add_rounds``."""
     upd, idx = in_bytes
     half = d.node.dtype in ("float16", "bfloat16")
     wide = 2 * upd if half else upd
     scratch = _ADD_AT_BUFFER + (wide if half else 0)
+    if len(d.node.shape) > 1:  # rows added in rounds (kernels._add_rounds): index arrays, a round's rows twice
+        scratch += 6 * idx + 2 * wide
     if len(d.out_partition.bounds[0]) > 2:
         scratch += wide + 3 * idx  # the picked updates and indices, shifted, and the masks
     if half and d.n_partials == 1:

@@ -328,8 +328,49 @@ def scatter_add_kernel(updates: np.ndarray, indices: np.ndarray, row_start: int,
         inside = (flat_idx >= row_start) & (flat_idx < row_start + block_rows)
         flat_idx, flat_upd = flat_idx[inside] - row_start, flat_upd[inside]
     out = np.zeros((block_rows,) + rest, dtype=upd.dtype)
-    np.add.at(out, flat_idx, flat_upd)
+    rounds = _add_rounds(flat_idx, rest)
+    if rounds is None:
+        np.add.at(out, flat_idx, flat_upd)
+    else:
+        for pick in rounds:  # each index at most once per round: a plain fancy-index add
+            at = flat_idx[pick]
+            got = out[at]
+            got += flat_upd[pick]
+            out[at] = got
     return out.astype(numpy_dtype(dtype), copy=False)
+
+
+ROUND_ROWS = 16  # the fewest rows a round of _add_rounds must add on average (else np.add.at)
+
+
+def _add_rounds(idx: np.ndarray, rest: tuple[int, ...]) -> list[np.ndarray] | None:
+    """``np.add.at(out, idx, upd)`` with rows (``rest`` non-empty) as rounds of positions into
+    ``idx`` (non-negative): round r holds each index's r-th occurrence, so within a round no
+    index repeats and ``out[idx[p]] += upd[p]`` adds every row once, and rows of one index meet
+    ``out`` in the order ``np.add.at`` adds them (the same bits). ``np.add.at`` with rows goes
+    row by row (the small LLaMA's embedding gradient, 1024 rows of 64 into 256: 0.6 ms; in
+    rounds 0.17 ms). None where the rounds would be short (an index repeated more often than
+    there are rows / :data:`ROUND_ROWS`) or a row is a few elements: ``np.add.at`` then. The
+    scratch (a few index-sized arrays, two copies of a round's rows) is in
+    :func:`einjoin.decomp.footprint.kernel_scratch`."""
+    n = idx.size
+    if not rest or math.prod(rest) < 8 or n < 2 * ROUND_ROWS:
+        return None
+    if int(np.bincount(idx).max()) * ROUND_ROWS > n:
+        return None
+    order = np.argsort(idx, kind="stable")  # positions grouped by index, in their order
+    s = idx[order]
+    first = np.empty(n, dtype=bool)
+    first[0] = True
+    np.not_equal(s[1:], s[:-1], out=first[1:])
+    del s
+    starts = np.flatnonzero(first)
+    del first
+    rank = np.arange(n)  # each position's occurrence number among its index's
+    rank -= np.repeat(starts, np.diff(np.append(starts, n)))
+    counts = np.bincount(rank)
+    pos = order[np.argsort(rank, kind="stable")]
+    return np.split(pos, np.cumsum(counts)[:-1])
 
 
 def broadcast_kernel(x: np.ndarray, shape: Sequence[int], dims: Sequence[int]) -> np.ndarray:
