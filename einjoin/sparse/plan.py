@@ -333,8 +333,9 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
                            f"lazy tensors for dense programs)")
     if join not in (None, "mul"):
         raise UnsupportedOpError(f"{what}: join {join!r}; sparse einsums support the product ('mul') only")
-    agg_name = "sum" if agg is None else getattr(agg, "name", agg)
-    if agg_name not in AGGS:
+    # None is no aggregation, as in the dense einsum (the IR check below refuses summed labels)
+    agg_name = "none" if agg is None else getattr(agg, "name", agg)
+    if agg_name not in AGGS + ("none",):
         raise UnsupportedOpError(f"{what}: aggregation {agg_name!r}; sparse einsums support "
                                  f"{', '.join(AGGS)}")
     in_labels, out_labels = parse_equation(equation, [tuple(v.shape) for v in values])

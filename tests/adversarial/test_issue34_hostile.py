@@ -209,3 +209,17 @@ def test_a_float16_sparse_tensor_converts_to_scipy_exactly() -> None:
     np.testing.assert_array_equal(m.toarray(), a.astype(np.float32))
     r = ej.einsum("ij,jk->ik", s, np.ones((4, 3), np.float16))
     np.testing.assert_array_equal(r.to_scipy().toarray(), r.todense().astype(np.float32))
+
+
+# ---- finding 12: ej.einsum's agg=None means no aggregation (the dense einsum refuses 'ij->i':
+# "labels 'j' are missing from the output but agg is 'none'"), but with a sparse operand it
+# silently summed ('ij->i' of [[0, 1, 2], [3, 4, 5]] gave [3, 12])
+
+def test_agg_none_means_no_aggregation_for_sparse_operands_too() -> None:
+    x = np.arange(6.0).reshape(2, 3)
+    with pytest.raises(ej.EinsumSyntaxError, match="'j'.*'none'"):
+        ej.reference(ej.einsum("ij->i", ej.input("x", (2, 3), "float64"), agg=None), x=x)
+    with pytest.raises(ej.EinsumSyntaxError, match="'j'.*'none'"):
+        ej.einsum("ij->i", ej.sparse("S", x), agg=None)
+    np.testing.assert_array_equal(ej.einsum("ij->ji", ej.sparse("S", x), agg=None).todense(), x.T)
+    np.testing.assert_array_equal(ej.einsum("ij,ij->ij", ej.sparse("S", x), x, agg=None).todense(), x * x)
