@@ -38,7 +38,7 @@ __all__ = ["matmul_bound_words", "contraction_bound_words", "contraction_dims", 
 def matmul_bound_words(m: int, n: int, k: int, p: float) -> float:
     """Minimum total words moved by an (m x k)(k x n) matmul on ``p`` processors (p may be
     fractional when it comes from p / batch)."""
-    if p <= 1:
+    if p <= 1 or min(m, n, k) == 0:  # an empty operand moves nothing (and d3 = 0 would divide)
         return 0.0
     d1, d2, d3 = sorted((m, n, k), reverse=True)
     if p <= d1 / d2:

@@ -223,3 +223,20 @@ def test_agg_none_means_no_aggregation_for_sparse_operands_too() -> None:
         ej.einsum("ij->i", ej.sparse("S", x), agg=None)
     np.testing.assert_array_equal(ej.einsum("ij->ji", ej.sparse("S", x), agg=None).todense(), x.T)
     np.testing.assert_array_equal(ej.einsum("ij,ij->ij", ej.sparse("S", x), x, agg=None).todense(), x * x)
+
+
+# ---- finding 13: explain() of a program with an empty contraction (a (3, 0) @ (0, 2) matmul) on 3
+# or more devices was a raw ZeroDivisionError in the communication lower bound (d1 * d2 / d3**2
+# with d3 = 0); an empty operand moves nothing: its bound is 0
+
+@pytest.mark.parametrize("devices", [3, 4])
+def test_explain_of_an_empty_contraction_names_a_zero_bound(devices: int) -> None:
+    from einjoin.planner.bounds import contraction_bound_words, matmul_bound_words
+    a, b = ej.input("a", (3, 0)), ej.input("b", (0, 2))
+    prog = ej.compile(a @ b, devices=devices, quiet=True)
+    assert "einsum" in prog.explain()
+    got = prog.run(a=np.zeros((3, 0), np.float32), b=np.zeros((0, 2), np.float32))
+    np.testing.assert_array_equal(got, np.zeros((3, 0), np.float32) @ np.zeros((0, 2), np.float32))
+    for dims in [(3, 2, 0), (0, 2, 5), (0, 0, 0), (4, 0, 0)]:
+        assert matmul_bound_words(*dims, devices) == 0.0
+        assert contraction_bound_words(1, *dims, devices) == 0.0
