@@ -29,7 +29,7 @@ from einjoin.errors import UnsupportedOpError
 from einjoin.sparse.layout import Layout
 from einjoin.sparse.tensor import SparseTensor, grid_of
 
-__all__ = ["Relation", "relation_of", "execute", "RunCounts"]
+__all__ = ["Relation", "relation_of", "execute", "RunCounts", "zero_padding"]
 
 CHUNK_ELEMENTS = 1 << 21  # gathered payload elements per batched kernel call (memory bound)
 
@@ -225,7 +225,7 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
         if ngroups and not m:
             short = np.ones(ngroups, bool)
         out[short] = np.maximum(out[short], 0)
-        _zero_padding(out, keys, out_labels, out_rel, layout, sizes)
+        zero_padding(out, keys, out_labels, out_rel, layout, sizes)
     counts = RunCounts(tuple(len(r.keys) for r in rels), m, ngroups if out_rel else int(m > 0))
     return out.astype(dtype, copy=False), keys, counts
 
@@ -291,7 +291,7 @@ def _max_kernel(payloads: Sequence[np.ndarray], in_labels: Sequence[tuple[str, .
         np.array(prod)
 
 
-def _zero_padding(out: np.ndarray, keys: np.ndarray | None, out_labels: tuple[str, ...],
+def zero_padding(out: np.ndarray, keys: np.ndarray | None, out_labels: tuple[str, ...],
                   out_rel: list[str], layout: Layout, sizes: Mapping[str, int]) -> None:
     """Keep the relation's invariant: payload positions past the shape hold 0."""
     if keys is None:

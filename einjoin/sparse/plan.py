@@ -30,6 +30,7 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
+from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duckdb
 from einjoin.sparse.execute import RunCounts, execute
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand
@@ -181,8 +182,9 @@ class SparsePlan:
     def __init__(self, equation: str, operands: Sequence[SparseTensor | np.ndarray],
                  in_labels: tuple[tuple[str, ...], ...], out_labels: tuple[str, ...],
                  sizes: dict[str, int], agg: str, dtype: np.dtype, steps: list[Step],
-                 pins: Mapping[str, int], relational: set[str]) -> None:
+                 pins: Mapping[str, int], relational: set[str], engine: Engine | None = None) -> None:
         self.equation = equation
+        self.engine = engine or Engine()
         self.operands = tuple(operands)
         self.in_labels = in_labels
         self.out_labels = out_labels
@@ -237,6 +239,16 @@ class SparsePlan:
                 return np.zeros(out_shape, self.dtype)
             return SparseTensor("out", out_shape, tuple(max(n, 1) for n in out_shape),
                                 np.zeros((0, len(out_shape)), np.int64), np.zeros((0, *out_shape), self.dtype))
+        if self.engine.name == "duckdb":
+            with DuckSession(self._what(), self.engine.memory, self.engine.temp_directory,
+                             self.engine.threads) as session:
+                out = self._run_steps(values, session)
+                self.engine.spilled = session.spilled
+                return out
+        return self._run_steps(values, None)
+
+    def _run_steps(self, values: Sequence[SparseTensor | np.ndarray], session: DuckSession | None
+                   ) -> SparseTensor | np.ndarray:
         results: list[SparseTensor | np.ndarray] = []
         for j, step in enumerate(self.steps):
             args = [values[k] if kind == "in" else results[k] for kind, k in step.refs]
@@ -247,14 +259,18 @@ class SparsePlan:
                 lay = choose_layout(infos, step.out_labels, _only(self._pins, infos),
                                     self._relational & _labels(infos), agg=self.agg, what=self._what())
             step.ran = lay
-            results.append(self._step(step, args, lay, last=j == len(self.steps) - 1))
+            results.append(self._step(step, args, lay, j == len(self.steps) - 1, session))
         return results[-1]
 
-    def _step(self, step: Step, args: Sequence[SparseTensor | np.ndarray], lay: Layout, last: bool
-              ) -> SparseTensor | np.ndarray:
+    def _step(self, step: Step, args: Sequence[SparseTensor | np.ndarray], lay: Layout, last: bool,
+              session: DuckSession | None) -> SparseTensor | np.ndarray:
         out_shape = tuple(self.sizes[lab] for lab in step.out_labels)
-        data, rkeys, counts = execute(args, step.in_labels, step.out_labels, self.sizes, lay, self.agg,
-                                      self.dtype, self._what())
+        if session is not None:
+            data, rkeys, counts = execute_duckdb(session, args, step.in_labels, step.out_labels, self.sizes,
+                                                 lay, self.agg, self.dtype, self._what())
+        else:
+            data, rkeys, counts = execute(args, step.in_labels, step.out_labels, self.sizes, lay, self.agg,
+                                          self.dtype, self._what())
         step.counts = counts
         block = tuple(lay.extent(lab, self.sizes[lab]) for lab in step.out_labels)
         if last:
@@ -279,10 +295,18 @@ class SparsePlan:
         return "; ".join(s.notation(lay) if (lay := s.layout or s.ran) is not None else
                          "?" for s in self.steps)
 
+    def _kernel(self, lay: Layout) -> str:
+        if self.engine.name == "memory":
+            return KERNELS[lay.kernel]
+        scalar = lay.payload == 1
+        return ("in SQL: join, product and GROUP BY" if scalar else
+                "in SQL: join, list arithmetic per tuple pair and GROUP BY")
+
     def explain(self) -> str:
         lines = [f"{self._what()} ({self.agg} of mul), result "
                  f"{'sparse' if self.sparse_result else 'dense'} "
-                 f"{tuple(self.sizes[lab] for lab in self.out_labels)}, {len(self.steps)} step(s)"]
+                 f"{tuple(self.sizes[lab] for lab in self.out_labels)}, {len(self.steps)} step(s), "
+                 f"{self.engine.describe()}"]
         for j, step in enumerate(self.steps):
             names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
             lay = step.layout or step.ran
@@ -308,7 +332,7 @@ class SparsePlan:
             actual = (f", actual {step.counts.joined} joined, {step.counts.out} output tuple(s)"
                       if step.counts is not None else " (run() for the actual counts)")
             lines.append(f"    joined tuples: estimated {lay.joined:.0f}{actual}; {lay.payload} "
-                         f"multiply-adds per tuple, {KERNELS[lay.kernel]}"
+                         f"multiply-adds per tuple, {self._kernel(lay)}"
                          f", cost {lay.cost:.3g}")
         return "\n".join(lines)
 
@@ -318,15 +342,23 @@ def _name(v: SparseTensor | np.ndarray, i: int) -> str:
 
 
 def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join: Any = None,
-                   blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None
-                   ) -> SparsePlan:
+                   blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
+                   engine: str = "memory", duckdb_memory: str | None = None,
+                   duckdb_temp: str | None = None, duckdb_threads: int | None = None) -> SparsePlan:
     """Compile an einsum over sparse and dense operands (a ``mul`` join; ``sum`` or ``max``
     aggregation). ``blocks={"j": 256}`` pins a label's block size (relational), ``relational=
     {"i"}`` keeps a label relational at a block size of the planner's choice. A sum over three
-    or more operands runs as binary steps, the cheapest pair first."""
+    or more operands runs as binary steps, the cheapest pair first.
+
+    ``engine="memory"`` (the default) runs each step with numpy in this process;
+    ``engine="duckdb"`` runs each step as one SQL query in DuckDB (``pip install
+    'einjoin[duckdb]'``), under its ``memory_limit`` (``duckdb_memory="1GB"``; DuckDB's default,
+    80% of RAM, when None), spilling to ``duckdb_temp`` (a temporary directory when None), on
+    ``duckdb_threads`` threads (DuckDB's default when None). Both give the same result."""
     what = f"sparse einsum {equation!r}"
     if not operands:
         raise EinjoinError(f"{what}: needs at least one operand")
+    eng = _engine(engine, duckdb_memory, duckdb_temp, duckdb_threads, what)
     values = [_operand(x, i, what) for i, x in enumerate(operands)]
     if not any(isinstance(v, SparseTensor) for v in values):
         raise EinjoinError(f"{what}: no sparse operand (use ej.sparse(name, data), or ej.einsum on "
@@ -362,7 +394,38 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     _check_pins(pins, rel, sizes, what)
     steps = _path(in_labels, tuple(out_labels), infos, pins, rel, agg_name, what)
     return SparsePlan(equation, values, tuple(in_labels), tuple(out_labels), sizes, agg_name, dtype,
-                      steps, pins, rel)
+                      steps, pins, rel, eng)
+
+
+@dataclass
+class Engine:
+    """Which executor runs the steps, and DuckDB's settings."""
+
+    name: str = "memory"
+    memory: str | None = None
+    temp_directory: str | None = None
+    threads: int | None = None
+    spilled: int = 0  # DuckDB temp-directory bytes at the end of the last run's busiest step
+
+    def describe(self) -> str:
+        if self.name == "memory":
+            return "engine memory"
+        return (f"engine duckdb (memory_limit {self.memory or 'default'}"
+                + (f", last run spilled {self.spilled / 2 ** 20:.1f} MiB" if self.spilled else "") + ")")
+
+
+ENGINES = ("memory", "duckdb")
+
+
+def _engine(name: str, memory: str | None, temp: str | None, threads: int | None, what: str) -> Engine:
+    if name not in ENGINES:
+        raise UnsupportedOpError(f"{what}: engine {name!r}; sparse einsums run on {', '.join(ENGINES)}")
+    if name == "memory" and (memory, temp, threads) != (None, None, None):
+        raise EinjoinError(f"{what}: duckdb_memory / duckdb_temp / duckdb_threads are settings of "
+                           f"engine='duckdb', not of engine='memory'")
+    if name == "duckdb":
+        require_duckdb(what)  # a missing package is named at compile, not at the first run
+    return Engine(name, memory, temp, threads)
 
 
 def _check_pins(pins: Mapping[str, int], relational: set[str], sizes: Mapping[str, int], what: str
