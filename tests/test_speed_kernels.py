@@ -33,11 +33,14 @@ def naive(e: Expr, args: list[Any]) -> Any:
     with np.errstate(all="ignore"):
         if e.fn in TORCH_FORMULA and isinstance(vals[0], np.ndarray) and vals[0].dtype.kind == "f":
             return TORCH_FORMULA[e.fn](vals[0])
+        if e.fn == "pow" and type(vals[1]) in (int, float) and vals[1] in (2, 3) \
+                and isinstance(vals[0], (np.ndarray, np.floating)) and vals[0].dtype in (np.float32, np.float64):
+            return vals[0] * vals[0] if vals[1] == 2 else vals[0] * vals[0] * vals[0]  # torch's pow kernel
         return FUNCTIONS[e.fn].impl(*vals)
 
 
 # sigmoid and silu are evaluated as torch computes them (numpy's vectorised exp; scipy's expit,
-# FUNCTIONS' implementation, is not vectorised)
+# FUNCTIONS' implementation, is not vectorised), and so are x ** 2 and x ** 3 of floats (products)
 TORCH_FORMULA = {"sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "silu": lambda x: x / (1.0 + np.exp(-x))}
 
 
@@ -275,3 +278,23 @@ def test_scatter_add_in_rounds_adds_the_bits_np_add_at_adds(n: int, rows: int, r
     assert part.tobytes() == want[lo:hi].tobytes()
     if _add_rounds(idx, rest) is not None:  # the rounds cover every position once
         assert sorted(np.concatenate(_add_rounds(idx, rest)).tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_squares_and_cubes_are_torchs_products(dtype: Any) -> None:
+    """x ** 2 and x ** 3 of floats are x * x and x * x * x, the bits torch's pow kernel gives
+    (numpy's powf differs in the last bit now and then), special values included; another
+    exponent, and integers, keep np.power."""
+    import torch
+    from einjoin.ir.scalar import parse_join
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(20000) * 10.0 ** rng.integers(-20, 20, 20000),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan]]).astype(dtype)
+    for c in ("2", "3", "2.0", "3.0"):
+        got = evaluate(parse_join(f"x0 ** {c}", 1), [x])
+        assert got.dtype == x.dtype
+        assert got.tobytes() == (torch.from_numpy(x) ** float(c)).numpy().tobytes()
+        assert evaluate(parse_join(f"x0 ** {c}", 1), [dtype(1.5)]) == dtype(1.5) ** int(float(c))
+    with np.errstate(all="ignore"):
+        assert evaluate(parse_join("x0 ** 0.5", 1), [x]).tobytes() == np.power(x, 0.5).tobytes()
+    assert evaluate(parse_join("x0 ** 3.0", 1), [np.arange(4)]).tolist() == [0.0, 1.0, 8.0, 27.0]
