@@ -329,9 +329,16 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
         # beyond the paper: re-solve every tree with its neighbours' current choices (its root
         # now sees what its consumers need), then re-choose single ops, until nothing improves
         best, best_choice = total_cost(graph, model, chosen), dict(chosen)
+        solved: dict[Node, tuple[tuple[Any, ...], dict[Node, SpecInfo]]] = {}
         for _ in range(settings.refine_rounds):
             for r in roots:
-                chosen.update(_solve_tree(graph, cands, r, trees[r], chosen, downstream=True))
+                # a tree's DP reads only its neighbours' choices: where they are as at its last
+                # solve, the result is the same (the local search may have moved its members since)
+                deps = _tree_deps(graph, r, trees[r], chosen)
+                last = solved.get(r)
+                if last is None or last[0] != deps:
+                    last = solved[r] = (deps, _solve_tree(graph, cands, r, trees[r], chosen, downstream=True))
+                chosen.update(last[1])
             _local_search(graph, cands, chosen)
             cost = total_cost(graph, model, chosen)
             if cost >= best:
@@ -347,6 +354,17 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
     if seeds and cands.cap is None:
         chosen = _seeded(graph, cands, chosen, seeds)
     return _specs_of(graph, chosen)
+
+
+def _tree_deps(graph: Graph, root: Node, members: set[Node], chosen: Mapping[Node, SpecInfo]) -> tuple[Any, ...]:
+    """What :func:`_solve_tree` with ``downstream`` reads of the choices outside the tree: the
+    output partition of each non-leaf input from another tree, and the partition each consumer
+    of the root (where chosen) needs of it."""
+    ins = tuple(chosen[u].out_id for v in members  # the same set each round: the same order
+                for u in v.inputs if not u.facts.leaf and u not in members)
+    outs = tuple(chosen[w].in_ids[slot] if w in chosen else None
+                 for w in graph.users[root] for slot, u in enumerate(w.inputs) if u is root)
+    return ins, outs
 
 
 def _dp_is_exact(graph: Graph) -> bool:
