@@ -11,14 +11,38 @@ array([1., 2., 5.])
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from einjoin.ir.scalar import FUNCTIONS, Arg, Call, Const, Expr, Number, _erf, _eval_consts, _expit
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "quiet_floats", "QUIET_FLOATS"]
+
+# per thread: ``on`` inside quiet_floats(), whose np.errstate covers every evaluation there
+QUIET_FLOATS = threading.local()
+
+
+@contextlib.contextmanager
+def quiet_floats() -> Iterator[None]:
+    """``np.errstate(all="ignore")`` for this thread, marked in :data:`QUIET_FLOATS` so that
+    :func:`evaluate` does not enter it again on every call (~2 us each; a local backend's
+    worker holds it for a whole run, over hundreds of small kernels).
+
+    >>> with quiet_floats():
+    ...     QUIET_FLOATS.on, float(np.float32(1.0) / np.float32(0.0))
+    (True, inf)
+    """
+    was = getattr(QUIET_FLOATS, "on", False)
+    with np.errstate(all="ignore"):
+        QUIET_FLOATS.on = True
+        try:
+            yield
+        finally:
+            QUIET_FLOATS.on = was
 
 
 def evaluate(expr: Expr, args: Sequence[np.ndarray]) -> np.ndarray | Number:
@@ -233,28 +257,33 @@ class SlotProgram:
         vals: list[Any] = [None] * self.size
         for s, is_arg, v in self.leaves:
             vals[s] = args[v] if is_arg else v
-        owned: set[int] = set()  # slots holding arrays this evaluation allocated
+        if getattr(QUIET_FLOATS, "on", False):
+            return self._steps(vals)
         with np.errstate(all="ignore"):
-            for s, fn, a, dying in self.steps:
-                f = FUNCTIONS[fn]
-                xs = [vals[i] for i in a]
-                if all(isinstance(x, _WEAK) for x in xs):  # constants only: Python numbers
-                    vals[s] = _eval_consts(f, xs)
-                    continue
-                fast = _FAST.get(f.impl)
-                if fast is None:
-                    vals[s] = f.impl(*xs)
-                    continue
-                out = None
-                for i in dying:
-                    if i in owned and _fits(vals[i], xs):
-                        out = vals[i]
-                        break
-                vals[s] = fast(xs, out)
-                owned.add(s)
-                for i in dying:  # nothing later reads it: its memory goes back now
-                    if i != s:
-                        vals[i] = None
+            return self._steps(vals)
+
+    def _steps(self, vals: list[Any]) -> Any:
+        owned: set[int] = set()  # slots holding arrays this evaluation allocated
+        for s, fn, a, dying in self.steps:
+            f = FUNCTIONS[fn]
+            xs = [vals[i] for i in a]
+            if all(isinstance(x, _WEAK) for x in xs):  # constants only: Python numbers
+                vals[s] = _eval_consts(f, xs)
+                continue
+            fast = _FAST.get(f.impl)
+            if fast is None:
+                vals[s] = f.impl(*xs)
+                continue
+            out = None
+            for i in dying:
+                if i in owned and _fits(vals[i], xs):
+                    out = vals[i]
+                    break
+            vals[s] = fast(xs, out)
+            owned.add(s)
+            for i in dying:  # nothing later reads it: its memory goes back now
+                if i != s:
+                    vals[i] = None
         return vals[self.result]
 
 

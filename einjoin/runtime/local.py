@@ -22,6 +22,7 @@ import numpy as np
 
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.attention import ForwardMemo, forward_memo
+from einjoin.ir.evaluate import QUIET_FLOATS, quiet_floats
 from einjoin.ir.node import Node
 from einjoin.plan.execute import assemble_outputs, compute, compute_quiet, from_host, to_host
 from einjoin.runtime.backend import RunSpec
@@ -37,8 +38,6 @@ _MOVE, _LOAD, _KERNEL, _RELOAD, _EVICT = (TaskKind.MOVE, TaskKind.LOAD, TaskKind
 _RELEASES = frozenset(k for k in TaskKind if k.releases)
 _TO_HOST = frozenset(k for k in TaskKind if k.to_host)
 _CROSSES_HOST = frozenset(k for k in TaskKind if k.crosses_host)
-# per thread: inside a session's thread_scope, whose np.errstate covers every task (see there)
-_QUIET = threading.local()
 
 
 class Store:
@@ -173,16 +172,11 @@ class LocalSession:
     def thread_scope(self) -> Iterator[None]:
         """Entered by each thread that executes this run's tasks: binds the run's
         :class:`~einjoin.ir.attention.ForwardMemo` to it (kernels see no session), and holds
-        numpy's ``errstate(all="ignore")`` for the whole run, which :func:`compute` otherwise
-        enters around every task (``_QUIET``: :meth:`execute` then takes
-        :func:`compute_quiet`)."""
-        was = getattr(_QUIET, "on", False)
-        with forward_memo(self.memo), np.errstate(all="ignore"):
-            _QUIET.on = True
-            try:
-                yield
-            finally:
-                _QUIET.on = was
+        numpy's ``errstate(all="ignore")`` for the whole run
+        (:func:`~einjoin.ir.evaluate.quiet_floats`), which :func:`compute` and ``evaluate``
+        otherwise enter around every task (:meth:`execute` then takes :func:`compute_quiet`)."""
+        with forward_memo(self.memo), quiet_floats():
+            yield
 
     def lane(self, t: Task) -> int:
         if not self.threaded:
@@ -231,7 +225,7 @@ class LocalSession:
             else:
                 # a move reads on its source device and writes on its destination
                 get = self.stores[t.payload.src_device].get if kind is _MOVE else store.get
-                value = (compute_quiet if getattr(_QUIET, "on", False) else compute)(
+                value = (compute_quiet if getattr(QUIET_FLOATS, "on", False) else compute)(
                     t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape, self.fast[t.id])
                 if self.capped and (kind is _LOAD or kind is _KERNEL):
                     value = _own(value, t, get, self.feeds)
