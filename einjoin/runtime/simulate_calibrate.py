@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from einjoin.cluster.calibration import Calibration, load_cached, machine_key, save_cached
+from einjoin.errors import EinjoinError
 from einjoin.runtime.engine import Engine
 
 __all__ = ["calibrate", "local_calibration"]
@@ -229,6 +230,12 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     ``quick``: smaller sizes (for tests; less accurate). At most a few seconds.
 
     Returns a :class:`~einjoin.cluster.calibration.Calibration`; ``.table()`` prints it."""
+    for name, flag in (("quick", quick), ("force", force)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise EinjoinError(f"calibrate: {name} must be True or False, got {flag!r:.40}")
+    # reps < 1 would time nothing: every rate 0 (the inf of an empty min)
+    if isinstance(reps, (bool, np.bool_)) or not isinstance(reps, (int, np.integer)) or reps < 1:
+        raise EinjoinError(f"calibrate: reps must be an int >= 1, got {reps!r:.40}")
     if not force:
         cached = load_cached()
         if cached is not None:

@@ -240,3 +240,16 @@ def test_explain_of_an_empty_contraction_names_a_zero_bound(devices: int) -> Non
     for dims in [(3, 2, 0), (0, 2, 5), (0, 0, 0), (4, 0, 0)]:
         assert matmul_bound_words(*dims, devices) == 0.0
         assert contraction_bound_words(1, *dims, devices) == 0.0
+
+
+# ---- finding 14: ej.calibrate(reps=0) (or -1) measured nothing and returned a calibration of
+# matmul_rate 0.0, mem_bw 0.0 (every timing the inf of an empty min); reps=1.5 or '3' were raw
+# TypeErrors from range()
+
+@pytest.mark.parametrize("kw", [dict(reps=0), dict(reps=-1), dict(reps=1.5), dict(reps="3"), dict(reps=True),
+                                dict(quick="yes"), dict(force=1)])
+def test_calibrate_refuses_what_it_cannot_measure(kw: dict, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # never the machine's own cache
+    with pytest.raises(ej.EinjoinError, match=f"calibrate: {next(iter(kw))}"):
+        ej.calibrate(**kw)
+    assert not list(tmp_path.rglob("*.json"))
