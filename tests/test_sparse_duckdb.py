@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -44,6 +45,19 @@ def test_random_sparse_einsums_equal_memory_and_numpy(problem: tuple) -> None:
     np.testing.assert_allclose(dense(got), want, rtol=1e-9, atol=1e-9, err_msg=duck.explain())
     for s_mem, s_duck in zip(mem.steps, duck.steps):  # the same layouts, the same tuples met
         assert s_duck.counts == s_mem.counts, duck.explain()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sparse_problems(max_size=7))
+def test_payload_rows_and_key_ranges_equal_memory(problem: tuple) -> None:
+    # the other query shapes: every output payload as (key, position) rows, and the output keys
+    # split into ranges (as under a memory_limit too small for one aggregation)
+    from einjoin.sparse import duckdb_exec
+    eq, operands, agg, blocks, relational = problem
+    with mock.patch.object(duckdb_exec, "COLUMNS_MAX", 0), mock.patch.object(duckdb_exec, "AGG_STATE_BYTES", 1e9):
+        mem, duck = both(eq, operands, agg, blocks=blocks, relational=relational)
+        got = duck.run()
+    np.testing.assert_allclose(dense(got), dense(mem.run()), rtol=1e-9, atol=1e-9, err_msg=duck.explain())
 
 
 @pytest.mark.parametrize("density", [1e-4, 0.01, 0.5])

@@ -29,6 +29,7 @@ True
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,7 @@ from einjoin.sparse.tensor import SparseTensor
 __all__ = ["DuckSession", "execute_duckdb", "require_duckdb", "step_sql"]
 
 FETCH_ROWS = 1 << 18  # result rows per fetch (~8 MB of numpy columns)
+AGG_STATE_BYTES = 48  # DuckDB's memory per aggregate state (a sum / max and its group's share)
 COLUMNS_MAX = 256  # output payloads up to this many elements come back as columns (one row a key)
 
 
@@ -143,7 +145,7 @@ def _index(var: str, labels: Sequence[str], ext: Mapping[str, int]) -> dict[str,
 
 def step_sql(rels: Sequence[Relation], in_labels: Sequence[tuple[str, ...]],
              out_labels: tuple[str, ...], sizes: Mapping[str, int], layout: Layout, agg: str,
-             kind: str, columns_max: int | None = None) -> tuple[str, list[str], int]:
+             kind: str, columns_max: int | None = None, where: str = "") -> tuple[str, list[str], int]:
     """The step's query over tables ``t0..tn``: (sql, its output key columns (the relational
     output labels, in order), payload columns). An output payload of up to ``columns_max``
     elements comes back as that many aggregate columns ``v0..`` per output key (rows: output
@@ -191,13 +193,47 @@ def step_sql(rels: Sequence[Relation], in_labels: Sequence[tuple[str, ...]],
     out_rel = [lab for lab in out_labels if layout.relational(lab)]
     keys = [f"t{owner[lab]}.c{col[lab]} AS o{col[lab]}" for lab in out_rel]
     conds = [f"t{i}.c{col[lab]} = t{owner[lab]}.c{col[lab]}" for i, r in enumerate(rels) for lab in r.rel
-             if owner[lab] != i]
+             if owner[lab] != i] + ([where] if where else [])
     tables = [f"t{i}" for i in range(len(rels))] + ([] if as_columns else [f"range({n_out}) r(p)"])
     group = [f"o{col[lab]}" for lab in out_rel] + ([] if as_columns else ["p"])
     sql = (f"SELECT {', '.join([*keys, *values, 'count(*) AS n'])} "
            f"FROM {', '.join(tables)}" + (f" WHERE {' AND '.join(conds)}" if conds else "")
            + (f" GROUP BY {', '.join(group)}" if group else ""))
     return sql, [f"o{col[lab]}" for lab in out_rel], n_out if as_columns else 0
+
+
+def _limit_bytes(session: DuckSession) -> float:
+    """DuckDB's memory_limit in bytes (its setting reads e.g. '17.1 MiB')."""
+    text = str(session.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGTP]?i?B)?\s*", text)
+    if not m:
+        return math.inf
+    unit = (m.group(2) or "B").replace("i", "")
+    return float(m.group(1)) * 1024.0 ** "BKMGTP".index(unit[0])
+
+
+def _partitions(session: DuckSession, rels: Sequence[Relation], labels: list[str],
+                out_labels: tuple[str, ...], layout: Layout, sizes: Mapping[str, int], ncols: int
+                ) -> list[str]:
+    """Conditions splitting the output keys into ranges of the first relational output label
+    whose aggregation states fit in a quarter of ``memory_limit`` (``[""]``: one query)."""
+    out_rel = [lab for lab in out_labels if layout.relational(lab)]
+    if not out_rel:
+        return [""]
+    lab = out_rel[0]
+    owner = next(i for i, r in enumerate(rels) if lab in r.rel)
+    keys = rels[owner].keys[:, rels[owner].rel.index(lab)]
+    groups = min(len(rels[owner].keys), math.prod(-(-sizes[x] // (layout.blocks[x] or 1)) for x in out_rel))
+    per_group = AGG_STATE_BYTES * max(ncols, 1) if ncols else AGG_STATE_BYTES * \
+        math.prod(layout.extent(x, sizes[x]) for x in out_labels)
+    n = min(int(-(-groups * per_group // (_limit_bytes(session) / 4))), len(np.unique(keys)))
+    if n <= 1:
+        return [""]
+    cuts = np.unique(np.quantile(keys, np.linspace(0, 1, n + 1)[1:-1], method="lower").astype(np.int64))
+    bounds = [None, *cuts[cuts > keys.min()].tolist(), None]
+    column = f"t{owner}.c{labels.index(lab)}"
+    return [" AND ".join(([f"{column} >= {lo}"] if lo is not None else []) +
+                         ([f"{column} < {hi}"] if hi is not None else [])) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndarray],
@@ -214,22 +250,28 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
     col = {lab: j for j, lab in enumerate(labels)}
     con = session.con
     sql, key_cols, ncols = step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind)
+    ranges = _partitions(session, rels, labels, out_labels, layout, sizes, ncols)
     stage = "loading the relations"
     try:
         for i, r in enumerate(rels):
             _load(con, f"t{i}", r, col, kind)
-        stage = "the join-aggregation"
-        # the grouped rows go to a table (spillable, unlike a materialised query result) and come
-        # back in slices of rowids, each under the memory limit
-        con.execute(f"CREATE OR REPLACE TABLE res AS {sql}")
-        session.spilled = max(session.spilled, session.temp_bytes())
+        parts = []
+        for where in ranges:
+            # one range of output keys at a time (DuckDB's aggregation does not spill well): the
+            # grouped rows go to a table (spillable, unlike a materialised query result) and come
+            # back in slices of rowids
+            stage = "the join-aggregation" + (f" ({where})" if where else "")
+            part_sql = sql if not where else step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind,
+                                                      where=where)[0]
+            con.execute(f"CREATE OR REPLACE TABLE res AS {part_sql}")
+            session.spilled = max(session.spilled, session.temp_bytes())
+            stage = "fetching the result"
+            total = int(con.execute("SELECT count(*) FROM res").fetchall()[0][0])
+            parts += [con.execute(f"SELECT * FROM res WHERE rowid >= {lo} AND rowid < {lo + FETCH_ROWS}"
+                                  ).fetchnumpy() for lo in range(0, max(total, 1), FETCH_ROWS)]
+            con.execute("DROP TABLE res")
         for i in range(len(rels)):
             con.execute(f"DROP TABLE t{i}")
-        stage = "fetching the result"
-        total = int(con.execute("SELECT count(*) FROM res").fetchall()[0][0])
-        parts = [con.execute(f"SELECT * FROM res WHERE rowid >= {lo} AND rowid < {lo + FETCH_ROWS}").fetchnumpy()
-                 for lo in range(0, max(total, 1), FETCH_ROWS)]
-        con.execute("DROP TABLE res")
     except Exception as e:
         raise EinjoinError(f"{what}: DuckDB failed in {stage} of the step "
                            f"{','.join(''.join(ls) for ls in in_labels)}->{''.join(out_labels)} "

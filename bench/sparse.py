@@ -1,0 +1,187 @@
+"""Sparse einsums (issue 24, first slice): einjoin's relational executor on one process against
+scipy.sparse and torch.sparse on the same data, and the layout's choice against fixed block sizes.
+
+One table, every time CPU seconds (``time.process_time``: the box is shared, wall time is noise;
+CPU time counts every thread, so BLAS threads are not free), median of ``--reps``:
+
+* GNN aggregation ``A·H`` and ``A·H·W`` on a power-law graph (``--nodes``, ``--edges``; H: nodes ×
+  128, W: 128 × 32): einjoin (the layout it chooses; then every fixed block size in {1, 16, 64,
+  256} for A's two labels) vs ``scipy.sparse`` (CSR @ dense) and ``torch.sparse.mm``;
+* a block-diagonal matrix (64-blocks) times a dense one: where blocks > 1 pay;
+  (a fixed size whose modelled cost is over 25x the chosen one is not run: its row says so);
+* the acceptance case: compile + run of ``ij,jk,kl->il`` on 400 × 300 inputs (density 0.01) must
+  take ≤ 0.5 s;
+* DuckDB (``engine="duckdb"``): ``A·H`` on a power-law graph (``--duck-nodes``, ``--duck-edges``;
+  H: nodes × 64) under a ``memory_limit`` a quarter of its relations' bytes (keys and payloads of
+  A's and H's tuples): it completes, equals the in-memory engine, and its CPU time (DuckDB's
+  threads included; one run, one DuckDB thread by default: at two a 36 MB limit ran out of memory)
+  and spill stand next to the in-memory engine's.
+
+Ratios are to the faster of scipy / torch measured in the same run. Not here yet (issue 24):
+devices, MTTKRP, causal attention, the 200k-node / 5M-edge graph (``--nodes 200000
+--edges 5000000`` runs it, slowly).
+
+Run it with ``make bench`` (or ``.venv/bin/python bench/sparse.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import scipy.sparse
+
+import einjoin as ej
+
+
+SKIP_OVER = 25.0  # fixed block sizes whose modelled cost is this many times the chosen one are not run
+
+
+def cpu(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(reps):
+        t = time.process_time()
+        out = fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times), out
+
+
+def power_law_graph(nodes: int, edges: int, seed: int = 0) -> scipy.sparse.csr_array:
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, nodes + 1) ** 0.8  # Zipf-like degrees
+    src = rng.choice(nodes, edges, p=weights / weights.sum())
+    dst = rng.integers(0, nodes, edges)
+    return scipy.sparse.csr_array((rng.standard_normal(edges), (src, dst)), shape=(nodes, nodes))
+
+
+def block_diagonal(n_blocks: int, b: int, seed: int = 0) -> scipy.sparse.csr_array:
+    rng = np.random.default_rng(seed)
+    return scipy.sparse.csr_array(scipy.sparse.block_diag([rng.standard_normal((b, b)) for _ in range(n_blocks)]))
+
+
+def row(name: str, what: str, t: float, peer: float, note: str = "") -> None:
+    print(f"{name:28s} {what:26s} {t * 1e3:10.1f} {t / peer:8.2f}  {note}")
+
+
+def case(name: str, eq: str, mat: scipy.sparse.csr_array, dense: list[np.ndarray], reps: int,
+         fixed_sizes: tuple[int, ...] = (1, 16, 64, 256)) -> None:
+    a = ej.sparse("A", mat)
+    peers = {"scipy": lambda: _scipy(eq, mat, dense)}
+    try:
+        import torch
+        torch.set_num_threads(1)
+        ta = torch.sparse_csr_tensor(torch.from_numpy(mat.indptr.astype(np.int64)),
+                                     torch.from_numpy(mat.indices.astype(np.int64)),
+                                     torch.from_numpy(mat.data), mat.shape)
+        tds = [torch.from_numpy(d) for d in dense]
+        peers["torch.sparse"] = lambda: _torch(eq, ta, tds)
+    except ImportError:
+        pass
+    times = {k: cpu(f, reps)[0] for k, f in peers.items()}
+    best = min(times.values())
+    for k, t in times.items():
+        row(name, k, t, best)
+    want = _scipy(eq, mat, dense)
+    t_compile, plan = cpu(lambda: ej.sparse_compile(eq, a, *dense), reps)
+    t_run, out = cpu(plan.run, reps)
+    assert np.allclose(out.todense(), want)
+    row(name, "einjoin (chosen)", t_run, best, f"{plan.notation()}; compile {t_compile * 1e3:.1f} ms")
+    fixed = []
+    chosen_cost = sum(st.layout.cost for st in plan.steps if st.layout is not None)
+    for b in fixed_sizes:
+        p = ej.sparse_compile(eq, a, *dense, blocks={"i": b, "j": b})
+        modelled = sum(st.layout.cost for st in p.steps if st.layout is not None) / chosen_cost
+        if modelled > SKIP_OVER:  # minutes of batched einsums; the model's ratio is the row
+            print(f"{name:28s} {f'einjoin blocks i=j={b}':26s} {'-':>10s} {'-':>8s}  not run: "
+                  f"modelled {modelled:.0f}x the chosen ({p.notation()})")
+            continue
+        t, out = cpu(p.run, reps)
+        assert np.allclose(out.todense(), want)
+        fixed.append(t)
+        row(name, f"einjoin blocks i=j={b}", t, best, p.notation())
+    if not fixed:
+        return
+    print(f"{name:28s} {'chosen / best fixed run':26s} {'':10s} {t_run / min(fixed):8.2f}  "
+          f"(/ worst fixed run {t_run / max(fixed):.2f})")
+
+
+def _scipy(eq: str, mat: Any, dense: list[np.ndarray]) -> np.ndarray:
+    out = mat @ dense[0]
+    for d in dense[1:]:
+        out = out @ d
+    return np.asarray(out)
+
+
+def _torch(eq: str, ta: Any, tds: list[Any]) -> Any:
+    import torch
+    out = torch.sparse.mm(ta, tds[0]) if ta.layout != torch.strided else ta @ tds[0]
+    for d in tds[1:]:
+        out = out @ d
+    return out
+
+
+def duckdb_case(nodes: int, edges: int, k: int, reps: int, threads: int | None) -> None:
+    """A·H on DuckDB with memory_limit = a quarter of the relations' bytes, vs in memory."""
+    try:
+        import duckdb  # noqa: F401
+    except ImportError:
+        print(f"{'DuckDB A·H':28s} {'-':26s} {'-':>10s} {'-':>8s}  not run: pip install 'einjoin[duckdb]'")
+        return
+    rng = np.random.default_rng(0)
+    g = power_law_graph(nodes, edges)
+    h = rng.standard_normal((nodes, k))
+    a = ej.sparse("A", g)
+    mem = ej.sparse_compile("ij,jk->ik", a, h)
+    # the relations at the chosen layout (IJ, Jk -> Ik): A's tuples (2 keys, a value), H's (a key, k values)
+    tuple_bytes = a.nnz * 3 * 8 + nodes * (k + 1) * 8
+    limit_mb = max(1, tuple_bytes // 4 // 2 ** 20)
+    duck = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_memory=f"{limit_mb}MB",
+                             duckdb_threads=threads)
+    t_mem, want = cpu(mem.run, reps)
+    t_duck, got = cpu(duck.run, reps)
+    same = bool(np.allclose(got.todense(), want.todense(), rtol=1e-9, atol=1e-9))
+    name = f"DuckDB A·H ({nodes} nodes)"
+    row(name, "in memory", t_mem, t_mem, mem.notation())
+    row(name, f"duckdb, limit {limit_mb} MB", t_duck, t_mem,
+        f"tuples {tuple_bytes / 2 ** 20:.0f} MB = {tuple_bytes / 2 ** 20 / limit_mb:.1f}x the limit; spilled "
+        f"{duck.engine.spilled / 2 ** 20:.0f} MB; {'equal' if same else 'DIFFERENT'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=20000)
+    ap.add_argument("--edges", type=int, default=200000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--duck-nodes", type=int, default=200000)
+    ap.add_argument("--duck-edges", type=int, default=2000000)
+    ap.add_argument("--duck-threads", type=int, default=1, help="DuckDB's threads (0: its default, all cores)")
+    ap.add_argument("--only-duckdb", action="store_true", help="only the DuckDB row")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", message="Sparse")  # torch's beta / invariant-check notes
+    rng = np.random.default_rng(0)
+    g = power_law_graph(args.nodes, args.edges)
+    h, w = rng.standard_normal((args.nodes, 128)), rng.standard_normal((128, 32))
+    print(f"{'case':28s} {'method':26s} {'CPU ms':>10s} {'/ peer':>8s}  notes")
+    if args.only_duckdb:
+        duckdb_case(args.duck_nodes, args.duck_edges, 64, 1, args.duck_threads or None)
+        return
+    case(f"A·H ({args.nodes} nodes)", "ij,jk->ik", g, [h], args.reps)
+    case(f"A·H·W ({args.nodes} nodes)", "ij,jk,kl->il", g, [h, w], args.reps, fixed_sizes=())
+    bd = block_diagonal(64, 64)
+    case("block-diag 64x64 · D", "ij,jk->ik", bd, [rng.standard_normal((bd.shape[1], 256))], args.reps)
+    a = ej.sparse("A", scipy.sparse.random(400, 300, density=0.01, random_state=0))
+    b, c = rng.standard_normal((300, 300)), ej.sparse("C", scipy.sparse.random(300, 200, density=0.01,
+                                                                                 random_state=1))
+    t, _ = cpu(lambda: ej.sparse_compile("ij,jk,kl->il", a, b, c).run(), args.reps)
+    print(f"{'acceptance 400x300, 3 ops':28s} {'compile + run':26s} {t * 1e3:10.1f} {'':8s}  "
+          f"{'ok' if t <= 0.5 else 'OVER'} (<= 500 ms)")
+    duckdb_case(args.duck_nodes, args.duck_edges, 64, 1, args.duck_threads or None)  # ~30 s a run: once
+
+
+if __name__ == "__main__":
+    main()
