@@ -34,7 +34,7 @@ from einjoin.frontend.functions import concat, fill, full
 from einjoin.frontend.tensor import (BUILT_ELSEWHERE, LETTERS, Tensor, _norm_dim, _t, broadcast_shapes, einsum,
                                     elementwise, gather, wrap)
 from einjoin.ir import ops
-from einjoin.ir.dtypes import kind
+from einjoin.ir.dtypes import exact_cast, kind, numpy_dtype
 
 __all__ = ["take_along_dim", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_select",
            "argmax", "argmin", "max_dim", "min_dim", "cumsum", "cumprod", "one_hot", "pad", "advanced_index",
@@ -98,6 +98,18 @@ def take_along_dim(x: Tensor, idx: Tensor, dim: int) -> Tensor:
     return gather(x.reshape(math.prod(x.shape)), lin)
 
 
+def _in_dtype(src: Tensor, dtype: str, what: str) -> Tensor:
+    """``src`` in the written tensor's ``dtype``: torch refuses another dtype; an exact cast
+    (float16 into float32) is taken, any other refused (it changed values silently: 0.7 into
+    int64 was 0, 1e300 into float32 inf)."""
+    if src.dtype == dtype:
+        return src
+    if exact_cast(numpy_dtype(src.dtype), dtype):
+        return src.to(dtype)
+    raise DTypeError(f"{what}: the source is {src.dtype} but the tensor written is {dtype}; the cast "
+                     f"would change values (torch refuses any other dtype): cast the source first")
+
+
 def _sources(src: Any, idx: Tensor, dtype: str, what: str) -> Tensor:
     """The values a scatter writes: ``src[:idx.shape]`` (torch reads the leading part of a larger
     src), or a number broadcast to the index's shape."""
@@ -106,7 +118,7 @@ def _sources(src: Any, idx: Tensor, dtype: str, what: str) -> Tensor:
     if src.ndim != idx.ndim or any(s < i for s, i in zip(src.shape, idx.shape)):
         raise ShapeError(f"{what}: src of shape {src.shape} must cover the index's {idx.shape}")
     out: Tensor = src if src.shape == idx.shape else src[tuple(slice(0, n) for n in idx.shape)]
-    return out if out.dtype == dtype else out.to(dtype)
+    return _in_dtype(out, dtype, what)
 
 
 def _scatter_sum(values: Tensor, lin: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -267,10 +279,15 @@ def index_add(x: Tensor, dim: int, index: Tensor, source: Tensor, alpha: Any = 1
     x, source = _t(x, "index_add"), _t(source, "index_add source")
     d = _norm_dim(x, dim) if x.ndim else 0
     idx = _row_index(index, x, d, source, "index_add")
+    source = _in_dtype(source, x.dtype, "index_add")
+    if kind(x.dtype) != "float":
+        if not float(alpha).is_integer():
+            # alpha * source in float, truncated per element, was neither torch's index_add (which
+            # truncates alpha) nor torch.add (which refuses): refused
+            raise DTypeError(f"index_add: alpha={alpha!r} is not an integer but the tensor is {x.dtype}")
+        alpha = int(alpha)  # 3.0 * int64 in float32 would round values beyond 2**24
     if alpha != 1:
-        source = source * alpha
-    if source.dtype != x.dtype:
-        source = source.to(x.dtype)
+        source = (source * alpha).to(x.dtype)
     rows = _to_front(source.reshape(x.shape[:d] + (idx.shape[0],) + x.shape[d + 1:]) if x.ndim else
                      source.reshape((1,)), d)
     n = x.shape[d] if x.ndim else 1
@@ -284,6 +301,7 @@ def index_copy(x: Tensor, dim: int, index: Tensor, source: Tensor) -> Tensor:
     keeps its last row (torch leaves it unspecified; its CPU kernel keeps the last). The winning
     row per target is a ``max`` EinSum over (targets, index), then one gather of whole rows."""
     x, source = _t(x, "index_copy"), _t(source, "index_copy source")
+    source = _in_dtype(source, x.dtype, "index_copy")
     d = _norm_dim(x, dim) if x.ndim else 0
     idx = _row_index(index, x, d, source, "index_copy")
     n, k = (x.shape[d] if x.ndim else 1), idx.shape[0]
@@ -294,7 +312,7 @@ def index_copy(x: Tensor, dim: int, index: Tensor, source: Tensor) -> Tensor:
                     join="where(x0 == x1, x2, -1)", agg="max") + check
     if not x.ndim:
         return _where(winner.reshape(()) >= 0, source.reshape(()).to(x.dtype), x)
-    rows = index_select(source if source.dtype == x.dtype else source.to(x.dtype), d,
+    rows = index_select(source, d,
                         elementwise("max", winner, 0))
     shape = [1] * x.ndim
     shape[d] = n

@@ -253,3 +253,47 @@ def test_calibrate_refuses_what_it_cannot_measure(kw: dict, monkeypatch: pytest.
     with pytest.raises(ej.EinjoinError, match=f"calibrate: {next(iter(kw))}"):
         ej.calibrate(**kw)
     assert not list(tmp_path.rglob("*.json"))
+
+
+# ---- finding 15: scatter, scatter_add, scatter_reduce, index_copy and index_add cast a source of
+# another dtype to the tensor's silently (float into int64 truncated: 0.7 -> 0, -1.5 -> -1; a
+# float64 1e300 into float32 inf) where torch refuses ("Expected self.dtype to be equal to
+# src.dtype"); index_add on int64 with alpha=2.5 multiplied in float and truncated per element
+# ([1, 2] + 2.5 * [1, 2] gave [3, 7]; torch.add refuses a float alpha for integers)
+
+_ROUTES = {
+    "scatter": lambda x, i, s: ej.scatter(x, 1, i, s),
+    "scatter_add": lambda x, i, s: ej.scatter_add(x, 1, i, s),
+    "scatter_reduce": lambda x, i, s: ej.scatter_reduce(x, 1, i, s, "sum"),
+    "index_copy": lambda x, i, s: ej.index_copy(x, 0, i[0], s),
+    "index_add": lambda x, i, s: ej.index_add(x, 0, i[0], s),
+}
+
+
+@pytest.mark.parametrize("route", sorted(_ROUTES))
+@pytest.mark.parametrize("dtypes", [("int64", "float32"), ("float32", "float64"), ("float16", "float32"),
+                                    ("int64", "bool")])
+def test_a_scatter_source_of_another_dtype_is_refused_unless_exact(route: str, dtypes: tuple) -> None:
+    xd, sd = dtypes
+    x, i, s = ej.input("x", (2, 2), xd), ej.input("i", (2, 2), "int64"), ej.input("s", (2, 2), sd)
+    with pytest.raises(ej.DTypeError, match=f"{route}.*{sd}.*{xd}"):
+        _ROUTES[route](x, i, s)
+    # an exact cast (float16 into float32) is taken, and equals torch on the cast source
+    x32, s16 = ej.input("x", (2, 2), "float32"), ej.input("s", (2, 2), "float16")
+    X, I = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), np.array([[0, 1], [1, 0]])
+    S = np.array([[0.5, -1.25], [2.0, 8.0]], np.float16)
+    got = ej.reference(_ROUTES[route](x32, i, s16), x=X, i=I, s=S)
+    tx, ti, ts = torch.from_numpy(X), torch.from_numpy(I), torch.from_numpy(S.astype(np.float32))
+    want = {"scatter": lambda: tx.scatter(1, ti, ts), "scatter_add": lambda: tx.scatter_add(1, ti, ts),
+            "scatter_reduce": lambda: tx.scatter_reduce(1, ti, ts, "sum"),
+            "index_copy": lambda: tx.index_copy(0, ti[0], ts), "index_add": lambda: tx.index_add(0, ti[0], ts)}
+    np.testing.assert_array_equal(got, want[route]().numpy())
+
+
+def test_index_add_refuses_a_fractional_alpha_for_integers() -> None:
+    x, i = ej.input("x", (2,), "int64"), ej.input("i", (2,), "int64")
+    with pytest.raises(ej.DTypeError, match="alpha.*2.5.*int64"):
+        ej.index_add(x, 0, i, x, alpha=2.5)
+    got = ej.reference(ej.index_add(x, 0, i, x, alpha=3), x=np.array([1, 2]), i=np.array([0, 1]))
+    np.testing.assert_array_equal(got, torch.tensor([1, 2]).index_add(0, torch.tensor([0, 1]), torch.tensor([1, 2]),
+                                                                      alpha=3).numpy())
