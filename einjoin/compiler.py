@@ -46,6 +46,7 @@ from einjoin.plan.stats import with_state
 from einjoin.planner import PLANNERS, derive_input_specs, plan_specs, tie_state
 from einjoin.planner.cost import OBJECTIVES
 from einjoin.planner.fit import element_spec, finer_spec
+from einjoin.planner.gcpause import old_objects_frozen
 from einjoin.planner.overhead import device_ladder, plan_time, time_floor
 from einjoin.progress import stages
 from einjoin.runtime import get_backend
@@ -316,6 +317,11 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     Why: the time weights guess where the placer puts kernels
     (:class:`einjoin.planner.cost.TimeWeights`); where it does not, the bytes plan can be the
     faster, and a plan for time must not lose to it. Still a function of shapes and the cluster."""
+    with old_objects_frozen():  # planning and lowering allocate much; torch's objects are not re-scanned
+        return _build_best(source, cluster, options)
+
+
+def _build_best(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
     plan = _build_plan(source, cluster, options)
     if (objective_of(options, cluster) == "time" and isinstance(options.planner, str)
             and cluster.hardware is not None and not source.state):

@@ -326,3 +326,38 @@ def test_uneven_seeds_are_ignored() -> None:
                for spec in meg.values() for b in spec.bounds), "the case needs uneven cuts"
     plain = model_cost(g, c, eindecomp(g, c))
     assert model_cost(g, c, eindecomp(g, c, seeds=[meg])) == plain
+
+
+def test_planning_leaves_the_collector_as_it_found_it() -> None:
+    # eindecomp and ej.compile freeze the process's objects while they plan (planner/gcpause.py):
+    # nothing stays frozen after, a program's own freeze is kept, and a collector that is off
+    # stays off
+    import gc
+
+    z = ej.input("a", (64, 32)) @ ej.input("b", (32, 16))
+    g = ej.Graph(z)
+    seen = []
+    orig = gc.freeze
+
+    def spy() -> None:
+        seen.append(gc.get_freeze_count())
+        orig()
+
+    from unittest import mock
+    with mock.patch.object(gc, "freeze", spy):
+        eindecomp(g, ej.local(2))
+        ej.compile(z, devices=2, quiet=True)
+    assert seen == [0, 0] and gc.get_freeze_count() == 0  # one freeze per entry point, undone
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        eindecomp(g, ej.local(2))
+        assert gc.get_freeze_count() >= frozen > 0
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        eindecomp(g, ej.local(2))
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()

@@ -42,6 +42,7 @@ from einjoin.planner.candidates import Candidates
 from einjoin.planner.cost import (OBJECTIVES, CostModel, GraphEdges, SpecInfo, input_partitions, time_weights,
                                   total_cost)
 from einjoin.planner.fit import MemoryLimit, device_memory, memory_cap
+from einjoin.planner.gcpause import old_objects_frozen
 from einjoin.planner.ilp import choose
 from einjoin.settings import SETTINGS, Settings
 
@@ -311,6 +312,13 @@ def eindecomp(graph: Graph, cluster: Cluster, *, memory_limit: MemoryLimit | Non
 
     ``objective``: ``"bytes"`` (the modelled bytes) or ``"time"`` (each byte weighed by the
     links it is modelled to cross: :class:`~einjoin.planner.cost.TimeWeights`)."""
+    with old_objects_frozen():  # the collector does not re-scan torch's objects meanwhile
+        return _eindecomp(graph, cluster, memory_limit, refine, settings, seeds, objective)
+
+
+def _eindecomp(graph: Graph, cluster: Cluster, memory_limit: MemoryLimit | None, refine: bool,
+               settings: Settings, seeds: Sequence[Mapping[Node, JoinAggSpec]], objective: str
+               ) -> dict[Node, JoinAggSpec]:
     cands = _candidates(graph, cluster, memory_limit, settings, objective)
     model = cands.model
     outputs = set(graph.outputs)
