@@ -86,13 +86,13 @@ def _infos(values: Sequence[SparseTensor | np.ndarray], labels: Sequence[tuple[s
 
 def _path(in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],
           infos: list[Operand], pins: Mapping[str, int], relational: set[str], agg: str,
-          what: str) -> list[Step]:
+          what: str, engine: str = "memory") -> list[Step]:
     """The steps: one n-ary join-aggregation, or (a sum of products of three or more operands)
     binary steps when cheaper: an n-way join enumerates every path through the operands, while
     a binary step aggregates in between. For three operands every pairing and the n-ary step
     are costed (a planned intermediate counted by its estimated entries); beyond, pairs are
     taken greedily, pairs that share a label first."""
-    whole = choose_layout(infos, out_labels, pins, relational, agg=agg, what=what)
+    whole = choose_layout(infos, out_labels, pins, relational, agg=agg, what=what, engine=engine)
     single = [Step(tuple(("in", i) for i in range(len(in_labels))), tuple(in_labels), out_labels,
                    whole, infos)]
     if agg != "sum" or len(in_labels) <= 2:
@@ -110,11 +110,11 @@ def _path(in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],
                 labs = tuple(dict.fromkeys(lab for lab in live[a][1] + live[b][1] if lab in keep))
                 sub = [live[a][2], live[b][2]]
                 lay = choose_layout(sub, labs, _only(pins, sub), relational & _labels(sub), agg=agg,
-                                    what=what)
+                                    what=what, engine=engine)
                 outer = not set(live[a][1]) & set(live[b][1])
                 extra = 0.0
                 if len(live) == 3:  # cost the last step too, on the planned intermediate
-                    extra = _last_cost(live, a, b, labs, lay, out_labels, pins, relational, what)
+                    extra = _last_cost(live, a, b, labs, lay, out_labels, pins, relational, what, engine)
                 scored.append((outer, lay.cost + extra, a, b, labs, lay))
         outer, cost, a, b, labs, lay = min(scored, key=lambda x: (x[0] and len(live) > 3, x[1]))
         total += cost
@@ -127,7 +127,7 @@ def _path(in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],
     (ra, la, ia, _), (rb, lb, ib, _) = live
     original = ra[0] == "in" and rb[0] == "in"
     lay2 = choose_layout([ia, ib], out_labels, _only(pins, [ia, ib]), relational & _labels([ia, ib]),
-                         agg=agg, what=what) if original else None
+                         agg=agg, what=what, engine=engine) if original else None
     steps.append(Step((ra, rb), (la, lb), out_labels, lay2, [ia, ib] if original else None))
     if len(in_labels) == 3 and whole.cost <= total:
         return single
@@ -151,12 +151,12 @@ def _intermediate(x: tuple[tuple[str, int], tuple[str, ...], Operand, bool],
 
 def _last_cost(live: list[tuple[tuple[str, int], tuple[str, ...], Operand, bool]], a: int, b: int,
                labs: tuple[str, ...], lay: Layout, out_labels: tuple[str, ...],
-               pins: Mapping[str, int], relational: set[str], what: str) -> float:
+               pins: Mapping[str, int], relational: set[str], what: str, engine: str) -> float:
     tmp, _ = _intermediate(live[a], live[b], labs, lay, "t")
     (other,) = [x[2] for k, x in enumerate(live) if k not in (a, b)]
     sub = [other, tmp]
     return choose_layout(sub, out_labels, _only(pins, sub), relational & _labels(sub),
-                         what=what).cost
+                         what=what, engine=engine).cost
 
 
 def _labels(infos: Sequence[Operand]) -> set[str]:
@@ -257,7 +257,8 @@ class SparsePlan:
                 infos = _infos(args, step.in_labels, [f"t{k}" if kind == "step" else _name(values[k], k)
                                                       for kind, k in step.refs])
                 lay = choose_layout(infos, step.out_labels, _only(self._pins, infos),
-                                    self._relational & _labels(infos), agg=self.agg, what=self._what())
+                                    self._relational & _labels(infos), agg=self.agg, what=self._what(),
+                                    engine=self.engine.name)
             step.ran = lay
             results.append(self._step(step, args, lay, j == len(self.steps) - 1, session))
         return results[-1]
@@ -392,7 +393,7 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     pins, rel = dict(blocks or {}), set(relational or ())
     # pins are checked once against the whole equation (each step sees its own labels' pins)
     _check_pins(pins, rel, sizes, what)
-    steps = _path(in_labels, tuple(out_labels), infos, pins, rel, agg_name, what)
+    steps = _path(in_labels, tuple(out_labels), infos, pins, rel, agg_name, what, eng.name)
     return SparsePlan(equation, values, tuple(in_labels), tuple(out_labels), sizes, agg_name, dtype,
                       steps, pins, rel, eng)
 
