@@ -2,8 +2,8 @@
 device models in :mod:`einjoin.cluster.model` read sizes without importing the cluster package,
 which imports them).
 
->>> parse_bytes("2GiB"), parse_bytes("512 MB"), parse_bytes(None)
-(2147483648, 512000000, None)
+>>> parse_bytes("2GiB"), parse_bytes("512 MB"), parse_bytes(1e9), parse_bytes(None)
+(2147483648, 512000000, 1000000000, None)
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_bytes(value: int | str | None) -> int | None:
-    """``2147483648``, ``"2GiB"``, ``"512 MB"`` -> bytes (None stays None)."""
+def parse_bytes(value: int | float | str | None) -> int | None:
+    """``2147483648``, ``1e9`` (a float only when whole), ``"2GiB"``, ``"512 MB"`` -> bytes (None
+    stays None)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -42,6 +43,8 @@ def parse_bytes(value: int | str | None) -> int | None:
             raise EinjoinError(f"memory size {short(value)} is more than {MAX_BYTES} bytes (2**63 - 1); "
                                f"give None for an unbounded device")
         return operator.index(value)
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return parse_bytes(int(value))  # 1e9 or 2 ** 30.0 as people write sizes; 1.5 is refused below
     if isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
         num = text.rstrip("abcdefghijklmnopqrstuvwxyz")

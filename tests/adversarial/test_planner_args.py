@@ -140,6 +140,11 @@ def test_numpy_ints_are_device_counts_and_sizes() -> None:
     assert prog.cluster.size == 2
 
 
+def test_whole_float_memory_sizes_are_bytes() -> None:
+    assert ej.local(2, 2.5e9).devices[0].memory == 2_500_000_000  # as people write sizes
+    assert ej.local(2, np.float32(2**20)).devices[1].memory == 2**20
+
+
 @pytest.mark.parametrize("make, what", [
     (lambda: ej.Cluster([None], ((math.inf,),), ((0.0,),)), "ej.Device"),
     (lambda: ej.Cluster(None, ((math.inf,),), ((0.0,),)), "devices"),
@@ -161,7 +166,9 @@ def test_numpy_ints_are_device_counts_and_sizes() -> None:
     (lambda: ej.Cluster.islands([2, 2], "fast", 1e8), "bandwidth"),
     (lambda: ej.local(2, 10**400), "memory size"),
     (lambda: ej.local(2, "1e400GB"), "memory size"),
-    (lambda: ej.local(2, 2.5e9), "memory size"),
+    (lambda: ej.local(2, 2.5), "memory size"),          # a fraction of a byte (2.5e9 is 2.5 GB)
+    (lambda: ej.local(2, float("inf")), "memory size"),
+    (lambda: ej.local(2, -1e9), "memory size"),
     (lambda: ej.Device("a"), "Device id"),
     (lambda: ej.Device(-1), "Device id"),
     (lambda: ej.Device(0, kind=3), "Device kind"),
