@@ -32,7 +32,9 @@ def _graphs() -> dict[str, Any]:
 
     def build_matmul() -> Any:
         a, w = ej.input("a", (4, 8, 6)), ej.input("w", (6, 10))
-        return [ej.einsum("bij,jk->bik", a, w), ej.einsum("bij,jk->kbi", a, w), ej.einsum("bij,bij->ji", a, a)]
+        # and a weight gradient's shape (two contracted labels), products with nothing contracted
+        return [ej.einsum("bij,jk->bik", a, w), ej.einsum("bij,jk->kbi", a, w), ej.einsum("bij,bij->ji", a, a),
+                ej.einsum("bij,bik->kj", a, a), ej.einsum("bij,jk->bkij", a, w), ej.einsum("bij,bij->jbi", a, a)]
 
     def build_broadcast_join() -> Any:
         x, y = ej.input("x", (6, 5)), ej.input("y", (5, 7))

@@ -32,7 +32,7 @@ from einjoin.decomp.decompose import Decomposition, reshape_region
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.evaluate import evaluate
-from einjoin.ir.kernels import HALF_DTYPES, _batched_matmul, matmul_route, partial_dtype
+from einjoin.ir.kernels import HALF_DTYPES, MatmulRoute, _batched_matmul, _matmul, align, matmul_route, partial_dtype
 from einjoin.ir.node import Node, rule_for
 from einjoin.plan.taskgraph import TaskGraph
 
@@ -79,8 +79,7 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
     route = matmul_route(op, list(dtypes))
     core: Callable[[Sequence[np.ndarray]], Any]
     if route.path == "matmul":
-        def core(xs: Sequence[np.ndarray]) -> Any:
-            return _batched_matmul(route, xs[0], xs[1])
+        core = _matmul_core(route, shapes) or (lambda xs: _batched_matmul(route, xs[0], xs[1]))
     elif route.path == "join":
         got = _join_core(op, shapes)
         if got is None:
@@ -102,6 +101,50 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
                 return None
         return np.asarray(core(blocks), order="C").astype(out_dtype, copy=False)
     return run
+
+
+def _matmul_core(r: MatmulRoute, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence[np.ndarray]], Any] | None:
+    """:func:`einjoin.ir.kernels._batched_matmul` with its axis permutations and shapes worked
+    out once for blocks of ``shapes`` (the same views and numpy calls: the same bits): a product
+    with nothing contracted as one broadcast multiply, a contraction as one ``_matmul`` over
+    (batch, m, k) x (batch, k, n). None (the general call) where labels are summed first or
+    the dot-product route applies."""
+    lx, ly = r.x_labels, r.y_labels
+    if r.x_sum or r.y_sum or len(shapes[0]) != len(lx) or len(shapes[1]) != len(ly):
+        return None
+    if not r.k:
+        out = r.out_labels
+        ax = align(np.empty(shapes[0], np.int8), lx, out)  # the views align makes, on a dummy
+        ay = align(np.empty(shapes[1], np.int8), ly, out)
+        px = tuple(sorted(range(len(lx)), key=lambda i: out.index(lx[i])))
+        py = tuple(sorted(range(len(ly)), key=lambda i: out.index(ly[i])))
+        tx, ty = ax.shape, ay.shape
+
+        def outer(xs: Sequence[np.ndarray]) -> Any:
+            return np.multiply(xs[0].transpose(px).reshape(tx), xs[1].transpose(py).reshape(ty))
+        return outer
+    if not r.m and not r.n and lx[-1] in r.batch and ly[-1] in r.batch:
+        return None
+    size = dict(zip(lx, shapes[0])) | dict(zip(ly, shapes[1]))
+
+    def prod(labels: tuple[str, ...]) -> int:
+        p = 1
+        for lab in labels:
+            p *= size[lab]
+        return p
+
+    batch, m, n, k = r.batch, r.m, r.n, r.k
+    pmx = [lx.index(lab) for lab in batch + m + k]
+    pmy = [ly.index(lab) for lab in batch + k + n]
+    sx, sy = (prod(batch), prod(m), prod(k)), (prod(batch), prod(k), prod(n))
+    order = batch + m + n
+    zs = [size[lab] for lab in order]
+    pz = [order.index(lab) for lab in r.out_labels]
+
+    def matmul(xs: Sequence[np.ndarray]) -> Any:
+        z = _matmul(np.transpose(xs[0], pmx).reshape(sx), np.transpose(xs[1], pmy).reshape(sy)).reshape(zs)
+        return np.transpose(z, pz)
+    return matmul
 
 
 def _other(rule: Any, d: Decomposition, op: Any, k: Any, box: Any) -> FastKernel:
