@@ -83,6 +83,7 @@ class DuckSession:
             raise EinjoinError(f"{what}: DuckDB refused its settings {config}: {e}") from None
         self.con.execute("SET enable_progress_bar = false")
         self.memory_limit = memory_limit or "DuckDB's default"
+        self.ranges = 1  # the most output-key ranges of any step (one query each)
         self.spilled = 0  # temp-directory bytes seen at the end of a step (the most of any step)
 
     def close(self) -> None:
@@ -145,7 +146,8 @@ def _index(var: str, labels: Sequence[str], ext: Mapping[str, int]) -> dict[str,
 
 def step_sql(rels: Sequence[Relation], in_labels: Sequence[tuple[str, ...]],
              out_labels: tuple[str, ...], sizes: Mapping[str, int], layout: Layout, agg: str,
-             kind: str, columns_max: int | None = None, where: str = "") -> tuple[str, list[str], int]:
+             kind: str, columns_max: int | None = None, sources: Mapping[int, str] | None = None
+             ) -> tuple[str, list[str], int]:
     """The step's query over tables ``t0..tn``: (sql, its output key columns (the relational
     output labels, in order), payload columns). An output payload of up to ``columns_max``
     elements comes back as that many aggregate columns ``v0..`` per output key (rows: output
@@ -193,8 +195,10 @@ def step_sql(rels: Sequence[Relation], in_labels: Sequence[tuple[str, ...]],
     out_rel = [lab for lab in out_labels if layout.relational(lab)]
     keys = [f"t{owner[lab]}.c{col[lab]} AS o{col[lab]}" for lab in out_rel]
     conds = [f"t{i}.c{col[lab]} = t{owner[lab]}.c{col[lab]}" for i, r in enumerate(rels) for lab in r.rel
-             if owner[lab] != i] + ([where] if where else [])
-    tables = [f"t{i}" for i in range(len(rels))] + ([] if as_columns else [f"range({n_out}) r(p)"])
+             if owner[lab] != i]
+    src = sources or {}
+    tables = [f"{src[i]} AS t{i}" if i in src else f"t{i}" for i in range(len(rels))] + \
+        ([] if as_columns else [f"range({n_out}) r(p)"])
     group = [f"o{col[lab]}" for lab in out_rel] + ([] if as_columns else ["p"])
     sql = (f"SELECT {', '.join([*keys, *values, 'count(*) AS n'])} "
            f"FROM {', '.join(tables)}" + (f" WHERE {' AND '.join(conds)}" if conds else "")
@@ -214,12 +218,13 @@ def _limit_bytes(session: DuckSession) -> float:
 
 def _partitions(session: DuckSession, rels: Sequence[Relation], labels: list[str],
                 out_labels: tuple[str, ...], layout: Layout, sizes: Mapping[str, int], ncols: int
-                ) -> list[str]:
-    """Conditions splitting the output keys into ranges of the first relational output label
-    whose aggregation states fit in a quarter of ``memory_limit`` (``[""]``: one query)."""
+                ) -> list[tuple[int, str]]:
+    """(table, condition) pairs splitting the output keys into ranges of the first relational
+    output label whose aggregation states fit in a quarter of ``memory_limit`` (``[(0, "")]``:
+    one query)."""
     out_rel = [lab for lab in out_labels if layout.relational(lab)]
     if not out_rel:
-        return [""]
+        return [(0, "")]
     lab = out_rel[0]
     owner = next(i for i, r in enumerate(rels) if lab in r.rel)
     keys = rels[owner].keys[:, rels[owner].rel.index(lab)]
@@ -228,12 +233,12 @@ def _partitions(session: DuckSession, rels: Sequence[Relation], labels: list[str
         math.prod(layout.extent(x, sizes[x]) for x in out_labels)
     n = min(int(-(-groups * per_group // (_limit_bytes(session) / 4))), len(np.unique(keys)))
     if n <= 1:
-        return [""]
+        return [(0, "")]
     cuts = np.unique(np.quantile(keys, np.linspace(0, 1, n + 1)[1:-1], method="lower").astype(np.int64))
     bounds = [None, *cuts[cuts > keys.min()].tolist(), None]
-    column = f"t{owner}.c{labels.index(lab)}"
-    return [" AND ".join(([f"{column} >= {lo}"] if lo is not None else []) +
-                         ([f"{column} < {hi}"] if hi is not None else [])) for lo, hi in zip(bounds, bounds[1:])]
+    column = f"c{labels.index(lab)}"
+    return [(owner, " AND ".join(([f"{column} >= {lo}"] if lo is not None else []) +
+                         ([f"{column} < {hi}"] if hi is not None else []))) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndarray],
@@ -251,18 +256,23 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
     con = session.con
     sql, key_cols, ncols = step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind)
     ranges = _partitions(session, rels, labels, out_labels, layout, sizes, ncols)
+    session.ranges = max(session.ranges, len(ranges))
     stage = "loading the relations"
     try:
         for i, r in enumerate(rels):
             _load(con, f"t{i}", r, col, kind)
         parts = []
-        for where in ranges:
-            # one range of output keys at a time (DuckDB's aggregation does not spill well): the
-            # grouped rows go to a table (spillable, unlike a materialised query result) and come
-            # back in slices of rowids
-            stage = "the join-aggregation" + (f" ({where})" if where else "")
-            part_sql = sql if not where else step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind,
-                                                      where=where)[0]
+        for owner, where in ranges:
+            # one range of output keys at a time (DuckDB's aggregation does not spill well), its
+            # tuples a table of their own (exact sizes: DuckDB then builds the join's hash table on
+            # them, not on the other side). The grouped rows go to a table (spillable, unlike a
+            # materialised query result) and come back in slices of rowids
+            stage = "the join-aggregation" + (f" (t{owner}: {where})" if where else "")
+            part_sql = sql
+            if where:
+                con.execute(f"CREATE OR REPLACE TABLE part AS SELECT * FROM t{owner} WHERE {where}")
+                part_sql = step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind,
+                                    sources={owner: "part"})[0]
             con.execute(f"CREATE OR REPLACE TABLE res AS {part_sql}")
             session.spilled = max(session.spilled, session.temp_bytes())
             stage = "fetching the result"
@@ -272,6 +282,7 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
             con.execute("DROP TABLE res")
         for i in range(len(rels)):
             con.execute(f"DROP TABLE t{i}")
+        con.execute("DROP TABLE IF EXISTS part")
     except Exception as e:
         raise EinjoinError(f"{what}: DuckDB failed in {stage} of the step "
                            f"{','.join(''.join(ls) for ls in in_labels)}->{''.join(out_labels)} "

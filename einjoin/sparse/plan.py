@@ -244,6 +244,7 @@ class SparsePlan:
                              self.engine.threads) as session:
                 out = self._run_steps(values, session)
                 self.engine.spilled = session.spilled
+                self.engine.ranges = session.ranges
                 return out
         return self._run_steps(values, None)
 
@@ -407,12 +408,14 @@ class Engine:
     temp_directory: str | None = None
     threads: int | None = None
     spilled: int = 0  # DuckDB temp-directory bytes at the end of the last run's busiest step
+    ranges: int = 1  # the most output-key ranges (one query each) of a step in the last run
 
     def describe(self) -> str:
         if self.name == "memory":
             return "engine memory"
         return (f"engine duckdb (memory_limit {self.memory or 'default'}"
-                + (f", last run spilled {self.spilled / 2 ** 20:.1f} MiB" if self.spilled else "") + ")")
+                + (f", last run spilled {self.spilled / 2 ** 20:.1f} MiB" if self.spilled else "")
+                + (f", output keys in {self.ranges} ranges" if self.ranges > 1 else "") + ")")
 
 
 ENGINES = ("memory", "duckdb")
