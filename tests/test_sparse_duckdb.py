@@ -136,6 +136,8 @@ def test_ej_einsum_stays_in_memory_and_errors_are_named(monkeypatch) -> None:
         ej.sparse_compile("ij->i", a, engine="sqlite")
     with pytest.raises(ej.EinjoinError, match="duckdb_memory"):
         ej.sparse_compile("ij->i", a, duckdb_memory="1GB")
+    with pytest.raises(ej.EinjoinError, match="duckdb_threads=0"):
+        ej.sparse_compile("ij->i", a, engine="duckdb", duckdb_threads=0)
     with pytest.raises(ej.EinjoinError, match="DuckDB refused"):
         ej.sparse_compile("ij->i", a, engine="duckdb", duckdb_memory="lots").run()
     # a missing duckdb: a clear error naming the extra

@@ -427,6 +427,9 @@ def _engine(name: str, memory: str | None, temp: str | None, threads: int | None
     if name == "memory" and (memory, temp, threads) != (None, None, None):
         raise EinjoinError(f"{what}: duckdb_memory / duckdb_temp / duckdb_threads are settings of "
                            f"engine='duckdb', not of engine='memory'")
+    if threads is not None and (not isinstance(threads, (int, np.integer)) or isinstance(threads, bool)
+                                or threads < 1):
+        raise EinjoinError(f"{what}: duckdb_threads={threads!r} (an integer >= 1, or None for DuckDB's default)")
     if name == "duckdb":
         require_duckdb(what)  # a missing package is named at compile, not at the first run
     return Engine(name, memory, temp, threads)
