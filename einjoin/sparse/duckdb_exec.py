@@ -16,7 +16,9 @@ numpy columns (no pyarrow) and are scattered into the same (groups × output blo
 in-memory executor returns; ``max`` applies the same absent-tuple and padding rules.
 
 Why SQL arithmetic and not a numpy UDF: DuckDB's vectorised Python UDFs take Arrow batches
-(pyarrow, not a dependency here); its row-at-a-time UDFs are orders slower than list lambdas.
+(pyarrow, not a dependency here); its row-at-a-time ones are slower than list lambdas (50k dot
+products of 64-lists, one thread: a numpy UDF per row 0.79 s CPU, a list_sum of a lambda 0.08 s,
+list_dot_product 0.009 s; slices of lists for the latter cost more than they save).
 
 >>> import numpy as np, scipy.sparse, einjoin as ej
 >>> a = ej.sparse("A", scipy.sparse.random(50, 40, density=0.05, random_state=0))
