@@ -95,14 +95,15 @@ class Timed:
     loss_err: float     # max relative difference of the losses, every step
     loaded: int         # host bytes loaded by a step after the first (measured)
     batch_bytes: int
+    used: int = DEVICES  # devices the step's plan uses (fewer with --leave-idle)
 
 
 def time_case(name: str, module: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, ...]], loss_fn: Any,
-              reps: int, log: Callable[[str], None]) -> Timed:
+              reps: int, log: Callable[[str], None], leave_idle: bool = False) -> Timed:
     reference = copy.deepcopy(module).train()
     t0 = time.perf_counter()
     trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ej.optim.AdamW(lr=1e-3),
-                         devices=ej.local(DEVICES), backend="threads")
+                         devices=ej.local(DEVICES), backend="threads", leave_idle=leave_idle)
     build_s = time.perf_counter() - t0
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=False)
 
@@ -154,7 +155,8 @@ def time_case(name: str, module: torch.nn.Module, batches: Sequence[tuple[torch.
     stats = trainer.program.run_stats
     loaded = stats.bytes_loaded if stats is not None else -1
     batch_bytes = sum(t.numel() * t.element_size() for t in batches[0])
-    return Timed(name, len(trainer.program.graph.ops), build_s, es, ts, ecpu, t1cpu, err, loaded, batch_bytes)
+    return Timed(name, len(trainer.program.graph.ops), build_s, es, ts, ecpu, t1cpu, err, loaded, batch_bytes,
+                 trainer.program.cluster.size)
 
 
 def llama_case() -> tuple[str, torch.nn.Module, Sequence[tuple[torch.Tensor, ...]], Any]:
@@ -281,11 +283,18 @@ def plan_row(step: Step7B, p: int, full: bool, log: Callable[[str], None]) -> Pl
 # --------------------------------------------------------------------------------------------
 
 
+def _used(t: Timed) -> str:
+    """With --leave-idle, how many of the devices the step's plan uses."""
+    return f" (leave_idle: {t.used} used)" if t.used != DEVICES else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7, help="timed steps (after 3 warm-up steps)")
     ap.add_argument("--full", action="store_true", help="eindecomp's default settings at P = 64 too")
     ap.add_argument("--devices", default="8,16,64", help="P for the LLaMA-7B plans")
+    ap.add_argument("--leave-idle", action="store_true",
+                    help="ej.Trainer(..., leave_idle=True): each measured step on as many of the devices as pay")
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 190, log_path=False)
     log = lambda msg: console.log(escape(msg))  # noqa: E731
@@ -293,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     print_header(console, "einjoin training benchmark")
 
     load0 = _cpu()
-    timed = [time_case(name, module, batches, loss_fn, args.reps, log)
+    timed = [time_case(name, module, batches, loss_fn, args.reps, log, args.leave_idle)
              for name, module, batches, loss_fn in (llama_case(), mlp_case())]
     log("2-layer hidden-32 GPT: building the Trainer")
     gpt_s, gpt_step = gpt_build(args.reps)
@@ -310,13 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         ej_med, th_med = statistics.median(t.ej_s), statistics.median(t.torch_s)
         ratio = ej_med / th_med
         table.add_row(f"training step (measured): {t.name}",
-                      f"local({DEVICES}) threads vs torch, {DEVICES} threads; AdamW; median of {len(t.ej_s)}",
+                      f"local({DEVICES}) threads{_used(t)} vs torch, {DEVICES} threads; AdamW; median of "
+                      f"{len(t.ej_s)}",
                       f"{1 / ej_med:.1f} steps/s ({ej_med * 1e3:.0f} ms)",
                       f"torch {1 / th_med:.1f} steps/s ({th_med * 1e3:.0f} ms)", f"{ratio:.2f}x",
                       f"<= {GOAL_RATIO}x", "yes" if ratio <= GOAL_RATIO else "no")
         work = statistics.median(t.ej_cpu) / statistics.median(t.torch1_cpu)
         table.add_row(f"CPU time per step (measured): {t.name}",
-                      f"einjoin local({DEVICES}), every thread, vs torch on 1 thread (its work); median of "
+                      f"einjoin local({DEVICES}){_used(t)}, every thread, vs torch on 1 thread (its work); median of "
                       f"{len(t.ej_cpu)}; robust to other load, not the goal",
                       f"{statistics.median(t.ej_cpu) * 1e3:.0f} ms CPU",
                       f"torch {statistics.median(t.torch1_cpu) * 1e3:.0f} ms CPU", f"{work:.2f}x", "-", "-")

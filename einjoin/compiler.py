@@ -90,11 +90,12 @@ class CompileOptions:
       when ``specs`` name nodes that fusing would replace;
     - ``shape_cache``: for an imported torch module, the programs compiled for other shapes
       kept (an LRU, :mod:`einjoin.variants`; an int >= 1, or None: no bound);
-    - ``leave_idle``: on devices of this process (``ej.local(n)``, no caps, no state), plan on
+    - ``leave_idle``: on devices of this process (``ej.local(n)``, no caps), plan on
       as many of them as pay: the counts of :func:`einjoin.planner.overhead.device_ladder` are
       planned and the fastest by the modelled per-task overhead and work per device
       (:func:`einjoin.planner.overhead.plan_time`) is kept; the rest stay idle, and
-      ``explain()`` says so. Off by default: a plan uses every device it is given;
+      ``explain()`` says so; a program's state lives on the devices kept. Off by default: a
+      plan uses every device it is given;
     - ``objective``: what the planner minimises: ``"bytes"`` (bytes moved) or ``"time"`` (each
       transfer weighed by the links it crosses: :class:`einjoin.planner.cost.TimeWeights`);
       None: :func:`default_objective` of the cluster (``"time"`` where its hardware's links
@@ -355,9 +356,9 @@ def _build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Co
                                  objective=objective_of(options, cluster)))
         say("placing, synthesising exchanges, building the task graph")
         decomps, placed, tg = _lower(graph, cluster, chosen, user, options, tied)
-        if options.leave_idle and not tied and all(c is None for c in caps.values()):
+        if options.leave_idle and all(c is None for c in caps.values()):
             cluster, chosen, decomps, placed, tg, note = _fewer_devices(
-                graph, cluster, options, user, (chosen, decomps, placed, tg))
+                graph, cluster, options, user, (chosen, decomps, placed, tg), tied)
         if any(c is not None for c in caps.values()):
             if getattr(options.backend, "remote", False):
                 raise EinjoinError("memory caps are not supported on the Ray backend yet: compile with "
@@ -378,11 +379,15 @@ _Lowered = tuple[dict[Node, JoinAggSpec], dict[Node, Decomposition], Placement, 
 
 
 def _fewer_devices(graph: Graph, cluster: Cluster, options: CompileOptions, user: dict[Node, JoinAggSpec],
-                   full: _Lowered) -> tuple[Cluster, dict[Node, JoinAggSpec], dict[Node, Decomposition],
-                                            Placement, TaskGraph, str | None]:
+                   full: _Lowered, tied: dict[Node, Node]) -> tuple[Cluster, dict[Node, JoinAggSpec],
+                                                                    dict[Node, Decomposition], Placement,
+                                                                    TaskGraph, str | None]:
     """``leave_idle``: the plan on as many of ``cluster``'s devices as pay (see
     :mod:`einjoin.planner.overhead`), ``full`` being the plan on all of them. Only for devices of
-    this process, alike and uniformly linked (``ej.local(n)``): their first k are a cluster of k."""
+    this process, alike and uniformly linked (``ej.local(n)``): their first k are a cluster of k.
+    A program with state (``tied``) plans each k with its ties, as the full plan: the state then
+    lives on the k devices kept (its values are read and written by name, so ``read_state``,
+    ``write_state`` and a Trainer's save / load do not depend on where)."""
     p = cluster.size
     d0 = cluster.devices[0]
     if p == 1 or cluster != Cluster.uniform(p, d0.kind, d0.memory) or d0.node is not None:
@@ -401,9 +406,9 @@ def _fewer_devices(graph: Graph, cluster: Cluster, options: CompileOptions, user
         if time_floor(flops, ops, k, cores) >= best_time:
             continue  # no plan on k devices can beat the best so far
         sub = Cluster.uniform(k, d0.kind, d0.memory)
-        chosen = dict(plan_specs(options.planner, graph, sub, memory_limit=None,
+        chosen = dict(plan_specs(options.planner, graph, sub, memory_limit=None, tied=tied,
                                  objective=objective_of(options, sub)))
-        lowered = (chosen, *_lower(graph, sub, chosen, dict(user), options, {}))
+        lowered = (chosen, *_lower(graph, sub, chosen, dict(user), options, tied))
         times[k] = modelled(lowered[3])
         if times[k] < best_time:
             best, best_k, best_time = lowered, k, times[k]

@@ -179,13 +179,17 @@ class Trainer:
     """Train ``module`` on batches ``(*module_args, target)`` with ``loss_fn(module(*args),
     target)`` and ``optimizer`` (default ``ej.optim.AdamW(lr=3e-4)``) on ``devices`` (an int or
     an :class:`ej.Cluster`), planned by ``planner`` and run by ``backend``; ``memory`` caps each
-    device (``ej.compile``'s ``memory_limit``). ``example_batch`` fixes the first program's
-    shapes and the batch's dtypes. The module itself is not changed: read the trained weights
-    with :meth:`state_dict`. See the module docstring for the semantics and an example."""
+    device (``ej.compile``'s ``memory_limit``). ``leave_idle``: on local devices without caps,
+    each step is planned on only as many of them as pay (``ej.compile``'s ``leave_idle``; the
+    parameters and optimizer state live on those, ``trainer.program.explain()`` names the idle
+    ones); off by default: every device given is used. ``example_batch`` fixes the first
+    program's shapes and the batch's dtypes. The module itself is not changed: read the trained
+    weights with :meth:`state_dict`. See the module docstring for the semantics and an example."""
 
     def __init__(self, module: Any, example_batch: Sequence[Any], loss_fn: Callable[..., Any],
                  optimizer: Any = None, devices: Any = 4, memory: Any = None, planner: Any = "auto",
-                 backend: Any = "threads", *, accumulate: int = 1, seed: int = 0, quiet: bool = True):
+                 backend: Any = "threads", *, accumulate: int = 1, seed: int = 0, quiet: bool = True,
+                 leave_idle: bool = False):
         import torch
         if not isinstance(module, torch.nn.Module):
             raise EinjoinError(f"Trainer: expected a torch.nn.Module, got {type(module).__name__}")
@@ -217,7 +221,14 @@ class Trainer:
         self.version = 0        # bumped whenever the parameters or buffers change
         self.micro_steps = 0    # step() calls (micro-batches)
         self._lr = float(getattr(optimizer, "lr", 0.0))
-        self._options = dict(devices=devices, memory_limit=memory, planner=planner, backend=backend, quiet=quiet)
+        if not isinstance(leave_idle, (bool, np.bool_)):
+            raise EinjoinError(f"Trainer: leave_idle must be True or False, got {leave_idle!r:.40}")
+        # leave_idle: a small model's step on only as many local devices as pay (ej.compile's
+        # leave_idle; the state lives on those). Off by default, as ej.compile's: on a 2-core box
+        # a lone device's kernels measured slower than two devices' (issue 19), and the overhead
+        # model is not calibrated yet; the devices given are the devices used
+        self._options = dict(devices=devices, memory_limit=memory, planner=planner, backend=backend, quiet=quiet,
+                             leave_idle=bool(leave_idle))
         self._wrapper = _with_loss(module, loss_fn)
         self._trainable = tuple(trainable)
         example = tuple(_as_torch(x) for x in example_batch)

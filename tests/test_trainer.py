@@ -537,3 +537,25 @@ def test_batch_norm_running_statistics_move_as_torchs(devices: int, accumulate: 
         fresh.load_state_dict(ref.state_dict())
         x, t = batches[1]
         assert abs(fresh.evaluate(x, t) - float(TF.cross_entropy(ref(x), t))) < 1e-5
+
+
+def test_leave_idle_matches_torch_and_resumes_bit_identically(tmp_path: pathlib.Path) -> None:
+    # a step with state (weights, AdamW moments) planned on as many of the 4 devices as pay: the
+    # state lives on the devices kept; save / load go by names, and a resumed Trainer plans the same
+    module, batches = mlp_task(6)
+    ours, theirs = adamw()
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=4, leave_idle=True)
+    prog = trainer.program
+    assert prog.cluster.size < 4 and prog.plan.given is not None and prog.plan.given.size == 4
+    idle = 4 - prog.cluster.size
+    assert f"of the 4 devices given (leave_idle=True; the other {idle} stay idle)" in prog.explain(file=None)
+    losses = [trainer.step(*b) for b in batches[:3]]
+    trainer.save(tmp_path / "idle.safetensors")
+    resumed = ej.Trainer.load(tmp_path / "idle.safetensors", module, batches[0], mse, devices=4, leave_idle=True)
+    assert resumed.program.cluster.size == prog.cluster.size and resumed.program.specs == prog.specs
+    losses += [trainer.step(*b) for b in batches[3:]]
+    assert [resumed.step(*b) for b in batches[3:]] == losses[3:]
+    want, ref = torch_run(module, batches, mse, theirs)
+    assert_matches(trainer, losses, want, ref)
+    with pytest.raises(ej.EinjoinError, match="leave_idle"):
+        ej.Trainer(module, batches[0], mse, devices=4, leave_idle="yes")
