@@ -41,24 +41,34 @@ def chain(backend: str, devices: int = 4) -> tuple[Any, Any, dict[str, np.ndarra
 
 
 class FailingKernel:
-    """Wraps the engine's ``compute``: the ``at``-th kernel task raises ``exc``."""
+    """A fault for the engine's ``compute``: the ``at``-th kernel task raises ``exc``."""
 
-    def __init__(self, real: Any, at: int, exc: BaseException):
-        self.real, self.at, self.exc = real, at, exc
+    def __init__(self, at: int, exc: BaseException):
+        self.at, self.exc = at, exc
         self.lock = threading.Lock()
         self.kernels = 0
         self.failed: Any = None
 
-    def __call__(self, t: Any, *args: Any, **kw: Any) -> Any:
-        if t.kind is TaskKind.KERNEL:
-            with self.lock:
-                self.kernels += 1
-                hit = self.kernels == self.at
+    def around(self, real: Any) -> Any:
+        """``real`` with this fault (its count shared by every function it wraps)."""
+        def call(t: Any, *args: Any, **kw: Any) -> Any:
+            if t.kind is TaskKind.KERNEL:
+                with self.lock:
+                    self.kernels += 1
+                    hit = self.kernels == self.at
+                    if hit:
+                        self.failed = t
                 if hit:
-                    self.failed = t
-            if hit:
-                raise self.exc
-        return self.real(t, *args, **kw)
+                    raise self.exc
+            return real(t, *args, **kw)
+        return call
+
+
+def patch_compute(monkeypatch: pytest.MonkeyPatch, wrap: Any) -> None:
+    """The local backends compute a kernel with ``compute``, or ``compute_quiet`` on a worker that
+    holds numpy's errstate for the run: both wrapped (``wrap(real)``)."""
+    for name in ("compute", "compute_quiet"):
+        monkeypatch.setattr(local_mod, name, wrap(getattr(local_mod, name)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -67,8 +77,8 @@ def test_kernel_raising_mid_run_names_the_task_and_the_program_runs_again(
     prog, out, feeds = chain(backend)
     n_kernels = sum(t.kind is TaskKind.KERNEL for t in prog.taskgraph.tasks)
     assert n_kernels >= 6
-    fault = FailingKernel(local_mod.compute, at=n_kernels // 2, exc=FloatingPointError("injected"))
-    monkeypatch.setattr(local_mod, "compute", fault)
+    fault = FailingKernel(at=n_kernels // 2, exc=FloatingPointError("injected"))
+    patch_compute(monkeypatch, fault.around)
     before = threading.active_count()
     with pytest.raises(ej.EinjoinError) as info:
         prog.run(**feeds)
@@ -85,7 +95,7 @@ def test_kernel_raising_mid_run_names_the_task_and_the_program_runs_again(
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keyboard_interrupt_inside_a_kernel_is_not_wrapped(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     prog, out, feeds = chain(backend)
-    monkeypatch.setattr(local_mod, "compute", FailingKernel(local_mod.compute, at=2, exc=KeyboardInterrupt()))
+    patch_compute(monkeypatch, FailingKernel(at=2, exc=KeyboardInterrupt()).around)
     with pytest.raises(KeyboardInterrupt) as info:
         prog.run(**feeds)
     assert type(info.value) is KeyboardInterrupt
@@ -100,15 +110,16 @@ def test_concurrent_run_survives_a_neighbour_failing(monkeypatch: pytest.MonkeyP
     mark = np.float32(12345.0)
     feeds["x"][0, 0] = mark  # tells the failing run's feeds apart inside compute
     other = {"x": rand((32, 24), 3), "w": rand((24, 24), 4)}
-    real = local_mod.compute
     started = threading.Event()
 
-    def compute(t: Any, get: Any, fd: Any, *args: Any, **kw: Any) -> Any:
-        # the run fed with the mark fails at its first kernel, once the other run is under way
-        if t.kind is TaskKind.KERNEL and any(v.size and v.flat[0] == mark for v in fd.values()):
-            assert started.wait(30)
-            raise RuntimeError("injected")
-        return real(t, get, fd, *args, **kw)
+    def failing(real: Any) -> Any:
+        def compute(t: Any, get: Any, fd: Any, *args: Any, **kw: Any) -> Any:
+            # the run fed with the mark fails at its first kernel, once the other run is under way
+            if t.kind is TaskKind.KERNEL and any(v.size and v.flat[0] == mark for v in fd.values()):
+                assert started.wait(30)
+                raise RuntimeError("injected")
+            return real(t, get, fd, *args, **kw)
+        return compute
 
     class Started:
         def on_start(self, task: Any) -> None:
@@ -117,7 +128,7 @@ def test_concurrent_run_survives_a_neighbour_failing(monkeypatch: pytest.MonkeyP
         def on_end(self, task: Any, start: float, end: float) -> None:
             pass
 
-    monkeypatch.setattr(local_mod, "compute", compute)
+    patch_compute(monkeypatch, failing)
     bad = prog.run_async(**feeds)
     good = prog.run_async(**other, callbacks=[Started()])
     with pytest.raises(ej.EinjoinError, match="injected"):
@@ -144,7 +155,7 @@ def test_trace_to_a_full_disk_keeps_the_results(backend: str) -> None:
 @needs_dev_full
 def test_failed_run_with_trace_to_a_full_disk_raises_the_runs_error(monkeypatch: pytest.MonkeyPatch) -> None:
     prog, out, feeds = chain("threads")
-    monkeypatch.setattr(local_mod, "compute", FailingKernel(local_mod.compute, at=3, exc=ValueError("boom")))
+    patch_compute(monkeypatch, FailingKernel(at=3, exc=ValueError("boom")).around)
     with pytest.raises(ej.EinjoinError, match="boom") as info:
         prog.run(**feeds, trace="/dev/full")
     notes = " ".join(getattr(info.value, "__notes__", []))
@@ -277,7 +288,7 @@ def test_run_handle_result_raises_the_same_error_without_growing_its_traceback(
     """Review 9: each ``result()`` call re-raised the one exception object, and every raise
     added the caller's frames to its traceback."""
     prog, out, feeds = chain("threads")
-    monkeypatch.setattr(local_mod, "compute", FailingKernel(local_mod.compute, at=1, exc=ValueError("boom")))
+    patch_compute(monkeypatch, FailingKernel(at=1, exc=ValueError("boom")).around)
     h = prog.run_async(**feeds)
     depths = []
     for _ in range(3):

@@ -228,9 +228,8 @@ def test_bad_batches_and_a_failing_step_leave_the_state():
     for make, err, match in bad:
         with pytest.raises(err, match=match):
             make()
-    tr.lr = float("inf")
-    with pytest.raises(ej.EinjoinError, match="lr=inf"):
-        tr.step(x, t)
+    with pytest.raises(ej.EinjoinError, match="lr.*inf"):  # refused where it is set (ca8553d)
+        tr.lr = float("inf")
     after = tr.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert (tr.steps, tr.micro_steps) == (1, 1)
