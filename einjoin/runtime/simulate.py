@@ -51,6 +51,7 @@ from einjoin.ir.scalar import Arg, Call
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
+from einjoin.runtime.simulate_share import share as _share
 
 __all__ = ["Simulation", "simulate", "simulate_program", "hardware_for", "SimulateBackend", "COSTS", "Phases"]
 
@@ -472,11 +473,20 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
                     waiting.add(q)
         done += 1
 
+    # the shared phases by resource, and the resources whose flows changed since the last
+    # sharing: only the flows connected to those through shared resources get new rates (max-min
+    # fairness splits into such components; on 256 GPUs most transfers are in other nodes')
+    through: dict[Any, dict[_Flow, None]] = {}
+    touched: dict[Any, None] = {}
+
     def place(f: _Flow) -> None:
         nonlocal serial, dirty
         if f.res:
             f.since, f.rate = now, 0.0
             active.append(f)
+            for r, _ in f.res:
+                through.setdefault(r, {})[f] = None
+                touched[r] = None
             dirty = True
         else:
             serial += 1
@@ -509,11 +519,24 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
         # the next event: the first fixed phase to end, or the first shared phase to end at the
         # rates the shared phases now have (recomputed only when that set changed)
         if dirty:
-            for f in active:
+            comp: dict[_Flow, None] = {}
+            stack = list(touched)
+            seen = set(stack)
+            touched.clear()
+            while stack:
+                for f in through.get(stack.pop(), ()):
+                    if f not in comp:
+                        comp[f] = None
+                        for r, _ in f.res:
+                            if r not in seen:
+                                seen.add(r)
+                                stack.append(r)
+            changed = list(comp)
+            for f in changed:
                 f.left -= f.rate * (now - f.since)
                 f.since = now
-            _share(active, cap)
-            for f in active:
+            _share(changed, cap)
+            for f in changed:
                 f.end = now + max(f.left, 0.0) / f.rate
             dirty = False
         nxt = fixed[0][0] if fixed else math.inf
@@ -528,6 +551,13 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
             if len(keep) < len(active):
                 ended = [f for f in active if f.end <= limit]
                 active[:] = keep
+                for f in ended:
+                    for r, _ in f.res:
+                        users = through[r]
+                        del users[f]
+                        if not users:
+                            del through[r]
+                        touched[r] = None
                 dirty = True
         while fixed and fixed[0][0] <= now * (1 + 1e-12) + 1e-15:
             ended.append(heapq.heappop(fixed)[2])
@@ -542,64 +572,6 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
     busy = {d: sum(e - s for s, e, _ in iv) for d, iv in intervals.items()}
     return Simulation(now + hardware.overhead, busy, link_bytes, link_busy, {d: peak[d] for d in range(n)}, intervals,
                       hardware.name, tasks, tuple(q // n for q in lanes))
-
-
-def _share(flows: list[_Flow], cap: Callable[[Any], float]) -> None:
-    """Set each flow's rate (the fraction of its alone speed, at most 1) max-min fair by
-    progressive filling: every flow's rate rises together; when a resource fills, the flows
-    through it stop there and the others go on rising (a transfer slowed by a busy outgoing
-    port leaves the rest of its incoming port to the others). A flow of one resource gets
-    ``cap / load`` of it, as plain fluid sharing.
-
-    The resources wait in a heap by the level at which they fill at their current load; each
-    fill freezes its flows and lowers the load of the other resources they hold (whose levels
-    are pushed again). That is O(pairs x log resources) per call rather than a pass over every
-    rising flow per fill: hundreds of concurrent transfers on 64+ GPUs made the passes the
-    simulator's cost (a 1-layer LLaMA-70B forward on 64 GPUs: 39 of its 43 s)."""
-    index: dict[Any, int] = {}
-    caps: list[float] = []
-    use: list[float] = []     # demand of the still-rising flows through each resource
-    spare: list[float] = []   # capacity left at level ``at`` ...
-    at: list[float] = []      # ... the level it was last brought up to date at
-    through: list[list[_Flow]] = []
-    for f in flows:
-        f.rate = -1.0  # rising
-        for r, dem in f.res:
-            i = index.get(r)
-            if i is None:
-                i = index[r] = len(caps)
-                c = cap(r)
-                caps.append(c)
-                use.append(0.0)
-                spare.append(c)
-                at.append(0.0)
-                through.append([])
-            use[i] += dem
-            through[i].append(f)
-    heap = [(spare[i] / use[i], i, use[i]) for i in range(len(caps)) if use[i] > 0]
-    heapq.heapify(heap)
-    while heap:
-        level, i, u = heapq.heappop(heap)
-        if u != use[i]:
-            continue  # a stale entry: the resource's load changed since it was pushed
-        if level >= 1.0 - 1e-12:
-            break
-        # resource i is full at ``level``: its rising flows stop here
-        for f in through[i]:
-            if f.rate >= 0.0:
-                continue
-            f.rate = level
-            for r, dem in f.res:
-                j = index[r]
-                spare[j] -= use[j] * (level - at[j])
-                at[j] = level
-                use[j] -= dem
-                if use[j] > 1e-12 * caps[j] and j != i:
-                    heapq.heappush(heap, (level + max(spare[j], 0.0) / use[j], j, use[j]))
-        use[i] = 0.0
-    for f in flows:
-        if f.rate < 0.0:
-            f.rate = 1.0
 
 
 def _pair(t: Task) -> tuple[int, int] | None:
