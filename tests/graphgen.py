@@ -79,7 +79,7 @@ def graphs(draw: Any, dtype: str = "float64", max_dim: int = 4, max_rank: int = 
     for i in range(n_inputs):
         shape = draw(shapes(0, max_rank, max_dim))
         pool.append(ej.input(f"in{i}", shape, dtype))
-        feeds[f"in{i}"] = rng.uniform(-1, 1, shape).astype(dtype)
+        feeds[f"in{i}"] = rng.uniform(-1, 1, shape).astype(ej.ir.dtypes.numpy_dtype(dtype))
     n_ops = draw(st.integers(1, 6))
     made: list[ej.Tensor] = []
     for _ in range(n_ops):

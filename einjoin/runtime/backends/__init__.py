@@ -7,6 +7,7 @@ device) and ``torch`` (:mod:`.torch_backend`: torch tensors and kernels)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -296,24 +297,64 @@ class ThreadsBackend:
     def open(self, run: RunSpec) -> LocalSession:
         if self.computes:
             tune_malloc()
-        return LocalSession(run, self.computes, threaded=True, limit=_cores_limit)
+        limit = _cores_limit
+        if run.engine.tg.n_devices < (os.cpu_count() or 1) and "torch" in sys.modules:
+            limit = functools.partial(_cores_limit, pool=_main_pool(run.engine.tg))
+        return LocalSession(run, self.computes, threaded=True, limit=limit)
 
     def close(self) -> None:
         pass
 
 
+_POOLS: dict[int, tuple[Any, str]] = {}  # id(task graph) -> (the graph, its main pool): a few kept
+
+
+def _main_pool(tg: Any) -> str:
+    """Which thread pool does most of a task graph's kernel flops: ``"torch"`` (attention,
+    convolutions, pools, top-k run on torch's CPU kernels, :data:`ray_worker.PRELOAD_FACTS`) or
+    ``"blas"`` (numpy's contractions), by the kernels' modelled flops; cached per graph."""
+    got = _POOLS.get(id(tg))
+    if got is not None and got[0] is tg:
+        return got[1]
+    from einjoin.ir.node import rule_for
+    from einjoin.runtime.backends.ray_worker import PRELOAD_FACTS
+    from einjoin.exchange import TaskKind
+    flops = {"torch": 0, "blas": 0}
+    for t in tg.tasks:
+        if t.kind is TaskKind.KERNEL and t.flops:
+            pool = "torch" if "torch" in rule_for(PRELOAD_FACTS, t.node.op, "preload") else "blas"
+            flops[pool] += t.flops
+    main = "torch" if flops["torch"] > flops["blas"] else "blas"
+    if len(_POOLS) >= 8:
+        _POOLS.clear()
+    _POOLS[id(tg)] = (tg, main)
+    return main
+
+
 @contextlib.contextmanager
-def _cores_limit(n_devices: int) -> Iterator[None]:
+def _cores_limit(n_devices: int, pool: str | None = None) -> Iterator[None]:
     """The threads backend's share of the cores: BLAS threads, and torch's intra-op threads when
     torch is loaded (the attention, convolution and pooling kernels run on torch's CPU kernels:
     with torch's own count, 2 device threads each opened a team of 2 OpenMP threads on 2 cores,
-    whose spinning workers took the cores the other device computed on)."""
-    with BLAS_LIMITER.limit(n_devices):
+    whose spinning workers took the cores the other device computed on).
+
+    ``pool``: with fewer devices than cores a device's share is several threads, and two pools of
+    them on the same cores fight: OpenBLAS's workers spin after a call, so a torch call right after
+    a numpy matmul waited for them (an attention of 0.12 ms took 4 ms, measured; vit-tiny on one
+    device 125 ms against 48 ms on two). The pool doing most of the program's flops gets the
+    share, the other one thread."""
+    cores = os.cpu_count() or 1
+    blas_n, torch_n = n_devices, n_devices
+    if pool == "torch":
+        blas_n = max(n_devices, cores)   # counted as `cores` devices: one BLAS thread
+    elif pool == "blas":
+        torch_n = max(n_devices, cores)
+    with BLAS_LIMITER.limit(blas_n):
         if "torch" not in sys.modules:  # not loaded: no torch kernel can run (and none is imported)
             yield
             return
         from einjoin.runtime.backends.torch_backend import TORCH_THREADS
-        with TORCH_THREADS.limit(n_devices):
+        with TORCH_THREADS.limit(torch_n):
             yield
 
 
