@@ -396,7 +396,7 @@ def _fewer_devices(graph: Graph, cluster: Cluster, options: CompileOptions, user
 
     def modelled(tg: TaskGraph) -> float:
         st = tg.stats()
-        return plan_time(sum(st.task_counts.values()), st.flops_per_device, cores)
+        return plan_time(sum(st.task_counts.values()), st.flops_per_device, cores, devices=tg.n_devices)
 
     best, best_k, best_time = full, p, modelled(full[3])
     flops = full[3].stats().flops

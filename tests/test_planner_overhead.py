@@ -33,11 +33,17 @@ def test_a_small_model_is_planned_on_one_device_and_explain_says_so() -> None:
     np.testing.assert_allclose(spread.run(**feeds), want, rtol=1e-5, atol=1e-5)
 
 
-def test_enough_work_keeps_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("einjoin.compiler.os.cpu_count", lambda: 8)  # the choice reads the cores
+@pytest.mark.parametrize("cores", [1, 4, 6, 8])
+def test_enough_work_keeps_every_core_busy(cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seconds of work are planned on devices that get every core (with fewer devices than cores
+    the threads backend gives each device's kernels its share of them): on 6 cores not 4 devices
+    of one core each."""
+    monkeypatch.setattr("einjoin.compiler.os.cpu_count", lambda: cores)  # the choice reads the cores
     z = ej.input("a", (4096, 4096)) @ ej.input("b", (4096, 4096))  # 137 GFLOP: seconds of work
     prog = ej.compile(z, devices=4, backend="null", quiet=True, leave_idle=True)
-    assert prog.cluster.size == 4 and prog.plan.devices_note is None
+    k = prog.cluster.size
+    assert min(cores, k * max(1, cores // k)) == cores, (cores, k)  # every core computes
+    assert (prog.plan.devices_note is None) == (k == 4)
 
 
 def test_devices_are_left_idle_only_when_asked_and_only_where_it_applies() -> None:
