@@ -119,20 +119,35 @@ def time_case(name: str, module: torch.nn.Module, batches: Sequence[tuple[torch.
     es: list[float] = []
     ecpu: list[float] = []
     warm = 3
-    for i in range(warm + reps):  # alternate, so background load hits both columns alike
-        b = batches[i % len(batches)]
-        if i >= warm:
-            log(f"{name}: step {i + 1 - warm}/{reps}")
-        t0, c0 = time.perf_counter(), time.process_time()
-        ours = trainer.step(*b)
-        t1, c1 = time.perf_counter(), time.process_time()
-        theirs = torch_step(*b)
-        t2 = time.perf_counter()
-        err = max(err, abs(ours - theirs) / abs(theirs))
-        if i >= warm:
-            es.append(t1 - t0)
-            ts.append(t2 - t1)
-            ecpu.append(c1 - c0)
+    ours: list[float] = []
+    theirs: list[float] = []
+    # rounds of a few steps of each column back to back, as a training loop runs them, the
+    # columns alternating by round so that background load hits both alike; a pause between:
+    # a thread pool's workers spin after their last call (OpenBLAS ~0.1 s, torch's OpenMP team)
+    # and would take the cores from the column timed next (step by step alternation made
+    # torch's step 23 -> 47 ms after einjoin's one-device steps)
+    chunk, total = 5, warm + reps
+    for first in range(0, total, chunk):
+        steps = range(first, min(total, first + chunk))
+        time.sleep(0.3)
+        for i in steps:
+            b = batches[i % len(batches)]
+            if i >= warm:
+                log(f"{name}: step {i + 1 - warm}/{reps}")
+            t0, c0 = time.perf_counter(), time.process_time()
+            ours.append(trainer.step(*b))
+            t1, c1 = time.perf_counter(), time.process_time()
+            if i >= warm:
+                es.append(t1 - t0)
+                ecpu.append(c1 - c0)
+        time.sleep(0.3)
+        for i in steps:
+            b = batches[i % len(batches)]
+            t1 = time.perf_counter()
+            theirs.append(torch_step(*b))
+            if i >= warm:
+                ts.append(time.perf_counter() - t1)
+    err = max(abs(o - t) / abs(t) for o, t in zip(ours, theirs))
     # torch's work: CPU seconds of a step on one thread (on a copy: the reference stays in step
     # with the trainer). CPU time hardly moves with other processes' load, where wall time does
     # (torch's spinning OpenMP threads most of all): a busy machine's yardstick
