@@ -123,7 +123,9 @@ def _load(con: Any, name: str, rel: Relation, col: Mapping[str, int], kind: str)
     if key_cols:
         con.register("kk", np.ascontiguousarray(rel.keys.T, np.int64))
     con.register("pp", np.ascontiguousarray(rel.data.reshape(n, size).T, np.float64 if kind == "f" else np.int64))
-    vals = [f"pp.column{e}" for e in range(size)]
+    # DuckDB scans a numpy NaN as NULL (which sum and max skip); a numpy column holds no NULL,
+    # so each NULL read back is a NaN
+    vals = [f"coalesce(pp.column{e}, 'NaN'::DOUBLE)" if kind == "f" else f"pp.column{e}" for e in range(size)]
     pay = vals[0] if size == 1 else f"list_value({', '.join(vals)})"
     keys = [f"kk.column{p} AS {c}" for p, c in enumerate(key_cols)]
     src = "kk POSITIONAL JOIN pp" if key_cols else "pp"
