@@ -239,6 +239,8 @@ class SparsePlan:
                 return np.zeros(out_shape, self.dtype)
             return SparseTensor("out", out_shape, tuple(max(n, 1) for n in out_shape),
                                 np.zeros((0, len(out_shape)), np.int64), np.zeros((0, *out_shape), self.dtype))
+        if self.agg == "sum" and len(values) > 1:
+            self._refuse_non_finite(values)
         if self.engine.name == "duckdb":
             with DuckSession(self._what(), self.engine.memory, self.engine.temp_directory,
                              self.engine.threads) as session:
@@ -247,6 +249,23 @@ class SparsePlan:
                 self.engine.ranges = session.ranges
                 return out
         return self._run_steps(values, None)
+
+    def _refuse_non_finite(self, values: Sequence[SparseTensor | np.ndarray]) -> None:
+        """A sum of products meets absent entries (zeros) with the other operands' values: on the
+        densified inputs 0 * inf is nan, but the executor skips absent tuples per entry and
+        multiplies the zeros inside blocks, so the answer would depend on the block layout the data
+        chooses: an inf or nan value is refused, by name."""
+        for k, v in enumerate(values):
+            data = v.data if isinstance(v, SparseTensor) else v
+            if data.dtype.kind != "f" or not data.size:
+                continue
+            # one pass without a temporary; a sum that overflowed is checked element by element
+            if np.isfinite(data.sum(dtype=np.float64)) or np.isfinite(data).all():
+                continue
+            raise EinjoinError(f"{self._what()}: operand {k} ({_name(v, k)}) holds inf or nan; absent entries "
+                               f"of the sparse operands are zeros and 0 * inf is nan on the densified inputs, "
+                               f"which a sparse product does not compute: replace the non-finite values "
+                               f"(np.nan_to_num), or run the einsum on the densified inputs")
 
     def _run_steps(self, values: Sequence[SparseTensor | np.ndarray], session: DuckSession | None
                    ) -> SparseTensor | np.ndarray:
