@@ -234,10 +234,7 @@ def _batched_matmul(r: MatmulRoute, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     size = dict(zip(lx, x.shape)) | dict(zip(ly, y.shape))
 
     def prod(labels: tuple[str, ...]) -> int:
-        p = 1
-        for lab in labels:
-            p *= size[lab]
-        return p
+        return math.prod(size[lab] for lab in labels)
 
     batch, m, nn, k = r.batch, r.m, r.n, r.k
     xm = np.transpose(x, [lx.index(lab) for lab in batch + m + k]).reshape(prod(batch), prod(m), prod(k))

@@ -22,6 +22,7 @@ True
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -128,10 +129,7 @@ def _matmul_core(r: MatmulRoute, shapes: Sequence[tuple[int, ...]]) -> Callable[
     size = dict(zip(lx, shapes[0])) | dict(zip(ly, shapes[1]))
 
     def prod(labels: tuple[str, ...]) -> int:
-        p = 1
-        for lab in labels:
-            p *= size[lab]
-        return p
+        return math.prod(size[lab] for lab in labels)
 
     batch, m, n, k = r.batch, r.m, r.n, r.k
     pmx = [lx.index(lab) for lab in batch + m + k]
