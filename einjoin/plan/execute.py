@@ -17,6 +17,7 @@ from einjoin.decomp.relation import TensorRelation
 from einjoin.errors import EinjoinError
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import numpy_dtype
+from einjoin.ir.evaluate import QUIET_FLOATS
 from einjoin.ir.kernels import fill_kernel
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
@@ -40,18 +41,19 @@ def compute(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray],
     prepared for, and the general path runs).
 
     Floating-point edge cases (overflow, log 0, 0/0) give inf/nan as IEEE says and raise no
-    numpy warning, whichever backend or thread runs the task (errstate is per thread, so it is
-    set here, around every task, rather than once by the caller)."""
+    numpy warning, whichever backend or thread runs the task: errstate is per thread, so it is
+    set here around the task, unless the thread holds it already
+    (:func:`~einjoin.ir.evaluate.quiet_floats`: a local backend's worker, for the whole run;
+    entering it costs ~2 us, a small model's step has ~900 computing tasks)."""
+    if getattr(QUIET_FLOATS, "on", False):
+        return _compute(t, get, feeds, decomps, shape, fast)
     with np.errstate(all="ignore"):
-        return compute_quiet(t, get, feeds, decomps, shape, fast)
+        return _compute(t, get, feeds, decomps, shape, fast)
 
 
-def compute_quiet(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray],
-                  decomps: Mapping[Node, Decomposition], shape: tuple[int, ...],
-                  fast: Callable[[list[Any]], np.ndarray | None] | None = None) -> np.ndarray:
-    """:func:`compute` for a caller that holds ``np.errstate(all="ignore")`` on its thread
-    already (a local backend's worker, for the whole run: entering it costs ~2 us, a small
-    model's step has ~900 computing tasks)."""
+def _compute(t: Task, get: Getter, feeds: Mapping[Node, np.ndarray],
+             decomps: Mapping[Node, Decomposition], shape: tuple[int, ...],
+             fast: Callable[[list[Any]], np.ndarray | None] | None) -> np.ndarray:
     rule = COMPUTE.get(t.kind)
     if rule is None:  # pragma: no cover - releases and reloads are the runtime's, not computations
         raise AssertionError(f"no computation for task kind {t.kind}")

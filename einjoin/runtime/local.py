@@ -22,9 +22,9 @@ import numpy as np
 
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.attention import ForwardMemo, forward_memo
-from einjoin.ir.evaluate import QUIET_FLOATS, quiet_floats
+from einjoin.ir.evaluate import quiet_floats
 from einjoin.ir.node import Node
-from einjoin.plan.execute import assemble_outputs, compute, compute_quiet, from_host, to_host
+from einjoin.plan.execute import assemble_outputs, compute, from_host, to_host
 from einjoin.runtime.backend import RunSpec
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class LocalSession:
         :class:`~einjoin.ir.attention.ForwardMemo` to it (kernels see no session), and holds
         numpy's ``errstate(all="ignore")`` for the whole run
         (:func:`~einjoin.ir.evaluate.quiet_floats`), which :func:`compute` and ``evaluate``
-        otherwise enter around every task (:meth:`execute` then takes :func:`compute_quiet`)."""
+        otherwise enter around every task."""
         with forward_memo(self.memo), quiet_floats():
             yield
 
@@ -225,8 +225,7 @@ class LocalSession:
             else:
                 # a move reads on its source device and writes on its destination
                 get = self.stores[t.payload.src_device].get if kind is _MOVE else store.get
-                value = (compute_quiet if getattr(QUIET_FLOATS, "on", False) else compute)(
-                    t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape, self.fast[t.id])
+                value = compute(t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape, self.fast[t.id])
                 if self.capped and (kind is _LOAD or kind is _KERNEL):
                     value = _own(value, t, get, self.feeds)
         store.unreserve(t.scratch)

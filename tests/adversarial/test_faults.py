@@ -65,10 +65,8 @@ class FailingKernel:
 
 
 def patch_compute(monkeypatch: pytest.MonkeyPatch, wrap: Any) -> None:
-    """The local backends compute a kernel with ``compute``, or ``compute_quiet`` on a worker that
-    holds numpy's errstate for the run: both wrapped (``wrap(real)``)."""
-    for name in ("compute", "compute_quiet"):
-        monkeypatch.setattr(local_mod, name, wrap(getattr(local_mod, name)))
+    """The local backends compute a task with ``compute``: wrapped (``wrap(real)``)."""
+    monkeypatch.setattr(local_mod, "compute", wrap(local_mod.compute))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

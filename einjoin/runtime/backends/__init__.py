@@ -11,11 +11,13 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from einjoin.errors import EinjoinError
+from einjoin.exchange import TaskKind
 from einjoin.runtime.backend import Backend, RunSpec, join_thread, wait_event
 from einjoin.runtime.local import LocalSession
 from einjoin.runtime.malloc import tune_malloc
@@ -299,35 +301,31 @@ class ThreadsBackend:
             tune_malloc()
         limit = _cores_limit
         if run.engine.tg.n_devices < (os.cpu_count() or 1) and "torch" in sys.modules:
-            limit = functools.partial(_cores_limit, pool=_main_pool(run.engine.tg))
+            limit = functools.partial(_cores_limit, pool=_main_pool(run.engine))
         return LocalSession(run, self.computes, threaded=True, limit=limit)
 
     def close(self) -> None:
         pass
 
 
-_POOLS: dict[int, tuple[Any, str]] = {}  # id(task graph) -> (the graph, its main pool): a few kept
+_POOLS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # engine -> its main pool
 
 
-def _main_pool(tg: Any) -> str:
-    """Which thread pool does most of a task graph's kernel flops: ``"torch"`` (attention,
+def _main_pool(engine: Any) -> str:
+    """Which thread pool does most of an engine's kernel flops: ``"torch"`` (attention,
     convolutions, pools, top-k run on torch's CPU kernels, :data:`ray_worker.PRELOAD_FACTS`) or
-    ``"blas"`` (numpy's contractions), by the kernels' modelled flops; cached per graph."""
-    got = _POOLS.get(id(tg))
-    if got is not None and got[0] is tg:
-        return got[1]
+    ``"blas"`` (numpy's contractions), by the kernels' modelled flops; once per engine (program)."""
+    got = _POOLS.get(engine)
+    if got is not None:
+        return got
     from einjoin.ir.node import rule_for
     from einjoin.runtime.backends.ray_worker import PRELOAD_FACTS
-    from einjoin.exchange import TaskKind
     flops = {"torch": 0, "blas": 0}
-    for t in tg.tasks:
+    for t in engine.tg.tasks:
         if t.kind is TaskKind.KERNEL and t.flops:
             pool = "torch" if "torch" in rule_for(PRELOAD_FACTS, t.node.op, "preload") else "blas"
             flops[pool] += t.flops
-    main = "torch" if flops["torch"] > flops["blas"] else "blas"
-    if len(_POOLS) >= 8:
-        _POOLS.clear()
-    _POOLS[id(tg)] = (tg, main)
+    _POOLS[engine] = main = "torch" if flops["torch"] > flops["blas"] else "blas"
     return main
 
 
