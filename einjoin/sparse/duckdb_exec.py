@@ -42,7 +42,7 @@ import numpy as np
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.sparse.execute import Relation, RunCounts, relation_of, zero_padding
 from einjoin.sparse.layout import Layout
-from einjoin.sparse.tensor import SparseTensor
+from einjoin.sparse.tensor import SparseTensor, unique_rows
 
 __all__ = ["DuckSession", "execute_duckdb", "require_duckdb", "step_sql"]
 
@@ -266,17 +266,18 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
         for i, r in enumerate(rels):
             _load(con, f"t{i}", r, col, kind)
         parts = []
+        # the ranges cut one relation (the owner of the first relational output label): its
+        # per-range query reads table "part" instead, the same for every range
+        part_sql = sql if ranges[0][1] == "" else step_sql(rels, in_labels, out_labels, sizes, layout, agg,
+                                                            kind, sources={ranges[0][0]: "part"})[0]
         for owner, where in ranges:
             # one range of output keys at a time (DuckDB's aggregation does not spill well), its
             # tuples a table of their own (exact sizes: DuckDB then builds the join's hash table on
             # them, not on the other side). The grouped rows go to a table (spillable, unlike a
             # materialised query result) and come back in slices of rowids
             stage = "the join-aggregation" + (f" (t{owner}: {where})" if where else "")
-            part_sql = sql
             if where:
                 con.execute(f"CREATE OR REPLACE TABLE part AS SELECT * FROM t{owner} WHERE {where}")
-                part_sql = step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind,
-                                    sources={owner: "part"})[0]
             con.execute(f"CREATE OR REPLACE TABLE res AS {part_sql}")
             session.spilled = max(session.spilled, session.temp_bytes())
             stage = "fetching the result"
@@ -309,14 +310,8 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
     if out_rel:
         kcols = np.stack([np.asarray(res[c], np.int64) for c in key_cols], axis=1) if len(cnt) else \
             np.zeros((0, len(out_rel)), np.int64)
-        code = np.zeros(len(cnt), np.int64)
-        for d, lab in enumerate(out_rel):
-            code = code * grid[lab] + kcols[:, d]
-        ucode, gid = np.unique(code, return_inverse=True)
-        keys = np.stack(np.unravel_index(ucode, tuple(grid[lab] for lab in out_rel)), axis=1).astype(np.int64) \
-            if len(ucode) else np.zeros((0, len(out_rel)), np.int64)
-        ngroups = len(ucode)
-        gid = gid.reshape(-1)
+        keys, gid = unique_rows(kcols, [grid[lab] for lab in out_rel])
+        ngroups = len(keys)
     else:
         keys, ngroups, gid = None, 1, np.zeros(len(cnt), np.int64)
     compute = np.dtype(np.float64) if kind == "f" else np.dtype(np.int64)
