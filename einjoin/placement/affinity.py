@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import Decomposition, Kernel
-from einjoin.decomp.partition import BlockKey, Box, Partition
+from einjoin.decomp.partition import BlockKey, Box, Partition, box_size
 from einjoin.decomp.flops import kernel_flops
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Node
@@ -232,11 +232,8 @@ def _spread_sums(d: Decomposition, devs: list[int], st: _State) -> NodePlacement
     homes = dict(pl.homes)
     for key, on in where.items():
         if len(on) > 1:
-            elems = 1
-            for a, b in d.out_partition.box(key):
-                elems *= b - a
             homes[key] = home = min(on, key=lambda dv: (st.summed[dv], dv))
-            st.summed[home] += elems
+            st.summed[home] += box_size(d.out_partition.box(key))
     return NodePlacement(pl.kernel_devices, homes)
 
 

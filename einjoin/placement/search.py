@@ -40,7 +40,7 @@ from einjoin.cluster import Cluster
 from einjoin.cluster.model import work_time
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.flops import kernel_flops
-from einjoin.decomp.partition import BlockKey
+from einjoin.decomp.partition import BlockKey, box_size
 from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import partial_dtype
@@ -109,10 +109,10 @@ class Estimate:
                         continue
                     sz = itemsize(x.dtype)
                     for pk, sub in _parts(decomps[x].out_partition, d.in_partitions[slot].box(key)):
-                        b = sz * math.prod(e - a for a, e in sub)
+                        b = sz * box_size(sub)
                         pieces.append((x, pk, b))
                         nbytes += b
-                out = acc * math.prod(e - a for a, e in d.out_partition.box(k.out_key))
+                out = acc * box_size(d.out_partition.box(k.out_key))
                 flops = kernel_flops(d, k.index)
                 if hw is not None and hw.size == p:
                     runs = tuple(work_time(m, flops, nbytes + out, node.dtype, 1.0, node.kind) + m.launch
@@ -120,7 +120,7 @@ class Estimate:
                 else:
                     runs = (flops / _NOMINAL_RATE,) * p
                 kernels.append((runs, pieces))
-            block = acc * max((math.prod(e - a for a, e in d.out_partition.box(key))
+            block = acc * max((box_size(d.out_partition.box(key))
                                for key in d.out_partition.keys()), default=0)
             self.ops.append((node, d, kernels, block))
 
@@ -274,6 +274,16 @@ def _follow(node: Node, decomps: Mapping[Node, Decomposition], current: Placemen
     time from the device holding it, over the cluster's links), at most ceil(K/P) kernels per
     device as the placers keep them; the kernels with most to lose choose first."""
     d = decomps[node]
+    homes_of: dict[Node, dict[BlockKey, int]] = {}  # per input, once: its blocks' devices
+
+    def homes_for(x: Node) -> dict[BlockKey, int]:
+        if x not in homes_of:
+            xd, xpl = decomps[x], current[x]
+            if x in devs and list(xpl.kernel_devices) != devs[x]:  # moved by this move: homes as first placed
+                xpl = _from_kernel_devices(xd, devs[x])
+            homes_of[x] = block_devices(x, xd, xpl)
+        return homes_of[x]
+
     costs = []
     for k in d.kernels:
         cost = [0.0] * p
@@ -281,14 +291,11 @@ def _follow(node: Node, decomps: Mapping[Node, Decomposition], current: Placemen
             if key is None or x.facts.free:
                 continue
             xd = decomps[x]
-            xpl = current[x]
-            if x in devs and list(xpl.kernel_devices) != devs[x]:  # moved by this move: homes as first placed
-                xpl = _from_kernel_devices(xd, devs[x])
-            homes = block_devices(x, xd, xpl)
+            homes = homes_for(x)
             sz = itemsize(x.dtype)
             for pk, sub in _parts(xd.out_partition, d.in_partitions[slot].box(key)):
                 h = homes[pk]
-                nbytes = sz * math.prod(e - a for a, e in sub)
+                nbytes = sz * box_size(sub)
                 for dv in range(p):
                     if dv != h:
                         cost[dv] += link(h, dv, nbytes)
