@@ -333,11 +333,15 @@ def _build_best(source: Source, cluster: Cluster, options: CompileOptions) -> Co
 
 
 def _makespan(plan: CompiledPlan) -> float:
-    """The simulated makespan of ``plan``'s task graph on its cluster's time model, weights
-    resident (a GPU benchmark's view), in the runs' order."""
+    """The simulated makespan of ``plan``'s task graph on its cluster's time model."""
+    return _simulated(plan.taskgraph, plan.cluster, plan.options)
+
+
+def _simulated(tg: TaskGraph, cluster: Cluster, options: CompileOptions) -> float:
+    """The simulated makespan of ``tg`` on ``cluster``'s time model, weights resident (a GPU
+    benchmark's view), in the runs' order."""
     from einjoin.runtime.simulate import simulate
-    return simulate(plan.taskgraph, plan.cluster.hardware, plan.options.order, plan.options.seed,
-                    resident=True).makespan
+    return simulate(tg, cluster.hardware, options.order, options.seed, resident=True).makespan
 
 
 def _build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:
@@ -468,9 +472,10 @@ def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user
                                f"its new value: give the spec to {describe(tied[old])} instead)")
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
     if options.placement == "search" and cluster.hardware is not None:
-        placed = tie_homes(decomps, _searched(graph, decomps, cluster, options, tied), tied)
+        placement = _searched(graph, decomps, cluster, options, tied)
     else:
-        placed = tie_homes(decomps, place(options.placement, decomps, cluster, options.seed), tied)
+        placement = place(options.placement, decomps, cluster, options.seed)
+    placed = tie_homes(decomps, placement, tied)
     return decomps, placed, build_taskgraph(graph, decomps, placed, cluster.size)
 
 
@@ -480,11 +485,10 @@ def _searched(graph: Graph, decomps: dict[Node, Decomposition], cluster: Cluster
     (:mod:`einjoin.placement.search`, floor 2) scored by what it cannot import, the simulated
     makespan of the task graph each candidate gives (weights resident, as :func:`_makespan`)."""
     from einjoin.placement.search import search
-    from einjoin.runtime.simulate import simulate
 
     def makespan(pl: Placement) -> float:
-        tg = build_taskgraph(graph, decomps, tie_homes(decomps, pl, tied), cluster.size)
-        return simulate(tg, cluster.hardware, options.order, options.seed, resident=True).makespan
+        return _simulated(build_taskgraph(graph, decomps, tie_homes(decomps, pl, tied), cluster.size),
+                          cluster, options)
     return search(decomps, cluster, options.seed, score=makespan)
 
 
