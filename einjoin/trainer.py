@@ -57,6 +57,8 @@ from einjoin.frontend.tensor import Tensor
 from einjoin.frontend.aten import torch_dtype
 from einjoin.frontend.torch import TorchFunction, _canonical_names, from_torch
 from einjoin.ir.graph import Graph
+from einjoin.runtime.engine import check_seed
+from einjoin.train.optim import check_lr
 from einjoin.program import Program
 from einjoin.program import compile as ej_compile
 from einjoin.variants import ShapeCache
@@ -201,7 +203,7 @@ class Trainer:
         if isinstance(accumulate, (bool, np.bool_)) or not isinstance(accumulate, (int, np.integer)) \
                 or accumulate < 1:
             raise EinjoinError(f"Trainer: accumulate must be an int >= 1, got {accumulate!r:.40}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not -2 ** 63 <= seed < 2 ** 64:
+        if not -2 ** 63 <= check_seed(seed, "Trainer: seed") < 2 ** 64:
             raise EinjoinError(f"Trainer: seed must be an int in [-2**63, 2**64) as torch.manual_seed's, "
                                f"got {seed!r:.40}")
         trainable = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -266,11 +268,7 @@ class Trainer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        # the optimizers' rule (ej.optim's lr): refused here, not at the next step()
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not 0 <= float(value) < float("inf"):
-            raise EinjoinError(f"Trainer.lr must be a finite number >= 0, got {value!r:.40}")
-        self._lr = float(value)
+        self._lr = check_lr(value)  # the optimizers' rule: refused here, not at the next step()
 
     # ---- building one program
 

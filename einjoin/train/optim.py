@@ -104,7 +104,7 @@ class Update:
         >>> ej.optim.SGD(lr=0.5).update({"w": w}, {"w": w}).hyper_values(0.25)
         {'lr.w': array(0.25)}
         """
-        value = self.lr if lr is None else _check_lr(lr)
+        value = self.lr if lr is None else check_lr(lr)
         return {name: np.asarray(value, np.float64) for name in self.hyper}
 
 
@@ -117,7 +117,8 @@ def _number(v: Any, what: str) -> float:
     return f
 
 
-def _check_lr(lr: Any) -> float:
+def check_lr(lr: Any) -> float:
+    """A learning rate: a number >= 0 and finite (numpy numbers too), as a float."""
     f = _number(lr, "lr")
     if not 0.0 <= f < math.inf:
         raise EinjoinError(f"Invalid learning rate: lr={lr!r} (must be >= 0 and finite)")
@@ -249,7 +250,7 @@ class SGD(Optimizer):
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
-        self.lr = _check_lr(lr)
+        self.lr = check_lr(lr)
         self.momentum = _non_negative(momentum, "momentum")
         self.dampening = _number(dampening, "dampening")
         self.weight_decay = _non_negative(weight_decay, "weight_decay")
@@ -309,7 +310,7 @@ class AdamW(Optimizer):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
-        self.lr = _check_lr(lr)
+        self.lr = check_lr(lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise EinjoinError(f"betas must be a pair of numbers, got {betas!r:.60}")
         b = [_number(v, f"betas[{i}]") for i, v in enumerate(betas)]
