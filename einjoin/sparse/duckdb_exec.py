@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import EinjoinError, UnsupportedOpError
+from einjoin.errors import EinjoinError
 from einjoin.sparse.execute import Relation, RunCounts, relation_of, zero_padding
 from einjoin.sparse.layout import Layout
 from einjoin.sparse.tensor import SparseTensor, unique_rows
@@ -250,9 +250,6 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
                    sizes: Mapping[str, int], layout: Layout, agg: str, dtype: np.dtype, what: str
                    ) -> tuple[np.ndarray, np.ndarray | None, RunCounts]:
     """:func:`einjoin.sparse.execute.execute`'s contract, run as one SQL query in ``session``."""
-    if dtype.kind == "u" and dtype.itemsize == 8:
-        raise UnsupportedOpError(f"{what}: engine='duckdb' computes integers as BIGINT; uint64 values "
-                                 f"may not fit (use engine='memory')")
     kind = "f" if dtype.kind == "f" else "i"
     rels = [relation_of(v, ls, layout) for v, ls in zip(values, in_labels)]
     labels = list(dict.fromkeys([*out_labels, *(lab for ls in in_labels for lab in ls)]))
