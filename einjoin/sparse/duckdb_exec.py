@@ -235,7 +235,9 @@ def _partitions(session: DuckSession, rels: Sequence[Relation], labels: list[str
     groups = min(len(rels[owner].keys), math.prod(-(-sizes[x] // (layout.blocks[x] or 1)) for x in out_rel))
     per_group = AGG_STATE_BYTES * max(ncols, 1) if ncols else AGG_STATE_BYTES * \
         math.prod(layout.extent(x, sizes[x]) for x in out_labels)
-    n = min(int(-(-groups * per_group // (_limit_bytes(session) / 4))), len(np.unique(keys)))
+    n = int(-(-groups * per_group // (_limit_bytes(session) / 4)))
+    if n > 1:  # no more ranges than distinct keys (a sort: only where ranges are wanted at all)
+        n = min(n, len(np.unique(keys)))
     if n <= 1:
         return [(0, "")]
     cuts = np.unique(np.quantile(keys, np.linspace(0, 1, n + 1)[1:-1], method="lower").astype(np.int64))
