@@ -265,13 +265,16 @@ def greedy(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 
     return _place(decomps, cluster, choose)
 
 
+NOMINAL_RATE = 1e11  # flop/s a kernel runs at where the cluster has no time model
+
+
 @register_placer("critical_path")
 def critical_path(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int = 0) -> Placement:
     """Earliest finish time: a kernel starts when its device is free and its inputs have arrived
     over the cluster's links (bandwidth and latency from the topology), and runs for its flops at
     a nominal 100 GFLOP/s; it goes to the device where it finishes first."""
     def choose(node, d, k, pieces, allowed, st, cl):  # type: ignore[no-untyped-def]
-        run = kernel_flops(d, k.index) / 1e11
+        run = kernel_flops(d, k.index) / NOMINAL_RATE
         devices = allowed.devices()
         best, best_dev = None, devices[0]
         sources = [held.least() if held else -1 for _, _, _, held in pieces]

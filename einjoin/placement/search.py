@@ -45,7 +45,7 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Node
-from einjoin.placement.affinity import critical_path, greedy
+from einjoin.placement.affinity import NOMINAL_RATE, critical_path, greedy
 from einjoin.placement.base import Placement, _from_kernel_devices, register_placer
 from einjoin.placement.homes import _parts, block_devices, settle_homes
 
@@ -58,7 +58,6 @@ DEFAULT_BUDGET = 60  # evaluations of the score (the simulator's: ~0.1-0.2 s eac
 # then swap over a run. Tried against others on the bench's graphs (swaps first, follows first):
 # the same makespans within 2% at 40 evaluations; so was annealing instead of hill climbing
 _MOVES = (0.35, 0.65, 0.75, 0.85)
-_NOMINAL_RATE = 1e11  # flop/s on a cluster with no time model (critical_path's nominal rate)
 
 
 _KernelCost = tuple[tuple[float, ...], list[tuple[Node, BlockKey, int]]]  # seconds per device, pieces read
@@ -118,7 +117,7 @@ class Estimate:
                     runs = tuple(work_time(m, flops, nbytes + out, node.dtype, 1.0, node.kind) + m.launch
                                  for m in hw.models)
                 else:
-                    runs = (flops / _NOMINAL_RATE,) * p
+                    runs = (flops / NOMINAL_RATE,) * p
                 kernels.append((runs, pieces))
             block = acc * max((box_size(d.out_partition.box(key))
                                for key in d.out_partition.keys()), default=0)
