@@ -110,7 +110,8 @@ def _reduce(val: torch.Tensor, agg: str, n_out: int) -> torch.Tensor:
     """Aggregate ``val`` over its trailing dims after the first ``n_out`` (the aggregated labels
     come last in ``op.all_labels``), as numpy's ufunc ``reduce`` (bool sums and products count
     in int64)."""
-    flat = val.reshape(tuple(val.shape[:n_out]) + (-1,))
+    # the summed size spelled out: -1 is ambiguous when the kept dims hold no element
+    flat = val.reshape(tuple(val.shape[:n_out]) + (math.prod(val.shape[n_out:]),))
     if agg == "sum":
         return flat.sum(dim=-1)
     if agg == "prod":
