@@ -30,8 +30,9 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
+from einjoin.sparse.distribute import Distribution, Exchange, distribution
 from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duckdb
-from einjoin.sparse.execute import RunCounts, execute
+from einjoin.sparse.execute import RunCounts
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand
 
@@ -65,6 +66,7 @@ class Step:
     infos: list[Operand] | None
     ran: Layout | None = None
     counts: RunCounts | None = None
+    exchange: Exchange | None = None  # the last run's split over devices (einjoin.sparse.distribute)
 
     def notation(self, layout: Layout) -> str:
         """``Ij, jk -> Ik``: relational labels upper case (``Ii`` when blocks hold more than one
@@ -182,9 +184,11 @@ class SparsePlan:
     def __init__(self, equation: str, operands: Sequence[SparseTensor | np.ndarray],
                  in_labels: tuple[tuple[str, ...], ...], out_labels: tuple[str, ...],
                  sizes: dict[str, int], agg: str, dtype: np.dtype, steps: list[Step],
-                 pins: Mapping[str, int], relational: set[str], engine: Engine | None = None) -> None:
+                 pins: Mapping[str, int], relational: set[str], engine: Engine | None = None,
+                 devices: Distribution | None = None) -> None:
         self.equation = equation
         self.engine = engine or Engine()
+        self.distribution = devices or Distribution(1, None)
         self.operands = tuple(operands)
         self.in_labels = in_labels
         self.out_labels = out_labels
@@ -290,8 +294,9 @@ class SparsePlan:
             data, rkeys, counts = execute_duckdb(session, args, step.in_labels, step.out_labels, self.sizes,
                                                  lay, self.agg, self.dtype, self._what())
         else:
-            data, rkeys, counts = execute(args, step.in_labels, step.out_labels, self.sizes, lay, self.agg,
-                                          self.dtype, self._what())
+            names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
+            data, rkeys, counts, step.exchange = self.distribution.execute(
+                args, step.in_labels, step.out_labels, self.sizes, lay, self.agg, self.dtype, self._what(), names)
         step.counts = counts
         block = tuple(lay.extent(lab, self.sizes[lab]) for lab in step.out_labels)
         if last:
@@ -327,7 +332,7 @@ class SparsePlan:
         lines = [f"{self._what()} ({self.agg} of mul), result "
                  f"{'sparse' if self.sparse_result else 'dense'} "
                  f"{tuple(self.sizes[lab] for lab in self.out_labels)}, {len(self.steps)} step(s), "
-                 f"{self.engine.describe()}"]
+                 f"{self.engine.describe()}, {self.distribution.describe()}"]
         for j, step in enumerate(self.steps):
             names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
             lay = step.layout or step.ran
@@ -355,6 +360,8 @@ class SparsePlan:
             lines.append(f"    joined tuples: estimated {lay.joined:.0f}{actual}; {lay.payload} "
                          f"multiply-adds per tuple, {self._kernel(lay)}"
                          f", cost {lay.cost:.3g}")
+            if step.exchange is not None:
+                lines.append(f"    devices: {step.exchange.describe()}")
         return "\n".join(lines)
 
 
@@ -365,7 +372,8 @@ def _name(v: SparseTensor | np.ndarray, i: int) -> str:
 def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join: Any = None,
                    blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
                    engine: str = "memory", duckdb_memory: str | None = None,
-                   duckdb_temp: str | None = None, duckdb_threads: int | None = None) -> SparsePlan:
+                   duckdb_temp: str | None = None, duckdb_threads: int | None = None,
+                   devices: int = 1, backend: Any = "threads") -> SparsePlan:
     """Compile an einsum over sparse and dense operands (a ``mul`` join; ``sum`` or ``max``
     aggregation). ``blocks={"j": 256}`` pins a label's block size (relational), ``relational=
     {"i"}`` keeps a label relational at a block size of the planner's choice. A sum over three
@@ -375,11 +383,19 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     ``engine="duckdb"`` runs each step as one SQL query in DuckDB (``pip install
     'einjoin[duckdb]'``), under its ``memory_limit`` (``duckdb_memory="1GB"``; DuckDB's default,
     80% of RAM, when None), spilling to ``duckdb_temp`` (a temporary directory when None), on
-    ``duckdb_threads`` threads (DuckDB's default when None). Both give the same result."""
+    ``duckdb_threads`` threads (DuckDB's default when None). Both give the same result.
+
+    ``devices=n`` splits each step's relations over n devices by the block keys of one label
+    (range or hash, from the block histogram) and runs the parts on ``backend`` (``"threads"``,
+    ``"sync"``, ``"ray"`` or such a backend object); see :mod:`einjoin.sparse.distribute`."""
     what = f"sparse einsum {equation!r}"
     if not operands:
         raise EinjoinError(f"{what}: needs at least one operand")
     eng = _engine(engine, duckdb_memory, duckdb_temp, duckdb_threads, what)
+    dist = distribution(devices, backend, what)
+    if dist.devices > 1 and eng.name != "memory":
+        raise UnsupportedOpError(f"{what}: engine {eng.name!r} runs on one device (devices={devices}); "
+                                 f"engine='memory' runs on several")
     values = [_operand(x, i, what) for i, x in enumerate(operands)]
     if not any(isinstance(v, SparseTensor) for v in values):
         raise EinjoinError(f"{what}: no sparse operand (use ej.sparse(name, data), or ej.einsum on "
@@ -415,7 +431,7 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     _check_pins(pins, rel, sizes, what)
     steps = _path(in_labels, tuple(out_labels), infos, pins, rel, agg_name, what, eng.name)
     return SparsePlan(equation, values, tuple(in_labels), tuple(out_labels), sizes, agg_name, dtype,
-                      steps, pins, rel, eng)
+                      steps, pins, rel, eng, dist)
 
 
 @dataclass
@@ -467,11 +483,11 @@ def _check_pins(pins: Mapping[str, int], relational: set[str], sizes: Mapping[st
 
 
 def sparse_einsum(equation: str, *operands: Any, join: Any = None, agg: str | None = "sum",
-                  blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None
-                  ) -> SparseTensor | np.ndarray:
+                  blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
+                  devices: int = 1, backend: Any = "threads") -> SparseTensor | np.ndarray:
     """Compile and run once: what ``ej.einsum`` does when an operand is a SparseTensor."""
     return sparse_compile(equation, *operands, agg=agg, join=join, blocks=blocks,
-                          relational=relational).run()
+                          relational=relational, devices=devices, backend=backend).run()
 
 
 EINSUM["sparse_einsum"] = sparse_einsum

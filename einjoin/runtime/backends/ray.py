@@ -322,6 +322,25 @@ class RayBackend:
                                    f"{type(e).__name__}: {e}") from None
         return True
 
+    def device_actors(self, n: int) -> list[Any]:
+        """The live actors of devices 0..n-1 of a local shape (started if needed; Ray too), for
+        work that is not a task graph: :mod:`einjoin.sparse.distribute` runs a sparse step's
+        per-device parts with ``DeviceWorker.call``. A lost actor fails that work (no retry)."""
+        _check_int("RayBackend.device_actors", "n", n, 1)
+        shape = _shape(None, n)
+        with self._mu:
+            try:
+                self._check_session(_ray())
+                pool = self._pools.get(shape) or self._start(None, shape)
+                self._started(pool)
+            except EinjoinError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Ray's own errors, typed for the user
+                raise EinjoinError(f"the Ray backend could not start {n} device actors: "
+                                   f"{type(e).__name__}: {e}") from None
+            self._last = pool
+            return list(pool.actors)
+
     def _check_session(self, ray: Any) -> None:
         """Under ``_mu``: after ``ray.shutdown()`` or a Ray restart every actor and object
         reference of this backend is gone: forget them (the next run starts afresh)."""

@@ -222,6 +222,13 @@ class DeviceWorker:
             except Exception:  # noqa: BLE001 - the kernel's own import raises it, named, in its run
                 pass
 
+    def call(self, fn: Any, args: Sequence[Any], blas_threads: int = 0) -> Any:
+        """``fn(*args)`` on this device's process (work that is no task graph: a sparse einsum's
+        per-device part, :mod:`einjoin.sparse.distribute`), BLAS at ``blas_threads`` when > 0."""
+        if blas_threads > 0:
+            self._limit_blas(blas_threads)
+        return fn(*args)
+
     def node(self) -> str:
         import ray
         return ray.get_runtime_context().get_node_id()

@@ -1,0 +1,431 @@
+"""Sparse einsums on several devices: each step's relations split over the devices by the block
+keys of one relational label, every device joining and aggregating its part with the in-memory
+executor (:func:`einjoin.sparse.execute.execute`), partial aggregates combined by key.
+
+**The split** (:func:`choose_split`). For each relational label of the step's layout, the block
+histogram along it (tuples per key, per operand) weighs every key: its joined tuples (estimated as
+the product of the tuple counts of the operands keyed on the label) plus the tuples themselves.
+Two splits of the keys are weighed on it: a *range* split (cut points on the cumulative weight:
+contiguous keys per device) and a *hash* split (a multiplicative hash of the key, modulo the
+devices); the one whose busiest device carries less is kept (range on a tie). Operands keyed on
+the label are partitioned (each tuple on one device); an operand without it is sent to a device
+only the tuples that match, on their shared keys, a tuple of that device's part (a semi-join: a
+dense operand gets only the blocks a device's keys touch). An output label leaves each output key
+on one device; a summed label leaves partial sums, each sent to the device owning its output key
+(a hash of the key) and added there. Of the labels, the one moving the fewest bytes is split (a
+split whose busiest device carries more than ``BALANCE`` times the mean loses to one that does
+not); ``max`` splits output labels only (a max over partials would meet the absent tuples of
+every part). No relational label with two or more keys: the step runs on device 0.
+
+**Accounting** (the project's: one copy of every input tuple is loaded; every further copy and
+every travelling partial counts): each step's :class:`Exchange` (``Step.exchange``) holds the
+replicated tuples and bytes, the partial tuples and bytes sent to their key's owner, and per
+device the input tuples it holds and the tuples it joined; ``SparsePlan.explain()`` prints it.
+
+**Where the parts run** (a per-backend table, :data:`RUNNERS`): ``sync`` one after the other on
+this thread; ``threads`` the threads backend's device workers (the engine's ``einjoin-dev<d>``
+threads, ``_drive_threads``, under its share of the cores, ``_cores_limit``); ``ray`` the Ray
+backend's device actors (``RayBackend.device_actors``, ``DeviceWorker.call``). On Ray the parts
+and the partials travel through the driver (point-to-point sends between actors are built for
+task graphs only).
+
+>>> import numpy as np, scipy.sparse, einjoin as ej
+>>> a = ej.sparse("A", scipy.sparse.random(400, 300, density=0.01, random_state=0))
+>>> h = np.arange(300 * 4, dtype=float).reshape(300, 4)
+>>> plan = ej.sparse_compile("ij,jk->ik", a, h, devices=2, backend="sync")
+>>> np.allclose(plan.run().todense(), a.todense() @ h)
+True
+>>> ex = plan.steps[0].exchange
+>>> ex.split.label, len(ex.tuples), sum(ex.joined) == plan.steps[0].counts.joined
+('i', 2, True)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from einjoin.cluster import MAX_DEVICES
+from einjoin.errors import EinjoinError, UnsupportedOpError
+from einjoin.sparse.execute import RunCounts, execute, relation_of
+from einjoin.sparse.layout import Layout
+from einjoin.sparse.tensor import SparseTensor, key_codes
+
+__all__ = ["Split", "Exchange", "Distribution", "choose_split", "RUNNERS", "distribution"]
+
+BALANCE = 1.5  # a split whose busiest device carries more than this times the mean loses
+KEY_BYTES = 8  # one int64 key column of a tuple
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: keys in arithmetic runs spread evenly
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which devices own which block keys of ``label``: ``"range"`` (device d owns the keys in
+    ``[bounds[d-1], bounds[d])``) or ``"hash"`` (a multiplicative hash modulo ``n``). ``imbalance``:
+    the busiest device's modelled load over the mean.
+
+    >>> s = Split("i", "range", 2, (3,), 1.0)
+    >>> s.owner(np.array([0, 2, 3, 9])).tolist()
+    [0, 0, 1, 1]
+    """
+
+    label: str
+    kind: str
+    n: int
+    bounds: tuple[int, ...]
+    imbalance: float
+
+    def owner(self, keys: np.ndarray) -> np.ndarray:
+        if self.kind == "range":
+            return np.searchsorted(np.asarray(self.bounds, np.int64), keys, side="right").astype(np.int64)
+        return _hash_owner(keys, self.n)
+
+
+def _hash_owner(keys: np.ndarray, n: int) -> np.ndarray:
+    mixed: np.ndarray = (keys.astype(np.uint64) * _MIX) >> np.uint64(32)  # wraps modulo 2**64, as wanted
+    return np.asarray(mixed % np.uint64(n), np.int64)
+
+
+@dataclass
+class Exchange:
+    """One step's run on the devices: the split (None: not split, device 0 ran it), per device
+    the input tuples it held and the tuples it joined, the input tuples copied to more than one
+    device (``replicas``: copies beyond the first) and the partial output tuples sent to the
+    device owning their key, each with its bytes (keys and payloads)."""
+
+    split: Split | None
+    tuples: list[int]
+    joined: list[int]
+    replicas: int = 0
+    replica_bytes: int = 0
+    partials: int = 0
+    partial_bytes: int = 0
+
+    @property
+    def moved(self) -> int:
+        """Tuples moved between devices."""
+        return self.replicas + self.partials
+
+    @property
+    def moved_bytes(self) -> int:
+        return self.replica_bytes + self.partial_bytes
+
+    def describe(self) -> str:
+        if self.split is None:
+            how = "not split (no relational label with two or more keys): device 0"
+        else:
+            how = (f"split on {self.split.label} by {self.split.kind} over {len(self.tuples)} devices "
+                   f"(modelled max/mean load {self.split.imbalance:.2f})")
+        return (f"{how}; moved {self.moved} tuple(s), {_mib(self.moved_bytes)} ({self.replicas} replicated "
+                f"input, {self.partials} partial); per device input tuples {self.tuples}, joined {self.joined}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.2f} MiB" if n >= 2 ** 16 else f"{n} B"
+
+
+# ---- the relations at a step's layout, split ---------------------------------------------------
+
+def _at_layout(value: SparseTensor | np.ndarray, labels: tuple[str, ...], layout: Layout, name: str
+               ) -> SparseTensor:
+    """An operand as a relation of the layout's tuples (keys over every dim: 0 on dense dims),
+    as :func:`relation_of` cuts it; a dense array becomes every block."""
+    shape = tuple(value.shape)
+    block = tuple(layout.extent(lab, n) if layout.relational(lab) else max(n, 1) for lab, n in zip(labels, shape))
+    if isinstance(value, SparseTensor):
+        return value.reblock(block)
+    rel = relation_of(value, labels, layout)
+    keys = np.zeros((len(rel.data), len(labels)), np.int64)
+    keys[:, [d for d, lab in enumerate(labels) if layout.relational(lab)]] = rel.keys
+    return SparseTensor(name, shape, block, keys, rel.data)
+
+
+def _grid(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
+    return {lab: max(1, -(-sizes[lab] // b)) for lab, b in layout.blocks.items() if b}
+
+
+def _tuple_bytes(t: SparseTensor, labels: tuple[str, ...], layout: Layout) -> int:
+    return math.prod(t.block) * t.data.dtype.itemsize + KEY_BYTES * sum(layout.relational(lab) for lab in labels)
+
+
+def _weights(label: str, rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]], g: int
+             ) -> np.ndarray:
+    """Per key of ``label``: estimated joined tuples (the product of the keyed operands' tuple
+    counts at that key) plus the tuples themselves -- the block histogram along the label."""
+    counts = [np.bincount(r.keys[:, ls.index(label)], minlength=g).astype(np.float64)
+              for r, ls in zip(rels, in_labels) if label in ls]
+    return np.asarray(np.prod(counts, axis=0) + np.sum(counts, axis=0))
+
+
+def _split_of(label: str, w: np.ndarray, n: int) -> Split:
+    """The range or hash split of ``label``'s keys with the lighter busiest device."""
+    g, total = len(w), float(w.sum())
+    keys = np.arange(g, dtype=np.int64)
+    cum = np.cumsum(w)
+    bounds = tuple(int(b) for b in np.searchsorted(cum, total * np.arange(1, n) / n, side="left") + 1)
+    found = []
+    for kind, bs in (("range", bounds), ("hash", ())):
+        s = Split(label, kind, n, bs, 1.0)
+        load = np.bincount(s.owner(keys), weights=w, minlength=n)
+        found.append(Split(label, kind, n, bs, float(load.max() / (total / n)) if total else 1.0))
+    return min(found, key=lambda s: s.imbalance)
+
+
+def _codes(t: SparseTensor, labels: tuple[str, ...], shared: Sequence[str], grid: Mapping[str, int]
+           ) -> np.ndarray | None:
+    return key_codes(t.keys[:, [labels.index(lab) for lab in shared]], [grid[lab] for lab in shared])
+
+
+def _placement(split: Split, rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]],
+               layout: Layout, grid: Mapping[str, int]) -> list[list[np.ndarray]]:
+    """Per operand, per device, the mask of the tuples it sends there: the keyed operands by the
+    split's owner, the others by a semi-join with every keyed operand's part on their shared keys
+    (all of it to a device holding some part when they share none)."""
+    n, lab = split.n, split.label
+    keyed = [k for k, ls in enumerate(in_labels) if lab in ls]
+    masks: list[list[np.ndarray]] = [[] for _ in rels]
+    for k in keyed:
+        owner = split.owner(rels[k].keys[:, in_labels[k].index(lab)])
+        masks[k] = [owner == d for d in range(n)]
+    busy = [any(bool(masks[k][d].any()) for k in keyed) for d in range(n)]
+    for k, (r, ls) in enumerate(zip(rels, in_labels)):
+        if k in keyed:
+            continue
+        keep = [np.full(len(r.keys), busy[d]) for d in range(n)]
+        for p in keyed:
+            shared = [x for x in ls if x in in_labels[p] and layout.relational(x)]
+            mine, theirs = _codes(r, ls, shared, grid), _codes(rels[p], in_labels[p], shared, grid)
+            if not shared or mine is None or theirs is None:
+                continue  # nothing to match on (or codes overflow): every busy device gets it all
+            for d in range(n):
+                keep[d] &= np.isin(mine, theirs[masks[p][d]])
+        masks[k] = keep
+    return masks
+
+
+def _partial_estimate(masks: list[list[np.ndarray]], rels: Sequence[SparseTensor],
+                      in_labels: Sequence[tuple[str, ...]], out_rel: Sequence[str], grid: Mapping[str, int],
+                      n: int) -> float:
+    """Partial output tuples that leave their device: per device an upper bound of its output
+    keys (the fewest, over the operands, of an operand's distinct keys on the output labels it
+    has times the grid of those it lacks), (n-1)/n of them owned elsewhere."""
+    total = 0.0
+    for d in range(n):
+        best = float(math.prod(grid[lab] for lab in out_rel))
+        for r, ls, m in zip(rels, in_labels, masks):
+            have = [lab for lab in out_rel if lab in ls]
+            sub = r.keys[m[d]][:, [ls.index(lab) for lab in have]]
+            distinct = len(np.unique(sub, axis=0)) if have and len(sub) else int(len(sub) > 0)
+            best = min(best, distinct * math.prod(grid[lab] for lab in out_rel if lab not in ls))
+        total += best
+    return total * (n - 1) / n
+
+
+def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]],
+                 out_labels: tuple[str, ...], layout: Layout, sizes: Mapping[str, int], agg: str, n: int,
+                 out_bytes: int, label: str | None = None
+                 ) -> tuple[Split | None, list[list[np.ndarray]] | None]:
+    """The split of a step over ``n`` devices and each operand's per-device masks (None, None:
+    not split). ``label`` pins the label (it must be relational with two or more keys)."""
+    grid = _grid(layout, sizes)
+    cands = [lab for lab in layout.blocks if grid.get(lab, 1) > 1 and (agg == "sum" or lab in out_labels)]
+    if label is not None:
+        cands = [lab for lab in cands if lab == label]
+    if n < 2 or not cands:
+        return None, None
+    out_rel = [lab for lab in out_labels if layout.relational(lab)]
+    scored = []
+    for lab in cands:
+        split = _split_of(lab, _weights(lab, rels, in_labels, grid[lab]), n)
+        masks = _placement(split, rels, in_labels, layout, grid)
+        moved: float = sum((sum(int(m.sum()) for m in ms) - int(np.logical_or.reduce(ms).sum()))
+                    * _tuple_bytes(r, ls, layout) for r, ls, ms in zip(rels, in_labels, masks))
+        if lab not in out_labels:
+            moved += _partial_estimate(masks, rels, in_labels, out_rel, grid, n) * out_bytes
+        scored.append(((split.imbalance > BALANCE, moved, split.imbalance), split, masks))
+    _, split, masks = min(scored, key=lambda x: x[0])
+    return split, masks
+
+
+# ---- the per-device work (module functions: Ray pickles them by name) ---------------------------
+
+def part_step(parts: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],
+              sizes: Mapping[str, int], layout: Layout, agg: str, dtype: np.dtype, what: str
+              ) -> tuple[np.ndarray, np.ndarray | None, RunCounts]:
+    """One device's join-aggregation of its part (the in-memory executor)."""
+    return execute(parts, in_labels, out_labels, sizes, layout, agg, dtype, what)
+
+
+def combine_sums(chunks: Sequence[tuple[np.ndarray, np.ndarray]], grid: Sequence[int]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Partial sums (payloads, keys) from several devices, added by key: (payloads, sorted keys)."""
+    data = np.concatenate([c[0] for c in chunks])
+    keys = np.concatenate([c[1] for c in chunks])
+    if not len(keys):
+        return data, keys
+    code = key_codes(keys, grid)
+    order = (np.lexsort(keys.T[::-1]) if code is None else np.argsort(code, kind="stable"))
+    ks = keys[order]
+    first = np.r_[True, np.any(ks[1:] != ks[:-1], axis=1)]
+    starts = np.flatnonzero(first)
+    return np.add.reduceat(data[order], starts, axis=0), ks[starts]
+
+
+# ---- the runners: per backend, how the devices' parts run ---------------------------------------
+
+Runner = Callable[[Any, Callable[..., Any], Sequence[tuple[Any, ...]], str], list[Any]]
+
+
+def _run_sync(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]], what: str) -> list[Any]:
+    return [fn(*a) for a in args]
+
+
+def _run_threads(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]], what: str) -> list[Any]:
+    """A worker thread per device: the engine's device threads (Ctrl-C safe, none outlives the
+    call) under the threads backend's share of the cores (BLAS threads = cores // devices)."""
+    from einjoin.runtime.backends import _cores_limit
+    from einjoin.runtime.engine import _drive_threads
+    n = len(args)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+
+    def worker(q: int) -> None:
+        try:
+            results[q] = fn(*args[q])
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            errors[q] = e
+    with _cores_limit(n):
+        _drive_threads(worker, n, n, threading.Lock(), lambda: None)
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def _run_ray(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]], what: str) -> list[Any]:
+    """Device d's part on the Ray backend's actor of device d (its ``wait`` threads: a task
+    graph's run on the same actors is not held up), BLAS threads = cores // devices."""
+    import os
+
+    import ray
+    from einjoin.runtime.backends.ray import WAIT
+    n = len(args)
+    actors = backend.device_actors(n)
+    blas = max(1, (os.cpu_count() or 1) // n)
+    refs = [a.call.options(concurrency_group=WAIT).remote(fn, tuple(x), blas) for a, x in zip(actors, args)]
+    out = []
+    for d, ref in enumerate(refs):
+        try:
+            out.append(ray.get(ref))
+        except Exception as e:  # noqa: BLE001 - the part's own error, or a lost actor
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, EinjoinError):
+                raise cause from None
+            raise EinjoinError(f"{what}: device {d} (Ray actor) failed: {type(e).__name__}: {e}") from None
+    return out
+
+
+RUNNERS: dict[str, Runner] = {"sync": _run_sync, "threads": _run_threads, "ray": _run_ray}
+
+
+class Distribution:
+    """Where a sparse plan's steps run: ``devices`` and the backend running the parts
+    (:data:`RUNNERS`); ``label`` pins the split label of every step that has it (None: chosen
+    per step from the block histogram)."""
+
+    def __init__(self, devices: int, backend: Any, label: str | None = None) -> None:
+        self.devices = devices
+        self.backend = backend
+        self.label = label
+
+    def describe(self) -> str:
+        if self.devices == 1:
+            return "1 device"
+        return f"{self.devices} devices on backend {self.backend.name}"
+
+    def execute(self, values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tuple[str, ...]],
+                out_labels: tuple[str, ...], sizes: Mapping[str, int], layout: Layout, agg: str,
+                dtype: np.dtype, what: str, names: Sequence[str]
+                ) -> tuple[np.ndarray, np.ndarray | None, RunCounts, Exchange | None]:
+        """The step on the devices: :func:`execute`'s contract, and the step's :class:`Exchange`
+        (None on one device)."""
+        if self.devices == 1:
+            return (*execute(values, in_labels, out_labels, sizes, layout, agg, dtype, what), None)
+        n = self.devices
+        rels = [_at_layout(v, ls, layout, nm) for v, ls, nm in zip(values, in_labels, names)]
+        compute = np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
+        out_rel = [lab for lab in out_labels if layout.relational(lab)]
+        out_ext = [layout.extent(lab, sizes[lab]) for lab in out_labels]
+        out_bytes = math.prod(out_ext) * compute.itemsize + KEY_BYTES * len(out_rel)
+        split, masks = choose_split(rels, in_labels, out_labels, layout, sizes, agg, n, out_bytes, self.label)
+        run = RUNNERS[self.backend.name]
+        tuples = tuple(len(r.keys) for r in rels)
+        if split is None or masks is None:  # the whole step on device 0
+            ((data, keys, counts),) = run(self.backend, part_step, [(rels, tuple(in_labels), out_labels, dict(sizes),
+                                                                    layout, agg, compute, what)], what)
+            ex = Exchange(None, [sum(tuples)] + [0] * (n - 1), [counts.joined] + [0] * (n - 1))
+            return data.astype(dtype, copy=False), keys, counts, ex
+        parts = [[_subset(r, m[d]) for r, m in zip(rels, masks)] for d in range(n)]
+        ex = Exchange(split, [sum(len(p.keys) for p in ps) for ps in parts], [0] * n)
+        for r, ls, ms in zip(rels, in_labels, masks):
+            copies = sum(int(m.sum()) for m in ms) - int(np.logical_or.reduce(ms).sum())
+            ex.replicas += copies
+            ex.replica_bytes += copies * _tuple_bytes(r, ls, layout)
+        got = run(self.backend, part_step,
+                  [(ps, tuple(in_labels), out_labels, dict(sizes), layout, agg, compute, what) for ps in parts], what)
+        ex.joined = [c.joined for _, _, c in got]
+        joined = sum(ex.joined)
+        if split.label in out_labels:  # output keys disjoint per device
+            data = np.concatenate([g[0] for g in got])
+            keys = np.concatenate([g[1] for g in got])
+            code = key_codes(keys, [_grid(layout, sizes)[lab] for lab in out_rel])
+            order = np.lexsort(keys.T[::-1]) if code is None else np.argsort(code, kind="stable")
+            return data[order].astype(dtype, copy=False), keys[order], RunCounts(tuples, joined, len(keys)), ex
+        if not out_rel:  # one partial block per device that joined anything, summed on device 0
+            busy = [d for d in range(n) if got[d][2].joined]
+            ex.partials = sum(1 for d in busy if d != 0)
+            ex.partial_bytes = ex.partials * out_bytes
+            data = got[busy[0]][0].copy() if busy else got[0][0]
+            for d in busy[1:]:
+                data = data + got[d][0]
+            return data.astype(dtype, copy=False), None, RunCounts(tuples, joined, int(joined > 0)), ex
+        # partial sums by output key: each to the device owning the key (a hash of its code), added there
+        grid_out = [_grid(layout, sizes)[lab] for lab in out_rel]
+        sends: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+        for d, (data_d, keys_d, _) in enumerate(got):
+            code = key_codes(keys_d, grid_out)
+            owner = _hash_owner(code if code is not None else keys_d[:, 0], n)
+            for q in range(n):
+                sel = owner == q
+                sends[q].append((data_d[sel], keys_d[sel]))
+                if q != d:
+                    ex.partials += int(sel.sum())
+        ex.partial_bytes = ex.partials * out_bytes
+        combined = run(self.backend, combine_sums, [(s, grid_out) for s in sends], what)
+        data = np.concatenate([c[0] for c in combined])
+        keys = np.concatenate([c[1] for c in combined])
+        code = key_codes(keys, grid_out)
+        order = np.lexsort(keys.T[::-1]) if code is None else np.argsort(code, kind="stable")
+        return data[order].astype(dtype, copy=False), keys[order], RunCounts(tuples, joined, len(keys)), ex
+
+
+def _subset(t: SparseTensor, mask: np.ndarray) -> SparseTensor:
+    return SparseTensor(t.name, t.shape, t.block, t.keys[mask], t.data[mask])
+
+
+def distribution(devices: Any, backend: Any, what: str) -> Distribution:
+    """The checked ``devices`` (an integer >= 1) and ``backend`` (``"sync"``, ``"threads"``,
+    ``"ray"`` or such a backend object) of ``sparse_compile``."""
+    if not isinstance(devices, (int, np.integer)) or isinstance(devices, bool) or not 1 <= devices <= MAX_DEVICES:
+        raise EinjoinError(f"{what}: devices={devices!r} (an integer from 1 to {MAX_DEVICES})")
+    from einjoin.runtime.backends import get_backend
+    b = get_backend(backend)
+    if getattr(b, "name", None) not in RUNNERS:
+        raise UnsupportedOpError(f"{what}: backend {getattr(b, 'name', backend)!r}; sparse einsums run on "
+                                 f"{', '.join(RUNNERS)}")
+    return Distribution(int(devices), b)
