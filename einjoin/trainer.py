@@ -634,26 +634,42 @@ class Trainer:
         hyperparameters); ``options`` are the constructor's (``devices``, ``accumulate``, ...)."""
         from safetensors import safe_open
         from safetensors.numpy import load_file
-        with safe_open(os.fspath(path), "np") as f:
-            meta = f.metadata() or {}
+        try:  # a missing, unreadable or non-safetensors file: one error naming the path
+            with safe_open(os.fspath(path), "np") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(os.fspath(path))
+        except Exception as e:
+            raise EinjoinError(f"Trainer.load: cannot read {os.fspath(path)!r} as a safetensors file "
+                               f"({type(e).__name__}: {e})") from e
         if meta.get("format") != FORMAT:
             raise EinjoinError(f"Trainer.load: {os.fspath(path)!r} is not a saved einjoin Trainer "
                                f"(format {meta.get('format')!r})")
-        cfg = json.loads(meta["optimizer"])
+        try:  # a tampered or truncated header: named, never a KeyError / ValueError from parsing it
+            cfg = json.loads(meta["optimizer"])
+            counts = {k: int(meta[k]) for k in ("steps", "micro_steps")}
+            saved_lr = check_lr(float(meta["lr"]))
+            accumulate, seed = int(meta.get("accumulate", "1")), int(meta.get("seed", "0"))
+            saved_class, saved_hyper = str(cfg["class"]), dict(cfg["hyper"])
+        except (KeyError, ValueError, TypeError, AttributeError, EinjoinError) as e:
+            raise EinjoinError(f"Trainer.load: {os.fspath(path)!r} has a malformed header "
+                               f"({type(e).__name__}: {e})") from e
         if optimizer is None:
             from einjoin.train import optim
-            kind = getattr(optim, cfg["class"], None)
-            if kind is None:
-                raise EinjoinError(f"Trainer.load: unknown optimizer {cfg['class']!r}; pass optimizer=")
-            hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg["hyper"].items()}
-            optimizer = kind(**{k: v for k, v in hyper.items() if k in inspect.signature(kind).parameters})
-        elif type(optimizer).__name__ != cfg["class"]:
-            raise EinjoinError(f"Trainer.load: the run was saved with {cfg['class']}, not "
+            kind = getattr(optim, saved_class, None)
+            if not (inspect.isclass(kind) and hasattr(kind, "update")):  # only optimizer classes
+                raise EinjoinError(f"Trainer.load: unknown optimizer {saved_class!r}; pass optimizer=")
+            hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in saved_hyper.items()}
+            try:
+                optimizer = kind(**{k: v for k, v in hyper.items() if k in inspect.signature(kind).parameters})
+            except TypeError as e:  # a hyperparameter the header lacks
+                raise EinjoinError(f"Trainer.load: cannot rebuild {saved_class} from the saved "
+                                   f"hyperparameters {saved_hyper}: {e}; pass optimizer=") from e
+        elif type(optimizer).__name__ != saved_class:
+            raise EinjoinError(f"Trainer.load: the run was saved with {saved_class}, not "
                                f"{type(optimizer).__name__}")
-        options.setdefault("accumulate", int(meta.get("accumulate", "1")))
-        options.setdefault("seed", int(meta.get("seed", "0")))
+        options.setdefault("accumulate", accumulate)
+        options.setdefault("seed", seed)
         trainer = cls(module, example_batch, loss_fn, optimizer, **options)
-        tensors = load_file(os.fspath(path))
         state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
         want = set(trainer._state_names())
         for n in want - set(state):  # a moving buffer saved as a fixed input (before they were state)
@@ -673,9 +689,9 @@ class Trainer:
         trainer.version += 1
         trainer._fixed.update({k.removeprefix("fixed/"): v for k, v in tensors.items()
                                if k.startswith("fixed/") and k.removeprefix("fixed/") not in trainer._moving})
-        trainer.steps = int(meta["steps"])
-        trainer.micro_steps = int(meta["micro_steps"])
-        trainer._lr = float(meta["lr"])
+        trainer.steps = counts["steps"]
+        trainer.micro_steps = counts["micro_steps"]
+        trainer._lr = saved_lr
         return trainer
 
     def __repr__(self) -> str:

@@ -23,3 +23,62 @@ def test_torch_backend_reduces_a_tensor_with_no_rows(agg: str, devices: int) -> 
     y = ej.einsum("ab->a", x, agg=agg)
     out = ej.compile(y, devices=devices, backend="torch").run(x=np.zeros((0, 4), np.float32))
     assert np.asarray(out).shape == (0,) and np.asarray(out).dtype == np.float32
+
+
+# ---- finding 2: Trainer.load of a missing or non-safetensors file was a raw FileNotFoundError /
+# SafetensorError; a header with a key missing or a value that does not parse a raw KeyError,
+# ValueError, JSONDecodeError or AttributeError; a saved lr of -1 or nan was taken unchecked (the
+# lr setter refuses both), so training went on with nan weights; an optimizer "class" naming any
+# attribute of ej.optim (check_lr, math) was called as a constructor (a raw TypeError)
+
+
+@pytest.fixture(scope="module")
+def saved_trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    import torch
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    tr = ej.Trainer(m, (x, y), torch.nn.functional.mse_loss, optimizer=ej.optim.SGD(lr=0.1), devices=1)
+    tr.step(x, y)
+    path = tmp_path_factory.mktemp("tr") / "run.safetensors"
+    tr.save(path)
+    return m, x, y, path
+
+
+@pytest.mark.parametrize("tamper, match", [
+    ({"optimizer": None}, "malformed header.*optimizer"),
+    ({"optimizer": "{"}, "malformed header"),
+    ({"steps": None}, "malformed header.*steps"),
+    ({"steps": "x"}, "malformed header"),
+    ({"lr": "abc"}, "malformed header"),
+    ({"lr": "-1.0"}, "malformed header.*lr"),
+    ({"lr": "nan"}, "malformed header.*nan"),
+    ({"optimizer": '{"class": "SGD", "hyper": 3}'}, "malformed header"),
+    ({"optimizer": '{"class": "SGD", "hyper": []}'}, "cannot rebuild SGD"),
+    ({"optimizer": '{"class": "check_lr", "hyper": {}}'}, "unknown optimizer 'check_lr'"),
+])
+def test_trainer_load_of_a_tampered_header_is_an_einjoin_error(saved_trainer: tuple, tmp_path, tamper: dict,
+                                                                match: str) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+    m, x, y, path = saved_trainer
+    with safe_open(str(path), "np") as f:
+        meta = dict(f.metadata())
+    for k, v in tamper.items():
+        meta.pop(k) if v is None else meta.__setitem__(k, v)
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(str(path)), str(bad), metadata=meta)
+    with pytest.raises(ej.EinjoinError, match=match):
+        ej.Trainer.load(bad, m, (x, y), torch.nn.functional.mse_loss, devices=1)
+
+
+def test_trainer_load_of_a_missing_or_foreign_file_is_an_einjoin_error(saved_trainer: tuple, tmp_path) -> None:
+    import torch
+    m, x, y, path = saved_trainer
+    (tmp_path / "junk").write_bytes(b"garbage" * 10)
+    for p in (tmp_path / "missing", tmp_path / "junk"):
+        with pytest.raises(ej.EinjoinError, match="cannot read .* as a safetensors file"):
+            ej.Trainer.load(p, m, (x, y), torch.nn.functional.mse_loss, devices=1)
+    good = ej.Trainer.load(path, m, (x, y), torch.nn.functional.mse_loss, devices=1)
+    assert good.steps == 1 and good.lr == 0.1
