@@ -34,6 +34,7 @@ from einjoin.sparse.distribute import Distribution, Exchange, distribution
 from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duckdb
 from einjoin.sparse.execute import RunCounts
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
+from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
 from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand
 
 __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum"]
@@ -174,8 +175,9 @@ class SparsePlan:
     """A compiled sparse einsum: the steps (binary join-aggregations for a sum of products) and
     the per-label layout of each, chosen from the operands' block histograms.
 
-    ``run()`` computes it on the operands it was compiled with, ``run(*operands)`` on others of
-    the same shapes and kinds (the layouts chosen at compile are kept). ``explain()`` prints each
+    ``run()`` computes it on the operands it was compiled with, ``run(*operands)`` or
+    ``run(A=other)`` on others of the same shapes and kinds: the same block histogram reuses the
+    layouts, another one replans (cached per histogram; `einjoin.sparse.replan`). ``explain()`` prints each
     step in upper-case-lower-case notation (upper: relational key, lower: dense inside the
     payload), the block sizes, each sparse input's block histogram, and estimated vs actual
     tuple counts.
@@ -198,6 +200,8 @@ class SparsePlan:
         self.steps = steps
         self._pins = dict(pins)
         self._relational = set(relational)
+        self._patterns: PatternCache[list[Step]] = PatternCache(steps)
+        self._last_values = self.operands  # what explain() describes: the last run's operands
 
     @property
     def blocks(self) -> dict[str, int | None]:
@@ -234,9 +238,26 @@ class SparsePlan:
                                  f"compile again for {nd}, or convert it first")
         return values
 
-    def run(self, *operands: Any) -> SparseTensor | np.ndarray:
-        """The result on the compiled operands, or on new ones of the same shapes and kinds."""
-        values = self._check(operands) if operands else self.operands
+    @property
+    def last_run(self) -> str:
+        """What the last run did with the plan: reused it, or replanned for a new pattern."""
+        return self._patterns.last
+
+    def run(self, *operands: Any, **named: Any) -> SparseTensor | np.ndarray:
+        """The result on the compiled operands, or on new ones of the same shapes and kinds: all
+        by position, or some by name (``run(A=other)``; a dense operand i is ``x<i>``)."""
+        if operands or named:
+            names = [_name(v, i) for i, v in enumerate(self.operands)]
+            values = self._check(bind_operands(names, self.operands, operands, named, self._what()))
+            self.steps = self._patterns.steps_for(
+                pattern_of(values, self.in_labels), lambda: pattern_of(self.operands, self.in_labels),
+                lambda: _path(self.in_labels, self.out_labels, _infos(values, self.in_labels, names),
+                              self._pins, self._relational, self.agg, self._what(), self.engine.name),
+                self._what())
+        else:
+            values = self.operands
+            self.steps = self._patterns.compiled_run()
+        self._last_values = tuple(values)
         out_shape = tuple(self.sizes[lab] for lab in self.out_labels)
         if 0 in self.sizes.values():
             if not self.sparse_result:
@@ -332,7 +353,7 @@ class SparsePlan:
         lines = [f"{self._what()} ({self.agg} of mul), result "
                  f"{'sparse' if self.sparse_result else 'dense'} "
                  f"{tuple(self.sizes[lab] for lab in self.out_labels)}, {len(self.steps)} step(s), "
-                 f"{self.engine.describe()}, {self.distribution.describe()}"]
+                 f"{self.engine.describe()}, {self.distribution.describe()}; last run: {self.last_run}"]
         for j, step in enumerate(self.steps):
             names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
             lay = step.layout or step.ran
@@ -347,7 +368,7 @@ class SparsePlan:
                          + (f" ({', '.join(dense)} dense)" if dense else "")
                          + (" [chosen at run]" if step.layout is None else ""))
             for name, t, (kind, k) in zip(names, lay.tuples, step.refs):
-                v = self.operands[k] if kind == "in" else None
+                v = self._last_values[k] if kind == "in" else None
                 if isinstance(v, SparseTensor) and step.infos is not None:
                     info = step.infos[step.refs.index((kind, k))]
                     hist = ", ".join(f"{b}:{n}" for b, n in histogram(info))
