@@ -175,6 +175,8 @@ def main() -> None:
         return
     case(f"A·H ({args.nodes} nodes)", "ij,jk->ik", g, [h], args.reps)
     case(f"A·H·W ({args.nodes} nodes)", "ij,jk,kl->il", g, [h, w], args.reps, fixed_sizes=())
+    from sparse_devices import devices_case  # 1 and 2 devices vs the peers, CPU and wall (bench/sparse_devices.py)
+    devices_case(row, g, h, w, args.reps)
     bd = block_diagonal(64, 64)
     case("block-diag 64x64 · D", "ij,jk->ik", bd, [rng.standard_normal((bd.shape[1], 256))], args.reps)
     a = ej.sparse("A", scipy.sparse.random(400, 300, density=0.01, random_state=0))
