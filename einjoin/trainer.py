@@ -568,18 +568,27 @@ class Trainer:
         ``(missing_keys, unexpected_keys)``."""
         import torch
         from einjoin.ir.reference import to_numpy
+        if not isinstance(state_dict, Mapping):  # a list of pairs would read as keys
+            raise EinjoinError(f"Trainer.load_state_dict: expected a mapping of key -> tensor, got "
+                               f"{type(state_dict).__name__}")
         missing = sorted(set(self._keys) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(self._keys))
+        unexpected = sorted(set(state_dict) - set(self._keys), key=repr)  # keys of any type
         if strict and (missing or unexpected):
             raise EinjoinError("Trainer.load_state_dict: keys do not match the module's state dict"
                                + (f"; missing: {', '.join(missing)}" if missing else "")
-                               + (f"; unexpected: {', '.join(unexpected)}" if unexpected else ""))
+                               + (f"; unexpected: {', '.join(map(str, unexpected))}" if unexpected else ""))
         current = self._current()
         for key, (name, t) in self._keys.items():
             if key not in state_dict:
                 continue
             v = state_dict[key]
-            v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+            try:  # str, None, object arrays, meta or sparse tensors: named, not a raw torch error
+                v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+                if v.is_meta or v.layout != torch.strided:
+                    raise TypeError(f"a {'meta' if v.is_meta else str(v.layout)} tensor holds no dense values")
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise EinjoinError(f"Trainer.load_state_dict: {key!r} is not a dense numeric tensor "
+                                   f"({type(state_dict[key]).__name__}: {e})") from e
             if tuple(v.shape) != tuple(t.shape):
                 raise ShapeError(f"Trainer.load_state_dict: {key!r} has shape {tuple(v.shape)}, the module's "
                                  f"has {tuple(t.shape)}")

@@ -82,3 +82,54 @@ def test_trainer_load_of_a_missing_or_foreign_file_is_an_einjoin_error(saved_tra
             ej.Trainer.load(p, m, (x, y), torch.nn.functional.mse_loss, devices=1)
     good = ej.Trainer.load(path, m, (x, y), torch.nn.functional.mse_loss, devices=1)
     assert good.steps == 1 and good.lr == 0.1
+
+
+# ---- finding 3: Trainer.load_state_dict took a list of (key, tensor) pairs as a mapping (every
+# pair "unexpected"), a non-str key made the strict error itself a raw TypeError (', '.join of an
+# int), and a value that is not a dense number array (a str, None, an object array, a meta or a
+# sparse tensor) was a raw TypeError / NotImplementedError / RuntimeError from torch or numpy
+
+
+@pytest.fixture(scope="module")
+def small_trainer() -> tuple:
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("aa", torch.zeros(2))  # read by nothing: kept as given
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    tr = ej.Trainer(M(), (x, y), torch.nn.functional.mse_loss, optimizer=ej.optim.SGD(lr=0.1), devices=1)
+    return tr, x, y
+
+
+def _bad_values() -> list:
+    import torch
+    return ["abc", None, np.array([[None] * 4] * 2), torch.empty(2, 4, device="meta"),
+            torch.ones(2, 4).to_sparse()]
+
+
+@pytest.mark.parametrize("k", range(5))
+def test_trainer_load_state_dict_refuses_values_that_are_not_dense_numbers_by_key(small_trainer: tuple,
+                                                                                    k: int) -> None:
+    tr, _, _ = small_trainer
+    sd = tr.state_dict()
+    with pytest.raises(ej.EinjoinError, match="'lin.weight' is not a dense numeric tensor"):
+        tr.load_state_dict({**sd, "lin.weight": _bad_values()[k]})
+
+
+def test_trainer_load_state_dict_refuses_a_non_mapping_and_names_non_str_keys(small_trainer: tuple) -> None:
+    tr, _, _ = small_trainer
+    sd = tr.state_dict()
+    with pytest.raises(ej.EinjoinError, match="expected a mapping.*got list"):
+        tr.load_state_dict(list(sd.items()), strict=False)
+    with pytest.raises(ej.EinjoinError, match="unexpected: 3"):
+        tr.load_state_dict({**sd, 3: 1})
+    assert tr.load_state_dict({3: 1}, strict=False).unexpected_keys == [3]
+
