@@ -578,6 +578,8 @@ class Trainer:
                                + (f"; missing: {', '.join(missing)}" if missing else "")
                                + (f"; unexpected: {', '.join(map(str, unexpected))}" if unexpected else ""))
         current = self._current()
+        kept: dict[str, Any] = {}
+        fixed: dict[str, np.ndarray] = {}
         for key, (name, t) in self._keys.items():
             if key not in state_dict:
                 continue
@@ -595,14 +597,16 @@ class Trainer:
             v = v.detach().to(device="cpu", dtype=t.dtype)  # torch's copy_ converts the dtype too
             arr = np.array(to_numpy(v.contiguous(), key), copy=True)
             if not name:
-                self._kept[key] = v.clone()
+                kept[key] = v.clone()
                 if PREFIX + key in self._fixed:  # read by the evaluation program only
-                    self._fixed[PREFIX + key] = arr
+                    fixed[PREFIX + key] = arr
                 continue
             if name in self._fixed:
-                self._fixed[name] = arr
+                fixed[name] = arr
             else:
                 current[name] = arr
+        self._kept.update(kept)  # only now: a refused value leaves every key as it was
+        self._fixed.update(fixed)
         self._host = current
         self._owner = None  # the next run writes the state to its program
         self.version += 1

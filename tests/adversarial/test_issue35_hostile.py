@@ -133,3 +133,17 @@ def test_trainer_load_state_dict_refuses_a_non_mapping_and_names_non_str_keys(sm
         tr.load_state_dict({**sd, 3: 1})
     assert tr.load_state_dict({3: 1}, strict=False).unexpected_keys == [3]
 
+
+# ---- finding 4: a refused Trainer.load_state_dict (a wrong shape at a later key) had already
+# set the buffers before that key (a buffer the loss never reads, kept as given), while the
+# parameters stayed: half a checkpoint loaded. Now a refused call changes nothing
+
+
+def test_a_refused_load_state_dict_changes_no_key(small_trainer: tuple) -> None:
+    import torch
+    tr, _, _ = small_trainer
+    sd = tr.state_dict()
+    with pytest.raises(ej.ShapeError, match="'lin.weight' has shape"):
+        tr.load_state_dict({**sd, "aa": torch.ones(2), "lin.weight": torch.ones(5, 5)})
+    after = tr.state_dict()
+    assert all(torch.equal(after[k], sd[k]) for k in sd)
