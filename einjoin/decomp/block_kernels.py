@@ -135,11 +135,13 @@ def _topk_block(d: Decomposition, op: TopK, k: Kernel, blocks: _Blocks, box: Box
 
 
 def _attention_block(d: Decomposition, op: Attention, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
-    # a block of query rows (its first row places the causal diagonal) over every key; a cut of
-    # the value dim (v read whole) keeps its columns
+    # a block of query rows (its first row places the causal diagonal) over its keys (every key,
+    # or causal: its band, from key col0); a cut of the value dim (v read whole) keeps its columns
     nb = d.node.ndim - 2
+    key = k.in_keys[1]
+    col0 = d.in_partitions[1].box(key)[nb][0] if key is not None else 0
     out = attention_kernel(blocks[0], blocks[1], blocks[2], blocks[3] if len(blocks) > 3 else None,
-                           op.scale, op.causal, box[nb][0])
+                           op.scale, op.causal, box[nb][0], op.window, col0)
     lo, hi = box[-1]
     return out if (lo, hi) == (0, out.shape[-1]) else np.ascontiguousarray(out[..., lo:hi])
 
@@ -148,7 +150,7 @@ def _attention_grad_block(d: Decomposition, op: AttentionGrad, k: Kernel, blocks
     # the gradients of a batch block, whole; a cut of the rows or the last dim keeps its box
     nb = d.node.ndim - 2
     out = attention_grad_kernel(blocks[0], blocks[1], blocks[2], blocks[3], blocks[4] if len(blocks) > 4 else None,
-                                op.scale, op.causal, op.parts)
+                                op.scale, op.causal, op.parts, op.window)
     cut = (slice(None),) * nb + tuple(slice(a, b) for a, b in box[nb:])
     if all((a, b) == (0, n) for (a, b), n in zip(box[nb:], out.shape[nb:])):
         return out

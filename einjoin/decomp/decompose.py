@@ -24,6 +24,7 @@ from collections.abc import Callable
 from einjoin.decomp.partition import BlockKey, Covering, Partition
 from einjoin.decomp.spec import ROW, SPATIAL, JoinAggSpec, as_node, conv_labels, dim_labels
 from einjoin.ir.agg import AGGS, Agg
+from einjoin.ir.attention import key_band
 from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
@@ -233,8 +234,34 @@ def _attention_cut(node: Node, out: Partition, row_slots: tuple[int, ...]
     return tuple(parts), kernels
 
 
-def _attention(node: Node, op: Attention, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
-    return _attention_cut(node, out, (0, 3))  # q and the mask (inputs q, k, v[, mask]) follow the rows
+def _attention(node: Node, op: Attention, out: Partition) -> tuple[tuple[Partition | Covering, ...],
+                                                                     tuple[Kernel, ...]]:
+    """q and the mask (inputs q, k, v[, mask]) follow the rows; causal (or a sliding window) with
+    the query rows cut: each query block reads only the band of keys its mask allows
+    (attention.key_band), in k, v and the mask's key dim -- the key blocks it would only mask
+    out are absent from its join, never moved to it nor computed (block sparsity)."""
+    parts, kernels = _attention_cut(node, out, (0, 3))
+    nb = node.ndim - 2
+    rows = _intervals(out.bounds[nb])
+    n_keys = node.inputs[1].shape[-2]
+    if not op.causal or len(rows) < 2 or n_keys == 0:
+        return parts, kernels
+    # an empty band still reads one key (the kernel, seeing it outside the band, gives zeros): a
+    # kernel's input box is never empty
+    bands = tuple(band if band[1] > band[0] else (n_keys - 1, n_keys)
+                  for band in (key_band(a, b, op.window, n_keys) for a, b in rows))
+    key_dims = {1: nb, 2: nb}  # the slot -> its key dim (k's and v's rows; a mask's last dim)
+    if len(node.inputs) > 3 and node.inputs[3].shape[-1] == n_keys:
+        key_dims[3] = nb + 1
+    new: list[Partition | Covering] = list(parts)
+    for slot, dim in key_dims.items():
+        p = parts[slot]
+        new[slot] = Covering(tuple(bands if d == dim else _intervals(b) for d, b in enumerate(p.bounds)),
+                             p.shape)
+    banded = tuple(Kernel(k.index, k.out_key, tuple(
+        key if s not in key_dims or key is None else key[:key_dims[s]] + (k.out_key[nb],) + key[key_dims[s] + 1:]
+        for s, key in enumerate(k.in_keys))) for k in kernels)
+    return tuple(new), banded
 
 
 def _attention_grad(node: Node, op: AttentionGrad, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:

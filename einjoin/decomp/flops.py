@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.spec import ROW
+from einjoin.ir.attention import band_pairs
 from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
@@ -90,12 +91,14 @@ def _attention_batch(d: Decomposition, index: tuple[int, ...]) -> int:
 
 
 def _attention_flops(d: Decomposition, op: Attention, index: tuple[int, ...]) -> int:
-    # two products over (its query rows) x (every key): q k^T (E) and p v (Ev); causal: half
+    # two products over the query-key pairs it computes: q k^T (E) and p v (Ev); its query rows x
+    # every key, or causal: the pairs of the key blocks its mask does not hide entirely
+    # (attention.band_pairs: by 128-row blocks, each over its band of keys)
     q, k, v = d.node.inputs[:3]
     nb = q.ndim - 2
-    rows = d.spec.bounds[nb][index[nb] + 1] - d.spec.bounds[nb][index[nb]]
-    n = 2 * _attention_batch(d, index) * rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-    return n // 2 if op.causal else n
+    row0, row1 = d.spec.bounds[nb][index[nb]], d.spec.bounds[nb][index[nb] + 1]
+    pairs = band_pairs(row0, row1 - row0, op.window, k.shape[-2]) if op.causal else (row1 - row0) * k.shape[-2]
+    return 2 * _attention_batch(d, index) * pairs * (q.shape[-1] + v.shape[-1])
 
 
 def _attention_grad_flops(d: Decomposition, op: AttentionGrad, index: tuple[int, ...]) -> int:
@@ -103,7 +106,9 @@ def _attention_grad_flops(d: Decomposition, op: AttentionGrad, index: tuple[int,
     q, k, v = d.node.inputs[:3]
     e, ev = q.shape[-1], v.shape[-1]
     n = 2 * _attention_batch(d, index) * q.shape[-2] * k.shape[-2] * (4 * e + 3 * ev)
-    return n // 2 if op.causal else n
+    # causal: torch's fused backward skips the tiles above the diagonal; a window is a mask over
+    # every pair (the gradient is not banded yet)
+    return n // 2 if op.causal and op.window is None else n
 
 
 def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:

@@ -79,7 +79,10 @@ def _topk(node: Node) -> dict[str, frozenset[str]]:
 
 def _attention(node: Node) -> dict[str, frozenset[str]]:
     nb = node.ndim - 2  # the batch dims and the query rows split; the value dim reads v whole
-    return {lab: _S if d <= nb else _R for d, lab in enumerate(dim_labels(node.ndim))}
+    out = {lab: _S if d <= nb else _R for d, lab in enumerate(dim_labels(node.ndim))}
+    if node.op.causal:  # type: ignore[union-attr]  # query blocks read overlapping bands of keys
+        out[dim_labels(node.ndim)[nb]] = _S | _H
+    return out
 
 
 def _attention_grad(node: Node) -> dict[str, frozenset[str]]:
@@ -129,7 +132,8 @@ SPLIT_FACTS: dict[type, SplitFacts] = {
                      _conv),
     Pool: SplitFacts("batch, channels; spatial dims with a halo", _pool),
     TopK: SplitFacts("every dim but the sorted one (a cut there reads whole rows)", _topk),
-    Attention: SplitFacts("batch dims and query rows (each query block reads every key; keys are not split)",
+    Attention: SplitFacts("batch dims and query rows (each query block reads every key, or causal: the band "
+                          "of keys its mask allows; keys are not split)",
                           _attention),
     AttentionGrad: SplitFacts("batch dims (a kernel makes its heads' dq, dk, dv whole)", _attention_grad),
 }

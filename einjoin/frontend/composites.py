@@ -271,13 +271,15 @@ def _broadcast_batch(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, T
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
-                    scale: float | None = None) -> Tensor:
+                    scale: float | None = None, window: int | None = None) -> Tensor:
     """torch's ``scaled_dot_product_attention`` as one fused node
     (:class:`~einjoin.ir.opkinds.Attention`): ``q`` (..., heads, L, E), ``k`` (..., kv_heads, S, E),
     ``v`` (..., kv_heads, S, Ev), fewer kv heads being repeated (grouped-query attention);
     ``mask`` bool (True: may attend) or additive in q's dtype, broadcastable to (..., heads, L, S);
     ``causal`` top-left aligned (key ``j`` for query ``i`` only where ``j <= i``), as torch's.
-    A query with no allowed key gets zeros, as torch's.
+    A query with no allowed key gets zeros, as torch's. ``window`` (with ``causal``): a sliding
+    window, query ``i`` sees keys ``i - window < j <= i`` (Mistral's); its blocks of queries
+    read only their band of keys.
 
     >>> import einjoin as ej
     >>> q = ej.input("q", (2, 8, 16, 4)); kv = ej.input("kv", (2, 2, 16, 4))
@@ -308,17 +310,19 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
         if mask.ndim < q.ndim:
             mask = mask.reshape((1,) * (q.ndim - mask.ndim) + mask.shape)
         node = mask.node
-    return Tensor(attention_node(q.node, k.node, v.node, node, causal, scale))
+    return Tensor(attention_node(q.node, k.node, v.node, node, causal, scale, window))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
-              mask: Tensor | None = None, safe: bool = False) -> Tensor:
+              mask: Tensor | None = None, safe: bool = False, window: int | None = None) -> Tensor:
     """Scaled dot-product attention as one fused node (:func:`fused_attention`). ``q`` (..., heads,
     s, d), ``k`` (..., kv_heads, t, d), ``v`` (..., kv_heads, t, e); fewer kv heads than query heads
     is grouped-query attention. ``mask`` (bool, broadcastable to (s, t)) marks allowed pairs;
     ``causal`` adds the causal mask aligned to the bottom right (:func:`causal_mask`: the last
     query sees every key, as with a KV cache). A query that may attend nothing gets zeros, as
-    torch's sdpa (``safe`` is that, always: the fused kernel gives no NaN there)."""
+    torch's sdpa (``safe`` is that, always: the fused kernel gives no NaN there). ``window``
+    (with ``causal``, ``s == t``): query ``i`` sees keys ``i - window < j <= i`` (Mistral's
+    sliding window), computed by blocks over their band of keys only."""
     q, k, v = _t(q, "attention q"), _t(k, "attention k"), _t(v, "attention v")
     causal = _flag(causal, "attention: causal")
     _flag(safe, "attention: safe")
@@ -331,8 +335,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float
     s, t = q.shape[-2], k.shape[-2]
     if k.shape[-1] != q.shape[-1] or v.shape[-2] != t:
         raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit")
+    if window is not None and s != t:
+        raise EinjoinError(f"attention: window={window} with {s} queries and {t} keys: a sliding window is "
+                           f"top-left aligned (one query per key; no KV cache)")
     if causal and s != t:  # bottom-right aligned: the fused kind's causal flag is top-left
         cm = causal_mask(s, t)
         mask = cm if mask is None else (mask & cm)
         causal = False
-    return fused_attention(q, k, v, mask, causal, scale)
+    return fused_attention(q, k, v, mask, causal, scale, window)

@@ -8,6 +8,14 @@ over it; torch's fused kernel works in tiles and is several times faster. The ke
 of query rows (its first row ``row0`` places the causal diagonal), so the forward node is cut over
 its batch dims and its query rows; the gradient node over its batch dims.
 
+Causal and sliding-window masks as block sparsity: a causal node with a ``window`` (keys
+``i - window < j <= i``), or one whose block starts below row 0, runs its query rows by blocks of
+:data:`BLOCK` (aligned to the whole query's rows), each over only the band of keys its mask
+allows (:func:`key_band`); the key blocks outside the band are never read nor computed, and a
+decomposition gives each query block only its band of k and v (the first key ``col0``). A causal
+node without a window on whole rows keeps one call: torch's flash kernel skips the tiles above
+the diagonal itself.
+
 Numerics are torch's: float16/bfloat16 accumulate in float32 inside torch's kernel; a query with no
 allowed key (every key masked, or ``S == 0``) gets zeros, as torch's ``scaled_dot_product_attention``;
 ``E == 0`` averages the allowed values (every score 0), and a causal node with a scale <= 0 gets
@@ -42,7 +50,10 @@ from einjoin.ir.dtypes import is_bfloat16, kind, numpy_dtype
 from einjoin.ir.node import Attention, AttentionGrad, Node
 
 __all__ = ["attention_node", "attention_grad_node", "grad_rows", "attention_kernel", "attention_grad_kernel",
-           "attention_torch", "attention_grad_torch", "GRAD_PARTS", "ForwardMemo", "forward_memo"]
+           "attention_torch", "attention_grad_torch", "GRAD_PARTS", "ForwardMemo", "forward_memo", "BLOCK",
+           "key_band", "band_pairs", "check_window"]
+
+BLOCK = 128  # query rows per block of a banded (windowed, or causal below row 0) kernel
 
 GRAD_PARTS = ("q", "k", "v")  # the order of the stacked gradients (and of the node's inputs)
 
@@ -84,21 +95,39 @@ def _scale(scale: Any, e: int, what: str) -> float:
     return float(scale)
 
 
+def check_window(window: Any, causal: Any, what: str) -> int | None:
+    """``window`` as an int >= 1 (or None), refused without ``causal`` (a sliding window over the
+    past keys, as Mistral's: query ``i`` sees keys ``i - window < j <= i``)."""
+    if window is None:
+        return None
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+        raise EinjoinError(f"{what}: window must be an int >= 1 or None, got {window!r}")
+    if window < 1:
+        raise EinjoinError(f"{what}: window must be >= 1 (query i sees keys i - window < j <= i), got {window}")
+    if not causal:
+        raise EinjoinError(f"{what}: window={window} needs causal=True (a sliding window over the past keys; "
+                           f"for another pattern pass a mask)")
+    return int(window)
+
+
 def attention_node(q: Node, k: Node, v: Node, mask: Node | None = None, causal: bool = False,
-                   scale: float | None = None) -> Node:
+                   scale: float | None = None, window: int | None = None) -> Node:
     """``softmax(q k^T * scale + mask) v`` as one :class:`~einjoin.ir.opkinds.Attention` node
-    (``scale`` defaults to ``1 / sqrt(E)``; ``causal`` is top-left aligned, as torch's).
+    (``scale`` defaults to ``1 / sqrt(E)``; ``causal`` is top-left aligned, as torch's;
+    ``window`` with ``causal``: query ``i`` sees keys ``i - window < j <= i``).
 
     >>> from einjoin.ir import ops
     >>> q = ops.input_node("q", (2, 4, 6, 8), "float32")
     >>> attention_node(q, q, q, causal=True).shape
     (2, 4, 6, 8)
+    >>> attention_node(q, q, q, causal=True, window=3, scale=0.5).op
+    Attention(scale=0.5, causal=True, window=3)
     """
     what = "attention"
     _check(q, k, v, mask, what)
     if not isinstance(causal, (bool, np.bool_)):
         raise EinjoinError(f"{what}: causal must be True or False, got {causal!r}")
-    op = Attention(_scale(scale, q.shape[-1], what), bool(causal))
+    op = Attention(_scale(scale, q.shape[-1], what), bool(causal), check_window(window, causal, what))
     shape = q.shape[:-1] + (v.shape[-1],)
     return Node(op, (q, k, v) if mask is None else (q, k, v, mask), shape, q.dtype)
 
@@ -143,7 +172,7 @@ def attention_grad_node(fwd: Node, dout: Node, parts: Sequence[str]) -> Node:
                            f"order sharing one last dim (widths {widths})")
     else:
         shape = q.shape[:-2] + (grad_rows(q, k, parts)[-1][1], widths[parts[0]])
-    op = AttentionGrad(fwd.op.scale, fwd.op.causal, parts)
+    op = AttentionGrad(fwd.op.scale, fwd.op.causal, parts, fwd.op.window)
     return Node(op, (q, k, v, dout) if mask is None else (q, k, v, dout, mask), shape, fwd.dtype)
 
 
@@ -179,21 +208,23 @@ def _four(t: Any, batch: tuple[int, ...]) -> Any:
 
 
 def _mask(m: Any, like: Any, batch: tuple[int, ...], rows: int, cols: int, row0: int,
-          causal: bool, fold: bool) -> tuple[Any, bool]:
+          causal: bool, fold: bool, window: int | None = None, col0: int = 0) -> tuple[Any, bool]:
     """(the additive mask of a block of ``rows`` queries starting at row ``row0``, as torch's 4-D
     (B, H, rows, cols), in the dtype and on the device of ``like``, or None; whether torch's own
     top-left ``is_causal`` is still to apply). The causal part joins the mask when ``fold``
     (torch's math kernel takes no mask with ``is_causal``; the flash kernel's own causal mask is
-    NaN for a scale <= 0) or below the first row (its diagonal starts at ``row0``)."""
+    NaN for a scale <= 0) or below the first row (its diagonal starts at ``row0``), or with a
+    ``window`` or keys from ``col0`` on (torch's causal mask knows neither)."""
     import torch
     dtype, device = like.dtype, like.device
     if m is not None and m.dtype == torch.bool:
         m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
-    if causal and (row0 or fold):
+    if causal and (row0 or fold or window is not None or col0):
         # made on q's device: torch's sdpa takes no mask from another device
         i = torch.arange(row0, row0 + rows, device=device).unsqueeze(1)
-        c = torch.zeros((rows, cols), dtype=dtype, device=device).masked_fill_(
-            torch.arange(cols, device=device) > i, float("-inf"))
+        j = torch.arange(col0, col0 + cols, device=device)
+        off = j > i if window is None else (j > i) | (j <= i - window)
+        c = torch.zeros((rows, cols), dtype=dtype, device=device).masked_fill_(off, float("-inf"))
         m = c if m is None else m + c
         causal = False
     if m is None:
@@ -225,15 +256,84 @@ def _feature_pad(x: Any) -> Any:
     return torch.zeros(tuple(x.shape[:-1]) + (1,), dtype=x.dtype, device=x.device)
 
 
-def attention_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0) -> Any:
+def key_band(a: int, b: int, window: int | None, n_keys: int) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` a causal block of query rows ``[a, b)`` may see (window: the
+    sliding window's) among ``n_keys``; ``lo == hi`` where it sees none.
+
+    >>> key_band(256, 384, None, 1000), key_band(256, 384, 64, 1000), key_band(0, 128, 64, 50)
+    ((0, 384), (193, 384), (0, 50))
+    """
+    lo = 0 if window is None else max(0, a - window + 1)
+    hi = min(n_keys, b)
+    return min(lo, hi), hi
+
+
+def _blocks(a: int, b: int) -> list[tuple[int, int]]:
+    """Rows ``[a, b)`` cut where the whole query's :data:`BLOCK` rows are."""
+    cuts = [a] + list(range((a // BLOCK + 1) * BLOCK, b, BLOCK)) + [b]
+    return [(x, y) for x, y in zip(cuts, cuts[1:]) if y > x]
+
+
+def band_pairs(row0: int, rows: int, window: int | None, n_keys: int, col0: int = 0, cols: int | None = None
+               ) -> int:
+    """The query-key pairs a causal kernel of query rows ``[row0, row0 + rows)`` over keys
+    ``[col0, col0 + cols)`` computes: by :data:`BLOCK` rows, each block over its band of keys
+    (:func:`key_band`); without a window on whole rows from row 0, torch's flash kernel's own
+    skip, counted as the causal half.
+
+    >>> [round(band_pairs(0, 8192, w, 8192) / 8192 ** 2, 4) for w in (None, 1024)]
+    [0.5001, 0.1317]
+    """
+    cols = n_keys - col0 if cols is None else cols
+    if window is None and row0 == 0 and col0 == 0:  # sum(min(cols, i + 1) for i in range(rows))
+        d = min(rows, cols)
+        return d * (d + 1) // 2 + (rows - d) * cols
+    n = 0
+    for a, b in _blocks(row0, row0 + rows):
+        lo, hi = key_band(a, b, window, n_keys)
+        lo, hi = max(lo, col0), min(hi, col0 + cols)
+        n += (b - a) * max(0, hi - lo)
+    return n
+
+
+def attention_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0,
+                    window: int | None = None, col0: int = 0) -> Any:
     """:func:`attention_kernel` on torch tensors (any device; the result on q's)."""
-    return _forward_torch(q, k, v, mask, scale, causal, row0)[0]
+    return _forward_torch(q, k, v, mask, scale, causal, row0, window, col0)[0]
 
 
-def _forward_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0
-                   ) -> tuple[Any, Any]:
+def _forward_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int = 0,
+                   window: int | None = None, col0: int = 0) -> tuple[Any, Any]:
     """(:func:`attention_torch`'s result, and (torch's 4-D output, its log-sum-exp) where torch's
-    flash kernel computed them, the two its fused backward needs; else None)."""
+    flash kernel computed them in one call, the two its fused backward needs; else None)."""
+    if causal and (window is not None or row0 or col0):
+        return _banded(q, k, v, mask, scale, row0, window, col0), None
+    return _forward_call(q, k, v, mask, scale, causal, row0, window, col0)
+
+
+def _banded(q: Any, k: Any, v: Any, mask: Any, scale: float, row0: int, window: int | None, col0: int) -> Any:
+    """A causal (windowed) kernel by :data:`BLOCK` query rows, each over its band of keys only:
+    the key blocks its mask hides entirely are never read (block sparsity)."""
+    import torch
+    rows, cols = q.shape[-2], k.shape[-2]
+    out = torch.zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    for a, b in _blocks(row0, row0 + rows):
+        lo, hi = key_band(a, b, window, col0 + cols)
+        lo = max(lo, col0)
+        if hi <= lo:
+            continue  # no key allowed: zeros, as torch's
+        m = mask
+        if m is not None:  # its dims of size 1 broadcast; the others follow the block and band
+            m = m[..., slice(a - row0, b - row0) if m.shape[-2] > 1 else slice(None),
+                  slice(lo - col0, hi - col0) if m.shape[-1] > 1 else slice(None)]
+        keys = slice(lo - col0, hi - col0)
+        out[..., a - row0:b - row0, :] = _forward_call(q[..., a - row0:b - row0, :], k[..., keys, :], v[..., keys, :],
+                                                       m, scale, True, a, window, lo)[0]
+    return out
+
+
+def _forward_call(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int,
+                  window: int | None, col0: int) -> tuple[Any, Any]:
     import torch
     import torch.nn.functional as tf
     batch, rows, cols = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
@@ -244,7 +344,7 @@ def _forward_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool
     if padded:
         q, k = _feature_pad(q), _feature_pad(k)
     tq, tk, tv = (_four(x, batch) for x in (q, k, v))
-    m, is_causal = _mask(mask, q, batch, rows, cols, row0, causal, _fold(q, v, mask, scale))
+    m, is_causal = _mask(mask, q, batch, rows, cols, row0, causal, _fold(q, v, mask, scale), window, col0)
     saved = None
     with torch.no_grad():
         if _flash(q, v):
@@ -258,7 +358,8 @@ def _forward_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool
 
 
 def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float, causal: bool,
-                         parts: Sequence[str], saved: tuple[Any, Any] | None = None) -> Any:
+                         parts: Sequence[str], saved: tuple[Any, Any] | None = None, window: int | None = None
+                         ) -> Any:
     """:func:`attention_grad_kernel` on torch tensors (any device; the result on q's). ``saved``:
     the flash forward's (4-D output, log-sum-exp) of these very q, k, v and mask (from
     :class:`ForwardMemo`), which the fused backward then takes instead of running the forward
@@ -283,7 +384,7 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
             tm = mask.detach().clone().requires_grad_()
         with torch.enable_grad():
             m4 = None if tm is None else tm.expand(batch + (rows, cols))
-            m4, is_causal = _mask(m4, q, batch, rows, cols, 0, causal, m4 is not None or not _positive(scale))
+            m4, is_causal = _mask(m4, q, batch, rows, cols, 0, causal, m4 is not None or not _positive(scale), window)
             out = tf.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], attn_mask=m4, is_causal=is_causal,
                                                   scale=scale)
             wrt = [tm] if parts == ("mask",) else [leaves[GRAD_PARTS.index(p)] for p in parts]
@@ -292,7 +393,7 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
             return torch.nan_to_num(grads[0], nan=0.0)
         got = dict(zip(parts, (torch.nan_to_num(g, nan=0.0) for g in grads)))
     else:
-        m, is_causal = _mask(mask, q, batch, rows, cols, 0, causal, _fold(q, v, mask, scale))
+        m, is_causal = _mask(mask, q, batch, rows, cols, 0, causal, _fold(q, v, mask, scale), window)
         with torch.no_grad():
             if saved is None:
                 out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -391,17 +492,19 @@ def forward_memo(memo: ForwardMemo | None) -> Iterator[None]:
 
 
 def attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
-                     causal: bool, row0: int = 0) -> np.ndarray:
+                     causal: bool, row0: int = 0, window: int | None = None, col0: int = 0) -> np.ndarray:
     """The attention of a block of queries ``q`` (``..., Lb, E``; its first row is row ``row0`` of
-    the whole query, which places the causal diagonal) over every key: torch's CPU flash kernel
-    (its math kernel where the value size differs from E), on views of the blocks.
+    the whole query, which places the causal diagonal) over the keys ``k`` (its first row is key
+    ``col0``: a causal block reads only the keys up to its last row, a windowed one its band):
+    torch's CPU flash kernel (its math kernel where the value size differs from E), on views of
+    the blocks; a banded one by :data:`BLOCK` rows, each over its band.
 
     >>> x = np.arange(8, dtype=np.float32).reshape(1, 2, 4)
     >>> attention_kernel(x[:, 1:], x, x, None, 0.0, True, row0=1)   # row 1 sees rows 0 and 1 alike
     array([[[2., 3., 4., 5.]]], dtype=float32)
     """
     out, saved = _forward_torch(_view(q), _view(k), _view(v), None if mask is None else _view(mask), scale, causal,
-                                row0)
+                                row0, window, col0)
     memo: ForwardMemo | None = getattr(_SCOPE, "memo", None)
     if memo is not None and saved is not None and row0 == 0:  # a gradient's forward starts at row 0
         memo.keep((q, k, v, mask), scale, causal, saved)
@@ -409,7 +512,7 @@ def attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarr
 
 
 def attention_grad_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray, mask: np.ndarray | None,
-                          scale: float, causal: bool, parts: Sequence[str]) -> np.ndarray:
+                          scale: float, causal: bool, parts: Sequence[str], window: int | None = None) -> np.ndarray:
     """The gradients ``parts`` of the attention of whole query rows (``q`` ``..., L, E``), stacked
     along dim -2, or an additive mask's gradient (``parts == ("mask",)``): torch's fused CPU
     backward after its forward (which recomputes the softmax statistics, the score matrix never
@@ -422,7 +525,9 @@ def attention_grad_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.
            [1., 1., 1., 1.]], dtype=float32)
     """
     memo: ForwardMemo | None = getattr(_SCOPE, "memo", None)
-    saved = memo.find((q, k, v, mask), scale, causal) if memo is not None and tuple(parts) != ("mask",) else None
+    # a windowed forward keeps nothing (it runs by blocks): its gradient finds nothing either
+    saved = (memo.find((q, k, v, mask), scale, causal) if memo is not None and tuple(parts) != ("mask",)
+             and window is None else None)
     out = attention_grad_torch(_view(q), _view(k), _view(v), _view(dout), None if mask is None else _view(mask),
-                               scale, causal, tuple(parts), saved)
+                               scale, causal, tuple(parts), saved, window)
     return _array(out, _name(q))

@@ -555,12 +555,13 @@ def _eval_topk(node: Node, op: TopK, args: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def _eval_attention(node: Node, op: Attention, args: Sequence[np.ndarray]) -> np.ndarray:
-    return attention_kernel(args[0], args[1], args[2], args[3] if len(args) > 3 else None, op.scale, op.causal)
+    return attention_kernel(args[0], args[1], args[2], args[3] if len(args) > 3 else None, op.scale, op.causal,
+                            window=op.window)
 
 
 def _eval_attention_grad(node: Node, op: AttentionGrad, args: Sequence[np.ndarray]) -> np.ndarray:
     return attention_grad_kernel(args[0], args[1], args[2], args[3], args[4] if len(args) > 4 else None,
-                                 op.scale, op.causal, op.parts)
+                                 op.scale, op.causal, op.parts, op.window)
 
 
 # the whole-tensor kernel of each node kind: (node, its op, its inputs' values) -> its value

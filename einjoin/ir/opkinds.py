@@ -177,10 +177,17 @@ class Attention:
     or additive, in q's dtype); the output ``(..., L, Ev)`` is ``softmax(q k^T scale + mask) v``.
     ``causal`` allows key ``j`` to query ``i`` only where ``j <= i`` (top-left aligned, as
     torch's ``is_causal``). A query with no allowed key gets zeros, as torch's. The scores are
-    never a tensor of the graph: a kernel computes them in tiles (torch's flash kernel)."""
+    never a tensor of the graph: a kernel computes them in tiles (torch's flash kernel).
+    ``window`` (with ``causal``): a sliding window, key ``j`` for query ``i`` only where
+    ``i - window < j <= i`` (Mistral's); a block of queries then reads only its band of keys."""
 
     scale: float
     causal: bool
+    window: int | None = None
+
+    def __repr__(self) -> str:  # the window only where there is one (the common node prints as before)
+        w = "" if self.window is None else f", window={self.window}"
+        return f"Attention(scale={self.scale!r}, causal={self.causal!r}{w})"
 
 
 @dataclass(frozen=True)
@@ -188,11 +195,17 @@ class AttentionGrad:
     """The gradients of an :class:`Attention` with respect to some of its inputs, from inputs
     ``(q, k, v, dout[, mask])``: for ``parts`` a run of ``("q", "k", "v")`` sharing their last
     dim, ``dq``, ``dk``, ``dv`` stacked along the rows (dim -2: ``L``, ``S``, ``S`` rows), read
-    back by selects; for ``parts == ("mask",)`` an additive mask's gradient (its shape)."""
+    back by selects; for ``parts == ("mask",)`` an additive mask's gradient (its shape).
+    ``window``: the forward's."""
 
     scale: float
     causal: bool
     parts: tuple[str, ...]
+    window: int | None = None
+
+    def __repr__(self) -> str:
+        w = "" if self.window is None else f", window={self.window}"
+        return f"AttentionGrad(scale={self.scale!r}, causal={self.causal!r}, parts={self.parts!r}{w})"
 
 
 Op = (Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool | TopK

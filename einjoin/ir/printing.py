@@ -88,11 +88,16 @@ def _describe_topk(op: TopK) -> str:
 
 
 def _describe_attention(op: Attention) -> str:
-    return f"attention[scale={op.scale!r}{', causal' if op.causal else ''}]"
+    return f"attention[scale={op.scale!r}{', causal' if op.causal else ''}{_window(op.window)}]"
 
 
 def _describe_attention_grad(op: AttentionGrad) -> str:
-    return f"attention_grad[{','.join(op.parts)}, scale={op.scale!r}{', causal' if op.causal else ''}]"
+    return (f"attention_grad[{','.join(op.parts)}, scale={op.scale!r}{', causal' if op.causal else ''}"
+            f"{_window(op.window)}]")
+
+
+def _window(window: int | None) -> str:
+    return "" if window is None else f", window={window}"
 
 
 def _bare(op: object) -> str:  # a kind without parameters: its name

@@ -403,8 +403,10 @@ def _topk_block(d: Decomposition, op: TopK, k: Kernel, blocks: _Blocks, box: Box
 def _attention_block(d: Decomposition, op: Attention, k: Kernel, blocks: _Blocks, box: Box) -> torch.Tensor:
     # as decomp.block_kernels': a block of query rows (its first row places the causal diagonal)
     nb = d.node.ndim - 2
+    key = k.in_keys[1]
+    col0 = d.in_partitions[1].box(key)[nb][0] if key is not None else 0  # a causal block's band
     out: torch.Tensor = attention_torch(blocks[0], blocks[1], blocks[2], blocks[3] if len(blocks) > 3 else None,
-                                        op.scale, op.causal, box[nb][0])
+                                        op.scale, op.causal, box[nb][0], op.window, col0)
     lo, hi = box[-1]
     return out if (lo, hi) == (0, out.shape[-1]) else out[..., lo:hi].contiguous()
 
@@ -413,7 +415,8 @@ def _attention_grad_block(d: Decomposition, op: AttentionGrad, k: Kernel, blocks
                           ) -> torch.Tensor:
     nb = d.node.ndim - 2
     out: torch.Tensor = attention_grad_torch(blocks[0], blocks[1], blocks[2], blocks[3],
-                                             blocks[4] if len(blocks) > 4 else None, op.scale, op.causal, op.parts)
+                                             blocks[4] if len(blocks) > 4 else None, op.scale, op.causal, op.parts,
+                                             window=op.window)
     if all((a, b) == (0, n) for (a, b), n in zip(box[nb:], out.shape[nb:])):
         return out
     return out[(slice(None),) * nb + tuple(slice(a, b) for a, b in box[nb:])].contiguous()
