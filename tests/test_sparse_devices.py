@@ -60,7 +60,7 @@ def power_law(nodes: int, edges: int, seed: int = 0) -> scipy.sparse.csr_array:
 
 @pytest.mark.parametrize("label", ["i", "j"])
 def test_split_labels_and_their_exchange(label: str) -> None:
-    g = power_law(300, 2000)
+    g = power_law(300, 400)  # each device's rows touch about half of the columns
     a = ej.sparse("A", g)
     h = np.random.default_rng(0).standard_normal((300, 16))
     plan = ej.sparse_compile("ij,jk->ik", a, h, devices=2, backend="threads", relational={"i", "j"})
@@ -79,6 +79,24 @@ def test_split_labels_and_their_exchange(label: str) -> None:
     text = plan.explain()
     assert f"split on {label} by" in text and "2 devices on backend threads" in text
     assert f"moved {ex.moved} tuple(s)" in text
+
+
+def test_a_dense_operand_mostly_touched_goes_whole() -> None:
+    # 2000 edges on 300 nodes: each device's rows touch over 90% of H's rows (distribute.WHOLE)
+    g = power_law(300, 2000)
+    h = np.random.default_rng(0).standard_normal((300, 16))
+    plan = ej.sparse_compile("ij,jk->ik", ej.sparse("A", g), h, devices=2, backend="sync", relational={"i", "j"})
+    plan.distribution.label = "i"
+    np.testing.assert_allclose(plan.run().todense(), g.toarray() @ h)
+    ex = plan.steps[0].exchange
+    coo = g.tocoo()
+    touched = [len(set(coo.col[ex.split.owner(coo.row) == d])) / 300 for d in range(2)]
+    assert min(touched) >= 0.9 and ex.replicas == 300  # whole on both: one copy beyond the first
+    assert plan.run() is not None and plan.steps[0].exchange.split is ex.split  # kept: same keys
+    # other data of the same shapes: the split is chosen again on its keys
+    g2 = power_law(300, 400, seed=1)
+    np.testing.assert_allclose(plan.run(ej.sparse("B", g2), h).todense(), g2.toarray() @ h)
+    assert plan.steps[0].exchange.split is not ex.split and plan.steps[0].exchange.replicas < 300
 
 
 def test_split_balances_a_power_law_histogram() -> None:

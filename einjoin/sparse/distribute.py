@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,11 @@ KEY_BYTES = 8  # one int64 key column of a tuple
 # moved, then sorted and added where its key lives; a replica is only moved (A·H·W, 20k nodes,
 # 2 devices: 4.5 MB of partials cost 17 ms CPU to combine, 5 MB of replicated rows ~4 ms to cut)
 PARTIAL_WEIGHT = 2.0
+# a complete relation (a dense operand: every key present) of which a device's keys touch at least
+# this fraction goes whole (the extra tuples count as moved): the join then indexes its complete
+# grid directly instead of searching a subset (A·H·W, 20k nodes: each device touches 99.3% of
+# H·W's rows; the search made each half's join cost ~2x the whole one's)
+WHOLE = 0.9
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: keys in arithmetic runs spread evenly
 
 
@@ -98,7 +104,7 @@ def _hash_owner(keys: np.ndarray, n: int) -> np.ndarray:
 @dataclass
 class Exchange:
     """One step's run on the devices: the split (None: not split, device 0 ran it), per device
-    the input tuples it held and the tuples it joined, the input tuples copied to more than one
+    the input tuples it held, the tuples it joined and its CPU time, the input tuples copied to more than one
     device (``replicas``: copies beyond the first) and the partial output tuples sent to the
     device owning their key, each with its bytes (keys and payloads)."""
 
@@ -109,6 +115,7 @@ class Exchange:
     replica_bytes: int = 0
     partials: int = 0
     partial_bytes: int = 0
+    cpu: list[float] = field(default_factory=list)  # per device: its thread's CPU seconds on its part
 
     @property
     def moved(self) -> int:
@@ -126,7 +133,8 @@ class Exchange:
             how = (f"split on {self.split.label} by {self.split.kind} over {len(self.tuples)} devices "
                    f"(modelled max/mean load {self.split.imbalance:.2f})")
         return (f"{how}; moved {self.moved} tuple(s), {_mib(self.moved_bytes)} ({self.replicas} replicated "
-                f"input, {self.partials} partial); per device input tuples {self.tuples}, joined {self.joined}")
+                f"input, {self.partials} partial); per device input tuples {self.tuples}, joined {self.joined}"
+                + (f", CPU ms {[round(t * 1e3, 1) for t in self.cpu]}" if self.cpu else ""))
 
 
 def _mib(n: int) -> str:
@@ -209,8 +217,16 @@ def _placement(split: Split, rels: Sequence[SparseTensor], in_labels: Sequence[t
             total = math.prod(grid[x] for x in shared)
             for d in range(n):
                 keep[d] &= _member(mine, theirs[masks[p][d]], total)
+        if _complete(r, ls, layout, grid):  # see WHOLE
+            keep = [np.full(len(r.keys), busy[d]) if busy[d] and m.mean() >= WHOLE else m
+                    for d, m in enumerate(keep)]
         masks[k] = keep
     return masks
+
+
+def _complete(t: SparseTensor, labels: tuple[str, ...], layout: Layout, grid: Mapping[str, int]) -> bool:
+    """Whether ``t`` has a tuple at every key of its grid (a dense operand's relation)."""
+    return len(t.keys) == math.prod(grid[lab] for lab in labels if layout.relational(lab))
 
 
 def _member(codes: np.ndarray, present: np.ndarray, total: int) -> np.ndarray:
@@ -236,6 +252,15 @@ def _partial_estimate(masks: list[list[np.ndarray]], in_labels: Sequence[tuple[s
     return total * (n - 1) / n
 
 
+def _candidates(layout: Layout, sizes: Mapping[str, int], out_labels: tuple[str, ...], agg: str,
+                label: str | None) -> list[str]:
+    """The labels a step may be split on: relational with two or more keys (output labels only
+    for ``max``), ``label`` only when pinned and one of them."""
+    grid = _grid(layout, sizes)
+    cands = [lab for lab in layout.blocks if grid.get(lab, 1) > 1 and (agg == "sum" or lab in out_labels)]
+    return [lab for lab in cands if lab == label] if label is not None else cands
+
+
 def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]],
                  out_labels: tuple[str, ...], layout: Layout, sizes: Mapping[str, int], agg: str, n: int,
                  out_bytes: int, label: str | None = None
@@ -243,9 +268,7 @@ def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ..
     """The split of a step over ``n`` devices and each operand's per-device masks (None, None:
     not split). ``label`` pins the label (it must be relational with two or more keys)."""
     grid = _grid(layout, sizes)
-    cands = [lab for lab in layout.blocks if grid.get(lab, 1) > 1 and (agg == "sum" or lab in out_labels)]
-    if label is not None:
-        cands = [lab for lab in cands if lab == label]
+    cands = _candidates(layout, sizes, out_labels, agg, label)
     if n < 2 or not cands:
         return None, None
     out_rel = [lab for lab in out_labels if layout.relational(lab)]
@@ -266,9 +289,12 @@ def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ..
 
 def part_step(parts: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],
               sizes: Mapping[str, int], layout: Layout, agg: str, dtype: np.dtype, what: str
-              ) -> tuple[np.ndarray, np.ndarray | None, RunCounts]:
-    """One device's join-aggregation of its part (the in-memory executor)."""
-    return execute(parts, in_labels, out_labels, sizes, layout, agg, dtype, what)
+              ) -> tuple[np.ndarray, np.ndarray | None, RunCounts, float]:
+    """One device's join-aggregation of its part (the in-memory executor), and the CPU seconds
+    its thread spent on it (BLAS threads it woke not counted)."""
+    start = time.thread_time()
+    data, keys, counts = execute(parts, in_labels, out_labels, sizes, layout, agg, dtype, what)
+    return data, keys, counts, time.thread_time() - start
 
 
 def combine_sums(chunks: Sequence[tuple[np.ndarray, np.ndarray]], grid: Sequence[int]
@@ -352,11 +378,35 @@ class Distribution:
         self.devices = devices
         self.backend = backend
         self.label = label
+        # per step (its labels and layout): the split of the last run and the key arrays it was
+        # chosen on (held, so their ids stay theirs); reused while a run's are the same arrays
+        self._splits: dict[Any, tuple[tuple[Any, ...], Split, list[list[np.ndarray]]]] = {}
 
     def describe(self) -> str:
         if self.devices == 1:
             return "1 device"
         return f"{self.devices} devices on backend {self.backend.name}"
+
+    def _split(self, rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]],
+               out_labels: tuple[str, ...], layout: Layout, sizes: Mapping[str, int], agg: str, out_bytes: int
+               ) -> tuple[Split | None, list[list[np.ndarray]] | None]:
+        """:func:`choose_split`, or the last run's split of this step when its relations have the
+        same keys: the same key arrays (a plan's own sparse operands), or complete grids (dense
+        operands and results)."""
+        grid = _grid(layout, sizes)
+        step = (tuple(in_labels), out_labels, tuple(layout.blocks.items()), agg, self.label)
+        sign = tuple(("complete", len(r.keys)) if _complete(r, ls, layout, grid) else r.keys
+                     for r, ls in zip(rels, in_labels))
+        old = self._splits.get(step)
+        if old is not None and len(old[0]) == len(sign) and all(_same(a, b) for a, b in zip(old[0], sign)):
+            return old[1], old[2]
+        split, masks = choose_split(rels, in_labels, out_labels, layout, sizes, agg, self.devices, out_bytes,
+                                    self.label)
+        if split is not None and masks is not None:
+            if len(self._splits) >= 16:
+                self._splits.pop(next(iter(self._splits)))
+            self._splits[step] = (sign, split, masks)
+        return split, masks
 
     def execute(self, values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tuple[str, ...]],
                 out_labels: tuple[str, ...], sizes: Mapping[str, int], layout: Layout, agg: str,
@@ -367,19 +417,21 @@ class Distribution:
         if self.devices == 1:
             return (*execute(values, in_labels, out_labels, sizes, layout, agg, dtype, what), None)
         n = self.devices
+        run = RUNNERS[self.backend.name]
+        if not _candidates(layout, sizes, out_labels, agg, self.label):  # device 0 runs it as it is
+            ((data, keys, counts, cpu),) = run(self.backend, part_step, [(values, tuple(in_labels), out_labels,
+                                                                          dict(sizes), layout, agg, dtype, what)], what)
+            ex = Exchange(None, [sum(counts.tuples)] + [0] * (n - 1), [counts.joined] + [0] * (n - 1),
+                          cpu=[cpu] + [0.0] * (n - 1))
+            return data, keys, counts, ex
         rels = [_at_layout(v, ls, layout, nm) for v, ls, nm in zip(values, in_labels, names)]
         compute = np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
         out_rel = [lab for lab in out_labels if layout.relational(lab)]
         out_ext = [layout.extent(lab, sizes[lab]) for lab in out_labels]
         out_bytes = math.prod(out_ext) * compute.itemsize + KEY_BYTES * len(out_rel)
-        split, masks = choose_split(rels, in_labels, out_labels, layout, sizes, agg, n, out_bytes, self.label)
-        run = RUNNERS[self.backend.name]
+        split, masks = self._split(rels, in_labels, out_labels, layout, sizes, agg, out_bytes)
+        assert split is not None and masks is not None  # a candidate exists (above)
         tuples = tuple(len(r.keys) for r in rels)
-        if split is None or masks is None:  # the whole step on device 0
-            ((data, keys, counts),) = run(self.backend, part_step, [(rels, tuple(in_labels), out_labels, dict(sizes),
-                                                                    layout, agg, compute, what)], what)
-            ex = Exchange(None, [sum(tuples)] + [0] * (n - 1), [counts.joined] + [0] * (n - 1))
-            return data.astype(dtype, copy=False), keys, counts, ex
         parts = [[_subset(r, m[d]) for r, m in zip(rels, masks)] for d in range(n)]
         ex = Exchange(split, [sum(len(p.keys) for p in ps) for ps in parts], [0] * n)
         for r, ls, ms in zip(rels, in_labels, masks):
@@ -388,14 +440,13 @@ class Distribution:
             ex.replica_bytes += copies * _tuple_bytes(r, ls, layout)
         got = run(self.backend, part_step,
                   [(ps, tuple(in_labels), out_labels, dict(sizes), layout, agg, compute, what) for ps in parts], what)
-        ex.joined = [c.joined for _, _, c in got]
+        ex.joined = [c.joined for _, _, c, _ in got]
+        ex.cpu = [t for *_, t in got]
         joined = sum(ex.joined)
         if split.label in out_labels:  # output keys disjoint per device
-            data = np.concatenate([g[0] for g in got])
-            keys = np.concatenate([g[1] for g in got])
-            code = key_codes(keys, [_grid(layout, sizes)[lab] for lab in out_rel])
-            order = np.lexsort(keys.T[::-1]) if code is None else np.argsort(code, kind="stable")
-            return data[order].astype(dtype, copy=False), keys[order], RunCounts(tuples, joined, len(keys)), ex
+            grid = _grid(layout, sizes)
+            data, keys = _by_key([g[0] for g in got], [g[1] for g in got], [grid[lab] for lab in out_rel])
+            return data.astype(dtype, copy=False), keys, RunCounts(tuples, joined, len(keys)), ex
         if not out_rel:  # one partial block per device that joined anything, summed on device 0
             busy = [d for d in range(n) if got[d][2].joined]
             ex.partials = sum(1 for d in busy if d != 0)
@@ -407,7 +458,7 @@ class Distribution:
         # partial sums by output key: each to the device owning the key (a hash of its code), added there
         grid_out = [_grid(layout, sizes)[lab] for lab in out_rel]
         sends: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
-        for d, (data_d, keys_d, _) in enumerate(got):
+        for d, (data_d, keys_d, _, _) in enumerate(got):
             code = key_codes(keys_d, grid_out)
             owner = _hash_owner(code if code is not None else keys_d[:, 0], n)
             for q in range(n):
@@ -417,11 +468,27 @@ class Distribution:
                     ex.partials += int(sel.sum())
         ex.partial_bytes = ex.partials * out_bytes
         combined = run(self.backend, combine_sums, [(s, grid_out) for s in sends], what)
-        data = np.concatenate([c[0] for c in combined])
-        keys = np.concatenate([c[1] for c in combined])
-        code = key_codes(keys, grid_out)
-        order = np.lexsort(keys.T[::-1]) if code is None else np.argsort(code, kind="stable")
-        return data[order].astype(dtype, copy=False), keys[order], RunCounts(tuples, joined, len(keys)), ex
+        data, keys = _by_key([c[0] for c in combined], [c[1] for c in combined], grid_out)
+        return data.astype(dtype, copy=False), keys, RunCounts(tuples, joined, len(keys)), ex
+
+
+def _by_key(datas: Sequence[np.ndarray], keys: Sequence[np.ndarray], grid: Sequence[int]
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The devices' output tuples (disjoint keys) as one relation sorted by key (no sort when
+    the devices' ranges already follow each other: a range split of the leading output label)."""
+    data, key = np.concatenate(datas), np.concatenate(keys)
+    code = key_codes(key, grid)
+    if code is not None and bool(np.all(code[1:] > code[:-1])):
+        return data, key
+    order = np.lexsort(key.T[::-1]) if code is None else np.argsort(code, kind="stable")
+    return data[order], key[order]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """One relation's key signature: the same key array, or the same complete grid."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return a is b
+    return bool(a == b)
 
 
 def _subset(t: SparseTensor, mask: np.ndarray) -> SparseTensor:
