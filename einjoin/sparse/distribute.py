@@ -327,6 +327,8 @@ def _run_threads(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any,
     from einjoin.runtime.backends import _cores_limit
     from einjoin.runtime.engine import _drive_threads
     n = len(args)
+    if n == 1:  # one part (a step not split): inline, as the engine runs a one-lane session
+        return [fn(*args[0])]
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
 
