@@ -1,0 +1,97 @@
+"""A model of identical layers, simulated through a few of them: the makespan of ``layers``
+repetitions of a block from the simulations of two programs of ``k`` and ``k + 1`` of them.
+
+Why: LLaMA-70B's forward is 80 identical decoder blocks; on 256 GPUs its task graph has some
+15.6 million tasks, more than this process can build and replay in minutes. The blocks are the
+same ops on the same shapes, so the planner gives the middle ones the same cuts (layer reuse)
+and each middle block's tasks are the previous one's, shifted: the task graph is the first
+block, one middle block repeated, the last block (a compressed task graph). Each middle block
+then adds the same time once the pipeline between blocks has settled, so
+
+    makespan(layers) = makespan(k + 1) + (layers - k - 1) * step,  step = makespan(k + 1) - makespan(k)
+
+Why two programs and not one block's span in one: a block's tasks that read nothing of the
+previous block (fills, tables) are ready at the start and run first in the ready order, so more
+blocks delay the first one; the difference of two whole makespans counts that, a block's span
+does not. It is an extrapolation, exact where the replay is periodic from the second block on;
+:attr:`Repeated.periods` (each middle block's span in the longer program, when its tasks'
+blocks are given) shows how periodic it is. ``tests/test_simulate_repeat.py`` checks it against
+the full simulation of more blocks.
+
+>>> import einjoin as ej
+>>> def program(k):
+...     x = ej.input("x", (64, 64))
+...     for i in range(k):
+...         x = ej.relu(x @ ej.input(f"w{i}", (64, 64)))
+...     return ej.compile(x, devices=ej.Cluster.preset("dgx-a100", devices=2), backend="null", quiet=True)
+>>> rep = repeat_layers(3, program(3).simulate(resident=True), program(4).simulate(resident=True), 80)
+>>> rep.step > 0 and rep.makespan == rep.makespans[0] + 77 * rep.step
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from einjoin.errors import EinjoinError
+from einjoin.plan.taskgraph import TaskGraph
+from einjoin.runtime.simulate import Simulation
+
+__all__ = ["Repeated", "layer_of_tasks", "block_ends", "repeat_layers"]
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """The makespan (s, simulated) of ``layers`` blocks extrapolated from the simulations of
+    ``k`` and ``k + 1`` blocks (``makespans``): ``step``, what one more middle block adds;
+    ``periods``, each middle block's span in the longer simulation (when the output is complete
+    minus when the previous block's is; empty when not asked)."""
+
+    layers: int
+    k: int
+    makespans: tuple[float, float]
+    step: float
+    makespan: float
+    periods: tuple[float, ...] = ()
+
+
+def layer_of_tasks(tg: TaskGraph, ends: Sequence[Any]) -> list[int]:
+    """Per task of ``tg``, ``i`` if it computes or moves block ``i``'s output ``ends[i]`` (a
+    tensor or node), else -1."""
+    index = {getattr(e, "node", e): i for i, e in enumerate(ends)}
+    return [index.get(t.node, -1) for t in tg.tasks]
+
+
+def block_ends(sim: Simulation, task_layer: Sequence[int]) -> tuple[float, ...]:
+    """When each block's output is complete in ``sim`` (its last task's end; ``task_layer``:
+    :func:`layer_of_tasks` of the simulated task graph)."""
+    ends = [0.0] * (max(task_layer, default=-1) + 1)
+    for iv in sim.intervals.values():
+        for _, end, tid in iv:
+            i = task_layer[tid]
+            if i >= 0 and end > ends[i]:
+                ends[i] = end
+    return tuple(ends)
+
+
+def repeat_layers(k: int, shorter: Simulation, longer: Simulation, layers: int,
+                  task_layer: Sequence[int] | None = None) -> Repeated:
+    """The makespan of ``layers`` blocks from ``shorter`` and ``longer``, the simulations of
+    programs of ``k`` and ``k + 1`` blocks (``k >= 3``: a first block, middle ones, a last one;
+    ``layers >= k``), as the module's docstring says; with ``task_layer`` (of ``longer``'s
+    task graph, :func:`layer_of_tasks`), its middle blocks' spans as ``periods``. Fewer blocks:
+    an :class:`EinjoinError`."""
+    if k < 3:
+        raise EinjoinError(f"repeat_layers: k = {k} blocks; at least 3 are needed (a first, a middle one to repeat "
+                           f"and a last)")
+    if layers < k:
+        raise EinjoinError(f"repeat_layers: {layers} blocks asked, fewer than the {k} simulated")
+    step = longer.makespan - shorter.makespan
+    periods: tuple[float, ...] = ()
+    if task_layer is not None:
+        ends = block_ends(longer, task_layer)
+        periods = tuple(b - a for a, b in zip(ends[:-2], ends[1:-1]))
+    makespan = shorter.makespan + (layers - k) * step
+    return Repeated(layers, k, (shorter.makespan, longer.makespan), step, makespan, periods)
