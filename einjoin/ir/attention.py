@@ -313,22 +313,33 @@ def _forward_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool
 
 def _banded(q: Any, k: Any, v: Any, mask: Any, scale: float, row0: int, window: int | None, col0: int) -> Any:
     """A causal (windowed) kernel by :data:`BLOCK` query rows, each over its band of keys only:
-    the key blocks its mask hides entirely are never read (block sparsity)."""
+    the key blocks its mask hides entirely are never read (block sparsity). Every block's mask is
+    a slice of one template (a block's mask depends only on its first row's distance to its
+    first key), made once: a mask per block cost more than the block's attention."""
     import torch
     rows, cols = q.shape[-2], k.shape[-2]
     out = torch.zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    for a, b in _blocks(row0, row0 + rows):
-        lo, hi = key_band(a, b, window, col0 + cols)
-        lo = max(lo, col0)
-        if hi <= lo:
-            continue  # no key allowed: zeros, as torch's
-        m = mask
-        if m is not None:  # its dims of size 1 broadcast; the others follow the block and band
-            m = m[..., slice(a - row0, b - row0) if m.shape[-2] > 1 else slice(None),
-                  slice(lo - col0, hi - col0) if m.shape[-1] > 1 else slice(None)]
+    blocks = [(a, b, max(lo, col0), hi) for a, b in _blocks(row0, row0 + rows)
+              for lo, hi in [key_band(a, b, window, col0 + cols)]]
+    blocks = [(a, b, lo, hi) for a, b, lo, hi in blocks if hi > lo]  # the others see no key: zeros
+    if not blocks:
+        return out
+    # template[r, c]: block row r may see column c where r + reach - window < c <= r + reach
+    reach = max(a - lo for a, _, lo, _ in blocks)
+    r = torch.arange(BLOCK, device=q.device).unsqueeze(1)
+    c = torch.arange(BLOCK + reach, device=q.device)
+    off = (c > r + reach) if window is None else (c > r + reach) | (c <= r + reach - window)
+    template = torch.zeros((BLOCK, BLOCK + reach), dtype=q.dtype, device=q.device).masked_fill_(off, float("-inf"))
+    for a, b, lo, hi in blocks:
+        s = reach - (a - lo)
+        m = template[:b - a, s:s + hi - lo]
+        if mask is not None:  # its dims of size 1 broadcast; the others follow the block and band
+            u = mask[..., slice(a - row0, b - row0) if mask.shape[-2] > 1 else slice(None),
+                     slice(lo - col0, hi - col0) if mask.shape[-1] > 1 else slice(None)]
+            m = torch.where(u, m, float("-inf")) if u.dtype == torch.bool else m + u
         keys = slice(lo - col0, hi - col0)
         out[..., a - row0:b - row0, :] = _forward_call(q[..., a - row0:b - row0, :], k[..., keys, :], v[..., keys, :],
-                                                       m, scale, True, a, window, lo)[0]
+                                                       m, scale, False, a, None, lo)[0]
     return out
 
 
