@@ -271,7 +271,10 @@ def test_results_are_writable_arrays_on_ray_as_on_threads(shared):
 # the peer's deliver (what the Ray call does, minus the object store)
 
 class _Direct:
-    """A stand-in for an actor handle: ``h.method.remote(*args)`` calls the worker at once."""
+    """A stand-in for an actor handle: ``h.method.remote(*args)`` calls the worker at once
+    (``calls`` counts them by method, of every handle)."""
+
+    calls: dict[str, int] = {}
 
     def __init__(self, worker):
         self._w = worker
@@ -282,15 +285,19 @@ class _Direct:
         class _Method:
             @staticmethod
             def remote(*args):
+                _Direct.calls[name] = _Direct.calls.get(name, 0) + 1
                 return fn(*args)
         return _Method
 
 
-def _workers(prog):
+def _workers(prog, names=None):
+    """The program's device workers in this process; ``names``: their block channels' (None: every
+    block by a ``deliver`` call, as between hosts)."""
     from einjoin.runtime.backends.ray_worker import DeviceWorker
-    ws = [DeviceWorker(d) for d in range(prog.taskgraph.n_devices)]
+    n = prog.taskgraph.n_devices
+    ws = [DeviceWorker(d, 1, names[d] if names else None, b"s" * 16) for d in range(n)]
     for w in ws:
-        w.set_peers([_Direct(p) for p in ws])
+        w.set_peers([_Direct(p) for p in ws], names or ())
         w.setup(1, (prog.taskgraph, prog.plan.decomps))
     return ws
 
@@ -341,6 +348,33 @@ def test_in_process_workers_exchange_blocks_and_run_concurrent_runs():
     np.testing.assert_allclose(got[2], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[3], ej.reference(out, **other), rtol=1e-5, atol=1e-5)
     assert [w.open_runs() for w in ws] == [[], []]
+
+
+def test_in_process_workers_send_blocks_over_their_channels_else_by_deliver():
+    from einjoin.runtime.backends.ray_channel import available
+    if not available():
+        pytest.skip("abstract Unix sockets are Linux's")
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=2, backend="sync", planner="split_largest", quiet=True)
+    n_moves = sum(t.kind.value == "move" for t in prog.taskgraph.tasks)
+    want = ej.reference(out, **feeds)
+    tag = f"einjoin-test-{os.getpid()}-{time.monotonic_ns()}"
+    # both on this host: every block over a channel, no deliver call
+    ws = _workers(prog, [f"{tag}-0", f"{tag}-1"])
+    before = _Direct.calls.get("deliver", 0)
+    reports = _run_in_process(prog, ws, 1, feeds)
+    np.testing.assert_allclose(_outputs(prog, reports)[0], want, rtol=1e-5, atol=1e-6)
+    assert _Direct.calls.get("deliver", 0) == before
+    assert sum(r["received"] for r in reports) == prog.stats.bytes_moved
+    assert [w.open_runs() for w in ws] == [[], []]
+    # a peer whose name nobody listens on here (another host): its blocks go by deliver
+    ws = _workers(prog, [f"{tag}-2", f"{tag}-3"])
+    ws[0].set_peers(ws[0].peers, [f"{tag}-2", f"{tag}-elsewhere"])  # device 0 knows no name device 1 listens on
+    before = _Direct.calls.get("deliver", 0)
+    reports = _run_in_process(prog, ws, 1, feeds)
+    np.testing.assert_allclose(_outputs(prog, reports)[0], want, rtol=1e-5, atol=1e-6)
+    to_1 = sum(t.kind.value == "move" and t.device == 1 for t in prog.taskgraph.tasks)
+    assert _Direct.calls.get("deliver", 0) - before == to_1 and 0 < to_1 <= n_moves
 
 
 def test_in_process_workers_abort_and_fail_a_run_only():

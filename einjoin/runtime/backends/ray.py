@@ -8,9 +8,11 @@ on the actor by the program's key); per run the driver puts the feeds once and s
 a ``go`` and a ``finish`` (which returns that actor's report and output blocks when its part is
 done), so a run costs two Ray calls per device, not one per task, and the session's ``submit``
 does nothing. Each actor runs its tasks on an executor thread as their dependencies finish; a
-``move`` is a send on the source actor, a call of the destination's ``deliver`` with the block
-(through the object store, point to point; a zero-copy, read-only view there: blocks received
-are only read, kernels, reduces and touches write fresh arrays or local buffers). Blocks stay
+``move`` is a send on the source actor: over the pair's block channel when both run on one host
+(:mod:`~einjoin.runtime.backends.ray_channel`, a Unix socket: no object store, no Ray call), else
+a call of the destination's ``deliver`` with the block (through the object store, point to point;
+a zero-copy, read-only view there: blocks received are only read, kernels, reduces and touches
+write fresh arrays or local buffers). Blocks stay
 resident in the actors between tasks; only the outputs come back. The task semantics are the
 local devices' (:func:`einjoin.plan.execute.compute`, the prepared kernels of
 :mod:`einjoin.runtime.fastkernels`, :class:`einjoin.runtime.local.Store`); callbacks see each
@@ -91,6 +93,7 @@ _live: set[RayBackend] = set()   # backends holding actors, for shutdown()
 _run_ids = itertools.count(1)  # one namespace per run on every actor (process-wide: backends share Ray)
 _state_keys = itertools.count(1)  # the keys of state blocks kept on the actors between runs
 _plan_ids = itertools.count(1)
+_channel_ids = itertools.count(1)  # the actors' channel names (with the backend's secret and this pid)
 CONTROL = "control"            # the actors' concurrency group for aborts (not queued behind work)
 WAIT = "wait"                  # the actors' concurrency group for ``finish`` calls, which wait for a run
 WAITERS = 32                   # its threads: runs in flight beyond it only queue their finish
@@ -114,11 +117,12 @@ class _Pool:
     ``pids``: per actor its pid, or the reference of its ``pid`` call while it starts (a pool
     warmed at compile time is not waited for: :meth:`RayBackend._started` waits at the run)."""
 
-    __slots__ = ("shape", "actors", "pids", "shipped", "generation")
+    __slots__ = ("shape", "actors", "pids", "names", "shipped", "generation")
 
-    def __init__(self, shape: tuple[int, tuple[Any, ...]], actors: list[Any], pids: list[Any], generation: int):
+    def __init__(self, shape: tuple[int, tuple[Any, ...]], actors: list[Any], pids: list[Any], generation: int,
+                 names: list[str | None]):
         self.shape = shape
-        self.actors, self.pids = actors, pids
+        self.actors, self.pids, self.names = actors, pids, names   # names: of the actors' block channels
         self.shipped: list[set[int]] = [set() for _ in actors]   # per actor: the plan keys it holds
         self.generation = generation
 
@@ -169,6 +173,7 @@ class RayBackend:
     retries: int = 1                 # re-runs after a lost device before raising
     quiet: bool = False
     dashboard: bool = False          # a Ray that einjoin starts gets its dashboard (on 127.0.0.1)
+    channels: bool = True            # blocks between actors of one host over Unix sockets (ray_channel)
     received_per_pair: dict[tuple[int, int], int] = field(default_factory=dict)  # of the last run
     generation: int = field(default=0, init=False)   # bumped whenever a pool of actors starts
 
@@ -189,6 +194,7 @@ class RayBackend:
         self._plans: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
         self._forgotten: list[int] = []       # plan keys of programs gone, to drop on the actors
         self._in_flight = 0
+        self._secret = os.urandom(16)          # opens the actors' channel connections (ray_channel)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its settings (a program sent to another process): the copy starts its own
@@ -223,13 +229,17 @@ class RayBackend:
         ray = ensure_ray(self.num_cpus, self.object_store_memory, self.quiet, self.dashboard)
         base = self._local_base(shape)
         if base is not None and len(base.actors) >= n:  # a prefix of live actors: nothing starts
-            pool = self._pools[shape] = _Pool(shape, base.actors[:n], base.pids[:n], base.generation)
+            pool = self._pools[shape] = _Pool(shape, base.actors[:n], base.pids[:n], base.generation,
+                                              base.names[:n])
             return pool
-        have, have_pids = (list(base.actors), list(base.pids)) if base is not None else ([], [])
+        have, have_pids, have_names = ((list(base.actors), list(base.pids), list(base.names)) if base is not None
+                                       else ([], [], []))
         # the default thread takes the calls that only queue work (setup, go, deliver) in order;
         # finish calls wait on threads of their own, aborts on the control thread
         cls = ray.remote(concurrency_groups={CONTROL: 1, WAIT: WAITERS}, max_concurrency=1)(DeviceWorker)
         new: list[Any] = []
+        names = have_names + [f"einjoin-{self._secret[:6].hex()}-{os.getpid()}-{next(_channel_ids)}"
+                              if self.channels else None for _ in range(len(have), n)]
         try:
             for d in range(len(have), n):
                 node = nodes[d]
@@ -237,13 +247,13 @@ class RayBackend:
                 if node is not None:
                     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
                     opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-                new.append(cls.options(**opts).remote(d, _blas_threads(nodes, d)))
+                new.append(cls.options(**opts).remote(d, _blas_threads(nodes, d), names[d], self._secret))
             if modules:
                 for a in new:
                     a.preload.options(concurrency_group=WAIT).remote(list(modules))
             actors = have + new
             for a in actors:
-                a.set_peers.remote(actors)  # before any run: sends go actor to actor (a longer list
+                a.set_peers.remote(actors, names)  # before any run: sends go actor to actor (a longer list
                 #                             for the old ones: the devices they know keep their actors)
             pids = have_pids + [a.pid.remote() for a in new]
         except Exception as e:  # noqa: BLE001 - any failure to start is the user's to see, typed
@@ -251,7 +261,7 @@ class RayBackend:
             raise EinjoinError(f"the Ray backend could not start {n} device actors: {type(e).__name__}: "
                                f"{e}") from None
         self.generation += 1
-        pool = self._pools[shape] = _Pool(shape, actors, pids, self.generation)
+        pool = self._pools[shape] = _Pool(shape, actors, pids, self.generation, names)
         self._session = _ray_session(ray)
         _live.add(self)
         return pool

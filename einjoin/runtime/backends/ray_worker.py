@@ -36,6 +36,7 @@ from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import (Attention, AttentionGrad, Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input,
                              Pool, Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.plan.execute import compute
+from einjoin.runtime.backends.ray_channel import Channel, available
 
 __all__ = ["DeviceWorker", "Part", "RUN", "RECEIVE", "SEND", "FREE", "PRELOAD_FACTS", "preload_modules"]
 
@@ -184,12 +185,18 @@ class DeviceWorker:
     queue work), ``finish`` on a thread of a group of its own (it waits), ``abort`` on the
     control thread."""
 
-    def __init__(self, device: int, blas_threads: int = 1):
+    def __init__(self, device: int, blas_threads: int = 1, channel: str | None = None, secret: bytes = b""):
+        from einjoin.runtime.malloc import tune_malloc
+        tune_malloc()  # as the local backends: freed blocks stay in the process (no fault-in per kernel output)
         self.device = device
         self._blas = 0
         self._limit_blas(blas_threads)
         self.plans: dict[int, Part] = {}
         self.peers: list[Any] = []
+        self.names: list[str | None] = []   # per device, the name its actor's channel listens on
+        self._channel: Channel | None = None
+        if channel is not None and available():
+            self._channel = Channel(channel, secret, self._from_channel)
         self.kept: dict[int, np.ndarray] = {}  # programs' state blocks, kept between runs by key
         self._cv = threading.Condition()
         self._runs: dict[int, _Run] = {}
@@ -233,9 +240,12 @@ class DeviceWorker:
         import ray
         return ray.get_runtime_context().get_node_id()
 
-    def set_peers(self, peers: Sequence[Any]) -> None:
-        """The actor handles of the pool, by device: where sends go."""
+    def set_peers(self, peers: Sequence[Any], names: Sequence[str | None] = ()) -> None:
+        """The actor handles of the pool, by device: where sends go; ``names``: the names their
+        channels listen on (:mod:`~einjoin.runtime.backends.ray_channel`: a block for a peer on this
+        host goes over a socket, else by a Ray call of its ``deliver``)."""
         self.peers = list(peers)
+        self.names = list(names) or [None] * len(self.peers)
 
     def setup(self, key: int, plan: Any) -> None:
         """Build and keep this device's part of the plan (task graph, decompositions) ``key``."""
@@ -280,6 +290,10 @@ class DeviceWorker:
     def deliver(self, run: int, tid: int, src: int, block: np.ndarray) -> None:
         """Move ``tid``'s block, sent by device ``src`` (a zero-copy, read-only view of the object
         store: only read by later tasks)."""
+        self._arrive(run, tid, (src, block))
+
+    def _from_channel(self, run: int, tid: int, src: int, block: np.ndarray) -> None:
+        """A block that came over the channel (on its reader thread): as ``deliver``."""
         self._arrive(run, tid, (src, block))
 
     def signal(self, run: int, tid: int) -> None:
@@ -389,8 +403,11 @@ class DeviceWorker:
         t = part.tasks[tid]
         store = r.store
         if kind == SEND:
-            # the block goes into the object store as the call is made: the source may free it now
-            self.peers[t.device].deliver.remote(r.id, tid, self.device, store.get(t.reads[0]))
+            # over the channel to a peer on this host (written out before send returns); else by
+            # Ray: the block goes into the object store as the call is made. The source may free it now
+            block, name, ch = store.get(t.reads[0]), self.names[t.device], self._channel
+            if ch is None or name is None or not ch.send(name, r.id, tid, self.device, block):
+                self.peers[t.device].deliver.remote(r.id, tid, self.device, block)
             return
         start = time.time()
         if kind == RECEIVE:
