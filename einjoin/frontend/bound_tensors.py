@@ -28,33 +28,39 @@ class LiveTensor:
     the module, or a program holding it, to a process pool) copies the data into shared memory
     and frees the old block, so a view taken before reads freed memory: silently wrong numbers.
     A view taken when fed follows the storage; copying every weight instead would double the
-    memory of a large model."""
+    memory of a large model. ``source`` is the module's tensor object itself, so that what it
+    holds now is read: ``p.data = new``, ``module.double()`` / ``.half()`` (they swap ``.data``)
+    and in-place writes to a tensor bound through a copy (a non-contiguous parameter) are seen."""
 
-    __slots__ = ("tensor", "_view", "_at")
+    __slots__ = ("source", "tensor", "_cache")
 
-    def __init__(self, tensor: Any):
-        self.tensor = tensor  # detached, on the CPU, dense and contiguous (bind_tensor)
-        self._view: np.ndarray | None = None
-        self._at = -1  # the data address _view was taken at
+    def __init__(self, source: Any, tensor: Any = None):
+        self.source = source  # the module's tensor (a Parameter: what .data holds can change)
+        self.tensor = _dense(source) if tensor is None else tensor  # detached, CPU, dense, contiguous
+        self._cache: tuple[Any, np.ndarray] | None = None  # (the source's key when viewed, the view)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
+        return tuple(self.source.shape)
 
     def now(self) -> np.ndarray:
         """A zero-copy numpy view of the tensor's storage where it is now (the last one while the
-        storage has not moved: a view is its address, shape and dtype)."""
-        t = self.tensor
-        at = t.data_ptr()
-        arr = self._view
-        if arr is None or at != self._at:  # first use, or the storage moved: a view of where it is now
-            import torch
-            if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, as ml_dtypes' type
-                import ml_dtypes
-                arr = t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
-            else:
-                arr = t.numpy()
-            self._view, self._at = arr, at
+        source's storage, version, dtype and layout are unchanged; a copy only for a source that
+        is not a dense contiguous CPU tensor, taken again after each in-place write to it)."""
+        import torch
+        src = self.source
+        at = src.data_ptr() if src.layout == torch.strided else 0  # a sparse tensor has no pointer
+        key = (at, src._version, src.dtype, tuple(src.shape), src.stride())
+        cache = self._cache
+        if cache is not None and cache[0] == key:
+            return cache[1]
+        t = _dense(src)  # what the source holds now (the same storage when dense already)
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, as ml_dtypes' type
+            import ml_dtypes
+            arr: np.ndarray = t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            arr = t.numpy()
+        self.tensor, self._cache = t, (key, arr)
         return arr
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -115,14 +121,20 @@ def feeds_of(bound: Mapping[str, Any]) -> dict[str, Any]:
     return bound.feeds() if isinstance(bound, BoundTensors) else dict(bound)
 
 
-def bind_tensor(t: Any) -> LiveTensor:
-    """A module tensor as its bound value: the same storage when it is already a dense contiguous
-    CPU tensor (a converted copy otherwise), checked now to be readable as an array."""
-    from einjoin.ir.reference import to_numpy
+def _dense(t: Any) -> Any:
+    """``t`` detached as a dense contiguous CPU tensor: the same storage when it is one already."""
     import torch
     t = t.detach()
     if t.layout != torch.strided:
         t = t.to_dense()
-    t = t.cpu().contiguous().resolve_conj().resolve_neg()
-    to_numpy(t, "module tensor")  # a dtype numpy has no type for is refused at import, as before
-    return LiveTensor(t)
+    return t.cpu().contiguous().resolve_conj().resolve_neg()
+
+
+def bind_tensor(t: Any) -> LiveTensor:
+    """A module tensor as its bound value: the same storage when it is already a dense contiguous
+    CPU tensor (a converted copy otherwise), checked now to be readable as an array; the module's
+    tensor object is kept, so later changes to what it holds are followed (:class:`LiveTensor`)."""
+    from einjoin.ir.reference import to_numpy
+    dense = _dense(t)
+    to_numpy(dense, "module tensor")  # a dtype numpy has no type for is refused at import, as before
+    return LiveTensor(t, dense)

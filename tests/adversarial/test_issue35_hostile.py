@@ -147,3 +147,44 @@ def test_a_refused_load_state_dict_changes_no_key(small_trainer: tuple) -> None:
         tr.load_state_dict({**sd, "aa": torch.ones(2), "lin.weight": torch.ones(5, 5)})
     after = tr.state_dict()
     assert all(torch.equal(after[k], sd[k]) for k in sd)
+
+
+# ---- finding 5: an imported module's weights were bound as the tensor that ``param.detach()``
+# gave at import, so a program kept computing with the old values, silently, after
+# ``param.data = new`` or ``module.double()`` (both swap what the Parameter holds), and after an
+# in-place write to a non-contiguous parameter (bound through a contiguous copy taken once)
+
+
+def _run_close(prog: ej.Program, m, x) -> bool:  # type: ignore[no-untyped-def]
+    import torch
+    with torch.no_grad():
+        return bool(torch.allclose(prog.run(x), m(x), atol=1e-5))
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_a_program_reads_what_the_modules_parameters_hold_now(method: str) -> None:
+    import torch
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    lin = torch.nn.Linear(4, 3)
+    prog = ej.compile(ej.from_torch(lin, (x,), method=method), devices=2)
+    lin.weight.data = torch.randn(3, 4)
+    assert _run_close(prog, lin, x)
+    lin.double()  # the program was built for float32 weights: refused by name, not the old values
+    with pytest.raises(ej.DTypeError, match="input 'weight': expected float32, got float64"):
+        prog.run(x)
+
+    class T(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 4).T)  # non-contiguous
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    m = T()
+    prog = ej.compile(ej.from_torch(m, (x,), method=method), devices=2)
+    assert _run_close(prog, m, x)
+    with torch.no_grad():
+        m.w.mul_(2)
+    assert _run_close(prog, m, x)
