@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import einjoin as ej
 from einjoin.ir import Graph
 from einjoin.ir.fuse import fuse_elementwise
+from einjoin.ir.ops import broadcast_node, einsum_node
 from budget import examples
 from graphgen import graphs
 
@@ -151,10 +152,34 @@ def test_what_is_fused_and_what_is_not() -> None:
     assert [str(n.op.join) for n in Graph([f]).ops] == ["(tanh(x0 * 2.0 + x1) + exp(x0)) * exp(x0)"]
     feeds = {"x": np.linspace(-1, 1, 128).reshape(8, 16).astype(np.float32), "b": np.ones(16, np.float32)}
     _equal(ej.reference(ej.Tensor(f), **feeds), ej.reference(y, **feeds))
-    # a value two nodes read is kept (inlining it would compute it twice)
-    f1, f2 = fuse_elementwise([(h + shared).node, (shared * 3.0).node])
+    # a value two nodes read is kept (inlining it would compute it twice) ...
+    xl, bl = ej.input("xl", (64, 128)), ej.input("bl", (128,))
+    hl, sl = ej.tanh(xl * 2.0 + bl), ej.exp(xl)
+    f1, f2 = fuse_elementwise([(hl + sl).node, (sl * 3.0).node])
     joins = [str(n.op.join) for n in Graph([f1, f2]).ops]
     assert sorted(joins) == ["exp(x0)", "tanh(x0 * 2.0 + x1) + x2", "x0 * 3.0"], joins
+    # ... unless it is one call on a small block (<= SMALL_RECOMPUTE elements), cheaper than a
+    # task of its own, or a relabelling: each elementwise reader recomputes it, with its bits
+    f1, f2 = fuse_elementwise([(h + shared).node, (shared * 3.0).node])
+    joins = [str(n.op.join) for n in Graph([f1, f2]).ops]
+    assert sorted(joins) == ["exp(x0) * 3.0", "tanh(x0 * 2.0 + x1) + exp(x0)"], joins
+    _equal(ej.reference(ej.Tensor(f1), **feeds), ej.reference(h + shared, **feeds))
+    _equal(ej.reference(ej.Tensor(f2), x=feeds["x"]), ej.reference(shared * 3.0, x=feeds["x"]))
+    tt = ej.exp(xl).T  # a transpose read twice, once by a product of two: both take it in
+    f1, f2 = fuse_elementwise([(tt * tt.T.T).node, (tt + 1.0).node])
+    assert [n.kind for n in Graph([f1, f2]).ops] == ["einsum"] * 3, [str(n.op.join) for n in Graph([f1, f2]).ops]
+    # a broadcast that only adds dims is a relabelling: elementwise readers read its input
+    r = ej.input("r", (16,))
+    wide = ej.Tensor(broadcast_node(ej.exp(r).node, (8, 16), (1,)))
+    [fb] = fuse_elementwise([(x * wide + wide).node])
+    assert [n.kind for n in Graph([fb]).ops] == ["einsum"], [n.kind for n in Graph([fb]).ops]  # exp(r): small
+    _equal(ej.reference(ej.Tensor(fb), x=feeds["x"], r=feeds["b"] * 0.5),
+           ej.reference(x * wide + wide, x=feeds["x"], r=feeds["b"] * 0.5))
+    # a copy (an identity einsum) that is no output goes, whoever reads it
+    c = ej.input("c", (8, 16))
+    copy = ej.Tensor(einsum_node([c.node], ["ij"], "ij", "x0", None))
+    [fr] = fuse_elementwise([copy.reshape(128).node])
+    assert fr.inputs == (c.node,)
     # an output is kept as it is, even with one reader
     [f2, g2] = fuse_elementwise([h.node, (h * 3.0).node])
     assert f2 is h.node or str(f2.op.join) == "tanh(x0 * 2.0 + x1)"

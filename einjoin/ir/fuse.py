@@ -14,7 +14,13 @@ step by step in the same dtypes:
 - a fused join that is a plain product (``x0 * x1 * x2``) is left unfused: products take the
   contraction kernels, which may multiply in another order.
 
-Nodes that are graph outputs, or read twice, are kept (inlining would compute them twice).
+Nodes that are graph outputs, or read twice, are kept (inlining would compute them twice),
+unless they are free to recompute (:func:`_free`: a bare relabelling -- a copy, transpose or
+broadcast -- or one function call on at most :data:`SMALL_RECOMPUTE` elements) and every reader
+is an elementwise einsum: then each reader inlines them and the node, its tasks and its block
+go (a task costs ~15-20 us of the runtime's time, more than such a recomputation). A copy (an
+identity einsum) that is not an output goes too, whoever reads it; a broadcast that only adds
+dims is a relabelling too, taken in by elementwise readers.
 
 >>> from einjoin.ir import ops
 >>> x = ops.input_node("x", (4, 3), "float32")
@@ -32,7 +38,7 @@ from collections.abc import Sequence
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Einsum, Node
+from einjoin.ir.node import Broadcast, Einsum, Node
 from einjoin.ir.ops import einsum_node
 from einjoin.ir.scalar import Arg, Call, Expr, infer_dtype, is_product, substitute
 
@@ -40,6 +46,7 @@ __all__ = ["fuse_elementwise", "MAX_FUSED_INPUTS", "MAX_FUSED_DEPTH"]
 
 MAX_FUSED_INPUTS = 8   # a fused node reads at most this many inputs (the planner's search grows with them)
 MAX_FUSED_DEPTH = 48   # nor nests calls deeper (kernels evaluate it step by step; printing stays short)
+SMALL_RECOMPUTE = 4096  # a one-call producer this small is recomputed by each of several readers
 _HALF = ("float16", "bfloat16")
 
 
@@ -64,6 +71,32 @@ def _inlinable(p: Node) -> bool:
         return False
 
 
+def _free(p: Node) -> bool:
+    """Whether inlinable producer ``p`` costs less to recompute in each reader than to keep as a
+    node of its own: its join is a bare argument (a relabelling: copy, transpose, broadcast) or
+    a single call over arguments and constants on a small block."""
+    join = p.op.join  # type: ignore[union-attr]
+    if isinstance(join, Arg):
+        return True
+    return (isinstance(join, Call) and join.depth == 1 and p.size <= SMALL_RECOMPUTE)
+
+
+def _new_dims_only(p: Node) -> bool:
+    """A broadcast that only adds dims (each input dim keeps its size): a relabelling its
+    elementwise readers take in, reading its input with the labels of the dims it came from."""
+    op = p.op
+    return isinstance(op, Broadcast) and all(p.inputs[0].shape[i] == p.shape[d] for i, d in enumerate(op.dims))
+
+
+def _copy(n: Node) -> bool:
+    """An einsum that copies its one input as it is (the same labels in order, dtype and shape):
+    whoever reads it may read the input (values are never written in place)."""
+    op = n.op
+    return (isinstance(op, Einsum) and len(n.inputs) == 1 and op.join == Arg(0)
+            and tuple(op.in_labels[0]) == tuple(op.out_labels) and n.dtype == n.inputs[0].dtype
+            and n.shape == n.inputs[0].shape)
+
+
 def fuse_elementwise(outputs: Sequence[Node]) -> list[Node]:
     """``outputs`` rebuilt with every fusable elementwise chain inlined (the same outputs, in
     order, as new nodes where something below them was fused; inputs are kept as they are).
@@ -81,15 +114,24 @@ def fuse_elementwise(outputs: Sequence[Node]) -> list[Node]:
 def _fuse_pass(outputs: list[Node]) -> list[Node]:
     graph = Graph(outputs)
     reads: Counter[Node] = Counter()
+    ew_reads: Counter[Node] = Counter()  # reads by elementwise einsums
     for n in graph.nodes:
+        ew = _elementwise(n)
         for x in n.inputs:
             reads[x] += 1
+            ew_reads[x] += ew
     for o in graph.outputs:
         reads[o] += 1  # an output is kept: its value is returned
+    # read once, or only by elementwise einsums (then inlined only if free to recompute: _free)
+    single = {x: k == 1 for x, k in reads.items() if k == 1 or k == ew_reads[x]}
+    outs = set(graph.outputs)
     new: dict[Node, Node] = {}
     for n in graph.nodes:
         ins = tuple(new[x] for x in n.inputs)
-        fused = _fuse(n, ins, reads) if _elementwise(n) else None
+        if _copy(n) and n not in outs:
+            new[n] = ins[0]  # a copy: its readers read what it copies
+            continue
+        fused = _fuse(n, ins, single) if _elementwise(n) else None
         if fused is not None:
             new[n] = fused
         elif ins == n.inputs:
@@ -99,8 +141,10 @@ def _fuse_pass(outputs: list[Node]) -> list[Node]:
     return [new[o] for o in outputs]
 
 
-def _fuse(n: Node, ins: tuple[Node, ...], reads: Counter[Node]) -> Node | None:
-    """``n`` with its single-reader elementwise producers inlined, or None when none is."""
+def _fuse(n: Node, ins: tuple[Node, ...], single: dict[Node, bool]) -> Node | None:
+    """``n`` with its elementwise producers inlined, or None when none is: those read once
+    (``single[x]`` True) and those read only by elementwise einsums (False) that are free to
+    recompute as fused so far (:func:`_free` of the rebuilt producer)."""
     op = n.op
     assert isinstance(op, Einsum)
     args: list[tuple[Node, tuple[str, ...]]] = []
@@ -113,20 +157,30 @@ def _fuse(n: Node, ins: tuple[Node, ...], reads: Counter[Node]) -> Node | None:
 
     subs: list[Expr] = []
     inlined = False
+    relabels = True  # every inlined producer only relabels (its join a bare argument)
     for x, nx, labels in zip(n.inputs, ins, op.in_labels):
-        if reads[x] == 1 and _inlinable(nx):
+        if x in single and _new_dims_only(nx):
+            bop = nx.op
+            assert isinstance(bop, Broadcast)
+            subs.append(arg(nx.inputs[0], tuple(labels[d] for d in bop.dims)))
+            inlined = True
+        elif x in single and _inlinable(nx) and (single[x] or _free(nx)):
             pop = nx.op
             assert isinstance(pop, Einsum)
             rename = dict(zip(pop.out_labels, labels))
             inner = [arg(y, tuple(rename[lab] for lab in ly)) for y, ly in zip(nx.inputs, pop.in_labels)]
             subs.append(substitute(pop.join, inner))
             inlined = True
+            relabels = relabels and isinstance(pop.join, Arg)
         else:
             subs.append(arg(nx, tuple(labels)))
     if not inlined:
         return None
     join = substitute(op.join, subs)
-    if (len(args) > MAX_FUSED_INPUTS or is_product(join, len(args))
+    # a product of at most two blocks is one multiply per element, whichever kernel runs it: a
+    # product reader may take in a relabelling (it stays the product it was)
+    kept_product = relabels and len(args) <= 2 and is_product(op.join, len(n.inputs))
+    if (len(args) > MAX_FUSED_INPUTS or (is_product(join, len(args)) and not kept_product)
             or (isinstance(join, Call) and join.depth > MAX_FUSED_DEPTH)):
         return None
     try:
