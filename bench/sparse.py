@@ -179,6 +179,8 @@ def main() -> None:
     devices_case(row, g, h, w, args.reps)
     bd = block_diagonal(64, 64)
     case("block-diag 64x64 · D", "ij,jk->ik", bd, [rng.standard_normal((bd.shape[1], 256))], args.reps)
+    from sparse_mttkrp import mttkrp_case  # ijk,jr,kr->ir, nnz = 2 x edges, vs scipy / torch (bench/sparse_mttkrp.py)
+    mttkrp_case(row, 2 * args.edges, args.reps)
     a = ej.sparse("A", scipy.sparse.random(400, 300, density=0.01, random_state=0))
     b, c = rng.standard_normal((300, 300)), ej.sparse("C", scipy.sparse.random(300, 200, density=0.01,
                                                                                  random_state=1))

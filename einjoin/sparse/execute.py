@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from einjoin.errors import UnsupportedOpError
+from einjoin.sparse.kernels import rowprod, spmm
 from einjoin.sparse.layout import Layout
 from einjoin.sparse.tensor import SparseTensor, grid_of
 
@@ -63,7 +64,8 @@ def relation_of(value: SparseTensor | np.ndarray, labels: tuple[str, ...], layou
     rel = tuple(labels[d] for d in rel_dims)
     if isinstance(value, SparseTensor):
         st = value.reblock(block)
-        return Relation(labels, rel, st.keys[:, rel_dims], st.data)
+        keys = st.keys if len(rel_dims) == len(shape) else st.keys[:, rel_dims]  # no copy when all keyed
+        return Relation(labels, rel, keys, st.data)
     grid = grid_of(shape, block)
     arr = np.asarray(value)
     padded_shape = tuple(g * b for g, b in zip(grid, block))
@@ -113,6 +115,11 @@ def _join(rels: Sequence[Relation], grid: Mapping[str, int], out_rel: Sequence[s
             g = [grid[lab] for lab in shared]
             ca = _codes([cols[lab] for lab in shared], g, what)
             cb = _codes([y.keys[:, y.rel.index(lab)] for lab in shared], g, what)
+            if len(shared) == len(y.rel) and _is_range(cb, math.prod(g)):
+                # y holds every key of its grid in row-major order (a dense operand): tuple code
+                # is its index, one match each, the joined tuples stay as they are (no search)
+                idx[nxt] = ca
+                continue
             order = np.argsort(cb, kind="stable")
             cbs = cb[order]
             lo = np.searchsorted(cbs, ca, "left")
@@ -133,6 +140,11 @@ def _join(rels: Sequence[Relation], grid: Mapping[str, int], out_rel: Sequence[s
         idx[nxt] = right
         m = total
     return cols, [i if i is not None else np.zeros(0, np.int64) for i in idx]
+
+
+def _is_range(code: np.ndarray, n: int) -> bool:
+    """Whether ``code`` is 0, 1, ..., n-1 (a relation with every key of its grid, in order)."""
+    return len(code) == n and (n == 0 or (int(code[0]) == 0 and bool(np.all(np.diff(code) == 1))))
 
 
 def _letters(labels: Sequence[str]) -> tuple[dict[str, str], str]:
@@ -158,7 +170,8 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
     out_ext = tuple(layout.extent(lab, sizes[lab]) for lab in out_labels)
     if out_rel:
         gcode = _codes([cols[lab] for lab in out_rel], [grid[lab] for lab in out_rel], what)
-        if m < 2 or bool(np.all(gcode[1:] >= gcode[:-1])):  # already grouped (see _join)
+        grouped = m < 2 or bool(np.all(gcode[1:] >= gcode[:-1]))  # already grouped (see _join)
+        if grouped:
             order, gsorted = np.arange(m), gcode
         else:
             order = np.argsort(gcode, kind="stable")
@@ -170,7 +183,7 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
                                    np.zeros((0, len(out_rel)), np.int64))
         ngroups = len(starts)
     else:
-        order = np.arange(m)
+        order, grouped = np.arange(m), True
         starts = np.zeros(min(m, 1), np.int64)
         keys, ngroups = None, 1
     gid = np.zeros(m, np.int64)
@@ -192,7 +205,10 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
     ufunc = np.add if agg == "sum" else np.maximum
     m_done = 0
     if layout.kernel == "spmm" and agg == "sum" and m:
-        _spmm(rels, idx, order, gid, in_labels, out_labels, out, compute)
+        spmm(rels, idx, None if grouped else order, gid, in_labels, out_labels, out, compute, _letters)
+        m_done = m
+    elif layout.kernel == "rowprod" and agg == "sum" and m:
+        rowprod(rels, idx, None if grouped else order, gid, in_labels, out_labels, out, compute)
         m_done = m
     elif layout.kernel == "looped" and agg == "sum" and m:
         # few large payloads: one BLAS-backed einsum per joined tuple, on views (no gathers)
@@ -240,30 +256,6 @@ def _segment_sum(res: np.ndarray, seg: np.ndarray) -> np.ndarray:
     indicator = scipy.sparse.csr_array((np.ones(c, res.dtype), np.arange(c), np.r_[seg, c]),
                                        shape=(len(seg), c))
     return np.asarray(indicator @ res.reshape(c, -1)).reshape((len(seg),) + res.shape[1:])
-
-
-def _spmm(rels: Sequence[Relation], idx: Sequence[np.ndarray], order: np.ndarray, gid: np.ndarray,
-          in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...], out: np.ndarray,
-          compute: np.dtype) -> None:
-    """Every payload but one is a scalar: the sum is a sparse (groups × tuples of the big one)
-    matrix of the scalars' products times the big relation's payloads (summed over their labels
-    that are not output first) — a CSR SpMM, no gathered copies."""
-    import scipy.sparse
-    sizes = [math.prod(r.data.shape[1:]) for r in rels]
-    big = max(range(len(rels)), key=lambda k: sizes[k])
-    w = np.ones(len(order), compute)
-    for k, (r, i) in enumerate(zip(rels, idx)):
-        if k != big:
-            w *= r.data.reshape(-1)[i[order]]
-    lb = in_labels[big]
-    keep = "".join(lab for lab in out_labels if lab in lb)
-    letters, z = _letters(lb)
-    pay = np.einsum(f"{z}{''.join(letters[lab] for lab in lb)}->{z}{''.join(letters[lab] for lab in keep)}",
-                    rels[big].data.astype(compute, copy=False))
-    nb = len(pay)
-    indptr = np.r_[0, np.cumsum(np.bincount(gid, minlength=len(out)))]  # gid is sorted: CSR as is
-    mat = scipy.sparse.csr_array((w, idx[big][order], indptr), shape=(len(out), nb))
-    out += np.asarray(mat @ pay.reshape(nb, -1)).reshape(out.shape)
 
 
 def _max_kernel(payloads: Sequence[np.ndarray], in_labels: Sequence[tuple[str, ...]],

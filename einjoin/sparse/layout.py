@@ -9,7 +9,12 @@ with a bincount):
     cost   = joined · min(batched, looped, spmm) + Σ_X tuples(X) · payload(X)
     batched = TUPLE_COST + Σ_X payload(X) + payload(out) + BATCH_FLOP · flops
     looped  = CALL + BLAS_FLOP · flops                   (one BLAS einsum per tuple; sum only)
-    spmm    = TUPLE_COST + SPMM_FLOP · payload(out)      (all payloads but one scalars; sum only)
+    spmm    = TUPLE_COST + SPMM_FLOP · payload(out)      (all payloads but one scalars; sum only;
+                                                          2 · SPMM_FLOP when the big relation
+                                                          outgrows the cache: its rows are missed)
+    rowprod = TUPLE_COST + ROW_ELEM · (Σ_X≠scalar payload(X) + payload(out))
+                                                         (no label summed inside a payload, out
+                                                          no larger than the payloads; sum only)
 
 ``flops`` is the product of every label's extent: the block size of a relational label, the
 full size of a dense one. Small blocks pay per tuple (gathers, index work), large blocks pay for
@@ -46,6 +51,9 @@ BATCH_FLOP = 2.0  # a multiply-add of the batched np.einsum over tuples
 BLAS_FLOP = 0.05  # a multiply-add inside one large einsum call (BLAS)
 CALL = 1.0e4  # one einsum call of the looped kernel
 SPMM_FLOP = 0.5  # a multiply-add of the SpMM kernel (scalar payloads times one big one)
+CACHE_ELEMENTS = 1 << 22  # payload elements of a relation that stay in the cache (32 MiB of float64)
+ROW_ELEM = 0.25  # a gathered element of the rowprod kernel (np.take of rows from a cached
+# payload, product in place: ~1 ns each, half SPMM's ~2 ns per multiply-add of a large H)
 EXHAUSTIVE = 200  # try every combination up to this many, else coordinate descent
 
 
@@ -103,7 +111,8 @@ class Layout:
     cost: float
     payload: int  # multiply-adds per joined tuple
     kernel: str  # "batched" (one einsum per chunk of tuples), "looped" (one BLAS einsum per
-    # tuple) or "spmm" (every payload but one a scalar: a sparse matrix times the big payloads)
+    # tuple), "spmm" (every payload but one a scalar: a sparse matrix times the big payloads) or
+    # "rowprod" (no label summed inside a payload: gathered rows multiplied, added by group)
 
     def relational(self, label: str) -> bool:
         return self.blocks[label] is not None
@@ -136,8 +145,15 @@ def _evaluate(ops: Sequence[Operand], out_labels: Sequence[str], sizes: Mapping[
     costs = {"batched": batched}
     if agg == "sum":
         costs["looped"] = CALL + BLAS_FLOP * flops
+        out_size = math.prod(ext(lab) for lab in out_labels)
         if sorted(sizes_in)[:-1] == [1] * (len(ops) - 1):
-            costs["spmm"] = TUPLE_COST + SPMM_FLOP * math.prod(ext(lab) for lab in out_labels)
+            big = max(t * n for t, n in zip(tuples, sizes_in))
+            costs["spmm"] = TUPLE_COST + SPMM_FLOP * out_size * (2 if big > CACHE_ELEMENTS else 1)
+        elif all(lab in out_labels for lab in blocks if ext(lab) > 1) and \
+                out_size <= sum(n for n in sizes_in if n > 1):
+            # nothing summed inside a payload, and no outer product of payloads (per tuple a
+            # payload as large as theirs together: the batched einsum's case)
+            costs["rowprod"] = TUPLE_COST + ROW_ELEM * (sum(n for n in sizes_in if n > 1) + out_size)
     kernel = min(costs, key=costs.__getitem__)
     load = sum(t * n for t, n in zip(tuples, sizes_in))
     cost = joined * costs[kernel] + load

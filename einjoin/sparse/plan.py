@@ -41,7 +41,8 @@ __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum"]
 
 AGGS = ("sum", "max")
 KERNELS = {"batched": "one batched einsum per chunk of tuples", "looped": "one BLAS einsum per tuple",
-           "spmm": "a sparse matrix of the scalar payloads times the large ones (SpMM)"}
+           "spmm": "a sparse matrix of the scalar payloads times the large ones (SpMM)",
+           "rowprod": "gathered payload rows multiplied, added by output key (einjoin.sparse.kernels)"}
 
 
 def _operand(x: Any, i: int, what: str) -> SparseTensor | np.ndarray:
