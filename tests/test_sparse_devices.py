@@ -179,3 +179,24 @@ def test_random_sparse_einsums_on_ray(ray_backend, problem: tuple, label: str | 
     plan.distribution.label = label
     check(plan, eq, operands, agg)
     assert "2 devices on backend ray" in plan.explain()
+
+
+@pytest.mark.parametrize("label", ["i", "j"])
+def test_hypersparse_labels_split_on_the_keys_present(label: str) -> None:
+    # a grid of 10**9 keys: the histogram holds only the keys present (no bincount of the grid)
+    rng = np.random.default_rng(0)
+    n = 10 ** 9
+    ia = rng.integers(0, n, (2, 300))
+    ib = np.stack([ia[1][:200], rng.integers(0, 7, 200)])
+    a = ej.sparse("A", (ia, rng.standard_normal(300), (n, n)))
+    b = ej.sparse("B", (ib, rng.standard_normal(200), (n, 7)))
+    plan = ej.sparse_compile("ij,jk->ik", a, b, devices=4, backend="threads", relational={"i", "j"})
+    plan.distribution.label = label
+    got, want = plan.run(), ej.sparse_compile("ij,jk->ik", a, b).run()
+    (cg, vg), (cw, vw) = got.coo(), want.coo()
+    og, ow = np.lexsort(cg.T[::-1]), np.lexsort(cw.T[::-1])
+    np.testing.assert_array_equal(cg[og], cw[ow])
+    np.testing.assert_allclose(vg[og], vw[ow], rtol=1e-12)
+    ex = plan.steps[0].exchange
+    assert ex.split.label == label and ex.split.imbalance < 1.5
+    assert sum(ex.joined) == plan.steps[0].counts.joined

@@ -166,20 +166,28 @@ def _tuple_bytes(t: SparseTensor, labels: tuple[str, ...], layout: Layout) -> in
 
 
 def _weights(label: str, rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]], g: int
-             ) -> np.ndarray:
-    """Per key of ``label``: estimated joined tuples (the product of the keyed operands' tuple
-    counts at that key) plus the tuples themselves -- the block histogram along the label."""
-    counts = [np.bincount(r.keys[:, ls.index(label)], minlength=g).astype(np.float64)
-              for r, ls in zip(rels, in_labels) if label in ls]
-    return np.asarray(np.prod(counts, axis=0) + np.sum(counts, axis=0))
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, weights): per key of ``label`` (every key of the grid, or, for a grid far larger
+    than the tuples, the keys present) its estimated joined tuples (the product of the keyed
+    operands' tuple counts at that key) plus the tuples themselves -- the block histogram."""
+    cols = [r.keys[:, ls.index(label)] for r, ls in zip(rels, in_labels) if label in ls]
+    if g <= 4 * sum(len(c) for c in cols) + (1 << 20):
+        kv = np.arange(g, dtype=np.int64)
+        counts = [np.bincount(c, minlength=g).astype(np.float64) for c in cols]
+    else:  # a hypersparse label: only the keys present (a bincount of the grid would not fit)
+        kv = np.unique(np.concatenate(cols))
+        counts = [np.bincount(np.searchsorted(kv, c), minlength=len(kv)).astype(np.float64) for c in cols]
+    return kv, np.asarray(np.prod(counts, axis=0) + np.sum(counts, axis=0))
 
 
-def _split_of(label: str, w: np.ndarray, n: int) -> Split:
-    """The range or hash split of ``label``'s keys with the lighter busiest device."""
-    g, total = len(w), float(w.sum())
-    keys = np.arange(g, dtype=np.int64)
+def _split_of(label: str, w: np.ndarray, n: int, kv: np.ndarray | None = None) -> Split:
+    """The range or hash split of ``label``'s keys ``kv`` (sorted; default 0 .. len(w) - 1) of
+    weights ``w`` with the lighter busiest device."""
+    total = float(w.sum())
+    keys = np.arange(len(w), dtype=np.int64) if kv is None else kv
     cum = np.cumsum(w)
-    bounds = tuple(int(b) for b in np.searchsorted(cum, total * np.arange(1, n) / n, side="left") + 1)
+    at = np.minimum(np.searchsorted(cum, total * np.arange(1, n) / n, side="left"), max(len(keys) - 1, 0))
+    bounds = tuple(int(keys[i]) + 1 for i in at) if len(keys) else (0,) * (n - 1)
     found = []
     for kind, bs in (("range", bounds), ("hash", ())):
         s = Split(label, kind, n, bs, 1.0)
@@ -274,7 +282,8 @@ def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ..
     out_rel = [lab for lab in out_labels if layout.relational(lab)]
     scored = []
     for lab in cands:
-        split = _split_of(lab, _weights(lab, rels, in_labels, grid[lab]), n)
+        kv, w = _weights(lab, rels, in_labels, grid[lab])
+        split = _split_of(lab, w, n, kv)
         masks = _placement(split, rels, in_labels, layout, grid)
         moved: float = sum((sum(int(m.sum()) for m in ms) - int(np.logical_or.reduce(ms).sum()))
                     * _tuple_bytes(r, ls, layout) for r, ls, ms in zip(rels, in_labels, masks))
