@@ -153,3 +153,22 @@ def test_the_window_is_printed_and_kept_by_the_gradient():
     grads = [n for n in ej.Graph(gq).ops if n.kind == "attentiongrad"]
     assert grads and all(n.op.window == 2 for n in grads)
     assert "window" not in repr(ej.attention(q, q, q).node.op)  # the common node prints as before
+
+
+def test_an_imported_sliding_window_mask_gives_torchs_values():
+    """A torch model with Mistral's sliding-window mask as a bool tensor (tril & triu) imports as an
+    attention with that mask (dense: the import does not recognise the pattern as a window) and
+    equals torch; ej.attention(window=) gives the same values."""
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v):
+            n = q.shape[-2]
+            ones = torch.ones(n, n, dtype=torch.bool, device=q.device)
+            return TF.scaled_dot_product_attention(q, k, v, attn_mask=ones.tril() & ones.triu(-2))
+
+    xs = [torch.randn(1, 2, 7, 4) for _ in range(3)]
+    fn = ej.from_torch(Block(), tuple(xs))
+    want = Block()(*xs).numpy()
+    np.testing.assert_allclose(np.asarray(fn.reference(*xs)), want, rtol=1e-5, atol=1e-5)
+    tq, tk, tv = (ej.input(n, (1, 2, 7, 4)) for n in "qkv")
+    got = ej.reference(ej.attention(tq, tk, tv, causal=True, window=3), **{n: x.numpy() for n, x in zip("qkv", xs)})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
