@@ -10,17 +10,21 @@ contiguous keys per device) and a *hash* split (a multiplicative hash of the key
 devices); the one whose busiest device carries less is kept (range on a tie). Operands keyed on
 the label are partitioned (each tuple on one device); an operand without it is sent to a device
 only the tuples that match, on their shared keys, a tuple of that device's part (a semi-join: a
-dense operand gets only the blocks a device's keys touch). An output label leaves each output key
+dense operand gets only the blocks a device's keys touch, or all of them when it touches at least
+``WHOLE`` of them: a complete grid is joined by direct index). An output label leaves each output key
 on one device; a summed label leaves partial sums, each sent to the device owning its output key
 (a hash of the key) and added there. Of the labels, the one moving the fewest bytes is split (a
 split whose busiest device carries more than ``BALANCE`` times the mean loses to one that does
-not); ``max`` splits output labels only (a max over partials would meet the absent tuples of
-every part). No relational label with two or more keys: the step runs on device 0.
+not; a partial's bytes weigh ``PARTIAL_WEIGHT`` times a replica's); ``max`` splits output labels
+only (a max over partials would meet the absent tuples of every part). No relational label with
+two or more keys: the step runs on device 0. A step's split is kept for the next run while its
+relations have the same keys (the same key arrays, or complete grids).
 
 **Accounting** (the project's: one copy of every input tuple is loaded; every further copy and
 every travelling partial counts): each step's :class:`Exchange` (``Step.exchange``) holds the
 replicated tuples and bytes, the partial tuples and bytes sent to their key's owner, and per
-device the input tuples it holds and the tuples it joined; ``SparsePlan.explain()`` prints it.
+device the input tuples it holds, the tuples it joined and its thread's CPU time;
+``SparsePlan.explain()`` prints it.
 
 **Where the parts run** (a per-backend table, :data:`RUNNERS`): ``sync`` one after the other on
 this thread; ``threads`` the threads backend's device workers (the engine's ``einjoin-dev<d>``
@@ -104,9 +108,13 @@ def _hash_owner(keys: np.ndarray, n: int) -> np.ndarray:
 @dataclass
 class Exchange:
     """One step's run on the devices: the split (None: not split, device 0 ran it), per device
-    the input tuples it held, the tuples it joined and its CPU time, the input tuples copied to more than one
-    device (``replicas``: copies beyond the first) and the partial output tuples sent to the
-    device owning their key, each with its bytes (keys and payloads)."""
+    the input tuples it held, the tuples it joined and its CPU time, the input tuples copied to
+    more than one device (``replicas``: copies beyond the first) and the partial output tuples
+    sent to the device owning their key, each with its bytes (keys and payloads).
+
+    >>> Exchange(None, [3, 0], [2, 0], replicas=1, replica_bytes=16).moved
+    1
+    """
 
     split: Split | None
     tuples: list[int]
@@ -274,7 +282,17 @@ def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ..
                  out_bytes: int, label: str | None = None
                  ) -> tuple[Split | None, list[list[np.ndarray]] | None]:
     """The split of a step over ``n`` devices and each operand's per-device masks (None, None:
-    not split). ``label`` pins the label (it must be relational with two or more keys)."""
+    not split). ``label`` pins the label (it must be relational with two or more keys).
+
+    >>> from einjoin.sparse.layout import Layout
+    >>> a = SparseTensor("A", (4, 4), (1, 1), np.array([[0, 1], [1, 1], [2, 3], [3, 0]]), np.ones(4))
+    >>> b = SparseTensor("B", (4, 2), (1, 2), np.array([[0, 0], [1, 0], [2, 0], [3, 0]]), np.ones((4, 1, 2)))
+    >>> lay = Layout({"i": 1, "j": 1, "k": None}, (4, 4), 4.0, 0.0, 2, "batched")
+    >>> split, masks = choose_split([a, b], [("i", "j"), ("j", "k")], ("i", "k"), lay,
+    ...                             {"i": 4, "j": 4, "k": 2}, "sum", 2, 24, label="i")
+    >>> split.kind, [m.tolist() for m in masks[1]]  # B's rows: those the device's A columns touch
+    ('range', [[False, True, False, False], [True, False, False, True]])
+    """
     grid = _grid(layout, sizes)
     cands = _candidates(layout, sizes, out_labels, agg, label)
     if n < 2 or not cands:
@@ -513,7 +531,11 @@ def _subset(t: SparseTensor, mask: np.ndarray) -> SparseTensor:
 
 def distribution(devices: Any, backend: Any, what: str) -> Distribution:
     """The checked ``devices`` (an integer >= 1) and ``backend`` (``"sync"``, ``"threads"``,
-    ``"ray"`` or such a backend object) of ``sparse_compile``."""
+    ``"ray"`` or such a backend object) of ``sparse_compile``.
+
+    >>> distribution(2, "sync", "x").describe()
+    '2 devices on backend sync'
+    """
     if not isinstance(devices, (int, np.integer)) or isinstance(devices, bool) or not 1 <= devices <= MAX_DEVICES:
         raise EinjoinError(f"{what}: devices={devices!r} (an integer from 1 to {MAX_DEVICES})")
     from einjoin.runtime.backends import get_backend
