@@ -288,11 +288,22 @@ def _plain(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and all(_plain(v) for v in x)
 
 
+def _file_path(path: Any, what: str) -> str:
+    """``path`` as a str (a bytes path decoded), or an EinjoinError naming ``what`` for a value that
+    is no path (None, an int, a file object)."""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise EinjoinError(f"{what} takes a file path (str or os.PathLike), got {type(path).__name__} "
+                           f"{path!r:.80}") from None
+
+
 def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, Any],
           state: Mapping[str, Any]) -> None:
     """Write ``plan``, the arrays ``bound`` to its inputs and the ``state`` values to the file
     ``path`` (what :meth:`Program.save` does; see the module docstring); the folder must exist."""
     from safetensors.numpy import save as st_save
+    path = _file_path(path, "prog.save")  # checked before any work
     structure, lost = _dump_structure(plan.structure)
     if lost is not None:
         warnings.warn(f"prog.save: the forward's output structure does not serialise ({lost}): the file is "
@@ -338,7 +349,7 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
     body["nodes"] = enc.nodes  # after everything else: encoding may have met more nodes
     body["classes"] = [f"{t.__module__}:{t.__qualname__}" for t in enc.classes]
     manifest = {"format": FORMAT, "version": FORMAT_VERSION}
-    tmp = f"{os.fspath(path)}.partial"
+    tmp = f"{path}.partial"
     try:
         with zipfile.ZipFile(tmp, "w") as z:
             z.writestr(_MANIFEST, json.dumps(manifest), compress_type=zipfile.ZIP_STORED)
@@ -347,7 +358,7 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
             z.writestr(_ARRAYS, st_save(arrays) if arrays else b"", compress_type=zipfile.ZIP_STORED)
         os.replace(tmp, path)  # a save that fails half-way leaves no half file under the name
     except OSError as e:
-        raise EinjoinError(f"prog.save: cannot write {os.fspath(path)!r}: {e.strerror or e}") from None
+        raise EinjoinError(f"prog.save: cannot write {path!r}: {e.strerror or e}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -437,7 +448,7 @@ def _complete(data: bytes) -> bool:
 
 def _open(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
     """The program JSON and the arrays' bytes, after the checks that say what is wrong."""
-    where = os.fspath(path)
+    where = _file_path(path, "ej.load")
     try:
         with open(where, "rb") as f:
             data = f.read()
@@ -484,7 +495,7 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
     corrupted or newer file, or one that is not an einjoin program, raises an
     :class:`EinjoinError` saying which."""
     body, raw = _open(path)
-    where = os.fspath(path)
+    where = _file_path(path, "ej.load")
     try:
         arrays = _read_arrays(raw, body.get("array_dtypes", {}))
         dec = _Decoder(body["classes"], arrays)

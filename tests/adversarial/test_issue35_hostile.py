@@ -188,3 +188,29 @@ def test_a_program_reads_what_the_modules_parameters_hold_now(method: str) -> No
     with torch.no_grad():
         m.w.mul_(2)
     assert _run_close(prog, m, x)
+
+
+# ---- finding 6: prog.save / ej.load of something that is no path (None, an int, a BytesIO) was a
+# raw TypeError from os.fspath; a bytes path was written as "b'/dir/p.ej'.partial" (the f-string of
+# the bytes), so saving to a folder that exists failed with "No such file or directory"
+
+
+@pytest.mark.parametrize("bad", [None, 5, "io"])
+def test_save_and_load_refuse_what_is_no_path_by_name(bad: object) -> None:
+    import io
+    bad = io.BytesIO() if bad == "io" else bad
+    x = ej.input("x", (3, 4))
+    prog = ej.compile(x.sum(), devices=1)
+    with pytest.raises(ej.EinjoinError, match="prog.save takes a file path"):
+        prog.save(bad)  # type: ignore[arg-type]
+    with pytest.raises(ej.EinjoinError, match="ej.load takes a file path"):
+        ej.load(bad)  # type: ignore[arg-type]
+
+
+def test_a_bytes_path_saves_and_loads(tmp_path) -> None:
+    import os
+    x = ej.input("x", (3, 4))
+    prog = ej.compile(x.sum(), devices=1)
+    path = os.fsencode(str(tmp_path / "p.ej"))
+    prog.save(path)  # type: ignore[arg-type]
+    assert ej.load(path).run(x=np.ones((3, 4), np.float32)) == 12.0  # type: ignore[arg-type]
