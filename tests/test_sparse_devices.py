@@ -79,6 +79,7 @@ def test_split_labels_and_their_exchange(label: str) -> None:
     text = plan.explain()
     assert f"split on {label} by" in text and "2 devices on backend threads" in text
     assert f"moved {ex.moved} tuple(s)" in text
+    assert f"(last run moved {ex.moved} tuple(s)," in text.splitlines()[0]  # the run's totals, one step
 
 
 def test_a_dense_operand_mostly_touched_goes_whole() -> None:

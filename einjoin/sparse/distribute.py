@@ -411,10 +411,18 @@ class Distribution:
         # chosen on (held, so their ids stay theirs); reused while a run's are the same arrays
         self._splits: dict[Any, tuple[tuple[Any, ...], Split, list[list[np.ndarray]]]] = {}
 
-    def describe(self) -> str:
+    def describe(self, exchanges: Sequence[Exchange | None] = ()) -> str:
+        """The devices and backend, and the totals of a run's step ``exchanges`` (those not None).
+
+        >>> Distribution(2, distribution(2, "sync", "x").backend).describe([Exchange(None, [2, 0], [1, 0], 3, 48)])
+        '2 devices on backend sync (last run moved 3 tuple(s), 48 B between devices)'
+        """
         if self.devices == 1:
             return "1 device"
-        return f"{self.devices} devices on backend {self.backend.name}"
+        ran = [e for e in exchanges if e is not None]
+        total = (f" (last run moved {sum(e.moved for e in ran)} tuple(s), {_mib(sum(e.moved_bytes for e in ran))} "
+                 f"between devices)" if ran else "")
+        return f"{self.devices} devices on backend {self.backend.name}{total}"
 
     def _split(self, rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]],
                out_labels: tuple[str, ...], layout: Layout, sizes: Mapping[str, int], agg: str, out_bytes: int

@@ -354,7 +354,8 @@ class SparsePlan:
         lines = [f"{self._what()} ({self.agg} of mul), result "
                  f"{'sparse' if self.sparse_result else 'dense'} "
                  f"{tuple(self.sizes[lab] for lab in self.out_labels)}, {len(self.steps)} step(s), "
-                 f"{self.engine.describe()}, {self.distribution.describe()}; last run: {self.last_run}"]
+                 f"{self.engine.describe()}, {self.distribution.describe([s.exchange for s in self.steps])}; "
+                 f"last run: {self.last_run}"]
         for j, step in enumerate(self.steps):
             names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
             lay = step.layout or step.ran
