@@ -250,6 +250,34 @@ def test_compile_starts_and_stops_its_own_ray(tmp_path):
     assert _alive_actor_pids(pids) == []
 
 
+def test_feeds_changed_in_place_or_in_sign_bits_are_seen(shared):
+    # the driver puts only the feeds whose bytes differ from the program's last put: a weight
+    # changed in place, a -0.0 for a 0.0 (equal as numbers, not as bytes) and a new input all reach
+    # the actors; unchanged feeds are not put again
+    x, w = ej.input("x", (64, 32)), ej.param("w", (32, 16))
+    out = x @ (1.0 / w)   # a -0.0 in w gives a column of -inf (x > 0)
+    prog = ej.compile(out, devices=2, backend=shared, planner="split_largest", quiet=True)
+    rng = np.random.default_rng(1)
+    xs = np.abs(rng.standard_normal((64, 32))).astype(np.float32) + 0.1
+    ws = rng.standard_normal((32, 16)).astype(np.float32)
+    ws[:, 3] = 0.0
+    with np.errstate(divide="ignore"):
+        def check(xv, wv):
+            got = prog.run(x=xv, w=wv)
+            np.testing.assert_allclose(got, xv @ (1.0 / wv), rtol=1e-4)
+            return got
+        assert (check(xs, ws)[:, 3] == np.inf).all()
+        held = shared._feed_cache[prog._engine][0]
+        check(xs, ws)
+        assert shared._feed_cache[prog._engine][0] is held   # nothing changed: the same object
+        ws[0, 0] += 1.0                                       # in place, the same array
+        check(xs, ws)
+        ws[:, 3] = -0.0
+        assert (check(xs, ws)[:, 3] == -np.inf).all()
+        check(xs * 2, ws)                                     # most bytes new: put whole again
+    assert shared._feed_cache[prog._engine][0] is not held
+
+
 @pytest.mark.slow  # make test-all
 def test_results_are_writable_arrays_on_ray_as_on_threads(shared):
     # Ray's object store hands out read-only arrays backed by its shared memory; a result is the

@@ -260,13 +260,14 @@ class DeviceWorker:
     # -- a run: go (queue its first tasks), events from the peers, finish (wait for its report)
     def go(self, run: int, key: int, feeds: Mapping[Any, np.ndarray], delay: float = 0.0,
            resident: Mapping[int, int] | None = None, keep: Mapping[int, int] | None = None,
-           fetch: Sequence[int] = (), blas: int = 0) -> None:
+           fetch: Sequence[int] = (), blas: int = 0, fresh: Mapping[Any, np.ndarray] | None = None) -> None:
         """Start run ``run`` of plan ``key``. ``delay``: a test hook, seconds slept before every
         kernel (so a fault or a cancel lands while work is outstanding); ``resident``: load task
         id -> the kept state block that load takes (nothing is loaded); ``keep``: value id -> the
         key its block is kept under when the run ends (a program's new state); ``fetch``: the
         output blocks returned by ``finish``; ``blas``: the BLAS threads its kernels use (0: as
-        they are)."""
+        they are); ``fresh``: feeds that replace some of ``feeds`` (the driver puts only the feeds that
+        differ from an earlier run's, whose object ``feeds`` is)."""
         part = self.plans.get(key)
         if part is None:
             raise RuntimeError(f"device {self.device} has no plan {key} (its actor was replaced)")
@@ -276,6 +277,8 @@ class DeviceWorker:
             if resident and any(k not in self.kept for k in resident.values()):
                 raise RuntimeError(f"device {self.device} no longer holds this program's state (its actor was "
                                    f"replaced): write_state() it again")
+            if fresh:
+                feeds = {**feeds, **fresh}
             r = _Run(run, part, feeds, float(delay), {t: self.kept[k] for t, k in (resident or {}).items()},
                      dict(keep or {}), list(fetch), blas)
             self._runs[run] = r
