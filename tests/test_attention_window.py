@@ -172,3 +172,29 @@ def test_an_imported_sliding_window_mask_gives_torchs_values():
     tq, tk, tv = (ej.input(n, (1, 2, 7, 4)) for n in "qkv")
     got = ej.reference(ej.attention(tq, tk, tv, causal=True, window=3), **{n: x.numpy() for n, x in zip("qkv", xs)})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, ev, masked", [(1, 4, False), (5, 4, True), (5, 3, False)])
+def test_banded_gradients_by_blocks_match_torch_autograd(window, ev, masked):
+    """dq, dk, dv by 4-row blocks over their bands (E == Ev; a user's additive mask too), or the
+    dense masked backward (Ev != E: torch's math kernel), equal autograd of the dense mask."""
+    rng = np.random.default_rng(window + ev)
+    q, k = (rng.standard_normal((2, 13, 4)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((2, 13, ev)).astype(np.float32)
+    m = rng.standard_normal((2, 13, 13)).astype(np.float32) if masked else None
+    g = rng.standard_normal((2, 13, ev)).astype(np.float32)
+    tq, tk, tv = (ej.input(n, x.shape) for n, x in zip("qkv", (q, k, v)))
+    tm = ej.input("m", (2, 13, 13)) if masked else None
+    out = fused_attention(tq, tk, tv, tm, causal=True, window=window)
+    grads = ej.grad((out * ej.input("g", g.shape)).sum(), [tq, tk, tv])
+    feeds = dict(q=q, k=k, v=v, g=g, **({"m": m} if masked else {}))
+    with mock.patch.object(attn, "BLOCK", 4):
+        got = ej.execute_blocked([out, *grads], **feeds)
+    leaves = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v)]
+    dense = torch.zeros(13, 13, dtype=torch.float64).masked_fill(~torch.tensor(_dense_mask(13, 13, window)),
+                                                                 float("-inf"))
+    want = TF.scaled_dot_product_attention(*leaves, attn_mask=dense + (torch.tensor(m, dtype=torch.float64)
+                                                                       if masked else 0))
+    wgrads = torch.autograd.grad(want, leaves, torch.tensor(g, dtype=torch.float64))
+    for a, b in zip(got, [want.detach(), *wgrads]):
+        np.testing.assert_allclose(np.asarray(a), b.numpy(), rtol=1e-4, atol=1e-5)

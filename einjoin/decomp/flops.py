@@ -105,9 +105,12 @@ def _attention_grad_flops(d: Decomposition, op: AttentionGrad, index: tuple[int,
     # the forward again (q k^T, p v), then q k^T, dout v^T, p^T dout, ds k and ds^T q
     q, k, v = d.node.inputs[:3]
     e, ev = q.shape[-1], v.shape[-1]
-    n = 2 * _attention_batch(d, index) * q.shape[-2] * k.shape[-2] * (4 * e + 3 * ev)
-    # causal: torch's fused backward skips the tiles above the diagonal; a window is a mask over
-    # every pair (the gradient is not banded yet)
+    per = 2 * _attention_batch(d, index) * (4 * e + 3 * ev)
+    if op.window is not None and e == ev and op.parts != ("mask",):  # by blocks over their bands
+        return per * band_pairs(0, q.shape[-2], op.window, k.shape[-2])
+    # causal: torch's fused backward skips the tiles above the diagonal; a window elsewhere (the
+    # math kernel, a mask's gradient) is a mask over every pair
+    n = per * q.shape[-2] * k.shape[-2]
     return n // 2 if op.causal and op.window is None else n
 
 

@@ -311,19 +311,19 @@ def _forward_torch(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool
     return _forward_call(q, k, v, mask, scale, causal, row0, window, col0)
 
 
-def _banded(q: Any, k: Any, v: Any, mask: Any, scale: float, row0: int, window: int | None, col0: int) -> Any:
-    """A causal (windowed) kernel by :data:`BLOCK` query rows, each over its band of keys only:
-    the key blocks its mask hides entirely are never read (block sparsity). Every block's mask is
-    a slice of one template (a block's mask depends only on its first row's distance to its
-    first key), made once: a mask per block cost more than the block's attention."""
+def _band_masks(q: Any, mask: Any, row0: int, rows: int, col0: int, cols: int, window: int | None
+                ) -> Iterator[tuple[int, int, int, int, Any]]:
+    """``(a, b, lo, hi, m)`` per :data:`BLOCK` of query rows ``[a, b)`` that sees a key: its band of
+    keys ``[lo, hi)`` and its additive mask there (the user's ``mask`` too, sliced: its dims of
+    size 1 broadcast). Every block's mask is a slice of one template (a block's mask depends only
+    on its first row's distance to its first key), made once: a mask per block cost more than
+    the block's attention."""
     import torch
-    rows, cols = q.shape[-2], k.shape[-2]
-    out = torch.zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device)
     blocks = [(a, b, max(lo, col0), hi) for a, b in _blocks(row0, row0 + rows)
               for lo, hi in [key_band(a, b, window, col0 + cols)]]
     blocks = [(a, b, lo, hi) for a, b, lo, hi in blocks if hi > lo]  # the others see no key: zeros
     if not blocks:
-        return out
+        return
     # template[r, c]: block row r may see column c where r + reach - window < c <= r + reach
     reach = max(a - lo for a, _, lo, _ in blocks)
     r = torch.arange(BLOCK, device=q.device).unsqueeze(1)
@@ -333,14 +333,47 @@ def _banded(q: Any, k: Any, v: Any, mask: Any, scale: float, row0: int, window: 
     for a, b, lo, hi in blocks:
         s = reach - (a - lo)
         m = template[:b - a, s:s + hi - lo]
-        if mask is not None:  # its dims of size 1 broadcast; the others follow the block and band
+        if mask is not None:
             u = mask[..., slice(a - row0, b - row0) if mask.shape[-2] > 1 else slice(None),
                      slice(lo - col0, hi - col0) if mask.shape[-1] > 1 else slice(None)]
             m = torch.where(u, m, float("-inf")) if u.dtype == torch.bool else m + u
+        yield a, b, lo, hi, m
+
+
+def _banded(q: Any, k: Any, v: Any, mask: Any, scale: float, row0: int, window: int | None, col0: int) -> Any:
+    """A causal (windowed) kernel by :data:`BLOCK` query rows, each over its band of keys only:
+    the key blocks its mask hides entirely are never read (block sparsity)."""
+    import torch
+    out = torch.zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    for a, b, lo, hi, m in _band_masks(q, mask, row0, q.shape[-2], col0, k.shape[-2], window):
         keys = slice(lo - col0, hi - col0)
         out[..., a - row0:b - row0, :] = _forward_call(q[..., a - row0:b - row0, :], k[..., keys, :], v[..., keys, :],
                                                        m, scale, False, a, None, lo)[0]
     return out
+
+
+def _banded_grad(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float, window: int | None,
+                 parts: Sequence[str]) -> Any:
+    """dq, dk, dv of a windowed attention (torch's flash kernels, E == Ev) by :data:`BLOCK` query
+    rows over their bands, as the forward: per block its flash forward (the log-sum-exp the
+    backward needs) and fused backward; dk and dv sum the blocks' (float32)."""
+    import torch
+    batch = tuple(q.shape[:-2])
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    got = {p: torch.zeros(x.shape, dtype=torch.float32, device=q.device) for p, x in zip(GRAD_PARTS, (q, k, v))}
+    with torch.no_grad():
+        for a, b, lo, hi, m in _band_masks(q, mask, 0, q.shape[-2], 0, k.shape[-2], window):
+            tq, tk, tv, tg = (_four(x, batch) for x in (q[..., a:b, :], k[..., lo:hi, :], v[..., lo:hi, :],
+                                                        dout[..., a:b, :]))
+            m4 = _four(m.expand(batch + (b - a, hi - lo)), batch)
+            out, lse = flash(tq, tk, tv, 0.0, False, attn_mask=m4, scale=scale)[:2]
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                tg, tq, tk, tv, out, lse, 0.0, False, attn_mask=m4, scale=scale)
+            got["q"][..., a:b, :] += gq.reshape(batch + (b - a, q.shape[-1]))
+            got["k"][..., lo:hi, :] += gk.reshape(batch + (hi - lo, k.shape[-1]))
+            got["v"][..., lo:hi, :] += gv.reshape(batch + (hi - lo, v.shape[-1]))
+    pieces = [got[p].to(q.dtype) for p in parts]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
 
 
 def _forward_call(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool, row0: int,
@@ -385,6 +418,8 @@ def attention_grad_torch(q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: fl
         return torch.zeros(shape, dtype=q.dtype, device=q.device)
     if q.shape[-1] == 0:  # only dv or the mask's gradient are wanted (dq and dk are empty)
         q, k = _feature_pad(q), _feature_pad(k)
+    if window is not None and parts != ("mask",) and _flash(q, v) and _positive(scale):
+        return _banded_grad(q, k, v, dout, mask, scale, window, parts)  # over the bands only
     tq, tk, tv, tg = (_four(x, batch) for x in (q, k, v, dout))
     if parts == ("mask",) or not _flash(q, v):
         # autograd of torch's sdpa: the one that differentiates a mask; a row with no key has
