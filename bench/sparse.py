@@ -181,6 +181,8 @@ def main() -> None:
     case("block-diag 64x64 · D", "ij,jk->ik", bd, [rng.standard_normal((bd.shape[1], 256))], args.reps)
     from sparse_mttkrp import mttkrp_case  # ijk,jr,kr->ir, nnz = 2 x edges, vs scipy / torch (bench/sparse_mttkrp.py)
     mttkrp_case(row, 2 * args.edges, args.reps)
+    from sparse_attention import attention_case  # causal / window vs dense masked, seq 8192 (bench/sparse_attention.py)
+    attention_case(row, 8192, args.reps)
     a = ej.sparse("A", scipy.sparse.random(400, 300, density=0.01, random_state=0))
     b, c = rng.standard_normal((300, 300)), ej.sparse("C", scipy.sparse.random(300, 200, density=0.01,
                                                                                  random_state=1))
