@@ -1,13 +1,15 @@
 """The same plan on the ``threads`` backend and on ``ray`` (2 devices, a local Ray), in one table:
 an MLP, a LLaMA block and a graph of many tiny tasks: time per run (best of ``--reps`` after a
-warm-up), the ratio, each backend's time per task (the tiny-task row is their per-task dispatch
+warm-up, the backends alternating by round), the ratio (also of Ray with every move through its
+object store, ``channels=False``), the CPU per run of the driver (for threads: all of it) and of
+the actors, each backend's time per task (the tiny-task row is their per-task dispatch
 overhead), and Ray's extra time per task = (ray - threads) / tasks. First, Ray's first-run latency
 once Ray is up (``ray.init`` returned and its prestarted workers run), timed from ``prog.run`` on
 fresh actors: as before compile-time warm-up, as ``ej.compile`` does now (the actors start and
 import what the kernels need while it plans), and after ``RayBackend.warm(wait=True)``; a second
 program on those actors; the threads backend's first run.
 
-    make bench            (or: .venv/bin/python bench/ray_exec.py [--reps 5])
+    make bench            (or: .venv/bin/python bench/ray_exec.py [--reps 5] [--no-first-run])
 
 Both programs of a row are compiled from one graph with the same planner and placement, so they
 run the identical task graph; outputs are checked equal. The BLAS library in use is printed.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from rich.console import Console
@@ -53,14 +55,30 @@ def _feeds(out: ej.Tensor) -> dict[str, np.ndarray]:
             for x in ej.Graph(out).inputs}
 
 
-def _best(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def _actors_cpu(backend: object) -> float:
+    """CPU seconds the actors of ``backend``'s last pool have used since they started."""
+    import ray
+    actors = backend.actors  # type: ignore[attr-defined]
+    return float(sum(ray.get([a.__ray_call__.remote(lambda w: time.process_time()) for a in actors])))
+
+
+def _timed(runs: dict[str, Callable[[], object]], reps: int, backends: Mapping[str, object]) -> dict[str, list[float]]:
+    """Per case: [best wall, median driver CPU, median actors' CPU] over ``reps`` rounds, the cases
+    alternating by round (a busy machine slows them alike), after one warm-up round. The driver's
+    CPU is this process's (for threads: the whole run); the actors' is read before and after."""
+    for fn in runs.values():
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    got: dict[str, list[list[float]]] = {k: [[], [], []] for k in runs}
+    for _ in range(reps):
+        for k, fn in runs.items():
+            b = backends.get(k)
+            a0 = _actors_cpu(b) if b is not None else 0.0
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            got[k][0].append(time.perf_counter() - t0)
+            got[k][1].append(time.process_time() - c0)
+            got[k][2].append(_actors_cpu(b) - a0 if b is not None else 0.0)
+    return {k: [min(w), float(np.median(c)), float(np.median(a))] for k, (w, c, a) in got.items()}
 
 
 def _idle_workers(cpus: int, timeout: float = 120.0) -> set[int]:
@@ -184,6 +202,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--first-run", choices=sorted(FIRST_CASES), help="internal: one first-run case")
+    ap.add_argument("--no-first-run", action="store_true", help="skip the first-run table (fresh Rays, slow)")
     args = ap.parse_args()
     if args.first_run:
         _first_run_case(args.first_run, args.devices)
@@ -192,29 +211,38 @@ def main() -> None:
     blas = ", ".join(f"{i['internal_api']} {i.get('version')} ({i.get('threading_layer', '?')})"
                      for i in threadpool_info() if i.get("user_api") == "blas") or "unknown"
     console.print(f"Ray {ray.__version__}; BLAS: {blas}; devices {args.devices}")
-    _first_runs(console, args.devices)
-    table = Table(title=f"threads vs ray backend, same task graph (best of {args.reps}; goal: LLaMA block "
-                        f"ray / threads <= 2.0)")
+    if not args.no_first_run:
+        _first_runs(console, args.devices)
+    table = Table(title=f"threads vs ray backend, same task graph (wall: best of {args.reps}, CPU: median, the "
+                        f"backends alternating by round; goal: LLaMA block ray / threads <= 2.0). ray, no channel: "
+                        f"RayBackend(channels=False), every move through Ray's object store")
     for col in ("case", "devices", "tasks", "moves", "threads (s)", "ray (s)", "ray / threads",
+                "ray, no channel / threads", "threads CPU (ms)", "ray driver CPU (ms)", "ray actors' CPU (ms)",
                 "threads per task (ms)", "ray per task (ms)", "ray extra per task (ms)", "bytes moved"):
         table.add_column(col, justify="left" if col == "case" else "right")
+    from einjoin.runtime.backends.ray import RayBackend
+    rays = {"ray": RayBackend(quiet=True), "ray, no channel": RayBackend(quiet=True, channels=False)}
     for name, (make, devices) in CASES.items():
         out = make()
         feeds = _feeds(out)
         devices = devices or args.devices
-        progs = {b: ej.compile(out, devices=devices, backend=b, planner="eindecomp", quiet=True)
-                 for b in ("threads", "ray")}
-        a = progs["threads"].run(**feeds)
-        b = progs["ray"].run(**feeds)
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        times = {k: _best(lambda p=p, f=feeds: p.run(**f), args.reps) for k, p in progs.items()}
+        backends: dict[str, object] = {"threads": "threads", **rays}
+        progs = {k: ej.compile(out, devices=devices, backend=b, planner="eindecomp", quiet=True)
+                 for k, b in backends.items()}
+        want = progs["threads"].run(**feeds)
+        for k in rays:
+            np.testing.assert_allclose(progs[k].run(**feeds), want, rtol=1e-5, atol=1e-6)
+        got = _timed({k: (lambda p=p, f=feeds: p.run(**f)) for k, p in progs.items()}, args.reps, rays)
+        times = {k: v[0] for k, v in got.items()}
         n = len(progs["ray"].taskgraph)
         moves = sum(t.kind.value == "move" for t in progs["ray"].taskgraph.tasks)
         table.add_row(name, str(devices), str(n), str(moves), f"{times['threads']:.4f}", f"{times['ray']:.4f}",
-                      f"{times['ray'] / times['threads']:.2f}", f"{times['threads'] / n * 1e3:.3f}",
-                      f"{times['ray'] / n * 1e3:.3f}", f"{(times['ray'] - times['threads']) / n * 1e3:.3f}",
-                      str(progs["ray"].run_stats.bytes_moved))
-        progs["ray"].close()
+                      f"{times['ray'] / times['threads']:.2f}", f"{times['ray, no channel'] / times['threads']:.2f}",
+                      f"{got['threads'][1] * 1e3:.1f}", f"{got['ray'][1] * 1e3:.1f}", f"{got['ray'][2] * 1e3:.1f}",
+                      f"{times['threads'] / n * 1e3:.3f}", f"{times['ray'] / n * 1e3:.3f}",
+                      f"{(times['ray'] - times['threads']) / n * 1e3:.3f}", str(progs["ray"].run_stats.bytes_moved))
+    for b in rays.values():
+        b.close()
     console.print(table)
 
 

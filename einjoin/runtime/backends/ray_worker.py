@@ -6,9 +6,11 @@ thread of its own, and keeps the state blocks programs leave between runs.
 Per run the driver sends each actor one ``go`` (the run id, the feeds' object reference, the
 state keys) and waits on one ``finish`` (the actor's report and its output blocks). The actor
 runs its tasks as their dependencies finish (a ready queue, as a device thread of the
-``threads`` backend does); a ``move`` is a *send* on its source actor, which hands the block to
-the destination's ``deliver`` (a Ray actor call: the block goes through the object store, never
-through the driver), and a *receive* on the destination that completes when it has arrived. A
+``threads`` backend does); a ``move`` is a *send* on its source actor, which writes the block to
+the destination's block channel when both run on one host (:mod:`.ray_channel`, a Unix socket),
+else hands it to the destination's ``deliver`` (a Ray actor call: the block goes through the
+object store; never through the driver either way), and a *receive* on the destination that
+completes when it has arrived. A
 dependency on another device that is not a move's (none in the graphs the planner makes today)
 is a ``signal`` from the device that ran it. Runs are independent: each has its own namespace
 (store, feeds, intervals, byte counts), and the executor interleaves the ready tasks of every
