@@ -70,7 +70,7 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner import PLANNERS
 
-__all__ = ["write", "read", "FORMAT", "FORMAT_VERSION", "StructureWarning"]
+__all__ = ["write", "read", "file_path", "FORMAT", "FORMAT_VERSION", "StructureWarning"]
 
 FORMAT = "einjoin.Program"
 FORMAT_VERSION = 1
@@ -288,7 +288,7 @@ def _plain(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and all(_plain(v) for v in x)
 
 
-def _file_path(path: Any, what: str) -> str:
+def file_path(path: Any, what: str) -> str:
     """``path`` as a str (a bytes path decoded), or an EinjoinError naming ``what`` for a value that
     is no path (None, an int, a file object)."""
     try:
@@ -303,7 +303,7 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
     """Write ``plan``, the arrays ``bound`` to its inputs and the ``state`` values to the file
     ``path`` (what :meth:`Program.save` does; see the module docstring); the folder must exist."""
     from safetensors.numpy import save as st_save
-    path = _file_path(path, "prog.save")  # checked before any work
+    path = file_path(path, "prog.save")  # checked before any work
     structure, lost = _dump_structure(plan.structure)
     if lost is not None:
         warnings.warn(f"prog.save: the forward's output structure does not serialise ({lost}): the file is "
@@ -448,7 +448,7 @@ def _complete(data: bytes) -> bool:
 
 def _open(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
     """The program JSON and the arrays' bytes, after the checks that say what is wrong."""
-    where = _file_path(path, "ej.load")
+    where = file_path(path, "ej.load")
     try:
         with open(where, "rb") as f:
             data = f.read()
@@ -495,7 +495,7 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
     corrupted or newer file, or one that is not an einjoin program, raises an
     :class:`EinjoinError` saying which."""
     body, raw = _open(path)
-    where = _file_path(path, "ej.load")
+    where = file_path(path, "ej.load")
     try:
         arrays = _read_arrays(raw, body.get("array_dtypes", {}))
         dec = _Decoder(body["classes"], arrays)

@@ -61,6 +61,7 @@ from einjoin.runtime.engine import check_seed
 from einjoin.train.optim import check_lr
 from einjoin.program import Program
 from einjoin.program import compile as ej_compile
+from einjoin.program_io import file_path
 from einjoin.variants import ShapeCache
 
 __all__ = ["Trainer"]
@@ -631,13 +632,17 @@ class Trainer:
         optimizer's hyperparameters to a safetensors file; :meth:`load` resumes from it
         bit-identically."""
         from safetensors.numpy import save_file
+        where = file_path(path, "Trainer.save")  # None, an int: named before any work
         tensors = {f"state/{n}": np.asarray(v, order="C") for n, v in self._current().items()}
         tensors.update({f"fixed/{n}": np.asarray(v, order="C") for n, v in self._fixed.items()})
         meta = {"format": FORMAT, "steps": str(self.steps), "micro_steps": str(self.micro_steps),
                 "lr": repr(self._lr), "seed": str(self.seed), "accumulate": str(self.accumulate),
                 "optimizer": json.dumps(self._optimizer_config()),
                 "parameters": json.dumps(list(self._trainable))}
-        save_file(tensors, os.fspath(path), metadata=meta)
+        try:  # a folder, a missing folder, no permission: named, not a raw SafetensorError
+            save_file(tensors, where, metadata=meta)
+        except Exception as e:
+            raise EinjoinError(f"Trainer.save: cannot write {where!r} ({type(e).__name__}: {e})") from e
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], module: Any, example_batch: Sequence[Any],
@@ -647,15 +652,16 @@ class Trainer:
         hyperparameters); ``options`` are the constructor's (``devices``, ``accumulate``, ...)."""
         from safetensors import safe_open
         from safetensors.numpy import load_file
+        where = file_path(path, "Trainer.load")
         try:  # a missing, unreadable or non-safetensors file: one error naming the path
-            with safe_open(os.fspath(path), "np") as f:
+            with safe_open(where, "np") as f:
                 meta = f.metadata() or {}
-            tensors = load_file(os.fspath(path))
+            tensors = load_file(where)
         except Exception as e:
-            raise EinjoinError(f"Trainer.load: cannot read {os.fspath(path)!r} as a safetensors file "
+            raise EinjoinError(f"Trainer.load: cannot read {where!r} as a safetensors file "
                                f"({type(e).__name__}: {e})") from e
         if meta.get("format") != FORMAT:
-            raise EinjoinError(f"Trainer.load: {os.fspath(path)!r} is not a saved einjoin Trainer "
+            raise EinjoinError(f"Trainer.load: {where!r} is not a saved einjoin Trainer "
                                f"(format {meta.get('format')!r})")
         try:  # a tampered or truncated header: named, never a KeyError / ValueError from parsing it
             cfg = json.loads(meta["optimizer"])
@@ -664,7 +670,7 @@ class Trainer:
             accumulate, seed = int(meta.get("accumulate", "1")), int(meta.get("seed", "0"))
             saved_class, saved_hyper = str(cfg["class"]), dict(cfg["hyper"])
         except (KeyError, ValueError, TypeError, AttributeError, EinjoinError) as e:
-            raise EinjoinError(f"Trainer.load: {os.fspath(path)!r} has a malformed header "
+            raise EinjoinError(f"Trainer.load: {where!r} has a malformed header "
                                f"({type(e).__name__}: {e})") from e
         if optimizer is None:
             from einjoin.train import optim

@@ -214,3 +214,21 @@ def test_a_bytes_path_saves_and_loads(tmp_path) -> None:
     path = os.fsencode(str(tmp_path / "p.ej"))
     prog.save(path)  # type: ignore[arg-type]
     assert ej.load(path).run(x=np.ones((3, 4), np.float32)) == 12.0  # type: ignore[arg-type]
+
+
+# ---- finding 7: Trainer.save / Trainer.load of None was a raw TypeError (Trainer.load's own
+# error message called os.fspath(None) again), and Trainer.save into a folder, or into a folder
+# that does not exist, a raw SafetensorError
+
+
+def test_trainer_save_and_load_name_bad_paths(saved_trainer: tuple, tmp_path) -> None:
+    import torch
+    m, x, y, path = saved_trainer
+    tr = ej.Trainer.load(path, m, (x, y), torch.nn.functional.mse_loss, devices=1)
+    with pytest.raises(ej.EinjoinError, match="Trainer.save takes a file path"):
+        tr.save(None)  # type: ignore[arg-type]
+    with pytest.raises(ej.EinjoinError, match="Trainer.load takes a file path"):
+        ej.Trainer.load(None, m, (x, y), torch.nn.functional.mse_loss)  # type: ignore[arg-type]
+    for bad in (tmp_path, tmp_path / "missing" / "run.safetensors"):
+        with pytest.raises(ej.EinjoinError, match="Trainer.save: cannot write"):
+            tr.save(bad)
