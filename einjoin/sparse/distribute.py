@@ -391,7 +391,10 @@ def _run_ray(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...
             cause = getattr(e, "cause", None)
             if isinstance(cause, EinjoinError):
                 raise cause from None
-            raise EinjoinError(f"{what}: device {d} (Ray actor) failed: {type(e).__name__}: {e}") from None
+            # not retried: a lost actor stays in the pool until a task-graph run on the backend
+            # replaces it, or close() (sparse steps hold no lineage to re-run from yet)
+            raise EinjoinError(f"{what}: device {d} (Ray actor) failed: {type(e).__name__}: {e}; if the "
+                               f"actor was lost, backend.close() starts fresh actors at the next run") from None
     return out
 
 
