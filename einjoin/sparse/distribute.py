@@ -136,7 +136,7 @@ class Exchange:
 
     def describe(self) -> str:
         if self.split is None:
-            how = "not split (no relational label with two or more keys): device 0"
+            how = "not split (no relational label with two or more keys that it may split on): device 0"
         else:
             how = (f"split on {self.split.label} by {self.split.kind} over {len(self.tuples)} devices "
                    f"(modelled max/mean load {self.split.imbalance:.2f})")
