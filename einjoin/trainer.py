@@ -99,9 +99,15 @@ def _with_loss(module: Any, loss_fn: Callable[..., Any]) -> Any:
     return WithLoss()
 
 
-def _as_torch(x: Any) -> Any:
+def _as_torch(x: Any, what: str) -> Any:
+    """A batch tensor as torch: None, a str or an object array is an EinjoinError naming ``what``."""
     import torch
-    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if isinstance(x, torch.Tensor):
+        return x
+    try:
+        return torch.as_tensor(np.asarray(x))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise EinjoinError(f"{what} is not a tensor or array of numbers ({type(x).__name__}: {e})") from None
 
 
 def _input_name(t: Tensor) -> str:
@@ -234,7 +240,7 @@ class Trainer:
                              leave_idle=bool(leave_idle))
         self._wrapper = _with_loss(module, loss_fn)
         self._trainable = tuple(trainable)
-        example = tuple(_as_torch(x) for x in example_batch)
+        example = tuple(_as_torch(x, f"Trainer: example_batch[{i}]") for i, x in enumerate(example_batch))
         self._dtypes = tuple(torch_dtype(x.dtype) for x in example)
         self._programs: ShapeCache[_StepProgram] = ShapeCache(None)  # per batch shape; the first: the example's
         self._evals: ShapeCache[_StepProgram] = ShapeCache(None)
@@ -468,7 +474,7 @@ class Trainer:
         if len(batch) != len(self._dtypes):
             raise EinjoinError(f"Trainer.{what}: the batch has {len(batch)} tensor(s) but the example batch "
                                f"had {len(self._dtypes)} (*module_args, target)")
-        out = tuple(_as_torch(x) for x in batch)
+        out = tuple(_as_torch(x, f"Trainer.{what}: batch[{i}]") for i, x in enumerate(batch))
         for i, (x, want) in enumerate(zip(out, self._dtypes)):
             got = torch_dtype(x.dtype)
             if got != want:

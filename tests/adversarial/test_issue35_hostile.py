@@ -232,3 +232,20 @@ def test_trainer_save_and_load_name_bad_paths(saved_trainer: tuple, tmp_path) ->
     for bad in (tmp_path, tmp_path / "missing" / "run.safetensors"):
         with pytest.raises(ej.EinjoinError, match="Trainer.save: cannot write"):
             tr.save(bad)
+
+
+# ---- finding 8: a batch element that is no array of numbers (None, a str), given to
+# Trainer.step / evaluate or in the example batch, was a raw TypeError from torch.as_tensor
+
+
+@pytest.mark.parametrize("bad", [None, "abc", np.array([None, 1])])
+def test_trainer_batches_that_are_no_arrays_are_named(saved_trainer: tuple, bad: object) -> None:
+    import torch
+    m, x, y, path = saved_trainer
+    with pytest.raises(ej.EinjoinError, match=r"example_batch\[0\] is not a tensor or array"):
+        ej.Trainer(m, (bad, y), torch.nn.functional.mse_loss, optimizer=ej.optim.SGD(lr=0.1))
+    tr = ej.Trainer.load(path, m, (x, y), torch.nn.functional.mse_loss, devices=1)
+    with pytest.raises(ej.EinjoinError, match=r"Trainer.step: batch\[1\] is not a tensor or array"):
+        tr.step(x, bad)
+    with pytest.raises(ej.EinjoinError, match=r"Trainer.evaluate: batch\[0\] is not a tensor or array"):
+        tr.evaluate(bad, y)
