@@ -12,6 +12,7 @@ the memory planner (which must never exceed the cap) use these estimates.
 
 from __future__ import annotations
 
+import itertools
 from math import prod
 from typing import Any
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from einjoin.ir.node import Attention, AttentionGrad
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
-__all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule"]
+__all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule", "KERNEL_CLASS_RULES"]
 
 
 
@@ -211,6 +212,57 @@ SCRATCH_RULES: dict[type, ScratchRule] = {
 }
 
 
+def _label_product(d: Decomposition) -> list[int] | None:
+    # the kinds whose kernels are every combination of their labels' blocks, in product order, and
+    # whose blocks' shapes follow the kernel's labels' extents (an einsum's inputs and output are
+    # cut by its labels' bounds; a cast's, a select's and a broadcast's input block is the output
+    # block's shape, a broadcast dim 1): one kernel per combination of distinct extents stands for
+    # all (at most 2 ** labels on an even cut, instead of thousands)
+    counts = [len(b) - 1 for b in d.spec.bounds]
+    if len(d.kernels) != prod(counts):
+        return None
+    firsts = []
+    for b in d.spec.bounds:
+        first: dict[int, int] = {}
+        for j in range(len(b) - 1):
+            first.setdefault(b[j + 1] - b[j], j)
+        firsts.append(sorted(first.values()))
+    reps = []
+    for index in itertools.product(*firsts):
+        flat = 0
+        for j, c in zip(index, counts):
+            flat = flat * c + j
+        if d.kernels[flat].index != index:
+            return None
+        reps.append(flat)
+    return reps
+
+
+def _every_kernel(d: Decomposition) -> list[int] | None:
+    return None
+
+
+KERNEL_CLASS_RULES: dict[type, Callable[[Decomposition], list[int] | None]] = {
+    Input: _every_kernel,
+    Einsum: _label_product,
+    Reshape: _every_kernel,
+    Broadcast: _label_product,
+    Select: _label_product,
+    Concat: _every_kernel,
+    Fill: _every_kernel,
+    Gather: _every_kernel,
+    ScatterAdd: _every_kernel,
+    Cast: _label_product,
+    Conv: _every_kernel,
+    Pool: _every_kernel,
+    TopK: _every_kernel,
+    Attention: _every_kernel,
+    AttentionGrad: _every_kernel,
+}
+"""Per node kind, the kernels of a decomposition that :func:`op_need` weighs (one of each class
+of kernels that hold alike), or None: every kernel (it skips those alike as it goes)."""
+
+
 def op_need(d: Decomposition) -> int:
     """Bytes the largest kernel of ``d`` holds at once (its input blocks, its output block, its
     scratch), or one accumulating aggregation step (an accumulator, a partial, the result).
@@ -221,21 +273,39 @@ def op_need(d: Decomposition) -> int:
     if node.facts.leaf:  # received or computed whole per block: its blocks, no kernel
         return max(prod(d.out_partition.block_shape(k)) * out_item for k in d.out_partition.keys())
     part_item = itemsize(partial_dtype(node)) if d.n_partials > 1 else out_item
+    items = [itemsize(x.dtype) for x in node.inputs]
+    parts = d.in_partitions
+    # block keys repeat across kernels (a weight block read by a whole row of them): each key's
+    # shape and bytes once per slot, each label's block extents once (fitting weighs thousands of
+    # kernels per candidate spec, 13M block_shape calls for LLaMA-70B on 256 devices)
+    blocks: list[dict[Any, tuple[tuple[int, ...], int]]] = [{} for _ in node.inputs]
+    outs: dict[Any, tuple[int, ...]] = {}
+    widths = [tuple(b[j + 1] - b[j] for j in range(len(b) - 1)) for b in d.spec.bounds]
     worst = 0
     seen: set[tuple[Any, ...]] = set()
-    for i, k in enumerate(d.kernels):
-        ins = [prod(d.in_partitions[s].block_shape(key)) * itemsize(x.dtype)
-               for s, (x, key) in enumerate(zip(node.inputs, k.in_keys)) if key is not None]
-        out = prod(d.out_partition.block_shape(k.out_key)) * part_item
+    reps = rule_for(KERNEL_CLASS_RULES, node.op, "the kernel classes (einjoin.decomp.footprint.KERNEL_CLASS_RULES)")(d)
+    for i in range(len(d.kernels)) if reps is None else reps:
+        k = d.kernels[i]
+        ins, shapes = [], []
+        for s, key in enumerate(k.in_keys):
+            if key is None:
+                continue
+            got = blocks[s].get(key)
+            if got is None:
+                shape = parts[s].block_shape(key)
+                got = blocks[s][key] = (shape, prod(shape) * items[s])
+            shapes.append(got[0])
+            ins.append(got[1])
+        out_shape = outs.get(k.out_key)
+        if out_shape is None:
+            out_shape = outs[k.out_key] = d.out_partition.block_shape(k.out_key)
         # a scratch rule reads only the kernel's block bytes and shapes and its labels' extents:
-        # kernels alike in those hold alike (an even cut has one such class; the fitting searches
-        # weigh thousands of kernels per candidate spec)
-        extents = tuple(b[j + 1] - b[j] for b, j in zip(d.spec.bounds, k.index))
-        sig = (tuple(ins), d.out_partition.block_shape(k.out_key), extents,
-               tuple(d.in_partitions[s].block_shape(key) for s, key in enumerate(k.in_keys) if key is not None))
+        # kernels alike in those hold alike (an even cut has one such class)
+        sig = (tuple(ins), out_shape, tuple(w[j] for w, j in zip(widths, k.index)), tuple(shapes))
         if sig in seen:
             continue
         seen.add(sig)
+        out = prod(out_shape) * part_item
         worst = max(worst, sum(ins) + out + kernel_scratch(d, i, ins, out))
         if d.n_partials > 1:
             worst = max(worst, 3 * out)  # one accumulating step (see memplan.chain)
