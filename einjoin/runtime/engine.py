@@ -207,6 +207,10 @@ class RunHandle:
     def result(self, timeout: float | None = None) -> Any:
         """The run's outputs, as ``Program.run`` returns them; re-raises the run's error. Waits at
         most ``timeout`` seconds (None: until the end), then raises :class:`RunTimeoutError`."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
+                                    or timeout != timeout):  # a str, a bool or nan: never a number of seconds
+            raise EinjoinError(f"result(timeout=...) takes seconds (a number) or None, got "
+                               f"{type(timeout).__name__} {timeout!r:.40}")
         if not wait_event(self._finished, timeout):  # in slices: a Ctrl-C is seen while waiting
             raise RunTimeoutError(f"the run did not end within timeout={timeout!r} s; it goes on "
                                   f"(handle.cancel() stops it)")

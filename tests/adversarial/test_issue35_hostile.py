@@ -249,3 +249,16 @@ def test_trainer_batches_that_are_no_arrays_are_named(saved_trainer: tuple, bad:
         tr.step(x, bad)
     with pytest.raises(ej.EinjoinError, match=r"Trainer.evaluate: batch\[0\] is not a tensor or array"):
         tr.evaluate(bad, y)
+
+
+# ---- finding 9: RunHandle.result(timeout="1") was a raw TypeError from the deadline's arithmetic,
+# and timeout=nan waited as None does (no deadline ever passes) instead of being refused
+
+
+@pytest.mark.parametrize("bad", ["1", float("nan"), True])
+def test_run_handle_result_refuses_a_timeout_that_is_no_number(bad: object) -> None:
+    x = ej.input("x", (8, 8))
+    handle = ej.compile(x @ x, devices=2).run_async(x=np.ones((8, 8), np.float32))
+    with pytest.raises(ej.EinjoinError, match="takes seconds"):
+        handle.result(timeout=bad)  # type: ignore[arg-type]
+    assert float(handle.result(timeout=60).sum()) == 512.0
