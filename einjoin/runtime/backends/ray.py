@@ -6,8 +6,10 @@ and the data path: a program's plan goes to Ray's object store once and each act
 part of the task graph from it once (:class:`~einjoin.runtime.backends.ray_worker.Part`, cached
 on the actor by the program's key); per run the driver puts the feeds once (only those that
 differ from the program's last run's, when most bytes are the same) and sends each actor
-a ``go`` and a ``finish`` (which returns that actor's report and output blocks when its part is
-done), so a run costs two Ray calls per device, not one per task, and the session's ``submit``
+a ``go`` and a ``finish`` (which returns that actor's report when its part is done; its output
+blocks come over a block channel to this process, :class:`~einjoin.runtime.backends.ray_io.OutputInbox`,
+or in the report from another host; the feeds: :class:`~einjoin.runtime.backends.ray_io.FeedCache`),
+so a run costs two Ray calls per device, not one per task, and the session's ``submit``
 does nothing. Each actor runs its tasks on an executor thread as their dependencies finish; a
 ``move`` is a send on the source actor: over the pair's block channel when both run on one host
 (:mod:`~einjoin.runtime.backends.ray_channel`, a Unix socket: no object store, no Ray call), else
@@ -81,6 +83,7 @@ from einjoin.errors import EinjoinError
 from einjoin.exchange import Task, TaskKind
 from einjoin.runtime.backend import DeviceLost, RunSpec, TaskFailed
 from einjoin.runtime.backends import ray_start
+from einjoin.runtime.backends.ray_io import FeedCache, OutputInbox
 from einjoin.runtime.backends.ray_start import (LOCAL_NODE_IP, _check_int, _check_number, _ray, ensure_ray,
                                                 ray_cluster)
 from einjoin.runtime.backends.ray_worker import DeviceWorker
@@ -98,7 +101,6 @@ _channel_ids = itertools.count(1)  # the actors' channel names (with the backend
 CONTROL = "control"            # the actors' concurrency group for aborts (not queued behind work)
 WAIT = "wait"                  # the actors' concurrency group for ``finish`` calls, which wait for a run
 WAITERS = 32                   # its threads: runs in flight beyond it only queue their finish
-FEED_CACHE_SHARE = 0.25        # of the object store, at most, for feeds kept for the next run
 
 
 def shutdown() -> None:
@@ -197,11 +199,8 @@ class RayBackend:
         self._forgotten: list[int] = []       # plan keys of programs gone, to drop on the actors
         self._in_flight = 0
         self._secret = os.urandom(16)          # opens the actors' channel connections (ray_channel)
-        # per program: the feeds of a run put in the object store, with read-only views of them
-        self._feed_cache: weakref.WeakKeyDictionary[Any, tuple[Any, dict[Any, np.ndarray], int]] = \
-            weakref.WeakKeyDictionary()
-        self._feed_mu = threading.Lock()
-        self._feed_budget: int | None = None
+        self._feeds = FeedCache()              # per program, its last run's feeds in the object store
+        self._outputs = OutputInbox(self._secret, self.channels)  # output blocks over a channel
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its settings (a program sent to another process): the copy starts its own
@@ -367,8 +366,7 @@ class RayBackend:
                       "fresh actors", file=sys.stderr)
             self._pools.clear()
             self._plans.clear()  # their object refs went with the old Ray too
-            with self._feed_mu:
-                self._feed_cache.clear()
+            self._feeds.clear()
             self._session = None
 
     def _local_base(self, shape: tuple[int, tuple[Any, ...]]) -> _Pool | None:
@@ -454,35 +452,6 @@ class RayBackend:
                         x.forget.remote(held)
                     except Exception:  # noqa: BLE001 - a dead actor holds nothing
                         pass
-
-    def _feed_refs(self, engine: Any, feeds: Mapping[Any, np.ndarray]) -> tuple[Any, Any]:
-        """The object references a run's ``go`` takes its feeds from: (all, None) when they are put
-        whole, or (an earlier run's feeds, those that differ from them) when most bytes are the
-        same. Why: putting a run's feeds costs ~1 ms per MB (the raylet creates and seals the
-        object, its pages fault in: 12 ms for the LLaMA block's 13 MB of weights and input on a
-        busy box, a third of the threads backend's whole run), comparing them with what is in the
-        store ~0.1 ms per MB; weights are fed unchanged run after run. Equal means the same bytes
-        (so -0.0 and NaN payloads are told apart). Only this program's last put is kept (dropped
-        with the program), and only while the programs' kept feeds fill at most
-        :data:`FEED_CACHE_SHARE` of the object store."""
-        ray = _ray()
-        with self._feed_mu:
-            held = self._feed_cache.get(engine)
-        total = sum(getattr(a, "nbytes", 0) for a in feeds.values())
-        if held is not None:
-            ref, views, _ = held
-            fresh = {n: a for n, a in feeds.items() if not _same_bytes(views.get(n), a)}
-            if 2 * sum(getattr(a, "nbytes", 0) for a in fresh.values()) <= total:
-                return ref, (ray.put(fresh) if fresh else None)
-        ref = ray.put(dict(feeds))
-        with self._feed_mu:
-            if self._feed_budget is None:
-                self._feed_budget = int(ray.cluster_resources().get("object_store_memory", 0) * FEED_CACHE_SHARE)
-            self._feed_cache.pop(engine, None)
-            used = sum(nb for _, _, nb in self._feed_cache.values())
-            if used + total <= self._feed_budget:
-                self._feed_cache[engine] = (ref, dict(ray.get(ref)), total)  # views of the store's copy
-        return ref, None
 
     # -- runs: the engine opens a session per run attempt --------------------------------------
     def open(self, run: RunSpec) -> _RaySession:
@@ -572,18 +541,6 @@ class RayBackend:
         _live.discard(self)
 
 
-def _same_bytes(held: Any, a: Any) -> bool:
-    """Whether the array ``a`` has the bytes (and dtype and shape) of ``held``, a view of a feed
-    an earlier run put; False for anything else (never put by reference then)."""
-    if not (isinstance(held, np.ndarray) and isinstance(a, np.ndarray)):
-        return False
-    if held.dtype != a.dtype or held.shape != a.shape or not (a.flags.c_contiguous and held.flags.c_contiguous):
-        return False
-    if a.dtype.hasobject:
-        return False
-    return bool(np.array_equal(held.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)))
-
-
 def _is_ray_error(e: BaseException) -> bool:
     """An error raised by Ray itself (not einjoin's), to be wrapped in an EinjoinError."""
     mod = type(e).__module__ or ""
@@ -618,11 +575,12 @@ class _RaySession:
                 for v in lay.blocks.values():
                     fetch[tg.values[v].device].append(v)
             try:
-                feeds_ref, fresh_ref = b._feed_refs(self.spec.engine, self.spec.feeds)
+                feeds_ref, fresh_ref = b._feeds.refs(self.spec.engine, self.spec.feeds)
+                outputs_to = b._outputs.expect(self.run)
                 delay = float(b.kernel_delay)
                 nodes = self.pool.shape[1]  # BLAS threads as this shape wants them (actors are shared)
                 self.begins = [x.go.remote(self.run, key, feeds_ref, delay, resident[d], self.keep[d], fetch[d],
-                                           _blas_threads(nodes, d), fresh_ref)
+                                           _blas_threads(nodes, d), fresh_ref, outputs_to)
                                for d, x in enumerate(a)]
                 self.finals = [x.finish.options(concurrency_group=WAIT).remote(self.run) for x in a]
             except Exception as e:  # noqa: BLE001 - Ray refused a submission: its actor is gone
@@ -763,6 +721,9 @@ class _RaySession:
         self.backend.received_per_pair = {(src, d): b for d, r in enumerate(reports)
                                           for src, b in r["received_from"].items()}
         blocks = {v: b for r in reports for v, b in r["blocks"].items()}
+        sent = [v for r in reports for v in r.get("sent", ())]
+        if sent:
+            blocks.update(self.backend._outputs.take(self.run, sent))
         outs = assemble_outputs(self.out_tg, blocks.__getitem__, self.spec.feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs
@@ -770,6 +731,7 @@ class _RaySession:
     def __exit__(self, exc_type: Any, e: BaseException | None, tb: Any) -> None:
         b = self.backend
         b._done()  # first, before anything that can block (a 2nd Ctrl-C in _abandon)
+        b._outputs.forget(self.run)
         if e is None:
             return
         # this run only: stop what is queued, drop its namespace; other runs are untouched

@@ -90,6 +90,7 @@ class Channel:
     def __init__(self, name: str, secret: bytes, on_block: Callable[[int, int, int, np.ndarray], None]):
         self.name, self._secret, self._on_block = name, secret, on_block
         self._out: dict[str, socket.socket | None] = {}   # peer name -> connection (None: use Ray)
+        self._send_lock = threading.Lock()   # an actor's executor sends moves, a run's end its outputs
         self._received = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -159,8 +160,11 @@ class Channel:
 
     def send(self, peer: str, run: int, tid: int, src: int, block: np.ndarray) -> bool:
         """Send ``block`` to the actor listening as ``peer``; False when there is no channel to it
-        (another host, closed, or the connection broke): the caller sends it by Ray instead. Only
-        one thread of an actor sends (its executor), so a connection needs no lock."""
+        (another host, closed, or the connection broke): the caller sends it by Ray instead."""
+        with self._send_lock:
+            return self._send(peer, run, tid, src, block)
+
+    def _send(self, peer: str, run: int, tid: int, src: int, block: np.ndarray) -> bool:
         if self._closed:
             return False
         if peer not in self._out:
