@@ -175,6 +175,15 @@ def test_what_is_fused_and_what_is_not() -> None:
     assert [n.kind for n in Graph([fb]).ops] == ["einsum"], [n.kind for n in Graph([fb]).ops]  # exp(r): small
     _equal(ej.reference(ej.Tensor(fb), x=feeds["x"], r=feeds["b"] * 0.5),
            ej.reference(x * wide + wide, x=feeds["x"], r=feeds["b"] * 0.5))
+    # reshapes compose: a size-1 dim added then dropped is no reshape; two splits are one
+    e = ej.exp(x)
+    there_and_back = e.reshape(8, 1, 16).reshape(8, 16) * 2.0
+    [fr] = fuse_elementwise([there_and_back.node])
+    assert [n.kind for n in Graph([fr]).ops] == ["einsum"]  # exp(x) * 2.0, exp(x) being small
+    _equal(ej.reference(ej.Tensor(fr), x=feeds["x"]), ej.reference(there_and_back, x=feeds["x"]))
+    f_two = fuse_elementwise([e.reshape(2, 64).reshape(2, 4, 16).node])[0]
+    assert f_two.kind == "reshape" and f_two.inputs[0].kind == "einsum"
+    _equal(ej.reference(ej.Tensor(f_two), x=feeds["x"]), ej.reference(e.reshape(2, 4, 16), x=feeds["x"]))
     # a copy (an identity einsum) that is no output goes, whoever reads it
     c = ej.input("c", (8, 16))
     copy = ej.Tensor(einsum_node([c.node], ["ij"], "ij", "x0", None))

@@ -20,7 +20,8 @@ broadcast -- or one function call on at most :data:`SMALL_RECOMPUTE` elements) a
 is an elementwise einsum: then each reader inlines them and the node, its tasks and its block
 go (a task costs ~15-20 us of the runtime's time, more than such a recomputation). A copy (an
 identity einsum) that is not an output goes too, whoever reads it; a broadcast that only adds
-dims is a relabelling too, taken in by elementwise readers.
+dims is a relabelling too, taken in by elementwise readers; a reshape of a reshape is one
+reshape of the first's input (none where that has the shape already).
 
 >>> from einjoin.ir import ops
 >>> x = ops.input_node("x", (4, 3), "float32")
@@ -38,8 +39,8 @@ from collections.abc import Sequence
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Broadcast, Einsum, Node
-from einjoin.ir.ops import einsum_node
+from einjoin.ir.node import Broadcast, Einsum, Node, Reshape
+from einjoin.ir.ops import einsum_node, reshape_node
 from einjoin.ir.scalar import Arg, Call, Expr, infer_dtype, is_product, substitute
 
 __all__ = ["fuse_elementwise", "MAX_FUSED_INPUTS", "MAX_FUSED_DEPTH"]
@@ -131,6 +132,16 @@ def _fuse_pass(outputs: list[Node]) -> list[Node]:
         if _copy(n) and n not in outs:
             new[n] = ins[0]  # a copy: its readers read what it copies
             continue
+        if isinstance(n.op, Reshape) and isinstance(ins[0].op, Reshape):
+            # row-major reshapes compose: a reshape of a reshape is one reshape of the first's
+            # input, none where that has the shape already (a size-1 dim added, then dropped)
+            src = ins[0].inputs[0]
+            if src.shape != n.shape:
+                new[n] = reshape_node(src, n.shape)
+                continue
+            if n not in outs:
+                new[n] = src
+                continue
         fused = _fuse(n, ins, single) if _elementwise(n) else None
         if fused is not None:
             new[n] = fused
