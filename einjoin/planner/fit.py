@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 
 from einjoin.cluster import Cluster
 from einjoin.decomp.decompose import decompose
@@ -70,6 +70,10 @@ def finer_cuts(node: Node, spec: JoinAggSpec, settings: Settings = SETTINGS
     return out
 
 
+_FITTING: dict[Hashable, list[JoinAggSpec]] = {}
+_FITTING_SIZE = 4096  # entries (an op shape's fitting specs, a few dozen); cleared when full
+
+
 def fitting_specs(node: Node, candidates: list[JoinAggSpec], cap: int,
                   settings: Settings = SETTINGS) -> list[JoinAggSpec]:
     """The specs of ``node`` for a device of ``cap`` bytes: those whose largest kernel
@@ -88,7 +92,22 @@ def fitting_specs(node: Node, candidates: list[JoinAggSpec], cap: int,
     [2, 4, 8]
     >>> sorted({s.num_kernels for s in fitting_specs(z.node, candidate_specs(z.node, 2), 300_000)})
     [8, 16, 32]
+
+    The answer depends on the op and its inputs' shapes only, so it is kept for the process
+    (a bounded memo): compiling again (the time objective's second plan, a model of more
+    layers) does not weigh the same cuts again.
     """
+    key = (node.op, node.shape, node.dtype, tuple((x.shape, x.dtype, x.facts.free) for x in node.inputs),
+           tuple(candidates), cap, settings)
+    found = _FITTING.get(key)
+    if found is None:
+        if len(_FITTING) >= _FITTING_SIZE:
+            _FITTING.clear()
+        found = _FITTING[key] = _fitting_specs(node, candidates, cap, settings)
+    return list(found)
+
+
+def _fitting_specs(node: Node, candidates: list[JoinAggSpec], cap: int, settings: Settings) -> list[JoinAggSpec]:
     budget = int(settings.kernel_share * cap)
     window = settings.finer_window
     need = {s: op_need(decompose(node, s)) for s in candidates}
