@@ -222,9 +222,13 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
 
 @op("addmm")
 def _addmm(bias: Tensor, a: Tensor, b: Tensor, beta: Any = 1, alpha: Any = 1) -> Tensor:
+    """``beta * bias + alpha * (a @ b)`` (beta 0: bias is not read, so its nan / inf do not
+    propagate, as torch)."""
     y = F.matmul(a, b)
     if alpha != 1:
         y = y * alpha
+    if beta == 0:
+        return y
     return y + (bias * beta if beta != 1 else bias)
 
 

@@ -262,3 +262,21 @@ def test_run_handle_result_refuses_a_timeout_that_is_no_number(bad: object) -> N
     with pytest.raises(ej.EinjoinError, match="takes seconds"):
         handle.result(timeout=bad)  # type: ignore[arg-type]
     assert float(handle.result(timeout=60).sum()) == 512.0
+
+
+# ---- finding 10: torch.addmm(c, a, b, beta=0) imported as a @ b + c * 0, so a nan or inf in c
+# made the result nan, where torch does not read c at all when beta is 0 (baddbmm had the rule)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_addmm_with_beta_zero_does_not_read_its_input(fill: float) -> None:
+    import torch
+
+    class M(torch.nn.Module):
+        def forward(self, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.addmm(c, a, b, beta=0, alpha=2)
+
+    torch.manual_seed(0)
+    args = (torch.full((3, 5), fill), torch.randn(3, 4), torch.randn(4, 5))
+    got = ej.compile(ej.from_torch(M(), args), devices=2).run(*args)
+    torch.testing.assert_close(got, M()(*args))
