@@ -115,3 +115,36 @@ def test_csr_add_matches_scipy_for_every_dtype() -> None:
         want = 1 + (scipy.sparse.csr_array((np.round(mat.data * 4), mat.indices, mat.indptr), shape=(7, 9))
                     @ x.astype(np.float64))
         np.testing.assert_array_equal(out.astype(np.float64), want)
+
+
+def power_law(n: int, nnz: int, rows_skewed: bool, seed: int) -> scipy.sparse.csr_array:
+    rng = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, n + 1) ** 1.2
+    skewed = rng.choice(n, nnz, p=w / w.sum())
+    uniform = rng.integers(0, n, nnz)
+    r, c = (skewed, uniform) if rows_skewed else (uniform, skewed)
+    return scipy.sparse.csr_array((rng.standard_normal(nnz), (r, c)), shape=(n, n))
+
+
+@pytest.mark.parametrize("rows_skewed", [True, False])
+def test_spmm_by_column_order_is_kept_with_the_tensor(monkeypatch: pytest.MonkeyPatch, rows_skewed: bool) -> None:
+    # output rows by degree, columns uniform: by columns (the payload rows read once, the hot
+    # output rows stay in cache); the transposed pattern: by rows. Small sizes: the thresholds
+    # scaled down
+    monkeypatch.setattr(kernels, "BY_COLUMN_MIN", 16)
+    monkeypatch.setattr(kernels, "CACHE_BYTES", 40 * 8 * 4)  # 40 rows of 4
+    g = power_law(400, 3000, rows_skewed, seed=7)
+    a = ej.sparse("A", g)
+    h = np.random.default_rng(8).standard_normal((400, 4))
+    plan = ej.sparse_compile("ij,jk->ik", a, h, blocks={"i": 1, "j": 1})
+    want = g @ h
+    for _ in range(2):  # the order is worked out on the first run and reused by the second
+        np.testing.assert_allclose(plan.run().todense(), want, rtol=1e-12, atol=1e-12)
+        assert kernels_ran(plan) == {"spmm"}
+        orders = [v for key, v in a.derived.items() if key[0] == "spmm by column"]
+        assert len(orders) == 1 and bool(orders[0]) == rows_skewed, orders
+    h2 = 3 * h  # new values of the dense operand, the same order
+    np.testing.assert_allclose(plan.run(x1=h2).todense(), g @ h2, rtol=1e-12, atol=1e-12)
+    b = ej.sparse("B", g * 2.0)  # another tensor of the same pattern: its own order, its own values
+    np.testing.assert_allclose(plan.run(A=b).todense(), 2 * want, rtol=1e-12, atol=1e-12)
+    assert len(b.derived) >= 1

@@ -43,6 +43,7 @@ class Relation:
     rel: tuple[str, ...]
     keys: np.ndarray
     data: np.ndarray
+    derived: dict[tuple[object, ...], object] | None = None  # the sparse tensor's (SparseTensor.derived)
 
 
 @dataclass
@@ -65,7 +66,7 @@ def relation_of(value: SparseTensor | np.ndarray, labels: tuple[str, ...], layou
     if isinstance(value, SparseTensor):
         st = value.reblock(block)
         keys = st.keys if len(rel_dims) == len(shape) else st.keys[:, rel_dims]  # no copy when all keyed
-        return Relation(labels, rel, keys, st.data)
+        return Relation(labels, rel, keys, st.data, st.derived)
     grid = grid_of(shape, block)
     arr = np.asarray(value)
     padded_shape = tuple(g * b for g, b in zip(grid, block))
@@ -142,6 +143,17 @@ def _join(rels: Sequence[Relation], grid: Mapping[str, int], out_rel: Sequence[s
     return cols, [i if i is not None else np.zeros(0, np.int64) for i in idx]
 
 
+def _derived(rels: Sequence[Relation], key: tuple[object, ...]
+             ) -> tuple[dict[tuple[object, ...], object], tuple[object, ...]] | None:
+    """Where to keep structures of this step's join that depend on one sparse operand's keys
+    alone (every other operand dense: all its keys present), and under which key."""
+    sparse = [r for r in rels if r.derived is not None]
+    if len(sparse) != 1:
+        return None
+    assert sparse[0].derived is not None
+    return sparse[0].derived, key + tuple(len(r.keys) for r in rels)
+
+
 def _is_range(code: np.ndarray, n: int) -> bool:
     """Whether ``code`` is 0, 1, ..., n-1 (a relation with every key of its grid, in order)."""
     return len(code) == n and (n == 0 or (int(code[0]) == 0 and bool(np.all(np.diff(code) == 1))))
@@ -205,7 +217,8 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
     ufunc = np.add if agg == "sum" else np.maximum
     m_done = 0
     if layout.kernel == "spmm" and agg == "sum" and m:
-        spmm(rels, idx, None if grouped else order, gid, in_labels, out_labels, out, compute, _letters)
+        spmm(rels, idx, None if grouped else order, gid, in_labels, out_labels, out, compute, _letters,
+             _derived(rels, (tuple(in_labels), out_labels, tuple(layout.blocks.items()))))
         m_done = m
     elif layout.kernel == "rowprod" and agg == "sum" and m:
         rowprod(rels, idx, None if grouped else order, gid, in_labels, out_labels, out, compute)

@@ -111,7 +111,7 @@ class SparseTensor:
     (3, (1, 1), 3.0)
     """
 
-    __slots__ = ("name", "shape", "dtype", "block", "keys", "data", "_coo", "counts")
+    __slots__ = ("name", "shape", "dtype", "block", "keys", "data", "_coo", "counts", "derived")
 
     def __init__(self, name: str, shape: tuple[int, ...], block: tuple[int, ...],
                  keys: np.ndarray, data: np.ndarray) -> None:
@@ -125,6 +125,9 @@ class SparseTensor:
         # non-empty blocks per keyed layout (einjoin.sparse.layout.Operand.tuples), kept with the
         # data so that a plan choosing a layout again (a later step, another run) counts once
         self.counts: dict[tuple[int | None, ...], int] = {}
+        # structures the executor derives from the keys alone (einjoin.sparse.kernels: the column
+        # order of an SpMM), kept with them so that each run of a plan reuses them
+        self.derived: dict[tuple[object, ...], object] = {}
 
     # -- the sparse-operand protocol of einjoin.einsum (the frontend knows only this name); the
     # executor registers itself in EINSUM (einjoin.sparse.plan imports this module, not back) --
