@@ -155,22 +155,28 @@ def test_the_window_is_printed_and_kept_by_the_gradient():
     assert "window" not in repr(ej.attention(q, q, q).node.op)  # the common node prints as before
 
 
-def test_an_imported_sliding_window_mask_gives_torchs_values():
+@pytest.mark.parametrize("lo, window", [(-2, 3), (-6, None), (-1, 2)])
+def test_an_imported_sliding_window_mask_becomes_the_window(lo, window):
     """A torch model with Mistral's sliding-window mask as a bool tensor (tril & triu) imports as an
-    attention with that mask (dense: the import does not recognise the pattern as a window) and
-    equals torch; ej.attention(window=) gives the same values."""
+    attention with causal=True and that window, the mask dropped (its query blocks then read only
+    their band), and equals torch; ej.attention(window=) gives the same values."""
     class Block(torch.nn.Module):
         def forward(self, q, k, v):
             n = q.shape[-2]
             ones = torch.ones(n, n, dtype=torch.bool, device=q.device)
-            return TF.scaled_dot_product_attention(q, k, v, attn_mask=ones.tril() & ones.triu(-2))
+            return TF.scaled_dot_product_attention(q, k, v, attn_mask=ones.tril() & ones.triu(lo))
 
     xs = [torch.randn(1, 2, 7, 4) for _ in range(3)]
     fn = ej.from_torch(Block(), tuple(xs))
+    (node,) = [n for n in ej.Graph(list(fn.outputs)).ops if n.kind == "attention"]
+    assert len(node.inputs) == 3 and node.op.causal and node.op.window == window
     want = Block()(*xs).numpy()
     np.testing.assert_allclose(np.asarray(fn.reference(*xs)), want, rtol=1e-5, atol=1e-5)
+    if window is None:
+        return
     tq, tk, tv = (ej.input(n, (1, 2, 7, 4)) for n in "qkv")
-    got = ej.reference(ej.attention(tq, tk, tv, causal=True, window=3), **{n: x.numpy() for n, x in zip("qkv", xs)})
+    got = ej.reference(ej.attention(tq, tk, tv, causal=True, window=window),
+                       **{n: x.numpy() for n, x in zip("qkv", xs)})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -198,3 +204,16 @@ def test_banded_gradients_by_blocks_match_torch_autograd(window, ev, masked):
     wgrads = torch.autograd.grad(want, leaves, torch.tensor(g, dtype=torch.float64))
     for a, b in zip(got, [want.detach(), *wgrads]):
         np.testing.assert_allclose(np.asarray(a), b.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_other_constant_masks_stay_masks():
+    """Only exact top-left causal / sliding-window fills become flags: a strict-lower mask, a
+    bottom-right causal one (a KV cache), a mask over heads, or data stay masks."""
+    from einjoin.frontend.mask_pattern import band_of
+    n = 6
+    i, j = ej.arange(n).reshape((n, 1)), ej.arange(n).reshape((1, n))
+    assert band_of((j < i).reshape((1, n, n)).node) is None
+    assert band_of(ej.causal_mask(4, 6).reshape((1, 4, 6)).node) is None
+    assert band_of(((j <= i) & (i - j < 2)).reshape((1, 1, n, n)).node) == (True, 2)
+    assert band_of(ej.input("m", (1, n, n), "bool").node) is None
+    assert band_of((j <= i).reshape((1, 1, n, n)).broadcast_to((1, 2, n, n)).node) is None

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
+from einjoin.frontend.mask_pattern import band_of
 from einjoin.frontend.functions import causal_mask, concat, einsum, fill
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, _t, elementwise
 from einjoin.ir.attention import attention_node
@@ -310,6 +311,9 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
         if mask.ndim < q.ndim:
             mask = mask.reshape((1,) * (q.ndim - mask.ndim) + mask.shape)
         node = mask.node
+        band = band_of(node) if window is None else None
+        if band is not None:  # a constant causal / sliding-window mask: the flags' block sparsity instead
+            node, causal, window = None, True, band[1]
     return Tensor(attention_node(q.node, k.node, v.node, node, causal, scale, window))
 
 
