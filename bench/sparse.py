@@ -17,8 +17,12 @@ CPU time counts every thread, so BLAS threads are not free), median of ``--reps`
   threads included; one run, one DuckDB thread by default, ``--duck-threads 0`` for all cores)
   and spill stand next to the in-memory engine's, and DuckDB's without a limit.
 
+* causal and sliding-window attention (seq 8192, 8 heads of 64, 128-blocks) vs dense masked
+  attention, flops and CPU time (``bench/sparse_attention.py``; ``/ peer``: to torch's sdpa with the
+  bool mask).
+
 Ratios are to the faster of scipy / torch measured in the same run. Not here yet (issue 24):
-devices, MTTKRP, causal attention, the 200k-node / 5M-edge graph (``--nodes 200000
+devices, MTTKRP, the 200k-node / 5M-edge graph (``--nodes 200000
 --edges 5000000`` runs it, slowly).
 
 Run it with ``make bench`` (or ``.venv/bin/python bench/sparse.py``).
