@@ -97,7 +97,9 @@ class Operand:
             code = code * grid[d] + col
         if total <= 4 * len(code) + (1 << 20):
             return int(np.count_nonzero(np.bincount(code, minlength=total)))
-        code.sort()  # a sort, not np.unique: numpy 2's hash-based unique is ~30x slower here
+        # a sort, not np.unique (numpy 2 hashes, ~30x slower here); stable: timsort takes the runs
+        # of coordinates stored in order (5M power-law edges at 4x1 blocks: 0.14 s, quicksort 0.35)
+        code.sort(kind="stable")
         return 1 + int(np.count_nonzero(code[1:] != code[:-1]))
 
 
