@@ -6,7 +6,9 @@ Upper-case (relational) labels are keys over non-empty blocks, joined and groupe
 over tuples. See docs/architecture.md, "Sparse".
 """
 
+from einjoin.sparse.grad import sparse_vjp
 from einjoin.sparse.plan import SparsePlan, sparse_compile, sparse_einsum
 from einjoin.sparse.tensor import SparseTensor, is_sparse, sparse
 
-__all__ = ["SparseTensor", "SparsePlan", "sparse", "sparse_compile", "sparse_einsum", "is_sparse"]
+__all__ = ["SparseTensor", "SparsePlan", "sparse", "sparse_compile", "sparse_einsum", "is_sparse",
+           "sparse_vjp"]

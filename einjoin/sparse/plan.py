@@ -37,7 +37,9 @@ from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
 from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand
 
-__all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum"]
+__all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum", "GRAD"]
+
+GRAD: dict[str, Any] = {}  # {"vjp": einjoin.sparse.grad.sparse_vjp}: grad imports this module, not back
 
 AGGS = ("sum", "max")
 KERNELS = {"batched": "one batched einsum per chunk of tuples", "looped": "one BLAS einsum per tuple",
@@ -238,6 +240,17 @@ class SparsePlan:
                                  f"for {od} (computing in {self.dtype}); its values would change: "
                                  f"compile again for {nd}, or convert it first")
         return values
+
+    @property
+    def last_operands(self) -> tuple[SparseTensor | np.ndarray, ...]:
+        """The operands of the last run (the compiled ones before any run)."""
+        return tuple(self._last_values)
+
+    def vjp(self, grad_out: Any) -> tuple[SparseTensor | np.ndarray, ...]:
+        """The gradient of each operand at the last run's operands, given the result's gradient
+        ``grad_out``: dense arrays for dense operands, SparseTensors on their stored entries for
+        sparse ones (:func:`einjoin.sparse.grad.sparse_vjp`, which has the worked example)."""
+        return GRAD["vjp"](self, grad_out)  # type: ignore[no-any-return]
 
     @property
     def last_run(self) -> str:

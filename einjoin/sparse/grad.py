@@ -1,0 +1,171 @@
+"""Gradients of sparse einsums (issue 24): the vector-Jacobian product of a :class:`SparsePlan`.
+
+For ``out = sum over the aggregated labels of prod_k X_k`` (a ``mul`` join, ``sum``
+aggregation), the gradient of operand k given the output's gradient ``G`` is again a sparse
+einsum: ``G`` joined with every other operand, summed onto k's labels. So it runs on the same
+executor, and the sparse operands stay sparse:
+
+- a **dense** operand's gradient is that einsum (``A^T G`` for ``ij,jk->ik``), a dense array of
+  the operand's shape; a label only that operand has (summed away, e.g. ``k`` in ``ij,k->ij``)
+  gets the gradient broadcast along it;
+- a **sparse** operand's gradient is restricted to its stored entries: the einsum is joined with
+  the operand's *support* (ones on its stored entries), so only those entries are computed (the
+  sampled dense-dense product, SDDMM) and the result is a :class:`SparseTensor` with exactly the
+  operand's entries, in the operand's block size. ``A`` is never densified. (Entries that are
+  not stored are structural zeros: the gradient there is not computed and not returned.)
+
+``max`` aggregation is refused (its gradient routes to the argmax, which the executor does not
+record). The gradients are computed at the operands of the plan's last run (the compiled ones
+before any run); their einsums are compiled on the first call and rerun (replanned per block
+histogram, :mod:`einjoin.sparse.replan`) on later ones, on the plan's engine and devices.
+
+A GNN layer ``out = A·H·W`` with ``loss = mean((out - Y)^2)``:
+
+>>> import numpy as np, einjoin as ej
+>>> rng = np.random.default_rng(0)
+>>> A = ej.sparse("A", (np.array([[0, 1, 2, 2], [1, 2, 0, 2]]), np.array([1., 2., 3., 4.]), (3, 3)))
+>>> H, W, Y = rng.standard_normal((3, 4)), rng.standard_normal((4, 2)), rng.standard_normal((3, 2))
+>>> plan = ej.sparse_compile("ij,jk,kl->il", A, H, W)
+>>> out = plan.run().todense()
+>>> dA, dH, dW = plan.vjp(2 * (out - Y) / out.size)   # d loss / d out, then back through A·H·W
+>>> G, Ad = 2 * (out - Y) / out.size, A.todense()
+>>> np.allclose(dH, Ad.T @ G @ W.T), np.allclose(dW, (Ad @ H).T @ G)
+(True, True)
+>>> dA.nnz == A.nnz, np.allclose(dA.todense(), (G @ (H @ W).T) * (Ad != 0))  # SDDMM on A's entries
+(True, True)
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from einjoin.errors import ShapeError, UnsupportedOpError
+from einjoin.sparse.plan import GRAD, SparsePlan, sparse_compile
+from einjoin.sparse.tensor import SparseTensor, dense_operand, from_coo, key_codes
+
+__all__ = ["sparse_vjp"]
+
+# per plan: the compiled gradient einsums, keyed by (operand, equation, the kinds and dtypes of
+# their inputs), so that a training loop compiles them once and reruns them
+_PLANS: weakref.WeakKeyDictionary[SparsePlan, dict[Any, SparsePlan]] = weakref.WeakKeyDictionary()
+
+
+def sparse_vjp(plan: SparsePlan, grad_out: Any) -> tuple[SparseTensor | np.ndarray, ...]:
+    """The gradient of each operand of ``plan`` (at its last run's operands), given ``grad_out``,
+    the gradient of the plan's result: an array (or a SparseTensor) of the result's shape; a
+    number for a scalar result. Dense operands get dense arrays, sparse operands SparseTensors on
+    their own stored entries. ``plan.vjp(grad_out)`` is the same call.
+
+    >>> import numpy as np, einjoin as ej
+    >>> a = ej.sparse("A", np.array([[0., 2.], [3., 0.]]))
+    >>> plan = ej.sparse_compile("ij,j->i", a, np.array([1., 10.]))
+    >>> da, dx = plan.vjp(np.array([1., -1.]))
+    >>> da.todense().tolist(), dx.tolist()          # da only where A has entries
+    ([[0.0, 10.0], [-1.0, 0.0]], [-3.0, 2.0])
+    """
+    what = f"gradient of sparse einsum {plan.equation!r}"
+    if plan.agg not in ("sum", "none"):
+        raise UnsupportedOpError(f"{what}: {plan.agg} aggregation; gradients of sparse einsums need a "
+                                 f"sum (the gradient of a max goes to its argmax, which the sparse "
+                                 f"executor does not record): use agg='sum', or the dense einsum")
+    values = plan.last_operands
+    out_shape = tuple(plan.sizes[lab] for lab in plan.out_labels)
+    scale, g = _cotangent(grad_out, out_shape, what)
+    cache = _PLANS.setdefault(plan, {})
+    grads: list[SparseTensor | np.ndarray] = []
+    for k, (x, labels) in enumerate(zip(values, plan.in_labels)):
+        others = [(v, ls) for j, (v, ls) in enumerate(zip(values, plan.in_labels)) if j != k]
+        if g is not None:
+            others.insert(0, (g, plan.out_labels))
+        seen = {lab for _, ls in others for lab in ls}
+        if isinstance(x, SparseTensor):
+            others.insert(0, (_support(x), labels))  # SDDMM: only x's stored entries are computed
+            target = labels
+        else:
+            target = tuple(lab for lab in labels if lab in seen)  # the rest is broadcast below
+        grads.append(_one(plan, cache, k, x, labels, others, target, scale, what))
+    return tuple(grads)
+
+
+def _cotangent(grad_out: Any, shape: tuple[int, ...], what: str
+               ) -> tuple[Any, SparseTensor | np.ndarray | None]:
+    """(a factor, the gradient operand): a scalar result's gradient is a factor, not an operand."""
+    if isinstance(grad_out, SparseTensor):
+        g: SparseTensor | np.ndarray = grad_out
+    else:
+        g = dense_operand(grad_out, 0, f"{what}: grad_out")
+        if not shape and g.size == 1:
+            return g.reshape(()).item(), None
+    if tuple(g.shape) != shape:
+        raise ShapeError(f"{what}: grad_out of shape {tuple(g.shape)} where the result has shape {shape}")
+    if not shape:  # a 0-d SparseTensor: its one value, or none
+        return (float(g.coo()[1].sum()) if isinstance(g, SparseTensor) else g.item()), None
+    return 1, g
+
+
+def _support(x: SparseTensor) -> SparseTensor:
+    """Ones on ``x``'s stored entries (coordinate-wise, block size 1: the join keeps exactly them)."""
+    s = x.derived.get(("grad_support",))  # kept with x's keys, as the executor's own structures
+    if not isinstance(s, SparseTensor):
+        coords, vals = x.coo()
+        s = from_coo(x.name, coords, np.ones(len(vals), vals.dtype), x.shape, (1,) * x.ndim, summed=True)
+        x.derived[("grad_support",)] = s
+    return s
+
+
+def _one(plan: SparsePlan, cache: dict[Any, SparsePlan], k: int, x: SparseTensor | np.ndarray,
+         labels: tuple[str, ...], operands: list[tuple[Any, tuple[str, ...]]], target: tuple[str, ...],
+         scale: Any, what: str) -> SparseTensor | np.ndarray:
+    args = [v for v, _ in operands]
+    eq = ",".join("".join(ls) for _, ls in operands) + "->" + "".join(target)
+    key = (k, eq, tuple((isinstance(v, SparseTensor), np.dtype(v.dtype).str) for v in args))
+    sub = cache.get(key)
+    if sub is None:
+        dist = plan.distribution
+        eng = plan.engine
+        sub = sparse_compile(eq, *args, engine=eng.name, duckdb_memory=eng.memory,
+                             duckdb_temp=eng.temp_directory, duckdb_threads=eng.threads,
+                             devices=dist.devices, backend=dist.backend)
+        cache[key] = sub
+        res = sub.run()
+    else:
+        res = sub.run(*args)
+    dtype = np.result_type(x.dtype, res.dtype) if np.dtype(x.dtype).kind != "f" else np.dtype(x.dtype)
+    if isinstance(x, SparseTensor):
+        coords, _ = x.coo()
+        vals = _gather(res, coords, x.shape) * scale
+        return from_coo(f"d{x.name}", coords, vals.astype(dtype, copy=False), x.shape, x.block, summed=True)
+    dense = res.todense() if isinstance(res, SparseTensor) else np.asarray(res)
+    dense = dense * scale if scale != 1 else dense
+    if target != labels:  # labels only x has: the gradient is the same along them
+        src = [target.index(lab) if lab in target else None for lab in labels]
+        dense = dense.transpose([d for d in src if d is not None]) if target else dense
+        dense = dense.reshape(tuple(1 if d is None else x.shape[i] for i, d in enumerate(src)))
+        dense = np.broadcast_to(dense, x.shape)
+    return np.array(dense, dtype=dtype)
+
+
+def _gather(res: SparseTensor | np.ndarray, coords: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The values of ``res`` at ``coords`` (0 where ``res`` has no entry), without densifying."""
+    if not isinstance(res, SparseTensor):
+        return np.asarray(np.asarray(res)[tuple(coords.T)])
+    rc, rv = res.coo()
+    out = np.zeros(len(coords), rv.dtype)
+    if not len(coords) or not len(rc):
+        return out
+    grid = tuple(max(n, 1) for n in shape)
+    a, b = key_codes(rc, grid), key_codes(coords, grid)
+    if a is None or b is None:  # a grid too large for int64 codes: rank the rows together instead
+        _, inv = np.unique(np.concatenate([rc, coords]), axis=0, return_inverse=True)
+        a, b = inv.reshape(-1)[:len(rc)], inv.reshape(-1)[len(rc):]
+    order = np.argsort(a, kind="stable")
+    pos = np.searchsorted(a[order], b).clip(0, len(a) - 1)
+    hit = a[order][pos] == b
+    out[hit] = rv[order][pos[hit]]
+    return out
+
+
+GRAD["vjp"] = sparse_vjp

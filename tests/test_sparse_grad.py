@@ -1,0 +1,193 @@
+"""Gradients of sparse einsums (einjoin.sparse.grad, issue 24) against torch autograd on the
+densified data: a GNN layer (dense and torch.sparse references), random 2-3 operand einsums of
+rank 2-3 (hypothesis), sparse gradients on exactly the operand's stored entries, reruns on new
+operands, a sparse grad_out, devices, and the refusals (max aggregation, a wrong grad_out)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.sparse import SparseTensor, sparse_vjp
+
+
+def _torch_grads(eq: str, dense: list[np.ndarray], g: np.ndarray) -> list[np.ndarray]:
+    ts = [torch.tensor(d, dtype=torch.float64, requires_grad=True) for d in dense]
+    out = torch.einsum(eq, *ts)
+    grads = torch.autograd.grad(out, ts, torch.tensor(g, dtype=torch.float64), allow_unused=True)
+    return [np.zeros(d.shape) if gr is None else gr.numpy() for d, gr in zip(dense, grads)]
+
+
+def _support_mask(s: SparseTensor) -> np.ndarray:
+    mask = np.zeros(s.shape, bool)
+    mask[tuple(s.coo()[0].T)] = True
+    return mask
+
+
+def _check(operands: list, grads: tuple, expected: list[np.ndarray]) -> None:
+    for x, got, want in zip(operands, grads, expected):
+        if isinstance(x, SparseTensor):
+            assert isinstance(got, SparseTensor) and got.shape == x.shape and got.block == x.block
+            mask = _support_mask(x)
+            # nothing off the operand's stored entries; the torch gradient on them
+            assert not np.any(got.todense()[~mask])
+            np.testing.assert_allclose(got.todense(), want * mask, rtol=1e-9, atol=1e-9)
+        else:
+            assert isinstance(got, np.ndarray) and got.shape == np.shape(x) and got.dtype == np.asarray(x).dtype
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def _gnn(n: int = 40, f: int = 8, c: int = 3, seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    adj = scipy.sparse.random(n, n, density=0.1, format="csr", random_state=seed)
+    return adj, rng.standard_normal((n, f)), rng.standard_normal((f, c)), rng.standard_normal((n, c))
+
+
+def test_gnn_layer_matches_torch_autograd() -> None:
+    """out = A·H·W, loss = mean((out - Y)^2): dH, dW (and dA on A's entries) equal torch's."""
+    adj, h, w, y = _gnn()
+    a = ej.sparse("A", adj)
+    plan = ej.sparse_compile("ij,jk,kl->il", a, h, w)
+    out = plan.run()
+    assert isinstance(out, SparseTensor)
+    g = 2 * (out.todense() - y) / y.size
+    da, dh, dw = plan.vjp(g)
+
+    ta = torch.tensor(adj.toarray(), requires_grad=True)
+    th, tw = torch.tensor(h, requires_grad=True), torch.tensor(w, requires_grad=True)
+    loss = ((ta @ th @ tw - torch.tensor(y)) ** 2).mean()
+    loss.backward()
+    np.testing.assert_allclose(dh, th.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-10, atol=1e-12)
+    assert da.nnz == a.nnz
+    np.testing.assert_allclose(da.todense(), ta.grad.numpy() * (adj.toarray() != 0), rtol=1e-10, atol=1e-12)
+
+    # torch.sparse's own autograd (the adjacency stays sparse there too)
+    sa = torch.sparse_coo_tensor(np.stack(adj.nonzero()), adj.data, adj.shape,
+                                 check_invariants=True).coalesce()
+    th2, tw2 = torch.tensor(h, requires_grad=True), torch.tensor(w, requires_grad=True)
+    ((torch.sparse.mm(sa, th2) @ tw2 - torch.tensor(y)) ** 2).mean().backward()
+    np.testing.assert_allclose(dh, th2.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dw, tw2.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_gnn_training_steps_rerun_the_gradient_plans() -> None:
+    """A few gradient-descent steps on W (run(x2=W) each step): the loss falls, and each step's
+    gradient is torch's at that step's W (the cached gradient einsums see the new operands)."""
+    adj, h, w, y = _gnn(seed=1)
+    a = ej.sparse("A", adj)
+    plan = ej.sparse_compile("ij,jk,kl->il", a, h, w)
+    losses = []
+    for _ in range(4):
+        out = plan.run(x2=w).todense()
+        losses.append(float(((out - y) ** 2).mean()))
+        _, _, dw = plan.vjp(2 * (out - y) / y.size)
+        tw = torch.tensor(w, requires_grad=True)
+        ((torch.tensor(adj.toarray() @ h) @ tw - torch.tensor(y)) ** 2).mean().backward()
+        np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-10, atol=1e-12)
+        w = w - 0.5 * dw
+    assert losses[-1] < losses[0]
+
+
+@st.composite
+def grad_problems(draw: st.DrawFn) -> tuple:
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    pool = "ijkl"
+    sizes = {lab: int(rng.integers(1, 6)) for lab in pool}
+    n_ops = draw(st.integers(2, 3))
+    terms = ["".join(rng.permutation(list(pool))[:rng.integers(2, 4)]) for _ in range(n_ops)]
+    used = list(dict.fromkeys("".join(terms)))
+    out = "".join(rng.permutation(used)[:rng.integers(0, min(3, len(used)) + 1)])
+    kinds = [bool(rng.integers(2)) for _ in terms]
+    kinds[rng.integers(n_ops)] = True  # at least one sparse operand
+    density = draw(st.sampled_from([0.05, 0.3, 0.7]))
+    operands: list = []
+    for i, (t, sp) in enumerate(zip(terms, kinds)):
+        shape = tuple(sizes[lab] for lab in t)
+        dense = rng.standard_normal(shape)
+        if sp:
+            dense = dense * (rng.random(shape) < density)
+            operands.append(ej.sparse(f"S{i}", dense, block=int(rng.integers(1, 4))))
+        else:
+            operands.append(dense)
+    g = rng.standard_normal(tuple(sizes[lab] for lab in out))
+    return ",".join(terms) + "->" + out, operands, g
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(grad_problems())
+def test_random_sparse_einsum_gradients_match_torch(problem: tuple) -> None:
+    eq, operands, g = problem
+    plan = ej.sparse_compile(eq, *operands)
+    grads = plan.vjp(g)
+    dense = [x.todense() if isinstance(x, SparseTensor) else x for x in operands]
+    _check(operands, grads, _torch_grads(eq, dense, g))
+
+
+def test_sparse_grad_out_equals_dense_grad_out() -> None:
+    """A sparse result's gradient given as a SparseTensor (only some entries): the same gradients
+    as the dense array it holds."""
+    adj, h, _, _ = _gnn(seed=2)
+    a = ej.sparse("A", adj)
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((40, 8)) * (rng.random((40, 8)) < 0.3)
+    plan = ej.sparse_compile("ij,jk->ik", a, h)
+    da_s, dh_s = plan.vjp(ej.sparse("G", g))
+    da_d, dh_d = sparse_vjp(plan, g)
+    np.testing.assert_allclose(dh_s, dh_d, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(da_s.todense(), da_d.todense(), rtol=1e-12, atol=1e-12)
+    _check([a, h], (da_d, dh_d), _torch_grads("ij,jk->ik", [adj.toarray(), h], g))
+
+
+def test_scalar_result_label_only_one_operand_has_and_float32() -> None:
+    """A scalar result takes a number; ``l`` (only the dense operand has it) gets the gradient
+    broadcast; float32 operands get float32 gradients."""
+    rng = np.random.default_rng(4)
+    s = rng.standard_normal((5, 4)) * (rng.random((5, 4)) < 0.4)
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    a = ej.sparse("A", s.astype(np.float32))
+    ds, dx = ej.sparse_compile("ij,jl->", a, x).vjp(2.0)
+    want = _torch_grads("ij,jl->", [s.astype(np.float32).astype(np.float64), x.astype(np.float64)], np.array(2.0))
+    assert dx.dtype == np.float32 and ds.dtype == np.float32
+    np.testing.assert_allclose(dx, want[1], rtol=1e-5)
+    np.testing.assert_allclose(ds.todense(), want[0] * (s != 0), rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_on_two_devices_equal_one() -> None:
+    adj, h, w, _ = _gnn(seed=5)
+    a = ej.sparse("A", adj)
+    g = np.random.default_rng(6).standard_normal((40, 3))
+    one = ej.sparse_compile("ij,jk,kl->il", a, h, w).vjp(g)
+    two = ej.sparse_compile("ij,jk,kl->il", a, h, w, devices=2, backend="sync").vjp(g)
+    np.testing.assert_allclose(one[0].todense(), two[0].todense(), rtol=1e-12, atol=1e-12)
+    for p, q in zip(one[1:], two[1:]):
+        np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_refusals() -> None:
+    a = ej.sparse("A", np.eye(3))
+    h = np.ones((3, 2))
+    with pytest.raises(UnsupportedOpError, match="max aggregation.*argmax"):
+        ej.sparse_compile("ij,jk->ik", a, h, agg="max").vjp(np.ones((3, 2)))
+    with pytest.raises(ShapeError, match=r"grad_out of shape \(2, 3\) where the result has shape \(3, 2\)"):
+        ej.sparse_compile("ij,jk->ik", a, h).vjp(np.ones((2, 3)))
+    with pytest.raises(EinjoinError):
+        ej.sparse_compile("ij,jk->ik", a, h).vjp(np.ones(6))
+
+
+def test_sparse_operand_gradient_computes_only_its_entries() -> None:
+    """dA is an SDDMM: its einsum's output tuples are A's stored entries, not the n x n product."""
+    from einjoin.sparse.grad import _PLANS
+    adj, h, w, _ = _gnn(seed=7)
+    a = ej.sparse("A", adj)
+    plan = ej.sparse_compile("ij,jk,kl->il", a, h, w)
+    plan.vjp(np.ones((40, 3)))
+    (da_plan,) = [p for key, p in _PLANS[plan].items() if key[0] == 0]
+    assert da_plan.steps[-1].counts is not None
+    assert da_plan.steps[-1].counts.out <= a.nnz < 40 * 40
