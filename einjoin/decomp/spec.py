@@ -22,6 +22,7 @@ group's channels being read by its output channels only); a pool names its outpu
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
@@ -213,8 +214,8 @@ class JoinAggSpec:
         for lab in labels:
             p = spec.get(lab, 1)
             what = f"{describe(node)} label {lab!r} (size {sizes[lab]})"
-            if isinstance(p, (int,)) and not isinstance(p, bool):
-                out.append(even_bounds(sizes[lab], p, what))
+            if isinstance(p, numbers.Integral) and not isinstance(p, bool):  # np.int64 too
+                out.append(even_bounds(sizes[lab], int(p), what))
             elif isinstance(p, (list, tuple)):
                 out.append(check_bounds(p, sizes[lab], what))
             else:

@@ -280,3 +280,20 @@ def test_addmm_with_beta_zero_does_not_read_its_input(fill: float) -> None:
     args = (torch.full((3, 5), fill), torch.randn(3, 4), torch.randn(4, 5))
     got = ej.compile(ej.from_torch(M(), args), devices=2).run(*args)
     torch.testing.assert_close(got, M()(*args))
+
+
+# ---- finding 11: a block count that is a numpy int (np.int64(2), as counts computed with numpy
+# are) was refused, "blocks must be a count or a boundary list", by specs= and execute_blocked,
+# where every other count (devices=, boundary lists) takes numpy ints
+
+
+@pytest.mark.parametrize("count", [np.int64(2), np.int32(2), np.uint8(2)])
+def test_a_numpy_int_block_count_is_a_count(count: object) -> None:
+    x, w = ej.input("x", (4, 6)), ej.input("w", (6, 3))
+    h = ej.einsum("ij,jk->ik", x, w)
+    feeds = dict(x=np.arange(24, dtype=np.float32).reshape(4, 6), w=np.ones((6, 3), np.float32))
+    want = feeds["x"] @ feeds["w"]
+    np.testing.assert_array_equal(ej.execute_blocked(h, {h: {"i": count, "j": count}}, **feeds), want)
+    np.testing.assert_array_equal(ej.compile(h, devices=2, specs={h: {"i": count}}).run(**feeds), want)
+    with pytest.raises(ej.PartitionError, match="blocks must be a count"):
+        ej.execute_blocked(h, {h: {"i": np.bool_(True)}}, **feeds)
