@@ -37,12 +37,15 @@ A GNN layer ``out = A·H·W`` with ``loss = mean((out - Y)^2)``:
 
 from __future__ import annotations
 
+import math
+import string
 import weakref
 from typing import Any
 
 import numpy as np
 
 from einjoin.errors import ShapeError, UnsupportedOpError
+from einjoin.sparse.execute import CHUNK_ELEMENTS
 from einjoin.sparse.plan import GRAD, SparsePlan, sparse_compile
 from einjoin.sparse.tensor import SparseTensor, dense_operand, from_coo, key_codes
 
@@ -81,6 +84,9 @@ def sparse_vjp(plan: SparsePlan, grad_out: Any) -> tuple[SparseTensor | np.ndarr
         if g is not None:
             others.insert(0, (g, plan.out_labels))
         seen = {lab for _, ls in others for lab in ls}
+        if isinstance(x, SparseTensor) and not any(isinstance(v, SparseTensor) for v, _ in others):
+            grads.append(_sddmm(x, labels, others, scale))  # every other factor dense: gathered rows
+            continue
         if isinstance(x, SparseTensor):
             others.insert(0, (_support(x), labels))  # SDDMM: only x's stored entries are computed
             target = labels
@@ -146,6 +152,63 @@ def _one(plan: SparsePlan, cache: dict[Any, SparsePlan], k: int, x: SparseTensor
         dense = dense.reshape(tuple(1 if d is None else x.shape[i] for i, d in enumerate(src)))
         dense = np.broadcast_to(dense, x.shape)
     return np.array(dense, dtype=dtype)
+
+
+def _sddmm(x: SparseTensor, labels: tuple[str, ...], operands: list[tuple[Any, tuple[str, ...]]],
+           scale: Any) -> SparseTensor:
+    """A sparse operand's gradient when every other factor is dense: at each stored entry, the
+    other factors' slices at its coordinates multiplied and summed (numpy, in chunks of entries).
+    Why not the planner's path: a sum of dense factors may pair two of them into an intermediate
+    as large as ``x``'s dense shape (``G·Wᵀ`` with ``H`` is n × n in a GNN's ``dA``); here dense
+    factors are only contracted first where that is no larger than either (``H·W``)."""
+    coords, stored = x.coo()
+    ct = np.result_type(x.dtype, *[v.dtype for v, _ in operands])
+    ct = np.promote_types(ct, np.float32) if ct.kind == "f" else ct  # float16 adds in float32
+    ops = _precontract([(np.asarray(v, ct), ls) for v, ls in operands], set(labels))
+    used = {lab for _, ls in ops for lab in ls} | set(labels)
+    batch = next(c for c in string.ascii_letters if c not in used)
+    per = max(1, sum(math.prod(v.shape[d] for d, lab in enumerate(ls) if lab not in labels) for v, ls in ops))
+    step = max(1, CHUNK_ELEMENTS // per)
+    vals = np.zeros(len(coords), ct)
+    for s in range(0, len(coords), step):
+        c = coords[s:s + step]
+        args, terms = [], []
+        for v, ls in ops:
+            keyed = [d for d, lab in enumerate(ls) if lab in labels]
+            rest = [d for d in range(len(ls)) if d not in keyed]
+            if keyed:  # the slices at the entries' coordinates: (entries, the other labels)
+                v = v.transpose(keyed + rest)[tuple(c[:, labels.index(ls[d])] for d in keyed)]
+            args.append(v)
+            terms.append((batch if keyed else "") + "".join(ls[d] for d in rest))
+        vals[s:s + step] = np.einsum(",".join(terms) + "->" + batch, *args, optimize=True) if args else 1
+    vals = vals * scale
+    dtype = np.dtype(x.dtype) if np.dtype(x.dtype).kind == "f" else ct
+    return from_coo(f"d{x.name}", coords, vals.astype(dtype, copy=False), x.shape, x.block, summed=True)
+
+
+def _precontract(ops: list[tuple[np.ndarray, tuple[str, ...]]], target: set[str]
+                 ) -> list[tuple[np.ndarray, tuple[str, ...]]]:
+    """Dense factors sharing a label that is not ``target``'s, contracted pairwise while the
+    result is no larger than either factor (labels no other factor has are summed)."""
+    while True:
+        for a in range(len(ops)):
+            for b in range(a + 1, len(ops)):
+                (va, la), (vb, lb) = ops[a], ops[b]
+                if not (set(la) & set(lb)) - target:
+                    continue
+                rest = target | {lab for k, (_, ls) in enumerate(ops) if k not in (a, b) for lab in ls}
+                keep = tuple(dict.fromkeys(lab for lab in la + lb if lab in rest))
+                sizes = dict(zip(la, va.shape)) | dict(zip(lb, vb.shape))
+                if math.prod(sizes[lab] for lab in keep) > max(va.size, vb.size):
+                    continue
+                merged = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(keep)}", va, vb, optimize=True)
+                ops = [o for k, o in enumerate(ops) if k not in (a, b)] + [(merged, keep)]
+                break
+            else:
+                continue
+            break
+        else:
+            return ops
 
 
 def _gather(res: SparseTensor | np.ndarray, coords: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
