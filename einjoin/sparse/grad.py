@@ -12,12 +12,16 @@ executor, and the sparse operands stay sparse:
   the operand's *support* (ones on its stored entries), so only those entries are computed (the
   sampled dense-dense product, SDDMM) and the result is a :class:`SparseTensor` with exactly the
   operand's entries, in the operand's block size. ``A`` is never densified. (Entries that are
-  not stored are structural zeros: the gradient there is not computed and not returned.)
+  not stored are structural zeros: the gradient there is not computed and not returned.) When
+  every other factor is dense (a GNN's ``dA = (G·(H·W)ᵀ) on A's entries``), the SDDMM gathers
+  their slices at the stored coordinates in numpy, after contracting dense factors that do not
+  grow (``H·W``): the planner's pairing could build the n × n ``G·(H·W)ᵀ`` first.
 
 ``max`` aggregation is refused (its gradient routes to the argmax, which the executor does not
 record). The gradients are computed at the operands of the plan's last run (the compiled ones
-before any run); their einsums are compiled on the first call and rerun (replanned per block
-histogram, :mod:`einjoin.sparse.replan`) on later ones, on the plan's engine and devices.
+before any run); their sparse einsums are compiled on the first call and rerun (replanned per
+block histogram, :mod:`einjoin.sparse.replan`) on later ones, on the plan's engine and devices
+(the gathered SDDMM runs in this process).
 
 A GNN layer ``out = A·H·W`` with ``loss = mean((out - Y)^2)``:
 
