@@ -287,6 +287,19 @@ def _match(name: str, t: Template, value: Any, out: dict[str, Any]) -> None:
         _match(f"{name}[{i}]", sub, v, out)
 
 
+def _match_const_array(name: str, const: Any, value: Any) -> None:
+    """A numpy scalar or 0-d tensor given by name for a non-tensor argument: the import's value
+    (``scale=np.float64(2.0)`` computes what ``scale=2.0`` does), else an error naming it (the
+    program has no input of that name: "unknown input" would say the forward has no such
+    argument)."""
+    if getattr(value, "ndim", None) == 0 and _same(value, const):
+        return
+    raise EinjoinError(f"argument {name!r} is {type(value).__name__} {value!r:.60}, but the program was "
+                       f"specialised on the import's value {const!r:.60} (torch.export fixes non-tensor "
+                       f"arguments): give {const!r:.60} or leave it out, or import the module again with "
+                       f"this argument in from_torch's example arguments")
+
+
 def bind_call(call: Sequence[tuple[str, Template]] | None, arg_names: Sequence[str], args: Sequence[Any],
               feeds: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A torch-style call ``run(x, (h, c), 2.0, flip=True)`` as the graph's own: (positional
@@ -318,6 +331,9 @@ def bind_call(call: Sequence[tuple[str, Template]] | None, arg_names: Sequence[s
             if k in params and params[k][0] != "in":
                 if k in [n for n, _ in call[:len(args)]]:
                     raise EinjoinError(f"argument {k!r} is given both by position and by name")
+                if params[k][0] == "const" and _is_array(v):  # by name: never the flat convention
+                    _match_const_array(k, params[k][1], v)
+                    continue
                 _match(k, params[k], v, out)
             else:
                 rest[k] = v

@@ -297,3 +297,24 @@ def test_a_numpy_int_block_count_is_a_count(count: object) -> None:
     np.testing.assert_array_equal(ej.compile(h, devices=2, specs={h: {"i": count}}).run(**feeds), want)
     with pytest.raises(ej.PartitionError, match="blocks must be a count"):
         ej.execute_blocked(h, {h: {"i": np.bool_(True)}}, **feeds)
+
+
+# ---- finding 12: a non-tensor forward argument given by name as a numpy scalar or a 0-d tensor
+# (scale=np.float64(2.0), scale=torch.tensor(2.0)) was "unknown input 'scale'; the graph's inputs
+# are x", as if the forward had no such argument, even with the import's own value
+
+
+def test_a_constant_argument_given_as_a_numpy_scalar_or_0d_tensor() -> None:
+    import torch
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return x * scale
+
+    x = torch.randn(3, 4)
+    prog = ej.compile(ej.from_torch(M(), (x,), {"scale": 2.0}), devices=2)
+    for same in (np.float64(2.0), torch.tensor(2.0), np.array(2.0)):
+        torch.testing.assert_close(prog.run(x, scale=same), x * 2.0)
+    for other in (np.float64(3.0), torch.tensor(3.0), torch.ones(2)):
+        with pytest.raises(ej.EinjoinError, match="argument 'scale' is .* specialised on the import's value 2.0"):
+            prog.run(x, scale=other)
