@@ -184,6 +184,15 @@ def test_what_is_fused_and_what_is_not() -> None:
     f_two = fuse_elementwise([e.reshape(2, 64).reshape(2, 4, 16).node])[0]
     assert f_two.kind == "reshape" and f_two.inputs[0].kind == "einsum"
     _equal(ej.reference(ej.Tensor(f_two), x=feeds["x"]), ej.reference(e.reshape(2, 4, 16), x=feeds["x"]))
+    # keepdim statistics: an elementwise op between a reshape adding a size-1 dim and one
+    # dropping it runs without the dim, and both reshapes go
+    big = ej.input("big", (64, 128))
+    stat = ej.exp((big * big).sum(1).reshape(64, 1) * 0.5)
+    kept = stat.reshape(64) * 2.0 + stat.reshape(64)
+    [fk] = fuse_elementwise([kept.node])
+    assert not any(n.kind == "reshape" for n in Graph([fk]).ops), [n.kind for n in Graph([fk]).ops]
+    xb = np.linspace(-0.1, 0.1, 64 * 128).reshape(64, 128).astype(np.float32)
+    _equal(ej.reference(ej.Tensor(fk), big=xb), ej.reference(kept, big=xb))
     # a copy (an identity einsum) that is no output goes, whoever reads it
     c = ej.input("c", (8, 16))
     copy = ej.Tensor(einsum_node([c.node], ["ij"], "ij", "x0", None))

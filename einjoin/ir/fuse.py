@@ -21,7 +21,9 @@ is an elementwise einsum: then each reader inlines them and the node, its tasks 
 go (a task costs ~15-20 us of the runtime's time, more than such a recomputation). A copy (an
 identity einsum) that is not an output goes too, whoever reads it; a broadcast that only adds
 dims is a relabelling too, taken in by elementwise readers; a reshape of a reshape is one
-reshape of the first's input (none where that has the shape already).
+reshape of the first's input (none where that has the shape already); an elementwise einsum
+that reads size-1 dims only through reshapes that added them runs without them, reshaped after
+(the RMSNorm's keepdim statistics: the reshapes on both sides then compose away).
 
 >>> from einjoin.ir import ops
 >>> x = ops.input_node("x", (4, 3), "float32")
@@ -89,6 +91,48 @@ def _new_dims_only(p: Node) -> bool:
     return isinstance(op, Broadcast) and all(p.inputs[0].shape[i] == p.shape[d] for i, d in enumerate(op.dims))
 
 
+def _squeezed(n: Node) -> Node | None:
+    """Elementwise einsum ``n`` computed without its size-1 dims where it reads them only through
+    reshapes that added them: the einsum over those reshapes' inputs, reshaped to ``n``'s shape
+    (a reshape its squeezing readers compose away, see :func:`_fuse_pass`); None when it reads a
+    size-1 dim otherwise or no such reshape. The same join on the same values: the same bits."""
+    op = n.op
+    assert isinstance(op, Einsum)
+    ones = {lab for lab, size in zip(op.out_labels, n.shape) if size == 1}
+    if not ones:
+        return None
+    ins: list[Node] = []
+    labels: list[tuple[str, ...]] = []
+    for x, ls in zip(n.inputs, op.in_labels):
+        kept = tuple(lab for lab in ls if lab not in ones)
+        if len(kept) == len(ls):
+            ins.append(x)
+            labels.append(tuple(ls))
+            continue
+        # a row-major reshape that only inserted size-1 dims keeps every other dim in order
+        if not (isinstance(x.op, Reshape) and x.inputs[0].shape == tuple(
+                size for size, lab in zip(x.shape, ls) if lab not in ones)):
+            return None
+        ins.append(x.inputs[0])
+        labels.append(kept)
+    if not any(isinstance(x.op, Reshape) and y is x.inputs[0] for x, y in zip(n.inputs, ins)):
+        return None
+    try:
+        out = einsum_node(ins, labels, [lab for lab in op.out_labels if lab not in ones], op.join, op.agg)
+    except EinjoinError:  # pragma: no cover - the parts were a valid einsum over these labels
+        return None
+    if out.dtype != n.dtype:  # pragma: no cover - the same join over the same dtypes
+        return None
+    return reshape_node(out, n.shape)
+
+
+def _squeezes(reader: Node, n: Node) -> bool:
+    """Whether ``reader`` may take ``n`` squeezed (see :func:`_squeezed`) without a reshape
+    left between them: a reshape (the two compose) or an elementwise einsum of ``n``'s shape
+    (which may run squeezed in turn)."""
+    return isinstance(reader.op, Reshape) or (_elementwise(reader) and reader.shape == n.shape)
+
+
 def _copy(n: Node) -> bool:
     """An einsum that copies its one input as it is (the same labels in order, dtype and shape):
     whoever reads it may read the input (values are never written in place)."""
@@ -149,6 +193,8 @@ def _fuse_pass(outputs: list[Node]) -> list[Node]:
             new[n] = n
         else:
             new[n] = Node(n.op, ins, n.shape, n.dtype)  # the same op over rebuilt inputs
+        if n not in outs and _elementwise(new[n]) and all(_squeezes(u, n) for u in graph.users.get(n, ())):
+            new[n] = _squeezed(new[n]) or new[n]
     return [new[o] for o in outputs]
 
 
