@@ -181,6 +181,8 @@ def main() -> None:
     case(f"A·H·W ({args.nodes} nodes)", "ij,jk,kl->il", g, [h, w], args.reps, fixed_sizes=())
     from sparse_devices import devices_case  # 1 and 2 devices vs the peers, CPU and wall (bench/sparse_devices.py)
     devices_case(row, g, h, w, args.reps)
+    from sparse_grad import grad_case  # a GNN layer's run + gradients vs torch autograd / scipy (bench/sparse_grad.py)
+    grad_case(row, g, h, w, args.reps)
     bd = block_diagonal(64, 64)
     case("block-diag 64x64 · D", "ij,jk->ik", bd, [rng.standard_normal((bd.shape[1], 256))], args.reps)
     from sparse_mttkrp import mttkrp_case  # ijk,jr,kr->ir, nnz = 2 x edges, vs scipy / torch (bench/sparse_mttkrp.py)
