@@ -120,7 +120,7 @@ def grad_problems(draw: st.DrawFn) -> tuple:
     return ",".join(terms) + "->" + out, operands, g
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(grad_problems())
 def test_random_sparse_einsum_gradients_match_torch(problem: tuple) -> None:
     eq, operands, g = problem
@@ -200,3 +200,22 @@ def test_sparse_operand_gradient_never_densifies() -> None:
     coords, _ = a.coo()
     want = np.einsum("nl,nl->n", g[coords[:, 0]], (h @ w)[coords[:, 1]])
     np.testing.assert_allclose(da.coo()[1], want, rtol=1e-10, atol=1e-12)
+
+
+def test_duckdb_engine_and_float16() -> None:
+    """The gradient einsums run on the plan's engine (DuckDB here); float16 operands get float16
+    gradients, computed in float32."""
+    pytest.importorskip("duckdb")
+    rng = np.random.default_rng(8)
+    s = rng.standard_normal((6, 5)) * (rng.random((6, 5)) < 0.4)
+    h, w, g = rng.standard_normal((5, 4)), rng.standard_normal((4, 3)), rng.standard_normal((6, 3))
+    a = ej.sparse("A", s)
+    grads = ej.sparse_compile("ij,jk,kl->il", a, h, w, engine="duckdb").vjp(g)
+    _check([a, h, w], grads, _torch_grads("ij,jk,kl->il", [s, h, w], g))
+    a16, h16 = ej.sparse("A", s.astype(np.float16)), h.astype(np.float16)
+    da, dh = ej.sparse_compile("ij,jk->ik", a16, h16).vjp(g[:, :1].repeat(4, 1).astype(np.float16))
+    want = _torch_grads("ij,jk->ik", [s.astype(np.float16).astype(np.float64), h16.astype(np.float64)],
+                        g[:, :1].repeat(4, 1).astype(np.float16).astype(np.float64))
+    assert da.dtype == dh.dtype == np.float16
+    np.testing.assert_allclose(dh, want[1], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(da.todense(), want[0] * (s != 0), rtol=2e-3, atol=2e-3)

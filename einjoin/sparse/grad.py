@@ -6,8 +6,9 @@ einsum: ``G`` joined with every other operand, summed onto k's labels. So it run
 executor, and the sparse operands stay sparse:
 
 - a **dense** operand's gradient is that einsum (``A^T G`` for ``ij,jk->ik``), a dense array of
-  the operand's shape; a label only that operand has (summed away, e.g. ``k`` in ``ij,k->ij``)
-  gets the gradient broadcast along it;
+  the operand's shape, contracted two factors at a time (pairs with a sparse factor as sparse
+  einsums, dense pairs by BLAS); a label only that operand has (summed away, e.g. ``k`` in
+  ``ij,k->ij``) gets the gradient broadcast along it;
 - a **sparse** operand's gradient is restricted to its stored entries: the einsum is joined with
   the operand's *support* (ones on its stored entries), so only those entries are computed (the
   sampled dense-dense product, SDDMM) and the result is a :class:`SparseTensor` with exactly the
