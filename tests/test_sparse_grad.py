@@ -87,7 +87,7 @@ def test_gnn_training_steps_rerun_the_gradient_plans() -> None:
     for _ in range(4):
         out = plan.run(x2=w).todense()
         losses.append(float(((out - y) ** 2).mean()))
-        _, _, dw = plan.vjp(2 * (out - y) / y.size)
+        (dw,) = plan.vjp(2 * (out - y) / y.size, wrt=["x2"])  # A is data: no dA needed
         tw = torch.tensor(w, requires_grad=True)
         ((torch.tensor(adj.toarray() @ h) @ tw - torch.tensor(y)) ** 2).mean().backward()
         np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-10, atol=1e-12)
@@ -179,6 +179,10 @@ def test_refusals() -> None:
         ej.sparse_compile("ij,jk->ik", a, h).vjp(np.ones((2, 3)))
     with pytest.raises(EinjoinError):
         ej.sparse_compile("ij,jk->ik", a, h).vjp(np.ones(6))
+    with pytest.raises(EinjoinError, match=r"wrt 'B' is not one operand \(operands A, x1"):
+        ej.sparse_compile("ij,jk->ik", a, h).vjp(np.ones((3, 2)), wrt=["B"])
+    dh, da = ej.sparse_compile("ij,jk->ik", a, h).vjp(np.ones((3, 2)), wrt=[1, "A"])
+    assert isinstance(da, SparseTensor) and dh.shape == (3, 2)
 
 
 def test_sparse_operand_gradient_never_densifies() -> None:

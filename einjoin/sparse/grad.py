@@ -45,11 +45,12 @@ from __future__ import annotations
 import math
 import string
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from einjoin.errors import ShapeError, UnsupportedOpError
+from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.sparse.execute import CHUNK_ELEMENTS
 from einjoin.sparse.plan import GRAD, SparsePlan, sparse_compile
 from einjoin.sparse.tensor import SparseTensor, dense_operand, from_coo, key_codes
@@ -61,11 +62,14 @@ __all__ = ["sparse_vjp"]
 _PLANS: weakref.WeakKeyDictionary[SparsePlan, dict[Any, SparsePlan]] = weakref.WeakKeyDictionary()
 
 
-def sparse_vjp(plan: SparsePlan, grad_out: Any) -> tuple[SparseTensor | np.ndarray, ...]:
+def sparse_vjp(plan: SparsePlan, grad_out: Any, wrt: Sequence[int | str] | None = None
+               ) -> tuple[SparseTensor | np.ndarray, ...]:
     """The gradient of each operand of ``plan`` (at its last run's operands), given ``grad_out``,
     the gradient of the plan's result: an array (or a SparseTensor) of the result's shape; a
     number for a scalar result. Dense operands get dense arrays, sparse operands SparseTensors on
-    their own stored entries. ``plan.vjp(grad_out)`` is the same call.
+    their own stored entries. ``wrt`` (positions, or names as ``run`` takes them: a sparse
+    tensor's name, ``x<i>`` for dense operand i) computes only those, in that order (a GNN's
+    training step needs no ``dA``). ``plan.vjp(grad_out, wrt)`` is the same call.
 
     >>> import numpy as np, einjoin as ej
     >>> a = ej.sparse("A", np.array([[0., 2.], [3., 0.]]))
@@ -73,6 +77,8 @@ def sparse_vjp(plan: SparsePlan, grad_out: Any) -> tuple[SparseTensor | np.ndarr
     >>> da, dx = plan.vjp(np.array([1., -1.]))
     >>> da.todense().tolist(), dx.tolist()          # da only where A has entries
     ([[0.0, 10.0], [-1.0, 0.0]], [-3.0, 2.0])
+    >>> [g.tolist() for g in plan.vjp(np.array([1., -1.]), wrt=["x1"])]
+    [[-3.0, 2.0]]
     """
     what = f"gradient of sparse einsum {plan.equation!r}"
     if plan.agg not in ("sum", "none"):
@@ -84,7 +90,8 @@ def sparse_vjp(plan: SparsePlan, grad_out: Any) -> tuple[SparseTensor | np.ndarr
     scale, g = _cotangent(grad_out, out_shape, what)
     cache = _PLANS.setdefault(plan, {})
     grads: list[SparseTensor | np.ndarray] = []
-    for k, (x, labels) in enumerate(zip(values, plan.in_labels)):
+    for k in _positions(values, wrt, what):
+        x, labels = values[k], plan.in_labels[k]
         others = [(v, ls) for j, (v, ls) in enumerate(zip(values, plan.in_labels)) if j != k]
         if g is not None:
             others.insert(0, (g, plan.out_labels))
@@ -99,6 +106,24 @@ def sparse_vjp(plan: SparsePlan, grad_out: Any) -> tuple[SparseTensor | np.ndarr
             target = tuple(lab for lab in labels if lab in seen)  # the rest is broadcast below
         grads.append(_one(plan, cache, k, x, labels, others, target, scale, what))
     return tuple(grads)
+
+
+def _positions(values: Sequence[SparseTensor | np.ndarray], wrt: Sequence[int | str] | None,
+               what: str) -> list[int]:
+    names = [v.name if isinstance(v, SparseTensor) else f"x{i}" for i, v in enumerate(values)]
+    if wrt is None:
+        return list(range(len(values)))
+    if isinstance(wrt, (str, int)):
+        wrt = [wrt]
+    out = []
+    for w in wrt:
+        hits = [w] if isinstance(w, (int, np.integer)) and not isinstance(w, bool) and 0 <= w < len(values) \
+            else [i for i, n in enumerate(names) if isinstance(w, str) and n == w]
+        if len(hits) != 1:
+            raise EinjoinError(f"{what}: wrt {w!r} is not one operand (operands {', '.join(names)}, "
+                               f"or positions 0 to {len(values) - 1})")
+        out.append(int(hits[0]))
+    return out
 
 
 def _cotangent(grad_out: Any, shape: tuple[int, ...], what: str

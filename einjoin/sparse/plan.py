@@ -246,11 +246,13 @@ class SparsePlan:
         """The operands of the last run (the compiled ones before any run)."""
         return tuple(self._last_values)
 
-    def vjp(self, grad_out: Any) -> tuple[SparseTensor | np.ndarray, ...]:
-        """The gradient of each operand at the last run's operands, given the result's gradient
-        ``grad_out``: dense arrays for dense operands, SparseTensors on their stored entries for
-        sparse ones (:func:`einjoin.sparse.grad.sparse_vjp`, which has the worked example)."""
-        return GRAD["vjp"](self, grad_out)  # type: ignore[no-any-return]
+    def vjp(self, grad_out: Any, wrt: Sequence[int | str] | None = None
+            ) -> tuple[SparseTensor | np.ndarray, ...]:
+        """The gradient of each operand (or of those ``wrt`` names) at the last run's operands,
+        given the result's gradient ``grad_out``: dense arrays for dense operands, SparseTensors
+        on their stored entries for sparse ones (:func:`einjoin.sparse.grad.sparse_vjp`, which has
+        the worked example)."""
+        return GRAD["vjp"](self, grad_out, wrt)  # type: ignore[no-any-return]
 
     @property
     def last_run(self) -> str:
