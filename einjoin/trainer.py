@@ -40,13 +40,15 @@ Semantics, as a torch user writes the loop:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -184,6 +186,21 @@ class _StepProgram:
 # ---------------------------------------------------------------- the trainer
 
 
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _serialised(method: _M) -> _M:
+    """``method`` under the trainer's lock: a step, an evaluation, a state dict, a load or a save
+    from another thread waits for the one in progress (an evaluation racing a step read the state
+    while the step replaced it: a raw KeyError, or an evaluation program marked current with the
+    parameters before the step)."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return cast(_M, run)
+
+
 class Trainer:
     """Train ``module`` on batches ``(*module_args, target)`` with ``loss_fn(module(*args),
     target)`` and ``optimizer`` (default ``ej.optim.AdamW(lr=3e-4)``) on ``devices`` (an int or
@@ -228,6 +245,7 @@ class Trainer:
         self.seed = int(seed)
         self.steps = 0          # optimizer updates taken
         self.version = 0        # bumped whenever the parameters or buffers change
+        self._lock = threading.RLock()  # step / evaluate / state dicts / save from several threads
         self.micro_steps = 0    # step() calls (micro-batches)
         self._lr = float(getattr(optimizer, "lr", 0.0))
         if not isinstance(leave_idle, (bool, np.bool_)):
@@ -497,6 +515,7 @@ class Trainer:
 
     # ---- training and evaluation
 
+    @_serialised
     def step(self, *batch: Any) -> float:
         """One training step on ``batch`` = ``(*module_args, target)``; returns the loss."""
         batch = self._check(batch, "step")
@@ -512,6 +531,7 @@ class Trainer:
             self.steps += 1
         return loss
 
+    @_serialised
     def evaluate(self, *batch: Any) -> float:
         """The loss on ``batch`` with the current parameters, the module in eval mode (no
         dropout); no gradient, no update. Its own program (one per batch shape) holds the
@@ -546,6 +566,7 @@ class Trainer:
                 out[key] = ("", t)
         return out
 
+    @_serialised
     def state_dict(self) -> dict[str, Any]:
         """The module's state dict with the trained values: every key of
         ``module.state_dict()`` (buffers included, tied weights under each name), the same
@@ -566,6 +587,7 @@ class Trainer:
                 out[key] = torch.from_numpy(a.copy()).to(t.dtype)
         return out
 
+    @_serialised
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Keys:
         """Set parameters and buffers from a state dict named like ``module.state_dict()``, as
         ``module.load_state_dict`` does: with ``strict`` the keys must be exactly the module's
@@ -632,6 +654,7 @@ class Trainer:
                 cfg[k] = list(v)
         return {"class": type(self.optimizer).__name__, "hyper": cfg}
 
+    @_serialised
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the parameters, the optimizer state (moments, step count, gradient sums of an
         unfinished accumulation), the buffers, the step counters, the learning rate and the

@@ -318,3 +318,40 @@ def test_a_constant_argument_given_as_a_numpy_scalar_or_0d_tensor() -> None:
     for other in (np.float64(3.0), torch.tensor(3.0), torch.ones(2)):
         with pytest.raises(ej.EinjoinError, match="argument 'scale' is .* specialised on the import's value 2.0"):
             prog.run(x, scale=other)
+
+
+# ---- finding 13: Trainer.evaluate (or state_dict) on one thread while step ran on another read
+# the state as the step replaced it: a raw KeyError ('module.0.weight'), or an evaluation program
+# marked current with the parameters from before the step (later evaluations used them, silently).
+# The trainer's public calls now take its lock
+
+
+def test_trainer_evaluate_and_state_dict_racing_step_see_whole_steps() -> None:
+    import copy
+    import threading
+    import torch
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    x, y = torch.randn(32, 8), torch.randn(32, 2)
+    mse = torch.nn.functional.mse_loss
+    seq = ej.Trainer(copy.deepcopy(m), (x, y), mse, optimizer=ej.optim.SGD(lr=0.05), devices=2)
+    for _ in range(12):
+        seq.step(x, y)
+    tr = ej.Trainer(copy.deepcopy(m), (x, y), mse, optimizer=ej.optim.SGD(lr=0.05), devices=2)
+    errors: list[BaseException] = []
+
+    def loop(f) -> None:  # type: ignore[no-untyped-def]
+        try:
+            for _ in range(12):
+                f()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(f,)) for f in
+               (lambda: tr.step(x, y), lambda: tr.evaluate(x, y), tr.state_dict)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert tr.steps == 12 and tr.evaluate(x, y) == seq.evaluate(x, y)
