@@ -421,7 +421,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                     raise UnsupportedOpError(f"from_torch: the forward mutates {s.target!r} "
                                              f"({s.kind.name}); einjoin graphs are functional")
                 else:
-                    outputs.append(_as_output(o, s.arg.name))
+                    outputs.append(_as_output(o, str(len(outputs))))  # its place, as fx's (a constant has no name)
         else:
             raise UnsupportedOpError(f"from_torch: fx node kind {node.op!r} ({node.name})")
     problems.check()

@@ -355,3 +355,21 @@ def test_trainer_evaluate_and_state_dict_racing_step_see_whole_steps() -> None:
         t.join()
     assert errors == []
     assert tr.steps == 12 and tr.evaluate(x, y) == seq.evaluate(x, y)
+
+
+# ---- finding 14: a forward returning a non-tensor beside a tensor ((x * 2, None), x.shape) was,
+# captured by torch.export, "from_torch: output  is NoneType" (no name: a constant output has
+# none); the fx capture said "output 1". Both name the output's place now
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+@pytest.mark.parametrize("extra", [None, 3, "hi"])
+def test_a_non_tensor_output_is_named_by_its_place(method: str, extra: object) -> None:
+    import torch
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+            return x * 2, extra
+
+    with pytest.raises(ej.EinjoinError, match=f"output 1 is {type(extra).__name__}, not a tensor"):
+        ej.from_torch(M(), (torch.randn(2, 3),), method=method)
