@@ -113,7 +113,7 @@ def _positions(values: Sequence[SparseTensor | np.ndarray], wrt: Sequence[int | 
     names = [v.name if isinstance(v, SparseTensor) else f"x{i}" for i, v in enumerate(values)]
     if wrt is None:
         return list(range(len(values)))
-    if isinstance(wrt, (str, int)):
+    if isinstance(wrt, (str, int, np.integer)):  # one position may be a numpy int
         wrt = [wrt]
     out = []
     for w in wrt:

@@ -39,3 +39,15 @@ def test_a_broadcast_mask_is_not_taken_for_a_causal_band(rows: int, cols: int) -
     ii, jj = np.arange(rows)[:, None], np.arange(cols)[None, :]
     mask = np.broadcast_to(jj <= ii, (n, n)).copy()
     np.testing.assert_allclose(got, _sdpa(qq, kk, vv, mask), atol=1e-5)
+
+
+# ---- finding 2: SparsePlan.vjp(g, wrt=np.int64(1)) (a position computed with numpy) was a raw
+# "TypeError: 'numpy.int64' object is not iterable": only a Python int was taken for one position
+
+
+def test_vjp_takes_one_numpy_integer_position() -> None:
+    a = ej.sparse("A", np.array([[0., 2.], [3., 0.]]))
+    plan = ej.sparse_compile("ij,j->i", a, np.array([1., 10.]))
+    (dx,) = plan.vjp(np.array([1., -1.]), wrt=np.int64(1))
+    np.testing.assert_array_equal(dx, [-3., 2.])
+
