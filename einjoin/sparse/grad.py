@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.sparse.execute import CHUNK_ELEMENTS
 from einjoin.sparse.plan import GRAD, SparsePlan, sparse_compile
 from einjoin.sparse.tensor import SparseTensor, dense_operand, from_coo, key_codes
@@ -87,7 +87,7 @@ def sparse_vjp(plan: SparsePlan, grad_out: Any, wrt: Sequence[int | str] | None 
                                  f"executor does not record): use agg='sum', or the dense einsum")
     values = plan.last_operands
     out_shape = tuple(plan.sizes[lab] for lab in plan.out_labels)
-    scale, g = _cotangent(grad_out, out_shape, what)
+    scale, g = _cotangent(grad_out, out_shape, plan.dtype, what)
     cache = _PLANS.setdefault(plan, {})
     grads: list[SparseTensor | np.ndarray] = []
     for k in _positions(values, wrt, what):
@@ -126,13 +126,16 @@ def _positions(values: Sequence[SparseTensor | np.ndarray], wrt: Sequence[int | 
     return out
 
 
-def _cotangent(grad_out: Any, shape: tuple[int, ...], what: str
+def _cotangent(grad_out: Any, shape: tuple[int, ...], dtype: np.dtype, what: str
                ) -> tuple[Any, SparseTensor | np.ndarray | None]:
     """(a factor, the gradient operand): a scalar result's gradient is a factor, not an operand."""
     if isinstance(grad_out, SparseTensor):
         g: SparseTensor | np.ndarray = grad_out
+        if np.dtype(grad_out.dtype).kind != dtype.kind:
+            g = SparseTensor(grad_out.name, grad_out.shape, grad_out.block, grad_out.keys,
+                             _exact(grad_out.data, dtype, what))
     else:
-        g = dense_operand(grad_out, 0, f"{what}: grad_out")
+        g = _exact(dense_operand(grad_out, 0, f"{what}: grad_out"), dtype, what)
         if not shape and g.size == 1:
             return g.reshape(()).item(), None
     if tuple(g.shape) != shape:
@@ -140,6 +143,20 @@ def _cotangent(grad_out: Any, shape: tuple[int, ...], what: str
     if not shape:  # a 0-d SparseTensor: its one value, or none
         return (float(g.coo()[1].sum()) if isinstance(g, SparseTensor) else g.item()), None
     return 1, g
+
+
+def _exact(g: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
+    """``g`` in the plan's dtype where its kind differs (an int or bool gradient of a float
+    result: the gradient einsums refuse to mix kinds), when every value is kept; else refused."""
+    if g.dtype.kind == dtype.kind:
+        return g
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = g.astype(dtype)
+        same = g.size == 0 or bool(np.array_equal(out.astype(g.dtype), g))
+    if not same:
+        raise DTypeError(f"{what}: grad_out of dtype {g.dtype} has values that {dtype} (the plan's "
+                         f"dtype) does not hold exactly; convert it first")
+    return out
 
 
 def _support(x: SparseTensor) -> SparseTensor:

@@ -51,3 +51,24 @@ def test_vjp_takes_one_numpy_integer_position() -> None:
     (dx,) = plan.vjp(np.array([1., -1.]), wrt=np.int64(1))
     np.testing.assert_array_equal(dx, [-3., 2.])
 
+
+# ---- finding 3: an integer or bool gradient of the result (grad_out=[1, -1], a list; an int64
+# array) on a float plan was "einsum 'i,ij->j': x0 * x1: cannot mix int64 and float64", the
+# message of an internal gradient einsum the user never wrote. A grad_out of another kind is
+# converted to the plan's dtype when every value is kept exactly, else refused naming grad_out.
+
+
+@pytest.mark.parametrize("g", [[1, -1], np.array([1, -1]), np.array([True, False])])
+def test_vjp_converts_an_exact_integer_grad_out(g: object) -> None:
+    ad = np.array([[0., 2.], [3., 0.]])
+    plan = ej.sparse_compile("ij,j->i", ej.sparse("A", ad), np.array([1., 10.]))
+    da, dx = plan.vjp(g)
+    gd = np.asarray(g, np.float64)
+    np.testing.assert_array_equal(da.todense(), np.outer(gd, [1., 10.]) * (ad != 0))
+    np.testing.assert_array_equal(dx, ad.T @ gd)
+
+
+def test_vjp_refuses_a_grad_out_that_would_change() -> None:
+    plan = ej.sparse_compile("ij,j->i", ej.sparse("A", np.eye(2, dtype=np.float16)), np.ones(2, np.float16))
+    with pytest.raises(ej.EinjoinError, match="grad_out"):
+        plan.vjp(np.array([2049, 1]))  # 2049 is no float16
