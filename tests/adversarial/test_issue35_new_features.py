@@ -72,3 +72,42 @@ def test_vjp_refuses_a_grad_out_that_would_change() -> None:
     plan = ej.sparse_compile("ij,j->i", ej.sparse("A", np.eye(2, dtype=np.float16)), np.ones(2, np.float16))
     with pytest.raises(ej.EinjoinError, match="grad_out"):
         plan.vjp(np.array([2049, 1]))  # 2049 is no float16
+
+
+# ---- guards (no bug found; kept as differential checks of today's sparse features): a GNN-like
+# 'ij,jk->ik' on devices > tuples, a size-0 / size-1 dim, an empty relation, explicit zeros and
+# duplicate entries, rerun with run(A=other) of the same histogram but other keys and of float32
+# values, and vjp against torch autograd on the densified operands (the gradient of a sparse
+# operand: only at its stored entries)
+
+
+def _coo(coords: list[list[int]], vals: list[float], shape: tuple[int, int]) -> ej.SparseTensor:
+    return ej.sparse("A", (np.array(coords, np.int64).reshape(2, -1), np.array(vals), shape))
+
+
+@pytest.mark.parametrize("devices", [1, 3, 7])
+@pytest.mark.parametrize("case", ["plain", "zero_dim", "one", "empty", "explicit_zero_and_dup"])
+def test_sparse_devices_rerun_and_vjp_match_torch(case: str, devices: int) -> None:
+    rng = np.random.default_rng(len(case) + devices)
+    n, m, r = {"zero_dim": (4, 0, 3), "one": (1, 1, 1)}.get(case, (5, 4, 3))
+    if case == "empty":
+        a = _coo([], [], (n, m))
+    elif case == "explicit_zero_and_dup":
+        a = _coo([[0, 0, 2, 4], [1, 1, 3, 0]], [1., 2., 0., -1.], (n, m))
+    else:
+        a = ej.sparse("A", np.where(rng.random((n, m)) < 0.5, rng.standard_normal((n, m)), 0.))
+    h = rng.standard_normal((m, r))
+    plan = ej.sparse_compile("ij,jk->ik", a, h, devices=devices, backend="sync")
+    ad = a.todense()
+    np.testing.assert_allclose(np.asarray(plan.run().todense()), ad @ h, atol=1e-12)
+    other = ej.sparse("A", ad[::-1].astype(np.float32))  # other keys, a narrower float
+    np.testing.assert_allclose(np.asarray(plan.run(A=other).todense()), ad[::-1] @ h, rtol=1e-6, atol=1e-6)
+    g = rng.standard_normal((n, r))
+    da, dh = plan.vjp(g)
+    ta, th = (torch.tensor(x, requires_grad=True) for x in (np.array(ad[::-1], np.float32).astype(np.float64), h))
+    wa, wh = torch.autograd.grad(ta @ th, [ta, th], torch.tensor(g))
+    stored = np.zeros((n, m), bool)
+    coords, _ = other.coo()
+    stored[tuple(coords.T)] = True
+    np.testing.assert_allclose(da.todense(), wa.numpy() * stored, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dh, wh.numpy(), rtol=1e-5, atol=1e-5)
