@@ -76,7 +76,12 @@ def _ufunc_form(u: Any) -> _Fast:
     def run(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
         r: np.ndarray = u(*xs) if out is None else u(*xs, out=out)
         return r
+    _RAW[run] = u
     return run
+
+
+# the ufunc each _ufunc_form calls: a Replay calls it directly (one Python frame less per step)
+_RAW: dict[Any, Any] = {}
 
 
 def _rsqrt_form(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
@@ -262,29 +267,168 @@ class SlotProgram:
         with np.errstate(all="ignore"):
             return self._steps(vals)
 
-    def _steps(self, vals: list[Any]) -> Any:
+    def _steps(self, vals: list[Any], trace: list[tuple[int, int, Any, int, bool]] | None = None) -> Any:
+        # trace: each step's decisions for a Replay, (slot, how, function, the slot written into
+        # or -1, whether the value is an array of >= 1 dim); how: 0 constants, 1 in-place form,
+        # 2 the implementation
         owned: set[int] = set()  # slots holding arrays this evaluation allocated
         for s, fn, a, dying in self.steps:
             f = FUNCTIONS[fn]
             xs = [vals[i] for i in a]
             if all(isinstance(x, _WEAK) for x in xs):  # constants only: Python numbers
                 vals[s] = _eval_consts(f, xs)
+                if trace is not None:
+                    trace.append((s, 0, None, -1, False))
                 continue
             fast = _FAST.get(f.impl)
             if fast is None:
                 vals[s] = f.impl(*xs)
+                if trace is not None:
+                    trace.append((s, 2, f.impl, -1, _array(vals[s])))
                 continue
-            out = None
+            out, o = None, -1
             for i in dying:
                 if i in owned and _fits(vals[i], xs):
-                    out = vals[i]
+                    out, o = vals[i], i
                     break
             vals[s] = fast(xs, out)
+            if trace is not None:
+                trace.append((s, 1, fast, o, _array(vals[s])))
             owned.add(s)
             for i in dying:  # nothing later reads it: its memory goes back now
                 if i != s:
                     vals[i] = None
         return vals[self.result]
+
+    def replay(self) -> Replay:
+        """This program for arguments of one fixed set of types, shapes and dtypes (a task's
+        blocks): see :class:`Replay`."""
+        return Replay(self)
+
+
+class Replay:
+    """A :class:`SlotProgram` for arguments whose types, shapes and dtypes never change (a task's
+    blocks, checked by its prepared kernel): the first call evaluates as
+    :meth:`SlotProgram.run` does and records each step's decisions (which function, which dying
+    temporary it writes into, constants folded); later calls replay them -- the same numpy calls
+    with the same ``out=`` buffers, so the same bits -- without the per-step lookups and checks
+    (~1 us a step). Only where those decisions cannot depend on values: every argument and
+    every computed value a numpy array of at least one dimension (a 0-d computation gives numpy
+    scalars, which count as Python numbers); otherwise every call is :meth:`SlotProgram.run`'s.
+    The caller holds numpy's errstate (as :func:`einjoin.plan.execute.compute` does).
+
+    >>> from einjoin.ir.scalar import parse_join
+    >>> r = SlotProgram(parse_join("exp(x0) * 2.0 + 1.0", 1)).replay()
+    >>> x = np.zeros(3, np.float32)
+    >>> r([x]), r([x])  # recorded, then replayed
+    (array([3., 3., 3.], dtype=float32), array([3., 3., 3.], dtype=float32))
+    """
+
+    def __init__(self, prog: SlotProgram):
+        self.prog = prog
+        self.result = prog.result
+        self.fixed = False  # True once recorded, False again never: a failed record runs generically
+        self.generic = False
+        # what a call runs: the record, then the replay (one ufunc of the arguments: that call)
+        self.run: Callable[[Sequence[Any]], Any] = self._record
+        self.base: list[Any] = []
+        self.args: tuple[tuple[int, int], ...] = ()
+        # (slot, raw ufunc or None, in-place form or implementation, argument slots, out slot, slots freed)
+        self.steps: tuple[tuple[int, Any, Any, tuple[int, ...], int, tuple[int, ...]], ...] = ()
+
+    def __call__(self, args: Sequence[Any]) -> Any:
+        return self.run(args)
+
+    def _replay(self, args: Sequence[Any]) -> Any:
+        vals = self.base.copy()
+        for s, i in self.args:
+            vals[s] = args[i]
+        for s, u, fn, a, o, free in self.steps:
+            xs = [vals[i] for i in a]
+            if u is not None:  # a numpy ufunc, called as its in-place form calls it
+                vals[s] = u(*xs) if o < 0 else u(*xs, out=vals[o])
+            else:
+                vals[s] = fn(xs, vals[o] if o >= 0 else None)
+            for i in free:
+                vals[i] = None
+        return vals[self.result]
+
+    def _record(self, args: Sequence[Any]) -> Any:
+        prog = self.prog
+        vals: list[Any] = [None] * prog.size
+        for s, is_arg, v in prog.leaves:
+            vals[s] = args[v] if is_arg else v
+        if self.generic:
+            return prog._steps(vals)
+        trace: list[tuple[int, int, Any, int, bool]] = []
+        snapshot = vals.copy()
+        out = prog._steps(vals, trace)
+        self._fix(trace, snapshot)
+        return out
+
+    def _fix(self, trace: list[tuple[int, int, Any, int, bool]], vals: list[Any]) -> None:
+        """The replay of one recorded evaluation (``vals``: the slots before it), or generic."""
+        prog = self.prog
+        arg_slots = {s for s, is_arg, _ in prog.leaves if is_arg}
+        if not all(type(vals[s]) is np.ndarray and vals[s].ndim > 0 for s in arg_slots):
+            self.generic = True
+            return
+        static = {s for s, is_arg, _ in prog.leaves if not is_arg}  # slots known without the arguments
+        base: list[Any] = [None if s in arg_slots else vals[s] for s in range(prog.size)]
+        steps: list[tuple[int, Any, Any, tuple[int, ...], int, tuple[int, ...]]] = []
+        for (s, fn, a, dying), (_, how, f, o, array) in zip(prog.steps, trace):
+            if how == 0:  # constants only: folded now, if they are the program's own constants
+                if not all(i in static for i in a):
+                    self.generic = True  # a numpy scalar computed from the arguments
+                    return
+                base[s] = _eval_consts(FUNCTIONS[fn], [base[i] for i in a])
+                static.add(s)
+            elif not array:  # a numpy scalar or another type: later steps may decide otherwise
+                self.generic = True
+                return
+            elif how == 2:
+                steps.append((s, None, _star(f), a, -1, ()))
+            else:
+                steps.append((s, _RAW.get(f), f, a, o, tuple(i for i in dying if i != s)))
+        self.base = base
+        self.args = tuple((s, v) for s, is_arg, v in prog.leaves if is_arg)
+        self.steps = tuple(steps)
+        self.fixed = True
+        self.run = self._one() or self._replay
+
+    def _one(self) -> Callable[[Sequence[Any]], Any] | None:
+        """One ufunc of arguments and constants (most unfused elementwise tasks): that call."""
+        if len(self.steps) != 1 or self.steps[0][1] is None:
+            return None
+        _, u, _, a, _, _ = self.steps[0]
+        where = dict(self.args)  # slot -> argument index
+        if len(a) == 1 and a[0] in where:
+            i = where[a[0]]
+            return lambda args: u(args[i])
+        if len(a) != 2:
+            return None
+        x, y = a
+        if x in where and y in where:
+            i, j = where[x], where[y]
+            return lambda args: u(args[i], args[j])
+        if x in where:
+            i, c = where[x], self.base[y]
+            return lambda args: u(args[i], c)
+        if y in where:
+            j, c = where[y], self.base[x]
+            return lambda args: u(c, args[j])
+        return None
+
+
+def _array(v: Any) -> bool:
+    return type(v) is np.ndarray and v.ndim > 0
+
+
+def _star(impl: Any) -> _Fast:
+    def run(xs: list[Any], out: np.ndarray | None) -> np.ndarray:
+        r: np.ndarray = impl(*xs)
+        return r
+    return run
 
 
 _COMPILED: dict[int, tuple[Expr, SlotProgram]] = {}

@@ -32,9 +32,10 @@ from einjoin.decomp.block_kernels import BLOCK_KERNELS, _einsum_block, _reshape_
 from einjoin.decomp.decompose import Decomposition, reshape_region
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import numpy_dtype
-from einjoin.ir.evaluate import evaluate
+from einjoin.ir.evaluate import SlotProgram, evaluate
 from einjoin.ir.kernels import HALF_DTYPES, MatmulRoute, _batched_matmul, _matmul, align, matmul_route, partial_dtype
 from einjoin.ir.node import Node, rule_for
+from einjoin.ir.scalar import Call
 from einjoin.plan.taskgraph import TaskGraph
 
 __all__ = ["prepare_kernels", "FastKernel"]
@@ -214,12 +215,32 @@ def _join_core(op: Any, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence
     full = tuple(min(s) if 0 in s else max(s) for s in ([tg[dim] for tg in targets] for dim in range(len(order))))
     axes = tuple(range(len(op.out_labels), len(order)))
     join, agg = op.join, op.agg
-    pairs = tuple(zip(perms, targets))
+    if not isinstance(join, Call):  # an argument or a constant: evaluate's value (a view, a number)
+        pairs = tuple(zip(perms, targets))
+
+        def leaf(xs: Sequence[np.ndarray]) -> Any:
+            aligned = [x.transpose(p).reshape(tgt) for x, (p, tgt) in zip(xs, pairs)]
+            val = np.asarray(evaluate(join, aligned))
+            if val.shape != full:
+                val = np.broadcast_to(val, full)
+            return agg.reduce(val, axes) if axes else val
+        return leaf
+    # the join's steps replayed (evaluate's numpy calls, recorded on the first call); an input
+    # already in the op's label order and shape goes in as it is (its view is the same array)
+    replay = SlotProgram(join).replay()
+    moves = tuple((i, p, tgt) for i, (shape, p, tgt) in enumerate(zip(shapes, perms, targets))
+                  if p != tuple(range(len(p))) or tgt != tuple(shape))
+    reduce = agg.reduce if axes else None
 
     def core(xs: Sequence[np.ndarray]) -> Any:
-        aligned = [x.transpose(p).reshape(tgt) for x, (p, tgt) in zip(xs, pairs)]
-        val = np.asarray(evaluate(join, aligned))
+        if moves:
+            xs = list(xs)
+            for i, p, tgt in moves:
+                xs[i] = xs[i].transpose(p).reshape(tgt)
+        val = replay.run(xs)
+        if type(val) is not np.ndarray:
+            val = np.asarray(val)
         if val.shape != full:  # a join that ignores an input still ranges over its labels
             val = np.broadcast_to(val, full)
-        return agg.reduce(val, axes) if axes else val
+        return val if reduce is None else reduce(val, axes)
     return core
