@@ -4,7 +4,8 @@ executor (:func:`einjoin.sparse.execute.execute`), partial aggregates combined b
 
 **The split** (:func:`choose_split`). For each relational label of the step's layout, the block
 histogram along it (tuples per key, per operand) weighs every key: its joined tuples (estimated as
-the product of the tuple counts of the operands keyed on the label) plus the tuples themselves.
+the product of the tuple counts of the operands keyed on the label) plus the tuples themselves,
+and, splitting an output label, its output tuple (``ROW_ELEM`` per payload element).
 Two splits of the keys are weighed on it: a *range* split (cut points on the cumulative weight:
 contiguous keys per device) and a *hash* split (a multiplicative hash of the key, modulo the
 devices); the one whose busiest device carries less is kept (range on a tie). Operands keyed on
@@ -74,6 +75,12 @@ PARTIAL_WEIGHT = 2.0
 # grid directly instead of searching a subset (A·H·W, 20k nodes: each device touches 99.3% of
 # H·W's rows; the search made each half's join cost ~2x the whole one's)
 WHOLE = 0.9
+# an output tuple weighs this many joined tuples per payload element in the split's balance: a
+# device with many short output rows runs cold (its rows written at random by the SpMM), one with
+# few busy rows runs in cache. A·H, 200k nodes / 5M power-law edges, H 200k x 128, 2 devices, range
+# on i (CPU ms per device, sync backend, busy box; /tmp/e35/sweep.py): 0 (joined + tuples alone)
+# [270, 850]; 0.1 [350, 640]; 0.15 [400, 570]; 0.2 [550, 540]; 0.4 [760, 700]
+ROW_ELEM = 0.2
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: keys in arithmetic runs spread evenly
 
 
@@ -173,11 +180,12 @@ def _tuple_bytes(t: SparseTensor, labels: tuple[str, ...], layout: Layout) -> in
     return math.prod(t.block) * t.data.dtype.itemsize + KEY_BYTES * sum(layout.relational(lab) for lab in labels)
 
 
-def _weights(label: str, rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]], g: int
-             ) -> tuple[np.ndarray, np.ndarray]:
+def _weights(label: str, rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]], g: int,
+             row: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(keys, weights): per key of ``label`` (every key of the grid, or, for a grid far larger
     than the tuples, the keys present) its estimated joined tuples (the product of the keyed
-    operands' tuple counts at that key) plus the tuples themselves -- the block histogram."""
+    operands' tuple counts at that key) plus the tuples themselves -- the block histogram -- plus
+    ``row`` for a key that joins anything (an output label: its output tuple, see ``ROW_ELEM``)."""
     cols = [r.keys[:, ls.index(label)] for r, ls in zip(rels, in_labels) if label in ls]
     if g <= 4 * sum(len(c) for c in cols) + (1 << 20):
         kv = np.arange(g, dtype=np.int64)
@@ -185,7 +193,8 @@ def _weights(label: str, rels: Sequence[SparseTensor], in_labels: Sequence[tuple
     else:  # a hypersparse label: only the keys present (a bincount of the grid would not fit)
         kv = np.unique(np.concatenate(cols))
         counts = [np.bincount(np.searchsorted(kv, c), minlength=len(kv)).astype(np.float64) for c in cols]
-    return kv, np.asarray(np.prod(counts, axis=0) + np.sum(counts, axis=0))
+    joined = np.prod(counts, axis=0)
+    return kv, np.asarray(joined + np.sum(counts, axis=0) + row * (joined > 0))
 
 
 def _split_of(label: str, w: np.ndarray, n: int, kv: np.ndarray | None = None) -> Split:
@@ -298,9 +307,10 @@ def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ..
     if n < 2 or not cands:
         return None, None
     out_rel = [lab for lab in out_labels if layout.relational(lab)]
+    out_elems = math.prod(layout.extent(lab, sizes[lab]) for lab in out_labels)
     scored = []
     for lab in cands:
-        kv, w = _weights(lab, rels, in_labels, grid[lab])
+        kv, w = _weights(lab, rels, in_labels, grid[lab], ROW_ELEM * out_elems if lab in out_labels else 0.0)
         split = _split_of(lab, w, n, kv)
         masks = _placement(split, rels, in_labels, layout, grid)
         moved: float = sum((sum(int(m.sum()) for m in ms) - int(np.logical_or.reduce(ms).sum()))
