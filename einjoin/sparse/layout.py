@@ -6,23 +6,28 @@ The cost of a layout, in units of one gathered payload element, from the data's 
 with a bincount):
 
     joined ≈ Π_X tuples(X) / Π_ℓ grid(ℓ)^(c_ℓ − 1)       (independent keys; c_ℓ operands keyed on ℓ)
-    cost   = joined · min(batched, looped, spmm) + Σ_X tuples(X) · payload(X)
+    cost   = STEP + joined · min(batched, looped, spmm) + Σ_X tuples(X) · payload(X)
+             + REBLOCK · Σ_X stored entries(X)          (sparse X cut into blocks > 1: every run)
     batched = TUPLE_COST + Σ_X payload(X) + payload(out) + BATCH_FLOP · flops
-    looped  = CALL + BLAS_FLOP · flops                   (one BLAS einsum per tuple; sum only)
-    spmm    = TUPLE_COST + SPMM_FLOP · payload(out)      (all payloads but one scalars; sum only;
-                                                          2 · SPMM_FLOP when the big relation
-                                                          outgrows the cache: its rows are missed)
+    looped  = CALL + BLAS_FLOP · flops                   (one BLAS einsum per tuple; sum only;
+                                                          BLAS_THREADED_FLOP per flop above
+                                                          THREADED flops a call)
+    spmm    = SPMM_TUPLE + SPMM_FLOP · payload(out)      (all payloads but one scalars; sum only;
+                                                          SPMM_MISS × SPMM_FLOP when the big
+                                                          relation outgrows the cache)
     rowprod = TUPLE_COST + ROW_ELEM · (Σ_X≠scalar payload(X) + payload(out))
                                                          (no label summed inside a payload, out
                                                           no larger than the payloads; sum only)
 
 ``flops`` is the product of every label's extent: the block size of a relational label, the
 full size of a dense one. Small blocks pay per tuple (gathers, index work), large blocks pay for
-the zeros inside their payloads; a few big payloads run as one BLAS call each. The constants are
-ratios measured roughly on this machine (gather 1, batched einsum flop ~2, a BLAS flop ~0.05, a
-call ~10^4). Every combination is tried when there are few (≤ ``EXHAUSTIVE``), else a
-coordinate descent over labels from two corners; a user pin (``blocks={"j": 256}``, ``relational={"i"}``) fixes
-a label or keeps it relational.
+the zeros inside their payloads; a few big payloads run as one BLAS call each. The unit is about
+4 ns of CPU time on the development box (2 cores, AMD EPYC, 2 MiB L2 per core, 32 MiB L3);
+the kernels' constants (spmm, looped, rowprod, reblocking) are CPU times measured there (see
+their comments), the others ratios (gather 1, batched einsum flop ~2). Every combination is
+tried when there are few (≤ ``EXHAUSTIVE``), else a coordinate descent over labels from two
+corners; a user pin (``blocks={"j": 256}``, ``relational={"i"}``) fixes a label or keeps it
+relational.
 
 >>> import numpy as np
 >>> from einjoin.sparse.layout import Operand, choose_layout
@@ -48,12 +53,33 @@ __all__ = ["Operand", "Layout", "choose_layout", "histogram", "CANDIDATES"]
 CANDIDATES = (1, 4, 16, 64, 256)  # relational block sizes tried (below a label's size)
 TUPLE_COST = 8.0  # one joined tuple's index work (join, sort, segment), in gathered elements
 BATCH_FLOP = 2.0  # a multiply-add of the batched np.einsum over tuples
-BLAS_FLOP = 0.05  # a multiply-add inside one large einsum call (BLAS)
-CALL = 1.0e4  # one einsum call of the looped kernel
-SPMM_FLOP = 0.5  # a multiply-add of the SpMM kernel (scalar payloads times one big one)
+# The kernels' constants below are CPU time (time.process_time, min over 7-9 reps, BLAS threads
+# as numpy starts them) on the development box under load, divided by the unit, ~4 ns
+# (/tmp scripts: numpy einsum / scipy csr_matvecs / SparseTensor.reblock in loops):
+CALL = 1.2e4  # one call of the looped kernel (~50 us: np.einsum with a precomputed path, 17-35 us
+# alone, plus execute's loop around it: block-diagonal A at i=16, j=64 blocks times D, 256 calls,
+# a run 32 ms CPU of which ~12 reblocking A and ~7 the multiply-adds)
+BLAS_FLOP = 0.025  # a multiply-add of a looped call on one BLAS thread (~0.1 ns: 16x16x256
+# 26 us, 32x256 48 us, 64x64x64 34 us a call)
+THREADED = 1 << 18  # multiply-adds of a call above which OpenBLAS runs it on its threads
+BLAS_THREADED_FLOP = 0.11  # a multiply-add of such a call in CPU time (~0.45 ns: 64x64x256
+# 0.55 ns, 128x.. 0.45, 256x.. 0.32; the second thread spins while it waits, CPU time counts it;
+# medians ~2x: block-diagonal 64-blocks x D ran 5x the per-entry SpMM's time)
+SPMM_TUPLE = 2.0  # a joined tuple of the SpMM kernel: its CSR index and value (the join of a
+# sparse operand kept per entry with a dense one is by key code; a run of A.D (block-diagonal,
+# 262144 entries, D 4096 x 256) is its csr_matvecs time, 25 ms, within the noise)
+SPMM_FLOP = 0.08  # a multiply-add of the SpMM kernel in cache (~0.3 ns: csr_matvecs over 256-wide
+# rows of an 8 MiB relation at random 0.39-0.65 ns, in 64-row groups (block-diagonal A) 0.22 ns)
+SPMM_MISS = 7.5  # SPMM_FLOP's factor when the big relation outgrows the cache (2.6 ns a
+# multiply-add over 128-wide rows of a 195 MiB one by rows; 2.0 ns by columns, kernels.py)
 CACHE_ELEMENTS = 1 << 22  # payload elements of a relation that stay in the cache (32 MiB of float64)
 ROW_ELEM = 0.25  # a gathered element of the rowprod kernel (np.take of rows from a cached
-# payload, product in place: ~1 ns each, half SPMM's ~2 ns per multiply-add of a large H)
+# payload, product in place: ~1 ns each; MTTKRP, 0.4M entries, R 32: 36 ms for 38M elements)
+REBLOCK = 11.0  # a stored entry of a sparse operand cut into blocks larger than 1, every run
+# (SparseTensor.reblock: ~45 ns an entry, block-diagonal 262144 entries at 4..256-blocks 12-14 ms)
+STEP = 1.2e5  # a step's own cost (~0.5 ms: building its relations and join, a planned
+# intermediate's layout chosen at run): MTTKRP 9x8x7 (200 entries) in one rowprod step 0.12 ms, as
+# Khatri-Rao then SpMM 0.69 ms; 60x40x30 (3000) 1.0 vs 1.4 ms CPU
 EXHAUSTIVE = 200  # try every combination up to this many, else coordinate descent
 
 
@@ -146,19 +172,22 @@ def _evaluate(ops: Sequence[Operand], out_labels: Sequence[str], sizes: Mapping[
         batched += flops  # the product is materialised before its max
     costs = {"batched": batched}
     if agg == "sum":
-        costs["looped"] = CALL + BLAS_FLOP * flops
+        costs["looped"] = CALL + (BLAS_THREADED_FLOP if flops > THREADED else BLAS_FLOP) * flops
         out_size = math.prod(ext(lab) for lab in out_labels)
         if sorted(sizes_in)[:-1] == [1] * (len(ops) - 1):
             big = max(t * n for t, n in zip(tuples, sizes_in))
-            costs["spmm"] = TUPLE_COST + SPMM_FLOP * out_size * (2 if big > CACHE_ELEMENTS else 1)
+            costs["spmm"] = SPMM_TUPLE + SPMM_FLOP * out_size * (SPMM_MISS if big > CACHE_ELEMENTS else 1)
         elif all(lab in out_labels for lab in blocks if ext(lab) > 1) and \
                 out_size <= sum(n for n in sizes_in if n > 1):
             # nothing summed inside a payload, and no outer product of payloads (per tuple a
             # payload as large as theirs together: the batched einsum's case)
             costs["rowprod"] = TUPLE_COST + ROW_ELEM * (sum(n for n in sizes_in if n > 1) + out_size)
     kernel = min(costs, key=costs.__getitem__)
-    load = sum(t * n for t, n in zip(tuples, sizes_in))
-    cost = joined * costs[kernel] + load
+    load = float(sum(t * n for t, n in zip(tuples, sizes_in)))
+    # a sparse operand stored per entry is cut into blocks on each run: a sort of its entries
+    load += REBLOCK * sum(len(op.coords) for op in ops
+                          if op.coords is not None and any((blocks[lab] or 2) > 1 for lab in op.labels))
+    cost = STEP + joined * costs[kernel] + load
     return Layout(dict(blocks), tuples, joined, cost, flops, kernel)
 
 
