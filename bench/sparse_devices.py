@@ -1,6 +1,7 @@
-"""bench/sparse.py's rows for sparse einsums on several devices (issue 24): GNN ``A·H·W`` on the
-power-law graph (H: nodes × 128, W: 128 × 32) on 1 and 2 devices (``backend="threads"``) against
-``scipy.sparse`` and ``torch.sparse`` (1 thread, and every core) on the same data.
+"""bench/sparse.py's rows for sparse einsums on several devices (issue 24): GNN ``A·H`` and
+``A·H·W`` on the power-law graph (H: nodes × 128, W: 128 × 32) on 1 and 2 devices
+(``backend="threads"``) against ``scipy.sparse`` and ``torch.sparse`` (1 thread, and every core) on
+the same data.
 
 Each row gives CPU time (``time.process_time``: every thread counted) and, in its notes, wall time
 (``time.perf_counter``), both medians of ``reps`` runs of the compiled plan; the ratio column is
@@ -38,22 +39,33 @@ def timed(fn: Callable[[], Any], reps: int) -> tuple[float, float, Any]:
 
 
 def devices_case(row: Row, g: Any, h: np.ndarray, w: np.ndarray, reps: int) -> None:
-    """Rows for ``A·H·W`` (``ij,jk,kl->il``) on 1 and 2 devices and the peers, via ``row``."""
-    name = f"A·H·W devices ({g.shape[0]} nodes)"
-    want = (g @ h) @ w
-    peers: dict[str, Callable[[], Any]] = {"scipy.sparse": lambda: (g @ h) @ w}
+    """Rows for ``A·H`` (``ij,jk->ik``) and ``A·H·W`` (``ij,jk,kl->il``) on 1 and 2 devices and
+    the peers, via ``row``."""
+    for eq, dense in (("ij,jk->ik", [h]), ("ij,jk,kl->il", [h, w])):
+        _case(row, g, eq, dense, reps)
+
+
+def _case(row: Row, g: Any, eq: str, dense: list[np.ndarray], reps: int) -> None:
+    name = f"{'A·H·W' if len(dense) > 1 else 'A·H'} devices ({g.shape[0]} nodes)"
+
+    def chain(first: Any, rest: list[Any]) -> Any:
+        for d in rest:
+            first = first @ d
+        return first
+    want = chain(g @ dense[0], dense[1:])
+    peers: dict[str, Callable[[], Any]] = {"scipy.sparse": lambda: chain(g @ dense[0], dense[1:])}
     try:
         import torch
         ta = torch.sparse_csr_tensor(torch.from_numpy(g.indptr.astype(np.int64)),
                                      torch.from_numpy(g.indices.astype(np.int64)), torch.from_numpy(g.data), g.shape)
-        th, tw = torch.from_numpy(h), torch.from_numpy(w)
+        tds = [torch.from_numpy(d) for d in dense]
         threads = torch.get_num_threads()
 
         def torch_at(n: int) -> Callable[[], Any]:
             def go() -> Any:
                 torch.set_num_threads(n)
                 try:
-                    return torch.sparse.mm(ta, th) @ tw
+                    return chain(torch.sparse.mm(ta, tds[0]), tds[1:])
                 finally:
                     torch.set_num_threads(threads)
             return go
@@ -69,7 +81,7 @@ def devices_case(row: Row, g: Any, h: np.ndarray, w: np.ndarray, reps: int) -> N
         row(name, k, c, best_cpu, f"wall {wl * 1e3:.1f} ms ({wl / best_wall:.2f}x)")
     a = ej.sparse("A", g)
     for n in (1, 2):
-        plan = ej.sparse_compile("ij,jk,kl->il", a, h, w, devices=n, backend="threads")
+        plan = ej.sparse_compile(eq, a, *dense, devices=n, backend="threads")
         plan.run()  # warm: the layouts of steps chosen at run, the device threads' BLAS share
         paths: list[float] = []
 
