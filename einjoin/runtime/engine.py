@@ -310,7 +310,22 @@ class Engine:
         self._priority_lock = threading.Lock()
         self._schedules: dict[tuple[str, int], tuple[tuple[Task, ...], int]] = {}
         self.planned = [v.nbytes for v in tg.values]  # value id -> planned bytes (a property, read per task)
+        self.shapes = [v.shape for v in tg.values]  # value id -> shape (read per task)
         self._fast: list[Any] | None = None
+        self._lanes: dict[Any, list[int]] = {}  # a session's lane_key -> the lane of each task
+
+    def lanes(self, session: ReadySession) -> list[int]:
+        """The lane of each task for ``session``: kept per ``session.lane_key`` (what its lanes
+        depend on besides the graph), else worked out for this run."""
+        key = getattr(session, "lane_key", None)
+        got = self._lanes.get(key) if key is not None else None
+        if got is None:
+            lane = session.lane
+            got = [lane(t) for t in self.tg.tasks]
+            if key is not None:
+                with self._priority_lock:
+                    self._lanes[key] = got
+        return got
 
     def fast_kernels(self) -> list[Any]:
         """Per task id, its einsum kernel prepared once (:mod:`einjoin.runtime.fastkernels`), or None."""
@@ -557,6 +572,9 @@ class _Dispatch:
         self.session, self.callbacks, self.stats, self.cancel = session, callbacks, stats, spec.cancel
         prio = engine.priority() if spec.order == "priority" else ()
         self.queues = [ReadyQueue(spec.order, prio, spec.seed + d) for d in range(session.lanes)]
+        # per queue, its push bound once (fifo / lifo: the deque's own append, no method of ours)
+        self.pushes = [q.items.append if spec.order in ("fifo", "lifo") else q.push for q in self.queues]
+        self.lane_of = engine.lanes(session)  # per task, its lane (read for every task made ready)
         self.counters = [len(t.deps) for t in tg.tasks]
         self.remaining = len(tg.tasks)
         self.error: tuple[Task, BaseException] | None = None
@@ -573,10 +591,10 @@ class _Dispatch:
 
     def run(self) -> None:
         """Seed the queues, drive the workers, raise what stopped the run."""
-        lane = self.session.lane
+        lane_of = self.lane_of
         for t in self.tg.tasks:
             if not t.deps:
-                self.queues[lane(t)].push(t.id)
+                self.queues[lane_of[t.id]].push(t.id)
         unsubscribe = self.cancel.subscribe(self._on_cancel) if self.cancel is not None else (lambda: None)
         try:
             if self.session.threaded:
@@ -621,15 +639,20 @@ class _Dispatch:
 
     def _work(self, q: int) -> None:
         queue, cond, lock, tasks, waiting = self.queues[q], self.conds[q], self.lock, self.tg.tasks, self.waiting
-        pop, dispatch = queue.pop, (self.dispatch if self.callbacks else self._dispatch_plain)
+        dispatch = self.dispatch if self.callbacks else self._dispatch_plain
+        # the queue's own container and its pop, bound once (fifo / lifo: the deque's methods)
+        items = queue.items
+        pop = items.popleft if queue.order == "fifo" else items.pop if queue.order == "lifo" else queue.pop
+        complete = self.complete
+        plain, execute, clock, iv = not self.callbacks, self.session.execute, time.perf_counter, self.stats.intervals
         t: Task | None = None
         while True:
             with lock:
                 if t is not None:
-                    self.complete(t, q)
+                    complete(t, q)
                 # every change a worker waits for notifies it: a task made ready in its queue,
                 # the last task done, a failure, a cancel (_on_cancel), a Ctrl-C (_drive_threads)
-                while not len(queue) and self.remaining and not self.stop:
+                while not len(items) and self.remaining and not self.stop:
                     if not self.session.threaded:  # one inline worker and nothing ready: stuck
                         self.stop = True
                         break
@@ -643,7 +666,12 @@ class _Dispatch:
                     return
                 t = tasks[pop()]
             try:
-                dispatch(t)
+                if plain:  # _dispatch_plain, inline: a call frame and its lookups less per task
+                    start = clock()
+                    execute(t)
+                    iv[t.device].append((start, clock(), t.id))
+                else:
+                    dispatch(t)
             except BaseException as exc:  # noqa: BLE001 - reported with the task's context
                 self.fail(t, exc)
                 return
@@ -670,19 +698,19 @@ class _Dispatch:
         is notified only when it waits: a notify is Python code, and a busy worker finds the
         task when it looks next). ``lane_of``: the lane of the worker that ran ``t``; a free of
         that lane made ready runs now, in this worker (:attr:`free_now`)."""
-        counters, lane, tasks, waiting = self.counters, self.session.lane, self.tg.tasks, self.waiting
+        counters, lanes, tasks, waiting = self.counters, self.lane_of, self.tg.tasks, self.waiting
         for dep in self.tg.dependents[t.id]:
             counters[dep] -= 1
             if counters[dep] == 0:
-                d = tasks[dep]
-                q = lane(d)
-                if q == lane_of and d.kind is _FREE and self.free_now:
+                q = lanes[dep]
+                if q == lane_of and self.free_now and tasks[dep].kind is _FREE:
+                    d = tasks[dep]
                     start = time.perf_counter()
                     self.session.execute(d)
                     self.stats.intervals[d.device].append((start, time.perf_counter(), dep))
                     self.complete(d, lane_of)
                     continue
-                self.queues[q].push(dep)
+                self.pushes[q](dep)
                 if waiting[q]:
                     self.conds[q].notify()  # one worker per queue: notify() reaches it
         self.remaining -= 1

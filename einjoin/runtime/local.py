@@ -145,6 +145,10 @@ class LocalSession:
         self.lanes = (2 * n if self.host_lanes else n) if threaded else 1
         if self.lanes == 1:
             self.threaded = False  # one lane: its worker runs inline (no thread to start and hand over to)
+        # what lane() depends on besides the task: the engine keeps each task's lane per key
+        self.lane_key = ("local", self.threaded, self.host_lanes, n)
+        # value id -> its shape (an attribute chain, read per task)
+        self.shapes = getattr(run.engine, "shapes", None) or [v.shape for v in tg.values]
         # a store is written by one thread unless a host lane shares it with its compute lane
         self.stores = [Store.make(d, shared=self.host_lanes) for d in range(n)]
         self.planned = getattr(run.engine, "planned", None) or [v.nbytes for v in tg.values]
@@ -208,7 +212,8 @@ class LocalSession:
             store.free(t.payload.frees)
             return
         planned = self.planned[t.writes]
-        store.reserve(t.writes, planned, t.scratch)
+        scratch = t.scratch
+        store.reserve(t.writes, planned, scratch)
         if kind is _LOAD and self.state is not None and self.state.load(t, store, planned):
             return  # a state block the last run left on this device: nothing loaded
         value = None
@@ -223,15 +228,21 @@ class LocalSession:
                 # them), so a capped move copies.
                 value = self.stores[t.payload.src_device].get(t.reads[0])
             else:
-                # a move reads on its source device and writes on its destination
-                get = self.stores[t.payload.src_device].get if kind is _MOVE else store.get
-                value = compute(t, get, self.feeds, self.decomps, self.tg.values[t.writes].shape, self.fast[t.id])
+                # a move reads on its source device and writes on its destination (the store's
+                # dictionary's own get: no method of ours per block read)
+                get = self.stores[t.payload.src_device].values.get if kind is _MOVE else store.values.get
+                value = compute(t, get, self.feeds, self.decomps, self.shapes[t.writes], self.fast[t.id])
                 if self.capped and (kind is _LOAD or kind is _KERNEL):
                     value = _own(value, t, get, self.feeds)
-        store.unreserve(t.scratch)
+        if scratch:
+            store.unreserve(scratch)
+        # the value was counted by reserve() above (with the plan's bytes): a put would only
+        # find it counted, so the value is stored as it is
+        store.values[t.writes] = value
+        if kind is _KERNEL:
+            return
         # count what really arrived: the array's bytes (the null backend has only the plan's)
         nbytes = value.nbytes if value is not None else planned
-        store.put(t.writes, value, nbytes)
         if kind is _MOVE:
             store.received += nbytes
             if self.capped:  # else handed over (zero-copy)
