@@ -117,7 +117,16 @@ def spmm(rels: Sequence[_Relation], idx: Sequence[np.ndarray], order: np.ndarray
             w = v if w is None else w * v
         return np.ones(len(gid), compute) if w is None else w
     if by_col is None:
-        csr_add(out2, _indptr(gid, len(out)), cols, weights(None), pay2)
+        if derived is None:
+            rowptr = _indptr(gid, len(out))
+        else:  # the row pointers depend on the join alone (kept with it)
+            store, key = derived
+            kept = store.get(("spmm rows",) + key)
+            if isinstance(kept, np.ndarray) and len(kept) == len(out) + 1:
+                rowptr = kept
+            else:
+                rowptr = store[("spmm rows",) + key] = _indptr(gid, len(out))
+        csr_add(out2, rowptr, cols, weights(None), pay2)
         return
     perm, colptr, rows = by_col
     if derived is not None and len(scalars) == 1 and getattr(rels[scalars[0]], "derived", None) is derived[0]:
