@@ -66,3 +66,17 @@ def test_two_devices_keep_their_parts_and_dense_operands_dense() -> None:
     assert all(any(k[0] == "join" for k in p.derived) for ps in parts for p in ps if len(p.keys))
     lay = plan.steps[0].layout
     assert lay is not None and kept.part(1, 0, h, ("j", "k"), lay, "x1") is h  # H goes whole, as an array
+
+
+def test_a_pickled_tensor_leaves_its_kept_structures_behind() -> None:
+    """A part sent to a Ray actor is pickled every run: its kept join stays on the driver."""
+    import pickle
+    a, _ = _pair()
+    sa = ej.sparse("A", a)
+    h = np.ones((a.shape[1], 4))
+    ej.sparse_compile("ij,jk->ik", sa, h, blocks={"i": 1, "j": 1}).run()
+    assert sa.derived
+    back = pickle.loads(pickle.dumps(sa))
+    assert back.derived == {} and back.shape == sa.shape and back.block == sa.block and back.name == "A"
+    np.testing.assert_array_equal(back.todense(), a)
+    np.testing.assert_allclose(dense(ej.sparse_compile("ij,jk->ik", back, h).run()), a @ h, rtol=1e-10, atol=1e-10)

@@ -129,6 +129,16 @@ class SparseTensor:
         # order of an SpMM), kept with them so that each run of a plan reuses them
         self.derived: dict[tuple[object, ...], object] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # without ``derived``: a device's part sent to a Ray actor every run would carry its kept
+        # join and SpMM order (several times the tuples' own bytes); they are rebuilt where it lands
+        return {k: getattr(self, k) for k in self.__slots__ if k != "derived"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.derived = {}
+
     # -- the sparse-operand protocol of einjoin.einsum (the frontend knows only this name); the
     # executor registers itself in EINSUM (einjoin.sparse.plan imports this module, not back) --
     @classmethod
