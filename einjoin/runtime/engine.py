@@ -311,6 +311,9 @@ class Engine:
         self._schedules: dict[tuple[str, int], tuple[tuple[Task, ...], int]] = {}
         self.planned = [v.nbytes for v in tg.values]  # value id -> planned bytes (a property, read per task)
         self.shapes = [v.shape for v in tg.values]  # value id -> shape (read per task)
+        # each task's dependency count and the tasks without any: a run's counters start as a copy
+        self.dep_counts = [len(t.deps) for t in tg.tasks]
+        self.roots = [t.id for t in tg.tasks if not t.deps]
         self._fast: list[Any] | None = None
         self._lanes: dict[Any, list[int]] = {}  # a session's lane_key -> the lane of each task
 
@@ -575,7 +578,8 @@ class _Dispatch:
         # per queue, its push bound once (fifo / lifo: the deque's own append, no method of ours)
         self.pushes = [q.items.append if spec.order in ("fifo", "lifo") else q.push for q in self.queues]
         self.lane_of = engine.lanes(session)  # per task, its lane (read for every task made ready)
-        self.counters = [len(t.deps) for t in tg.tasks]
+        self.counters = engine.dep_counts.copy()
+        self.roots = engine.roots
         self.remaining = len(tg.tasks)
         self.error: tuple[Task, BaseException] | None = None
         self.stop = False
@@ -592,9 +596,8 @@ class _Dispatch:
     def run(self) -> None:
         """Seed the queues, drive the workers, raise what stopped the run."""
         lane_of = self.lane_of
-        for t in self.tg.tasks:
-            if not t.deps:
-                self.queues[lane_of[t.id]].push(t.id)
+        for tid in self.roots:
+            self.queues[lane_of[tid]].push(tid)
         unsubscribe = self.cancel.subscribe(self._on_cancel) if self.cancel is not None else (lambda: None)
         try:
             if self.session.threaded:
