@@ -642,7 +642,7 @@ class _Dispatch:
 
     def _work(self, q: int) -> None:
         queue, cond, lock, tasks, waiting = self.queues[q], self.conds[q], self.lock, self.tg.tasks, self.waiting
-        dispatch = self.dispatch if self.callbacks else self._dispatch_plain
+        dispatch = self.dispatch
         # the queue's own container and its pop, bound once (fifo / lifo: the deque's methods)
         items = queue.items
         pop = items.popleft if queue.order == "fifo" else items.pop if queue.order == "lifo" else queue.pop
@@ -669,7 +669,7 @@ class _Dispatch:
                     return
                 t = tasks[pop()]
             try:
-                if plain:  # _dispatch_plain, inline: a call frame and its lookups less per task
+                if plain:  # dispatch() without callbacks, inline: a call frame and its lookups less per task
                     start = clock()
                     execute(t)
                     iv[t.device].append((start, clock(), t.id))
@@ -678,12 +678,6 @@ class _Dispatch:
             except BaseException as exc:  # noqa: BLE001 - reported with the task's context
                 self.fail(t, exc)
                 return
-
-    def _dispatch_plain(self, t: Task) -> None:
-        """:meth:`dispatch` without callbacks."""
-        start = time.perf_counter()
-        self.session.execute(t)
-        self.stats.intervals[t.device].append((start, time.perf_counter(), t.id))
 
     def dispatch(self, t: Task) -> None:
         """Execute one ready task on the session, between the callbacks, timing it."""
