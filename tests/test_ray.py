@@ -474,3 +474,27 @@ def test_in_process_workers_signal_a_dependency_that_moves_no_block():
     end0 = next(e for tid, _, e in reports[0]["intervals"] if tid == k0)
     start1 = next(s for tid, s, _ in reports[1]["intervals"] if tid == k1)
     assert start1 >= end0
+
+
+def test_preload_never_imports_beside_a_running_kernel(tmp_path, monkeypatch):
+    # two threads importing torch at once can deadlock in Python's per-module import locks, which
+    # Python breaks by handing one the partially initialised module: an actor's preload (a thread
+    # of the wait group) therefore waits for the kernel running on the executor thread
+    from einjoin.runtime.backends.ray_worker import DeviceWorker
+    (tmp_path / "einjoin_probe_import.py").write_text("import time\nAT = time.time()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "einjoin_probe_import", raising=False)
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=1, backend="sync", quiet=True)
+    w = DeviceWorker(0)
+    w.set_peers([_Direct(w)])
+    w.setup(1, (prog.taskgraph, prog.plan.decomps))
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(_run_in_process(prog, [w], 1, feeds, delay=0.05)))
+    runner.start()
+    while not w._runs and not result:  # the run has begun
+        time.sleep(0.001)
+    w.preload(["einjoin_probe_import"])
+    runner.join()
+    at = sys.modules["einjoin_probe_import"].AT
+    assert not any(s < at < e for _, s, e in result[0][0]["intervals"]), "imported while a kernel ran"

@@ -209,6 +209,11 @@ class DeviceWorker:
         self._dead: OrderedDict[int, None] = OrderedDict()  # aborted or failed runs
         self._ready: deque[tuple[_Run, int]] = deque()
         self._executor: threading.Thread | None = None
+        # held by the executor thread around each item and by ``preload`` around its imports: two
+        # threads importing torch at once can deadlock in Python's per-module import locks, which
+        # Python breaks by handing one of them the partially initialised module (a kernel then
+        # failed with "partially initialized module 'torch'")
+        self._imports = threading.Lock()
 
     def _limit_blas(self, threads: int) -> None:
         """BLAS threads of this process (the actor serves programs of several device counts: each
@@ -227,11 +232,12 @@ class DeviceWorker:
         actor starts, so it overlaps the driver's planning and never holds up the calls of a
         run): the first run's kernels then find them loaded. A module that fails to import is
         left to the kernel that needs it, which says why."""
-        for m in modules:
-            try:
-                importlib.import_module(m)
-            except Exception:  # noqa: BLE001 - the kernel's own import raises it, named, in its run
-                pass
+        with self._imports:
+            for m in modules:
+                try:
+                    importlib.import_module(m)
+                except Exception:  # noqa: BLE001 - the kernel's own import raises it, named, in its run
+                    pass
 
     def call(self, fn: Any, args: Sequence[Any], blas_threads: int = 0) -> Any:
         """``fn(*args)`` on this device's process (work that is no task graph: a sparse einsum's
@@ -373,7 +379,7 @@ class DeviceWorker:
         cv, ready, runs = self._cv, self._ready, self._runs
         # this class's own functions: ray.remote wraps every method of the actor's class in a
         # tracing shim (~1-2 us a call, two calls per item)
-        item, done = DeviceWorker._item, DeviceWorker._done
+        item, done, imports = DeviceWorker._item, DeviceWorker._done, self._imports
         last: tuple[_Run, int] | None = None
         while True:
             with cv:
@@ -386,7 +392,8 @@ class DeviceWorker:
                 if runs.get(r.id) is not r:  # aborted or failed: its items are skipped
                     continue
             try:
-                item(self, r, i)
+                with imports:  # never beside preload's imports (see __init__)
+                    item(self, r, i)
             except BaseException as e:  # noqa: BLE001 - the run fails, the actor carries on
                 with cv:
                     if runs.pop(r.id, None) is r:
