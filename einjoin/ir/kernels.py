@@ -419,6 +419,10 @@ def conv_kernel(x: np.ndarray, w: np.ndarray, op: Conv, dtype: str) -> np.ndarra
     >>> conv_kernel(x, w, Conv((1,), ((1, 0),), (1,), (1,), 1), "float64")
     array([[[0., 1., 3., 5., 7.]]])
     """
+    # torch itself first: a thread that takes torch.nn.functional's import lock and then waits for
+    # torch, which another thread is importing, deadlocks Python's import locks (one of the two is
+    # then handed a partially initialised torch)
+    import torch  # noqa: F401
     import torch.nn.functional as tf
     xs, ws = _widen(np.asarray(x)), _widen(np.asarray(w))
     shape = _conv_shape(xs.shape, ws.shape, op)
