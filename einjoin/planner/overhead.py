@@ -11,7 +11,7 @@ The model, with ``o`` = ``Settings.task_overhead`` and ``r`` = ``Settings.flop_r
 Tasks are dispatched by one process (the threads backend's workers share its interpreter), so
 their overhead adds up over all devices; kernels run in parallel on at most ``cores`` cores, and
 with fewer devices than cores a device's kernels get its share ``s`` of them (the threads backend
-gives its main thread pool that many threads: ``einjoin.runtime.backends._cores_limit``).
+gives its main thread pool that many threads: ``einjoin.runtime.backends.cores_limit``).
 Bytes moved are not in it: on one machine a move is a task like any other (its copy is far
 below ``o`` for the block sizes where this choice matters). Both constants are measured on the
 threads backend (see their docstrings) until the simulator issue calibrates them.

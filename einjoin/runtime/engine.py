@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from einjoin.runtime.state import StateRun
 
 __all__ = ["Engine", "RunStats", "Store", "ReadyQueue", "ORDERS", "Callback", "Backend", "check_host_link",
-           "check_seed", "check_order", "check_callbacks", "CancelToken", "RunHandle", "RunTimeoutError"]
+           "check_seed", "check_order", "check_callbacks", "CancelToken", "RunHandle", "RunTimeoutError",
+           "drive_threads"]
 
 ORDERS = ("fifo", "lifo", "priority", "random")
 
@@ -601,7 +602,7 @@ class _Dispatch:
         unsubscribe = self.cancel.subscribe(self._on_cancel) if self.cancel is not None else (lambda: None)
         try:
             if self.session.threaded:
-                _drive_threads(self.worker, len(self.queues), self.tg.n_devices, self.lock, self._halt)
+                drive_threads(self.worker, len(self.queues), self.tg.n_devices, self.lock, self._halt)
             else:
                 self.worker(0)
         finally:
@@ -654,7 +655,7 @@ class _Dispatch:
                 if t is not None:
                     complete(t, q)
                 # every change a worker waits for notifies it: a task made ready in its queue,
-                # the last task done, a failure, a cancel (_on_cancel), a Ctrl-C (_drive_threads)
+                # the last task done, a failure, a cancel (_on_cancel), a Ctrl-C (drive_threads)
                 while not len(items) and self.remaining and not self.stop:
                     if not self.session.threaded:  # one inline worker and nothing ready: stuck
                         self.stop = True
@@ -723,8 +724,8 @@ class _Dispatch:
             self._wake_all()
 
 
-def _drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, lock: threading.Lock,
-                   halt: Callable[[], None]) -> None:
+def drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, lock: threading.Lock,
+                  halt: Callable[[], None]) -> None:
     """Run one worker thread per lane; returns only once every worker thread has ended, also
     after a Ctrl-C (which then stops the workers and goes on).
 

@@ -29,7 +29,7 @@ device the input tuples it holds, the tuples it joined and its thread's CPU time
 
 **Where the parts run** (a per-backend table, :data:`RUNNERS`): ``sync`` one after the other on
 this thread; ``threads`` the threads backend's device workers (the engine's ``einjoin-dev<d>``
-threads, ``_drive_threads``, under its share of the cores, ``_cores_limit``); ``ray`` the Ray
+threads, ``drive_threads``, under its share of the cores, ``cores_limit``); ``ray`` the Ray
 backend's device actors (``RayBackend.device_actors``, ``DeviceWorker.call``). On Ray the parts
 and the partials travel through the driver (point-to-point sends between actors are built for
 task graphs only).
@@ -254,6 +254,16 @@ def _complete(t: SparseTensor, labels: tuple[str, ...], layout: Layout, grid: Ma
     return len(t.keys) == math.prod(grid[lab] for lab in labels if layout.relational(lab))
 
 
+def _complete_in_order(t: SparseTensor, labels: tuple[str, ...], layout: Layout, grid: Mapping[str, int]
+                       ) -> bool:
+    """Whether ``t`` is complete with its tuples in key order: then another such relation of the
+    same grid has the same key at every tuple position, which a kept split's masks index."""
+    if not _complete(t, labels, layout, grid):
+        return False
+    code = key_codes(t.keys, [grid[lab] if layout.relational(lab) else 1 for lab in labels])
+    return code is not None and bool(np.all(code[1:] > code[:-1]))
+
+
 def _member(codes: np.ndarray, present: np.ndarray, total: int) -> np.ndarray:
     """Which ``codes`` are among ``present`` (codes below ``total``): a bitmap when it is small."""
     if total > 4 * (len(codes) + len(present)) + (1 << 20):
@@ -362,8 +372,8 @@ def _run_sync(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ..
 def _run_threads(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]], what: str) -> list[Any]:
     """A worker thread per device: the engine's device threads (Ctrl-C safe, none outlives the
     call) under the threads backend's share of the cores (BLAS threads = cores // devices)."""
-    from einjoin.runtime.backends import _cores_limit
-    from einjoin.runtime.engine import _drive_threads
+    from einjoin.runtime.backends import cores_limit
+    from einjoin.runtime.engine import drive_threads
     n = len(args)
     if n == 1:  # one part (a step not split): inline, as the engine runs a one-lane session
         return [fn(*args[0])]
@@ -375,8 +385,8 @@ def _run_threads(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any,
             results[q] = fn(*args[q])
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             errors[q] = e
-    with _cores_limit(n):
-        _drive_threads(worker, n, n, threading.Lock(), lambda: None)
+    with cores_limit(n):
+        drive_threads(worker, n, n, threading.Lock(), lambda: None)
     for e in errors:
         if e is not None:
             raise e
@@ -496,7 +506,7 @@ class Distribution:
         # a dense operand is a complete grid: its relation is built only when a split is chosen
         rels: list[SparseTensor | None] = [_at_layout(v, ls, layout, nm) if isinstance(v, SparseTensor) else None
                                            for v, ls, nm in zip(values, in_labels, names)]
-        sign = tuple(r.keys if r is not None and not _complete(r, ls, layout, grid) else
+        sign = tuple(r.keys if r is not None and not _complete_in_order(r, ls, layout, grid) else
                      ("complete", math.prod(grid[lab] for lab in ls if layout.relational(lab)))
                      for r, ls in zip(rels, in_labels))
         old = self._splits.get(step)

@@ -98,11 +98,19 @@ def _check_dtype(vals: np.ndarray, what: str) -> np.ndarray:
     return vals.astype(np.float32) if vals.dtype.kind == "b" else vals
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view: np.ndarray = a.view()
+    view.flags.writeable = False
+    return view
+
+
 class SparseTensor:
     """A block-sparse tensor relation: ``keys`` (n × rank, int64) and ``data`` (n × block).
 
     Build one with :func:`sparse`. ``block[d] == 1`` is COO along d; ``block[d] == shape[d]``
-    is d kept dense in the payload. Results of :func:`einjoin.einsum` on sparse operands are
+    is d kept dense in the payload. Immutable: ``keys`` and ``data`` are read-only views (what is
+    derived from them is kept with the tensor and reused by every run); for new values build a new
+    tensor and pass it to ``plan.run(A=...)``. Results of :func:`einjoin.einsum` on sparse operands are
     SparseTensors where the algebra keeps them sparse.
 
     >>> import numpy as np, einjoin as ej
@@ -118,8 +126,10 @@ class SparseTensor:
         self.name = name
         self.shape = shape
         self.block = block
-        self.keys = keys
-        self.data = data
+        # read-only views: a tensor is immutable, as the caches kept with it (its COO, block counts,
+        # joins and SpMM orders, a split's per-device parts) assume; new values are a new tensor
+        self.keys = _read_only(keys)
+        self.data = _read_only(data)
         self.dtype = data.dtype
         self._coo: tuple[np.ndarray, np.ndarray] | None = None
         # non-empty blocks per keyed layout (einjoin.sparse.layout.Operand.tuples), kept with the

@@ -538,7 +538,7 @@ def test_ctrl_c_pending_while_the_main_thread_waits_stops_the_run() -> None:
 
     def main_asleep_in_the_engine() -> bool:
         """Whether the main thread is (within WAIT) blocked in a call of the engine's wait for
-        its workers: its innermost frame is ``_drive_threads``, at the same instruction before and
+        its workers: its innermost frame is ``drive_threads``, at the same instruction before and
         after 10 ms without the GIL."""
         main = threading.main_thread().ident or 0
         deadline = time.monotonic() + WAIT
@@ -547,7 +547,7 @@ def test_ctrl_c_pending_while_the_main_thread_waits_stops_the_run() -> None:
             at = None if f is None else (f.f_code.co_name, f.f_lasti)
             time.sleep(0.01)
             f = sys._current_frames().get(main)
-            if f is not None and at == (f.f_code.co_name, f.f_lasti) and at[0] == "_drive_threads":
+            if f is not None and at == (f.f_code.co_name, f.f_lasti) and at[0] == "drive_threads":
                 return True
         return False
 

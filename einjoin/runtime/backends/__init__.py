@@ -23,7 +23,7 @@ from einjoin.runtime.local import LocalSession
 from einjoin.runtime.malloc import tune_malloc
 
 __all__ = ["BACKENDS", "get_backend", "SyncBackend", "ThreadsBackend", "NullBackend", "BlasLimiter", "BLAS_LIMITER",
-           "tune_malloc"]
+           "tune_malloc", "cores_limit"]
 
 class _Ticket:
     """One run's share of the BLAS limit: ``n`` device threads, and whether they are counted
@@ -299,9 +299,9 @@ class ThreadsBackend:
     def open(self, run: RunSpec) -> LocalSession:
         if self.computes:
             tune_malloc()
-        limit = _cores_limit
+        limit = cores_limit
         if run.engine.tg.n_devices < (os.cpu_count() or 1) and "torch" in sys.modules:
-            limit = functools.partial(_cores_limit, pool=_main_pool(run.engine))
+            limit = functools.partial(cores_limit, pool=_main_pool(run.engine))
         return LocalSession(run, self.computes, threaded=True, limit=limit)
 
     def close(self) -> None:
@@ -330,7 +330,7 @@ def _main_pool(engine: Any) -> str:
 
 
 @contextlib.contextmanager
-def _cores_limit(n_devices: int, pool: str | None = None) -> Iterator[None]:
+def cores_limit(n_devices: int, pool: str | None = None) -> Iterator[None]:
     """The threads backend's share of the cores: BLAS threads, and torch's intra-op threads when
     torch is loaded (the attention, convolution and pooling kernels run on torch's CPU kernels:
     with torch's own count, 2 device threads each opened a team of 2 OpenMP threads on 2 cores,
