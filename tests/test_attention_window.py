@@ -212,8 +212,9 @@ def test_other_constant_masks_stay_masks():
     from einjoin.frontend.mask_pattern import band_of
     n = 6
     i, j = ej.arange(n).reshape((n, 1)), ej.arange(n).reshape((1, n))
-    assert band_of((j < i).reshape((1, n, n)).node) is None
-    assert band_of(ej.causal_mask(4, 6).reshape((1, 4, 6)).node) is None
-    assert band_of(((j <= i) & (i - j < 2)).reshape((1, 1, n, n)).node) == (True, 2)
-    assert band_of(ej.input("m", (1, n, n), "bool").node) is None
-    assert band_of((j <= i).reshape((1, 1, n, n)).broadcast_to((1, 2, n, n)).node) is None
+    assert band_of((j < i).reshape((1, n, n)).node, (n, n)) is None
+    assert band_of(ej.causal_mask(4, 6).reshape((1, 4, 6)).node, (4, 6)) is None
+    assert band_of(((j <= i) & (i - j < 2)).reshape((1, 1, n, n)).node, (n, n)) == (True, 2)
+    assert band_of(ej.input("m", (1, n, n), "bool").node, (n, n)) is None
+    assert band_of((j <= i).reshape((1, 1, n, n)).broadcast_to((1, 2, n, n)).node, (n, n)) is None
+    assert band_of((j <= 0).reshape((1, 1, n)).node, (n, n)) is None  # one row for every query

@@ -312,7 +312,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
             mask = mask.reshape((1,) * (q.ndim - mask.ndim) + mask.shape)
         node = mask.node
         # only a mask of the scores' own (L, S): a (1, S) or (L, 1) one is one row / column for all
-        band = band_of(node) if window is None and node.shape[-2:] == tuple(full[-2:]) else None
+        band = band_of(node, (full[-2], full[-1])) if window is None else None
         if band is not None:  # a constant causal / sliding-window mask: the flags' block sparsity instead
             node, causal, window = None, True, band[1]
     return Tensor(attention_node(q.node, k.node, v.node, node, causal, scale, window))

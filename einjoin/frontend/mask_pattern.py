@@ -10,13 +10,15 @@ sliding-window values, :func:`band_of` says which, and the attention drops the m
 >>> import einjoin as ej
 >>> n = 6
 >>> i, j = ej.arange(n).reshape((n, 1)), ej.arange(n).reshape((1, n))
->>> band_of(((j <= i) & (i - j < 3)).reshape((1, 1, n, n)).node)
+>>> band_of(((j <= i) & (i - j < 3)).reshape((1, 1, n, n)).node, (n, n))
 (True, 3)
->>> band_of((j <= i).reshape((1, n, n)).node), band_of((j < i).reshape((1, n, n)).node)
+>>> band_of((j <= i).reshape((1, n, n)).node, (n, n)), band_of((j < i).reshape((1, n, n)).node, (n, n))
 ((True, None), None)
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -29,12 +31,20 @@ MAX_CHECKED = 1 << 27  # mask elements checked at most (8192 x 8192 is 2**26); l
 _ROWS = 1024  # rows evaluated at a time (bounded memory)
 
 
-def band_of(mask: Node) -> tuple[bool, int | None] | None:
+def band_of(mask: Node, scores: tuple[int, int]) -> tuple[bool, int | None] | None:
     """``(True, window)`` (``window`` None: plain causal) where ``mask`` is a bool fill whose
-    dims are 1 but its last two (L, S), holding exactly "key ``j`` for query ``i`` where
-    ``j <= i`` (and ``i - j < window``)"; else None (any other mask, or one too large to check)."""
-    if mask.kind != "fill" or mask.dtype != "bool" or mask.ndim < 2 or any(n != 1 for n in mask.shape[:-2]):
+    dims are 1 but its last two, which are the scores' own ``(L, S)``, holding exactly "key ``j``
+    for query ``i`` where ``j <= i`` (and ``i - j < window``)"; else None (any other mask, one
+    that broadcasts over the queries or keys, or one too large to check)."""
+    if mask.kind != "fill" or mask.dtype != "bool" or mask.ndim < 2 or any(n != 1 for n in mask.shape[:-2]) \
+            or tuple(mask.shape[-2:]) != tuple(scores):
         return None
+    return _band(mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _band(mask: Node) -> tuple[bool, int | None] | None:
+    # kept per mask: a model's layers share one mask, and checking 8192 x 8192 costs ~0.3 s
     rows, cols = mask.shape[-2:]
     if rows == 0 or cols == 0 or rows * cols > MAX_CHECKED:
         return None
