@@ -244,7 +244,8 @@ class DeviceWorker:
         per-device part, :mod:`einjoin.sparse.distribute`), BLAS at ``blas_threads`` when > 0."""
         if blas_threads > 0:
             self._limit_blas(blas_threads)
-        return fn(*args)
+        with self._imports:  # as the executor's items: never beside preload's imports
+            return fn(*args)
 
     def node(self) -> str:
         import ray
