@@ -247,9 +247,12 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
               f"{window + 1}-layer run: {', '.join(f'{p * 1e3:.3f}' for p in rep.periods)} ms); tasks: the "
               f"{layers}-layer compressed task graph's)")
     if layers == 80 and cluster.size == 256:
-        verdict = "met" if cpu <= LLAMA70B_GOAL_S else "NOT met"
-        print(f"(goal: planning + simulation <= {LLAMA70B_GOAL_S:.0f} s: {verdict} in CPU seconds; the wall "
-              "seconds count the machine's other load)")
+        # through a window the answer holds only when the window's middle layers are cut alike
+        verdict = ("NOT shown: the window's layers are cut differently, so its 80-layer figures do not hold"
+                   if repeat and not alike else "met" if cpu <= LLAMA70B_GOAL_S else "NOT met")
+        through = f" (80 layers through the {window}- and {window + 1}-layer window)" if repeat else ""
+        print(f"(goal: planning + simulation <= {LLAMA70B_GOAL_S:.0f} s: {verdict} in CPU seconds{through}; "
+              "the wall seconds count the machine's other load)")
     elif not repeat:
         # a guide, not a measurement: planning and simulation grow about linearly in the layers
         print(f"(x {80 / layers:.0f} for 80 layers on these {cluster.size} GPUs, linearly: about "

@@ -31,8 +31,6 @@ Run it with ``make bench`` (or ``.venv/bin/python bench/sparse.py``).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -41,18 +39,14 @@ import numpy as np
 import scipy.sparse
 
 import einjoin as ej
+from cpu_timing import cpu_median
 
 
 SKIP_OVER = 25.0  # fixed block sizes whose modelled cost is this many times the chosen one are not run
 
 
 def cpu(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    times, out = [], None
-    for _ in range(reps):
-        t = time.process_time()
-        out = fn()
-        times.append(time.process_time() - t)
-    return statistics.median(times), out
+    return cpu_median(fn, reps, warm=True)  # warm: as every column of the other benches
 
 
 def power_law_graph(nodes: int, edges: int, seed: int = 0) -> scipy.sparse.csr_array:

@@ -18,26 +18,16 @@ Run alone: ``.venv/bin/python bench/sparse_attention.py --seq 2048 --reps 3``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 import einjoin as ej
+from cpu_timing import cpu_median as _cpu
 from einjoin.decomp.flops import kernel_flops
 
 Row = Callable[..., None]  # bench/sparse.py's row(name, what, t, peer, note)
-
-
-def _cpu(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    times, out = [], None
-    for _ in range(reps):
-        t = time.process_time()
-        out = fn()
-        times.append(time.process_time() - t)
-    return statistics.median(times), out
 
 
 def _allowed(n: int, window: int | None) -> np.ndarray:

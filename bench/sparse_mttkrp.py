@@ -13,8 +13,6 @@ issue's 10M non-zeros (nnz = 2 · edges).
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,19 +20,11 @@ import numpy as np
 import scipy.sparse
 
 import einjoin as ej
+from cpu_timing import cpu_median
 
 Row = Callable[..., None]
 SHAPE = (10000, 1000, 500)  # I, J, K: J·K × R of the Khatri-Rao product is 128 MB at R = 32
 RANK = 32
-
-
-def cpu_median(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    times, out = [], None
-    for _ in range(reps):
-        t = time.process_time()
-        out = fn()
-        times.append(time.process_time() - t)
-    return statistics.median(times), out
 
 
 def mttkrp_case(row: Row, nnz: int, reps: int) -> None:
