@@ -293,12 +293,18 @@ def test_data_parallel_gradients_sum_partials_across_the_batch(p: int) -> None:
     specs = data_parallel(g, ej.local(p))
     grads = parameter_gradients(g)
     assert len(grads) == 2 and {x.shape for x in grads} == {x.shape for x in g.params}
+    for v in grads:  # the baseline's specs, on the graph as written
+        assert sorted(specs[v].counts().values())[-1] == p
     prog = ej.compile(outs, devices=p, planner="data_parallel")
-    for v in grads:
+    # the program plans the fused graph (a gradient's transposed input is read through, so its
+    # node is a new one): its gradients are found there the same way
+    compiled = parameter_gradients(prog.graph)
+    assert len(compiled) == 2 and {x.shape for x in compiled} == {x.shape for x in g.params}
+    for v in compiled:
         # the batch label is contracted and cut P ways: P partial sums, on P devices, that the
         # exchange adds up (the all-reduce is not a node of the graph)
         d = prog.decomps[v]
-        assert d.n_partials == p and sorted(specs[v].counts().values())[-1] == p
+        assert d.n_partials == p and sorted(d.spec.counts().values())[-1] == p
         assert sorted(prog.placement[v].kernel_devices) == list(range(p))
     for x in g.params:  # replicated, as data parallelism holds them
         assert specs[x].num_kernels == 1
