@@ -89,8 +89,10 @@ def exact_values(arr: np.ndarray, what: str) -> np.ndarray:
 
 def dense_operand(x: Any, i: int, what: str) -> np.ndarray:
     """A dense operand's values (numpy, torch, nested lists): a torch tensor is read by value
-    (requires_grad is fine: nothing here differentiates), in a dtype of :func:`exact_values`."""
-    return exact_values(to_numpy(x, f"{what}: operand {i}"), f"{what}: operand {i}")
+    (requires_grad is fine: nothing here differentiates), in a dtype of :func:`exact_values`;
+    bool as float32 0 / 1, as a sparse tensor's bool values are (:func:`sparse`): a bool sparse
+    operand with a bool dense one was refused as "cannot mix float32 and bool"."""
+    return _check_dtype(to_numpy(x, f"{what}: operand {i}"), f"{what}: operand {i}")
 
 
 def _check_dtype(vals: np.ndarray, what: str) -> np.ndarray:

@@ -1,0 +1,172 @@
+"""Hostile differential tests of the sparse engine (session 36, engineer H7).
+
+Random einsums of 2-3 operands (some dense, at least one sparse) at densities 0 to 1 (empty and
+fully dense tensors), duplicate and unsorted COO input, int64 / bool / float16 / float32 /
+float64 values, size-1 dims, on 1-4 devices (sync and threads), re-run with ``run(A=other)`` of
+the same and another block histogram, and the vjp with respect to every operand: every answer
+equals numpy.einsum on the densified inputs (torch.sparse where it has the product). Bad input
+is an EinjoinError naming what is wrong, never a traceback from inside the engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from budget import examples
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+from einjoin.sparse import SparseTensor
+
+DTYPES = ["float64", "float32", "float16", "int64", "bool"]
+DENSITIES = [0.0, 0.05, 0.2, 0.5, 1.0]
+SIZES = [1, 1, 2, 3, 5, 7]
+
+
+def dense(x: object) -> np.ndarray:
+    return x.todense() if isinstance(x, SparseTensor) else np.asarray(x)
+
+
+def tol(dtype: str) -> float:
+    return {"float16": 2e-2, "float32": 1e-4}.get(dtype, 1e-9)
+
+
+def reference(eq: str, arrays: list[np.ndarray], agg: str) -> np.ndarray:
+    """numpy in float64 (int64 exact): the sum of products, or their max over the summed labels."""
+    arrays = [a.astype(np.int64 if a.dtype.kind in "iu" else np.float64) for a in arrays]
+    if agg == "sum":
+        return np.einsum(eq, *arrays)
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    labels = list(dict.fromkeys(out + "".join(terms)))
+    prod = np.ones([1] * len(labels), arrays[0].dtype)
+    for t, a in zip(terms, arrays):
+        view = np.einsum(f"{t}->{''.join(lab for lab in labels if lab in t)}", a)
+        prod = prod * view.reshape([a.shape[t.index(lab)] if lab in t else 1 for lab in labels])
+    return prod.max(axis=tuple(range(len(out), len(labels)))) if len(labels) > len(out) else prod
+
+
+def values(rng: np.random.Generator, shape: tuple[int, ...], density: float, dtype: str) -> np.ndarray:
+    a = rng.standard_normal(shape) * (rng.random(shape) < density)
+    if dtype == "int64":
+        return np.round(a * 3).astype(np.int64)
+    if dtype == "bool":
+        return a != 0
+    return a.astype(dtype)
+
+
+def coo_of(rng: np.random.Generator, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """COO of ``a``'s non-zeros, some split into duplicate entries, in a shuffled order."""
+    nz = np.nonzero(a)
+    idx, vals = np.stack(nz).reshape(a.ndim, -1), a[nz]
+    if len(vals) and a.dtype.kind != "b" and rng.random() < 0.6:
+        extra = np.unique(rng.integers(0, len(vals), 3))
+        half = vals[extra] // 2 if a.dtype.kind == "i" else (vals[extra] / 2).astype(a.dtype)
+        vals = vals.copy()
+        vals[extra] -= half
+        idx, vals = np.concatenate([idx, idx[:, extra]], 1), np.concatenate([vals, half])
+    perm = rng.permutation(len(vals))
+    return idx[:, perm], vals[perm]
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> dict:
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    pool = "ijkl"
+    sizes = {lab: int(rng.choice(SIZES)) for lab in pool}
+    n = draw(st.integers(2, 3))
+    terms = ["".join(rng.permutation(list(pool))[:rng.integers(1, 4)]) for _ in range(n)]
+    used = list(dict.fromkeys("".join(terms)))
+    out = "".join(rng.permutation(used)[:rng.integers(0, min(3, len(used)) + 1)])
+    kinds = [bool(rng.integers(2)) for _ in terms]
+    kinds[rng.integers(n)] = True
+    dtype = draw(st.sampled_from(DTYPES))
+    arrays, operands = [], []
+    for i, (t, sp) in enumerate(zip(terms, kinds)):
+        shape = tuple(sizes[lab] for lab in t)
+        a = values(rng, shape, float(rng.choice(DENSITIES)), dtype)
+        if sp:
+            idx, vals = coo_of(rng, a)
+            s = ej.sparse(f"S{i}", (idx, vals, shape), block=int(rng.integers(1, 4)))
+            a = s.todense()  # duplicates summed (the reference's input)
+            operands.append(s)
+        else:
+            operands.append(a)
+        arrays.append(a)
+    return {"eq": f"{','.join(terms)}->{out}", "operands": operands, "arrays": arrays, "dtype": dtype,
+            "agg": draw(st.sampled_from(["sum", "sum", "max"])), "devices": draw(st.integers(1, 4)),
+            "backend": draw(st.sampled_from(["sync", "threads"])), "rng": rng}
+
+
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_einsums_every_dtype_and_device_count(p: dict) -> None:
+    plan = ej.sparse_compile(p["eq"], *p["operands"], agg=p["agg"], devices=p["devices"],
+                             backend=p["backend"])
+    got = dense(plan.run())
+    want = reference(p["eq"], p["arrays"], p["agg"])
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got.astype(want.dtype), want, rtol=tol(p["dtype"]), atol=tol(p["dtype"]),
+                               err_msg=plan.explain())
+
+
+def _other(rng: np.random.Generator, x: SparseTensor | np.ndarray, same: bool) -> SparseTensor | np.ndarray:
+    """New values for an operand: the same pattern (scaled), or a random one of another density."""
+    if not isinstance(x, SparseTensor):
+        return (np.asarray(x) * 2 + 1).astype(np.asarray(x).dtype)
+    if same:
+        idx, vals = x.coo()
+        return ej.sparse(x.name, (idx.T, vals * 3, x.shape), block=x.block)
+    a = values(rng, x.shape, float(rng.choice(DENSITIES)), x.dtype.name)
+    return ej.sparse(x.name, a, block=x.block)
+
+
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.booleans())
+def test_run_other_operands_then_vjp_of_each(p: dict, same: bool) -> None:
+    """run(A=other) with the same and another histogram, back to the compiled ones, then the vjp
+    with respect to each operand (float sums only) against numpy's einsum of the others."""
+    if p["dtype"] == "bool":
+        p["dtype"] = "float32"  # bool operands compute as float32 (0 / 1)
+    eq, ops, rng = p["eq"], p["operands"], p["rng"]
+    plan = ej.sparse_compile(eq, *ops, devices=p["devices"], backend=p["backend"])
+    news = [_other(rng, x, same) for x in ops]
+    named = {(x.name if isinstance(x, SparseTensor) else f"x{i}"): y for i, (x, y) in enumerate(zip(ops, news))}
+    got = dense(plan.run(**named))
+    want = reference(eq, [dense(y) for y in news], "sum")
+    t = tol(p["dtype"])
+    np.testing.assert_allclose(got.astype(want.dtype), want, rtol=t, atol=t, err_msg=plan.last_run)
+    again = dense(plan.run(*ops))  # back to the compiled operands: the compiled plan, same values
+    np.testing.assert_allclose(again.astype(np.float64), reference(eq, p["arrays"], "sum"), rtol=t, atol=t)
+    if dense(ops[0]).dtype.kind != "f" or p["dtype"] == "float16":
+        return
+    terms, out = eq.split("->")[0].split(","), eq.split("->")[1]
+    g = rng.standard_normal(want.shape)
+    grads = plan.vjp(g)
+    arrays = [dense(x).astype(np.float64) for x in ops]
+    for k, (x, term) in enumerate(zip(ops, terms)):
+        rest = [a for j, a in enumerate(arrays) if j != k]
+        lhs = ",".join([u for j, u in enumerate(terms) if j != k] + [out])
+        # d out / d x_k: the others and g summed onto x_k's labels (broadcast where only x_k has one)
+        want_k = np.einsum(f"{lhs}->{term}", *rest, g) if set(term) <= set(lhs) else \
+            np.einsum(f"{lhs},{term}->{term}", *rest, g, np.ones(x.shape))
+        if isinstance(x, SparseTensor):
+            support = np.zeros(x.shape, bool)
+            support[tuple(x.coo()[0].T)] = True
+            assert isinstance(grads[k], SparseTensor)
+            want_k = want_k * support
+        np.testing.assert_allclose(dense(grads[k]), want_k, rtol=t * 10, atol=t * 10)
+
+
+def test_bool_sparse_with_bool_dense_counts_as_float32() -> None:
+    # was DTypeError "cannot mix float32 and bool": a bool sparse tensor's values are float32 0 / 1,
+    # a bool dense operand was kept bool; both now compute as float32 (the count of true products)
+    a = np.array([[True, False, True], [False, False, True]])
+    b = np.array([[True, True], [False, True], [True, False]])
+    got = ej.einsum("ij,jk->ik", ej.sparse("A", a), b)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.todense(), a.astype(np.float32) @ b.astype(np.float32))
+    torch = pytest.importorskip("torch")
+    ts = torch.sparse.mm(torch.tensor(a, dtype=torch.float32).to_sparse(), torch.tensor(b, dtype=torch.float32))
+    np.testing.assert_array_equal(got.todense(), ts.numpy())
