@@ -250,13 +250,28 @@ def test_compile_starts_and_stops_its_own_ray(tmp_path):
     assert _alive_actor_pids(pids) == []
 
 
-def test_feeds_changed_in_place_or_in_sign_bits_are_seen(shared):
+def test_feeds_changed_in_place_or_in_sign_bits_are_seen(shared, monkeypatch):
     # the driver puts only the feeds whose bytes differ from the program's last put: a weight
     # changed in place, a -0.0 for a 0.0 (equal as numbers, not as bytes) and a new input all reach
-    # the actors; unchanged feeds are not put again
+    # the actors; unchanged feeds are not put again (the feeds each run puts: counted exactly)
     x, w = ej.input("x", (64, 32)), ej.param("w", (32, 16))
     out = x @ (1.0 / w)   # a -0.0 in w gives a column of -inf (x > 0)
     prog = ej.compile(out, devices=2, backend=shared, planner="split_largest", quiet=True)
+    names = {n: k for k, n in prog.graph.input_by_name.items()}
+    puts: list[list[str]] = []
+    real_put = ray.put
+
+    def put(value, *args, **kwargs):  # the feeds go into the object store as one dict per put
+        if isinstance(value, dict):
+            puts.append(sorted(names[n] for n in value))
+        return real_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", put)
+
+    def put_by(run):
+        del puts[:]
+        run()
+        return list(puts)
     rng = np.random.default_rng(1)
     xs = np.abs(rng.standard_normal((64, 32))).astype(np.float32) + 0.1
     ws = rng.standard_normal((32, 16)).astype(np.float32)
@@ -266,15 +281,15 @@ def test_feeds_changed_in_place_or_in_sign_bits_are_seen(shared):
             got = prog.run(x=xv, w=wv)
             np.testing.assert_allclose(got, xv @ (1.0 / wv), rtol=1e-4)
             return got
-        assert (check(xs, ws)[:, 3] == np.inf).all()
+        assert put_by(lambda: (check(xs, ws)[:, 3] == np.inf).all()) == [["w", "x"]]
         held = shared._feeds.ref(prog._engine)
-        check(xs, ws)
-        assert shared._feeds.ref(prog._engine) is held   # nothing changed: the same object
+        assert put_by(lambda: check(xs, ws)) == []            # nothing changed: nothing put
+        assert shared._feeds.ref(prog._engine) is held       # the same object
         ws[0, 0] += 1.0                                       # in place, the same array
-        check(xs, ws)
+        assert put_by(lambda: check(xs, ws)) == [["w"]]
         ws[:, 3] = -0.0
-        assert (check(xs, ws)[:, 3] == -np.inf).all()
-        check(xs * 2, ws)                                     # most bytes new: put whole again
+        assert put_by(lambda: (check(xs, ws)[:, 3] == -np.inf).all()) == [["w"]]
+        assert put_by(lambda: check(xs * 2, ws)) == [["w", "x"]]   # most bytes new: put whole again
     assert shared._feeds.ref(prog._engine) is not held
     # the outputs came back over this process's channel (not in the actors' Ray replies), and no
     # run's entry is left behind
@@ -282,6 +297,59 @@ def test_feeds_changed_in_place_or_in_sign_bits_are_seen(shared):
     if available():
         assert shared._outputs._channel._received >= 2
     assert shared._outputs._arrived == {}
+
+
+def _unix_sockets() -> str:
+    with open("/proc/net/unix") as f:
+        return f.read()
+
+
+def test_channel_names_show_no_part_of_the_secret(shared):
+    # abstract socket names are listed in /proc/net/unix for every user of the machine: the
+    # channels' names are random tokens, the secret only proves a connection
+    from einjoin.runtime.backends.ray_channel import available
+    if not available():
+        pytest.skip("abstract Unix sockets are Linux's")
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=2, backend=shared, planner="split_largest", quiet=True)
+    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), rtol=1e-4, atol=1e-5)
+    listed = _unix_sockets()
+    names = [*shared._last.names, shared._outputs._channel.name]
+    assert all("@" + n in listed for n in names)   # the actors' and the driver's channels are there
+    secret = shared._secret.hex()
+    windows = {secret[i:i + 6] for i in range(0, len(secret) - 5, 2)}   # every 3 bytes of it
+    assert not [w for w in windows if w in listed]
+
+
+def test_close_closes_the_drivers_channel_and_its_threads():
+    from einjoin.errors import EinjoinError
+    from einjoin.runtime.backends.ray import RayBackend
+    from einjoin.runtime.backends.ray_channel import Channel, available
+    if not available():
+        pytest.skip("abstract Unix sockets are Linux's")
+    b = RayBackend(quiet=True)
+    name = b._outputs.expect(1)
+    actor = Channel(f"einjoin-test-{os.getpid()}-{time.monotonic_ns()}", b._secret, lambda *m: None)
+    try:
+        assert actor.send(name, 1, 0, 0, np.ones(3))   # as an actor sends a run's output block
+        assert list(b._outputs.take(1, [0])) == [0]
+        threads = [t for t in threading.enumerate() if t.name.endswith(name)]
+        assert len(threads) == 2 and "@" + name in _unix_sockets()   # its listener and a reader
+        b._outputs.expect(2)
+        b.close()
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), t.name
+        assert "@" + name not in _unix_sockets()
+        with pytest.raises(EinjoinError, match="closed"):   # a run waiting for its blocks fails
+            b._outputs.take(2, [0], timeout=30)
+        again = b._outputs.expect(3)   # a later run opens a new channel
+        assert again != name and "@" + again in _unix_sockets()
+        b.close()
+        assert "@" + again not in _unix_sockets()
+    finally:
+        actor.close()
+        b.close()
 
 
 @pytest.mark.slow  # make test-all
@@ -498,3 +566,66 @@ def test_preload_never_imports_beside_a_running_kernel(tmp_path, monkeypatch):
     runner.join()
     at = sys.modules["einjoin_probe_import"].AT
     assert not any(s < at < e for _, s, e in result[0][0]["intervals"]), "imported while a kernel ran"
+
+
+def test_a_runs_outputs_are_sent_outside_the_actors_lock():
+    # the driver's socket buffer full (a slow driver): the actor still answers its other calls
+    # (abort, deliver, open_runs) while its outputs are written, and the report lists them as sent
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=1, backend="sync", quiet=True)
+    (w,) = _workers(prog)
+    entered, release = threading.Event(), threading.Event()
+
+    class _SlowDriver:
+        def send(self, peer, run, tid, src, block):
+            entered.set()
+            return release.wait(60)
+
+    w._channel = _SlowDriver()
+    fetch = [v for lay in prog.taskgraph.outputs for v in lay.blocks.values()]
+    w.go(1, 1, {prog.graph.input_by_name[k]: v for k, v in feeds.items()}, 0.0, None, None, fetch, 0, None, "driver")
+    try:
+        assert entered.wait(60)
+        answered: list = []
+        t = threading.Thread(target=lambda: answered.append(w.open_runs()), daemon=True)
+        t.start()
+        t.join(30)   # a hang guard: before, the send held the actor's lock until the driver read
+        assert answered == [[]]
+    finally:
+        release.set()
+    report = w.finish(1)
+    assert report["sent"] == fetch and report["blocks"] == {}
+    assert w.open_runs() == []
+
+
+def test_a_subclass_of_the_worker_runs_its_own_item_and_done():
+    from einjoin.runtime.backends.ray_worker import DeviceWorker
+
+    class Counting(DeviceWorker):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.calls = {"item": 0, "done": 0}
+
+        def _item(self, r, i):
+            self.calls["item"] += 1
+            return super()._item(r, i)
+
+        def _done(self, r, i):
+            self.calls["done"] += 1
+            return super()._done(r, i)
+
+    out, feeds = _mlp()
+    prog = ej.compile(out, devices=1, backend="sync", quiet=True)
+    w = Counting(0)
+    w.set_peers([_Direct(w)])
+    w.setup(1, (prog.taskgraph, prog.plan.decomps))
+    reports = _run_in_process(prog, [w], 1, feeds)
+    np.testing.assert_allclose(_outputs(prog, reports)[0], ej.reference(out, **feeds), rtol=1e-5, atol=1e-6)
+    n = len(w.plans[1].items)
+    assert w.calls == {"item": n, "done": n}
+    from einjoin.runtime.backends.ray_worker import _unshimmed
+    # as ray.remote makes it: a class of Ray's on top (its methods wrapped in a tracing shim); the
+    # executor calls the class's own (the subclass's) functions under it
+    shim = type("Class", (Counting,), {"__ray_actor_class__": Counting, "_item": lambda self, r, i: None})
+    assert _unshimmed(shim(0), "_item").__func__ is Counting._item
+    assert _unshimmed(w, "_done").__func__ is Counting._done

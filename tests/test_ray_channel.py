@@ -1,7 +1,9 @@
 """The Ray actors' block channel (einjoin/runtime/backends/ray_channel.py) in this process, no Ray:
 blocks arrive bit-identical whatever their dtype, shape and strides; what it cannot carry (another
-host's peer, a dtype not rebuilt from its name) is left to Ray (``send`` says False); a
-connection without the secret is dropped. The Ray backend's use of it: tests/test_ray.py."""
+host's peer, a dtype not rebuilt from its name) is left to Ray (``send`` says False); the
+handshake is mutual (a connection that cannot prove the secret is dropped, and nothing is sent to a
+listener that cannot); a failed connect is retried on a later run only; close ends every thread.
+The Ray backend's use of it: tests/test_ray.py."""
 
 from __future__ import annotations
 
@@ -102,20 +104,98 @@ def test_a_connection_without_the_secret_is_dropped():
     dst = Channel(_name(), SECRET, inbox)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect("\0" + dst.name)
-            s.sendall(b"x" * 16 + b"\0" * 64)
             s.settimeout(10)
+            s.connect("\0" + dst.name)
+            challenge = s.recv(16, socket.MSG_WAITALL)
+            assert len(challenge) == 16 and SECRET not in challenge
+            s.sendall(b"x" * 16 + SECRET * 2 + b"\0" * 64)   # a proof that is not the secret's HMAC
             try:
                 assert s.recv(1) == b""   # closed by the receiver, nothing delivered
             except ConnectionResetError:  # closed with our bytes unread
                 pass
         wrong = Channel(_name(), b"y" * 16, lambda *m: None)
         right = Channel(_name(), SECRET, lambda *m: None)
-        wrong.send(dst.name, 1, 1, 0, np.ones(2))   # written before the receiver drops it
+        assert not wrong.send(dst.name, 1, 1, 0, np.ones(2))   # refused at the handshake: Ray carries it
         assert right.send(dst.name, 1, 2, 0, np.ones(2))
         assert dst.wait_for(1)
         assert [t for _, t, _, _ in inbox.got] == [2]
         wrong.close()
         right.close()
     finally:
+        dst.close()
+
+
+def test_a_sender_sends_nothing_to_a_listener_that_cannot_prove_the_secret():
+    # mutual: a process that took a peer's name (abstract names are first come, first served) and
+    # does not know the secret gets neither the secret nor a block; the block goes by Ray instead
+    wrong = Channel(_name(), b"y" * 16, lambda *m: None)
+    sender = Channel(_name(), SECRET, lambda *m: None)
+    heard = bytearray()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as impostor:
+        name = _name()
+        impostor.bind("\0" + name)
+        impostor.listen(1)
+
+        def listen():  # an impostor that reads whatever comes until the sender hangs up
+            conn, _ = impostor.accept()
+            with conn:
+                conn.settimeout(30)
+                conn.sendall(os.urandom(16))  # a challenge, like a listener's
+                try:
+                    heard.extend(conn.recv(48, socket.MSG_WAITALL))
+                    conn.sendall(os.urandom(32))  # a proof it cannot make: a guess
+                    while chunk := conn.recv(1 << 16):
+                        heard.extend(chunk)
+                except OSError:
+                    pass
+
+        t = threading.Thread(target=listen, daemon=True)
+        t.start()
+        block = np.full(64, 7.0)
+        try:
+            assert not sender.send(wrong.name, 1, 0, 0, block)
+            assert not sender.send(name, 1, 0, 0, block)
+        finally:
+            sender.close()
+            wrong.close()
+        t.join(30)
+    assert not t.is_alive()
+    assert SECRET not in heard and block.tobytes() not in heard
+    assert len(heard) == 16 + 32   # the sender's challenge and proof, nothing after
+
+
+def test_a_failed_connect_is_tried_again_on_a_later_run_only():
+    inbox = _Inbox()
+    sender = Channel(_name(), SECRET, lambda *m: None)
+    name = _name()
+    try:
+        assert not sender.send(name, 5, 0, 0, np.ones(2))   # nobody listens yet: Ray carries run 5's blocks
+        dst = Channel(name, SECRET, inbox)
+        try:
+            assert not sender.send(name, 5, 1, 0, np.ones(2))   # the rest of run 5 too (no connect per block)
+            assert sender.send(name, 6, 2, 0, np.ones(2))       # a later run connects
+            assert dst.wait_for(1)
+            assert [(r, t) for r, t, _, _ in inbox.got] == [(6, 2)]
+        finally:
+            dst.close()
+    finally:
+        sender.close()
+
+
+def test_close_ends_the_listener_and_every_connection_it_accepted():
+    dst = Channel(_name(), SECRET, lambda *m: None)
+    sender = Channel(_name(), SECRET, lambda *m: None)
+    try:
+        assert sender.send(dst.name, 1, 0, 0, np.ones(2))
+        assert dst.wait_for(1)
+        mine = [t for t in threading.enumerate() if t.name.endswith(dst.name)]
+        assert len(mine) == 2   # the accept thread and the connection's reader
+        dst.close()
+        for t in mine:
+            t.join(30)
+            assert not t.is_alive(), t.name
+        with open("/proc/net/unix") as f:
+            assert "@" + dst.name not in f.read()
+    finally:
+        sender.close()
         dst.close()

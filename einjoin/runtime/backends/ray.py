@@ -97,7 +97,7 @@ _live: set[RayBackend] = set()   # backends holding actors, for shutdown()
 _run_ids = itertools.count(1)  # one namespace per run on every actor (process-wide: backends share Ray)
 _state_keys = itertools.count(1)  # the keys of state blocks kept on the actors between runs
 _plan_ids = itertools.count(1)
-_channel_ids = itertools.count(1)  # the actors' channel names (with the backend's secret and this pid)
+_channel_ids = itertools.count(1)  # the actors' channel names (with the backend's random token and this pid)
 CONTROL = "control"            # the actors' concurrency group for aborts (not queued behind work)
 WAIT = "wait"                  # the actors' concurrency group for ``finish`` calls, which wait for a run
 WAITERS = 32                   # its threads: runs in flight beyond it only queue their finish
@@ -198,7 +198,8 @@ class RayBackend:
         self._plans: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
         self._forgotten: list[int] = []       # plan keys of programs gone, to drop on the actors
         self._in_flight = 0
-        self._secret = os.urandom(16)          # opens the actors' channel connections (ray_channel)
+        self._secret = os.urandom(16)          # proves the actors' channel connections (ray_channel)
+        self._token = os.urandom(8).hex()      # in the channels' names (public: never of the secret)
         self._feeds = FeedCache()              # per program, its last run's feeds in the object store
         self._outputs = OutputInbox(self._secret, self.channels)  # output blocks over a channel
 
@@ -244,7 +245,7 @@ class RayBackend:
         # finish calls wait on threads of their own, aborts on the control thread
         cls = ray.remote(concurrency_groups={CONTROL: 1, WAIT: WAITERS}, max_concurrency=1)(DeviceWorker)
         new: list[Any] = []
-        names = have_names + [f"einjoin-{self._secret[:6].hex()}-{os.getpid()}-{next(_channel_ids)}"
+        names = have_names + [f"einjoin-{self._token}-{os.getpid()}-{next(_channel_ids)}"
                               if self.channels else None for _ in range(len(have), n)]
         try:
             for d in range(len(have), n):
@@ -538,6 +539,7 @@ class RayBackend:
                     self._kill(pool.actors)
             self._pools.clear()
             self._last = None
+            self._outputs.close()  # this process's channel: its socket and threads (a next run opens one)
         _live.discard(self)
 
 

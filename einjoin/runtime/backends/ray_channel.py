@@ -10,9 +10,13 @@ through the kernel and one hop, with no process between the two actors.
 
 Each actor listens on an abstract Unix socket (Linux; the name space of the host, no file) named by
 the driver, and connects to a peer's name on its first send to it. A peer on another host has no
-such name here: the connect fails and that peer's blocks go by Ray (as does every block where the
-channel is off or broken). A connection opens with a secret the driver gave every actor of its
-backend; a connection without it is closed. A message is a fixed header (run, task, source device,
+such name here: the connect fails and that peer's blocks go by Ray for that run (as does every block
+where the channel is off or broken; the next run tries to connect again). Names are random tokens,
+never derived from the secret: abstract sockets are listed in ``/proc/net/unix`` for every user to read.
+A connection opens with a mutual proof of the secret the driver gave every actor of its backend
+(HMAC-SHA256 challenge-response over a nonce from each side; the secret itself never crosses): the
+listener drops a connection that cannot prove it, and a sender sends nothing to a listener that
+cannot (a name taken by another process). A message is a fixed header (run, task, source device,
 the lengths of the dtype's name and of the shape), the dtype's name, the shape and the raw bytes;
 the receiver builds a fresh array from them (nothing is unpickled).
 
@@ -31,6 +35,9 @@ True
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import socket
 import struct
 import sys
@@ -43,7 +50,9 @@ import numpy as np
 __all__ = ["Channel", "available"]
 
 _HEAD = struct.Struct("<qqiHH")   # run, task id, source device, len(dtype name), ndim
-_SECRET = 16                      # bytes of the secret a connection opens with
+_NONCE = 16                       # bytes of each side's challenge
+_MAC = hashlib.sha256().digest_size
+_HANDSHAKE_S = 10.0               # a peer that does not answer the handshake in it is no channel (a guard)
 _BUFFER = 4 << 20                 # socket buffers: a block up to it is written without waiting for the reader
 
 
@@ -82,6 +91,12 @@ def _recv(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf) if _recv_into(conn, memoryview(buf)) else None
 
 
+def _proof(secret: bytes, side: bytes, listener_nonce: bytes, sender_nonce: bytes) -> bytes:
+    """What ``side`` (b"send" or b"listen") answers to the two challenges: an HMAC of both under the
+    secret, the side named so that neither answer can be replayed as the other."""
+    return hmac.new(secret, side + listener_nonce + sender_nonce, hashlib.sha256).digest()
+
+
 class Channel:
     """One actor's end: a listener named ``name`` whose connections hand each block received to
     ``on_block(run, task id, source device, block)`` (on the connection's reader thread), and
@@ -89,7 +104,9 @@ class Channel:
 
     def __init__(self, name: str, secret: bytes, on_block: Callable[[int, int, int, np.ndarray], None]):
         self.name, self._secret, self._on_block = name, secret, on_block
-        self._out: dict[str, socket.socket | None] = {}   # peer name -> connection (None: use Ray)
+        self._out: dict[str, socket.socket] = {}    # peer name -> connection
+        self._failed: dict[str, int] = {}           # peer name -> the run whose connect to it failed (Ray then)
+        self._in: set[socket.socket] = set()        # connections accepted (closed with the channel)
         self._send_lock = threading.Lock()   # an actor's executor sends moves, a run's end its outputs
         self._received = 0
         self._cv = threading.Condition()
@@ -106,6 +123,11 @@ class Channel:
                 conn, _ = self._listener.accept()
             except OSError:  # closed
                 return
+            with self._cv:
+                if self._closed:
+                    conn.close()
+                    return
+                self._in.add(conn)
             threading.Thread(target=self._read, args=(conn,), name=f"einjoin-channel-in-{self.name}",
                              daemon=True).start()
 
@@ -113,7 +135,7 @@ class Channel:
         with conn:
             try:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER)
-                if _recv(conn, _SECRET) != self._secret:
+                if not self._prove_listener(conn):
                     return
                 while True:
                     head = _recv(conn, _HEAD.size)
@@ -134,6 +156,25 @@ class Channel:
                         self._cv.notify_all()
             except (OSError, ValueError, TypeError, struct.error):  # a peer gone or a foreign stream
                 return
+            finally:
+                with self._cv:
+                    self._in.discard(conn)
+
+    def _prove_listener(self, conn: socket.socket) -> bool:
+        """The listener's side of the handshake: its challenge out, the sender's challenge and proof
+        in (checked), its own proof out. False (the connection is dropped) for a wrong proof."""
+        conn.settimeout(_HANDSHAKE_S)
+        mine = os.urandom(_NONCE)
+        conn.sendall(mine)
+        got = _recv(conn, _NONCE + _MAC)
+        if got is None:
+            return False
+        theirs, proof = got[:_NONCE], got[_NONCE:]
+        if not hmac.compare_digest(proof, _proof(self._secret, b"send", mine, theirs)):
+            return False
+        conn.sendall(_proof(self._secret, b"listen", mine, theirs))
+        conn.settimeout(None)
+        return True
 
     def wait_for(self, count: int, timeout: float = 10.0) -> bool:
         """Wait until ``count`` blocks have been received (tests)."""
@@ -148,33 +189,49 @@ class Channel:
 
     # -- sending
     def _connect(self, peer: str) -> socket.socket | None:
+        """A connection to ``peer`` whose listener proved the secret, else None."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
+            s.settimeout(_HANDSHAKE_S)
             s.connect("\0" + peer)
-            s.sendall(self._secret)
-            return s
-        except OSError:  # not on this host (or gone): that peer's blocks go by Ray
-            s.close()
-            return None
+            theirs = _recv(s, _NONCE)
+            if theirs is not None:
+                mine = os.urandom(_NONCE)
+                s.sendall(mine + _proof(self._secret, b"send", theirs, mine))
+                proof = _recv(s, _MAC)
+                if proof is not None and hmac.compare_digest(proof, _proof(self._secret, b"listen", theirs, mine)):
+                    s.settimeout(None)
+                    return s
+        except OSError:  # not on this host (or gone, or silent): that peer's blocks go by Ray
+            pass
+        s.close()
+        return None
 
     def send(self, peer: str, run: int, tid: int, src: int, block: np.ndarray) -> bool:
         """Send ``block`` to the actor listening as ``peer``; False when there is no channel to it
-        (another host, closed, or the connection broke): the caller sends it by Ray instead."""
+        (another host, closed, the connection broke, or the listener could not prove the secret): the
+        caller sends it by Ray instead. A failed connect is tried again on a later run (the peer may
+        have been slow to listen), never again in ``run``."""
         with self._send_lock:
             return self._send(peer, run, tid, src, block)
 
     def _send(self, peer: str, run: int, tid: int, src: int, block: np.ndarray) -> bool:
         if self._closed:
             return False
-        if peer not in self._out:
-            self._out[peer] = self._connect(peer)
-        conn = self._out[peer]
-        if conn is None:
-            return False
         block = np.asarray(block)
         if not _plain(block.dtype):
             return False
+        conn = self._out.get(peer)
+        if conn is None:
+            if self._failed.get(peer) == run:
+                return False
+            conn = self._connect(peer)
+            if conn is None:
+                self._failed[peer] = run
+                return False
+            self._out[peer] = conn
+            self._failed.pop(peer, None)
         if not block.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d block 1-d)
             block = np.ascontiguousarray(block)
         name = block.dtype.name.encode()
@@ -184,19 +241,27 @@ class Channel:
             if block.nbytes:
                 conn.sendall(block.reshape(-1).view(np.uint8).data)
             return True
-        except OSError:  # the peer is gone: Ray says so to the driver (a lost device); no channel now
-            self._out[peer] = None
+        except OSError:  # the peer is gone: Ray says so to the driver (a lost device); no channel this run
+            del self._out[peer]
+            self._failed[peer] = run
             conn.close()
             return False
 
     def close(self) -> None:
-        self._closed = True
+        """Stop listening and end every connection (the reader threads end with theirs)."""
+        with self._cv:
+            self._closed = True
+            accepted = list(self._in)
         try:
-            self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (it then ends)
         except OSError:
             pass
         self._listener.close()
-        for conn in self._out.values():
-            if conn is not None:
-                conn.close()
+        for conn in accepted:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes its reader (it closes the socket as it ends)
+            except OSError:
+                pass
+        for conn in list(self._out.values()):
+            conn.close()
         self._out.clear()

@@ -102,6 +102,7 @@ class OutputInbox:
 
     def __init__(self, secret: bytes, enabled: bool = True) -> None:
         self._secret, self._enabled = secret, enabled
+        self._token = os.urandom(8).hex()   # the channel's name: random, never of the secret (names are public)
         self._channel: Any = None
         self._arrived: dict[int, dict[int, np.ndarray]] = {}   # run -> output blocks come
         self._cv = threading.Condition()
@@ -116,7 +117,7 @@ class OutputInbox:
             return None
         with self._cv:
             if self._channel is None:
-                name = f"einjoin-{self._secret[:6].hex()}-{os.getpid()}-out{next(_inbox_ids)}"
+                name = f"einjoin-{self._token}-{os.getpid()}-out{next(_inbox_ids)}"
                 self._channel = Channel(name, self._secret, self._arrive)
             self._arrived[run] = {}
             return str(self._channel.name)
@@ -135,6 +136,8 @@ class OutputInbox:
         with self._cv:
             got = self._arrived.get(run, {})
             while any(v not in got for v in vids):
+                if run not in self._arrived:
+                    raise EinjoinError("the Ray backend was closed while the run's output blocks came")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise EinjoinError(f"{sum(v not in got for v in vids)} output blocks of the run did not arrive "
@@ -146,3 +149,13 @@ class OutputInbox:
         """The run ended (or failed): drop what came for it, and anything that comes later."""
         with self._cv:
             self._arrived.pop(run, None)
+
+    def close(self) -> None:
+        """Close this process's channel (``RayBackend.close``): its listener, its connections and
+        their threads; a run waiting for its blocks fails, and a later run opens a new channel."""
+        with self._cv:
+            ch, self._channel = self._channel, None
+            self._arrived.clear()
+            self._cv.notify_all()
+        if ch is not None:
+            ch.close()

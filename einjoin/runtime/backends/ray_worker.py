@@ -36,7 +36,7 @@ import numpy as np
 
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import (Attention, AttentionGrad, Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input,
-                             Pool, Reshape, ScatterAdd, Select, TopK, rule_for)
+                             Pool, Reshape, ScatterAdd, Select, SparseEinsum, TopK, rule_for)
 from einjoin.ir.evaluate import quiet_floats
 from einjoin.plan.execute import compute
 from einjoin.runtime.backends.ray_channel import Channel, available
@@ -56,6 +56,7 @@ PRELOAD_FACTS: dict[type, tuple[str, ...]] = {
     ScatterAdd: (), Cast: (),
     Conv: ("torch",), Pool: ("torch",), TopK: ("torch",),        # torch's conv, pool and sort loops
     Attention: ("torch",), AttentionGrad: ("torch",),            # torch's fused flash kernels
+    SparseEinsum: ("einjoin.sparse",),                           # the sparse engine (scipy.sparse)
 }
 
 
@@ -206,6 +207,7 @@ class DeviceWorker:
         self._runs: dict[int, _Run] = {}
         self._early: dict[int, list[tuple[Any, ...]]] = {}  # events that came before their run's go
         self._reports: dict[int, dict[str, Any]] = {}   # finished runs' reports, until ``finish`` takes them
+        self._ending: list[tuple[_Run, dict[str, Any]]] = []  # runs done, their outputs not yet sent
         self._dead: OrderedDict[int, None] = OrderedDict()  # aborted or failed runs
         self._ready: deque[tuple[_Run, int]] = deque()
         self._executor: threading.Thread | None = None
@@ -304,6 +306,8 @@ class DeviceWorker:
                 self._complete(r)
             self._start()
             self._cv.notify_all()
+        if self._ending:
+            self._publish()
 
     def deliver(self, run: int, tid: int, src: int, block: np.ndarray) -> None:
         """Move ``tid``'s block, sent by device ``src`` (a zero-copy, read-only view of the object
@@ -377,24 +381,27 @@ class DeviceWorker:
 
     def _loop(self) -> None:
         # one lock section per item: the last item's dependents released, the next item taken
-        cv, ready, runs = self._cv, self._ready, self._runs
-        # this class's own functions: ray.remote wraps every method of the actor's class in a
-        # tracing shim (~1-2 us a call, two calls per item)
-        item, done, imports = DeviceWorker._item, DeviceWorker._done, self._imports
+        cv, ready, runs, ending = self._cv, self._ready, self._runs, self._ending
+        item, done, imports = _unshimmed(self, "_item"), _unshimmed(self, "_done"), self._imports
         last: tuple[_Run, int] | None = None
         while True:
             with cv:
                 if last is not None:
-                    done(self, *last)
+                    done(*last)
                     last = None
-                while not ready:
-                    cv.wait()
-                r, i = ready.popleft()
-                if runs.get(r.id) is not r:  # aborted or failed: its items are skipped
-                    continue
+                publish = bool(ending)
+                if not publish:
+                    while not ready:
+                        cv.wait()
+                    r, i = ready.popleft()
+                    if runs.get(r.id) is not r:  # aborted or failed: its items are skipped
+                        continue
+            if publish:  # a run ended here: its outputs go out, outside the lock
+                self._publish()
+                continue
             try:
                 with imports:  # never beside preload's imports (see __init__)
-                    item(self, r, i)
+                    item(r, i)
             except BaseException as e:  # noqa: BLE001 - the run fails, the actor carries on
                 with cv:
                     if runs.pop(r.id, None) is r:
@@ -422,7 +429,6 @@ class DeviceWorker:
             r.tasks_left -= 1
         if r.left == 0:
             self._complete(r)
-            self._cv.notify_all()
 
     def _item(self, r: _Run, i: int) -> None:
         """Do item ``i`` of run ``r`` (on the executor thread)."""
@@ -467,17 +473,30 @@ class DeviceWorker:
         s = r.store
         for vid, k in r.keep.items():
             self.kept[k] = s.get(vid)
-        self._reports[r.id] = {"received": s.received, "loaded": s.loaded, "peak": s.peak,
-                               "intervals": r.intervals, "received_from": r.received_from,
-                               **self._outputs(r)}
+        self._ending.append((r, {"received": s.received, "loaded": s.loaded, "peak": s.peak,
+                                 "intervals": r.intervals, "received_from": r.received_from,
+                                 "fetch": {v: s.get(v) for v in r.fetch}}))
 
-    def _outputs(self, r: _Run) -> dict[str, Any]:  # under _cv
+    def _publish(self) -> None:
+        """Send the output blocks of the runs that ended (:meth:`_complete`), then make their reports,
+        which ``finish`` returns. Not under ``_cv``: a send waits while the driver's socket buffer is
+        full, and the actor's other calls (``abort``, ``deliver``, other runs' items) go on meanwhile."""
+        with self._cv:
+            ending = self._ending[:]
+            del self._ending[:]
+        for r, report in ending:
+            report.update(self._outputs(r, report.pop("fetch")))
+            with self._cv:
+                if r.id not in self._dead:  # else aborted meanwhile: nobody waits for it
+                    self._reports[r.id] = report
+                    self._cv.notify_all()
+
+    def _outputs(self, r: _Run, fetch: Mapping[int, np.ndarray]) -> dict[str, Any]:
         """The run's output blocks: over the channel to the driver when it is on this host (a
         block in a Ray reply goes through the object store: ~2 ms more for 512 KB, measured),
         else in the report."""
         blocks, sent, ch = {}, [], self._channel
-        for v in r.fetch:
-            b = r.store.get(v)
+        for v, b in fetch.items():
             if r.out_to is not None and ch is not None and ch.send(r.out_to, r.id, v, self.device, b):
                 sent.append(v)
             else:
@@ -505,6 +524,14 @@ class DeviceWorker:
         """The runs with anything here (tests: none after every run ended)."""
         with self._cv:
             return sorted({*self._runs, *self._early, *self._reports})
+
+
+def _unshimmed(worker: DeviceWorker, name: str) -> Any:
+    """``worker``'s method ``name`` as its class defines it (a subclass's override included), without
+    the tracing shim ``ray.remote`` wraps every method of the actor's class in (~1-2 us a call; the
+    executor makes two per item): looked up on the class the actor was made from."""
+    cls = getattr(type(worker), "__ray_actor_class__", type(worker))
+    return getattr(cls, name).__get__(worker, cls)
 
 
 def _picklable(e: BaseException) -> BaseException:
