@@ -24,7 +24,7 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
 from einjoin.ir.reference import to_numpy
 
-__all__ = ["SparseTensor", "sparse", "is_sparse", "dense_operand"]
+__all__ = ["SparseTensor", "sparse", "is_sparse", "dense_operand", "broadcast_size1"]
 
 EINSUM: dict[str, Callable[..., Any]] = {}  # {"sparse_einsum": einjoin.sparse.plan.sparse_einsum}
 _MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
@@ -156,6 +156,7 @@ class SparseTensor:
     @classmethod
     def __einjoin_einsum__(cls, equation: str, operands: Sequence[Any], join: Any = None,
                            agg: Any = "sum") -> Any:
+        equation, operands = broadcast_size1(equation, operands)
         return EINSUM["sparse_einsum"](equation, *operands, join=join, agg=agg)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -270,6 +271,55 @@ def from_coo(name: str, coords: np.ndarray, values: np.ndarray, shape: tuple[int
 
 def is_sparse(x: Any) -> bool:
     return isinstance(x, SparseTensor)
+
+
+def broadcast_size1(equation: str, operands: Sequence[Any]) -> tuple[str, Sequence[Any]]:
+    """The equation and operands with a label's size-1 dims squeezed away where another operand
+    has it larger: numpy's (and the dense ``ej.einsum``'s) broadcasting, which the sparse executor
+    does not do itself (``'ij,ij->ij'`` of (5, 4) and (1, 4) was "label 'i' has size 5 ... but size
+    1"). A sparse operand loses that key column (all zeros) and payload axis; a dense one is
+    reshaped. Lazy operands, or an equation that does not parse, are left as they are (the
+    compiler names what is wrong).
+
+    >>> import numpy as np
+    >>> eq, ops = broadcast_size1("ij,ij->ij", [sparse("A", np.eye(3)), np.ones((1, 3))])
+    >>> eq, ops[1].shape
+    ('ij,j->ij', (3,))
+    """
+    from einjoin.ir.equation import parse_equation
+    if any(type(x).__module__.startswith("einjoin") and not isinstance(x, SparseTensor) for x in operands):
+        return equation, operands
+    try:
+        shapes = [tuple(x.shape) if isinstance(x, SparseTensor) else tuple(np.shape(x)) for x in operands]
+        in_labels, out = parse_equation(equation, shapes)
+    except Exception:  # noqa: BLE001 - the compiler checks the same input and names what is wrong
+        return equation, operands
+    widest: dict[str, int] = {}
+    for ls, shape in zip(in_labels, shapes):
+        for lab, n in zip(ls, shape):
+            widest[lab] = max(widest.get(lab, 0), int(n))
+    new_ops, new_labels, changed = [], [], False
+    for x, ls, shape in zip(operands, in_labels, shapes):
+        if len(ls) != len(shape):
+            return equation, operands
+        # a repeated label only where every one of its dims here is 1 (a diagonal's sizes agree)
+        keep = [d for d, lab in enumerate(ls) if not (widest[lab] > 1 and all(
+            shape[e] == 1 for e, other in enumerate(ls) if other == lab))]
+        if len(keep) < len(ls):
+            changed = True
+            new_shape = tuple(shape[d] for d in keep)
+            if isinstance(x, SparseTensor):
+                blk = tuple(x.block[d] for d in keep)
+                # the dropped key columns are all 0: the keys stay unique and sorted
+                x = SparseTensor(x.name, new_shape, blk, np.ascontiguousarray(x.keys[:, keep]),
+                                 x.data.reshape((len(x.keys),) + blk))
+            else:
+                x = (x if hasattr(x, "reshape") else np.asarray(x)).reshape(new_shape)
+        new_ops.append(x)
+        new_labels.append("".join(ls[d] for d in keep))
+    if not changed:
+        return equation, operands
+    return ",".join(new_labels) + "->" + "".join(out), new_ops
 
 
 def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], bool]:

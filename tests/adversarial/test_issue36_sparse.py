@@ -170,3 +170,25 @@ def test_bool_sparse_with_bool_dense_counts_as_float32() -> None:
     torch = pytest.importorskip("torch")
     ts = torch.sparse.mm(torch.tensor(a, dtype=torch.float32).to_sparse(), torch.tensor(b, dtype=torch.float32))
     np.testing.assert_array_equal(got.todense(), ts.numpy())
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.integers(0, 2 ** 32 - 1), st.sampled_from(["ij,ij->ij", "ij,ij->i", "ijk,jk->ik", "ij,jk,ik->k"]))
+def test_size1_dims_broadcast_as_in_numpy(seed: int, eq: str) -> None:
+    # was ShapeError "label 'i' has size 5 in input 0 ... but size 1 in input 1": the dense
+    # ej.einsum and numpy broadcast a label's size-1 dims; ej.einsum on sparse operands now too
+    rng = np.random.default_rng(seed)
+    terms = eq.split("->")[0].split(",")
+    sizes = {lab: int(rng.integers(2, 5)) for lab in "ijk"}
+    arrays, operands = [], []
+    for t in terms:
+        shape = tuple(1 if rng.random() < 0.4 else sizes[lab] for lab in t)
+        a = values(rng, shape, float(rng.choice(DENSITIES)), "float64")
+        arrays.append(a)
+        operands.append(ej.sparse("S", a, block=int(rng.integers(1, 3))) if rng.random() < 0.5 else a)
+    if not any(isinstance(x, SparseTensor) for x in operands):
+        operands[0] = ej.sparse("S", arrays[0])
+    got = dense(ej.einsum(eq, *operands))
+    want = np.einsum(eq, *arrays)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
