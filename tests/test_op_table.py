@@ -108,6 +108,7 @@ def _kind_samples():
         ej.topk(x, 3, dim=1)[0], ej.sort(x, dim=0)[1],
         ej.embedding(ej.input("ids", (3, 5), "int64"), ej.input("tab", (10, 6))),
         ej.scatter_add(x, 0, ej.input("si", (2, 6), "int64"), ej.input("su", (2, 6))),
+        ej.einsum("ij,jk->ik", ej.sparse("S", torch.eye(4).to_sparse()), x),  # a sparse einsum (opaque)
     ]
     # fused attention with an additive mask, and its gradients (q, k, v stacked; the mask's)
     aq, am = ej.input("aq", (2, 3, 4, 6)), ej.input("am", (1, 3, 4, 4))

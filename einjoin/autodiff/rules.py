@@ -22,6 +22,8 @@ input, built from IR nodes only — the backward pass is an ordinary graph.
 - ``Attention``: :class:`~einjoin.ir.opkinds.AttentionGrad` nodes (torch's fused backward in
   their kernels; the score matrix is never a tensor of the graph), read back by selects.
   ``AttentionGrad`` itself has no rule (no second derivative through fused attention).
+- ``SparseEinsum``: sparse einsums again, with the same sparse constant
+  (:func:`einjoin.ir.sparse_einsum.sparse_adjoints`); the constant itself gets none.
 
 >>> from einjoin.ir import ops
 >>> from einjoin.ir.node import rule_for
@@ -45,7 +47,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.attention import GRAD_PARTS, attention_grad_node, grad_rows
 from einjoin.ir.fold import fold
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.sparse_einsum import sparse_adjoints
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK)
 
@@ -197,4 +200,5 @@ GRAD_RULES: dict[type, GradRule] = {
     TopK: _topk,
     Attention: _attention,
     AttentionGrad: _no_second,
+    SparseEinsum: sparse_adjoints,
 }

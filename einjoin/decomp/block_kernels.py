@@ -15,7 +15,8 @@ from einjoin.decomp.partition import Box, box_shape
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import (broadcast_kernel, conv_kernel, einsum_kernel, fill_kernel, gather_kernel,
                                 partial_dtype, pool_kernel, scatter_add_kernel, topk_kernel)
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.sparse_einsum import sparse_block
 from einjoin.ir.attention import attention_grad_kernel, attention_kernel
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
@@ -157,6 +158,10 @@ def _attention_grad_block(d: Decomposition, op: AttentionGrad, k: Kernel, blocks
     return np.ascontiguousarray(out[cut])
 
 
+def _sparse_einsum_block(d: Decomposition, op: SparseEinsum, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
+    return sparse_block(d.node, op, blocks, box)  # the sparse engine on the whole inputs, cut to the box
+
+
 # the block kernel of each node kind: (decomposition, its op, kernel, input blocks, output box)
 # -> the output block or partial result
 BlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], np.ndarray]
@@ -176,4 +181,5 @@ BLOCK_KERNELS: dict[type, BlockKernel] = {
     TopK: _topk_block,
     Attention: _attention_block,
     AttentionGrad: _attention_grad_block,
+    SparseEinsum: _sparse_einsum_block,
 }

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
-from einjoin.decomp.partition import BlockKey, Covering, Partition
+from einjoin.decomp.partition import BlockKey, Covering, Partition, even_bounds
 from einjoin.decomp.spec import ROW, SPATIAL, JoinAggSpec, as_node, conv_labels, dim_labels
 from einjoin.ir.agg import AGGS, Agg
 from einjoin.ir.attention import key_band
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import input_range
@@ -214,6 +214,13 @@ def _topk(node: Node, op: TopK, out: Partition) -> tuple[tuple[Partition, ...], 
     inp = Partition(tuple((0, x.shape[d]) if d == op.axis else b for d, b in enumerate(out.bounds)))
     return (inp,), tuple(Kernel(k, k, (tuple(0 if d == op.axis else i for d, i in enumerate(k)),))
                          for k in out.keys())
+
+
+def _whole_inputs(node: Node, op: Any, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    # an opaque kind (a sparse einsum): every kernel reads each input whole and keeps its output box
+    ins = tuple(Partition(tuple(even_bounds(n, 1) for n in x.shape)) for x in node.inputs)
+    zero = tuple((0,) * x.ndim for x in node.inputs)
+    return ins, tuple(Kernel(k, k, zero) for k in out.keys())
 
 
 def _attention_cut(node: Node, out: Partition, row_slots: tuple[int, ...]
@@ -450,4 +457,5 @@ DECOMPOSE_RULES: dict[type, DecomposeRule] = {
     TopK: _blockwise(_topk),
     Attention: _blockwise(_attention),
     AttentionGrad: _blockwise(_attention_grad),
+    SparseEinsum: _blockwise(_whole_inputs),
 }

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.spec import ROW
 from einjoin.ir.attention import band_pairs
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.sparse_einsum import sparse_flops
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.scalar import Call, is_product
@@ -114,6 +115,10 @@ def _attention_grad_flops(d: Decomposition, op: AttentionGrad, index: tuple[int,
     return n // 2 if op.causal and op.window is None else n
 
 
+def _sparse_einsum_flops(d: Decomposition, op: SparseEinsum, index: tuple[int, ...]) -> int:
+    return sparse_flops(d.node)  # every kernel computes the whole op (its output cut to its box)
+
+
 def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:
     return 0  # modelled as free: moves, cuts, casts, fills and fed inputs
 
@@ -135,4 +140,5 @@ FLOPS_RULES: dict[type, Callable[[Decomposition, Any, tuple[int, ...]], int]] = 
     TopK: _topk_flops,
     Attention: _attention_flops,
     AttentionGrad: _attention_grad_flops,
+    SparseEinsum: _sparse_einsum_flops,
 }

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -186,6 +186,14 @@ def _attention_grad_scratch(d: Decomposition, op: AttentionGrad, kernel: int, in
     return 2 * sum(in_bytes[:4]) + 4 * rows + out_bytes + mask + math
 
 
+def _sparse_einsum_scratch(d: Decomposition, op: SparseEinsum, kernel: int, in_bytes: list[int],
+                           out_bytes: int) -> int:
+    """The whole output (a cut kernel keeps its box of it) and the engine's joined relations, at
+    most an input's bytes again each (its per-run copies: a dense operand gathered per tuple)."""
+    whole = prod(d.node.shape) * itemsize(d.node.dtype)
+    return (whole if whole > out_bytes else 0) + sum(in_bytes)
+
+
 def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
     return 0
 
@@ -209,6 +217,7 @@ SCRATCH_RULES: dict[type, ScratchRule] = {
     TopK: _topk_scratch,
     Attention: _attention_scratch,
     AttentionGrad: _attention_grad_scratch,
+    SparseEinsum: _sparse_einsum_scratch,
 }
 
 
@@ -258,6 +267,7 @@ KERNEL_CLASS_RULES: dict[type, Callable[[Decomposition], list[int] | None]] = {
     TopK: _every_kernel,
     Attention: _every_kernel,
     AttentionGrad: _every_kernel,
+    SparseEinsum: _every_kernel,
 }
 """Per node kind, the kernels of a decomposition that :func:`op_need` weighs (one of each class
 of kernels that hold alike), or None: every kernel (it skips those alike as it goes)."""

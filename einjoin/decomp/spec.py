@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from einjoin.decomp.partition import Partition, check_bounds, even_bounds
 from einjoin.errors import EinjoinError, PartitionError
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.printing import describe
@@ -152,6 +152,7 @@ LABEL_RULES: dict[type, LabelRules] = {
     TopK: _DIMS_ONLY,
     Attention: _DIMS_ONLY,
     AttentionGrad: _DIMS_ONLY,
+    SparseEinsum: _DIMS_ONLY,  # opaque: its output dims only (the sparse engine's labels are its own)
     Pool: LabelRules(lambda node, op: dict(zip(_pool_labels(node, op), node.shape)), _none, _pool_labels),
 }
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.spec import ROW, aggregated_labels, conv_labels, dim_labels, label_sizes
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -114,6 +114,10 @@ def _broadcast(node: Node) -> dict[str, frozenset[str]]:
     return {lab: _S if d in kept else _R for d, lab in enumerate(dim_labels(node.ndim))}
 
 
+def _replicated(node: Node) -> dict[str, frozenset[str]]:
+    return {lab: _R for lab in label_sizes(node)}
+
+
 _EVERY = "every dim"
 # how each node kind may be split (the docs' "decomposable dims" column is made of these lines)
 SPLIT_FACTS: dict[type, SplitFacts] = {
@@ -136,6 +140,8 @@ SPLIT_FACTS: dict[type, SplitFacts] = {
                           "of keys its mask allows; keys are not split)",
                           _attention),
     AttentionGrad: SplitFacts("batch dims (a kernel makes its heads' dq, dk, dv whole)", _attention_grad),
+    SparseEinsum: SplitFacts("none (opaque: a cut kernel reads its inputs whole and computes the whole sparse einsum)",
+                             _replicated),
 }
 
 

@@ -31,7 +31,8 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather
                              Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import dilated, out_size
 from einjoin.ir.attention import attention_grad_kernel, attention_kernel
-from einjoin.ir.opkinds import Attention, AttentionGrad
+from einjoin.ir.opkinds import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.sparse_einsum import sparse_reference
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr, is_product
 
@@ -586,6 +587,7 @@ KERNELS: dict[type, KernelRule] = {
     TopK: _eval_topk,
     Attention: _eval_attention,
     AttentionGrad: _eval_attention_grad,
+    SparseEinsum: sparse_reference,  # numpy.einsum on the densified sparse constant
 }
 
 

@@ -21,12 +21,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from einjoin.ir.opkinds import SparseEinsum
 from einjoin.ir.opkinds import (Attention, AttentionGrad, Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather,
                                 Input, Op, Pool, Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
-           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad", "KindFacts",
+           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad",
+           "SparseEinsum", "KindFacts",
            "FACTS", "KINDS", "rule_for"]
 
 
@@ -80,6 +82,8 @@ FACTS: dict[type, KindFacts] = {
     # fused attention and its gradients: kernels that read whole key rows (no einsum labels)
     Attention: KindFacts(computes=True),
     AttentionGrad: KindFacts(computes=True),
+    # a sum of products with a sparse constant (issue 24), evaluated by the sparse engine: opaque to the planner
+    SparseEinsum: KindFacts(computes=True),
 }
 KINDS: tuple[type, ...] = tuple(FACTS)  # every op class; each layer's rule table covers them all
 

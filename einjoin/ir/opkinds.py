@@ -15,15 +15,16 @@ node type. :mod:`einjoin.ir.node` re-exports every name here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
-from collections.abc import Mapping
+from typing import Any, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.agg import Agg
 from einjoin.ir.scalar import Expr
 
 __all__ = ["Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather",
-           "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad", "rule_for"]
+           "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad",
+           "SparseEinsum", "SparseOperand", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,54 @@ class AttentionGrad:
         return f"AttentionGrad(scale={self.scale!r}, causal={self.causal!r}, parts={self.parts!r}{w})"
 
 
+class SparseOperand(Protocol):
+    """What the IR asks of the sparse constant of a :class:`SparseEinsum` (einjoin.sparse's
+    ``GraphSparse`` wraps a ``SparseTensor``; the IR never imports the sparse engine, which sits
+    floors above it): its name, shape, dtype name and stored entries, its densified value (the
+    reference), and the einsum computed by the sparse engine on dense blocks."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype_name(self) -> str: ...
+
+    @property
+    def nnz(self) -> int: ...
+
+    def todense(self) -> Any: ...
+
+    def einsum(self, op: SparseEinsum, dense: Sequence[Any], dtype: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class SparseEinsum:
+    """``out[out_labels] = sum over missing labels of the product of the operands``, one of
+    which (at ``position`` of ``in_labels``) is ``operand``, a sparse constant of the node; the
+    node's inputs are the dense operands in order (issue 24: a sparse adjacency inside a dense
+    graph, ``relu(A @ H @ W)``). Evaluated by the sparse engine (:class:`SparseOperand`'s
+    ``einsum``); the planner treats it as opaque (its kernel computes the whole output)."""
+
+    in_labels: tuple[tuple[str, ...], ...]
+    out_labels: tuple[str, ...]
+    position: int
+    operand: SparseOperand
+
+    @property
+    def equation(self) -> str:
+        return ",".join("".join(ls) for ls in self.in_labels) + "->" + "".join(self.out_labels)
+
+    @property
+    def dense_labels(self) -> tuple[tuple[str, ...], ...]:
+        """The labels of the node's inputs (the dense operands), in order."""
+        return self.in_labels[:self.position] + self.in_labels[self.position + 1:]
+
+
 Op = (Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool | TopK
-      | Attention | AttentionGrad)
+      | Attention | AttentionGrad | SparseEinsum)
 
 
 _Rule = TypeVar("_Rule")

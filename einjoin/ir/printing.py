@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool,
                                 Reshape, ScatterAdd, Select, TopK, rule_for)
-from einjoin.ir.opkinds import Attention, AttentionGrad
+from einjoin.ir.opkinds import Attention, AttentionGrad, SparseEinsum
 
 if TYPE_CHECKING:  # annotations only: Node prints itself through describe (no cycle)
     from einjoin.ir.graph import Graph
@@ -100,6 +100,15 @@ def _window(window: int | None) -> str:
     return "" if window is None else f", window={window}"
 
 
+def _describe_sparse_einsum(op: SparseEinsum) -> str:
+    # the sparse constant's labels marked by its name (the node's arguments are the dense operands)
+    a = op.operand
+    terms = ["".join(ls) for ls in op.in_labels]
+    terms[op.position] = f"{a.name}{{{terms[op.position]}}}"
+    return (f"sparse_einsum[{','.join(terms)}->{''.join(op.out_labels)} | {a.name}: sparse "
+            f"{a.dtype_name}[{', '.join(map(str, a.shape))}], {a.nnz} stored]")
+
+
 def _bare(op: object) -> str:  # a kind without parameters: its name
     return type(op).__name__.lower()
 
@@ -121,6 +130,7 @@ DESCRIBE_RULES: dict[type, Callable[[Any], str]] = {
     TopK: _describe_topk,
     Attention: _describe_attention,
     AttentionGrad: _describe_attention_grad,
+    SparseEinsum: _describe_sparse_einsum,
 }
 
 

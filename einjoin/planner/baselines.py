@@ -45,7 +45,7 @@ from einjoin.decomp.partition import even_bounds
 from einjoin.decomp.spec import ROW, JoinAggSpec, aggregated_labels, dim_labels, label_sizes, output_labels
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.planner.basic import derive_input_specs, largest_output_cut
@@ -213,6 +213,7 @@ BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], 
     TopK: _topk_batch,
     Attention: _attention_batch,
     AttentionGrad: _attention_batch,
+    SparseEinsum: _no_batch,  # opaque: no batch dim passes through it
 }
 """Per node kind, the batch dim of its output given its activation-derived input ``slots`` and
 their batch dims (``data_parallel``; see :func:`batch_dims`)."""
@@ -262,6 +263,7 @@ _INPUT_LABEL_RULES: dict[type, Callable[[Node, int, int], str | None]] = {
     TopK: _no_input_label,
     Attention: _no_input_label,
     AttentionGrad: _no_input_label,
+    SparseEinsum: _no_input_label,
 }
 """Per node kind with aggregated labels, the label of dim ``d`` of input ``slot`` in the node's
 label space (None for kinds that aggregate nothing): where a batch dim is contracted."""
@@ -531,6 +533,7 @@ FOLLOW_RULES: dict[type, Callable[[Node, int, Node, int], _Step]] = {
     TopK: _topk_follow,
     Attention: _attention_follow,
     AttentionGrad: _attention_follow,
+    SparseEinsum: _no_follow,
 }
 """Per node kind, how a Megatron chain's split label continues through it (see :func:`_follow`)."""
 

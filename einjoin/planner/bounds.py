@@ -26,7 +26,7 @@ from typing import cast
 from collections.abc import Callable
 
 from einjoin.ir.dtypes import itemsize
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.scalar import is_product
@@ -121,6 +121,7 @@ BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
     # softmax between two products, so none is claimed
     Attention: _no_bound,
     AttentionGrad: _no_bound,
+    SparseEinsum: _no_bound,
 }
 """Per node kind, its (batch, m, n, k) contraction sizes for the lower bound, or None."""
 

@@ -48,7 +48,7 @@ from einjoin.decomp.spec import JoinAggSpec
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.graph import Graph
 from einjoin.ir.kernels import partial_dtype
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -273,6 +273,7 @@ INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
     TopK: _decomposed_pieces,
     Attention: _decomposed_pieces,
     AttentionGrad: _decomposed_pieces,
+    SparseEinsum: _decomposed_pieces,
 }
 """Per node kind, how the cost model reads (node, spec): an einsum from its labels, every other
 kind from its decomposition."""
@@ -324,6 +325,7 @@ WEIGHT_RULES: dict[type, _Weighed] = {
     TopK: _count_weighed,
     Attention: _count_weighed,
     AttentionGrad: _count_weighed,
+    SparseEinsum: _count_weighed,
 }
 """Per node kind, how ``objective="time"`` weighs its replica and partial bytes by the links they
 cross (:class:`TimeWeights`): an einsum by its kernel grid, every other kind by count."""

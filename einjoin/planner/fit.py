@@ -31,7 +31,7 @@ from einjoin.decomp.decompose import decompose
 from einjoin.decomp.footprint import op_need
 from einjoin.decomp.spec import JoinAggSpec, label_sizes, output_labels
 from einjoin.ir.dtypes import itemsize
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.settings import SETTINGS, Settings
@@ -190,6 +190,7 @@ LEAP_RULES: dict[type, Callable[[dict[str, int], int], list[dict[str, int]]]] = 
     TopK: _no_leaps,
     Attention: _no_leaps,
     AttentionGrad: _no_leaps,
+    SparseEinsum: _no_leaps,
 }
 """Per node kind, the extra cuts (label -> count) :func:`finer_spec` tries at a local minimum of
 the need, given the labels' sizes and ``Settings.fit_leaps``."""
@@ -280,6 +281,7 @@ LEAST_NEED_RULES: dict[type, Callable[[Node], int]] = {
     TopK: _one_of_each,
     Attention: _one_of_each,
     AttentionGrad: _one_of_each,
+    SparseEinsum: _one_of_each,
 }
 """Per node kind, a lower bound of what any one of its tasks holds under any cut
 (:func:`least_need`)."""

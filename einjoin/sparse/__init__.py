@@ -7,8 +7,9 @@ over tuples. See docs/architecture.md, "Sparse".
 """
 
 from einjoin.sparse.grad import sparse_vjp
+from einjoin.sparse.node import GraphSparse  # registers the graph node builder (ej.einsum with lazy operands)
 from einjoin.sparse.plan import SparsePlan, sparse_compile, sparse_einsum
 from einjoin.sparse.tensor import SparseTensor, is_sparse, sparse
 
 __all__ = ["SparseTensor", "SparsePlan", "sparse", "sparse_compile", "sparse_einsum", "is_sparse",
-           "sparse_vjp"]
+           "sparse_vjp", "GraphSparse"]

@@ -30,6 +30,7 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
+from einjoin.ir.node import Node
 from einjoin.sparse.distribute import Distribution, Exchange, distribution
 from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duckdb
 from einjoin.sparse.execute import RunCounts
@@ -40,6 +41,9 @@ from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand
 __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum", "GRAD"]
 
 GRAD: dict[str, Any] = {}  # {"vjp": einjoin.sparse.grad.sparse_vjp}: grad imports this module, not back
+# {"einsum": einjoin.sparse.node.lazy_einsum}: a sparse einsum with lazy operands is a graph node (node
+# imports this module, not back)
+LAZY: dict[str, Any] = {}
 
 AGGS = ("sum", "max")
 KERNELS = {"batched": "one batched einsum per chunk of tuples", "looped": "one BLAS einsum per tuple",
@@ -51,9 +55,9 @@ def _operand(x: Any, i: int, what: str) -> SparseTensor | np.ndarray:
     if isinstance(x, SparseTensor):
         return x
     if type(x).__module__.startswith("einjoin"):
-        raise UnsupportedOpError(f"{what}: operand {i} is a lazy einjoin {type(x).__name__}; sparse "
-                                 f"einsums take SparseTensors and arrays with their data (lazy graphs "
-                                 f"with sparse inputs are not built yet, issue 24)")
+        raise UnsupportedOpError(f"{what}: operand {i} is a lazy einjoin {type(x).__name__}; a compiled "
+                                 f"sparse einsum takes SparseTensors and arrays with their data (ej.einsum "
+                                 f"on a SparseTensor and lazy tensors builds a graph node instead)")
     return dense_operand(x, i, what)
 
 
@@ -522,8 +526,14 @@ def _check_pins(pins: Mapping[str, int], relational: set[str], sizes: Mapping[st
 
 def sparse_einsum(equation: str, *operands: Any, join: Any = None, agg: str | None = "sum",
                   blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
-                  devices: int = 1, backend: Any = "threads") -> SparseTensor | np.ndarray:
-    """Compile and run once: what ``ej.einsum`` does when an operand is a SparseTensor."""
+                  devices: int = 1, backend: Any = "threads") -> SparseTensor | np.ndarray | Node:
+    """Compile and run once: what ``ej.einsum`` does when an operand is a SparseTensor. With
+    lazy einjoin operands (and no devices, blocks or relational pins) it builds a graph node
+    instead (:func:`einjoin.sparse.node.lazy_einsum`), which the frontend wraps as a Tensor."""
+    lazy = any(isinstance(getattr(x, "node", x), Node) for x in operands)
+    if lazy and devices == 1 and blocks is None and relational is None:
+        node: Node = LAZY["einsum"](equation, operands, join=join, agg=agg)
+        return node
     return sparse_compile(equation, *operands, agg=agg, join=join, blocks=blocks,
                           relational=relational, devices=devices, backend=backend).run()
 

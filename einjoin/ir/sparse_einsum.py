@@ -1,0 +1,172 @@
+"""The sparse einsum node kind (issue 24: sparse tensors inside the dense graph): its constructor,
+its reference kernel, its block kernel, its modelled flops and its adjoints.
+
+A :class:`~einjoin.ir.opkinds.SparseEinsum` node is a sum of products of dense graph values and
+one sparse constant held by the op (a :class:`~einjoin.ir.opkinds.SparseOperand`:
+``einjoin.sparse.node.GraphSparse`` around a ``SparseTensor``). The IR never imports the sparse
+engine (it sits floors above): the operand computes the einsum itself (``operand.einsum``, a
+compiled ``SparsePlan`` per equation and shapes), and the reference is ``numpy.einsum`` on its
+densified value. The planner treats the node as opaque: every label of its output is
+*replicated* (a kernel reads its inputs whole and computes the whole output, then keeps its box),
+so cutting it only repeats work, and the cost model keeps it in one block.
+
+The adjoint w.r.t. a dense operand is another sparse einsum with the same constant: the output's
+cotangent joined with the other operands, summed onto the operand's labels (what
+``einjoin.sparse.grad`` computes for a compiled plan), broadcast along labels no other operand
+carries.
+
+>>> import numpy as np
+>>> from einjoin.ir import ops
+>>> class Eye:  # a stand-in sparse operand: the 3 x 3 identity
+...     name, shape, dtype_name, nnz = "I", (3, 3), "float64", 3
+...     def todense(self): return np.eye(3)
+...     def einsum(self, op, dense, dtype): return np.einsum(op.equation, np.eye(3), *dense)
+>>> h = ops.input_node("h", (3, 2), "float64")
+>>> y = sparse_einsum_node(Eye(), 0, [h], "ij,jk->ik")
+>>> y.shape, y.dtype, str(y.op.equation)
+((3, 2), 'float64', 'ij,jk->ik')
+>>> print(repr(y).split(" : ")[0])  # doctest: +ELLIPSIS
+<Node #... sparse_einsum[I{ij},jk->ik | I: sparse float64[3, 3], 3 stored]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from einjoin.errors import DTypeError, EinjoinError, EinsumSyntaxError, ShapeError, UnsupportedOpError
+from einjoin.ir import ops
+from einjoin.ir.dtypes import canonical_dtype, is_half, kind, numpy_dtype, promote
+from einjoin.ir.equation import parse_equation
+from einjoin.ir.node import Node
+from einjoin.ir.opkinds import SparseEinsum, SparseOperand
+
+__all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flops", "sparse_adjoints"]
+
+
+def _what(eq: str, operand: SparseOperand) -> str:
+    return f"sparse_einsum {eq!r} (sparse operand {operand.name!r} {list(operand.shape)})"
+
+
+def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[Node],
+                       equation: str | None = None, in_labels: Sequence[Sequence[str]] | None = None,
+                       out_labels: Sequence[str] | None = None) -> Node:
+    """A :class:`SparseEinsum` node: ``equation`` (or ``in_labels`` / ``out_labels``) over every
+    operand, the sparse ``operand`` at ``position`` and ``inputs`` (dense nodes) at the others, in
+    order. Checks labels against shapes (errors name the op, the label and both shapes) and infers
+    the dtype (float only: the sparse engine's sums)."""
+    shapes = [tuple(x.shape) for x in inputs]
+    if not 0 <= position <= len(inputs):
+        raise EinsumSyntaxError(f"sparse_einsum: sparse operand position {position} for {len(inputs)} dense "
+                                f"operand(s)")
+    shapes.insert(position, tuple(operand.shape))
+    if equation is not None:
+        try:
+            ins, outs = parse_equation(equation, shapes)
+        except EinjoinError as e:  # the same error, naming the sparse einsum and its sparse operand
+            raise type(e)(f"sparse_einsum (sparse operand {operand.name!r} {list(operand.shape)} at "
+                          f"{position}): {e}") from None
+    else:
+        if in_labels is None or out_labels is None:
+            raise EinsumSyntaxError("sparse_einsum: give an equation, or both in_labels and out_labels")
+        ins, outs = tuple(tuple(ls) for ls in in_labels), tuple(out_labels)
+    ins = tuple(tuple(ls) for ls in ins)
+    outs = tuple(outs)
+    eq = ",".join("".join(ls) for ls in ins) + "->" + "".join(outs)
+    what = _what(eq, operand)
+    if len(ins) != len(shapes):
+        raise EinsumSyntaxError(f"{what}: {len(ins)} label group(s) for {len(shapes)} operand(s)")
+    sizes: dict[str, tuple[int, int]] = {}
+    for i, (shape, ls) in enumerate(zip(shapes, ins)):
+        role = "the sparse operand" if i == position else "dense operand"
+        if len(ls) != len(shape):
+            raise ShapeError(f"{what}: operand {i} ({role}) has rank {len(shape)} (shape {shape}) but "
+                             f"{len(ls)} label(s) {''.join(ls)!r}")
+        if len(set(ls)) != len(ls):
+            raise UnsupportedOpError(f"{what}: operand {i} repeats a label ({''.join(ls)!r}); diagonals "
+                                     f"are not supported in sparse einsums")
+        for lab, n in zip(ls, shape):
+            if lab in sizes and sizes[lab][0] != n:
+                j = sizes[lab][1]
+                raise ShapeError(f"{what}: label {lab!r} has size {sizes[lab][0]} in operand {j} "
+                                 f"(shape {shapes[j]}) but size {n} in operand {i} (shape {shape})")
+            sizes.setdefault(lab, (n, i))
+    if len(set(outs)) != len(outs):
+        raise EinsumSyntaxError(f"{what}: an output label is repeated")
+    for lab in outs:
+        if lab not in sizes:
+            raise EinsumSyntaxError(f"{what}: output label {lab!r} appears in no operand")
+    dtype = canonical_dtype(operand.dtype_name)
+    for x in inputs:
+        if kind(x.dtype) != "float":
+            raise DTypeError(f"{what}: dense operand of dtype {x.dtype}; sparse einsums take float operands "
+                             f"(cast it first)")
+        dtype = promote(dtype, x.dtype) if kind(dtype) == "float" else dtype
+    if kind(dtype) != "float":
+        raise DTypeError(f"{what}: the sparse operand is {dtype}; sparse einsums in a graph compute in float")
+    op = SparseEinsum(ins, outs, position, operand)
+    return Node(op, tuple(inputs), tuple(sizes[lab][0] for lab in outs), dtype)
+
+
+def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -> np.ndarray:
+    """``numpy.einsum`` on the densified sparse operand (the reference; half types in float32)."""
+    dense = [np.asarray(a) for a in args]
+    work = [a.astype(np.float32) if is_half(a.dtype) else a for a in dense]
+    work.insert(op.position, np.asarray(op.operand.todense()))
+    out = np.einsum(op.equation, *work) if work else np.zeros(node.shape)
+    return np.asarray(out).astype(numpy_dtype(node.dtype), copy=False)
+
+
+def sparse_block(node: Node, op: SparseEinsum, blocks: Sequence[np.ndarray | None],
+                 box: Sequence[tuple[int, int]], widened: bool = False) -> np.ndarray:
+    """One kernel of the node: the whole output through the sparse engine (its inputs are read
+    whole), cut to ``box`` when the planner cut the output (replicated work: the cost model
+    avoids it). ``widened``: a half result stays float32 (the torch kernels round it)."""
+    dense = [np.asarray(b) for b in blocks]
+    dtype = "float32" if widened and node.dtype in ("float16", "bfloat16") else node.dtype
+    out = np.asarray(op.operand.einsum(op, dense, dtype)).astype(numpy_dtype(dtype), copy=False)
+    if all((a, b) == (0, n) for (a, b), n in zip(box, node.shape)):
+        return out
+    return np.ascontiguousarray(out[tuple(slice(a, b) for a, b in box)])
+
+
+def sparse_flops(node: Node) -> int:
+    """Multiply-adds modelled for the whole op: each stored entry of the sparse operand times the
+    extent of the labels it does not carry (an SpMM's ``2 nnz k``)."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    own = set(op.in_labels[op.position])
+    sizes = {lab: n for x, ls in zip(node.inputs, op.dense_labels) for lab, n in zip(ls, x.shape)}
+    rest = math.prod(n for lab, n in sizes.items() if lab not in own)
+    return 2 * int(op.operand.nnz) * rest
+
+
+def sparse_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    """The cotangent of each dense input: ``g`` joined with the other operands (the sparse one
+    among them) and summed onto the input's labels, as one sparse einsum; labels only that input
+    carries (summed away by the forward) are broadcast back. Cast to the input's dtype."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    out: list[Node | None] = []
+    for k, (x, labels) in enumerate(zip(node.inputs, op.dense_labels)):
+        if not wanted[k]:
+            out.append(None)
+            continue
+        others = [(y, ls) for j, (y, ls) in enumerate(zip(node.inputs, op.dense_labels)) if j != k]
+        carried = set(op.out_labels) | set(op.in_labels[op.position]) | {lab for _, ls in others for lab in ls}
+        kept = tuple(lab for lab in labels if lab in carried)
+        dense = [g] + [y for y, _ in others]
+        dense_labels = [op.out_labels] + [ls for _, ls in others]
+        # the sparse operand keeps its place among the dense ones: after the operands before it
+        pos = 1 + sum(1 for j in range(len(node.inputs)) if j != k and j < op.position)
+        in_labels = dense_labels[:pos] + [op.in_labels[op.position]] + dense_labels[pos:]
+        grad = sparse_einsum_node(op.operand, pos, dense, in_labels=in_labels, out_labels=kept)
+        if kept != labels:
+            grad = ops.broadcast_node(grad, x.shape, [labels.index(lab) for lab in kept])
+        if grad.dtype != x.dtype:
+            grad = ops.cast_node(grad, x.dtype)
+        out.append(grad)
+    return tuple(out)
+

@@ -1,0 +1,149 @@
+"""Sparse tensors inside the dense graph (issue 24): ``ej.einsum`` with a SparseTensor and lazy
+einjoin tensors builds one :class:`~einjoin.ir.opkinds.SparseEinsum` node whose constant is the
+sparse tensor, so a GNN layer ``relu(A @ H @ W)`` compiles, runs on several devices and trains
+with ``ej.grad`` like any dense program.
+
+:class:`GraphSparse` is the node's constant (the IR's ``SparseOperand``): it wraps the tensor
+(one wrapper per tensor, kept in its ``derived`` dict, so nodes built twice are one node) and
+computes the einsum on dense blocks through a :class:`~einjoin.sparse.plan.SparsePlan` compiled
+once per (equation, shapes, dtypes) and run again on each call's blocks.
+
+>>> import numpy as np, scipy.sparse, einjoin as ej
+>>> a = ej.sparse("A", scipy.sparse.random(50, 40, density=0.05, random_state=0))
+>>> h = ej.input("h", (40, 8), "float64")
+>>> w = ej.input("w", (8, 4), "float64")
+>>> y = ej.relu(ej.einsum("ij,jk->ik", a, h @ w))
+>>> y.node.inputs[0].kind, y.shape   # relu of the sparse einsum node
+('sparseeinsum', (50, 4))
+>>> rng = np.random.default_rng(0)
+>>> feeds = {"h": rng.normal(size=(40, 8)), "w": rng.normal(size=(8, 4))}
+>>> out = ej.compile(y, devices=2).run(**feeds)
+>>> bool(np.allclose(out, np.maximum(a.todense() @ feeds["h"] @ feeds["w"], 0)))
+True
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from einjoin.errors import EinjoinError, UnsupportedOpError
+from einjoin.ir.dtypes import canonical_dtype, is_half, numpy_dtype
+from einjoin.ir.node import Node
+from einjoin.ir.opkinds import SparseEinsum
+from einjoin.ir.sparse_einsum import sparse_einsum_node
+from einjoin.sparse.plan import LAZY, SparsePlan, sparse_compile
+from einjoin.sparse.tensor import SparseTensor
+
+__all__ = ["GraphSparse", "graph_operand", "is_lazy", "lazy_einsum"]
+
+_KEY = ("graph operand",)  # the wrapper's key in its tensor's derived dict
+
+
+class GraphSparse:
+    """The sparse constant of :class:`SparseEinsum` nodes: a SparseTensor and the compiled plans
+    of the einsums the graph asks of it. Hashed by identity (one per tensor: :func:`graph_operand`);
+    pickles as its tensor (plans are compiled again where it lands: a Ray actor)."""
+
+    __slots__ = ("tensor", "_plans", "_lock")
+
+    def __init__(self, tensor: SparseTensor) -> None:
+        self.tensor = tensor
+        self._plans: dict[tuple[Any, ...], tuple[SparsePlan, threading.Lock]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tensor": self.tensor}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.tensor = state["tensor"]
+        self._plans = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"GraphSparse({self.tensor!r})"
+
+    @property
+    def name(self) -> str:
+        return self.tensor.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype_name(self) -> str:
+        return canonical_dtype(self.tensor.dtype)
+
+    @property
+    def nnz(self) -> int:
+        return self.tensor.nnz
+
+    def todense(self) -> np.ndarray:
+        return self.tensor.todense()
+
+    def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:
+        """The einsum of ``op`` on the dense blocks ``dense`` (the node's inputs, whole), as a
+        dense array of ``dtype``: half blocks computed in float32 and rounded once."""
+        arrays = [np.ascontiguousarray(a.astype(np.float32) if is_half(a.dtype) else a) for a in dense]
+        key = (op.in_labels, op.out_labels, op.position, tuple((a.shape, a.dtype.str) for a in arrays))
+        operands: list[Any] = list(arrays)
+        operands.insert(op.position, self.tensor)
+        with self._lock:
+            found = self._plans.get(key)
+            if found is None:
+                # one device: the dense engine runs this kernel on its device's thread; compiled
+                # once per shapes, so later calls skip the layout choice
+                plan = sparse_compile(op.equation, *operands, backend="sync")
+                found = self._plans[key] = (plan, threading.Lock())
+        plan, lock = found
+        with lock:  # a plan's run keeps per-run state (its steps, the last operands)
+            out = plan.run(*operands)
+        res = out.todense() if isinstance(out, SparseTensor) else np.asarray(out)
+        return res.astype(numpy_dtype(dtype), copy=False)
+
+
+def graph_operand(tensor: SparseTensor) -> GraphSparse:
+    """The one :class:`GraphSparse` of ``tensor`` (kept with it, so equal graphs hash-cons)."""
+    found = tensor.derived.get(_KEY)
+    if not isinstance(found, GraphSparse):
+        found = tensor.derived[_KEY] = GraphSparse(tensor)
+    return found
+
+
+def is_lazy(x: Any) -> bool:
+    """Whether ``x`` is a lazy einjoin value (a frontend Tensor or an IR node)."""
+    return isinstance(getattr(x, "node", x), Node)
+
+
+def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: Any = "sum") -> Node:
+    """The :class:`SparseEinsum` node of ``ej.einsum(equation, *operands)`` where one operand is
+    a SparseTensor and the others lazy einjoin tensors (the frontend wraps the node)."""
+    what = f"einsum {equation!r}"
+    if join not in (None, "mul"):
+        raise UnsupportedOpError(f"{what}: join {join!r} with a sparse operand in a graph; only the product "
+                                 f"('mul') is supported")
+    if getattr(agg, "name", agg) != "sum":
+        raise UnsupportedOpError(f"{what}: aggregation {getattr(agg, 'name', agg)!r} with a sparse operand in "
+                                 f"a graph; only 'sum' is supported")
+    sparse_at = [i for i, x in enumerate(operands) if isinstance(x, SparseTensor)]
+    if len(sparse_at) != 1:
+        raise UnsupportedOpError(f"{what}: {len(sparse_at)} sparse operands with lazy ones; a graph's sparse "
+                                 f"einsum takes exactly one SparseTensor (compute products of sparse "
+                                 f"tensors eagerly with ej.einsum on the SparseTensors first)")
+    dense: list[Node] = []
+    for i, x in enumerate(operands):
+        if i == sparse_at[0]:
+            continue
+        if not is_lazy(x):
+            raise EinjoinError(f"{what}: operand {i} is a {type(x).__name__} among lazy einjoin tensors; "
+                               f"with a sparse operand in a graph, give the dense operands as einjoin tensors "
+                               f"(ej.input, ej.param, or values computed from them)")
+        dense.append(getattr(x, "node", x))
+    return sparse_einsum_node(graph_operand(operands[sparse_at[0]]), sparse_at[0], dense, equation)
+
+
+LAZY["einsum"] = lazy_einsum

@@ -1,0 +1,219 @@
+"""Sparse tensors inside the dense graph (issue 24): the SparseEinsum node kind.
+
+``ej.einsum`` with a SparseTensor and lazy tensors builds one node whose constant is the sparse
+tensor; it is evaluated by the sparse engine (a SparsePlan per equation and shapes), planned as
+one opaque block, and differentiated w.r.t. its dense operands by sparse einsums again. Checked
+against numpy.einsum on the densified tensor, a dense einjoin graph, and torch autograd.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+from budget import examples
+from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.ir.opkinds import SparseEinsum
+
+
+def _adjacency(n: int, m: int, density: float, seed: int) -> scipy.sparse.coo_array:
+    return scipy.sparse.random_array((n, m), density=density, random_state=seed, format="coo")
+
+
+def _feeds(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(size=s) for k, s in shapes.items()}
+
+
+def test_gnn_layer_compiles_on_one_and_two_devices():
+    sp = _adjacency(60, 50, 0.05, 0)
+    a = ej.sparse("A", sp)
+    h, w = ej.input("h", (50, 8), "float64"), ej.input("w", (8, 4), "float64")
+    y = ej.relu(ej.einsum("ij,jk->ik", a, h @ w))
+    assert y.node.inputs[0].kind == "sparseeinsum"
+    feeds = _feeds({"h": (50, 8), "w": (8, 4)})
+    want = np.maximum(np.einsum("ij,jk->ik", sp.toarray(), feeds["h"] @ feeds["w"]), 0)
+    np.testing.assert_allclose(ej.reference(y, **feeds), want, rtol=1e-12, atol=1e-12)
+    for devices in (1, 2):
+        prog = ej.compile(y, devices=devices)
+        for _ in range(2):  # the second run reuses the node's compiled sparse plan
+            np.testing.assert_allclose(prog.run(**feeds), want, rtol=1e-12, atol=1e-12)
+        node = next(n for n in prog.graph.nodes if isinstance(n.op, SparseEinsum))
+        assert all(len(b) == 2 for b in prog.specs[node].bounds), "opaque: one block"
+
+
+@pytest.mark.parametrize("eq, pos, dense", [
+    ("ij,jk->ik", 0, [(30, 5)]),             # A . H
+    ("ji,jk->ik", 0, [(40, 5)]),             # A^T . H
+    ("ij,jk->ki", 1, [(5, 40)]),             # (H . A)^T, the sparse operand second
+    ("ij,jk,kl->il", 1, [(6, 40), (30, 3)]),  # a chain through the sparse operand
+    ("ij,jk->i", 0, [(30, 4)]),              # a label only the dense operand carries, summed
+    ("ij,ij->ij", 0, [(40, 30)]),            # elementwise: the result keeps A's support
+])
+def test_equations_equal_numpy_on_the_densified_tensor(eq, pos, dense):
+    sp = _adjacency(40, 30, 0.1, 1)
+    a = ej.sparse("A", sp)
+    xs = [ej.input(f"x{i}", s, "float64") for i, s in enumerate(dense)]
+    ops = list(xs)
+    ops.insert(pos, a)
+    y = ej.einsum(eq, *ops)
+    feeds = _feeds({f"x{i}": s for i, s in enumerate(dense)}, 2)
+    vals = [feeds[f"x{i}"] for i in range(len(dense))]
+    vals.insert(pos, sp.toarray())
+    want = np.einsum(eq, *vals)
+    np.testing.assert_allclose(ej.reference(y, **feeds), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ej.compile(y, devices=2).run(**feeds), want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_rank_three_sparse_tensor_mttkrp():
+    rng = np.random.default_rng(3)
+    coords = np.unique(rng.integers(0, [12, 10, 8], size=(80, 3)), axis=0)
+    vals = rng.normal(size=len(coords))
+    t = ej.sparse("T", (coords.T, vals, (12, 10, 8)))
+    b, c = ej.input("b", (10, 4), "float64"), ej.input("c", (8, 4), "float64")
+    y = ej.einsum("ijk,jr,kr->ir", t, b, c)
+    feeds = _feeds({"b": (10, 4), "c": (8, 4)}, 4)
+    want = np.einsum("ijk,jr,kr->ir", t.todense(), feeds["b"], feeds["c"])
+    np.testing.assert_allclose(ej.compile(y, devices=2).run(**feeds), want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_planner_cut_is_replicated_work_with_the_same_values():
+    sp = _adjacency(24, 20, 0.2, 5)
+    a = ej.sparse("A", sp)
+    h = ej.input("h", (20, 6), "float64")
+    y = ej.einsum("ij,jk->ik", a, h)
+    feeds = _feeds({"h": (20, 6)}, 6)
+    prog = ej.compile(y, devices=2, specs={y.node: {"a": 2, "b": 2}})
+    np.testing.assert_allclose(prog.run(**feeds), sp.toarray() @ feeds["h"], rtol=1e-12, atol=1e-12)
+
+
+def test_torch_backend_and_half_precision():
+    sp = _adjacency(30, 20, 0.2, 7)
+    a = ej.sparse("A", sp.astype(np.float32))
+    h = ej.input("h", (20, 6), "float16")
+    y = ej.einsum("ij,jk->ik", a, h)
+    assert y.dtype == "float32"  # float32 sparse values with float16 activations: float32, as torch
+    hv = np.random.default_rng(8).normal(size=(20, 6)).astype(np.float16)
+    want = sp.toarray().astype(np.float32) @ hv.astype(np.float32)
+    for backend in ("threads", "torch"):
+        out = ej.compile(y, devices=2, backend=backend).run(h=hv)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    a16 = ej.sparse("A16", (np.stack([sp.row, sp.col]), sp.data.astype(np.float16), sp.shape))
+    y16 = ej.einsum("ij,jk->ik", a16, h)
+    assert y16.dtype == "float16"
+    want16 = (a16.todense().astype(np.float32) @ hv.astype(np.float32)).astype(np.float16)
+    out16 = ej.compile(y16, backend="torch").run(h=hv)
+    assert out16.dtype == np.float16
+    np.testing.assert_allclose(out16.astype(np.float32), want16.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+def test_the_graph_prints_the_sparse_operand():
+    a = ej.sparse("A", _adjacency(10, 8, 0.3, 9))
+    y = ej.einsum("ij,jk->ik", a, ej.input("h", (8, 3), "float64"))
+    text = str(ej.Graph(y))
+    assert f"sparse_einsum[A{{ij}},jk->ik | A: sparse float64[10, 8], {a.nnz} stored](h) : float64[10, 3]" in text
+
+
+def test_errors_name_the_op_the_label_and_the_shapes():
+    a = ej.sparse("A", _adjacency(10, 8, 0.3, 9))
+    with pytest.raises(ShapeError, match=r"sparse_einsum 'ij,jk->ik'.*'A'.*label 'j' has size 8 in operand 0 "
+                                          r"\(shape \(10, 8\)\) but size 7 in operand 1"):
+        ej.einsum("ij,jk->ik", a, ej.input("h", (7, 3)))
+    with pytest.raises(ShapeError, match=r"sparse_einsum \(sparse operand 'A' \[10, 8\] at 0\).*'jk'.*rank 1"):
+        ej.einsum("ij,jk->ik", a, ej.input("v", (8,)))
+    with pytest.raises(UnsupportedOpError, match="2 sparse operands"):
+        ej.einsum("ij,jk,kl->il", a, ej.input("h", (8, 10)), a)
+    with pytest.raises(EinjoinError, match="operand 1 is a ndarray"):
+        ej.einsum("ij,jk,kl->il", a, np.ones((8, 2)), ej.input("w", (2, 2)))
+    with pytest.raises(UnsupportedOpError, match="join 'add'"):
+        ej.einsum("ij,ij->ij", a, ej.input("z", (10, 8)), join="add")
+    with pytest.raises(UnsupportedOpError, match="aggregation 'max'"):
+        ej.einsum("ij,jk->ik", a, ej.input("h", (8, 3)), agg="max")
+    with pytest.raises(DTypeError, match="dense operand of dtype int64"):
+        ej.einsum("ij,jk->ik", a, ej.input("i", (8, 3), "int64"))
+    with pytest.raises(UnsupportedOpError, match="repeats a label"):
+        ej.einsum("ij,jj->ij", a, ej.input("q", (8, 8)))
+    # eager sparse einsums on arrays are unchanged
+    assert isinstance(ej.einsum("ij,jk->ik", a, np.ones((8, 2))), ej.SparseTensor)
+
+
+def test_the_same_einsum_twice_is_one_node():
+    a = ej.sparse("A", _adjacency(10, 8, 0.3, 9))
+    h = ej.input("h", (8, 3), "float64")
+    assert ej.einsum("ij,jk->ik", a, h).node is ej.einsum("ij,jk->ik", a, h).node
+
+
+def test_gnn_training_matches_torch_autograd():
+    """Two layers relu(A X W1) then A H W2, MSE loss; three SGD steps from ej.grad's gradients
+    (compiled on 2 devices) against torch.sparse.mm's autograd doing the same."""
+    sp = _adjacency(40, 40, 0.1, 10)
+    a = ej.sparse("A", sp)
+    x = ej.input("x", (40, 6), "float64")
+    t = ej.input("t", (40, 2), "float64")
+    w1, w2 = ej.param("w1", (6, 5), "float64"), ej.param("w2", (5, 2), "float64")
+    hid = ej.relu(ej.einsum("ij,jk->ik", a, x @ w1))
+    out = ej.einsum("ij,jk,kl->il", a, hid, w2)
+    loss = ej.mean((out - t) ** 2)
+    g1, g2 = ej.grad(loss, [w1, w2])
+    prog = ej.compile([loss, g1, g2], devices=2)
+    feeds = _feeds({"x": (40, 6), "t": (40, 2), "w1": (6, 5), "w2": (5, 2)}, 11)
+    A = torch.sparse_coo_tensor(np.stack([sp.row, sp.col]), sp.data, sp.shape, check_invariants=True)
+    tw1 = torch.tensor(feeds["w1"], requires_grad=True)
+    tw2 = torch.tensor(feeds["w2"], requires_grad=True)
+    opt = torch.optim.SGD([tw1, tw2], lr=0.1)
+    for _ in range(3):
+        lv, d1, d2 = prog.run(**feeds)
+        opt.zero_grad()
+        th = torch.relu(torch.sparse.mm(A, torch.tensor(feeds["x"]) @ tw1))
+        tl = ((torch.sparse.mm(A, th) @ tw2 - torch.tensor(feeds["t"])) ** 2).mean()
+        tl.backward()
+        np.testing.assert_allclose(lv, tl.item(), rtol=1e-10)
+        np.testing.assert_allclose(d1, tw1.grad.numpy(), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(d2, tw2.grad.numpy(), rtol=1e-9, atol=1e-12)
+        opt.step()
+        feeds["w1"], feeds["w2"] = feeds["w1"] - 0.1 * d1, feeds["w2"] - 0.1 * d2
+    assert any(isinstance(n.op, SparseEinsum) and n.op.out_labels == ("j", "k") for n in prog.graph.nodes), \
+        "the backward holds the transposed sparse einsum (A^T G)"
+
+
+_EQS = [("ij,jk->ik", 0), ("ij,jk->ki", 1), ("ij,jk,kl->il", 1), ("ij,jk->i", 0), ("ij,ij->ij", 0),
+        ("ij,jk,ik->k", 0)]
+
+
+@settings(max_examples=examples(24), deadline=None)
+@given(st.sampled_from(_EQS), st.integers(1, 9), st.integers(1, 9), st.integers(1, 4),
+       st.sampled_from([0.0, 0.05, 0.3, 1.0]), st.integers(0, 2 ** 16))
+def test_random_sparse_einsums_and_gradients_equal_the_dense_graph(case, n, m, k, density, seed):
+    """The sparse node's value and its gradients w.r.t. every dense operand equal the same program
+    with the densified tensor as a dense input (the dense einsum's own adjoints), compiled."""
+    eq, pos = case
+    rng = np.random.default_rng(seed)
+    sp = scipy.sparse.random_array((n, m), density=density, random_state=seed, format="coo")
+    a = ej.sparse(f"A{seed}", sp)
+    terms = eq.split("->")[0].split(",")
+    size = {"i": n, "j": m, "k": k, "l": 3}
+    if pos == 1:  # the sparse operand reads labels j, k: sizes by its shape
+        size = {"i": k, "j": n, "k": m, "l": 3}
+    dense_terms = [tm for i, tm in enumerate(terms) if i != pos]
+    xs = [ej.input(f"x{i}", tuple(size[c] for c in tm), "float64") for i, tm in enumerate(dense_terms)]
+    feeds = {f"x{i}": rng.normal(size=x.shape) for i, x in enumerate(xs)}
+    ops = list(xs)
+    ops.insert(pos, a)
+    y = ej.einsum(eq, *ops)
+    dense_in = ej.input(f"D{seed}", a.shape, "float64")
+    dops = list(xs)
+    dops.insert(pos, dense_in)
+    yd = ej.einsum(eq, *dops)
+    c = ej.input("c", y.shape, "float64")
+    grads = ej.grad((y * c).sum(), xs)
+    dgrads = ej.grad((yd * c).sum(), xs)
+    feeds["c"] = rng.normal(size=y.shape)
+    got = ej.compile([y, *grads], devices=2).run(**feeds)
+    want = ej.compile([yd, *dgrads]).run(**feeds, **{f"D{seed}": sp.toarray()})
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
