@@ -36,7 +36,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import kind
 from einjoin.ir.attention import attention_grad_torch, attention_torch
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
-from einjoin.ir.node import Attention, AttentionGrad
+from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.sparse_einsum import sparse_block
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK)
 from einjoin.ir.window import dilated, local_padding, out_size
@@ -422,6 +423,14 @@ def _attention_grad_block(d: Decomposition, op: AttentionGrad, k: Kernel, blocks
     return out[(slice(None),) * nb + tuple(slice(a, b) for a, b in box[nb:])].contiguous()
 
 
+def _sparse_einsum_block(d: Decomposition, op: SparseEinsum, k: Kernel, blocks: _Blocks, box: Box) -> torch.Tensor:
+    # the sparse engine computes on numpy (zero-copy views of CPU tensors; half ones widened to float32)
+    half = (torch.float16, torch.bfloat16)
+    xs = [b.detach().to("cpu", torch.float32 if b.dtype in half else b.dtype).numpy() for b in blocks]
+    out = torch.from_numpy(sparse_block(d.node, op, xs, box, widened=True))
+    return out.to(blocks[0].device if blocks else "cpu", TORCH_DTYPES[d.node.dtype])
+
+
 # the torch block kernel of each node kind: (decomposition, its op, kernel, input blocks as
 # tensors, output box) -> the output block or partial result (a test checks it covers KINDS)
 TorchBlockKernel = Callable[[Decomposition, Any, Kernel, _Blocks, Box], torch.Tensor]
@@ -441,4 +450,5 @@ TORCH_KERNELS: dict[type, TorchBlockKernel] = {
     TopK: _topk_block,
     Attention: _attention_block,
     AttentionGrad: _attention_grad_block,
+    SparseEinsum: _sparse_einsum_block,
 }
