@@ -282,10 +282,12 @@ def einsum(equation: str, *operands: Tensor, join: str | Expr | None = None,
     over ``x0, x1, ...`` (``"exp(x0 - x1)"``); it defaults to the product (one input: the value
     itself). ``agg`` is ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` or ``None``. The equation takes
     spaces, an implicit output and ``...`` with numpy's broadcasting of size-1 batch dims."""
-    # an operand with data of its own (einjoin.sparse's SparseTensor) computes the einsum itself
+    # an operand with data of its own (einjoin.sparse's SparseTensor) computes the einsum itself,
+    # or, among lazy tensors, returns the graph node that does (a sparse einsum node)
     hook = next((h for x in operands if (h := getattr(type(x), "__einjoin_einsum__", None))), None)
     if hook is not None:
-        return hook(equation, operands, join=join, agg=agg)  # type: ignore[no-any-return]
+        res = hook(equation, operands, join=join, agg=agg)
+        return Tensor(res) if isinstance(res, Node) else res
     xs = [_t(x, f"einsum {equation!r}") for x in operands]
     in_labels, out = parse_equation(equation, [x.shape for x in xs])
     if join is None:
