@@ -100,6 +100,12 @@ def _check_dtype(vals: np.ndarray, what: str) -> np.ndarray:
     return vals.astype(np.float32) if vals.dtype.kind == "b" else vals
 
 
+def _block_size(b: Any) -> bool:
+    """An integer >= 1 (a bool is not a size: ``block=True`` was read as 1, ``reblock((1.5, 1))``
+    as 1)."""
+    return isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) and bool(b >= 1)
+
+
 def _read_only(a: np.ndarray) -> np.ndarray:
     view: np.ndarray = a.view()
     view.flags.writeable = False
@@ -202,10 +208,10 @@ class SparseTensor:
 
     def reblock(self, block: Sequence[int]) -> SparseTensor:
         """The same tensor as a relation of ``block``-shaped tuples (sizes capped at the shape)."""
-        blk = tuple(max(1, min(int(b), max(n, 1))) for b, n in zip(block, self.shape))
-        if len(blk) != self.ndim or any(int(b) < 1 for b in block):
+        if len(block) != self.ndim or not all(_block_size(b) for b in block):
             raise ShapeError(f"sparse tensor {self.name!r} of shape {self.shape}: block {tuple(block)} "
-                             f"needs {self.ndim} sizes >= 1")
+                             f"needs {self.ndim} integer sizes >= 1")
+        blk = tuple(max(1, min(int(b), max(n, 1))) for b, n in zip(block, self.shape))
         if blk == self.block:
             return self
         coords, vals = self.coo()
@@ -398,7 +404,7 @@ def sparse(name: str, data: Any, block: int | Sequence[int] = 1) -> SparseTensor
     vals = _check_dtype(np.asarray(vals), what)
     try:
         blk = (block,) * len(shape) if isinstance(block, (int, np.integer)) else tuple(block)
-        ok = len(blk) == len(shape) and all(isinstance(b, (int, np.integer)) and b >= 1 for b in blk)
+        ok = len(blk) == len(shape) and all(_block_size(b) for b in blk)
     except TypeError:  # not a sequence (1.5, None)
         ok = False
     if not ok:

@@ -192,3 +192,15 @@ def test_size1_dims_broadcast_as_in_numpy(seed: int, eq: str) -> None:
     want = np.einsum(eq, *arrays)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: ej.sparse("A", a, block=True),  # was read as block 1
+    lambda a: ej.sparse("A", a, block=(2, np.True_)),
+    lambda a: ej.sparse("A", a).reblock((1.5, 1)),  # was int(1.5) = 1
+    lambda a: ej.sparse("A", a).reblock((True, 2)),
+    lambda a: ej.sparse("A", a).reblock((2,)),
+])
+def test_block_sizes_are_integers(make) -> None:
+    with pytest.raises(ej.ShapeError, match="block"):
+        make(np.eye(4))
