@@ -138,11 +138,22 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
                              memory_policy=memory_policy, host_link=host_link, state=state,
                              deterministic=deterministic, fuse=fuse, shape_cache=shape_cache,
                              leave_idle=leave_idle, objective=objective)
+    outputs, writes = _buffer_writes(outputs)
     source = Source.of(outputs, options.state)
     warm = getattr(options.backend, "warm", None)
     if warm is not None and memory_limit is None:  # Ray: the actors start while the plan is made
         warm(cluster, source.graph)
-    return Program(build_plan(source, cluster, options))
+    return Program(build_plan(source, cluster, options), writes)
+
+
+def _buffer_writes(fn: Any) -> tuple[Any, Any]:
+    """An imported forward that writes buffers (``self.n += 1``, BatchNorm's running statistics):
+    the import computing their new values too, and how a run writes them back into the module
+    (:mod:`einjoin.frontend.buffer_writes`); anything else as it is, and None."""
+    if not getattr(fn, "buffer_updates", None):
+        return fn, None
+    from einjoin.frontend.buffer_writes import with_buffer_outputs  # a from_torch result: loaded
+    return with_buffer_outputs(fn)
 
 
 def load(path: str | os.PathLike[str], *, backend: Any = None) -> Program:
@@ -223,7 +234,7 @@ class Program:
     are the backend and the run defaults of its options (``order``, ``seed``, ``quiet``,
     ``host_link``)."""
 
-    def __init__(self, plan: CompiledPlan):
+    def __init__(self, plan: CompiledPlan, writes: Any = None):
         self.plan = plan
         self.graph = plan.graph
         self.cluster = plan.cluster
@@ -241,10 +252,15 @@ class Program:
         self._structure = plan.structure                # an imported forward's output pytree (or None)
         self._arg_names = plan.arg_names                # set for an imported torch module
         self._bound = plan.bound
+        # the buffers an imported forward writes: after the forward's results, written back by
+        # each run, one run at a time (each reads the buffers the one before wrote)
+        self._writes = writes
+        if writes is not None:
+            self._many, self._structure = writes.many, writes.structure
         self.run_stats: RunStats | None = None
         self._slots = plan.state
         self.deterministic = bool(options.deterministic)
-        self._serial = bool(plan.state) or self.deterministic
+        self._serial = bool(plan.state) or self.deterministic or writes is not None
         self._state_names = frozenset(s.name for s in plan.state)
         # programs for other shapes (an imported module): shared with them, with its counts
         self._variants: ShapeCache[Program] | None = (
@@ -283,6 +299,7 @@ class Program:
         state.pop("_nodes", None)
         values = state.pop("_state_values", None)
         state.setdefault("_structure", None)  # pickled by an einjoin that returned flat tuples
+        state.setdefault("_writes", None)
         self.__dict__.update(state)
         self.run_stats = None
         self._fresh()
@@ -339,7 +356,11 @@ class Program:
         examples = example_tensors(self._arg_names, shapes, dtypes, given)
         # the forward's tensors positionally in arg_names order (TorchFunction.recapture's contract:
         # the import puts keyword tensors and non-tensor arguments back where they were)
-        fn = self.plan.recapture(examples, {})
+        fn, writes = _buffer_writes(self.plan.recapture(examples, {}))
+        if writes is not None and self._writes is not None:  # write where this program writes
+            mine_at = dict(zip(self._writes.names, self._writes.targets))
+            writes = dataclasses.replace(writes, targets=tuple(mine_at.get(n, t) for n, t in
+                                                               zip(writes.names, writes.targets)))
         if len(fn.outputs) != len(self.graph.outputs) or tuple(fn.arg_names) != self._arg_names:
             raise EinjoinError(f"the module imported again for shapes {_shapes(shapes)} has {len(fn.outputs)} "
                                f"outputs and arguments {', '.join(fn.arg_names)}; the compiled one "
@@ -350,8 +371,10 @@ class Program:
             source = dataclasses.replace(source, bound={
                 k: (mine[k] if k in mine and np.shape(mine[k]) == np.shape(v) else v) for k, v in source.bound.items()})
         # with leave_idle, the devices asked for (the plan may have left some idle for these shapes)
-        prog = Program(build_plan(source, self.plan.given or self.cluster, self.plan.options))
+        prog = Program(build_plan(source, self.plan.given or self.cluster, self.plan.options), writes)
         prog._key, prog._parent, prog._variants = key, self, None
+        if writes is not None:  # runs of every shape write the same buffers: one at a time
+            prog._resident.lock = self._resident.lock
         assert self._variants is not None
         log.info("compiled %d ops for shapes %s in %.3f s (%d program(s) cached before, LRU of %s)",
                  len(prog.graph.ops), _shapes(shapes), time.perf_counter() - start, len(self._variants),
@@ -549,6 +572,8 @@ class Program:
                             raise
                         if state is not None:  # only a run that succeeded replaces the state
                             self._release(self._resident.commit(state))
+                        if self._writes is not None and outs is not None:  # before the next run starts
+                            self._writes.write(outs)
             except BaseException as exc:
                 if recorder is not None:  # what was recorded; the run's error stays the error
                     self._write_trace(recorder, p["trace"], exc, handle)
@@ -567,6 +592,8 @@ class Program:
             handle.stats = stats
         if outs is None:
             return None
+        if self._writes is not None:
+            outs = self._writes.user_outputs(outs)
         if self._slots:  # an output that is also a new state value never aliases the state's block
             news = {s.new for s in self._slots}
             outs = [np.array(o) if n in news else o for o, n in zip(outs, self.graph.outputs)]
@@ -700,6 +727,8 @@ class Program:
             values.update({self.graph.input_by_name[n]: v for n, v in self.read_state(absent).items()})
         outs = run_reference(self.taskgraph, self.decomps, values)
         outs = outs[:len(outs) - len(self._slots)]
+        if self._writes is not None:  # the buffers' new values: not written (nor returned)
+            outs = self._writes.user_outputs(outs)
         return returned(outs, self._many, self._structure)
 
     def simulate(self, cluster: Any = None, *, order: str | None = None, seed: int | None = None,
@@ -744,6 +773,10 @@ class Program:
         reads it back without planning again; runs give bit-identical results. Programs compiled
         for other shapes (:attr:`shape_cache`) are not saved, and a loaded program runs only the
         shapes it was compiled for (the torch module is not in the file)."""
+        if self._writes is not None:
+            raise EinjoinError(f"prog.save: the forward writes buffer(s) {', '.join(self._writes.names)} at "
+                               f"each run, which a saved program cannot write back: save one whose forward "
+                               f"writes none (eval mode)")
         state: dict[str, np.ndarray] = {}
         if self._slots and self.backend.computes:
             with self._resident.lock:

@@ -5,6 +5,7 @@ regression, a GroupNorm + avg-pool block."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -72,8 +73,11 @@ def test_batch_norm_training_mode_running_stats():
     names = [n for n in updates if n.endswith(("running_mean", "running_var"))]
     assert sorted(names) == ["1.running_mean", "1.running_var"]
     prog = ej.compile(fn.with_outputs([fn.outputs[0]] + [updates[n] for n in sorted(names)]), devices=2)
-    got = prog.run(x)
-    want = m(x)  # training mode: updates m's running statistics in place
+    twin = copy.deepcopy(m)
+    got = prog.run(x)  # writes the new running statistics into m's buffers, as torch's call
+    want = twin(x)  # training mode: updates twin's running statistics in place
+    for b, w in zip(m.buffers(), twin.buffers()):
+        assert_close(b, w, atol=1e-6)
     assert_close(got[0], want, atol=1e-5)
     assert_close(got[1], m[1].running_mean, atol=1e-6)
     assert_close(got[2], m[1].running_var, atol=1e-6)

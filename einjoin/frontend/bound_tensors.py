@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from einjoin.errors import EinjoinError
+
 __all__ = ["LiveTensor", "BoundTensors", "bind_tensor", "feeds_of"]
 
 
@@ -62,6 +64,22 @@ class LiveTensor:
             arr = t.numpy()
         self.tensor, self._cache = t, (key, arr)
         return arr
+
+    def write(self, value: np.ndarray, name: str) -> None:
+        """Write ``value`` into the module's tensor in place (a forward's buffer write, which torch
+        makes in place at every call): the module, and the next run's feed, hold it."""
+        import torch
+        src = self.source
+        arr = np.asarray(value, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
+        if arr.dtype.kind == "V" or arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: its bits
+            new = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        else:
+            new = torch.from_numpy(arr)
+        if tuple(new.shape) != tuple(src.shape):
+            raise EinjoinError(f"buffer {name!r} is {list(src.shape)} in the module now, but the program "
+                               f"computes its new value as {list(new.shape)}: import the module again")
+        with torch.no_grad():
+            src.copy_(new)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         arr = self.now()

@@ -1,0 +1,146 @@
+"""Issue 36 (H1): silent wrong answers of imported torch programs, differential against torch.
+
+- a forward that writes a buffer (``self.count += 1``, a training-mode BatchNorm's running
+  statistics): each run of the compiled program is one torch call, and the module's buffer moves
+  on as torch's would (the program writes the new value back);
+- a parameter or buffer replaced by another object (``lin.weight = nn.Parameter(w)``,
+  ``load_state_dict(sd, assign=True)``): the program computes with what the module holds now;
+- activations at +-inf and nan give torch's values.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import einjoin as ej
+
+
+def _close(got: object, want: torch.Tensor, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(torch.as_tensor(np.asarray(got)), want, rtol=tol, atol=tol, equal_nan=True)
+
+
+# ---------------------------------------------------------------- 1. buffer writes
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return x * self.count
+
+
+def test_a_buffer_the_forward_writes_moves_on_between_runs() -> None:
+    """torch: 2, 3, 4 over three calls (and the buffer is 4); a compiled program gave 2, 2, 2."""
+    x = torch.ones(3)
+    m, twin = _Counter(), _Counter()
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    for _ in range(3):
+        _close(prog.run(x), twin(x))
+        _close(m.count, twin.count)  # the module's buffer is the program's state
+
+
+def test_a_buffer_written_by_the_user_between_runs_is_read() -> None:
+    x = torch.ones(2)
+    m, twin = _Counter(), _Counter()
+    prog = ej.compile(ej.from_torch(m, (x,)), devices=2, quiet=True)
+    prog.run(x), twin(x)
+    with torch.no_grad():
+        m.count.fill_(10.0), twin.count.fill_(10.0)
+    _close(prog.run(x), twin(x))
+    _close(m.count, twin.count)
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_training_batch_norm_running_stats_follow_torch_over_runs(kind: str) -> None:
+    """The common real case: BatchNorm in train mode; outputs, running_mean, running_var and
+    num_batches_tracked after each of three runs as torch's, also at a new batch size (another
+    compiled shape writes the same buffers)."""
+    torch.manual_seed(0)
+    if kind == "1d":
+        m = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5, momentum=0.3)).train()
+        xs = [torch.randn(6, 4), torch.randn(6, 4), torch.randn(3, 4)]
+    else:
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+        xs = [torch.randn(2, 3, 7, 7), torch.randn(2, 3, 7, 7), torch.randn(3, 3, 7, 7)]
+    twin = copy.deepcopy(m)
+    prog = ej.compile(ej.from_torch(m, (xs[0],)), devices=2, quiet=True)
+    for x in xs:
+        got = prog.run(x)
+        with torch.no_grad():
+            want = twin(x)
+        _close(got, want, 1e-4)
+        for (name, b), (_, w) in zip(m.named_buffers(), twin.named_buffers()):
+            torch.testing.assert_close(b, w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_buffer_writes_keep_the_forward_structure_and_are_not_returned() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("n", torch.zeros(2))
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            self.n.add_(x.sum(0))
+            return {"y": x + self.n, "n": self.n.clone()}
+
+    x = torch.ones(3, 2)
+    m, twin = Two(), Two()
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    for _ in range(2):
+        got, want = prog.run(x), twin(x)
+        assert sorted(got) == ["n", "y"]
+        _close(got["y"], want["y"])
+        _close(got["n"], want["n"])
+    _close(prog.run_reference(x)["y"], twin.n + x.sum(0) + x)  # the reference run reads the buffer
+    _close(prog.run_reference(x)["y"], twin.n + x.sum(0) + x)  # ... and does not write it
+    _close(m.n, twin.n)
+
+
+def test_a_pickled_program_with_buffer_writes_carries_its_buffer() -> None:
+    """Unpickled, the program is detached from the module: it moves its own copy on."""
+    x = torch.ones(2)
+    m, twin = _Counter(), _Counter()
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    prog.run(x), twin(x)
+    again = pickle.loads(pickle.dumps(prog))
+    for _ in range(2):
+        _close(again.run(x), twin(x))
+    _close(m.count, torch.tensor(2.0))  # the original module is not the copy's
+
+
+def test_saving_a_program_with_buffer_writes_is_refused(tmp_path: object) -> None:
+    x = torch.ones(2)
+    prog = ej.compile(ej.from_torch(_Counter(), (x,)), quiet=True)
+    with pytest.raises(ej.EinjoinError, match="count"):
+        prog.save(str(tmp_path) + "/counter.einjoin")  # type: ignore[operator]
+
+
+def test_concurrent_runs_of_a_buffer_writing_program_each_see_the_last_write() -> None:
+    """Runs are serialised (as a program with state): 8 threads, two shapes, 8 increments."""
+    import threading
+    m = _Counter()
+    prog = ej.compile(ej.from_torch(m, (torch.ones(2),)), quiet=True)
+    prog.run(torch.ones(3))  # the second shape compiled before the threads start
+    seen: list[float] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        y = prog.run(torch.ones(2 + i % 2))
+        with lock:
+            seen.append(float(y[0]))
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == [3.0 + i for i in range(8)], seen
+    _close(m.count, torch.tensor(10.0))
