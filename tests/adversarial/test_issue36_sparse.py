@@ -204,3 +204,20 @@ def test_size1_dims_broadcast_as_in_numpy(seed: int, eq: str) -> None:
 def test_block_sizes_are_integers(make) -> None:
     with pytest.raises(ej.ShapeError, match="block"):
         make(np.eye(4))
+
+
+def test_reblock_is_kept_and_switches_block_shapes_correctly() -> None:
+    # a plan's run cut its sparse operands into the layout's blocks on every run (~45 ns an entry,
+    # and the executor's join kept in the cut tensor was lost with it): the last cut is kept
+    rng = np.random.default_rng(0)
+    a = values(rng, (9, 7), 0.3, "float64")
+    s = ej.sparse("A", a)
+    b1 = s.reblock((4, 3))
+    assert s.reblock((4, 3)) is b1
+    b2 = s.reblock((2, 7))
+    assert b2 is not b1 and b2.block == (2, 7)
+    for t in (b1, b2, s.reblock((4, 3)), s.reblock((1, 1))):
+        np.testing.assert_array_equal(t.todense(), a)
+    plan = ej.sparse_compile("ij,jk->ik", ej.sparse("B", a), ej.sparse("C", a.T.copy()), blocks={"i": 4, "k": 3})
+    for _ in range(3):
+        np.testing.assert_allclose(plan.run().todense(), a @ a.T)
