@@ -221,3 +221,16 @@ def test_reblock_is_kept_and_switches_block_shapes_correctly() -> None:
     plan = ej.sparse_compile("ij,jk->ik", ej.sparse("B", a), ej.sparse("C", a.T.copy()), blocks={"i": 4, "k": 3})
     for _ in range(3):
         np.testing.assert_allclose(plan.run().todense(), a @ a.T)
+
+
+def test_all_finite_is_right_and_kept() -> None:
+    # the non-finite check of a sum of products passed over all the data on every run; the tensor
+    # is immutable, so the answer is kept (plan.py's check can ask it: see H7's session-36 report)
+    big = ej.sparse("A", np.array([[1e308, 1e308], [0.0, -1e308]]))  # the sum overflows, each is finite
+    assert big.all_finite() and big.all_finite()
+    for bad in (np.inf, -np.inf, np.nan):
+        assert not ej.sparse("A", np.array([[1.0, bad]])).all_finite()
+    assert ej.sparse("A", np.eye(2, dtype=np.int64)).all_finite()
+    assert ej.sparse("A", np.zeros((2, 0))).all_finite()
+    s = ej.sparse("A", np.array([[np.inf, 1.0]], np.float16))
+    assert not s.all_finite() and ("finite",) in s.derived
