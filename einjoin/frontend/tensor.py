@@ -319,6 +319,10 @@ def einsum(equation: str, *operands: Tensor, join: str | Expr | None = None,
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` with torch's rules for 1-D operands and broadcast batch dims."""
+    if any(hasattr(type(x), "__einjoin_einsum__") for x in (a, b)):  # a sparse matrix: its einsum hook
+        eq = {(2, 2): "ij,jk->ik", (2, 1): "ij,j->i", (1, 2): "j,jk->k"}.get((len(a.shape), len(b.shape)))
+        if eq is not None:
+            return einsum(eq, a, b)
     a, b = _t(a, "matmul"), _t(b, "matmul")
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul of shapes {a.shape} and {b.shape}: rank-0 operands")
