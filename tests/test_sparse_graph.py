@@ -217,3 +217,28 @@ def test_random_sparse_einsums_and_gradients_equal_the_dense_graph(case, n, m, k
     want = ej.compile([yd, *dgrads]).run(**feeds, **{f"D{seed}": sp.toarray()})
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_matmul_with_a_sparse_matrix_builds_the_node():
+    sp = _adjacency(12, 10, 0.3, 12)
+    a = ej.sparse("A", sp)
+    h = ej.input("h", (10, 3), "float64")
+    v = ej.input("v", (12,), "float64")
+    outs = [a @ h, ej.matmul(a, h), v @ a, a @ h[:, 0]]
+    assert all(isinstance(o.node.op, SparseEinsum) for o in outs)
+    feeds = _feeds({"h": (10, 3), "v": (12,)}, 13)
+    d = sp.toarray()
+    want = [d @ feeds["h"], d @ feeds["h"], feeds["v"] @ d, d @ feeds["h"][:, 0]]
+    for got, w in zip(ej.compile(outs, devices=2).run(**feeds), want):
+        np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_program_holding_a_sparse_constant_pickles_but_is_not_saved(tmp_path):
+    import pickle
+    sp = _adjacency(12, 10, 0.3, 14)
+    y = ej.einsum("ij,jk->ik", ej.sparse("A", sp), ej.input("h", (10, 3), "float64"))
+    prog = ej.compile(y, devices=2)
+    hv = _feeds({"h": (10, 3)}, 15)["h"]
+    np.testing.assert_allclose(pickle.loads(pickle.dumps(prog)).run(h=hv), sp.toarray() @ hv, rtol=1e-12)
+    with pytest.raises(EinjoinError, match="GraphSparse"):  # saved programs hold plain data only (not yet)
+        prog.save(tmp_path / "p.ej")
