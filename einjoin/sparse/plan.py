@@ -301,7 +301,12 @@ class SparsePlan:
         multiplies the zeros inside blocks, so the answer would depend on the block layout the data
         chooses: an inf or nan value is refused, by name."""
         for k, v in enumerate(values):
-            data = v.data if isinstance(v, SparseTensor) else v
+            if isinstance(v, SparseTensor):
+                if v.all_finite():  # once per tensor (immutable), not a pass over its data every run
+                    continue
+                data = v.data
+            else:
+                data = v
             if data.dtype.kind != "f" or not data.size:
                 continue
             # one pass without a temporary; a sum that overflowed is checked element by element
