@@ -11,6 +11,7 @@ import pytest
 
 import einjoin as ej
 from einjoin.errors import EinjoinError
+from einjoin.runtime.simulate import Simulation
 from einjoin.runtime.simulate_repeat import block_ends, layer_of_tasks, repeat_layers
 
 CLUSTER = ej.Cluster.preset("dgx-a100", devices=2)
@@ -84,3 +85,35 @@ def test_too_few_blocks_refused(programs: dict[int, Any]) -> None:
         repeat_layers(2, sim, sim, 80)
     with pytest.raises(EinjoinError, match="fewer than"):
         repeat_layers(3, sim, sim, 2)
+
+
+def _sim(makespan: float, ends: list[float]) -> Simulation:
+    """A simulation whose task i (block i's output) ends at ``ends[i]``."""
+    iv = [(0.0, e, i) for i, e in enumerate(ends)]
+    return Simulation(makespan, {0: makespan}, {}, {}, {0: 0}, {0: iv}, "toy", tasks=(None,) * len(ends))  # type: ignore[arg-type]
+
+
+def test_no_step_or_no_period_refused(programs: dict[int, Any]) -> None:
+    sims = {n: programs[n][0].simulate(resident=True) for n in (3, 4)}
+    with pytest.raises(EinjoinError, match="tasks"):  # the two programs swapped: one block fewer
+        repeat_layers(3, sims[4], sims[3], 80)
+    with pytest.raises(EinjoinError, match="adds"):  # one more block adds no time
+        repeat_layers(3, _sim(5.0, [1.0, 2.0, 3.0]), _sim(5.0, [1.0, 2.0, 3.0, 4.0]), 80)
+    # middle blocks of spans 1 and 2: not periodic, refused; spans 1 and 1: the step holds
+    with pytest.raises(EinjoinError, match="not periodic"):
+        repeat_layers(3, _sim(4.0, [1.0, 2.0, 4.0]), _sim(6.0, [1.0, 2.0, 4.0, 6.0]), 80, [0, 1, 2, 3])
+    rep = repeat_layers(3, _sim(4.0, [1.0, 2.0, 3.0]), _sim(5.0, [1.0, 2.0, 3.0, 5.0]), 80, [0, 1, 2, 3])
+    assert rep.periods == (1.0, 1.0) and rep.makespan == 4.0 + 77 * 1.0
+    with pytest.raises(EinjoinError, match="tolerance"):
+        repeat_layers(3, _sim(4.0, [1.0]), _sim(5.0, [1.0, 2.0]), 80, tolerance=-0.1)
+
+
+def test_a_kept_simulation_is_a_copy(programs: dict[int, Any]) -> None:
+    prog = programs[3][0]
+    a = prog.simulate(resident=True)
+    a.intervals.clear()
+    a.link_bytes[(0, 1)] = -1
+    a.peak_memory.clear()
+    b = prog.simulate(resident=True)  # the kept replay: unchanged by what the first caller did
+    assert b is not a and b.intervals and (0, 1, -1) not in {(*k, v) for k, v in b.link_bytes.items()}
+    assert sum(len(iv) for iv in b.intervals.values()) == len(prog.taskgraph) and b.peak_memory

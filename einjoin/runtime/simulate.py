@@ -410,17 +410,26 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
     key = (hardware, order, seed, resident, served)
     for ref, k, sim in _RECENT:  # the same graph again: ej.compile's time objective simulated it already
         if priority is None and ref() is tg and k == key:
-            return sim
+            return _own_copy(sim)
     sim = _simulate(tg, hardware, order, seed, priority, resident, served)
     if priority is None:
-        _RECENT.append((weakref.ref(tg), key, sim))
+        _RECENT.append((weakref.ref(tg), key, _own_copy(sim)))
         del _RECENT[:-2]
     return sim
 
 
+def _own_copy(sim: Simulation) -> Simulation:
+    """``sim`` with dicts and interval lists of its own: a caller that changes the one it got
+    (drops a device's intervals, adds up link bytes) changes no other caller's."""
+    return dataclasses.replace(sim, device_busy=dict(sim.device_busy), link_bytes=dict(sim.link_bytes),
+                               link_busy=dict(sim.link_busy), peak_memory=dict(sim.peak_memory),
+                               intervals={d: list(iv) for d, iv in sim.intervals.items()})
+
+
 # the last two simulations (with the runs' own ready order), by their task graph (weakly) and the
 # other arguments: a plan compiled for time was simulated to choose it, and prog.simulate() of it
-# then replays nothing. A Simulation is the same object each time (read it, do not change it).
+# then replays nothing. Each caller gets a copy (its dicts and lists its own; the tasks, immutable,
+# are shared).
 _RECENT: list[tuple[weakref.ref[TaskGraph], tuple[Any, ...], Simulation]] = []
 
 

@@ -77,21 +77,49 @@ def block_ends(sim: Simulation, task_layer: Sequence[int]) -> tuple[float, ...]:
 
 
 def repeat_layers(k: int, shorter: Simulation, longer: Simulation, layers: int,
-                  task_layer: Sequence[int] | None = None) -> Repeated:
+                  task_layer: Sequence[int] | None = None, tolerance: float = 0.01) -> Repeated:
     """The makespan of ``layers`` blocks from ``shorter`` and ``longer``, the simulations of
     programs of ``k`` and ``k + 1`` blocks (``k >= 3``: a first block, middle ones, a last one;
     ``layers >= k``), as the module's docstring says; with ``task_layer`` (of ``longer``'s
-    task graph, :func:`layer_of_tasks`), its middle blocks' spans as ``periods``. Fewer blocks:
-    an :class:`EinjoinError`."""
+    task graph, :func:`layer_of_tasks`), its middle blocks' spans as ``periods``.
+
+    Refused (an :class:`EinjoinError`): fewer blocks; a ``longer`` with no more tasks than
+    ``shorter``, or a step <= 0 (one more block adds nothing: these are not the same blocks, one
+    more of them); and, given ``task_layer``, middle blocks whose spans differ by more than
+    ``tolerance`` of the longest (the replay is not periodic, so the step measures no block).
+
+    >>> from einjoin.runtime.simulate import Simulation
+    >>> def sim(ms, n):
+    ...     return Simulation(ms, {}, {}, {}, {}, {}, "toy", tasks=(None,) * n)
+    >>> repeat_layers(3, sim(3.0, 30), sim(4.0, 40), 10).makespan
+    10.0
+    >>> repeat_layers(3, sim(3.0, 30), sim(3.0, 40), 10)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    einjoin.errors.EinjoinError: repeat_layers: one more block adds 0 s ...: no repeating block to extrapolate
+    """
     if k < 3:
         raise EinjoinError(f"repeat_layers: k = {k} blocks; at least 3 are needed (a first, a middle one to repeat "
                            f"and a last)")
     if layers < k:
         raise EinjoinError(f"repeat_layers: {layers} blocks asked, fewer than the {k} simulated")
+    if not 0 <= tolerance < 1:
+        raise EinjoinError(f"repeat_layers: tolerance must be in [0, 1), got {tolerance!r}")
+    if shorter.tasks and longer.tasks and len(longer.tasks) <= len(shorter.tasks):
+        raise EinjoinError(f"repeat_layers: the {k + 1}-block simulation has {len(longer.tasks)} tasks, the {k}-block "
+                           f"one {len(shorter.tasks)}: not the same blocks and one more")
     step = longer.makespan - shorter.makespan
+    if not step > 0:
+        raise EinjoinError(f"repeat_layers: one more block adds {step:.3g} s (simulated: {shorter.makespan:.3g} s for "
+                           f"{k} blocks, {longer.makespan:.3g} s for {k + 1}): no repeating block to extrapolate")
     periods: tuple[float, ...] = ()
     if task_layer is not None:
         ends = block_ends(longer, task_layer)
         periods = tuple(b - a for a, b in zip(ends[:-2], ends[1:-1]))
+        if len(periods) >= 2 and max(periods) - min(periods) > tolerance * max(periods):
+            spans = ", ".join(f"{p:.4g}" for p in periods)
+            raise EinjoinError(f"repeat_layers: the middle blocks' spans in the {k + 1}-block simulation differ by "
+                               f"more than {tolerance:.0%} ({spans} s, simulated): the replay is not periodic, so "
+                               f"{layers} blocks cannot be extrapolated from it (simulate more blocks, or all)")
     makespan = shorter.makespan + (layers - k) * step
     return Repeated(layers, k, (shorter.makespan, longer.makespan), step, makespan, periods)
