@@ -19,6 +19,7 @@ import einjoin as ej
 from budget import examples
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.ir.opkinds import SparseEinsum
+from einjoin.sparse import GraphSparse
 
 
 def _adjacency(n: int, m: int, density: float, seed: int) -> scipy.sparse.coo_array:
@@ -242,3 +243,13 @@ def test_a_program_holding_a_sparse_constant_pickles_but_is_not_saved(tmp_path):
     np.testing.assert_allclose(pickle.loads(pickle.dumps(prog)).run(h=hv), sp.toarray() @ hv, rtol=1e-12)
     with pytest.raises(EinjoinError, match="GraphSparse"):  # saved programs hold plain data only (not yet)
         prog.save(tmp_path / "p.ej")
+
+
+def test_the_reference_of_a_large_sparse_operand_runs_the_sparse_engine(monkeypatch):
+    import einjoin.ir.sparse_einsum as se
+    sp = _adjacency(30, 20, 0.2, 16)
+    y = ej.einsum("ij,jk->ik", ej.sparse("A", sp), ej.input("h", (20, 3), "float64"))
+    hv = _feeds({"h": (20, 3)}, 17)["h"]
+    monkeypatch.setattr(se, "DENSE_REFERENCE", 0)  # every operand counts as large: never densified
+    monkeypatch.setattr(GraphSparse, "todense", lambda self: pytest.fail("the sparse operand was densified"))
+    np.testing.assert_allclose(ej.reference(y, h=hv), sp.toarray() @ hv, rtol=1e-12, atol=1e-12)

@@ -110,8 +110,16 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
     return Node(op, tuple(inputs), tuple(sizes[lab][0] for lab in outs), dtype)
 
 
+# the reference densifies a sparse operand of at most this many elements (a 20k-node graph's
+# adjacency would be 3.2 GB); a larger one is computed by the sparse engine (its own einsum)
+DENSE_REFERENCE = 1 << 24
+
+
 def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -> np.ndarray:
-    """``numpy.einsum`` on the densified sparse operand (the reference; half types in float32)."""
+    """``numpy.einsum`` on the densified sparse operand (the reference; half types in float32);
+    beyond :data:`DENSE_REFERENCE` elements, the sparse engine's result (never a huge dense array)."""
+    if math.prod(op.operand.shape) > DENSE_REFERENCE:
+        return sparse_block(node, op, args, tuple((0, n) for n in node.shape))
     dense = [np.asarray(a) for a in args]
     work = [a.astype(np.float32) if is_half(a.dtype) else a for a in dense]
     work.insert(op.position, np.asarray(op.operand.todense()))
