@@ -18,7 +18,7 @@ import numpy as np
 
 from einjoin.errors import EinjoinError
 
-__all__ = ["LiveTensor", "BoundTensors", "bind_tensor", "feeds_of"]
+__all__ = ["LiveTensor", "BoundTensors", "bind_tensor", "feeds_of", "aliases"]
 
 
 class LiveTensor:
@@ -32,25 +32,58 @@ class LiveTensor:
     A view taken when fed follows the storage; copying every weight instead would double the
     memory of a large model. ``source`` is the module's tensor object itself, so that what it
     holds now is read: ``p.data = new``, ``module.double()`` / ``.half()`` (they swap ``.data``)
-    and in-place writes to a tensor bound through a copy (a non-contiguous parameter) are seen."""
+    and in-place writes to a tensor bound through a copy (a non-contiguous parameter) are seen.
 
-    __slots__ = ("source", "tensor", "_cache")
+    ``where`` (the root module and the qualified names that held the tensor at import, each split
+    at its dots): the tensor object is looked up by that path at each feed, so one *replaced* by
+    another (``lin.weight = nn.Parameter(w)``, ``load_state_dict(sd, assign=True)``, a new
+    submodule) is followed, as torch's next call would read it. A few attribute reads per tensor
+    per run; a tied weight's other names are checked to hold the same tensor still."""
 
-    def __init__(self, source: Any, tensor: Any = None):
+    __slots__ = ("source", "tensor", "_cache", "_where")
+
+    def __init__(self, source: Any, tensor: Any = None,
+                 where: tuple[Any, tuple[tuple[str, ...], ...]] | None = None):
         self.source = source  # the module's tensor (a Parameter: what .data holds can change)
         self.tensor = _dense(source) if tensor is None else tensor  # detached, CPU, dense, contiguous
         self._cache: tuple[Any, np.ndarray] | None = None  # (the source's key when viewed, the view)
+        self._where = where
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.source.shape)
+        return tuple(self.current().shape)
+
+    def current(self) -> Any:
+        """The module's tensor now: what its path holds (followed when replaced), else the tensor
+        bound at import. A replacement of another shape, or a path that holds no tensor now, or
+        the names of a tied weight holding different tensors, is an error naming them."""
+        where = self._where
+        if where is None:
+            return self.source
+        root, paths = where
+        src = _follow(root, paths[0])
+        for more in paths[1:]:  # a tied weight (one graph input): every name must hold it still
+            if _follow(root, more) is not src:
+                raise EinjoinError(f"{'.'.join(paths[0])} and {'.'.join(more)} were one tensor when the module "
+                                   f"was imported and now differ (a tied weight replaced on one side): the "
+                                   f"program computes with one tensor for both; import the module again")
+        if src is not self.source:
+            import torch
+            old = self.source
+            if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(old.shape):
+                what = (f"{type(src).__name__}" if not isinstance(src, torch.Tensor)
+                        else f"{src.dtype}{list(src.shape)}")
+                raise EinjoinError(f"the module's {'.'.join(paths[0])} is now {what}; the program was "
+                                   f"compiled for {old.dtype}{list(old.shape)}: import the module again")
+            self.source = src  # the new object from now on (a feed compares its key: viewed again)
+        return src
 
     def now(self) -> np.ndarray:
         """A zero-copy numpy view of the tensor's storage where it is now (the last one while the
         source's storage, version, dtype and layout are unchanged; a copy only for a source that
         is not a dense contiguous CPU tensor, taken again after each in-place write to it)."""
         import torch
-        src = self.source
+        src = self.current()
         at = src.data_ptr() if src.layout == torch.strided else 0  # a sparse tensor has no pointer
         key = (at, src._version, src.dtype, tuple(src.shape), src.stride())
         cache = self._cache
@@ -69,7 +102,7 @@ class LiveTensor:
         """Write ``value`` into the module's tensor in place (a forward's buffer write, which torch
         makes in place at every call): the module, and the next run's feed, hold it."""
         import torch
-        src = self.source
+        src = self.current()
         arr = np.asarray(value, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
         if arr.dtype.kind == "V" or arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: its bits
             new = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
@@ -148,11 +181,59 @@ def _dense(t: Any) -> Any:
     return t.cpu().contiguous().resolve_conj().resolve_neg()
 
 
-def bind_tensor(t: Any) -> LiveTensor:
+def aliases(canon: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """``canon`` (every qualified name of a module's tensor -> the one it is bound under) turned
+    round: that name -> all its qualified names (a tied weight's several; its own first), for
+    :func:`bind_tensor`.
+
+    >>> aliases({"wte.weight": "wte.weight", "lm_head.weight": "wte.weight", "b": "b"})
+    {'wte.weight': ('wte.weight', 'lm_head.weight'), 'b': ('b',)}
+    """
+    names: dict[str, list[str]] = {}
+    for n, c in canon.items():
+        names.setdefault(c, [c]).extend([n] if n != c else [])
+    return {c: tuple(ns) for c, ns in names.items()}
+
+
+def _follow(root: Any, path: tuple[str, ...]) -> Any:
+    """What ``root``'s attribute path holds now (``("0", "weight")``: ``root[0].weight``)."""
+    try:  # the usual case, read from the modules' own tables (nn.Module.__getattr__ costs ~1 us a step)
+        m = root
+        for part in path[:-1]:
+            m = m._modules[part]
+        leaf = path[-1]
+        if leaf in m._parameters:
+            return m._parameters[leaf]
+        if leaf in m._buffers:
+            return m._buffers[leaf]
+    except (AttributeError, KeyError, TypeError):
+        pass
+    t = root
+    try:
+        for part in path:
+            t = getattr(t, part)
+    except AttributeError:
+        raise EinjoinError(f"the module has no {'.'.join(path)} now (it had when it was imported): "
+                           f"import the module again") from None
+    return t
+
+
+def bind_tensor(t: Any, root: Any = None, names: tuple[str, ...] = ()) -> LiveTensor:
     """A module tensor as its bound value: the same storage when it is already a dense contiguous
     CPU tensor (a converted copy otherwise), checked now to be readable as an array; the module's
-    tensor object is kept, so later changes to what it holds are followed (:class:`LiveTensor`)."""
+    tensor object is kept, so later changes to what it holds are followed (:class:`LiveTensor`).
+    ``names``: the qualified names under which ``root`` (the imported module) holds ``t``; those
+    that do now are looked up at each feed (a replaced parameter is followed)."""
     from einjoin.ir.reference import to_numpy
     dense = _dense(t)
     to_numpy(dense, "module tensor")  # a dtype numpy has no type for is refused at import, as before
-    return LiveTensor(t, dense)
+    paths = tuple(tuple(n.split(".")) for n in names)
+    held = tuple(p for p in paths if _holds(root, p, t)) if root is not None else ()
+    return LiveTensor(t, dense, (root, held) if held else None)
+
+
+def _holds(root: Any, path: tuple[str, ...], t: Any) -> bool:
+    try:
+        return _follow(root, path) is t
+    except EinjoinError:  # a constant torch.export lifted (no attribute of the module)
+        return False

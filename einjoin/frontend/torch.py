@@ -32,7 +32,7 @@ from einjoin.frontend import aten
 from einjoin.frontend import attention_modules as AM
 from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
-from einjoin.frontend.bound_tensors import BoundTensors, bind_tensor, feeds_of
+from einjoin.frontend.bound_tensors import BoundTensors, aliases, bind_tensor, feeds_of
 from einjoin.frontend.fx_inplace import functionalize_inplace
 from einjoin.frontend.node_source import module_path as _module_path
 from einjoin.frontend.node_source import qualified_name
@@ -366,6 +366,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     specs = {s.arg.name: s for s in sig.input_specs}
     problems = _Problems(module, "torch.export")
     canon = _canonical_names(module)
+    names_of = aliases(canon)
     skip = _check_supported(ep.graph, False, {}, problems)
     env: dict[Any, Any] = {}
     bound: dict[str, Any] = {}
@@ -386,7 +387,7 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 env[node] = F.param(name, tuple(t.shape), _dtype_of(t, f"{kind.lower()} {name!r}"))
                 (params if kind == "PARAMETER" else buffers)[name] = env[node]
                 if not t.is_meta:  # a module on the meta device plans but cannot run
-                    bound[name] = bind_tensor(t)
+                    bound[name] = bind_tensor(t, module, names_of.get(name, (name,)))
             elif kind == "USER_INPUT":
                 val = node.meta.get("val")
                 if val is None or isinstance(val, (bool, int, float, str)):
@@ -566,13 +567,14 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
     params: dict[str, Tensor] = {}
     trained = {id(t) for t in module.parameters()}
     canon = _canonical_names(module)
+    names_of = aliases(canon)
 
     def param(qual: str, t: Any) -> Tensor:
         qual = canon.get(qual, qual)
         if qual not in params:
             params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t, f"tensor {qual!r}"))
             if not t.is_meta:
-                bound[qual] = bind_tensor(t)
+                bound[qual] = bind_tensor(t, module, names_of.get(qual, (qual,)))
         return params[qual]
 
     outputs: list[Tensor] = []

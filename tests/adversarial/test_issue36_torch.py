@@ -144,3 +144,93 @@ def test_concurrent_runs_of_a_buffer_writing_program_each_see_the_last_write() -
         t.join()
     assert sorted(seen) == [3.0 + i for i in range(8)], seen
     _close(m.count, torch.tensor(10.0))
+
+
+# ---------------------------------------------------------------- 2. replaced parameter objects
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_a_parameter_replaced_by_a_new_object_is_followed(method: str) -> None:
+    """``lin.weight = nn.Parameter(new)``: torch computes with the new weight; a compiled program
+    kept the old one (bound by tensor object)."""
+    m, x = _mlp(), torch.randn(5, 3)
+    prog = ej.compile(ej.from_torch(m, (x,), method=method), devices=2, quiet=True)
+    _close(prog.run(x), m(x))
+    m[0].weight = nn.Parameter(torch.randn(4, 3))
+    m[2].bias = nn.Parameter(torch.randn(2))
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+        xx = torch.randn(7, 3)  # another shape, compiled after the replacement
+        _close(prog.run(xx), m(xx))
+
+
+def test_load_state_dict_with_assign_is_followed_at_every_shape() -> None:
+    m, x = _mlp(), torch.randn(5, 3)
+    prog = ej.compile(ej.from_torch(m, (x,)), devices=2, quiet=True)
+    prog.run(torch.randn(2, 3))  # another shape compiled with the old weights bound
+    other = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    m.load_state_dict(other.state_dict(), assign=True)
+    with torch.no_grad():
+        for xx in (x, torch.randn(2, 3)):
+            _close(prog.run(xx), other(xx))
+            _close(prog.run(xx), m(xx))
+
+
+def test_a_replaced_submodule_is_followed_and_a_replaced_buffer_too() -> None:
+    m, x = _mlp(), torch.randn(5, 3)
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    prog.run(x)
+    m[2] = nn.Linear(4, 2)
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+    c, twin = _Counter(), _Counter()
+    prog = ej.compile(ej.from_torch(c, (torch.ones(2),)), quiet=True)
+    prog.run(torch.ones(2)), twin(torch.ones(2))
+    c.count = torch.tensor(-5.0)  # a new buffer object: read, and written
+    twin.count = torch.tensor(-5.0)
+    _close(prog.run(torch.ones(2)), twin(torch.ones(2)))
+    _close(c.count, twin.count)
+
+
+def test_a_replaced_parameter_of_another_shape_or_a_removed_one_is_an_error_naming_it() -> None:
+    m, x = _mlp(), torch.randn(5, 3)
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    m[0].weight = nn.Parameter(torch.randn(4, 5))
+    with pytest.raises(ej.EinjoinError, match=r"0\.weight"):
+        prog.run(x)
+    m[0].weight = nn.Parameter(torch.randn(4, 3))
+    prog.run(x)
+    del m[0].bias
+    m[0].bias = None
+    with pytest.raises(ej.EinjoinError, match=r"0\.bias"):
+        prog.run(x)
+
+
+def test_untying_a_tied_weight_is_an_error_not_one_of_the_two() -> None:
+    """A tied weight is one graph input; after ``head.weight = nn.Parameter(...)`` the two uses
+    differ, which the compiled graph cannot express: refused, naming both."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(4, 4, bias=False)
+            self.head = nn.Linear(4, 4, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x))
+
+    m, x = Tied(), torch.randn(2, 4)
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+        new = nn.Parameter(torch.randn(4, 4))
+        m.emb.weight, m.head.weight = new, new  # re-tied to a new tensor: followed
+        _close(prog.run(x), m(x))
+    m.head.weight = nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ej.EinjoinError, match=r"emb\.weight.*head\.weight|head\.weight.*emb\.weight"):
+        prog.run(x)
