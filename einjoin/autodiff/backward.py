@@ -25,8 +25,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
 from einjoin.ir.fold import fold
-from einjoin.ir.node import Node, rule_for
-from einjoin.ir.scalar import parse_join
+from einjoin.ir.node import Concat, Fill, Node, rule_for
+from einjoin.ir.scalar import Const, parse_join
 
 __all__ = ["backward", "RULE_HITS", "topological"]
 
@@ -61,9 +61,69 @@ def topological(outputs: Sequence[Node]) -> list[Node]:
 _FAN_IN = 16
 
 
+def _zero_fill(x: Node) -> bool:
+    return isinstance(x.op, Fill) and isinstance(x.op.expr, Const) and x.op.expr.value == 0
+
+
+def _padded(x: Node) -> tuple[int, list[tuple[int, int, Node]]] | None:
+    """(axis, [(start, stop, piece)]) of a cotangent that is pieces placed in zeros along one axis
+    (a concat whose other inputs are zero fills: what a select's rule sends back), else None."""
+    if not isinstance(x.op, Concat) or not any(_zero_fill(p) for p in x.inputs):
+        return None
+    axis, at, pieces = x.op.axis, 0, []
+    for p in x.inputs:
+        width = p.shape[axis]
+        if not _zero_fill(p):
+            pieces.append((at, at + width, p))
+        at += width
+    return axis, pieces
+
+
+def _merge_padded(parts: list[Node]) -> list[Node]:
+    """``parts`` with the cotangents that are pieces in zeros along the same axis, whose pieces do
+    not overlap, made one concat of all their pieces (zeros only in the gaps left): the select
+    rule's ``concat(a, zeros) + concat(zeros, b)`` (rotary's ``rotate_half`` reads both halves of
+    one tensor) is ``concat(a, b)``, one concat and no zero fills, and one addend fewer. Adding a
+    zero is exact but for the sign of a zero (``-0 + 0`` is ``+0``): the merged sum keeps a
+    piece's ``-0`` where the parts' sum gave ``+0``."""
+    by_axis: dict[int, list[int]] = {}
+    found: dict[int, tuple[int, list[tuple[int, int, Node]]]] = {}
+    for i, x in enumerate(parts):
+        got = _padded(x)
+        if got is not None:
+            found[i] = got
+            by_axis.setdefault(got[0], []).append(i)
+    out: list[Node | None] = list(parts)
+    for axis, idx in by_axis.items():
+        if len(idx) < 2:
+            continue
+        pieces = sorted((p for i in idx for p in found[i][1]), key=lambda p: p[0])
+        if any(a[1] > b[0] for a, b in zip(pieces, pieces[1:])):
+            continue  # pieces overlap: summed as they are
+        like = parts[idx[0]]
+        inputs: list[Node] = []
+        at = 0
+        ends: list[tuple[int, int, Node | None]] = [*pieces, (like.shape[axis], like.shape[axis], None)]
+        for start, stop, piece in ends:
+            if start > at:  # a gap: zeros
+                shape = list(like.shape)
+                shape[axis] = start - at
+                inputs.append(ops.fill_node(tuple(shape), like.dtype, 0))
+            if piece is not None:
+                inputs.append(piece)
+            at = stop
+        merged = inputs[0] if len(inputs) == 1 else ops.concat_node(inputs, axis)
+        for i in idx:
+            out[i] = None
+        out[idx[0]] = merged
+    return [x for x in out if x is not None]
+
+
 def _total(parts: list[Node]) -> Node:
     """The sum of a node's incoming cotangents: n-ary adds of at most :data:`_FAN_IN` parts, in
-    a tree."""
+    a tree (parts that are pieces in zeros first merged, :func:`_merge_padded`)."""
+    if len(parts) > 1:
+        parts = _merge_padded(parts)
     if parts[0].ndim > 26:
         raise EinjoinError(f"summing cotangents of rank {parts[0].ndim}: at most 26 dims")
     labels = "".join(chr(ord("a") + d) for d in range(parts[0].ndim))
