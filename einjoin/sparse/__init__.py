@@ -6,6 +6,7 @@ Upper-case (relational) labels are keys over non-empty blocks, joined and groupe
 over tuples. See docs/architecture.md, "Sparse".
 """
 
+import einjoin.sparse.einsum_cache  # noqa: F401 - registers ej.einsum's kept plans (EINSUM["cached"])
 from einjoin.sparse.grad import sparse_vjp
 from einjoin.sparse.node import GraphSparse  # registers the graph node builder (ej.einsum with lazy operands)
 from einjoin.sparse.plan import SparsePlan, sparse_compile, sparse_einsum

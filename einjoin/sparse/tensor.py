@@ -27,7 +27,8 @@ from einjoin.ir.reference import to_numpy
 __all__ = ["SparseTensor", "sparse", "is_sparse", "dense_operand", "broadcast_size1",
            "is_sparse_format"]
 
-EINSUM: dict[str, Callable[..., Any]] = {}  # {"sparse_einsum": einjoin.sparse.plan.sparse_einsum}
+# {"sparse_einsum": einjoin.sparse.plan.sparse_einsum, "cached": einjoin.sparse.replan.einsum_cached}
+EINSUM: dict[str, Callable[..., Any]] = {}
 _MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
 
 
@@ -164,6 +165,10 @@ class SparseTensor:
     def __einjoin_einsum__(cls, equation: str, operands: Sequence[Any], join: Any = None,
                            agg: Any = "sum") -> Any:
         equation, operands = broadcast_size1(equation, operands)
+        # the plans of recent calls, reused per equation, shapes and histogram (einjoin.sparse.replan)
+        run = EINSUM.get("cached")
+        if run is not None:
+            return run(equation, operands, join=join, agg=agg)
         return EINSUM["sparse_einsum"](equation, *operands, join=join, agg=agg)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
