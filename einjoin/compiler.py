@@ -369,7 +369,7 @@ def _build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Co
                                    "backend='threads' (or without memory_limit / Device.memory)")
             say("fitting the memory caps, planning evictions")
             decomps, placed, tg = _fit_caps(graph, cluster, chosen, user, options, caps, decomps, placed,
-                                            chain_reduces(tg), tied)
+                                            chain_reduces(tg, caps), tied)
             tg = plan_memory(tg, decomps, caps, options.memory_policy)
     stats = tg.stats()
     if source.state:  # state is loaded by the first run only, and never fetched
@@ -530,5 +530,5 @@ def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], u
                 if x.facts.fed and graph.users[x][0] is op and x not in cut_inputs:
                     chosen.pop(x, None)
         decomps, placed, tg = _lower(graph, cluster, chosen, user, options, tied)
-        tg = chain_reduces(tg)
+        tg = chain_reduces(tg, caps)
     raise cap_error(over[0][0], over[0][1], "; gave up cutting finer")

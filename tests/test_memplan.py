@@ -297,3 +297,20 @@ def test_finer_spec_lowers_the_need_by_the_shared_finer_cut(data: st.DataObject)
             assert finer in helpful and finer_need == min(helpful.values())
         assert finer.num_kernels <= SETTINGS.max_kernels
         spec = finer
+
+
+def test_reduces_stay_whole_when_the_cap_holds_everything() -> None:
+    """A cap that holds every value of the graph at once leaves an n-ary aggregation whole (no
+    chain of two-input steps, chain_reduces' skip); a cap that does not, chains it. Both runs
+    equal numpy's."""
+    from einjoin.exchange import TaskKind
+    rng = np.random.default_rng(0)
+    xv = rng.standard_normal((8, 64)).astype(np.float32)
+    x = ej.input("x", (8, 64))
+    z = ej.einsum("ij->i", x)
+    spec = {z: {"i": 1, "j": 4}}
+    for cap, whole in (("1MiB", True), (2000, False)):
+        prog = ej.compile(z, devices=1, memory_limit=cap, specs=spec, quiet=True)
+        arity = [len(t.reads) for t in prog.taskgraph.tasks if t.kind is TaskKind.REDUCE]
+        assert (arity == [4]) is whole and (set(arity) == {2}) is not whole, (cap, arity)
+        np.testing.assert_allclose(prog.run(x=xv), xv.sum(1), rtol=1e-5)
