@@ -56,9 +56,9 @@ def mish(x: Tensor) -> Tensor:
 
 
 def hardswish(x: Tensor) -> Tensor:
-    """``x * relu6(x + 3) / 6``: 0 up to -3, ``x`` from 3 on (torch's backward masks: gradient 0
-    at -3 and 1 at 3)."""
-    return _map(x, "where(x0 <= -3.0, 0.0, where(x0 < 3.0, x0 * (x0 + 3.0) / 6.0, x0))", "hardswish")
+    """``x * relu6(x + 3) / 6``: 0 up to -3 (``x * 0``: -0.0, and NaN at -inf, as torch's
+    ``-inf * 0``), ``x`` from 3 on (torch's backward masks: gradient 0 at -3 and 1 at 3)."""
+    return _map(x, "where(x0 <= -3.0, x0 * 0.0, where(x0 < 3.0, x0 * (x0 + 3.0) / 6.0, x0))", "hardswish")
 
 
 def hardsigmoid(x: Tensor) -> Tensor:

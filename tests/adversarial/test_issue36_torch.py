@@ -234,3 +234,40 @@ def test_untying_a_tied_weight_is_an_error_not_one_of_the_two() -> None:
     m.head.weight = nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ej.EinjoinError, match=r"emb\.weight.*head\.weight|head\.weight.*emb\.weight"):
         prog.run(x)
+
+
+# ---------------------------------------------------------------- 3. activations at +-inf and nan
+
+_F = torch.nn.functional
+_SPECIAL = [-float("inf"), float("inf"), float("nan"), -1e30, 1e30, -0.0, 0.0, -3.0, 3.0, -20.0, 20.0, 21.0,
+            -88.0, 89.0, 1e-30, -1e-30, 6.0, -1.0, 1.0, 0.5]
+_ACTIVATIONS = {
+    "hardswish": _F.hardswish, "hardsigmoid": _F.hardsigmoid, "relu6": _F.relu6, "hardtanh": _F.hardtanh,
+    "hardtanh(-2, 0.5)": lambda x: _F.hardtanh(x, -2.0, 0.5), "silu": _F.silu, "gelu": _F.gelu,
+    "gelu tanh": lambda x: _F.gelu(x, approximate="tanh"), "softplus": _F.softplus,
+    "softplus(2, 5)": lambda x: _F.softplus(x, 2.0, 5.0), "mish": _F.mish, "elu": _F.elu,
+    "elu(0.5)": lambda x: _F.elu(x, 0.5), "selu": _F.selu, "celu(2)": lambda x: _F.celu(x, 2.0),
+    "leaky_relu": _F.leaky_relu, "logsigmoid": _F.logsigmoid, "softsign": _F.softsign,
+    "tanhshrink": _F.tanhshrink, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": _F.relu,
+    "threshold": lambda x: _F.threshold(x, 0.5, -2.0),
+}
+
+
+class _All(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(f(x) for f in _ACTIVATIONS.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_activations_at_inf_and_nan_are_torchs(dtype: torch.dtype) -> None:
+    """hardswish(-inf) was 0 (torch: -inf * relu6(-inf + 3) / 6 = nan). gelu(+inf) is compared in
+    float64 only: torch's vectorised float32 erf kernel gives nan there (its scalar path, and
+    einjoin, inf)."""
+    x = torch.tensor(_SPECIAL, dtype=dtype)
+    got = ej.compile(ej.from_torch(_All(), (x,)), quiet=True).run(x)
+    for name, g, w in zip(_ACTIVATIONS, got, _All()(x)):
+        g = torch.as_tensor(np.asarray(g))
+        if name == "gelu" and dtype == torch.float32:
+            w = _F.gelu(x.double()).float()
+        bad = ~torch.isclose(g, w, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert not bad.any(), (name, [(_SPECIAL[i], w[i].item(), g[i].item()) for i in bad.nonzero().flatten()])
