@@ -15,6 +15,13 @@ payload positions ``s``) and aggregates with ``GROUP BY`` keys, p. The grouped r
 numpy columns (no pyarrow) and are scattered into the same (groups × output block) array the
 in-memory executor returns; ``max`` applies the same absent-tuple and padding rules.
 
+**Integer overflow** (decided in session 36): DuckDB checks int64 arithmetic and fails the step
+("Out of Range Error: Overflow in multiplication of INT64"), raised as an EinjoinError naming the
+step, where the in-memory executor wraps around as numpy does. Both are kept: wrapping in SQL
+would take HUGEINT products reduced modulo 2**64 at every multiply, on every int query, to
+reproduce a result that is itself an overflow; an int64 sum that overflows is refused rather than
+returned wrong.
+
 Why SQL arithmetic and not a numpy UDF: DuckDB's vectorised Python UDFs take Arrow batches
 (pyarrow, not a dependency here); its row-at-a-time ones are slower than list lambdas (50k dot
 products of 64-lists, one thread: a numpy UDF per row 0.79 s CPU, a list_sum of a lambda 0.08 s,

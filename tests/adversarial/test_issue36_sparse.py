@@ -292,3 +292,17 @@ def test_einsum_plan_cache_keys_and_threads() -> None:
     for k in range(1, einsum_cache.EINSUM_PLANS + 2):
         ej.einsum("ij,jk->ik", s, np.ones((20, k)))
     assert len(einsum_cache._plans) == einsum_cache.EINSUM_PLANS
+
+
+def test_int64_overflow_wraps_in_memory_and_is_refused_on_duckdb() -> None:
+    # decided (duckdb_exec's docstring): in memory wraps as numpy does; DuckDB checks int64
+    # arithmetic and the step fails as an EinjoinError naming it, never a wrong result
+    big = np.full((3, 3), 2 ** 40, np.int64)
+    want = np.einsum("ij,jk->ik", big, big)  # wrapped
+    np.testing.assert_array_equal(ej.einsum("ij,jk->ik", ej.sparse("I", big), big).todense(), want)
+    pytest.importorskip("duckdb")
+    plan = ej.sparse_compile("ij,jk->ik", ej.sparse("I", big), big, engine="duckdb")
+    with pytest.raises(ej.EinjoinError, match=r"ij,jk->ik.*Overflow"):
+        plan.run()
+    with pytest.raises(ej.EinjoinError, match="duckdb_threads=1.5"):  # session 35: was accepted
+        ej.sparse_compile("ij,jk->ik", ej.sparse("I", big), big, engine="duckdb", duckdb_threads=1.5)
