@@ -249,7 +249,8 @@ _ACTIVATIONS = {
     "elu(0.5)": lambda x: _F.elu(x, 0.5), "selu": _F.selu, "celu(2)": lambda x: _F.celu(x, 2.0),
     "leaky_relu": _F.leaky_relu, "logsigmoid": _F.logsigmoid, "softsign": _F.softsign,
     "tanhshrink": _F.tanhshrink, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": _F.relu,
-    "threshold": lambda x: _F.threshold(x, 0.5, -2.0),
+    "threshold": lambda x: _F.threshold(x, 0.5, -2.0), "hypot": lambda x: torch.hypot(x, x.flip(0)),
+    "hypot tiny": lambda x: torch.hypot(x * 1e-30, x.flip(0) * 1e-30),
 }
 
 
