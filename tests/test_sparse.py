@@ -277,3 +277,14 @@ def test_readme_sparse_example_runs() -> None:
     assert len(blocks) == 2  # the eager sparse einsums, and a sparse tensor inside a trained graph
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def test_other_libraries_sparse_operands_stay_sparse() -> None:
+    # a scipy / torch sparse operand of sparse_compile becomes a SparseTensor (named x<i>), not densified
+    import torch
+    m = scipy.sparse.random(6, 5, density=0.4, random_state=3, format="csr")
+    a = ej.sparse("A", scipy.sparse.random(4, 6, density=0.5, random_state=4))
+    for other in (m, torch.from_numpy(m.toarray()).to_sparse()):
+        plan = ej.sparse_compile("ij,jk->ik", a, other)
+        assert isinstance(plan.operands[1], ej.SparseTensor) and plan.operands[1].name == "x1"
+        np.testing.assert_allclose(plan.run().todense(), a.todense() @ m.toarray(), rtol=1e-12, atol=1e-12)

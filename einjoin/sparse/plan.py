@@ -36,7 +36,7 @@ from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duck
 from einjoin.sparse.execute import RunCounts
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
-from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand
+from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand, is_sparse_format, sparse
 
 __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum", "GRAD"]
 
@@ -54,6 +54,8 @@ KERNELS = {"batched": "one batched einsum per chunk of tuples", "looped": "one B
 def _operand(x: Any, i: int, what: str) -> SparseTensor | np.ndarray:
     if isinstance(x, SparseTensor):
         return x
+    if is_sparse_format(x):  # a scipy / torch / pydata sparse operand stays sparse, never densified
+        return sparse(f"x{i}", x)
     if type(x).__module__.startswith("einjoin"):
         raise UnsupportedOpError(f"{what}: operand {i} is a lazy einjoin {type(x).__name__}; a compiled "
                                  f"sparse einsum takes SparseTensors and arrays with their data (ej.einsum "
