@@ -135,6 +135,10 @@ def test_errors_name_the_op_the_label_and_the_shapes():
         ej.einsum("ij,ij->ij", a, ej.input("z", (10, 8)), join="add")
     with pytest.raises(UnsupportedOpError, match="aggregation 'max'"):
         ej.einsum("ij,jk->ik", a, ej.input("h", (8, 3)), agg="max")
+    with pytest.raises(ej.EinsumSyntaxError, match="'j' are missing from the output but agg is None"):
+        ej.einsum("ij,jk->ik", a, ej.input("h", (8, 3)), agg=None)
+    z = ej.input("z", (10, 8), "float64")
+    assert ej.einsum("ij,ij->ij", a, z, agg=None).node is ej.einsum("ij,ij->ij", a, z).node  # nothing summed
     with pytest.raises(DTypeError, match="dense operand of dtype int64"):
         ej.einsum("ij,jk->ik", a, ej.input("i", (8, 3), "int64"))
     with pytest.raises(UnsupportedOpError, match="repeats a label"):

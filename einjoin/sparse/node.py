@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import EinjoinError, UnsupportedOpError
+from einjoin.errors import EinjoinError, EinsumSyntaxError, UnsupportedOpError
 from einjoin.ir.dtypes import canonical_dtype, is_half, numpy_dtype
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
@@ -126,9 +126,10 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
     if join not in (None, "mul"):
         raise UnsupportedOpError(f"{what}: join {join!r} with a sparse operand in a graph; only the product "
                                  f"('mul') is supported")
-    if getattr(agg, "name", agg) != "sum":
-        raise UnsupportedOpError(f"{what}: aggregation {getattr(agg, 'name', agg)!r} with a sparse operand in "
-                                 f"a graph; only 'sum' is supported")
+    agg_name = getattr(agg, "name", agg)
+    if agg_name not in ("sum", None, "none"):
+        raise UnsupportedOpError(f"{what}: aggregation {agg_name!r} with a sparse operand in a graph; only "
+                                 f"'sum' is supported")
     sparse_at = [i for i, x in enumerate(operands) if isinstance(x, SparseTensor)]
     if len(sparse_at) != 1:
         raise UnsupportedOpError(f"{what}: {len(sparse_at)} sparse operands with lazy ones; a graph's sparse "
@@ -143,7 +144,14 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
                                f"with a sparse operand in a graph, give the dense operands as einjoin tensors "
                                f"(ej.input, ej.param, or values computed from them)")
         dense.append(getattr(x, "node", x))
-    return sparse_einsum_node(graph_operand(operands[sparse_at[0]]), sparse_at[0], dense, equation)
+    node = sparse_einsum_node(graph_operand(operands[sparse_at[0]]), sparse_at[0], dense, equation)
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    summed = sorted({lab for ls in op.in_labels for lab in ls} - set(op.out_labels))
+    if agg_name in (None, "none") and summed:  # as the dense einsum: no aggregation sums nothing
+        raise EinsumSyntaxError(f"{what}: labels {''.join(summed)!r} are missing from the output but agg is "
+                                f"None; give agg='sum'")
+    return node
 
 
 LAZY["einsum"] = lazy_einsum
