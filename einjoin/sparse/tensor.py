@@ -164,6 +164,9 @@ class SparseTensor:
     @classmethod
     def __einjoin_einsum__(cls, equation: str, operands: Sequence[Any], join: Any = None,
                            agg: Any = "sum") -> Any:
+        # another library's sparse operand (torch / scipy / pydata) joins as a SparseTensor (named
+        # as a dense operand i is, x<i>), not densified (scipy's was refused, torch's densified)
+        operands = [sparse(f"x{i}", x) if is_sparse_format(x) else x for i, x in enumerate(operands)]
         equation, operands = broadcast_size1(equation, operands)
         # the plans of recent calls, reused per equation, shapes and histogram (einjoin.sparse.replan)
         run = EINSUM.get("cached")

@@ -306,3 +306,21 @@ def test_int64_overflow_wraps_in_memory_and_is_refused_on_duckdb() -> None:
         plan.run()
     with pytest.raises(ej.EinjoinError, match="duckdb_threads=1.5"):  # session 35: was accepted
         ej.sparse_compile("ij,jk->ik", ej.sparse("I", big), big, engine="duckdb", duckdb_threads=1.5)
+
+
+def test_einsum_reads_torch_and_scipy_sparse_operands_as_sparse() -> None:
+    # ej.einsum(A, torch_sparse) densified the torch operand (its pattern never reached the layout,
+    # n x m memory); a scipy.sparse operand was refused ("expected an array (numpy or torch)")
+    import scipy.sparse
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    a, b = values(rng, (6, 5), 0.4, "float64"), values(rng, (5, 4), 0.3, "float64")
+    s = ej.sparse("A", a)
+    for other in (torch.tensor(b).to_sparse(), torch.tensor(b).to_sparse_csr(), scipy.sparse.csr_array(b),
+                  scipy.sparse.coo_matrix(b)):
+        got = ej.einsum("ij,jk->ik", s, other)
+        np.testing.assert_allclose(got.todense(), a @ b)
+        np.testing.assert_allclose(got.todense(), torch.sparse.mm(torch.tensor(a).to_sparse(), torch.tensor(b)).numpy())
+    # the converted operand is sparse: a product with its empty rows is empty there
+    got = ej.einsum("ij,ij->ij", s, torch.zeros(6, 5, dtype=torch.float64).to_sparse())
+    assert isinstance(got, SparseTensor) and got.nblocks == 0
