@@ -27,7 +27,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
 
-VERSION = 5  # bumped when what is measured changes: older caches are measured again
+VERSION = 6  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ class Calibration:
     attention_half: float = 0.0    # its fixed cost per call, as flops at that rate
     fn_rates: dict[str, float] = field(default_factory=dict)  # elements/s of each elementwise function
     fn_call: float = 0.0  # seconds of one step of a join's evaluation besides its elements
+    attention_parallel: float = -1.0  # what each further torch thread adds to it (-1: parallel's)
+    parallel_half: float = -1.0    # the flops at which a GEMM on every core reaches half its rate (-1: half_work)
     load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
     seconds: float = 0.0  # how long measuring took
 
@@ -73,28 +75,38 @@ class Calibration:
         # a device's contraction rate with its threads, as a per-thread rate (kernel_time
         # multiplies by the threads): the first thread's full rate, each further one `parallel`
         per_thread = self.matmul_rate * (1 + (threads - 1) * self.parallel) / threads
-        scale = (1 + (threads - 1) * self.parallel) / threads
+        ap = self.parallel if self.attention_parallel < 0 else self.attention_parallel
+        scale = (1 + (threads - 1) * ap) / threads  # torch's attention: its own speed-up
         kinds = (("attention", self.attention_rate * scale),) if self.attention_rate > 0 else ()
         half = (("attention", self.attention_half * scale),) if kinds else ()
+        # a GEMM on several threads reaches its rate later than on one (its threads' start and
+        # split): the half-work measured on every core, in proportion for fewer threads
+        gemm_half = self.half_work
+        if threads > 1 and self.parallel_half >= 0:
+            gemm_half += (self.parallel_half - self.half_work) * (threads - 1) / max(1, self.cores - 1)
         model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)), kind_rates=kinds,
                             kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())), fn_call=self.fn_call,
                             mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
                             launch=self.launch if n == 1 else self.launch_threads, e_max=1.0,
-                            half_work=self.half_work)
+                            half_work=max(0.0, gemm_half))
         link = Fabric(self.copy_bw / 2, 0.0)  # a copy between devices: RAM to RAM (capped graphs)
         return Hardware(f"this machine ({n} x cpu, calibrated)", (model,) * n, (0,) * n, link, link,
                         cores=self.cores, shared_memory=True, copy_engines=False,
-                        overhead=self.overhead if n == 1 else self.overhead_threads)
+                        overhead=self.overhead if n == 1 else self.overhead_threads,
+                        pool_speedup=(("blas", 1 + (threads - 1) * self.parallel), ("torch", 1 + (threads - 1) * ap)))
 
     def table(self) -> str:
         """The figures, one per line."""
         return "\n".join([
             f"matmul float32, one core: {self.matmul_rate / 1e9:.1f} GFLOP/s (half of it at "
-            f"{self.half_work / 1e6:.2f} MFLOP), each further thread +{self.parallel:.2f} of a core",
+            f"{self.half_work / 1e6:.2f} MFLOP), each further thread +{self.parallel:.2f} of a core"
+            + (f" (on every core half of it at {self.parallel_half / 1e6:.2f} MFLOP)"
+               if self.parallel_half >= 0 else ""),
             f"elementwise: {self.mem_bw / 1e9:.2f} GB/s read + written, {self.vector_rate / 1e9:.2f} GFLOP/s (exp)",
             f"copy: {self.copy_bw / 1e9:.2f} GB/s read + written",
             f"attention kernel, one thread: {self.attention_rate / 1e9:.2f} GFLOP/s (+{self.attention_half / 1e6:.1f} "
-            "MFLOP of fixed cost per call)",
+            "MFLOP of fixed cost per call)" + (f", each further thread +{self.attention_parallel:.2f}"
+                                              if self.attention_parallel >= 0 else ""),
             f"elementwise functions, {self.fn_call * 1e6:.1f} us a call, Gelem/s: " + (", ".join(
                 f"{k} {v / 1e9:.2f}" for k, v in sorted(self.fn_rates.items(), key=lambda kv: kv[1])[:8]) + ", ..."
                 if self.fn_rates else "not measured"),

@@ -250,7 +250,10 @@ class Hardware:
     beside the kernels (GPU DMA engines), not on the device's one lane; ``overhead``: seconds a
     run costs besides its tasks (binding feeds, starting workers, gathering outputs);
     ``own_links``: moves between devices cross ``intra`` / ``inter`` even where the devices
-    share RAM (this machine's devices under a cluster's own link figures)."""
+    share RAM (this machine's devices under a cluster's own link figures); ``pool_speedup``: on
+    shared cores, how much faster than one thread a device's share of them runs a kernel of
+    BLAS's or torch's thread pool (the runtime gives one pool the share and the other one thread
+    where a program has both: :func:`einjoin.runtime.simulate_hardware.kernel_pools`)."""
 
     name: str
     models: tuple[DeviceModel, ...]
@@ -262,6 +265,7 @@ class Hardware:
     copy_engines: bool = True
     overhead: float = 0.0
     own_links: bool = False
+    pool_speedup: tuple[tuple[str, float], ...] = ()  # ("blas" | "torch", its share over one thread)
 
     def __post_init__(self) -> None:
         if len(self.models) != len(self.groups) or not self.models:

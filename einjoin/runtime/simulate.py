@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from einjoin.cluster import Cluster
-from einjoin.cluster.model import Fabric, Hardware, copy_time, is_contraction, steps_time, work_time
+from einjoin.cluster.model import Hardware, copy_time, is_contraction, steps_time, work_time
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.opkinds import Einsum, Fill
@@ -52,6 +52,7 @@ from einjoin.ir.scalar import Arg, Call
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
+from einjoin.runtime.simulate_hardware import hardware_for, kernel_pools
 from einjoin.runtime.simulate_share import share as _share
 
 __all__ = ["Simulation", "simulate", "simulate_program", "hardware_for", "SimulateBackend", "COSTS", "Phases"]
@@ -149,6 +150,7 @@ class _Ctx:
         self.hw, self.tg, self.resident, self.served = hw, tg, resident, served
         self.capped = tg.memory is not None
         self.threads = hw.threads()
+        self.pools = kernel_pools(tg, hw)  # node kind -> its threads, where the pools' shares differ
         self.cpu = hw.cores is not None
         self.launch_res: Resources = ((GIL, 1.0),) if hw.shared_memory else ()
         self.vbytes = [v.nbytes for v in tg.values]  # a property: read once per value
@@ -275,7 +277,9 @@ def _kernel(c: _Ctx, t: Task) -> Phases:
     # more; a GPU's kernels fuse it away (flash attention, GEMM epilogues)
     nbytes = c.read_bytes(t) + t.nbytes + (2 * t.scratch if c.hw.shared_memory else 0)
     dtype = t.node.dtype
-    threads = c.threads if is_contraction(t.flops, nbytes) else 1.0
+    threads = 1.0
+    if is_contraction(t.flops, nbytes):
+        threads = c.threads if c.pools is None else c.pools.get(type(t.node.op), c.threads)
     return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads, t.node.kind), threads))
 
 
@@ -613,74 +617,6 @@ def _pair(t: Task) -> tuple[int, int] | None:
     if k.to_host and t.nbytes:
         return (t.device, -1)
     return None
-
-
-def hardware_for(cluster: Cluster) -> Hardware:
-    """The time model of ``cluster``: its own (a preset's), else this machine's calibration for
-    that many devices of the threads backend (measured first when none is cached: a few
-    seconds). With ``local(n)``'s default links (``Cluster.uniform``'s 20 GB/s, 5 us) the devices
-    are this process's: an uncapped move is a zero-copy hand-over, a capped one a RAM copy. A
-    cluster with links of its own (``Cluster.uniform(n, bandwidth=...)``, ``islands``,
-    ``grouped``, a matrix) computes as this machine's devices but moves over its links: each
-    move pays its pair's latency and bytes / bandwidth, sharing each device's port per
-    direction. A matrix of more than two kinds of links is read as groups (devices joined by
-    the fastest links), each kind at its slowest pair; an infinite link takes no time.
-
-    >>> hw = hardware_for(ej.Cluster.islands([2, 2], intra=100e9, inter=1e9))  # doctest: +SKIP
-    >>> hw.groups, hw.inter.bandwidth, hw.own_links                             # doctest: +SKIP
-    ((0, 0, 1, 1), 1000000000.0, True)
-    """
-    if cluster.hardware is not None:
-        hw: Hardware = cluster.hardware
-        return hw
-    from einjoin.cluster import local
-    from einjoin.runtime.simulate_calibrate import local_calibration
-    base = local_calibration().hardware(cluster.size)
-    default = local(cluster.size)
-    if cluster.bandwidth == default.bandwidth and cluster.latency == default.latency:
-        return base
-    groups, intra, inter = _links(cluster)
-    return dataclasses.replace(base, name=f"{base.name}, the cluster's links", groups=groups, intra=intra,
-                               inter=inter, own_links=True)
-
-
-_NO_TIME = 1e300  # an infinite link's bandwidth as a Fabric holds it (a Fabric's figures are finite)
-
-
-def _links(cluster: Cluster) -> tuple[tuple[int, ...], Fabric, Fabric]:
-    """A cluster's link matrices as groups and two fabrics (see :func:`hardware_for`)."""
-    from einjoin.cluster import LinkMatrix
-    n, bw, lat = cluster.size, cluster.bandwidth, cluster.latency
-    if isinstance(bw, LinkMatrix) and isinstance(lat, LinkMatrix) and bw.groups == lat.groups:
-        ids: dict[Any, int] = {}
-        groups = tuple(ids.setdefault(g, len(ids)) for g in bw.groups)
-        pairs = {"intra": (bw.intra, lat.intra), "inter": (bw.inter, lat.inter)}
-    else:
-        rows = [[(float(bw[i][j]), float(lat[i][j])) for j in range(n)] for i in range(n)]
-        top = max((rows[i][j][0] for i in range(n) for j in range(n) if i != j), default=1.0)
-        root = list(range(n))
-
-        def find(i: int) -> int:
-            while root[i] != i:
-                root[i] = root[root[i]]
-                i = root[i]
-            return i
-        for i in range(n):
-            for j in range(n):
-                if i != j and rows[i][j][0] >= top:
-                    root[find(i)] = find(j)
-        ids = {}
-        groups = tuple(ids.setdefault(find(i), len(ids)) for i in range(n))
-        worst: dict[str, tuple[float, float]] = {}
-        for i in range(n):
-            for j in range(n):
-                if i != j:
-                    k = "intra" if groups[i] == groups[j] else "inter"
-                    b, t = worst.get(k, (math.inf, 0.0))
-                    worst[k] = (min(b, rows[i][j][0]), max(t, rows[i][j][1]))
-        pairs = {k: worst.get(k, worst.get("intra", (math.inf, 0.0))) for k in ("intra", "inter")}
-    intra, inter = (Fabric(min(b, _NO_TIME), t) for b, t in (pairs["intra"], pairs["inter"]))
-    return groups, intra, inter
 
 
 def simulate_program(prog: Any, cluster: Cluster | None = None, order: str | None = None,

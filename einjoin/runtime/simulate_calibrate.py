@@ -61,7 +61,20 @@ def _runner(engine: Engine, feeds: dict[Any, np.ndarray], backend: Any) -> Calla
     return lambda: engine.run(feeds, backend)
 
 
-def _gemm(reps: int, quick: bool) -> tuple[float, float, float]:
+def _line(work: list[float], secs: list[float]) -> tuple[float, float]:
+    """A least-squares line ``t = W / rate + c`` through (work, seconds): the rate and the work
+    at which it reaches half of it (``c · rate``)."""
+    slope, intercept = np.polyfit(np.array(work), np.array(secs), 1)
+    rate = 1.0 / slope if slope > 0 else work[-1] / secs[-1]
+    return float(rate), max(0.0, float(intercept)) * float(rate)
+
+
+def _gemm(reps: int, quick: bool) -> tuple[float, float, float, float]:
+    """One BLAS thread's line (CPU time), and the line on every core (wall time: the caller's
+    CPU time leaves out the other threads' share, and read 2.0x on 2 cores where chains of 768^2
+    GEMMs ran 1.74x): the speed-up of a further thread at large sizes (``parallel``) and the work
+    at which the threaded GEMM reaches half its rate (``parallel_half``: starting the threads and
+    splitting the tiles is a fixed cost a small GEMM does not amortise)."""
     from threadpoolctl import threadpool_limits
     rng = np.random.default_rng(0)
     sizes = (48, 96, 192, 384) if quick else (64, 128, 256, 384, 512, 768)
@@ -71,23 +84,20 @@ def _gemm(reps: int, quick: bool) -> tuple[float, float, float]:
             a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
             work.append(2.0 * n**3)
             secs.append(_best(_matmul(a, b), reps, _CPU))
-    slope, intercept = np.polyfit(np.array(work), np.array(secs), 1)
-    rate = 1.0 / slope if slope > 0 else work[-1] / secs[-1]
-    half = max(0.0, float(intercept)) * rate
+    rate, half = _line(work, secs)
     cores = os.cpu_count() or 1
-    parallel = 0.0
+    parallel, parallel_half = 0.0, half
     if cores > 1:
-        n = sizes[-1] * (1 if quick else 4) // 3
-        a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
-        # the speed-up on every core, by the wall time and by the calling thread's CPU time (it
-        # works its share and waits for the others): other processes on the cores lower either
-        # figure (they take a core, or a helper thread the caller waits for), so the larger
-        with threadpool_limits(1, user_api="blas"):
-            one = _best(_matmul(a, b), reps, _CPU)
+        # every core, by the wall clock (a busy machine's figures come out low: measure it quiet)
+        tw, ts = [], []
         with threadpool_limits(cores, user_api="blas"):
-            many = min(_best(_matmul(a, b), reps), _best(_matmul(a, b), reps, _CPU))
-        parallel = min(1.0, max(0.0, (one / many - 1) / (cores - 1)))
-    return float(rate), float(half), parallel
+            for n in ((96, 192, 512) if quick else (128, 256, 512, 1024)):
+                a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
+                tw.append(2.0 * n**3)
+                ts.append(_best(_matmul(a, b), reps + 2))
+        rate_all, parallel_half = _line(tw, ts)
+        parallel = min(1.0, max(0.0, (rate_all / rate - 1) / (cores - 1)))
+    return rate, half, parallel, parallel_half
 
 
 def _memory(reps: int, quick: bool) -> tuple[float, float, float]:
@@ -202,27 +212,36 @@ def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
     return out[0], out[1], out[2], out[3]
 
 
-def _attention(reps: int, quick: bool) -> tuple[float, float]:
+def _attention(reps: int, quick: bool) -> tuple[float, float, float]:
     """Flop/s of the runtime's attention kernel (torch's CPU flash kernel) on one thread and its
     fixed cost per call (as flops at that rate): causal (1, h, L, 64) blocks of two sizes,
-    counted as the flop table counts them (half of the square), a line through the two."""
+    counted as the flop table counts them (half of the square), a line through the two; and
+    what each further torch thread adds on the larger (wall clock, every core: a device whose
+    main pool is torch's runs it so; on 2 cores this kernel gained ~1.1x, not the GEMM's 1.7x)."""
     import torch
 
     from einjoin.ir.attention import attention_kernel
     rng = np.random.default_rng(0)
     points = []
     before = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    parallel = 0.0
     torch.set_num_threads(1)
     try:
         for heads, length in (((1, 128), (4, 256)) if quick else ((1, 128), (8, 512))):
             q, k, v = (rng.standard_normal((1, heads, length, 64), np.float32) for _ in range(3))
             flops = 2 * heads * length * length * (64 + 64) // 2
             points.append((flops, _best(_call(attention_kernel, (q, k, v, None, 0.125, True)), reps, _CPU)))
+        if cores > 1:
+            one = _best(_call(attention_kernel, (q, k, v, None, 0.125, True)), reps)
+            torch.set_num_threads(cores)
+            many = _best(_call(attention_kernel, (q, k, v, None, 0.125, True)), reps + 2)
+            parallel = min(1.0, max(0.0, (one / many - 1) / (cores - 1)))
     finally:
         torch.set_num_threads(before)
     (w0, t0), (w1, t1) = points
     rate = (w1 - w0) / (t1 - t0) if t1 > t0 else w1 / t1
-    return rate, max(0.0, t0 * rate - w0)
+    return rate, max(0.0, t0 * rate - w0), parallel
 
 
 def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibration:
@@ -242,16 +261,18 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
             return cached
     t0 = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    rate, half, parallel = _gemm(reps, quick)
+    rate, half, parallel, parallel_half = _gemm(reps, quick)
     mem_bw, vector_rate, copy_bw = _memory(reps, quick)
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
-    attention_rate, attention_half = _attention(reps, quick)
+    attention_rate, attention_half, attention_parallel = _attention(reps, quick)
     fn_rates = _functions(reps, quick)
     fn_call = _step_call(reps)
     cal = Calibration(cores=os.cpu_count() or 1, matmul_rate=rate, half_work=half, parallel=parallel,
+                      parallel_half=parallel_half,
                       mem_bw=mem_bw, vector_rate=vector_rate, copy_bw=copy_bw, launch=launch,
                       launch_threads=launch_threads, overhead=overhead, overhead_threads=overhead_threads,
-                      attention_rate=attention_rate, attention_half=attention_half, fn_rates=fn_rates, fn_call=fn_call,
+                      attention_rate=attention_rate, attention_half=attention_half,
+                      attention_parallel=attention_parallel, fn_rates=fn_rates, fn_call=fn_call,
                       machine=machine_key(), seconds=time.perf_counter() - t0,
                       load=load)
     save_cached(cal)

@@ -1,0 +1,55 @@
+"""The terms of this machine's time model that depend on how the threads backend shares the cores
+(einjoin.runtime.simulate_hardware, einjoin.cluster.calibration): which kernels run on torch's
+threads, the threads a kernel of the other pool gets, a threaded GEMM's own half-work and the
+attention kernel's own speed-up. Fixed calibrations: nothing is measured here."""
+
+from __future__ import annotations
+
+import pytest
+
+import einjoin as ej
+from einjoin.cluster.calibration import Calibration
+from einjoin.runtime.backends.ray_worker import PRELOAD_FACTS
+from einjoin.runtime.simulate import simulate
+from einjoin.runtime.simulate_hardware import TORCH_KINDS, kernel_pools
+
+
+def _cal(**kw: float) -> Calibration:
+    base = dict(cores=2, matmul_rate=50e9, half_work=1e6, parallel=0.8, mem_bw=10e9, vector_rate=1e9,
+                copy_bw=10e9, launch=0.0, launch_threads=0.0, attention_rate=20e9, attention_half=0.0)
+    base.update(kw)
+    return Calibration(machine="test", **base)  # type: ignore[arg-type]
+
+
+def test_torch_kinds_are_the_preload_tables() -> None:
+    on_torch = {k for k, modules in PRELOAD_FACTS.items() if "torch" in modules}
+    assert on_torch == set(TORCH_KINDS)
+
+
+def test_the_other_pool_gets_one_thread() -> None:
+    x = ej.input("x", (1, 2, 64, 16))
+    blas_main = ej.compile(ej.attention(x, x, x) @ ej.input("w", (16, 2048)), devices=1, quiet=True)
+    torch_main = ej.compile(ej.attention(x, x, x) + 1.0, devices=1, quiet=True)
+    hw = _cal().hardware(1)
+    assert {k.__name__ for k in kernel_pools(blas_main.taskgraph, hw) or {}} == {"Attention"}
+    assert "Attention" not in {k.__name__ for k in kernel_pools(torch_main.taskgraph, hw) or {}}
+    assert kernel_pools(blas_main.taskgraph, _cal().hardware(2)) is None  # one thread each anyway
+    plain = ej.compile(ej.input("a", (64, 64)) @ ej.input("b", (64, 64)), devices=1, quiet=True)
+    assert kernel_pools(plain.taskgraph, hw) is None  # no torch kernel: BLAS has the share
+    # the attention of the BLAS-main program runs on one thread: as long as on one device of two
+    att = [t for t in blas_main.taskgraph.tasks if type(t.node.op).__name__ == "Attention"]
+    sim = simulate(blas_main.taskgraph, hw)
+    took = {tid: e - s for iv in sim.intervals.values() for s, e, tid in iv}
+    one = att[0].flops / 20e9
+    assert took[att[0].id] == pytest.approx(one, rel=1e-6)
+
+
+def test_threaded_gemm_half_work_and_attention_speed_up() -> None:
+    # -1: not measured, the single-thread figures as before
+    assert _cal().hardware(1).models[0].half_work == 1e6
+    assert _cal(parallel_half=9e6).hardware(1).models[0].half_work == 9e6  # every core: the measured one
+    assert _cal(parallel_half=9e6).hardware(2).models[0].half_work == 1e6  # one thread each
+    assert _cal(parallel_half=9e6, cores=5).hardware(2).models[0].half_work == pytest.approx(1e6 + 8e6 / 4)
+    rates = dict(_cal(attention_parallel=0.1).hardware(1).models[0].kind_rates)
+    assert rates["attention"] * 2 == pytest.approx(20e9 * 1.1)  # per thread, two threads: 1.1x one
+    assert dict(_cal().hardware(1).models[0].kind_rates)["attention"] * 2 == pytest.approx(20e9 * 1.8)
