@@ -190,7 +190,7 @@ _EQS = [("ij,jk->ik", 0), ("ij,jk->ki", 1), ("ij,jk,kl->il", 1), ("ij,jk->i", 0)
         ("ij,jk,ik->k", 0)]
 
 
-@settings(max_examples=examples(24), deadline=None)
+@settings(max_examples=examples(16), deadline=None)
 @given(st.sampled_from(_EQS), st.integers(1, 9), st.integers(1, 9), st.integers(1, 4),
        st.sampled_from([0.0, 0.05, 0.3, 1.0]), st.integers(0, 2 ** 16))
 def test_random_sparse_einsums_and_gradients_equal_the_dense_graph(case, n, m, k, density, seed):
@@ -219,7 +219,7 @@ def test_random_sparse_einsums_and_gradients_equal_the_dense_graph(case, n, m, k
     dgrads = ej.grad((yd * c).sum(), xs)
     feeds["c"] = rng.normal(size=y.shape)
     got = ej.compile([y, *grads], devices=2).run(**feeds)
-    want = ej.compile([yd, *dgrads]).run(**feeds, **{f"D{seed}": sp.toarray()})
+    want = ej.reference([yd, *dgrads], **feeds, **{f"D{seed}": sp.toarray()})
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
 
