@@ -7,7 +7,7 @@ with a bincount):
 
     joined ≈ Π_X tuples(X) / Π_ℓ grid(ℓ)^(c_ℓ − 1)       (independent keys; c_ℓ operands keyed on ℓ)
     cost   = STEP + joined · min(batched, looped, spmm) + Σ_X tuples(X) · payload(X)
-             + REBLOCK · Σ_X stored entries(X)          (sparse X cut into blocks > 1: every run)
+             + REBLOCK · Σ_X stored entries(X)          (sparse X cut into blocks > 1: each new tensor)
     batched = TUPLE_COST + Σ_X payload(X) + payload(out) + BATCH_FLOP · flops
     looped  = CALL + BLAS_FLOP · flops                   (one BLAS einsum per tuple; sum only;
                                                           BLAS_THREADED_FLOP per flop above
@@ -75,8 +75,10 @@ SPMM_MISS = 7.5  # SPMM_FLOP's factor when the big relation outgrows the cache (
 CACHE_ELEMENTS = 1 << 22  # payload elements of a relation that stay in the cache (32 MiB of float64)
 ROW_ELEM = 0.25  # a gathered element of the rowprod kernel (np.take of rows from a cached
 # payload, product in place: ~1 ns each; MTTKRP, 0.4M entries, R 32: 36 ms for 38M elements)
-REBLOCK = 11.0  # a stored entry of a sparse operand cut into blocks larger than 1, every run
-# (SparseTensor.reblock: ~45 ns an entry, block-diagonal 262144 entries at 4..256-blocks 12-14 ms)
+REBLOCK = 11.0  # a stored entry of a sparse operand cut into blocks larger than 1
+# (SparseTensor.reblock: ~45 ns an entry, block-diagonal 262144 entries at 4..256-blocks 12-14 ms).
+# Since b3a6487 the tensor keeps its last cut, so only a run on a new tensor pays it (run(A=other),
+# a new ej.einsum operand); charged in full, as for those, not re-measured for repeated runs
 STEP = 1.2e5  # a step's own cost (~0.5 ms: building its relations and join, a planned
 # intermediate's layout chosen at run): MTTKRP 9x8x7 (200 entries) in one rowprod step 0.12 ms, as
 # Khatri-Rao then SpMM 0.69 ms; 60x40x30 (3000) 1.0 vs 1.4 ms CPU
