@@ -120,8 +120,9 @@ def _einsum_batch(v: Node, slots: list[int], bdim: dict[Node, int | None]) -> in
         d = bdim.get(v.inputs[s])
         if d is not None:
             votes[op.in_labels[s][d]] += 1
+    # a scalar operand (a loss's 1 / count, fused into its gradient) broadcasts: no conflict
     ok = [lab for lab in op.out_labels if lab in votes
-          and all(lab in op.in_labels[s] for s in slots)]
+          and all(lab in op.in_labels[s] for s in slots if v.inputs[s].ndim)]
     if not ok:
         return None
     best = max(ok, key=lambda lab: votes[lab])  # max keeps the first among equals
