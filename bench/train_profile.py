@@ -6,7 +6,8 @@ processes' load (except where a BLAS pool spins waiting for a descheduled thread
 case on a quiet machine). Printed:
 
 * einjoin's process CPU per step (every thread) and torch's on one thread (its work), measured in
-  alternating rounds of 5 steps, medians, and their ratio;
+  alternating rounds of 5 steps, medians, and their ratio; the step's task graph: tasks per kind
+  (frees included) and the plan's modelled bytes moved;
 * with ``--breakdown``: the thread CPU of every computing task (``time.thread_time`` around
   :func:`einjoin.plan.execute.compute` as the local runtime calls it), per task kind and per
   (task kind, op kind, equation), the tasks per step, and what is left outside them (the
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"small LLaMA step, CPU per step (median of {len(ours)}): einjoin local({args.devices}) "
           f"{e * 1e3:.1f} ms ({len(trainer.program.graph.ops)} ops), torch 1 thread {t * 1e3:.1f} ms: "
           f"{e / t:.2f}x")
+    kinds_tg = collections.Counter(t.kind.name.lower() for t in trainer.program.taskgraph.tasks)
+    print(f"task graph of a step: {sum(kinds_tg.values())} tasks ("
+          + ", ".join(f"{k} {n}" for k, n in kinds_tg.most_common()) + f"), modelled bytes moved "
+          f"{trainer.program.stats.bytes_moved}")
     if args.breakdown:
         total, acc = breakdown(trainer, batches, 5)
         inside = sum(v[0] for v in acc.values())
