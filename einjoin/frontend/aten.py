@@ -357,13 +357,15 @@ def _finfo_eps(dtype: str) -> float:
 
 
 @op("embedding")
-def _embedding(a: Tensor, b: Tensor, *rest: Any, **kw: Any) -> Tensor:
+def _embedding(a: Tensor, b: Tensor, *rest: Any, functional: bool = False, **kw: Any) -> Tensor:
     """aten ``embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False)``
-    (torch.export) or ``F.embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
-    scale_grad_by_freq=False, sparse=False)`` (torch.fx): the int argument is the indices."""
-    if a.dtype in FLOAT_DTYPES:
-        return embedding(a, b, *rest, **kw)
-    return _f_embedding(a, b, *rest, **kw)
+    (torch.export, ``torch.embedding``) or, with ``functional`` (torch.fx's call of the function
+    ``F.embedding``), ``F.embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+    scale_grad_by_freq=False, sparse=False)``. Told by how it was called, not by dtypes: an
+    integer table (a lookup of ids) read its values as the indices, silently."""
+    if functional:
+        return _f_embedding(a, b, *rest, **kw)
+    return embedding(a, b, *rest, **kw)
 
 
 def _f_embedding(indices: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: Any = None,

@@ -523,6 +523,8 @@ def _fx_call(node: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
             return getattr(x, attr)
         problems.add(node, f"getattr {attr!r}", f"attribute {attr!r} of a tensor")
         return _FAILED
+    if name == "embedding" and getattr(node.target, "__module__", None) == "torch.nn.functional":
+        kwargs = {**kwargs, "functional": True}  # F.embedding(input, weight): not aten's order
     return _translate(node, name, args, kwargs, problems)
 
 

@@ -272,3 +272,24 @@ def test_activations_at_inf_and_nan_are_torchs(dtype: torch.dtype) -> None:
             w = _F.gelu(x.double()).float()
         bad = ~torch.isclose(g, w, rtol=1e-5, atol=1e-6, equal_nan=True)
         assert not bad.any(), (name, [(_SPECIAL[i], w[i].item(), g[i].item()) for i in bad.nonzero().flatten()])
+
+
+# ---------------------------------------------------------------- 4. common patterns, hostile
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_an_integer_embedding_table_is_the_table(method: str) -> None:
+    """``F.embedding(ids, table)`` with an int64 table (a lookup of ids): the translation told
+    indices from weight by dtype, so the table's values were taken as indices (silently wrong
+    when they are in range, an out-of-range error otherwise)."""
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.tensor([[0, 1], [1, 0], [5, 6], [2, 2]]))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return _F.embedding(ids, self.table) + torch.embedding(self.table, ids.flip(0))
+
+    ids = torch.tensor([2, 0, 3])
+    got = ej.compile(ej.from_torch(Lookup(), (ids,), method=method), devices=2, quiet=True).run(ids)
+    assert torch.equal(torch.as_tensor(np.asarray(got)), Lookup()(ids))
