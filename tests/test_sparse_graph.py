@@ -257,3 +257,25 @@ def test_the_reference_of_a_large_sparse_operand_runs_the_sparse_engine(monkeypa
     monkeypatch.setattr(se, "DENSE_REFERENCE", 0)  # every operand counts as large: never densified
     monkeypatch.setattr(GraphSparse, "todense", lambda self: pytest.fail("the sparse operand was densified"))
     np.testing.assert_allclose(ej.reference(y, h=hv), sp.toarray() @ hv, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, bool])
+def test_an_int_or_bool_adjacency_takes_the_float_operands_dtype(dtype):
+    m = (_adjacency(12, 10, 0.3, 18).toarray() > 0).astype(dtype)
+    a = ej.sparse("A", m)
+    h = ej.input("h", (10, 3), "float32")
+    y = a @ h
+    assert y.dtype == "float32"  # torch's promotion
+    loss = (y * y).sum()
+    (gh,) = ej.grad(loss, [h])
+    hv = np.random.default_rng(19).normal(size=(10, 3)).astype(np.float32)
+    d = m.astype(np.float32)
+    out, g = ej.compile([y, gh], devices=2).run(h=hv)
+    np.testing.assert_allclose(out, d @ hv, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(g, 2 * d.T @ (d @ hv), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ej.reference(y, h=hv), d @ hv, rtol=1e-6, atol=1e-6)
+    from einjoin.ir.sparse_einsum import sparse_einsum_node
+    from einjoin.sparse.node import graph_operand
+    if a.dtype.kind != "f":  # (ej.sparse stores bool values as float32)
+        with pytest.raises(DTypeError, match="no operand is float"):  # (ej.einsum("ij->i", a) runs eagerly)
+            sparse_einsum_node(graph_operand(a), 0, [], "ij->i")

@@ -98,14 +98,19 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
     for lab in outs:
         if lab not in sizes:
             raise EinsumSyntaxError(f"{what}: output label {lab!r} appears in no operand")
-    dtype = canonical_dtype(operand.dtype_name)
     for x in inputs:
         if kind(x.dtype) != "float":
             raise DTypeError(f"{what}: dense operand of dtype {x.dtype}; sparse einsums take float operands "
                              f"(cast it first)")
-        dtype = promote(dtype, x.dtype) if kind(dtype) == "float" else dtype
-    if kind(dtype) != "float":
-        raise DTypeError(f"{what}: the sparse operand is {dtype}; sparse einsums in a graph compute in float")
+    # torch's promotion: an int or bool sparse tensor (an adjacency of ones) takes the float operands' dtype
+    sparse_dtype = canonical_dtype(operand.dtype_name)
+    floats = ([sparse_dtype] if kind(sparse_dtype) == "float" else []) + [x.dtype for x in inputs]
+    if not floats:
+        raise DTypeError(f"{what}: the sparse operand is {sparse_dtype} and no operand is float; sparse einsums "
+                         f"in a graph compute in float")
+    dtype = floats[0]
+    for dt in floats[1:]:
+        dtype = promote(dtype, dt)
     op = SparseEinsum(ins, outs, position, operand)
     return Node(op, tuple(inputs), tuple(sizes[lab][0] for lab in outs), dtype)
 
@@ -123,7 +128,7 @@ def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -
     dense = [np.asarray(a) for a in args]
     work = [a.astype(np.float32) if is_half(a.dtype) else a for a in dense]
     work.insert(op.position, np.asarray(op.operand.todense()))
-    out = np.einsum(op.equation, *work) if work else np.zeros(node.shape)
+    out = np.einsum(op.equation, *work)
     return np.asarray(out).astype(numpy_dtype(node.dtype), copy=False)
 
 

@@ -48,11 +48,12 @@ class GraphSparse:
     of the einsums the graph asks of it. Hashed by identity (one per tensor: :func:`graph_operand`);
     pickles as its tensor (plans are compiled again where it lands: a Ray actor)."""
 
-    __slots__ = ("tensor", "_plans", "_lock")
+    __slots__ = ("tensor", "_plans", "_floats", "_lock")
 
     def __init__(self, tensor: SparseTensor) -> None:
         self.tensor = tensor
         self._plans: dict[tuple[Any, ...], tuple[SparsePlan, threading.Lock]] = {}
+        self._floats: dict[str, SparseTensor] = {}  # an int / bool tensor's float copies
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -61,6 +62,7 @@ class GraphSparse:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.tensor = state["tensor"]
         self._plans = {}
+        self._floats = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -85,13 +87,27 @@ class GraphSparse:
     def todense(self) -> np.ndarray:
         return self.tensor.todense()
 
+    def _float(self, dtype: str) -> SparseTensor:
+        """The tensor, or for int / bool values (an adjacency of ones) a copy in the float the node
+        computes in (the sparse engine multiplies one kind only), made once."""
+        t = self.tensor
+        if np.dtype(t.dtype).kind == "f":
+            return t
+        want = np.float32 if dtype in ("float16", "bfloat16") else numpy_dtype(dtype)
+        with self._lock:
+            found = self._floats.get(np.dtype(want).str)
+            if found is None:
+                found = self._floats[np.dtype(want).str] = SparseTensor(
+                    t.name, t.shape, t.block, np.asarray(t.keys), np.asarray(t.data).astype(want))
+        return found
+
     def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:
         """The einsum of ``op`` on the dense blocks ``dense`` (the node's inputs, whole), as a
         dense array of ``dtype``: half blocks computed in float32 and rounded once."""
         arrays = [np.ascontiguousarray(a.astype(np.float32) if is_half(a.dtype) else a) for a in dense]
         key = (op.in_labels, op.out_labels, op.position, tuple((a.shape, a.dtype.str) for a in arrays))
         operands: list[Any] = list(arrays)
-        operands.insert(op.position, self.tensor)
+        operands.insert(op.position, self._float(dtype))
         with self._lock:
             found = self._plans.get(key)
             if found is None:
