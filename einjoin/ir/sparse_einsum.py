@@ -56,7 +56,7 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
     """A :class:`SparseEinsum` node: ``equation`` (or ``in_labels`` / ``out_labels``) over every
     operand, the sparse ``operand`` at ``position`` and ``inputs`` (dense nodes) at the others, in
     order. Checks labels against shapes (errors name the op, the label and both shapes) and infers
-    the dtype (float only: the sparse engine's sums)."""
+    the dtype: the float operands' (dense operands must be float; an int sparse tensor takes theirs)."""
     shapes = [tuple(x.shape) for x in inputs]
     if not 0 <= position <= len(inputs):
         raise EinsumSyntaxError(f"sparse_einsum: sparse operand position {position} for {len(inputs)} dense "
