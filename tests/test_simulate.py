@@ -253,7 +253,7 @@ def test_simulate_without_a_cache_calibrates_first(monkeypatch):
     monkeypatch.setattr(simulate_calibrate, "_memory", lambda reps, quick: (5e9, 1e9, 4e9))
     monkeypatch.setattr(simulate_calibrate, "_dispatch", lambda reps, quick: (1e-5, 1e-4, 2e-5, 3e-4))
     monkeypatch.setattr(simulate_calibrate, "_attention", lambda reps, quick: (2e9, 1e6, 0.1))
-    monkeypatch.setattr(simulate_calibrate, "_functions", lambda reps, quick: {"exp": 1e8, "add": 1e9})
+    monkeypatch.setattr(simulate_calibrate, "_functions", lambda reps, quick, dtype=None: {"exp": 1e8, "add": 1e9})
     monkeypatch.setattr(simulate_calibrate, "_step_call", lambda reps: 5e-6)
     sim = _prog(2).simulate()
     assert calls == ["gemm"] and sim.makespan > 0

@@ -53,3 +53,16 @@ def test_threaded_gemm_half_work_and_attention_speed_up() -> None:
     rates = dict(_cal(attention_parallel=0.1).hardware(1).models[0].kind_rates)
     assert rates["attention"] * 2 == pytest.approx(20e9 * 1.1)  # per thread, two threads: 1.1x one
     assert dict(_cal().hardware(1).models[0].kind_rates)["attention"] * 2 == pytest.approx(20e9 * 1.8)
+
+
+def test_float64_steps_take_their_own_rates() -> None:
+    """A fill's expression runs over float64 index grids: its functions at their float64 rates
+    (measured: numpy's float64 cos ~16x slower than float32's), else twice the float32 time."""
+    from einjoin.cluster.model import steps_time
+    m32 = _cal(fn_rates={"cos": 1.6e9, "add": 6e9}, fn_call=0.0).hardware(1).models[0]
+    m64 = _cal(fn_rates={"cos": 1.6e9, "add": 6e9}, fn_rates64={"cos": 0.1e9}, fn_call=0.0).hardware(1).models[0]
+    n = 1e6
+    assert steps_time(m32, [("cos", n)], 0.0, 8) == pytest.approx(2 * n / 1.6e9)
+    assert steps_time(m64, [("cos", n)], 0.0, 8) == pytest.approx(n / 0.1e9)
+    assert steps_time(m64, [("cos", n)], 0.0, 4) == pytest.approx(n / 1.6e9)  # float32 as before
+    assert steps_time(m64, [("add", n)], 0.0, 8) == pytest.approx(2 * n / 6e9)  # not measured in float64

@@ -27,7 +27,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
 
-VERSION = 6  # bumped when what is measured changes: older caches are measured again
+VERSION = 7  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Calibration:
     attention_half: float = 0.0    # its fixed cost per call, as flops at that rate
     fn_rates: dict[str, float] = field(default_factory=dict)  # elements/s of each elementwise function
     fn_call: float = 0.0  # seconds of one step of a join's evaluation besides its elements
+    fn_rates64: dict[str, float] = field(default_factory=dict)  # the same over float64 (a fill's grids)
     attention_parallel: float = -1.0  # what each further torch thread adds to it (-1: parallel's)
     parallel_half: float = -1.0    # the flops at which a GEMM on every core reaches half its rate (-1: half_work)
     load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
@@ -86,6 +87,7 @@ class Calibration:
             gemm_half += (self.parallel_half - self.half_work) * (threads - 1) / max(1, self.cores - 1)
         model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)), kind_rates=kinds,
                             kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())), fn_call=self.fn_call,
+                            fn_rates64=tuple(sorted(self.fn_rates64.items())),
                             mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
                             launch=self.launch if n == 1 else self.launch_threads, e_max=1.0,
                             half_work=max(0.0, gemm_half))

@@ -82,7 +82,9 @@ class DeviceModel:
     out of the caches — a device that evaluates an elementwise expression step by step (numpy:
     one pass over memory per function, :func:`steps_time`); empty: the expression is one fused
     pass (a GPU's kernels), the roofline of its flops at ``vector_rate`` and its bytes;
-    ``fn_call``: seconds of one such step besides its elements (the Python around a ufunc)."""
+    ``fn_call``: seconds of one such step besides its elements (the Python around a ufunc);
+    ``fn_rates64``: the same over float64 (a fill's index grids; float64 transcendentals run far
+    below float32's vector loops, not at half their rate)."""
 
     name: str
     peak: tuple[tuple[str, float], ...]
@@ -99,6 +101,7 @@ class DeviceModel:
     kind_half: tuple[tuple[str, float], ...] = ()
     fn_rates: tuple[tuple[str, float], ...] = ()
     fn_call: float = 0.0
+    fn_rates64: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.peak:
@@ -108,6 +111,7 @@ class DeviceModel:
         object.__setattr__(self, "kind_half", tuple((k, _positive(h, f"kind_half[{k}]", zero_ok=True))
                                                     for k, h in _pairs_any(self.kind_half, "kind_half")))
         object.__setattr__(self, "fn_rates", _pairs(self.fn_rates, "fn_rates"))
+        object.__setattr__(self, "fn_rates64", _pairs(self.fn_rates64, "fn_rates64"))
         if self.memory is not None:  # bytes, or a size "80GiB" (einjoin.cluster.parse_bytes)
             from einjoin.cluster.sizes import parse_bytes
             try:
@@ -204,8 +208,9 @@ def steps_time(model: DeviceModel, steps: Sequence[tuple[str, float]], pass_byte
     rates = dict(model.fn_rates)
     other = rates.get("add", model.mem_bw / 12)  # two reads and a write of float32
     scale = max(1.0, itemsize / 4)
-    return (scale * sum(n / rates.get(fn, other) for fn, n in steps) + len(steps) * model.fn_call
-            + pass_bytes / model.mem_bw)
+    wide = dict(model.fn_rates64) if itemsize == 8 else {}  # measured in float64: no scaling
+    secs = sum(n / wide[fn] if fn in wide else scale * n / rates.get(fn, other) for fn, n in steps)
+    return secs + len(steps) * model.fn_call + pass_bytes / model.mem_bw
 
 
 def is_contraction(flops: float, nbytes: float) -> bool:

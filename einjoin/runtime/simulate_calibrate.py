@@ -112,18 +112,19 @@ def _memory(reps: int, quick: bool) -> tuple[float, float, float]:
     return mem_bw, vec, 2 * 4 * n / copy
 
 
-def _functions(reps: int, quick: bool) -> dict[str, float]:
+def _functions(reps: int, quick: bool, dtype: type = np.float32) -> dict[str, float]:
     """Elements per second of each scalar function (:data:`einjoin.ir.scalar.FUNCTIONS`) as a
     kernel's step runs it (:func:`einjoin.ir.evaluate.evaluate` of the one call, its in-place and
-    faster forms included) over float32 arrays of 4 MB (out of the L2 cache), a new result each
-    call as a join's first step allocates one (a comparison's bool for ``where``; functions that
-    take no floats are not measured)."""
+    faster forms included) over ``dtype`` arrays of 1M elements (out of the L2 cache), a new result
+    each call as a join's first step allocates one (a comparison's bool for ``where``; functions
+    that take no floats are not measured). float64 is a fill's (its index grids): numpy's float64
+    cos and sin run ~16x slower than float32's vector loops here, not the 2x of their bytes."""
     from einjoin.ir.evaluate import evaluate
     from einjoin.ir.scalar import FUNCTIONS, Arg, Call
     n = (1 << 18) if quick else (1 << 20)
     rng = np.random.default_rng(0)
-    x = (rng.random(n, np.float32) + 0.5).astype(np.float32)  # in every function's domain
-    y = (rng.random(n, np.float32) + 0.5).astype(np.float32)
+    x: np.ndarray = (rng.random(n, np.float32) + 0.5).astype(dtype)  # in every function's domain
+    y: np.ndarray = (rng.random(n, np.float32) + 0.5).astype(dtype)
     cond = x > 1.0
     out: dict[str, float] = {}
     for name, f in FUNCTIONS.items():
@@ -266,12 +267,13 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
     attention_rate, attention_half, attention_parallel = _attention(reps, quick)
     fn_rates = _functions(reps, quick)
+    fn_rates64 = _functions(max(1, reps - 1), True, np.float64)  # a fill's grids: the small arrays suffice
     fn_call = _step_call(reps)
     cal = Calibration(cores=os.cpu_count() or 1, matmul_rate=rate, half_work=half, parallel=parallel,
                       parallel_half=parallel_half,
                       mem_bw=mem_bw, vector_rate=vector_rate, copy_bw=copy_bw, launch=launch,
                       launch_threads=launch_threads, overhead=overhead, overhead_threads=overhead_threads,
-                      attention_rate=attention_rate, attention_half=attention_half,
+                      attention_rate=attention_rate, attention_half=attention_half, fn_rates64=fn_rates64,
                       attention_parallel=attention_parallel, fn_rates=fn_rates, fn_call=fn_call,
                       machine=machine_key(), seconds=time.perf_counter() - t0,
                       load=load)
