@@ -24,8 +24,9 @@ from einjoin.exchange import Task, TaskKind
 from einjoin.ir.attention import ForwardMemo, forward_memo
 from einjoin.ir.evaluate import quiet_floats
 from einjoin.ir.node import Node
-from einjoin.plan.execute import assemble_outputs, compute, from_host, to_host
+from einjoin.plan.execute import assemble_output, assemble_outputs, compute, from_host, to_host
 from einjoin.runtime.backend import RunSpec
+from einjoin.runtime.outputs import OutputSlots, output_plan
 
 if TYPE_CHECKING:
     from einjoin.runtime.engine import RunStats
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["Store", "SoloStore", "LocalSession"]
 
 # the kinds and groups execute() asks about, read once (TaskKind's properties stay the definition)
-_MOVE, _LOAD, _KERNEL, _RELOAD, _EVICT = (TaskKind.MOVE, TaskKind.LOAD, TaskKind.KERNEL, TaskKind.RELOAD,
-                                          TaskKind.EVICT)
+_MOVE, _LOAD, _KERNEL, _RELOAD, _EVICT, _TOUCH = (TaskKind.MOVE, TaskKind.LOAD, TaskKind.KERNEL, TaskKind.RELOAD,
+                                                  TaskKind.EVICT, TaskKind.TOUCH)
 _RELEASES = frozenset(k for k in TaskKind if k.releases)
 _TO_HOST = frozenset(k for k in TaskKind if k.to_host)
 _CROSSES_HOST = frozenset(k for k in TaskKind if k.crosses_host)
@@ -161,6 +162,11 @@ class LocalSession:
         self.state = run.state  # a program's state (einjoin.runtime.state), or None
         # the run's attention forwards, for their gradient kernels (bound to each worker thread)
         self.memo = ForwardMemo() if computes else None
+        # outputs of several blocks: allocated now, each block lands in its slot as it is written
+        # (einjoin.runtime.outputs); not under a cap (outputs end in the host store) or with state
+        self.slots = OutputSlots(output_plan(run.engine)) if computes and not self.capped and self.state is None \
+            else None
+        self.views = self.slots.views if self.slots is not None else {}
 
     def __enter__(self) -> LocalSession:
         if self._limit is not None:
@@ -220,6 +226,8 @@ class LocalSession:
         if self.computes:
             if kind is _RELOAD:
                 value = from_host(t, self.host, self.feeds)
+            elif self.views and t.writes in self.views:
+                value = self._landed(t, store)
             elif kind is _MOVE and not self.capped:
                 # zero-copy: devices in one process share memory, and a block is never written
                 # in place once produced (a reduce copies its first partial, a touch fills its
@@ -257,6 +265,25 @@ class LocalSession:
             store.reloaded += nbytes
             self._throttle(start, nbytes)
 
+    def _landed(self, t: Task, store: Store) -> Any:
+        """The block task ``t`` writes, in its output's slot (:mod:`einjoin.runtime.outputs`): a
+        matmul kernel computes into it, a touch fills it as its buffer, anything else is copied
+        into it (a move's block too: handed over, it would be copied at the end)."""
+        slots = self.slots
+        assert slots is not None
+        view = self.views[t.writes]
+        if t.kind is _MOVE:
+            return slots.land(self.stores[t.payload.src_device].get(t.reads[0]), view)
+        get = store.values.get
+        if t.kind is _KERNEL:
+            into = slots.plan.into.get(t.id)
+            if into is not None and into([get(v) for v in t.reads], view):
+                return view
+        elif t.kind is _TOUCH and t.writes in slots.plan.touched and t.writes not in store.values:
+            store.values[t.writes] = view  # the touches' buffer (execute.py's _touch fills it)
+        value = compute(t, get, self.feeds, self.decomps, self.shapes[t.writes], self.fast[t.id])
+        return slots.land(value, view)
+
     def finish(self, stats: RunStats) -> list[np.ndarray] | None:
         """The run's totals from its stores, and its outputs assembled from the blocks."""
         tg, stores = self.tg, self.stores
@@ -276,6 +303,10 @@ class LocalSession:
         get = self.host.__getitem__ if self.capped else (lambda v: stores[tg.values[v].device].get(v))
         if state is not None:
             state.keep(tg, get, self.capped, self.feeds)
-        outs = assemble_outputs(fetched, get, self.feeds)
+        if self.slots is not None:
+            feeds = self.feeds
+            outs = self.slots.outputs(fetched.outputs, get, lambda lay: assemble_output(lay, get, feeds))
+        else:
+            outs = assemble_outputs(fetched, get, self.feeds)
         stats.bytes_fetched = sum(o.nbytes for o in outs)
         return outs
