@@ -302,14 +302,20 @@ def from_coo(name: str, coords: np.ndarray, values: np.ndarray, shape: tuple[int
             starts = np.searchsorted(inv[order], np.arange(len(uniq)))
             vals = np.add.reduceat(values[order], starts) if len(order) else values[:0]
         return SparseTensor(name, shape, block, uniq, vals.reshape((-1,) + block))
+    if not summed:  # the stored entries first: duplicates summed, explicit zeros kept
+        entries = from_coo(name, coords, values, shape, (1,) * r)
+        coords, values = entries.keys, entries.data.reshape(-1)
+        keys = coords // bk if r else coords
     uniq, inv = unique_rows(keys, grid)
     data = np.zeros((len(uniq),) + block, values.dtype)
     offs = tuple((coords % bk)[:, d] for d in range(r))
-    if summed:
-        data[(inv,) + offs] = values
-    else:
-        np.add.at(data, (inv,) + offs, values)
-    return SparseTensor(name, shape, block, uniq, data)
+    data[(inv,) + offs] = values
+    out = SparseTensor(name, shape, block, uniq, data)
+    # the stored entries are these coordinates, explicit zeros included (coo() would find only the
+    # payloads' non-zeros: the same data stored at block 2 had fewer entries, nnz and gradient
+    # support, than at block 1)
+    out._coo = (_read_only(coords.astype(np.int64, copy=False).reshape(len(values), r)), _read_only(values))
+    return out
 
 
 def is_sparse(x: Any) -> bool:
