@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -161,8 +161,7 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
                                f"(ej.input, ej.param, or values computed from them)")
         dense.append(getattr(x, "node", x))
     node = sparse_einsum_node(graph_operand(operands[sparse_at[0]]), sparse_at[0], dense, equation)
-    op = node.op
-    assert isinstance(op, SparseEinsum)
+    op = cast(SparseEinsum, node.op)  # (kinds are asked of tables outside the IR, never isinstance)
     summed = sorted({lab for ls in op.in_labels for lab in ls} - set(op.out_labels))
     if agg_name in (None, "none") and summed:  # as the dense einsum: no aggregation sums nothing
         raise EinsumSyntaxError(f"{what}: labels {''.join(summed)!r} are missing from the output but agg is "
