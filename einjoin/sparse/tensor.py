@@ -16,6 +16,7 @@ payload has the same shape and kernels run batched over tuples.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,7 +239,14 @@ class SparseTensor:
     def todense(self) -> np.ndarray:
         """An ``np.ndarray`` of the exact shape (missing entries are 0)."""
         grid = grid_of(self.shape, self.block)
-        padded = np.zeros(tuple(g * b for g, b in zip(grid, self.block)), self.dtype)
+        size = tuple(g * b for g, b in zip(grid, self.block))
+        try:
+            padded = np.zeros(size, self.dtype)
+        except (MemoryError, ValueError):  # numpy's _ArrayMemoryError, or a size beyond any array
+            gib = math.prod(self.shape) * self.dtype.itemsize / 2 ** 30
+            raise EinjoinError(f"sparse tensor {self.name!r}: todense() of shape {self.shape} ({self.dtype}) "
+                               f"needs {gib:.3g} GiB, which this machine cannot allocate; use .to_scipy(), "
+                               f".coo(), or ej.einsum with the sparse tensor") from None
         if self.nblocks:
             split = padded.reshape(tuple(x for gb in zip(grid, self.block) for x in gb))
             r = self.ndim

@@ -354,3 +354,11 @@ def test_stored_entries_do_not_depend_on_the_block_size(seed: int, blk: int) -> 
         grads.append(plan.vjp(g)[0])
     assert grads[0].nnz == grads[1].nnz == ref.nnz
     np.testing.assert_allclose(grads[1].todense(), grads[0].todense())
+
+
+def test_todense_too_large_is_an_einjoin_error() -> None:
+    # was numpy's _ArrayMemoryError "Unable to allocate 728. TiB" from inside todense()
+    a = ej.sparse("A", (np.array([[0], [0]]), np.array([1.0]), (10 ** 7, 10 ** 7)))
+    with pytest.raises(ej.EinjoinError, match=r"'A'.*todense\(\).*\(10000000, 10000000\).*GiB"):
+        a.todense()
+    assert a.to_scipy().nnz == 1
