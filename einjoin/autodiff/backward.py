@@ -25,8 +25,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.dtypes import kind
 from einjoin.ir.fold import fold
-from einjoin.ir.node import Concat, Fill, Node, rule_for
-from einjoin.ir.scalar import Const, parse_join
+from einjoin.ir.node import Node, rule_for
+from einjoin.ir.scalar import parse_join
 
 __all__ = ["backward", "RULE_HITS", "topological"]
 
@@ -61,19 +61,16 @@ def topological(outputs: Sequence[Node]) -> list[Node]:
 _FAN_IN = 16
 
 
-def _zero_fill(x: Node) -> bool:
-    return isinstance(x.op, Fill) and isinstance(x.op.expr, Const) and x.op.expr.value == 0
-
-
 def _padded(x: Node) -> tuple[int, list[tuple[int, int, Node]]] | None:
     """(axis, [(start, stop, piece)]) of a cotangent that is pieces placed in zeros along one axis
     (a concat whose other inputs are zero fills: what a select's rule sends back), else None."""
-    if not isinstance(x.op, Concat) or not any(_zero_fill(p) for p in x.inputs):
+    axis = ops.concat_axis(x)
+    if axis is None or not any(ops.is_zero_fill(p) for p in x.inputs):
         return None
-    axis, at, pieces = x.op.axis, 0, []
+    at, pieces = 0, []
     for p in x.inputs:
         width = p.shape[axis]
-        if not _zero_fill(p):
+        if not ops.is_zero_fill(p):
             pieces.append((at, at + width, p))
         at += width
     return axis, pieces

@@ -28,7 +28,7 @@ from einjoin.ir.dtypes import canonical_dtype, kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
                              Reshape, ScatterAdd, Select, TopK)
 from einjoin.ir.window import out_size
-from einjoin.ir.scalar import Expr, infer_dtype, num_args, parse_join
+from einjoin.ir.scalar import Const, Expr, infer_dtype, num_args, parse_join
 
 __all__ = ["check_shape", "check_size", "MAX_ELEMENTS", "last_declaration", "declared_elsewhere", "input_node",
            "einsum_node", "reshape_node", "broadcast_node", "select_node", "concat_node",
@@ -275,6 +275,27 @@ def concat_node(xs: Sequence[Node], axis: int) -> Node:
     shape[axis] = sum(x.shape[axis] for x in xs)
     check_size(tuple(shape), "concat")
     return Node(Concat(axis), xs, tuple(shape), first.dtype)
+
+
+def concat_axis(node: Node) -> int | None:
+    """The axis ``node`` concatenates its inputs along, or None when it is no concat (a query for
+    the layers above, which never test the op's class).
+
+    >>> a = input_node("a", (2, 3))
+    >>> concat_axis(concat_node([a, a], 1)), concat_axis(a)
+    (1, None)
+    """
+    return node.op.axis if isinstance(node.op, Concat) else None
+
+
+def is_zero_fill(node: Node) -> bool:
+    """``node`` is a fill of the constant 0 (an exact zero: what a gradient rule sends where no
+    cotangent flows).
+
+    >>> is_zero_fill(fill_node((2,), "float32", 0)), is_zero_fill(fill_node((2,), "float32", 1))
+    (True, False)
+    """
+    return isinstance(node.op, Fill) and isinstance(node.op.expr, Const) and node.op.expr.value == 0
 
 
 def fill_node(shape: Any, dtype: Any, expr: str | Expr | float | int | bool) -> Node:

@@ -34,7 +34,7 @@ import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -161,7 +161,7 @@ def _matmul_into(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) 
     path's ``_batched_matmul`` with nothing summed first and an output above the split-k sizes),
     the same product written into its slot; else None."""
     d = decomps.get(t.node)
-    if d is None or d.n_partials != 1 or not isinstance(d.node.op, Einsum):
+    if d is None or d.n_partials != 1 or not d.node.facts.contracts:
         return None
     if rule_for(BLOCK_KERNELS, d.node.op, "the block kernels") is not _einsum_block:
         return None
@@ -173,7 +173,7 @@ def _matmul_into(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) 
     if dt not in (np.dtype(np.float32), np.dtype(np.float64)) or \
             any(np.dtype(numpy_dtype(tg.values[v].dtype)) != dt for v in t.reads):
         return None
-    r = matmul_route(d.node.op, [dt, dt])
+    r = matmul_route(cast(Einsum, d.node.op), [dt, dt])  # an einsum: the kind contracts
     lx, ly = r.x_labels, r.y_labels
     if r.path != "matmul" or r.x_sum or r.y_sum or not r.k or len(shapes[0]) != len(lx) or len(shapes[1]) != len(ly):
         return None
