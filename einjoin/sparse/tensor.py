@@ -402,11 +402,16 @@ def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ..
     mod = type(data).__module__ or ""
     if mod.startswith("scipy.sparse"):
         coo = data.tocoo()
-        coords = np.stack([np.asarray(coo.row), np.asarray(coo.col)], axis=1).astype(np.int64)
+        # coords: one index array per dim (scipy >= 1.13's n-d coo_array too; row / col are 2-d only)
+        idx = coo.coords if hasattr(coo, "coords") else (coo.row, coo.col)
+        coords = np.stack([np.asarray(c) for c in idx], axis=1).astype(np.int64).reshape(-1, len(coo.shape))
         return coords, np.asarray(coo.data), _check_shape(coo.shape, what), False
     if mod.startswith("torch"):
         import torch
         t = data.detach()
+        if t.device.type == "meta":
+            raise EinjoinError(f"{what}: a torch tensor on the meta device {tuple(t.shape)} has no values "
+                               f"to read (materialise it first, e.g. torch.empty_like(t, device='cpu'))")
         if t.layout == torch.strided:
             t = t.to_sparse()
         elif t.layout != torch.sparse_coo:
@@ -432,6 +437,8 @@ def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ..
                              f"(expected ({len(shape)}, nnz), one row per dim)")
         if idx.dtype.kind not in "iu":
             raise DTypeError(f"{what}: COO indices must be integers, got {idx.dtype}")
+        if idx.dtype == np.uint64 and idx.size and int(idx.max()) >= 2 ** 63:  # would wrap negative
+            raise ShapeError(f"{what}: COO index {int(idx.max())} out of range (shape {shape})")
         if vals.shape != (idx.shape[1],):
             raise ShapeError(f"{what}: {idx.shape[1]} COO indices but values of shape {vals.shape}")
         coords = idx.T.astype(np.int64)
@@ -444,7 +451,10 @@ def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ..
                                      f"(shape {shape})")
         return coords, vals, shape, False
     if isinstance(data, (np.ndarray, list, float, int)) or hasattr(data, "__array__"):
-        arr = np.asarray(data)
+        try:
+            arr = np.asarray(data)
+        except ValueError as e:  # ragged nested lists
+            raise ShapeError(f"{what}: cannot read {type(data).__name__} as an array: {e}") from None
         if arr.ndim == 0:  # a scalar: one entry with no coordinates, or none (np.nonzero refuses 0-d)
             coords = np.zeros((int(arr != 0), 0), np.int64)
             return coords, arr.reshape(-1)[: len(coords)], (), True

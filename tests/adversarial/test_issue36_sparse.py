@@ -362,3 +362,17 @@ def test_todense_too_large_is_an_einjoin_error() -> None:
     with pytest.raises(ej.EinjoinError, match=r"'A'.*todense\(\).*\(10000000, 10000000\).*GiB"):
         a.todense()
     assert a.to_scipy().nnz == 1
+
+
+def test_constructor_inputs_read_or_refused_by_name() -> None:
+    # each was a raw error from numpy / scipy / torch inside ej.sparse
+    import scipy.sparse
+    cube = np.arange(8.0).reshape(2, 2, 2)
+    np.testing.assert_array_equal(ej.sparse("A", scipy.sparse.coo_array(cube)).todense(), cube)  # was ValueError
+    with pytest.raises(ej.ShapeError, match="'A'"):  # ragged lists: was numpy's ValueError
+        ej.sparse("A", [[1, 0], [0]])
+    with pytest.raises(ej.ShapeError, match="9223372036854775813"):  # a uint64 index wrapped to a negative one
+        ej.sparse("A", (np.array([[2 ** 63 + 5]], np.uint64), np.array([1.0]), (4,)))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ej.EinjoinError, match="meta"):  # was NotImplementedError from aten::_to_sparse
+        ej.sparse("A", torch.ones(3, 3, device="meta"))
