@@ -4,12 +4,13 @@ warm-up, the backends alternating by round), the ratio (also of Ray with every m
 object store, ``channels=False``), the CPU per run of the driver (for threads: all of it) and of
 the actors, each backend's time per task (the tiny-task row is their per-task dispatch
 overhead), and Ray's extra time per task = (ray - threads) / tasks. First, Ray's first-run latency
-once Ray is up (``ray.init`` returned and its prestarted workers run), timed from ``prog.run`` on
+once Ray is up (``ray.init`` returned and its prestarted workers idle), timed from ``prog.run`` on
 fresh actors: as before compile-time warm-up, as ``ej.compile`` does now (the actors start and
 import what the kernels need while it plans), and after ``RayBackend.warm(wait=True)``; a second
 program on those actors; the threads backend's first run.
 
-    make bench            (or: .venv/bin/python bench/ray_exec.py [--reps 5] [--no-first-run])
+    make bench            (or: .venv/bin/python bench/ray_exec.py [--reps 5] [--no-first-run]
+                           [--first-run-reps 3] [--only-first-run])
 
 Both programs of a row are compiled from one graph with the same planner and placement, so they
 run the identical task graph; outputs are checked equal. The BLAS library in use is printed.
@@ -19,6 +20,7 @@ Goals (issue 22): LLaMA block ray / threads <= 2.0; first run <= 2 s after Ray i
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable, Mapping
 
@@ -81,10 +83,12 @@ def _timed(runs: dict[str, Callable[[], object]], reps: int, backends: Mapping[s
     return {k: [min(w), float(np.median(c)), float(np.median(a))] for k, (w, c, a) in got.items()}
 
 
-def _idle_workers(cpus: int, timeout: float = 120.0) -> set[int]:
+def _idle_workers(cpus: int, timeout: float = 120.0, settle: float = 0.5) -> set[int]:
     """Wait until the local Ray this process started has ``cpus`` idle workers (``ray::IDLE``
-    processes below this one, the workers Ray prestarts); their pids. Not by running tasks on
-    them: Ray hands only a worker that never ran a task to a new actor."""
+    processes below this one, the workers Ray prestarts) that have finished starting: their CPU
+    time grew by less than 20 ms over ``settle`` seconds (a worker connects, and is named IDLE,
+    before it imports what Ray preloads: einjoin's actor module, ``ensure_ray``); their pids. Not
+    by running tasks on them: Ray hands only a worker that never ran a task to a new actor."""
     import psutil  # Ray ships it (ray/thirdparty_files, on sys.path once ray is imported)
     deadline = time.time() + timeout
     idle: set[int] = set()
@@ -93,7 +97,24 @@ def _idle_workers(cpus: int, timeout: float = 120.0) -> set[int]:
         if len(idle) >= cpus:
             break
         time.sleep(0.1)
+    used = sum(_cpu(p) for p in idle)
+    while time.time() < deadline:
+        time.sleep(settle)
+        now = sum(_cpu(p) for p in idle)
+        if now - used < 0.02:
+            break
+        used = now
     return idle
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used."""
+    import psutil
+    try:
+        t = psutil.Process(pid).cpu_times()
+        return float(t.user + t.system)
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return 0.0
 
 
 def _name(p: object) -> str:
@@ -128,7 +149,8 @@ def _first_run_case(case: str, devices: int) -> None:
     backend = RayBackend(quiet=True)
     if case == "cold":
         backend.warm = lambda *a, **k: False  # type: ignore[method-assign]  # the behaviour before
-    t_warm = 0.0
+    idle_cpu = {p: _cpu(p) for p in idle}  # what the idle workers used before an actor took them
+    t_warm, t0, c0 = 0.0, time.time(), time.process_time()
     if case == "warmed":
         t = time.perf_counter()
         backend.warm(devices, ej.Graph(out), wait=True)
@@ -139,12 +161,22 @@ def _first_run_case(case: str, devices: int) -> None:
     t = time.perf_counter()
     prog.run(**feeds)
     t_run = time.perf_counter() - t
-    cpu = sum(ray.get([a.__ray_call__.remote(lambda w: time.process_time()) for a in backend.actors]))
+    driver_cpu = time.process_time() - c0
+    # per actor: (pid, (wall, CPU) when it began, (wall, CPU) when its preload ended, CPU now)
+    info = ray.get([a.__ray_call__.remote(lambda w: (os.getpid(), getattr(w, "started", None),
+                                                     getattr(w, "preloaded", None), time.process_time()))
+                    for a in backend.actors])
+    cpu = sum(now for *_, now in info) - sum(idle_cpu.get(pid, 0.0) for pid, *_ in info)
+    starts = [st[0] - t0 for _, st, _, _ in info if st is not None]
+    began = max(starts) if len(starts) == len(info) else None
+    preloaded = [pre[0] - t0 for _, _, pre, _ in info if pre is not None]
+    imports = max(preloaded) if len(preloaded) == len(info) else None
     t = time.perf_counter()
     ej.compile(out * 2.0, devices=devices, backend=backend, planner="eindecomp", quiet=True).run(**feeds)
     t_second = time.perf_counter() - t
     row = dict(up=up, idle=len(idle), warm=t_warm, compile=t_compile, run=t_run, cpu=cpu, second=t_second,
-               reused=set(backend.pids) <= idle)
+               reused=set(backend.pids) <= idle, began=began, imports=imports, driver_cpu=driver_cpu,
+               end=time.time() - t0 - t_second)
     backend.close()
     if case == "cold":  # the threads backend's first run, in this process (it imports torch too)
         t = time.perf_counter()
@@ -156,42 +188,65 @@ def _first_run_case(case: str, devices: int) -> None:
     print("ROW", json.dumps(row), flush=True)
 
 
-def _first_runs(console: Console, devices: int) -> None:
+def _first_runs(console: Console, devices: int, reps: int = 3) -> None:
     """The first run of the LLaMA block after Ray is up, timed from the ``prog.run`` call on fresh
     actors, each case in a fresh process with a fresh local Ray. "Ray is up": ``ray.init``
-    returned and the workers it prestarts (one per CPU) are idle (:func:`_idle_workers`); no
-    einjoin actor exists. "cold": the actors start at the first run (as before compile-time
-    warm-up: each imports einjoin, and torch at its first attention block); "compiled": as
+    returned and the workers it prestarts (one per CPU) are idle, done with what they import as
+    they start (:func:`_idle_workers`: einjoin's actor module, ``ensure_ray``); no einjoin actor
+    exists. "cold": the actors start at the first run (as before compile-time warm-up: each
+    imports torch at its first attention block); "compiled": as
     ``ej.compile`` does now (it starts the actors, which import what the program's kernels need,
     then plans); "warmed": after ``RayBackend.warm(..., wait=True)`` (its time apart). With each:
-    the actors' CPU seconds by the first run's end (since their processes started; wall times on
-    a busy machine are inflated, CPU seconds much less) and a second program's compile and first
-    run on the same actors; the threads backend's first run (it imports torch too)."""
+    the actors' CPU seconds by the first run's end (since Ray handed them their workers; wall times
+    on a busy machine are inflated, CPU seconds much less) and a second program's compile and first
+    run on the same actors; the threads backend's first run (it imports torch too).
+
+    Each case runs ``reps`` times (the cases alternating by round, each in a fresh process): the
+    best wall of each column, the median of the CPU columns. Where the first run's time goes:
+    "actors began" (their class loaded, einjoin imported: the first call of ``DeviceWorker``) and
+    "imports done" (preload's torch) are seconds since compile began (since ``warm`` for
+    "warmed"), beside the compile's end; the actors' CPU is what they used after Ray handed them
+    their idle workers (class load, imports, plan, first run), the driver's its own for the case."""
     import json
     import subprocess
     import sys
 
     table = Table(title="first run of the LLaMA block after Ray is up (ray.init returned, its prestarted "
-                        "workers idle), fresh actors, a fresh process and Ray per case; goal: first run <= 2 s")
-    for col in ("case", "Ray up (s)", "warm (s)", "compile (s)", "first run (s)", "actors' CPU (s)",
-                "idle workers taken", "2nd program: compile + run (s)"):
+                        "workers idle, their start's imports done), fresh actors, a fresh process and Ray per case; "
+                        "goal: first run <= 2 s")
+    for col in ("case", "Ray up (s)", "warm (s)", "compile (s)", "first run (s)", "actors began (s)",
+                "imports done (s)", "actors' CPU (s)", "driver CPU (s)", "idle workers taken",
+                "2nd program: compile + run (s)"):
         table.add_column(col, justify="left" if col == "case" else "right")
-    threads = None
+    rows: dict[str, list[dict[str, object]]] = {case: [] for case in FIRST_CASES}
+    for _ in range(reps):
+        for case in FIRST_CASES:
+            res = subprocess.run([sys.executable, __file__, "--first-run", case, "--devices", str(devices)],
+                                 capture_output=True, text=True, timeout=600)
+            line = next((x for x in res.stdout.splitlines() if x.startswith("ROW ")), None)
+            if line is None:
+                console.print(f"{case}: failed\n{res.stderr[-2000:]}")
+                continue
+            rows[case].append(json.loads(line[4:]))
+
+    def best(rs: list[dict[str, object]], k: str, fn: Callable[[list[float]], float] = min) -> str:
+        got = [float(r[k]) for r in rs if r.get(k) is not None]  # type: ignore[arg-type]
+        return f"{fn(got):.2f}" if got else "-"
+
+    median: Callable[[list[float]], float] = lambda xs: float(np.median(xs))  # noqa: E731
     for case, title in FIRST_CASES.items():
-        res = subprocess.run([sys.executable, __file__, "--first-run", case, "--devices", str(devices)],
-                             capture_output=True, text=True, timeout=600)
-        line = next((x for x in res.stdout.splitlines() if x.startswith("ROW ")), None)
-        if line is None:
-            console.print(f"{case}: failed\n{res.stderr[-2000:]}")
+        rs = rows[case]
+        if not rs:
             continue
-        r = json.loads(line[4:])
-        threads = r.get("threads_run", threads) if threads is None else threads
-        table.add_row(title, f"{r['up']:.2f}", f"{r['warm']:.2f}", f"{r['compile']:.2f}", f"{r['run']:.2f}",
-                      f"{r['cpu']:.2f}", "yes" if r["reused"] else f"no ({r['idle']} idle)", f"{r['second']:.2f}")
+        reused = sum(bool(r["reused"]) for r in rs)
+        table.add_row(f"{title} (x{len(rs)})", best(rs, "up"), best(rs, "warm"), best(rs, "compile"), best(rs, "run"),
+                      best(rs, "began"), best(rs, "imports"), best(rs, "cpu", median), best(rs, "driver_cpu", median),
+                      f"{reused} of {len(rs)}", best(rs, "second"))
     console.print(table)
-    if threads is not None:
+    threads = [float(r["threads_run"]) for r in rows["cold"] if "threads_run" in r]  # type: ignore[arg-type]
+    if threads:
         console.print(f"the threads backend's first run of the block (a fresh process: it imports torch for the "
-                      f"attention) {threads:.2f} s")
+                      f"attention), best of {len(threads)}: {min(threads):.2f} s")
 
 
 def main() -> None:
@@ -203,6 +258,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--first-run", choices=sorted(FIRST_CASES), help="internal: one first-run case")
     ap.add_argument("--no-first-run", action="store_true", help="skip the first-run table (fresh Rays, slow)")
+    ap.add_argument("--first-run-reps", type=int, default=3, help="fresh processes per first-run case (best of)")
+    ap.add_argument("--only-first-run", action="store_true", help="the first-run table alone")
     args = ap.parse_args()
     if args.first_run:
         _first_run_case(args.first_run, args.devices)
@@ -212,7 +269,9 @@ def main() -> None:
                      for i in threadpool_info() if i.get("user_api") == "blas") or "unknown"
     console.print(f"Ray {ray.__version__}; BLAS: {blas}; devices {args.devices}")
     if not args.no_first_run:
-        _first_runs(console, args.devices)
+        _first_runs(console, args.devices, args.first_run_reps)
+    if args.only_first_run:
+        return
     table = Table(title=f"threads vs ray backend, same task graph (wall: best of {args.reps}, CPU: median, the "
                         f"backends alternating by round; goal: LLaMA block ray / threads <= 2.0). ray, no channel: "
                         f"RayBackend(channels=False), every move through Ray's object store")

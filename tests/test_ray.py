@@ -207,6 +207,10 @@ node = ray._private.worker._global_node
 pids = [p.process.pid for ps in node.all_processes.values() for p in ps] + prog.backend.pids
 print("PIDS", *pids)
 import psutil  # Ray ships it (ray/thirdparty_files, on sys.path once ray is imported)
+# the actors' workers imported einjoin's actor module as they started (Ray's preload), not on the first run
+flag = "--worker-preload-modules=einjoin.runtime.backends.ray_worker"
+argvs = ray.get([a.__ray_call__.remote(lambda w: __import__("sys").argv) for a in prog.backend.actors])
+print("PRELOADED", all(flag in argv for argv in argvs))
 procs = set(pids)
 for pid in pids:
     try:
@@ -233,6 +237,7 @@ def test_compile_starts_and_stops_its_own_ray(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "started a local Ray" in res.stderr
+    assert "PRELOADED True" in res.stdout
     pids = [int(p) for p in res.stdout.split("PIDS", 1)[1].split("\n", 1)[0].split()]
     assert len(pids) >= 5
     # the local Ray einjoin starts is for this machine only, its dashboard off (issue 16)

@@ -48,10 +48,12 @@ Shapes whose devices name no node (``devices=n``, ``ej.local(n)``) share actors:
 the backend's ``d``-th local actor for every count (each run sets the BLAS threads its count
 wants), so 1, 2 and 4 devices start 4 actors, not 7; a lost actor replaces every pool holding it.
 
-First run: starting an actor (Ray hands it one of its prestarted idle workers, which then imports
-einjoin) and the imports its kernels make on first use (torch for attention: ~2.3 s of CPU) are
-most of it. :meth:`RayBackend.warm`, which ``ej.compile`` calls before planning when Ray is up,
-starts the program's actors without waiting for them and has each import what the program's
+First run: starting an actor (Ray hands it one of its prestarted idle workers, which imports
+einjoin then, unless the Ray is one einjoin started: its workers import einjoin as they start,
+:func:`~einjoin.runtime.backends.ray_start.ensure_ray`) and the imports its kernels make on first
+use (torch for attention: ~1.2 s of CPU) are most of it. :meth:`RayBackend.warm`, which
+``ej.compile`` calls before planning when Ray is up, starts the program's actors without
+waiting for them and has each import what the program's
 kernels need (:func:`~einjoin.runtime.backends.ray_worker.preload_modules`), so both overlap the
 planning; ``warm(..., wait=True)`` returns once they are done (a first run then only ships the plan).
 
@@ -129,6 +131,24 @@ class _Pool:
         self.actors, self.pids, self.names = actors, pids, names   # names: of the actors' block channels
         self.shipped: list[set[int]] = [set() for _ in actors]   # per actor: the plan keys it holds
         self.generation = generation
+
+
+def _actor_class(ray: Any) -> Any:
+    """The actor class of :class:`DeviceWorker`, one per Ray job: Ray exports an actor class to its
+    GCS on the class's first ``remote()`` in a job (pickled, and disassembled for a collision
+    check: ~0.1-0.2 s of the driver, before any actor of it is asked for), so a new class per
+    pool paid that on every later pool's start. The default thread takes the calls that only queue
+    work (setup, go, deliver) in order; finish calls wait on threads of their own, aborts on the
+    control thread."""
+    global _cls
+    job = _ray_session(ray)
+    if _cls is None or _cls[0] != job or _cls[1] is not DeviceWorker:
+        _cls = (job, DeviceWorker, ray.remote(concurrency_groups={CONTROL: 1, WAIT: WAITERS},
+                                              max_concurrency=1)(DeviceWorker))
+    return _cls[2]
+
+
+_cls: tuple[Any, type, Any] | None = None   # (Ray job, the worker class, its actor class)
 
 
 def _blas_threads(nodes: Sequence[Any], d: int) -> int:
@@ -241,9 +261,7 @@ class RayBackend:
             return pool
         have, have_pids, have_names = ((list(base.actors), list(base.pids), list(base.names)) if base is not None
                                        else ([], [], []))
-        # the default thread takes the calls that only queue work (setup, go, deliver) in order;
-        # finish calls wait on threads of their own, aborts on the control thread
-        cls = ray.remote(concurrency_groups={CONTROL: 1, WAIT: WAITERS}, max_concurrency=1)(DeviceWorker)
+        cls = _actor_class(ray)
         new: list[Any] = []
         names = have_names + [f"einjoin-{self._token}-{os.getpid()}-{next(_channel_ids)}"
                               if self.channels else None for _ in range(len(have), n)]

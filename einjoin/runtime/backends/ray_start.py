@@ -1,7 +1,8 @@
 """Starting and finding Ray for the Ray backend (:mod:`einjoin.runtime.backends.ray`): the running
 Ray, else a local one for this machine only (:func:`ensure_ray`: a loopback node address on
-Linux, no dashboard unless asked, workers at nice 0, started on a thread that outlives every run),
-and a :class:`~einjoin.cluster.Cluster` of a live Ray's nodes (:func:`ray_cluster`).
+Linux, no dashboard unless asked, workers at nice 0 that import einjoin's actor module as they
+start, started on a thread that outlives every run), and a :class:`~einjoin.cluster.Cluster` of a
+live Ray's nodes (:func:`ray_cluster`).
 
 >>> LOCAL_NODE_IP
 '127.0.0.2'
@@ -27,6 +28,10 @@ _lock = threading.Lock()
 # the node address a local Ray is given: Ray rewrites 127.0.0.1 to the host's external address,
 # but every 127/8 address is loopback on Linux (elsewhere only 127.0.0.1 is up: Ray's choice stays)
 LOCAL_NODE_IP = "127.0.0.2"
+# what the workers of a local Ray einjoin starts import before they take work (Ray's
+# preload_python_modules): the actor module, and so einjoin (~0.5 s of CPU per worker, which a
+# device actor otherwise pays when it starts, on its first run's path)
+WORKER_MODULE = "einjoin.runtime.backends.ray_worker"
 
 
 def _ray() -> Any:
@@ -43,7 +48,10 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
     """Ray, initialised: the running instance if there is one, else a new local one (never a
     remote address nobody gave). The local one is for this machine only: its node address is a
     loopback one (on Linux) and its dashboard is off unless ``dashboard`` (then it listens on
-    127.0.0.1 only)."""
+    127.0.0.1 only). Its workers, those it prestarts (one per CPU, which new actors take) and
+    later ones, import einjoin's actor module (:data:`WORKER_MODULE`) before they take work, so a
+    device actor starts without importing einjoin (what a program's kernels import, torch, is
+    the actors' ``preload``: Ray stops a worker whose preload raises anything but ImportError)."""
     global _started_here
     ray = _ray()
     with _lock:
@@ -53,7 +61,8 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
             # on a busy machine a niced actor waits seconds to start and run
             opts: dict[str, Any] = dict(address="local", num_cpus=num_cpus, include_dashboard=bool(dashboard),
                                         object_store_memory=object_store_memory, log_to_driver=False,
-                                        configure_logging=False, _system_config={"worker_niceness": 0})
+                                        configure_logging=False, _system_config={
+                                            "worker_niceness": 0, "preload_python_modules": [WORKER_MODULE]})
             if dashboard:
                 opts["dashboard_host"] = "127.0.0.1"
             node_ip = _loopback_node_ip()

@@ -192,6 +192,10 @@ class DeviceWorker:
 
     def __init__(self, device: int, blas_threads: int = 1, channel: str | None = None, secret: bytes = b""):
         from einjoin.runtime.malloc import tune_malloc
+        # (wall, CPU) when the actor began (its class loaded: einjoin imported) and when preload
+        # ended: where a first run's time goes (bench/ray_exec.py's first-run table reads them)
+        self.started: tuple[float, float] = (time.time(), time.process_time())
+        self.preloaded: tuple[float, float] | None = None
         tune_malloc()  # as the local backends: freed blocks stay in the process (no fault-in per kernel output)
         self.device = device
         self._blas = 0
@@ -240,6 +244,7 @@ class DeviceWorker:
                     importlib.import_module(m)
                 except Exception:  # noqa: BLE001 - the kernel's own import raises it, named, in its run
                     pass
+            self.preloaded = (time.time(), time.process_time())
 
     def call(self, fn: Any, args: Sequence[Any], blas_threads: int = 0) -> Any:
         """``fn(*args)`` on this device's process (work that is no task graph: a sparse einsum's
