@@ -376,3 +376,33 @@ def test_constructor_inputs_read_or_refused_by_name() -> None:
     torch = pytest.importorskip("torch")
     with pytest.raises(ej.EinjoinError, match="meta"):  # was NotImplementedError from aten::_to_sparse
         ej.sparse("A", torch.ones(3, 3, device="meta"))
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2 ** 32 - 1), st.sampled_from([0.0, 0.1, 0.5, 1.0]), st.integers(1, 4),
+       st.sampled_from(["sync", "threads"]))
+def test_uncoalesced_torch_coo_times_dense_equals_torch_sparse_mm(seed: int, density: float, devices: int,
+                                                                  backend: str) -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    n, m, k = (int(x) for x in rng.integers(1, 9, 3))
+    nnz = int(rng.binomial(n * m, density)) + int(rng.integers(0, 3))  # some duplicate cells, unsorted
+    idx = torch.tensor(np.stack([rng.integers(0, n, nnz), rng.integers(0, m, nnz)]))
+    t = torch.sparse_coo_tensor(idx, torch.tensor(rng.standard_normal(nnz)), (n, m))  # not coalesced
+    b = rng.standard_normal((m, k))
+    plan = ej.sparse_compile("ij,jk->ik", ej.sparse("A", t), b, devices=devices, backend=backend)
+    want = torch.sparse.mm(t, torch.tensor(b)).numpy()
+    np.testing.assert_allclose(plan.run().todense(), want, rtol=1e-9, atol=1e-9)
+    ga, gb = plan.vjp(np.ones((n, k)))
+    np.testing.assert_allclose(gb, t.to_dense().numpy().T @ np.ones((n, k)), rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_einsums_on_duckdb_equal_numpy(p: dict) -> None:
+    pytest.importorskip("duckdb")
+    plan = ej.sparse_compile(p["eq"], *p["operands"], agg=p["agg"], engine="duckdb")
+    got = dense(plan.run())
+    want = reference(p["eq"], p["arrays"], p["agg"])
+    t = tol("float32" if p["dtype"] == "bool" else p["dtype"])
+    np.testing.assert_allclose(got.astype(want.dtype), want, rtol=t, atol=t, err_msg=plan.explain())
