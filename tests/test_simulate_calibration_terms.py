@@ -66,3 +66,22 @@ def test_float64_steps_take_their_own_rates() -> None:
     assert steps_time(m64, [("cos", n)], 0.0, 8) == pytest.approx(n / 0.1e9)
     assert steps_time(m64, [("cos", n)], 0.0, 4) == pytest.approx(n / 1.6e9)  # float32 as before
     assert steps_time(m64, [("add", n)], 0.0, 8) == pytest.approx(2 * n / 6e9)  # not measured in float64
+
+
+def test_concurrent_kernels_share_the_cores_as_threads_do() -> None:
+    """Two devices' GEMMs at once on 2 cores run at (1 + parallel) / 2 of one alone (a second
+    busy core adds ``parallel`` of one: measured as the every-core GEMM's speed-up); one device's
+    2-thread GEMM alone runs at its own threaded rate, not slowed twice."""
+    a, b = ej.input("a", (512, 512)), ej.input("b", (512, 512))
+    two = ej.compile(a @ b, devices=2, specs={(a @ b): {"m": 2, "n": 1, "k": 1}}, quiet=True)
+    one = ej.compile(a @ b, devices=1, quiet=True)
+    cal = _cal(parallel=0.6, half_work=0.0)
+    sim2 = simulate(two.taskgraph, cal.hardware(2))
+    sim1 = simulate(one.taskgraph, cal.hardware(1))
+    flops = 2 * 512**3
+
+    def kernel_secs(sim: object, prog: object) -> list[float]:
+        kinds = {t.id: t.kind.value for t in prog.taskgraph.tasks}  # type: ignore[attr-defined]
+        return [e - s for iv in sim.intervals.values() for s, e, tid in iv if kinds[tid] == "kernel"]  # type: ignore[attr-defined]
+    assert kernel_secs(sim2, two) == pytest.approx([flops / 2 / 50e9 / 0.8] * 2, rel=1e-6)
+    assert kernel_secs(sim1, one) == pytest.approx([flops / (50e9 * 1.6)], rel=1e-6)

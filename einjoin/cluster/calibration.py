@@ -95,7 +95,11 @@ class Calibration:
         return Hardware(f"this machine ({n} x cpu, calibrated)", (model,) * n, (0,) * n, link, link,
                         cores=self.cores, shared_memory=True, copy_engines=False,
                         overhead=self.overhead if n == 1 else self.overhead_threads,
-                        pool_speedup=(("blas", 1 + (threads - 1) * self.parallel), ("torch", 1 + (threads - 1) * ap)))
+                        pool_speedup=(("blas", 1 + (threads - 1) * self.parallel), ("torch", 1 + (threads - 1) * ap)),
+                        # concurrent devices' kernels share the cores as one GEMM's threads do: each
+                        # further busy core adds `parallel` of one (2 single-thread GEMMs of a
+                        # 2-device chain ran 1.55-1.65x one on 2 cores, a 2-thread GEMM 1.74x)
+                        core_capacity=1 + (self.cores - 1) * self.parallel)
 
     def table(self) -> str:
         """The figures, one per line."""

@@ -258,7 +258,10 @@ class Hardware:
     share RAM (this machine's devices under a cluster's own link figures); ``pool_speedup``: on
     shared cores, how much faster than one thread a device's share of them runs a kernel of
     BLAS's or torch's thread pool (the runtime gives one pool the share and the other one thread
-    where a program has both: :func:`einjoin.runtime.simulate_hardware.kernel_pools`)."""
+    where a program has both: :func:`einjoin.runtime.simulate_hardware.kernel_pools`); a kernel
+    on ``t`` threads holds that speed-up of the cores; ``core_capacity``: the work the shared cores
+    do at once, in one busy core's (below ``cores`` where a second busy core adds less than a
+    core: a clock lowered for all, caches and memory shared; 0: ``cores``)."""
 
     name: str
     models: tuple[DeviceModel, ...]
@@ -271,6 +274,7 @@ class Hardware:
     overhead: float = 0.0
     own_links: bool = False
     pool_speedup: tuple[tuple[str, float], ...] = ()  # ("blas" | "torch", its share over one thread)
+    core_capacity: float = 0.0  # what the shared cores do at once, in one core's work (0: ``cores``)
 
     def __post_init__(self) -> None:
         if len(self.models) != len(self.groups) or not self.models:

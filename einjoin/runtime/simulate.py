@@ -52,7 +52,7 @@ from einjoin.ir.scalar import Arg, Call
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
-from einjoin.runtime.simulate_hardware import hardware_for, kernel_pools
+from einjoin.runtime.simulate_hardware import TORCH_KINDS, hardware_for, kernel_pools
 from einjoin.runtime.simulate_share import share as _share
 
 __all__ = ["Simulation", "simulate", "simulate_program", "hardware_for", "SimulateBackend", "COSTS", "Phases"]
@@ -151,6 +151,7 @@ class _Ctx:
         self.capped = tg.memory is not None
         self.threads = hw.threads()
         self.pools = kernel_pools(tg, hw)  # node kind -> its threads, where the pools' shares differ
+        self.speedup = dict(hw.pool_speedup)  # a device's share of the cores over one thread, per pool
         self.cpu = hw.cores is not None
         self.launch_res: Resources = ((GIL, 1.0),) if hw.shared_memory else ()
         self.vbytes = [v.nbytes for v in tg.values]  # a property: read once per value
@@ -277,10 +278,15 @@ def _kernel(c: _Ctx, t: Task) -> Phases:
     # more; a GPU's kernels fuse it away (flash attention, GEMM epilogues)
     nbytes = c.read_bytes(t) + t.nbytes + (2 * t.scratch if c.hw.shared_memory else 0)
     dtype = t.node.dtype
-    threads = 1.0
+    threads = demand = 1.0  # the kernel's threads (its speed) and the cores they hold (single-core equivalents)
     if is_contraction(t.flops, nbytes):
-        threads = c.threads if c.pools is None else c.pools.get(type(t.node.op), c.threads)
-    return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads, t.node.kind), threads))
+        kind = type(t.node.op)
+        if c.pools is not None and kind in c.pools:
+            threads = c.pools[kind]  # the pool with one thread: one thread's rate, one core
+        else:
+            threads = c.threads
+            demand = c.speedup.get("torch" if kind in TORCH_KINDS else "blas", threads)
+    return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads, t.node.kind), demand))
 
 
 def _memory_bound(c: _Ctx, t: Task) -> Phases:  # fill, reduce: bytes read and written
@@ -355,7 +361,7 @@ def _caps(hw: Hardware) -> Callable[[Any], float]:
         if r is GIL:
             return 1.0
         if r is CORES:
-            return float(hw.cores or 1)
+            return float(hw.core_capacity or hw.cores or 1)
         kind, _, dev = r
         if kind == "host":
             return float(hw.models[dev].host_bw)
