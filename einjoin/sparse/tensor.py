@@ -134,6 +134,14 @@ class SparseTensor:
 
     def __init__(self, name: str, shape: tuple[int, ...], block: tuple[int, ...],
                  keys: np.ndarray, data: np.ndarray) -> None:
+        # the parts must fit each other (O(1) checks; the keys' order and uniqueness are trusted:
+        # build tensors with sparse(), which sorts and sums)
+        if len(block) != len(shape) or keys.ndim != 2 or keys.shape[1] != len(shape) or \
+                data.ndim < 1 or len(data) != len(keys):
+            raise ShapeError(f"sparse tensor {name!r} of shape {tuple(shape)}, block {tuple(block)}: keys of "
+                             f"shape {keys.shape} and data of shape {data.shape} do not fit (keys: tuples x "
+                             f"{len(shape)} block coordinates, data: one payload per tuple); build tensors "
+                             f"with ej.sparse")
         self.name = name
         self.shape = shape
         self.block = block

@@ -406,3 +406,17 @@ def test_random_einsums_on_duckdb_equal_numpy(p: dict) -> None:
     want = reference(p["eq"], p["arrays"], p["agg"])
     t = tol("float32" if p["dtype"] == "bool" else p["dtype"])
     np.testing.assert_allclose(got.astype(want.dtype), want, rtol=t, atol=t, err_msg=plan.explain())
+
+
+@pytest.mark.parametrize("keys, data, block", [
+    (np.array([[0]]), np.ones((1, 1, 1)), (1, 1)),  # one key column for a rank-2 tensor
+    (np.array([0, 0]), np.ones((1, 1, 1)), (1, 1)),  # keys not a matrix
+    (np.array([[0, 0], [1, 1]]), np.ones((1, 1, 1)), (1, 1)),  # two keys, one payload
+    (np.array([[0, 0]]), np.ones((1, 1)), (1,)),  # a block size short
+])
+def test_direct_constructor_parts_must_fit(keys, data, block) -> None:
+    # were raw numpy errors at the first einsum ("cannot reshape array of size 1 into shape (1,2)"),
+    # or a block of the wrong rank taken silently
+    from einjoin.sparse import SparseTensor as ST
+    with pytest.raises(ej.ShapeError, match="'A'.*do not fit"):
+        ST("A", (3, 3), block, keys, data)
