@@ -420,3 +420,22 @@ def test_direct_constructor_parts_must_fit(keys, data, block) -> None:
     from einjoin.sparse import SparseTensor as ST
     with pytest.raises(ej.ShapeError, match="'A'.*do not fit"):
         ST("A", (3, 3), block, keys, data)
+
+
+@pytest.mark.parametrize("kind", ["torch", "torch_csr", "scipy"])
+def test_compile_and_run_read_torch_and_scipy_sparse_operands_as_sparse(kind: str) -> None:
+    # run(A=torch sparse) was "operand 0 of shape (6, 5) (ndarray) where the plan has (6, 5)
+    # (SparseTensor)" (read as dense), run(A=scipy) "expected an array (numpy or torch)"; fixed in
+    # plan._operand by H5 (56bd4cc) with tensor.is_sparse_format
+    import scipy.sparse
+    torch = pytest.importorskip("torch")
+    convert = {"torch": lambda a: torch.tensor(a).to_sparse(), "torch_csr": lambda a: torch.tensor(a).to_sparse_csr(),
+               "scipy": scipy.sparse.csr_array}[kind]
+    rng = np.random.default_rng(0)
+    a = values(rng, (6, 5), 0.4, "float64")
+    h = rng.standard_normal((5, 3))
+    plan = ej.sparse_compile("ij,jk->ik", ej.sparse("A", a), h)
+    np.testing.assert_allclose(plan.run(A=convert(2 * a)).todense(), 2 * a @ h)
+    plan2 = ej.sparse_compile("ij,jk->ik", h.T.copy(), convert(a.T.copy()))
+    assert isinstance(plan2.operands[1], SparseTensor)
+    np.testing.assert_allclose(dense(plan2.run()), h.T @ a.T)
