@@ -266,3 +266,28 @@ def test_silu_of_a_fused_zero_d_value_has_the_unfused_bits() -> None:
     for v in np.random.default_rng(0).normal(size=(64, 4)):
         feeds = {"x": np.array(v[0]), "v": v[1:]}
         _equal(ej.reference(f, **feeds), ej.reference(y, **feeds))
+
+
+@FAST
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=3), st.integers(0, 2 ** 31), st.sampled_from([1, 2]))
+def test_broadcast_of_an_unsqueezing_reshape_is_one_broadcast(dims: list[int], seed: int, devices: int) -> None:
+    """GQA's repeat (``k[:, :, None].expand(b, h, rep, s, d)``): a broadcast of a reshape that only
+    inserted size-1 dims is one broadcast of the reshape's input, the inserted dims its new dims;
+    the values are the graph's as written, on reference and compiled (1 and 2 devices)."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(dims)
+    where = sorted(rng.choice(len(shape) + 1, size=int(rng.integers(1, 3)), replace=True).tolist())
+    wide = list(shape)
+    for k, at in enumerate(where):  # insert size-1 dims
+        wide.insert(at + k, 1)
+    out = tuple(int(rng.integers(2, 4)) if w == 1 else w for w in wide)  # a real broadcast
+    x = ej.input("x", shape, "float64")
+    b = ej.Tensor(broadcast_node(x.reshape(tuple(wide)).node, out, list(range(len(out)))))
+    y = (b * 2.0).reshape((-1,))
+    [f] = fuse_elementwise([y.node])
+    kinds = [n.kind for n in Graph([f]).nodes]
+    assert kinds.count("reshape") == 1  # only the flattening one is left
+    xv = rng.standard_normal(shape)
+    want = ej.reference(y, x=xv)
+    _equal(ej.reference(ej.Tensor(f), x=xv), want)
+    _equal(ej.compile(y, devices, backend="threads", quiet=True).run(x=xv), want)

@@ -21,7 +21,8 @@ is an elementwise einsum: then each reader inlines them and the node, its tasks 
 go (a task costs ~15-20 us of the runtime's time, more than such a recomputation). A copy (an
 identity einsum) that is not an output goes too, whoever reads it; a broadcast that only adds
 dims is a relabelling too, taken in by elementwise readers; a reshape of a reshape is one
-reshape of the first's input (none where that has the shape already); an elementwise einsum
+reshape of the first's input (none where that has the shape already), a broadcast of a reshape
+that only inserted size-1 dims is one broadcast (GQA's repeat of k and v); an elementwise einsum
 that reads size-1 dims only through reshapes that added them runs without them, reshaped after
 (the RMSNorm's keepdim statistics: the reshapes on both sides then compose away).
 
@@ -42,7 +43,7 @@ from collections.abc import Sequence
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Broadcast, Einsum, Node, Reshape
-from einjoin.ir.ops import einsum_node, reshape_node
+from einjoin.ir.ops import broadcast_node, einsum_node, reshape_node
 from einjoin.ir.scalar import Arg, Call, Expr, infer_dtype, is_product, substitute
 
 __all__ = ["fuse_elementwise", "MAX_FUSED_INPUTS", "MAX_FUSED_DEPTH"]
@@ -133,6 +134,34 @@ def _squeezes(reader: Node, n: Node) -> bool:
     return isinstance(reader.op, Reshape) or (_elementwise(reader) and reader.shape == n.shape)
 
 
+def _unsqueezed(r: Node) -> list[int | None] | None:
+    """For a reshape ``r`` that only inserts size-1 dims into its input's shape: per dim of
+    ``r``, the input dim it is (None: an inserted 1); None for any other reshape."""
+    src = r.inputs[0].shape
+    got: list[int | None] = []
+    i = 0
+    for size in r.shape:
+        if i < len(src) and size == src[i]:
+            got.append(i)
+            i += 1
+        elif size == 1:
+            got.append(None)
+        else:
+            return None
+    return got if i == len(src) else None
+
+
+def _broadcast_through(b: Node, r: Node) -> Node | None:
+    """Broadcast ``b`` of reshape ``r`` that only inserted size-1 dims, as one broadcast of ``r``'s
+    input (the inserted dims are new dims of the broadcast): GQA's ``k[:, :, None].expand(...)``
+    is one view, not a reshape task and a broadcast task. None for another reshape."""
+    where = _unsqueezed(r)
+    if where is None:
+        return None
+    dims: tuple[int, ...] = b.op.dims  # type: ignore[union-attr]
+    return broadcast_node(r.inputs[0], b.shape, [dims[j] for j, i in enumerate(where) if i is not None])
+
+
 def _copy(n: Node) -> bool:
     """An einsum that copies its one input as it is (the same labels in order, dtype and shape):
     whoever reads it may read the input (values are never written in place)."""
@@ -185,6 +214,11 @@ def _fuse_pass(outputs: list[Node]) -> list[Node]:
                 continue
             if n not in outs:
                 new[n] = src
+                continue
+        if isinstance(n.op, Broadcast) and isinstance(ins[0].op, Reshape):
+            through = _broadcast_through(n, ins[0])
+            if through is not None:
+                new[n] = through
                 continue
         fused = _fuse(n, ins, single) if _elementwise(n) else None
         if fused is not None:
