@@ -249,12 +249,16 @@ def rel_err(got: Any, want: np.ndarray) -> float:
 def measure(columns: dict[str, Callable[[], Any]], reps: int, check: Callable[[str, Any], None],
             log: Callable[[str], None]) -> dict[str, Timing]:
     """``reps`` rounds, each timing every column once, in turn, so that a change in background
-    load hits all columns alike. Each result is checked, then dropped before the next run, so
-    every run allocates its output the same way."""
+    load hits all columns alike; each round starts one column further on, so that no column
+    always runs right after the same one (a library's idle worker threads spin for a while after
+    its call, on the cores the next column runs on). Each result is checked, then dropped before
+    the next run, so every run allocates its output the same way."""
     times = {k: Timing() for k in columns}
+    labels = list(columns)
     for r in range(reps):
         log(f"repetition {r + 1}/{reps}")
-        for label, fn in columns.items():
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            fn = columns[label]
             t0 = time.perf_counter()
             result = fn()
             times[label].times.append(time.perf_counter() - t0)
@@ -302,7 +306,16 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
     feeds = case.feeds
 
     same = {k: chunks_of(prog, k) for k in names}
-    columns: dict[str, Callable[[], Any]] = {"einjoin": lambda: prog.run(**feeds)}
+    engine_runs: list[tuple[float, float]] = []  # per einjoin run: its engine's wall, its devices' busy spread
+
+    def einjoin_run() -> Any:
+        out = prog.run(**feeds)
+        rs = prog.run_stats
+        busy = rs.busy_time_per_device.values()
+        engine_runs.append((rs.wall_time, max(busy) - min(busy)))
+        return out
+
+    columns: dict[str, Callable[[], Any]] = {"einjoin": einjoin_run}
     if case.numpy_fn is not None:
         numpy_fn = case.numpy_fn
         columns["numpy"] = lambda: numpy_fn(feeds)
@@ -366,7 +379,14 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
         if label != ref:
             errs[label] = max(errs[label], rel_err(result, want))
 
+    engine_runs.clear()  # the warm-up's
     times = measure(columns, reps, check, log)
+    if engine_runs:
+        outside = [t - w for t, (w, _) in zip(times["einjoin"].times, engine_runs)]
+        notes.append(f"einjoin per run: {', '.join(f'{t:.3f}' for t in times['einjoin'].times)} s; in Program.run "
+                     f"outside the engine's dispatch (checks, BLAS limit, outputs) median "
+                     f"{statistics.median(outside) * 1e3:.1f} ms; devices' busy time spread median "
+                     f"{statistics.median(s for _, s in engine_runs) * 1e3:.0f} ms")
     copies = None
     if prog_t is not None:
         out = columns[TORCH_COL]()
