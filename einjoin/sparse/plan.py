@@ -286,7 +286,7 @@ class SparsePlan:
                 return np.zeros(out_shape, self.dtype)
             return SparseTensor("out", out_shape, tuple(max(n, 1) for n in out_shape),
                                 np.zeros((0, len(out_shape)), np.int64), np.zeros((0, *out_shape), self.dtype))
-        if self.agg == "sum" and len(values) > 1:
+        if len(values) > 1:  # any aggregation: max too meets absent zeros times inf (nan densified)
             self._refuse_non_finite(values)
         if self.engine.name == "duckdb":
             with DuckSession(self._what(), self.engine.memory, self.engine.temp_directory,
@@ -298,7 +298,7 @@ class SparsePlan:
         return self._run_steps(values, None)
 
     def _refuse_non_finite(self, values: Sequence[SparseTensor | np.ndarray]) -> None:
-        """A sum of products meets absent entries (zeros) with the other operands' values: on the
+        """A sum (or max) of products meets absent entries (zeros) with the other operands' values: on the
         densified inputs 0 * inf is nan, but the executor skips absent tuples per entry and
         multiplies the zeros inside blocks, so the answer would depend on the block layout the data
         chooses: an inf or nan value is refused, by name."""

@@ -439,3 +439,19 @@ def test_compile_and_run_read_torch_and_scipy_sparse_operands_as_sparse(kind: st
     plan2 = ej.sparse_compile("ij,jk->ik", h.T.copy(), convert(a.T.copy()))
     assert isinstance(plan2.operands[1], SparseTensor)
     np.testing.assert_allclose(dense(plan2.run()), h.T @ a.T)
+
+
+def test_max_with_a_non_finite_dense_operand_is_refused() -> None:
+    # densified, an absent A entry (0) times inf is nan, so numpy's max is nan where the sparse
+    # executor (skipping absent tuples) returned inf or a finite number ([[inf, 1], [2, 0]])
+    a = ej.sparse("A", np.array([[1.0, 0.0], [0.0, 2.0]]))
+    b = np.array([[np.inf, 1.0], [1.0, -np.inf]])
+    with np.errstate(invalid="ignore"):
+        want = np.max(a.todense()[:, :, None] * b[None], axis=1)
+    assert np.isnan(want).any()
+    with pytest.raises(ej.EinjoinError, match="inf or nan"):
+        ej.einsum("ij,jk->ik", a, b, agg="max")
+    # finite values: max over the densified inputs, absent zeros included
+    c = np.array([[-1.0, 1.0], [3.0, -2.0]])
+    np.testing.assert_array_equal(ej.einsum("ij,jk->ik", a, c, agg="max").todense(),
+                                  np.max(a.todense()[:, :, None] * c[None], axis=1))
