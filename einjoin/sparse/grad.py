@@ -140,6 +140,12 @@ def _cotangent(grad_out: Any, shape: tuple[int, ...], dtype: np.dtype, what: str
             return g.reshape(()).item(), None
     if tuple(g.shape) != shape:
         raise ShapeError(f"{what}: grad_out of shape {tuple(g.shape)} where the result has shape {shape}")
+    data = g.data if isinstance(g, SparseTensor) else g
+    if shape and data.dtype.kind == "f" and data.size and not np.isfinite(data).all():
+        # refused here, by its own name (the gradient einsums would name an internal operand)
+        raise EinjoinError(f"{what}: grad_out holds inf or nan; a sparse product's gradient meets "
+                           f"absent entries (zeros) with it, and 0 * inf is nan on the densified "
+                           f"inputs: replace the non-finite values (np.nan_to_num)")
     if not shape:  # a 0-d SparseTensor: its one value, or none
         return (float(g.coo()[1].sum()) if isinstance(g, SparseTensor) else g.item()), None
     return 1, g

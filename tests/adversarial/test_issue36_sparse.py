@@ -455,3 +455,11 @@ def test_max_with_a_non_finite_dense_operand_is_refused() -> None:
     c = np.array([[-1.0, 1.0], [3.0, -2.0]])
     np.testing.assert_array_equal(ej.einsum("ij,jk->ik", a, c, agg="max").todense(),
                                   np.max(a.todense()[:, :, None] * c[None], axis=1))
+
+
+def test_a_non_finite_grad_out_is_refused_by_its_name() -> None:
+    # it was refused naming the gradient's internal einsum ('ik,ij->kj', operand x0)
+    plan = ej.sparse_compile("ij,jk->ik", ej.sparse("A", np.eye(3)), np.ones((3, 2)))
+    plan.run()
+    with pytest.raises(ej.EinjoinError, match="grad_out holds inf or nan"):
+        plan.vjp(np.array([[np.nan, 1.0], [1.0, 1.0], [1.0, 1.0]]))
