@@ -51,7 +51,8 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
     127.0.0.1 only). Its workers, those it prestarts (one per CPU, which new actors take) and
     later ones, import einjoin's actor module (:data:`WORKER_MODULE`) before they take work, so a
     device actor starts without importing einjoin (what a program's kernels import, torch, is
-    the actors' ``preload``: Ray stops a worker whose preload raises anything but ImportError)."""
+    the actors' ``preload``: Ray stops a worker whose preload raises anything but ImportError);
+    this process makes its serialization context at once (the first actor start made it)."""
     global _started_here
     ray = _ray()
     with _lock:
@@ -70,6 +71,7 @@ def ensure_ray(num_cpus: int = 2, object_store_memory: int | None = None, quiet:
                 opts["_node_ip_address"] = node_ip
             _init_on_a_lasting_thread(ray, opts)
             _started_here = True
+            _prime_serialization(ray)
             if not quiet:
                 where = f"node address {node_ip}" if node_ip else "Ray's default node address"
                 print(f"einjoin: started a local Ray ({num_cpus} CPUs, {where}, "
@@ -104,6 +106,16 @@ def _init_on_a_lasting_thread(ray: Any, opts: dict[str, Any]) -> None:
     wait_event(done)  # in slices: a Ctrl-C while Ray starts is seen within WAIT_SLICE
     if failed:
         raise failed[0]
+
+
+def _prime_serialization(ray: Any) -> None:
+    """Make this process's Ray serialization context now, as Ray starts, not at the first call
+    with arguments (a program's first actor start: ~0.2 s of CPU, mostly Ray importing pydantic's
+    compatibility layer, before any actor is asked for). Best effort: Ray's private API."""
+    try:
+        ray._private.worker.global_worker.get_serialization_context()
+    except Exception:  # noqa: BLE001 - another Ray version: the first call makes it, as before
+        pass
 
 
 _keeper: queue.SimpleQueue[Any] | None = None
