@@ -1,6 +1,7 @@
 """Per-run CPU cost of binding an imported module's weights (issue 36): a bound tensor follows
 its module path at each run (``lin.weight = nn.Parameter(w)`` is seen), against binding by
-tensor object only (before issue 36), in one process, on the demo's LLaMA block.
+tensor object only (before issue 36), in one process, on the demo's LLaMA block; and the cost
+of the run's module check (``module.eval()`` or a changed setting since the import is refused).
 
     .venv/bin/python bench/bound_follow.py --reps 2000
 
@@ -46,6 +47,8 @@ def main() -> None:
     before = _cpu_per_call(lambda: prog._bind(args, {}), a.reps)
     prog._bound = following
     after = _cpu_per_call(lambda: prog._bind(args, {}), a.reps)
+    guard = prog._guard
+    checked = _cpu_per_call(guard.check, a.reps) if guard is not None else 0.0
     prog.run(*args)
     t0 = time.process_time()
     for _ in range(3):
@@ -53,7 +56,9 @@ def main() -> None:
     run = (time.process_time() - t0) / 3 * 1e6
     print(f"binding one run's feeds (CPU us): by tensor object {before:.1f}, following module paths "
           f"{after:.1f} (+{after - before:.1f}); one whole run {run:.0f} us CPU "
-          f"(+{(after - before) / run * 100:.3f}%)")
+          f"(+{(after - before) / run * 100:.3f}%); the module guard's check (types, train/eval flags, "
+          f"settings of {len(guard.entries) if guard is not None else 0} modules) {checked:.1f} us "
+          f"(+{checked / run * 100:.3f}%)")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     warm = getattr(options.backend, "warm", None)
     if warm is not None and memory_limit is None:  # Ray: the actors start while the plan is made
         warm(cluster, source.graph)
-    return Program(build_plan(source, cluster, options), writes)
+    return Program(build_plan(source, cluster, options), writes, getattr(outputs, "guard", None))
 
 
 def _buffer_writes(fn: Any) -> tuple[Any, Any]:
@@ -234,7 +234,7 @@ class Program:
     are the backend and the run defaults of its options (``order``, ``seed``, ``quiet``,
     ``host_link``)."""
 
-    def __init__(self, plan: CompiledPlan, writes: Any = None):
+    def __init__(self, plan: CompiledPlan, writes: Any = None, guard: Any = None):
         self.plan = plan
         self.graph = plan.graph
         self.cluster = plan.cluster
@@ -255,6 +255,7 @@ class Program:
         # the buffers an imported forward writes: after the forward's results, written back by
         # each run, one run at a time (each reads the buffers the one before wrote)
         self._writes = writes
+        self._guard = guard  # an imported module's types and settings as imported: checked per run
         if writes is not None:
             self._many, self._structure = writes.many, writes.structure
         self.run_stats: RunStats | None = None
@@ -300,6 +301,7 @@ class Program:
         values = state.pop("_state_values", None)
         state.setdefault("_structure", None)  # pickled by an einjoin that returned flat tuples
         state.setdefault("_writes", None)
+        state.setdefault("_guard", None)
         self.__dict__.update(state)
         self.run_stats = None
         self._fresh()
@@ -396,6 +398,8 @@ class Program:
         """An imported module called as torch calls it (``run(x, (h, c), scale=2.0)``) as the
         graph's own call: tuples flattened as at the import, non-tensor arguments checked
         against the import's values (an error names a different one) and dropped."""
+        if self._guard is not None:  # module.eval() / .train() / a setting changed: refused, not stale
+            self._guard.check()
         if self._arg_names is None:
             return tuple(args), feeds
         return bind_call(self.plan.call, self._arg_names, args, feeds)

@@ -34,6 +34,7 @@ from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
 from einjoin.frontend.bound_tensors import BoundTensors, aliases, bind_tensor, feeds_of
 from einjoin.frontend.fx_inplace import functionalize_inplace
+from einjoin.frontend.module_guard import ModuleGuard
 from einjoin.frontend.node_source import module_path as _module_path
 from einjoin.frontend.node_source import qualified_name
 from einjoin.frontend.node_source import source_line as _source_line
@@ -91,6 +92,9 @@ class TorchFunction:
     dynamic: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
     """``from_torch``'s ``dynamic=``: forward argument name -> {dim: symbol}, the dims a user
     said will change between runs (dims non-negative; empty: any dim may)."""
+    guard: Any = field(default=None, repr=False, compare=False)
+    """The module's submodule types, train/eval flags and plain settings as imported (a
+    :class:`~einjoin.frontend.module_guard.ModuleGuard`): a program refuses to run once they differ."""
     structure: Any = field(default=None, repr=False)
     """The forward's output structure (an :class:`~einjoin.frontend.torch_args.OutputTree`: its ``spec`` is
     the ``torch.utils._pytree.TreeSpec`` over :attr:`outputs`, torch.export's ``out_spec`` or the
@@ -125,6 +129,8 @@ class TorchFunction:
         """Evaluate with the numpy reference (``ej.reference``), binding the module's tensors."""
         from einjoin.ir.reference import reference
         from einjoin.ir.graph import Graph
+        if self.guard is not None:
+            self.guard.check()
         used = Graph(list(self.outputs)).input_by_name
         if len(args) > len(self.arg_names):
             raise EinjoinError(f"{len(args)} positional inputs given but the module's forward takes "
@@ -731,7 +737,7 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     # leaving it out at run() is no departure from torch's call)
     given = {k: v for k, v in constants.items() if k in (example_kwargs or {}) or k not in kwargs}
     return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args,
-                   defaults=A.defaults(module, given))
+                   defaults=A.defaults(module, given), guard=ModuleGuard(module))
 
 
 def _import_as(paths: AM.ImportPaths, *args: Any, **kwargs: Any) -> TorchFunction:

@@ -185,7 +185,7 @@ def test_a_replaced_submodule_is_followed_and_a_replaced_buffer_too() -> None:
     m, x = _mlp(), torch.randn(5, 3)
     prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
     prog.run(x)
-    m[2] = nn.Linear(4, 2)
+    m[2] = nn.Linear(4, 2).eval()  # the same type and mode (a train-mode one is refused: see below)
     with torch.no_grad():
         _close(prog.run(x), m(x))
     c, twin = _Counter(), _Counter()
@@ -293,3 +293,48 @@ def test_an_integer_embedding_table_is_the_table(method: str) -> None:
     ids = torch.tensor([2, 0, 3])
     got = ej.compile(ej.from_torch(Lookup(), (ids,), method=method), devices=2, quiet=True).run(ids)
     assert torch.equal(torch.as_tensor(np.asarray(got)), Lookup()(ids))
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 2.0
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x) * self.scale
+
+
+def test_a_mode_or_setting_changed_after_the_import_is_refused_not_computed_stale() -> None:
+    """torch.export specialises on train/eval mode and on plain attributes the forward reads.
+    After ``m.train()`` (an eval-mode BatchNorm import) the program computed eval mode (max
+    difference 1.47 from torch); after ``s.scale = 3.0`` it computed with 2.0. Now refused,
+    naming the attribute; set back, the program runs again."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5)).eval()
+    x = torch.randn(6, 4)
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    m.train()
+    with pytest.raises(ej.EinjoinError, match=r"training is True now, False when"):
+        prog.run(x)
+    with pytest.raises(ej.EinjoinError, match=r"training"):
+        prog.run_async(x)
+    m.eval()
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+
+    s = _Scaled()
+    fn = ej.from_torch(s, (x,))
+    prog = ej.compile(fn, quiet=True)
+    s.scale = 3.0
+    with pytest.raises(ej.EinjoinError, match=r"scale is 3\.0 now, 2\.0"):
+        prog.run(x)
+    with pytest.raises(ej.EinjoinError, match=r"scale"):
+        fn.reference(x)
+    s.scale = 2.0
+    s.act = nn.GELU()  # another module type: another graph
+    with pytest.raises(ej.EinjoinError, match=r"act is GELU now, ReLU"):
+        prog.run(x)
+    s.act = nn.ReLU()  # the same type and settings: the import's graph holds
+    _close(prog.run(x), s(x))
+    _close(pickle.loads(pickle.dumps(prog)).run(x), s(x))  # detached copies run unguarded
