@@ -81,8 +81,8 @@ class TorchFunction:
     buffer_updates: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
     """The buffers the forward writes (a training-mode BatchNorm's ``running_mean``, ``running_var``,
     ``num_batches_tracked``): name -> the tensor of its new value, computed from the graph's inputs
-    like the outputs but not among them (``with_outputs`` adds them; a program can keep them as
-    state: ``state={name: new value}``)."""
+    like the outputs but not among them. ``ej.compile`` computes them beside the outputs and each
+    run writes them into the module's buffers, as torch's call (:mod:`einjoin.frontend.buffer_writes`)."""
     recapture: Callable[[tuple[Any, ...], dict[str, Any]], TorchFunction] | None = field(
         default=None, repr=False, compare=False)
     """``recapture(args, kwargs)``: the same module imported again on other example arguments
