@@ -199,3 +199,23 @@ def test_close_ends_the_listener_and_every_connection_it_accepted():
     finally:
         sender.close()
         dst.close()
+
+
+def test_a_listener_that_never_answers_is_no_channel(monkeypatch):
+    # a name taken by a process that accepts and stays silent: the handshake gives up after its
+    # guard (shortened here) and the block goes by Ray; nothing of it was written
+    import einjoin.runtime.backends.ray_channel as rc
+    monkeypatch.setattr(rc, "_HANDSHAKE_S", 0.3, raising=False)
+    sender = Channel(_name(), SECRET, lambda *m: None)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        name = _name()
+        silent.bind("\0" + name)
+        silent.listen(1)
+        try:
+            assert not sender.send(name, 1, 0, 0, np.full(8, 3.0))
+            conn, _ = silent.accept()
+            with conn:
+                conn.settimeout(10)
+                assert conn.recv(1 << 16) == b""   # the sender hung up without a byte
+        finally:
+            sender.close()
