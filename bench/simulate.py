@@ -185,16 +185,19 @@ def _planned(layers: int, cluster: ej.Cluster, objective: str | None) -> tuple[A
 def _cut_alike(prog: Any, ends: list[ej.Tensor]) -> bool:
     """Whether ``prog``'s middle blocks (all but the first and the last of ``ends``) have the same
     join-agg specs, op for op (a node's block: the first whose output depends on it)."""
+    from einjoin.ir.graph import Graph
+    from einjoin.runtime.simulate_repeat import compiled_ends
     block: dict[Any, int] = {}
-    for i, e in enumerate(ends):
-        for node in ej.Graph([e]).nodes:
+    # the compiled graph's ends (fusion rebuilds nodes: the user's are not the plan's)
+    for i, e in enumerate(compiled_ends(prog.plan.taskgraph, ends)):
+        for node in Graph(e).nodes:
             block.setdefault(node, i)
     cuts: list[list[str]] = [[] for _ in ends]
     for node, spec in prog.plan.specs.items():
         if not node.facts.fed and node in block:
             cuts[block[node]].append(f"{type(node.op).__name__}{node.shape}{spec}")
     middle = [sorted(c) for c in cuts[1:-1]]
-    return all(c == middle[0] for c in middle)
+    return bool(middle) and all(middle) and all(c == middle[0] for c in middle)  # no ops found: not shown
 
 
 def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None, window: int = 5) -> None:

@@ -12,7 +12,8 @@ import pytest
 import einjoin as ej
 from einjoin.errors import EinjoinError
 from einjoin.runtime.simulate import Simulation
-from einjoin.runtime.simulate_repeat import block_ends, layer_of_tasks, repeat_layers
+from einjoin.ir.graph import Graph
+from einjoin.runtime.simulate_repeat import block_ends, compiled_ends, layer_of_tasks, repeat_layers
 
 CLUSTER = ej.Cluster.preset("dgx-a100", devices=2)
 
@@ -69,14 +70,25 @@ def test_extrapolated_makespan_is_the_full_simulation(programs: dict[int, Any]) 
 def test_middle_blocks_are_cut_alike(programs: dict[int, Any]) -> None:
     prog, ends = programs[5]
     per_block: list[list[str]] = [[] for _ in ends]
-    layer = {}
-    for i, e in enumerate(ends):  # a node's block: the first whose output depends on it
-        for node in ej.Graph([e]).nodes:
+    layer: dict[Any, int] = {}
+    # a node's block: the first whose output depends on it, in the compiled (fused) graph
+    for i, e in enumerate(compiled_ends(prog.taskgraph, ends)):
+        for node in Graph(e).nodes:
             layer.setdefault(node, i)
     for node, spec in prog.plan.specs.items():
         if not node.facts.fed and node in layer:
             per_block[layer[node]].append(f"{node.op.__class__.__name__}{node.shape}{spec}")
-    assert all(sorted(b) == sorted(per_block[1]) for b in per_block[1:-1])
+    assert all(per_block) and all(sorted(b) == sorted(per_block[1]) for b in per_block[1:-1])
+
+
+def test_block_ends_are_found_after_fusion(programs: dict[int, Any]) -> None:
+    """Fusion rebuilds the blocks' output nodes: each end is still found in the task graph, as
+    the compiled node reading the same weights (was none at all: no periods to check)."""
+    prog, ends = programs[4]
+    found = compiled_ends(prog.taskgraph, ends)
+    assert len(set(found)) == 4 and all(n in {t.node for t in prog.taskgraph.tasks} for n in found)
+    assert all(f.shape == e.shape for f, e in zip(found, ends))
+    assert sorted(set(layer_of_tasks(prog.taskgraph, ends)) - {-1}) == [0, 1, 2, 3]
 
 
 def test_too_few_blocks_refused(programs: dict[int, Any]) -> None:

@@ -39,7 +39,7 @@ from einjoin.errors import EinjoinError
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.simulate import Simulation
 
-__all__ = ["Repeated", "layer_of_tasks", "block_ends", "repeat_layers"]
+__all__ = ["Repeated", "layer_of_tasks", "compiled_ends", "block_ends", "repeat_layers"]
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,50 @@ class Repeated:
 
 def layer_of_tasks(tg: TaskGraph, ends: Sequence[Any]) -> list[int]:
     """Per task of ``tg``, ``i`` if it computes or moves block ``i``'s output ``ends[i]`` (a
-    tensor or node), else -1."""
-    index = {getattr(e, "node", e): i for i, e in enumerate(ends)}
+    tensor or node), else -1. An end that the compiler's fusion rebuilt (a new node: the user's
+    is not in the task graph) is found as the compiled node of its shape and dtype that reads the
+    same named inputs, the last of such (a block's output after its last weight's matmul)."""
+    index = {n: i for i, n in enumerate(compiled_ends(tg, ends))}
     return [index.get(t.node, -1) for t in tg.tasks]
+
+
+def compiled_ends(tg: TaskGraph, ends: Sequence[Any]) -> list[Any]:
+    """The nodes of ``tg``'s graph that stand for ``ends`` (tensors or nodes): each end itself
+    where its tasks are in ``tg``, else the node fusion rebuilt it as (:func:`layer_of_tasks`);
+    an end with no such node stays as given."""
+    nodes = [getattr(e, "node", e) for e in ends]
+    present = {t.node for t in tg.tasks}
+    return [n if n in present else _compiled(n, present) for n in nodes]
+
+
+def _named_inputs(node: Any, memo: dict[Any, frozenset[str]]) -> frozenset[str]:
+    """The names of the inputs ``node`` reads, directly or not (iteratively: deep graphs)."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        todo = [x for x in n.inputs if x not in memo]
+        if todo:
+            stack.extend(todo)
+            continue
+        stack.pop()
+        own = frozenset((n.op.name,)) if n.facts.fed and hasattr(n.op, "name") else frozenset()
+        memo[n] = own.union(*(memo[x] for x in n.inputs))
+    return memo[node]
+
+
+def _compiled(user: Any, present: set[Any]) -> Any:
+    """The node of ``present`` that stands for ``user`` after fusion (see :func:`layer_of_tasks`),
+    or ``user`` when none matches."""
+    memo: dict[Any, frozenset[str]] = {}
+    want = _named_inputs(user, memo)
+    alike = [n for n in present if n.shape == user.shape and n.dtype == user.dtype
+             and _named_inputs(n, memo) == want]
+    read = {x for n in alike for x in n.inputs}
+    last = [n for n in alike if n not in read]
+    return last[0] if len(last) == 1 else user
 
 
 def block_ends(sim: Simulation, task_layer: Sequence[int]) -> tuple[float, ...]:
