@@ -32,7 +32,8 @@ class LiveTensor:
     A view taken when fed follows the storage; copying every weight instead would double the
     memory of a large model. ``source`` is the module's tensor object itself, so that what it
     holds now is read: ``p.data = new``, ``module.double()`` / ``.half()`` (they swap ``.data``)
-    and in-place writes to a tensor bound through a copy (a non-contiguous parameter) are seen.
+    and in-place writes (a non-contiguous CPU tensor is viewed with its strides, so a write
+    through ``p.data``, which no version counts, is seen too) are followed.
 
     ``where`` (the root module and the qualified names that held the tensor at import, each split
     at its dots): the tensor object is looked up by that path at each feed, so one *replaced* by
@@ -80,8 +81,11 @@ class LiveTensor:
 
     def now(self) -> np.ndarray:
         """A zero-copy numpy view of the tensor's storage where it is now (the last one while the
-        source's storage, version, dtype and layout are unchanged; a copy only for a source that
-        is not a dense contiguous CPU tensor, taken again after each in-place write to it)."""
+        source's storage, version, dtype and layout are unchanged), with the tensor's strides: a
+        non-contiguous CPU tensor is viewed too, never copied, because a write through ``p.data``
+        (``p.data.mul_(2)``) leaves ``p._version`` as it was and a copy would go stale. A copy
+        only for a source that is not a dense CPU tensor (sparse, another device, conj/neg bits),
+        taken again after each in-place write to it that its version counts."""
         import torch
         src = self.current()
         at = src.data_ptr() if src.layout == torch.strided else 0  # a sparse tensor has no pointer
@@ -89,7 +93,7 @@ class LiveTensor:
         cache = self._cache
         if cache is not None and cache[0] == key:
             return cache[1]
-        t = _dense(src)  # what the source holds now (the same storage when dense already)
+        t = src.detach() if _viewable(src) else _dense(src)  # what the source holds now
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, as ml_dtypes' type
             import ml_dtypes
             arr: np.ndarray = t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -170,6 +174,12 @@ def feeds_of(bound: Mapping[str, Any]) -> dict[str, Any]:
     """What a program keeps of ``bound`` to feed at each run (``BoundTensors.feeds``; a plain
     mapping's values as they are)."""
     return bound.feeds() if isinstance(bound, BoundTensors) else dict(bound)
+
+
+def _viewable(t: Any) -> bool:
+    """Whether numpy can view ``t``'s storage as it is (a strided CPU tensor without lazy bits)."""
+    import torch
+    return bool(t.layout == torch.strided and t.device.type == "cpu" and not t.is_conj() and not t.is_neg())
 
 
 def _dense(t: Any) -> Any:
