@@ -85,3 +85,17 @@ def test_concurrent_kernels_share_the_cores_as_threads_do() -> None:
         return [e - s for iv in sim.intervals.values() for s, e, tid in iv if kinds[tid] == "kernel"]  # type: ignore[attr-defined]
     assert kernel_secs(sim2, two) == pytest.approx([flops / 2 / 50e9 / 0.8] * 2, rel=1e-6)
     assert kernel_secs(sim1, one) == pytest.approx([flops / (50e9 * 1.6)], rel=1e-6)
+
+
+def test_device_threads_cost_at_least_an_inline_task(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """A noisy line that reads a task on device threads cheaper than one inline is floored there."""
+    from einjoin.runtime import simulate_calibrate as sc
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(sc, "_gemm", lambda reps, quick: (10e9, 0.0, 0.5, 0.0))
+    monkeypatch.setattr(sc, "_memory", lambda reps, quick: (5e9, 1e9, 4e9))
+    monkeypatch.setattr(sc, "_dispatch", lambda reps, quick: (3e-6, 1e-4, 1e-7, 3e-4))
+    monkeypatch.setattr(sc, "_attention", lambda reps, quick: (2e9, 1e6, 0.1))
+    monkeypatch.setattr(sc, "_functions", lambda reps, quick, dtype=None: {"add": 1e9})
+    monkeypatch.setattr(sc, "_step_call", lambda reps: 5e-6)
+    cal = sc.calibrate(force=True)
+    assert (cal.launch, cal.launch_threads) == (3e-6, 3e-6)
