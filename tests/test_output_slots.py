@@ -125,3 +125,20 @@ def test_outputs_in_slots_equal_the_assembled_ones(shape: tuple[int, int, int], 
     ref = ej.reference(outs, **feeds)
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("late_dtype", [None, np.float64])
+def test_a_block_not_in_its_slot_is_copied_at_the_end_or_the_output_assembled(monkeypatch: pytest.MonkeyPatch,
+                                                                              late_dtype: Any) -> None:
+    # blocks that never landed (as any block of another shape or dtype than its slot's): copied
+    # into the output at the end; one of another dtype: the output assembled from its blocks as
+    # before the slots (its dtype then the blocks')
+    from einjoin.runtime.outputs import OutputSlots
+    monkeypatch.setattr(OutputSlots, "land", lambda self, value, view: value if late_dtype is None
+                        else np.asarray(value, late_dtype))
+    x = ej.input("x", (64, 32))
+    prog = ej.compile(x * 2.0, devices=2, backend="threads", planner="split_largest", quiet=True)
+    xv = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    got = prog.run(x=xv)
+    np.testing.assert_array_equal(got, xv * 2)
+    assert got.dtype == (late_dtype or np.float32)

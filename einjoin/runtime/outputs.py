@@ -142,16 +142,20 @@ class OutputSlots:
     def outputs(self, layouts: Sequence[OutputLayout], get: Callable[[int], Any],
                 assemble: Callable[[OutputLayout], np.ndarray]) -> list[np.ndarray]:
         """Each output: its dense array (a block that is not in its slot copied now), or, where it
-        has none, ``assemble(layout)``."""
+        has none or a block of another dtype or shape than its slot's, ``assemble(layout)`` (the
+        output as its blocks make it, as before)."""
         outs = []
         for lay, out, plan in zip(layouts, self.dense, self.plan.layouts):
             if out is None or plan is None:
                 outs.append(assemble(lay))
                 continue
-            for v, sl in plan[2]:
-                got = get(v)
-                if got is not self.views[v]:
-                    out[sl] = got
+            views = self.views
+            late = [(sl, got) for sl, got, view in ((sl, get(v), views[v]) for v, sl in plan[2]) if got is not view]
+            if any(np.shape(got) != out[sl].shape or getattr(got, "dtype", None) != out.dtype for sl, got in late):
+                outs.append(assemble(lay))
+                continue
+            for sl, got in late:
+                out[sl] = got
             outs.append(out)
         return outs
 
