@@ -158,13 +158,20 @@ def test_what_is_fused_and_what_is_not() -> None:
     f1, f2 = fuse_elementwise([(hl + sl).node, (sl * 3.0).node])
     joins = [str(n.op.join) for n in Graph([f1, f2]).ops]
     assert sorted(joins) == ["exp(x0)", "tanh(x0 * 2.0 + x1) + x2", "x0 * 3.0"], joins
-    # ... unless it is one call on a small block (<= SMALL_RECOMPUTE elements), cheaper than a
+    # ... unless it is at most two calls deep on a small block (<= SMALL_RECOMPUTE elements), cheaper than a
     # task of its own, or a relabelling: each elementwise reader recomputes it, with its bits
     f1, f2 = fuse_elementwise([(h + shared).node, (shared * 3.0).node])
     joins = [str(n.op.join) for n in Graph([f1, f2]).ops]
     assert sorted(joins) == ["exp(x0) * 3.0", "tanh(x0 * 2.0 + x1) + exp(x0)"], joins
     _equal(ej.reference(ej.Tensor(f1), **feeds), ej.reference(h + shared, **feeds))
     _equal(ej.reference(ej.Tensor(f2), x=feeds["x"]), ej.reference(shared * 3.0, x=feeds["x"]))
+    ms = (x * 0.5 + 1e-6)  # two calls on a small block, read by two elementwise readers: recomputed
+    f1, f2 = fuse_elementwise([(x * ej.rsqrt(ms)).node, (ms * ms).node])
+    assert len(Graph([f1, f2]).ops) == 2, [str(n.op.join) for n in Graph([f1, f2]).ops]
+    _equal(ej.reference(ej.Tensor(f1), x=feeds["x"]), ej.reference(x * ej.rsqrt(ms), x=feeds["x"]))
+    deeper = ej.tanh(x * 0.5 + 1e-6)  # three calls: kept
+    f1, f2 = fuse_elementwise([(x * deeper).node, (deeper * 2.0).node])
+    assert len(Graph([f1, f2]).ops) == 3, [str(n.op.join) for n in Graph([f1, f2]).ops]
     tt = ej.exp(xl).T  # a transpose read twice, once by a product of two: both take it in
     f1, f2 = fuse_elementwise([(tt * tt.T.T).node, (tt + 1.0).node])
     assert [n.kind for n in Graph([f1, f2]).ops] == ["einsum"] * 3, [str(n.op.join) for n in Graph([f1, f2]).ops]

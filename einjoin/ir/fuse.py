@@ -16,7 +16,8 @@ step by step in the same dtypes:
 
 Nodes that are graph outputs, or read twice, are kept (inlining would compute them twice),
 unless they are free to recompute (:func:`_free`: a bare relabelling -- a copy, transpose or
-broadcast -- or one function call on at most :data:`SMALL_RECOMPUTE` elements) and every reader
+broadcast -- or calls nested at most :data:`SMALL_DEPTH` deep on at most :data:`SMALL_RECOMPUTE`
+elements) and every reader
 is an elementwise einsum: then each reader inlines them and the node, its tasks and its block
 go (a task costs ~15-20 us of the runtime's time, more than such a recomputation). A copy (an
 identity einsum) that is not an output goes too, whoever reads it; a broadcast that only adds
@@ -50,7 +51,8 @@ __all__ = ["fuse_elementwise", "MAX_FUSED_INPUTS", "MAX_FUSED_DEPTH"]
 
 MAX_FUSED_INPUTS = 8   # a fused node reads at most this many inputs (the planner's search grows with them)
 MAX_FUSED_DEPTH = 48   # nor nests calls deeper (kernels evaluate it step by step; printing stays short)
-SMALL_RECOMPUTE = 4096  # a one-call producer this small is recomputed by each of several readers
+SMALL_RECOMPUTE = 4096  # a producer of <= SMALL_DEPTH calls this small is recomputed by each of several readers
+SMALL_DEPTH = 2         # (RMSNorm's mean square + eps, read by the forward and the backward: a task less)
 _HALF = ("float16", "bfloat16")
 
 
@@ -78,11 +80,11 @@ def _inlinable(p: Node) -> bool:
 def _free(p: Node) -> bool:
     """Whether inlinable producer ``p`` costs less to recompute in each reader than to keep as a
     node of its own: its join is a bare argument (a relabelling: copy, transpose, broadcast) or
-    a single call over arguments and constants on a small block."""
+    calls nested at most :data:`SMALL_DEPTH` deep over arguments and constants on a small block."""
     join = p.op.join  # type: ignore[union-attr]
     if isinstance(join, Arg):
         return True
-    return (isinstance(join, Call) and join.depth == 1 and p.size <= SMALL_RECOMPUTE)
+    return (isinstance(join, Call) and join.depth <= SMALL_DEPTH and p.size <= SMALL_RECOMPUTE)
 
 
 def _new_dims_only(p: Node) -> bool:
