@@ -114,7 +114,8 @@ class Channel:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + name)
         self._listener.listen(64)
-        threading.Thread(target=self._accept, name=f"einjoin-channel-{name}", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name=f"einjoin-channel-{name}", daemon=True)
+        self._acceptor.start()
 
     # -- receiving
     def _accept(self) -> None:
@@ -257,6 +258,10 @@ class Channel:
         except OSError:
             pass
         self._listener.close()
+        # the listening socket is released only when the woken accept() returns: wait for it, so
+        # the name is free (and gone from /proc/net/unix) when close returns, even on a busy host
+        if threading.current_thread() is not self._acceptor:
+            self._acceptor.join(10)
         for conn in accepted:
             try:
                 conn.shutdown(socket.SHUT_RDWR)  # wakes its reader (it closes the socket as it ends)
