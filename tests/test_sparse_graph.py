@@ -279,3 +279,24 @@ def test_an_int_or_bool_adjacency_takes_the_float_operands_dtype(dtype):
     if a.dtype.kind != "f":  # (ej.sparse stores bool values as float32)
         with pytest.raises(DTypeError, match="no operand is float"):  # (ej.einsum("ij->i", a) runs eagerly)
             sparse_einsum_node(graph_operand(a), 0, [], "ij->i")
+
+
+@pytest.mark.parametrize("backend", ["threads", "torch"])
+def test_rank0_dense_operands_and_scalar_outputs(backend):
+    # a quadratic form x^T A x (a graph-Laplacian regulariser): its gradient's cotangent is 0-d,
+    # and a 0-d dense operand was made 1-d on the way to the sparse engine (a ShapeError at run)
+    rng = np.random.default_rng(0)
+    ad = rng.standard_normal((6, 6)) * (rng.random((6, 6)) < 0.4)
+    a = ej.sparse("A", ad)
+    x, s = ej.input("x", (6,), "float64"), ej.input("s", (), "float64")
+    q = ej.einsum("i,ij,j->", x, a, x)
+    scaled = ej.einsum("ij,->ij", a, s)
+    (g,) = ej.grad(q, [x])
+    xv = rng.standard_normal(6)
+    got = ej.compile([q, g, scaled], devices=2, backend=backend, quiet=True).run(x=xv, s=np.float64(2.5))
+    xt = torch.tensor(xv, requires_grad=True)
+    want_q = xt @ torch.tensor(ad) @ xt
+    want_q.backward()
+    np.testing.assert_allclose(got[0], want_q.item(), rtol=1e-12)
+    np.testing.assert_allclose(got[1], xt.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(got[2], 2.5 * ad, rtol=1e-12)

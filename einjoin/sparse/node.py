@@ -104,7 +104,7 @@ class GraphSparse:
     def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:
         """The einsum of ``op`` on the dense blocks ``dense`` (the node's inputs, whole), as a
         dense array of ``dtype``: half blocks computed in float32 and rounded once."""
-        arrays = [np.ascontiguousarray(a.astype(np.float32) if is_half(a.dtype) else a) for a in dense]
+        arrays = [np.asarray(a.astype(np.float32) if is_half(a.dtype) else a, order="C") for a in dense]
         key = (op.in_labels, op.out_labels, op.position, tuple((a.shape, a.dtype.str) for a in arrays))
         operands: list[Any] = list(arrays)
         operands.insert(op.position, self._float(dtype))
