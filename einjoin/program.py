@@ -530,7 +530,9 @@ class Program:
             trace_path = output_path(trace, "trace=")
         values = self._bind(args, feeds)  # every feed checked before any kernel runs
         use_torch = any(type(v).__module__.startswith("torch") for v in (*args, *feeds.values()))
-        return dict(values=values, use_torch=use_torch, order=order, seed=seed, callbacks=callbacks,
+        # the buffers the forward writes, not fed by the caller: read again when the run starts
+        reread = () if self._writes is None else tuple(n for n in self._writes.names if n not in feeds)
+        return dict(values=values, reread=reread, use_torch=use_torch, order=order, seed=seed, callbacks=callbacks,
                     trace=trace_path, quiet=self.quiet if quiet is None else bool(quiet),
                     host_link=host_link, cancel=cancel)
 
@@ -565,7 +567,7 @@ class Program:
                 with bar if bar is not None else _nothing():
                     # runs with state, or deterministic ones (a fixed BLAS share), one at a time
                     with self._resident.lock if self._serial else _nothing():
-                        values, state = self._with_state(p["values"])
+                        values, state = self._with_state(self._reread(p["values"], p.get("reread", ())))
                         try:
                             outs, stats = self._engine.run(values, self.backend, p["order"], p["seed"], callbacks,
                                                            p["host_link"], cancel=token, cluster=self.cluster,
@@ -613,6 +615,16 @@ class Program:
         return returned(outs, self._many, self._structure)
 
     # ---- state: values that persist between runs
+
+    def _reread(self, values: dict[Node, np.ndarray], names: Sequence[str]) -> dict[Node, np.ndarray]:
+        """``values`` with the written buffers ``names`` bound again (under the run lock): a buffer
+        bound through a copy (another device, a conjugate view) was read when the run was
+        prepared, maybe before the run queued ahead of it wrote its new value."""
+        bound = self._bound or {}
+        fresh = {n: bound[n] for n in names if n in bound and n in self.graph.input_by_name}
+        if not fresh:
+            return values
+        return {**values, **bind_feeds(self.graph, (), _bound_now(fresh), self.graph.input_by_name)}
 
     def _with_state(self, values: dict[Node, np.ndarray]) -> tuple[dict[Node, np.ndarray], StateRun | None]:
         """The run's feeds and its view of the state (under the state lock): a state input not fed

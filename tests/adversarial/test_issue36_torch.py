@@ -356,3 +356,25 @@ def test_a_non_contiguous_parameter_written_through_data_is_followed() -> None:
         lin.weight.data.mul_(2)
         lin.bias.data.add_(1)
         _close(prog.run(x), lin(x))
+
+
+def test_queued_runs_see_the_previous_runs_buffer_write_when_bound_through_a_copy() -> None:
+    # a buffer einjoin binds through a copy (here a negative-bit view; a CUDA module's buffers
+    # too) was read when each run was prepared: two queued run_async calls both read the initial
+    # value (1, 1 and the buffer at 1; torch: 1, 2 and 2). It is read again when the run starts.
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("n", torch.zeros(2, 3)._neg_view())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.n += 1
+            return x * self.n
+
+    x = torch.ones(2, 3)
+    mod, ref = Counter(), Counter()
+    prog = ej.compile(ej.from_torch(mod, (x,)), devices=2, backend="threads", quiet=True)
+    handles = [prog.run_async(x) for _ in range(3)]
+    got = [float(h.result()[0, 0]) for h in handles]
+    want = [float(ref(x)[0, 0]) for _ in range(3)]
+    assert got == want and float(mod.n[0, 0]) == float(ref.n[0, 0]) == 3.0
