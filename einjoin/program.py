@@ -36,6 +36,7 @@ from einjoin.progress import RunBar
 from einjoin import program_io
 from einjoin.program_explain import explain_program
 from einjoin.plan import PlanStats, run_reference
+from einjoin.plan.execute import unshared
 from einjoin.runtime import Engine, RunStats
 from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, check_host_link, check_order,
                                     check_seed)
@@ -606,7 +607,7 @@ class Program:
         # a read-only result (Ray's object store hands them out, backed by its shared memory) is
         # copied: results are the caller's own writable arrays on every backend (torch would also
         # warn on wrapping a read-only array)
-        outs = [o if o.flags.writeable else np.array(o) for o in outs]
+        outs = unshared([o if o.flags.writeable else np.array(o) for o in outs])  # no result aliases another
         if p["use_torch"]:
             import torch
             tensors = [torch.from_numpy(np.asarray(o, order="C")) if o.dtype.kind != "V" else torch.from_numpy(

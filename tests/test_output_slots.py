@@ -142,3 +142,22 @@ def test_a_block_not_in_its_slot_is_copied_at_the_end_or_the_output_assembled(mo
     got = prog.run(x=xv)
     np.testing.assert_array_equal(got, xv * 2)
     assert got.dtype == (late_dtype or np.float32)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_no_result_shares_memory_with_another(devices: int) -> None:
+    # an output and a reshape / transpose / slice of it were views of one block on one device:
+    # writing one result changed another (R1's finding, older than the slots)
+    a, b = ej.input("a", (12, 8)), ej.input("b", (8, 6))
+    y = a @ b
+    outs = [y, y.T, y.reshape((72,)), y[:, :3]]
+    prog = ej.compile(outs, devices=devices, quiet=True)
+    rng = np.random.default_rng(0)
+    av, bv = rng.standard_normal((12, 8)).astype(np.float32), rng.standard_normal((8, 6)).astype(np.float32)
+    got = prog.run(a=av, b=bv)
+    for i in range(len(got)):
+        for j in range(i + 1, len(got)):
+            assert not np.shares_memory(got[i], got[j]), (i, j)
+    got[0][...] = 0
+    for g, w in zip(got[1:], ej.reference(outs, a=av, b=bv)[1:]):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

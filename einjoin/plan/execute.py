@@ -6,7 +6,7 @@ topological (id) order in a few lines — the oracle the engines are tested agai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,8 +22,8 @@ from einjoin.ir.kernels import fill_kernel
 from einjoin.ir.node import Node
 from einjoin.ir.printing import describe
 
-__all__ = ["compute", "run_reference", "assemble_outputs", "assemble_output", "unaliased", "to_host", "from_host",
-           "COMPUTE"]
+__all__ = ["compute", "run_reference", "assemble_outputs", "assemble_output", "unaliased", "unshared",
+           "to_host", "from_host", "COMPUTE"]
 
 Getter = Callable[[int], "np.ndarray | None"]
 
@@ -164,6 +164,22 @@ def unaliased(value: Any, feeds: Mapping[Node, np.ndarray]) -> Any:
     if value is not None and any(np.may_share_memory(value, f) for f in feeds.values()):
         return np.array(value, order="C")
     return value
+
+
+def unshared(outs: Sequence[Any]) -> list[Any]:
+    """``outs`` where no result shares memory with an earlier one (an output and a reshape or a
+    transpose of it may be views of one block on one device): such a later one is copied, so
+    writing one result never changes another (None passes through: the null backend)."""
+    out = list(outs)
+    arrays = [o for o in out if isinstance(o, np.ndarray)]
+    if len(arrays) < 2:
+        return out
+    for i in range(1, len(out)):
+        o = out[i]
+        if isinstance(o, np.ndarray) and o.size and any(
+                isinstance(e, np.ndarray) and np.may_share_memory(o, e) for e in out[:i]):
+            out[i] = np.array(o, order="C")
+    return out
 
 
 def assemble_outputs(tg: object, get: Callable[[int], np.ndarray],
