@@ -31,6 +31,13 @@ _MISSING = object()
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def _torch_own() -> frozenset[str]:
+    """nn.Module's own bookkeeping attributes (``_is_full_backward_hook``, set by registering a
+    hook): no forward reads them, so changing them changes nothing the capture assumed."""
+    import torch
+    return frozenset(k for k in vars(torch.nn.Module()) if k != "training")
+
+
 def _plain(v: Any) -> bool:
     """A value the capture can have specialised on and that compares by value."""
     if isinstance(v, _PLAIN):
@@ -48,10 +55,10 @@ class ModuleGuard:
 
     def __init__(self, module: Any):
         self.root = module
-        entries = []
+        entries, own = [], _torch_own()
         for path, m in module.named_modules(remove_duplicate=False):
             d = vars(m)
-            keys = tuple(k for k, v in d.items() if _plain(v))
+            keys = tuple(k for k, v in d.items() if _plain(v) and k not in own)
             entries.append((tuple(path.split(".")) if path else (), type(m), keys, tuple(d[k] for k in keys)))
         self.entries: tuple[tuple[tuple[str, ...], type, tuple[str, ...], tuple[Any, ...]], ...] = tuple(entries)
 

@@ -378,3 +378,16 @@ def test_queued_runs_see_the_previous_runs_buffer_write_when_bound_through_a_cop
     got = [float(h.result()[0, 0]) for h in handles]
     want = [float(ref(x)[0, 0]) for _ in range(3)]
     assert got == want and float(mod.n[0, 0]) == float(ref.n[0, 0]) == 3.0
+
+
+def test_registering_a_hook_after_the_import_is_no_module_change() -> None:
+    # registering a full backward hook sets nn.Module's own _is_full_backward_hook: the guard of
+    # b12f976 refused every later run although nothing the graph computes changed
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    prog = ej.compile(ej.from_torch(lin, (x,)), devices=1, quiet=True)
+    lin.register_full_backward_hook(lambda *a: None)
+    np.testing.assert_allclose(prog.run(x), lin(x).detach().numpy(), rtol=1e-6, atol=1e-6)
+    lin.eval()  # a mode change is still refused
+    with pytest.raises(ej.EinjoinError, match="training"):
+        prog.run(x)
