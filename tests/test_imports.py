@@ -36,7 +36,7 @@ FLOORS: list[set[str]] = [
     {"frontend", "models", "viz", "autodiff", "train"},  # build IR (user code, model zoo, gradients,
     # optimizer steps); draw plans and traces
     {"program", "compiler", "cli", "demo", "__main__", "__init__", "trainer", "generate",
-     "variants", "program_io", "program_explain"},
+     "variants", "program_io", "program_explain", "program_state"},
     # ^ wiring: ej.compile, CLI; programs per shape signature, saved programs, explain()
 ]
 
