@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -381,3 +382,15 @@ def test_the_function_sweep_measures_every_float_function_as_a_step():
     assert floats <= set(rates) and all(r > 0 and math.isfinite(r) for r in rates.values())
     assert not {n for n, f in FUNCTIONS.items() if f.rule == "logical"} & set(rates)
     assert simulate_calibrate._step_call(1) >= 0.0
+
+
+def test_a_busy_calibration_does_not_replace_a_quieter_cached_one(monkeypatch):
+    # at load 6 on 2 cores the every-core GEMM speed-up read 0.00 and the session's later
+    # simulations used it: figures measured under load return, but the quiet cache stays
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(simulate_calibrate.os, "getloadavg", lambda: (cores * 4.0, 0.0, 0.0))
+    busy = simulate_calibrate.calibrate(quick=True, force=True, reps=1)
+    assert busy.load == cores * 4.0 and load_cached() == FIXED
+    monkeypatch.setattr(simulate_calibrate.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    quiet = simulate_calibrate.calibrate(quick=True, force=True, reps=1)
+    assert load_cached() == quiet != FIXED

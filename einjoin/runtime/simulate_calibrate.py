@@ -246,7 +246,9 @@ def _attention(reps: int, quick: bool) -> tuple[float, float, float]:
 
 
 def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibration:
-    """Measure this machine (or return its cached calibration, unless ``force``) and cache it.
+    """Measure this machine (or return its cached calibration, unless ``force``) and cache it
+    (unless the machine was busy — load average above half its cores and above the cached
+    calibration's — and a quieter calibration is cached: that one stays).
     ``quick``: smaller sizes (for tests; less accurate). At most a few seconds.
 
     Returns a :class:`~einjoin.cluster.calibration.Calibration`; ``.table()`` prints it."""
@@ -280,7 +282,11 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
                       attention_parallel=attention_parallel, fn_rates=fn_rates, fn_call=fn_call,
                       machine=machine_key(), seconds=time.perf_counter() - t0,
                       load=load)
-    save_cached(cal)
+    # figures measured on a busy machine are low (another process had the cores): they never
+    # replace a cached calibration measured quieter; this call still returns them
+    prior = load_cached()
+    if prior is None or load <= max(prior.load, cal.cores / 2):
+        save_cached(cal)
     return cal
 
 
