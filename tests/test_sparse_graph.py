@@ -300,3 +300,14 @@ def test_rank0_dense_operands_and_scalar_outputs(backend):
     np.testing.assert_allclose(got[0], want_q.item(), rtol=1e-12)
     np.testing.assert_allclose(got[1], xt.grad.numpy(), rtol=1e-12)
     np.testing.assert_allclose(got[2], 2.5 * ad, rtol=1e-12)
+
+
+def test_matmul_of_a_sparse_matrix_with_a_batch_names_the_shapes():
+    # it said "expected an einjoin tensor, got SparseTensor"
+    a, h = ej.sparse("A", np.eye(4)), ej.input("h", (2, 4, 3), "float64")
+    for left, right in ((a, h), (h.transpose(-2, -1), a)):
+        with pytest.raises(ShapeError, match=r"matmul of shapes .* with a sparse operand"):
+            left @ right
+    hv = np.arange(24.0).reshape(2, 4, 3)
+    got = ej.compile(ej.einsum("ij,bjk->bik", a, h), quiet=True).run(h=hv)
+    np.testing.assert_allclose(got, np.einsum("ij,bjk->bik", np.eye(4), hv))

@@ -323,6 +323,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         eq = {(2, 2): "ij,jk->ik", (2, 1): "ij,j->i", (1, 2): "j,jk->k"}.get((len(a.shape), len(b.shape)))
         if eq is not None:
             return einsum(eq, a, b)
+        raise ShapeError(f"matmul of shapes {tuple(a.shape)} and {tuple(b.shape)} with a sparse operand: "
+                         f"'@' takes a sparse matrix with a 2-D or 1-D operand; write the product as "
+                         f"ej.einsum (e.g. 'ij,bjk->bik' for a batch of right operands)")
     a, b = _t(a, "matmul"), _t(b, "matmul")
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul of shapes {a.shape} and {b.shape}: rank-0 operands")
