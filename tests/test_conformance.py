@@ -102,8 +102,11 @@ def test_random_programs_in_half_precision_on_torch(dtype: str) -> None:
         tol = HALF_TOL[dtype]
         for g, w, o in zip(got, want, outs):
             assert g.shape == w.shape and g.dtype == np.dtype(ej.ir.dtypes.numpy_dtype(o.dtype))
-            w = np.asarray(w, np.float64)
-            scale = max(1.0, float(np.abs(w).max(initial=0.0)))
+            # the float32 oracle rounded once to the output's type, as torch's result is: a value
+            # beyond the half range is inf there (exp(12) in float16), not a mismatch
+            with np.errstate(over="ignore"):
+                w = np.asarray(w, np.float32).astype(g.dtype).astype(np.float64)
+            scale = max(1.0, float(np.abs(w[np.isfinite(w)]).max(initial=0.0)))
             np.testing.assert_allclose(g.astype(np.float64), w, rtol=tol, atol=tol * scale)
 
     check()
