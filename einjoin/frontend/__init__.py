@@ -16,6 +16,7 @@ from einjoin.frontend.routing import (argmax, argmin, cumprod, cumsum, index_add
                                       scatter_reduce, take_along_dim)
 from einjoin.frontend.tensor import Tensor
 from einjoin.frontend.torch import TorchFunction, from_torch
+from einjoin.frontend import torch_fx as _torch_fx  # noqa: F401 - registers from_torch's torch.fx fallback
 
 __all__ = ["Tensor", "TorchFunction", "from_torch", "attention", "gelu", "layer_norm", "linear", "log_softmax",
            "rms_norm", "rope", "rotate_half", "silu", "softmax", *_fn_all,
