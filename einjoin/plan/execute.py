@@ -169,16 +169,23 @@ def unaliased(value: Any, feeds: Mapping[Node, np.ndarray]) -> Any:
 def unshared(outs: Sequence[Any]) -> list[Any]:
     """``outs`` where no result shares memory with an earlier one (an output and a reshape or a
     transpose of it may be views of one block on one device): such a later one is copied, so
-    writing one result never changes another (None passes through: the null backend)."""
+    writing one result never changes another (None passes through: the null backend). Only
+    results over one underlying buffer are compared (one pass, not all pairs: a training
+    program returns dozens of gradients every run)."""
     out = list(outs)
-    arrays = [o for o in out if isinstance(o, np.ndarray)]
-    if len(arrays) < 2:
-        return out
-    for i in range(1, len(out)):
-        o = out[i]
-        if isinstance(o, np.ndarray) and o.size and any(
-                isinstance(e, np.ndarray) and np.may_share_memory(o, e) for e in out[:i]):
-            out[i] = np.array(o, order="C")
+    by_root: dict[int, list[np.ndarray]] = {}
+    for i, o in enumerate(out):
+        if not isinstance(o, np.ndarray) or not o.size:
+            continue
+        root: Any = o
+        while isinstance(root, np.ndarray) and root.base is not None:
+            root = root.base
+        earlier = by_root.setdefault(id(root), [])
+        if any(np.may_share_memory(o, e) for e in earlier):
+            out[i] = o = np.array(o, order="C")
+            by_root.setdefault(id(o), []).append(o)
+        else:
+            earlier.append(o)
     return out
 
 
