@@ -9,7 +9,7 @@ array([3., 3.], dtype=float32)
 from __future__ import annotations
 
 from typing import Any
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -20,7 +20,12 @@ from einjoin.ir.kernels import eval_node
 from einjoin.ir.node import Node
 from einjoin.ir.ops import declared_elsewhere
 
-__all__ = ["reference", "bind_feeds", "to_numpy"]
+__all__ = ["reference", "bind_feeds", "to_numpy", "FEED_HOOKS"]
+
+# feeds that stand for several inputs, rewritten into plain ones before they are checked:
+# (graph, feeds by name) -> feeds by name (einjoin.sparse.feed: a sparse tensor fed by name is
+# its keys and values inputs); registered by the floors above
+FEED_HOOKS: list[Callable[[Graph, dict[str, Any]], dict[str, Any]]] = []
 
 
 def _torch_to_numpy(t: Any, what: str) -> np.ndarray:
@@ -175,6 +180,8 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
         if name in bound:
             raise EinjoinError(f"input {name!r} given both by position and by name")
         bound[name] = v
+    for hook in FEED_HOOKS:
+        bound = hook(graph, bound)
     out: dict[Node, np.ndarray] = {}
     for x in graph.inputs:
         name = x.op.name  # type: ignore[union-attr]
