@@ -50,6 +50,8 @@ def _take_along_dim(x: Tensor, indices: Tensor, dim: Any = None) -> Tensor:
     if dim is None:
         return R.take_along_dim(x.flatten(), indices.flatten(), 0)
     d = _norm_dim(x, dim)
+    # torch takes the indices modulo the dim's size here (not in gather, nor without a dim)
+    indices = R.from_the_end(R._int_index(indices, "take_along_dim"), x.shape[d], modulo=True)
     # torch broadcasts every dim but ``dim``
     xs, ix = list(x.shape), list(indices.shape)
     if len(xs) != len(ix):
@@ -96,7 +98,8 @@ def _index_fill(x: Tensor, dim: int, index: Tensor, value: Any) -> Tensor:
     n = index.shape[0] if index.ndim else 1
     shape = x.shape[:d] + (n,) + x.shape[d + 1:] if x.ndim else ()
     src = value.to(x.dtype).expand(shape) if isinstance(value, Tensor) else F.full(shape, value, x.dtype)
-    return R.index_copy(x, dim, index, src)
+    # torch reads a negative index from the end here (index_copy refuses it)
+    return R.index_copy(x, dim, R.from_the_end(R._int_index(index, "index_fill"), x.shape[d] if x.ndim else 1), src)
 
 
 @op("argmax")

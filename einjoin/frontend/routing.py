@@ -38,7 +38,7 @@ from einjoin.ir.dtypes import exact_cast, kind, numpy_dtype
 
 __all__ = ["take_along_dim", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_select",
            "argmax", "argmin", "max_dim", "min_dim", "cumsum", "cumprod", "one_hot", "pad", "advanced_index",
-           "index_put"]
+           "index_put", "from_the_end"]
 
 
 def _int_index(value: Any, what: str) -> Tensor:
@@ -71,6 +71,16 @@ def _linear_index(shape: tuple[int, ...], idx: Tensor, d: int, what: str) -> Ten
     offsets = fill(idx.shape, base, "int64")
     n = shape[d]
     return elementwise_expr(f"where((x0 >= 0) & (x0 < {n}), x0 * {st[d]} + x1, -1)", idx, offsets)
+
+
+def from_the_end(idx: Tensor, n: int, *, modulo: bool = False) -> Tensor:
+    """``idx`` with each negative index ``i`` read as ``n + i`` (torch's ``index_fill``); one still
+    outside ``[0, n)`` stays out, for the run-time check to report. ``modulo``: every index taken
+    modulo ``n`` (Python's sign), as torch's ``take_along_dim`` with a dim reads them (-1 the last,
+    ``n`` the first: it never refuses one)."""
+    if n <= 0:
+        return idx  # nothing to index: any index is out of range (the run-time check says so)
+    return elementwise_expr(f"x0 % {n}" if modulo else f"where(x0 < 0, x0 + {n}, x0)", idx)
 
 
 def elementwise_expr(expr: str, *args: Tensor) -> Tensor:

@@ -1,0 +1,68 @@
+"""Issue 37 (H6): a hostile user's imported torch programs, differential against torch.
+
+Each test failed before its fix (the commit that added it says what einjoin did instead):
+
+- indices that count from the end where torch accepts them (``index_fill``; ``torch.take_along_dim``
+  with a dim takes every index modulo the dim's size) are translated as torch reads them, not
+  failed at run time;
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import einjoin as ej
+
+
+def _close(got: object, want: torch.Tensor, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(torch.as_tensor(np.asarray(got)), want, rtol=tol, atol=tol, equal_nan=True)
+
+
+class _Fn(nn.Module):
+    def __init__(self, f: object) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.f(*args)  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------- 1. negative indices
+
+_X = torch.arange(12.0).reshape(3, 4)
+_I = torch.tensor([[-1, 0], [1, -2], [3, -4]])
+_J = torch.tensor([-1, 0, -4])
+
+
+@pytest.mark.parametrize("name, f, args", [
+    ("take_along_dim", lambda x, i: torch.take_along_dim(x, i, 1), (_X, _I)),
+    ("take_along_dim broadcast", lambda x, i: torch.take_along_dim(x, i[:, :1], -1), (_X, _I)),
+    ("take_along_dim out of range", lambda x, i: torch.take_along_dim(x, i * 3 - 2, 1), (_X, _I)),  # modulo
+    ("take_along_dim dim 0", lambda x, i: torch.take_along_dim(x, i.t().repeat(1, 2)[:, :4] % 3 - 3, 0), (_X, _I)),
+    ("index_fill", lambda x, j: x.index_fill(1, j, 7.0), (_X, _J)),
+    ("index_fill_", lambda x, j: x.clone().index_fill_(0, j[:2] + 1, -2.0), (_X, _J)),
+])
+def test_indices_from_the_end_are_torchs(name: str, f: object, args: tuple) -> None:
+    """torch reads -1 as the last position in these ops; einjoin's run failed with 'gather: index
+    -1 out of range' (take_along_dim, index_fill)."""
+    want = f(*args)  # type: ignore[operator]
+    prog = ej.compile(ej.from_torch(_Fn(f), args), quiet=True)
+    assert torch.equal(prog.run(*args), want)
+    other = tuple(a.flip(0) if a.dtype == torch.int64 else a for a in args)  # other indices, same graph
+    assert torch.equal(prog.run(*other), f(*other))  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("f, args", [
+    (lambda x, i: torch.gather(x, 1, i), (_X, _I)),                # gather refuses any negative
+    (lambda x, j: x.index_fill(1, j - 4, 7.0), (_X, _J)),         # -8 on a dim of 4
+])
+def test_indices_torch_refuses_are_an_einjoin_error_at_run(f: object, args: tuple) -> None:
+    with pytest.raises((RuntimeError, IndexError)):
+        f(*args)  # type: ignore[operator]
+    good = tuple(a.clamp(0, 1) if a.dtype == torch.int64 else a for a in args)
+    prog = ej.compile(ej.from_torch(_Fn(f), good), quiet=True)
+    with pytest.raises(ej.EinjoinError, match="out of range"):
+        prog.run(*args)
