@@ -33,7 +33,9 @@ class LiveTensor:
     memory of a large model. ``source`` is the module's tensor object itself, so that what it
     holds now is read: ``p.data = new``, ``module.double()`` / ``.half()`` (they swap ``.data``)
     and in-place writes (a non-contiguous CPU tensor is viewed with its strides, so a write
-    through ``p.data``, which no version counts, is seen too) are followed.
+    through ``p.data``, which no version counts, is seen too) are followed; a tensor numpy
+    cannot view (on a GPU, sparse, a conj / neg bit) is copied again at every feed, for the same
+    reason (see :meth:`now`).
 
     ``where`` (the root module and the qualified names that held the tensor at import, each split
     at its dots): the tensor object is looked up by that path at each feed, so one *replaced* by
@@ -83,22 +85,21 @@ class LiveTensor:
         """A zero-copy numpy view of the tensor's storage where it is now (the last one while the
         source's storage, version, dtype and layout are unchanged), with the tensor's strides: a
         non-contiguous CPU tensor is viewed too, never copied, because a write through ``p.data``
-        (``p.data.mul_(2)``) leaves ``p._version`` as it was and a copy would go stale. A copy
-        only for a source that is not a dense CPU tensor (sparse, another device, conj/neg bits),
-        taken again after each in-place write to it that its version counts."""
-        import torch
+        (``p.data.mul_(2)``) leaves ``p._version`` as it was and a copy would go stale. A source
+        numpy cannot view (another device, sparse, conj / neg bits) is copied at every call, for
+        that reason: no counter sees a write through ``.data`` (on a GPU module one device-to-host
+        copy of each such tensor per run)."""
         src = self.current()
-        at = src.data_ptr() if src.layout == torch.strided else 0  # a sparse tensor has no pointer
-        key = (at, src._version, src.dtype, tuple(src.shape), src.stride())
+        if not _viewable(src):
+            t = _dense(src)  # what the source holds now: a cache could not know that it changed
+            self.tensor = t
+            return _as_numpy(t)
+        key = (src.data_ptr(), src._version, src.dtype, tuple(src.shape), src.stride())
         cache = self._cache
         if cache is not None and cache[0] == key:
             return cache[1]
-        t = src.detach() if _viewable(src) else _dense(src)  # what the source holds now
-        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, as ml_dtypes' type
-            import ml_dtypes
-            arr: np.ndarray = t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
-        else:
-            arr = t.numpy()
+        t = src.detach()
+        arr = _as_numpy(t)
         self.tensor, self._cache = t, (key, arr)
         return arr
 
@@ -180,6 +181,16 @@ def _viewable(t: Any) -> bool:
     """Whether numpy can view ``t``'s storage as it is (a strided CPU tensor without lazy bits)."""
     import torch
     return bool(t.layout == torch.strided and t.device.type == "cpu" and not t.is_conj() and not t.is_neg())
+
+
+def _as_numpy(t: Any) -> np.ndarray:
+    """A strided CPU tensor's numpy view (bfloat16, which numpy lacks, as ml_dtypes' type)."""
+    import torch
+    if t.dtype == torch.bfloat16:  # its bits, viewed as ml_dtypes' bfloat16
+        import ml_dtypes
+        arr: np.ndarray = t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return arr
+    return t.numpy()  # type: ignore[no-any-return]
 
 
 def _dense(t: Any) -> Any:

@@ -5,6 +5,8 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - indices that count from the end where torch accepts them (``index_fill``; ``torch.take_along_dim``
   with a dim takes every index modulo the dim's size) are translated as torch reads them, not
   failed at run time;
+- a module tensor bound through a copy (on a GPU, sparse, a neg / conj bit) written through
+  ``p.data`` is read again;
 """
 
 from __future__ import annotations
@@ -66,3 +68,32 @@ def test_indices_torch_refuses_are_an_einjoin_error_at_run(f: object, args: tupl
     prog = ej.compile(ej.from_torch(_Fn(f), good), quiet=True)
     with pytest.raises(ej.EinjoinError, match="out of range"):
         prog.run(*args)
+
+
+# ---------------------------------------------------------------- 2. tensors bound through a copy
+
+
+class _NegBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0).reshape(2, 3)._neg_view())  # numpy cannot view it
+        self.w = nn.Parameter(torch.ones(3, 3)._neg_view())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b
+
+
+def test_a_tensor_bound_through_a_copy_written_through_data_is_followed() -> None:
+    """A tensor numpy cannot view (a neg / conj bit here; on a GPU, every parameter) is bound
+    through a copy, re-taken only when ``_version`` moved: ``p.data.mul_(3)`` moves no version,
+    and the program kept computing with the old values (0 where torch gave -2). It is copied at
+    every run now."""
+    m, x = _NegBuffer(), torch.randn(2, 3)
+    prog = ej.compile(ej.from_torch(m, (x,)), devices=2, quiet=True)
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+        m.b.data.mul_(3)
+        m.w.data.add_(1)
+        _close(prog.run(x), m(x))
+        m.b.add_(1)  # a write its version counts
+        _close(prog.run(x), m(x))
