@@ -29,7 +29,7 @@ from einjoin.generate import generate
 from einjoin.frontend.conv import adaptive_avg_pool, adaptive_max_pool, avg_pool, conv, conv_transpose, max_pool, unfold
 from einjoin.frontend.sorting import argsort, sort, topk
 # `ej.sparse` is the constructor; its package's modules are imported as `from einjoin.sparse import ...`
-from einjoin.sparse import SparsePlan, SparseTensor, sparse, sparse_compile
+from einjoin.sparse import SparseInput, SparsePlan, SparseTensor, sparse, sparse_compile, sparse_input
 
 __version__ = "0.1.0"
 
@@ -41,4 +41,5 @@ __all__ = ["Cluster", "Device", "local", "calibrate", "ray_cluster", "Program", 
            "grad", "value_and_grad", "vjp", "stop_gradient", "optim", "Trainer", "cross_entropy", "nll_loss",
            "mse_loss", "generate", *_frontend_all,
            "conv", "conv_transpose", "max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "unfold",
-           "topk", "sort", "argsort", "sparse", "SparseTensor", "SparsePlan", "sparse_compile"]
+           "topk", "sort", "argsort", "sparse", "SparseTensor", "SparsePlan", "sparse_compile",
+           "sparse_input", "SparseInput"]

@@ -43,7 +43,8 @@ from einjoin.ir.equation import parse_equation
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum, SparseOperand
 
-__all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flops", "sparse_adjoints"]
+__all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flops", "sparse_adjoints",
+           "fed_parts", "fed_dense"]
 
 
 def _what(eq: str, operand: SparseOperand) -> str:
@@ -52,11 +53,18 @@ def _what(eq: str, operand: SparseOperand) -> str:
 
 def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[Node],
                        equation: str | None = None, in_labels: Sequence[Sequence[str]] | None = None,
-                       out_labels: Sequence[str] | None = None) -> Node:
+                       out_labels: Sequence[str] | None = None, pattern: Sequence[Node] = ()) -> Node:
     """A :class:`SparseEinsum` node: ``equation`` (or ``in_labels`` / ``out_labels``) over every
     operand, the sparse ``operand`` at ``position`` and ``inputs`` (dense nodes) at the others, in
     order. Checks labels against shapes (errors name the op, the label and both shapes) and infers
-    the dtype: the float operands' (dense operands must be float; an int sparse tensor takes theirs)."""
+    the dtype: the float operands' (dense operands must be float; an int sparse tensor takes theirs).
+
+    ``pattern``: for a sparse operand fed at run (``ej.sparse_input``), its two graph inputs
+    ``(keys, values)``, the node's last inputs: ``keys`` int64 (capacity × rank) coordinates of the
+    stored entries, rows of -1 unused; ``values`` (capacity,) of the operand's dtype."""
+    inputs = tuple(inputs)
+    if pattern:
+        _check_pattern(operand, tuple(pattern))
     shapes = [tuple(x.shape) for x in inputs]
     if not 0 <= position <= len(inputs):
         raise EinsumSyntaxError(f"sparse_einsum: sparse operand position {position} for {len(inputs)} dense "
@@ -112,7 +120,39 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
     for dt in floats[1:]:
         dtype = promote(dtype, dt)
     op = SparseEinsum(ins, outs, position, operand)
-    return Node(op, tuple(inputs), tuple(sizes[lab][0] for lab in outs), dtype)
+    return Node(op, inputs + tuple(pattern), tuple(sizes[lab][0] for lab in outs), dtype)
+
+
+def _check_pattern(operand: SparseOperand, pattern: tuple[Node, ...]) -> None:
+    what = f"sparse_einsum (sparse input {operand.name!r} {list(operand.shape)})"
+    if len(pattern) != 2:
+        raise EinjoinError(f"{what}: a fed sparse operand's pattern is two inputs (keys, values), got {len(pattern)}")
+    keys, values = pattern
+    rank = len(operand.shape)
+    if keys.dtype != "int64" or keys.ndim != 2 or keys.shape[1] != rank:
+        raise ShapeError(f"{what}: its keys input must be int64 of shape (capacity, {rank}), got "
+                         f"{keys.dtype}{list(keys.shape)}")
+    if values.ndim != 1 or values.shape[0] != keys.shape[0] or values.dtype != canonical_dtype(operand.dtype_name):
+        raise ShapeError(f"{what}: its values input must be {operand.dtype_name} of shape ({keys.shape[0]},), "
+                         f"got {values.dtype}{list(values.shape)}")
+
+
+def fed_parts(node: Node) -> tuple[tuple[Node, ...], tuple[Node, ...]]:
+    """The node's dense operands and its fed pattern inputs ``(keys, values)`` (none for a
+    constant sparse operand)."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    n = len(op.dense_labels)
+    return node.inputs[:n], node.inputs[n:]
+
+
+def fed_dense(shape: Sequence[int], keys: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The dense value of a fed sparse operand from its keys and values (rows of -1 unused)."""
+    out = np.zeros(tuple(shape), dtype)
+    keys = np.asarray(keys)
+    used = keys[:, 0] >= 0 if keys.shape[1] else np.zeros(len(keys), bool)
+    np.add.at(out, tuple(keys[used].T), np.asarray(values)[used].astype(dtype))
+    return out
 
 
 # the reference densifies a sparse operand of at most this many elements (a 20k-node graph's
@@ -125,9 +165,16 @@ def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -
     beyond :data:`DENSE_REFERENCE` elements, the sparse engine's result (never a huge dense array)."""
     if math.prod(op.operand.shape) > DENSE_REFERENCE:
         return sparse_block(node, op, args, tuple((0, n) for n in node.shape))
-    dense = [np.asarray(a) for a in args]
+    n = len(op.dense_labels)
+    dense = [np.asarray(a) for a in args[:n]]
     work = [a.astype(np.float32) if is_half(a.dtype) else a for a in dense]
-    work.insert(op.position, np.asarray(op.operand.todense()))
+    if len(args) > n:  # fed at run: densified from its keys and values inputs
+        keys, values = args[n], np.asarray(args[n + 1])
+        wide = np.dtype(np.float32) if is_half(values.dtype) else values.dtype
+        value = fed_dense(op.operand.shape, keys, values, wide)
+    else:
+        value = np.asarray(op.operand.todense())
+    work.insert(op.position, value)
     out = np.einsum(op.equation, *work)
     return np.asarray(out).astype(numpy_dtype(node.dtype), copy=False)
 
@@ -162,24 +209,33 @@ def sparse_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     carries (summed away by the forward) are broadcast back. Cast to the input's dtype."""
     op = node.op
     assert isinstance(op, SparseEinsum)
+    dense_in, pattern = fed_parts(node)
     out: list[Node | None] = []
-    for k, (x, labels) in enumerate(zip(node.inputs, op.dense_labels)):
+    for k, (x, labels) in enumerate(zip(dense_in, op.dense_labels)):
         if not wanted[k]:
             out.append(None)
             continue
-        others = [(y, ls) for j, (y, ls) in enumerate(zip(node.inputs, op.dense_labels)) if j != k]
+        others = [(y, ls) for j, (y, ls) in enumerate(zip(dense_in, op.dense_labels)) if j != k]
         carried = set(op.out_labels) | set(op.in_labels[op.position]) | {lab for _, ls in others for lab in ls}
         kept = tuple(lab for lab in labels if lab in carried)
         dense = [g] + [y for y, _ in others]
         dense_labels = [op.out_labels] + [ls for _, ls in others]
         # the sparse operand keeps its place among the dense ones: after the operands before it
-        pos = 1 + sum(1 for j in range(len(node.inputs)) if j != k and j < op.position)
+        pos = 1 + sum(1 for j in range(len(dense_in)) if j != k and j < op.position)
         in_labels = dense_labels[:pos] + [op.in_labels[op.position]] + dense_labels[pos:]
-        grad = sparse_einsum_node(op.operand, pos, dense, in_labels=in_labels, out_labels=kept)
+        grad = sparse_einsum_node(op.operand, pos, dense, in_labels=in_labels, out_labels=kept, pattern=pattern)
         if kept != labels:
             grad = ops.broadcast_node(grad, x.shape, [labels.index(lab) for lab in kept])
         if grad.dtype != x.dtype:
             grad = ops.cast_node(grad, x.dtype)
         out.append(grad)
+    if pattern:  # a fed sparse operand: its keys (int) get none, its values the sampled product
+        out.append(None)
+        out.append(_values_adjoint(node, g) if wanted[-1] else None)
     return tuple(out)
+
+
+def _values_adjoint(node: Node, g: Node) -> Node:
+    raise UnsupportedOpError(f"{_what(node.op.equation, node.op.operand)}: the gradient with respect to a "  # type: ignore[union-attr]
+                             f"fed sparse tensor's values is not built yet")
 

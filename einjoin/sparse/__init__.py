@@ -7,10 +7,11 @@ over tuples. See docs/architecture.md, "Sparse".
 """
 
 import einjoin.sparse.einsum_cache  # noqa: F401 - registers ej.einsum's kept plans (EINSUM["cached"])
+from einjoin.sparse.feed import SparseInput, sparse_input  # registers the feed hook (a sparse tensor fed by name)
 from einjoin.sparse.grad import sparse_vjp
 from einjoin.sparse.node import GraphSparse  # registers the graph node builder (ej.einsum with lazy operands)
 from einjoin.sparse.plan import SparsePlan, sparse_compile, sparse_einsum
 from einjoin.sparse.tensor import SparseTensor, is_sparse, sparse
 
 __all__ = ["SparseTensor", "SparsePlan", "sparse", "sparse_compile", "sparse_einsum", "is_sparse",
-           "sparse_vjp", "GraphSparse"]
+           "sparse_vjp", "GraphSparse", "SparseInput", "sparse_input"]

@@ -31,14 +31,16 @@ from typing import Any, cast
 import numpy as np
 
 from einjoin.errors import EinjoinError, EinsumSyntaxError, UnsupportedOpError
-from einjoin.ir.dtypes import canonical_dtype, is_half, numpy_dtype
+from einjoin.ir.dtypes import canonical_dtype, numpy_dtype
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
 from einjoin.ir.sparse_einsum import sparse_einsum_node
-from einjoin.sparse.plan import LAZY, SparsePlan, sparse_compile
+from einjoin.sparse.feed import SparseInput
+from einjoin.sparse.graph_plans import PlanCache
+from einjoin.sparse.plan import LAZY
 from einjoin.sparse.tensor import SparseTensor
 
-__all__ = ["GraphSparse", "graph_operand", "is_lazy", "lazy_einsum"]
+__all__ = ["GraphSparse", "PlanCache", "graph_operand", "is_lazy", "lazy_einsum"]
 
 _KEY = ("graph operand",)  # the wrapper's key in its tensor's derived dict
 
@@ -52,7 +54,7 @@ class GraphSparse:
 
     def __init__(self, tensor: SparseTensor) -> None:
         self.tensor = tensor
-        self._plans: dict[tuple[Any, ...], tuple[SparsePlan, threading.Lock]] = {}
+        self._plans = PlanCache()
         self._floats: dict[str, SparseTensor] = {}  # an int / bool tensor's float copies
         self._lock = threading.Lock()
 
@@ -61,7 +63,7 @@ class GraphSparse:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.tensor = state["tensor"]
-        self._plans = {}
+        self._plans = PlanCache()
         self._floats = {}
         self._lock = threading.Lock()
 
@@ -104,22 +106,7 @@ class GraphSparse:
     def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:
         """The einsum of ``op`` on the dense blocks ``dense`` (the node's inputs, whole), as a
         dense array of ``dtype``: half blocks computed in float32 and rounded once."""
-        arrays = [np.asarray(a.astype(np.float32) if is_half(a.dtype) else a, order="C") for a in dense]
-        key = (op.in_labels, op.out_labels, op.position, tuple((a.shape, a.dtype.str) for a in arrays))
-        operands: list[Any] = list(arrays)
-        operands.insert(op.position, self._float(dtype))
-        with self._lock:
-            found = self._plans.get(key)
-            if found is None:
-                # one device: the dense engine runs this kernel on its device's thread; compiled
-                # once per shapes, so later calls skip the layout choice
-                plan = sparse_compile(op.equation, *operands, backend="sync")
-                found = self._plans[key] = (plan, threading.Lock())
-        plan, lock = found
-        with lock:  # a plan's run keeps per-run state (its steps, the last operands)
-            out = plan.run(*operands)
-        res = out.todense() if isinstance(out, SparseTensor) else np.asarray(out)
-        return res.astype(numpy_dtype(dtype), copy=False)
+        return self._plans.run(op, dense, self._float(dtype), dtype)
 
 
 def graph_operand(tensor: SparseTensor) -> GraphSparse:
@@ -146,7 +133,7 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
     if agg_name not in ("sum", None, "none"):
         raise UnsupportedOpError(f"{what}: aggregation {agg_name!r} with a sparse operand in a graph; only "
                                  f"'sum' is supported")
-    sparse_at = [i for i, x in enumerate(operands) if isinstance(x, SparseTensor)]
+    sparse_at = [i for i, x in enumerate(operands) if isinstance(x, (SparseTensor, SparseInput))]
     if len(sparse_at) != 1:
         raise UnsupportedOpError(f"{what}: {len(sparse_at)} sparse operands with lazy ones; a graph's sparse "
                                  f"einsum takes exactly one SparseTensor (compute products of sparse "
@@ -160,7 +147,11 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
                                f"with a sparse operand in a graph, give the dense operands as einjoin tensors "
                                f"(ej.input, ej.param, or values computed from them)")
         dense.append(getattr(x, "node", x))
-    node = sparse_einsum_node(graph_operand(operands[sparse_at[0]]), sparse_at[0], dense, equation)
+    given = operands[sparse_at[0]]
+    if isinstance(given, SparseInput):  # fed at run: its keys and values are the node's last inputs
+        node = sparse_einsum_node(given.operand, sparse_at[0], dense, equation, pattern=given.pattern)
+    else:
+        node = sparse_einsum_node(graph_operand(given), sparse_at[0], dense, equation)
     op = cast(SparseEinsum, node.op)  # (kinds are asked of tables outside the IR, never isinstance)
     summed = sorted({lab for ls in op.in_labels for lab in ls} - set(op.out_labels))
     if agg_name in (None, "none") and summed:  # as the dense einsum: no aggregation sums nothing

@@ -1,0 +1,258 @@
+"""A sparse tensor fed by name at run inside a dense graph (issue 24): ``ej.sparse_input``.
+
+A graph's sparse operand is either a constant (a SparseTensor given to ``ej.einsum``: its
+pattern drives the sparse plan) or an input declared with :func:`sparse_input` and fed at each
+run, ``prog.run(A=adjacency, H=features)``, like a dense input. The graph holds it as two plain
+inputs that the planner and the runtime move like any other: ``A`` (its values, ``(nnz,)`` of
+its dtype) and ``A.keys`` (its coordinates, ``(nnz, rank)`` int64). ``nnz`` is a capacity: a fed
+tensor with fewer stored entries is padded (keys rows of -1, values 0), one with more is refused,
+as is one of another shape or of a dtype its values would not fit exactly, each naming the input.
+Each kernel builds the run's SparseTensor from its keys and values and runs the sparse einsum on
+it (a new pattern is replanned, cached per block histogram as ``SparsePlan.run`` does).
+
+>>> import numpy as np, scipy.sparse, einjoin as ej
+>>> A = ej.sparse_input("A", (50, 40), nnz=200, dtype="float64")
+>>> h = ej.input("h", (40, 8), "float64")
+>>> prog = ej.compile(ej.relu(A @ h))
+>>> rng = np.random.default_rng(0)
+>>> a = scipy.sparse.random(50, 40, density=0.05, random_state=1)   # 100 stored entries
+>>> hv = rng.normal(size=(40, 8))
+>>> bool(np.allclose(prog.run(A=a, h=hv), np.maximum(a.toarray() @ hv, 0)))
+True
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from einjoin.errors import DTypeError, EinjoinError, ShapeError
+from einjoin.ir import ops
+from einjoin.ir.dtypes import canonical_dtype, exact_cast, numpy_dtype
+from einjoin.ir.graph import Graph
+from einjoin.ir.node import Node
+from einjoin.ir.opkinds import SparseEinsum
+from einjoin.ir.reference import FEED_HOOKS
+from einjoin.sparse.graph_plans import PlanCache
+from einjoin.sparse.plan import LAZY
+from einjoin.sparse.tensor import SparseTensor, is_sparse_format, sparse
+
+__all__ = ["SparseInput", "FedSparse", "sparse_input", "fed_feeds"]
+
+KEYS = ".keys"  # the keys input's name: the sparse input's name and this
+
+
+class FedSparse:
+    """The sparse operand of a :class:`SparseEinsum` node whose tensor is fed at run (the IR's
+    ``SparseOperand``): the declared name, shape, dtype and capacity; its ``einsum`` reads the
+    run's keys and values from the node's last two input blocks. Hashed by identity."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, capacity: int) -> None:
+        self.name, self.shape, self.capacity = name, shape, capacity
+        self.dtype_name = dtype
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self._plans = PlanCache()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": self.shape, "dtype_name": self.dtype_name, "capacity": self.capacity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh()
+
+    def __repr__(self) -> str:
+        return f"FedSparse({self.name!r}, shape={self.shape}, dtype={self.dtype_name}, nnz<={self.capacity})"
+
+    @property
+    def nnz(self) -> int:
+        return self.capacity  # the most it may store: the cost model's flops
+
+    def todense(self) -> np.ndarray:
+        raise EinjoinError(f"sparse input {self.name!r} {list(self.shape)} has no value of its own: it is fed at "
+                           f"run (prog.run({self.name}=...))")
+
+    def tensor_of(self, keys: np.ndarray, values: np.ndarray) -> SparseTensor:
+        """The run's tensor: the used rows of its keys and values inputs (sorted and unique: the
+        feed hook wrote them so)."""
+        keys, values = np.asarray(keys), np.asarray(values)
+        used = int(np.count_nonzero(keys[:, 0] >= 0)) if keys.shape[1] else 0
+        r = len(self.shape)
+        return SparseTensor(self.name, self.shape, (1,) * r, np.ascontiguousarray(keys[:used]),
+                            np.ascontiguousarray(values[:used]).reshape((used,) + (1,) * r))
+
+    def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:
+        n = len(op.dense_labels)
+        tensor = self.tensor_of(dense[n], dense[n + 1])
+        if np.dtype(tensor.dtype).kind != "f":  # an adjacency of ones: computed in the node's float
+            want = np.float32 if dtype in ("float16", "bfloat16") else numpy_dtype(dtype)
+            tensor = SparseTensor(tensor.name, tensor.shape, tensor.block, np.asarray(tensor.keys),
+                                  np.asarray(tensor.data).astype(want))
+        return self._plans.run(op, list(dense[:n]), tensor, dtype)
+
+
+class SparseInput:
+    """A sparse tensor declared as a graph input (:func:`sparse_input`): use it as a SparseTensor
+    in ``ej.einsum`` and ``@`` with lazy tensors; feed it by name at run. ``values`` and ``keys``
+    are its two graph inputs (``ej.grad(loss, [A.values])`` differentiates its values)."""
+
+    __slots__ = ("operand", "values", "keys")
+
+    def __init__(self, operand: FedSparse, values: Node, keys: Node) -> None:
+        self.operand, self.values, self.keys = operand, values, keys
+
+    @property
+    def name(self) -> str:
+        return self.operand.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.operand.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.operand.shape)
+
+    @property
+    def dtype(self) -> str:
+        return self.operand.dtype_name
+
+    @property
+    def nnz(self) -> int:
+        """The capacity: the most stored entries a fed tensor may have."""
+        return self.operand.capacity
+
+    @property
+    def pattern(self) -> tuple[Node, Node]:
+        return (self.keys, self.values)
+
+    def __repr__(self) -> str:
+        return f"SparseInput({self.name!r}, shape={self.shape}, dtype={self.dtype}, nnz<={self.nnz})"
+
+    @classmethod
+    def __einjoin_einsum__(cls, equation: str, operands: Sequence[Any], join: Any = None,
+                           agg: Any = "sum") -> Any:
+        return LAZY["einsum"](equation, operands, join=join, agg=agg)  # einjoin.sparse.node's lazy_einsum
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise EinjoinError(f"sparse input {self.name!r} {list(self.shape)} has no value until it is fed at run; "
+                           f"use it in ej.einsum or '@' with einjoin tensors")
+
+
+# each declaration (name, shape, dtype, nnz) once: declaring it again gives the same operand, so
+# the graphs built from either are one graph
+_DECLARED: dict[tuple[Any, ...], SparseInput] = {}
+_LOCK = threading.Lock()
+
+
+def sparse_input(name: str, shape: Sequence[int], nnz: int, dtype: Any = "float32") -> SparseInput:
+    """A sparse tensor input named ``name`` of ``shape`` holding at most ``nnz`` stored entries,
+    fed at each run (``prog.run(name=tensor)``) as a SparseTensor, a ``scipy.sparse`` matrix, a
+    torch sparse tensor or a pydata ``sparse.COO``. Its values are ``dtype`` (a fed tensor's values
+    are cast only where exact; an int or bool adjacency takes the float operands' dtype).
+
+    >>> import einjoin as ej
+    >>> A = ej.sparse_input("A", (100, 100), nnz=500)
+    >>> x = ej.input("x", (100, 4))
+    >>> (A @ x).shape, A.values.shape, A.keys.shape
+    ((100, 4), (500,), (500, 2))
+    """
+    if not isinstance(name, str) or not name:
+        raise EinjoinError(f"sparse input name must be a non-empty string, got {name!r}")
+    what = f"sparse input {name!r}"
+    try:
+        shp = tuple(int(n) for n in shape)
+        bad = len(shp) != len(shape) or any(n < 0 for n in shp) or any(isinstance(n, bool) for n in shape)
+    except (TypeError, ValueError):
+        bad = True
+    if bad or not shp:
+        raise ShapeError(f"{what}: shape {shape!r} (a sequence of one or more sizes >= 0)")
+    if not isinstance(nnz, (int, np.integer)) or isinstance(nnz, bool) or nnz < 0:
+        raise EinjoinError(f"{what}: nnz={nnz!r} (the most stored entries a fed tensor may have: an integer >= 0)")
+    dt = canonical_dtype(dtype)
+    values = ops.input_node(name, (int(nnz),), dt)
+    keys = ops.input_node(name + KEYS, (int(nnz), len(shp)), "int64")
+    with _LOCK:
+        found = _DECLARED.get((name, shp, dt, int(nnz)))
+        if found is None:
+            found = _DECLARED[(name, shp, dt, int(nnz))] = SparseInput(FedSparse(name, shp, dt, int(nnz)), values,
+                                                                       keys)
+    return found
+
+
+def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, values) of the inputs of ``x`` for one fed tensor: checked, padded to capacity."""
+    name = x.name
+    if isinstance(value, SparseInput):
+        raise EinjoinError(f"input {name!r}: fed a SparseInput (a declaration); feed a sparse tensor")
+    if not isinstance(value, SparseTensor):
+        if not is_sparse_format(value):
+            raise EinjoinError(f"input {name!r} is a sparse input (ej.sparse_input, shape {x.shape}, nnz <= "
+                               f"{x.nnz}): feed a SparseTensor (ej.sparse), a scipy.sparse matrix, a torch "
+                               f"sparse tensor or a pydata sparse.COO, got {type(value).__name__}")
+        value = sparse(name, value)
+    if tuple(value.shape) != x.shape:
+        raise ShapeError(f"input {name!r}: expected a sparse tensor of shape {x.shape}, got {tuple(value.shape)}")
+    if not exact_cast(np.dtype(value.dtype), x.dtype):
+        raise DTypeError(f"input {name!r}: expected {x.dtype} values, got {value.dtype} (einjoin casts a feed only "
+                         f"when no value changes); convert the values, or declare ej.sparse_input({name!r}, "
+                         f"{x.shape}, nnz, {str(value.dtype)!r})")
+    r = len(x.shape)
+    entries = value if all(b == 1 for b in value.block) else value.reblock((1,) * r)
+    coords = np.asarray(entries.keys, np.int64)
+    vals = np.asarray(entries.data).reshape(-1)
+    if len(vals) > x.nnz:
+        raise EinjoinError(f"input {name!r}: {len(vals)} stored entries, more than the {x.nnz} it was declared "
+                           f"with (ej.sparse_input({name!r}, {x.shape}, nnz={x.nnz})); declare a larger nnz")
+    keys = np.full((x.nnz, r), -1, np.int64)
+    keys[:len(vals)] = coords
+    out = np.zeros(x.nnz, numpy_dtype(x.dtype))
+    out[:len(vals)] = vals
+    return keys, out
+
+
+def _fed_of(graph: Graph) -> list[SparseInput]:
+    """The sparse inputs read by ``graph``'s sparse einsums (none unless it has a keys input)."""
+    if not any(n.endswith(KEYS) for n in graph.input_by_name):
+        return []
+    found: dict[str, SparseInput] = {}
+    for node in graph.nodes:
+        operand = getattr(node.op, "operand", None)
+        if isinstance(operand, FedSparse) and len(node.inputs) >= 2:
+            x = SparseInput(operand, node.inputs[-1], node.inputs[-2])
+            other = found.setdefault(x.name, x)
+            if other.operand is not operand:
+                raise EinjoinError(f"sparse input {x.name!r} is declared twice in this graph, with shapes "
+                                   f"{other.shape} and {x.shape}: give each sparse input its own name")
+    return list(found.values())
+
+
+def fed_feeds(graph: Graph, feeds: dict[str, Any]) -> dict[str, Any]:
+    """``bind_feeds``' hook: each sparse input of ``graph`` fed by name becomes its values and
+    keys feeds (a missing one is named as the sparse input, not as its keys)."""
+    declared = _fed_of(graph)
+    if not declared:
+        return feeds
+    names = graph.input_by_name
+    feeds = dict(feeds)
+    for x in declared:
+        if x.name not in feeds:
+            if x.keys.op.name in feeds:  # type: ignore[union-attr]
+                raise EinjoinError(f"input {x.keys.op.name!r} is the keys of sparse input {x.name!r}: feed "  # type: ignore[union-attr]
+                                   f"the sparse tensor as {x.name}=...")
+            raise EinjoinError(f"missing sparse input {x.name!r} (shape {x.shape}, {x.dtype}, nnz <= {x.nnz})")
+        keys, values = _feed(x, feeds[x.name])
+        if names.get(x.name) is x.values:
+            feeds[x.name] = values
+        else:  # only its keys are read
+            del feeds[x.name]
+        if names.get(x.keys.op.name) is x.keys:  # type: ignore[union-attr]
+            feeds[x.keys.op.name] = keys  # type: ignore[union-attr]
+    return feeds
+
+
+FEED_HOOKS.append(fed_feeds)
