@@ -156,6 +156,8 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
     input. Inputs named in ``optional`` may be left out (a program's state: its values are
     resident); the result then has no entry for them."""
     feeds = dict(feeds or {})
+    for hook in FEED_HOOKS:  # before the names are checked: a hook may feed inputs of other names
+        feeds = hook(graph, feeds)
     if args and graph.positional_conflict is not None:
         a, b = (x.op.name for x in graph.positional_conflict)  # type: ignore[union-attr]
         raise EinjoinError(
@@ -180,8 +182,6 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
         if name in bound:
             raise EinjoinError(f"input {name!r} given both by position and by name")
         bound[name] = v
-    for hook in FEED_HOOKS:
-        bound = hook(graph, bound)
     out: dict[Node, np.ndarray] = {}
     for x in graph.inputs:
         name = x.op.name  # type: ignore[union-attr]
