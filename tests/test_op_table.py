@@ -101,7 +101,7 @@ def _kind_samples():
         x, x @ ej.input("w", (6, 4)), x.sum(1), ej.max(x, 1) if not isinstance(ej.max(x, 1), tuple) else x,
         x.reshape((2, 12)), x.reshape((24,)), x.reshape((4, 2, 3)),
         ej.broadcast_to(ej.input("r", (1, 6)), (4, 6)), x[1:3], ej.concat([x, x], 0), ej.fill((4, 6), 1.0),
-        ej.cast(x, "float64"),
+        ej.cast(x, "float64"), ej.rotate_half(x),
         ej.conv(img, ej.input("k", (6, 4, 3, 3)), padding=1), ej.conv(img, ej.input("k1", (6, 4, 1, 1))),
         ej.conv(img, ej.input("kg", (4, 2, 3, 3)), groups=2, stride=2),
         ej.max_pool(img, 3, stride=2, padding=1), ej.avg_pool(img, 2),
@@ -135,7 +135,7 @@ def test_split_facts_agree_with_the_decomposition_rules():
     # every case shows somewhere, on the kinds that claim it
     assert seen["conv"] == {"split", "halo", "partial"}
     assert {"halo", "split"} <= seen["pool"]
-    assert seen["topk"] == {"split", "replicated"}
+    assert seen["topk"] == seen["rotatehalf"] == {"split", "replicated"}
     assert seen["einsum"] >= {"split", "partial"}
     assert "partial" in seen["gather"] and "partial" in seen["scatteradd"]
     assert seen["reshape"] == {"split", "replicated"}

@@ -47,7 +47,8 @@ from einjoin.errors import EinjoinError
 from einjoin.ir import ops
 from einjoin.ir.attention import GRAD_PARTS, attention_grad_node, grad_rows
 from einjoin.ir.fold import fold
-from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.node import Attention, AttentionGrad, RotateHalf, SparseEinsum
+from einjoin.ir.rotate import rotate_half_node
 from einjoin.ir.sparse_einsum import sparse_adjoints
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK)
@@ -149,6 +150,12 @@ def _topk(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...
     return (dx,)
 
 
+def _rotate_half(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    # rotate_half is orthogonal and its transpose is its negation: the same node, the other sign
+    op = cast(RotateHalf, node.op)
+    return (rotate_half_node(g, op.axis, -op.sign),)
+
+
 def _attention(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
     """dq, dk, dv from as few :class:`~einjoin.ir.opkinds.AttentionGrad` nodes as their widths
     allow, and an additive mask's gradient from one of its own.
@@ -198,6 +205,7 @@ GRAD_RULES: dict[type, GradRule] = {
     Conv: conv_adjoints,
     Pool: pool_adjoints,
     TopK: _topk,
+    RotateHalf: _rotate_half,
     Attention: _attention,
     AttentionGrad: _no_second,
     SparseEinsum: sparse_adjoints,

@@ -15,7 +15,8 @@ from einjoin.decomp.partition import Box, box_shape
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.kernels import (broadcast_kernel, conv_kernel, einsum_kernel, fill_kernel, gather_kernel,
                                 partial_dtype, pool_kernel, scatter_add_kernel, topk_kernel)
-from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.node import Attention, AttentionGrad, RotateHalf, SparseEinsum
+from einjoin.ir.rotate import rotate_half_block
 from einjoin.ir.sparse_einsum import sparse_block
 from einjoin.ir.attention import attention_grad_kernel, attention_kernel
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
@@ -179,6 +180,7 @@ BLOCK_KERNELS: dict[type, BlockKernel] = {
     Conv: _conv_block,
     Pool: _pool_block,
     TopK: _topk_block,
+    RotateHalf: rotate_half_block,  # whole rows along its axis, cut to the box
     Attention: _attention_block,
     AttentionGrad: _attention_grad_block,
     SparseEinsum: _sparse_einsum_block,

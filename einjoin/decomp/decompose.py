@@ -28,6 +28,7 @@ from einjoin.ir.attention import key_band
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 from einjoin.ir.window import input_range
 
 __all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups",
@@ -455,6 +456,7 @@ DECOMPOSE_RULES: dict[type, DecomposeRule] = {
     Conv: _conv,
     Pool: _blockwise(_pool),
     TopK: _blockwise(_topk),
+    RotateHalf: _blockwise(_topk),  # whole rows along its axis, as a sort's
     Attention: _blockwise(_attention),
     AttentionGrad: _blockwise(_attention_grad),
     SparseEinsum: _blockwise(_whole_inputs),

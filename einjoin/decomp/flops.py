@@ -13,6 +13,7 @@ from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.sparse_einsum import sparse_flops
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 from einjoin.ir.scalar import Call, is_product
 
 __all__ = ["kernel_flops", "FLOPS_RULES"]
@@ -135,6 +136,7 @@ FLOPS_RULES: dict[type, Callable[[Decomposition, Any, tuple[int, ...]], int]] = 
     Gather: _no_flops,
     ScatterAdd: _scatter_add_flops,
     Cast: _no_flops,
+    RotateHalf: _no_flops,
     Conv: _conv_flops,
     Pool: _pool_flops,
     TopK: _topk_flops,

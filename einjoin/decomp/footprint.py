@@ -23,6 +23,7 @@ from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 
 __all__ = ["kernel_scratch", "op_need", "SCRATCH_RULES", "ScratchRule", "KERNEL_CLASS_RULES"]
 
@@ -215,6 +216,7 @@ SCRATCH_RULES: dict[type, ScratchRule] = {
     Conv: _conv_scratch,
     Pool: _pool_scratch,
     TopK: _topk_scratch,
+    RotateHalf: _no_scratch,
     Attention: _attention_scratch,
     AttentionGrad: _attention_grad_scratch,
     SparseEinsum: _sparse_einsum_scratch,
@@ -265,6 +267,7 @@ KERNEL_CLASS_RULES: dict[type, Callable[[Decomposition], list[int] | None]] = {
     Conv: _every_kernel,
     Pool: _every_kernel,
     TopK: _every_kernel,
+    RotateHalf: _every_kernel,
     Attention: _every_kernel,
     AttentionGrad: _every_kernel,
     SparseEinsum: _every_kernel,

@@ -32,6 +32,7 @@ from einjoin.errors import EinjoinError, PartitionError
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 from einjoin.ir.printing import describe
 
 __all__ = ["JoinAggSpec", "LabelRules", "LABEL_RULES", "label_sizes", "aggregated_labels",
@@ -150,6 +151,7 @@ LABEL_RULES: dict[type, LabelRules] = {
     Cast: _DIMS_ONLY,
     Conv: LabelRules(_conv_sizes, lambda node, op: conv_labels(node)[1], lambda node, op: conv_labels(node)[0]),
     TopK: _DIMS_ONLY,
+    RotateHalf: _DIMS_ONLY,
     Attention: _DIMS_ONLY,
     AttentionGrad: _DIMS_ONLY,
     SparseEinsum: _DIMS_ONLY,  # opaque: its output dims only (the sparse engine's labels are its own)

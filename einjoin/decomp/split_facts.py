@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.spec import ROW, aggregated_labels, conv_labels, dim_labels, label_sizes
-from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.node import Attention, AttentionGrad, RotateHalf, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -136,6 +136,7 @@ SPLIT_FACTS: dict[type, SplitFacts] = {
                      _conv),
     Pool: SplitFacts("batch, channels; spatial dims with a halo", _pool),
     TopK: SplitFacts("every dim but the sorted one (a cut there reads whole rows)", _topk),
+    RotateHalf: SplitFacts("every dim but the rotated one (a cut there reads whole rows)", _topk),
     Attention: SplitFacts("batch dims and query rows (each query block reads every key, or causal: the band "
                           "of keys its mask allows; keys are not split)",
                           _attention),

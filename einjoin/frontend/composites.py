@@ -25,6 +25,7 @@ from einjoin.frontend.mask_pattern import band_of
 from einjoin.frontend.functions import causal_mask, concat, einsum, fill
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, _t, elementwise
 from einjoin.ir.attention import attention_node
+from einjoin.ir.rotate import rotate_half_node
 from einjoin.ir.scalar import parse_join
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "silu", "gelu", "linear", "rope",
@@ -222,6 +223,8 @@ def rotate_half(x: Tensor) -> Tensor:
     d = x.shape[-1] if x.ndim else 1
     if d % 2:
         raise ShapeError(f"rotate_half: the last dim must be even, got shape {x.shape}")
+    if x.dtype.startswith(("float", "bfloat")):  # one node (its gradient: the same, negated)
+        return Tensor(rotate_half_node(x.node, -1))
     return concat([-x[..., d // 2:], x[..., : d // 2]], -1)
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from einjoin.errors import EinjoinError
 from einjoin.ir.derivative import simplify
 from einjoin.ir.dtypes import kind
-from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.node import Attention, AttentionGrad, RotateHalf, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
                              Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.ops import fill_node
@@ -153,6 +153,7 @@ FOLD_RULES: dict[type, Callable[[Node, Any, list[Fill]], Node]] = {
     Conv: _kept,
     Pool: _kept,
     TopK: _kept,
+    RotateHalf: _kept,
     Attention: _kept,
     AttentionGrad: _kept,
     SparseEinsum: _kept,

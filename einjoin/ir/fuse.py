@@ -25,7 +25,10 @@ dims is a relabelling too, taken in by elementwise readers; a reshape of a resha
 reshape of the first's input (none where that has the shape already), a broadcast of a reshape
 that only inserted size-1 dims is one broadcast (GQA's repeat of k and v); an elementwise einsum
 that reads size-1 dims only through reshapes that added them runs without them, reshaped after
-(the RMSNorm's keepdim statistics: the reshapes on both sides then compose away).
+(the RMSNorm's keepdim statistics: the reshapes on both sides then compose away). A concat of
+the halves of one tensor, one negated -- a captured ``rotate_half`` and its gradient -- becomes one
+:class:`~einjoin.ir.opkinds.RotateHalf` node (:func:`~einjoin.ir.rotate.as_rotate_half`; moved
+and negated values: the same bits).
 
 >>> from einjoin.ir import ops
 >>> x = ops.input_node("x", (4, 3), "float32")
@@ -43,8 +46,9 @@ from collections.abc import Sequence
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Broadcast, Einsum, Node, Reshape
+from einjoin.ir.node import Broadcast, Concat, Einsum, Node, Reshape
 from einjoin.ir.ops import broadcast_node, einsum_node, reshape_node
+from einjoin.ir.rotate import as_rotate_half
 from einjoin.ir.scalar import Arg, Call, Expr, infer_dtype, is_product, substitute
 
 __all__ = ["fuse_elementwise", "MAX_FUSED_INPUTS", "MAX_FUSED_DEPTH"]
@@ -207,6 +211,11 @@ def _fuse_pass(outputs: list[Node]) -> list[Node]:
         if _copy(n) and n not in outs:
             new[n] = ins[0]  # a copy: its readers read what it copies
             continue
+        if isinstance(n.op, Concat):
+            rotated = as_rotate_half(n if ins == n.inputs else Node(n.op, ins, n.shape, n.dtype))
+            if rotated is not None:  # rotary's rotate_half: one node, not selects, neg, concat
+                new[n] = rotated
+                continue
         if isinstance(n.op, Reshape) and isinstance(ins[0].op, Reshape):
             # row-major reshapes compose: a reshape of a reshape is one reshape of the first's
             # input, none where that has the shape already (a size-1 dim added, then dropped)

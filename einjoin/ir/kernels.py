@@ -31,7 +31,8 @@ from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather
                              Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import dilated, out_size
 from einjoin.ir.attention import attention_grad_kernel, attention_kernel
-from einjoin.ir.opkinds import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.opkinds import Attention, AttentionGrad, RotateHalf, SparseEinsum
+from einjoin.ir.rotate import rotate_half_kernel
 from einjoin.ir.sparse_einsum import sparse_reference
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr, is_product
@@ -559,6 +560,10 @@ def _eval_topk(node: Node, op: TopK, args: Sequence[np.ndarray]) -> np.ndarray:
     return topk_kernel(args[0], op)
 
 
+def _eval_rotate_half(node: Node, op: RotateHalf, args: Sequence[np.ndarray]) -> np.ndarray:
+    return rotate_half_kernel(args[0], op.axis, op.sign)
+
+
 def _eval_attention(node: Node, op: Attention, args: Sequence[np.ndarray]) -> np.ndarray:
     return attention_kernel(args[0], args[1], args[2], args[3] if len(args) > 3 else None, op.scale, op.causal,
                             window=op.window)
@@ -585,6 +590,7 @@ KERNELS: dict[type, KernelRule] = {
     Conv: _eval_conv,
     Pool: _eval_pool,
     TopK: _eval_topk,
+    RotateHalf: _eval_rotate_half,
     Attention: _eval_attention,
     AttentionGrad: _eval_attention_grad,
     SparseEinsum: sparse_reference,  # numpy.einsum on the densified sparse constant

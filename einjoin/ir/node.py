@@ -23,12 +23,12 @@ from typing import Any
 
 from einjoin.ir.opkinds import SparseEinsum
 from einjoin.ir.opkinds import (Attention, AttentionGrad, Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather,
-                                Input, Op, Pool, Reshape, ScatterAdd, Select, TopK, rule_for)
+                                Input, Op, Pool, Reshape, RotateHalf, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.printing import describe
 
 __all__ = ["Node", "Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat",
-           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad",
-           "SparseEinsum", "KindFacts",
+           "Fill", "Gather", "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "RotateHalf", "Attention",
+           "AttentionGrad", "SparseEinsum", "KindFacts",
            "FACTS", "KINDS", "rule_for"]
 
 
@@ -79,6 +79,7 @@ FACTS: dict[type, KindFacts] = {
     Conv: KindFacts(computes=True),
     Pool: KindFacts(computes=True),
     TopK: KindFacts(computes=True),
+    RotateHalf: KindFacts(computes=True),  # moves halves and negates one (exact)
     # fused attention and its gradients: kernels that read whole key rows (no einsum labels)
     Attention: KindFacts(computes=True),
     AttentionGrad: KindFacts(computes=True),

@@ -23,7 +23,7 @@ from einjoin.ir.agg import Agg
 from einjoin.ir.scalar import Expr
 
 __all__ = ["Op", "Input", "Einsum", "Reshape", "Broadcast", "Select", "Concat", "Fill", "Gather",
-           "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "Attention", "AttentionGrad",
+           "ScatterAdd", "Cast", "Conv", "Pool", "TopK", "RotateHalf", "Attention", "AttentionGrad",
            "SparseEinsum", "SparseOperand", "rule_for"]
 
 
@@ -171,6 +171,17 @@ class TopK:
 
 
 @dataclass(frozen=True)
+class RotateHalf:
+    """Rotary embedding's ``rotate_half`` along ``axis`` (of even size ``2h``), times ``sign``:
+    ``sign * cat(-x[h:], x[:h])``. Its adjoint is the same op with the other sign (the map is
+    orthogonal and its transpose is its negation), so forward and backward are one node each
+    instead of two selects, a negation and a concat. No rounding: values are moved and negated."""
+
+    axis: int
+    sign: int = 1
+
+
+@dataclass(frozen=True)
 class Attention:
     """Fused scaled dot-product attention, torch's ``scaled_dot_product_attention``: inputs
     ``(q, k, v[, mask])`` of shapes ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)`` (one batch
@@ -256,7 +267,7 @@ class SparseEinsum:
 
 
 Op = (Input | Einsum | Reshape | Broadcast | Select | Concat | Fill | Gather | ScatterAdd | Cast | Conv | Pool | TopK
-      | Attention | AttentionGrad | SparseEinsum)
+      | RotateHalf | Attention | AttentionGrad | SparseEinsum)
 
 
 _Rule = TypeVar("_Rule")

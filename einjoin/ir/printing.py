@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from einjoin.ir.opkinds import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool,
                                 Reshape, ScatterAdd, Select, TopK, rule_for)
-from einjoin.ir.opkinds import Attention, AttentionGrad, SparseEinsum
+from einjoin.ir.opkinds import Attention, AttentionGrad, RotateHalf, SparseEinsum
 
 if TYPE_CHECKING:  # annotations only: Node prints itself through describe (no cycle)
     from einjoin.ir.graph import Graph
@@ -87,6 +87,10 @@ def _describe_topk(op: TopK) -> str:
     return f"topk[dim={op.axis}, k={op.k}, {'largest' if op.largest else 'smallest'}, {which}]"
 
 
+def _describe_rotate_half(op: RotateHalf) -> str:
+    return f"{'-' if op.sign < 0 else ''}rotate_half[dim={op.axis}]"
+
+
 def _describe_attention(op: Attention) -> str:
     return f"attention[scale={op.scale!r}{', causal' if op.causal else ''}{_window(op.window)}]"
 
@@ -128,6 +132,7 @@ DESCRIBE_RULES: dict[type, Callable[[Any], str]] = {
     Conv: _describe_conv,
     Pool: _describe_pool,
     TopK: _describe_topk,
+    RotateHalf: _describe_rotate_half,
     Attention: _describe_attention,
     AttentionGrad: _describe_attention_grad,
     SparseEinsum: _describe_sparse_einsum,

@@ -48,6 +48,7 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 from einjoin.planner.basic import derive_input_specs, largest_output_cut
 from einjoin.planner.candidates import candidate_specs
 from einjoin.planner.cost import CostModel, SpecInfo, total_cost
@@ -212,6 +213,7 @@ BATCH_DIM_RULES: dict[type, Callable[[Node, list[int], dict[Node, int | None]], 
     Conv: _window_batch,
     Pool: _window_batch,
     TopK: _topk_batch,
+    RotateHalf: _topk_batch,  # its axis is no batch, as a sort's
     Attention: _attention_batch,
     AttentionGrad: _attention_batch,
     SparseEinsum: _no_batch,  # opaque: no batch dim passes through it
@@ -262,6 +264,7 @@ _INPUT_LABEL_RULES: dict[type, Callable[[Node, int, int], str | None]] = {
     Conv: _conv_input_label,
     Pool: _no_input_label,
     TopK: _no_input_label,
+    RotateHalf: _no_input_label,
     Attention: _no_input_label,
     AttentionGrad: _no_input_label,
     SparseEinsum: _no_input_label,
@@ -532,6 +535,7 @@ FOLLOW_RULES: dict[type, Callable[[Node, int, Node, int], _Step]] = {
     Conv: _window_follow,
     Pool: _window_follow,
     TopK: _topk_follow,
+    RotateHalf: _topk_follow,
     Attention: _attention_follow,
     AttentionGrad: _attention_follow,
     SparseEinsum: _no_follow,

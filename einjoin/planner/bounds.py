@@ -29,6 +29,7 @@ from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 from einjoin.ir.scalar import is_product
 
 __all__ = ["matmul_bound_words", "contraction_bound_words", "contraction_dims", "node_bound_bytes",
@@ -116,6 +117,7 @@ BOUND_RULES: dict[type, Callable[[Node], tuple[int, int, int, int] | None]] = {
     Conv: _no_window_bound,
     Pool: _no_window_bound,
     TopK: _no_bound,
+    RotateHalf: _no_bound,
     # fused attention: its products' (q k^T, p v) batch is the heads, which a plan cuts with
     # nothing moved when there are as many as devices; the bound's matmul form does not fit a
     # softmax between two products, so none is claimed

@@ -51,6 +51,7 @@ from einjoin.ir.kernels import partial_dtype
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 
 __all__ = ["join_cost", "join_cost_per_input", "agg_cost", "repartition_cost", "repartition_estimate",
            "op_cost", "SpecInfo", "CostModel", "total_cost", "model_cost", "input_partitions",
@@ -271,6 +272,7 @@ INFO_RULES: dict[type, Callable[[Node, JoinAggSpec], _Pieces]] = {
     Conv: _decomposed_pieces,
     Pool: _decomposed_pieces,
     TopK: _decomposed_pieces,
+    RotateHalf: _decomposed_pieces,
     Attention: _decomposed_pieces,
     AttentionGrad: _decomposed_pieces,
     SparseEinsum: _decomposed_pieces,
@@ -323,6 +325,7 @@ WEIGHT_RULES: dict[type, _Weighed] = {
     Conv: _count_weighed,
     Pool: _count_weighed,
     TopK: _count_weighed,
+    RotateHalf: _count_weighed,
     Attention: _count_weighed,
     AttentionGrad: _count_weighed,
     SparseEinsum: _count_weighed,

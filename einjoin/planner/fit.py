@@ -34,6 +34,7 @@ from einjoin.ir.dtypes import itemsize
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 from einjoin.settings import SETTINGS, Settings
 
 __all__ = ["op_need", "least_need", "LEAST_NEED_RULES",
@@ -188,6 +189,7 @@ LEAP_RULES: dict[type, Callable[[dict[str, int], int], list[dict[str, int]]]] = 
     Conv: _no_leaps,
     Pool: _no_leaps,
     TopK: _no_leaps,
+    RotateHalf: _no_leaps,
     Attention: _no_leaps,
     AttentionGrad: _no_leaps,
     SparseEinsum: _no_leaps,
@@ -279,6 +281,7 @@ LEAST_NEED_RULES: dict[type, Callable[[Node], int]] = {
     Conv: _one_of_each,
     Pool: _one_of_each,
     TopK: _one_of_each,
+    RotateHalf: _one_of_each,
     Attention: _one_of_each,
     AttentionGrad: _one_of_each,
     SparseEinsum: _one_of_each,

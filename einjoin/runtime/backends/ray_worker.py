@@ -37,6 +37,7 @@ import numpy as np
 from einjoin.exchange import Task, TaskKind
 from einjoin.ir.node import (Attention, AttentionGrad, Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input,
                              Pool, Reshape, ScatterAdd, Select, SparseEinsum, TopK, rule_for)
+from einjoin.ir.node import RotateHalf
 from einjoin.ir.evaluate import quiet_floats
 from einjoin.plan.execute import compute
 from einjoin.runtime.backends.ray_channel import Channel, available
@@ -55,6 +56,7 @@ PRELOAD_FACTS: dict[type, tuple[str, ...]] = {
     Input: (), Einsum: (), Reshape: (), Broadcast: (), Select: (), Concat: (), Fill: (), Gather: (),
     ScatterAdd: (), Cast: (),
     Conv: ("torch",), Pool: ("torch",), TopK: ("torch",),        # torch's conv, pool and sort loops
+    RotateHalf: (),
     Attention: ("torch",), AttentionGrad: ("torch",),            # torch's fused flash kernels
     SparseEinsum: ("einjoin.sparse",),                           # the sparse engine (scipy.sparse)
 }

@@ -40,6 +40,8 @@ from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.sparse_einsum import sparse_block
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK)
+from einjoin.ir.node import RotateHalf
+from einjoin.ir.rotate import rotate_half_block_torch
 from einjoin.ir.window import dilated, local_padding, out_size
 from einjoin.runtime.backends.torch_expr import compile_expr
 
@@ -448,6 +450,7 @@ TORCH_KERNELS: dict[type, TorchBlockKernel] = {
     Conv: _conv_block,
     Pool: _pool_block,
     TopK: _topk_block,
+    RotateHalf: rotate_half_block_torch,
     Attention: _attention_block,
     AttentionGrad: _attention_grad_block,
     SparseEinsum: _sparse_einsum_block,
