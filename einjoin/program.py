@@ -358,6 +358,8 @@ class Program(ProgramState):
             raise EinjoinError(f"the module imported again for shapes {_shapes(shapes)} has {len(fn.outputs)} "
                                f"outputs and arguments {', '.join(fn.arg_names)}; the compiled one "
                                f"{len(self.graph.outputs)} and {', '.join(self._arg_names)}")
+        if self._guard is not None:  # a forward may read other settings at other shapes: guard them too
+            self._guard = self._guard.union(getattr(fn, "guard", None))
         source = Source.of(fn)
         if source.bound and self._bound:  # the parameters bound at compile time, not the module's now
             mine = self._bound

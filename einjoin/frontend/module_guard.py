@@ -7,9 +7,21 @@ refused, naming what changed. Replaced parameters are followed instead
 (:class:`~einjoin.frontend.bound_tensors.LiveTensor`); a submodule replaced by one of the same
 type and settings keeps the graph valid, and is accepted.
 
+Exactly what the capture read is guarded: :func:`recording` notes every attribute read on a
+module while the import runs (the forward, its hooks, torch.export's own reads and einjoin's
+translations), so a setting the forward never reads (``m.epoch = 1``, ``lin.eval()`` on a model
+without dropout or batch norm) changes nothing and is not refused. A name the capture looked up
+and did not find (``hasattr(self, "cache")``) is guarded to stay absent, and a plain class
+attribute read through the instance (``class M: scale = 2.0``) to stay unshadowed. What it cannot
+see, it guards whole: a submodule whose class defines its own ``__getattribute__`` (reads that
+bypass the recorder) keeps every plain attribute guarded, as does a guard made without a record.
+
 >>> import torch
 >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).eval()
->>> guard = ModuleGuard(m)
+>>> with recording() as reads:
+...     _ = m(torch.ones(1, 2))
+>>> guard = ModuleGuard(m, reads)
+>>> m.epoch = 1  # no forward reads it
 >>> guard.check()
 >>> _ = m[1].train()
 >>> try:
@@ -21,11 +33,14 @@ the module's 1.training is True now, False when it was imported
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from einjoin.errors import EinjoinError
 
-__all__ = ["ModuleGuard"]
+__all__ = ["ModuleGuard", "recording"]
 
 _MISSING = object()
 _PLAIN = (bool, int, float, str, type(None))
@@ -33,9 +48,53 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def _torch_own() -> frozenset[str]:
     """nn.Module's own bookkeeping attributes (``_is_full_backward_hook``, set by registering a
-    hook): no forward reads them, so changing them changes nothing the capture assumed."""
+    hook; ``_compiled_call_impl``, set by ``m.compile()``): no forward reads them, so changing them
+    changes nothing the capture assumed."""
     import torch
-    return frozenset(k for k in vars(torch.nn.Module()) if k != "training")
+    return frozenset(k for k in (*vars(torch.nn.Module()), *vars(torch.nn.Module)) if k != "training")
+
+
+_LOCAL = threading.local()  # this thread's open record (a set of (id(module), name)), if any
+_INSTALL = threading.Lock()
+_DEPTH = [0]  # records open in all threads: the recorder is nn.Module's while any is
+_SAVED: list[Any] = []
+
+
+def _recording_getattribute(self: Any, name: str) -> Any:
+    reads = getattr(_LOCAL, "reads", None)
+    if reads is not None:
+        reads.add((id(self), name))
+    return object.__getattribute__(self, name)
+
+
+@contextmanager
+def recording() -> Iterator[set[tuple[int, str]]]:
+    """Note every attribute looked up on an ``nn.Module`` by this thread inside the block (as
+    ``(id(module), name)``; found or not). nn.Module's ``__getattribute__`` is the recorder while
+    any thread records (other threads' reads go through it unrecorded: one thread-local read);
+    a record opened inside another adds its reads to the outer one too."""
+    import torch
+    reads: set[tuple[int, str]] = set()
+    outer = getattr(_LOCAL, "reads", None)
+    with _INSTALL:
+        if _DEPTH[0] == 0:
+            _SAVED[:] = [torch.nn.Module.__dict__.get("__getattribute__")]
+            torch.nn.Module.__getattribute__ = _recording_getattribute  # type: ignore[method-assign]
+        _DEPTH[0] += 1
+    _LOCAL.reads = reads
+    try:
+        yield reads
+    finally:
+        _LOCAL.reads = outer
+        if outer is not None:
+            outer.update(reads)
+        with _INSTALL:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                if _SAVED and _SAVED[0] is not None:
+                    torch.nn.Module.__getattribute__ = _SAVED[0]  # type: ignore[method-assign]
+                else:
+                    del torch.nn.Module.__getattribute__
 
 
 def _plain(v: Any) -> bool:
@@ -47,20 +106,50 @@ def _plain(v: Any) -> bool:
 
 class ModuleGuard:
     """The module tree's shape as imported: per submodule (by path), its type and the plain
-    attributes in its ``__dict__`` (``training`` among them). :meth:`check` compares the module
-    now, walking ``_modules`` by name (a few dict reads per module and attribute); a change is an
+    attributes in its ``__dict__`` that the capture read (``reads``, from :func:`recording`; all
+    of them without it), ``training`` among them when read. :meth:`check` compares the module now,
+    walking ``_modules`` by name (a few dict reads per module and attribute); a change is an
     :class:`EinjoinError` naming the path, the attribute and both values."""
 
     __slots__ = ("root", "entries")
 
-    def __init__(self, module: Any):
+    def __init__(self, module: Any, reads: set[tuple[int, str]] | None = None):
         self.root = module
         entries, own = [], _torch_own()
+        read_by: dict[int, set[str]] = {}
+        for i, name in reads or ():
+            read_by.setdefault(i, set()).add(name)
         for path, m in module.named_modules(remove_duplicate=False):
             d = vars(m)
-            keys = tuple(k for k, v in d.items() if _plain(v) and k not in own)
-            entries.append((tuple(path.split(".")) if path else (), type(m), keys, tuple(d[k] for k in keys)))
+            if reads is None or "__getattribute__" in vars(type(m)) or any(
+                    "__getattribute__" in vars(c) for c in type(m).__mro__[1:] if c is not object):
+                keys = tuple(k for k, v in d.items() if _plain(v) and k not in own)  # reads unseen: all
+            else:
+                keys = tuple(sorted(k for k in read_by.get(id(m), ()) if k not in own and _guarded(m, d, k)))
+            entries.append((tuple(path.split(".")) if path else (), type(m), keys,
+                            tuple(_effective(d, type(m), k) for k in keys)))
         self.entries: tuple[tuple[tuple[str, ...], type, tuple[str, ...], tuple[Any, ...]], ...] = tuple(entries)
+
+    def union(self, other: ModuleGuard | None) -> ModuleGuard:
+        """This guard with ``other``'s names too (the same module captured again at other shapes,
+        on a copy of its tree: a forward may read other settings there), matched by path; the
+        values are this import's where it has them."""
+        if other is None:
+            return self
+        more = {path: set(keys) for path, _, keys, _ in other.entries}
+        out = ModuleGuard.__new__(ModuleGuard)
+        out.root = self.root
+        entries = []
+        for path, kind, keys, values in self.entries:
+            extra = tuple(sorted(more.get(path, set()) - set(keys)))
+            if extra:
+                was = dict(zip(keys, values))
+                o = {k: v for p, _, ks, vs in other.entries if p == path for k, v in zip(ks, vs)}
+                keys = keys + extra
+                values = tuple(was[k] if k in was else o[k] for k in keys)
+            entries.append((path, kind, keys, values))
+        out.entries = tuple(entries)
+        return out
 
     def check(self) -> None:
         """Raise if the module differs from the import's in a way the graph was specialised on."""
@@ -77,14 +166,16 @@ class ModuleGuard:
                                    f"was imported: the program computes the import's graph; import the "
                                    f"module again (ej.from_torch) to run the new one")
             d = vars(m)
-            now = tuple(d.get(k, _MISSING) for k in keys)
+            now = tuple(d[k] if k in d else _effective(d, kind, k) for k in keys)
             if now != values:
                 for k, was, v in zip(keys, values, now):
-                    if was is not v and (v is _MISSING or was != v or type(was) is not type(v)):
+                    if was is not v and (v is _MISSING or was is _MISSING or was != v
+                                         or type(was) is not type(v)):
                         where = ".".join((*path, k))
                         shown = "deleted" if v is _MISSING else repr(v)
+                        then = "not set on the module" if was is _MISSING else repr(was)
                         raise EinjoinError(
-                            f"the module's {where} is {shown} now, {was!r} when it was imported; the "
+                            f"the module's {where} is {shown} now, {then} when it was imported; the "
                             f"graph was captured for that value (torch.export specialises on it, as on "
                             f"train/eval mode): import the module again (ej.from_torch) to run the "
                             f"new setting")
@@ -92,6 +183,27 @@ class ModuleGuard:
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # a pickled program is detached from the module (its bound tensors travel as arrays): no guard
         return _none, ()
+
+
+def _effective(d: dict[str, Any], kind: type, k: str) -> Any:
+    """What ``m.k`` reads for a guarded name: the instance's value, else the class's, else missing."""
+    if k in d:
+        return d[k]
+    v = getattr(kind, k, _MISSING)
+    return v if v is _MISSING or _plain(v) else _MISSING
+
+
+def _guarded(m: Any, d: dict[str, Any], k: str) -> bool:
+    """Whether a name the capture read on ``m`` is a setting to guard: a plain value in its
+    ``__dict__``; or absent from it and no parameter, buffer or submodule, where the class holds a
+    plain value or nothing (an instance attribute set later would shadow it, or appear)."""
+    if k in d:
+        return _plain(d[k])
+    if k in d.get("_parameters", ()) or k in d.get("_buffers", ()) or k in d.get("_modules", ()):
+        return False
+    import inspect
+    at_class = inspect.getattr_static(type(m), k, _MISSING)
+    return at_class is _MISSING or _plain(at_class)
 
 
 def _none() -> None:

@@ -32,7 +32,7 @@ from einjoin.frontend import attention_modules as AM
 from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
 from einjoin.frontend.bound_tensors import BoundTensors, aliases, bind_tensor, feeds_of
-from einjoin.frontend.module_guard import ModuleGuard
+from einjoin.frontend.module_guard import ModuleGuard, recording
 from einjoin.frontend.node_source import module_path as _module_path
 from einjoin.frontend.node_source import qualified_name
 from einjoin.frontend.node_source import source_line as _source_line
@@ -595,7 +595,7 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     # follows the call made here (a recapture: the first import's), and its notes say so
     paths = AM.paths_at_import(example_args if isinstance(example_args, (list, tuple)) else (example_args,),
                                example_kwargs if isinstance(example_kwargs, Mapping) else {})
-    with AM.following(module, paths) as path_notes:
+    with recording() as reads, AM.following(module, paths) as path_notes:  # the guard: what it read
         fn, dyn, args, kwargs = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
     from dataclasses import replace
     if path_notes:
@@ -606,7 +606,7 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     # leaving it out at run() is no departure from torch's call)
     given = {k: v for k, v in constants.items() if k in (example_kwargs or {}) or k not in kwargs}
     return replace(fn, recapture=rec, dynamic=dyn, constants=constants, call_args=call_args,
-                   defaults=A.defaults(module, given), guard=ModuleGuard(module))
+                   defaults=A.defaults(module, given), guard=ModuleGuard(module, reads))
 
 
 def _import_as(paths: AM.ImportPaths, *args: Any, **kwargs: Any) -> TorchFunction:

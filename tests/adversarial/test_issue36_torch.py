@@ -388,6 +388,8 @@ def test_registering_a_hook_after_the_import_is_no_module_change() -> None:
     prog = ej.compile(ej.from_torch(lin, (x,)), devices=1, quiet=True)
     lin.register_full_backward_hook(lambda *a: None)
     np.testing.assert_allclose(prog.run(x), lin(x).detach().numpy(), rtol=1e-6, atol=1e-6)
-    lin.eval()  # a mode change is still refused
+    drop = torch.nn.Sequential(lin, torch.nn.Dropout(0.5)).eval()
+    prog = ej.compile(ej.from_torch(drop, (x,)), devices=1, quiet=True)
+    drop.train()  # a mode change the forward reads (dropout) is still refused
     with pytest.raises(ej.EinjoinError, match="training"):
         prog.run(x)

@@ -7,6 +7,8 @@ Each test failed before its fix (the commit that added it says what einjoin did 
   failed at run time;
 - a module tensor bound through a copy (on a GPU, sparse, a neg / conj bit) written through
   ``p.data`` is read again;
+- the module guard refuses a run after a change to a setting the capture read, and only then
+  (``m.epoch = 1`` was refused);
 """
 
 from __future__ import annotations
@@ -97,3 +99,84 @@ def test_a_tensor_bound_through_a_copy_written_through_data_is_followed() -> Non
         _close(prog.run(x), m(x))
         m.b.add_(1)  # a write its version counts
         _close(prog.run(x), m(x))
+
+
+# ---------------------------------------------------------------- 3. the module guard: what the capture read
+
+
+class _Settings(nn.Module):
+    scale = 2.0  # a class attribute the forward reads through the instance
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.p = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.scale
+        if hasattr(self, "extra"):  # a name looked up and not found
+            y = y + 1
+        return nn.functional.dropout(y, self.p, self.training)
+
+
+def test_a_setting_the_forward_never_reads_is_no_module_change() -> None:
+    """The guard compared every plain attribute of every submodule: ``m.epoch = 1`` (a user's
+    bookkeeping), ``lin.eval()`` on a model with no dropout or batch norm and ``m.compile()`` each
+    refused every later run although the graph was the same. Only what the capture read is
+    guarded now."""
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(3, 4)
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    m.epoch = 1
+    m[0].note = "fine-tuned"
+    m.eval()  # neither Linear nor ReLU reads the mode
+    m.compile()  # torch's own bookkeeping (_compiled_call_impl)
+    with torch.no_grad():
+        _close(prog.run(x), m[1](m[0](x)))
+
+
+@pytest.mark.parametrize("change, what", [
+    ("m.scale = 3.0", r"scale is 3\.0 now, 2\.0"),              # shadows the class's value
+    ("type(m).scale = 4.0", r"scale is 4\.0 now, 2\.0"),        # the class's value itself
+    ("m.extra = 1", r"extra is 1 now, not set on the module"),  # hasattr was False
+    ("m.p = 0.2", r"p is 0\.2 now, 0\.5"),
+    ("m.train()", r"training is True now, False"),
+])
+def test_a_setting_the_forward_reads_is_still_refused(change: str, what: str) -> None:
+    torch.manual_seed(0)
+    m, x = _Settings().eval(), torch.randn(3, 4)
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    m.unread = 7  # not read: no refusal
+    try:
+        exec(change)
+        with pytest.raises(ej.EinjoinError, match=what):
+            prog.run(x)
+    finally:
+        _Settings.scale = 2.0
+    m.__dict__.pop("scale", None)
+    m.__dict__.pop("extra", None)
+    m.p = 0.5
+    m.eval()
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+
+
+class _ShapeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.long_scale, self.short_scale = 2.0, 3.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (self.long_scale if x.shape[0] > 4 else self.short_scale)
+
+
+def test_a_setting_read_only_at_another_shape_is_guarded_once_compiled_there() -> None:
+    m = _ShapeBranch()
+    fn = ej.from_torch(m, (torch.randn(2, 3),), dynamic={"x": {0: "n"}})
+    prog = ej.compile(fn, quiet=True)
+    m.long_scale = 5.0  # not read at n = 2: runs
+    _close(prog.run(torch.ones(2, 3)), m(torch.ones(2, 3)))
+    _close(prog.run(torch.ones(6, 3)), m(torch.ones(6, 3)))  # compiled for n = 6 with 5.0
+    m.long_scale = 7.0
+    with pytest.raises(ej.EinjoinError, match=r"long_scale is 7\.0 now, 5\.0"):
+        prog.run(torch.ones(6, 3))
