@@ -94,8 +94,44 @@ def test_device_threads_cost_at_least_an_inline_task(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(sc, "_gemm", lambda reps, quick: (10e9, 0.0, 0.5, 0.0))
     monkeypatch.setattr(sc, "_memory", lambda reps, quick: (5e9, 1e9, 4e9))
     monkeypatch.setattr(sc, "_dispatch", lambda reps, quick: (3e-6, 1e-4, 1e-7, 3e-4))
+    monkeypatch.setattr(sc, "_dispatch_many", lambda reps, quick: (2e-7, 5e-4))
     monkeypatch.setattr(sc, "_attention", lambda reps, quick: (2e9, 1e6, 0.1))
     monkeypatch.setattr(sc, "_functions", lambda reps, quick, dtype=None: {"add": 1e9})
     monkeypatch.setattr(sc, "_step_call", lambda reps: 5e-6)
     cal = sc.calibrate(force=True)
-    assert (cal.launch, cal.launch_threads) == (3e-6, 3e-6)
+    assert (cal.launch, cal.launch_threads, cal.launch_threads4) == (3e-6, 3e-6, 3e-6)
+    assert (cal.overhead_threads, cal.overhead_threads4) == (3e-4, 5e-4)
+
+
+def test_dispatch_on_device_threads_by_their_number() -> None:
+    """A task and a run on n device threads cost what was measured on two and four (in proportion
+    for three, four's beyond); a calibration from before the four-thread figures uses two's."""
+    cal = _cal(launch=3e-6, launch_threads=8e-6, launch_threads4=12e-6, overhead=1e-4, overhead_threads=4e-4,
+               overhead_threads4=8e-4)
+    got = [(cal.hardware(n).models[0].launch, cal.hardware(n).overhead) for n in (1, 2, 3, 4, 8)]
+    want = [(3e-6, 1e-4), (8e-6, 4e-4), (10e-6, 6e-4), (12e-6, 8e-4), (12e-6, 8e-4)]
+    assert got == [pytest.approx(w, rel=1e-9) for w in want]
+    old = _cal(launch=3e-6, launch_threads=8e-6, overhead_threads=4e-4)
+    assert (old.hardware(4).models[0].launch, old.hardware(4).overhead) == (8e-6, 4e-4)
+
+
+def test_each_elementwise_step_hands_the_gil_over_on_device_threads() -> None:
+    """On device threads each numpy call of an elementwise kernel lets the GIL go and takes it
+    back, as the measured kernel's one BLAS call does: its step costs the hand-over that a kernel
+    and its free cost there beyond two inline tasks, on one device nothing more."""
+    x = ej.input("x", (64, 256))
+    out = ej.exp(x)
+    prog = ej.compile(out, devices=2, specs={out: {"a": 1, "b": 1}}, quiet=True)
+    kernel, = [t for t in prog.taskgraph.tasks if t.kind.value == "kernel"]
+
+    def took(cal: Calibration) -> float:
+        hw = cal.hardware(2)
+        sim = simulate(prog.taskgraph, hw)
+        secs = {tid: e - s for iv in sim.intervals.values() for s, e, tid in iv}
+        return secs[kernel.id] - hw.models[0].launch
+    fn = {"exp": 1e9, "add": 4e9}
+    quiet = _cal(launch=3e-6, launch_threads=3e-6, fn_rates=fn, fn_call=2e-6)
+    busy = _cal(launch=3e-6, launch_threads=8e-6, fn_rates=fn, fn_call=2e-6)
+    assert took(busy) - took(quiet) == pytest.approx(2 * (8e-6 - 3e-6), rel=1e-6)  # one step: exp
+    assert busy.hardware(2).models[0].fn_call == pytest.approx(2e-6 + 2 * (8e-6 - 3e-6))
+    assert busy.hardware(1).models[0].fn_call == quiet.hardware(1).models[0].fn_call == 2e-6

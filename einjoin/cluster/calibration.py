@@ -27,7 +27,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
 
-VERSION = 7  # bumped when what is measured changes: older caches are measured again
+VERSION = 8  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,12 @@ class Calibration:
     over float32 arrays out of the caches: numpy evaluates a join one function at a time), ``fn_call``
     (seconds of one such step besides its elements: the Python around the ufunc), ``copy_bw``
     (a copy's bytes read + written per second), ``launch`` (seconds per task of a one-device
-    run, inline), ``launch_threads`` (seconds per task of a run on device threads),
-    ``overhead`` / ``overhead_threads`` (seconds per run besides its tasks: binding feeds,
-    starting threads, assembling outputs), ``attention_rate`` / ``attention_half`` (the
-    attention kernel's flop/s on one thread and its fixed cost per call as flops), ``cores``
-    and the ``machine`` it was measured on."""
+    run, inline), ``launch_threads`` (seconds per task of a run on two device threads, each
+    busy: the GIL handed over between them at each kernel), ``launch_threads4`` (the same on four
+    device threads), ``overhead`` / ``overhead_threads`` / ``overhead_threads4`` (seconds per
+    run besides its tasks: binding feeds, starting threads, assembling outputs),
+    ``attention_rate`` / ``attention_half`` (the attention kernel's flop/s on one thread and its
+    fixed cost per call as flops), ``cores`` and the ``machine`` it was measured on."""
 
     cores: int
     matmul_rate: float
@@ -65,6 +66,8 @@ class Calibration:
     fn_rates64: dict[str, float] = field(default_factory=dict)  # the same over float64 (a fill's grids)
     attention_parallel: float = -1.0  # what each further torch thread adds to it (-1: parallel's)
     parallel_half: float = -1.0    # the flops at which a GEMM on every core reaches half its rate (-1: half_work)
+    launch_threads4: float = -1.0  # seconds per task on four device threads (-1: launch_threads)
+    overhead_threads4: float = -1.0  # seconds per run on four device threads (-1: overhead_threads)
     load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
     seconds: float = 0.0  # how long measuring took
 
@@ -85,21 +88,47 @@ class Calibration:
         gemm_half = self.half_work
         if threads > 1 and self.parallel_half >= 0:
             gemm_half += (self.parallel_half - self.half_work) * (threads - 1) / max(1, self.cores - 1)
+        launch, overhead = self.dispatch(n)
+        # each step of an elementwise kernel is a numpy call that lets the GIL go and takes it back,
+        # as the measured kernels' one BLAS call does: on device threads that hand-over (what a
+        # kernel and its free cost there beyond two inline tasks) comes with each step's Python
+        handover = 2 * max(0.0, launch - self.launch)
         model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)), kind_rates=kinds,
-                            kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())), fn_call=self.fn_call,
+                            kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())),
+                            fn_call=self.fn_call + handover,
                             fn_rates64=tuple(sorted(self.fn_rates64.items())),
                             mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
-                            launch=self.launch if n == 1 else self.launch_threads, e_max=1.0,
+                            launch=launch, e_max=1.0,
                             half_work=max(0.0, gemm_half))
         link = Fabric(self.copy_bw / 2, 0.0)  # a copy between devices: RAM to RAM (capped graphs)
         return Hardware(f"this machine ({n} x cpu, calibrated)", (model,) * n, (0,) * n, link, link,
                         cores=self.cores, shared_memory=True, copy_engines=False,
-                        overhead=self.overhead if n == 1 else self.overhead_threads,
+                        overhead=overhead,
                         pool_speedup=(("blas", 1 + (threads - 1) * self.parallel), ("torch", 1 + (threads - 1) * ap)),
                         # concurrent devices' kernels share the cores as one GEMM's threads do: each
                         # further busy core adds `parallel` of one (2 single-thread GEMMs of a
                         # 2-device chain ran 1.55-1.65x one on 2 cores, a 2-thread GEMM 1.74x)
                         core_capacity=1 + (self.cores - 1) * self.parallel)
+
+    def dispatch(self, n: int) -> tuple[float, float]:
+        """Seconds per task and per run of the threads backend on ``n`` devices: inline on one,
+        measured on two and four device threads (each busy: a task's cost holds the GIL's
+        hand-overs, which grow with the threads waiting for it), in proportion for three,
+        four's beyond four (not measured: more threads may wait longer).
+
+        >>> cal = Calibration(cores=2, matmul_rate=1e9, half_work=0.0, parallel=1.0, mem_bw=1e9, vector_rate=1e9,
+        ...                   copy_bw=1e9, launch=3e-6, launch_threads=1e-5, machine="m", overhead=1e-4,
+        ...                   overhead_threads=5e-4, launch_threads4=2e-5, overhead_threads4=9e-4)
+        >>> [round(x * 1e6, 3) for n in (1, 2, 3, 8) for x in cal.dispatch(n)]  # us per task, per run
+        [3.0, 100.0, 10.0, 500.0, 15.0, 700.0, 20.0, 900.0]
+        """
+        if n <= 1:
+            return self.launch, self.overhead
+        two = (self.launch_threads, self.overhead_threads)
+        four = (self.launch_threads4 if self.launch_threads4 >= 0 else two[0],
+                self.overhead_threads4 if self.overhead_threads4 >= 0 else two[1])
+        f = min(1.0, (n - 2) / 2)
+        return two[0] + f * (four[0] - two[0]), two[1] + f * (four[1] - two[1])
 
     def table(self) -> str:
         """The figures, one per line."""
@@ -116,9 +145,10 @@ class Calibration:
             f"elementwise functions, {self.fn_call * 1e6:.1f} us a call, Gelem/s: " + (", ".join(
                 f"{k} {v / 1e9:.2f}" for k, v in sorted(self.fn_rates.items(), key=lambda kv: kv[1])[:8]) + ", ..."
                 if self.fn_rates else "not measured"),
-            f"dispatch per task: {self.launch * 1e6:.1f} us inline, "
-            f"{self.launch_threads * 1e6:.1f} us on device threads",
-            f"per run: {self.overhead * 1e3:.2f} ms inline, {self.overhead_threads * 1e3:.2f} ms on device threads",
+            f"dispatch per task: {self.launch * 1e6:.1f} us inline, {self.dispatch(2)[0] * 1e6:.1f} us on 2 device "
+            f"threads, {self.dispatch(4)[0] * 1e6:.1f} us on 4",
+            f"per run: {self.overhead * 1e3:.2f} ms inline, {self.dispatch(2)[1] * 1e3:.2f} ms on 2 device threads, "
+            f"{self.dispatch(4)[1] * 1e3:.2f} ms on 4",
             f"cores: {self.cores}; measured in {self.seconds:.1f} s on {self.machine}, load average {self.load:.1f}"
             + (" (a busy machine: its figures are too low; measure again when it is quiet: "
                "ej.calibrate(force=True))" if self.load > self.cores else "")])

@@ -4,10 +4,11 @@ Float32 GEMMs of a few sizes on one BLAS thread (a least-squares line ``t = W / 
 the rate and the work at which a GEMM reaches half of it, ``half_work = c · rate``), one large
 GEMM on every core (what each further thread adds), an elementwise add and ``exp`` (memory
 bandwidth and the vector rate of numpy's kernels, which run on one thread), a copy, and the
-threads backend's cost per task and per run (chains of tiny matmuls, warm, on one device inline
-and on two device threads), the attention kernel on one thread, and each elementwise function
-(its elements per second: a join is evaluated one function at a time). Work on one thread is
-timed by its CPU time (on a busy machine, the speed a quiet one has).
+threads backend's cost per task and per run (chains of small matmuls, warm, on one device inline
+and on two and four device threads, where the GIL's hand-overs cost), the attention kernel on one
+thread, and each elementwise function (its elements per second: a join is evaluated one function
+at a time). Work on one thread is timed by its CPU time (on a busy machine, the speed a quiet one
+has).
 Each figure is the best of a few repetitions. About 3-6 s; the result is
 cached (:mod:`einjoin.cluster.calibration`).
 
@@ -19,9 +20,10 @@ matmul float32, one core: 10.7 GFLOP/s (half of it at 56.91 MFLOP), each further
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -152,65 +154,103 @@ def _step_call(reps: int) -> float:
     return max(0.0, (t6 - t0) / 6)
 
 
-def _tiny_chain(devices: int, length: int) -> tuple[Any, dict[Any, np.ndarray]]:
-    """An engine for a chain of ``length`` tiny matmuls ``y = y @ w`` whose rows are cut over
-    ``devices`` (built from the IR up: this floor does not compile), and its feeds."""
+def _tiny_chain(devices: int, length: int, size: int = 8) -> tuple[Any, dict[Any, np.ndarray]]:
+    """An engine for a chain of ``length`` small matmuls ``y = y @ w`` (``size`` x ``size``
+    blocks) whose rows are cut over ``devices`` (built from the IR up: this floor does not
+    compile), and its feeds."""
     from einjoin.cluster import local
     from einjoin.decomp.decompose import decompose
     from einjoin.ir.graph import Graph
     from einjoin.ir.ops import einsum_node, input_node
     from einjoin.placement import place
     from einjoin.plan.taskgraph import build_taskgraph
-    rows = 8 * devices
-    x, w = input_node("x", (rows, 8)), input_node("w", (8, 8))
+    rows = size * devices
+    x, w = input_node("x", (rows, size)), input_node("w", (size, size))
     y = x
     for _ in range(length):
         y = einsum_node((y, w), ("ij", "jk"), "ik")
     g = Graph(y)
     decomps = {n: decompose(n, {"i": devices} if not n.facts.leaf else None) for n in g.nodes}
     tg = build_taskgraph(g, decomps, place("round_robin", decomps, local(devices)), devices)
-    return Engine(tg, decomps), {x: np.ones((rows, 8), np.float32), w: np.eye(8, dtype=np.float32)}
+    return Engine(tg, decomps), {x: np.ones((rows, size), np.float32) / size, w: np.eye(size, dtype=np.float32)}
 
 
 class _Threads:
     """The threads backend's session (:class:`~einjoin.runtime.local.LocalSession`, a thread per
-    device) without its BLAS limiter: the registry of backends holds the simulator, which needs
-    this module, so this module does not import the registry; the tiny kernels measured here
-    run on one BLAS thread either way, and repeated runs of one device count keep the limiter
-    off its slow path."""
+    device) with a share of the cores as its BLAS limiter sets it: the registry of backends holds
+    the simulator, which needs this module, so this module does not import the registry. Each run
+    on several devices sets the BLAS threads to ``cores // devices`` and back, as the limiter does
+    (its helper thread and torch's share are not in these figures)."""
 
     name, computes, remote, retries = "threads", True, False, 0
 
+    def __init__(self) -> None:
+        self._controller: Any = None
+
+    @contextlib.contextmanager
+    def _share(self, devices: int) -> Iterator[None]:
+        if self._controller is None:
+            from threadpoolctl import ThreadpoolController
+            self._controller = ThreadpoolController()
+        with self._controller.limit(limits=max(1, (os.cpu_count() or 1) // devices), user_api="blas"):
+            yield
+
     def open(self, run: Any) -> Any:
         from einjoin.runtime.local import LocalSession
-        return LocalSession(run, True, threaded=True)
+        from einjoin.runtime.malloc import tune_malloc
+        tune_malloc()  # as the threads backend's open does
+        return LocalSession(run, True, threaded=True, limit=self._share if run.engine.tg.n_devices > 1 else None)
 
     def close(self) -> None:
         pass
 
 
-def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
-    """The threads backend's cost per task and per run, on one device (inline) and on two device
-    threads: warm runs of chains of tiny matmuls of two lengths (a line through the two). Inline
-    runs are timed by their thread's CPU time; device threads by the wall clock and by the
-    process's CPU time, the smaller cost per task taken (the wall clock holds the hand-overs
-    between threads, but on a busy machine also the waits for a core) and the wall clock's cost
-    per run (starting and joining the threads is waiting, not CPU)."""
+# the chains' lengths (a line through two: the cost per task and per run; on device threads the
+# shorter one short, so that the noise of the slope moves the intercept little) and the size of
+# their matmuls on device threads: 64 x 64, whose BLAS call releases the GIL, so each task hands
+# the GIL over and takes it back as a program's kernels do (8 x 8 never releases it: on 2 cores
+# its tasks ran at 5.9 us each, 64 x 64 ones at 10.9 us, 128 x 128 ones core-bound)
+_LENGTHS = {False: (10, 60), True: (4, 24)}
+_THREADED_LENGTHS = {False: (2, 40), True: (2, 16)}
+_THREADED_SIZE = 64
+
+
+def _threaded_line(devices: int, reps: int, quick: bool) -> tuple[float, float]:
+    """Seconds per task and per run of the threads backend on ``devices`` device threads, each
+    busy with its own chain of 64 x 64 matmuls: the wall clock's line through two lengths (its
+    slope is the rate at which device threads that contend for the GIL get tasks done; its
+    intercept starting and joining the threads, the BLAS share set and reset). The best of
+    ``reps`` runs per length."""
     backend = _Threads()
-    out: list[float] = []
-    for devices in (1, 2):
-        clocks = (_CPU,) if devices == 1 else (time.perf_counter, time.process_time)
-        lines = []
-        for clock in clocks:
-            points = []
-            for length in ((4, 24) if quick else (10, 60)):
-                engine, feeds = _tiny_chain(devices, length)
-                points.append((len(engine.tg.tasks), _best(_runner(engine, feeds, backend), reps + 2, clock)))
-            (n0, t0), (n1, t1) = points
-            per = max((t1 - t0) / (n1 - n0), 1e-7)
-            lines.append((per, max(0.0, t0 - n0 * per)))
-        out += [min(per for per, _ in lines), lines[0][1]]
-    return out[0], out[1], out[2], out[3]
+    points = []
+    for length in _THREADED_LENGTHS[quick]:
+        engine, feeds = _tiny_chain(devices, length, _THREADED_SIZE)
+        points.append((len(engine.tg.tasks), _best(_runner(engine, feeds, backend), reps)))
+    (n0, t0), (n1, t1) = points
+    per = max((t1 - t0) / (n1 - n0), 1e-7)
+    return per, max(0.0, t0 - n0 * per)
+
+
+def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
+    """The threads backend's cost per task and per run, on one device (inline: chains of 8 x 8
+    matmuls, two lengths, timed by the thread's CPU time: the Python around a task) and on two
+    device threads (:func:`_threaded_line`: the wall clock, where the cost per task holds the
+    GIL's hand-overs between the threads)."""
+    backend = _Threads()
+    points = []
+    for length in _LENGTHS[quick]:
+        engine, feeds = _tiny_chain(1, length)
+        points.append((len(engine.tg.tasks), _best(_runner(engine, feeds, backend), reps + 2, _CPU)))
+    (n0, t0), (n1, t1) = points
+    per = max((t1 - t0) / (n1 - n0), 1e-7)
+    per2, run2 = _threaded_line(2, 3 * reps, quick)
+    return per, max(0.0, t0 - n0 * per), per2, run2
+
+
+def _dispatch_many(reps: int, quick: bool) -> tuple[float, float]:
+    """The same on four device threads (:func:`_threaded_line`): more threads wait for the GIL
+    (and on fewer cores than four, for a core) at each hand-over."""
+    return _threaded_line(4, 3 * reps, quick)
 
 
 def _attention(reps: int, quick: bool) -> tuple[float, float, float]:
@@ -267,9 +307,11 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     rate, half, parallel, parallel_half = _gemm(reps, quick)
     mem_bw, vector_rate, copy_bw = _memory(reps, quick)
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
-    # a task on device threads costs at least one inline (its hand-overs come on top): the smaller
-    # of two noisy lines read 0.1 us at load 6 on 2 cores (inline 3.3 us; quiet: 4.0 and 3.0)
+    launch_threads4, overhead_threads4 = _dispatch_many(reps, quick)
+    # a task on device threads costs at least one inline (its hand-overs come on top), and on
+    # four at least one on two (a noisy line read less at load 6 on 2 cores)
     launch_threads = max(launch_threads, launch)
+    launch_threads4 = max(launch_threads4, launch_threads)
     attention_rate, attention_half, attention_parallel = _attention(reps, quick)
     fn_rates = _functions(reps, quick)
     fn_rates64 = _functions(max(1, reps - 1), True, np.float64)  # a fill's grids: the small arrays suffice
@@ -278,6 +320,7 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
                       parallel_half=parallel_half,
                       mem_bw=mem_bw, vector_rate=vector_rate, copy_bw=copy_bw, launch=launch,
                       launch_threads=launch_threads, overhead=overhead, overhead_threads=overhead_threads,
+                      launch_threads4=launch_threads4, overhead_threads4=overhead_threads4,
                       attention_rate=attention_rate, attention_half=attention_half, fn_rates64=fn_rates64,
                       attention_parallel=attention_parallel, fn_rates=fn_rates, fn_call=fn_call,
                       machine=machine_key(), seconds=time.perf_counter() - t0,
