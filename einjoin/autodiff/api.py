@@ -39,11 +39,12 @@ def _tensor(x: Any, what: str) -> Tensor:
 
 
 def _wrt(wrt: Any) -> list[Tensor]:
-    items = [wrt] if isinstance(wrt, (Tensor, Node)) else wrt
+    items = [wrt] if isinstance(wrt, (Tensor, Node)) or hasattr(wrt, "__einjoin_wrt__") else wrt
     if not isinstance(items, (list, tuple)):
         raise EinjoinError(f"wrt: expected a tensor or a list of tensors, got "
                            f"{type(wrt).__name__} {wrt!r:.60}")
-    out = [_tensor(w, f"wrt[{k}]") for k, w in enumerate(items)]
+    # a value standing for a graph input (ej.sparse_input: its values) is differentiated as that input
+    out = [_tensor(getattr(w, "__einjoin_wrt__", w), f"wrt[{k}]") for k, w in enumerate(items)]
     for k, w in enumerate(out):
         if kind(w.dtype) != "float":
             raise DTypeError(f"wrt[{k}] is {w!r}: a gradient with respect to an {w.dtype} tensor "
