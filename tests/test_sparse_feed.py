@@ -140,3 +140,73 @@ def test_random_fed_einsums_equal_numpy_on_the_densified_tensor(case, n, m, k, d
     want = np.einsum(eq, *arrays)
     got = ej.compile(y, devices=2).run(**{A.name: ej.sparse(A.name, dense)}, **feeds)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_the_gradient_of_the_values_matches_torchs_sparse_leaf():
+    """``ej.grad(loss, [A])``: per stored entry of the fed tensor (padded with 0), as on
+    the pattern of torch's ``.grad`` of a sparse leaf through ``torch.sparse.mm`` (A used twice)."""
+    A = ej.sparse_input("A", (15, 15), nnz=80, dtype="float64")
+    h = ej.input("h", (15, 4), "float64")
+    w1, w2 = ej.input("w1", (4, 6), "float64"), ej.input("w2", (6, 2), "float64")
+    loss = ((A @ ej.relu(A @ (h @ w1)) @ w2) ** 2).mean()
+    grads = ej.grad(loss, [A, w1, w2])
+    prog = ej.compile([loss, *grads], devices=2)
+    rng = np.random.default_rng(3)
+    feeds = {"h": rng.normal(size=(15, 4)), "w1": rng.normal(size=(4, 6)), "w2": rng.normal(size=(6, 2))}
+    for seed in (4, 5):
+        sp = _adj(15, 15, 0.25, seed)
+        fed = ej.sparse("A", sp)
+        ta = torch.sparse_coo_tensor(np.stack([sp.row, sp.col]), sp.data, (15, 15),
+                                     check_invariants=True).coalesce().requires_grad_(True)
+        tw1, tw2 = (torch.tensor(feeds[k], requires_grad=True) for k in ("w1", "w2"))
+        th = torch.tensor(feeds["h"])
+        tl = (torch.sparse.mm(ta, torch.relu(torch.sparse.mm(ta, th @ tw1))) @ tw2).square().mean()
+        tl.backward()
+        lv, da, d1, d2 = prog.run(A=fed, **feeds)
+        np.testing.assert_allclose(lv, tl.item(), rtol=1e-10)
+        assert da.shape == (80,) and not da[fed.nnz:].any(), "unused rows: 0"
+        got = A.on_pattern(fed, da)
+        tg = ta.grad.coalesce()
+        np.testing.assert_array_equal(np.asarray(got.keys), tg.indices().numpy().T)  # A's pattern
+        np.testing.assert_allclose(got.todense(), tg.to_dense().numpy(), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(d1, tw1.grad.numpy(), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(d2, tw2.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(st.sampled_from(_EQS + [("ij->i", 0), ("ij,k->ik", 0)]), st.integers(1, 6), st.integers(1, 6),
+       st.integers(1, 4), st.sampled_from([0.0, 0.2, 0.6, 1.0]), st.integers(0, 2 ** 16))
+def test_random_values_gradients_are_the_dense_gradient_at_the_stored_entries(case, n, m, k, density, seed):
+    """The values' gradient equals the gradient w.r.t. the densified tensor as a dense input (the
+    dense einsum's adjoint), read at the stored entries, in the feed's order; float32 values under
+    float64 operands come back in float32."""
+    eq, pos = case
+    rng = np.random.default_rng(seed)
+    terms = eq.split("->")[0].split(",")
+    size = {"i": n, "j": m, "k": k, "l": 3, "r": 2}
+    sshape = tuple(size[c] for c in terms[pos])
+    dense = ((rng.random(sshape) < density) * rng.normal(size=sshape)).astype(np.float32)
+    cap = int(np.prod(sshape)) + 1
+    A = ej.sparse_input(f"G{len(sshape)}", sshape, nnz=cap, dtype="float32")
+    xs = [ej.input(f"x{i}", tuple(size[c] for c in tm), "float64") for i, tm in enumerate(terms) if i != pos]
+    feeds = {x.node.op.name: rng.normal(size=x.shape) for x in xs}
+    ops = list(xs)
+    ops.insert(pos, A)
+    y = ej.einsum(eq, *ops)
+    c = ej.input("c", y.shape, "float64")
+    feeds["c"] = rng.normal(size=y.shape)
+    (dv,) = ej.grad((y * c).sum(), [A.values])
+    assert dv.dtype == "float32" and dv.shape == (cap,)
+    fed = ej.sparse(A.name, dense)
+    got = ej.compile(dv, devices=2).run(**{A.name: fed}, **feeds)
+    D = ej.input(f"D{len(sshape)}", sshape, "float64")
+    dops = list(xs)
+    dops.insert(pos, D)
+    yd = ej.einsum(eq, *dops)
+    (dd,) = ej.grad((yd * c).sum(), [D])
+    want_dense, _ = ej.reference([dd, yd], **feeds, **{D.node.op.name: dense.astype(np.float64)})
+    coords = np.asarray(fed.keys)
+    want = np.zeros(cap)
+    want[:len(coords)] = want_dense[tuple(coords.T)]
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ej.reference(dv, **{A.name: fed}, **feeds), got, rtol=1e-5, atol=1e-5)

@@ -235,7 +235,60 @@ def sparse_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     return tuple(out)
 
 
-def _values_adjoint(node: Node, g: Node) -> Node:
-    raise UnsupportedOpError(f"{_what(node.op.equation, node.op.operand)}: the gradient with respect to a "  # type: ignore[union-attr]
-                             f"fed sparse tensor's values is not built yet")
+def _fresh_label(used: set[str]) -> str:
+    return next(c for c in "eabcdfghmnopqrstuvwxyzEFGHMNOPQRSTUVWXYZ" if c not in used)
 
+
+def _values_adjoint(node: Node, g: Node) -> Node:
+    """The cotangent of a fed sparse operand's values: per stored entry ``e`` (its coordinates
+    ``keys[e]`` on the operand's labels S), ``g`` times the other operands summed over every
+    label but S, at S = ``keys[e]`` (the sampled dense-dense product, torch's gradient of a sparse
+    leaf on its own pattern). Each factor carrying labels of S is gathered at the keys (its S
+    labels first, flattened: one gather), the factors are joined by one einsum onto the entry
+    label, and unused rows (keys of -1) get 0. Never the dense product over all of S."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    dense_in, (keys, values) = fed_parts(node)
+    sparse_labels = op.in_labels[op.position]
+    sizes = dict(zip(sparse_labels, op.operand.shape))
+    used = {lab for ls in op.in_labels for lab in ls} | set(op.out_labels)
+    e = _fresh_label(used)
+    cap = keys.shape[0]
+    safe = ops.einsum_node([keys], [("e", "r")], ("e", "r"), join="max(x0, 0)")  # unused rows read row 0
+    cols = [ops.reshape_node(ops.select_node(safe, (0, d), (cap, d + 1)), (cap,)) for d in range(len(sparse_labels))]
+    factors: list[Node] = []
+    labels: list[tuple[str, ...]] = []
+    for t, ls in [(g, op.out_labels), *zip(dense_in, op.dense_labels)]:
+        hit = tuple(lab for lab in ls if lab in sizes)
+        if not hit:
+            factors.append(t)
+            labels.append(tuple(ls))
+            continue
+        rest = tuple(lab for lab in ls if lab not in sizes)
+        if tuple(ls) != hit + rest:
+            t = ops.einsum_node([t], [tuple(ls)], hit + rest, join="x0")
+        rest_shape = t.shape[len(hit):]
+        flat = ops.reshape_node(t, (math.prod(sizes[lab] for lab in hit),) + rest_shape)
+        strides = [math.prod(sizes[lab] for lab in hit[i + 1:]) for i in range(len(hit))]
+        parts = [cols[sparse_labels.index(lab)] for lab in hit]
+        if len(parts) == 1:
+            idx = parts[0]
+        else:  # the row of the flattened factor: the entry's coordinates on its S labels
+            join = " + ".join(f"x{i} * {st}" for i, st in enumerate(strides))
+            idx = ops.einsum_node(parts, [("e",)] * len(parts), ("e",), join=join)
+        factors.append(ops.gather_node(flat, idx))
+        labels.append((e,) + rest)
+    gathered = any(ls[:1] == (e,) for ls in labels)
+    prod = ops.einsum_node(factors, labels, (e,) if gathered else (), join="mul" if len(factors) > 1 else "x0")
+    if not gathered:  # no factor carries an S label: every entry gets the same sum
+        prod = ops.broadcast_node(prod, (cap,), [])
+    grad = ops.einsum_node([prod, _keys_first(keys, cap)], [("e",), ("e",)], ("e",),
+                           join="where(ge(x1, 0), x0, 0)")
+    if grad.dtype != values.dtype:
+        grad = ops.cast_node(grad, values.dtype)
+    return grad
+
+
+def _keys_first(keys: Node, cap: int) -> Node:
+    """The first coordinate of each row of a fed operand's keys (-1 on unused rows)."""
+    return ops.reshape_node(ops.select_node(keys, (0, 0), (cap, 1)), (cap,))

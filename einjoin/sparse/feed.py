@@ -4,7 +4,7 @@ A graph's sparse operand is either a constant (a SparseTensor given to ``ej.eins
 pattern drives the sparse plan) or an input declared with :func:`sparse_input` and fed at each
 run, ``prog.run(A=adjacency, H=features)``, like a dense input. The graph holds it as two plain
 inputs that the planner and the runtime move like any other: ``A`` (its values, ``(nnz,)`` of
-its dtype) and ``A.keys`` (its coordinates, ``(nnz, rank)`` int64). ``nnz`` is a capacity: a fed
+its dtype) and ``A.keys[50,40]`` (its coordinates, ``(nnz, rank)`` int64). ``nnz`` is a capacity: a fed
 tensor with fewer stored entries is padded (keys rows of -1, values 0), one with more is refused,
 as is one of another shape or of a dtype its values would not fit exactly, each naming the input.
 Each kernel builds the run's SparseTensor from its keys and values and runs the sparse einsum on
@@ -42,7 +42,13 @@ from einjoin.sparse.tensor import SparseTensor, is_sparse_format, sparse
 
 __all__ = ["SparseInput", "FedSparse", "sparse_input", "fed_feeds"]
 
-KEYS = ".keys"  # the keys input's name: the sparse input's name and this
+KEYS = ".keys"  # the keys input's name: the sparse input's name, this and its shape ("A.keys[15,15]")
+
+
+def keys_name(name: str, shape: Sequence[int]) -> str:
+    """The name of a sparse input's keys input: its shape is part of it, so that declarations of
+    one name with other shapes (and the gathers of their values' gradients) are other inputs."""
+    return f"{name}{KEYS}[{','.join(map(str, shape))}]"
 
 
 class FedSparse:
@@ -98,7 +104,8 @@ class FedSparse:
 class SparseInput:
     """A sparse tensor declared as a graph input (:func:`sparse_input`): use it as a SparseTensor
     in ``ej.einsum`` and ``@`` with lazy tensors; feed it by name at run. ``values`` and ``keys``
-    are its two graph inputs (``ej.grad(loss, [A.values])`` differentiates its values)."""
+    are its two graph inputs; ``ej.grad(loss, [A])`` differentiates its values (one per stored
+    entry; :meth:`on_pattern` puts a run's result on the fed tensor's pattern)."""
 
     __slots__ = ("operand", "values", "keys")
 
@@ -130,8 +137,38 @@ class SparseInput:
     def pattern(self) -> tuple[Node, Node]:
         return (self.keys, self.values)
 
+    @property
+    def __einjoin_wrt__(self) -> Node:
+        """What ``ej.grad(loss, [A])`` differentiates: the values input (one per stored entry)."""
+        return self.values
+
     def __repr__(self) -> str:
         return f"SparseInput({self.name!r}, shape={self.shape}, dtype={self.dtype}, nnz<={self.nnz})"
+
+    def on_pattern(self, fed: Any, values: Any) -> SparseTensor:
+        """A SparseTensor on the pattern of ``fed`` (what was fed as this input) with ``values``:
+        a run's gradient w.r.t. this input's values (``ej.grad(loss, [A])``, one per
+        stored entry in the feed's sorted order, then 0 up to ``nnz``) as torch gives a sparse
+        leaf's ``.grad``.
+
+        >>> import numpy as np, einjoin as ej
+        >>> A = ej.sparse_input("A", (2, 2), nnz=3, dtype="float64")
+        >>> x = ej.input("x", (2,), "float64")
+        >>> (dA,) = ej.grad((A @ x).sum(), [A])   # w.r.t. its values
+        >>> fed = ej.sparse("A", np.array([[0.0, 2.0], [3.0, 0.0]]))
+        >>> g = ej.compile(dA).run(A=fed, x=np.array([10.0, 20.0]))
+        >>> A.on_pattern(fed, g).todense()        # d sum(A x) / dA[i, j] = x[j] on A's entries
+        array([[ 0., 20.],
+               [10.,  0.]])
+        """
+        keys, _ = _feed(self, fed)
+        vals = np.asarray(values)
+        if vals.shape != (self.nnz,):
+            raise ShapeError(f"sparse input {self.name!r}: on_pattern takes one value per stored entry up to nnz, "
+                             f"shape ({self.nnz},), got {vals.shape}")
+        used = int(np.count_nonzero(keys[:, 0] >= 0))
+        r = len(self.shape)
+        return SparseTensor(self.name, self.shape, (1,) * r, keys[:used], vals[:used].reshape((used,) + (1,) * r))
 
     @classmethod
     def __einjoin_einsum__(cls, equation: str, operands: Sequence[Any], join: Any = None,
@@ -175,7 +212,7 @@ def sparse_input(name: str, shape: Sequence[int], nnz: int, dtype: Any = "float3
         raise EinjoinError(f"{what}: nnz={nnz!r} (the most stored entries a fed tensor may have: an integer >= 0)")
     dt = canonical_dtype(dtype)
     values = ops.input_node(name, (int(nnz),), dt)
-    keys = ops.input_node(name + KEYS, (int(nnz), len(shp)), "int64")
+    keys = ops.input_node(keys_name(name, shp), (int(nnz), len(shp)), "int64")
     with _LOCK:
         found = _DECLARED.get((name, shp, dt, int(nnz)))
         if found is None:
@@ -216,8 +253,10 @@ def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fed_of(graph: Graph) -> list[SparseInput]:
-    """The sparse inputs read by ``graph``'s sparse einsums (none unless it has a keys input)."""
-    if not any(n.endswith(KEYS) for n in graph.input_by_name):
+    """The sparse inputs ``graph`` reads: those of its sparse einsums, and a declaration whose
+    keys input it reads without one (a gradient w.r.t. the values gathers at the keys)."""
+    names = graph.input_by_name
+    if not any(KEYS + "[" in n for n in names):
         return []
     found: dict[str, SparseInput] = {}
     for node in graph.nodes:
@@ -228,6 +267,14 @@ def _fed_of(graph: Graph) -> list[SparseInput]:
             if other.operand is not operand:
                 raise EinjoinError(f"sparse input {x.name!r} is declared twice in this graph, with shapes "
                                    f"{other.shape} and {x.shape}: give each sparse input its own name")
+    with _LOCK:
+        every = list(_DECLARED.values())
+    for x in reversed(every):  # the latest declaration first: it decides a dtype left open
+        if x.name in found or names.get(x.keys.op.name) is not x.keys:  # type: ignore[union-attr]
+            continue
+        if names.get(x.name, x.values) is not x.values:
+            continue  # another dtype's declaration: its values input is the one read
+        found[x.name] = x
     return list(found.values())
 
 
