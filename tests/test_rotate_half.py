@@ -146,3 +146,21 @@ def test_rope_through_a_torch_module_matches_torch_and_uses_one_node() -> None:
     assert np.array_equal(got, Rope()(x, cos, sin).numpy())
     assert any(n.kind == "rotatehalf" for n in prog.graph.ops)
     assert not any(n.kind in ("concat", "select") for n in prog.graph.ops)
+
+
+def test_a_rotation_of_a_transpose_is_done_first_and_the_transpose_read_through() -> None:
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal((2, 5, 3, 8)).astype(np.float32)
+    cv = rng.standard_normal((5, 8)).astype(np.float32)
+    x, c = ej.input("x", (2, 5, 3, 8)), ej.input("c", (5, 8))
+    t = x.transpose(1, 2)  # (batch, heads, seq, dim), as rotary's q and k
+    y = t * c + ej.rotate_half(t) * (c * 0.5)
+    unfused = [y.node]
+    fused = fuse_elementwise(unfused)
+    nodes = Graph(fused).nodes
+    assert [n.kind for n in nodes if not n.facts.leaf] == ["rotatehalf", "einsum"]
+    assert next(n for n in nodes if n.kind == "rotatehalf").inputs[0] is x.node  # rotated before the transpose
+    assert np.array_equal(ej.reference(fused, x=xv, c=cv)[0], ej.reference(unfused, x=xv, c=cv)[0])
+    # a rotation read by a non-elementwise op keeps its place (no transpose node would be saved)
+    s = ej.rotate_half(t).sum(-1)
+    assert fuse_elementwise([s.node])[0].inputs[0].kind == "rotatehalf"

@@ -46,9 +46,9 @@ from collections.abc import Sequence
 
 from einjoin.errors import EinjoinError
 from einjoin.ir.graph import Graph
-from einjoin.ir.node import Broadcast, Concat, Einsum, Node, Reshape
+from einjoin.ir.node import Broadcast, Concat, Einsum, Node, Reshape, RotateHalf
 from einjoin.ir.ops import broadcast_node, einsum_node, reshape_node
-from einjoin.ir.rotate import as_rotate_half
+from einjoin.ir.rotate import as_rotate_half, rotated_first
 from einjoin.ir.scalar import Arg, Call, Expr, infer_dtype, is_product, substitute
 
 __all__ = ["fuse_elementwise", "MAX_FUSED_INPUTS", "MAX_FUSED_DEPTH"]
@@ -215,6 +215,12 @@ def _fuse_pass(outputs: list[Node]) -> list[Node]:
             rotated = as_rotate_half(n if ins == n.inputs else Node(n.op, ins, n.shape, n.dtype))
             if rotated is not None:  # rotary's rotate_half: one node, not selects, neg, concat
                 new[n] = rotated
+                continue
+        if isinstance(n.op, RotateHalf) and n not in outs and all(_elementwise(u) for u in graph.users.get(n, ())):
+            # rotated before a transpose, which its elementwise readers then take in
+            first = rotated_first(n if ins == n.inputs else Node(n.op, ins, n.shape, n.dtype))
+            if first is not None:
+                new[n] = first
                 continue
         if isinstance(n.op, Reshape) and isinstance(ins[0].op, Reshape):
             # row-major reshapes compose: a reshape of a reshape is one reshape of the first's

@@ -31,10 +31,11 @@ import numpy as np
 from einjoin.errors import DTypeError, ShapeError
 from einjoin.ir.dtypes import kind
 from einjoin.ir.node import Concat, Einsum, Node, RotateHalf, Select
+from einjoin.ir.ops import einsum_node
 from einjoin.ir.scalar import Arg, Call
 
 __all__ = ["rotate_half_node", "rotate_half_kernel", "rotate_half_torch", "rotate_half_block",
-           "rotate_half_block_torch", "as_rotate_half"]
+           "rotate_half_block_torch", "as_rotate_half", "rotated_first"]
 
 
 def rotate_half_node(x: Node, axis: int = -1, sign: int = 1) -> Node:
@@ -170,3 +171,29 @@ def as_rotate_half(n: Node) -> Node | None:
         if (sign == 1 and (first[1], second[1]) == (1, 0)) or (sign == -1 and (first[1], second[1]) == (0, 1)):
             return rotate_half_node(x, op.axis, sign)
     return None
+
+
+def rotated_first(n: Node) -> Node | None:
+    """RotateHalf ``n`` of a relabelling einsum (a transpose: one input, join ``x0``, nothing
+    aggregated, no diagonal) as the same relabelling of the rotation of that einsum's input (the
+    rotation acts along one dim, whichever order the others are in: the same values), else None.
+    Fusion then inlines the relabelling into elementwise readers: rotary's transpose of q and k
+    to (batch, heads, seq, dim) is no node of its own.
+
+    >>> from einjoin.ir import ops
+    >>> x = ops.input_node("x", (2, 3, 4), "float32")
+    >>> t = ops.einsum_node([x], ("abc",), "bac", "x0", None)
+    >>> y = rotated_first(rotate_half_node(t))
+    >>> y.op.equation, y.inputs[0].op
+    ('abc->bac', RotateHalf(axis=2, sign=1))
+    """
+    op, t = n.op, n.inputs[0]
+    top = t.op
+    if not (isinstance(op, RotateHalf) and isinstance(top, Einsum) and len(t.inputs) == 1
+            and top.join == Arg(0) and t.dtype == t.inputs[0].dtype):
+        return None
+    labels = tuple(top.in_labels[0])
+    if len(set(labels)) != len(labels) or set(labels) != set(top.out_labels):
+        return None
+    inner = rotate_half_node(t.inputs[0], labels.index(top.out_labels[op.axis]), op.sign)
+    return einsum_node([inner], [labels], top.out_labels, top.join, top.agg)
