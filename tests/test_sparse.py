@@ -274,7 +274,8 @@ def test_errors_name_what_is_at_fault(make, err, words) -> None:
 def test_readme_sparse_example_runs() -> None:
     text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "ej.sparse(" in b]
-    assert len(blocks) == 2  # the eager sparse einsums, and a sparse tensor inside a trained graph
+    # the eager sparse einsums, a sparse tensor inside a trained graph, and one fed at run
+    assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
 
