@@ -9,11 +9,17 @@ case on a quiet machine). Printed:
   alternating rounds of 5 steps, medians, and their ratio; the step's task graph: tasks per kind
   (frees included) and the plan's modelled bytes moved;
 * with ``--breakdown``: the thread CPU of every computing task (``time.thread_time`` around
-  :func:`einjoin.plan.execute.compute` as the local runtime calls it), per task kind and per
-  (task kind, op kind, equation), the tasks per step, and what is left outside them (the
-  runtime's dispatch, the Trainer's feeds and state).
+  :func:`einjoin.plan.execute.compute` as the local runtime calls it, and around each kernel
+  prepared by :mod:`einjoin.runtime.fastkernels`, which the runtime calls directly), per task kind
+  and per (task kind, op kind, equation), the tasks per step, and what is left outside them (the
+  runtime's dispatch, the Trainer's feeds and state);
+* with ``--glue``: the runtime's own CPU per step, with no instrument inside it: steps in which
+  every prepared kernel returns the block it computed last at once (its numpy / torch work
+  left out, everything else as it is: dispatch, stores, loads, selects, moves, reduces, frees,
+  the Trainer's feeds and state), alternating with real steps in one process; the difference is
+  the kernels' own work.
 
-Run ``.venv/bin/python bench/train_profile.py --breakdown`` (``--devices 1`` for one device).
+Run ``.venv/bin/python bench/train_profile.py --breakdown --glue`` (``--devices 1`` for one device).
 """
 
 from __future__ import annotations
@@ -66,19 +72,40 @@ def breakdown(trainer: Any, batches: Any, steps: int) -> tuple[float, dict[tuple
     orig = local_runtime.__dict__["compute"]  # the name the local runtime calls
     acc: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     lock = threading.Lock()  # the device threads add to the same entries
+    inside = threading.local()  # a prepared kernel called from compute() is timed once
 
-    def timed(t: Any, *args: Any) -> Any:
-        c0 = time.thread_time()
-        out = orig(t, *args)
-        cpu = time.thread_time() - c0
+    def add(t: Any, cpu: float) -> None:
         op = t.node.op
         with lock:
             e = acc[(t.kind.name, type(op).__name__, str(getattr(op, "equation", "")))]
             e[0] += cpu
             e[1] += 1
-        return out
 
+    def timed(t: Any, *args: Any) -> Any:
+        inside.on = True
+        c0 = time.thread_time()
+        try:
+            return orig(t, *args)
+        finally:
+            inside.on = False
+            add(t, time.thread_time() - c0)
+
+    def timed_fast(t: Any, f: Any) -> Any:
+        def run(blocks: Any) -> Any:
+            if getattr(inside, "on", False):
+                return f(blocks)
+            c0 = time.thread_time()
+            try:
+                return f(blocks)
+            finally:
+                add(t, time.thread_time() - c0)
+        return run
+
+    fast = trainer.program._engine.fast_kernels()  # the kernels LocalSession calls directly
+    kept = list(fast)
+    tasks = trainer.program.taskgraph.tasks
     local_runtime.__dict__["compute"] = timed
+    fast[:] = [f if f is None else timed_fast(tasks[i], f) for i, f in enumerate(kept)]
     try:
         c0 = time.process_time()
         for i in range(steps):
@@ -86,7 +113,40 @@ def breakdown(trainer: Any, batches: Any, steps: int) -> tuple[float, dict[tuple
         total = (time.process_time() - c0) / steps
     finally:
         local_runtime.__dict__["compute"] = orig
+        fast[:] = kept
     return total, {k: [v[0] / steps, v[1] / steps] for k, v in acc.items()}
+
+
+def glue(trainer: Any, batches: Any, rounds: int) -> tuple[float, float, int]:
+    """(process CPU seconds per real step, per step whose prepared kernels return their last
+    block at once, prepared kernels per step), medians over ``rounds`` alternating rounds of
+    5 steps each."""
+    fast = trainer.program._engine.fast_kernels()
+    kept = list(fast)
+    last: dict[int, Any] = {}
+
+    def keep(i: int, f: Any) -> Any:
+        def run(blocks: Any) -> Any:
+            last[i] = out = f(blocks)
+            return out
+        return run
+
+    fast[:] = [f if f is None else keep(i, f) for i, f in enumerate(kept)]
+    try:
+        trainer.step(*batches[0])
+        canned = [None if f is None else (lambda blocks, out=last[i]: out) for i, f in enumerate(kept)]
+        full: list[float] = []
+        bare: list[float] = []
+        for _ in range(rounds):
+            for kernels, into in ((kept, full), (canned, bare)):
+                fast[:] = kernels
+                for i in range(5):
+                    c0 = time.process_time()
+                    trainer.step(*batches[i % len(batches)])
+                    into.append(time.process_time() - c0)
+    finally:
+        fast[:] = kept
+    return statistics.median(full), statistics.median(bare), sum(f is not None for f in kept)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="rounds of 5 steps per column")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel CPU of the einjoin step")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--glue", action="store_true", help="the runtime's own CPU: steps without the kernels' work")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.devices)
     _, module, batches, loss_fn = llama_case()
@@ -134,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {kind:8s} {cpu * 1e3:7.2f} ms {n:5.0f} tasks")
         for (kind, op, eq), (cpu, n) in sorted(acc.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"  {cpu * 1e3:7.2f} ms {n:5.0f}  {kind:7s} {op:13s} {eq}")
+    if args.glue:
+        full, bare, n = glue(trainer, batches, args.rounds)
+        print(f"runtime's own CPU: {full * 1e3:.1f} ms per step, {bare * 1e3:.1f} ms with each of the {n} prepared "
+              f"kernels returning its last block at once: the kernels' work {(full - bare) * 1e3:.1f} ms, the rest "
+              f"(dispatch, stores, loads, selects, moves, reduces, frees, feeds, state) {bare * 1e3:.1f} ms")
     return 0
 
 
