@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import einjoin as ej
+from einjoin.errors import ShapeError
 from einjoin.sparse import SparseTensor, kernels
 
 
@@ -104,7 +105,10 @@ def test_a_complete_relation_in_another_tuple_order_is_not_taken_for_the_kept_sp
     h = rng.standard_normal((8, 3))
     a1 = ej.sparse("A", dense)
     rev = np.arange(a1.nnz)[::-1]
-    a2 = SparseTensor("A", a1.shape, a1.block, a1.keys[rev].copy(), (2 * a1.data)[rev].copy())
+    with pytest.raises(ShapeError, match="sorted row-major and unique"):  # built directly: refused
+        SparseTensor("A", a1.shape, a1.block, a1.keys[rev].copy(), (2 * a1.data)[rev].copy())
+    # (the executor's guard is kept for its own relations: built trusted)
+    a2 = SparseTensor("A", a1.shape, a1.block, a1.keys[rev].copy(), (2 * a1.data)[rev].copy(), trusted=True)
     for label in ("i", "j"):
         plan = ej.sparse_compile("ij,jk->ik", a1, h, devices=2, backend="sync", blocks={"i": 1, "j": 1})
         plan.distribution.label = label

@@ -169,7 +169,7 @@ def _at_layout(value: SparseTensor | np.ndarray, labels: tuple[str, ...], layout
     rel = relation_of(value, labels, layout)
     keys = np.zeros((len(rel.data), len(labels)), np.int64)
     keys[:, [d for d, lab in enumerate(labels) if layout.relational(lab)]] = rel.keys
-    return SparseTensor(name, shape, block, keys, rel.data)
+    return SparseTensor(name, shape, block, keys, rel.data, trusted=True)
 
 
 def _grid(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
@@ -631,8 +631,8 @@ def _subset(t: SparseTensor, mask: np.ndarray) -> SparseTensor:
     idx = np.flatnonzero(mask)
     if len(idx) and idx[-1] - idx[0] + 1 == len(idx):
         run = slice(int(idx[0]), int(idx[-1]) + 1)
-        return SparseTensor(t.name, t.shape, t.block, t.keys[run], t.data[run])
-    return SparseTensor(t.name, t.shape, t.block, t.keys[idx], t.data[idx])
+        return SparseTensor(t.name, t.shape, t.block, t.keys[run], t.data[run], trusted=True)
+    return SparseTensor(t.name, t.shape, t.block, t.keys[idx], t.data[idx], trusted=True)
 
 
 def distribution(devices: Any, backend: Any, what: str) -> Distribution:

@@ -89,7 +89,7 @@ class FedSparse:
         used = int(np.count_nonzero(keys[:, 0] >= 0)) if keys.shape[1] else 0
         r = len(self.shape)
         return SparseTensor(self.name, self.shape, (1,) * r, np.ascontiguousarray(keys[:used]),
-                            np.ascontiguousarray(values[:used]).reshape((used,) + (1,) * r))
+                            np.ascontiguousarray(values[:used]).reshape((used,) + (1,) * r), trusted=True)
 
     def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:
         n = len(op.dense_labels)
@@ -97,7 +97,7 @@ class FedSparse:
         if np.dtype(tensor.dtype).kind != "f":  # an adjacency of ones: computed in the node's float
             want = np.float32 if dtype in ("float16", "bfloat16") else numpy_dtype(dtype)
             tensor = SparseTensor(tensor.name, tensor.shape, tensor.block, np.asarray(tensor.keys),
-                                  np.asarray(tensor.data).astype(want))
+                                  np.asarray(tensor.data).astype(want), trusted=True)
         return self._plans.run(op, list(dense[:n]), tensor, dtype)
 
 
@@ -168,7 +168,8 @@ class SparseInput:
                              f"shape ({self.nnz},), got {vals.shape}")
         used = int(np.count_nonzero(keys[:, 0] >= 0))
         r = len(self.shape)
-        return SparseTensor(self.name, self.shape, (1,) * r, keys[:used], vals[:used].reshape((used,) + (1,) * r))
+        return SparseTensor(self.name, self.shape, (1,) * r, keys[:used], vals[:used].reshape((used,) + (1,) * r),
+                            trusted=True)
 
     @classmethod
     def __einjoin_einsum__(cls, equation: str, operands: Sequence[Any], join: Any = None,

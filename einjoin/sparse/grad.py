@@ -133,7 +133,7 @@ def _cotangent(grad_out: Any, shape: tuple[int, ...], dtype: np.dtype, what: str
         g: SparseTensor | np.ndarray = grad_out
         if np.dtype(grad_out.dtype).kind != dtype.kind:
             g = SparseTensor(grad_out.name, grad_out.shape, grad_out.block, grad_out.keys,
-                             _exact(grad_out.data, dtype, what))
+                             _exact(grad_out.data, dtype, what), trusted=True)
     else:
         g = _exact(dense_operand(grad_out, 0, f"{what}: grad_out"), dtype, what)
         if not shape and g.size == 1:

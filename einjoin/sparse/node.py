@@ -100,7 +100,7 @@ class GraphSparse:
             found = self._floats.get(np.dtype(want).str)
             if found is None:
                 found = self._floats[np.dtype(want).str] = SparseTensor(
-                    t.name, t.shape, t.block, np.asarray(t.keys), np.asarray(t.data).astype(want))
+                    t.name, t.shape, t.block, np.asarray(t.keys), np.asarray(t.data).astype(want), trusted=True)
         return found
 
     def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:

@@ -285,7 +285,8 @@ class SparsePlan:
             if not self.sparse_result:
                 return np.zeros(out_shape, self.dtype)
             return SparseTensor("out", out_shape, tuple(max(n, 1) for n in out_shape),
-                                np.zeros((0, len(out_shape)), np.int64), np.zeros((0, *out_shape), self.dtype))
+                                np.zeros((0, len(out_shape)), np.int64), np.zeros((0, *out_shape), self.dtype),
+                                trusted=True)
         if len(values) > 1:  # any aggregation: max too meets absent zeros times inf (nan densified)
             self._refuse_non_finite(values)
         if self.engine.name == "duckdb":
@@ -357,10 +358,10 @@ class SparsePlan:
                 return np.array(data[0][tuple(slice(0, n) for n in out_shape)])
             present = int(counts.joined > 0)  # no joined tuple: an empty relation
             return SparseTensor("out", out_shape, block, np.zeros((present, len(out_shape)), np.int64),
-                                data[:present])
+                                data[:present], trusted=True)
         full = np.zeros((len(rkeys), len(out_shape)), np.int64)
         full[:, [d for d, lab in enumerate(step.out_labels) if lay.relational(lab)]] = rkeys
-        result = SparseTensor("out", out_shape, block, full, data)
+        result = SparseTensor("out", out_shape, block, full, data, trusted=True)
         return result if sparse_out else result.todense()
 
     def notation(self) -> str:

@@ -115,6 +115,47 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     return view
 
 
+def _checked(name: str, shape: Any, block: Any, keys: np.ndarray, data: np.ndarray
+             ) -> tuple[tuple[int, ...], tuple[int, ...], np.ndarray, np.ndarray]:
+    """The shape, block, int64 keys and data (scalar payloads given flat: as ``(n,) + block``) of
+    a directly built tensor, or a ShapeError / DTypeError
+    naming what does not hold: sizes, payload shapes, keys in range, sorted and unique."""
+    what = f"sparse tensor {name!r}"
+    shp = _check_shape(shape, what)
+    if not all(_block_size(b) for b in block):
+        raise ShapeError(f"{what}: block {tuple(block)} (integer sizes >= 1)")
+    blk = tuple(int(b) for b in block)
+    if data.ndim == 1 and all(b == 1 for b in blk):  # scalar payloads: one value per tuple
+        data = data.reshape((len(data),) + blk)
+    if tuple(data.shape[1:]) != blk:
+        raise ShapeError(f"{what}: payloads of shape {tuple(data.shape[1:])}, block {blk} (data: tuples x block)")
+    if keys.dtype.kind not in "iu" or (keys.dtype == np.uint64 and keys.size and int(keys.max()) >= 2 ** 63):
+        raise DTypeError(f"{what}: keys must be integers (block coordinates), got {keys.dtype}")
+    keys = keys.astype(np.int64, copy=False)
+    fix = "build tensors with ej.sparse(name, (indices, values, shape)), which sorts and sums duplicates"
+    if len(keys) and len(shp):
+        bad = (keys < 0) | (keys * np.asarray(blk, np.int64) >= np.asarray(shp, np.int64))
+        if bad.any():
+            t, d = (int(v[0]) for v in np.nonzero(bad))
+            raise ShapeError(f"{what} of shape {shp}, block {blk}: key {tuple(int(k) for k in keys[t])} (tuple {t}) "
+                             f"is out of range in dim {d} (block coordinates 0 .. {grid_of(shp, blk)[d] - 1}); {fix}")
+    if len(keys) > 1:
+        code = key_codes(keys, grid_of(shp, blk))
+        if code is not None:
+            step = np.diff(code)
+        else:  # a grid too large for one code: compare rows lexicographically
+            diff = keys[1:] - keys[:-1]
+            first = np.argmax(diff != 0, axis=1)
+            step = np.where((diff != 0).any(axis=1), diff[np.arange(len(diff)), first], 0)
+        if (step <= 0).any():
+            t = int(np.argmax(step <= 0)) + 1
+            how = "repeats" if step[t - 1] == 0 else "comes before"
+            raise ShapeError(f"{what}: keys must be sorted row-major and unique, but key "
+                             f"{tuple(int(k) for k in keys[t])} (tuple {t}) {how} key "
+                             f"{tuple(int(k) for k in keys[t - 1])} (tuple {t - 1}); {fix}")
+    return shp, blk, keys, data
+
+
 class SparseTensor:
     """A block-sparse tensor relation: ``keys`` (n × rank, int64) and ``data`` (n × block).
 
@@ -133,15 +174,19 @@ class SparseTensor:
     __slots__ = ("name", "shape", "dtype", "block", "keys", "data", "_coo", "counts", "derived")
 
     def __init__(self, name: str, shape: tuple[int, ...], block: tuple[int, ...],
-                 keys: np.ndarray, data: np.ndarray) -> None:
-        # the parts must fit each other (O(1) checks; the keys' order and uniqueness are trusted:
-        # build tensors with sparse(), which sorts and sums)
+                 keys: np.ndarray, data: np.ndarray, *, trusted: bool = False) -> None:
+        # the parts must fit each other; the keys must be in range, sorted row-major and unique
+        # (every join and grouping assumes it), checked in O(n) unless ``trusted`` (einjoin's own
+        # constructions, which sort and sum: from_coo, the executor's results)
+        keys, data = np.asarray(keys), np.asarray(data)
         if len(block) != len(shape) or keys.ndim != 2 or keys.shape[1] != len(shape) or \
                 data.ndim < 1 or len(data) != len(keys):
             raise ShapeError(f"sparse tensor {name!r} of shape {tuple(shape)}, block {tuple(block)}: keys of "
                              f"shape {keys.shape} and data of shape {data.shape} do not fit (keys: tuples x "
                              f"{len(shape)} block coordinates, data: one payload per tuple); build tensors "
                              f"with ej.sparse")
+        if not trusted:
+            shape, block, keys, data = _checked(name, shape, block, keys, data)
         self.name = name
         self.shape = shape
         self.block = block
@@ -308,7 +353,7 @@ def from_coo(name: str, coords: np.ndarray, values: np.ndarray, shape: tuple[int
     if all(b == 1 for b in block):
         if summed:
             order = np.lexsort(keys.T[::-1]) if r else np.arange(len(keys))
-            return SparseTensor(name, shape, block, keys[order], values[order].reshape((-1,) + block))
+            return SparseTensor(name, shape, block, keys[order], values[order].reshape((-1,) + block), trusted=True)
         uniq, inv = unique_rows(keys, grid)
         if len(uniq) == len(keys):
             vals = np.empty(len(uniq), values.dtype)
@@ -317,7 +362,7 @@ def from_coo(name: str, coords: np.ndarray, values: np.ndarray, shape: tuple[int
             order = np.argsort(inv, kind="stable")
             starts = np.searchsorted(inv[order], np.arange(len(uniq)))
             vals = np.add.reduceat(values[order], starts) if len(order) else values[:0]
-        return SparseTensor(name, shape, block, uniq, vals.reshape((-1,) + block))
+        return SparseTensor(name, shape, block, uniq, vals.reshape((-1,) + block), trusted=True)
     if not summed:  # the stored entries first: duplicates summed, explicit zeros kept
         entries = from_coo(name, coords, values, shape, (1,) * r)
         coords, values = entries.keys, entries.data.reshape(-1)
@@ -326,7 +371,7 @@ def from_coo(name: str, coords: np.ndarray, values: np.ndarray, shape: tuple[int
     data = np.zeros((len(uniq),) + block, values.dtype)
     offs = tuple((coords % bk)[:, d] for d in range(r))
     data[(inv,) + offs] = values
-    out = SparseTensor(name, shape, block, uniq, data)
+    out = SparseTensor(name, shape, block, uniq, data, trusted=True)
     # the stored entries are these coordinates, explicit zeros included (coo() would find only the
     # payloads' non-zeros: the same data stored at block 2 had fewer entries, nnz and gradient
     # support, than at block 1)
@@ -395,7 +440,7 @@ def broadcast_size1(equation: str, operands: Sequence[Any]) -> tuple[str, Sequen
                 blk = tuple(x.block[d] for d in keep)
                 # the dropped key columns are all 0: the keys stay unique and sorted
                 x = SparseTensor(x.name, new_shape, blk, np.ascontiguousarray(x.keys[:, keep]),
-                                 x.data.reshape((len(x.keys),) + blk))
+                                 x.data.reshape((len(x.keys),) + blk), trusted=True)
             else:
                 x = (x if hasattr(x, "reshape") else np.asarray(x)).reshape(new_shape)
         new_ops.append(x)
