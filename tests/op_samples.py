@@ -326,6 +326,7 @@ HAND: dict[str, tuple[Sample, ...]] = {
     "index_add": (S("torch.index_add(a, 0, c, b)", "f:5,3", "f:4,3", "i5:4"),),
     "index_copy": (S("torch.index_copy(a, 0, c, b)", "f:5,3", "f:2,3", "i5:2"),),
     "index_fill": (S("torch.index_fill(a, 1, b, 2.0)", "f:3,5", "i5:2"),),
+    "native_dropout": (S("torch.ops.aten.native_dropout(a, 0.5, False)[0]", "f:3,4", method=E),),
     "index_put": (S("torch.index_put(a, (c,), b, accumulate=True)", "f:5,3", "f:4,3", "i5:4"),),
     "index_select": (S("torch.index_select(a, 0, b)", "f:5,3", "i5:4"),),
     "instance_norm": (S("F.instance_norm(a, weight=b, bias=c)", X3, "f:4", "f:4"),),

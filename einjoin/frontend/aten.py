@@ -427,6 +427,19 @@ def _dropout(x: Tensor, p: float = 0.5, train: bool = False, inplace: bool = Fal
     return F.dropout(x, p, seed, True, stream)
 
 
+@op("native_dropout")
+def _native_dropout(x: Tensor, p: float = 0.5, train: Any = None) -> tuple[Tensor, Tensor]:
+    """ATen's dropout returning (output, keep mask): what torch.export's functionalisation turns a
+    training-mode ``dropout`` into (a forward that also writes buffers: BatchNorm beside a
+    Dropout). ``train=None`` means training, as ATen's."""
+    if train is False or p == 0:
+        return x, F.full(x.shape, True, "bool")
+    sites = DROPOUT.get() or DropoutSites()
+    seed, stream = sites.mask_stream()
+    keep = F.dropout_mask(x.shape, p, seed, stream) if p < 1 else F.full(x.shape, False, "bool")
+    return F.dropout(x, p, seed, True, stream), keep
+
+
 @op("feature_dropout", "alpha_dropout")
 def _other_dropout(x: Tensor, p: float = 0.5, train: bool = False, inplace: bool = False) -> Tensor:
     if train and p > 0:

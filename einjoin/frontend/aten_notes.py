@@ -42,6 +42,8 @@ NOTES: dict[str, str] = {
     "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
     "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
                "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",
+    "native_dropout": "as `dropout` (what torch.export makes of a training-mode dropout beside a buffer "
+                      "write), also returning the keep mask",
     "feature_dropout": "the identity in eval mode; an error in training mode",
     "scaled_dot_product_attention": "no `dropout_p`; `is_causal` aligns top-left as in torch",
     "slice": "a step above 1 is a select, a reshape and a select (padded past the end)",

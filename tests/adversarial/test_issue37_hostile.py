@@ -9,6 +9,7 @@ Each test failed before its fix (the commit that added it says what einjoin did 
   ``p.data`` is read again;
 - the module guard refuses a run after a change to a setting the capture read, and only then
   (``m.epoch = 1`` was refused);
+- a training-mode dropout beside a buffer write (BatchNorm) imports (``native_dropout``).
 """
 
 from __future__ import annotations
@@ -180,3 +181,33 @@ def test_a_setting_read_only_at_another_shape_is_guarded_once_compiled_there() -
     m.long_scale = 7.0
     with pytest.raises(ej.EinjoinError, match=r"long_scale is 7\.0 now, 5\.0"):
         prog.run(torch.ones(6, 3))
+
+
+# ---------------------------------------------------------------- 4. training-mode dropout beside a buffer write
+
+
+def test_a_training_dropout_beside_batch_norm_imports_and_trains() -> None:
+    """A training-mode forward that writes buffers (BatchNorm) is functionalised by torch.export,
+    which turns ``dropout`` into ``native_dropout``: every such model was refused ('native_dropout
+    ... no einjoin translation'), so ``ej.Trainer`` could not train a classifier with batch norm
+    and dropout. Kept elements are torch's batch-normed values scaled by 1 / (1 - p)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 64), nn.BatchNorm1d(64), nn.Dropout(0.25)).train()
+    x = torch.randn(32, 4)
+    prog = ej.compile(ej.from_torch(m, (x,)), devices=2, quiet=True)
+    ref = nn.Sequential(m[0], nn.BatchNorm1d(64)).train()
+    ref[1].load_state_dict(m[1].state_dict())
+    got = prog.run(x)
+    with torch.no_grad():
+        want = ref(x) / 0.75
+    kept = got != 0
+    assert 0.6 < float(kept.float().mean()) < 0.9  # about 1 - p kept
+    _close(got[kept], want[kept])
+    _close(m[1].running_mean, ref[1].running_mean)  # the buffer write still happens
+
+    y = torch.randint(0, 64, (32,))
+    trainer = ej.Trainer(m, (x, y), nn.functional.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    losses = [trainer.step(x, y) for _ in range(3)]
+    assert all(np.isfinite(losses))
+    assert int(trainer.state_dict()["1.num_batches_tracked"]) == 1 + 3  # the run above, then 3 steps
+    assert np.isfinite(trainer.evaluate(x, y))
