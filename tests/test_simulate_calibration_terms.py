@@ -135,3 +135,24 @@ def test_each_elementwise_step_hands_the_gil_over_on_device_threads() -> None:
     assert took(busy) - took(quiet) == pytest.approx(2 * (8e-6 - 3e-6), rel=1e-6)  # one step: exp
     assert busy.hardware(2).models[0].fn_call == pytest.approx(2e-6 + 2 * (8e-6 - 3e-6))
     assert busy.hardware(1).models[0].fn_call == quiet.hardware(1).models[0].fn_call == 2e-6
+
+
+def test_the_simulator_reads_the_calibration_the_runtime_measures(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: object) -> None:
+    """hardware_for reads this machine's calibration through einjoin.cluster.calibration (cached,
+    else measured by what einjoin.runtime.simulate_calibrate registers): the measuring runs the
+    threads backend itself, whose registry holds the simulator."""
+    from einjoin.cluster import calibration
+    from einjoin.runtime import simulate_calibrate as sc
+    from einjoin.runtime.simulate_hardware import hardware_for
+    assert calibration.MEASURE["calibrate"] is sc.local_calibration
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured: list[Calibration] = []
+
+    def measure() -> Calibration:
+        measured.append(_cal(launch=7e-6))
+        calibration.save_cached(measured[-1])
+        return measured[-1]
+    monkeypatch.setitem(calibration.MEASURE, "calibrate", measure)
+    assert hardware_for(ej.local(1)).models[0].launch == 7e-6 and len(measured) == 1
+    assert hardware_for(ej.local(1)).models[0].launch == 7e-6 and len(measured) == 1  # cached now

@@ -19,13 +19,14 @@ import json
 import os
 import pathlib
 import platform
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from einjoin.cluster.model import DeviceModel, Fabric, Hardware
 from einjoin.errors import EinjoinError
 
-__all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached"]
+__all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached", "local_calibration", "MEASURE"]
 
 VERSION = 8  # bumped when what is measured changes: older caches are measured again
 
@@ -194,3 +195,21 @@ def save_cached(cal: Calibration) -> pathlib.Path | None:
         return path
     except OSError:
         return None
+
+
+# how this machine is measured: the runtime's calibrate (einjoin.runtime.simulate_calibrate registers
+# it when einjoin loads), kept here so that the simulator reads a calibration without importing the
+# module that measures one (which runs the threads backend, whose registry holds the simulator)
+MEASURE: dict[str, Callable[[], Calibration]] = {}
+
+
+def local_calibration() -> Calibration:
+    """The cached calibration of this machine, measured first (``ej.calibrate()``) when there is none."""
+    cached = load_cached()
+    if cached is not None:
+        return cached
+    measure = MEASURE.get("calibrate")
+    if measure is None:  # einjoin.runtime.simulate_calibrate not loaded: ``import einjoin`` loads it
+        raise EinjoinError("no calibration of this machine is cached, and nothing to measure one is loaded: "
+                           "import einjoin (ej.calibrate) first")
+    return measure()

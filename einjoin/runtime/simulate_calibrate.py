@@ -20,15 +20,14 @@ matmul float32, one core: 10.7 GFLOP/s (half of it at 56.91 MFLOP), each further
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from einjoin.cluster.calibration import Calibration, load_cached, machine_key, save_cached
+from einjoin.cluster.calibration import MEASURE, Calibration, load_cached, machine_key, save_cached
 from einjoin.errors import EinjoinError
 from einjoin.runtime.engine import Engine
 
@@ -175,34 +174,12 @@ def _tiny_chain(devices: int, length: int, size: int = 8) -> tuple[Any, dict[Any
     return Engine(tg, decomps), {x: np.ones((rows, size), np.float32) / size, w: np.eye(size, dtype=np.float32)}
 
 
-class _Threads:
-    """The threads backend's session (:class:`~einjoin.runtime.local.LocalSession`, a thread per
-    device) with a share of the cores as its BLAS limiter sets it: the registry of backends holds
-    the simulator, which needs this module, so this module does not import the registry. Each run
-    on several devices sets the BLAS threads to ``cores // devices`` and back, as the limiter does
-    (its helper thread and torch's share are not in these figures)."""
-
-    name, computes, remote, retries = "threads", True, False, 0
-
-    def __init__(self) -> None:
-        self._controller: Any = None
-
-    @contextlib.contextmanager
-    def _share(self, devices: int) -> Iterator[None]:
-        if self._controller is None:
-            from threadpoolctl import ThreadpoolController
-            self._controller = ThreadpoolController()
-        with self._controller.limit(limits=max(1, (os.cpu_count() or 1) // devices), user_api="blas"):
-            yield
-
-    def open(self, run: Any) -> Any:
-        from einjoin.runtime.local import LocalSession
-        from einjoin.runtime.malloc import tune_malloc
-        tune_malloc()  # as the threads backend's open does
-        return LocalSession(run, True, threaded=True, limit=self._share if run.engine.tg.n_devices > 1 else None)
-
-    def close(self) -> None:
-        pass
+def _threads() -> Any:
+    """The threads backend, as programs run on it (its BLAS and torch limits each run included).
+    Imported here, not above: the registry of backends holds the simulator, whose calibration this
+    module measures (the simulator reads it through :data:`einjoin.cluster.calibration.MEASURE`)."""
+    from einjoin.runtime.backends import get_backend
+    return get_backend("threads")
 
 
 # the chains' lengths (a line through two: the cost per task and per run; on device threads the
@@ -219,9 +196,9 @@ def _threaded_line(devices: int, reps: int, quick: bool) -> tuple[float, float]:
     """Seconds per task and per run of the threads backend on ``devices`` device threads, each
     busy with its own chain of 64 x 64 matmuls: the wall clock's line through two lengths (its
     slope is the rate at which device threads that contend for the GIL get tasks done; its
-    intercept starting and joining the threads, the BLAS share set and reset). The best of
-    ``reps`` runs per length."""
-    backend = _Threads()
+    intercept starting and joining the threads, the shares of the cores set and reset). The best
+    of ``reps`` runs per length."""
+    backend = _threads()
     points = []
     for length in _THREADED_LENGTHS[quick]:
         engine, feeds = _tiny_chain(devices, length, _THREADED_SIZE)
@@ -236,7 +213,7 @@ def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
     matmuls, two lengths, timed by the thread's CPU time: the Python around a task) and on two
     device threads (:func:`_threaded_line`: the wall clock, where the cost per task holds the
     GIL's hand-overs between the threads)."""
-    backend = _Threads()
+    backend = _threads()
     points = []
     for length in _LENGTHS[quick]:
         engine, feeds = _tiny_chain(1, length)
@@ -306,13 +283,15 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     rate, half, parallel, parallel_half = _gemm(reps, quick)
     mem_bw, vector_rate, copy_bw = _memory(reps, quick)
+    attention_rate, attention_half, attention_parallel = _attention(reps, quick)
+    # after the attention kernel: torch loaded, each run also sets torch's share of the cores, as
+    # runs of programs with torch kernels do
     launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
     launch_threads4, overhead_threads4 = _dispatch_many(reps, quick)
     # a task on device threads costs at least one inline (its hand-overs come on top), and on
     # four at least one on two (a noisy line read less at load 6 on 2 cores)
     launch_threads = max(launch_threads, launch)
     launch_threads4 = max(launch_threads4, launch_threads)
-    attention_rate, attention_half, attention_parallel = _attention(reps, quick)
     fn_rates = _functions(reps, quick)
     fn_rates64 = _functions(max(1, reps - 1), True, np.float64)  # a fill's grids: the small arrays suffice
     fn_call = _step_call(reps)
@@ -336,3 +315,6 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
 def local_calibration() -> Calibration:
     """The cached calibration of this machine, measured first when there is none."""
     return calibrate()
+
+
+MEASURE["calibrate"] = local_calibration

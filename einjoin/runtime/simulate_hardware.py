@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from einjoin.cluster import Cluster
+from einjoin.cluster.calibration import local_calibration
 from einjoin.cluster.model import Fabric, Hardware
 from einjoin.exchange import TaskKind
 from einjoin.ir.node import Attention, AttentionGrad, Conv, Pool, TopK
@@ -81,7 +82,6 @@ def hardware_for(cluster: Cluster) -> Hardware:
         hw: Hardware = cluster.hardware
         return hw
     from einjoin.cluster import local
-    from einjoin.runtime.simulate_calibrate import local_calibration
     base = local_calibration().hardware(cluster.size)
     default = local(cluster.size)
     if cluster.bandwidth == default.bandwidth and cluster.latency == default.latency:
