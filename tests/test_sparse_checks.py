@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,3 +53,37 @@ def test_errors_name_the_key_and_what_is_wrong():
     # scalar payloads may come flat; the result equals the one ej.sparse builds
     t = SparseTensor("A", (3, 3), (1, 1), np.array([[0, 1], [2, 0]]), np.array([5.0, 6.0]))
     np.testing.assert_array_equal(t.todense(), ej.sparse("A", ([[0, 2], [1, 0]], [5.0, 6.0], (3, 3))).todense())
+
+
+_BCAST = [("ij,ij->ij", (6, 5), (1, 5)), ("ij,ij->ij", (6, 5), (6, 1)), ("ij,jk->ik", (6, 5), (1, 3)),
+          ("ijk,ik->ij", (4, 3, 5), (1, 5)), ("ij,ij->i", (6, 1), (6, 4))]
+
+
+@pytest.mark.parametrize("eq, sshape, dshape", _BCAST)
+def test_sparse_compile_broadcasts_size1_dims_as_ej_einsum_does(eq, sshape, dshape):
+    """A plan compiled on the operands as given (size-1 dims) runs on them, and on new ones of
+    those shapes (squeezed as at compile); its value and gradients equal numpy / the dense ones,
+    each gradient in its operand's own shape."""
+    rng = np.random.default_rng(0)
+    dense = (rng.random(sshape) < 0.5) * rng.normal(size=sshape)
+    a = ej.sparse("A", dense)
+    x = rng.normal(size=dshape)
+    want = np.einsum(eq, dense, x)
+    plan = ej.sparse_compile(eq, a, x)
+    got = plan.run()
+    np.testing.assert_allclose(getattr(got, "todense", lambda: got)(), want, rtol=1e-12, atol=1e-12)
+    eager = ej.einsum(eq, a, x)
+    np.testing.assert_allclose(getattr(eager, "todense", lambda: eager)(), want, rtol=1e-12, atol=1e-12)
+    x2 = rng.normal(size=dshape)
+    dense2 = dense * 3
+    got2 = plan.run(ej.sparse("A", dense2), x2)   # the unsqueezed operands at run
+    np.testing.assert_allclose(getattr(got2, "todense", lambda: got2)(), np.einsum(eq, dense2, x2),
+                               rtol=1e-12, atol=1e-12)
+    g = rng.normal(size=want.shape)
+    da, dx = plan.vjp(g)
+    ta = torch.tensor(dense2, requires_grad=True)
+    tx = torch.tensor(x2, requires_grad=True)
+    (torch.einsum(eq, ta, tx) * torch.tensor(g)).sum().backward()
+    assert da.shape == sshape and dx.shape == dshape
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(da.todense(), np.where(dense2 != 0, ta.grad.numpy(), 0), rtol=1e-10, atol=1e-12)

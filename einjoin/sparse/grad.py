@@ -53,7 +53,7 @@ import numpy as np
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.sparse.execute import CHUNK_ELEMENTS
 from einjoin.sparse.plan import GRAD, SparsePlan, sparse_compile
-from einjoin.sparse.tensor import SparseTensor, dense_operand, from_coo, key_codes
+from einjoin.sparse.tensor import SparseTensor, dense_operand, from_coo, key_codes, restore_dims
 
 __all__ = ["sparse_vjp"]
 
@@ -105,6 +105,9 @@ def sparse_vjp(plan: SparsePlan, grad_out: Any, wrt: Sequence[int | str] | None 
         else:
             target = tuple(lab for lab in labels if lab in seen)  # the rest is broadcast below
         grads.append(_one(plan, cache, k, x, labels, others, target, scale, what))
+    if plan.broadcast is not None:  # computed on squeezed operands: each in its operand's shape as given
+        shapes, keeps = plan.broadcast
+        grads = [restore_dims(gr, shapes[k], keeps[k]) for gr, k in zip(grads, _positions(values, wrt, what))]
     return tuple(grads)
 
 

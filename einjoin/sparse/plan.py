@@ -36,7 +36,8 @@ from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duck
 from einjoin.sparse.execute import RunCounts
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
-from einjoin.sparse.tensor import EINSUM, SparseTensor, dense_operand, is_sparse_format, sparse
+from einjoin.sparse.tensor import (EINSUM, SparseTensor, dense_operand, drop_dims, is_sparse_format, size1_squeeze,
+                                   sparse)
 
 __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum", "GRAD"]
 
@@ -198,6 +199,9 @@ class SparsePlan:
                  pins: Mapping[str, int], relational: set[str], engine: Engine | None = None,
                  devices: Distribution | None = None) -> None:
         self.equation = equation
+        # (the operands' shapes as given, each one's dims kept) when size-1 dims were broadcast:
+        # ``equation`` and ``operands`` are the squeezed ones
+        self.broadcast: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
         self.engine = engine or Engine()
         self.distribution = devices or Distribution(1, None)
         self.operands = tuple(operands)
@@ -233,6 +237,9 @@ class SparsePlan:
             raise ShapeError(f"{self._what()}: run got {len(operands)} operand(s), compiled with "
                              f"{len(self.operands)}")
         values = tuple(_operand(x, i, self._what()) for i, x in enumerate(operands))
+        if self.broadcast is not None:  # an operand of the shape given at compile: squeezed as then
+            shapes, keeps = self.broadcast
+            values = tuple(drop_dims(v, k) if tuple(v.shape) == sh else v for v, sh, k in zip(values, shapes, keeps))
         for i, (new, old) in enumerate(zip(values, self.operands)):
             if tuple(new.shape) != tuple(old.shape) or isinstance(new, SparseTensor) != \
                     isinstance(old, SparseTensor):
@@ -447,6 +454,12 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
         raise UnsupportedOpError(f"{what}: engine {eng.name!r} runs on one device (devices={devices}); "
                                  f"engine='memory' runs on several")
     values = [_operand(x, i, what) for i, x in enumerate(operands)]
+    # numpy's broadcasting of size-1 dims, as ej.einsum: squeezed here, and at each run (_check)
+    given = [tuple(v.shape) for v in values]
+    squeezed = size1_squeeze(equation, given)
+    if squeezed is not None:
+        equation, keeps = squeezed
+        values = [drop_dims(v, k) for v, k in zip(values, keeps)]
     if not any(isinstance(v, SparseTensor) for v in values):
         raise EinjoinError(f"{what}: no sparse operand (use ej.sparse(name, data), or ej.einsum on "
                            f"lazy tensors for dense programs)")
@@ -480,8 +493,11 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     # pins are checked once against the whole equation (each step sees its own labels' pins)
     _check_pins(pins, rel, sizes, what)
     steps = _path(in_labels, tuple(out_labels), infos, pins, rel, agg_name, what, eng.name)
-    return SparsePlan(equation, values, tuple(in_labels), tuple(out_labels), sizes, agg_name, dtype,
+    plan = SparsePlan(equation, values, tuple(in_labels), tuple(out_labels), sizes, agg_name, dtype,
                       steps, pins, rel, eng, dist)
+    if squeezed is not None:
+        plan.broadcast = (tuple(given), tuple(squeezed[1]))
+    return plan
 
 
 @dataclass

@@ -401,53 +401,89 @@ def is_sparse_format(x: Any) -> bool:
     return False
 
 
+def size1_squeeze(equation: str, shapes: Sequence[tuple[int, ...]]) -> tuple[str, list[tuple[int, ...]]] | None:
+    """numpy's broadcasting of size-1 dims, which the sparse executor does not do itself: the
+    equation with a label's size-1 dims dropped where another operand has it larger, and each
+    operand's kept dims; None when nothing is dropped or the equation does not parse (the
+    compiler names what is wrong).
+
+    >>> size1_squeeze("ij,ij->ij", [(3, 3), (1, 3)])
+    ('ij,j->ij', [(0, 1), (1,)])
+    """
+    from einjoin.ir.equation import parse_equation
+    try:
+        in_labels, out = parse_equation(equation, [tuple(sh) for sh in shapes])
+    except Exception:  # noqa: BLE001 - the compiler checks the same input and names what is wrong
+        return None
+    widest: dict[str, int] = {}
+    for ls, shape in zip(in_labels, shapes):
+        if len(ls) != len(shape):
+            return None
+        for lab, n in zip(ls, shape):
+            widest[lab] = max(widest.get(lab, 0), int(n))
+    keeps: list[tuple[int, ...]] = []
+    for ls, shape in zip(in_labels, shapes):
+        # a repeated label only where every one of its dims here is 1 (a diagonal's sizes agree)
+        keeps.append(tuple(d for d, lab in enumerate(ls) if not (widest[lab] > 1 and all(
+            shape[e] == 1 for e, other in enumerate(ls) if other == lab))))
+    if all(len(k) == len(ls) for k, ls in zip(keeps, in_labels)):
+        return None
+    eq = ",".join("".join(ls[d] for d in k) for k, ls in zip(keeps, in_labels)) + "->" + "".join(out)
+    return eq, keeps
+
+
+def drop_dims(x: Any, keep: Sequence[int]) -> Any:
+    """``x`` (a SparseTensor or an array) with only the dims ``keep``, the others of size 1: a
+    sparse tensor loses those key columns (all zeros: its keys stay unique and sorted) and
+    payload axes, an array is reshaped."""
+    shape = tuple(x.shape)
+    if len(keep) == len(shape):
+        return x
+    new_shape = tuple(shape[d] for d in keep)
+    if isinstance(x, SparseTensor):
+        blk = tuple(x.block[d] for d in keep)
+        return SparseTensor(x.name, new_shape, blk, np.ascontiguousarray(x.keys[:, list(keep)]),
+                            x.data.reshape((len(x.keys),) + blk), trusted=True)
+    return (x if hasattr(x, "reshape") else np.asarray(x)).reshape(new_shape)
+
+
+def restore_dims(x: Any, shape: Sequence[int], keep: Sequence[int]) -> Any:
+    """The inverse of :func:`drop_dims`: ``x`` given back the size-1 dims of ``shape`` that are not
+    in ``keep`` (a gradient computed on squeezed operands, in its operand's own shape)."""
+    shape = tuple(shape)
+    if len(keep) == len(shape):
+        return x
+    if isinstance(x, SparseTensor):
+        keys = np.zeros((len(x.keys), len(shape)), np.int64)
+        keys[:, list(keep)] = x.keys
+        blk = [1] * len(shape)
+        for d, b in zip(keep, x.block):
+            blk[d] = b
+        return SparseTensor(x.name, shape, tuple(blk), keys, x.data.reshape((len(keys),) + tuple(blk)), trusted=True)
+    return np.asarray(x).reshape(shape)
+
+
 def broadcast_size1(equation: str, operands: Sequence[Any]) -> tuple[str, Sequence[Any]]:
     """The equation and operands with a label's size-1 dims squeezed away where another operand
-    has it larger: numpy's (and the dense ``ej.einsum``'s) broadcasting, which the sparse executor
-    does not do itself (``'ij,ij->ij'`` of (5, 4) and (1, 4) was "label 'i' has size 5 ... but size
-    1"). A sparse operand loses that key column (all zeros) and payload axis; a dense one is
-    reshaped. Lazy operands, or an equation that does not parse, are left as they are (the
-    compiler names what is wrong).
+    has it larger (:func:`size1_squeeze`; ``'ij,ij->ij'`` of (5, 4) and (1, 4) was "label 'i' has
+    size 5 ... but size 1"). Lazy operands are left as they are.
 
     >>> import numpy as np
     >>> eq, ops = broadcast_size1("ij,ij->ij", [sparse("A", np.eye(3)), np.ones((1, 3))])
     >>> eq, ops[1].shape
     ('ij,j->ij', (3,))
     """
-    from einjoin.ir.equation import parse_equation
     if any(type(x).__module__.startswith("einjoin") and not isinstance(x, SparseTensor) for x in operands):
         return equation, operands
     try:
         shapes = [tuple(x.shape) if isinstance(x, SparseTensor) else tuple(np.shape(x)) for x in operands]
-        in_labels, out = parse_equation(equation, shapes)
     except Exception:  # noqa: BLE001 - the compiler checks the same input and names what is wrong
         return equation, operands
-    widest: dict[str, int] = {}
-    for ls, shape in zip(in_labels, shapes):
-        for lab, n in zip(ls, shape):
-            widest[lab] = max(widest.get(lab, 0), int(n))
-    new_ops, new_labels, changed = [], [], False
-    for x, ls, shape in zip(operands, in_labels, shapes):
-        if len(ls) != len(shape):
-            return equation, operands
-        # a repeated label only where every one of its dims here is 1 (a diagonal's sizes agree)
-        keep = [d for d, lab in enumerate(ls) if not (widest[lab] > 1 and all(
-            shape[e] == 1 for e, other in enumerate(ls) if other == lab))]
-        if len(keep) < len(ls):
-            changed = True
-            new_shape = tuple(shape[d] for d in keep)
-            if isinstance(x, SparseTensor):
-                blk = tuple(x.block[d] for d in keep)
-                # the dropped key columns are all 0: the keys stay unique and sorted
-                x = SparseTensor(x.name, new_shape, blk, np.ascontiguousarray(x.keys[:, keep]),
-                                 x.data.reshape((len(x.keys),) + blk), trusted=True)
-            else:
-                x = (x if hasattr(x, "reshape") else np.asarray(x)).reshape(new_shape)
-        new_ops.append(x)
-        new_labels.append("".join(ls[d] for d in keep))
-    if not changed:
+    found = size1_squeeze(equation, shapes)
+    if found is None:
         return equation, operands
-    return ",".join(new_labels) + "->" + "".join(out), new_ops
+    eq, keeps = found
+    return eq, [drop_dims(x, k) for x, k in zip(operands, keeps)]
 
 
 def _coo_of(data: Any, what: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], bool]:
