@@ -271,6 +271,13 @@ def _t(x: Any, what: str) -> Tensor:
         return x
     if isinstance(x, Node):
         return Tensor(x)
+    mod = type(x).__module__ or ""
+    if mod.startswith("scipy.sparse") or (mod.startswith("sparse") and hasattr(x, "coords")) or \
+            (mod.startswith("torch") and str(getattr(x, "layout", "torch.strided")) != "torch.strided"):
+        # another library's sparse matrix: einjoin's sparse tensor carries its name, plan and gradients
+        raise EinjoinError(f"{what}: a {mod.split('.')[0]} sparse {type(x).__name__} of shape {tuple(x.shape)}; "
+                           f"make it an einjoin sparse tensor first, ej.sparse('A', m) (then it computes with "
+                           f"arrays, or builds a graph node with einjoin tensors)")
     raise EinjoinError(f"{what}: expected an einjoin tensor, got {type(x).__name__}")
 
 
