@@ -87,3 +87,20 @@ def test_sparse_compile_broadcasts_size1_dims_as_ej_einsum_does(eq, sshape, dsha
     assert da.shape == sshape and dx.shape == dshape
     np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(da.todense(), np.where(dense2 != 0, ta.grad.numpy(), 0), rtol=1e-10, atol=1e-12)
+
+
+def test_other_libraries_sparse_matrices_without_an_einjoin_one_are_refused_by_name():
+    """ej.einsum / '@' with a scipy, torch or pydata sparse matrix and no SparseTensor: refused the
+    same way everywhere, saying to wrap it with ej.sparse (with a SparseTensor among the operands
+    they join it as sparse tensors, as sparse_compile takes them)."""
+    import scipy.sparse
+    m = scipy.sparse.random(4, 3, density=0.5, random_state=0, format="csr")
+    h = ej.input("h", (3, 2), "float64")
+    ts = torch.tensor(m.toarray()).to_sparse()
+    calls = [lambda: ej.einsum("ij,jk->ik", m, np.ones((3, 2))), lambda: ej.einsum("ij,jk->ik", m, h),
+             lambda: h.T @ m.T, lambda: ej.einsum("ij,jk->ik", ts, h), lambda: ej.matmul(m, h)]
+    for call in calls:
+        with pytest.raises(ej.errors.EinjoinError, match=r"sparse .* of shape .*ej\.sparse\('A', m\)"):
+            call()
+    mixed = ej.einsum("ij,jk->ik", ej.sparse("A", m), scipy.sparse.random(3, 2, density=0.5, random_state=1))
+    assert isinstance(mixed, SparseTensor)
