@@ -85,9 +85,11 @@ _SAFE = {"bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64"
 
 
 # the packages whose dataclasses and enums a plan is made of (the IR, the decompositions, the
-# placement, the task graph, its memory plan, the cluster, the state slots): a file may name no other
+# placement, the task graph, its memory plan, the cluster, the state slots, a graph's sparse operands):
+# a file may name no other
 _DATA_MODULES = ("einjoin.ir.", "einjoin.decomp.", "einjoin.placement.", "einjoin.exchange.", "einjoin.plan.",
-                 "einjoin.memplan.", "einjoin.cluster", "einjoin.runtime.state")
+                 "einjoin.memplan.", "einjoin.cluster", "einjoin.runtime.state", "einjoin.sparse.node",
+                 "einjoin.sparse.feed")
 
 
 class _BadFile(Exception):
