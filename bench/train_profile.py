@@ -9,10 +9,9 @@ case on a quiet machine). Printed:
   alternating rounds of 5 steps, medians, and their ratio; the step's task graph: tasks per kind
   (frees included) and the plan's modelled bytes moved;
 * with ``--breakdown``: the thread CPU of every computing task (``time.thread_time`` around
-  :func:`einjoin.plan.execute.compute` as the local runtime calls it, and around each kernel
-  prepared by :mod:`einjoin.runtime.fastkernels`, which the runtime calls directly), per task kind
-  and per (task kind, op kind, equation), the tasks per step, and what is left outside them (the
-  runtime's dispatch, the Trainer's feeds and state);
+  :func:`einjoin.plan.execute.compute` as the local runtime calls it: with it wrapped, every
+  task goes through it), per task kind and per (task kind, op kind, equation), the tasks per
+  step, and what is left outside them (the runtime's dispatch, the Trainer's feeds and state);
 * with ``--glue``: the runtime's own CPU per step, with no instrument inside it: steps in which
   every prepared kernel returns the block it computed last at once (its numpy / torch work
   left out, everything else as it is: dispatch, stores, loads, selects, moves, reduces, frees,
@@ -72,40 +71,19 @@ def breakdown(trainer: Any, batches: Any, steps: int) -> tuple[float, dict[tuple
     orig = local_runtime.__dict__["compute"]  # the name the local runtime calls
     acc: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     lock = threading.Lock()  # the device threads add to the same entries
-    inside = threading.local()  # a prepared kernel called from compute() is timed once
 
-    def add(t: Any, cpu: float) -> None:
+    def timed(t: Any, *args: Any) -> Any:
+        c0 = time.thread_time()
+        out = orig(t, *args)
+        cpu = time.thread_time() - c0
         op = t.node.op
         with lock:
             e = acc[(t.kind.name, type(op).__name__, str(getattr(op, "equation", "")))]
             e[0] += cpu
             e[1] += 1
+        return out
 
-    def timed(t: Any, *args: Any) -> Any:
-        inside.on = True
-        c0 = time.thread_time()
-        try:
-            return orig(t, *args)
-        finally:
-            inside.on = False
-            add(t, time.thread_time() - c0)
-
-    def timed_fast(t: Any, f: Any) -> Any:
-        def run(blocks: Any) -> Any:
-            if getattr(inside, "on", False):
-                return f(blocks)
-            c0 = time.thread_time()
-            try:
-                return f(blocks)
-            finally:
-                add(t, time.thread_time() - c0)
-        return run
-
-    fast = trainer.program._engine.fast_kernels()  # the kernels LocalSession calls directly
-    kept = list(fast)
-    tasks = trainer.program.taskgraph.tasks
     local_runtime.__dict__["compute"] = timed
-    fast[:] = [f if f is None else timed_fast(tasks[i], f) for i, f in enumerate(kept)]
     try:
         c0 = time.process_time()
         for i in range(steps):
@@ -113,7 +91,6 @@ def breakdown(trainer: Any, batches: Any, steps: int) -> tuple[float, dict[tuple
         total = (time.process_time() - c0) / steps
     finally:
         local_runtime.__dict__["compute"] = orig
-        fast[:] = kept
     return total, {k: [v[0] / steps, v[1] / steps] for k, v in acc.items()}
 
 

@@ -37,6 +37,9 @@ __all__ = ["Store", "SoloStore", "LocalSession"]
 _MOVE, _LOAD, _KERNEL, _RELOAD, _EVICT, _TOUCH, _FREE = (TaskKind.MOVE, TaskKind.LOAD, TaskKind.KERNEL,
                                                          TaskKind.RELOAD, TaskKind.EVICT, TaskKind.TOUCH,
                                                          TaskKind.FREE)
+# compute() as imported: _kernel calls a prepared kernel directly only while this module's
+# compute is still it (a test or a profiler that wraps local.compute sees every task again)
+_COMPUTE = compute
 _RELEASES = frozenset(k for k in TaskKind if k.releases)
 _TO_HOST = frozenset(k for k in TaskKind if k.to_host)
 _CROSSES_HOST = frozenset(k for k in TaskKind if k.crosses_host)
@@ -280,7 +283,9 @@ class LocalSession:
         """A kernel task when its value may be a view of its inputs (no cap): :meth:`execute`'s
         path for a kernel with its tests of other kinds left out, and the kernel prepared for it
         (:mod:`einjoin.runtime.fastkernels`) called here, not through :func:`compute` (which
-        calls it the same way, inside ``errstate`` unless the thread holds it already)."""
+        calls it the same way, inside ``errstate`` unless the thread holds it already), unless
+        this module's ``compute`` was replaced (fault injection, profiling: every task goes
+        through it then)."""
         w = t.writes
         store = self.stores[t.device]
         scratch = t.scratch
@@ -291,8 +296,8 @@ class LocalSession:
             get = store.values.get
             shape = self.shapes[w]
             fast = self.fast[t.id]
-            value = fast([get(v) for v in t.reads]) if fast is not None and getattr(QUIET_FLOATS, "on", False) \
-                else None
+            value = fast([get(v) for v in t.reads]) if fast is not None and compute is _COMPUTE and \
+                getattr(QUIET_FLOATS, "on", False) else None
             if value is None or value.shape != shape:  # not prepared for these blocks: the general path
                 value = compute(t, get, self.feeds, self.decomps, shape, fast)
         if scratch:
