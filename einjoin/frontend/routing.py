@@ -603,11 +603,26 @@ def getitem_with_tensors(x: Tensor, index: tuple[Any, ...]) -> Tensor:
 BUILT_ELSEWHERE["getitem_with_tensors"] = getitem_with_tensors  # Tensor.__getitem__ calls it
 
 
+LAST_WRITE_PAIRS = 4096
+"""index_put without accumulate finds repeated indices exactly (last write wins) for up to this
+many index positions (an EinSum over their pairs: 16M compares at the limit)."""
+
+
 def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Tensor:
     """``x[i0, i1, ...] = values`` (``+=`` with ``accumulate``), functional, as ATen's
     ``index_put``: a scatter-add of ``values`` (broadcast to ``x[indices]``'s shape) into ``x``
-    with the indexed dims merged; without ``accumulate`` a repeated index sums its writes (torch
-    leaves it unspecified). A bool mask index with one value is ``where(mask, value, x)``."""
+    with the indexed dims merged. Without ``accumulate`` a repeated index keeps its last write, as
+    torch's CPU kernel does (torch's documentation leaves it unspecified): the writes that a later
+    one repeats are dropped first (an EinSum over pairs of index positions, for up to
+    :data:`LAST_WRITE_PAIRS` positions; beyond, a repeated index gets the mean of its writes, which
+    is exact where they agree: ``y[i] = 7``, ``y[i] += 1``). A bool mask index with one value is
+    ``where(mask, value, x)``.
+
+    >>> import numpy as np, einjoin as ej
+    >>> x = ej.input("x", (4,)); i = ej.input("i", (3,), "int64")
+    >>> ej.reference(index_put(x, [i], 7.0), x=np.zeros(4, np.float32), i=np.array([1, 1, -1])).tolist()
+    [0.0, 7.0, 0.0, 7.0]
+    """
     x = _t(x, "index_put")
     if any(isinstance(i, Tensor) and i.dtype == "bool" for i in indices):
         return _masked_put(x, indices, values, accumulate)
@@ -621,13 +636,23 @@ def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool =
     inverse = [order.index(k) for k in range(len(order))]
     v = v if inverse == list(range(v.ndim)) else v.permute(inverse)  # to [index dims..., other dims...]
     vv = v if v.dtype != "bool" else v.to("int64")
+    m = math.prod(bshape)
+    if not accumulate and 1 < m <= LAST_WRITE_PAIRS:  # a write that a later one repeats: dropped
+        flat = lin.reshape((m,))
+        iota = fill((m,), "x0", "int64")
+        later = einsum("j,k,j,k->j", flat, flat, iota, iota, join="where((x0 == x1) & (x3 > x2), 1, 0)", agg="max")
+        keep = (later == 0).reshape(bshape + (1,) * (vv.ndim - len(bshape)))
+        vv = _where(keep, vv, full((), 0, vv.dtype))
     placed = wrap(ops.scatter_add_node(vv.node, lin.node, table.shape[0]))
     if accumulate:
         new = (table.to("int64") + placed).to("bool") if table.dtype == "bool" else table + placed.to(table.dtype)
     else:
-        hit = wrap(ops.scatter_add_node(full(bshape, 1, "int64").node, lin.node, table.shape[0])) > 0
-        hit = hit.reshape((table.shape[0],) + (1,) * (table.ndim - 1))
-        new = _where(hit, placed.to(table.dtype), table)
+        count = wrap(ops.scatter_add_node(full(bshape, 1, "int64").node, lin.node, table.shape[0]))
+        count = count.reshape((table.shape[0],) + (1,) * (table.ndim - 1))
+        if m > LAST_WRITE_PAIRS and table.dtype != "bool":  # the mean of a repeated index's writes
+            placed = (placed / elementwise("max", count, 1) if kind(table.dtype) == "float" else
+                      elementwise("floordiv", placed, elementwise("max", count, 1)))
+        new = _where(count > 0, placed.to(table.dtype), table)
     new = new.reshape(tuple(x.shape[d] for d in dims) + tuple(x.shape[d] for d in rest))
     perm = dims + rest
     back = [perm.index(d) for d in range(x.ndim)]

@@ -9,7 +9,8 @@ Each test failed before its fix (the commit that added it says what einjoin did 
   ``p.data`` is read again;
 - the module guard refuses a run after a change to a setting the capture read, and only then
   (``m.epoch = 1`` was refused);
-- a training-mode dropout beside a buffer write (BatchNorm) imports (``native_dropout``).
+- a training-mode dropout beside a buffer write (BatchNorm) imports (``native_dropout``);
+- ``y[i] = v`` with a repeated index keeps the last write (the writes were summed).
 """
 
 from __future__ import annotations
@@ -211,3 +212,54 @@ def test_a_training_dropout_beside_batch_norm_imports_and_trains() -> None:
     assert all(np.isfinite(losses))
     assert int(trainer.state_dict()["1.num_batches_tracked"]) == 1 + 3  # the run above, then 3 steps
     assert np.isfinite(trainer.evaluate(x, y))
+
+
+# ---------------------------------------------------------------- 5. index_put with a repeated index
+
+
+def _put_scalar(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[i] = 7.0
+    return y
+
+
+def _put_values(x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[i] = v
+    return y
+
+
+def _put_add(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[i] += 1
+    return y
+
+
+def _put_rows(x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(5, 2).index_put((i,), v[:, None].expand(3, 2))
+
+
+@pytest.mark.parametrize("f, args", [
+    (_put_scalar, (torch.zeros(5), torch.tensor([1, 1, -1]))),
+    (_put_values, (torch.zeros(5), torch.tensor([1, 1, -1]), torch.tensor([1.0, 2.0, 3.0]))),
+    (_put_add, (torch.arange(5.0), torch.tensor([1, 1, -1]))),
+    (_put_rows, (torch.zeros(5), torch.tensor([4, 1, -1]), torch.tensor([1.0, 2.0, 3.0]))),
+    (_put_values, (torch.zeros(5, dtype=torch.int64), torch.tensor([3, 3, 3]), torch.tensor([4, 5, 6]))),
+])
+def test_index_put_with_a_repeated_index_keeps_the_last_write(f: object, args: tuple) -> None:
+    """``y[i] = 7.0`` with i = [1, 1, -1] gave 14 at position 1 (the writes of a repeated index
+    were summed), ``y[i] += 1`` 2 instead of 1; torch keeps the last write."""
+    want = f(*args)  # type: ignore[operator]
+    prog = ej.compile(ej.from_torch(_Fn(f), args), devices=2, quiet=True)
+    assert torch.equal(prog.run(*args), want)
+
+
+def test_index_put_gradient_with_a_repeated_index_reaches_the_last_write_only() -> None:
+    # the write a later one repeats does not reach the output: its gradient is 0. (torch's autograd
+    # gathers the output's gradient at every index position, the overwritten one too: [2, 2, 5])
+    x, v = ej.input("x", (5,)), ej.param("v", (3,))
+    i = ej.input("i", (3,), "int64")
+    from einjoin.frontend.routing import index_put
+    loss = (index_put(x, [i], v) * ej.fill((5,), "x0 + 1", "float32")).sum()
+    (g,) = ej.grad(loss, [v])
+    np.testing.assert_array_equal(ej.reference(g, i=np.array([1, 1, -1])), [0.0, 2.0, 5.0])
