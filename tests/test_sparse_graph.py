@@ -238,15 +238,41 @@ def test_matmul_with_a_sparse_matrix_builds_the_node():
         np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-12)
 
 
-def test_a_program_holding_a_sparse_constant_pickles_but_is_not_saved(tmp_path):
+@pytest.mark.parametrize("block", [1, 3])
+def test_a_program_holding_a_sparse_constant_pickles_and_saves(tmp_path, block):
+    """Pickled, and saved with prog.save / ej.load (the constant's keys and data with the
+    program's arrays): the same values, its gradient program too, at blocks 1 and 3."""
     import pickle
     sp = _adjacency(12, 10, 0.3, 14)
-    y = ej.einsum("ij,jk->ik", ej.sparse("A", sp), ej.input("h", (10, 3), "float64"))
-    prog = ej.compile(y, devices=2)
+    h = ej.input("h", (10, 3), "float64")
+    y = ej.einsum("ij,jk->ik", ej.sparse("A", sp, block=block), h)
+    (dh,) = ej.grad((y * y).sum(), [h])
+    prog = ej.compile([y, dh], devices=2)
     hv = _feeds({"h": (10, 3)}, 15)["h"]
-    np.testing.assert_allclose(pickle.loads(pickle.dumps(prog)).run(h=hv), sp.toarray() @ hv, rtol=1e-12)
-    with pytest.raises(EinjoinError, match="GraphSparse"):  # saved programs hold plain data only (not yet)
-        prog.save(tmp_path / "p.ej")
+    want = (sp.toarray() @ hv, 2 * sp.toarray().T @ (sp.toarray() @ hv))
+    for got in (pickle.loads(pickle.dumps(prog)).run(h=hv), prog.run(h=hv)):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-12)
+    prog.save(tmp_path / "p.ej")
+    back = ej.load(tmp_path / "p.ej")
+    for g, w in zip(back.run(h=hv), want):
+        np.testing.assert_allclose(g, w, rtol=1e-12)
+
+
+def test_a_program_with_a_fed_sparse_input_saves_and_loads(tmp_path):
+    A = ej.sparse_input("A", (12, 10), nnz=60, dtype="float64")
+    h = ej.input("h", (10, 3), "float64")
+    y = A @ h
+    prog = ej.compile([y, *ej.grad((y * y).sum(), [A, h])], devices=2)
+    prog.save(tmp_path / "q.ej")
+    back = ej.load(tmp_path / "q.ej")
+    hv = _feeds({"h": (10, 3)}, 16)["h"]
+    for seed in (17, 18):
+        fed = _adjacency(12, 10, 0.3, seed)
+        for g, w in zip(back.run(A=fed, h=hv), prog.run(A=fed, h=hv)):
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(ShapeError, match="input 'A': expected a sparse tensor of shape"):
+        back.run(A=_adjacency(10, 12, 0.3, 1), h=hv)
 
 
 def test_the_reference_of_a_large_sparse_operand_runs_the_sparse_engine(monkeypatch):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,14 +52,20 @@ def keys_name(name: str, shape: Sequence[int]) -> str:
     return f"{name}{KEYS}[{','.join(map(str, shape))}]"
 
 
+@dataclass(eq=False)
 class FedSparse:
     """The sparse operand of a :class:`SparseEinsum` node whose tensor is fed at run (the IR's
-    ``SparseOperand``): the declared name, shape, dtype and capacity; its ``einsum`` reads the
-    run's keys and values from the node's last two input blocks. Hashed by identity."""
+    ``SparseOperand``): the declared name, shape, dtype and capacity (plain data: ``prog.save``
+    writes it); its ``einsum`` reads the run's keys and values from the node's last two input
+    blocks. Hashed by identity."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, capacity: int) -> None:
-        self.name, self.shape, self.capacity = name, shape, capacity
-        self.dtype_name = dtype
+    name: str
+    shape: tuple[int, ...]
+    dtype_name: str
+    capacity: int
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.shape)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -253,6 +260,10 @@ def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
     return keys, out
 
 
+def _declared(x: FedSparse) -> tuple[Any, ...]:
+    return (x.name, tuple(x.shape), x.dtype_name, x.capacity)  # (a loaded program's are equal copies)
+
+
 def _fed_of(graph: Graph) -> list[SparseInput]:
     """The sparse inputs ``graph`` reads: those of its sparse einsums, and a declaration whose
     keys input it reads without one (a gradient w.r.t. the values gathers at the keys)."""
@@ -265,7 +276,7 @@ def _fed_of(graph: Graph) -> list[SparseInput]:
         if isinstance(operand, FedSparse) and len(node.inputs) >= 2:
             x = SparseInput(operand, node.inputs[-1], node.inputs[-2])
             other = found.setdefault(x.name, x)
-            if other.operand is not operand:
+            if other.operand is not operand and _declared(other.operand) != _declared(operand):
                 raise EinjoinError(f"sparse input {x.name!r} is declared twice in this graph, with shapes "
                                    f"{other.shape} and {x.shape}: give each sparse input its own name")
     with _LOCK:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -45,15 +46,34 @@ __all__ = ["GraphSparse", "PlanCache", "graph_operand", "is_lazy", "lazy_einsum"
 _KEY = ("graph operand",)  # the wrapper's key in its tensor's derived dict
 
 
+@dataclass(eq=False)
 class GraphSparse:
     """The sparse constant of :class:`SparseEinsum` nodes: a SparseTensor and the compiled plans
     of the einsums the graph asks of it. Hashed by identity (one per tensor: :func:`graph_operand`);
-    pickles as its tensor (plans are compiled again where it lands: a Ray actor)."""
+    pickles as its tensor (plans are compiled again where it lands: a Ray actor). Its fields are
+    the tensor as plain data, so that ``prog.save`` writes it (the arrays with the program's) and
+    ``ej.load`` builds it again (its keys checked as a directly built tensor's)."""
 
-    __slots__ = ("tensor", "_plans", "_floats", "_lock")
+    name: str
+    shape: tuple[int, ...]
+    block: tuple[int, ...]
+    keys: np.ndarray
+    data: np.ndarray
 
-    def __init__(self, tensor: SparseTensor) -> None:
+    def __post_init__(self) -> None:  # read from a file: checked as any tensor built directly
+        self._fresh(SparseTensor(self.name, tuple(self.shape), tuple(self.block), self.keys, self.data))
+
+    @classmethod
+    def of(cls, tensor: SparseTensor) -> GraphSparse:
+        """The operand of ``tensor`` (its arrays shared, not checked again)."""
+        obj = cls.__new__(cls)
+        obj._fresh(tensor)
+        return obj
+
+    def _fresh(self, tensor: SparseTensor) -> None:
         self.tensor = tensor
+        self.name, self.shape, self.block = tensor.name, tuple(tensor.shape), tuple(tensor.block)
+        self.keys, self.data = tensor.keys, tensor.data
         self._plans = PlanCache()
         self._floats: dict[str, SparseTensor] = {}  # an int / bool tensor's float copies
         self._lock = threading.Lock()
@@ -62,21 +82,10 @@ class GraphSparse:
         return {"tensor": self.tensor}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.tensor = state["tensor"]
-        self._plans = PlanCache()
-        self._floats = {}
-        self._lock = threading.Lock()
+        self._fresh(state["tensor"])
 
     def __repr__(self) -> str:
         return f"GraphSparse({self.tensor!r})"
-
-    @property
-    def name(self) -> str:
-        return self.tensor.name
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
 
     @property
     def dtype_name(self) -> str:
@@ -113,7 +122,7 @@ def graph_operand(tensor: SparseTensor) -> GraphSparse:
     """The one :class:`GraphSparse` of ``tensor`` (kept with it, so equal graphs hash-cons)."""
     found = tensor.derived.get(_KEY)
     if not isinstance(found, GraphSparse):
-        found = tensor.derived[_KEY] = GraphSparse(tensor)
+        found = tensor.derived[_KEY] = GraphSparse.of(tensor)
     return found
 
 
