@@ -55,6 +55,7 @@ CASES: dict[str, Callable[[], ej.Tensor]] = {
     "causal attention 8x512x64": _attention,
     "elementwise+softmax 1024x2048": _elementwise_softmax,
 }
+PAUSE = 0.3  # seconds before each measurement (see Row.measure)
 RANDOM_BASES = ("chain 768^2 x3", "MLP 1024x512x2048", "elementwise+softmax 1024x2048", "causal attention 8x512x64")
 
 
@@ -124,6 +125,11 @@ class Row:
         self.simulated = float(self.prog.simulate().makespan)
 
     def measure(self, reps: int) -> None:
+        # the previous row's BLAS worker threads (one device: a BLAS thread per core) spin for a
+        # while after its last GEMM; on a 2-core box they took a core from the next row's device
+        # threads (chain 768^2 on 2 devices: 15-18.5 ms right after the 1-device row, 10.3-10.8
+        # ms on its own): let them go to sleep first
+        time.sleep(PAUSE)
         o0, t0 = _others_ns(), time.perf_counter()
         measured, cpu = measure(self.prog, self.feeds, reps)
         o1, t1 = _others_ns(), time.perf_counter()
