@@ -181,12 +181,32 @@ class _StepProgram:
     seeded: bool = False            # reads dropout_seed
     apply: bool = False             # reads accumulate_apply
     version: int = -1               # an evaluation's: the Trainer.version its parameters are from
+    guard: Any = None               # the module's settings the capture read (its mode aside)
 
 
 # ---------------------------------------------------------------- the trainer
 
 
 _M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _settings_guard(fn: TorchFunction) -> Any:
+    """The capture's module guard without the modes (the trainer sets them for its captures)."""
+    return fn.guard.without({"training"}) if fn.guard is not None else None
+
+
+def _check_guard(sp: _StepProgram, what: str) -> None:
+    """A setting the capture read (a dropout's ``p``, ``m.scale``) changed since: torch's next
+    step would compute with the new value, the program with the old one. Refused, naming it."""
+    if sp.guard is None:
+        return
+    try:
+        sp.guard.check()
+    except EinjoinError as e:
+        msg = str(e).split("; ")[0].replace("the module's module.", "the module's ")
+        raise EinjoinError(f"Trainer.{what}: {msg}; the step was captured for the old value: set it "
+                           f"back, or continue in a new trainer (trainer.save(path), then "
+                           f"ej.Trainer.load(path, module, ...) keeps the optimizer state)") from None
 
 
 def _serialised(method: _M) -> _M:
@@ -397,7 +417,7 @@ class Trainer:
         prog = ej_compile([loss], state=state, deterministic=True, **self._options)
         sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), names, fixed,
                           {k: v for k, v in hyper.items() if v in used}, DROPOUT_SEED in used,
-                          APPLY in used)
+                          APPLY in used, guard=_settings_guard(fn))
         self._programs[key] = sp
         return sp
 
@@ -435,7 +455,7 @@ class Trainer:
         kept = [Tensor(used[n]) for n in (*params, *fixed)]
         prog = ej_compile([loss], state={t: t for t in kept}, deterministic=True, **self._options)
         sp = _StepProgram(prog, tuple(a if a in used else None for a in fn.arg_names), params, fixed,
-                          seeded=DROPOUT_SEED in used)
+                          seeded=DROPOUT_SEED in used, guard=_settings_guard(fn))
         self._evals[key] = sp
         return sp
 
@@ -521,6 +541,7 @@ class Trainer:
         batch = self._check(batch, "step")
         key = self._key(batch)
         sp = self._programs.get(key) or self._compile(batch, key)
+        _check_guard(sp, "step")
         feeds = self._feeds(sp, batch)
         self._take(sp)
         loss = _loss(sp.prog.run(**feeds), sp.prog, "step")
@@ -541,6 +562,7 @@ class Trainer:
         batch = self._check(batch, "evaluate")
         key = self._key(batch)
         sp = self._evals.get(key) or self._compile_eval(batch, key)
+        _check_guard(sp, "evaluate")
         if sp.version != self.version:
             self._write(sp)
             sp.version = self.version

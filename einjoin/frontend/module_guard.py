@@ -130,6 +130,16 @@ class ModuleGuard:
                             tuple(_effective(d, type(m), k) for k in keys)))
         self.entries: tuple[tuple[tuple[str, ...], type, tuple[str, ...], tuple[Any, ...]], ...] = tuple(entries)
 
+    def without(self, names: set[str]) -> ModuleGuard:
+        """This guard less the attributes ``names`` in every submodule (``{"training"}``: the
+        Trainer sets the mode of its captures itself)."""
+        out = ModuleGuard.__new__(ModuleGuard)
+        out.root = self.root
+        out.entries = tuple((path, kind, tuple(k for k in keys if k not in names),
+                             tuple(v for k, v in zip(keys, values) if k not in names))
+                            for path, kind, keys, values in self.entries)
+        return out
+
     def union(self, other: ModuleGuard | None) -> ModuleGuard:
         """This guard with ``other``'s names too (the same module captured again at other shapes,
         on a copy of its tree: a forward may read other settings there), matched by path; the

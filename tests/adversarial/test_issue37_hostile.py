@@ -10,7 +10,8 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - the module guard refuses a run after a change to a setting the capture read, and only then
   (``m.epoch = 1`` was refused);
 - a training-mode dropout beside a buffer write (BatchNorm) imports (``native_dropout``);
-- ``y[i] = v`` with a repeated index keeps the last write (the writes were summed).
+- ``y[i] = v`` with a repeated index keeps the last write (the writes were summed);
+- ``ej.Trainer`` refuses a step after a setting its capture read changed (it computed the old one).
 """
 
 from __future__ import annotations
@@ -263,3 +264,28 @@ def test_index_put_gradient_with_a_repeated_index_reaches_the_last_write_only() 
     loss = (index_put(x, [i], v) * ej.fill((5,), "x0 + 1", "float32")).sum()
     (g,) = ej.grad(loss, [v])
     np.testing.assert_array_equal(ej.reference(g, i=np.array([1, 1, -1])), [0.0, 2.0, 5.0])
+
+
+# ---------------------------------------------------------------- 6. the Trainer after a setting changed
+
+
+def test_the_trainer_refuses_a_step_after_a_setting_its_capture_read_changed() -> None:
+    """``model[1].p = 0.0`` (a dropout schedule) after the trainer was made: every later step
+    computed with p = 0.5 (loss 1.92 where torch's deterministic forward gave 1.25). Refused now,
+    naming it; the module's mode, which the trainer sets itself, is no change."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    trainer = ej.Trainer(m, (x, y), nn.functional.mse_loss, optimizer=ej.optim.SGD(lr=0.1), devices=1)
+    trainer.step(x, y)
+    m.eval()  # the user's mode: the trainer's captures set their own
+    trainer.step(x, y)
+    m.note = "epoch 2"  # not read by the forward
+    trainer.evaluate(x, y)
+    m[1].p = 0.0
+    with pytest.raises(ej.EinjoinError, match=r"Trainer\.step: the module's 1\.p is 0\.0 now, 0\.5"):
+        trainer.step(x, y)
+    with pytest.raises(ej.EinjoinError, match=r"Trainer\.evaluate: .*1\.p"):
+        trainer.evaluate(x, y)
+    m[1].p = 0.5
+    assert np.isfinite(trainer.step(x, y))
