@@ -94,6 +94,8 @@ def test_a_fed_tensor_of_another_shape_dtype_or_more_entries_is_refused_naming_t
         prog.run(adj=ok.toarray(), x=xv)
     with pytest.raises(EinjoinError, match=r"missing sparse input 'adj'"):
         prog.run(x=xv)
+    with pytest.raises(EinjoinError, match=r"missing sparse input 'adj' .*feed it by name, adj=tensor"):
+        prog.run(ok, xv)  # positionally: sparse inputs are fed by name
     with pytest.raises(EinjoinError, match=r"missing sparse input 'adj'"):
         ej.reference(A @ x, x=xv)
     # float16 values into a float32 input are exact: accepted

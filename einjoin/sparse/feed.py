@@ -319,7 +319,8 @@ def fed_feeds(graph: Graph, feeds: dict[str, Any]) -> dict[str, Any]:
             if x.keys.op.name in feeds:  # type: ignore[union-attr]
                 raise EinjoinError(f"input {x.keys.op.name!r} is the keys of sparse input {x.name!r}: feed "  # type: ignore[union-attr]
                                    f"the sparse tensor as {x.name}=...")
-            raise EinjoinError(f"missing sparse input {x.name!r} (shape {x.shape}, {x.dtype}, nnz <= {x.nnz})")
+            raise EinjoinError(f"missing sparse input {x.name!r} (shape {x.shape}, {x.dtype}, nnz <= {x.nnz}): "
+                               f"feed it by name, {x.name}=tensor")
         keys, values = _feed(x, feeds[x.name])
         if names.get(x.name) is x.values:
             feeds[x.name] = values
