@@ -98,6 +98,9 @@ def test_a_fed_tensor_of_another_shape_dtype_or_more_entries_is_refused_naming_t
         prog.run(ok, xv)  # positionally: sparse inputs are fed by name
     with pytest.raises(EinjoinError, match=r"missing sparse input 'adj'"):
         ej.reference(A @ x, x=xv)
+    nan = ej.sparse("adj", (np.array([[0], [1]]), np.array([np.nan], np.float32), (10, 8)))
+    with pytest.raises(EinjoinError, match=r"input 'adj': inf or nan among its stored values"):
+        prog.run(adj=nan, x=xv)  # before the run (the engine refuses them too), by name
     # float16 values into a float32 input are exact: accepted
     half = ej.sparse("adj", (np.stack([ok.row, ok.col]), ok.data.astype(np.float16), (10, 8)))
     np.testing.assert_allclose(prog.run(adj=half, x=xv), half.todense().astype(np.float32) @ xv, rtol=1e-6)
@@ -212,3 +215,14 @@ def test_random_values_gradients_are_the_dense_gradient_at_the_stored_entries(ca
     want[:len(coords)] = want_dense[tuple(coords.T)]
     np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ej.reference(dv, **{A.name: fed}, **feeds), got, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bool_adjacency_fed_to_a_bool_input_takes_the_float_operands_dtype():
+    B = ej.sparse_input("B", (4, 3), nnz=5, dtype="bool")
+    h = ej.input("h", (3, 2), "float32")
+    m = scipy.sparse.coo_array((np.ones(3, bool), ([0, 1, 3], [0, 2, 1])), shape=(4, 3))
+    hv = np.arange(6, dtype=np.float32).reshape(3, 2)
+    for feed in (m, torch.tensor(m.toarray()).to_sparse()):
+        out = np.asarray(ej.compile(B @ h, devices=2).run(B=feed, h=hv))  # (torch in: torch out)
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(out, m.toarray().astype(np.float32) @ hv)

@@ -255,13 +255,20 @@ def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
             raise EinjoinError(f"input {name!r} is a sparse input (ej.sparse_input, shape {x.shape}, nnz <= "
                                f"{x.nnz}): feed a SparseTensor (ej.sparse), a scipy.sparse matrix, a torch "
                                f"sparse tensor or a pydata sparse.COO, got {type(value).__name__}")
-        value = sparse(name, value)
+        boolean = str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+        value = sparse(name, value)  # (bool values are read as float32 0 / 1: a bool input keeps them bool)
+        if boolean and x.dtype == "bool":
+            value = SparseTensor(value.name, value.shape, value.block, np.asarray(value.keys),
+                                 np.asarray(value.data).astype(bool), trusted=True)
     if tuple(value.shape) != x.shape:
         raise ShapeError(f"input {name!r}: expected a sparse tensor of shape {x.shape}, got {tuple(value.shape)}")
     if not exact_cast(np.dtype(value.dtype), x.dtype):
         raise DTypeError(f"input {name!r}: expected {x.dtype} values, got {value.dtype} (einjoin casts a feed only "
                          f"when no value changes); convert the values, or declare ej.sparse_input({name!r}, "
                          f"{x.shape}, nnz, {str(value.dtype)!r})")
+    if not value.all_finite():  # as the sparse engine refuses them (0 * inf), but before the run, by name
+        raise EinjoinError(f"input {name!r}: inf or nan among its stored values; a sum of products with a sparse "
+                           f"tensor does not take them (absent entries are zeros: 0 * inf)")
     r = len(x.shape)
     entries = value if all(b == 1 for b in value.block) else value.reblock((1,) * r)
     coords = np.asarray(entries.keys, np.int64)
