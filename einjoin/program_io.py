@@ -107,6 +107,7 @@ class _Encoder:
         self.nodes: list[Any] = []
         self.classes: dict[type, int] = {}
         self.arrays: dict[str, np.ndarray] = {}
+        self.array_keys: dict[int, str] = {}  # id of an array written -> its key
 
     def add_nodes(self, nodes: Any) -> None:
         """Give ``nodes`` and everything they read ids, in creation order (a topological one)."""
@@ -138,9 +139,11 @@ class _Encoder:
             return {"agg": x.name}
         if isinstance(x, LinkMatrix):
             return {"links": [self.enc(v) for v in (x.groups, x.diag, x.intra, x.inter)]}
-        if isinstance(x, np.ndarray):
-            key = f"inline.{len(self.arrays)}"
-            self.arrays[key] = x
+        if isinstance(x, np.ndarray):  # once per array however many ops hold it (a sparse constant's)
+            key = self.array_keys.get(id(x))  # (self.arrays holds x: its id is not reused meanwhile)
+            if key is None:
+                key = self.array_keys[id(x)] = f"inline.{len(self.arrays)}"
+                self.arrays[key] = x
             return {"array": key}
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return {"c": self.cls(type(x)), "f": {f.name: self.enc(getattr(x, f.name))
