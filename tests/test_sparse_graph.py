@@ -241,8 +241,11 @@ def test_matmul_with_a_sparse_matrix_builds_the_node():
 @pytest.mark.parametrize("block", [1, 3])
 def test_a_program_holding_a_sparse_constant_pickles_and_saves(tmp_path, block):
     """Pickled, and saved with prog.save / ej.load (the constant's keys and data with the
-    program's arrays): the same values, its gradient program too, at blocks 1 and 3."""
+    program's arrays, once): the same values, its gradient program too, at blocks 1 and 3."""
+    import json
     import pickle
+    import struct
+    import zipfile
     sp = _adjacency(12, 10, 0.3, 14)
     h = ej.input("h", (10, 3), "float64")
     y = ej.einsum("ij,jk->ik", ej.sparse("A", sp, block=block), h)
@@ -257,6 +260,10 @@ def test_a_program_holding_a_sparse_constant_pickles_and_saves(tmp_path, block):
     back = ej.load(tmp_path / "p.ej")
     for g, w in zip(back.run(h=hv), want):
         np.testing.assert_allclose(g, w, rtol=1e-12)
+    with zipfile.ZipFile(tmp_path / "p.ej") as z:
+        raw = z.read("arrays.safetensors")
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert len([k for k in header if k != "__metadata__"]) == 2, "the constant's keys and data once (two nodes hold it)"
 
 
 def test_a_program_with_a_fed_sparse_input_saves_and_loads(tmp_path):
