@@ -50,9 +50,12 @@ def test_threads_and_torch_backends_and_blocked_feeds():
     xv = np.random.default_rng(1).normal(size=(12, 4)).astype(np.float32)
     want = sp.toarray().astype(np.float32) @ xv
     fed = ej.sparse("B", sp.astype(np.float32), block=4)  # a block-sparse tensor: its entries are fed
+    (da,) = ej.grad(y.sum(), [A])  # d sum(A x) / dA[i, j] = sum_k x[j, k] on A's entries
+    want_da = xv.sum(1)[np.asarray(fed.reblock((1, 1)).keys)[:, 1]]
     for backend in ("threads", "torch"):
-        out = ej.compile(y, devices=2, backend=backend).run(B=fed, x=xv)
+        out, g = ej.compile([y, da], devices=2, backend=backend).run(B=fed, x=xv)
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g[:len(want_da)], want_da, rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_of_the_dense_operands_match_torch_with_a_fed_adjacency():
