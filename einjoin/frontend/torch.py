@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -566,6 +567,9 @@ def _capture(how: Callable[[Any, tuple[Any, ...], dict[str, Any]], TorchFunction
     return fn
 
 
+_CAPTURE_LOCK = threading.RLock()
+
+
 def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None,
                method: str = "auto", *, dropout_seed: int = 0,
                dynamic: Mapping[str, Mapping[int, str]] | None = None) -> TorchFunction:
@@ -595,7 +599,9 @@ def from_torch(module: Any, example_args: Sequence[Any] = (), example_kwargs: Ma
     # follows the call made here (a recapture: the first import's), and its notes say so
     paths = AM.paths_at_import(example_args if isinstance(example_args, (list, tuple)) else (example_args,),
                                example_kwargs if isinstance(example_kwargs, Mapping) else {})
-    with recording() as reads, AM.following(module, paths) as path_notes:  # the guard: what it read
+    # one capture at a time in the process: torch.export is not thread-safe (two threads importing
+    # at once failed: 'CURRENT_PATCHER is None in finally block', then the fx fallback too)
+    with _CAPTURE_LOCK, recording() as reads, AM.following(module, paths) as path_notes:  # the guard: reads
         fn, dyn, args, kwargs = _from_torch(module, example_args, example_kwargs, method, dropout_seed, dynamic)
     from dataclasses import replace
     if path_notes:
