@@ -1,4 +1,4 @@
-"""The simulator's max-min fair sharing (einjoin.runtime.simulate._share, a heap of resources by
+"""The simulator's max-min fair sharing (einjoin.runtime.simulate_share.share, a heap of resources by
 the level at which they fill) against the plain progressive filling it replaced, written out here
 as the oracle: every rate rises together, one pass over the rising flows per fill. Random flows
 over a few ports and the cores, demands as the cost rules give them (a transfer's bandwidth on
@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budget import examples
-from einjoin.runtime.simulate import _Flow, _share
+from einjoin.runtime.simulate import _Flow
+from einjoin.runtime.simulate_share import Sharing
+from einjoin.runtime.simulate_share import share as _share
 
 
 def _oracle(res: list[tuple[tuple[Any, float], ...]], cap: dict[Any, float]) -> list[float]:
@@ -88,3 +90,61 @@ def test_share_by_hand() -> None:
     # three through c at demand 1 with one also through a and b held by others
     rates = _rates([((c, 1.0), (a, 1.0)), ((a, 1.0),), ((a, 1.0),), ((a, 1.0),), ((c, 1.0),), ((c, 1.0),)], cap)
     assert rates == pytest.approx([0.25, 0.25, 0.25, 0.25, 0.375, 0.375])
+
+
+def _per_flow_pushes(res: list[Res], cap: dict[Any, float]) -> list[float]:
+    """The heap sharing as it was before :class:`Sharing` (resources hashed at every call, a
+    level pushed after each frozen flow), written out: the simulator's goldens pin its rates
+    bit for bit, so the faster one must give the very same floats."""
+    import heapq
+    index: dict[Any, int] = {}
+    caps: list[float] = []
+    use: list[float] = []
+    through: list[list[int]] = []
+    rate = [-1.0] * len(res)
+    for k, rs in enumerate(res):
+        for r, dem in rs:
+            if r not in index:
+                index[r] = len(caps)
+                caps.append(cap[r])
+                use.append(0.0)
+                through.append([])
+            use[index[r]] += dem
+            through[index[r]].append(k)
+    spare, at = list(caps), [0.0] * len(caps)
+    heap = [(spare[i] / use[i], i, use[i]) for i in range(len(caps)) if use[i] > 0]
+    heapq.heapify(heap)
+    while heap:
+        level, i, u = heapq.heappop(heap)
+        if u != use[i]:
+            continue
+        if level >= 1.0 - 1e-12:
+            break
+        for k in through[i]:
+            if rate[k] >= 0.0:
+                continue
+            rate[k] = level
+            for r, dem in res[k]:
+                j = index[r]
+                spare[j] -= use[j] * (level - at[j])
+                at[j] = level
+                use[j] -= dem
+                if use[j] > 1e-12 * caps[j] and j != i:
+                    heapq.heappush(heap, (level + max(spare[j], 0.0) / use[j], j, use[j]))
+        use[i] = 0.0
+    return [1.0 if x < 0.0 else x for x in rate]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(_flows(), min_size=1, max_size=4))
+def test_numbered_sharing_is_the_per_flow_heap_bit_for_bit(calls: list[list[Res]]) -> None:
+    # one Sharing for several calls (as a simulation keeps one): each call's resources are
+    # indexed afresh in the order its flows name them, whatever earlier calls numbered
+    sharing = Sharing(CAP.__getitem__)
+    for res in calls:
+        flows = [_Flow(None, 0, ((1.0, r),), 0.0) for r in res]  # type: ignore[arg-type]
+        for f in flows:
+            f.advance()
+            f.ids = sharing.number(f.res)
+        sharing.share(flows)
+        assert [f.rate for f in flows] == _per_flow_pushes(res, CAP)  # ==, not approx

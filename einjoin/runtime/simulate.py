@@ -33,6 +33,7 @@ import dataclasses
 import heapq
 import json
 import math
+import operator
 import os
 import pathlib
 import time
@@ -53,7 +54,7 @@ from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
 from einjoin.runtime.simulate_hardware import TORCH_KINDS, hardware_for, kernel_pools
-from einjoin.runtime.simulate_share import share as _share
+from einjoin.runtime.simulate_share import Sharing
 
 __all__ = ["Simulation", "simulate", "simulate_program", "hardware_for", "SimulateBackend", "COSTS", "Phases"]
 
@@ -372,13 +373,14 @@ def _caps(hw: Hardware) -> Callable[[Any], float]:
 class _Flow:
     """A task in flight: its phases, the one it is in, and the seconds (alone) left of it."""
 
-    __slots__ = ("task", "lane", "phases", "i", "left", "res", "rate", "start", "since", "end")
+    __slots__ = ("task", "lane", "phases", "i", "left", "res", "ids", "rate", "start", "since", "end")
 
     def __init__(self, task: Task, lane: int, phases: Phases, start: float):
         self.task, self.lane, self.phases, self.start = task, lane, phases, start
         self.i = -1
         self.left = 0.0
         self.res: Resources = ()
+        self.ids: tuple[tuple[int, float], ...] = ()  # ``res`` numbered (:class:`Sharing`), while shared
         self.rate = 1.0
         self.since = start  # when ``left`` was last brought up to date (a shared phase)
         self.end = start    # when the phase ends at the current rate
@@ -397,6 +399,9 @@ class _Flow:
                         self.left += phases[self.i][0]
                 return True
         return False
+
+
+_end_of = operator.attrgetter("end")
 
 
 def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int = 0,
@@ -472,7 +477,7 @@ def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority
             queues[lanes[t.id]].push(t.id)
     idle = [True] * (3 * n)
     waiting = {q for q in range(3 * n) if len(queues[q])}
-    cap = _caps(hardware)
+    sharing = Sharing(_caps(hardware))
     live, peak = [0] * n, [0] * n
     counted: set[int] = set()
     intervals: dict[int, list[tuple[float, float, int]]] = {d: [] for d in range(n)}
@@ -515,15 +520,16 @@ def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority
     # the shared phases by resource, and the resources whose flows changed since the last
     # sharing: only the flows connected to those through shared resources get new rates (max-min
     # fairness splits into such components; on 256 GPUs most transfers are in other nodes')
-    through: dict[Any, dict[_Flow, None]] = {}
-    touched: dict[Any, None] = {}
+    through: dict[int, dict[_Flow, None]] = {}  # by resource number
+    touched: dict[int, None] = {}
 
     def place(f: _Flow) -> None:
         nonlocal serial, dirty
         if f.res:
             f.since, f.rate = now, 0.0
             active.append(f)
-            for r, _ in f.res:
+            f.ids = sharing.number(f.res)
+            for r, _ in f.ids:
                 through.setdefault(r, {})[f] = None
                 touched[r] = None
             dirty = True
@@ -566,22 +572,20 @@ def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority
                 for f in through.get(stack.pop(), ()):
                     if f not in comp:
                         comp[f] = None
-                        for r, _ in f.res:
+                        f.left -= f.rate * (now - f.since)  # its progress at the old rate
+                        f.since = now
+                        for r, _ in f.ids:
                             if r not in seen:
                                 seen.add(r)
                                 stack.append(r)
             changed = list(comp)
-            for f in changed:
-                f.left -= f.rate * (now - f.since)
-                f.since = now
-            _share(changed, cap)
+            sharing.share(changed)
             for f in changed:
                 f.end = now + max(f.left, 0.0) / f.rate
             dirty = False
         nxt = fixed[0][0] if fixed else math.inf
-        for f in active:
-            if f.end < nxt:
-                nxt = f.end
+        if active:
+            nxt = min(nxt, min(map(_end_of, active)))
         now = max(now, nxt)
         limit = now * (1 + 1e-12) + 1e-15
         ended: list[_Flow] = []
@@ -591,7 +595,7 @@ def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority
                 ended = [f for f in active if f.end <= limit]
                 active[:] = keep
                 for f in ended:
-                    for r, _ in f.res:
+                    for r, _ in f.ids:
                         users = through[r]
                         del users[f]
                         if not users:
