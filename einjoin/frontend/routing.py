@@ -604,8 +604,20 @@ BUILT_ELSEWHERE["getitem_with_tensors"] = getitem_with_tensors  # Tensor.__getit
 
 
 LAST_WRITE_PAIRS = 4096
-"""index_put without accumulate finds repeated indices exactly (last write wins) for up to this
-many index positions (an EinSum over their pairs: 16M compares at the limit)."""
+"""index_put without accumulate finds repeated indices (last write wins) by an EinSum over pairs of
+index positions for up to this many positions (16M compares at the limit); beyond, by a stable
+sort of the positions' targets (:func:`_last_writes`)."""
+
+
+def _last_writes(flat: Tensor, m: int) -> Tensor:
+    """Bool ``(m,)``: True at each index position that no later position repeats. A stable sort
+    of the targets keeps each target's writes in position order, so a write is the last of its
+    target where the next sorted target differs; a scatter-add puts the flags back by position
+    (the sort's positions are a permutation: exact). O(m log m)."""
+    order = wrap(ops.topk_node(flat.node, m, 0, False, indices=True))
+    s = gather(flat, order)
+    last = concat([(s[:-1] != s[1:]).to("int64"), full((1,), 1, "int64")], 0)
+    return wrap(ops.scatter_add_node(last.node, order.node, m)) > 0
 
 
 def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Tensor:
@@ -614,9 +626,8 @@ def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool =
     with the indexed dims merged. Without ``accumulate`` a repeated index keeps its last write, as
     torch's CPU kernel does (torch's documentation leaves it unspecified): the writes that a later
     one repeats are dropped first (an EinSum over pairs of index positions, for up to
-    :data:`LAST_WRITE_PAIRS` positions; beyond, a repeated index gets the mean of its writes, which
-    is exact where they agree: ``y[i] = 7``, ``y[i] += 1``). A bool mask index with one value is
-    ``where(mask, value, x)``.
+    :data:`LAST_WRITE_PAIRS` positions; beyond, a stable sort of their targets). A bool mask index
+    with one value is ``where(mask, value, x)``.
 
     >>> import numpy as np, einjoin as ej
     >>> x = ej.input("x", (4,)); i = ej.input("i", (3,), "int64")
@@ -637,11 +648,16 @@ def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool =
     v = v if inverse == list(range(v.ndim)) else v.permute(inverse)  # to [index dims..., other dims...]
     vv = v if v.dtype != "bool" else v.to("int64")
     m = math.prod(bshape)
-    if not accumulate and 1 < m <= LAST_WRITE_PAIRS:  # a write that a later one repeats: dropped
+    if not accumulate and m > 1:  # a write that a later one repeats: dropped
         flat = lin.reshape((m,))
-        iota = fill((m,), "x0", "int64")
-        later = einsum("j,k,j,k->j", flat, flat, iota, iota, join="where((x0 == x1) & (x3 > x2), 1, 0)", agg="max")
-        keep = (later == 0).reshape(bshape + (1,) * (vv.ndim - len(bshape)))
+        if m <= LAST_WRITE_PAIRS:
+            iota = fill((m,), "x0", "int64")
+            later = einsum("j,k,j,k->j", flat, flat, iota, iota, join="where((x0 == x1) & (x3 > x2), 1, 0)",
+                           agg="max")
+            keep = later == 0
+        else:
+            keep = _last_writes(flat, m)
+        keep = keep.reshape(bshape + (1,) * (vv.ndim - len(bshape)))
         vv = _where(keep, vv, full((), 0, vv.dtype))
     placed = wrap(ops.scatter_add_node(vv.node, lin.node, table.shape[0]))
     if accumulate:
@@ -649,9 +665,6 @@ def index_put(x: Tensor, indices: Sequence[Any], values: Any, accumulate: bool =
     else:
         count = wrap(ops.scatter_add_node(full(bshape, 1, "int64").node, lin.node, table.shape[0]))
         count = count.reshape((table.shape[0],) + (1,) * (table.ndim - 1))
-        if m > LAST_WRITE_PAIRS and table.dtype != "bool":  # the mean of a repeated index's writes
-            placed = (placed / elementwise("max", count, 1) if kind(table.dtype) == "float" else
-                      elementwise("floordiv", placed, elementwise("max", count, 1)))
         new = _where(count > 0, placed.to(table.dtype), table)
     new = new.reshape(tuple(x.shape[d] for d in dims) + tuple(x.shape[d] for d in rest))
     perm = dims + rest

@@ -1,0 +1,41 @@
+"""Reviewer R1's checks of session 37's changes (each fails before its fix)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import einjoin as ej
+from einjoin.frontend.routing import LAST_WRITE_PAIRS
+
+
+class _Put(torch.nn.Module):
+    def forward(self, x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[i] = v
+        return y
+
+
+def _last_write(x: np.ndarray, i: np.ndarray, v: np.ndarray) -> np.ndarray:
+    y = x.copy()
+    for k, t in enumerate(i.tolist()):  # one write after the other: the last one stays
+        y[t] = v[k]
+    return y
+
+
+def test_index_put_past_the_pair_limit_keeps_one_write_not_their_mean() -> None:
+    # more index positions than LAST_WRITE_PAIRS: a repeated index took the mean of its writes
+    # (0.5 for writes 0, 1; inf for two writes of 3e38; any True for bools)
+    m = LAST_WRITE_PAIRS + 5
+    i = np.array([3, 3] + [5] * (m - 3) + [-1], np.int64)
+    x = np.zeros(10, np.float32)
+    prog = ej.compile(ej.from_torch(_Put(), tuple(map(torch.from_numpy, (x, i, np.zeros(m, np.float32))))),
+                      devices=ej.local(2))
+    for v in (np.arange(m, dtype=np.float32), np.full(m, 3e38, np.float32),
+              np.random.default_rng(0).standard_normal(m).astype(np.float32)):
+        got = np.asarray(prog.run(x, i, v))
+        assert np.array_equal(got, _last_write(x, i % 10, v))
+    xb, vb = np.zeros(10, bool), np.zeros(m, bool)
+    vb[0] = True  # overwritten by the next write to 3
+    progb = ej.compile(ej.from_torch(_Put(), tuple(map(torch.from_numpy, (xb, i, vb)))), devices=ej.local(1))
+    assert np.array_equal(np.asarray(progb.run(xb, i, vb)), _last_write(xb, i % 10, vb))
