@@ -60,26 +60,46 @@ _DEPTH = [0]  # records open in all threads: the recorder is nn.Module's while a
 _SAVED: list[Any] = []
 
 
-def _recording_getattribute(self: Any, name: str) -> Any:
-    reads = getattr(_LOCAL, "reads", None)
-    if reads is not None:
-        reads.add((id(self), name))
-    return object.__getattribute__(self, name)
+def _recorder(base: Any) -> Any:
+    """A ``__getattribute__`` that notes ``(id(self), name)`` in this thread's open record, if
+    any, then looks the name up as ``base`` does."""
+    def __getattribute__(self: Any, name: str) -> Any:
+        reads = getattr(_LOCAL, "reads", None)
+        if reads is not None:
+            reads.add((id(self), name))
+        return base(self, name)
+    return __getattribute__
+
+
+def _config_class() -> type | None:
+    """Hugging Face's ``PretrainedConfig`` when transformers is imported already (never imported
+    here): a model's forward reads settings from it (``config.pad_token_id``), not only from its
+    modules."""
+    import sys
+    cls = getattr(sys.modules.get("transformers"), "PretrainedConfig", None)
+    return cls if isinstance(cls, type) else None
+
+
+def _recorded_classes() -> list[type]:
+    import torch
+    cfg = _config_class()
+    return [torch.nn.Module] + ([cfg] if cfg is not None else [])
 
 
 @contextmanager
 def recording() -> Iterator[set[tuple[int, str]]]:
-    """Note every attribute looked up on an ``nn.Module`` by this thread inside the block (as
-    ``(id(module), name)``; found or not). nn.Module's ``__getattribute__`` is the recorder while
-    any thread records (other threads' reads go through it unrecorded: one thread-local read);
-    a record opened inside another adds its reads to the outer one too."""
-    import torch
+    """Note every attribute looked up on an ``nn.Module`` (and on a Hugging Face config) by this
+    thread inside the block (as ``(id(object), name)``; found or not). Their classes'
+    ``__getattribute__`` is the recorder while any thread records (other threads' reads go
+    through it unrecorded: one thread-local read); a record opened inside another adds its reads
+    to the outer one too."""
     reads: set[tuple[int, str]] = set()
     outer = getattr(_LOCAL, "reads", None)
     with _INSTALL:
         if _DEPTH[0] == 0:
-            _SAVED[:] = [torch.nn.Module.__dict__.get("__getattribute__")]
-            torch.nn.Module.__getattribute__ = _recording_getattribute  # type: ignore[method-assign]
+            _SAVED[:] = [(cls, cls.__dict__.get("__getattribute__")) for cls in _recorded_classes()]
+            for cls, own in _SAVED:
+                cls.__getattribute__ = _recorder(own if own is not None else object.__getattribute__)
         _DEPTH[0] += 1
     _LOCAL.reads = reads
     try:
@@ -91,10 +111,12 @@ def recording() -> Iterator[set[tuple[int, str]]]:
         with _INSTALL:
             _DEPTH[0] -= 1
             if _DEPTH[0] == 0:
-                if _SAVED and _SAVED[0] is not None:
-                    torch.nn.Module.__getattribute__ = _SAVED[0]  # type: ignore[method-assign]
-                else:
-                    del torch.nn.Module.__getattribute__
+                for cls, own in _SAVED:
+                    if own is not None:
+                        cls.__getattribute__ = own
+                    else:
+                        del cls.__getattribute__
+                _SAVED.clear()
 
 
 def _plain(v: Any) -> bool:
@@ -111,7 +133,7 @@ class ModuleGuard:
     walking ``_modules`` by name (a few dict reads per module and attribute); a change is an
     :class:`EinjoinError` naming the path, the attribute and both values."""
 
-    __slots__ = ("root", "entries")
+    __slots__ = ("root", "entries", "configs")
 
     def __init__(self, module: Any, reads: set[tuple[int, str]] | None = None):
         self.root = module
@@ -129,12 +151,13 @@ class ModuleGuard:
             entries.append((tuple(path.split(".")) if path else (), type(m), keys,
                             tuple(_effective(d, type(m), k) for k in keys)))
         self.entries: tuple[tuple[tuple[str, ...], type, tuple[str, ...], tuple[Any, ...]], ...] = tuple(entries)
+        self.configs = _config_entries(module, read_by) if reads is not None else ()
 
     def without(self, names: set[str]) -> ModuleGuard:
         """This guard less the attributes ``names`` in every submodule (``{"training"}``: the
         Trainer sets the mode of its captures itself)."""
         out = ModuleGuard.__new__(ModuleGuard)
-        out.root = self.root
+        out.root, out.configs = self.root, self.configs
         out.entries = tuple((path, kind, tuple(k for k in keys if k not in names),
                              tuple(v for k, v in zip(keys, values) if k not in names))
                             for path, kind, keys, values in self.entries)
@@ -149,6 +172,8 @@ class ModuleGuard:
         more = {path: set(keys) for path, _, keys, _ in other.entries}
         out = ModuleGuard.__new__(ModuleGuard)
         out.root = self.root
+        seen = {(p, a) for p, a, _, _ in self.configs}
+        out.configs = self.configs + tuple(c for c in other.configs if (c[0], c[1]) not in seen)
         entries = []
         for path, kind, keys, values in self.entries:
             extra = tuple(sorted(more.get(path, set()) - set(keys)))
@@ -190,9 +215,47 @@ class ModuleGuard:
                             f"train/eval mode): import the module again (ej.from_torch) to run the "
                             f"new setting")
 
+        for path, attr, keys, values in self.configs:
+            m = root
+            for part in path:
+                m = m._modules.get(part) if hasattr(m, "_modules") else None
+                if m is None:
+                    break
+            cfg = vars(m).get(attr) if m is not None else None
+            now = tuple(getattr(cfg, k, _MISSING) for k in keys)
+            if now != values:
+                for k, was, v in zip(keys, values, now):
+                    if was is not v and (v is _MISSING or was is _MISSING or was != v
+                                         or type(was) is not type(v)):
+                        where = ".".join((*path, attr, k))
+                        raise EinjoinError(
+                            f"the module's {where} is {'deleted' if v is _MISSING else repr(v)} now, "
+                            f"{'not set' if was is _MISSING else repr(was)} when it was imported; the "
+                            f"forward read it while captured: import the module again (ej.from_torch) "
+                            f"to run the new setting")
+
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # a pickled program is detached from the module (its bound tensors travel as arrays): no guard
         return _none, ()
+
+
+def _config_entries(module: Any, read_by: dict[int, set[str]]
+                    ) -> tuple[tuple[tuple[str, ...], str, tuple[str, ...], tuple[Any, ...]], ...]:
+    """The Hugging Face configs the modules hold (each once: every layer shares the model's), with
+    the plain settings the capture read from them: (module path, attribute, names, values)."""
+    cls = _config_class()
+    if cls is None:
+        return ()
+    out, seen = [], set()
+    for path, m in module.named_modules(remove_duplicate=False):
+        for attr, cfg in vars(m).items():
+            if not isinstance(cfg, cls) or id(cfg) in seen or id(cfg) not in read_by:
+                continue
+            seen.add(id(cfg))
+            keys = tuple(sorted(k for k in read_by[id(cfg)] if _plain(getattr(cfg, k, None))))
+            out.append((tuple(path.split(".")) if path else (), attr, keys,
+                        tuple(getattr(cfg, k, _MISSING) for k in keys)))
+    return tuple(out)
 
 
 def _effective(d: dict[str, Any], kind: type, k: str) -> Any:

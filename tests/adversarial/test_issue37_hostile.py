@@ -12,7 +12,8 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - a training-mode dropout beside a buffer write (BatchNorm) imports (``native_dropout``);
 - ``y[i] = v`` with a repeated index keeps the last write (the writes were summed);
 - ``ej.Trainer`` refuses a step after a setting its capture read changed (it computed the old one);
-- imports from several threads at once all succeed (torch.export is not thread-safe).
+- imports from several threads at once all succeed (torch.export is not thread-safe);
+- a Hugging Face config setting the forward read (``config.pad_token_id``) is guarded too.
 """
 
 from __future__ import annotations
@@ -332,3 +333,30 @@ def test_imports_from_several_threads_at_once_all_succeed() -> None:
         assert not isinstance(got[i], Exception), got[i]
         with torch.no_grad():
             _close(got[i], m(x))
+
+
+# ---------------------------------------------------------------- 8. Hugging Face configs read by the forward
+
+
+def test_a_hugging_face_config_setting_the_forward_read_is_guarded() -> None:
+    """GPT2ForSequenceClassification reads ``config.pad_token_id`` in its forward (the last
+    token that is not padding gives the logits): set after the import, torch's logits changed and
+    the program's did not (the config is no module, so its settings were not guarded)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=16, vocab_size=32, pad_token_id=0)
+    model = transformers.GPT2ForSequenceClassification(cfg).eval()
+    ids = torch.randint(1, 32, (2, 8))
+    ids[0, 5:], ids[1, 6:] = 0, 5
+    prog = ej.compile(ej.from_torch(model, (ids,), {"use_cache": False}), quiet=True)
+    with torch.no_grad():
+        before = model(ids, use_cache=False).logits
+        _close(prog.run(ids, use_cache=False).logits, before)
+        model.config.pad_token_id = 5
+        assert not torch.allclose(model(ids, use_cache=False).logits, before)  # torch's answer moved
+    with pytest.raises(ej.EinjoinError, match=r"config\.pad_token_id is 5 now, 0 when"):
+        prog.run(ids, use_cache=False)
+    model.config.pad_token_id = 0
+    model.config.some_note = "unread"  # a setting the forward never reads
+    with torch.no_grad():
+        _close(prog.run(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
