@@ -72,9 +72,18 @@ def _scratch(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> i
                           tg.values[t.writes].nbytes)
 
 
-def task_needs(tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> list[TaskNeed]:
+def kernel_scratches(tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> dict[int, int]:
+    """Each kernel task's scratch bytes by task id (other kinds have none)."""
+    return {t.id: _scratch(t, tg, decomps) for t in tg.tasks if t.kind is TaskKind.KERNEL}
+
+
+def task_needs(tg: TaskGraph, decomps: Mapping[Node, Decomposition],
+               scratch: Mapping[int, int] | None = None) -> list[TaskNeed]:
     """Per task, the bytes it holds at once on the device it allocates on (a move: the
-    destination; its source value is already there)."""
+    destination; its source value is already there). ``scratch``: :func:`kernel_scratches`
+    when the caller has it already."""
+    if scratch is None:
+        scratch = kernel_scratches(tg, decomps)
     out = []
     for t in tg.tasks:
         if t.writes < 0:
@@ -84,7 +93,7 @@ def task_needs(tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> list[Tas
         if t.kind is TaskKind.TOUCH or t.writes not in held:
             held.append(t.writes)
         shapes = tuple(tg.values[v].shape for v in held)
-        need = sum(tg.values[v].nbytes for v in held) + _scratch(t, tg, decomps)
+        need = sum(tg.values[v].nbytes for v in held) + scratch.get(t.id, 0)
         out.append(TaskNeed(t, t.device, need, shapes))
     return out
 
