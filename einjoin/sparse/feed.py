@@ -23,6 +23,7 @@ True
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -225,13 +226,13 @@ def sparse_input(name: str, shape: Sequence[int], nnz: int, dtype: Any = "float3
     if not isinstance(name, str) or not name:
         raise EinjoinError(f"sparse input name must be a non-empty string, got {name!r}")
     what = f"sparse input {name!r}"
-    try:
-        shp = tuple(int(n) for n in shape)
+    try:  # integers only, as ej.input's (int(6.5) would declare another shape silently)
+        shp = tuple(operator.index(n) for n in shape)
         bad = len(shp) != len(shape) or any(n < 0 for n in shp) or any(isinstance(n, bool) for n in shape)
     except (TypeError, ValueError):
         bad = True
     if bad or not shp:
-        raise ShapeError(f"{what}: shape {shape!r} (a sequence of one or more sizes >= 0)")
+        raise ShapeError(f"{what}: shape {shape!r} (a sequence of one or more integer sizes >= 0)")
     if not isinstance(nnz, (int, np.integer)) or isinstance(nnz, bool) or nnz < 0:
         raise EinjoinError(f"{what}: nnz={nnz!r} (the most stored entries a fed tensor may have: an integer >= 0)")
     dt = canonical_dtype(dtype)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import einjoin as ej
+from einjoin.errors import ShapeError
 from einjoin.frontend.routing import LAST_WRITE_PAIRS
 
 
@@ -39,3 +41,11 @@ def test_index_put_past_the_pair_limit_keeps_one_write_not_their_mean() -> None:
     vb[0] = True  # overwritten by the next write to 3
     progb = ej.compile(ej.from_torch(_Put(), tuple(map(torch.from_numpy, (xb, i, vb)))), devices=ej.local(1))
     assert np.array_equal(np.asarray(progb.run(xb, i, vb)), _last_write(xb, i % 10, vb))
+
+
+def test_sparse_input_refuses_a_shape_of_non_integers_as_ej_input_does() -> None:
+    # int() made (6.5, 5) and ("6", 5) a (6, 5) declaration, silently
+    for shape in ((6.5, 5), (6.0, 5), ("6", 5), (np.float64(6), 5)):
+        with pytest.raises(ShapeError, match="integer sizes"):
+            ej.sparse_input("S_r1", shape, nnz=3)
+    assert ej.sparse_input("S_r1", (np.int64(6), 5), nnz=3).shape == (6, 5)
