@@ -202,6 +202,9 @@ _FAST[FUNCTIONS["where"].impl] = _where_form
 _FAST[FUNCTIONS["rsqrt"].impl] = _rsqrt_form
 _FAST[FUNCTIONS["reciprocal"].impl] = _reciprocal_form
 _FAST[FUNCTIONS["silu"].impl] = _silu_form
+# IEEE addition and multiplication are commutative (the same result for a + b and b + a, in
+# numpy's type promotion too); max and min are not (max(-0.0, 0.0) is the first argument)
+_COMMUTATIVE = frozenset({"add", "mul"})
 _WEAK = (int, float, bool)  # Python scalars: numpy keeps the array dtype they meet
 
 
@@ -239,6 +242,11 @@ class SlotProgram:
                 key = ("c", type(e.value).__name__, repr(e.value))
             else:
                 key = ("f", e.fn, tuple(slot(a) for a in e.args))
+                swapped = ("f", e.fn, key[2][::-1])
+                if e.fn in _COMMUTATIVE and key not in index and swapped in index:
+                    # b * a where a * b was computed: that value, exactly the same numbers
+                    # (RMSNorm's gradient has ``g * x + x * g``, a full-size product twice)
+                    key = swapped
             got = index.get(key)
             if got is None:
                 got = index[key] = len(index)
