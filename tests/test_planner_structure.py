@@ -181,3 +181,14 @@ def test_eindecomp_plans_for_the_limit_it_is_given() -> None:
     declared = plan_specs("auto", g, ej.local(2, memory=300_000))[z.node]
     assert capped == declared
     assert capped.num_kernels > free.num_kernels
+
+
+def test_time_weights_grid_memo_is_per_weights() -> None:
+    # the grid memo is process-wide: two clusters' weights asking the same grid must each get
+    # their own answer (it was keyed on the grid alone, so the second cluster got the first's)
+    from einjoin.planner.cost import TimeWeights
+    groups = (0,) * 8 + (1,) * 8
+    fast, slow = TimeWeights(groups, 2.0), TimeWeights(groups, 12.0)
+    assert fast.grid(100, (16,), (False,)) == 7 * 100 + 8 * 100 * 2  # 8 partials cross at ratio 2
+    assert slow.grid(100, (16,), (False,)) == 7 * 100 + 8 * 100 * 12
+    assert TimeWeights((0,) * 4 + (1,) * 12, 12.0).grid(100, (16,), (False,)) == 11 * 100 + 4 * 100 * 12

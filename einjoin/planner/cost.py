@@ -390,8 +390,9 @@ class TimeWeights:
         """Weighted bytes of the extra copies of a tensor of ``nbytes`` cut along the grid labels
         with ``kept`` (its blocks), read (or summed) by every kernel of the grid ``counts``:
         per block, the kernels beyond the first, those outside the group holding most of them
-        at ``ratio``. Memoised: a few hundred grids per graph."""
-        key = (nbytes, counts, kept)
+        at ``ratio``. Memoised: a few hundred grids per graph (per weights: the answer depends
+        on the groups and the ratio, and one process plans for several clusters)."""
+        key = (self, nbytes, counts, kept)
         found = _GRID.get(key)
         if found is None:
             found = _GRID[key] = self._grid(nbytes, counts, kept)
