@@ -35,7 +35,7 @@ from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.evaluate import SlotProgram, evaluate
 from einjoin.ir.kernels import HALF_DTYPES, MatmulRoute, _batched_matmul, _matmul, align, matmul_route, partial_dtype
 from einjoin.ir.node import Node, rule_for
-from einjoin.ir.scalar import Call
+from einjoin.ir.scalar import Arg, Call, Const
 from einjoin.plan.taskgraph import TaskGraph
 
 __all__ = ["prepare_kernels", "FastKernel"]
@@ -83,7 +83,7 @@ def _prepare(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition]) -> F
     if route.path == "matmul":
         core = _matmul_core(route, shapes) or (lambda xs: _batched_matmul(route, xs[0], xs[1]))
     elif route.path == "join":
-        got = _join_core(op, shapes)
+        got = _join_core(op, shapes, dtypes)
         if got is None:
             return None
         core = got
@@ -207,7 +207,8 @@ def _reshape(d: Decomposition, box: Any, in_shape: tuple[int, ...]) -> FastKerne
     return run
 
 
-def _join_core(op: Any, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence[np.ndarray]], Any] | None:
+def _join_core(op: Any, shapes: Sequence[tuple[int, ...]],
+               dtypes: Sequence[np.dtype[Any]]) -> Callable[[Sequence[np.ndarray]], Any] | None:
     """The ``join`` route of ``einsum_kernel`` with its alignment worked out: each input
     transposed to the op's label order and reshaped (size 1 for its absent labels), the join
     evaluated, broadcast to the full shape when it ignores an input, aggregated."""
@@ -240,12 +241,17 @@ def _join_core(op: Any, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence
     moves = tuple((i, p, tgt) for i, (shape, p, tgt) in enumerate(zip(shapes, perms, targets))
                   if p != tuple(range(len(p))) or tgt != tuple(shape))
     reduce = agg.reduce if axes else None
+    onehot = None if axes else _onehot_add(op, dtypes, full)
 
     def core(xs: Sequence[np.ndarray]) -> Any:
         if moves:
             xs = list(xs)
             for i, p, tgt in moves:
                 xs[i] = xs[i].transpose(p).reshape(tgt)
+        if onehot is not None:
+            got = onehot(xs)
+            if got is not None:
+                return got
         val = replay.run(xs)
         if type(val) is not np.ndarray:
             val = np.asarray(val)
@@ -253,3 +259,73 @@ def _join_core(op: Any, shapes: Sequence[tuple[int, ...]]) -> Callable[[Sequence
             val = np.broadcast_to(val, full)
         return val if reduce is None else reduce(val, axes)
     return core
+
+
+def _onehot_add(op: Any, dtypes: Sequence[np.dtype[Any]],
+                full: tuple[int, ...]) -> Callable[[Sequence[np.ndarray]], Any] | None:
+    """A join ``X + where(x_i == x_r, Y, 0)`` (either order) whose range input ``x_r`` has only
+    the last label ``L`` (of the op's label order, output ones first), ``x_i`` and every input of
+    ``Y`` not ``L`` (a cross-entropy's gradient: the softmax term plus ``-1`` scaled at each row's
+    target column), computed without the dense one-hot: ``X + 0`` everywhere, then ``X + Y`` at
+    each index's column, where the range block is the ints ``start, start + 1, ...`` (else None:
+    the whole join). The same bits: where the one-hot is 0 the join adds 0 (``-0`` becomes
+    ``+0``), where it is 1 it adds Y's value (``X`` read before the ``+ 0``); only the sign of
+    a nan from nan + nan may differ (x86 returns one operand's nan, numpy's loops differ on
+    which). The dense
+    ``where`` was five passes over the output-sized block (the comparison, the bit-mask
+    select's three, the add); these are one, and a gather and a scatter of a row's worth.
+    Called with the inputs aligned to the op's label order (sizes 1 for absent labels)."""
+    j = op.join
+    if not isinstance(j, Call) or j.fn != "add" or len(j.args) != 2 or not full:
+        return None
+    last = op.all_labels[-1]
+    for w, x in ((j.args[1], j.args[0]), (j.args[0], j.args[1])):
+        if not (isinstance(w, Call) and w.fn == "where" and isinstance(w.args[0], Call) and w.args[0].fn == "eq"
+                and isinstance(w.args[2], Const) and type(w.args[2].value) in (int, float) and w.args[2].value == 0
+                and all(isinstance(a, Arg) for a in w.args[0].args)):
+            continue
+        a0, a1 = (a.index for a in w.args[0].args if isinstance(a, Arg))
+        y = w.args[1]
+        y_args = {a.index for a in _args(y)}
+        for i, r in ((a0, a1), (a1, a0)):
+            if (tuple(op.in_labels[r]) == (last,) and last not in op.in_labels[i] and i != r
+                    and dtypes[i].kind == "i" and dtypes[r].kind == "i"
+                    and all(last not in op.in_labels[k] for k in y_args)):
+                return _onehot_run(SlotProgram(x).replay(), SlotProgram(y).replay(), i, r, full)
+    return None
+
+
+def _args(e: Any) -> list[Arg]:
+    if isinstance(e, Arg):
+        return [e]
+    return [a for sub in e.args for a in _args(sub)] if isinstance(e, Call) else []
+
+
+def _onehot_run(x: Any, y: Any, i: int, r: int, full: tuple[int, ...]) -> Callable[[Sequence[np.ndarray]], Any]:
+    n = full[-1]
+    head = full[:-1] + (1,)
+    arange = np.arange(n)
+
+    def run(xs: Sequence[np.ndarray]) -> np.ndarray | None:
+        rng = xs[r].reshape(-1)
+        if rng.shape[0] != n or n == 0:
+            return None
+        start = int(rng[0])
+        if not np.array_equal(rng, arange + start):
+            return None
+        d = x.run(xs)
+        v = y.run(xs)
+        if (type(d) is not np.ndarray or type(v) is not np.ndarray or d.shape != full or d.dtype.kind != "f"
+                or v.dtype != d.dtype or v.ndim != len(full) or v.shape[-1] != 1):
+            return None
+        pos = np.broadcast_to(xs[i], head)[..., 0] - start
+        hit = np.nonzero((pos >= 0) & (pos < n))
+        at = hit + (pos[hit],)
+        picked = d[at]  # X before its + 0, where Y is added instead
+        if d.base is None and d.flags.writeable and not any(d is b or np.may_share_memory(d, b) for b in xs):
+            out: np.ndarray = np.add(d, 0.0, out=d)  # a temporary X's evaluation made: in place
+        else:
+            out = np.add(d, 0.0)
+        out[at] = picked + np.broadcast_to(v, head)[..., 0][hit]
+        return out
+    return run
