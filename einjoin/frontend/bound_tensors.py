@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import EinjoinError
+from einjoin.errors import DTypeError, EinjoinError
 
 __all__ = ["LiveTensor", "BoundTensors", "bind_tensor", "feeds_of", "aliases"]
 
@@ -31,11 +31,12 @@ class LiveTensor:
     and frees the old block, so a view taken before reads freed memory: silently wrong numbers.
     A view taken when fed follows the storage; copying every weight instead would double the
     memory of a large model. ``source`` is the module's tensor object itself, so that what it
-    holds now is read: ``p.data = new``, ``module.double()`` / ``.half()`` (they swap ``.data``)
-    and in-place writes (a non-contiguous CPU tensor is viewed with its strides, so a write
-    through ``p.data``, which no version counts, is seen too) are followed; a tensor numpy
-    cannot view (on a GPU, sparse, a conj / neg bit) is copied again at every feed, for the same
-    reason (see :meth:`now`).
+    holds now is read: ``p.data = new`` and in-place writes (a non-contiguous CPU tensor is
+    viewed with its strides, so a write through ``p.data``, which no version counts, is seen
+    too) are followed; a tensor numpy cannot view (on a GPU, sparse, a conj / neg bit) is
+    copied again at every feed, for the same reason (see :meth:`now`). A dtype change
+    (``module.half()`` / ``.double()``, which swap ``.data``) is refused at the next feed: the
+    program computes in the dtype it was compiled for.
 
     ``where`` (the root module and the qualified names that held the tensor at import, each split
     at its dots): the tensor object is looked up by that path at each feed, so one *replaced* by
@@ -43,7 +44,7 @@ class LiveTensor:
     submodule) is followed, as torch's next call would read it. A few attribute reads per tensor
     per run; a tied weight's other names are checked to hold the same tensor still."""
 
-    __slots__ = ("source", "tensor", "_cache", "_where")
+    __slots__ = ("source", "tensor", "_cache", "_where", "_dtype")
 
     def __init__(self, source: Any, tensor: Any = None,
                  where: tuple[Any, tuple[tuple[str, ...], ...]] | None = None):
@@ -51,6 +52,7 @@ class LiveTensor:
         self.tensor = _dense(source) if tensor is None else tensor  # detached, CPU, dense, contiguous
         self._cache: tuple[Any, np.ndarray] | None = None  # (the source's key when viewed, the view)
         self._where = where
+        self._dtype = self.tensor.dtype  # what the program was compiled for (see current())
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,7 +64,7 @@ class LiveTensor:
         the names of a tied weight holding different tensors, is an error naming them."""
         where = self._where
         if where is None:
-            return self.source
+            return self._same_dtype(self.source, "a module tensor")
         root, paths = where
         src = _follow(root, paths[0])
         for more in paths[1:]:  # a tied weight (one graph input): every name must hold it still
@@ -79,6 +81,16 @@ class LiveTensor:
                 raise EinjoinError(f"the module's {'.'.join(paths[0])} is now {what}; the program was "
                                    f"compiled for {old.dtype}{list(old.shape)}: import the module again")
             self.source = src  # the new object from now on (a feed compares its key: viewed again)
+        return self._same_dtype(src, ".".join(paths[0]))
+
+    def _same_dtype(self, src: Any, name: str) -> Any:
+        # module.half() / .double() / .to(dtype) after import: torch's next call computes in the
+        # new dtype (float16 rounds every op's result), the program in the old one; an exact cast
+        # of the feed would still give other numbers and another output dtype than torch's
+        if src.dtype != self._dtype:
+            raise DTypeError(f"the module's {name} is now {src.dtype}; the program was compiled for "
+                               f"{self._dtype} (the module's dtype changed after import, e.g. "
+                               f"module.half()): import the module again")
         return src
 
     def now(self) -> np.ndarray:

@@ -171,7 +171,8 @@ def test_a_program_reads_what_the_modules_parameters_hold_now(method: str) -> No
     lin.weight.data = torch.randn(3, 4)
     assert _run_close(prog, lin, x)
     lin.double()  # the program was built for float32 weights: refused by name, not the old values
-    with pytest.raises(ej.DTypeError, match="input 'weight': expected float32, got float64"):
+    with pytest.raises(ej.DTypeError, match="the module's weight is now torch.float64; the program was compiled "
+                                            "for torch.float32"):
         prog.run(x)
 
     class T(torch.nn.Module):

@@ -360,3 +360,29 @@ def test_a_hugging_face_config_setting_the_forward_read_is_guarded() -> None:
     model.config.some_note = "unread"  # a setting the forward never reads
     with torch.no_grad():
         _close(prog.run(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+# ---------------------------------------------------------------- 9. a module's dtype changed after import
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_a_module_cast_after_import_is_refused_not_run_in_the_old_dtype(cast: str) -> None:
+    """``m.half()`` after the import: torch's next call computes in float16 (each op's result
+    rounded, a float16 output); the program kept computing in float32 with the half weights cast
+    up exactly and returned float32 (max diff 8e-5 from torch's answer, another dtype).
+    ``m.double()`` was refused, but by the feed's cast check, whose advice (feed
+    weight.astype(np.float32)) does not apply to a module. Both now name the tensor and the
+    dtypes and say to import again; cast back, the program runs as before."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    x = torch.randn(2, 4)
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+        getattr(m, cast)()
+        dtype = next(m.parameters()).dtype
+        with pytest.raises(ej.DTypeError, match=rf"0\.weight is now {dtype}; the program was compiled for "
+                                                  r"torch\.float32.*import the module again"):
+            prog.run(x.to(dtype))
+        m.float()
+        _close(prog.run(x), m(x))
