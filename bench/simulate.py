@@ -21,7 +21,7 @@ search's simulations included), not simulated.
     .venv/bin/python bench/simulate.py [--nodes 1,2] [--batches 1,8]
                                        [--search-budget 60] [--no-placement]
     .venv/bin/python bench/simulate.py --llama70b 80 [--llama70b-nodes 32] [--per-node dgx-a100]
-                                       [--objective bytes|time] [--window 5]
+                                       [--objective bytes|time] [--window K]
 
 ``make bench`` runs one and two DGX A100s (about a minute of planning on a quiet machine); eight
 (64 GPUs, ``--nodes 1,2,8``) take several minutes of planning here, so they are left to the
@@ -200,7 +200,26 @@ def _cut_alike(prog: Any, ends: list[ej.Tensor]) -> bool:
     return bool(middle) and all(middle) and all(c == middle[0] for c in middle)  # no ops found: not shown
 
 
-def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None, window: int = 5) -> None:
+def _planned_ops(layers: int) -> int:
+    """The ops the planner weighs in :func:`llama70b_blocks` of ``layers`` (after the compiler's
+    fusion, fills left out): what ``Settings.ilp_max_ops`` is compared with."""
+    from einjoin.ir.fuse import fuse_elementwise
+    out, _ = llama70b_blocks(layers)
+    return sum(1 for v in ej.Graph(fuse_elementwise([out.node])).ops if not v.facts.free)
+
+
+def default_window() -> int:
+    """The smallest window k whose k blocks have more than ``Settings.ilp_max_ops`` ops: the
+    planner then skips its ILP step for both the k- and (k + 1)-block programs, as it does for
+    80 blocks, so the window is planned as the long model is (a fused block is 40 ops: k = 6)."""
+    from einjoin.settings import SETTINGS
+    k = 1
+    while _planned_ops(k) <= SETTINGS.ilp_max_ops:
+        k += 1
+    return k
+
+
+def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None, window: int | None = None) -> None:
     """Plan LLaMA-70B's ``layers``-layer forward (:func:`llama70b`, batch 1, seq 2048) for
     ``nodes`` x ``per_node`` (``ej.compile(..., backend="null")``) and simulate it (weights
     resident); planning and simulation timed apart, wall and CPU seconds of this machine. The goal
@@ -211,14 +230,21 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
     cuts the middle blocks alike, so the 80-layer plan is the first block, a middle block
     repeated and the last; each middle block adds the difference of the two makespans): the
     makespan printed is that extrapolation, the tasks those of the compressed task graph's 80
-    blocks. ``window`` 0: every layer planned, built and simulated. Why 5 by default: a graph of at
-    most ``Settings.ilp_max_ops`` ops (200; a block is 46) also gets the planner's ILP step, so
-    windows of 3 and 4 blocks are cut otherwise than a long model (on 8 GPUs, 6 layers through
-    3 and 4: 10,048 tasks and 20.94 ms against the full plan's 12,992 and 22.15 ms); through 5
-    and 6, 9 layers on 8 GPUs come out as the full plan: 19,448 tasks and 33.23 ms both."""
+    blocks. ``window`` 0: every layer planned, built and simulated. The default
+    (:func:`default_window`, None): the smallest window of more than ``Settings.ilp_max_ops`` ops
+    (200; a fused block is 40, so 6 and 7 blocks): a graph of at most that many also gets the
+    planner's ILP step, so a smaller window is cut otherwise than a long model (on 8 GPUs, 6
+    layers through 3 and 4: 10,048 tasks and 20.94 ms against the full plan's 12,992 and 22.15 ms,
+    when a block was 46 ops). A window whose k blocks get the ILP step is refused a goal verdict
+    (its step mixes two planners)."""
     from einjoin.runtime.simulate_repeat import layer_of_tasks, repeat_layers
+    from einjoin.settings import SETTINGS
     cluster = ej.Cluster.nodes(nodes, per_node)
+    if window is None:
+        window = default_window()
     repeat = bool(window) and layers > window + 1
+    # the k-block program planned with the ILP step and a longer one without: not one planner
+    mixed = repeat and _planned_ops(window) <= SETTINGS.ilp_max_ops
     print(f"LLaMA-70B forward (bf16, seq 2048, batch 1, 64 heads / 8 KV heads), {layers} layer"
           f"{'s' if layers > 1 else ''} on {nodes} x {per_node} = {cluster.size} GPUs, objective "
           f"{objective or 'the default'} -- the makespan is SIMULATED"
@@ -248,6 +274,11 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
     print(f"{layers:>6}{cluster.size:>6}{tasks:>10}{plan_cpu:>11.1f}{sim_cpu:>10.1f}{cpu:>12.1f}{wall:>13.1f}"
           f"{makespan * 1e3:>10.2f}")
     if repeat:
+        if mixed:
+            print(f"(the {window}-layer window has {_planned_ops(window)} ops <= Settings.ilp_max_ops = "
+                  f"{SETTINGS.ilp_max_ops}: planned with the ILP step, which {layers} layers are not, so its step "
+                  f"mixes two planners; leave --window out for the smallest window that is not: "
+                  f"{default_window()})")
         alike = _cut_alike(long_[0], long_[2])
         print(f"(planned and simulated {window} and {window + 1} layers, {n_short} and {n_long} tasks: the middle "
               f"layers are cut {'alike' if alike else 'DIFFERENTLY: the extrapolation does not hold'}, so each "
@@ -257,7 +288,9 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
     if layers == 80 and cluster.size == 256:
         # through a window the answer holds only when the window's middle layers are cut alike
         verdict = ("NOT shown: the window's layers are cut differently, so its 80-layer figures do not hold"
-                   if repeat and not alike else "met" if cpu <= LLAMA70B_GOAL_S else "NOT met")
+                   if repeat and not alike else
+                   "NOT shown: the window's shorter program is planned with the ILP step, the 80 layers are not"
+                   if mixed else "met" if cpu <= LLAMA70B_GOAL_S else "NOT met")
         through = f" (80 layers through the {window}- and {window + 1}-layer window)" if repeat else ""
         print(f"(goal: planning + simulation <= {LLAMA70B_GOAL_S:.0f} s: {verdict} in CPU seconds{through}; "
               "the wall seconds count the machine's other load)")
@@ -290,10 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-node", default="dgx-a100", help="the preset of a node for --llama70b")
     ap.add_argument("--objective", default=None, choices=("bytes", "time"),
                     help="--llama70b's objective (default: the cluster's, 'time' on several nodes)")
-    ap.add_argument("--window", type=int, default=5,
+    ap.add_argument("--window", type=int, default=None,
                     help="--llama70b: plan and simulate this many layers and one more, and extrapolate to LAYERS "
-                         "(identical blocks; runtime/simulate_repeat.py; below 5 the windows get the planner's ILP "
-                         "step, which a long model does not, and are cut otherwise); 0: every layer")
+                         "(identical blocks; runtime/simulate_repeat.py); default: the smallest window of more ops "
+                         "than Settings.ilp_max_ops (6: smaller windows get the planner's ILP step, which a long "
+                         "model does not, and are cut otherwise); 0: every layer")
     args = ap.parse_args(argv)
     if args.llama70b:
         llama70b_rows(args.llama70b, args.llama70b_nodes, args.per_node, args.objective, args.window)
