@@ -23,6 +23,7 @@ True
 
 from __future__ import annotations
 
+
 import operator
 import threading
 from collections.abc import Sequence
@@ -280,9 +281,14 @@ def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
     if len(vals) > x.nnz:
         raise EinjoinError(f"input {name!r}: {len(vals)} stored entries, more than the {x.nnz} it was declared "
                            f"with (ej.sparse_input({name!r}, {x.shape}, nnz={x.nnz})); declare a larger nnz")
-    keys = np.full((x.nnz, r), -1, np.int64)
+    try:
+        keys = np.full((x.nnz, r), -1, np.int64)
+        out = np.zeros(x.nnz, numpy_dtype(x.dtype))
+    except MemoryError:
+        need = x.nnz * (8 * r + np.dtype(numpy_dtype(x.dtype)).itemsize)
+        raise EinjoinError(f"input {name!r}: its keys and values at the declared nnz={x.nnz} need {need} bytes, "
+                           f"more than this process can allocate; declare a smaller nnz") from None
     keys[:len(vals)] = coords
-    out = np.zeros(x.nnz, numpy_dtype(x.dtype))
     out[:len(vals)] = vals
     return keys, out
 

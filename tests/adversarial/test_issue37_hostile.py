@@ -386,3 +386,20 @@ def test_a_module_cast_after_import_is_refused_not_run_in_the_old_dtype(cast: st
             prog.run(x.to(dtype))
         m.float()
         _close(prog.run(x), m(x))
+
+
+# ---------------------------------------------------------------- 10. a sparse input's nnz (R1, E)
+
+
+def test_a_sparse_input_too_large_to_allocate_is_refused_by_name_not_a_raw_memory_error() -> None:
+    """``ej.sparse_input(..., nnz=10**11)`` compiled, and its first run raised a raw MemoryError
+    from numpy (the keys and values are allocated at nnz): now an EinjoinError naming the input,
+    the nnz and the bytes."""
+    A = ej.sparse_input("A_nnz_huge", (10**6, 10**6), nnz=10**11)
+    h = ej.input("h_nnz_huge", (10**6, 2))
+    prog = ej.compile(A @ h, devices=1, quiet=True)
+    import scipy.sparse as sp
+    a = ej.sparse("A_nnz_huge", sp.eye(10**6, format="coo", dtype=np.float32))
+    with pytest.raises(ej.EinjoinError, match=r"input 'A_nnz_huge': its keys and values at the declared "
+                                              r"nnz=100000000000 need"):
+        prog.run(A_nnz_huge=a, h_nnz_huge=np.zeros((10**6, 2), np.float32))
