@@ -494,6 +494,22 @@ def _open(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
     return body, arrays
 
 
+def _saved_input_order(graph: Graph, saved: list[Node]) -> None:
+    """Check the loaded graph's inputs against the saved ones. Inputs are hash-consed, so one this
+    process declared before (another program loaded or built here sharing an input) keeps its
+    first place: the loaded graph may list its inputs in another order than the saved program
+    did. Then positional feeds would bind to other inputs than in the saving process, so they are
+    refused asking for names (``Graph.positional_conflict``, as for a graph built here whose
+    inputs were declared again the other way round); other inputs than the saved ones: corrupted."""
+    if saved == list(graph.inputs):
+        return
+    if len(saved) != len(graph.inputs) or set(saved) != set(graph.inputs):
+        raise _BadFile("the graph's inputs are not the saved ones")
+    place = {x: i for i, x in enumerate(graph.inputs)}
+    later, earlier = next((a, b) for a, b in zip(saved, saved[1:]) if place[a] > place[b])
+    graph.positional_conflict = (earlier, later)  # first-declared here first, as Graph names them
+
+
 def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPlan, dict[str, np.ndarray]]:
     """The plan and the state values saved at ``path`` (what ``ej.load`` runs): nothing is
     planned, placed or lowered again. ``backend`` overrides the saved one. A truncated,
@@ -507,8 +523,7 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
         dec.add_nodes(body["nodes"])
         outputs = [dec.nodes[i] for i in body["graph"]["outputs"]]
         graph = Graph(outputs)
-        if [dec.nodes[i] for i in body["graph"]["inputs"]] != list(graph.inputs):
-            raise _BadFile("the graph's inputs are not in the saved order")
+        _saved_input_order(graph, [dec.nodes[i] for i in body["graph"]["inputs"]])
         opts = dec.dec(body["options"])
         planner = opts["planner"] if opts["planner"] in PLANNERS else "auto"  # a callable's name only
         try:

@@ -403,3 +403,38 @@ def test_a_sparse_input_too_large_to_allocate_is_refused_by_name_not_a_raw_memor
     with pytest.raises(ej.EinjoinError, match=r"input 'A_nnz_huge': its keys and values at the declared "
                                               r"nnz=100000000000 need"):
         prog.run(A_nnz_huge=a, h_nnz_huge=np.zeros((10**6, 2), np.float32))
+
+
+# ---------------------------------------------------------------- 11. ej.load beside a program sharing inputs (R1, A)
+
+
+def test_load_after_another_program_sharing_inputs_in_another_order(tmp_path: object) -> None:
+    """Two saved programs share inputs a and b, declared a first: ``b * 2`` (inputs [b]) and
+    ``a + b`` (inputs [a, b]). In a fresh process, loading the first and then the second called a
+    valid file corrupted ("the graph's inputs are not in the saved order": b, hash-consed, kept its
+    earlier place). Now the second loads and runs by name; positional feeds, which would bind to
+    other inputs than in the saving process, are refused asking for names."""
+    import subprocess
+    import sys
+    import textwrap
+    d1, d2 = tmp_path / "d1.ej", tmp_path / "d2.ej"  # type: ignore[operator]
+    a, b = ej.input("a_load_order", (3,)), ej.input("b_load_order", (3,))
+    ej.compile(b * 2.0, devices=1, quiet=True).save(d1)
+    ej.compile(a + b, devices=1, quiet=True).save(d2)
+    code = textwrap.dedent(f"""
+        import numpy as np, einjoin as ej
+        p1 = ej.load({str(d1)!r})  # kept: its inputs stay interned
+        p = ej.load({str(d2)!r})
+        x, y = np.arange(3.0, dtype=np.float32), np.full(3, 10.0, np.float32)
+        assert (p.run(a_load_order=x, b_load_order=y) == x + y).all()
+        try:
+            p.run(x, y)
+        except ej.EinjoinError as e:
+            assert "feed them by name" in str(e), e
+        else:
+            raise AssertionError("positional feeds ran")
+        assert (p1.run(y) == 2 * y).all()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
