@@ -33,6 +33,8 @@ the module's 1.training is True now, False when it was imported
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,13 +62,32 @@ _DEPTH = [0]  # records open in all threads: the recorder is nn.Module's while a
 _SAVED: list[Any] = []
 
 
-def _recorder(base: Any) -> Any:
+def _library_dirs() -> tuple[str, ...]:
+    """The folders of the code whose ``self.__dict__`` reads are bookkeeping, not a forward's
+    setting: torch's (``nn.Module.__getattr__`` reads ``__dict__`` for every parameter),
+    transformers', einjoin's own."""
+    import sys
+    dirs = []
+    for name in ("torch", "transformers", "einjoin"):
+        f = getattr(sys.modules.get(name), "__file__", None)
+        if f:
+            dirs.append(os.path.dirname(f) + os.sep)
+    return tuple(dirs)
+
+
+def _recorder(base: Any, library: tuple[str, ...]) -> Any:
     """A ``__getattribute__`` that notes ``(id(self), name)`` in this thread's open record, if
-    any, then looks the name up as ``base`` does."""
+    any, then looks the name up as ``base`` does. A read of ``__dict__`` itself (``vars(self)``,
+    ``self.__dict__[k]`` in a user's forward: reads no lookup of a name sees) is noted only when
+    the code reading it is no library's (see :func:`_library_dirs`); the guard then keeps every
+    plain attribute of that module."""
     def __getattribute__(self: Any, name: str) -> Any:
         reads = getattr(_LOCAL, "reads", None)
         if reads is not None:
-            reads.add((id(self), name))
+            if name != "__dict__":
+                reads.add((id(self), name))
+            elif not sys._getframe(1).f_code.co_filename.startswith(library):
+                reads.add((id(self), name))
         return base(self, name)
     return __getattribute__
 
@@ -99,7 +120,8 @@ def recording() -> Iterator[set[tuple[int, str]]]:
         if _DEPTH[0] == 0:
             _SAVED[:] = [(cls, cls.__dict__.get("__getattribute__")) for cls in _recorded_classes()]
             for cls, own in _SAVED:
-                cls.__getattribute__ = _recorder(own if own is not None else object.__getattribute__)
+                cls.__getattribute__ = _recorder(own if own is not None else object.__getattribute__,
+                                                 _library_dirs())
         _DEPTH[0] += 1
     _LOCAL.reads = reads
     try:
@@ -143,7 +165,8 @@ class ModuleGuard:
             read_by.setdefault(i, set()).add(name)
         for path, m in module.named_modules(remove_duplicate=False):
             d = vars(m)
-            if reads is None or "__getattribute__" in vars(type(m)) or any(
+            whole = reads is None or "__dict__" in read_by.get(id(m), ())  # reads unseen, or all of them read
+            if whole or "__getattribute__" in vars(type(m)) or any(
                     "__getattribute__" in vars(c) for c in type(m).__mro__[1:] if c is not object):
                 keys = tuple(k for k, v in d.items() if _plain(v) and k not in own)  # reads unseen: all
             else:

@@ -438,3 +438,39 @@ def test_load_after_another_program_sharing_inputs_in_another_order(tmp_path: ob
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- 12. a forward reading its __dict__ (R1, C)
+
+
+def test_a_setting_read_through_the_modules_dict_is_guarded_and_an_unread_one_is_not() -> None:
+    """The guard keeps only what the capture read, noted by ``nn.Module.__getattribute__``; a
+    forward reading ``vars(self)["scale"]`` or ``self.__dict__["scale"]`` reads no name through it,
+    so ``m.scale = 3.0`` after the import ran silently with 2.0. A read of ``__dict__`` by the
+    user's code now guards every plain attribute of that module (torch's own ``__dict__`` reads,
+    for every parameter, do not: ``m.epoch = 1`` on a plain model still runs)."""
+    class ByVars(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale = nn.Linear(4, 4), 2.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * vars(self)["scale"] + self.__dict__["scale"]
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    m = ByVars()
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    with torch.no_grad():
+        _close(prog.run(x), m(x))
+        m.scale = 3.0
+        with pytest.raises(ej.EinjoinError, match=r"scale is 3\.0 now, 2\.0 when it was imported"):
+            prog.run(x)
+        m.scale = 2.0
+        _close(prog.run(x), m(x))
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    prog = ej.compile(ej.from_torch(plain, (x,)), quiet=True)
+    plain.epoch = 1  # type: ignore[assignment]
+    plain[0].note = "unread"  # type: ignore[assignment]
+    with torch.no_grad():
+        _close(prog.run(x), plain(x))
