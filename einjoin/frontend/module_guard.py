@@ -213,11 +213,7 @@ class ModuleGuard:
         """Raise if the module differs from the import's in a way the graph was specialised on."""
         root = self.root
         for path, kind, keys, values in self.entries:
-            m = root
-            for part in path:
-                m = m._modules.get(part) if hasattr(m, "_modules") else None
-                if m is None:
-                    break
+            m = _submodule(root, path)
             if type(m) is not kind:
                 where = ".".join(path) or "top module"
                 raise EinjoinError(f"the module's {where} is {type(m).__name__} now, {kind.__name__} when it "
@@ -225,41 +221,55 @@ class ModuleGuard:
                                    f"module again (ej.from_torch) to run the new one")
             d = vars(m)
             now = tuple(d[k] if k in d else _effective(d, kind, k) for k in keys)
-            if now != values:
-                for k, was, v in zip(keys, values, now):
-                    if was is not v and (v is _MISSING or was is _MISSING or was != v
-                                         or type(was) is not type(v)):
-                        where = ".".join((*path, k))
-                        shown = "deleted" if v is _MISSING else repr(v)
-                        then = "not set on the module" if was is _MISSING else repr(was)
-                        raise EinjoinError(
-                            f"the module's {where} is {shown} now, {then} when it was imported; the "
-                            f"graph was captured for that value (torch.export specialises on it, as on "
-                            f"train/eval mode): import the module again (ej.from_torch) to run the "
-                            f"new setting")
+            changed = _changed(keys, values, now)
+            if changed is not None:
+                k, was, v = changed
+                where = ".".join((*path, k))
+                shown = "deleted" if v is _MISSING else repr(v)
+                then = "not set on the module" if was is _MISSING else repr(was)
+                raise EinjoinError(
+                    f"the module's {where} is {shown} now, {then} when it was imported; the "
+                    f"graph was captured for that value (torch.export specialises on it, as on "
+                    f"train/eval mode): import the module again (ej.from_torch) to run the "
+                    f"new setting")
 
         for path, attr, keys, values in self.configs:
-            m = root
-            for part in path:
-                m = m._modules.get(part) if hasattr(m, "_modules") else None
-                if m is None:
-                    break
+            m = _submodule(root, path)
             cfg = vars(m).get(attr) if m is not None else None
-            now = tuple(getattr(cfg, k, _MISSING) for k in keys)
-            if now != values:
-                for k, was, v in zip(keys, values, now):
-                    if was is not v and (v is _MISSING or was is _MISSING or was != v
-                                         or type(was) is not type(v)):
-                        where = ".".join((*path, attr, k))
-                        raise EinjoinError(
-                            f"the module's {where} is {'deleted' if v is _MISSING else repr(v)} now, "
-                            f"{'not set' if was is _MISSING else repr(was)} when it was imported; the "
-                            f"forward read it while captured: import the module again (ej.from_torch) "
-                            f"to run the new setting")
+            changed = _changed(keys, values, tuple(getattr(cfg, k, _MISSING) for k in keys))
+            if changed is not None:
+                k, was, v = changed
+                where = ".".join((*path, attr, k))
+                raise EinjoinError(
+                    f"the module's {where} is {'deleted' if v is _MISSING else repr(v)} now, "
+                    f"{'not set' if was is _MISSING else repr(was)} when it was imported; the "
+                    f"forward read it while captured: import the module again (ej.from_torch) "
+                    f"to run the new setting")
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # a pickled program is detached from the module (its bound tensors travel as arrays): no guard
         return _none, ()
+
+
+def _submodule(root: Any, path: tuple[str, ...]) -> Any:
+    """The submodule at ``path`` now (walking ``_modules`` by name), or None where it is gone."""
+    m = root
+    for part in path:
+        m = m._modules.get(part) if hasattr(m, "_modules") else None
+        if m is None:
+            break
+    return m
+
+
+def _changed(keys: tuple[str, ...], values: tuple[Any, ...], now: tuple[Any, ...]) -> tuple[str, Any, Any] | None:
+    """The first (name, value at import, value now) that differs (by identity, then by type and
+    value: 1 and 1.0 and True differ), or None."""
+    if now == values:
+        return None
+    for k, was, v in zip(keys, values, now):
+        if was is not v and (v is _MISSING or was is _MISSING or was != v or type(was) is not type(v)):
+            return k, was, v
+    return None
 
 
 def _config_entries(module: Any, read_by: dict[int, set[str]]

@@ -68,32 +68,29 @@ def _halves(ndim: int, axis: int, n: int) -> tuple[tuple[slice, ...], tuple[slic
     return lead + (slice(0, h),), lead + (slice(h, n),)
 
 
-def rotate_half_kernel(x: np.ndarray, axis: int, sign: int) -> np.ndarray:
-    """The numpy kernel: ``sign * cat(-x[h:], x[:h])`` along ``axis`` in one output array."""
-    x = np.asarray(x)
-    out = np.empty(x.shape, x.dtype)
-    lo, hi = _halves(x.ndim, axis, x.shape[axis])
+def _rotate_into(out: Any, x: Any, axis: int, sign: int, negative: Any) -> Any:
+    """``out = sign * cat(-x[h:], x[:h])`` along ``axis``; ``negative(a, out=b)``: numpy's or torch's."""
+    lo, hi = _halves(len(x.shape), axis, x.shape[axis])
     if sign == 1:
-        np.negative(x[hi], out=out[lo])
+        negative(x[hi], out=out[lo])
         out[hi] = x[lo]
     else:
         out[lo] = x[hi]
-        np.negative(x[lo], out=out[hi])
+        negative(x[lo], out=out[hi])
+    return out
+
+
+def rotate_half_kernel(x: np.ndarray, axis: int, sign: int) -> np.ndarray:
+    """The numpy kernel: ``sign * cat(-x[h:], x[:h])`` along ``axis`` in one output array."""
+    x = np.asarray(x)
+    out: np.ndarray = _rotate_into(np.empty(x.shape, x.dtype), x, axis, sign, np.negative)
     return out
 
 
 def rotate_half_torch(x: Any, axis: int, sign: int) -> Any:
     """:func:`rotate_half_kernel` on a torch tensor (any device; the result on x's)."""
     import torch
-    out = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
-    lo, hi = _halves(x.dim(), axis, x.shape[axis])
-    if sign == 1:
-        torch.neg(x[hi], out=out[lo])
-        out[hi] = x[lo]
-    else:
-        out[lo] = x[hi]
-        torch.neg(x[lo], out=out[hi])
-    return out
+    return _rotate_into(torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device), x, axis, sign, torch.neg)
 
 
 def _cut(out: Any, op: RotateHalf, box: Any) -> Any:
