@@ -93,8 +93,8 @@ def test_device_threads_cost_at_least_an_inline_task(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(sc, "_gemm", lambda reps, quick: (10e9, 0.0, 0.5, 0.0))
     monkeypatch.setattr(sc, "_memory", lambda reps, quick: (5e9, 1e9, 4e9))
-    monkeypatch.setattr(sc, "_dispatch", lambda reps, quick: (3e-6, 1e-4, 1e-7, 3e-4))
-    monkeypatch.setattr(sc, "_dispatch_many", lambda reps, quick: (2e-7, 5e-4))
+    monkeypatch.setattr(sc, "_dispatch", lambda reps, quick: ((3e-6, 1e-4, 3e-7, 3e-6), (1e-7, 3e-4, 4e-7, 2e-6)))
+    monkeypatch.setattr(sc, "_dispatch_many", lambda reps, quick: (2e-7, 5e-4, 6e-7, 4e-6))
     monkeypatch.setattr(sc, "_attention", lambda reps, quick: (2e9, 1e6, 0.1))
     monkeypatch.setattr(sc, "_functions", lambda reps, quick, dtype=None: {"add": 1e9})
     monkeypatch.setattr(sc, "_step_call", lambda reps: 5e-6)
@@ -156,3 +156,58 @@ def test_the_simulator_reads_the_calibration_the_runtime_measures(monkeypatch: p
     monkeypatch.setitem(calibration.MEASURE, "calibrate", measure)
     assert hardware_for(ej.local(1)).models[0].launch == 7e-6 and len(measured) == 1
     assert hardware_for(ej.local(1)).models[0].launch == 7e-6 and len(measured) == 1  # cached now
+
+
+def _intervals(prog: ej.Program, hw: object) -> dict[str, list[float]]:
+    sim = simulate(prog.taskgraph, hw)  # type: ignore[arg-type]
+    kinds = {t.id: t.kind.value for t in prog.taskgraph.tasks}
+    out: dict[str, list[float]] = {}
+    for iv in sim.intervals.values():
+        for s, e, tid in iv:
+            out.setdefault(kinds[tid], []).append(e - s)
+    return out
+
+
+def test_frees_and_views_cost_their_own_figures_and_kernels_a_kernels_dispatch() -> None:
+    """The threads backend runs a free inline as its writer completes and loads a feed's block as a
+    view (einjoin.plan.execute._load; a block of columns too) and hands a block over between
+    devices: such tasks cost their calibrated figures, not a kernel's dispatch (a 2-device
+    elementwise plan simulated 2.97 ms of frees that took 0.23). A calibration without them (an
+    older one) charges every task a launch."""
+    x, w = ej.input("x", (64, 64)), ej.input("w", (64, 64))
+    out = ej.relu(x @ w)
+    prog = ej.compile(out, devices=2, quiet=True)
+    kinds = {t.kind.value for t in prog.taskgraph.tasks}
+    assert {"free", "load", "kernel"} <= kinds
+    new = _cal(launch=5e-6, launch_threads=1.2e-5, free_cost=3e-7, view_cost=3e-6, free_threads=4e-7,
+               view_threads=2e-6)
+    got = _intervals(prog, new.hardware(2))
+    # each device computes alone here or with the other: a launch holds the GIL, shared at worst
+    assert all(4e-7 <= s <= 2 * 4e-7 + 1e-12 for s in got["free"])
+    assert all(2e-6 <= s <= 2 * 2e-6 + 1e-12 for s in got["load"] + got.get("move", []))
+    assert min(got["kernel"]) >= 1.2e-5
+    old = _intervals(prog, _cal(launch=5e-6, launch_threads=1.2e-5).hardware(2))
+    assert min(old["free"] + old["load"]) >= 1.2e-5
+    assert new.hardware(1).models[0].free_cost == 3e-7 and new.hardware(1).models[0].view_cost == 3e-6
+
+
+def test_a_block_of_columns_of_a_feed_loads_as_a_view() -> None:
+    """Any block of a C-ordered feed is a view on this machine (einjoin.plan.execute._load): the
+    simulator charges a strided block of columns a view, not a copy of its bytes."""
+    import numpy as np
+
+    from einjoin.exchange import TaskKind
+    a, b = ej.input("a", (256, 512)), ej.input("b", (512, 1024))
+    out = a @ b
+    prog = ej.compile(out, devices=2, specs={out: {"m": 1, "k": 1, "n": 2}}, quiet=True)  # b's columns cut
+    loads = [t for t in prog.taskgraph.tasks if t.kind is TaskKind.LOAD and t.node is b.node]
+    assert loads and all(t.payload.box[1] != (0, 1024) for t in loads)
+    feed = np.zeros((512, 1024), np.float32)
+    for t in loads:  # the runtime's load of it: a view of the feed
+        from einjoin.plan.execute import _load
+        block = _load(t, lambda v: None, {t.node: feed}, prog.decomps, (512, 512))
+        assert np.shares_memory(block, feed) and not block.flags.c_contiguous
+    cal = _cal(launch=5e-6, launch_threads=1.2e-5, free_cost=3e-7, view_cost=3e-6, free_threads=4e-7,
+               view_threads=2e-6, copy_bw=1e9)  # a copy of a 1 MiB block would take 1 ms
+    got = _intervals(prog, cal.hardware(2))
+    assert max(got["load"]) <= 2 * 2e-6 + 1e-12

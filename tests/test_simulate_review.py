@@ -383,7 +383,7 @@ def test_a_clusters_own_links_slow_its_simulation():
                                                     inter_latency=0.0)).makespan
     fast = prog.simulate(ej.Cluster.islands([2, 2], intra=1e15, inter=1e15, intra_latency=0.0,
                                                   inter_latency=0.0)).makespan
-    assert islands > fast and fast >= base
+    assert islands > fast and fast >= base - 1e-9  # another order of events: equal to a nanosecond
     rows = [[1e15 if (i < 2) == (j < 2) else 1e3 for j in range(4)] for i in range(4)]
     matrix = ej.Cluster(ej.local(4).devices, rows, [[0.0] * 4 for _ in range(4)])
     assert prog.simulate(matrix).makespan == pytest.approx(islands)  # the same links as a plain matrix

@@ -28,7 +28,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached", "local_calibration", "MEASURE"]
 
-VERSION = 8  # bumped when what is measured changes: older caches are measured again
+VERSION = 9  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,10 @@ class Calibration:
     run, inline), ``launch_threads`` (seconds per task of a run on two device threads, each
     busy: the GIL handed over between them at each kernel), ``launch_threads4`` (the same on four
     device threads), ``overhead`` / ``overhead_threads`` / ``overhead_threads4`` (seconds per
-    run besides its tasks: binding feeds, starting threads, assembling outputs),
+    run besides its tasks: binding feeds, starting threads, assembling outputs), ``free_cost`` /
+    ``view_cost`` (seconds of a free, and of a load that is a view of a feed or a zero-copy move,
+    inline; ``free_threads`` / ``view_threads`` on device threads: these tasks dispatch no kernel,
+    so the launches are then per kernel; -1, an older calibration: every task costs a launch),
     ``attention_rate`` / ``attention_half`` (the attention kernel's flop/s on one thread and its
     fixed cost per call as flops), ``cores`` and the ``machine`` it was measured on."""
 
@@ -69,6 +72,10 @@ class Calibration:
     parallel_half: float = -1.0    # the flops at which a GEMM on every core reaches half its rate (-1: half_work)
     launch_threads4: float = -1.0  # seconds per task on four device threads (-1: launch_threads)
     overhead_threads4: float = -1.0  # seconds per run on four device threads (-1: overhead_threads)
+    free_cost: float = -1.0        # seconds of a free, inline (-1: not measured; the launches are per task)
+    view_cost: float = -1.0        # seconds of a view load or a zero-copy move, inline
+    free_threads: float = -1.0     # the same on device threads
+    view_threads: float = -1.0
     load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
     seconds: float = 0.0  # how long measuring took
 
@@ -92,14 +99,17 @@ class Calibration:
         launch, overhead = self.dispatch(n)
         # each step of an elementwise kernel is a numpy call that lets the GIL go and takes it back,
         # as the measured kernels' one BLAS call does: on device threads that hand-over (what a
-        # kernel and its free cost there beyond two inline tasks) comes with each step's Python
-        handover = 2 * max(0.0, launch - self.launch)
+        # kernel costs there beyond one inline; per task: a kernel and its free, two tasks) comes
+        # with each step's Python
+        per_kernel = self.free_cost >= 0
+        handover = (1 if per_kernel else 2) * max(0.0, launch - self.launch)
+        free, view = self.light(n)
         model = DeviceModel("cpu", peak=(("float32", per_thread), ("float64", per_thread / 2)), kind_rates=kinds,
                             kind_half=half, fn_rates=tuple(sorted(self.fn_rates.items())),
                             fn_call=self.fn_call + handover,
                             fn_rates64=tuple(sorted(self.fn_rates64.items())),
                             mem_bw=self.mem_bw, copy_bw=self.copy_bw, vector_rate=self.vector_rate,
-                            launch=launch, e_max=1.0,
+                            launch=launch, e_max=1.0, free_cost=free, view_cost=view,
                             half_work=max(0.0, gemm_half))
         link = Fabric(self.copy_bw / 2, 0.0)  # a copy between devices: RAM to RAM (capped graphs)
         return Hardware(f"this machine ({n} x cpu, calibrated)", (model,) * n, (0,) * n, link, link,
@@ -131,6 +141,22 @@ class Calibration:
         f = min(1.0, (n - 2) / 2)
         return two[0] + f * (four[0] - two[0]), two[1] + f * (four[1] - two[1])
 
+    def light(self, n: int) -> tuple[float, float]:
+        """Seconds of a free and of a view (a load of a feed's block, a zero-copy move) on ``n``
+        devices: inline on one, on device threads beyond (-1, -1: not measured, a launch each).
+
+        >>> cal = Calibration(cores=2, matmul_rate=1e9, half_work=0.0, parallel=1.0, mem_bw=1e9, vector_rate=1e9,
+        ...                   copy_bw=1e9, launch=6e-6, launch_threads=1.2e-5, machine="m", free_cost=3e-7,
+        ...                   view_cost=3e-6, free_threads=4e-7, view_threads=5e-6)
+        >>> [round(x * 1e6, 3) for n in (1, 2) for x in cal.light(n)]  # us per free, per view
+        [0.3, 3.0, 0.4, 5.0]
+        """
+        if self.free_cost < 0:
+            return -1.0, -1.0
+        if n <= 1:
+            return self.free_cost, self.view_cost
+        return max(0.0, self.free_threads), max(0.0, self.view_threads)
+
     def table(self) -> str:
         """The figures, one per line."""
         return "\n".join([
@@ -146,8 +172,11 @@ class Calibration:
             f"elementwise functions, {self.fn_call * 1e6:.1f} us a call, Gelem/s: " + (", ".join(
                 f"{k} {v / 1e9:.2f}" for k, v in sorted(self.fn_rates.items(), key=lambda kv: kv[1])[:8]) + ", ..."
                 if self.fn_rates else "not measured"),
-            f"dispatch per task: {self.launch * 1e6:.1f} us inline, {self.dispatch(2)[0] * 1e6:.1f} us on 2 device "
-            f"threads, {self.dispatch(4)[0] * 1e6:.1f} us on 4",
+            f"dispatch per {'kernel' if self.free_cost >= 0 else 'task'}: {self.launch * 1e6:.1f} us inline, "
+            f"{self.dispatch(2)[0] * 1e6:.1f} us on 2 device threads, {self.dispatch(4)[0] * 1e6:.1f} us on 4"
+            + (f"; a free {self.light(1)[0] * 1e6:.2f} / {self.light(2)[0] * 1e6:.2f} us, a view (feed block, "
+               f"zero-copy move) {self.light(1)[1] * 1e6:.1f} / {self.light(2)[1] * 1e6:.1f} us (inline / threads)"
+               if self.free_cost >= 0 else ""),
             f"per run: {self.overhead * 1e3:.2f} ms inline, {self.dispatch(2)[1] * 1e3:.2f} ms on 2 device threads, "
             f"{self.dispatch(4)[1] * 1e3:.2f} ms on 4",
             f"cores: {self.cores}; measured in {self.seconds:.1f} s on {self.machine}, load average {self.load:.1f}"

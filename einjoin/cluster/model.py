@@ -84,7 +84,9 @@ class DeviceModel:
     pass (a GPU's kernels), the roofline of its flops at ``vector_rate`` and its bytes;
     ``fn_call``: seconds of one such step besides its elements (the Python around a ufunc);
     ``fn_rates64``: the same over float64 (a fill's index grids; float64 transcendentals run far
-    below float32's vector loops, not at half their rate)."""
+    below float32's vector loops, not at half their rate); ``free_cost`` / ``view_cost``:
+    seconds of a task that does no work on the device — a free, a load that is a view of a feed or a
+    zero-copy move (a CPU runtime's dictionary updates, far below a kernel's dispatch; -1: ``launch``)."""
 
     name: str
     peak: tuple[tuple[str, float], ...]
@@ -102,6 +104,8 @@ class DeviceModel:
     fn_rates: tuple[tuple[str, float], ...] = ()
     fn_call: float = 0.0
     fn_rates64: tuple[tuple[str, float], ...] = ()
+    free_cost: float = -1.0  # seconds of a free (no bytes to the host): -1, ``launch``
+    view_cost: float = -1.0  # seconds of a load that is a view of a feed, a zero-copy move: -1, ``launch``
 
     def __post_init__(self) -> None:
         if not self.peak:
@@ -123,6 +127,9 @@ class DeviceModel:
             object.__setattr__(self, f, _positive(getattr(self, f), f))
         for f in ("launch", "half_work", "host_latency", "fn_call"):
             object.__setattr__(self, f, _positive(getattr(self, f), f, zero_ok=True))
+        for f in ("free_cost", "view_cost"):  # -1: the task costs a launch
+            if getattr(self, f) != -1.0:
+                object.__setattr__(self, f, _positive(getattr(self, f), f, zero_ok=True))
         e = _positive(self.e_max, "e_max")
         if e > 1:
             raise EinjoinError(f"device model e_max must be in (0, 1], got {self.e_max!r}")

@@ -165,6 +165,11 @@ class _Ctx:
     def launch(self, t: Task) -> tuple[float, Resources]:
         return (self.hw.models[t.device].launch, self.launch_res)
 
+    def light(self, t: Task, cost: float) -> tuple[float, Resources]:
+        """The launch of a task that does no work on the device (``cost``: the model's
+        ``free_cost`` or ``view_cost``; -1: a launch)."""
+        return (self.hw.models[t.device].launch if cost < 0 else cost, self.launch_res)
+
     def on_cores(self, seconds: float, demand: float = 1.0) -> tuple[float, Resources]:
         return (seconds, ((CORES, demand),) if self.cpu else ())
 
@@ -302,18 +307,13 @@ def _copy(c: _Ctx, t: Task) -> Phases:  # select, touch: a copy of the written b
     return c.copy(t, t.nbytes)
 
 
-def _contiguous(box: Any, shape: tuple[int, ...]) -> bool:
-    """Whether a box of a C-ordered array is one contiguous run (a view of the feed)."""
-    cut = [i for i, ((a, b), n) in enumerate(zip(box, shape)) if (a, b) != (0, n)]
-    # every dim after the last cut one is whole, every dim before it one element wide
-    return not cut or all(b - a == 1 for (a, b) in box[:cut[-1]])
-
-
 def _load(c: _Ctx, t: Task) -> Phases:
     if c.resident or t.id in c.served:
         return ()  # on the device already (weights, state the last run left there)
-    if c.hw.shared_memory and not c.capped and _contiguous(t.payload.box, t.node.shape):
-        return (c.launch(t),)  # a view of the feed (einjoin.plan.execute._load)
+    if c.hw.shared_memory and not c.capped:
+        # a view of the feed, a block of columns too (einjoin.plan.execute._load: any block of a
+        # C-ordered feed; its rows strided)
+        return (c.light(t, c.hw.models[t.device].view_cost),)
     return c.copy(t, t.nbytes) if c.hw.shared_memory else c.host(t, t.nbytes, inward=True)
 
 
@@ -321,7 +321,7 @@ def _move(c: _Ctx, t: Task) -> Phases:
     src, dst = t.payload.src_device, t.device
     if c.hw.shared_memory and not c.hw.own_links:
         # devices in one process hand a block over (zero-copy) unless the graph is capped
-        return c.copy(t, t.nbytes) if c.capped else (c.launch(t),)
+        return c.copy(t, t.nbytes) if c.capped else (c.light(t, c.hw.models[t.device].view_cost),)
     if src == dst:
         return c.copy(t, t.nbytes)
     f = c.hw.fabric(src, dst)
@@ -332,7 +332,7 @@ def _move(c: _Ctx, t: Task) -> Phases:
 def _release(c: _Ctx, t: Task) -> Phases:  # free; evict / writeback copy to the host first
     if t.kind.to_host and t.nbytes and not (c.resident and t.kind is TaskKind.WRITEBACK):
         return c.host(t, t.nbytes, inward=False) if not c.hw.shared_memory else c.copy(t, t.nbytes)
-    return (c.launch(t),) if c.hw.shared_memory else ()
+    return (c.light(t, c.hw.models[t.device].free_cost),) if c.hw.shared_memory else ()
 
 
 def _reload(c: _Ctx, t: Task) -> Phases:

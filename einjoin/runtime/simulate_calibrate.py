@@ -4,8 +4,9 @@ Float32 GEMMs of a few sizes on one BLAS thread (a least-squares line ``t = W / 
 the rate and the work at which a GEMM reaches half of it, ``half_work = c · rate``), one large
 GEMM on every core (what each further thread adds), an elementwise add and ``exp`` (memory
 bandwidth and the vector rate of numpy's kernels, which run on one thread), a copy, and the
-threads backend's cost per task and per run (chains of small matmuls, warm, on one device inline
-and on two and four device threads, where the GIL's hand-overs cost), the attention kernel on one
+threads backend's cost per kernel and per run (chains of small matmuls, warm, on one device inline
+and on two and four device threads, where the GIL's hand-overs cost) and of a free and a view (the
+tasks that dispatch no kernel: their own intervals in those runs), the attention kernel on one
 thread, and each elementwise function (its elements per second: a join is evaluated one function
 at a time). Work on one thread is timed by its CPU time (on a busy machine, the speed a quiet one
 has).
@@ -23,12 +24,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from einjoin.cluster.calibration import MEASURE, Calibration, load_cached, machine_key, save_cached
 from einjoin.errors import EinjoinError
+from einjoin.exchange import TaskKind
 from einjoin.runtime.engine import Engine
 
 __all__ = ["calibrate", "local_calibration"]
@@ -58,8 +60,53 @@ def _call(fn: Callable[..., object], args: tuple[Any, ...]) -> Callable[[], obje
     return lambda: fn(*args)
 
 
-def _runner(engine: Engine, feeds: dict[Any, np.ndarray], backend: Any) -> Callable[[], object]:
-    return lambda: engine.run(feeds, backend)
+class _Chain(NamedTuple):
+    """One length of a calibration chain: its best run's seconds, and its tasks by cost class:
+    kernels (and selects: a dispatch each), frees, views (loads of a feed's block, zero-copy moves),
+    and the seconds one free and one view took in the runs (their own intervals, the mean)."""
+
+    seconds: float
+    kernels: int
+    frees: int
+    views: int
+    free_secs: float
+    view_secs: float
+
+
+def _chain_run(engine: Engine, feeds: dict[Any, np.ndarray], backend: Any, reps: int,
+               clock: Callable[[], float]) -> _Chain:
+    """The least seconds of ``reps`` warm runs by ``clock``, with the intervals every run recorded
+    of its frees and views (the runtime runs a free inline as its writer completes, a view load or a
+    zero-copy move is a dictionary update: a kernel's dispatch is most of a chain's cost per task)."""
+    engine.run(feeds, backend)  # warm
+    best = float("inf")
+    frees: list[float] = []
+    views: list[float] = []
+    kind = {TaskKind.FREE: frees, TaskKind.LOAD: views, TaskKind.MOVE: views}
+    tasks = engine.tg.tasks
+    for _ in range(reps):
+        t0 = clock()
+        _, stats = engine.run(feeds, backend)
+        best = min(best, clock() - t0)
+        for iv in stats.intervals.values():
+            for a, b, tid in iv:
+                got = kind.get(tasks[tid].kind)
+                if got is not None:
+                    got.append(b - a)
+    count = {k: sum(1 for t in tasks if t.kind is k) for k in TaskKind}
+    return _Chain(best, count[TaskKind.KERNEL] + count[TaskKind.SELECT], count[TaskKind.FREE],
+                  count[TaskKind.LOAD] + count[TaskKind.MOVE],
+                  float(np.median(frees)) if frees else 0.0, float(np.median(views)) if views else 0.0)
+
+
+def _kernel_line(short: _Chain, long: _Chain) -> tuple[float, float, float, float]:
+    """Seconds per kernel and per run through two chains, with a free and a view at their own
+    measured cost (not a kernel's): (per kernel, per run, per free, per view)."""
+    free = (short.free_secs + long.free_secs) / 2
+    view = (short.view_secs + long.view_secs) / 2
+    rest = [c.seconds - c.frees * free - c.views * view for c in (short, long)]
+    per = max((rest[1] - rest[0]) / max(1, long.kernels - short.kernels), 1e-7)
+    return per, max(0.0, rest[0] - short.kernels * per), free, view
 
 
 def _line(work: list[float], secs: list[float]) -> tuple[float, float]:
@@ -192,39 +239,35 @@ _THREADED_LENGTHS = {False: (2, 40), True: (2, 16)}
 _THREADED_SIZE = 64
 
 
-def _threaded_line(devices: int, reps: int, quick: bool) -> tuple[float, float]:
-    """Seconds per task and per run of the threads backend on ``devices`` device threads, each
+def _threaded_line(devices: int, reps: int, quick: bool) -> tuple[float, float, float, float]:
+    """Seconds per kernel and per run of the threads backend on ``devices`` device threads, each
     busy with its own chain of 64 x 64 matmuls: the wall clock's line through two lengths (its
-    slope is the rate at which device threads that contend for the GIL get tasks done; its
-    intercept starting and joining the threads, the shares of the cores set and reset). The best
-    of ``reps`` runs per length."""
+    slope is the rate at which device threads that contend for the GIL get kernels done; its
+    intercept starting and joining the threads, the shares of the cores set and reset), and the
+    seconds of a free and of a view there (:func:`_kernel_line`). The best of ``reps`` runs per
+    length."""
     backend = _threads()
-    points = []
+    chains = []
     for length in _THREADED_LENGTHS[quick]:
         engine, feeds = _tiny_chain(devices, length, _THREADED_SIZE)
-        points.append((len(engine.tg.tasks), _best(_runner(engine, feeds, backend), reps)))
-    (n0, t0), (n1, t1) = points
-    per = max((t1 - t0) / (n1 - n0), 1e-7)
-    return per, max(0.0, t0 - n0 * per)
+        chains.append(_chain_run(engine, feeds, backend, reps, time.perf_counter))
+    return _kernel_line(chains[0], chains[1])
 
 
-def _dispatch(reps: int, quick: bool) -> tuple[float, float, float, float]:
-    """The threads backend's cost per task and per run, on one device (inline: chains of 8 x 8
-    matmuls, two lengths, timed by the thread's CPU time: the Python around a task) and on two
-    device threads (:func:`_threaded_line`: the wall clock, where the cost per task holds the
-    GIL's hand-overs between the threads)."""
+def _dispatch(reps: int, quick: bool) -> tuple[tuple[float, float, float, float], tuple[float, float, float, float]]:
+    """The threads backend's cost per kernel and per run, and of a free and a view, on one device
+    (inline: chains of 8 x 8 matmuls, two lengths, timed by the thread's CPU time: the Python
+    around a task) and on two device threads (:func:`_threaded_line`: the wall clock, where the
+    cost per kernel holds the GIL's hand-overs between the threads)."""
     backend = _threads()
-    points = []
+    chains = []
     for length in _LENGTHS[quick]:
         engine, feeds = _tiny_chain(1, length)
-        points.append((len(engine.tg.tasks), _best(_runner(engine, feeds, backend), reps + 2, _CPU)))
-    (n0, t0), (n1, t1) = points
-    per = max((t1 - t0) / (n1 - n0), 1e-7)
-    per2, run2 = _threaded_line(2, 3 * reps, quick)
-    return per, max(0.0, t0 - n0 * per), per2, run2
+        chains.append(_chain_run(engine, feeds, backend, reps + 2, _CPU))
+    return _kernel_line(chains[0], chains[1]), _threaded_line(2, 3 * reps, quick)
 
 
-def _dispatch_many(reps: int, quick: bool) -> tuple[float, float]:
+def _dispatch_many(reps: int, quick: bool) -> tuple[float, float, float, float]:
     """The same on four device threads (:func:`_threaded_line`): more threads wait for the GIL
     (and on fewer cores than four, for a core) at each hand-over."""
     return _threaded_line(4, 3 * reps, quick)
@@ -286,9 +329,9 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     attention_rate, attention_half, attention_parallel = _attention(reps, quick)
     # after the attention kernel: torch loaded, each run also sets torch's share of the cores, as
     # runs of programs with torch kernels do
-    launch, overhead, launch_threads, overhead_threads = _dispatch(reps, quick)
-    launch_threads4, overhead_threads4 = _dispatch_many(reps, quick)
-    # a task on device threads costs at least one inline (its hand-overs come on top), and on
+    (launch, overhead, free, view), (launch_threads, overhead_threads, free2, view2) = _dispatch(reps, quick)
+    launch_threads4, overhead_threads4, free4, view4 = _dispatch_many(reps, quick)
+    # a kernel on device threads costs at least one inline (its hand-overs come on top), and on
     # four at least one on two (a noisy line read less at load 6 on 2 cores)
     launch_threads = max(launch_threads, launch)
     launch_threads4 = max(launch_threads4, launch_threads)
@@ -302,6 +345,8 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
                       launch_threads4=launch_threads4, overhead_threads4=overhead_threads4,
                       attention_rate=attention_rate, attention_half=attention_half, fn_rates64=fn_rates64,
                       attention_parallel=attention_parallel, fn_rates=fn_rates, fn_call=fn_call,
+                      free_cost=free, view_cost=view, free_threads=(free2 + free4) / 2,
+                      view_threads=(view2 + view4) / 2,
                       machine=machine_key(), seconds=time.perf_counter() - t0,
                       load=load)
     # figures measured on a busy machine are low (another process had the cores): they never
