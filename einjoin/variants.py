@@ -125,6 +125,13 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shape)
 
 
+def _is_sparse(value: Any) -> bool:
+    """A torch sparse tensor or a scipy.sparse matrix (an imported module's sparse argument)."""
+    mod = type(value).__module__ or ""
+    return mod.startswith("scipy.sparse") or (mod.startswith("torch") and str(getattr(value, "layout", "")) not in
+                                               ("", "torch.strided"))
+
+
 def signature(arg_names: Sequence[str], compiled: Mapping[str, tuple[int, ...]], given: Mapping[str, Any],
               dynamic: Mapping[str, Mapping[int, str]]) -> Signature | None:
     """The shape signature of a run's forward arguments ``given`` (name -> value), or None when
@@ -145,6 +152,8 @@ def signature(arg_names: Sequence[str], compiled: Mapping[str, tuple[int, ...]],
     shapes: dict[str, tuple[int, ...]] = {}
     for name in arg_names:
         if name in compiled and name in given:
+            if _is_sparse(given[name]):  # a sparse argument's input is its values (nnz,): its feed checks the shape
+                continue
             got = _shape(given[name])
             if got is None:
                 return None  # not an array: the feed check names it

@@ -64,6 +64,8 @@ def make_arg(spec: str, seed: int) -> torch.Tensor:
         return torch.rand(shape, generator=g) > 0.5
     if kind.startswith("i"):
         return torch.randint(0, int(kind[1:]), shape, generator=g)
+    if kind == "s":  # a sparse COO matrix, about a third of it stored (coalesced: its values are its entries)
+        return (torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < 0.35)).to_sparse()
     raise ValueError(f"arg spec {spec!r}")
 
 
@@ -102,6 +104,8 @@ def args_of(sample: Sample) -> tuple[torch.Tensor, ...]:
 def _nodes(v: Any, out: list[Any]) -> None:
     if isinstance(v, Tensor):
         out.append(v.node)
+    elif isinstance(v, ej.SparseInput):  # a torch sparse argument: its keys and values inputs
+        out.extend(v.pattern)
     elif isinstance(v, (list, tuple)):
         for x in v:
             _nodes(x, out)
@@ -165,6 +169,8 @@ def recording():
 
 
 def _np(v: Any) -> np.ndarray:
+    if isinstance(v, torch.Tensor) and v.is_sparse:  # a sparse argument's gradient: its values (einjoin's)
+        v = v.coalesce().values()
     return v.detach().numpy(force=True) if isinstance(v, torch.Tensor) else np.asarray(v)  # force: a ZeroTensor
 
 
@@ -297,6 +303,7 @@ HAND: dict[str, tuple[Sample, ...]] = {
     "invert": (S("torch.logical_not(a)", "b:3,4"),),
     "bitwise_or": (S("torch.bitwise_or(a, b)", "b:3,4", "b:3,4"),),
     "mm": (S("torch.matmul(a, b)", "f:2,3,5", "f:5,4"),),
+    "_sparse_mm": (S("torch.sparse.mm(a, b)", "s:6,5", "f:5,4", method=E),),
     "expand": (S("a.expand(2, 3, 4)", "f:3,1"),),
     "cat": (S("torch.cat([a, b], 1)", "f:3,4", "f:3,2"),),
     "constant_pad_nd": (S("torch.ops.aten.constant_pad_nd(a, [1, 2, 0, 1], 0.5)", "f:2,3,4", method=E),),
@@ -606,7 +613,7 @@ def unsampled(key: str) -> str | None:
 # the kinds that move or make data, listed after the kinds that compute (and not in the dims column
 # when a computing kind is there)
 _MOVES = ("reshape", "broadcast", "select", "concat", "cast", "fill", "input")
-_ORDER = ("attention", "conv", "pool", "topk", "scatteradd", "gather", "einsum") + _MOVES
+_ORDER = ("attention", "conv", "pool", "topk", "scatteradd", "gather", "sparseeinsum", "einsum") + _MOVES
 
 
 def dims_text(texts: set[tuple[str, str]]) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError
 
-__all__ = ["LiveTensor", "BoundTensors", "bind_tensor", "feeds_of", "aliases"]
+__all__ = ["LiveTensor", "LiveSparse", "BoundTensors", "bind_tensor", "bind_sparse", "feeds_of", "aliases"]
 
 
 class LiveTensor:
@@ -147,6 +147,39 @@ class LiveTensor:
         return f"LiveTensor({self.tensor.dtype}{list(self.tensor.shape)})"
 
 
+class LiveSparse(LiveTensor):
+    """A module's sparse buffer (a torch COO / CSR tensor: a GNN's adjacency) bound to a sparse
+    input (``ej.sparse_input``): fed as the torch sparse tensor the module holds now, which the
+    sparse input's feed reads into its keys and values; never densified. Followed by its path
+    as a :class:`LiveTensor` is (``model.adj = other`` of the same shape is fed at the next run)."""
+
+    __slots__ = ()
+
+    def now(self) -> Any:
+        return self.current().detach()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        raise EinjoinError(f"a sparse module tensor {self.tensor.dtype}{list(self.tensor.shape)} is fed as a "
+                           f"sparse tensor, not an array")
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _itself, (self.now().clone(),)  # a copy, as LiveTensor's (never the module's storage)
+
+    def __repr__(self) -> str:
+        return f"LiveSparse({self.tensor.dtype}{list(self.tensor.shape)}, {self.tensor.layout})"
+
+
+def _itself(x: Any) -> Any:
+    return x
+
+
+def bind_sparse(t: Any, root: Any = None, names: tuple[str, ...] = ()) -> LiveSparse:
+    """A module's sparse tensor as its bound value (:class:`LiveSparse`): fed as it is at each run."""
+    paths = tuple(tuple(n.split(".")) for n in names)
+    held = tuple(p for p in paths if _holds(root, p, t)) if root is not None else ()
+    return LiveSparse(t, t.detach(), (root, held) if held else None)
+
+
 class BoundTensors(Mapping[str, np.ndarray]):
     """:attr:`TorchFunction.bound`: name -> value, each lookup a numpy view of the module's
     tensor as it is now (:class:`LiveTensor` says why); :meth:`feeds` gives what a program keeps
@@ -157,7 +190,10 @@ class BoundTensors(Mapping[str, np.ndarray]):
 
     def __getitem__(self, name: str) -> np.ndarray:
         from einjoin.ir.reference import to_numpy
-        return to_numpy(self._values[name], f"bound tensor {name!r}")
+        v = self._values[name]
+        if isinstance(v, LiveSparse):  # a sparse buffer: fed as the torch sparse tensor
+            return v.now()  # type: ignore[no-any-return]
+        return to_numpy(v, f"bound tensor {name!r}")
 
     def __iter__(self) -> Any:
         return iter(self._values)

@@ -29,10 +29,11 @@ import numpy as np
 
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.frontend import aten
+from einjoin.frontend import aten_sparse as SP
 from einjoin.frontend import attention_modules as AM
 from einjoin.frontend import torch_args as A
 from einjoin.frontend import functions as F
-from einjoin.frontend.bound_tensors import BoundTensors, aliases, bind_tensor, feeds_of
+from einjoin.frontend.bound_tensors import BoundTensors, aliases, bind_sparse, bind_tensor, feeds_of
 from einjoin.frontend.module_guard import ModuleGuard, recording
 from einjoin.frontend.node_source import module_path as _module_path
 from einjoin.frontend.node_source import qualified_name
@@ -389,6 +390,11 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
                 t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants[spec.target]
                 name = canon.get(spec.target, spec.target)
+                if SP.is_sparse(t) and kind != "PARAMETER":  # a GNN's adjacency: a sparse input, fed as it is
+                    what = f"{kind.lower()} {name!r}"
+                    env[node] = SP.sparse_placeholder(name, t, t._nnz(), _dtype_of(t, what), what)
+                    bound[name] = bind_sparse(t, module, names_of.get(name, (name,)))
+                    continue
                 env[node] = F.param(name, tuple(t.shape), _dtype_of(t, f"{kind.lower()} {name!r}"))
                 (params if kind == "PARAMETER" else buffers)[name] = env[node]
                 if not t.is_meta:  # a module on the meta device plans but cannot run
@@ -404,8 +410,12 @@ def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                     raise EinjoinError(f"from_torch: forward argument {node.name!r} is "
                                        f"{type(val).__name__}, not a tensor; bind it with "
                                        f"functools.partial before tracing")
-                env[node] = F.input(node.name, tuple(int(s) for s in val.shape),
-                                    _dtype_of(val, f"forward argument {node.name!r}"))
+                what = f"forward argument {node.name!r}"
+                if SP.is_sparse(val):  # fed as a sparse input at each run (its capacity: the example's)
+                    env[node] = SP.sparse_placeholder(node.name, val, SP.example_nnz(val, (args, kwargs)),
+                                                      _dtype_of(val, what), what)
+                else:
+                    env[node] = F.input(node.name, tuple(int(s) for s in val.shape), _dtype_of(val, what))
                 arg_names.append(node.name)
             else:
                 raise UnsupportedOpError(f"from_torch: input kind {kind} ({node.name}) is not supported")

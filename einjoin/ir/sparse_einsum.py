@@ -32,7 +32,8 @@ carries.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,12 @@ from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum, SparseOperand
 
 __all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flops", "sparse_adjoints",
-           "fed_parts", "fed_dense"]
+           "fed_parts", "fed_dense", "DECLARE_INPUT"]
+
+# ``ej.sparse_input(name, shape, nnz, dtype)``, put here by einjoin.sparse.node when the sparse
+# engine loads: the frontend (which builds IR only and may not import the engine) declares a torch
+# module's sparse argument or buffer through it (einjoin.frontend.aten_sparse)
+DECLARE_INPUT: list[Callable[[str, tuple[int, ...], int, str], Any]] = []
 
 
 def _what(eq: str, operand: SparseOperand) -> str:

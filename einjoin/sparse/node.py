@@ -35,8 +35,8 @@ from einjoin.errors import EinjoinError, EinsumSyntaxError, UnsupportedOpError
 from einjoin.ir.dtypes import canonical_dtype, numpy_dtype
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
-from einjoin.ir.sparse_einsum import sparse_einsum_node
-from einjoin.sparse.feed import SparseInput
+from einjoin.ir.sparse_einsum import DECLARE_INPUT, sparse_einsum_node
+from einjoin.sparse.feed import SparseInput, sparse_input
 from einjoin.sparse.graph_plans import PlanCache
 from einjoin.sparse.plan import LAZY
 from einjoin.sparse.tensor import SparseTensor
@@ -170,3 +170,4 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
 
 
 LAZY["einsum"] = lazy_einsum
+DECLARE_INPUT.append(sparse_input)  # from_torch's sparse arguments and buffers

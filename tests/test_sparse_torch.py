@@ -1,0 +1,140 @@
+"""torch sparse tensors through ``ej.from_torch`` (issue 24): a GCN whose adjacency is a torch
+sparse COO / CSR tensor, given as a forward argument or held as a buffer, imported as a sparse
+input (``einjoin.frontend.aten_sparse``: ``aten._sparse_mm`` and ``A @ h`` become one
+``sparse_einsum`` node each) and compared with torch's own forward and autograd."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import einjoin as ej
+from einjoin.ir.graph import Graph
+
+warnings.filterwarnings("ignore", message="Sparse invariant checks")
+
+
+def power_law_graph(n: int, edges: int, seed: int, csr: bool = False) -> torch.Tensor:
+    """A directed graph on ``n`` nodes whose out-degrees follow a power law (node k's share ~
+    (k+1)^-1.2), row-normalised as a GCN's propagation matrix (a self loop on every node)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, n + 1, dtype=torch.float64) ** -1.2
+    src = torch.multinomial(weights, edges, replacement=True, generator=g)
+    dst = torch.randint(0, n, (edges,), generator=g)
+    loops = torch.arange(n)
+    idx = torch.stack([torch.cat([src, loops]), torch.cat([dst, loops])])
+    a = torch.sparse_coo_tensor(idx, torch.ones(idx.shape[1]), (n, n)).coalesce()
+    deg = torch.sparse.sum(a, 1).to_dense()
+    a = torch.sparse_coo_tensor(a.indices(), a.values() / deg[a.indices()[0]], (n, n)).coalesce()
+    return a.to_sparse_csr() if csr else a
+
+
+class GCN(torch.nn.Module):
+    """Two graph convolutions, the adjacency a forward argument: A relu(A X W1) W2."""
+
+    def __init__(self, f: int = 8, hidden: int = 16, out: int = 4) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(f, hidden)
+        self.l2 = torch.nn.Linear(hidden, out)
+
+    def forward(self, adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.sparse.mm(adj, self.l1(x)))
+        return adj @ self.l2(h)
+
+
+class BufferGCN(torch.nn.Module):
+    """The same, the adjacency a registered buffer of the module."""
+
+    def __init__(self, adj: torch.Tensor, f: int = 8, hidden: int = 16, out: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("adj", adj)
+        self.l1 = torch.nn.Linear(f, hidden)
+        self.l2 = torch.nn.Linear(hidden, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.sparse.mm(self.adj, self.l1(x)))
+        return torch.sparse.mm(self.adj, self.l2(h))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.as_tensor(got), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_gcn_with_a_sparse_argument_equals_torch(devices):
+    torch.manual_seed(0)
+    n = 120
+    adj, x = power_law_graph(n, 600, seed=1), torch.randn(n, 8)
+    m = GCN().eval()
+    fn = ej.from_torch(m, (adj, x))
+    graph = Graph([o.node for o in fn.outputs])
+    kinds = [nd.kind for nd in graph.nodes]
+    assert kinds.count("sparseeinsum") == 2
+    # never dense: no graph value of the adjacency's n x n shape
+    assert all(nd.shape != (n, n) for nd in graph.nodes)
+    prog = ej.compile(fn, devices=devices)
+    _close(prog.run(adj, x), m(adj, x))
+    # another graph of the same shape and at most as many entries: the same program
+    other = power_law_graph(n, 400, seed=2)
+    assert other._nnz() <= adj._nnz()
+    _close(prog.run(other, x), m(other, x))
+    _close(prog.run(adj.to_sparse_csr(), x), m(adj, x))  # a CSR feed of the COO-imported argument
+
+
+def test_gcn_imported_with_a_csr_argument_and_its_reference():
+    n = 60
+    adj, x = power_law_graph(n, 250, seed=3, csr=True), torch.randn(n, 8)
+    m = GCN().eval()
+    fn = ej.from_torch(m, (adj, x))
+    _close(ej.compile(fn, devices=2).run(adj, x), m(adj, x))
+    _close(fn.reference(adj, x), m(adj, x))
+
+
+def test_gcn_with_a_sparse_buffer_follows_the_module():
+    n = 80
+    m = BufferGCN(power_law_graph(n, 300, seed=4)).eval()
+    x = torch.randn(n, 8)
+    fn = ej.from_torch(m, (x,))
+    assert "adj" in fn.bound and fn.arg_names == ("x",)
+    assert isinstance(fn.bound["adj"], torch.Tensor) and fn.bound["adj"].is_sparse  # fed sparse, never dense
+    prog = ej.compile(fn, devices=2)
+    _close(prog.run(x), m(x))
+    m.adj = power_law_graph(n, 200, seed=5)  # a new graph in the module: the next run reads it, as torch's
+    _close(prog.run(x), m(x))
+    _close(fn.reference(x), m(x))
+
+
+def test_more_entries_than_the_example_are_refused_naming_the_input():
+    n = 40
+    small, x = power_law_graph(n, 60, seed=6), torch.randn(n, 8)
+    prog = ej.compile(ej.from_torch(GCN().eval(), (small, x)))
+    big = power_law_graph(n, 400, seed=7)
+    with pytest.raises(ej.EinjoinError, match="'adj'.*more than the"):
+        prog.run(big, x)
+
+
+def test_gcn_gradients_equal_torch_autograd():
+    """ej.grad of an imported GCN's loss w.r.t. its parameters and the adjacency's values."""
+    n = 70
+    adj, x = power_law_graph(n, 300, seed=8), torch.randn(n, 8)
+    m = GCN().eval()
+    fn = ej.from_torch(m, (adj, x))
+    loss = (fn.outputs[0] ** 2).mean()
+    params = list(fn.parameters.values())
+    adj_in = next(v for v in Graph([loss.node]).input_by_name.values() if v.op.name == "adj")
+    grads = ej.grad(loss, [*params, ej.Tensor(adj_in)])
+    got = ej.compile(fn.with_outputs([loss, *grads]), devices=2).run(adj, x)
+    leaf = adj.detach().clone().requires_grad_(True)
+    want = (m(leaf, x) ** 2).mean()
+    want.backward()
+    _close(got[0], want)
+    for g, p in zip(got[1:], m.parameters()):
+        _close(g, p.grad)
+    # the adjacency's values: one per stored entry, in the coalesced order (torch's gradient read
+    # at the stored entries: A @ h's is dense, torch.sparse.mm's on the pattern)
+    g = leaf.grad.to_dense()
+    rows, cols = adj.indices()
+    np.testing.assert_allclose(np.asarray(got[-1])[:adj._nnz()], g[rows, cols].numpy(), rtol=1e-4, atol=1e-6)
