@@ -58,11 +58,9 @@ def _is_t(v: Any) -> bool:
 
 
 def _dtype(kw: dict[str, Any], default: str) -> str:
-    """A factory's dtype; a narrow int (BLOOM's int32 arange) is einjoin's int64: a constant
-    holds the same values either way, and a later cast wraps (:func:`_cast`)."""
+    """A factory's dtype (BLOOM's int32 arange is int32, as torch's)."""
     dt = kw.get("dtype")
-    name = default if dt is None else torch_dtype(dt)
-    return "int64" if name in _NARROW_INTS else name
+    return default if dt is None else torch_dtype(dt)
 
 
 # ------------------------------------------------------------------ arithmetic
@@ -491,21 +489,10 @@ def _to(x: Tensor, *args: Any, dtype: Any = None, **_: Any) -> Tensor:
     return _cast(x, torch_dtype(dtype) if not isinstance(dtype, str) else dtype)
 
 
-# einjoin's integers are int64: a cast to a narrower integer type (RoBERTa's position ids go
-# through int32) computes in int64 and wraps as the narrow type would (two's complement), so
-# 200 -> int8 is -56 and -1 -> uint8 is 255, as torch gives
-_NARROW_INTS = {"int32": (32, True), "int16": (16, True), "int8": (8, True), "uint8": (8, False)}
-
-
 def _cast(x: Tensor, dtype: str) -> Tensor:
-    if dtype not in _NARROW_INTS:
-        return x.to(dtype)
-    bits, signed = _NARROW_INTS[dtype]
-    y = x.to("int64")  # floats truncate toward zero first, as torch's conversion
-    if signed:
-        half = 1 << (bits - 1)
-        return (y + half) % (1 << bits) - half  # mod takes the divisor's sign (torch.remainder)
-    return y % (1 << bits)
+    """A cast into the real dtype (RoBERTa's int32 position ids stay int32, so later arithmetic
+    wraps as torch's); the IR's cast wraps as torch's (200 -> int8 is -56, -1 -> uint8 255)."""
+    return x.to(dtype)
 
 
 @op("type_as")

@@ -25,6 +25,7 @@ from einjoin.frontend import losses as L
 from einjoin.frontend import norms as N
 from einjoin.frontend.aten_layout import torch_dtype
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dims, einsum, elementwise
+from einjoin.ir.dtypes import kind
 from einjoin.registry import registrar
 
 __all__ = ["NN_OPS", "TRAINING_BN_HELP"]
@@ -242,7 +243,7 @@ def _join(expr: str, name: str, floats: bool = True) -> Callable[..., Tensor]:
     def f(x: Tensor, *, decimals: int = 0) -> Tensor:
         if decimals:
             raise UnsupportedOpError(f"{name} with decimals={decimals}")
-        if name in ("floor", "ceil", "round", "trunc") and x.dtype in ("int64", "bool"):
+        if name in ("floor", "ceil", "round", "trunc") and kind(x.dtype) != "float":
             return x
         from einjoin.ir.scalar import parse_join
         return elementwise(parse_join(expr, 1), _float_of(x) if floats else x, name=name)

@@ -100,8 +100,8 @@ NOTES: dict[str, str] = {
     "huber_loss": "no `weight`",
     "kl_div": "`reduction` 'batchmean' too",
     "binary_cross_entropy": "each log clamped at -100, as torch",
-    "_to_copy": "a cast to int32 / int16 / int8 / uint8 computes in int64 (einjoin's integer type) and "
-                "wraps as the narrow type (two's complement)",
-    "int": "as `_to_copy`: int64, wrapped as int32",
+    "_to_copy": "into int8 / int16 / int32 / int64 / uint8 as torch (later arithmetic wraps in the "
+                "narrow type); uint16 / uint32 / uint64 refused (torch 2.13 has no arithmetic for them)",
+    "int": "as `_to_copy`: int32",
     "round": "half to even, as torch; no `decimals`",
 }

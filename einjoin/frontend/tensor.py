@@ -60,6 +60,8 @@ def broadcast_shapes(*shapes: tuple[int, ...], what: str = "broadcast") -> tuple
 
 _CAT = {"bool": 0, "int": 1, "float": 2}
 _DEFAULT = {1: "int64", 2: "float32"}  # torch's default dtype of each category
+# dtypes torch sums and multiplies up in int64 (sum, prod, cumsum, cumprod without a dtype=)
+_SUM_TO_INT64 = frozenset(("bool", "int32", "int16", "int8", "uint8"))
 # bool arithmetic as torch does it: + is or, * is and, max is or, min is and
 _BOOL_ARITH = {"add": "logical_or", "mul": "logical_and", "max": "logical_or", "min": "logical_and"}
 
@@ -132,16 +134,28 @@ def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
             if any(not isinstance(a, Tensor) and a < 0 for a in vals[1:]):
                 raise DTypeError("pow: integers to negative integer powers are not allowed (as in "
                                  "torch); cast the base to a float type first")
-            # int ** int stays int64 as in torch: computed in the integers (wrapping on overflow)
-            ints = tuple(a.to("int64") if isinstance(a, Tensor) and a.dtype != "int64" else
+            # int ** int stays in the ints' dtype as in torch: computed in the integers (wrapping)
+            ints = tuple(a.to(target) if isinstance(a, Tensor) and a.dtype != target else
                          (int(a) if not isinstance(a, Tensor) else a) for a in vals)
-            return "ipow", args[:first] + ints
+            return "ipow", args[:first] + _wrapped(ints, target, fn)
         target = "float32"
     if target == "bool" and fn in _BOOL_ARITH:
         return _BOOL_ARITH[fn], args
     # every tensor in the result's dtype, as torch computes: a 0-d float64 beside float32 data is cast
     cast = tuple(a.to(target) if isinstance(a, Tensor) and a.dtype != target else a for a in vals)
-    return fn, args[:first] + cast
+    return fn, args[:first] + _wrapped(cast, target, fn)
+
+
+def _wrapped(vals: tuple[Any, ...], target: str, fn: str) -> tuple[Any, ...]:
+    """Python ints meeting a narrow integer result as torch converts them, wrapped into
+    ``target`` (``int8 tensor + 1000`` adds -24): numpy would refuse the constant, int64
+    arithmetic would not wrap. An exponent keeps its value (``x ** 300`` is not ``x ** 44``)."""
+    from einjoin.ir.dtypes import kind, wrap_int
+    if kind(target) != "int" or target == "int64":
+        return vals
+    return tuple(wrap_int(int(a), target) if not isinstance(a, (Tensor, bool, np.bool_))
+                 and _scalar_cat(a) == 1 and not (fn == "ipow" and i > 0) else a
+                 for i, a in enumerate(vals))
 
 
 def elementwise(fn: str | Expr, *args: Tensor | Scalar, name: str | None = None) -> Tensor:
@@ -210,8 +224,8 @@ def reduce(x: Tensor, agg: str, dim: Any = None, keepdim: bool = False) -> Tenso
     """Aggregate ``x`` over ``dim`` (an int, a tuple, or None for all) with ``agg``."""
     keepdim = check_flag(keepdim, f"{agg}: keepdim")
     dims = _norm_dims(x, dim)
-    if agg in ("sum", "prod") and x.dtype == "bool":
-        x = x.to("int64")  # torch counts: a sum of bools is int64
+    if agg in ("sum", "prod") and x.dtype in _SUM_TO_INT64:
+        x = x.to("int64")  # torch counts: a sum of bools, or of narrow ints, is int64
     ls = LETTERS[:x.ndim]
     out = "".join(ls[d] for d in range(x.ndim) if d not in dims)
     y = wrap(ops.einsum_node([x.node], [ls], out, "x0", agg))
@@ -354,8 +368,12 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def gather(table: Tensor, indices: Tensor) -> Tensor:
-    """Rows of ``table`` picked by int64 ``indices``: shape ``indices.shape + table.shape[1:]``."""
-    return wrap(ops.gather_node(_t(table, "gather").node, _t(indices, "gather").node))
+    """Rows of ``table`` picked by integer ``indices`` (int32 ones too, as torch's, widened to
+    int64 exactly): shape ``indices.shape + table.shape[1:]``."""
+    idx = _t(indices, "gather")
+    if idx.dtype in _SUM_TO_INT64 and idx.dtype != "bool":  # the narrow ints: int64 holds them
+        idx = idx.to("int64")
+    return wrap(ops.gather_node(_t(table, "gather").node, idx.node))
 
 
 # methods built in modules that build on this one (which therefore cannot import them back):

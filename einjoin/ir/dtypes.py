@@ -1,6 +1,8 @@
 """Element types: names, numpy types, sizes, kinds and promotion.
 
-A dtype is named by a short string (``"float32"``, ``"bfloat16"``, ``"int64"``, ``"bool"``);
+A dtype is named by a short string (``"float32"``, ``"bfloat16"``, ``"int32"``, ``"bool"``);
+the integer types are torch's: int8, int16, int32, int64 and uint8 (torch 2.13 has no promotion
+nor arithmetic for uint16/32/64, so those are refused);
 bfloat16 comes from ``ml_dtypes`` so numpy can hold it; that import costs a second or two
 (it registers its ufunc loops with numpy), so it is made on first use of bfloat16's numpy dtype,
 not when einjoin is imported.
@@ -32,6 +34,9 @@ __all__ = [
     "exact_cast",
     "is_bfloat16",
     "is_half",
+    "INT_DTYPES",
+    "wrap_int",
+    "cast_array",
 ]
 
 class _DTypeTable(Mapping[str, np.dtype]):
@@ -68,19 +73,33 @@ DTYPES: Mapping[str, np.dtype] = _DTypeTable({
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "int64": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
     "bool": np.dtype(np.bool_),
 })
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "bool": 1}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
+             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+# torch's unsigned types past uint8: torch 2.13 neither promotes them nor adds them on CPU
+# ("add_stub" not implemented for 'UInt16'), so there is no torch result to be exact to
+_REFUSED = {"uint16", "uint32", "uint64"}
 
 _ALIASES = {
     "f16": "float16", "half": "float16", "bf16": "bfloat16", "f32": "float32",
     "float": "float32", "f64": "float64", "double": "float64", "i64": "int64",
-    "long": "int64", "bool_": "bool",
+    "long": "int64", "bool_": "bool", "i32": "int32", "i16": "int16", "short": "int16",
+    "i8": "int8", "u8": "uint8", "byte": "uint8",
 }
 _KIND = {"float16": "float", "bfloat16": "float", "float32": "float", "float64": "float",
-         "int64": "int", "bool": "bool"}
+         "int64": "int", "int32": "int", "int16": "int", "int8": "int", "uint8": "int", "bool": "bool"}
 _RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+# integers: (value bits, signed); two integer types promote to the narrowest signed type that
+# holds both (torch's table: int8 with uint8 -> int16, uint8 with int32 -> int32)
+_INT_BITS = {"int8": (8, True), "int16": (16, True), "int32": (32, True), "int64": (64, True),
+             "uint8": (8, False)}
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -93,6 +112,8 @@ def canonical_dtype(dtype: Any) -> str:
         name = _ALIASES.get(dtype, dtype)
         if name in DTYPES:
             return name
+        if name in _REFUSED:
+            raise DTypeError(_refused(name))
         raise DTypeError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     if isinstance(dtype, (bytes, bytearray, list, tuple, dict, set)):
         # numpy would read b"a" as a deprecated alias, a list or tuple as a structured dtype
@@ -116,8 +137,14 @@ def canonical_dtype(dtype: Any) -> str:
     if is_bfloat16(npd):
         return "bfloat16"
     if npd.kind in "iu":
-        raise DTypeError(f"dtype {npd} is not supported; integers are int64 (for indices)")
+        raise DTypeError(_refused(str(npd)))
     raise DTypeError(f"dtype {npd} is not supported; known: {', '.join(DTYPES)}")
+
+
+def _refused(name: str) -> str:
+    return (f"dtype {name} is not supported: torch 2.13 has no arithmetic nor promotion for it, so "
+            f"einjoin has no result to match; integers are {', '.join(INT_DTYPES)} (cast to int64 "
+            f"first, exact for uint16/uint32)")
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -135,14 +162,53 @@ def kind(dtype: str) -> str:
 
 
 def promote(a: str, b: str) -> str:
-    """The common dtype of two dtypes of one kind (float16 with bfloat16 gives float32, as torch)."""
+    """The common dtype of two dtypes of one kind, as torch's ``promote_types``: float16 with
+    bfloat16 gives float32, int8 with uint8 int16, a narrower integer the wider one.
+
+    >>> promote("int8", "uint8"), promote("uint8", "int32"), promote("int16", "int64")
+    ('int16', 'int32', 'int64')
+    """
     if a == b:
         return a
     if _KIND[a] != _KIND[b]:
         raise DTypeError(f"cannot mix {a} and {b}; cast one of them first")
+    if _KIND[a] == "int":
+        (ba, sa), (bb, sb) = _INT_BITS[a], _INT_BITS[b]
+        if sa == sb or (sa and ba > bb) or (sb and bb > ba):
+            return a if ba >= bb else b
+        return {8: "int16", 16: "int32", 32: "int64", 64: "int64"}[max(ba, bb)]  # uint8 with int8
     if {a, b} == {"float16", "bfloat16"}:
         return "float32"
     return a if _RANK[a] >= _RANK[b] else b
+
+
+def wrap_int(v: int, dtype: str) -> int:
+    """Python int ``v`` as integer dtype ``dtype`` holds it (two's complement, as torch converts a
+    Python number meeting a narrow tensor: ``int8 tensor + 1000`` adds -24).
+
+    >>> wrap_int(1000, "int8"), wrap_int(-1, "uint8"), wrap_int(5, "int32")
+    (-24, 255, 5)
+    """
+    bits, signed = _INT_BITS[dtype]
+    v %= 1 << bits
+    return v - (1 << bits) if signed and v >= 1 << (bits - 1) else v
+
+
+def cast_array(a: Any, dtype: str, copy: bool = True) -> np.ndarray:
+    """numpy array ``a`` in einjoin dtype ``dtype`` as torch converts: floats into a narrow integer
+    type truncate into int64 first and then wrap (numpy's direct float -> int8 cast is C's
+    undefined behaviour: 300.7 may give 44 or -128 by platform); otherwise numpy's ``astype``
+    (integers wrap in two's complement, as torch's); ``copy`` as ``astype``'s.
+
+    >>> cast_array(np.array([300.7, -1.5]), "int8"), cast_array(np.array([-1]), "uint8")
+    (array([44, -1], dtype=int8), array([255], dtype=uint8))
+    """
+    a = np.asarray(a)
+    npd = DTYPES[dtype]
+    if npd.kind in "iu" and npd.itemsize < 8 and (a.dtype.kind == "f" or is_bfloat16(a.dtype)):
+        a = a.astype(np.int64)
+    out: np.ndarray = a.astype(npd, copy=copy)
+    return out
 
 
 def compute_dtype(dtype: str) -> np.dtype:
@@ -185,7 +251,8 @@ def exact_cast(src: Any, dst: str) -> bool:
     ``dst``, so feeding such an array to a ``dst`` input cannot change a value.
 
     bool only into bool (a mask fed where numbers are declared is a mistake, as in torch); an
-    integer type into int64 when it is not uint64, into a
+    integer type into an integer type holding all its values (int32 into int64, uint8 into
+    int16; never uint64, nor int64 into int32), into a
     float type when its value bits fit the significand (int8/uint8 into float16 and bfloat16,
     16-bit ints into float32, 32-bit ints into float64); a float type into a float type whose
     significand and exponent range both hold it (float16 and bfloat16 into float32, all three

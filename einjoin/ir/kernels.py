@@ -26,7 +26,7 @@ import numpy as np
 import opt_einsum  # type: ignore[import-untyped]
 
 from einjoin.errors import EinjoinError
-from einjoin.ir.dtypes import is_half, kind, numpy_dtype
+from einjoin.ir.dtypes import cast_array, is_half, kind, numpy_dtype
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool,
                              Reshape, ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.window import dilated, out_size
@@ -336,7 +336,7 @@ def fill_kernel(expr: Expr, starts: Sequence[int], shape: Sequence[int], dtype: 
     grids = [np.arange(s, s + n, dtype=idx_dt).reshape([n if k == d else 1 for k in range(len(shape))])
              for d, (s, n) in enumerate(zip(starts, shape))]
     val = np.asarray(evaluate(expr, grids))
-    return np.broadcast_to(val, tuple(shape)).astype(numpy_dtype(dtype))
+    return cast_array(np.broadcast_to(val, tuple(shape)), dtype)
 
 
 def gather_kernel(table: np.ndarray, indices: np.ndarray, row_start: int, n_rows: int) -> np.ndarray:
@@ -599,7 +599,7 @@ def _eval_scatter_add(node: Node, op: ScatterAdd, args: Sequence[np.ndarray]) ->
 
 
 def _eval_cast(node: Node, op: Cast, args: Sequence[np.ndarray]) -> np.ndarray:
-    return np.asarray(args[0]).astype(numpy_dtype(node.dtype))
+    return cast_array(args[0], node.dtype)  # floats into int8 as torch: via int64
 
 
 def _eval_conv(node: Node, op: Conv, args: Sequence[np.ndarray]) -> np.ndarray:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ExpressionError
-from einjoin.ir.dtypes import kind, promote
+from einjoin.ir.dtypes import kind, numpy_dtype, promote
 
 __all__ = ["Arg", "Const", "Call", "Expr", "ScalarFn", "FUNCTIONS", "MAX_DEPTH", "parse_join",
            "infer_dtype", "const_value", "is_product", "is_identity", "num_args", "substitute"]
@@ -501,17 +501,22 @@ def _common(e: Expr, sub: list[str | None], args: Sequence[Expr], allow_bool: bo
             raise DTypeError(f"{e}: cannot mix {out} and {d} in one expression; cast first") from None
     if kind(out) == "bool" and not allow_bool:
         raise DTypeError(f"{e}: {getattr(e, 'fn', '')} does not take bool arguments")
-    for a, dt in zip(args, sub):
+    for i, (a, dt) in enumerate(zip(args, sub)):
         if dt is None:  # a constant, or an expression of constants only (2 ** -1)
             ck = _const_only_kind(a)
             if ck == "float" and kind(out) != "float":
                 raise DTypeError(f"{e}: float constant {a} meets {out}; cast first")
-            if ck in ("int", "bool"):
+            if ck in ("int", "bool") and not (i and getattr(e, "fn", "") == "ipow"):  # x ** 300: any exponent
                 _check_int_range(e, a, out)
     return out
 
 
 _INT64 = (-2 ** 63, 2 ** 63)
+
+
+def _int_range(dtype: str) -> tuple[int, int]:
+    info = np.iinfo(numpy_dtype(dtype))
+    return int(info.min), int(info.max)
 
 
 def _check_int_range(e: Expr, a: Expr, out: str) -> None:
@@ -526,6 +531,10 @@ def _check_int_range(e: Expr, a: Expr, out: str) -> None:
         return
     if kind(out) == "int" and not _INT64[0] <= v < _INT64[1]:
         raise DTypeError(f"{e}: integer constant {v} is outside int64's range [-2**63, 2**63)")
+    if kind(out) == "int" and out != "int64" and not _int_range(out)[0] <= v <= _int_range(out)[1]:
+        lo, hi = _int_range(out)  # numpy would raise OverflowError in the kernel
+        raise DTypeError(f"{e}: integer constant {v} is outside {out}'s range [{lo}, {hi}]; wrap it "
+                         f"as torch does (a tensor op with a Python int wraps it) or cast to int64")
     if kind(out) == "float":
         try:
             float(v)

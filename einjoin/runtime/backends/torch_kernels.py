@@ -50,7 +50,8 @@ __all__ = ["TORCH_KERNELS", "TORCH_DTYPES", "dtype_name", "torch_einsum", "fill_
 # einjoin's dtype names (einjoin.ir.dtypes.DTYPES) as torch dtypes, and back
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-    "int64": torch.int64, "bool": torch.bool,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _HALF = (torch.float16, torch.bfloat16)
@@ -321,7 +322,10 @@ def _fill_block(d: Decomposition, op: Fill, k: Kernel, blocks: _Blocks, box: Box
 
 def _cast_block(d: Decomposition, op: Cast, k: Kernel, blocks: _Blocks, box: Box) -> torch.Tensor:
     x: torch.Tensor = blocks[0]
-    return x.to(TORCH_DTYPES[d.node.dtype])
+    to = TORCH_DTYPES[d.node.dtype]
+    if x.is_floating_point() and to.itemsize < 8 and not to.is_floating_point and to != torch.bool:
+        x = x.to(torch.int64)  # as the numpy kernel (dtypes.cast_array): truncate, then wrap
+    return x.to(to)
 
 
 def _select_block(d: Decomposition, op: Select, k: Kernel, blocks: _Blocks, box: Box) -> torch.Tensor:
