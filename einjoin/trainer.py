@@ -60,6 +60,8 @@ from einjoin.frontend.aten import torch_dtype
 from einjoin.frontend.torch import TorchFunction, _canonical_names, from_torch
 from einjoin.ir.graph import Graph
 from einjoin.runtime.engine import check_seed
+from einjoin.sparse.node import sparse_inputs
+from einjoin.sparse.tensor import is_sparse_format
 from einjoin.train.optim import check_lr
 from einjoin.program import Program
 from einjoin.program import compile as ej_compile
@@ -342,9 +344,15 @@ class Trainer:
         """Bound tensors that are not trained (buffers, frozen parameters, constants): fed by
         name from :attr:`_fixed`, filled from the first capture that meets them."""
         trained = {PREFIX + n for n in self._trainable}
-        out = []
+        out: list[str] = []
         for name, value in fn.bound.items():
             if name in trained or name in self._moving or name == DROPOUT_SEED or name not in used:
+                continue
+            if is_sparse_format(value):  # a sparse buffer (a GNN's adjacency): its values and keys inputs
+                inputs = sparse_inputs(name, value, used)
+                if name not in self._fixed:
+                    self._fixed.update(inputs)
+                out.extend(inputs)
                 continue
             if name not in self._fixed:
                 # a tensor only this capture reads (the eval-mode forward's): its value is the one
@@ -581,9 +589,9 @@ class Trainer:
             name = canon.get(key, key)
             if name in trained:
                 out[key] = (PREFIX + name, t)
-            elif PREFIX + name in self._fixed or PREFIX + name in self._moving:
+            elif (PREFIX + name in self._fixed or PREFIX + name in self._moving) and not is_sparse_format(t):
                 out[key] = (PREFIX + name, t)
-            else:  # a buffer the loss never reads: kept as it was, for a strict load
+            else:  # a buffer the loss never reads, or a sparse one (never trained): kept as it was
                 self._kept[key] = t.detach().clone()
                 out[key] = ("", t)
         return out

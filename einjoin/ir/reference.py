@@ -23,9 +23,9 @@ from einjoin.ir.ops import declared_elsewhere
 __all__ = ["reference", "bind_feeds", "to_numpy", "FEED_HOOKS"]
 
 # feeds that stand for several inputs, rewritten into plain ones before they are checked:
-# (graph, feeds by name) -> feeds by name (einjoin.sparse.feed: a sparse tensor fed by name is
-# its keys and values inputs); registered by the floors above
-FEED_HOOKS: list[Callable[[Graph, dict[str, Any]], dict[str, Any]]] = []
+# (graph, feeds by name, the inputs that may be left out) -> feeds by name (einjoin.sparse.feed: a
+# sparse tensor fed by name is its keys and values inputs); registered by the floors above
+FEED_HOOKS: list[Callable[[Graph, dict[str, Any], Collection[str]], dict[str, Any]]] = []
 
 
 def _torch_to_numpy(t: Any, what: str) -> np.ndarray:
@@ -157,7 +157,7 @@ def bind_feeds(graph: Graph, args: Sequence[Any] = (), feeds: Mapping[str, Any] 
     resident); the result then has no entry for them."""
     feeds = dict(feeds or {})
     for hook in FEED_HOOKS:  # before the names are checked: a hook may feed inputs of other names
-        feeds = hook(graph, feeds)
+        feeds = hook(graph, feeds, optional)
     if args and graph.positional_conflict is not None:
         a, b = (x.op.name for x in graph.positional_conflict)  # type: ignore[union-attr]
         raise EinjoinError(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from einjoin.sparse.graph_plans import PlanCache
 from einjoin.sparse.plan import LAZY
 from einjoin.sparse.tensor import SparseTensor, is_sparse_format, sparse
 
-__all__ = ["SparseInput", "FedSparse", "sparse_input", "fed_feeds"]
+__all__ = ["SparseInput", "FedSparse", "sparse_input", "fed_feeds", "declarations", "declare"]
 
 KEYS = ".keys"  # the keys input's name: the sparse input's name, this and its shape ("A.keys[15,15]")
 
@@ -323,16 +323,36 @@ def _fed_of(graph: Graph) -> list[SparseInput]:
     return list(found.values())
 
 
-def fed_feeds(graph: Graph, feeds: dict[str, Any]) -> dict[str, Any]:
+def declarations(graph: Graph) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """The sparse inputs ``graph`` reads, as (name, shape, dtype, nnz): what ``prog.save`` writes
+    so that a loaded program reading only their keys (a gradient w.r.t. the values) takes the
+    same feeds in a fresh process (no declaration of them there otherwise: see :func:`_fed_of`)."""
+    return [_declared(x.operand) for x in _fed_of(graph)]
+
+
+def declare(saved: Sequence[Sequence[Any]]) -> None:
+    """Declare again the sparse inputs :func:`declarations` gave (``ej.load``)."""
+    for name, shape, dtype, nnz in saved:
+        sparse_input(name, shape, nnz, dtype)
+
+
+def fed_feeds(graph: Graph, feeds: dict[str, Any], optional: Collection[str] = ()) -> dict[str, Any]:
     """``bind_feeds``' hook: each sparse input of ``graph`` fed by name becomes its values and
-    keys feeds (a missing one is named as the sparse input, not as its keys)."""
+    keys feeds (a missing one is named as the sparse input, not as its keys; one whose inputs are
+    all ``optional``, as a program's state write leaves the batch out, may be missing)."""
     declared = _fed_of(graph)
     if not declared:
         return feeds
     names = graph.input_by_name
     feeds = dict(feeds)
     for x in declared:
+        keys_input = x.keys.op.name  # type: ignore[union-attr]
+        if keys_input in optional and keys_input in feeds and x.name in feeds and not is_sparse_format(
+                feeds[x.name]) and not isinstance(feeds[x.name], (SparseInput, SparseTensor)):
+            continue  # its values and keys as arrays already: a program's state (a module's sparse buffer) written
         if x.name not in feeds:
+            if all(n in optional for n in (x.name, keys_input) if n in names):
+                continue  # left out where a program's state write leaves the batch out
             if x.keys.op.name in feeds:  # type: ignore[union-attr]
                 raise EinjoinError(f"input {x.keys.op.name!r} is the keys of sparse input {x.name!r}: feed "  # type: ignore[union-attr]
                                    f"the sparse tensor as {x.name}=...")

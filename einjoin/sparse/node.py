@@ -25,7 +25,7 @@ True
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -33,10 +33,11 @@ import numpy as np
 
 from einjoin.errors import EinjoinError, EinsumSyntaxError, UnsupportedOpError
 from einjoin.ir.dtypes import canonical_dtype, numpy_dtype
+from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
 from einjoin.ir.sparse_einsum import DECLARE_INPUT, sparse_einsum_node
-from einjoin.sparse.feed import SparseInput, sparse_input
+from einjoin.sparse.feed import SparseInput, fed_feeds, keys_name, sparse_input
 from einjoin.sparse.graph_plans import PlanCache
 from einjoin.sparse.plan import LAZY
 from einjoin.sparse.tensor import SparseTensor
@@ -167,6 +168,15 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
         raise EinsumSyntaxError(f"{what}: labels {''.join(summed)!r} are missing from the output but agg is "
                                 f"None; give agg='sum'")
     return node
+
+
+def sparse_inputs(name: str, value: Any, inputs: Mapping[str, Node]) -> dict[str, np.ndarray]:
+    """The arrays of the graph inputs standing for the sparse input ``name`` (its values, and its
+    keys ``name.keys[shape]``) among ``inputs`` (name -> input node) when ``value`` (a sparse tensor
+    of any format ``ej.sparse`` reads) is fed as it: what a program holding a torch module's sparse
+    buffer as state (the Trainer) loads once."""
+    read = [inputs[n] for n in (name, keys_name(name, tuple(value.shape))) if n in inputs]
+    return {k: np.asarray(v) for k, v in fed_feeds(Graph(read), {name: value}, inputs.keys()).items()}
 
 
 LAZY["einsum"] = lazy_einsum
