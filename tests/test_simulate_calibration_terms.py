@@ -211,3 +211,28 @@ def test_a_block_of_columns_of_a_feed_loads_as_a_view() -> None:
                view_threads=2e-6, copy_bw=1e9)  # a copy of a 1 MiB block would take 1 ms
     got = _intervals(prog, cal.hardware(2))
     assert max(got["load"]) <= 2 * 2e-6 + 1e-12
+
+
+def test_an_elementwise_step_streams_its_arrays_at_the_memory_bandwidth_at_best() -> None:
+    """numpy's ufuncs read their array arguments and write their result: however fast a function
+    runs on cached data (its measured rate), a step over blocks out of the caches takes their
+    bytes at mem_bw. x0 * x1 moves three arrays, x0 * 0.5 two (a constant is no array), a column
+    broadcast over the rows its share."""
+    from einjoin.cluster.model import DeviceModel, Fabric, Hardware
+    from einjoin.exchange import TaskKind
+    m = DeviceModel("cpu", peak=(("float32", 1e9),), mem_bw=1e9, copy_bw=1e12, vector_rate=1e9, launch=0.0,
+                    fn_rates=(("mul", 1e15), ("add", 1e15), ("exp", 1e6)))
+    hw = Hardware("toy", (m,), (0,), Fabric(1e9, 0.0), Fabric(1e9, 0.0), cores=1, shared_memory=True,
+                  copy_engines=False)
+    x, y, c = ej.input("x", (64, 128)), ej.input("y", (64, 128)), ej.input("c", (64, 1))
+    outs = [x * y, x * 0.5, x * c, ej.exp(x)]
+    prog = ej.compile(outs, devices=1, backend="null", quiet=True, fuse=False)
+    sim = simulate(prog.taskgraph, hw)
+    took = {prog.taskgraph.tasks[t].node: e - s for s, e, t in sim.intervals[0]
+            if prog.taskgraph.tasks[t].kind is TaskKind.KERNEL}
+    n = 64 * 128
+    mul, half, col, ex = (took[o.node] for o in outs)
+    assert mul == pytest.approx(3 * n * 4 / 1e9)
+    assert half == pytest.approx(2 * n * 4 / 1e9)
+    assert col == pytest.approx((2 * n + 64) * 4 / 1e9)
+    assert ex == pytest.approx(n / 1e6)  # slower than its bytes: its own rate

@@ -192,34 +192,46 @@ class _Steps(NamedTuple):
     arguments): ``calls`` (function, fraction of the block's box it covers), ``per`` the calls the
     flop table counts per element of the box (the box is the task's flops over it; 0: the box is
     the written block), ``aggregates`` (one more pass reading the joined box), ``size`` the
-    itemsize it computes in, ``out_pass`` bytes per element of a last pass (a fill's cast)."""
+    itemsize it computes in, ``out_pass`` bytes per element of a last pass (a fill's cast),
+    ``traffic`` the elements its calls read and write per element of the box (each distinct call's
+    array arguments and its result)."""
 
     calls: tuple[tuple[str, float], ...]
     per: int
     aggregates: bool
     size: int
     out_pass: int = 0
+    traffic: float = 0.0
 
 
 def _walk(expr: Any, labels: Sequence[frozenset[Any]], sizes: dict[Any, int], full: int
-          ) -> tuple[tuple[tuple[str, float], ...], int]:
+          ) -> tuple[tuple[tuple[str, float], ...], int, float]:
     """The distinct calls of ``expr`` with the fraction of the box each covers (its arguments'
-    labels broadcast together: ``labels[i]`` are ``Arg(i)``'s), and the calls counted with repeats."""
+    labels broadcast together: ``labels[i]`` are ``Arg(i)``'s), the calls counted with repeats,
+    and the elements the distinct calls read and write as a fraction of the box (a constant
+    argument is no array)."""
     steps: dict[Call, float] = {}
     counted = 0
+    traffic = 0.0
+
+    def frac(labs: frozenset[Any]) -> float:
+        return math.prod(sizes[lab] for lab in labs) / full
 
     def walk(e: Any) -> frozenset[Any]:
-        nonlocal counted
+        nonlocal counted, traffic
         if isinstance(e, Arg):
             return labels[e.index]
         if not isinstance(e, Call):
             return frozenset()
         counted += 1
-        covers = frozenset().union(*(walk(a) for a in e.args))
-        steps.setdefault(e, math.prod(sizes[lab] for lab in covers) / full)
+        args = [walk(a) for a in e.args]
+        covers = frozenset().union(*args)
+        if e not in steps:
+            steps[e] = frac(covers)
+            traffic += steps[e] + sum(frac(ls) for a, ls in zip(e.args, args) if isinstance(a, (Arg, Call)))
         return covers
     walk(expr)
-    return tuple((e.fn, f) for e, f in steps.items()), counted
+    return tuple((e.fn, f) for e, f in steps.items()), counted, traffic
 
 
 def _einsum_steps(node: Any) -> _Steps | None:
@@ -232,16 +244,16 @@ def _einsum_steps(node: Any) -> _Steps | None:
     for x, ls in zip(node.inputs, op.in_labels):
         sizes.update(zip(ls, x.shape))
     full = max(1, math.prod(sizes.get(lab, 1) for lab in op.all_labels))
-    calls, counted = _walk(op.join, [frozenset(ls) for ls in op.in_labels], sizes, full)
-    return _Steps(calls, max(1, counted), bool(op.agg_labels), itemsize(node.dtype))
+    calls, counted, traffic = _walk(op.join, [frozenset(ls) for ls in op.in_labels], sizes, full)
+    return _Steps(calls, max(1, counted), bool(op.agg_labels), itemsize(node.dtype), traffic=traffic)
 
 
 def _fill_steps(node: Any) -> _Steps:
     # the expression over index grids (float64 for a float fill), then cast to the node's dtype
     shape = node.shape
-    calls, _ = _walk(node.op.expr, [frozenset((d,)) for d in range(len(shape))], dict(enumerate(shape)),
-                     max(1, math.prod(shape)))
-    return _Steps(calls, 0, False, 8, 8 + itemsize(node.dtype))  # fill_kernel's grids: float64 or int64
+    calls, _, traffic = _walk(node.op.expr, [frozenset((d,)) for d in range(len(shape))], dict(enumerate(shape)),
+                              max(1, math.prod(shape)))
+    return _Steps(calls, 0, False, 8, 8 + itemsize(node.dtype), traffic)  # fill_kernel's grids: float64 or int64
 
 
 # per task kind, the node kinds whose expression a kernel of that task evaluates step by step
@@ -272,7 +284,12 @@ def _elementwise(c: _Ctx, t: Task) -> Phases | None:
     passes = (box * how.size + t.nbytes if how.aggregates else 0.0) + box * how.out_pass
     secs = steps_time(m, [(fn, f * box) for fn, f in how.calls], passes, how.size) or 0.0
     python = len(how.calls) * m.fn_call
-    return ((m.launch + python, c.launch_res), c.on_cores(secs - python, 1.0))
+    # each step streams its array arguments and its result: at best at the memory bandwidth (the
+    # function rates are measured on arrays the last level cache holds; a program's blocks were
+    # written by other kernels a while before: x0 * x1 over 1 MB arrays ran at 2.1 Gelem/s cold,
+    # 6.5 hot, where 12 bytes an element at mem_bw give 2.75)
+    stream = (how.traffic * box * how.size + passes) / m.mem_bw
+    return ((m.launch + python, c.launch_res), c.on_cores(max(secs - python, stream), 1.0))
 
 
 def _kernel(c: _Ctx, t: Task) -> Phases:
