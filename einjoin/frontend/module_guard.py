@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -45,6 +46,9 @@ from einjoin.errors import EinjoinError
 __all__ = ["ModuleGuard", "recording"]
 
 _MISSING = object()
+# settings the import itself sets for the capture whatever the model's value (the experts'
+# dispatch: torch_args.static_experts), so the graph holds for any of them
+_IMPORT_CHOSEN = frozenset({"_experts_implementation"})
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -155,7 +159,7 @@ class ModuleGuard:
     walking ``_modules`` by name (a few dict reads per module and attribute); a change is an
     :class:`EinjoinError` naming the path, the attribute and both values."""
 
-    __slots__ = ("root", "entries", "configs")
+    __slots__ = ("root", "entries", "configs", "objects")
 
     def __init__(self, module: Any, reads: set[tuple[int, str]] | None = None):
         self.root = module
@@ -163,24 +167,34 @@ class ModuleGuard:
         read_by: dict[int, set[str]] = {}
         for i, name in reads or ():
             read_by.setdefault(i, set()).add(name)
+        objects: list[tuple[tuple[str, ...], str, Any]] = []
+        cfg = _config_class()
         for path, m in module.named_modules(remove_duplicate=False):
             d = vars(m)
             whole = reads is None or "__dict__" in read_by.get(id(m), ())  # reads unseen, or all of them read
             if whole or "__getattribute__" in vars(type(m)) or any(
-                    "__getattribute__" in vars(c) for c in type(m).__mro__[1:] if c is not object):
+                    "__getattribute__" in vars(c) for c in type(m).__mro__[1:] if c is not object
+            ) or _bypasses_recorder(type(m)):
                 keys = tuple(k for k, v in d.items() if _plain(v) and k not in own)  # reads unseen: all
+                held = tuple(k for k in d if k not in own)
             else:
                 keys = tuple(sorted(k for k in read_by.get(id(m), ()) if k not in own and _guarded(m, d, k)))
-            entries.append((tuple(path.split(".")) if path else (), type(m), keys,
-                            tuple(_effective(d, type(m), k) for k in keys)))
+                held = tuple(sorted(k for k in read_by.get(id(m), ()) if k in d and k not in own))
+            p = tuple(path.split(".")) if path else ()
+            entries.append((p, type(m), keys, tuple(_effective(d, type(m), k) for k in keys)))
+            # a plain object the forward read (a SimpleNamespace, dataclass or dict of settings):
+            # its reads pass no recorder, so all of its state is kept and compared
+            objects.extend((p, k, _state(d[k])) for k in held
+                           if _held_object(d[k]) and not (cfg is not None and isinstance(d[k], cfg)))
         self.entries: tuple[tuple[tuple[str, ...], type, tuple[str, ...], tuple[Any, ...]], ...] = tuple(entries)
         self.configs = _config_entries(module, read_by) if reads is not None else ()
+        self.objects: tuple[tuple[tuple[str, ...], str, Any], ...] = tuple(objects)
 
     def without(self, names: set[str]) -> ModuleGuard:
         """This guard less the attributes ``names`` in every submodule (``{"training"}``: the
         Trainer sets the mode of its captures itself)."""
         out = ModuleGuard.__new__(ModuleGuard)
-        out.root, out.configs = self.root, self.configs
+        out.root, out.configs, out.objects = self.root, self.configs, self.objects
         out.entries = tuple((path, kind, tuple(k for k in keys if k not in names),
                              tuple(v for k, v in zip(keys, values) if k not in names))
                             for path, kind, keys, values in self.entries)
@@ -197,6 +211,8 @@ class ModuleGuard:
         out.root = self.root
         seen = {(p, a) for p, a, _, _ in self.configs}
         out.configs = self.configs + tuple(c for c in other.configs if (c[0], c[1]) not in seen)
+        held = {(p, a) for p, a, _ in self.objects}
+        out.objects = self.objects + tuple(o for o in other.objects if (o[0], o[1]) not in held)
         entries = []
         for path, kind, keys, values in self.entries:
             extra = tuple(sorted(more.get(path, set()) - set(keys)))
@@ -246,6 +262,17 @@ class ModuleGuard:
                     f"forward read it while captured: import the module again (ej.from_torch) "
                     f"to run the new setting")
 
+        for path, attr, was in self.objects:
+            m = _submodule(root, path)
+            now = _state(vars(m).get(attr, _MISSING) if m is not None else _MISSING)
+            if now != was:
+                k, before, after = _state_change(was, now, attr)
+                raise EinjoinError(
+                    f"the module's {'.'.join((*path, k))} is {after} now, {before} when it was "
+                    f"imported; the forward read it while captured (a plain object's settings are "
+                    f"kept whole: they are read past the guard's recorder): import the module "
+                    f"again (ej.from_torch) to run the new setting")
+
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # a pickled program is detached from the module (its bound tensors travel as arrays): no guard
         return _none, ()
@@ -285,7 +312,8 @@ def _config_entries(module: Any, read_by: dict[int, set[str]]
             if not isinstance(cfg, cls) or id(cfg) in seen or id(cfg) not in read_by:
                 continue
             seen.add(id(cfg))
-            keys = tuple(sorted(k for k in read_by[id(cfg)] if _plain(getattr(cfg, k, None))))
+            keys = tuple(sorted(k for k in read_by[id(cfg)]
+                                if k not in _IMPORT_CHOSEN and _plain(getattr(cfg, k, None))))
             out.append((tuple(path.split(".")) if path else (), attr, keys,
                         tuple(getattr(cfg, k, _MISSING) for k in keys)))
     return tuple(out)
@@ -310,6 +338,82 @@ def _guarded(m: Any, d: dict[str, Any], k: str) -> bool:
     import inspect
     at_class = inspect.getattr_static(type(m), k, _MISSING)
     return at_class is _MISSING or _plain(at_class)
+
+
+def _bypasses_recorder(kind: type) -> bool:
+    """Whether a method of ``kind`` (its own or a base's outside torch, transformers and einjoin)
+    names ``__getattribute__`` (``object.__getattribute__(self, "scale")`` in a forward): such a
+    read passes no recorder, so that module's attributes are guarded whole."""
+    hit = _BYPASS.get(kind)
+    if hit is None:
+        library = _library_dirs()
+        codes = [f.__code__ for c in kind.__mro__ if c is not object
+                 for f in (getattr(v, "__func__", v) for v in vars(c).values())
+                 if hasattr(f, "__code__") and not f.__code__.co_filename.startswith(library)]
+        hit = False
+        while codes and not hit:
+            code = codes.pop()
+            hit = "__getattribute__" in code.co_names
+            codes.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+        _BYPASS[kind] = hit
+    return hit
+
+
+_BYPASS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()  # a class's scan, once
+
+
+def _held_object(v: Any) -> bool:
+    """A settings holder whose state the guard keeps whole: a dict, or an instance of a plain
+    Python class (SimpleNamespace, a dataclass, a user's config object), not a module, tensor,
+    function, class or callable."""
+    import torch
+    if isinstance(v, dict):
+        return True
+    if isinstance(v, (torch.nn.Module, torch.Tensor, type)) or callable(v):
+        return False
+    return hasattr(v, "__dict__") or hasattr(type(v), "__dataclass_fields__")
+
+
+def _state(v: Any, depth: int = 3, seen: frozenset[int] = frozenset()) -> Any:
+    """A comparable picture of a held object, a few levels deep: ``("v", type, value)`` for a plain
+    value (1, 1.0 and True differ), ``("seq", ...)`` for a list or tuple, ``("map", ...)`` with
+    sorted (key, state) pairs for a dict or an object's fields; what is none of these (a tensor, a
+    function) by identity."""
+    if v is _MISSING:
+        return ("deleted",)
+    if _plain(v):
+        return ("v", type(v).__name__, v)
+    if depth == 0 or id(v) in seen:
+        return ("id", id(v))
+    seen = seen | {id(v)}
+    if isinstance(v, (list, tuple)):
+        return ("seq", type(v).__name__, tuple(_state(e, depth - 1, seen) for e in v))
+    if isinstance(v, dict):
+        items: Any = v.items()
+    elif _held_object(v):
+        d = getattr(v, "__dict__", None)
+        items = d.items() if d is not None else (
+            (f, getattr(v, f, _MISSING)) for f in type(v).__dataclass_fields__)
+    else:
+        return ("id", id(v))
+    pairs = sorted(((k if isinstance(k, str) else repr(k), _state(e, depth - 1, seen)) for k, e in items
+                    if k not in _IMPORT_CHOSEN), key=lambda kv: kv[0])
+    return ("map", type(v).__name__, tuple(pairs))
+
+
+def _state_change(was: Any, now: Any, name: str) -> tuple[str, str, str]:
+    """The dotted name under a held object whose state differs, and its two values as shown."""
+    if was[0] == now[0] == "map":
+        a, b = dict(was[2]), dict(now[2])
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _state_change(a.get(k, ("deleted",)), b.get(k, ("deleted",)), f"{name}.{k}")
+
+    def shown(st: Any) -> str:
+        if st[0] == "deleted":
+            return "not set" if st is was else "deleted"
+        return repr(st[2]) if st[0] == "v" else f"another {st[1] if len(st) > 2 else 'object'}"
+    return name, shown(was), shown(now)
 
 
 def _none() -> None:
