@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 import einjoin as ej
 from budget import examples
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.decomp.flops import kernel_flops
 from einjoin.ir.opkinds import SparseEinsum
+from einjoin.ir.sparse_einsum import followed_dims, sparse_flops
 from einjoin.sparse import GraphSparse
 
 
@@ -45,7 +47,9 @@ def test_gnn_layer_compiles_on_one_and_two_devices():
         for _ in range(2):  # the second run reuses the node's compiled sparse plan
             np.testing.assert_allclose(prog.run(**feeds), want, rtol=1e-12, atol=1e-12)
         node = next(n for n in prog.graph.nodes if isinstance(n.op, SparseEinsum))
-        assert all(len(b) == 2 for b in prog.specs[node].bounds), "opaque: one block"
+        # never cut along A's own dims (a kernel there repeats the whole product); its feature
+        # dim may be cut (each kernel its columns of h @ w)
+        assert all(f or len(b) == 2 for f, b in zip(followed_dims(node), prog.specs[node].bounds))
 
 
 @pytest.mark.parametrize("eq, pos, dense", [
@@ -81,6 +85,61 @@ def test_a_rank_three_sparse_tensor_mttkrp():
     feeds = _feeds({"b": (10, 4), "c": (8, 4)}, 4)
     want = np.einsum("ijk,jr,kr->ir", t.todense(), feeds["b"], feeds["c"])
     np.testing.assert_allclose(ej.compile(y, devices=2).run(**feeds), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("eq, pos, dense", [
+    ("ij,jk->ik", 0, [(30, 6)]),
+    ("ij,jk->ki", 1, [(6, 40)]),
+    ("ij,jk,kl->il", 1, [(6, 40), (30, 4)]),
+    ("ij,kj->ikj", 0, [(4, 30)]),              # a feature label and a label of A, both kept
+])
+@pytest.mark.parametrize("fed", [False, True])
+def test_every_cut_of_every_output_dim_equals_numpy(eq, pos, dense, fed):
+    """A cut of a dim the sparse operand does not carry runs each kernel on its dense blocks (its
+    flops a share of the op's, summing to the whole); a cut of the operand's own dims repeats
+    the work and keeps its box. Either way the values are numpy's, constant or fed operand."""
+    sp = _adjacency(40, 30, 0.1, 11)
+    a = ej.sparse_input("Acut", sp.shape, nnz=200, dtype="float64") if fed else ej.sparse("Acut", sp)
+    xs = [ej.input(f"x{i}", s, "float64") for i, s in enumerate(dense)]
+    ops = list(xs)
+    ops.insert(pos, a)
+    y = ej.einsum(eq, *ops)
+    feeds = _feeds({f"x{i}": s for i, s in enumerate(dense)}, 12)
+    vals = [feeds[f"x{i}"] for i in range(len(dense))]
+    vals.insert(pos, sp.toarray())
+    want = np.einsum(eq, *vals)
+    if fed:
+        feeds["Acut"] = sp
+    follow = followed_dims(y.node)
+    assert any(follow)
+    for d in range(y.ndim):
+        counts = {lab: (2 if i == d else 1) for i, lab in enumerate("abc"[:y.ndim])}
+        prog = ej.compile(y, devices=2, specs={y.node: counts}, fuse=False)
+        np.testing.assert_allclose(prog.run(**feeds), want, rtol=1e-10, atol=1e-12)
+        node = next(n for n in prog.graph.nodes if isinstance(n.op, SparseEinsum))
+        dec = prog.decomps[node]
+        work = [kernel_flops(dec, k.index) for k in dec.kernels]
+        assert sum(work) == (sparse_flops(node) if follow[d] else 2 * sparse_flops(node))
+
+
+def test_the_planner_splits_a_fed_product_by_its_features_not_repeating_it():
+    """relu(A @ (h @ w)) on 2 devices: eindecomp cuts the product along the feature dim (no device
+    repeats it), and the model's bytes fall (6976 -> 5696: h @ w is no longer read whole by both)."""
+    from einjoin.planner.cost import model_cost
+    from einjoin.planner.search import eindecomp
+    a = ej.sparse_input("Aplan", (50, 40), nnz=200, dtype="float64")
+    h, w = ej.input("hplan", (40, 8), "float64"), ej.param("wplan", (8, 4), "float64")
+    y = ej.relu(a @ (h @ w))
+    g = ej.Graph(y)
+    specs = eindecomp(g, ej.local(2))
+    node = y.node.inputs[0]
+    assert specs[node].bounds == ((0, 50), (0, 2, 4))
+    assert model_cost(g, ej.local(2), specs) == 5696
+    sp = _adjacency(50, 40, 0.08, 13)
+    feeds = _feeds({"hplan": (40, 8), "wplan": (8, 4)}, 14)
+    prog = ej.compile(y, devices=2, specs=specs)
+    want = np.maximum(sp.toarray() @ (feeds["hplan"] @ feeds["wplan"]), 0)
+    np.testing.assert_allclose(prog.run(Aplan=sp, **feeds), want, rtol=1e-10, atol=1e-12)
 
 
 def test_a_planner_cut_is_replicated_work_with_the_same_values():

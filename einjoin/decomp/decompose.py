@@ -29,6 +29,7 @@ from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.node import RotateHalf
+from einjoin.ir.sparse_einsum import dense_follows
 from einjoin.ir.window import input_range
 
 __all__ = ["Kernel", "Decomposition", "decompose", "DECOMPOSE_RULES", "DecomposeRule", "reshape_groups",
@@ -217,11 +218,16 @@ def _topk(node: Node, op: TopK, out: Partition) -> tuple[tuple[Partition, ...], 
                          for k in out.keys())
 
 
-def _whole_inputs(node: Node, op: Any, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
-    # an opaque kind (a sparse einsum): every kernel reads each input whole and keeps its output box
-    ins = tuple(Partition(tuple(even_bounds(n, 1) for n in x.shape)) for x in node.inputs)
-    zero = tuple((0,) * x.ndim for x in node.inputs)
-    return ins, tuple(Kernel(k, k, zero) for k in out.keys())
+def _sparse_cut(node: Node, op: Any, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
+    # a sparse einsum: an output dim the sparse operand does not carry cuts the dense inputs that
+    # carry it (each kernel computes its own columns); the sparse operand's own dims and a fed
+    # operand's keys and values are read whole (a cut there repeats the work, keeping its box)
+    follows = dense_follows(node)
+    follows += tuple((-1,) * x.ndim for x in node.inputs[len(follows):])
+    ins = tuple(Partition(tuple(out.bounds[o] if o >= 0 else even_bounds(n, 1) for o, n in zip(f, x.shape)))
+                for f, x in zip(follows, node.inputs))
+    return ins, tuple(Kernel(k, k, tuple(tuple(k[o] if o >= 0 else 0 for o in f) for f in follows))
+                      for k in out.keys())
 
 
 def _attention_cut(node: Node, out: Partition, row_slots: tuple[int, ...]
@@ -459,5 +465,5 @@ DECOMPOSE_RULES: dict[type, DecomposeRule] = {
     RotateHalf: _blockwise(_topk),  # whole rows along its axis, as a sort's
     Attention: _blockwise(_attention),
     AttentionGrad: _blockwise(_attention_grad),
-    SparseEinsum: _blockwise(_whole_inputs),
+    SparseEinsum: _blockwise(_sparse_cut),
 }

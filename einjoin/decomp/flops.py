@@ -10,7 +10,7 @@ from einjoin.decomp.decompose import Decomposition
 from einjoin.decomp.spec import ROW
 from einjoin.ir.attention import band_pairs
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
-from einjoin.ir.sparse_einsum import sparse_flops
+from einjoin.ir.sparse_einsum import followed_dims, sparse_flops
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.node import RotateHalf
@@ -117,7 +117,15 @@ def _attention_grad_flops(d: Decomposition, op: AttentionGrad, index: tuple[int,
 
 
 def _sparse_einsum_flops(d: Decomposition, op: SparseEinsum, index: tuple[int, ...]) -> int:
-    return sparse_flops(d.node)  # every kernel computes the whole op (its output cut to its box)
+    # the whole op's share of the block along the dims its dense inputs are cut by; along the
+    # sparse operand's own dims every kernel computes the whole op (its output cut to its box)
+    n = sparse_flops(d.node)
+    for o, f in enumerate(followed_dims(d.node)):
+        size = d.node.shape[o]
+        if f and size:
+            b = d.out_partition.bounds[o]
+            n = n * (b[index[o] + 1] - b[index[o]]) // size
+    return n
 
 
 def _no_flops(d: Decomposition, op: object, index: tuple[int, ...]) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from einjoin.decomp.decompose import decompose
 from einjoin.decomp.spec import ROW, aggregated_labels, conv_labels, dim_labels, label_sizes
 from einjoin.ir.node import Attention, AttentionGrad, RotateHalf, SparseEinsum
+from einjoin.ir.sparse_einsum import followed_dims
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Node, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 
@@ -114,8 +115,9 @@ def _broadcast(node: Node) -> dict[str, frozenset[str]]:
     return {lab: _S if d in kept else _R for d, lab in enumerate(dim_labels(node.ndim))}
 
 
-def _replicated(node: Node) -> dict[str, frozenset[str]]:
-    return {lab: _R for lab in label_sizes(node)}
+def _sparse(node: Node) -> dict[str, frozenset[str]]:
+    follow = followed_dims(node)
+    return {lab: _S if f else _R for lab, f in zip(label_sizes(node), follow)}
 
 
 _EVERY = "every dim"
@@ -141,8 +143,8 @@ SPLIT_FACTS: dict[type, SplitFacts] = {
                           "of keys its mask allows; keys are not split)",
                           _attention),
     AttentionGrad: SplitFacts("batch dims (a kernel makes its heads' dq, dk, dv whole)", _attention_grad),
-    SparseEinsum: SplitFacts("none (opaque: a cut kernel reads its inputs whole and computes the whole sparse einsum)",
-                             _replicated),
+    SparseEinsum: SplitFacts("output dims the sparse tensor does not carry (the dense operands' columns); a cut of "
+                             "its own dims reads the inputs whole and repeats the work", _sparse),
 }
 
 

@@ -249,7 +249,7 @@ class SparseEinsum:
     which (at ``position`` of ``in_labels``) is ``operand``, a sparse constant of the node; the
     node's inputs are the dense operands in order (issue 24: a sparse adjacency inside a dense
     graph, ``relu(A @ H @ W)``). Evaluated by the sparse engine (:class:`SparseOperand`'s
-    ``einsum``); the planner treats it as opaque (its kernel computes the whole output)."""
+    ``einsum``); the planner cuts it by its output dims (``ir.sparse_einsum.dense_follows``)."""
 
     in_labels: tuple[tuple[str, ...], ...]
     out_labels: tuple[str, ...]

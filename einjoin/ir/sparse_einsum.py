@@ -6,9 +6,10 @@ one sparse constant held by the op (a :class:`~einjoin.ir.opkinds.SparseOperand`
 ``einjoin.sparse.node.GraphSparse`` around a ``SparseTensor``). The IR never imports the sparse
 engine (it sits floors above): the operand computes the einsum itself (``operand.einsum``, a
 compiled ``SparsePlan`` per equation and shapes), and the reference is ``numpy.einsum`` on its
-densified value. The planner treats the node as opaque: every label of its output is
-*replicated* (a kernel reads its inputs whole and computes the whole output, then keeps its box),
-so cutting it only repeats work, and the cost model keeps it in one block.
+densified value. The planner cuts the node by its output dims (:func:`dense_follows`): a dim
+the sparse operand does not carry cuts the dense inputs that carry it (each kernel computes its
+block); a cut of the operand's own dims is *replicated* (a kernel reads its inputs whole and
+computes the whole output, then keeps its box), which the cost model charges.
 
 The adjoint w.r.t. a dense operand is another sparse einsum with the same constant: the output's
 cotangent joined with the other operands, summed onto the operand's labels (what
@@ -45,7 +46,7 @@ from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum, SparseOperand
 
 __all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flops", "sparse_adjoints",
-           "fed_parts", "fed_dense", "DECLARE_INPUT"]
+           "fed_parts", "fed_dense", "DECLARE_INPUT", "dense_follows", "followed_dims"]
 
 # ``ej.sparse_input(name, shape, nnz, dtype)``, put here by einjoin.sparse.node when the sparse
 # engine loads: the frontend (which builds IR only and may not import the engine) declares a torch
@@ -185,17 +186,49 @@ def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -
     return np.asarray(out).astype(numpy_dtype(node.dtype), copy=False)
 
 
+def dense_follows(node: Node) -> tuple[tuple[int, ...], ...]:
+    """Per dense input, per dim: the output dim whose blocks it is cut by when the planner cuts the
+    node (-1: read whole). An output label the sparse operand does not carry (a GNN's feature
+    dim: ``k`` of ``ij,jk->ik``) is computed block by block from the dense operands' blocks, no
+    work repeated; a label the sparse operand carries is not cut in it (where its entries lie is
+    data), so a kernel cut there reads its inputs whole and keeps its box (repeated work).
+
+    >>> from einjoin.ir import ops
+    >>> class A:  # a stand-in sparse operand
+    ...     name, shape, dtype_name, nnz = "A", (5, 4), "float32", 6
+    >>> y = sparse_einsum_node(A(), 0, [ops.input_node("h", (4, 3), "float32")], "ij,jk->ik")
+    >>> dense_follows(y), followed_dims(y)
+    (((-1, 1),), (False, True))
+    """
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    sparse = set(op.in_labels[op.position])
+    pos = {lab: o for o, lab in enumerate(op.out_labels) if lab not in sparse}
+    return tuple(tuple(pos[lab] if lab in pos and x.shape[d] == node.shape[pos[lab]] else -1
+                       for d, lab in enumerate(labels))
+                 for x, labels in zip(node.inputs, op.dense_labels))
+
+
+def followed_dims(node: Node) -> tuple[bool, ...]:
+    """The output dims a kernel's dense input blocks are cut by (:func:`dense_follows`): its
+    result has the block's extent there, the whole output's elsewhere."""
+    cut = {o for f in dense_follows(node) for o in f if o >= 0}
+    return tuple(o in cut for o in range(node.ndim))
+
+
 def sparse_block(node: Node, op: SparseEinsum, blocks: Sequence[np.ndarray | None],
                  box: Sequence[tuple[int, int]], widened: bool = False) -> np.ndarray:
-    """One kernel of the node: the whole output through the sparse engine (its inputs are read
-    whole), cut to ``box`` when the planner cut the output (replicated work: the cost model
-    avoids it). ``widened``: a half result stays float32 (the torch kernels round it)."""
+    """One kernel of the node through the sparse engine: the dense blocks are cut along the output
+    dims the sparse operand does not carry (:func:`dense_follows`), so its result is the box
+    there; along the others it is the whole output, cut to ``box`` (replicated work where the
+    planner cut those). ``widened``: a half result stays float32 (the torch kernels round it)."""
     dense = [np.asarray(b) for b in blocks]
     dtype = "float32" if widened and node.dtype in ("float16", "bfloat16") else node.dtype
     out = np.asarray(op.operand.einsum(op, dense, dtype)).astype(numpy_dtype(dtype), copy=False)
-    if all((a, b) == (0, n) for (a, b), n in zip(box, node.shape)):
+    follow = followed_dims(node)
+    if all(f or (a, b) == (0, n) for f, (a, b), n in zip(follow, box, node.shape)):
         return out
-    return np.ascontiguousarray(out[tuple(slice(a, b) for a, b in box)])
+    return np.ascontiguousarray(out[tuple(slice(None) if f else slice(a, b) for f, (a, b) in zip(follow, box))])
 
 
 def sparse_flops(node: Node) -> int:
