@@ -69,6 +69,7 @@ from einjoin.ir.dtypes import DTYPES
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner import PLANNERS
+from einjoin.sparse.feed import declarations, declare
 
 __all__ = ["write", "read", "file_path", "FORMAT", "FORMAT_VERSION", "StructureWarning"]
 
@@ -334,6 +335,9 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
         # the forward's output pytree (torch's treespec JSON), or why it is not here
         "structure": structure,
         "structure_lost": lost,
+        # the sparse inputs it is fed (one read by its keys alone is declared by no node: ej.load
+        # declares them again, or a fresh process would not know 'A' of 'A.keys[5,4]')
+        "sparse_inputs": enc.enc(declarations(plan.graph)),
     }
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
@@ -524,6 +528,7 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
         outputs = [dec.nodes[i] for i in body["graph"]["outputs"]]
         graph = Graph(outputs)
         _saved_input_order(graph, [dec.nodes[i] for i in body["graph"]["inputs"]])
+        declare(dec.dec(body.get("sparse_inputs", [])))
         opts = dec.dec(body["options"])
         planner = opts["planner"] if opts["planner"] in PLANNERS else "auto"  # a callable's name only
         try:

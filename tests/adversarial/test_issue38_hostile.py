@@ -5,6 +5,7 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - the module guard keeps a plain settings object the forward read (a ``SimpleNamespace``,
   dataclass or dict held by the module: ``m.cfg.mult = 5`` ran with the import's 2) and the
   attributes of a module whose forward reads them through ``object.__getattribute__``;
+- a saved program reading only a sparse input's keys takes its feed in a fresh process;
 """
 
 from __future__ import annotations
@@ -102,3 +103,33 @@ def test_a_setting_read_through_object_getattribute_is_guarded() -> None:
         m.scale = 2.0
         _close(prog.run(x), m(x))
 
+
+# ---------------------------------------------------------------- 2. a saved program reading sparse keys alone (B)
+
+
+def test_a_loaded_program_reading_only_a_sparse_inputs_keys_takes_its_feed(tmp_path: object) -> None:
+    """The gradient of ``(A @ x).sum()`` w.r.t. ``A``'s values reads ``A``'s keys and ``x``, not
+    its values: no node of it declares ``A``, so a fresh process that loaded it did not know the
+    feed ``A=`` ("unknown input 'A'; the graph's inputs are A.keys[5,4], x"). The file now holds
+    its sparse inputs' declarations; loaded in a fresh process it runs as saved (and as numpy)."""
+    import subprocess
+    import sys
+
+    import scipy.sparse
+
+    A = ej.sparse_input("A_i38", (5, 4), nnz=10, dtype="float64")
+    x = ej.input("x_i38", (4,), "float64")
+    (dA,) = ej.grad((A @ x).sum(), [A])
+    prog = ej.compile(dA)
+    a = scipy.sparse.random(5, 4, density=0.3, random_state=1, format="coo")
+    got = A.on_pattern(a, prog.run(A_i38=a, x_i38=np.arange(4.0))).todense()
+    np.testing.assert_array_equal(got, np.where(a.toarray() != 0, np.arange(4.0), 0.0))  # d/dA[i,j] = x[j]
+    path = f"{tmp_path}/keys_only.ej"
+    prog.save(path)
+    code = ("import numpy as np, scipy.sparse, einjoin as ej\n"
+            f"p = ej.load({path!r})\n"
+            "a = scipy.sparse.random(5, 4, density=0.3, random_state=1, format='coo')\n"
+            "print(p.run(A_i38=a, x_i38=np.arange(4.0)).tolist())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert eval(done.stdout) == np.asarray(prog.run(A_i38=a, x_i38=np.arange(4.0))).tolist()
