@@ -236,3 +236,18 @@ def test_an_elementwise_step_streams_its_arrays_at_the_memory_bandwidth_at_best(
     assert half == pytest.approx(2 * n * 4 / 1e9)
     assert col == pytest.approx((2 * n + 64) * 4 / 1e9)
     assert ex == pytest.approx(n / 1e6)  # slower than its bytes: its own rate
+
+
+def test_a_launch_takes_a_core_as_well_as_the_gil() -> None:
+    """A task's launch is the runtime's Python: it holds the GIL and runs on a core. On one core
+    (capacity 1) no phase overlaps another, so four devices' tasks take at least the sum of their
+    phases (a launch beside another device's kernel used to take no core: four devices on two
+    cores were simulated faster than their CPU allows)."""
+    from einjoin.runtime.simulate import COSTS, _Ctx
+    from tests.test_simulate_golden import _graph
+    tg = _graph(4, 6, 1)  # layered kernels and moves of mixed sizes over 4 devices
+    hw = _cal(cores=1, launch=1e-4, launch_threads=1e-4, overhead=0.0, overhead_threads=0.0).hardware(4)
+    assert hw.core_capacity == 1
+    ctx = _Ctx(hw, tg)
+    alone = sum(secs for t in tg.tasks for secs, _ in COSTS[t.kind](ctx, t))
+    assert simulate(tg, hw).makespan >= alone * (1 - 1e-12)  # 7.081 s before, 7.094 the phases' sum

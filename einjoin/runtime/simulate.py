@@ -154,7 +154,10 @@ class _Ctx:
         self.pools = kernel_pools(tg, hw)  # node kind -> its threads, where the pools' shares differ
         self.speedup = dict(hw.pool_speedup)  # a device's share of the cores over one thread, per pool
         self.cpu = hw.cores is not None
-        self.launch_res: Resources = ((GIL, 1.0),) if hw.shared_memory else ()
+        # a launch is Python holding the GIL, on a core (with more devices than cores, a device's
+        # dispatch waits for one as its kernels do)
+        self.launch_res: Resources = (((GIL, 1.0), (CORES, 1.0)) if self.cpu else ((GIL, 1.0),)) \
+            if hw.shared_memory else ()
         self.vbytes = [v.nbytes for v in tg.values]  # a property: read once per value
         self.steps: dict[Any, Any] = {}  # node -> its elementwise steps (_steps), memoised
 
