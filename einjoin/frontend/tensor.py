@@ -137,7 +137,7 @@ def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
             # int ** int stays in the ints' dtype as in torch: computed in the integers (wrapping)
             ints = tuple(a.to(target) if isinstance(a, Tensor) and a.dtype != target else
                          (int(a) if not isinstance(a, Tensor) else a) for a in vals)
-            return "ipow", args[:first] + _wrapped(ints, target, fn)
+            return "ipow", args[:first] + _wrapped(ints, target, "ipow")
         target = "float32"
     if target == "bool" and fn in _BOOL_ARITH:
         return _BOOL_ARITH[fn], args
@@ -146,16 +146,29 @@ def _promote(fn: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
     return fn, args[:first] + _wrapped(cast, target, fn)
 
 
+# functions whose Python-int argument torch converts with a range check (torch.where(x, y, 1000),
+# clamp(min=1000), x ** 1000 on int8: "value cannot be converted to type int8_t without
+# overflow"); the others (+ - * // % and comparisons) wrap it
+_RANGE_CHECKED = frozenset(("where", "max", "min", "ipow"))
+
+
 def _wrapped(vals: tuple[Any, ...], target: str, fn: str) -> tuple[Any, ...]:
-    """Python ints meeting a narrow integer result as torch converts them, wrapped into
-    ``target`` (``int8 tensor + 1000`` adds -24): numpy would refuse the constant, int64
-    arithmetic would not wrap. An exponent keeps its value (``x ** 300`` is not ``x ** 44``)."""
+    """Python ints meeting a narrow integer result as torch converts them: wrapped into
+    ``target`` (``int8 tensor + 1000`` adds -24, ``x < 1000`` compares with -24), or refused
+    where torch checks the range; numpy would refuse the constant, int64 would not wrap."""
     from einjoin.ir.dtypes import kind, wrap_int
     if kind(target) != "int" or target == "int64":
         return vals
-    return tuple(wrap_int(int(a), target) if not isinstance(a, (Tensor, bool, np.bool_))
-                 and _scalar_cat(a) == 1 and not (fn == "ipow" and i > 0) else a
-                 for i, a in enumerate(vals))
+    out = []
+    for a in vals:
+        if not isinstance(a, (Tensor, bool, np.bool_)) and _scalar_cat(a) == 1:
+            w = wrap_int(int(a), target)
+            if w != a and fn in _RANGE_CHECKED:
+                raise DTypeError(f"{fn}: the value {int(a)} cannot be converted to {target} without "
+                                 f"overflow (torch refuses it too); cast the tensor to a wider dtype first")
+            a = w
+        out.append(a)
+    return tuple(out)
 
 
 def elementwise(fn: str | Expr, *args: Tensor | Scalar, name: str | None = None) -> Tensor:

@@ -330,7 +330,7 @@ def _check_fill_value(v: bool | int | float, dt: str) -> None:
     if kind(dt) == "int":
         if isinstance(v, float) and not math.isfinite(v):
             raise DTypeError(f"fill value {shown} is not an integer: an {dt} fill cannot hold it; {fix}")
-        info = np.iinfo(np.int64)
+        info = np.iinfo(numpy_dtype(dt))  # torch.full((3,), 1000, dtype=torch.int8) raises too
         if not info.min <= math.trunc(v) <= info.max:
             raise DTypeError(f"fill value {shown} is outside the range of {dt} "
                              f"[{info.min}, {info.max}]; {fix}")

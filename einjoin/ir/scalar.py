@@ -501,12 +501,12 @@ def _common(e: Expr, sub: list[str | None], args: Sequence[Expr], allow_bool: bo
             raise DTypeError(f"{e}: cannot mix {out} and {d} in one expression; cast first") from None
     if kind(out) == "bool" and not allow_bool:
         raise DTypeError(f"{e}: {getattr(e, 'fn', '')} does not take bool arguments")
-    for i, (a, dt) in enumerate(zip(args, sub)):
+    for a, dt in zip(args, sub):
         if dt is None:  # a constant, or an expression of constants only (2 ** -1)
             ck = _const_only_kind(a)
             if ck == "float" and kind(out) != "float":
                 raise DTypeError(f"{e}: float constant {a} meets {out}; cast first")
-            if ck in ("int", "bool") and not (i and getattr(e, "fn", "") == "ipow"):  # x ** 300: any exponent
+            if ck in ("int", "bool"):
                 _check_int_range(e, a, out)
     return out
 

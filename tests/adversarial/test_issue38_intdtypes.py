@@ -243,3 +243,31 @@ def test_narrow_constant_outside_range_refused() -> None:
         elementwise(parse_join("x0 + 1000", 1), x)
     np.testing.assert_array_equal(ej.reference(x + 1000, c8=np.array([1, 2, 100], np.int8)),
                                   (torch.tensor([1, 2, 100], dtype=torch.int8) + 1000).numpy())
+
+
+SCALAR_OPS = {
+    "add": lambda x: x + 1000, "sub": lambda x: x - 1000, "rsub": lambda x: 1000 - x,
+    "mul": lambda x: x * 1000, "floordiv": lambda x: x // 1000, "mod": lambda x: x % 1000,
+    "lt": lambda x: x < 1000, "eq": lambda x: x == 1000, "ge_neg": lambda x: x >= -1,
+    "pow": lambda x: x ** 1000, "where": lambda x: torch.where(x > 1, x, 1000) if isinstance(x, torch.Tensor)
+    else ej.where(x > 1, x, 1000), "full": lambda x: (torch.full((3,), 1000, dtype=x.dtype) if isinstance(
+        x, torch.Tensor) else ej.full((3,), 1000, x.dtype)),
+}
+
+
+@pytest.mark.parametrize("dt", ["int8", "uint8", "int16"])
+@pytest.mark.parametrize("op", sorted(SCALAR_OPS))
+def test_python_int_out_of_range_as_torch(dt: str, op: str) -> None:
+    """A Python int a narrow dtype cannot hold: wrapped where torch wraps it (+ - * // % and
+    comparisons: ``int8 < 1000`` compares with -24), a DTypeError where torch refuses it
+    (``where``, ``pow``, ``full``: 'value cannot be converted ... without overflow')."""
+    arr = np.array([-100, 1, 100], dt) if dt != "uint8" else np.array([0, 1, 255], dt)
+    try:
+        want = SCALAR_OPS[op](torch.from_numpy(arr))
+    except RuntimeError:
+        with pytest.raises(DTypeError, match=f"(cannot be converted to|outside the range of) {dt}"):
+            SCALAR_OPS[op](ej.input(f"so_{dt}", (3,), dt))
+        return
+    got = SCALAR_OPS[op](ej.input(f"so_{dt}", (3,), dt))
+    assert got.dtype == str(want.dtype).removeprefix("torch.")
+    np.testing.assert_array_equal(_run(got, **{f"so_{dt}": arr}), want.numpy())
