@@ -182,3 +182,29 @@ def test_trainer_on_a_gcn_with_a_sparse_adjacency_matches_torch_adamw(where):
         with torch.no_grad():
             expect = _mse(ref(other, x), y).item()
         np.testing.assert_allclose(trainer.evaluate(other, x, y), expect, rtol=1e-4)
+
+
+class SpMMLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 5)
+
+    def forward(self, adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.sparse.mm(adj, self.lin(x)))
+
+
+def test_the_adjacency_gradient_as_a_sparse_tensor_as_torch_gives_it():
+    """The import's sparse input is ej.sparse_input(name, shape, nnz, dtype) again (one declaration):
+    ej.grad w.r.t. it and on_pattern give torch's sparse .grad of the adjacency."""
+    n = 50
+    adj, x = power_law_graph(n, 200, seed=15), torch.randn(n, 8)
+    m = SpMMLayer().eval()
+    fn = ej.from_torch(m, (adj, x))
+    a = ej.sparse_input("adj", (n, n), nnz=adj._nnz(), dtype="float32")
+    assert a.values in Graph([fn.outputs[0].node]).input_by_name.values()  # the import's own input
+    (g,) = ej.grad((fn.outputs[0] ** 2).sum(), [a])
+    got = a.on_pattern(adj, ej.compile(fn.with_outputs(g), devices=2).run(adj, x))
+    leaf = adj.detach().clone().requires_grad_(True)
+    (m(leaf, x) ** 2).sum().backward()
+    assert leaf.grad.is_sparse and got.nnz == leaf.grad.coalesce()._nnz()
+    np.testing.assert_allclose(got.todense(), leaf.grad.to_dense().numpy(), rtol=1e-4, atol=1e-6)
