@@ -255,22 +255,25 @@ def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
     name = x.name
     if isinstance(value, SparseInput):
         raise EinjoinError(f"input {name!r}: fed a SparseInput (a declaration); feed a sparse tensor")
+    given = None
     if not isinstance(value, SparseTensor):
         if not is_sparse_format(value):
             raise EinjoinError(f"input {name!r} is a sparse input (ej.sparse_input, shape {x.shape}, nnz <= "
                                f"{x.nnz}): feed a SparseTensor (ej.sparse), a scipy.sparse matrix, a torch "
                                f"sparse tensor or a pydata sparse.COO, got {type(value).__name__}")
         boolean = str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+        given = _given_dtype(value)  # ej.sparse widens int32 to int64: the check is of what was fed
         value = sparse(name, value)  # (bool values are read as float32 0 / 1: a bool input keeps them bool)
         if boolean and x.dtype == "bool":
             value = SparseTensor(value.name, value.shape, value.block, np.asarray(value.keys),
                                  np.asarray(value.data).astype(bool), trusted=True)
     if tuple(value.shape) != x.shape:
         raise ShapeError(f"input {name!r}: expected a sparse tensor of shape {x.shape}, got {tuple(value.shape)}")
-    if not exact_cast(np.dtype(value.dtype), x.dtype):
-        raise DTypeError(f"input {name!r}: expected {x.dtype} values, got {value.dtype} (einjoin casts a feed only "
+    fed = given if given is not None else np.dtype(value.dtype)
+    if not exact_cast(fed, x.dtype):
+        raise DTypeError(f"input {name!r}: expected {x.dtype} values, got {fed} (einjoin casts a feed only "
                          f"when no value changes); convert the values, or declare ej.sparse_input({name!r}, "
-                         f"{x.shape}, nnz, {str(value.dtype)!r})")
+                         f"{x.shape}, nnz, {str(fed)!r})")
     if not value.all_finite():  # as the sparse engine refuses them (0 * inf), but before the run, by name
         raise EinjoinError(f"input {name!r}: inf or nan among its stored values; a sum of products with a sparse "
                            f"tensor does not take them (absent entries are zeros: 0 * inf)")
@@ -291,6 +294,15 @@ def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
     keys[:len(vals)] = coords
     out[:len(vals)] = vals
     return keys, out
+
+
+def _given_dtype(value: Any) -> np.dtype | None:
+    """The values' dtype of a scipy / torch / pydata sparse tensor as fed (``torch.int32`` read
+    as int32), or None where numpy has no such dtype."""
+    try:
+        return np.dtype(str(getattr(value, "dtype", "")).removeprefix("torch."))
+    except TypeError:
+        return None
 
 
 def _declared(x: FedSparse) -> tuple[Any, ...]:

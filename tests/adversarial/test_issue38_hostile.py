@@ -6,6 +6,7 @@ Each test failed before its fix (the commit that added it says what einjoin did 
   dataclass or dict held by the module: ``m.cfg.mult = 5`` ran with the import's 2) and the
   attributes of a module whose forward reads them through ``object.__getattribute__``;
 - a saved program reading only a sparse input's keys takes its feed in a fresh process;
+- an int32 sparse feed is checked as int32 (it was refused as 'got int64');
 """
 
 from __future__ import annotations
@@ -133,3 +134,35 @@ def test_a_loaded_program_reading_only_a_sparse_inputs_keys_takes_its_feed(tmp_p
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert eval(done.stdout) == np.asarray(prog.run(A_i38=a, x_i38=np.arange(4.0))).tolist()
+
+
+# ---------------------------------------------------------------- 3. an int32 sparse feed (E)
+
+
+def _int32_adjacency() -> object:
+    import scipy.sparse
+    rng = np.random.default_rng(0)
+    a = scipy.sparse.random(5, 4, density=0.4, random_state=1, format="coo")
+    a.data = rng.integers(-9, 9, a.nnz).astype(np.float64)
+    return a.astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", ["scipy", "torch"])
+def test_an_int32_sparse_feed_is_checked_as_int32(kind: str) -> None:
+    """``ej.sparse`` widens int32 values to int64, and the feed's exact-cast check read the
+    widened dtype: an int32 scipy / torch adjacency fed to a float64 sparse input (exact) was
+    refused as 'got int64', and to a float32 one (not exact) was refused naming int64. Now the
+    fed dtype is checked: float64 runs as numpy computes; float32 is refused naming int32."""
+    a = _int32_adjacency()
+    fed = a if kind == "scipy" else torch.sparse_coo_tensor(np.vstack([a.row, a.col]), a.data, a.shape)  # type: ignore[attr-defined]
+    assert str(fed.dtype).endswith("int32")
+    A = ej.sparse_input("A_i32", (5, 4), nnz=10, dtype="float64")
+    x = ej.input("x_i32", (4,), "float64")
+    xv = np.arange(1.0, 5.0)
+    got = ej.compile(ej.einsum("ij,j->i", A, x)).run(A_i32=fed, x_i32=xv)
+    np.testing.assert_array_equal(got, a.toarray() @ xv)  # type: ignore[attr-defined]
+    A32 = ej.sparse_input("A_i32", (5, 4), nnz=10, dtype="float32")
+    x32 = ej.input("x_i32f", (4,), "float32")
+    prog = ej.compile(ej.einsum("ij,j->i", A32, x32))
+    with pytest.raises(ej.EinjoinError, match=r"expected float32 values, got int32"):
+        prog.run(A_i32=fed, x_i32f=xv.astype(np.float32))
