@@ -63,6 +63,8 @@ def fold(node: Node) -> Node:
         return node
     if computes and not all(_faithful(i) for i in node.inputs):
         return node
+    if computes and any(kind(i.dtype) == "int" and i.dtype != "int64" for i in node.inputs):
+        return node  # fills compute ints in int64: an int32 intermediate would not wrap before a //
     if kind(node.dtype) != "float" and any(kind(i.dtype) == "float" for i in node.inputs):
         return node
     out = rule_for(FOLD_RULES, node.op, "constant folding (einjoin.ir.fold.FOLD_RULES)")(
