@@ -271,3 +271,12 @@ def test_python_int_out_of_range_as_torch(dt: str, op: str) -> None:
     got = SCALAR_OPS[op](ej.input(f"so_{dt}", (3,), dt))
     assert got.dtype == str(want.dtype).removeprefix("torch.")
     np.testing.assert_array_equal(_run(got, **{f"so_{dt}": arr}), want.numpy())
+
+
+def test_constant_folding_wraps_narrow_intermediates() -> None:
+    """Parameter-free int32/int8 arithmetic (folded into fills, which compute ints in int64) wraps
+    at each step as torch's: ``arange(int32) * 1e9 // 7`` and ``(arange(int8) * 100).long() * 3``."""
+    a = ej.arange(5, dtype="int32") * 1000000000 // 7
+    b = (ej.arange(5, dtype="int8") * 100).to("int64") * 3
+    np.testing.assert_array_equal(ej.reference(a), (torch.arange(5, dtype=torch.int32) * 1000000000 // 7).numpy())
+    np.testing.assert_array_equal(ej.reference(b), ((torch.arange(5, dtype=torch.int8) * 100).long() * 3).numpy())
