@@ -84,20 +84,24 @@ def test_gcn_with_a_sparse_argument_equals_torch(devices):
     _close(prog.run(adj.to_sparse_csr(), x), m(adj, x))  # a CSR feed of the COO-imported argument
 
 
-def test_gcn_imported_with_a_csr_argument_and_its_reference():
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_gcn_imported_with_a_csr_argument_and_its_reference(method):
     n = 60
     adj, x = power_law_graph(n, 250, seed=3, csr=True), torch.randn(n, 8)
     m = GCN().eval()
-    fn = ej.from_torch(m, (adj, x))
+    fn = ej.from_torch(m, (adj, x), method=method)
+    assert [nd.kind for nd in Graph([fn.outputs[0].node]).nodes].count("sparseeinsum") == 2
     _close(ej.compile(fn, devices=2).run(adj, x), m(adj, x))
     _close(fn.reference(adj, x), m(adj, x))
 
 
-def test_gcn_with_a_sparse_buffer_follows_the_module():
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_gcn_with_a_sparse_buffer_follows_the_module(method):
     n = 80
     m = BufferGCN(power_law_graph(n, 300, seed=4)).eval()
     x = torch.randn(n, 8)
-    fn = ej.from_torch(m, (x,))
+    fn = ej.from_torch(m, (x,), method=method)
+    assert [nd.kind for nd in Graph([fn.outputs[0].node]).nodes].count("sparseeinsum") == 2
     assert "adj" in fn.bound and fn.arg_names == ("x",)
     assert isinstance(fn.bound["adj"], torch.Tensor) and fn.bound["adj"].is_sparse  # fed sparse, never dense
     prog = ej.compile(fn, devices=2)

@@ -16,7 +16,8 @@ from typing import Any
 
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.frontend import functions as F
-from einjoin.frontend.bound_tensors import BoundTensors, aliases, bind_tensor
+from einjoin.frontend import aten_sparse as SP
+from einjoin.frontend.bound_tensors import BoundTensors, aliases, bind_sparse, bind_tensor
 from einjoin.frontend.fx_inplace import functionalize_inplace
 from einjoin.frontend.nn_modules import MODULES
 from einjoin.frontend.tensor import Tensor
@@ -99,8 +100,16 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
     canon = _canonical_names(module)
     names_of = aliases(canon)
 
-    def param(qual: str, t: Any) -> Tensor:
+    sparse: dict[str, Any] = {}  # sparse buffers: sparse inputs fed as the module holds them (aten_sparse)
+
+    def param(qual: str, t: Any) -> Any:
         qual = canon.get(qual, qual)
+        if SP.is_sparse(t) and not t.is_meta:
+            if qual not in sparse:
+                what = f"tensor {qual!r}"
+                sparse[qual] = SP.sparse_placeholder(qual, t, t._nnz(), _dtype_of(t, what), what)
+                bound[qual] = bind_sparse(t, module, names_of.get(qual, (qual,)))
+            return sparse[qual]
         if qual not in params:
             params[qual] = F.param(qual, tuple(t.shape), _dtype_of(t, f"tensor {qual!r}"))
             if not t.is_meta:
@@ -118,7 +127,11 @@ def _from_fx(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Torc
             if not isinstance(v, torch.Tensor):
                 raise EinjoinError(f"from_torch: forward argument {node.target!r} is "
                                    f"{type(v).__name__}, not a tensor")
-            env[node] = F.input(node.target, tuple(v.shape), _dtype_of(v, f"forward argument {node.target!r}"))
+            what = f"forward argument {node.target!r}"
+            if SP.is_sparse(v):  # fed as a sparse input at each run (its capacity: the example's)
+                env[node] = SP.sparse_placeholder(node.target, v, v._nnz(), _dtype_of(v, what), what)
+            else:
+                env[node] = F.input(node.target, tuple(v.shape), _dtype_of(v, what))
             arg_names.append(node.target)
         elif node.op == "get_attr":
             t = module
