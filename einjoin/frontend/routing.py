@@ -80,7 +80,8 @@ def from_the_end(idx: Tensor, n: int, *, modulo: bool = False) -> Tensor:
     ``n`` the first: it never refuses one)."""
     if n <= 0:
         return idx  # nothing to index: any index is out of range (the run-time check says so)
-    return elementwise_expr(f"x0 % {n}" if modulo else f"where(x0 < 0, x0 + {n}, x0)", idx)
+    # (one below -n stays as given: the run-time check names the index the user wrote)
+    return elementwise_expr(f"x0 % {n}" if modulo else f"where((x0 < 0) & (x0 >= -{n}), x0 + {n}, x0)", idx)
 
 
 def elementwise_expr(expr: str, *args: Tensor) -> Tensor:

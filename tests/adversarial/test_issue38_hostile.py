@@ -7,6 +7,7 @@ Each test failed before its fix (the commit that added it says what einjoin did 
   attributes of a module whose forward reads them through ``object.__getattribute__``;
 - a saved program reading only a sparse input's keys takes its feed in a fresh process;
 - an int32 sparse feed is checked as int32 (it was refused as 'got int64');
+- ``index_fill`` names an index below ``-n`` as given (-5 on a dim of 4 was 'index -1');
 """
 
 from __future__ import annotations
@@ -166,3 +167,26 @@ def test_an_int32_sparse_feed_is_checked_as_int32(kind: str) -> None:
     prog = ej.compile(ej.einsum("ij,j->i", A32, x32))
     with pytest.raises(ej.EinjoinError, match=r"expected float32 values, got int32"):
         prog.run(A_i32=fed, x_i32f=xv.astype(np.float32))
+
+
+# ---------------------------------------------------------------- 4. index_fill's out-of-range index named as given (E)
+
+
+class _IndexFill(nn.Module):
+    def forward(self, x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return x.index_fill(1, i, 7.0)
+
+
+def test_index_fill_names_an_out_of_range_negative_index_as_given() -> None:
+    """A negative index is read from the end (``n + i``); one below ``-n`` was shifted too, so
+    -5 on a dim of size 4 was reported as 'index -1'. It stays as given now; in-range negative
+    indices still run as torch's."""
+    x = torch.arange(12.0).reshape(3, 4)
+    prog = ej.compile(ej.from_torch(_IndexFill(), (x, torch.tensor([0, -1]))), quiet=True)
+    for ok in ([0, -1], [-4, 2], [3, -2]):
+        i = torch.tensor(ok)
+        _close(prog.run(x, i), _IndexFill()(x, i))
+    with pytest.raises(IndexError, match="index -5"):
+        _IndexFill()(x, torch.tensor([0, -5]))
+    with pytest.raises(ej.EinjoinError, match=r"index -5 out of range for a table of 4 rows"):
+        prog.run(x, torch.tensor([0, -5]))
