@@ -192,6 +192,9 @@ def _int_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Integer powers in the integers, wrapping on overflow as torch does (a float64 detour is
     exact only below 2**53); a negative exponent gives 0 except for bases 1 and -1 (torch's
     rule for tensor exponents)."""
+    # the dtype numpy gives the arguments as they come: a Python-int constant (x ** 2, 2 ** x in
+    # a fused join) is weak, so an int32 chain goes on (and wraps) in int32 as unfused
+    dt = np.result_type(a, b)
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == object or b.dtype == object:  # Python ints (constants): exact, the same rule
         exact: np.ndarray = np.frompyfunc(_py_int_pow, 2, 1)(a, b)
@@ -199,7 +202,7 @@ def _int_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.dtype.kind not in "iu" or b.dtype.kind not in "iu":
         with np.errstate(all="ignore"):
             power: np.ndarray = np.power(a, b)
-        return power
+        return power if power.dtype == dt else power.astype(dt)
     neg = b < 0
     with np.errstate(all="ignore"):
         out: np.ndarray = np.power(a, np.where(neg, 0, b))
@@ -207,18 +210,18 @@ def _int_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         odd = (b % 2) != 0
         small = np.where(a == 1, 1, np.where(a == -1, np.where(odd, -1, 1), 0)).astype(out.dtype)
         out = np.where(neg, small, out)
-    return out
+    return out if out.dtype == dt else out.astype(dt)
 
 
 def _int_division(np_fn: Callable[..., np.ndarray], what: str) -> Callable[..., np.ndarray]:
     """Floor division or remainder with Python's and torch's signs (numpy's floor_divide and
     remainder); an integer divisor of 0 is an error, as in torch (numpy would give 0)."""
     def run(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        a, b = np.asarray(a), np.asarray(b)
-        if a.dtype.kind in "iubO" and b.dtype.kind in "iubO" and np.any(b == 0):
+        aa, bb = np.asarray(a), np.asarray(b)
+        if aa.dtype.kind in "iubO" and bb.dtype.kind in "iubO" and np.any(bb == 0):
             raise EinjoinError(f"integer {what} by zero (torch raises too; use float tensors for inf/nan)")
-        with np.errstate(all="ignore"):
-            return np_fn(a, b)
+        with np.errstate(all="ignore"):  # the arguments as given: a Python-int constant stays weak
+            return np_fn(a, b)            # (x // 3 of int32 is int32, not int64, in a fused join)
     run.__name__ = np_fn.__name__
     return run
 
