@@ -242,10 +242,13 @@ def _einsum(equation: str, *operands: Any, path: Any = None) -> Tensor:
 
 def _reduction(name: str) -> Fn:
     def f(x: Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Tensor:
-        if dtype is not None:
-            x = x.to(torch_dtype(dtype))
+        dt = None if dtype is None else torch_dtype(dtype)
+        if dt is not None:
+            x = x.to(dt)
         y: Tensor = getattr(x, name)(_dims(dim), keepdim)
-        return y
+        # sum(dtype=torch.int32): einjoin sums narrow ints in int64 (torch's default); the
+        # int32 sum is that one wrapped (sums and products commute with wrapping)
+        return y.to(dt) if dt is not None and y.dtype != dt else y
     return f
 
 

@@ -33,11 +33,8 @@ MaxResult = namedtuple("MaxResult", ["values", "indices"])
 
 
 def _dt(dtype: Any) -> Any:
-    """A dtype argument; narrow integer types compute in int64 (einjoin's integer type)."""
-    if dtype is None:
-        return None
-    name = torch_dtype(dtype)
-    return "int64" if name in ("int32", "int16", "int8", "uint8") else name
+    """A dtype argument (``cumsum(x, 0, dtype=torch.int16)`` accumulates in int16, as torch's)."""
+    return None if dtype is None else torch_dtype(dtype)
 
 
 @op("gather")

@@ -280,3 +280,20 @@ def test_constant_folding_wraps_narrow_intermediates() -> None:
     b = (ej.arange(5, dtype="int8") * 100).to("int64") * 3
     np.testing.assert_array_equal(ej.reference(a), (torch.arange(5, dtype=torch.int32) * 1000000000 // 7).numpy())
     np.testing.assert_array_equal(ej.reference(b), ((torch.arange(5, dtype=torch.int8) * 100).long() * 3).numpy())
+
+
+class _DtypeArgs(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x.sum(dtype=torch.int32), x.sum(-1, dtype=torch.int8), torch.cumsum(x, 0, dtype=torch.int16),
+                x.prod(dtype=torch.int32), x.to(torch.int8).cumprod(0, dtype=torch.uint8))
+
+
+def test_reduction_dtype_arguments() -> None:
+    """``sum / prod / cumsum / cumprod(dtype=narrow int)`` return that dtype, wrapped as torch's
+    (cumsum(dtype=int16) gave int64 sums that never wrapped)."""
+    x = torch.tensor([[100000, 2], [300000, 4]]) * 1000 + 3
+    m = _DtypeArgs()
+    got = ej.compile(ej.from_torch(m, (x,)), devices=2, quiet=True).run(x)
+    for g, w in zip(got, m(x)):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w)
