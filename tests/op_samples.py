@@ -566,6 +566,7 @@ AUTO: dict[str, tuple[Sample, ...]] = {
     'silu': (S('F.silu(a)', 'f:3,4'),),
     'sin': (S('torch.sin(a)', 'f:3,4'),),
     'slice': (S('torch.ops.aten.slice(a, 1, 1, 4, 2)', 'f:3,4', method=E),),
+    'narrow': (S('torch.ops.aten.narrow(a, 1, -3, 2)', 'f:3,4', method=E), S('a.narrow(0, 1, 2)', 'f:3,4')),
     'smooth_l1_loss': (S('torch.ops.aten.smooth_l1_loss(a, b)', 'f:3,4', 'f:3,4', method=E),),
     'softmax': (S('torch.ops.aten._softmax(a, 1, False)', 'f:3,4', method=E), S('F.softmax(a, 0)', 'f:3,4')),
     'softmin': (S('F.softmin(a)', 'f:3,4'),),

@@ -11,6 +11,7 @@ like: :data:`LAYOUT_OPS` by ATen op / torch function name, merged into
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -209,6 +210,27 @@ def _slice(x: Tensor, dim: int = 0, start: Any = None, end: Any = None, step: in
     if (a, b, s) == (0, x.shape[d], 1):
         return x
     return x[(slice(None),) * d + (slice(a, b, s),)]
+
+
+@op("narrow", "narrow_copy")
+def _narrow(x: Tensor, dim: int, start: Any, length: Any) -> Tensor:
+    """``x.narrow(dim, start, length)``: ``length`` elements of ``dim`` from ``start`` (from the end
+    when negative), checked as torch checks them."""
+    d = _norm_dim(x, dim)
+    n = x.shape[d]
+    try:
+        s, k = operator.index(start), operator.index(length)
+    except TypeError:
+        raise UnsupportedOpError(f"narrow: start {start!r} and length {length!r} must be ints (a tensor start is "
+                                 f"data-dependent: no static graph holds it)") from None
+    if not -n <= s <= n:
+        raise ShapeError(f"narrow: start out of range (expected to be in range of [{-n}, {n}], but got {s}) "
+                         f"for dim {d} of shape {tuple(x.shape)}")
+    s = s + n if s < 0 else s
+    if k < 0 or s + k > n:
+        raise ShapeError(f"narrow: start ({s}) + length ({k}) exceeds dimension size ({n}) of dim {d} of shape "
+                         f"{tuple(x.shape)}" if k >= 0 else f"narrow: length must be non-negative, got {k}")
+    return _slice(x, d, s, s + k)
 
 
 @op("slice_scatter")

@@ -8,6 +8,7 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - a saved program reading only a sparse input's keys takes its feed in a fresh process;
 - an int32 sparse feed is checked as int32 (it was refused as 'got int64');
 - ``index_fill`` names an index below ``-n`` as given (-5 on a dim of 4 was 'index -1');
+- ``aten.narrow`` is translated (negative start, length), and refused as torch refuses it;
 """
 
 from __future__ import annotations
@@ -190,3 +191,35 @@ def test_index_fill_names_an_out_of_range_negative_index_as_given() -> None:
         _IndexFill()(x, torch.tensor([0, -5]))
     with pytest.raises(ej.EinjoinError, match=r"index -5 out of range for a table of 4 rows"):
         prog.run(x, torch.tensor([0, -5]))
+
+
+# ---------------------------------------------------------------- 5. narrow (E)
+
+
+class _Narrow(nn.Module):
+    def __init__(self, dim: int, start: int, length: int) -> None:
+        super().__init__()
+        self.dim, self.start, self.length = dim, start, length
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(self.dim, self.start, self.length) * 2 + torch.narrow(x, self.dim, self.start, self.length)
+
+
+@pytest.mark.parametrize("dim, start, length", [(1, -3, 2), (0, 1, 2), (-1, -5, 5), (1, 5, 0), (0, -4, 1)])
+def test_narrow_is_translated_as_torch_computes_it(dim: int, start: int, length: int) -> None:
+    """``aten.narrow`` had no translation ('no einjoin translation of this op'): every module
+    using ``x.narrow`` was refused. Negative starts count from the end, as torch's."""
+    x = torch.arange(20.0).reshape(4, 5)
+    m = _Narrow(dim, start, length)
+    _close(ej.compile(ej.from_torch(m, (x,)), quiet=True).run(x), m(x))
+
+
+@pytest.mark.parametrize("start, length, what", [(-6, 1, r"start out of range .*\[-5, 5\], but got -6"),
+                                                  (-3, 4, r"start \(2\) \+ length \(4\) exceeds dimension size \(5\)"),
+                                                  (2, -1, r"length must be non-negative")])
+def test_narrow_out_of_range_is_refused_as_torch_refuses_it(start: int, length: int, what: str) -> None:
+    from einjoin.frontend.aten_layout import LAYOUT_OPS
+    with pytest.raises((RuntimeError, IndexError), match=what):
+        torch.zeros(4, 5).narrow(1, start, length)
+    with pytest.raises(ej.ShapeError, match=what):
+        LAYOUT_OPS["narrow"](ej.input("x_n38", (4, 5)), 1, start, length)
