@@ -643,6 +643,10 @@ class Trainer:
             if key not in state_dict:
                 continue
             v = state_dict[key]
+            if is_sparse_format(t):  # a sparse buffer (a GNN's adjacency): never trained, fed as its inputs
+                fixed.update(self._sparse_buffer(key, t, v))
+                kept[key] = v.detach().clone()
+                continue
             try:  # str, None, object arrays, meta or sparse tensors: named, not a raw torch error
                 v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
                 if v.is_meta or v.layout != torch.strided:
@@ -670,6 +674,18 @@ class Trainer:
         self._owner = None  # the next run writes the state to its program
         self.version += 1
         return Keys(missing, unexpected)
+
+    def _sparse_buffer(self, key: str, t: Any, v: Any) -> dict[str, np.ndarray]:
+        """The arrays of the sparse buffer ``key``'s inputs (values, keys) for ``v``, a sparse tensor
+        of the module's buffer's shape (fitting the capacity the import gave it)."""
+        if not is_sparse_format(v) or tuple(v.shape) != tuple(t.shape):
+            raise ShapeError(f"Trainer.load_state_dict: {key!r} is the module's sparse buffer of shape "
+                             f"{tuple(t.shape)}; got {type(v).__name__} of shape {tuple(getattr(v, 'shape', ()))}")
+        if PREFIX + key not in self._fixed:  # no program reads it
+            return {}
+        inputs = {n: x for sp in (*self._programs.values(), *self._evals.values())
+                  for n, x in sp.prog.graph.input_by_name.items()}
+        return sparse_inputs(PREFIX + key, v, inputs)
 
     # ---- safetensors
 

@@ -212,3 +212,27 @@ def test_the_adjacency_gradient_as_a_sparse_tensor_as_torch_gives_it():
     (m(leaf, x) ** 2).sum().backward()
     assert leaf.grad.is_sparse and got.nnz == leaf.grad.coalesce()._nnz()
     np.testing.assert_allclose(got.todense(), leaf.grad.to_dense().numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_state_dict_with_a_sparse_buffer_round_trips_and_loads_another_graph(tmp_path):
+    n = 60
+    adj, x, y = power_law_graph(n, 250, seed=16), torch.randn(n, 8), torch.randn(n, 4)
+    m = BufferGCN(adj)
+    trainer = ej.Trainer(m, (x, y), _mse, optimizer=ej.optim.AdamW(lr=0.01))
+    for _ in range(3):
+        trainer.step(x, y)
+    sd = trainer.state_dict()
+    assert trainer.load_state_dict(sd) == ([], [])
+    other = power_law_graph(n, 150, seed=17)  # another adjacency, as torch's module.load_state_dict takes it
+    trainer.load_state_dict({**sd, "adj": other})
+    ref = BufferGCN(other)
+    ref.load_state_dict({**sd, "adj": other})
+    with torch.no_grad():
+        want = _mse(ref(x), y).item()
+    np.testing.assert_allclose(trainer.evaluate(x, y), want, rtol=1e-5)
+    with pytest.raises(ej.ShapeError, match="'adj'"):
+        trainer.load_state_dict({**sd, "adj": other.to_dense()})
+    path = tmp_path / "gcn.safetensors"
+    trainer.save(path)
+    again = ej.Trainer.load(path, BufferGCN(adj), (x, y), _mse)
+    np.testing.assert_allclose(again.step(x, y), trainer.step(x, y), rtol=1e-6)
