@@ -173,13 +173,31 @@ LLAMA70B_GOAL_S = 300.0  # issue 23: planning + simulation of the 80-layer forwa
 
 def _planned(layers: int, cluster: ej.Cluster, objective: str | None) -> tuple[Any, Any, list[ej.Tensor], float, float]:
     """Compile and simulate :func:`llama70b_blocks` of ``layers`` (weights resident): the program,
-    its simulation, the blocks' ends, planning and simulation CPU seconds."""
+    its simulation, the blocks' ends, planning and simulation CPU seconds. Every replay counts
+    as simulation, those ``ej.compile`` runs too (``objective="time"`` on several nodes simulates
+    the time and the bytes plans to keep the faster; ``prog.simulate`` then returns that replay):
+    on 256 GPUs they are most of the CPU from 2 layers on, which a planning column would hide."""
+    from einjoin.runtime import simulate as sim_module
+    replays = [0.0]
+    inner = sim_module._simulate  # noqa: SLF001 - timed where every replay runs, the memo's hits not
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        c = time.process_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            replays[0] += time.process_time() - c
+
     out, ends = llama70b_blocks(layers)
-    c0 = time.process_time()
-    prog = ej.compile(out, cluster, backend="null", quiet=True, objective=objective)
-    c1 = time.process_time()
-    sim = prog.simulate(resident=True)
-    return prog, sim, ends, c1 - c0, time.process_time() - c1
+    sim_module._simulate = timed  # noqa: SLF001
+    try:
+        c0 = time.process_time()
+        prog = ej.compile(out, cluster, backend="null", quiet=True, objective=objective)
+        sim = prog.simulate(resident=True)
+        total = time.process_time() - c0
+    finally:
+        sim_module._simulate = inner  # noqa: SLF001
+    return prog, sim, ends, total - replays[0], replays[0]
 
 
 def _cut_alike(prog: Any, ends: list[ej.Tensor]) -> bool:
@@ -303,8 +321,8 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
               f"{cpu * 80 / layers:.0f} s CPU -- a floor, not measured (the simulation grows faster than "
               f"linearly in the layers on several nodes); goal <= {LLAMA70B_GOAL_S:.0f} s for 80 layers on 256 GPUs)")
     print("(sim. ms: the SIMULATED makespan of the forward, weights resident; tasks: the plan's task graph; "
-          "objective time: ej.compile simulates the plans it compares and prog.simulate() returns that replay, so "
-          "the simulation's CPU is in the plan column)")
+          "sim CPU s: every replay, those ej.compile runs to compare the time and bytes plans (objective time) "
+          "included; plan CPU s: the rest of ej.compile)")
 
 
 def main(argv: list[str] | None = None) -> int:
