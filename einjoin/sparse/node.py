@@ -32,6 +32,7 @@ from typing import Any, cast
 import numpy as np
 
 from einjoin.errors import EinjoinError, EinsumSyntaxError, UnsupportedOpError
+from einjoin.ir import ops
 from einjoin.ir.dtypes import canonical_dtype, numpy_dtype
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
@@ -40,7 +41,7 @@ from einjoin.ir.sparse_einsum import DECLARE_INPUT, sparse_einsum_node
 from einjoin.sparse.feed import SparseInput, fed_feeds, keys_name, sparse_input
 from einjoin.sparse.graph_plans import PlanCache
 from einjoin.sparse.plan import LAZY
-from einjoin.sparse.tensor import SparseTensor
+from einjoin.sparse.tensor import SparseTensor, size1_squeeze
 
 __all__ = ["GraphSparse", "PlanCache", "graph_operand", "is_lazy", "lazy_einsum"]
 
@@ -158,6 +159,14 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
                                f"(ej.input, ej.param, or values computed from them)")
         dense.append(getattr(x, "node", x))
     given = operands[sparse_at[0]]
+    # numpy's broadcasting of a dense operand's size-1 dims, as ej.einsum and sparse_compile do
+    # ('ij,jk->ik' of (5, 4) and (1, 3) reads x[0, k] for every j): those dims reshaped away
+    found = size1_squeeze(equation, [tuple(getattr(x, "shape", ())) for x in operands])
+    if found is not None and len(found[1][sparse_at[0]]) == len(given.shape):  # (the sparse one kept whole)
+        equation, keeps = found
+        keeps.pop(sparse_at[0])
+        dense = [x if len(k) == len(x.shape) else ops.reshape_node(x, tuple(x.shape[d] for d in k))
+                 for x, k in zip(dense, keeps)]
     if isinstance(given, SparseInput):  # fed at run: its keys and values are the node's last inputs
         node = sparse_einsum_node(given.operand, sparse_at[0], dense, equation, pattern=given.pattern)
     else:

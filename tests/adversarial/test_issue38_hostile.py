@@ -9,6 +9,7 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - an int32 sparse feed is checked as int32 (it was refused as 'got int64');
 - ``index_fill`` names an index below ``-n`` as given (-5 on a dim of 4 was 'index -1');
 - ``aten.narrow`` is translated (negative start, length), and refused as torch refuses it;
+- a graph's sparse einsum broadcasts a dense operand's size-1 dims, as ``ej.einsum`` does;
 """
 
 from __future__ import annotations
@@ -223,3 +224,29 @@ def test_narrow_out_of_range_is_refused_as_torch_refuses_it(start: int, length: 
         torch.zeros(4, 5).narrow(1, start, length)
     with pytest.raises(ej.ShapeError, match=what):
         LAYOUT_OPS["narrow"](ej.input("x_n38", (4, 5)), 1, start, length)
+
+
+# ---------------------------------------------------------------- 6. a graph sparse einsum broadcasts size-1 dims (E)
+
+
+@pytest.mark.parametrize("fed", [True, False], ids=["sparse_input", "constant"])
+@pytest.mark.parametrize("eq, xshape", [("ij,jk->ik", (1, 3)), ("ij,ij->ij", (1, 4)), ("ij,ij->j", (5, 1))])
+def test_a_graph_sparse_einsum_broadcasts_size_one_dense_dims(fed: bool, eq: str, xshape: tuple) -> None:
+    """``ej.einsum`` and ``ej.sparse_compile`` broadcast a size-1 dim as numpy does; the graph's
+    sparse einsum refused it ("label 'j' has size 4 in operand 0 ... but size 1 in operand 1").
+    Forward and the dense operand's gradient now match numpy's."""
+    import scipy.sparse
+    a = scipy.sparse.random(5, 4, density=0.4, random_state=2, format="coo")
+    xv = np.random.default_rng(3).normal(size=xshape)
+    A: object = ej.sparse_input("A_b38", (5, 4), nnz=12, dtype="float64") if fed else ej.sparse("A_c38", a)
+    x = ej.input(f"x_b38_{xshape[0]}", xshape, "float64")
+    y = ej.einsum(eq, A, x)
+    (dx,) = ej.grad(y.sum(), [x])
+    feeds = {"A_b38": a} if fed else {}
+    got, gx = ej.compile([y, dx]).run(**feeds, **{x.node.op.name: xv})  # type: ignore[attr-defined]
+    want = np.einsum(eq, a.toarray(), np.broadcast_to(xv, (5, 4) if eq != "ij,jk->ik" else (4, 3)))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    ones = np.ones_like(want)
+    full = np.einsum(f"{eq.split('->')[1]},{eq.split(',')[0]}->{eq.split(',')[1].split('->')[0]}", ones, a.toarray())
+    np.testing.assert_allclose(gx, full.sum(axis=tuple(d for d, n in enumerate(xshape) if n == 1), keepdims=True),
+                               rtol=1e-12, atol=1e-12)
