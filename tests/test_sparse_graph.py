@@ -96,8 +96,9 @@ def test_a_rank_three_sparse_tensor_mttkrp():
 @pytest.mark.parametrize("fed", [False, True])
 def test_every_cut_of_every_output_dim_equals_numpy(eq, pos, dense, fed):
     """A cut of a dim the sparse operand does not carry runs each kernel on its dense blocks (its
-    flops a share of the op's, summing to the whole); a cut of the operand's own dims repeats
-    the work and keeps its box. Either way the values are numpy's, constant or fed operand."""
+    flops a share of the op's, summing to the whole); a cut of the operand's own dims computes a
+    constant operand's entries in the kernel's rows only, a fed one's all (repeated work), keeping
+    its box. Either way the values are numpy's."""
     sp = _adjacency(40, 30, 0.1, 11)
     a = ej.sparse_input("Acut", sp.shape, nnz=200, dtype="float64") if fed else ej.sparse("Acut", sp)
     xs = [ej.input(f"x{i}", s, "float64") for i, s in enumerate(dense)]
@@ -119,7 +120,8 @@ def test_every_cut_of_every_output_dim_equals_numpy(eq, pos, dense, fed):
         node = next(n for n in prog.graph.nodes if isinstance(n.op, SparseEinsum))
         dec = prog.decomps[node]
         work = [kernel_flops(dec, k.index) for k in dec.kernels]
-        assert sum(work) == (sparse_flops(node) if follow[d] else 2 * sparse_flops(node))
+        # a constant operand computes only its entries in the kernel's rows; a fed one all of them
+        assert sum(work) == (sparse_flops(node) if follow[d] or not fed else 2 * sparse_flops(node))
 
 
 def test_the_planner_splits_a_fed_product_by_its_features_not_repeating_it():
@@ -403,3 +405,21 @@ def test_matmul_of_a_sparse_matrix_with_a_batch_names_the_shapes():
     hv = np.arange(24.0).reshape(2, 4, 3)
     got = ej.compile(ej.einsum("ij,bjk->bik", a, h), quiet=True).run(h=hv)
     np.testing.assert_allclose(got, np.einsum("ij,bjk->bik", np.eye(4), hv))
+
+
+def test_a_row_cut_of_a_constant_block_sparse_operand_computes_its_rows_only():
+    """einsum_within keeps the stored blocks meeting the kernel's box (blocks of 3 straddling a cut
+    at 20): an SpMV ('ij,j->i', no feature dim to cut) on 2 devices splits its work, numpy's values."""
+    sp = _adjacency(40, 30, 0.15, 18)
+    a = ej.sparse("Ablk", sp, block=3)
+    v = ej.input("v", (30,), "float64")
+    y = ej.einsum("ij,j->i", a, v)
+    vv = np.random.default_rng(19).normal(size=30)
+    for spec in ({"a": 2}, {"a": 4}):
+        prog = ej.compile(y, devices=2, specs={y.node: spec}, fuse=False)
+        np.testing.assert_allclose(prog.run(v=vv), sp.toarray() @ vv, rtol=1e-12, atol=1e-12)
+    op = y.node.op
+    whole = op.operand.einsum(op, [vv], "float64")
+    part = op.operand.einsum_within(op, [vv], "float64", [(20, 40), None])
+    np.testing.assert_allclose(part[20:], whole[20:], rtol=1e-12, atol=1e-12)
+    assert op.operand._meeting(op.operand.tensor, ((20, 40), None)).nnz < a.nnz

@@ -120,9 +120,11 @@ def _sparse_einsum_flops(d: Decomposition, op: SparseEinsum, index: tuple[int, .
     # the whole op's share of the block along the dims its dense inputs are cut by; along the
     # sparse operand's own dims every kernel computes the whole op (its output cut to its box)
     n = sparse_flops(d.node)
+    # a constant operand computes only its entries in the kernel's box (modelled as spread evenly)
+    rows = hasattr(op.operand, "einsum_within")
     for o, f in enumerate(followed_dims(d.node)):
         size = d.node.shape[o]
-        if f and size:
+        if (f or (rows and op.out_labels[o] in op.in_labels[op.position])) and size:
             b = d.out_partition.bounds[o]
             n = n * (b[index[o] + 1] - b[index[o]]) // size
     return n

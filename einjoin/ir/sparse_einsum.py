@@ -46,7 +46,7 @@ from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum, SparseOperand
 
 __all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flops", "sparse_adjoints",
-           "fed_parts", "fed_dense", "DECLARE_INPUT", "dense_follows", "followed_dims"]
+           "fed_parts", "fed_dense", "DECLARE_INPUT", "dense_follows", "followed_dims", "operand_box"]
 
 # ``ej.sparse_input(name, shape, nnz, dtype)``, put here by einjoin.sparse.node when the sparse
 # engine loads: the frontend (which builds IR only and may not import the engine) declares a torch
@@ -216,6 +216,21 @@ def followed_dims(node: Node) -> tuple[bool, ...]:
     return tuple(o in cut for o in range(node.ndim))
 
 
+def operand_box(node: Node, box: Sequence[tuple[int, int]]) -> tuple[tuple[int, int] | None, ...]:
+    """Per dim of the node's sparse operand: the range of ``box`` (an output box) along it where
+    the box cuts that output dim, else None. A constant operand (``einsum_within``) computes only
+    its entries there, so a cut along its own dims splits the work (its kernels still read the
+    dense inputs whole); a fed one computes them all."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    pos = {lab: o for o, lab in enumerate(op.out_labels)}
+    out: list[tuple[int, int] | None] = []
+    for lab in op.in_labels[op.position]:
+        o = pos.get(lab)
+        out.append(None if o is None or tuple(box[o]) == (0, node.shape[o]) else (box[o][0], box[o][1]))
+    return tuple(out)
+
+
 def sparse_block(node: Node, op: SparseEinsum, blocks: Sequence[np.ndarray | None],
                  box: Sequence[tuple[int, int]], widened: bool = False) -> np.ndarray:
     """One kernel of the node through the sparse engine: the dense blocks are cut along the output
@@ -224,7 +239,13 @@ def sparse_block(node: Node, op: SparseEinsum, blocks: Sequence[np.ndarray | Non
     planner cut those). ``widened``: a half result stays float32 (the torch kernels round it)."""
     dense = [np.asarray(b) for b in blocks]
     dtype = "float32" if widened and node.dtype in ("float16", "bfloat16") else node.dtype
-    out = np.asarray(op.operand.einsum(op, dense, dtype)).astype(numpy_dtype(dtype), copy=False)
+    within = getattr(op.operand, "einsum_within", None)
+    rows = operand_box(node, box)
+    if within is not None and any(r is not None for r in rows):  # its rows only (a constant operand)
+        out = np.asarray(within(op, dense, dtype, rows))
+    else:
+        out = np.asarray(op.operand.einsum(op, dense, dtype))
+    out = out.astype(numpy_dtype(dtype), copy=False)
     follow = followed_dims(node)
     if all(f or (a, b) == (0, n) for f, (a, b), n in zip(follow, box, node.shape)):
         return out

@@ -78,6 +78,7 @@ class GraphSparse:
         self.keys, self.data = tensor.keys, tensor.data
         self._plans = PlanCache()
         self._floats: dict[str, SparseTensor] = {}  # an int / bool tensor's float copies
+        self._within: dict[tuple[Any, ...], SparseTensor] = {}  # its stored blocks meeting a kernel's box
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -118,6 +119,32 @@ class GraphSparse:
         """The einsum of ``op`` on the dense blocks ``dense`` (the node's inputs, whole), as a
         dense array of ``dtype``: half blocks computed in float32 and rounded once."""
         return self._plans.run(op, dense, self._float(dtype), dtype)
+
+    def einsum_within(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str,
+                      box: Sequence[tuple[int, int] | None]) -> np.ndarray:
+        """:meth:`einsum` on the tensor's stored blocks that meet ``box`` (per dim of the tensor,
+        a range, or None: all): a kernel of a node cut along the tensor's own dims computes its
+        rows only (the result is zero elsewhere; the kernel keeps its box). The kept blocks are
+        made once per box (a plan's kernels have fixed boxes)."""
+        return self._plans.run(op, dense, self._meeting(self._float(dtype), tuple(box)), dtype)
+
+    def _meeting(self, t: SparseTensor, box: tuple[tuple[int, int] | None, ...]) -> SparseTensor:
+        key = (np.dtype(t.dtype).str, box)
+        with self._lock:
+            found = self._within.get(key)
+        if found is None:
+            keys = np.asarray(t.keys)
+            keep = np.ones(len(keys), bool)
+            for d, r in enumerate(box):
+                if r is not None:
+                    start = keys[:, d] * t.block[d]
+                    keep &= (start < r[1]) & (start + t.block[d] > r[0])
+            found = SparseTensor(t.name, t.shape, t.block, keys[keep], np.asarray(t.data)[keep], trusted=True)
+            with self._lock:
+                if len(self._within) >= 256:  # bounded: a few plans' kernels
+                    self._within.clear()
+                self._within[key] = found
+        return found
 
 
 def graph_operand(tensor: SparseTensor) -> GraphSparse:
