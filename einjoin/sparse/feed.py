@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import DTypeError, EinjoinError, ShapeError
+from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.ir import ops
 from einjoin.ir.dtypes import canonical_dtype, exact_cast, numpy_dtype
 from einjoin.ir.graph import Graph
@@ -204,6 +204,28 @@ class SparseInput:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise EinjoinError(f"sparse input {self.name!r} {list(self.shape)} has no value until it is fed at run; "
                            f"use it in ej.einsum or '@' with einjoin tensors")
+
+    def __getattr__(self, attr: str) -> Any:
+        # the dense tensor API (A.T, A.sum(), A.reshape(...)): said so by name, not a raw AttributeError
+        if attr in _DENSE_API:
+            raise UnsupportedOpError(
+                f"sparse input {self.name!r} {list(self.shape)}: .{attr} is the dense tensor API, which a "
+                f"sparse input (ej.sparse_input) does not have; write what it computes as an einsum with it: "
+                f"ej.einsum('ij->', A) is A.sum(), ej.einsum('ij->i', A) is A.sum(1), ej.einsum('ji,jk->ik', "
+                f"A, x) is A.T @ x")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise UnsupportedOpError(f"sparse input {self.name!r} {list(self.shape)}: indexing a sparse input "
+                                 f"(A[{index!r}]) is not supported; use it in ej.einsum or '@' with einjoin tensors")
+
+
+# the lazy dense Tensor's methods and properties a user reaches for on a sparse input (frontend/tensor.py)
+_DENSE_API = frozenset({
+    "T", "mT", "H", "mH", "t", "transpose", "permute", "swapaxes", "reshape", "view", "flatten", "squeeze",
+    "unsqueeze", "expand", "sum", "mean", "max", "min", "prod", "amax", "amin", "softmax", "log_softmax",
+    "exp", "log", "abs", "sqrt", "relu", "neg", "to", "astype", "float", "double", "half", "cast", "numpy",
+    "item", "todense", "to_dense", "toarray", "matmul", "mm", "dot", "norm", "clone", "detach"})
 
 
 # each declaration (name, shape, dtype, nnz) once: declaring it again gives the same operand, so

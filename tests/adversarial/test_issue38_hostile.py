@@ -10,6 +10,7 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - ``index_fill`` names an index below ``-n`` as given (-5 on a dim of 4 was 'index -1');
 - ``aten.narrow`` is translated (negative start, length), and refused as torch refuses it;
 - a graph's sparse einsum broadcasts a dense operand's size-1 dims, as ``ej.einsum`` does;
+- ``A.T`` / ``A.sum()`` / ``A[0]`` on a sparse input are an EinjoinError naming the einsum to write;
 """
 
 from __future__ import annotations
@@ -250,3 +251,28 @@ def test_a_graph_sparse_einsum_broadcasts_size_one_dense_dims(fed: bool, eq: str
     full = np.einsum(f"{eq.split('->')[1]},{eq.split(',')[0]}->{eq.split(',')[1].split('->')[0]}", ones, a.toarray())
     np.testing.assert_allclose(gx, full.sum(axis=tuple(d for d, n in enumerate(xshape) if n == 1), keepdims=True),
                                rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- 7. the dense tensor API on a sparse input (E)
+
+
+@pytest.mark.parametrize("use", ["T", "sum", "reshape", "index"])
+def test_the_dense_tensor_api_on_a_sparse_input_is_an_einjoin_error_naming_the_einsum(use: str) -> None:
+    """``A.T`` and ``A.sum()`` on an ``ej.sparse_input`` raised a raw AttributeError ('SparseInput'
+    object has no attribute 'T'), ``A[0]`` a TypeError. Now an EinjoinError naming the input and
+    the einsums that compute them, which give scipy's values."""
+    import scipy.sparse
+    A = ej.sparse_input("A_api38", (5, 4), nnz=12, dtype="float64")
+    f = {"T": lambda: A.T, "sum": lambda: A.sum(), "reshape": lambda: A.reshape(20),  # type: ignore[attr-defined]
+         "index": lambda: A[0]}[use]  # type: ignore[index]
+    with pytest.raises(ej.EinjoinError, match=r"sparse input 'A_api38' \[5, 4\]"):
+        f()
+    assert not hasattr(A, "no_such_thing")  # other names: still a plain AttributeError
+    a = scipy.sparse.random(5, 4, density=0.4, random_state=4, format="coo")
+    x = ej.input("x_api38", (5, 3), "float64")
+    xv = np.random.default_rng(5).normal(size=(5, 3))
+    total, rows, at_x = ej.compile([ej.einsum("ij->", A), ej.einsum("ij->i", A), ej.einsum("ji,jk->ik", A, x)]).run(
+        A_api38=a, x_api38=xv)
+    np.testing.assert_allclose(total, a.sum(), rtol=1e-12)
+    np.testing.assert_allclose(rows, np.asarray(a.sum(1)).ravel(), rtol=1e-12)
+    np.testing.assert_allclose(at_x, a.T @ xv, rtol=1e-12)
