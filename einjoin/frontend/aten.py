@@ -259,14 +259,18 @@ OPS["amax"] = _reduction("max")
 OPS["amin"] = _reduction("min")
 
 
+def _truth_dtype(x: Tensor, y: Tensor) -> Tensor:
+    return y.to("uint8") if x.dtype == "uint8" else y  # torch's any/all of uint8 are uint8 0/1
+
+
 @op("any")
 def _any(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
-    return x.to("bool").max(_dims(dim), keepdim)
+    return _truth_dtype(x, x.to("bool").max(_dims(dim), keepdim))
 
 
 @op("all")
 def _all(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
-    return x.to("bool").min(_dims(dim), keepdim)
+    return _truth_dtype(x, x.to("bool").min(_dims(dim), keepdim))
 
 
 @op("var")

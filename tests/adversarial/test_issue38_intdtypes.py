@@ -297,3 +297,19 @@ def test_reduction_dtype_arguments() -> None:
     for g, w in zip(got, m(x)):
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w)
+
+
+class _Truth(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.any(), x.all(), x.any(0), torch.all(x, 0, keepdim=True)
+
+
+@pytest.mark.parametrize("dt", [torch.uint8, torch.int32])
+def test_any_all_dtype(dt: torch.dtype) -> None:
+    """torch's any/all of uint8 are uint8 (0/1), of other types bool."""
+    x = torch.tensor([[0, 3], [2, 5]], dtype=dt)
+    m = _Truth()
+    got = ej.compile(ej.from_torch(m, (x,)), devices=1, quiet=True).run(x)
+    for g, w in zip(got, m(x)):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w)
