@@ -116,7 +116,7 @@ def test_more_entries_than_the_example_are_refused_naming_the_input():
     small, x = power_law_graph(n, 60, seed=6), torch.randn(n, 8)
     prog = ej.compile(ej.from_torch(GCN().eval(), (small, x)))
     big = power_law_graph(n, 400, seed=7)
-    with pytest.raises(ej.EinjoinError, match="'adj'.*more than the"):
+    with pytest.raises(ej.EinjoinError, match="'adj'.*more than the.*import it with the largest graph"):
         prog.run(big, x)
 
 
