@@ -304,6 +304,7 @@ HAND: dict[str, tuple[Sample, ...]] = {
     "bitwise_or": (S("torch.bitwise_or(a, b)", "b:3,4", "b:3,4"),),
     "mm": (S("torch.matmul(a, b)", "f:2,3,5", "f:5,4"),),
     "_sparse_mm": (S("torch.sparse.mm(a, b)", "s:6,5", "f:5,4", method=E),),
+    "_sparse_addmm": (S("torch.sparse.addmm(c, a, b, beta=0.5, alpha=2.0)", "s:6,5", "f:5,4", "f:6,4", method=E),),
     "expand": (S("a.expand(2, 3, 4)", "f:3,1"),),
     "cat": (S("torch.cat([a, b], 1)", "f:3,4", "f:3,2"),),
     "constant_pad_nd": (S("torch.ops.aten.constant_pad_nd(a, [1, 2, 0, 1], 0.5)", "f:2,3,4", method=E),),

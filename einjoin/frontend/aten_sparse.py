@@ -52,6 +52,13 @@ def _sparse_mm(a: Any, b: Any) -> Any:
     return F.matmul(a, b)
 
 
+@op("_sparse_addmm")
+def _sparse_addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
+    """``torch.sparse.addmm(bias, A, h, beta=, alpha=)``: ``beta * bias + alpha * (A @ h)`` (beta 0:
+    bias is not read, as torch's addmm)."""
+    return aten.OPS["addmm"](bias, a, b, beta=beta, alpha=alpha)
+
+
 aten.OPS.update(SPARSE_OPS)  # registered in the op table here (aten.py's other tables are merged there)
 
 
