@@ -716,10 +716,13 @@ class Program(ProgramState):
         return save_plan_png(self, path, **options)
 
     def close(self) -> None:
-        """Release resources: the Ray backend's actors (nothing for local backends)."""
+        """Release resources: the Ray backend's actors, the threads backend's worker threads (a
+        later run starts new ones)."""
         close = getattr(self.backend, "close", None)
         if close is not None:
             close()
+        if self._made_engine is not None:
+            self._made_engine.close()
 
     def __enter__(self) -> Program:
         return self

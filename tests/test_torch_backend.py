@@ -6,6 +6,7 @@ threads, errors — differential against the numpy backends and torch. The CUDA 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -362,9 +363,11 @@ def test_device_threads_share_torchs_intra_op_threads() -> None:
     ej.compile(out, devices=2, backend="torch", quiet=True).run(callbacks=[Threads()], **feeds)
     assert set(seen) == {max(1, (os.cpu_count() or 1) // 2)}
     assert torch.get_num_threads() == before and TORCH_THREADS._devices == 0
+    gc.collect()  # the last program's idle worker threads end with it
     n = threading.active_count()
-    ej.compile(out, devices=3, backend="torch", quiet=True).run(**feeds)
-    assert threading.active_count() == n  # no worker left running
+    with ej.compile(out, devices=3, backend="torch", quiet=True) as prog:
+        prog.run(**feeds)
+    assert threading.active_count() == n  # no worker left running once the program is closed
 
 
 # ---------------------------------------------------------------- device mapping (CUDA logic, on the CPU)

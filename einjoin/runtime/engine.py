@@ -15,6 +15,7 @@ Run control (:class:`CancelToken`, :class:`RunHandle`, :class:`RunTimeoutError`)
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import queue
 import random
@@ -38,6 +39,7 @@ from einjoin.runtime.backend import (WAIT_SLICE, Backend, Callback, DeviceLost, 
                                     TaskFailed, join_thread, note)
 from einjoin.runtime.control import CancelToken, RunHandle, RunTimeoutError
 from einjoin.runtime.local import Store
+from einjoin.runtime.workers import WorkerPool
 
 if TYPE_CHECKING:
     from einjoin.cluster import Cluster
@@ -204,6 +206,25 @@ class Engine:
         self.frees = [0 if t.kind is not _FREE else 2 if tg.dependents[t.id] else 1 for t in tg.tasks]
         self._fast: list[Any] | None = None
         self._lanes: dict[Any, list[int]] = {}  # a session's lane_key -> the lane of each task
+        self._pool: WorkerPool | None = None  # the threads running this engine's lanes, made at the first run
+
+    def workers(self) -> WorkerPool:
+        """The persistent threads of this engine's threaded runs (:mod:`einjoin.runtime.workers`):
+        made at the first such run, stopped by :meth:`close` or when the engine is collected."""
+        pool = self._pool
+        if pool is None:
+            with self._priority_lock:
+                if self._pool is None:
+                    n = self.tg.n_devices
+                    self._pool = WorkerPool(lambda q: lane_name(q, n))
+                pool = self._pool
+        return pool
+
+    def close(self) -> None:
+        """Stop the engine's worker threads (a later run starts new ones)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def lanes(self, session: ReadySession) -> list[int]:
         """The lane of each task for ``session``: kept per ``session.lane_key`` (what its lanes
@@ -469,6 +490,7 @@ class _Dispatch:
     def __init__(self, engine: Engine, spec: RunSpec, session: ReadySession, callbacks: tuple[Callback, ...],
                  stats: RunStats):
         tg = self.tg = engine.tg
+        self.engine = engine
         self.session, self.callbacks, self.stats, self.cancel = session, callbacks, stats, spec.cancel
         prio = engine.priority() if spec.order == "priority" else ()
         self.queues = [ReadyQueue(spec.order, prio, spec.seed + d) for d in range(session.lanes)]
@@ -500,7 +522,14 @@ class _Dispatch:
         unsubscribe = self.cancel.subscribe(self._on_cancel) if self.cancel is not None else (lambda: None)
         try:
             if self.session.threaded:
-                drive_threads(self.worker, len(self.queues), self.tg.n_devices, self.lock, self._halt)
+                pool = self.engine.workers()
+                if pool.take():  # else a concurrent run of this engine holds it: threads of its own
+                    try:
+                        drive_threads(self.worker, len(self.queues), self.tg.n_devices, self.lock, self._halt, pool)
+                    finally:
+                        pool.give()
+                else:
+                    drive_threads(self.worker, len(self.queues), self.tg.n_devices, self.lock, self._halt)
             else:
                 self.worker(0)
         finally:
@@ -627,10 +656,17 @@ class _Dispatch:
             self._wake_all()
 
 
+def lane_name(q: int, n_devices: int) -> str:
+    """The name of lane ``q``'s thread: a device's compute lane, or its host-transfer lane."""
+    return f"einjoin-dev{q}" if q < n_devices else f"einjoin-host{q - n_devices}"
+
+
 def drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, lock: threading.Lock,
-                  halt: Callable[[], None]) -> None:
-    """Run one worker thread per lane; returns only once every worker thread has ended, also
-    after a Ctrl-C (which then stops the workers and goes on).
+                  halt: Callable[[], None], pool: WorkerPool | None = None) -> None:
+    """Run one worker per lane, each on a thread; returns only once every worker has ended, also
+    after a Ctrl-C (which then stops the workers and goes on). ``pool``: the lanes run on its
+    persistent threads (:mod:`einjoin.runtime.workers`), which live on, idle, after the run (when
+    another run holds it, or without one, a thread is started per lane and joined at the end).
 
     The threads are counted under the run's lock (begun, ended), never waited for with
     ``join()``/``is_alive()``: an interrupt that lands inside ``Thread.join`` marks a live thread
@@ -661,16 +697,21 @@ def drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, l
             ended.put(q)  # wakes the main thread (after the count: it finds this thread counted)
 
     interrupted: BaseException | None = None
-    started: list[threading.Thread] = []
-    starting: tuple[int, threading.Thread] | None = None
+    started: list[threading.Thread | None] = []
+    starting: tuple[int, threading.Thread | None] | None = None
+    th: threading.Thread | None
     try:  # the starts too: a Ctrl-C may land while the first workers already run
         for q in range(n_lanes):
             starting = None
-            th = threading.Thread(target=guarded, args=(q,), daemon=True,
-                                  name=f"einjoin-dev{q}" if q < n_devices else f"einjoin-host{q - n_devices}")
-            starting = (q, th)
-            th.start()
-            started.append(th)
+            if pool is not None:  # a posted job begins at once: its thread waits for it
+                starting = (q, None)
+                pool.post(q, functools.partial(guarded, q))
+                started.append(None)
+            else:
+                th = threading.Thread(target=guarded, args=(q,), daemon=True, name=lane_name(q, n_devices))
+                starting = (q, th)
+                th.start()
+                started.append(th)
             starting = None
             with lock:
                 count["launched"] += 1
@@ -701,9 +742,10 @@ def drive_threads(worker: Callable[[int], None], n_lanes: int, n_devices: int, l
                     ended.get(timeout=WAIT_SLICE)  # a worker ended (its put may predate the check)
                 except queue.Empty:
                     pass
-            # done with the run: let the threads end too (no thread outlives run())
+            # done with the run: let the threads it started end too (only a pool's outlive run())
             for th in started:
-                join_thread(th)
+                if th is not None:
+                    join_thread(th)
             break
         except KeyboardInterrupt as e:  # stop every worker, wait for them, then re-raise
             interrupted = interrupted or e

@@ -85,6 +85,8 @@ def test_kernel_raising_mid_run_names_the_task_and_the_program_runs_again(
     for frag in (f"task #{t.id}", f"kernel {t.payload.kernel}", f"device {t.device}", "FloatingPointError", "injected"):
         assert frag in msg, (frag, msg)
     assert isinstance(info.value.__cause__, FloatingPointError)
+    assert all(t.name.startswith("einjoin-dev") for t in threading.enumerate()[before:])  # its idle workers
+    prog.close()  # which end with it
     assert threading.active_count() == before, threading.enumerate()
     monkeypatch.undo()
     np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), **F32)
