@@ -108,6 +108,11 @@ def _as_torch(x: Any, what: str) -> Any:
     import torch
     if isinstance(x, torch.Tensor):
         return x
+    if isinstance(x, (list, tuple, int, float, bool)):  # Python numbers as torch reads them (floats: float32)
+        try:
+            return torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError):
+            pass  # e.g. a list of tensors: stacked by numpy below
     try:
         return torch.as_tensor(np.asarray(x))
     except (TypeError, ValueError, RuntimeError) as e:
@@ -766,6 +771,16 @@ class Trainer:
         trainer = cls(module, example_batch, loss_fn, optimizer, **options)
         state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
         want = set(trainer._state_names())
+        if trainer.accumulate != accumulate:  # another accumulation: only from a boundary
+            if counts["micro_steps"] % accumulate:
+                raise EinjoinError(f"Trainer.load: {where!r} was saved inside an accumulation (micro-batch "
+                                   f"{counts['micro_steps'] % accumulate} of accumulate={accumulate}): load it "
+                                   f"with accumulate={accumulate}, or save at an accumulation boundary")
+            # at a boundary the saved gradient sums are zero: this trainer's own (zeros) replace them,
+            # and its micro-batch count restarts its accumulation at the saved step
+            state = {n: v for n, v in state.items() if not n.startswith("grad_acc.")}
+            state.update({n: np.zeros_like(trainer._host[n]) for n in want if n.startswith("grad_acc.")})
+            counts["micro_steps"] = counts["steps"] * trainer.accumulate
         for n in want - set(state):  # a moving buffer saved as a fixed input (before they were state)
             if n in trainer._moving and f"fixed/{n}" in tensors:
                 state[n] = tensors[f"fixed/{n}"]

@@ -11,6 +11,8 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - ``aten.narrow`` is translated (negative start, length), and refused as torch refuses it;
 - a graph's sparse einsum broadcasts a dense operand's size-1 dims, as ``ej.einsum`` does;
 - ``A.T`` / ``A.sum()`` / ``A[0]`` on a sparse input are an EinjoinError naming the einsum to write;
+- ``ej.Trainer.load`` with another ``accumulate`` continues from a boundary as torch does (refused
+  inside an accumulation); ``trainer.step`` reads Python lists as ``torch.as_tensor`` does.
 """
 
 from __future__ import annotations
@@ -276,3 +278,69 @@ def test_the_dense_tensor_api_on_a_sparse_input_is_an_einjoin_error_naming_the_e
     np.testing.assert_allclose(total, a.sum(), rtol=1e-12)
     np.testing.assert_allclose(rows, np.asarray(a.sum(1)).ravel(), rtol=1e-12)
     np.testing.assert_allclose(at_x, a.T @ xv, rtol=1e-12)
+
+
+# ---------------------------------------------------------------- 8. Trainer: another accumulate at load, lists (F)
+
+
+def _torch_schedule(module: nn.Module, batches: list, schedule: list[int]) -> tuple[list[float], nn.Module]:
+    """torch's SGD (momentum) with accumulate ``schedule[i]`` at micro-batch ``i`` (mean gradients)."""
+    import copy
+    m = copy.deepcopy(module)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    losses, done = [], 0
+    for (x, t), k in zip(batches, schedule):
+        loss = nn.functional.cross_entropy(m(x), t)
+        (loss / k).backward()
+        losses.append(loss.item())
+        done += 1
+        if done % k == 0:
+            opt.step()
+            opt.zero_grad()
+            done = 0
+    return losses, m
+
+
+@pytest.mark.parametrize("then", [1, 3])
+def test_a_trainer_saved_at_a_boundary_loads_with_another_accumulate(tmp_path: object, then: int) -> None:
+    """At an accumulation boundary the gradient sums are zero, yet ``Trainer.load(...,
+    accumulate=1)`` of a run saved with 2 was refused ('unexpected grad_acc.bias, ...'), and
+    with 3 it loaded the old micro-batch count: the next update came after 2 micro-batches with
+    their sum divided by 3. Now it continues as torch does with the new accumulation; a run
+    saved inside an accumulation is refused naming both."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(10)]
+    sgd = ej.optim.SGD(lr=0.1, momentum=0.9)
+    first = ej.Trainer(m, batches[0], nn.functional.cross_entropy, sgd, accumulate=2)
+    losses = [first.step(*b) for b in batches[:4]]
+    first.save(f"{tmp_path}/boundary.safetensors")
+    later = ej.Trainer.load(f"{tmp_path}/boundary.safetensors", m, batches[0], nn.functional.cross_entropy,
+                            accumulate=then)
+    assert later.accumulate == then and later.steps == 2
+    rest = 6 if then == 3 else 5
+    losses += [later.step(*b) for b in batches[4:4 + rest]]
+    want, ref = _torch_schedule(m, batches[:4 + rest], [2] * 4 + [then] * rest)
+    np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-6)
+    for k, v in later.state_dict().items():
+        torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6)
+    first.step(*batches[4])  # inside an accumulation now
+    first.save(f"{tmp_path}/inside.safetensors")
+    with pytest.raises(ej.EinjoinError, match=r"inside an accumulation \(micro-batch 1 of accumulate=2\)"):
+        ej.Trainer.load(f"{tmp_path}/inside.safetensors", m, batches[0], nn.functional.cross_entropy,
+                        accumulate=then)
+
+
+def test_a_trainer_takes_python_lists_as_torch_as_tensor_reads_them() -> None:
+    """``trainer.step(x.tolist(), t.tolist())`` was refused ('module argument 0 is float64 but the
+    example batch's was float32'): a list of floats went through numpy (float64), where torch
+    reads it as float32. Lists are read as torch.as_tensor reads them: the same loss as the
+    tensors' (and int targets as int64)."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    x, t = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    tr = ej.Trainer(m, (x, t), nn.functional.cross_entropy, ej.optim.SGD(lr=0.0))
+    assert tr.step(x.tolist(), t.tolist()) == tr.step(x, t)
+    with pytest.raises(ej.EinjoinError, match=r"batch\[1\] is not a tensor or array of numbers"):
+        tr.step(x, [0, 1, "two"])
