@@ -252,7 +252,7 @@ def exact_cast(src: Any, dst: str) -> bool:
 
     bool only into bool (a mask fed where numbers are declared is a mistake, as in torch); an
     integer type into an integer type holding all its values (int32 into int64, uint8 into
-    int16; never uint64, nor int64 into int32), into a
+    int16; never uint64, nor int64 into int32, nor a signed type into uint8), into a
     float type when its value bits fit the significand (int8/uint8 into float16 and bfloat16,
     16-bit ints into float32, 32-bit ints into float64); a float type into a float type whose
     significand and exponent range both hold it (float16 and bfloat16 into float32, all three
@@ -262,6 +262,8 @@ def exact_cast(src: Any, dst: str) -> bool:
     >>> exact_cast(np.dtype(np.float16), "float32"), exact_cast(np.dtype(np.float64), "float32")
     (True, False)
     >>> exact_cast(np.dtype(np.uint64), "int64"), exact_cast(np.dtype(">i4"), "int64")
+    (False, True)
+    >>> exact_cast(np.dtype(np.int8), "uint8"), exact_cast(np.dtype(np.uint8), "int16")
     (False, True)
     """
     try:
@@ -274,8 +276,8 @@ def exact_cast(src: Any, dst: str) -> bool:
     if s.kind == "b" or d.kind == "b":
         return False  # truth values are not numbers: a mask fed as weights is a mistake
     if s.kind in "iu":
-        if d.kind == "i":
-            return _int_value_bits(s) <= _int_value_bits(d)
+        if d.kind in "iu":  # a signed type's negatives do not fit an unsigned one (-1 is not 255)
+            return _int_value_bits(s) <= _int_value_bits(d) and not (s.kind == "i" and d.kind == "u")
         if d.kind == "f" or dst == "bfloat16":
             return _int_value_bits(s) <= int(np.finfo(d).nmant) + 1
         return False

@@ -330,3 +330,14 @@ def test_split_matmul_wraps_as_torch(dt: str) -> None:
         out = np.asarray(prog.run(**{f"sa_{dt}": a_, f"sb_{dt}": b_}))
         assert out.dtype == want.dtype
         np.testing.assert_array_equal(out, want)
+
+
+def test_signed_feed_into_uint8_refused() -> None:
+    """int8 data fed to a uint8 input would turn -1 into 255: refused, naming the input; uint8
+    into int16 and int8 into int32 are exact and taken."""
+    x = ej.input("u8feed", (2,), "uint8")
+    with pytest.raises(DTypeError, match="u8feed"):
+        ej.reference(x + 0, u8feed=np.array([-1, 2], np.int8))
+    np.testing.assert_array_equal(ej.reference(x + 0, u8feed=[255, 2]), np.array([255, 2], np.uint8))
+    y = ej.input("i16feed", (2,), "int16")
+    assert ej.reference(y * 1, i16feed=np.array([255, 0], np.uint8)).dtype == np.int16
