@@ -185,7 +185,13 @@ class ModuleGuard:
             # a plain object the forward read (a SimpleNamespace, dataclass or dict of settings):
             # its reads pass no recorder, so all of its state is kept and compared
             objects.extend((p, k, _state(d[k])) for k in held
-                           if _held_object(d[k]) and not (cfg is not None and isinstance(d[k], cfg)))
+                           if (_held_object(d[k]) or _kept_by_state(d[k]))
+                           and not (cfg is not None and isinstance(d[k], cfg)))
+            # what torch's __call__ reads past the recorder: the hooks (a hook registered after the
+            # import changes torch's output) and a container's children (Sequential.append)
+            objects.extend((p, k, _state(d[k])) for k in _HOOKS if k in d)
+            if isinstance(m, _containers()):
+                objects.append((p, "_modules", ("children", tuple(d["_modules"]))))
         self.entries: tuple[tuple[tuple[str, ...], type, tuple[str, ...], tuple[Any, ...]], ...] = tuple(entries)
         self.configs = _config_entries(module, read_by) if reads is not None else ()
         self.objects: tuple[tuple[tuple[str, ...], str, Any], ...] = tuple(objects)
@@ -264,8 +270,19 @@ class ModuleGuard:
 
         for path, attr, was in self.objects:
             m = _submodule(root, path)
-            now = _state(vars(m).get(attr, _MISSING) if m is not None else _MISSING)
+            now_v = vars(m).get(attr, _MISSING) if m is not None else _MISSING
+            now = ("children", tuple(now_v)) if attr == "_modules" and now_v is not _MISSING else _state(now_v)
             if now != was:
+                where = ".".join(path) or "top module"
+                if attr == "_modules":
+                    raise EinjoinError(
+                        f"the module's {where} holds {', '.join(now[1]) if now[0] == 'children' else 'nothing'} "
+                        f"now, {', '.join(was[1])} when it was imported: the program computes the "
+                        f"import's graph; import the module again (ej.from_torch) to run the new one")
+                if attr in _HOOKS:
+                    raise EinjoinError(
+                        f"the module's {where} has other {_HOOKS[attr]} now than when it was imported "
+                        f"(the graph ran the import's hooks): import the module again (ej.from_torch)")
                 k, before, after = _state_change(was, now, attr)
                 raise EinjoinError(
                     f"the module's {'.'.join((*path, k))} is {after} now, {before} when it was "
@@ -362,6 +379,24 @@ def _bypasses_recorder(kind: type) -> bool:
 _BYPASS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()  # a class's scan, once
 
 
+_HOOKS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks"}
+
+
+def _containers() -> tuple[type, ...]:  # built on first use: torch is imported late
+    import torch
+    return (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def _kept_by_state(v: Any) -> bool:
+    """A list or tuple of settings (``self.scales = [2.0, 3.0]``, compared element by element)
+    or a function the forward calls (``self.act = torch.relu``, compared by identity): the
+    capture specialised on them past the recorder."""
+    import torch
+    if isinstance(v, (list, tuple)):
+        return True
+    return callable(v) and not isinstance(v, (torch.nn.Module, torch.Tensor))
+
+
 def _held_object(v: Any) -> bool:
     """A settings holder whose state the guard keeps whole: a dict, or an instance of a plain
     Python class (SimpleNamespace, a dataclass, a user's config object), not a module, tensor,
@@ -408,6 +443,10 @@ def _state_change(was: Any, now: Any, name: str) -> tuple[str, str, str]:
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 return _state_change(a.get(k, ("deleted",)), b.get(k, ("deleted",)), f"{name}.{k}")
+    if was[0] == now[0] == "seq" and len(was[2]) == len(now[2]):
+        for i, (x, y) in enumerate(zip(was[2], now[2])):
+            if x != y:
+                return _state_change(x, y, f"{name}[{i}]")
 
     def shown(st: Any) -> str:
         if st[0] == "deleted":

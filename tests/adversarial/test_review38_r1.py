@@ -43,3 +43,86 @@ def test_a_fused_narrow_int_chain_wraps_in_its_dtype(dt: str, case: str) -> None
         got = np.asarray(ej.compile(y, devices=devices, backend=backend, quiet=True).run(**{f"fz_{dt}": a}))
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want, err_msg=f"{backend} on {devices}")
+
+
+# ---------------------------------------------------------------- the module guard
+
+
+class _Lin(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+
+class _ListSetting(_Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = [2.0, 3.0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scales[0]
+
+
+class _FnSetting(_Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = torch.relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        self.ls = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.seq(x)
+        for layer in self.ls:
+            x = layer(x)
+        return x
+
+
+def _hook(mod: object, args: object, out: torch.Tensor) -> torch.Tensor:
+    return out * 2
+
+
+CHANGES = {
+    "list item": (_ListSetting, lambda m: m.scales.__setitem__(0, 5.0), r"scales\[0\] is 5\.0 now, 2\.0"),
+    "function": (_FnSetting, lambda m: setattr(m, "act", torch.tanh), r"act is another"),
+    "sequential append": (_Chain, lambda m: m.seq.append(torch.nn.Tanh()), r"seq holds 0, 1, 2 now"),
+    "modulelist append": (_Chain, lambda m: m.ls.append(torch.nn.Linear(4, 4)), r"ls holds 0, 1 now"),
+    "forward hook": (_Chain, lambda m: m.seq[0].register_forward_hook(_hook), r"seq\.0 has other forward hooks"),
+    "pre hook": (_Chain, lambda m: m.register_forward_pre_hook(lambda mod, a: (a[0] * 3,)),
+                 r"top module has other forward pre-hooks"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHANGES))
+def test_a_change_the_graph_was_captured_for_is_refused_not_run_with_the_old_graph(case: str) -> None:
+    # each ran the import's graph silently (torch computes something else): a list setting changed
+    # in place, a function attribute replaced, a container grown, a hook registered after import
+    make, change, why = CHANGES[case]
+    torch.manual_seed(0)
+    x, m = torch.randn(3, 4), make()
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(prog.run(x)), m(x))
+        change(m)
+        with pytest.raises(ej.EinjoinError, match=why):
+            prog.run(x)
+
+
+def test_harmless_changes_still_run() -> None:
+    torch.manual_seed(0)
+    x, m = torch.randn(3, 4), _Chain()
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    m.epoch = 3  # type: ignore[assignment]  # never read
+    m.seq[0] = torch.nn.Linear(4, 4)  # same type and settings: its weights are followed
+    m.probe = torch.nn.Linear(2, 2)  # a new child the forward never calls (not a container)
+    handle = m.ls[0].register_forward_hook(_hook)
+    handle.remove()  # registered and removed again
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(prog.run(x)), m(x))
