@@ -36,7 +36,7 @@ from einjoin.frontend.aten_conv import CONV_OPS
 from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
-from einjoin.ir.dtypes import FLOAT_DTYPES
+from einjoin.ir.dtypes import FLOAT_DTYPES, kind
 from einjoin.registry import registrar
 
 __all__ = ["OPS", "NO_OPS", "DATA_DEPENDENT", "DATA_DEPENDENT_HELP", "NOTES", "torch_dtype", "data_dependent",
@@ -584,9 +584,9 @@ def _arange(*args: Any, **kw: Any) -> Tensor:
         step = kw.pop("step")
     ints = builtins.all(isinstance(v, int) for v in (start, end, step))
     dt = _dtype(kw, "int64" if ints else "float32")
-    if dt == "int64" and not ints:
+    if kind(dt) == "int" and not ints:
         # an integer arange with float bounds (XLNet's arange(0, d, 2.0, dtype=torch.int64)):
-        # torch truncates start, end and step to int64 first
+        # torch truncates start, end and step to integers first
         start, end, step = int(start), int(end), int(step)
         if step == 0:
             raise ShapeError("arange: the step, cast to the integer dtype, is 0 (torch: step must be nonzero)")

@@ -341,3 +341,17 @@ def test_signed_feed_into_uint8_refused() -> None:
     np.testing.assert_array_equal(ej.reference(x + 0, u8feed=[255, 2]), np.array([255, 2], np.uint8))
     y = ej.input("i16feed", (2,), "int16")
     assert ej.reference(y * 1, i16feed=np.array([255, 0], np.uint8)).dtype == np.int16
+
+
+class _Arange(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.arange(0, 8.0, 2.0, dtype=torch.int32) * 1000000000
+
+
+def test_int32_arange_with_float_bounds() -> None:
+    """torch truncates float bounds of an integer arange (XLNet's pattern) for int32 too."""
+    x = torch.arange(4, dtype=torch.int32)
+    m = _Arange()
+    got = ej.compile(ej.from_torch(m, (x,)), devices=1, quiet=True).run(x)
+    assert got.dtype == torch.int32
+    torch.testing.assert_close(got, m(x))
