@@ -36,8 +36,8 @@ def _values(name: str, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if name == "bool":
         return rng.integers(0, 2, n).astype(bool)
-    if name == "float32":
-        return rng.normal(0, 100, n).astype(np.float32)
+    if name in ("float32", "float64"):
+        return rng.normal(0, 100, n).astype(name)
     info = np.iinfo(np.dtype(name))
     return rng.integers(int(info.min), int(info.max), n, endpoint=True).astype(name)
 
@@ -355,3 +355,21 @@ def test_int32_arange_with_float_bounds() -> None:
     got = ej.compile(ej.from_torch(m, (x,)), devices=1, quiet=True).run(x)
     assert got.dtype == torch.int32
     torch.testing.assert_close(got, m(x))
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(dt=st.sampled_from(INTS), zero=st.sampled_from(ALL + ["float64"]), scalar=st.sampled_from([7, -3, 2.5, True]),
+       op=st.sampled_from(["add", "mul", "sub"]))
+def test_zero_dim_and_scalar_tiers_as_torch(dt: str, zero: str, scalar: object, op: str) -> None:
+    """torch's three tiers with narrow ints: a dimensioned tensor, a 0-d tensor and a Python
+    number; result dtype and values as torch's."""
+    if op == "sub" and (zero == "bool" or scalar is True):
+        return  # torch refuses - on bools
+    xa = _values(dt, 4, 5)
+    za = _values(zero, 1, 6).reshape(())
+    f = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b, "sub": lambda a, b: a - b}[op]
+    want = f(f(torch.from_numpy(xa), torch.from_numpy(za)), scalar)
+    x, z = ej.input(f"tx_{dt}", (4,), dt), ej.input(f"tz_{zero}", (), zero)
+    got = f(f(x, z), scalar)
+    assert got.dtype == str(want.dtype).removeprefix("torch.")
+    np.testing.assert_allclose(ej.reference(got, **{f"tx_{dt}": xa, f"tz_{zero}": za}), want.numpy(), rtol=1e-6)
