@@ -82,7 +82,7 @@ NOTES: dict[str, str] = {
     "max": "`max(x)`, `max(x, dim, keepdim)` (values and the first maximum's index; the gradient goes "
            "to that element, as torch) and `max(a, b)`",
     "cumsum": "an EinSum over the mask j <= i (O(n²) per row, exact, decomposable); ints and bools "
-              "give int64",
+              "give int64, a `dtype=` that dtype (wrapping, as torch)",
     "pad": "modes constant, reflect, replicate, circular; a negative constant pad crops",
     "masked_fill": "a number or a 0-d tensor value (taken in the input's dtype); the mask broadcasts "
                    "to the input",
