@@ -173,8 +173,8 @@ def test_gradients_on_two_devices_equal_one() -> None:
 def test_refusals() -> None:
     a = ej.sparse("A", np.eye(3))
     h = np.ones((3, 2))
-    with pytest.raises(UnsupportedOpError, match="max aggregation.*argmax"):
-        ej.sparse_compile("ij,jk->ik", a, h, agg="max").vjp(np.ones((3, 2)))
+    with pytest.raises(UnsupportedOpError, match="max aggregation is differentiated with exactly one sparse"):
+        ej.sparse_compile("ij,jk->ik", a, ej.sparse("B", np.eye(3)), agg="max").vjp(np.ones((3, 3)))
     with pytest.raises(ShapeError, match=r"grad_out of shape \(2, 3\) where the result has shape \(3, 2\)"):
         ej.sparse_compile("ij,jk->ik", a, h).vjp(np.ones((2, 3)))
     with pytest.raises(EinjoinError):
@@ -223,3 +223,53 @@ def test_duckdb_engine_and_float16() -> None:
     assert da.dtype == dh.dtype == np.float16
     np.testing.assert_allclose(dh, want[1], rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(da.todense(), want[0] * (s != 0), rtol=2e-3, atol=2e-3)
+
+
+MAX_EQUATIONS = [
+    ("ij,jk->ik", 0),      # a GNN's max aggregation over neighbours
+    ("ij,jk->ki", 1),      # the sparse operand second
+    ("ij,j->i", 0),
+    ("ijk,jr->ir", 0),     # rank 3, k reduced inside the sparse operand
+    ("ij,jk,kl->il", 0),
+]
+
+
+@pytest.mark.parametrize("eq, pos", MAX_EQUATIONS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), density=st.sampled_from([0.0, 0.3, 0.8, 1.0]))
+def test_max_gradient_equals_torch_amax_on_the_densified_operands(eq, pos, seed, density):
+    """Small integer values make ties (among stored terms, and with the absent entries' zeros):
+    torch splits an output's gradient evenly among its maximal terms, and so must the vjp."""
+    rng = np.random.default_rng(seed)
+    lhs = eq.split("->")[0].split(",")
+    sizes = {"i": 3, "j": 4, "k": 3, "l": 2, "r": 2}
+    sshape = tuple(sizes[lab] for lab in lhs[pos])
+    dense = [tuple(sizes[lab] for lab in ls) for k, ls in enumerate(lhs) if k != pos]
+    a = rng.integers(-2, 3, sshape).astype(float) * (rng.random(sshape) < density)
+    xs = [rng.integers(-2, 3, s).astype(float) for s in dense]
+    ops = list(xs)
+    ops.insert(pos, ej.sparse("A", a) if a.any() else ej.sparse("A", (np.zeros((len(sshape), 0), np.int64),
+                                                                       np.zeros(0), sshape)))
+    plan = ej.sparse_compile(eq, *ops, agg="max")
+    out = plan.run()
+    g = rng.normal(size=np.shape(out.todense() if isinstance(out, SparseTensor) else out))
+    grads = plan.vjp(g)
+    ts = [torch.tensor(v, requires_grad=True) for v in [*xs[:pos], a, *xs[pos:]]]
+    letters = sorted(set("".join(lhs)))
+    prod = None
+    for t, ls in zip(ts, lhs):  # the full product over every label, then amax over the reduced ones
+        full = torch.einsum(f"{ls}->{ls}", t)
+        idx = [slice(None) if lab in ls else None for lab in letters]
+        view = full.permute(*[ls.index(lab) for lab in letters if lab in ls])[tuple(idx)]
+        prod = view if prod is None else prod * view
+    rhs = eq.split("->")[1]
+    reduced = [d for d, lab in enumerate(letters) if lab not in rhs]
+    want = prod.amax(dim=reduced) if reduced else prod
+    keep = [lab for lab in letters if lab in rhs]
+    want = want.permute(*[keep.index(lab) for lab in rhs])
+    np.testing.assert_allclose(out.todense() if isinstance(out, SparseTensor) else out, want.detach().numpy())
+    (want * torch.tensor(g)).sum().backward()
+    for k, (gr, t) in enumerate(zip(grads, ts)):
+        got = gr.todense() if isinstance(gr, SparseTensor) else gr
+        exp = t.grad.numpy() * (a != 0) if k == pos else t.grad.numpy()  # a sparse operand: its entries
+        np.testing.assert_allclose(got, exp, rtol=1e-10, atol=1e-12, err_msg=f"operand {k}")

@@ -18,11 +18,12 @@ executor, and the sparse operands stay sparse:
   their slices at the stored coordinates in numpy, after contracting dense factors that do not
   grow (``H·W``): the planner's pairing could build the n × n ``G·(H·W)ᵀ`` first.
 
-``max`` aggregation is refused (its gradient routes to the argmax, which the executor does not
-record). The gradients are computed at the operands of the plan's last run (the compiled ones
-before any run); their sparse einsums are compiled on the first call and rerun (replanned per
-block histogram, :mod:`einjoin.sparse.replan`) on later ones, on the plan's engine and devices
-(the gathered SDDMM runs in this process).
+``max`` aggregation with one sparse operand: :mod:`einjoin.sparse.grad_max` (each output's
+gradient to its maximal terms, ties split as torch's ``amax``). The gradients are computed at
+the operands of the plan's last run (the compiled ones before any run); their sparse einsums
+are compiled on the first call and rerun (replanned per block histogram,
+:mod:`einjoin.sparse.replan`) on later ones, on the plan's engine and devices (the gathered
+SDDMM runs in this process).
 
 A GNN layer ``out = A·H·W`` with ``loss = mean((out - Y)^2)``:
 
@@ -52,6 +53,7 @@ import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.sparse.execute import CHUNK_ELEMENTS
+from einjoin.sparse.grad_max import max_vjp
 from einjoin.sparse.plan import GRAD, SparsePlan, sparse_compile
 from einjoin.sparse.tensor import SparseTensor, dense_operand, from_coo, key_codes, restore_dims
 
@@ -81,13 +83,21 @@ def sparse_vjp(plan: SparsePlan, grad_out: Any, wrt: Sequence[int | str] | None 
     [[-3.0, 2.0]]
     """
     what = f"gradient of sparse einsum {plan.equation!r}"
-    if plan.agg not in ("sum", "none"):
+    if plan.agg not in ("sum", "none", "max"):
         raise UnsupportedOpError(f"{what}: {plan.agg} aggregation; gradients of sparse einsums need a "
-                                 f"sum (the gradient of a max goes to its argmax, which the sparse "
-                                 f"executor does not record): use agg='sum', or the dense einsum")
+                                 f"sum or a max: use agg='sum', or the dense einsum")
     values = plan.last_operands
     out_shape = tuple(plan.sizes[lab] for lab in plan.out_labels)
     scale, g = _cotangent(grad_out, out_shape, plan.dtype, what)
+    if plan.agg == "max":  # each output's gradient to its maximal terms (grad_max.py)
+        dense_g = np.full(out_shape, scale, plan.dtype) if g is None else (
+            g.todense() if isinstance(g, SparseTensor) else np.asarray(g)) * scale
+        where = _positions(values, wrt, what)
+        found = max_vjp(plan, dense_g, where, what)
+        if plan.broadcast is not None:
+            shapes, keeps = plan.broadcast
+            found = [restore_dims(gr, shapes[k], keeps[k]) for gr, k in zip(found, where)]
+        return tuple(found)
     cache = _PLANS.setdefault(plan, {})
     grads: list[SparseTensor | np.ndarray] = []
     for k in _positions(values, wrt, what):
