@@ -163,6 +163,11 @@ class LocalSession:
         self.host: dict[int, np.ndarray] = {}  # the host store of a memory-capped graph
         self._limit = limit
         self._stack = contextlib.ExitStack()
+        # a threaded run's lanes hold the limit (see _lanes_limit): how many are in, what they entered
+        self._lock = threading.Lock()
+        self._held = 0
+        self._limit_cm: AbstractContextManager[Any] | None = None
+        self._limit_error: BaseException | None = None
         self.state = run.state  # a program's state (einjoin.runtime.state), or None
         # the run's attention forwards, for their gradient kernels (bound to each worker thread)
         self.memo = ForwardMemo() if computes else None
@@ -175,14 +180,17 @@ class LocalSession:
         self.plain_kernels = computes and not self.capped
 
     def __enter__(self) -> LocalSession:
-        if self._limit is not None:
+        if self._limit is not None and not self.threaded:  # threaded: the lanes hold it (_lanes_limit)
             self._stack.enter_context(self._limit(self.n))
         return self
 
     def __exit__(self, *exc: Any) -> Any:
         if self.memo is not None:
             self.memo.clear()
-        return self._stack.__exit__(*exc)
+        out = self._stack.__exit__(*exc)
+        if self._limit_error is not None and exc[0] is None:
+            raise self._limit_error
+        return out
 
     @contextlib.contextmanager
     def thread_scope(self) -> Iterator[None]:
@@ -190,9 +198,43 @@ class LocalSession:
         :class:`~einjoin.ir.attention.ForwardMemo` to it (kernels see no session), and holds
         numpy's ``errstate(all="ignore")`` for the whole run
         (:func:`~einjoin.ir.evaluate.quiet_floats`), which :func:`compute` and ``evaluate``
-        otherwise enter around every task."""
-        with forward_memo(self.memo), quiet_floats():
+        otherwise enter around every task; and, threaded, the run's share of the cores."""
+        with self._lanes_limit(), forward_memo(self.memo), quiet_floats():
             yield
+
+    @contextlib.contextmanager
+    def _lanes_limit(self) -> Iterator[None]:
+        """A threaded run's share of the cores (``limit``: BLAS and torch threads), held by its
+        lanes: the first lane in enters it before any lane runs a task (the others wait on the
+        lock), the last lane out leaves it. On the worker threads, not the caller's: the caller
+        waits for no limit change (the BLAS limiter changes limits on the thread that asks, when
+        that is not the main thread, without a helper thread), and a Ctrl-C, which only the main
+        thread receives, cannot cut a change short. A failure to set the limit runs the tasks
+        without it and is raised when the session closes."""
+        if self._limit is None or not self.threaded:
+            yield
+            return
+        with self._lock:
+            if not self._held and self._limit_cm is None:
+                entered = self._limit(self.n)
+                try:
+                    entered.__enter__()
+                    self._limit_cm = entered
+                except Exception as e:  # noqa: BLE001 - raised at the session's exit
+                    self._limit_error = self._limit_error or e
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
+                held = self._limit_cm
+                if not self._held and held is not None:
+                    self._limit_cm = None
+                    try:
+                        held.__exit__(None, None, None)
+                    except Exception as e:  # noqa: BLE001 - raised at the session's exit
+                        self._limit_error = self._limit_error or e
 
     def lane(self, t: Task) -> int:
         if not self.threaded:

@@ -47,7 +47,9 @@ class BlasLimiter:
     first run in saves the original limits, every entry and exit sets cores // (devices of all
     runs in flight), and the last run out restores the original limits exactly.
 
-    Every limit change is made on a short-lived helper thread: threadpoolctl (>= 3.6) lets
+    A change asked for on the main thread is made on a short-lived helper thread (one asked for
+    on another thread, a threaded run's device thread, is made there: no Ctrl-C reaches it, and
+    the control is given up after the change, as the helper does): threadpoolctl (>= 3.6) lets
     only one live thread at a time change a pthreads OpenBLAS's limit (others are silently
     ignored), so changes made on the caller's thread would pin that control to it (a user's main
     thread, or a run's thread that is not the last one out, whose restore would then be
@@ -187,6 +189,11 @@ class BlasLimiter:
         """Have the helper enter or leave ``ticket`` and wait until it has; returns a
         KeyboardInterrupt that arrived meanwhile (deferred: the change is made first)."""
         if self._unchanged(ticket, entering):
+            return None
+        if threading.current_thread() is not threading.main_thread():
+            # no Ctrl-C reaches this thread, and _apply gives the OpenBLAS control up after a
+            # change: made here, without a helper (a run's device thread, LocalSession._lanes_limit)
+            self._apply(ticket, entering)
             return None
         done, began = threading.Event(), threading.Event()
         box: list[BaseException] = []
