@@ -12,7 +12,7 @@ import numpy as np
 
 from einjoin.decomp.decompose import Decomposition, Kernel, reshape_region
 from einjoin.decomp.partition import Box, box_shape
-from einjoin.ir.dtypes import numpy_dtype
+from einjoin.ir.dtypes import cast_array
 from einjoin.ir.kernels import (broadcast_kernel, conv_kernel, einsum_kernel, fill_kernel, gather_kernel,
                                 partial_dtype, pool_kernel, scatter_add_kernel, topk_kernel)
 from einjoin.ir.node import Attention, AttentionGrad, RotateHalf, SparseEinsum
@@ -53,7 +53,7 @@ def _fill_block(d: Decomposition, op: Fill, k: Kernel, blocks: _Blocks, box: Box
 
 
 def _cast_block(d: Decomposition, op: Cast, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:
-    return np.asarray(blocks[0]).astype(numpy_dtype(d.node.dtype))
+    return cast_array(blocks[0], d.node.dtype)  # floats into ints as torch (ir.kernels' cast too)
 
 
 def _select_block(d: Decomposition, op: Select, k: Kernel, blocks: _Blocks, box: Box) -> np.ndarray:

@@ -195,18 +195,25 @@ def wrap_int(v: int, dtype: str) -> int:
 
 
 def cast_array(a: Any, dtype: str, copy: bool = True) -> np.ndarray:
-    """numpy array ``a`` in einjoin dtype ``dtype`` as torch converts: floats into a narrow integer
-    type truncate into int64 first and then wrap (numpy's direct float -> int8 cast is C's
-    undefined behaviour: 300.7 may give 44 or -128 by platform); otherwise numpy's ``astype``
-    (integers wrap in two's complement, as torch's); ``copy`` as ``astype``'s.
+    """numpy array ``a`` in einjoin dtype ``dtype`` as torch converts: floats into an integer type
+    truncate into int32 (int8, int16, int32) or int64 (uint8, int64) first, a value out of that
+    range, inf or nan giving its minimum (torch's CPU conversion), and then wrap (numpy's direct
+    float -> int8 cast is C's undefined behaviour: 300.7 may give 44 or -128 by platform, and
+    ml_dtypes' bfloat16 -> int8 gives 0); otherwise numpy's ``astype`` (integers wrap in two's
+    complement, as torch's); ``copy`` as ``astype``'s.
 
     >>> cast_array(np.array([300.7, -1.5]), "int8"), cast_array(np.array([-1]), "uint8")
     (array([44, -1], dtype=int8), array([255], dtype=uint8))
+    >>> cast_array(np.array([3e9, np.nan, 65541.0]), "int32"), cast_array(np.array([3e9]), "int16")
+    (array([-2147483648, -2147483648,       65541], dtype=int32), array([0], dtype=int16))
     """
     a = np.asarray(a)
     npd = DTYPES[dtype]
-    if npd.kind in "iu" and npd.itemsize < 8 and (a.dtype.kind == "f" or is_bfloat16(a.dtype)):
-        a = a.astype(np.int64)
+    if npd.kind in "iu" and (a.dtype.kind == "f" or is_bfloat16(a.dtype)):
+        via = np.dtype(np.int64 if npd.itemsize == 8 or npd.kind == "u" else np.int32)
+        f = a.astype(np.float64)  # every float dtype exactly
+        lo = float(np.iinfo(via).min)
+        a = np.where((f > lo - 1) & (f < -lo), f, lo).astype(via)  # nan compares False: lo
     out: np.ndarray = a.astype(npd, copy=copy)
     return out
 

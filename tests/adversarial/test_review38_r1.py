@@ -126,3 +126,28 @@ def test_harmless_changes_still_run() -> None:
     handle.remove()  # registered and removed again
     with torch.no_grad():
         torch.testing.assert_close(torch.as_tensor(prog.run(x)), m(x))
+
+
+# ---------------------------------------------------------------- float -> int casts out of range
+
+
+@pytest.mark.parametrize("src", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("dt", ["int8", "uint8", "int16", "int32", "int64"])
+def test_a_float_cast_to_int_out_of_range_is_torchs(src: str, dt: str) -> None:
+    # torch (CPU) converts a float to int8/int16/int32 through int32 and to uint8/int64 through
+    # int64, an out-of-range, inf or nan value giving that type's minimum; einjoin went through
+    # int64 for every narrow type: x.to(int32) of 3e9 gave -1294967296 (torch -2147483648), of inf
+    # and nan 0; x.to(int16) of 3e9 gave 24064 (torch 0); float64 -> int8 of 2**40 + 7 gave 7 (0)
+    rng = np.random.default_rng(1)
+    vals = np.concatenate([rng.normal(0, 1e12, 40), rng.normal(0, 1e9, 40), rng.normal(0, 300, 40),
+                           [np.inf, -np.inf, np.nan, 2.0 ** 40 + 7, -(2.0 ** 40) - 9, 3e9, -3e9, 2.0 ** 31,
+                            -(2.0 ** 31), 300.7, -129.5, 65541.0]])
+    t = torch.from_numpy(vals).to(getattr(torch, src))
+    want = t.to(getattr(torch, dt)).numpy()
+    feed = t.numpy() if src != "bfloat16" else t
+    x = ej.input(f"cv_{src}_{dt}", vals.shape, src)
+    y = x.to(dt)
+    np.testing.assert_array_equal(ej.reference(y, **{x.node.op.name: feed}), want)
+    for backend in ("threads", "torch"):
+        got = ej.compile(y, devices=2, backend=backend, quiet=True).run(**{x.node.op.name: feed})
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=backend)

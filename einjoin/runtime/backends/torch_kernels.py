@@ -323,8 +323,12 @@ def _fill_block(d: Decomposition, op: Fill, k: Kernel, blocks: _Blocks, box: Box
 def _cast_block(d: Decomposition, op: Cast, k: Kernel, blocks: _Blocks, box: Box) -> torch.Tensor:
     x: torch.Tensor = blocks[0]
     to = TORCH_DTYPES[d.node.dtype]
-    if x.is_floating_point() and to.itemsize < 8 and not to.is_floating_point and to != torch.bool:
-        x = x.to(torch.int64)  # as the numpy kernel (dtypes.cast_array): truncate, then wrap
+    if x.is_floating_point() and not to.is_floating_point and to != torch.bool:
+        # as the numpy kernel (dtypes.cast_array): truncate into int32 / int64 (out of range, inf,
+        # nan: its minimum, as torch's CPU conversion on any device), then wrap
+        via = torch.int64 if to in (torch.int64, torch.uint8) else torch.int32
+        f, lo = x.double(), float(torch.iinfo(via).min)
+        x = torch.where((f > lo - 1) & (f < -lo), f, torch.full((), lo, dtype=f.dtype, device=f.device)).to(via)
     return x.to(to)
 
 
