@@ -93,7 +93,20 @@ def _recorder(base: Any, library: tuple[str, ...]) -> Any:
             elif not sys._getframe(1).f_code.co_filename.startswith(library):
                 reads.add((id(self), name))
         return base(self, name)
+    _not_for_dynamo(__getattribute__.__code__)
     return __getattribute__
+
+
+def _not_for_dynamo(code: Any) -> None:
+    """Tell torch.compile (dynamo) never to compile the recorder's frame: installed on nn.Module
+    while an import runs, it is called from another thread's compiled module too, where dynamo
+    compiled it as a frame of its own for each module type it met (hitting its recompile limit,
+    and that thread's calls crawling). A skipped frame runs as plain Python (the recorder reads
+    this thread's record only). torch.export has imported dynamo already."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    skip = getattr(eval_frame, "skip_code", None)
+    if skip is not None:
+        skip(code)
 
 
 def _config_class() -> type | None:
@@ -270,7 +283,7 @@ class ModuleGuard:
 
         for path, attr, was in self.objects:
             m = _submodule(root, path)
-            now_v = vars(m).get(attr, _MISSING) if m is not None else _MISSING
+            now_v: Any = vars(m).get(attr, _MISSING) if m is not None else _MISSING
             now = ("children", tuple(now_v)) if attr == "_modules" and now_v is not _MISSING else _state(now_v)
             if now != was:
                 where = ".".join(path) or "top module"

@@ -12,7 +12,9 @@ Each test failed before its fix (the commit that added it says what einjoin did 
 - a graph's sparse einsum broadcasts a dense operand's size-1 dims, as ``ej.einsum`` does;
 - ``A.T`` / ``A.sum()`` / ``A[0]`` on a sparse input are an EinjoinError naming the einsum to write;
 - ``ej.Trainer.load`` with another ``accumulate`` continues from a boundary as torch does (refused
-  inside an accumulation); ``trainer.step`` reads Python lists as ``torch.as_tensor`` does.
+  inside an accumulation); ``trainer.step`` reads Python lists as ``torch.as_tensor`` does;
+- torch.compile never compiles the module guard's recorder (another thread's compiled module
+  met it during an import).
 """
 
 from __future__ import annotations
@@ -344,3 +346,26 @@ def test_a_trainer_takes_python_lists_as_torch_as_tensor_reads_them() -> None:
     assert tr.step(x.tolist(), t.tolist()) == tr.step(x, t)
     with pytest.raises(ej.EinjoinError, match=r"batch\[1\] is not a tensor or array of numbers"):
         tr.step(x, [0, 1, "two"])
+
+
+# ---------------------------------------------------------------- 9. torch.compile meeting the guard's recorder (D)
+
+
+def test_torch_compile_never_compiles_the_guards_recorder() -> None:
+    """While an import runs, ``nn.Module.__getattribute__`` is the guard's recorder; a module run
+    with ``torch.compile`` meanwhile (another thread's) had dynamo compile the recorder as a frame
+    of its own, once per module type and guard (8 cache entries for a Linear + ReLU here; with
+    several imports its recompile limit, and that thread's calls crawled). Its frame is skipped by
+    dynamo now: no entry, and the compiled module's values are torch's."""
+    import torch._dynamo  # noqa: F401 - the frame cache the check reads
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from einjoin.frontend.module_guard import recording
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(2, 8)
+    with recording():
+        recorder = nn.Module.__getattribute__
+        out = torch.compile(m, backend="eager")(x)
+    assert recorder.__code__.co_filename.endswith("module_guard.py")
+    assert len(_debug_get_cache_entry_list(recorder.__code__)) == 0
+    torch.testing.assert_close(out, m(x))
