@@ -151,3 +151,16 @@ def test_a_float_cast_to_int_out_of_range_is_torchs(src: str, dt: str) -> None:
     for backend in ("threads", "torch"):
         got = ej.compile(y, devices=2, backend=backend, quiet=True).run(**{x.node.op.name: feed})
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=backend)
+
+
+@pytest.mark.parametrize("dt", ["uint8", "int32", "int64"])
+def test_an_integer_power_of_a_0d_value_runs_on_the_torch_backend(dt: str) -> None:
+    # x.sum() ** 2 of ints (ipow, computed by numpy there): np.ascontiguousarray made the 0-d
+    # result 1-d, and the kernel failed ("expand(torch.LongTensor{[1]}, size=[])")
+    a = np.array([[3, 4]], dt)
+    x = ej.input(f"p0_{dt}", (1, 2), dt)
+    y = x.sum() ** 2
+    want = (torch.from_numpy(a).sum() ** 2).numpy()
+    got = ej.compile(y, devices=2, backend="torch", quiet=True).run(**{f"p0_{dt}": a})
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.asarray(got).shape == ()

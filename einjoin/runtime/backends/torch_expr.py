@@ -81,7 +81,7 @@ def _via_numpy(name: str) -> Callable[..., torch.Tensor]:
             out = np.asarray(impl(*args))
         if out.dtype == object:  # Python ints: exact, then int64 as the numpy kernels cast
             out = out.astype(np.int64)
-        got = torch.from_numpy(np.ascontiguousarray(out))
+        got = torch.from_numpy(np.ascontiguousarray(out).reshape(out.shape))  # (a 0-d value stays 0-d)
         if len(xs) == 2 and like is not None:  # a constant (a 0-d tensor) is weak as in torch:
             got = got.to(torch.result_type(xs[0], xs[1]))  # int8 ** 2 stays int8 (numpy: int64)
         return got.to(like.device) if like is not None else got
