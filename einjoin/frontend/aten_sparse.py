@@ -30,7 +30,8 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from einjoin.errors import EinjoinError
@@ -39,7 +40,7 @@ from einjoin.frontend import functions as F
 from einjoin.ir.sparse_einsum import DECLARE_INPUT
 from einjoin.registry import registrar
 
-__all__ = ["SPARSE_OPS", "is_sparse", "sparse_placeholder", "example_nnz"]
+__all__ = ["SPARSE_OPS", "is_sparse", "sparse_placeholder", "example_nnz", "unview", "unviewed"]
 
 SPARSE_OPS: dict[str, Callable[..., Any]] = {}
 op = registrar(SPARSE_OPS)
@@ -79,6 +80,29 @@ def example_nnz(val: Any, examples: Any) -> int:
     if not found:  # pragma: no cover - export traces the examples it was given
         raise EinjoinError(f"from_torch: no example sparse tensor of shape {list(val.shape)} for a sparse argument")
     return max(found)
+
+
+def unview(x: Any) -> Any:
+    """``x`` (an argument, any nesting) with each sparse tensor that is a view (``adj.t()``,
+    ``adj.transpose(0, 1)``) detached: the same entries, not a view, which torch.export can trace
+    (it fails on the view: 'meta converter nyi')."""
+    import torch.utils._pytree as pytree
+    return pytree.tree_map(lambda t: t.detach() if is_sparse(t) and t._is_view() else t, x)
+
+
+@contextmanager
+def unviewed(module: Any) -> Iterator[None]:
+    """The module's sparse buffers that are views detached (:func:`unview`) while the block runs,
+    put back after it."""
+    held = [(m, k, t) for m in module.modules() for k, t in m._buffers.items()
+            if t is not None and is_sparse(t) and t._is_view()]
+    for m, k, t in held:
+        m._buffers[k] = t.detach()
+    try:
+        yield
+    finally:
+        for m, k, t in held:
+            m._buffers[k] = t
 
 
 def sparse_placeholder(name: str, t: Any, nnz: int, dtype: str, what: str) -> Any:

@@ -360,7 +360,8 @@ def _needs_functionalising(graph: Any) -> bool:
 
 def _from_export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TorchFunction:
     import torch
-    ep = torch.export.export(module, args, kwargs)
+    with SP.unviewed(module):  # torch.export cannot fake a sparse view (adj.t()): 'meta converter nyi'
+        ep = torch.export.export(module, SP.unview(args), SP.unview(kwargs))
     if _needs_functionalising(ep.graph):
         # an empty table: functionalisation only, the ops stay whole (linear stays linear) and
         # autocast regions are inlined as their casts
