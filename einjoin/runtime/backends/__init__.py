@@ -18,7 +18,7 @@ from typing import Any
 
 from einjoin.errors import EinjoinError
 from einjoin.exchange import TaskKind
-from einjoin.runtime.backend import Backend, RunSpec, join_thread, wait_event
+from einjoin.runtime.backend import Backend, RunSpec, cores, join_thread, wait_event
 from einjoin.runtime.local import LocalSession
 from einjoin.runtime.malloc import tune_malloc
 
@@ -86,7 +86,7 @@ class BlasLimiter:
 
     @staticmethod
     def _share(devices: int) -> int:
-        return max(1, (os.cpu_count() or 1) // max(1, devices))
+        return max(1, cores() // max(1, devices))
 
     @property
     def devices_in_flight(self) -> int:
@@ -307,7 +307,7 @@ class ThreadsBackend:
         if self.computes:
             tune_malloc()
         limit = cores_limit
-        if run.engine.tg.n_devices < (os.cpu_count() or 1) and "torch" in sys.modules:
+        if run.engine.tg.n_devices < cores() and "torch" in sys.modules:
             limit = functools.partial(cores_limit, pool=_main_pool(run.engine))
         return LocalSession(run, self.computes, threaded=True, limit=limit)
 
@@ -348,12 +348,12 @@ def cores_limit(n_devices: int, pool: str | None = None) -> Iterator[None]:
     a numpy matmul waited for them (an attention of 0.12 ms took 4 ms, measured; vit-tiny on one
     device 125 ms against 48 ms on two). The pool doing most of the program's flops gets the
     share, the other one thread."""
-    cores = os.cpu_count() or 1
+    n_cores = cores()
     blas_n, torch_n = n_devices, n_devices
     if pool == "torch":
-        blas_n = max(n_devices, cores)   # counted as `cores` devices: one BLAS thread
+        blas_n = max(n_devices, n_cores)   # counted as `cores` devices: one BLAS thread
     elif pool == "blas":
-        torch_n = max(n_devices, cores)
+        torch_n = max(n_devices, n_cores)
     with BLAS_LIMITER.limit(blas_n):
         if "torch" not in sys.modules:  # not loaded: no torch kernel can run (and none is imported)
             yield

@@ -23,7 +23,6 @@ True
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -41,7 +40,7 @@ from einjoin.exchange import Task, TaskKind
 from einjoin.ir.dtypes import is_bfloat16, numpy_dtype
 from einjoin.ir.node import Node, rule_for
 from einjoin.plan.execute import unaliased
-from einjoin.runtime.backend import RunSpec
+from einjoin.runtime.backend import RunSpec, cores
 from einjoin.runtime.backends.torch_cuda import CudaLanes, check_caps, map_devices, pinned_copy
 from einjoin.runtime.backends.torch_kernels import TORCH_DTYPES, TORCH_KERNELS, combine, fill_block
 from einjoin.runtime.local import LocalSession
@@ -98,14 +97,14 @@ class TorchThreads:
             if self._original is None:
                 self._original = torch.get_num_threads()
             self._devices += n
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self._devices))
+            torch.set_num_threads(max(1, cores() // self._devices))
         try:
             yield
         finally:
             with self._lock:
                 self._devices -= n
                 if self._devices:
-                    torch.set_num_threads(max(1, (os.cpu_count() or 1) // self._devices))
+                    torch.set_num_threads(max(1, cores() // self._devices))
                 elif self._original is not None:
                     torch.set_num_threads(self._original)
                     self._original = None
