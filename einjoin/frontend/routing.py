@@ -45,6 +45,10 @@ def _int_index(value: Any, what: str) -> Tensor:
     idx = _t(value, what)
     if kind(idx.dtype) != "int":
         raise DTypeError(f"{what}: indices must be an integer tensor, got {idx.dtype} (shape {idx.shape})")
+    if idx.dtype == "uint8":  # torch's x[i] reads it as a bool mask, its other index ops refuse it
+        raise DTypeError(f"{what}: a uint8 index tensor (shape {idx.shape}) is a bool mask to torch's x[i] "
+                         f"(deprecated) and refused by its other index ops; cast it to int64 (positions) "
+                         f"or bool (a mask)")
     return idx if idx.dtype == "int64" else idx.to("int64")
 
 

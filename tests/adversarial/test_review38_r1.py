@@ -207,3 +207,24 @@ def test_a_transposed_sparse_adjacency_imports_and_trains(where: str) -> None:
     trainer = ej.Trainer(m, (*args, y), lambda o, t: ((o - t) ** 2).mean(), devices=2)
     np.testing.assert_allclose(trainer.step(*args, y), want, rtol=1e-5)
     assert adj._is_view() and (where == "argument" or m.adj is adj)  # the user's tensors as they were
+
+
+# ---------------------------------------------------------------- uint8 indices
+
+
+class _Pick(torch.nn.Module):
+    def forward(self, t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return t[i] * 1.0
+
+
+def test_a_uint8_index_is_refused_not_read_as_positions() -> None:
+    # torch reads a uint8 index tensor in t[i] as a bool mask (t[[2, 2, 0]] is rows 0 and 1) and
+    # refuses it in index_select / gather / embedding; einjoin read it as positions (rows 2, 2, 0)
+    t, i = torch.randn(3, 2), torch.tensor([2, 2, 0], dtype=torch.uint8)
+    assert _Pick()(t, i).shape == (2, 2)  # torch's mask reading
+    with pytest.raises(ej.EinjoinError, match="uint8"):
+        ej.compile(ej.from_torch(_Pick(), (t, i)), quiet=True).run(t, i)
+    x, j = ej.input("u8t", (3, 2)), ej.input("u8i", (3,), "uint8")
+    for f in (lambda: x[j], lambda: ej.index_select(x, 0, j)):  # (ej.embedding reads positions: no mask meaning)
+        with pytest.raises(ej.EinjoinError, match="uint8"):
+            f()
