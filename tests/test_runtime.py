@@ -540,3 +540,50 @@ def test_one_progress_bar_at_a_time_and_a_broken_stderr(monkeypatch: pytest.Monk
     closed.close()
     monkeypatch.setattr(sys, "stderr", closed)
     assert progress.enabled(False) is False
+
+
+# ---------------------------------------------------------------- 8. persistent worker threads
+
+
+class _Lanes:
+    """Callbacks that record the threads the tasks ran on; closes ``prog`` at task ``close_at``."""
+
+    def __init__(self, prog: Any = None, close_at: int = -1) -> None:
+        self.prog, self.close_at, self.threads = prog, close_at, set()
+
+    def on_start(self, task: Any) -> None:
+        self.threads.add(threading.current_thread())
+        if task.id == self.close_at:
+            self.prog.close()
+
+    def on_end(self, task: Any, start: float, end: float) -> None:
+        pass
+
+
+def test_threads_backend_reuses_its_worker_threads_until_the_program_is_closed() -> None:
+    prog, out, feeds = softmax_program("threads")
+    before = threads_now()
+    first, second = _Lanes(), _Lanes()
+    prog.run(callbacks=[first], **feeds)
+    np.testing.assert_allclose(prog.run(callbacks=[second], **feeds), ej.reference(out, **feeds), **F32)
+    assert first.threads == second.threads and len(first.threads) == prog.taskgraph.n_devices, first.threads
+    assert all(t.is_alive() and t.daemon for t in first.threads)
+    assert closed_threads(prog, before) == before
+    assert not any(t.is_alive() for t in first.threads)
+    third = _Lanes()  # a closed program runs again, on new threads
+    np.testing.assert_allclose(prog.run(callbacks=[third], **feeds), ej.reference(out, **feeds), **F32)
+    assert not third.threads & first.threads
+    prog.close()
+
+
+def test_closing_a_program_from_its_own_runs_callback_finishes_that_run() -> None:
+    prog, out, feeds = softmax_program("threads")
+    before = threads_now()
+    cb = _Lanes(prog, close_at=3)
+    np.testing.assert_allclose(prog.run(callbacks=[cb], **feeds), ej.reference(out, **feeds), **F32)
+    for t in cb.threads:  # told to end with the run they were running
+        t.join(10)
+        assert not t.is_alive()
+    assert threads_now() == before
+    np.testing.assert_allclose(prog.run(**feeds), ej.reference(out, **feeds), **F32)
+    assert closed_threads(prog, before) == before

@@ -112,9 +112,11 @@ class WorkerPool:
                 th.start()
 
     def close(self) -> None:
-        """Stop the threads and wait for them (each ends once its current job, if any, ends)."""
+        """Stop the threads and wait for them; while a run uses the pool (a callback of that run
+        closing its program, another thread closing it mid-run) without waiting: each thread
+        ends once its lane of that run ended."""
         with self._grow_lock:
-            _stop(self._inboxes, self._threads)
+            _stop(self._inboxes, None if self._use.locked() else self._threads)
             self._threads.clear()
             self._inboxes.clear()
 
