@@ -33,6 +33,7 @@ the module's 1.training is True now, False when it was imported
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import threading
@@ -160,9 +161,18 @@ def recording() -> Iterator[set[tuple[int, str]]]:
 
 def _plain(v: Any) -> bool:
     """A value the capture can have specialised on and that compares by value."""
-    if isinstance(v, _PLAIN):
+    if isinstance(v, _PLAIN) or _value_like(v):
         return True
     return isinstance(v, tuple) and len(v) <= 8 and all(isinstance(e, _PLAIN) for e in v)
+
+
+def _value_like(v: Any) -> bool:
+    """Other numbers (np.float32(2.0), a Fraction, a complex) and torch's value types (a dtype the
+    forward casts to, a device): they pass no recorder and compare by value."""
+    if isinstance(v, numbers.Number):
+        return True
+    t = sys.modules.get("torch")
+    return t is not None and isinstance(v, (t.dtype, t.device, t.layout, t.memory_format))
 
 
 class ModuleGuard:
@@ -405,7 +415,7 @@ def _kept_by_state(v: Any) -> bool:
     or a function the forward calls (``self.act = torch.relu``, compared by identity): the
     capture specialised on them past the recorder."""
     import torch
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, (list, tuple, set, frozenset)):
         return True
     return callable(v) and not isinstance(v, (torch.nn.Module, torch.Tensor))
 
@@ -436,6 +446,8 @@ def _state(v: Any, depth: int = 3, seen: frozenset[int] = frozenset()) -> Any:
     seen = seen | {id(v)}
     if isinstance(v, (list, tuple)):
         return ("seq", type(v).__name__, tuple(_state(e, depth - 1, seen) for e in v))
+    if isinstance(v, (set, frozenset)):  # its elements are hashable, so are their states
+        return ("set", type(v).__name__, frozenset(_state(e, depth - 1, seen) for e in v))
     if isinstance(v, dict):
         items: Any = v.items()
     elif _held_object(v):

@@ -89,12 +89,25 @@ def _hook(mod: object, args: object, out: torch.Tensor) -> torch.Tensor:
     return out * 2
 
 
+class _ValueSettings(_Lin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.dt, self.keep = np.float32(2.0), torch.float32, {0, 2}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * float(self.scale)).to(self.dt)[:, sorted(self.keep)]
+
+
 CHANGES = {
     "list item": (_ListSetting, lambda m: m.scales.__setitem__(0, 5.0), r"scales\[0\] is 5\.0 now, 2\.0"),
     "function": (_FnSetting, lambda m: setattr(m, "act", torch.tanh), r"act is another"),
     "sequential append": (_Chain, lambda m: m.seq.append(torch.nn.Tanh()), r"seq holds 0, 1, 2 now"),
     "modulelist append": (_Chain, lambda m: m.ls.append(torch.nn.Linear(4, 4)), r"ls holds 0, 1 now"),
     "forward hook": (_Chain, lambda m: m.seq[0].register_forward_hook(_hook), r"seq\.0 has other forward hooks"),
+    "numpy scalar": (_ValueSettings, lambda m: setattr(m, "scale", np.float32(5.0)),
+                     r"scale is np\.float32\(5\.0\) now"),
+    "torch dtype": (_ValueSettings, lambda m: setattr(m, "dt", torch.float16), r"dt is torch\.float16 now"),
+    "set": (_ValueSettings, lambda m: m.keep.add(3), r"keep is another set now"),
     "pre hook": (_Chain, lambda m: m.register_forward_pre_hook(lambda mod, a: (a[0] * 3,)),
                  r"top module has other forward pre-hooks"),
 }
