@@ -41,8 +41,6 @@ Semantics, as a torch user writes the loop:
 from __future__ import annotations
 
 import functools
-import inspect
-import json
 import logging
 import os
 import threading
@@ -65,7 +63,7 @@ from einjoin.sparse.tensor import is_sparse_format
 from einjoin.train.optim import check_lr
 from einjoin.program import Program
 from einjoin.program import compile as ej_compile
-from einjoin.program_io import file_path
+from einjoin.trainer_io import load_trainer, save_trainer
 from einjoin.variants import ShapeCache
 
 __all__ = ["Trainer"]
@@ -75,7 +73,6 @@ log = logging.getLogger(__name__)
 PREFIX = "module."      # the wrapper's attribute holding the user's module: stripped from names
 DROPOUT_SEED = "dropout_seed"  # from_torch's dropout seed input (einjoin.frontend.aten.DROPOUT_SEED)
 APPLY = "accumulate_apply"     # the bool input that says "this micro-batch ends an accumulation"
-FORMAT = "einjoin.Trainer/1"   # the safetensors metadata "format" of a saved trainer
 
 
 # ---------------------------------------------------------------- capture
@@ -692,18 +689,7 @@ class Trainer:
                   for n, x in sp.prog.graph.input_by_name.items()}
         return sparse_inputs(PREFIX + key, v, inputs)
 
-    # ---- safetensors
-
-    def _optimizer_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {}
-        for k, v in vars(self.optimizer).items():
-            if k.startswith("_"):
-                continue
-            if isinstance(v, (bool, int, float, str)) or v is None:
-                cfg[k] = v
-            elif isinstance(v, (tuple, list)) and all(isinstance(e, (int, float)) for e in v):
-                cfg[k] = list(v)
-        return {"class": type(self.optimizer).__name__, "hyper": cfg}
+    # ---- safetensors (einjoin/trainer_io.py)
 
     @_serialised
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -711,97 +697,16 @@ class Trainer:
         unfinished accumulation), the buffers, the step counters, the learning rate and the
         optimizer's hyperparameters to a safetensors file; :meth:`load` resumes from it
         bit-identically."""
-        from safetensors.numpy import save_file
-        where = file_path(path, "Trainer.save")  # None, an int: named before any work
-        tensors = {f"state/{n}": np.asarray(v, order="C") for n, v in self._current().items()}
-        tensors.update({f"fixed/{n}": np.asarray(v, order="C") for n, v in self._fixed.items()})
-        meta = {"format": FORMAT, "steps": str(self.steps), "micro_steps": str(self.micro_steps),
-                "lr": repr(self._lr), "seed": str(self.seed), "accumulate": str(self.accumulate),
-                "optimizer": json.dumps(self._optimizer_config()),
-                "parameters": json.dumps(list(self._trainable))}
-        try:  # a folder, a missing folder, no permission: named, not a raw SafetensorError
-            save_file(tensors, where, metadata=meta)
-        except Exception as e:
-            raise EinjoinError(f"Trainer.save: cannot write {where!r} ({type(e).__name__}: {e})") from e
+        save_trainer(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], module: Any, example_batch: Sequence[Any],
              loss_fn: Callable[..., Any], optimizer: Any = None, **options: Any) -> Trainer:
         """A trainer for ``module`` (built as for the saved run) that continues the run saved by
         :meth:`save` at ``path``. ``optimizer`` defaults to the saved one (class and
-        hyperparameters); ``options`` are the constructor's (``devices``, ``accumulate``, ...)."""
-        from safetensors import safe_open
-        from safetensors.numpy import load_file
-        where = file_path(path, "Trainer.load")
-        try:  # a missing, unreadable or non-safetensors file: one error naming the path
-            with safe_open(where, "np") as f:
-                meta = f.metadata() or {}
-            tensors = load_file(where)
-        except Exception as e:
-            raise EinjoinError(f"Trainer.load: cannot read {where!r} as a safetensors file "
-                               f"({type(e).__name__}: {e})") from e
-        if meta.get("format") != FORMAT:
-            raise EinjoinError(f"Trainer.load: {where!r} is not a saved einjoin Trainer "
-                               f"(format {meta.get('format')!r})")
-        try:  # a tampered or truncated header: named, never a KeyError / ValueError from parsing it
-            cfg = json.loads(meta["optimizer"])
-            counts = {k: int(meta[k]) for k in ("steps", "micro_steps")}
-            saved_lr = check_lr(float(meta["lr"]))
-            accumulate, seed = int(meta.get("accumulate", "1")), int(meta.get("seed", "0"))
-            saved_class, saved_hyper = str(cfg["class"]), dict(cfg["hyper"])
-        except (KeyError, ValueError, TypeError, AttributeError, EinjoinError) as e:
-            raise EinjoinError(f"Trainer.load: {where!r} has a malformed header "
-                               f"({type(e).__name__}: {e})") from e
-        if optimizer is None:
-            from einjoin.train import optim
-            kind = getattr(optim, saved_class, None)
-            if not (inspect.isclass(kind) and hasattr(kind, "update")):  # only optimizer classes
-                raise EinjoinError(f"Trainer.load: unknown optimizer {saved_class!r}; pass optimizer=")
-            hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in saved_hyper.items()}
-            try:
-                optimizer = kind(**{k: v for k, v in hyper.items() if k in inspect.signature(kind).parameters})
-            except TypeError as e:  # a hyperparameter the header lacks
-                raise EinjoinError(f"Trainer.load: cannot rebuild {saved_class} from the saved "
-                                   f"hyperparameters {saved_hyper}: {e}; pass optimizer=") from e
-        elif type(optimizer).__name__ != saved_class:
-            raise EinjoinError(f"Trainer.load: the run was saved with {saved_class}, not "
-                               f"{type(optimizer).__name__}")
-        options.setdefault("accumulate", accumulate)
-        options.setdefault("seed", seed)
-        trainer = cls(module, example_batch, loss_fn, optimizer, **options)
-        state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
-        want = set(trainer._state_names())
-        if trainer.accumulate != accumulate:  # another accumulation: only from a boundary
-            if counts["micro_steps"] % accumulate:
-                raise EinjoinError(f"Trainer.load: {where!r} was saved inside an accumulation (micro-batch "
-                                   f"{counts['micro_steps'] % accumulate} of accumulate={accumulate}): load it "
-                                   f"with accumulate={accumulate}, or save at an accumulation boundary")
-            # at a boundary the saved gradient sums are zero: this trainer's own (zeros) replace them,
-            # and its micro-batch count restarts its accumulation at the saved step
-            state = {n: v for n, v in state.items() if not n.startswith("grad_acc.")}
-            state.update({n: np.zeros_like(trainer._host[n]) for n in want if n.startswith("grad_acc.")})
-            counts["micro_steps"] = counts["steps"] * trainer.accumulate
-        for n in want - set(state):  # a moving buffer saved as a fixed input (before they were state)
-            if n in trainer._moving and f"fixed/{n}" in tensors:
-                state[n] = tensors[f"fixed/{n}"]
-        if set(state) != want:
-            raise EinjoinError(f"Trainer.load: the saved state does not fit this module and optimizer; "
-                               f"missing {sorted(want - set(state))[:5]}, unexpected "
-                               f"{sorted(set(state) - want)[:5]}")
-        for n, v in state.items():
-            old = trainer._host[n]
-            if v.shape != old.shape or v.dtype != old.dtype:
-                raise EinjoinError(f"Trainer.load: saved {n!r} is {v.dtype}{list(v.shape)}, this module's is "
-                                   f"{old.dtype}{list(old.shape)}")
-        trainer._host = dict(state)
-        trainer._owner = None
-        trainer.version += 1
-        trainer._fixed.update({k.removeprefix("fixed/"): v for k, v in tensors.items()
-                               if k.startswith("fixed/") and k.removeprefix("fixed/") not in trainer._moving})
-        trainer.steps = counts["steps"]
-        trainer.micro_steps = counts["micro_steps"]
-        trainer._lr = saved_lr
-        return trainer
+        hyperparameters); ``options`` are the constructor's (``devices``, ``accumulate``, ...).
+        Another ``accumulate`` than the saved run's continues from an accumulation boundary."""
+        return load_trainer(cls, path, module, example_batch, loss_fn, optimizer, **options)
 
     def __repr__(self) -> str:
         return (f"Trainer({type(self.module).__name__}, {len(self._trainable)} parameters, "

@@ -35,7 +35,7 @@ FLOORS: list[set[str]] = [
     {"sparse"},                       # block-sparse relations, their layout and executor (issue 24)
     {"frontend", "models", "viz", "autodiff", "train"},  # build IR (user code, model zoo, gradients,
     # optimizer steps); draw plans and traces
-    {"program", "compiler", "cli", "demo", "__main__", "__init__", "trainer", "generate",
+    {"program", "compiler", "cli", "demo", "__main__", "__init__", "trainer", "trainer_io", "generate",
      "variants", "program_io", "program_explain", "program_state"},
     # ^ wiring: ej.compile, CLI; programs per shape signature, saved programs, explain()
 ]
