@@ -29,7 +29,7 @@ import numpy as np
 from einjoin.cluster import Cluster, as_cluster
 from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet
 from einjoin.decomp.spec import JoinAggSpec
-from einjoin.errors import EinjoinError
+from einjoin.errors import DTypeError, EinjoinError
 from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
 from einjoin.progress import RunBar
@@ -198,6 +198,25 @@ class _Guarded:
             self.callback.on_end(task, start, end)
         finally:
             self.marks.depth -= 1
+
+
+_INTS = frozenset(("int8", "int16", "int32", "int64", "uint8"))
+
+
+def _same_int_dtypes(graph: Any, arg_names: Sequence[str], given: Mapping[str, Any]) -> None:
+    """An imported module's integer argument in another integer dtype than the import's is refused:
+    torch computes in the argument's dtype (uint8 * 3 wraps at 256), the program in the import's
+    (an exact feed cast would widen it and change the values)."""
+    for name in arg_names:
+        v = given.get(name)
+        dt = getattr(v, "dtype", None)
+        if dt is None or name not in graph.input_by_name:
+            continue
+        got, want = str(dt).removeprefix("torch."), graph.input_by_name[name].dtype
+        if got != want and got in _INTS and want in _INTS:
+            raise DTypeError(f"input {name!r}: the module was imported with a {want} argument and is given "
+                             f"{got}; torch computes in the argument's dtype (wrapping differently): import "
+                             f"it with a {got} example (ej.from_torch), or cast the argument to {want}")
 
 
 def _bound_now(bound: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -416,6 +435,7 @@ class Program(ProgramState):
         if missing:
             raise EinjoinError(f"missing forward argument(s): {', '.join(missing)}")
         given = {k: v for k, v in {**named, **feeds}.items() if k in used or k not in self._arg_names}
+        _same_int_dtypes(self.graph, self._arg_names, given)
         return bind_feeds(self.graph, (), {**_bound_now(self._bound), **given}, optional)
 
     @property

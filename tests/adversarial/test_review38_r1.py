@@ -241,3 +241,23 @@ def test_a_uint8_index_is_refused_not_read_as_positions() -> None:
     for f in (lambda: x[j], lambda: ej.index_select(x, 0, j)):  # (ej.embedding reads positions: no mask meaning)
         with pytest.raises(ej.EinjoinError, match="uint8"):
             f()
+
+
+# ---------------------------------------------------------------- an imported module run with another int dtype
+
+
+class _Affine(torch.nn.Module):
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return i * 3 + 1
+
+
+@pytest.mark.parametrize("example, given", [(torch.int16, torch.uint8), (torch.int64, torch.int32),
+                                            (torch.int32, torch.int8)])
+def test_an_imported_module_run_with_another_integer_dtype_is_refused(example: torch.dtype, given: torch.dtype) -> None:
+    # the feed was widened exactly to the import's dtype and computed there: imported with int16,
+    # run with uint8 [200, 3], einjoin gave int16 [601, 10] where torch computes uint8 [89, 10]
+    prog = ej.compile(ej.from_torch(_Affine(), (torch.tensor([1, 2], dtype=example),)), quiet=True)
+    with pytest.raises(ej.DTypeError, match=f"input 'i'.*{str(given).removeprefix('torch.')}"):
+        prog.run(torch.tensor([100, 3], dtype=given))
+    got = prog.run(torch.tensor([100, 3], dtype=example))  # its own dtype runs
+    torch.testing.assert_close(got, _Affine()(torch.tensor([100, 3], dtype=example)))
