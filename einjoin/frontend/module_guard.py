@@ -215,6 +215,7 @@ class ModuleGuard:
             objects.extend((p, k, _state(d[k])) for k in _HOOKS if k in d)
             if isinstance(m, _containers()):
                 objects.append((p, "_modules", ("children", tuple(d["_modules"]))))
+        objects.append(((), _GLOBAL, _global_hooks()))  # torch's hooks on every module's call
         self.entries: tuple[tuple[tuple[str, ...], type, tuple[str, ...], tuple[Any, ...]], ...] = tuple(entries)
         self.configs = _config_entries(module, read_by) if reads is not None else ()
         self.objects: tuple[tuple[tuple[str, ...], str, Any], ...] = tuple(objects)
@@ -295,8 +296,15 @@ class ModuleGuard:
             m = _submodule(root, path)
             now_v: Any = vars(m).get(attr, _MISSING) if m is not None else _MISSING
             now = ("children", tuple(now_v)) if attr == "_modules" and now_v is not _MISSING else _state(now_v)
+            if attr == _GLOBAL:
+                now = _global_hooks()
             if now != was:
                 where = ".".join(path) or "top module"
+                if attr == _GLOBAL:
+                    raise EinjoinError(
+                        "torch's global forward hooks (torch.nn.modules.module.register_module_forward_hook / "
+                        "_pre_hook) are other than when the module was imported (the graph ran the import's "
+                        "hooks): import the module again (ej.from_torch)")
                 if attr == "_modules":
                     raise EinjoinError(
                         f"the module's {where} holds {', '.join(now[1]) if now[0] == 'children' else 'nothing'} "
@@ -403,6 +411,13 @@ _BYPASS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()  # 
 
 
 _HOOKS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks"}
+_GLOBAL = "<global forward hooks>"
+
+
+def _global_hooks() -> tuple[Any, ...]:
+    """The handles of torch's global forward (pre-)hooks, which every module's call runs."""
+    mm = sys.modules["torch.nn.modules.module"]
+    return ("hooks", tuple(mm._global_forward_hooks), tuple(mm._global_forward_pre_hooks))
 
 
 def _containers() -> tuple[type, ...]:  # built on first use: torch is imported late

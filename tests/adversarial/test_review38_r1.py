@@ -261,3 +261,20 @@ def test_an_imported_module_run_with_another_integer_dtype_is_refused(example: t
         prog.run(torch.tensor([100, 3], dtype=given))
     got = prog.run(torch.tensor([100, 3], dtype=example))  # its own dtype runs
     torch.testing.assert_close(got, _Affine()(torch.tensor([100, 3], dtype=example)))
+
+
+def test_a_global_forward_hook_registered_after_the_import_is_refused() -> None:
+    # torch.nn.modules.module.register_module_forward_hook runs on every module's call: the
+    # program ran the import's graph (torch's output doubled, einjoin's not)
+    from torch.nn.modules.module import register_module_forward_hook
+    torch.manual_seed(0)
+    x, m = torch.randn(2, 4), torch.nn.Sequential(torch.nn.Linear(4, 4))
+    prog = ej.compile(ej.from_torch(m, (x,)), quiet=True)
+    handle = register_module_forward_hook(lambda mod, a, out: out * 2)
+    try:
+        with pytest.raises(ej.EinjoinError, match="global forward hooks"):
+            prog.run(x)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(prog.run(x)), m(x))  # removed again: runs
