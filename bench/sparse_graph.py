@@ -59,15 +59,20 @@ def torch_step(ta: Any, feeds: dict[str, np.ndarray]) -> tuple[Any, ...]:
     return loss.detach(), w1.grad, w2.grad
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def gcn_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The GCN benchmarks' options (this file's and sparse_torch.py's): graph and layer sizes, reps."""
+    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     p.add_argument("--nodes", type=int, default=20000)
     p.add_argument("--edges", type=int, default=200000)
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--out", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = gcn_parser(__doc__).parse_args(argv)
     import torch
     n = args.nodes
     mat = graph(n, args.edges)

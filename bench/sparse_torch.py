@@ -10,7 +10,6 @@ torch first (forward values; the trainer's first losses within 1e-4 relative).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import einjoin as ej  # noqa: E402
 from cpu_timing import cpu_median  # noqa: E402
+from sparse_graph import gcn_parser  # noqa: E402
 
 
 def power_law_graph(n: int, edges: int, seed: int = 0) -> torch.Tensor:
@@ -45,14 +45,7 @@ class GCN(torch.nn.Module):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=20000)
-    p.add_argument("--edges", type=int, default=200000)
-    p.add_argument("--features", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--out", type=int, default=16)
-    p.add_argument("--reps", type=int, default=5)
-    args = p.parse_args(argv)
+    args = gcn_parser(__doc__).parse_args(argv)
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.manual_seed(0)
     adj = power_law_graph(args.nodes, args.edges)
