@@ -30,6 +30,7 @@ from einjoin.cluster import Cluster, as_cluster
 from einjoin.compiler import CompiledPlan, CompileOptions, Source, build_plan, check_quiet
 from einjoin.decomp.spec import JoinAggSpec
 from einjoin.errors import DTypeError, EinjoinError
+from einjoin.ir.dtypes import INT_DTYPES
 from einjoin.ir.node import Node
 from einjoin.ir.reference import bind_feeds
 from einjoin.progress import RunBar
@@ -200,9 +201,6 @@ class _Guarded:
             self.marks.depth -= 1
 
 
-_INTS = frozenset(("int8", "int16", "int32", "int64", "uint8"))
-
-
 def _same_int_dtypes(graph: Any, arg_names: Sequence[str], given: Mapping[str, Any]) -> None:
     """An imported module's integer argument in another integer dtype than the import's is refused:
     torch computes in the argument's dtype (uint8 * 3 wraps at 256), the program in the import's
@@ -213,7 +211,7 @@ def _same_int_dtypes(graph: Any, arg_names: Sequence[str], given: Mapping[str, A
         if dt is None or name not in graph.input_by_name:
             continue
         got, want = str(dt).removeprefix("torch."), graph.input_by_name[name].dtype
-        if got != want and got in _INTS and want in _INTS:
+        if got != want and got in INT_DTYPES and want in INT_DTYPES:
             raise DTypeError(f"input {name!r}: the module was imported with a {want} argument and is given "
                              f"{got}; torch computes in the argument's dtype (wrapping differently): import "
                              f"it with a {got} example (ej.from_torch), or cast the argument to {want}")
