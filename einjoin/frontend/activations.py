@@ -16,6 +16,7 @@ from typing import Any
 
 from einjoin.errors import EinjoinError, ShapeError
 from einjoin.frontend.tensor import Tensor, _norm_dim, _t, elementwise
+from einjoin.ir.dtypes import INT_DTYPES
 from einjoin.ir.scalar import parse_join
 
 __all__ = ["softplus", "mish", "hardswish", "hardsigmoid", "elu", "selu", "celu", "leaky_relu", "relu6",
@@ -95,7 +96,7 @@ def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
     """``x`` clamped to ``[min_val, max_val]``; no gradient at or beyond the bounds (torch)."""
     lo, hi = _num(min_val, "hardtanh: min_val"), _num(max_val, "hardtanh: max_val")
     xt = _t(x, "hardtanh")
-    if xt.dtype in ("int64", "int32", "int16", "int8", "uint8"):
+    if xt.dtype in INT_DTYPES:
         return elementwise(parse_join(f"where(x0 <= {int(lo)}, {int(lo)}, where(x0 >= {int(hi)}, {int(hi)}, x0))",
                                       1), xt, name="hardtanh")
     return _map(xt, f"where(x0 <= {lo!r}, {lo!r}, where(x0 >= {hi!r}, {hi!r}, x0))", "hardtanh")
