@@ -147,8 +147,9 @@ class Simulation:
 class _Ctx:
     """What the cost rules read: the hardware, the graph's values, whether it is capped."""
 
-    def __init__(self, hw: Hardware, tg: TaskGraph, resident: bool = False, served: frozenset[int] = frozenset()):
-        self.hw, self.tg, self.resident, self.served = hw, tg, resident, served
+    def __init__(self, hw: Hardware, tg: TaskGraph, resident: bool = False, served: frozenset[int] = frozenset(),
+                 weights: frozenset[Any] = frozenset()):
+        self.hw, self.tg, self.resident, self.served, self.weights = hw, tg, resident, served, weights
         self.capped = tg.memory is not None
         self.threads = hw.threads()
         self.pools = kernel_pools(tg, hw)  # node kind -> its threads, where the pools' shares differ
@@ -338,6 +339,8 @@ def _load(c: _Ctx, t: Task) -> Phases:
 
 
 def _move(c: _Ctx, t: Task) -> Phases:
+    if t.node in c.weights:
+        return ()  # a weight's replica, resident on its reader as the block is on its home (simulate)
     src, dst = t.payload.src_device, t.device
     if c.hw.shared_memory and not c.hw.own_links:
         # devices in one process hand a block over (zero-copy) unless the graph is capped
@@ -426,12 +429,21 @@ _end_of = operator.attrgetter("end")
 
 def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int = 0,
              priority: Sequence[float] | None = None, resident: bool = False,
-             served: frozenset[int] = frozenset()) -> Simulation:
+             served: frozenset[int] = frozenset(), replicated: bool = False,
+             state: frozenset[Any] = frozenset()) -> Simulation:
     """Replay ``tg`` on ``hardware`` with the ready-queue policy ``order`` (``seed`` for
     ``random``; ``priority``: the b-levels for ``priority``, computed when not given).
     ``resident``: the inputs are on their devices before the run and the outputs stay there
     (weights and state kept on GPUs; what a kernel benchmark times): loads and write-backs
-    cost nothing. ``served``: ids of load tasks whose block is on its device already (a
+    cost nothing. ``replicated`` (with ``resident``): a parameter (``ej.param``) is resident on
+    every device that reads it, not only on its blocks' homes, as a deployment keeps each weight
+    shard on every GPU that reads it: the task graph loads one copy and moves it to each further
+    reader (its accounting, and what a run does), those moves then cost nothing and their bytes
+    count as host loads (``link_bytes[(-1, device)]``, free when resident; their memory as
+    before). Not for the inputs in ``state`` (values the program writes: a training step's
+    parameters move to their readers each step). Off by default: ``ej.compile``'s time objective
+    and the placement search score plans with each forward's weight moves counted.
+    ``served``: ids of load tasks whose block is on its device already (a
     program's state the last run kept there): they cost nothing.
 
     >>> from einjoin.cluster.presets import preset_hardware
@@ -442,11 +454,11 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
     True
     """
     order, seed = check_order(order), check_seed(seed)
-    key = (hardware, order, seed, resident, served)
+    key = (hardware, order, seed, resident, served, replicated, state)
     for ref, k, sim in _RECENT:  # the same graph again: ej.compile's time objective simulated it already
         if priority is None and ref() is tg and k == key:
             return _own_copy(sim)
-    sim = _simulate(tg, hardware, order, seed, priority, resident, served)
+    sim = _simulate(tg, hardware, order, seed, priority, resident, served, replicated, state)
     if priority is None:
         _RECENT.append((weakref.ref(tg), key, _own_copy(sim)))
         del _RECENT[:-2]
@@ -469,14 +481,17 @@ _RECENT: list[tuple[weakref.ref[TaskGraph], tuple[Any, ...], Simulation]] = []
 
 
 def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority: Sequence[float] | None,
-              resident: bool, served: frozenset[int]) -> Simulation:
+              resident: bool, served: frozenset[int], replicated: bool = False,
+              state: frozenset[Any] = frozenset()) -> Simulation:
     if hardware.size != tg.n_devices:
         from einjoin.errors import EinjoinError
         raise EinjoinError(f"simulate: the hardware {hardware.name!r} has {hardware.size} devices, the task graph "
                            f"{tg.n_devices}")
     if order == "priority" and priority is None:
         priority = Engine(tg, {}).priority()
-    ctx = _Ctx(hardware, tg, resident, served)
+    weights = frozenset(t.node for t in tg.tasks if t.kind is TaskKind.LOAD and getattr(t.node.op, "param", False)
+                        and t.node not in state) if resident and replicated else frozenset()
+    ctx = _Ctx(hardware, tg, resident, served, weights)
     n = tg.n_devices
     host_lanes = ctx.capped or hardware.copy_engines
     copy_lanes = hardware.copy_engines
@@ -521,7 +536,7 @@ def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority
             if v in counted:
                 counted.discard(v)
                 live[d] -= vbytes[v]
-        pair = _pair(t)
+        pair = (-1, d) if t.kind is TaskKind.MOVE and t.node in weights else _pair(t)  # a resident replica
         if pair is not None:
             link_bytes[pair] = link_bytes.get(pair, 0) + t.nbytes
             link_busy[pair] = link_busy.get(pair, 0.0) + (now - f.start)
@@ -650,7 +665,7 @@ def _pair(t: Task) -> tuple[int, int] | None:
 
 
 def simulate_program(prog: Any, cluster: Cluster | None = None, order: str | None = None,
-                     seed: int | None = None, resident: bool = False) -> Simulation:
+                     seed: int | None = None, resident: bool = False, replicated: bool = False) -> Simulation:
     """``prog.simulate(...)``: its task graph on ``cluster``'s time model (default: the cluster
     it was compiled for), in its run order."""
     cl = prog.cluster if cluster is None else cluster
@@ -661,7 +676,8 @@ def simulate_program(prog: Any, cluster: Cluster | None = None, order: str | Non
     order = check_order(prog.order if order is None else order)
     engine = prog._engine  # noqa: SLF001 - its b-levels are the run's priority order
     return simulate(prog.taskgraph, hardware_for(cl), order, check_seed(prog.seed if seed is None else seed),
-                    engine.priority() if order == "priority" else None, resident)
+                    engine.priority() if order == "priority" else None, resident, replicated=replicated,
+                    state=frozenset(s.node for s in prog.plan.state))
 
 
 @dataclass(frozen=True)
