@@ -221,7 +221,7 @@ def _topk(node: Node, op: TopK, out: Partition) -> tuple[tuple[Partition, ...], 
 def _sparse_cut(node: Node, op: Any, out: Partition) -> tuple[tuple[Partition, ...], tuple[Kernel, ...]]:
     # a sparse einsum: an output dim the sparse operand does not carry cuts the dense inputs that
     # carry it (each kernel computes its own columns); the sparse operand's own dims and a fed
-    # operand's keys and values are read whole (a cut there repeats the work, keeping its box)
+    # operand's keys and values are read whole (a cut there computes the entries in its box only)
     follows = dense_follows(node)
     follows += tuple((-1,) * x.ndim for x in node.inputs[len(follows):])
     ins = tuple(Partition(tuple(out.bounds[o] if o >= 0 else even_bounds(n, 1) for o, n in zip(f, x.shape)))

@@ -118,9 +118,9 @@ def _attention_grad_flops(d: Decomposition, op: AttentionGrad, index: tuple[int,
 
 def _sparse_einsum_flops(d: Decomposition, op: SparseEinsum, index: tuple[int, ...]) -> int:
     # the whole op's share of the block along the dims its dense inputs are cut by; along the
-    # sparse operand's own dims every kernel computes the whole op (its output cut to its box)
+    # sparse operand's own dims an operand with einsum_within (a constant, or one fed at run)
+    # computes only its entries in the kernel's box (modelled as spread evenly), another the whole op
     n = sparse_flops(d.node)
-    # a constant operand computes only its entries in the kernel's box (modelled as spread evenly)
     rows = hasattr(op.operand, "einsum_within")
     for o, f in enumerate(followed_dims(d.node)):
         size = d.node.shape[o]

@@ -144,8 +144,8 @@ SPLIT_FACTS: dict[type, SplitFacts] = {
                           _attention),
     AttentionGrad: SplitFacts("batch dims (a kernel makes its heads' dq, dk, dv whole)", _attention_grad),
     SparseEinsum: SplitFacts("output dims the sparse tensor does not carry (the dense operands' columns); a cut of "
-                             "its own dims reads the inputs whole (a constant tensor's kernels compute their rows, a "
-                             "fed one's all)", _sparse),
+                             "its own dims reads the inputs whole (each kernel computes the tensor's entries in its "
+                             "rows)", _sparse),
 }
 
 

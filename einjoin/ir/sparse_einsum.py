@@ -218,9 +218,9 @@ def followed_dims(node: Node) -> tuple[bool, ...]:
 
 def operand_box(node: Node, box: Sequence[tuple[int, int]]) -> tuple[tuple[int, int] | None, ...]:
     """Per dim of the node's sparse operand: the range of ``box`` (an output box) along it where
-    the box cuts that output dim, else None. A constant operand (``einsum_within``) computes only
-    its entries there, so a cut along its own dims splits the work (its kernels still read the
-    dense inputs whole); a fed one computes them all."""
+    the box cuts that output dim, else None. An operand with ``einsum_within`` (a constant, or one
+    fed at run) computes only its entries there, so a cut along its own dims splits the work (its
+    kernels still read the dense inputs, and a fed one's keys and values, whole)."""
     op = node.op
     assert isinstance(op, SparseEinsum)
     pos = {lab: o for o, lab in enumerate(op.out_labels)}

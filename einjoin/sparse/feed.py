@@ -8,7 +8,9 @@ its dtype) and ``A.keys[50,40]`` (its coordinates, ``(nnz, rank)`` int64). ``nnz
 tensor with fewer stored entries is padded (keys rows of -1, values 0), one with more is refused,
 as is one of another shape or of a dtype its values would not fit exactly, each naming the input.
 Each kernel builds the run's SparseTensor from its keys and values and runs the sparse einsum on
-it (a new pattern is replanned, cached per block histogram as ``SparsePlan.run`` does).
+it (a new pattern is replanned, cached per block histogram as ``SparsePlan.run`` does); a kernel
+of a node cut along the tensor's own dims (an SpMV's rows on several devices) computes only the
+entries in its rows (:meth:`FedSparse.einsum_within`), so no device repeats another's work.
 
 >>> import numpy as np, scipy.sparse, einjoin as ej
 >>> A = ej.sparse_input("A", (50, 40), nnz=200, dtype="float64")
@@ -39,7 +41,7 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
 from einjoin.ir.reference import FEED_HOOKS
-from einjoin.sparse.graph_plans import PlanCache
+from einjoin.sparse.graph_plans import PlanCache, meeting
 from einjoin.sparse.plan import LAZY
 from einjoin.sparse.tensor import SparseTensor, is_sparse_format, sparse
 
@@ -120,6 +122,19 @@ class FedSparse:
     def einsum(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str) -> np.ndarray:
         n = len(op.dense_labels)
         return self._plans.run(op, list(dense[:n]), self.tensor_of(dense[n], dense[n + 1], dtype), dtype)
+
+    def einsum_within(self, op: SparseEinsum, dense: Sequence[np.ndarray], dtype: str,
+                      box: Sequence[tuple[int, int] | None]) -> np.ndarray:
+        """:meth:`einsum` on the run's entries inside ``box`` (per dim of the tensor, a range or
+        None: all): a kernel of a node cut along the tensor's own dims (an SpMV's rows) computes
+        its rows only, as a constant's does. The keys and values are still read whole (where a
+        row's entries lie is data); the run's tensor is built once (:meth:`tensor_of`) and each
+        box's entries are found in it once (sorted keys: the first dim's rows are one slice) and
+        kept with it, so the forward and backward kernels of a run and later runs on the same
+        feed reuse them and their joins."""
+        n, box = len(op.dense_labels), tuple(box)
+        part = meeting(self.tensor_of(dense[n], dense[n + 1], dtype), box)
+        return self._plans.run(op, list(dense[:n]), part, dtype, part=box)
 
 
 def _same(kept: np.ndarray, new: np.ndarray) -> bool:

@@ -14,7 +14,7 @@ from einjoin.ir.opkinds import SparseEinsum
 from einjoin.sparse.plan import SparsePlan, sparse_compile
 from einjoin.sparse.tensor import SparseTensor
 
-__all__ = ["PlanCache"]
+__all__ = ["PlanCache", "meeting"]
 
 
 class PlanCache:
@@ -27,11 +27,14 @@ class PlanCache:
         self._plans: dict[tuple[Any, ...], tuple[SparsePlan, threading.Lock]] = {}
         self._lock = threading.Lock()
 
-    def run(self, op: SparseEinsum, dense: Sequence[np.ndarray], tensor: SparseTensor, dtype: str) -> np.ndarray:
+    def run(self, op: SparseEinsum, dense: Sequence[np.ndarray], tensor: SparseTensor, dtype: str,
+            part: Any = None) -> np.ndarray:
         """The einsum of ``op`` on ``tensor`` and the dense blocks ``dense``, as a dense array of
-        ``dtype``: half blocks computed in float32 and rounded once."""
+        ``dtype``: half blocks computed in float32 and rounded once. ``part``: a kernel's box of
+        the tensor (:func:`meeting`), which gets a plan of its own, so that kernels of one node on
+        several devices run at once (a plan runs under its lock) and keep their own patterns."""
         arrays = [np.asarray(a.astype(np.float32) if is_half(a.dtype) else a, order="C") for a in dense]
-        key = (op.in_labels, op.out_labels, op.position, tuple((a.shape, a.dtype.str) for a in arrays))
+        key = (op.in_labels, op.out_labels, op.position, tuple((a.shape, a.dtype.str) for a in arrays), part)
         operands: list[Any] = list(arrays)
         operands.insert(op.position, tensor)
         with self._lock:
@@ -47,3 +50,39 @@ class PlanCache:
             out = plan.run(*operands)
         res = out.todense() if isinstance(out, SparseTensor) else np.asarray(out)
         return res.astype(numpy_dtype(dtype), copy=False)
+
+
+def meeting(t: SparseTensor, box: tuple[tuple[int, int] | None, ...]) -> SparseTensor:
+    """The stored blocks of ``t`` that meet ``box`` (per dim of ``t``, an index range, or None:
+    all): what a kernel of a node cut along the tensor's own dims computes (its rows). Kept in
+    ``t.derived`` (per box: a plan's kernels have fixed boxes), so a tensor used again (a constant,
+    a fed tensor equal to the last run's) keeps its parts and the joins derived from them. The
+    keys are sorted, so the first dim's range is a slice (a binary search), the others a mask.
+
+    >>> t = SparseTensor("A", (4, 3), (1, 1), np.array([[0, 1], [1, 0], [2, 2], [3, 1]]),
+    ...                  np.arange(4.0).reshape(4, 1, 1))
+    >>> meeting(t, ((1, 3), None)).keys.tolist(), meeting(t, (None, (1, 2))).keys.tolist()
+    ([[1, 0], [2, 2]], [[0, 1], [3, 1]])
+    """
+    key = ("meeting", box)
+    found = t.derived.get(key)
+    if isinstance(found, SparseTensor):
+        return found
+    keys, data = np.asarray(t.keys), np.asarray(t.data)
+    lo, hi = 0, len(keys)
+    if box and box[0] is not None and len(keys):  # blocks [a // b, ceil(c / b)) of the first dim
+        b = t.block[0]
+        lo, hi = (int(v) for v in np.searchsorted(keys[:, 0], [box[0][0] // b, -(-box[0][1] // b)]))
+    keys, data = keys[lo:hi], data[lo:hi]
+    keep = None
+    for d, r in enumerate(box[1:], 1):
+        if r is not None:
+            start = keys[:, d] * t.block[d]
+            hit = (start < r[1]) & (start + t.block[d] > r[0])
+            keep = hit if keep is None else keep & hit
+    if keep is not None:
+        keys, data = keys[keep], data[keep]
+    found = SparseTensor(t.name, t.shape, t.block, keys, data, trusted=True)
+    if len(t.derived) < 512:  # bounded: a few plans' kernels (a dict's set is atomic: threads may race)
+        t.derived[key] = found
+    return found

@@ -39,7 +39,7 @@ from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
 from einjoin.ir.sparse_einsum import DECLARE_INPUT, sparse_einsum_node
 from einjoin.sparse.feed import SparseInput, fed_feeds, keys_name, sparse_input
-from einjoin.sparse.graph_plans import PlanCache
+from einjoin.sparse.graph_plans import PlanCache, meeting
 from einjoin.sparse.plan import LAZY
 from einjoin.sparse.tensor import SparseTensor, size1_squeeze
 
@@ -78,7 +78,6 @@ class GraphSparse:
         self.keys, self.data = tensor.keys, tensor.data
         self._plans = PlanCache()
         self._floats: dict[str, SparseTensor] = {}  # an int / bool tensor's float copies
-        self._within: dict[tuple[Any, ...], SparseTensor] = {}  # its stored blocks meeting a kernel's box
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -125,26 +124,9 @@ class GraphSparse:
         """:meth:`einsum` on the tensor's stored blocks that meet ``box`` (per dim of the tensor,
         a range, or None: all): a kernel of a node cut along the tensor's own dims computes its
         rows only (the result is zero elsewhere; the kernel keeps its box). The kept blocks are
-        made once per box (a plan's kernels have fixed boxes)."""
-        return self._plans.run(op, dense, self._meeting(self._float(dtype), tuple(box)), dtype)
-
-    def _meeting(self, t: SparseTensor, box: tuple[tuple[int, int] | None, ...]) -> SparseTensor:
-        key = (np.dtype(t.dtype).str, box)
-        with self._lock:
-            found = self._within.get(key)
-        if found is None:
-            keys = np.asarray(t.keys)
-            keep = np.ones(len(keys), bool)
-            for d, r in enumerate(box):
-                if r is not None:
-                    start = keys[:, d] * t.block[d]
-                    keep &= (start < r[1]) & (start + t.block[d] > r[0])
-            found = SparseTensor(t.name, t.shape, t.block, keys[keep], np.asarray(t.data)[keep], trusted=True)
-            with self._lock:
-                if len(self._within) >= 256:  # bounded: a few plans' kernels
-                    self._within.clear()
-                self._within[key] = found
-        return found
+        made once per box (a plan's kernels have fixed boxes), each box run by a plan of its own."""
+        box = tuple(box)
+        return self._plans.run(op, dense, meeting(self._float(dtype), box), dtype, part=box)
 
 
 def graph_operand(tensor: SparseTensor) -> GraphSparse:
