@@ -28,7 +28,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached", "local_calibration", "MEASURE"]
 
-VERSION = 9  # bumped when what is measured changes: older caches are measured again
+VERSION = 10  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)

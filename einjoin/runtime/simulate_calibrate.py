@@ -10,8 +10,10 @@ tasks that dispatch no kernel: their own intervals in those runs), the attention
 thread, and each elementwise function (its elements per second: a join is evaluated one function
 at a time). Work on one thread is timed by its CPU time (on a busy machine, the speed a quiet one
 has).
-Each figure is the best of a few repetitions. About 3-6 s; the result is
-cached (:mod:`einjoin.cluster.calibration`).
+Each figure is the best of a few repetitions, the points of a line measured round after round
+(a drift of the machine's speed moves them alike) and fitted on relative residuals; the chains
+run after a pass that wipes the caches, as a program's run starts after kernels that streamed
+its blocks. About 3-6 s on a quiet machine; the result is cached (:mod:`einjoin.cluster.calibration`).
 
 >>> cal = calibrate()  # seconds, then read from the cache  # doctest: +SKIP
 >>> print(cal.table())                # doctest: +SKIP
@@ -49,6 +51,24 @@ def _best(fn: Callable[[], object], reps: int, clock: Callable[[], float] = time
     return best
 
 
+def _interleaved(fns: list[Callable[[], object]], reps: int,
+                 clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """The least seconds of ``reps`` warm calls of each of ``fns`` by ``clock``, measured round
+    after round (one call of each per round), not one function's reps after another's: a drift
+    of the machine's speed while measuring (another process starting, a neighbour's memory
+    traffic) then moves every point alike instead of bending a line fitted through them (the
+    half-work of the GEMM line read 0 to 5.7 MFLOP between runs measured one size after another)."""
+    for fn in fns:
+        fn()  # warm
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            best[i] = min(best[i], clock() - t0)
+    return best
+
+
 _CPU = time.thread_time
 
 
@@ -73,30 +93,63 @@ class _Chain(NamedTuple):
     view_secs: float
 
 
-def _chain_run(engine: Engine, feeds: dict[Any, np.ndarray], backend: Any, reps: int,
-               clock: Callable[[], float]) -> _Chain:
-    """The least seconds of ``reps`` warm runs by ``clock``, with the intervals every run recorded
-    of its frees and views (the runtime runs a free inline as its writer completes, a view load or a
-    zero-copy move is a dictionary update: a kernel's dispatch is most of a chain's cost per task)."""
-    engine.run(feeds, backend)  # warm
-    best = float("inf")
-    frees: list[float] = []
-    views: list[float] = []
-    kind = {TaskKind.FREE: frees, TaskKind.LOAD: views, TaskKind.MOVE: views}
-    tasks = engine.tg.tasks
+class _Wipe:
+    """A pass over more memory than the last level cache holds (a copy of 32 MB into another 32
+    MB), made before each timed run of a calibration chain: a program's run starts after kernels
+    that streamed its blocks through the caches, so the runtime's Python around it (binding feeds,
+    opening the session, assembling outputs) runs with its code and objects out of the caches. In
+    the caches (a tiny chain run again and again) the per run cost read 0.05 ms on one device
+    where runs of programs of MB-sized blocks spent 0.35-0.4 ms outside their tasks."""
+
+    def __init__(self, nbytes: int = 32 << 20):
+        self.src = np.ones(nbytes // 4, np.float32)
+        self.dst = np.empty_like(self.src)
+
+    def __call__(self) -> None:
+        np.copyto(self.dst, self.src)
+
+
+def _chain_runs(chains: list[tuple[Engine, dict[Any, np.ndarray]]], backend: Any, reps: int,
+                clock: Callable[[], float]) -> list[_Chain]:
+    """Per chain, the least seconds of ``reps`` warm runs by ``clock`` (the chains measured round
+    after round, each run after a :class:`_Wipe` of the caches), with the intervals of its frees
+    and views that a run right after each recorded (the runtime runs a free inline as its writer completes, a
+    view load or a zero-copy move is a dictionary update: a kernel's dispatch is most of a chain's
+    cost per task)."""
+    wipe = _Wipe()
+    for engine, feeds in chains:
+        engine.run(feeds, backend)  # warm
+    best = [float("inf")] * len(chains)
+    kinds = []
+    for _ in chains:
+        frees: list[float] = []
+        views: list[float] = []
+        kinds.append((frees, views, {TaskKind.FREE: frees, TaskKind.LOAD: views, TaskKind.MOVE: views}))
     for _ in range(reps):
-        t0 = clock()
-        _, stats = engine.run(feeds, backend)
-        best = min(best, clock() - t0)
-        for iv in stats.intervals.values():
-            for a, b, tid in iv:
-                got = kind.get(tasks[tid].kind)
-                if got is not None:
-                    got.append(b - a)
-    count = {k: sum(1 for t in tasks if t.kind is k) for k in TaskKind}
-    return _Chain(best, count[TaskKind.KERNEL] + count[TaskKind.SELECT], count[TaskKind.FREE],
-                  count[TaskKind.LOAD] + count[TaskKind.MOVE],
-                  float(np.median(frees)) if frees else 0.0, float(np.median(views)) if views else 0.0)
+        for i, (engine, feeds) in enumerate(chains):
+            wipe()
+            t0 = clock()
+            engine.run(feeds, backend)
+            best[i] = min(best[i], clock() - t0)
+            # a free's and a view's own cost from a run in the caches: after the wipe the first
+            # tasks (the loads) also pay for the cold start, which is the run's (charged once per
+            # run, not per load: a program's tenth load is as warm as a chain's)
+            _, stats = engine.run(feeds, backend)
+            tasks, kind = engine.tg.tasks, kinds[i][2]
+            for iv in stats.intervals.values():
+                for a, b, tid in iv:
+                    got = kind.get(tasks[tid].kind)
+                    if got is not None:
+                        got.append(b - a)
+    out = []
+    for i, (engine, _) in enumerate(chains):
+        tasks = engine.tg.tasks
+        frees, views, _ = kinds[i]
+        count = {k: sum(1 for t in tasks if t.kind is k) for k in TaskKind}
+        out.append(_Chain(best[i], count[TaskKind.KERNEL] + count[TaskKind.SELECT], count[TaskKind.FREE],
+                          count[TaskKind.LOAD] + count[TaskKind.MOVE],
+                          float(np.median(frees)) if frees else 0.0, float(np.median(views)) if views else 0.0))
+    return out
 
 
 def _kernel_line(short: _Chain, long: _Chain) -> tuple[float, float, float, float]:
@@ -110,9 +163,17 @@ def _kernel_line(short: _Chain, long: _Chain) -> tuple[float, float, float, floa
 
 
 def _line(work: list[float], secs: list[float]) -> tuple[float, float]:
-    """A least-squares line ``t = W / rate + c`` through (work, seconds): the rate and the work
-    at which it reaches half of it (``c · rate``)."""
-    slope, intercept = np.polyfit(np.array(work), np.array(secs), 1)
+    """A least-squares line ``t = W / rate + c`` through (work, seconds), on relative residuals:
+    the rate and the work at which it reaches half of it (``c · rate``).
+
+    >>> [round(v) for v in _line([1e6, 1e7, 1e8], [1.1e-4, 2e-4, 1.1e-3])]  # flop/s, half-work
+    [100000000000, 10000000]
+    """
+    # relative residuals (weights 1 / t): fitted on absolute ones, 1% of noise at the largest
+    # size (~10 ms) moved the intercept by ~0.1 ms, ~10 MFLOP of half-work, more than the small
+    # sizes' whole time; each point counts alike now
+    y = np.array(secs)
+    slope, intercept = np.polyfit(np.array(work), y, 1, w=1.0 / y)
     rate = 1.0 / slope if slope > 0 else work[-1] / secs[-1]
     return float(rate), max(0.0, float(intercept)) * float(rate)
 
@@ -125,24 +186,27 @@ def _gemm(reps: int, quick: bool) -> tuple[float, float, float, float]:
     splitting the tiles is a fixed cost a small GEMM does not amortise)."""
     from threadpoolctl import threadpool_limits
     rng = np.random.default_rng(0)
-    sizes = (48, 96, 192, 384) if quick else (64, 128, 256, 384, 512, 768)
+    sizes = (48, 96, 192, 384) if quick else (96, 128, 192, 256, 384, 512, 768)
     work, secs = [], []
     with threadpool_limits(1, user_api="blas"):
+        fns = []
         for n in sizes:
             a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
             work.append(2.0 * n**3)
-            secs.append(_best(_matmul(a, b), reps, _CPU))
+            fns.append(_matmul(a, b))
+        secs = _interleaved(fns, reps + 2, _CPU)
     rate, half = _line(work, secs)
     cores = os.cpu_count() or 1
     parallel, parallel_half = 0.0, half
     if cores > 1:
         # every core, by the wall clock (a busy machine's figures come out low: measure it quiet)
-        tw, ts = [], []
+        tw, fns = [], []
         with threadpool_limits(cores, user_api="blas"):
             for n in ((96, 192, 512) if quick else (128, 256, 512, 1024)):
                 a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
                 tw.append(2.0 * n**3)
-                ts.append(_best(_matmul(a, b), reps + 2))
+                fns.append(_matmul(a, b))
+            ts = _interleaved(fns, reps + 4)
         rate_all, parallel_half = _line(tw, ts)
         parallel = min(1.0, max(0.0, (rate_all / rate - 1) / (cores - 1)))
     return rate, half, parallel, parallel_half
@@ -247,11 +311,9 @@ def _threaded_line(devices: int, reps: int, quick: bool) -> tuple[float, float, 
     seconds of a free and of a view there (:func:`_kernel_line`). The best of ``reps`` runs per
     length."""
     backend = _threads()
-    chains = []
-    for length in _THREADED_LENGTHS[quick]:
-        engine, feeds = _tiny_chain(devices, length, _THREADED_SIZE)
-        chains.append(_chain_run(engine, feeds, backend, reps, time.perf_counter))
-    return _kernel_line(chains[0], chains[1])
+    chains = [_tiny_chain(devices, length, _THREADED_SIZE) for length in _THREADED_LENGTHS[quick]]
+    short, long = _chain_runs(chains, backend, reps, time.perf_counter)
+    return _kernel_line(short, long)
 
 
 def _dispatch(reps: int, quick: bool) -> tuple[tuple[float, float, float, float], tuple[float, float, float, float]]:
@@ -260,11 +322,8 @@ def _dispatch(reps: int, quick: bool) -> tuple[tuple[float, float, float, float]
     around a task) and on two device threads (:func:`_threaded_line`: the wall clock, where the
     cost per kernel holds the GIL's hand-overs between the threads)."""
     backend = _threads()
-    chains = []
-    for length in _LENGTHS[quick]:
-        engine, feeds = _tiny_chain(1, length)
-        chains.append(_chain_run(engine, feeds, backend, reps + 2, _CPU))
-    return _kernel_line(chains[0], chains[1]), _threaded_line(2, 3 * reps, quick)
+    short, long = _chain_runs([_tiny_chain(1, length) for length in _LENGTHS[quick]], backend, 2 * reps + 3, _CPU)
+    return _kernel_line(short, long), _threaded_line(2, 3 * reps, quick)
 
 
 def _dispatch_many(reps: int, quick: bool) -> tuple[float, float, float, float]:
