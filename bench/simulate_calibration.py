@@ -17,7 +17,13 @@ work, and the summary repeats the errors over the rows below it.
 different rows each time), and keeps the least time; the column ``spread`` is (most - least) /
 least of the K measurements. The issue's figure is one round of the minimum of 3 (the default).
 
+``--breakdown`` adds a table of where each row's time went, measured / simulated: its tasks'
+seconds by class (kernels, copies, light tasks: frees, views, zero-copy moves; summed over devices)
+and the run's time outside its tasks (binding feeds, the session, outputs; the simulated per-run
+overhead).
+
     .venv/bin/python bench/simulate_calibration.py [--cached] [--random 10] [--devices 1,2,4] [--rounds 1] [--reps 3]
+        [--breakdown]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 import einjoin as ej
 from einjoin.cluster.calibration import load_cached
 from einjoin.decomp.spec import label_sizes
+from einjoin.exchange import TaskKind
 from einjoin.models.graphs import chain, mlp, transformer_block
 
 
@@ -87,17 +94,43 @@ def _others_ns() -> dict[str, int] | None:
     return total if os.path.exists("/proc/self/schedstat") else None
 
 
-def measure(prog: ej.Program, feeds: dict[str, np.ndarray], reps: int = 3) -> tuple[float, float]:
-    """The least wall time of ``reps`` warm runs, and that run's CPU time (all threads)."""
+# a task's class in the breakdown: kernels (their dispatch included), copies (selects, touches, moves
+# that copy), and the light tasks (frees, loads that are views of a feed, zero-copy moves)
+CLASSES = {TaskKind.KERNEL: "kernels", TaskKind.FILL: "kernels", TaskKind.REDUCE: "kernels",
+           TaskKind.SELECT: "copies", TaskKind.TOUCH: "copies", TaskKind.FREE: "light", TaskKind.LOAD: "light",
+           TaskKind.MOVE: "light"}
+
+
+def split(tasks: Any, intervals: dict[int, list[tuple[float, float, int]]], span: float) -> dict[str, float]:
+    """A run's seconds by class of task (summed over devices; on several devices above the wall
+    time) and ``outside``: the run's time before its first task and after its last (binding feeds,
+    opening the session, assembling outputs) given its wall time ``span``."""
+    out = dict.fromkeys(("kernels", "copies", "light"), 0.0)
+    first, last = float("inf"), -float("inf")
+    for iv in intervals.values():
+        for s, e, tid in iv:
+            out[CLASSES.get(tasks[tid].kind, "copies")] += e - s
+            first, last = min(first, s), max(last, e)
+    out["outside"] = span - (last - first) if last > first else span
+    return out
+
+
+def measure(prog: ej.Program, feeds: dict[str, np.ndarray], reps: int = 3) -> tuple[float, float, dict[str, float]]:
+    """The least wall time of ``reps`` warm runs, that run's CPU time (all threads) and its
+    :func:`split`."""
     prog.run(**feeds)  # warm
-    best, cpu = float("inf"), 0.0
+    best, cpu, parts = float("inf"), 0.0, {}
     for _ in range(reps):
         c0, t0 = time.process_time(), time.perf_counter()
         prog.run(**feeds)
         t1, c1 = time.perf_counter(), time.process_time()
         if t1 - t0 < best:
             best, cpu = t1 - t0, c1 - c0
-    return best, cpu
+            stats = prog.run_stats
+            if stats is not None:  # intervals in perf_counter seconds: the span from t0
+                parts = split(prog.taskgraph.tasks, {d: [(s - t0, e - t0, i) for s, e, i in iv]
+                                                     for d, iv in stats.intervals.items()}, t1 - t0)
+    return best, cpu, parts
 
 
 def random_specs(out: ej.Tensor, rng: np.random.Generator) -> dict[Any, dict[str, int]]:
@@ -122,7 +155,10 @@ class Row:
         self.times: list[float] = []
         self.cpu = 0.0
         self.others: list[float] = []  # per measurement: other processes' CPU / (its wall time x cores)
-        self.simulated = float(self.prog.simulate().makespan)
+        sim = self.prog.simulate()
+        self.simulated = float(sim.makespan)
+        self.parts: dict[str, float] = {}  # the kept measurement's split
+        self.sim_parts = split(self.prog.taskgraph.tasks, sim.intervals, sim.makespan)
 
     def measure(self, reps: int) -> None:
         # the previous row's BLAS worker threads (one device: a BLAS thread per core) spin for a
@@ -131,13 +167,13 @@ class Row:
         # ms on its own): let them go to sleep first
         time.sleep(PAUSE)
         o0, t0 = _others_ns(), time.perf_counter()
-        measured, cpu = measure(self.prog, self.feeds, reps)
+        measured, cpu, parts = measure(self.prog, self.feeds, reps)
         o1, t1 = _others_ns(), time.perf_counter()
         if o0 is not None and o1 is not None:  # threads that ended meanwhile are left out
             used = sum(ns - o0.get(tid, 0) for tid, ns in o1.items())
             self.others.append(used / 1e9 / ((t1 - t0) * (os.cpu_count() or 1)))
         if not self.times or measured < min(self.times):
-            self.cpu = cpu
+            self.cpu, self.parts = cpu, parts
         self.times.append(measured)
 
     @property
@@ -200,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="measure every row this many times, keep the least")
     ap.add_argument("--reps", type=int, default=3, help="warm runs per measurement, the least kept (default 3)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="a second table: per row, time in kernels, copies, light tasks and outside the tasks, "
+                         "measured / simulated")
     args = ap.parse_args(argv)
     devices = [int(d) for d in args.devices.split(",")]
     load0 = os.getloadavg()
@@ -232,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.name:<48} {r.devices:>3} {len(r.prog.taskgraph):>6} {r.measured * 1e3:>12.2f} {r.cpu * 1e3:>8.2f} "
               f"{r.simulated * 1e3:>13.2f} {r.error:>+7.0%} {r.disturbed:>7.0%}"
               + (f" {spread:>7.0%}" if args.rounds > 1 else ""))
+    if args.breakdown:
+        # where the error is: per row, the kept run's seconds by class of task (summed over devices:
+        # busy time, waits for the GIL and the cores inside a task included) and outside its tasks,
+        # measured / simulated
+        print(f"\n{'breakdown, ms measured / simulated':<48} {'dev':>3} " + " ".join(
+            f"{k:>17}" for k in ("kernels", "copies", "light", "outside")))
+        for r in rows:
+            print(f"{r.name:<48} {r.devices:>3} " + " ".join(
+                f"{r.parts.get(k, float('nan')) * 1e3:>8.2f} /{r.sim_parts[k] * 1e3:>7.2f}"
+                for k in ("kernels", "copies", "light", "outside")))
     med, worst = statistics.median(errors), max(errors)
     n, secs, makespan = speed()
     print(f"\nsimulator speed: {n} tasks simulated in {secs:.2f} s (goal <= 10 s), makespan {makespan:.3f} s "

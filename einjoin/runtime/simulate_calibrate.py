@@ -215,12 +215,11 @@ def _gemm(reps: int, quick: bool) -> tuple[float, float, float, float]:
 def _memory(reps: int, quick: bool) -> tuple[float, float, float]:
     n = (1 << 21) if quick else (1 << 23)  # 8 / 32 MB of float32: out of the caches
     x, y, out = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
-    add = _best(lambda: np.add(x, y, out=out), reps, _CPU)
-    mem_bw = 3 * 4 * n / add
     small = np.ones(1 << 16, np.float32)  # exp in the cache: its compute rate
     sm_out = np.empty_like(small)
+    add, copy = _interleaved([lambda: np.add(x, y, out=out), lambda: np.copyto(out, x)], reps + 2, _CPU)
+    mem_bw = 3 * 4 * n / add
     vec = small.size / _best(lambda: np.exp(small, out=sm_out), reps * 3, _CPU)
-    copy = _best(lambda: np.copyto(out, x), reps, _CPU)
     return mem_bw, vec, 2 * 4 * n / copy
 
 
@@ -238,18 +237,21 @@ def _functions(reps: int, quick: bool, dtype: type = np.float32) -> dict[str, fl
     x: np.ndarray = (rng.random(n, np.float32) + 0.5).astype(dtype)  # in every function's domain
     y: np.ndarray = (rng.random(n, np.float32) + 0.5).astype(dtype)
     cond = x > 1.0
-    out: dict[str, float] = {}
+    names, fns = [], []
     for name, f in FUNCTIONS.items():
         args = {"select": (cond, x, y), "logical": None}.get(f.rule, (x, y)[:f.arity])
         if args is None:
             continue
-        step = Call(name, tuple(Arg(i) for i in range(f.arity)))
+        fn = _call(evaluate, (Call(name, tuple(Arg(i) for i in range(f.arity))), list(args)))
         try:
-            secs = _best(_call(evaluate, (step, list(args))), max(1, reps - 1), _CPU)
+            fn()
         except Exception:  # noqa: BLE001 - an integer-only function (ipow, floordiv): not measured
             continue
-        out[name] = n / max(secs, 1e-9)
-    return out
+        names.append(name)
+        fns.append(fn)
+    # round after round (a drift of the machine's speed moves every function alike)
+    secs = _interleaved(fns, max(1, reps - 1), _CPU)
+    return {name: n / max(t, 1e-9) for name, t in zip(names, secs)}
 
 
 def _step_call(reps: int) -> float:
@@ -342,20 +344,29 @@ def _attention(reps: int, quick: bool) -> tuple[float, float, float]:
 
     from einjoin.ir.attention import attention_kernel
     rng = np.random.default_rng(0)
-    points = []
     before = torch.get_num_threads()
     cores = os.cpu_count() or 1
     parallel = 0.0
     torch.set_num_threads(1)
     try:
+        flops, fns = [], []
         for heads, length in (((1, 128), (4, 256)) if quick else ((1, 128), (8, 512))):
             q, k, v = (rng.standard_normal((1, heads, length, 64), np.float32) for _ in range(3))
-            flops = 2 * heads * length * length * (64 + 64) // 2
-            points.append((flops, _best(_call(attention_kernel, (q, k, v, None, 0.125, True)), reps, _CPU)))
-        if cores > 1:
-            one = _best(_call(attention_kernel, (q, k, v, None, 0.125, True)), reps)
-            torch.set_num_threads(cores)
-            many = _best(_call(attention_kernel, (q, k, v, None, 0.125, True)), reps + 2)
+            flops.append(2 * heads * length * length * (64 + 64) // 2)
+            fns.append(_call(attention_kernel, (q, k, v, None, 0.125, True)))
+        points = list(zip(flops, _interleaved(fns, reps + 2, _CPU)))  # round after round
+        if cores > 1:  # one thread and every core, round after round, by the wall clock
+            one = many = float("inf")
+            fns[-1]()
+            for _ in range(reps + 2):
+                torch.set_num_threads(1)
+                t0 = time.perf_counter()
+                fns[-1]()
+                one = min(one, time.perf_counter() - t0)
+                torch.set_num_threads(cores)
+                t0 = time.perf_counter()
+                fns[-1]()
+                many = min(many, time.perf_counter() - t0)
             parallel = min(1.0, max(0.0, (one / many - 1) / (cores - 1)))
     finally:
         torch.set_num_threads(before)
