@@ -171,8 +171,16 @@ def _row(cluster: ej.Cluster, batch: int, label: str, **options: Any) -> dict[st
 LLAMA70B_GOAL_S = 300.0  # issue 23: planning + simulation of the 80-layer forward on 256 GPUs
 
 
-def _planned(layers: int, cluster: ej.Cluster, objective: str | None) -> tuple[Any, Any, list[ej.Tensor], float, float]:
-    """Compile and simulate :func:`llama70b_blocks` of ``layers`` (weights resident): the program,
+def _layer_of(name: str) -> int | None:
+    """The block of a :func:`llama70b_blocks` input (``l7.wq`` -> 7; ``x``: None)."""
+    head = name.split(".", 1)[0]
+    return int(head[1:]) if "." in name and head[:1] == "l" and head[1:].isdigit() else None
+
+
+def _planned(layers: int, cluster: ej.Cluster, objective: str | None,
+             planner: str = "auto") -> tuple[Any, Any, list[ej.Tensor], float, float]:
+    """Compile and simulate :func:`llama70b_blocks` of ``layers`` (weights resident on every GPU
+    that reads them: ``simulate(..., resident=True, replicated=True)``): the program,
     its simulation, the blocks' ends, planning and simulation CPU seconds. Every replay counts
     as simulation, those ``ej.compile`` runs too (``objective="time"`` on several nodes simulates
     the time and the bytes plans to keep the faster; ``prog.simulate`` then returns that replay):
@@ -192,8 +200,9 @@ def _planned(layers: int, cluster: ej.Cluster, objective: str | None) -> tuple[A
     sim_module._simulate = timed  # noqa: SLF001
     try:
         c0 = time.process_time()
-        prog = ej.compile(out, cluster, backend="null", quiet=True, objective=objective)
-        sim = prog.simulate(resident=True)
+        prog = ej.compile(out, cluster, backend="null", quiet=True, objective=objective, planner=planner)
+        sim = sim_module.simulate(prog.taskgraph, cluster.hardware, prog.order, prog.seed, resident=True,
+                                  replicated=True)
         total = time.process_time() - c0
     finally:
         sim_module._simulate = inner  # noqa: SLF001
@@ -227,14 +236,11 @@ def _planned_ops(layers: int) -> int:
 
 
 def default_window() -> int:
-    """The smallest window k whose k blocks have more than ``Settings.ilp_max_ops`` ops: the
-    planner then skips its ILP step for both the k- and (k + 1)-block programs, as it does for
-    80 blocks, so the window is planned as the long model is (a fused block is 40 ops: k = 6)."""
-    from einjoin.settings import SETTINGS
-    k = 1
-    while _planned_ops(k) <= SETTINGS.ilp_max_ops:
-        k += 1
-    return k
+    """3: the fewest blocks :func:`~einjoin.runtime.simulate_repeat.repeat_layers` extrapolates
+    from (a first, a middle, a last). The window is planned without the ILP step
+    (:func:`~einjoin.runtime.simulate_repeat.window_planner`), as 80 blocks (3200 ops, more than
+    ``Settings.ilp_max_ops``) are, so a short window is cut as the long model is."""
+    return 3
 
 
 def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None, window: int | None = None) -> None:
@@ -255,14 +261,11 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
     layers through 3 and 4: 10,048 tasks and 20.94 ms against the full plan's 12,992 and 22.15 ms,
     when a block was 46 ops). A window whose k blocks get the ILP step is refused a goal verdict
     (its step mixes two planners)."""
-    from einjoin.runtime.simulate_repeat import layer_of_tasks, repeat_layers
-    from einjoin.settings import SETTINGS
+    from einjoin.runtime.simulate_repeat import layer_of_tasks, repeat_layers, reuse_planner, window_planner
     cluster = ej.Cluster.nodes(nodes, per_node)
     if window is None:
         window = default_window()
     repeat = bool(window) and layers > window + 1
-    # the k-block program planned with the ILP step and a longer one without: not one planner
-    mixed = repeat and _planned_ops(window) <= SETTINGS.ilp_max_ops
     print(f"LLaMA-70B forward (bf16, seq 2048, batch 1, 64 heads / 8 KV heads), {layers} layer"
           f"{'s' if layers > 1 else ''} on {nodes} x {per_node} = {cluster.size} GPUs, objective "
           f"{objective or 'the default'} -- the makespan is SIMULATED"
@@ -275,7 +278,11 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
     sys.stdout.flush()
     w0 = time.perf_counter()
     if repeat:
-        short, long_ = _planned(window, cluster, objective), _planned(window + 1, cluster, objective)
+        # the (k + 1)-block window is planned; the k-block one reuses its plan (its first, middle and
+        # last blocks' cuts: reuse_planner), so one window is planned, not two
+        long_ = _planned(window + 1, cluster, objective, window_planner())
+        reuse = reuse_planner(long_[0].plan.specs, long_[0].plan.graph, window + 1, _layer_of)
+        short = _planned(window, cluster, "bytes", reuse)  # the planner is the plan: nothing to compare
         try:
             rep = repeat_layers(window, short[1], long_[1], layers, layer_of_tasks(long_[0].plan.taskgraph, long_[2]))
         except ej.EinjoinError as err:  # no step, or a replay that is not periodic: no 80-layer figure
@@ -292,11 +299,6 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
     print(f"{layers:>6}{cluster.size:>6}{tasks:>10}{plan_cpu:>11.1f}{sim_cpu:>10.1f}{cpu:>12.1f}{wall:>13.1f}"
           f"{makespan * 1e3:>10.2f}")
     if repeat:
-        if mixed:
-            print(f"(the {window}-layer window has {_planned_ops(window)} ops <= Settings.ilp_max_ops = "
-                  f"{SETTINGS.ilp_max_ops}: planned with the ILP step, which {layers} layers are not, so its step "
-                  f"mixes two planners; leave --window out for the smallest window that is not: "
-                  f"{default_window()})")
         alike = _cut_alike(long_[0], long_[2])
         print(f"(planned and simulated {window} and {window + 1} layers, {n_short} and {n_long} tasks: the middle "
               f"layers are cut {'alike' if alike else 'DIFFERENTLY: the extrapolation does not hold'}, so each "
@@ -307,8 +309,7 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
         # through a window the answer holds only when the window's middle layers are cut alike
         verdict = ("NOT shown: the window's layers are cut differently, so its 80-layer figures do not hold"
                    if repeat and not alike else
-                   "NOT shown: the window's shorter program is planned with the ILP step, the 80 layers are not"
-                   if mixed else "met" if cpu <= LLAMA70B_GOAL_S else "NOT met")
+"met" if cpu <= LLAMA70B_GOAL_S else "NOT met")
         through = f" (80 layers through the {window}- and {window + 1}-layer window)" if repeat else ""
         print(f"(goal: planning + simulation <= {LLAMA70B_GOAL_S:.0f} s: {verdict} in CPU seconds{through}; "
               "the wall seconds count the machine's other load)")
@@ -320,7 +321,9 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
         print(f"(x {80 / layers:.0f} for 80 layers on these {cluster.size} GPUs, linearly: at least "
               f"{cpu * 80 / layers:.0f} s CPU -- a floor, not measured (the simulation grows faster than "
               f"linearly in the layers on several nodes); goal <= {LLAMA70B_GOAL_S:.0f} s for 80 layers on 256 GPUs)")
-    print("(sim. ms: the SIMULATED makespan of the forward, weights resident; tasks: the plan's task graph; "
+    print("(sim. ms: the SIMULATED makespan of the forward, weights resident on every GPU that reads them "
+          "(simulate(..., resident=True, replicated=True): a weight block's replicas are not moved each forward); "
+          "tasks: the plan's task graph; "
           "sim CPU s: every replay, those ej.compile runs to compare the time and bytes plans (objective time) "
           "included; plan CPU s: the rest of ej.compile)")
 
@@ -340,15 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama70b-nodes", type=int, default=32, help="nodes for --llama70b (32: 256 GPUs)")
     ap.add_argument("--per-node", default="dgx-a100", help="the preset of a node for --llama70b")
     ap.add_argument("--objective", default=None, choices=("bytes", "time"),
-                    help="--llama70b's objective (default: the cluster's, 'time' on several nodes)")
+                    help="--llama70b's objective (default: bytes; 'time' also plans for bytes and keeps the "
+                         "faster, replaying both plans with each forward's weight moves: minutes a replay on 256 GPUs)")
     ap.add_argument("--window", type=int, default=None,
                     help="--llama70b: plan and simulate this many layers and one more, and extrapolate to LAYERS "
-                         "(identical blocks; runtime/simulate_repeat.py); default: the smallest window of more ops "
-                         "than Settings.ilp_max_ops (6: smaller windows get the planner's ILP step, which a long "
-                         "model does not, and are cut otherwise); 0: every layer")
+                         "(identical blocks; runtime/simulate_repeat.py: the window planned without the ILP step, "
+                         "as a long model is, the shorter program reusing its plan); default 3; 0: every layer")
     args = ap.parse_args(argv)
     if args.llama70b:
-        llama70b_rows(args.llama70b, args.llama70b_nodes, args.per_node, args.objective, args.window)
+        llama70b_rows(args.llama70b, args.llama70b_nodes, args.per_node, args.objective or "bytes", args.window)
         return 0
     nodes = [int(n) for n in args.nodes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]

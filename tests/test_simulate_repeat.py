@@ -129,3 +129,60 @@ def test_a_kept_simulation_is_a_copy(programs: dict[int, Any]) -> None:
     b = prog.simulate(resident=True)  # the kept replay: unchanged by what the first caller did
     assert b is not a and b.intervals and (0, 1, -1) not in {(*k, v) for k, v in b.link_bytes.items()}
     assert sum(len(iv) for iv in b.intervals.values()) == len(prog.taskgraph) and b.peak_memory
+
+
+def _blocks(n: int, d: int = 32) -> tuple[ej.Tensor, list[ej.Tensor]]:
+    x = ej.input("x", (1, 64, d), "bfloat16")
+    ends = []
+    for i in range(n):
+        x = _block(x, f"l{i}.")
+        ends.append(x)
+    return x, ends
+
+
+def _layer_of(name: str) -> int | None:
+    return int(name[1:name.index(".")]) if name.startswith("l") and "." in name else None
+
+
+@pytest.fixture(scope="module")
+def window() -> Any:
+    """The 4-block program planned as a window (no ILP step); the window planners registered for
+    it are unregistered after the module (tests that list every planner see the usual ones)."""
+    from einjoin.planner import PLANNERS
+    from einjoin.runtime.simulate_repeat import REUSE_PLANNER, WINDOW_PLANNER, window_planner
+    yield ej.compile(_blocks(4)[0], CLUSTER, backend="null", quiet=True, objective="bytes", planner=window_planner())
+    for name in (WINDOW_PLANNER, REUSE_PLANNER):
+        PLANNERS.pop(name, None)
+
+
+def test_a_window_reusing_the_longer_windows_plan_extrapolates_to_the_full_simulation(window: Any) -> None:
+    """The 3-block program planned by reuse of the 4-block plan (window_planner: no ILP step, as
+    a long model) gives the step that the 5-block program planned whole confirms; the reused
+    plan's last block is the 4-block plan's last, its middle block the 4-block plan's."""
+    from einjoin.runtime.simulate_repeat import block_keys, reuse_planner, window_planner
+    long_ = window
+    whole = ej.compile(_blocks(5)[0], CLUSTER, backend="null", quiet=True, objective="bytes", planner=window_planner())
+    reuse = reuse_planner(long_.plan.specs, long_.plan.graph, 4, _layer_of)
+    short = ej.compile(_blocks(3)[0], CLUSTER, backend="null", quiet=True, objective="bytes", planner=reuse)
+    interned: dict[Any, int] = {}
+    keys4 = block_keys(long_.plan.graph, _layer_of, 4, interned)
+    keys3 = block_keys(short.plan.graph, _layer_of, 3, interned)
+    by_key = {keys4[n]: s for n, s in long_.plan.specs.items()}
+    assert short.plan.specs and all(by_key[keys3[n]] == s for n, s in short.plan.specs.items())
+    roles = {interned_key[4] for interned_key in interned}
+    assert {"first", "middle", "last"} <= roles
+    sims = {n: simulate_resident(p) for n, p in ((3, short), (4, long_), (5, whole))}
+    rep = repeat_layers(3, sims[3], sims[4], 5)
+    assert rep.makespan == pytest.approx(sims[5].makespan, rel=1e-4)
+
+
+def simulate_resident(prog: Any) -> Simulation:
+    from einjoin.runtime.simulate import simulate
+    return simulate(prog.taskgraph, prog.cluster.hardware, resident=True, replicated=True)
+
+
+def test_reuse_refuses_a_program_whose_blocks_it_has_not_planned(window: Any) -> None:
+    from einjoin.runtime.simulate_repeat import reuse_planner
+    reuse = reuse_planner(window.plan.specs, window.plan.graph, 4, _layer_of)
+    with pytest.raises(EinjoinError, match="plays the part"):  # blocks of another width
+        ej.compile(_blocks(3, d=64)[0], CLUSTER, backend="null", quiet=True, objective="bytes", planner=reuse)

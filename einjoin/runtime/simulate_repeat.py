@@ -31,15 +31,102 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from einjoin.errors import EinjoinError
+from einjoin.ir.graph import Graph
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.simulate import Simulation
 
-__all__ = ["Repeated", "layer_of_tasks", "compiled_ends", "block_ends", "repeat_layers"]
+__all__ = ["Repeated", "layer_of_tasks", "compiled_ends", "block_ends", "repeat_layers", "window_planner",
+           "reuse_planner", "block_keys"]
+
+WINDOW_PLANNER = "eindecomp-window"
+REUSE_PLANNER = "window-reuse"
+
+
+def window_planner() -> str:
+    """The name (registered on first call) of ``eindecomp`` without its global ILP step
+    (``Settings.ilp_max_ops`` = 1: no window is one op), for a window of a few identical blocks: a long model of them
+    has more ops than ``ilp_max_ops`` and never gets that step, so its window must not either
+    (a window of 3 blocks, 120 ops, would; ``ej.compile`` takes settings from no argument)."""
+    from einjoin.planner import PLANNERS, seeded_eindecomp
+    from einjoin.settings import SETTINGS
+    if WINDOW_PLANNER not in PLANNERS:
+        PLANNERS[WINDOW_PLANNER] = functools.partial(seeded_eindecomp, settings=SETTINGS.replace(ilp_max_ops=1))
+    return WINDOW_PLANNER
+
+
+def block_keys(graph: Graph, layer_of: Callable[[str], int | None], layers: int,
+               interned: dict[Any, int] | None = None) -> dict[Any, int]:
+    """Per node of ``graph`` (``layers`` identical blocks whose inputs are named so that
+    ``layer_of(name)`` is their block, or None for inputs of no block), a key equal for the
+    nodes that play the same part in a block of the same role: a node belongs to the first
+    block whose inputs it meets downstream (an activation entering a block is that block's),
+    the role of block ``i`` is first, middle or last (the graph's output: none), and the key is
+    the node's op (inputs named without their block), shape, dtype, role and its inputs' keys
+    inside its block, the role alone of those from another. So the middle blocks of programs of
+    ``k`` and ``k + 1`` blocks have the same keys, and so do their last blocks (keys of two
+    graphs compare when both calls share ``interned``, the numbering of keys)."""
+    nodes = graph.nodes
+    up: dict[Any, int] = {}  # the last block whose inputs a node reads, directly or not (-1: none)
+    for n in nodes:
+        own = layer_of(n.op.name) if n.facts.fed and hasattr(n.op, "name") else None
+        up[n] = max([-1 if own is None else own, *(up[x] for x in n.inputs)])
+    # a node's block: the first block a reader of it reads inputs of (the graph's output: none)
+    down = {n: min((up[u] for u in graph.users[n]), default=layers) for n in nodes}
+
+    def role(i: int) -> str:
+        return "out" if i >= layers else "first" if i == 0 else "last" if i == layers - 1 else "middle"
+    interned = {} if interned is None else interned
+    keys: dict[Any, int] = {}
+    for n in nodes:  # topological: inputs first
+        op = n.op
+        if n.facts.fed and hasattr(op, "name") and layer_of(op.name) is not None:
+            op = dataclasses.replace(op, name=_unnumbered(op.name))  # type: ignore[arg-type]
+        parts = tuple(keys[x] if down[x] == down[n] else role(down[x]) for x in n.inputs)
+        keys[n] = interned.setdefault((type(op).__name__, op, n.shape, n.dtype, role(down[n]), parts), len(interned))
+    return keys
+
+
+def _unnumbered(name: str) -> str:
+    """An input's name without its block's prefix (``l7.wq`` -> ``wq``): its part in a block."""
+    return name.split(".", 1)[1] if "." in name else name
+
+
+def reuse_planner(specs: Mapping[Any, Any], graph: Graph, layers: int, layer_of: Callable[[str], int | None]) -> str:
+    """The name of a planner (registered) that plans a program of other many identical blocks
+    with ``specs``, the plan of ``graph`` (``layers`` blocks): each node takes the spec of the
+    node of ``graph`` with its key (:func:`block_keys`), so the ``k``-block window reuses the
+    ``k + 1``-block plan instead of planning again (its first, middle and last blocks cut as
+    there). Refused (:class:`EinjoinError`): a key whose nodes ``specs`` cuts differently (the
+    blocks are not cut alike) or a node with no such key."""
+    from einjoin.planner import PLANNERS
+    table: dict[int, Any] = {}
+    interned: dict[Any, int] = {}
+    for node, key in block_keys(graph, layer_of, layers, interned).items():
+        if node in specs:
+            if table.setdefault(key, specs[node]) != specs[node]:
+                raise EinjoinError(f"reuse_planner: two nodes of one part of a block are cut differently "
+                                   f"({table[key]} and {specs[node]}): the blocks are not cut alike")
+
+    def planner(g: Graph, cluster: Any, *, memory_limit: Any = None) -> dict[Any, Any]:
+        n_layers = 1 + max((layer_of(x.op.name) or 0) for x in g.inputs if hasattr(x.op, "name"))
+        out = {}
+        for node, key in block_keys(g, layer_of, n_layers, interned).items():
+            if key not in table:
+                if node.facts.leaf:
+                    continue  # an input or a fill the plan left to its readers
+                raise EinjoinError(f"reuse_planner: no node of the planned {layers}-block program plays the part of "
+                                   f"{node!r:.80}")
+            out[node] = table[key]
+        return out
+    PLANNERS[REUSE_PLANNER] = planner  # a new function: the plan cache's key is another
+    return REUSE_PLANNER
 
 
 @dataclass(frozen=True)
