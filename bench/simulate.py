@@ -227,14 +227,6 @@ def _cut_alike(prog: Any, ends: list[ej.Tensor]) -> bool:
     return bool(middle) and all(middle) and all(c == middle[0] for c in middle)  # no ops found: not shown
 
 
-def _planned_ops(layers: int) -> int:
-    """The ops the planner weighs in :func:`llama70b_blocks` of ``layers`` (after the compiler's
-    fusion, fills left out): what ``Settings.ilp_max_ops`` is compared with."""
-    from einjoin.ir.fuse import fuse_elementwise
-    out, _ = llama70b_blocks(layers)
-    return sum(1 for v in ej.Graph(fuse_elementwise([out.node])).ops if not v.facts.free)
-
-
 def default_window() -> int:
     """3: the fewest blocks :func:`~einjoin.runtime.simulate_repeat.repeat_layers` extrapolates
     from (a first, a middle, a last). The window is planned without the ILP step
@@ -255,12 +247,12 @@ def llama70b_rows(layers: int, nodes: int, per_node: str, objective: str | None,
     repeated and the last; each middle block adds the difference of the two makespans): the
     makespan printed is that extrapolation, the tasks those of the compressed task graph's 80
     blocks. ``window`` 0: every layer planned, built and simulated. The default
-    (:func:`default_window`, None): the smallest window of more than ``Settings.ilp_max_ops`` ops
-    (200; a fused block is 40, so 6 and 7 blocks): a graph of at most that many also gets the
-    planner's ILP step, so a smaller window is cut otherwise than a long model (on 8 GPUs, 6
-    layers through 3 and 4: 10,048 tasks and 20.94 ms against the full plan's 12,992 and 22.15 ms,
-    when a block was 46 ops). A window whose k blocks get the ILP step is refused a goal verdict
-    (its step mixes two planners)."""
+    (:func:`default_window`, None): 3. Only the k + 1 program is planned, without the planner's
+    ILP step (:func:`~einjoin.runtime.simulate_repeat.window_planner`: a graph of at most
+    ``Settings.ilp_max_ops`` ops gets it, 80 blocks do not, so a window with it would be cut
+    otherwise than the long model); the k program reuses that plan
+    (:func:`~einjoin.runtime.simulate_repeat.reuse_planner`). On 8 GPUs, 6 layers through 3 and 4:
+    8,832 tasks and 20.26 ms (simulated), as every layer planned."""
     from einjoin.runtime.simulate_repeat import layer_of_tasks, repeat_layers, reuse_planner, window_planner
     cluster = ej.Cluster.nodes(nodes, per_node)
     if window is None:
