@@ -249,12 +249,15 @@ class SparseEinsum:
     which (at ``position`` of ``in_labels``) is ``operand``, a sparse constant of the node; the
     node's inputs are the dense operands in order (issue 24: a sparse adjacency inside a dense
     graph, ``relu(A @ H @ W)``). Evaluated by the sparse engine (:class:`SparseOperand`'s
-    ``einsum``); the planner cuts it by its output dims (``ir.sparse_einsum.dense_follows``)."""
+    ``einsum``); the planner cuts it by its output dims (``ir.sparse_einsum.dense_follows``).
+    ``agg="max"``: the maximum of the products instead of their sum, an absent entry's product
+    being 0 (a row with no stored entries has maximum 0)."""
 
     in_labels: tuple[tuple[str, ...], ...]
     out_labels: tuple[str, ...]
     position: int
     operand: SparseOperand
+    agg: str = "sum"
 
     @property
     def equation(self) -> str:

@@ -109,7 +109,8 @@ def _describe_sparse_einsum(op: SparseEinsum) -> str:
     a = op.operand
     terms = ["".join(ls) for ls in op.in_labels]
     terms[op.position] = f"{a.name}{{{terms[op.position]}}}"
-    return (f"sparse_einsum[{','.join(terms)}->{''.join(op.out_labels)} | {a.name}: sparse "
+    agg = "" if op.agg == "sum" else f", agg={op.agg}"
+    return (f"sparse_einsum[{','.join(terms)}->{''.join(op.out_labels)}{agg} | {a.name}: sparse "
             f"{a.dtype_name}[{', '.join(map(str, a.shape))}], {a.nnz} stored]")
 
 

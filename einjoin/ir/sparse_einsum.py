@@ -53,6 +53,8 @@ __all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flo
 # module's sparse argument or buffer through it (einjoin.frontend.aten_sparse)
 DECLARE_INPUT: list[Callable[[str, tuple[int, ...], int, str], Any]] = []
 
+AGGS = ("sum", "max")  # a graph's sparse einsum: the sum of the products, or their maximum
+
 
 def _what(eq: str, operand: SparseOperand) -> str:
     return f"sparse_einsum {eq!r} (sparse operand {operand.name!r} {list(operand.shape)})"
@@ -60,7 +62,8 @@ def _what(eq: str, operand: SparseOperand) -> str:
 
 def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[Node],
                        equation: str | None = None, in_labels: Sequence[Sequence[str]] | None = None,
-                       out_labels: Sequence[str] | None = None, pattern: Sequence[Node] = ()) -> Node:
+                       out_labels: Sequence[str] | None = None, pattern: Sequence[Node] = (),
+                       agg: str = "sum") -> Node:
     """A :class:`SparseEinsum` node: ``equation`` (or ``in_labels`` / ``out_labels``) over every
     operand, the sparse ``operand`` at ``position`` and ``inputs`` (dense nodes) at the others, in
     order. Checks labels against shapes (errors name the op, the label and both shapes) and infers
@@ -68,8 +71,13 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
 
     ``pattern``: for a sparse operand fed at run (``ej.sparse_input``), its two graph inputs
     ``(keys, values)``, the node's last inputs: ``keys`` int64 (capacity × rank) coordinates of the
-    stored entries, rows of -1 unused; ``values`` (capacity,) of the operand's dtype."""
+    stored entries, rows of -1 unused; ``values`` (capacity,) of the operand's dtype.
+
+    ``agg``: ``"sum"`` or ``"max"`` (the largest product, an absent entry's being 0)."""
     inputs = tuple(inputs)
+    if agg not in AGGS:
+        raise UnsupportedOpError(f"sparse_einsum (sparse operand {operand.name!r} {list(operand.shape)}): "
+                                 f"aggregation {agg!r}; a graph's sparse einsum takes {' or '.join(AGGS)}")
     if pattern:
         _check_pattern(operand, tuple(pattern))
     shapes = [tuple(x.shape) for x in inputs]
@@ -126,7 +134,7 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
     dtype = floats[0]
     for dt in floats[1:]:
         dtype = promote(dtype, dt)
-    op = SparseEinsum(ins, outs, position, operand)
+    op = SparseEinsum(ins, outs, position, operand, agg)
     return Node(op, inputs + tuple(pattern), tuple(sizes[lab][0] for lab in outs), dtype)
 
 
@@ -170,7 +178,7 @@ DENSE_REFERENCE = 1 << 24
 def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -> np.ndarray:
     """``numpy.einsum`` on the densified sparse operand (the reference; half types in float32);
     beyond :data:`DENSE_REFERENCE` elements, the sparse engine's result (never a huge dense array)."""
-    if math.prod(op.operand.shape) > DENSE_REFERENCE:
+    if math.prod(op.operand.shape) > DENSE_REFERENCE or (op.agg == "max" and _terms(node) > DENSE_REFERENCE):
         return sparse_block(node, op, args, tuple((0, n) for n in node.shape))
     n = len(op.dense_labels)
     dense = [np.asarray(a) for a in args[:n]]
@@ -182,8 +190,42 @@ def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -
     else:
         value = np.asarray(op.operand.todense())
     work.insert(op.position, value)
-    out = np.einsum(op.equation, *work)
+    if op.agg == "max":
+        out = _max_reference(op, work)
+    else:
+        out = np.einsum(op.equation, *work)
     return np.asarray(out).astype(numpy_dtype(node.dtype), copy=False)
+
+
+def _labels_sizes(node: Node) -> dict[str, int]:
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    shapes = [x.shape for x in node.inputs[:len(op.dense_labels)]]
+    shapes.insert(op.position, op.operand.shape)
+    return {lab: n for shape, ls in zip(shapes, op.in_labels) for lab, n in zip(ls, shape)}
+
+
+def _terms(node: Node) -> int:
+    """The products a max einsum's reference forms: every label's extent."""
+    return math.prod(_labels_sizes(node).values())
+
+
+def _max_reference(op: SparseEinsum, work: Sequence[np.ndarray]) -> np.ndarray:
+    """The maximum over the summed labels of every product, the densified operand's zeros
+    included (an absent entry's product is 0, as the sparse engine's); no term at all (a summed
+    label of extent 0): 0, as the engine gives."""
+    every = tuple(dict.fromkeys(lab for ls in op.in_labels for lab in ls))
+    summed = tuple(lab for lab in every if lab not in op.out_labels)
+    prod = np.einsum(",".join("".join(ls) for ls in op.in_labels) + "->" + "".join(every), *work)
+    axes = tuple(every.index(lab) for lab in summed)
+    if not summed:
+        out = prod
+    elif any(prod.shape[a] == 0 for a in axes):
+        out = np.zeros(tuple(n for d, n in enumerate(prod.shape) if d not in axes), prod.dtype)
+    else:
+        out = prod.max(axis=axes)
+    kept = tuple(lab for lab in every if lab not in summed)
+    return np.transpose(out, [kept.index(lab) for lab in op.out_labels])
 
 
 def dense_follows(node: Node) -> tuple[tuple[int, ...], ...]:
@@ -269,6 +311,10 @@ def sparse_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     carries (summed away by the forward) are broadcast back. Cast to the input's dtype."""
     op = node.op
     assert isinstance(op, SparseEinsum)
+    if op.agg != "sum":  # its gradient goes to each output's maximal products: an argmax the graph lacks
+        raise UnsupportedOpError(f"the gradient of {_what(op.equation, op.operand)} with agg={op.agg!r} inside a "
+                                 f"graph is not supported (ej.grad); compute it on arrays: ej.sparse_compile(..., "
+                                 f"agg={op.agg!r}) and its plan's vjp")
     dense_in, pattern = fed_parts(node)
     out: list[Node | None] = []
     for k, (x, labels) in enumerate(zip(dense_in, op.dense_labels)):

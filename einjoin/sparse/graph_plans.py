@@ -18,8 +18,8 @@ __all__ = ["PlanCache", "meeting"]
 
 
 class PlanCache:
-    """The compiled sparse plans of one graph operand: one per (equation, dense shapes and
-    dtypes), each run under its own lock (a plan's run keeps per-run state)."""
+    """The compiled sparse plans of one graph operand: one per (equation, aggregation, dense
+    shapes and dtypes), each run under its own lock (a plan's run keeps per-run state)."""
 
     __slots__ = ("_plans", "_lock")
 
@@ -34,7 +34,8 @@ class PlanCache:
         the tensor (:func:`meeting`), which gets a plan of its own, so that kernels of one node on
         several devices run at once (a plan runs under its lock) and keep their own patterns."""
         arrays = [np.asarray(a.astype(np.float32) if is_half(a.dtype) else a, order="C") for a in dense]
-        key = (op.in_labels, op.out_labels, op.position, tuple((a.shape, a.dtype.str) for a in arrays), part)
+        key = (op.in_labels, op.out_labels, op.position, op.agg, tuple((a.shape, a.dtype.str) for a in arrays),
+               part)
         operands: list[Any] = list(arrays)
         operands.insert(op.position, tensor)
         with self._lock:
@@ -43,7 +44,7 @@ class PlanCache:
                 # one device: the dense engine runs this kernel on its device's thread; compiled
                 # once per shapes, so later calls skip the layout choice (a fed tensor of another
                 # pattern is replanned by the plan's run, cached per block histogram)
-                plan = sparse_compile(op.equation, *operands, backend="sync")
+                plan = sparse_compile(op.equation, *operands, agg=op.agg, backend="sync")
                 found = self._plans[key] = (plan, threading.Lock())
         plan, lock = found
         with lock:

@@ -150,9 +150,9 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
         raise UnsupportedOpError(f"{what}: join {join!r} with a sparse operand in a graph; only the product "
                                  f"('mul') is supported")
     agg_name = getattr(agg, "name", agg)
-    if agg_name not in ("sum", None, "none"):
-        raise UnsupportedOpError(f"{what}: aggregation {agg_name!r} with a sparse operand in a graph; only "
-                                 f"'sum' is supported")
+    if agg_name not in ("sum", "max", None, "none"):
+        raise UnsupportedOpError(f"{what}: aggregation {agg_name!r} with a sparse operand in a graph; 'sum' and "
+                                 f"'max' are supported")
     sparse_at = [i for i, x in enumerate(operands) if isinstance(x, (SparseTensor, SparseInput))]
     if len(sparse_at) != 1:
         raise UnsupportedOpError(f"{what}: {len(sparse_at)} sparse operands with lazy ones; a graph's sparse "
@@ -176,10 +176,12 @@ def lazy_einsum(equation: str, operands: Sequence[Any], join: Any = None, agg: A
         keeps.pop(sparse_at[0])
         dense = [x if len(k) == len(x.shape) else ops.reshape_node(x, tuple(x.shape[d] for d in k))
                  for x, k in zip(dense, keeps)]
+    # max: the largest product, an absent entry's being 0 (nothing aggregated: a sum of one term)
+    kind = "max" if agg_name == "max" else "sum"
     if isinstance(given, SparseInput):  # fed at run: its keys and values are the node's last inputs
-        node = sparse_einsum_node(given.operand, sparse_at[0], dense, equation, pattern=given.pattern)
+        node = sparse_einsum_node(given.operand, sparse_at[0], dense, equation, pattern=given.pattern, agg=kind)
     else:
-        node = sparse_einsum_node(graph_operand(given), sparse_at[0], dense, equation)
+        node = sparse_einsum_node(graph_operand(given), sparse_at[0], dense, equation, agg=kind)
     op = cast(SparseEinsum, node.op)  # (kinds are asked of tables outside the IR, never isinstance)
     summed = sorted({lab for ls in op.in_labels for lab in ls} - set(op.out_labels))
     if agg_name in (None, "none") and summed:  # as the dense einsum: no aggregation sums nothing
