@@ -25,6 +25,7 @@ from einjoin.ir.attention import ForwardMemo, forward_memo
 from einjoin.ir.evaluate import QUIET_FLOATS, quiet_floats
 from einjoin.ir.node import Node
 from einjoin.plan.execute import assemble_output, assemble_outputs, compute, from_host, to_host
+from einjoin.plan.fuse_inplace import engine_donations
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.outputs import OutputSlots, output_plan
 
@@ -178,6 +179,8 @@ class LocalSession:
         self.views = self.slots.views if self.slots is not None else {}
         # kernels computed on numpy blocks that need not own their bytes take _kernel's short path
         self.plain_kernels = computes and not self.capped
+        # elementwise kernels that may write into a dying input block (not with state: its blocks live on)
+        self.donations = engine_donations(run.engine) if self.plain_kernels and self.state is None else {}
 
     def __enter__(self) -> LocalSession:
         if self._limit is not None and not self.threaded:  # threaded: the lanes hold it (_lanes_limit)
@@ -338,8 +341,12 @@ class LocalSession:
             get = store.values.get
             shape = self.shapes[w]
             fast = self.fast[t.id]
-            value = fast([get(v) for v in t.reads]) if fast is not None and compute is _COMPUTE and \
-                getattr(QUIET_FLOATS, "on", False) else None
+            value = None
+            if fast is not None and compute is _COMPUTE and getattr(QUIET_FLOATS, "on", False):
+                into = self.donations.get(t.id)  # into a dying input block (plan.fuse_inplace)
+                value = into(store.values) if into is not None else None
+                if value is None:
+                    value = fast([get(v) for v in t.reads])
             if value is None or value.shape != shape:  # not prepared for these blocks: the general path
                 value = compute(t, get, self.feeds, self.decomps, shape, fast)
         if scratch:
