@@ -18,7 +18,7 @@ executor, and the sparse operands stay sparse:
   their slices at the stored coordinates in numpy, after contracting dense factors that do not
   grow (``H·W``): the planner's pairing could build the n × n ``G·(H·W)ᵀ`` first.
 
-``max`` aggregation with one sparse operand: :mod:`einjoin.sparse.grad_max` (each output's
+``max`` aggregation with sparse operands: :mod:`einjoin.sparse.grad_max` (each output's
 gradient to its maximal terms, ties split as torch's ``amax``). The gradients are computed at
 the operands of the plan's last run (the compiled ones before any run); their sparse einsums
 are compiled on the first call and rerun (replanned per block histogram,
