@@ -33,6 +33,7 @@ from einjoin.frontend.aten_nn import NN_OPS
 from einjoin.frontend.recurrent import RECURRENT_OPS
 from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
+from einjoin.frontend.aten_bits import BITS_OPS, trunc_div
 from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
@@ -87,6 +88,8 @@ def _div(a: Any, b: Any, rounding_mode: Any = None, **_: Any) -> Any:
         return a / b
     if rounding_mode == "floor":
         return elementwise("floordiv", a, b)
+    if rounding_mode == "trunc":
+        return trunc_div(a, b)
     if rounding_mode is not None:
         raise UnsupportedOpError(f"div with rounding_mode={rounding_mode!r}")
     return elementwise("div", a, b)
@@ -125,6 +128,8 @@ def _pow(a: Any, b: Any) -> Any:
 
 @op("square")
 def _square(a: Tensor) -> Tensor:
+    if a.dtype == "bool":  # torch: pow(bool, 2) is int64 (a * a of bools would stay bool)
+        a = a.to("int64")
     return a * a
 
 
@@ -234,7 +239,23 @@ def _addmm(bias: Tensor, a: Tensor, b: Tensor, beta: Any = 1, alpha: Any = 1) ->
 def _einsum(equation: str, *operands: Any, path: Any = None) -> Tensor:
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if len(operands) == 1 and isinstance(operands[0], Tensor) and operands[0].dtype in _NARROW_SUMMED \
+            and _sums(equation):
+        # torch sums one operand with torch.sum: bools and narrow ints give int64 (two or more
+        # operands contract in their own dtype, as einjoin's einsum)
+        operands = (operands[0].to("int64"),)
     return F.einsum(equation, *operands)
+
+
+_NARROW_SUMMED = frozenset({"bool", "int8", "int16", "int32", "uint8"})
+
+
+def _sums(equation: str) -> bool:
+    """Whether a one-operand einsum equation sums a label away (``ij->i``, implicit ``ii``)."""
+    lhs, _, rhs = equation.replace(" ", "").partition("->")
+    labels = [c for c in lhs if c.isalpha()]
+    out = set(rhs) if "->" in equation else {c for c in labels if labels.count(c) == 1}
+    return any(c not in out for c in labels)
 
 
 # ------------------------------------------------------------------ reductions and composites
@@ -253,7 +274,22 @@ def _reduction(name: str) -> Fn:
 
 
 OPS["sum"] = _reduction("sum")
-OPS["mean"] = _reduction("mean")
+
+
+@op("mean")
+def _mean(x: Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Tensor:
+    if dtype is None and isinstance(x, Tensor) and x.dtype not in FLOAT_DTYPES:
+        # torch refuses (the fx capture does not run the op, so it reaches here): einjoin's own
+        # mean of ints is float32, which torch never gives
+        raise UnsupportedOpError(f"mean of a {x.dtype} tensor: torch refuses it too (\"could not infer "
+                                 f"output dtype\"); pass dtype=torch.float32 or cast the input to a float")
+    y: Tensor = _MEAN(x, dim, keepdim, dtype=dtype)
+    return y
+
+
+_MEAN = _reduction("mean")
+
+
 OPS["prod"] = _reduction("prod")
 OPS["amax"] = _reduction("max")
 OPS["amin"] = _reduction("min")
@@ -639,6 +675,9 @@ OPS.update(NN_OPS)
 OPS.update(RECURRENT_OPS)
 OPS.update(RESIZE_OPS)
 OPS.update(CONV_OPS)  # convolution and pooling (H1's frontend/aten_conv.py)
+# bitwise ops, shifts, fmod, logical ops of any dtype, cummax / cummin (replacing the bool-only
+# bitwise_and / __and__ / bitwise_not spellings above)
+OPS.update(BITS_OPS)
 
 
 @op("outer", "ger")

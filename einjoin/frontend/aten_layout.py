@@ -100,6 +100,8 @@ def _unsqueeze(x: Tensor, dim: int) -> Tensor:
 
 @op("squeeze")
 def _squeeze(x: Tensor, dim: Any = None) -> Tensor:
+    if isinstance(dim, (list, tuple)) and not dim:
+        return x  # torch squeezes no dim for an empty list (a reduction's empty list is every dim)
     return x.squeeze(_dims(dim))
 
 

@@ -3,7 +3,7 @@ notes column of ``docs/torch_ops.md`` (keyed by any of a translation's names), a
 translation can cover (:data:`DATA_DEPENDENT`: a result whose size depends on the values).
 
 >>> NOTES["div"]
-"`rounding_mode` None or 'floor' (not 'trunc')"
+"`rounding_mode` None, 'floor' or 'trunc' (an integer divisor of 0 is an error, as in torch)"
 """
 
 from __future__ import annotations
@@ -33,12 +33,18 @@ def data_dependent(what: str) -> UnsupportedOpError:
 
 
 NOTES: dict[str, str] = {
-    "div": "`rounding_mode` None or 'floor' (not 'trunc')",
+    "div": "`rounding_mode` None, 'floor' or 'trunc' (an integer divisor of 0 is an error, as in torch)",
     "floordiv": "an integer divisor of 0 is an error, as in torch",
-    "logical_not": "of bool tensors only",
-    "bitwise_and": "of bool tensors only (integer tensors are a DTypeError)",
-    "bitwise_or": "of bool tensors only (integer tensors are a DTypeError)",
-    "bitwise_xor": "of bool tensors only (integer tensors are a DTypeError)",
+    "fmod": "an integer divisor of 0 is an error, as in torch",
+    "bitwise_and": "integer and bool tensors (a float is a DTypeError, as in torch)",
+    "bitwise_or": "integer and bool tensors (a float is a DTypeError, as in torch)",
+    "bitwise_xor": "integer and bool tensors (a float is a DTypeError, as in torch)",
+    "bitwise_left_shift": "integer tensors; a count below 0 or of the width or more gives 0, as in torch",
+    "bitwise_right_shift": "integer tensors; a count below 0 or of the width or more gives the sign fill "
+                           "(0 for uint8), as in torch",
+    "cummax": "O(n²) along the dim (EinSums over the mask j <= i); ties and NaN indexed as torch (the last)",
+    "cummin": "O(n²) along the dim (EinSums over the mask j <= i); ties and NaN indexed as torch (the last)",
+    "mean": "of float tensors, or with `dtype=` (an integer tensor is refused, as in torch)",
     "where": "the three-argument form only (`where(cond)` returns indices: data-dependent)",
     "dropout": "the identity in eval mode; in training mode a keep-mask hashed from the graph input "
                "`dropout_seed` (int64 scalar; `ej.dropout_mask`), scaled by 1 / (1 - p)",

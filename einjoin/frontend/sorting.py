@@ -42,6 +42,9 @@ def _rank1(x: Tensor) -> tuple[Tensor, bool]:
 
 
 def _pair(x: Tensor, k: int, dim: int, largest: bool) -> Ordered:
+    if x.dtype == "bool":  # torch orders False before True: as uint8 0 / 1, the values back in bool
+        v, i = _pair(x.to("uint8"), k, dim, largest)
+        return Ordered(v.to("bool"), i)
     x, scalar = _rank1(x)
     v = Tensor(ops.topk_node(x.node, k, dim, largest))
     i = Tensor(ops.topk_node(x.node, k, dim, largest, indices=True))

@@ -163,7 +163,10 @@ def _wrapped(vals: tuple[Any, ...], target: str, fn: str) -> tuple[Any, ...]:
     for a in vals:
         if not isinstance(a, (Tensor, bool, np.bool_)) and _scalar_cat(a) == 1:
             w = wrap_int(int(a), target)
-            if w != a and fn in _RANGE_CHECKED:
+            # torch's range check lets an unsigned type take -max..-1 (wrapped: clamp(uint8, -5)
+            # clamps at 251); a signed one only its own range
+            fits = target == "uint8" and -255 <= int(a) <= 255
+            if w != a and fn in _RANGE_CHECKED and not fits:
                 raise DTypeError(f"{fn}: the value {int(a)} cannot be converted to {target} without "
                                  f"overflow (torch refuses it too); cast the tensor to a wider dtype first")
             a = w

@@ -429,6 +429,16 @@ def _d_mod(e: Call, t: Tangent) -> Expr | None:
     return _mk("neg", tb) if da is None else _sub(da, tb)
 
 
+def _d_fmod(e: Call, t: Tangent) -> Expr | None:
+    """torch's fmod backward: ``da - trunc(a / b) * db``."""
+    a, b = e.args
+    da, db = t(0), t(1)
+    if db is None:
+        return da
+    tb = _mul(_mk("truncdiv", a, b), db)
+    return _mk("neg", tb) if da is None else _sub(da, tb)
+
+
 def _extremum(loses: str, beats: str) -> Rule:
     """max (min): torch's backward ``where(a == b, grad / 2, grad)`` masked to 0 where the
     argument loses; so a tie splits the gradient evenly and a NaN passes it to both."""
@@ -541,6 +551,9 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "div": _d_div,
     "floordiv": NoDerivative(_NO_INT_GRAD),
     "mod": _d_mod,
+    "fmod": _d_fmod,
+    "truncdiv": NoDerivative(_NO_INT_GRAD),
+    "bitand": _zero, "bitor": _zero, "bitxor": _zero, "bitnot": _zero, "lshift": _zero, "rshift": _zero,
     "pow": _d_pow,
     "ipow": _d_pow,  # float arguments compute as pow; integers have no gradient to ask for
     "max": _extremum("lt", "gt"),

@@ -115,7 +115,8 @@ class ScalarFn:
     - ``float``: float args only, result their promoted dtype;
     - ``compare``: numeric args of one kind, result bool;
     - ``logical``: bool args, result bool;
-    - ``select``: ``where(cond, a, b)``, bool cond, result the promotion of a and b.
+    - ``select``: ``where(cond, a, b)``, bool cond, result the promotion of a and b;
+    - ``bits``: integer or bool args of one kind, result their promoted dtype (bitwise ops).
     """
 
     name: str
@@ -226,6 +227,54 @@ def _int_division(np_fn: Callable[..., np.ndarray], what: str) -> Callable[..., 
     return run
 
 
+def _fmod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """C's fmod (the remainder with the dividend's sign, torch.fmod); an integer divisor of 0 is
+    an error, as in torch (numpy would give 0)."""
+    aa, bb = np.asarray(a), np.asarray(b)
+    if aa.dtype.kind in "iubO" and bb.dtype.kind in "iubO" and np.any(bb == 0):
+        raise EinjoinError("integer fmod by zero (torch raises too; use float tensors for nan)")
+    with np.errstate(all="ignore"):  # the arguments as given: a Python-int constant stays weak
+        out: np.ndarray = np.fmod(a, b)
+    return out
+
+
+def _truncdiv(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Division rounded toward zero (torch's ``div(rounding_mode="trunc")``): ``trunc(a / b)`` for
+    floats; for integers the quotient of C's division, exactly (``a - fmod(a, b)`` divides ``b``;
+    an integer divisor of 0 is an error, as in torch)."""
+    aa, bb = np.asarray(a), np.asarray(b)
+    with np.errstate(all="ignore"):
+        if aa.dtype.kind in "iubO" and bb.dtype.kind in "iubO":
+            r = _fmod(a, b)
+            out: np.ndarray = np.floor_divide(a - r, b)
+            return out
+        out = np.trunc(np.true_divide(a, b))
+    return out
+
+
+def _bits_dtype(a: object, b: object) -> np.dtype[np.generic]:
+    dt: np.dtype[np.generic] = np.result_type(a, b)  # type: ignore[arg-type]
+    return dt
+
+
+def _shift(left: bool) -> Callable[..., np.ndarray]:
+    """torch's shifts: a shift by a negative count or by the width or more gives 0 (left, and
+    right of an unsigned type) or the sign fill ``a >> (width - 1)`` (right of a signed type);
+    numpy's left_shift / right_shift are C's within the width."""
+    def run(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        dt = _bits_dtype(a, b)  # a Python-int constant is weak: int8 << 3 stays int8
+        width = dt.itemsize * 8
+        aa, bb = np.asarray(a, dtype=dt), np.asarray(b)
+        bad = (bb < 0) | (bb >= width)
+        s = np.where(bad, 0 if left else width - 1, bb).astype(dt)
+        out: np.ndarray = (np.left_shift if left else np.right_shift)(aa, s)
+        if (left or dt.kind == "u") and np.any(bad):
+            out = np.where(bad, np.zeros((), dt), out)
+        return out.astype(dt, copy=False)
+    run.__name__ = "lshift" if left else "rshift"
+    return run
+
+
 # precedences follow Python's grammar, which parses the printed form: comparisons (1) bind
 # loosest, then | (2), & (3), + - (4), * / (5), unary minus, ** (7)
 _FN_LIST = [
@@ -237,6 +286,14 @@ _FN_LIST = [
     ScalarFn("mod", 2, "arith", _int_division(np.remainder, "remainder"), "%", 5),
     ScalarFn("pow", 2, "float", _safe(np.power), "**", 7),
     ScalarFn("ipow", 2, "arith", _int_pow),   # int ** int stays int (torch); floats as pow
+    ScalarFn("fmod", 2, "arith", _fmod),
+    ScalarFn("truncdiv", 2, "arith", _truncdiv),
+    ScalarFn("bitand", 2, "bits", np.bitwise_and),
+    ScalarFn("bitor", 2, "bits", np.bitwise_or),
+    ScalarFn("bitxor", 2, "bits", np.bitwise_xor),
+    ScalarFn("bitnot", 1, "bits", np.invert),
+    ScalarFn("lshift", 2, "bits", _shift(True)),
+    ScalarFn("rshift", 2, "bits", _shift(False)),
     ScalarFn("max", 2, "arith", np.maximum),
     ScalarFn("min", 2, "arith", np.minimum),
     ScalarFn("neg", 1, "arith", np.negative),
@@ -484,9 +541,12 @@ def _infer(e: Expr, dts: tuple[str, ...]) -> str | None:
             if d is not None and d != "bool":
                 raise DTypeError(f"{e}: {f.name} needs bool arguments, got {d}")
         return "bool"
-    common = _common(e, sub, e.args, allow_bool=f.rule == "compare")  # bool < bool is bool, as in torch
+    # bool < bool is bool, as in torch; so is bool & bool
+    common = _common(e, sub, e.args, allow_bool=f.rule in ("compare", "bits"))
     if f.rule == "float" and common is not None and kind(common) != "float":
         raise DTypeError(f"{e}: {f.name} needs float arguments, got {common}")
+    if f.rule == "bits" and common is not None and kind(common) == "float":
+        raise DTypeError(f"{e}: {f.name} needs integer or bool arguments, got {common}")
     if f.rule == "compare":
         return "bool"
     return common
@@ -572,6 +632,8 @@ def _eval_consts(f: ScalarFn, vals: list[Number]) -> Number:
     elif f.rule == "select":
         c, a, b = vals
         return a if c else b
+    elif f.rule == "bits" and any(isinstance(v, float) for v in vals):
+        raise DTypeError(f"{f.name} needs integer or bool arguments, got {vals}")
     else:
         args = [np.asarray(v) for v in vals]
     with np.errstate(all="ignore"):
