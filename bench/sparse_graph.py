@@ -8,7 +8,7 @@ around them are planned as usual.
 
 The adjacency is a constant of the program (``ej.sparse``), then an input fed at each run
 (``ej.sparse_input``: the keys and values travel as graph inputs and each run rebuilds the
-sparse tensor from them).
+sparse tensor from them). A second table: an SpMV ``relu(A @ v)`` (its rows cut on 2 devices).
 
     .venv/bin/python bench/sparse_graph.py --nodes 20000 --edges 200000 --reps 5
 """
@@ -108,6 +108,28 @@ def main(argv: list[str] | None = None) -> None:
         for g, r in zip(got, ref):
             np.testing.assert_allclose(g, r.numpy(), rtol=1e-8, atol=1e-10)
         print(f"{f'einjoin, A fed at run, {devices} dev':34s} {t * 1e3:9.1f} {t / t_torch:8.2f} {compile_s:10.2f}")
+    spmv_table(mat, a, args.reps)
+
+
+def spmv_table(mat: scipy.sparse.csr_array, a: ej.SparseTensor, reps: int) -> None:
+    """An SpMV ``relu(A @ v)``: no feature dim to cut, so on 2 devices the planner cuts A's rows;
+    each device computes its rows' entries (a constant's, and since 00fea45 a fed one's: before,
+    each device ran every fed entry). CPU ms next to scipy's ``A @ v``."""
+    n = mat.shape[0]
+    v = np.random.default_rng(2).standard_normal(n)
+    t_scipy, ref = cpu_median(lambda: np.maximum(mat @ v, 0), reps, warm=True)
+    print(f"\nSpMV relu(A @ v), {n} nodes; CPU ms, median of {reps}")
+    print(f"{'case':34s} {'CPU ms':>9s} {'x scipy':>8s}")
+    print(f"{'scipy.sparse':34s} {t_scipy * 1e3:9.1f} {1.0:8.2f}")
+    fed_in = ej.sparse_input("A", (n, n), nnz=mat.nnz, dtype="float64")
+    vin = ej.input("v", (n,), "float64")
+    for label, src, feeds in (("constant", a, {}), ("A fed at run", fed_in, {"A": a})):
+        y = ej.relu(ej.einsum("ij,j->i", src, vin))
+        for devices in (1, 2):
+            prog = ej.compile(y, devices=devices, quiet=True)
+            t, got = cpu_median(lambda p=prog, f=feeds: p.run(v=v, **f), reps, warm=True)
+            np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+            print(f"{f'einjoin, {label}, {devices} dev':34s} {t * 1e3:9.1f} {t / t_scipy:8.2f}")
 
 
 if __name__ == "__main__":
