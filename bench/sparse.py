@@ -15,7 +15,9 @@ CPU time counts every thread, so BLAS threads are not free), median of ``--reps`
   H: nodes × 64) under a ``memory_limit`` a quarter of its relations' bytes (keys and payloads of
   A's and H's tuples): it completes, equals the in-memory engine, and its CPU time (DuckDB's
   threads included; one run, one DuckDB thread by default, ``--duck-threads 0`` for all cores)
-  and spill stand next to the in-memory engine's, and DuckDB's without a limit.
+  and spill stand next to the in-memory engine's, and DuckDB's without a limit; before it, the
+  layout DuckDB's cost model chooses (einjoin/sparse/duckdb_cost.py) vs every fixed block size of
+  A's labels in {per entry, 16, 64, 256} on three matrices (``--only-duckdb`` runs these rows).
 
 * causal and sliding-window attention (seq 8192, 8 heads of 64, 128-blocks) vs dense masked
   attention, flops and CPU time (``bench/sparse_attention.py``; ``/ peer``: to torch's sdpa with the
@@ -153,6 +155,48 @@ def duckdb_case(nodes: int, edges: int, k: int, reps: int, threads: int | None) 
         f"{duck.engine.spilled / 2 ** 20:.0f} MB; {'equal' if same else 'DIFFERENT'}")
 
 
+def duckdb_choice_case(name: str, mat: scipy.sparse.csr_array, k: int, reps: int, threads: int | None) -> None:
+    """``ij,jk->ik`` on DuckDB: the layout its cost model chooses (einjoin/sparse/duckdb_cost.py)
+    vs every fixed block size of A's labels in {per entry, 16, 64, 256}."""
+    a = ej.sparse("A", mat)
+    h = np.random.default_rng(1).standard_normal((mat.shape[1], k))
+    want = np.asarray(mat @ h)
+
+    def duck(**kw: Any) -> Any:
+        return ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_threads=threads, **kw)
+    plan = duck()
+    t_run, out = cpu(plan.run, reps)
+    assert np.allclose(out.todense(), want)
+    row(name, "duckdb (chosen)", t_run, t_run, plan.notation())
+    chosen_cost = plan.steps[0].layout.cost
+    fixed = []
+    for b in (1, 16, 64, 256):
+        p = duck(blocks={"i": b, "j": b})
+        modelled = p.steps[0].layout.cost / chosen_cost
+        what = "duckdb per entry" if b == 1 else f"duckdb blocks i=j={b}"
+        if modelled > SKIP_OVER:
+            print(f"{name:28s} {what:26s} {'-':>10s} {'-':>8s}  not run: modelled {modelled:.0f}x the chosen "
+                  f"({p.notation()})")
+            continue
+        t, out = cpu(p.run, reps)
+        assert np.allclose(out.todense(), want)
+        fixed.append(t)
+        row(name, what, t, t_run, f"{p.notation()}; modelled {modelled:.2f}x")
+    print(f"{name:28s} {'chosen / best fixed run':26s} {'':10s} {t_run / min(fixed):8.2f}  "
+          f"(/ worst fixed run {t_run / max(fixed):.2f})")
+
+
+def duckdb_choices(reps: int, threads: int | None) -> None:
+    """The DuckDB layout's choice on a power-law graph and two block-diagonal matrices."""
+    try:
+        import duckdb  # noqa: F401
+    except ImportError:
+        return
+    duckdb_choice_case("DuckDB A·H (5000 nodes)", power_law_graph(5000, 50000), 64, reps, threads)
+    duckdb_choice_case("DuckDB block-diag 64x64 · D", block_diagonal(64, 64), 256, reps, threads)
+    duckdb_choice_case("DuckDB block-diag 16x16 · D", block_diagonal(256, 16), 16, reps, threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=20000)
@@ -169,6 +213,7 @@ def main() -> None:
     h, w = rng.standard_normal((args.nodes, 128)), rng.standard_normal((128, 32))
     print(f"{'case':28s} {'method':26s} {'CPU ms':>10s} {'/ peer':>8s}  notes")
     if args.only_duckdb:
+        duckdb_choices(args.reps, args.duck_threads or None)
         duckdb_case(args.duck_nodes, args.duck_edges, 64, 1, args.duck_threads or None)
         return
     case(f"A·H ({args.nodes} nodes)", "ij,jk->ik", g, [h], args.reps)
@@ -189,6 +234,7 @@ def main() -> None:
     t, _ = cpu(lambda: ej.sparse_compile("ij,jk,kl->il", a, b, c).run(), args.reps)
     print(f"{'acceptance 400x300, 3 ops':28s} {'compile + run':26s} {t * 1e3:10.1f} {'':8s}  "
           f"{'ok' if t <= 0.5 else 'OVER'} (<= 500 ms)")
+    duckdb_choices(args.reps, args.duck_threads or None)
     duckdb_case(args.duck_nodes, args.duck_edges, 64, 1, args.duck_threads or None)  # ~30 s a run: once
 
 

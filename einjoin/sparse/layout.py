@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from einjoin.errors import EinjoinError, PartitionError
+from einjoin.sparse.duckdb_cost import duckdb_cost
 
 __all__ = ["Operand", "Layout", "choose_layout", "histogram", "CANDIDATES"]
 
@@ -83,6 +84,7 @@ STEP = 1.2e5  # a step's own cost (~0.5 ms: building its relations and join, a p
 # intermediate's layout chosen at run): MTTKRP 9x8x7 (200 entries) in one rowprod step 0.12 ms, as
 # Khatri-Rao then SpMM 0.69 ms; 60x40x30 (3000) 1.0 vs 1.4 ms CPU
 EXHAUSTIVE = 200  # try every combination up to this many, else coordinate descent
+DUCK_DENSE = 64  # DuckDB: a sparse operand's label of at most this size may be dense (a list of it)
 
 
 @dataclass
@@ -142,7 +144,8 @@ class Layout:
     payload: int  # multiply-adds per joined tuple
     kernel: str  # "batched" (one einsum per chunk of tuples), "looped" (one BLAS einsum per
     # tuple), "spmm" (every payload but one a scalar: a sparse matrix times the big payloads) or
-    # "rowprod" (no label summed inside a payload: gathered rows multiplied, added by group)
+    # "rowprod" (no label summed inside a payload: gathered rows multiplied, added by group);
+    # "sql" for engine="duckdb" (the step's query, einjoin.sparse.duckdb_exec)
 
     def relational(self, label: str) -> bool:
         return self.blocks[label] is not None
@@ -153,7 +156,7 @@ class Layout:
 
 
 def _evaluate(ops: Sequence[Operand], out_labels: Sequence[str], sizes: Mapping[str, int],
-              blocks: dict[str, int | None], agg: str) -> Layout:
+              blocks: dict[str, int | None], agg: str, engine: str = "memory") -> Layout:
     def ext(lab: str) -> int:
         b = blocks[lab]
         return sizes[lab] if b is None else min(b, sizes[lab])
@@ -184,11 +187,16 @@ def _evaluate(ops: Sequence[Operand], out_labels: Sequence[str], sizes: Mapping[
             # nothing summed inside a payload, and no outer product of payloads (per tuple a
             # payload as large as theirs together: the batched einsum's case)
             costs["rowprod"] = TUPLE_COST + ROW_ELEM * (sum(n for n in sizes_in if n > 1) + out_size)
-    kernel = min(costs, key=costs.__getitem__)
-    load = float(sum(t * n for t, n in zip(tuples, sizes_in)))
     # a sparse operand stored per entry is cut into blocks on each run: a sort of its entries
-    load += REBLOCK * sum(len(op.coords) for op in ops
-                          if op.coords is not None and any((blocks[lab] or 2) > 1 for lab in op.labels))
+    reblocked = sum(len(op.coords) for op in ops
+                    if op.coords is not None and any((blocks[lab] or 2) > 1 for lab in op.labels))
+    if engine == "duckdb":  # one SQL query: rows, list elements and lambdas (sparse/duckdb_cost.py)
+        out_size = math.prod(ext(lab) for lab in out_labels)
+        groups = min(joined, float(math.prod(grid[lab] for lab in out_labels if lab in grid)))
+        cost = duckdb_cost(tuples, sizes_in, joined, out_size, flops, groups, reblocked)
+        return Layout(dict(blocks), tuples, joined, cost, flops, "sql")
+    kernel = min(costs, key=costs.__getitem__)
+    load = float(sum(t * n for t, n in zip(tuples, sizes_in))) + REBLOCK * reblocked
     cost = STEP + joined * costs[kernel] + load
     return Layout(dict(blocks), tuples, joined, cost, flops, kernel)
 
@@ -198,10 +206,9 @@ def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
                   what: str = "sparse einsum", engine: str = "memory") -> Layout:
     """The cheapest layout; ``pinned`` fixes block sizes, ``relational`` labels stay keyed.
     Labels of dense operands only stay dense (nothing to skip) unless pinned. For
-    ``engine="duckdb"`` the labels of sparse operands are keyed per entry unless pinned: SQL
-    arithmetic on a block's list elements (~7M a second in DuckDB's lambdas) costs far more
-    than a join per entry (A·D of 64 dense 64-blocks, D 4096 x 256: 1.3 s at blocks of 1 vs
-    4.9 s at 64, CPU)."""
+    ``engine="duckdb"`` the costs are its query's (:mod:`einjoin.sparse.duckdb_cost`: rows,
+    list elements, lambda calls), and a sparse operand's label is dense only up to
+    ``DUCK_DENSE`` (its payload a list of the whole dim otherwise: one SQL column each)."""
     sizes: dict[str, int] = {}
     order: list[str] = list(out_labels)
     for op in ops:
@@ -224,8 +231,8 @@ def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
         if lab in pinned:
             choices[lab] = [min(int(pinned[lab]), n)]
             continue
-        keyed: list[int | None] = [1] if engine == "duckdb" else [b for b in CANDIDATES if b < n] or [1]
-        if lab in relational or (engine == "duckdb" and lab in in_sparse):
+        keyed: list[int | None] = [b for b in CANDIDATES if b < n] or [1]
+        if lab in relational or (engine == "duckdb" and lab in in_sparse and n > DUCK_DENSE):
             choices[lab] = list(keyed)
         elif lab in in_sparse:
             choices[lab] = [None, *keyed]
@@ -233,7 +240,7 @@ def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
             choices[lab] = [None]
     labels = list(choices)
     if math.prod(len(c) for c in choices.values()) <= EXHAUSTIVE:
-        best = min((_evaluate(ops, out_labels, sizes, dict(zip(labels, combo)), agg)
+        best = min((_evaluate(ops, out_labels, sizes, dict(zip(labels, combo)), agg, engine)
                     for combo in itertools.product(*(choices[lab] for lab in labels))),
                    key=lambda lay: lay.cost)
         return best
@@ -242,12 +249,12 @@ def choose_layout(ops: Sequence[Operand], out_labels: Sequence[str],
     ends = []
     for start in ({lab: c[1] if len(c) > 1 and c[0] is None else c[0] for lab, c in choices.items()},
                   {lab: c[0] for lab, c in choices.items()}):
-        best = _evaluate(ops, out_labels, sizes, start, agg)
+        best = _evaluate(ops, out_labels, sizes, start, agg, engine)
         for _sweep in range(4):
             improved = False
             for lab in labels:
                 for bb in choices[lab]:
-                    trial = _evaluate(ops, out_labels, sizes, {**best.blocks, lab: bb}, agg)
+                    trial = _evaluate(ops, out_labels, sizes, {**best.blocks, lab: bb}, agg, engine)
                     if trial.cost < best.cost:
                         best, improved = trial, True
             if not improved:
