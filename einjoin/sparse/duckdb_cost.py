@@ -22,9 +22,11 @@ or elements through one part of the query:
 
 ``COSTS`` holds their constants, in the layout's unit (about 4 ns of CPU time), measured on the
 development box (2 cores, AMD EPYC) by ``bench/sparse_duckdb_calibrate.py`` (one DuckDB thread,
-CPU time, a non-negative least-squares fit over 20 queries weighted by 1 / time; its printed dict
-is pasted here: modelled within 15% of measured on 17 of them, 1.5-2x under on a blocked SpMV
-and a 16-blocked Hadamard product). A step costs ~30 ms of its own (connection, tables created
+CPU time, a non-negative least-squares fit over 26 queries weighted by 1 / time; its printed dict
+is pasted here: modelled within ~20% of measured on 19 of them; 2-5x under where a lambda over
+a summed label reads long lists in few joined tuples (a 64-wide block of A against a 64 x k
+block of H: 175 ms measured vs 85 modelled at k 16, 4.1 s vs 0.8 s at k 256), so blocks are
+still somewhat favoured there). A step costs ~30 ms of its own (connection, tables created
 and dropped). List arithmetic is what makes blocks dear on DuckDB: a lambda call over a list
 element costs ~35 ns against ~0.5 ns for a multiply-add of numpy's batched einsum, so DuckDB
 keys a sparse operand per entry unless its blocks are nearly full and little is summed in them.
