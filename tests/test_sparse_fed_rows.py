@@ -74,7 +74,7 @@ def test_a_fed_spmv_splits_its_entries_among_the_devices(devices, entries_run):
     assert sparse_flops(node) - devices < modelled <= sparse_flops(node)
 
 
-@settings(max_examples=examples(15), deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(data=st.data())
 def test_forced_cuts_of_a_fed_operands_own_dims_equal_numpy(data):
     """Any cut (rows, columns, both; p devices of 1, 2, 4) of an output dim the fed tensor carries,
