@@ -12,6 +12,7 @@ the same :class:`Store`.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -130,6 +131,18 @@ def _own(value: np.ndarray, t: Task, get: Callable[[int], Any], feeds: Mapping[N
     return value
 
 
+def _torch_threads_here(n: int) -> None:
+    """torch's intra-op threads on this thread: ``n``. With OpenMP, torch's count is a per-thread
+    setting (``omp_set_num_threads`` on the thread that asks), so the limit set on the first
+    lane in left the other lanes at their own count (2 on 2 cores: their torch kernels opened a
+    team of two OpenMP threads on cores the other lane computed on, and spun; the small LLaMA
+    step's attention gradients took ~4x their CPU). A lane's thread is the runtime's own, so it
+    keeps the share (the next run sets its own)."""
+    import torch  # loaded: the limit found it so
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 class LocalSession:
     """One run on devices in this process: a store per device, a host store for a memory-capped
     graph, and the task semantics of :func:`einjoin.plan.execute.compute`. ``threaded``: one
@@ -169,6 +182,7 @@ class LocalSession:
         self._held = 0
         self._limit_cm: AbstractContextManager[Any] | None = None
         self._limit_error: BaseException | None = None
+        self._torch_threads: int | None = None  # torch's intra-op threads under the limit (a lane's share)
         self.state = run.state  # a program's state (einjoin.runtime.state), or None
         # the run's attention forwards, for their gradient kernels (bound to each worker thread)
         self.memo = ForwardMemo() if computes else None
@@ -223,9 +237,15 @@ class LocalSession:
                 try:
                     entered.__enter__()
                     self._limit_cm = entered
+                    torch = sys.modules.get("torch")
+                    # what the limit gave torch, on this thread: the other lanes take it below
+                    self._torch_threads = torch.get_num_threads() if torch is not None else None
                 except Exception as e:  # noqa: BLE001 - raised at the session's exit
                     self._limit_error = self._limit_error or e
             self._held += 1
+            share = self._torch_threads
+        if share is not None:
+            _torch_threads_here(share)
         try:
             yield
         finally:
