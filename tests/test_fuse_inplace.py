@@ -93,3 +93,18 @@ def test_a_donor_something_else_holds_is_not_written() -> None:
     del kept
     got = d(store)  # the store alone holds it: written in place
     assert got is store[d.value] and np.array_equal(got, want)
+
+
+def test_a_reshaped_view_is_written_only_when_its_array_is_held_by_it_alone() -> None:
+    x, w = ej.input("x", (64, 32)), ej.input("w", (32, 48))
+    prog = ej.compile(ej.relu(x @ w) @ ej.input("v", (48, 8)), devices=1, backend="sync", quiet=True)
+    (d,) = fi.donations(prog.taskgraph, prog.decomps).values()
+    flat = RNG.standard_normal(64 * 48, dtype=np.float32)
+    want = np.maximum(flat, 0).reshape(d.shape)
+    store = {d.value: flat.reshape(d.shape)}  # a view of flat, which the test still holds
+    assert d(store) is None and not np.array_equal(store[d.value], want)
+    del flat
+    got = d(store)
+    assert got is store[d.value] and np.array_equal(got, want)
+    half = {d.value: RNG.standard_normal((2, 64, 48), dtype=np.float32)[0]}  # a view of part of an array
+    assert d(half) is None

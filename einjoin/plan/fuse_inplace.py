@@ -52,9 +52,24 @@ from einjoin.plan.taskgraph import TaskGraph
 __all__ = ["Donation", "donations", "engine_donations"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-# the references a donor block has when nothing else holds it: the store's entry, the caller's
-# local name and getrefcount's own argument (see Donation.__call__)
-_ALONE = 3
+
+
+def _alone() -> tuple[int, int]:
+    """What ``sys.getrefcount`` says in :meth:`Donation.__call__` of a block nothing else holds
+    (the store's entry, the local name, getrefcount's own argument: 3 on CPython 3.11), and of
+    the array a block views (its ``base``, the local name, the argument): measured the same way
+    once, since later interpreters count borrowed references differently."""
+    values = {0: np.empty(2)}
+    x = values.get(0)
+    alone = sys.getrefcount(x)
+    values[1] = np.empty(4)[1:3]
+    v = values.get(1)
+    owner = v.base if v is not None else None
+    viewed = sys.getrefcount(owner)
+    return alone, viewed
+
+
+_ALONE, _VIEWED = _alone()
 
 
 @dataclass(frozen=True)
@@ -80,7 +95,7 @@ class Donation:
             return None
         owner = x.base  # a kernel's block may be a reshaped view of the array numpy returned
         if owner is not None and (type(owner) is not np.ndarray or owner.base is not None
-                                  or owner.nbytes != x.nbytes or sys.getrefcount(owner) > _ALONE):
+                                  or owner.nbytes != x.nbytes or sys.getrefcount(owner) > _VIEWED):
             return None
         owner = None
         calls = []
