@@ -87,8 +87,9 @@ class _Wrap(nn.Module):
 def cases(info: Any, dtype: torch.dtype, limit: int | None = None) -> Iterator[Case]:
     if dtype not in info.supported_dtypes("cpu"):
         return
+    torch.manual_seed(39)  # torch's sample generators draw from the global generator: fixed cases
     try:
-        samples = info.sample_inputs("cpu", dtype, requires_grad=False)
+        samples = list(info.sample_inputs("cpu", dtype, requires_grad=False))
     except Exception:  # torch's own generator (a missing optional module)
         return
     name = info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
