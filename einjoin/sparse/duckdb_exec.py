@@ -49,7 +49,7 @@ import numpy as np
 from einjoin.errors import EinjoinError
 from einjoin.sparse.execute import Relation, RunCounts, relation_of, zero_padding
 from einjoin.sparse.layout import Layout
-from einjoin.sparse.tensor import SparseTensor, unique_rows
+from einjoin.sparse.tensor import SparseTensor, is_float, unique_rows
 
 __all__ = ["DuckSession", "execute_duckdb", "require_duckdb", "step_sql"]
 
@@ -259,7 +259,7 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
                    sizes: Mapping[str, int], layout: Layout, agg: str, dtype: np.dtype, what: str
                    ) -> tuple[np.ndarray, np.ndarray | None, RunCounts]:
     """:func:`einjoin.sparse.execute.execute`'s contract, run as one SQL query in ``session``."""
-    kind = "f" if dtype.kind == "f" else "i"
+    kind = "f" if is_float(dtype) else "i"  # halves in DOUBLE, rounded once at the end
     rels = [relation_of(v, ls, layout) for v, ls in zip(values, in_labels)]
     labels = list(dict.fromkeys([*out_labels, *(lab for ls in in_labels for lab in ls)]))
     col = {lab: j for j, lab in enumerate(labels)}

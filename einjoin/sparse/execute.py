@@ -28,7 +28,7 @@ import numpy as np
 from einjoin.errors import UnsupportedOpError
 from einjoin.sparse.kernels import rowprod, spmm
 from einjoin.sparse.layout import Layout
-from einjoin.sparse.tensor import SparseTensor, grid_of
+from einjoin.sparse.tensor import SparseTensor, grid_of, half
 
 __all__ = ["Relation", "relation_of", "execute", "RunCounts", "zero_padding"]
 
@@ -248,7 +248,7 @@ def execute(values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tup
     cols, idx, m, order, grouped, starts, keys, ngroups, gid = (
         j.cols, j.idx, j.m, j.order, j.grouped, j.starts, j.keys, j.ngroups, j.gid)
     out_ext = tuple(layout.extent(lab, sizes[lab]) for lab in out_labels)
-    compute = np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
+    compute = np.dtype(np.float32) if half(dtype) else dtype  # torch's accumulation of halves
     lowest: float = -np.inf if compute.kind == "f" else int(np.iinfo(compute.type).min)
     if agg == "sum" and into is not None and into.shape == (ngroups, *out_ext) and into.dtype == compute:
         out = into

@@ -36,8 +36,8 @@ from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duck
 from einjoin.sparse.execute import RunCounts
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
-from einjoin.sparse.tensor import (EINSUM, SparseTensor, dense_operand, drop_dims, is_sparse_format, size1_squeeze,
-                                   sparse)
+from einjoin.sparse.tensor import (EINSUM, SparseTensor, dense_operand, drop_dims, half, is_float, is_sparse_format,
+                                   size1_squeeze, sparse)
 
 __all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum", "GRAD"]
 
@@ -317,7 +317,7 @@ class SparsePlan:
                 data = v.data
             else:
                 data = v
-            if data.dtype.kind != "f" or not data.size:
+            if not is_float(data.dtype) or not data.size:
                 continue
             # one pass without a temporary; a sum that overflowed is checked element by element
             if np.isfinite(data.sum(dtype=np.float64)) or np.isfinite(data).all():
@@ -485,9 +485,7 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
         sizes.update(zip(ls, v.shape))
     if not set(sizes) - set(out_labels):
         agg_name = "sum"  # nothing aggregated: every output key has one tuple
-    dtype = np.result_type(*[v.dtype for v in values])
-    if dtype.kind == "b":
-        dtype = np.dtype(np.float32)
+    dtype = result_dtype([np.dtype(v.dtype) for v in values])
     infos = _infos(values, in_labels, names)
     pins, rel = dict(blocks or {}), set(relational or ())
     # pins are checked once against the whole equation (each step sees its own labels' pins)
@@ -534,6 +532,19 @@ def _engine(name: str, memory: str | None, temp: str | None, threads: int | None
     if name == "duckdb":
         require_duckdb(what)  # a missing package is named at compile, not at the first run
     return Engine(name, memory, temp, threads)
+
+
+def result_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The result's dtype: numpy's promotion, bool as float32; with a float16 / bfloat16 operand
+    torch's (an integer with a half gives the half, float16 with bfloat16 float32), which numpy
+    cannot promote (ml_dtypes' bfloat16) or widens (int64 with float16 is float64 there)."""
+    if not any(half(d) for d in dtypes):
+        dt = np.result_type(*dtypes)
+        return np.dtype(np.float32) if dt.kind == "b" else dt
+    floats = {d for d in dtypes if is_float(d)}
+    if len(floats) == 1:
+        return floats.pop()
+    return max((d for d in floats if not half(d)), key=lambda d: d.itemsize, default=np.dtype(np.float32))
 
 
 def _check_pins(pins: Mapping[str, int], relational: set[str], sizes: Mapping[str, int], what: str

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from einjoin.errors import DTypeError, EinjoinError, ShapeError
+from einjoin.ir.dtypes import is_bfloat16
 from einjoin.ir.reference import to_numpy
 
 __all__ = ["SparseTensor", "sparse", "is_sparse", "dense_operand", "broadcast_size1",
@@ -76,17 +77,27 @@ def _check_shape(shape: Any, what: str) -> tuple[int, ...]:
     return out
 
 
+def is_float(dt: np.dtype) -> bool:
+    """A floating dtype: numpy's float16/32/64 or ml_dtypes' bfloat16 (numpy kind 'V')."""
+    return dt.kind == "f" or is_bfloat16(dt)
+
+
+def half(dt: np.dtype) -> bool:
+    """float16 or bfloat16: computed in float32 and rounded once at the end, as torch does."""
+    return dt == np.float16 or is_bfloat16(dt)
+
+
 def exact_values(arr: np.ndarray, what: str) -> np.ndarray:
-    """``arr`` in a dtype the einsum computes in, every value unchanged: float16/32/64, int64 and
-    bool as they are, narrower (u)ints as int64, uint64 as int64 when every value fits (the IR
-    knows int64 only: an int32 operand was "unknown dtype 'int32'" at every einsum)."""
+    """``arr`` in a dtype the einsum computes in, every value unchanged: float16/32/64, bfloat16,
+    int64 and bool as they are, narrower (u)ints as int64, uint64 as int64 when every value fits
+    (the IR knows int64 only: an int32 operand was "unknown dtype 'int32'" at every einsum)."""
     dt = arr.dtype
-    if dt.kind in "fb" and dt.itemsize <= 8 or dt == np.int64:
+    if dt.kind in "fb" and dt.itemsize <= 8 or dt == np.int64 or is_bfloat16(dt):
         return arr
     if dt.kind in "iu" and (dt.itemsize < 8 or arr.size == 0 or int(arr.max()) < 2 ** 63):
         return arr.astype(np.int64)
     raise DTypeError(f"{what}: values of dtype {dt} (sparse einsums compute in float16/32/64, "
-                     f"int64 or bool; {dt} values beyond int64 or without a numpy kind of number "
+                     f"bfloat16, int64 or bool; {dt} values beyond int64 or without a numpy kind of number "
                      f"are refused: convert them first, e.g. .astype(np.float64) or t.float())")
 
 
@@ -309,13 +320,13 @@ class SparseTensor:
             else padded
 
     def to_scipy(self) -> Any:
-        """A ``scipy.sparse.csr_array`` (rank 2 only; float16 values come as float32, which holds
-        each exactly: scipy.sparse has no float16)."""
+        """A ``scipy.sparse.csr_array`` (rank 2 only; float16 / bfloat16 values come as float32,
+        which holds each exactly: scipy.sparse has neither)."""
         if self.ndim != 2:
             raise ShapeError(f"sparse tensor {self.name!r}: to_scipy needs rank 2, shape is {self.shape}")
         import scipy.sparse
         coords, vals = self.coo()
-        if vals.dtype == np.float16:
+        if half(vals.dtype):
             vals = vals.astype(np.float32)
         return scipy.sparse.coo_array((vals, (coords[:, 0], coords[:, 1])), shape=self.shape).tocsr()
 
@@ -333,7 +344,7 @@ class SparseTensor:
             return hit
         data = self.data
         # one pass without a temporary; a sum that overflowed is checked element by element
-        ok = data.dtype.kind != "f" or not data.size or bool(np.isfinite(data.sum(dtype=np.float64))) \
+        ok = not is_float(data.dtype) or not data.size or bool(np.isfinite(data.sum(dtype=np.float64))) \
             or bool(np.isfinite(data).all())
         self.derived[("finite",)] = ok
         return ok
