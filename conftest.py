@@ -6,6 +6,10 @@ wait for each other, spinning: a small LLaMA's ten torch training steps took 3.7
 0.2 s, the Trainer tests half the suite's time. einjoin's kernels are numpy's (their BLAS
 limits are the runtime's own), so what the tests check is unchanged."""
 
+import os
+import resource
+import time
+
 import pytest
 import torch
 
@@ -20,3 +24,39 @@ def _fresh_plan_cache():  # type: ignore[no-untyped-def]
     from einjoin.planner import clear_plan_cache
     clear_plan_cache()
     yield
+
+
+# ---- EINJOIN_TEST_CPU=PREFIX: each test's CPU seconds, one file per process (PREFIX.gw0.tsv, ...)
+# On a shared machine wall durations (--durations) measure the neighbours' load as much as the
+# test: a 0.6 s-CPU test took 170 s of wall time in one loaded run. This writes, per test (setup,
+# call and teardown), the process's CPU seconds (every thread), those of the child processes it
+# waited for (a fresh-process test's interpreter) and the wall seconds, tab-separated:
+#   EINJOIN_TEST_CPU=/tmp/cpu .venv/bin/python -m pytest -n 2 -q
+#   sort -t$'\t' -k2 -nr /tmp/cpu.*.tsv | head
+_CPU_PREFIX = os.environ.get("EINJOIN_TEST_CPU")
+_cpu_rows: list[str] = []
+_cpu_start: dict[str, tuple[float, float, float]] = {}
+
+
+def _cpu_now() -> tuple[float, float, float]:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime, time.perf_counter()
+
+
+def pytest_runtest_logstart(nodeid: str, location: object) -> None:
+    if _CPU_PREFIX:
+        _cpu_start[nodeid] = _cpu_now()
+
+
+def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
+    start = _cpu_start.pop(nodeid, None)
+    if start is not None:
+        end = _cpu_now()
+        _cpu_rows.append(f"{nodeid}\t{end[0] - start[0]:.3f}\t{end[1] - start[1]:.3f}\t{end[2] - start[2]:.3f}\n")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _CPU_PREFIX and _cpu_rows:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_CPU_PREFIX}.{worker}.tsv", "w") as f:
+            f.writelines(_cpu_rows)
