@@ -121,6 +121,10 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
     for lab in outs:
         if lab not in sizes:
             raise EinsumSyntaxError(f"{what}: output label {lab!r} appears in no operand")
+    empty = [lab for lab in sizes if lab not in outs and sizes[lab][0] == 0]
+    if empty and agg == "max":  # as the dense einsum (ir.ops): a max over nothing has no value
+        raise ShapeError(f"{what}: max over label(s) {''.join(empty)!r} of size 0 has no value (an empty "
+                         f"tensor's max); slice a non-empty range or use sum")
     for x in inputs:
         if kind(x.dtype) != "float":
             raise DTypeError(f"{what}: dense operand of dtype {x.dtype}; sparse einsums take float operands "
@@ -212,8 +216,8 @@ def _terms(node: Node) -> int:
 
 def _max_reference(op: SparseEinsum, work: Sequence[np.ndarray]) -> np.ndarray:
     """The maximum over the summed labels of every product, the densified operand's zeros
-    included (an absent entry's product is 0, as the sparse engine's); no term at all (a summed
-    label of extent 0): 0, as the engine gives."""
+    included (an absent entry's product is 0, as the sparse engine's); a summed label of extent 0
+    is refused when the node is built (:func:`sparse_einsum_node`)."""
     every = tuple(dict.fromkeys(lab for ls in op.in_labels for lab in ls))
     summed = tuple(lab for lab in every if lab not in op.out_labels)
     prod = np.einsum(",".join("".join(ls) for ls in op.in_labels) + "->" + "".join(every), *work)
