@@ -61,3 +61,39 @@ def test_each_lane_runs_torch_kernels_at_its_share(monkeypatch):
     want = ej.compile([out, *grads], devices=ej.local(2), backend="sync", quiet=True).run(**feeds)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_blas_share_holds_under_a_users_threadpool_limits():
+    """A ``threadpool_limits`` held by the caller makes its thread threadpoolctl's controller of
+    OpenBLAS, whose setter then ignores every other thread: the share a run's lane sets must
+    still apply (else both lanes call OpenBLAS at every core and spin against each other). The
+    caller's limit is back once the run and the context end."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if cores() < 2:
+        pytest.skip("one core: every share is one thread")
+    x, y = ej.input("x", (64, 64), "float32"), ej.input("y", (64, 64), "float32")
+    prog = ej.compile([ej.einsum("ij,jk->ik", x, y)], devices=ej.local(2), backend="threads", quiet=True)
+
+    def blas() -> list[int]:
+        return [lc.num_threads for lc in threadpoolctl.ThreadpoolController().lib_controllers
+                if lc.internal_api == "openblas"]
+
+    if not blas():
+        pytest.skip("no OpenBLAS loaded")
+    seen: list[list[int]] = []
+
+    class Record:
+        def on_start(self, task):
+            seen.append(blas())
+
+        def on_end(self, task, start, end):
+            pass
+
+    a = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+    before = blas()
+    with threadpoolctl.threadpool_limits(cores(), user_api="blas"):
+        got = prog.run(x=a, y=a, callbacks=[Record()])
+        assert blas() == [cores()] * len(before)  # the caller's limit, back after the run
+    assert seen and all(n == [max(1, cores() // 2)] * len(before) for n in seen), seen
+    assert blas() == before
+    np.testing.assert_allclose(np.asarray(got[0] if isinstance(got, (list, tuple)) else got), a @ a, rtol=1e-5)

@@ -127,7 +127,11 @@ class BlasLimiter:
                 return
             changed = [lc for lc, w in zip(libs, want) if lc.num_threads != w]
             for lc in changed:  # only a limit that differs: the others cost nothing
-                lc.set_num_threads(want[libs.index(lc)])
+                # the library's own setter: threadpoolctl's lets only the thread that controls
+                # OpenBLAS change it and ignores the others, so a user's threadpool_limits held
+                # on the main thread made every run's share a silent no-op (both lanes' OpenBLAS
+                # at every core, spinning: the small LLaMA trainer step ~20x its CPU)
+                getattr(lc, "_real_set_num_threads", lc.set_num_threads)(want[libs.index(lc)])
             for cls in {type(lc) for lc in changed}:  # give up the OpenBLAS control (threadpoolctl >= 3.6)
                 clear = getattr(cls, "clear_controlling_thread", None)
                 if clear is not None:
