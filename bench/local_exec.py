@@ -225,6 +225,8 @@ class CpuWatch:
 @dataclass
 class Timing:
     times: list[float] = field(default_factory=list)
+    # the process's CPU seconds per run (every thread's: the wall times of a shared box are noise)
+    cpu: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -259,9 +261,10 @@ def measure(columns: dict[str, Callable[[], Any]], reps: int, check: Callable[[s
         log(f"repetition {r + 1}/{reps}")
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             fn = columns[label]
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             result = fn()
             times[label].times.append(time.perf_counter() - t0)
+            times[label].cpu.append(time.process_time() - c0)
             check(label, result)
             result = None
     return times
@@ -387,6 +390,10 @@ def run_case(case: Case, console: Console, time_left_s: float) -> Result:
                      f"outside the engine's dispatch (checks, BLAS limit, outputs) median "
                      f"{statistics.median(outside) * 1e3:.1f} ms; devices' busy time spread median "
                      f"{statistics.median(s for _, s in engine_runs) * 1e3:.0f} ms")
+    if "dask (einjoin blocks)" in times:
+        e, d = (statistics.median(times[k].cpu) for k in ("einjoin", "dask (einjoin blocks)"))
+        notes.append(f"CPU per run (the process's, every thread; a spinning BLAS thread of the column before "
+                     f"counts too) median: einjoin {e:.3f} s, dask (einjoin blocks) {d:.3f} s, ratio {e / d:.2f}")
     copies = None
     if prog_t is not None:
         out = columns[TORCH_COL]()
