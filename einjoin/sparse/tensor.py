@@ -89,10 +89,11 @@ def half(dt: np.dtype) -> bool:
 
 def exact_values(arr: np.ndarray, what: str) -> np.ndarray:
     """``arr`` in a dtype the einsum computes in, every value unchanged: float16/32/64, bfloat16,
-    int64 and bool as they are, narrower (u)ints as int64, uint64 as int64 when every value fits
-    (the IR knows int64 only: an int32 operand was "unknown dtype 'int32'" at every einsum)."""
+    (u)int8, int16/32/64 and bool as they are (a product of narrow ints wraps in their dtype, as
+    torch's does), uint16/32 as int64, uint64 as int64 when every value fits."""
     dt = arr.dtype
-    if dt.kind in "fb" and dt.itemsize <= 8 or dt == np.int64 or is_bfloat16(dt):
+    if dt.kind in "fb" and dt.itemsize <= 8 or is_bfloat16(dt) or \
+            dt in (np.int8, np.uint8, np.int16, np.int32, np.int64):
         return arr
     if dt.kind in "iu" and (dt.itemsize < 8 or arr.size == 0 or int(arr.max()) < 2 ** 63):
         return arr.astype(np.int64)
