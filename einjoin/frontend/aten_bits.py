@@ -173,6 +173,8 @@ def _cum_extreme(x: Tensor, dim: int, is_max: bool, what: str) -> ScanResult:
     if x.ndim >= len(LETTERS):
         raise UnsupportedOpError(f"{what}: rank {x.ndim} is above the supported 25")
     n = x.shape[d]
+    if n == 0:  # nothing to scan: torch's empty values and indices (the max below has no value)
+        return ScanResult(x, fill(tuple(x.shape), "0", "int64"))
     ls = LETTERS[:x.ndim]
     i = LETTERS[x.ndim]
     out = ls[:d] + i + ls[d + 1:]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+import torch
 
 import einjoin as ej
 from einjoin.errors import ShapeError
@@ -26,3 +29,30 @@ def test_a_graph_max_over_an_empty_label_is_refused_as_the_dense_max_not_zero(fe
     np.testing.assert_array_equal(ej.reference(ej.einsum("ij,j->i", a, v), v_empty=np.zeros(0),
                                                **({"Aempty": ej.sparse("Aempty", np.zeros((3, 0)))} if fed else {})),
                                   np.zeros(3))
+
+
+# ---------------------------------------------------------------- cummax / cummin of nothing (6db6fa6)
+
+
+class _Scan(torch.nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("shape,dim,dtype", [((0, 3), 0, torch.float32), ((2, 0), 1, torch.int32),
+                                             ((2, 0), -1, torch.float64), ((0,), 0, torch.int64)])
+def test_cummax_cummin_over_an_empty_dim_give_torchs_empty_results(shape: tuple[int, ...], dim: int,
+                                                                    dtype: torch.dtype) -> None:
+    # torch scans an empty dim to empty values and int64 indices; the translation refused it with
+    # an einsum the user never wrote ("einsum 'ab,ca->cb': max over label(s) 'a' of size 0")
+    x = torch.zeros(shape, dtype=dtype)
+    fn = _Scan(lambda t: (torch.cummax(t, dim)[0], torch.cummax(t, dim)[1], torch.cummin(t, dim)[0],
+                          torch.cummin(t, dim)[1]))  # fx: a proxy cannot be unpacked
+    got = ej.compile(ej.from_torch(fn, (x,), method="fx"), quiet=True).run(x)
+    for g, w in zip(got, fn(x)):
+        g = np.asarray(g)
+        assert g.shape == tuple(w.shape) and g.dtype == w.numpy().dtype
