@@ -1,4 +1,4 @@
-"""Sparse einsums (issue 24, first slice): einjoin's relational executor on one process against
+"""Sparse einsums (issue 24): einjoin's relational executor on one process against
 scipy.sparse and torch.sparse on the same data, and the layout's choice against fixed block sizes.
 
 One table, every time CPU seconds (``time.process_time``: the box is shared, wall time is noise;
@@ -23,9 +23,11 @@ CPU time counts every thread, so BLAS threads are not free), median of ``--reps`
   attention, flops and CPU time (``bench/sparse_attention.py``; ``/ peer``: to torch's sdpa with the
   bool mask).
 
-Ratios are to the faster of scipy / torch measured in the same run. Not here yet (issue 24):
-devices, MTTKRP, the 200k-node / 5M-edge graph (``--nodes 200000
---edges 5000000`` runs it, slowly).
+Ratios are to the faster of scipy / torch measured in the same run. The table also holds the
+1- and 2-device rows (``bench/sparse_devices.py``), a GNN layer's gradients
+(``bench/sparse_grad.py``) and MTTKRP (``bench/sparse_mttkrp.py``, nnz = 2 × ``--edges``). The
+issue's sizes, the 200k-node / 5M-edge graph and 10M non-zeros: ``--nodes 200000 --edges 5000000``
+(slow).
 
 Run it with ``make bench`` (or ``.venv/bin/python bench/sparse.py``).
 """
