@@ -35,7 +35,7 @@ import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -182,8 +182,10 @@ def _donation(t: Task, tg: TaskGraph, decomps: Mapping[Node, Decomposition], rea
     d = decomps.get(t.node)
     if d is None or d.n_partials != 1 or not t.reads:
         return None
-    op = d.node.op
-    if not isinstance(op, Einsum) or op.agg_labels or not isinstance(op.join, Call):
+    if not d.node.facts.contracts:  # contracts promises an Einsum op (ir.node.KindFacts)
+        return None
+    op = cast(Einsum, d.node.op)
+    if op.agg_labels or not isinstance(op.join, Call):
         return None
     if rule_for(BLOCK_KERNELS, op, "the block kernels") is not _einsum_block:
         return None
