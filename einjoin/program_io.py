@@ -70,6 +70,7 @@ from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.planner import PLANNERS
 from einjoin.sparse.feed import declarations, declare
+from einjoin.sparse.tensor import SparseTensor, is_sparse_format, sparse
 
 __all__ = ["write", "read", "file_path", "FORMAT", "FORMAT_VERSION", "StructureWarning"]
 
@@ -348,11 +349,22 @@ def write(path: str | os.PathLike[str], plan: CompiledPlan, bound: Mapping[str, 
             dtypes[key] = dt
     for k, v in enc.arrays.items():
         put(k, v)
+    sparse_bound: dict[str, list[int]] = {}
     for k, v in bound.items():
+        held = v.now() if callable(getattr(v, "now", None)) else v  # a module's sparse buffer (LiveSparse)
+        if is_sparse_format(held) or isinstance(held, SparseTensor):
+            # a sparse bound value: its COO arrays (keys n x rank, values), loaded as a SparseTensor
+            st = held if isinstance(held, SparseTensor) else sparse(k, held)
+            coords, vals = st.coo()
+            put(f"bound_sparse.{k}.keys", coords)
+            put(f"bound_sparse.{k}.values", vals)
+            sparse_bound[k] = list(st.shape)
+            continue
         put(f"bound.{k}", v)
     for k, v in state.items():
         put(f"state.{k}", v)
-    body["bound"] = list(bound)
+    body["bound"] = [k for k in bound if k not in sparse_bound]
+    body["bound_sparse"] = sparse_bound
     body["state_values"] = list(state)
     body["array_dtypes"] = dtypes
     body["nodes"] = enc.nodes  # after everything else: encoding may have met more nodes
@@ -538,7 +550,13 @@ def read(path: str | os.PathLike[str], backend: Any = None) -> tuple[CompiledPla
             raise EinjoinError(f"ej.load: {where!r}: the saved options do not apply here ({e}); "
                                f"ej.load(..., backend=...) chooses another backend") from None
         arg_names = dec.dec(body["arg_names"])
-        bound = {k: arrays[f"bound.{k}"] for k in body["bound"]} if body["bound"] or arg_names else None
+        sparse_bound = body.get("bound_sparse", {})
+        bound: dict[str, Any] | None = {k: arrays[f"bound.{k}"] for k in body["bound"]} \
+            if body["bound"] or sparse_bound or arg_names else None
+        for k, shape in sparse_bound.items():  # fed as a SparseTensor (sparse/feed.py reads it)
+            assert bound is not None
+            bound[k] = sparse(k, (arrays[f"bound_sparse.{k}.keys"].T, arrays[f"bound_sparse.{k}.values"],
+                                  tuple(shape)))
         plan = CompiledPlan(graph, dec.dec(body["cluster"]), dec.dec(body["decomps"]), dec.dec(body["placement"]),
                             dec.dec(body["taskgraph"]), dec.dec(body["stats"]), options, bool(body["many"]),
                             arg_names, bound, dec.dec(body["state"]), None, dec.dec(body["dynamic"]),
