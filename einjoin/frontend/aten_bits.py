@@ -129,9 +129,24 @@ def _logical_not(x: Tensor) -> Tensor:
 def _fmod(a: Any, b: Any) -> Any:
     if not _is_t(a) and not _is_t(b):
         return float(np.fmod(a, b))
-    if any(_is_t(v) and v.dtype == "bool" for v in (a, b)):
-        raise DTypeError("fmod: a bool operand; torch's fmod is not implemented for bool")
+    a, b = _unbool("fmod", a, b)
     return elementwise("fmod", a, b, name="fmod")
+
+
+def _unbool(what: str, a: Any, b: Any) -> tuple[Any, Any]:
+    """torch's promotion of a bool tensor with a non-bool operand: the bool cast to the other
+    tensor's dtype (int8 with int8), or to int64 beside a Python number (then the number's
+    promotion: float32 with a float); two bools are refused, as torch's kernels refuse them."""
+    def is_bool(v: Any) -> bool:
+        return (_is_t(v) and v.dtype == "bool") or isinstance(v, bool)
+    if is_bool(a) and is_bool(b):
+        raise DTypeError(f"{what}: bool operands; torch's {what} is not implemented for bool")
+
+    def cast(v: Any, other: Any) -> Any:
+        if _is_t(v) and v.dtype == "bool":
+            return v.to(other.dtype if _is_t(other) else "int64")
+        return v
+    return cast(a, b), cast(b, a)
 
 
 def trunc_div(a: Any, b: Any) -> Any:
@@ -139,9 +154,7 @@ def trunc_div(a: Any, b: Any) -> Any:
     operands' promoted dtype (integers exactly; an integer divisor of 0 is an error, as torch)."""
     if not _is_t(a) and not _is_t(b):
         return int(a / b) if isinstance(a, int) and isinstance(b, int) else float(np.trunc(a / b))
-    if any(_is_t(v) and v.dtype == "bool" for v in (a, b)):
-        # torch's trunc division of bools is of them as integers (True / True is 1)
-        a, b = (v.to("int64") if _is_t(v) and v.dtype == "bool" else v for v in (a, b))
+    a, b = _unbool("div(rounding_mode='trunc')", a, b)
     return elementwise("truncdiv", a, b, name="div")
 
 

@@ -56,3 +56,50 @@ def test_cummax_cummin_over_an_empty_dim_give_torchs_empty_results(shape: tuple[
     for g, w in zip(got, fn(x)):
         g = np.asarray(g)
         assert g.shape == tuple(w.shape) and g.dtype == w.numpy().dtype
+
+
+# ---------------------------------------------------------------- fmod / trunc division of a bool (6db6fa6)
+
+
+class _Three(torch.nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, b: torch.Tensor, i: torch.Tensor, f: torch.Tensor) -> Any:
+        return self.fn(b, i, f)
+
+
+BOOL_MIXED = {  # a bool operand with a non-bool one: torch promotes it (int8 with int8, int64 with 2)
+    "fmod_bool_int8": lambda b, i, f: torch.fmod(b, i),
+    "fmod_bool_float": lambda b, i, f: torch.fmod(b, f),
+    "fmod_bool_number": lambda b, i, f: torch.fmod(b, 2),
+    "fmod_int8_bool": lambda b, i, f: torch.fmod(i, b | True),
+    "trunc_bool_int8": lambda b, i, f: torch.div(b, i, rounding_mode="trunc"),
+    "trunc_int8_bool": lambda b, i, f: torch.div(i, b | True, rounding_mode="trunc"),
+    "trunc_bool_float": lambda b, i, f: torch.div(b, f, rounding_mode="trunc"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOOL_MIXED))
+def test_fmod_and_trunc_division_of_a_bool_with_a_number_match_torch(case: str) -> None:
+    # fmod refused any bool operand ("torch's fmod is not implemented for bool": torch computes
+    # fmod(bool, int8) as int8), and trunc division made a bool int64 first, so bool / int8 came
+    # out int64 where torch gives int8
+    b = torch.tensor([True, False, True, True])
+    i = torch.tensor([3, -2, -5, 7], dtype=torch.int8)
+    f = torch.tensor([2.5, 1.0, -3.0, 0.5])
+    fn = _Three(BOOL_MIXED[case])
+    want = fn(b, i, f)
+    got = torch.as_tensor(np.asarray(ej.compile(ej.from_torch(fn, (b, i, f), method="fx"), quiet=True).run(b, i, f)))
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
+def test_fmod_and_trunc_division_of_two_bools_are_refused_as_torch() -> None:
+    # torch: "div_trunc_cpu" / "fmod" not implemented for 'Bool'; the translation gave True / True = 1
+    b = torch.tensor([True, True])
+    for fn in (lambda x, y, z: torch.fmod(x, x), lambda x, y, z: torch.div(x, x, rounding_mode="trunc")):
+        with pytest.raises(NotImplementedError):
+            fn(b, b, b)
+        with pytest.raises(ej.EinjoinError, match="bool"):
+            ej.from_torch(_Three(fn), (b, b, b), method="fx")
