@@ -312,6 +312,8 @@ def _all(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
 @op("var")
 def _var(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
          correction: Any = None) -> Tensor:
+    if isinstance(dim, bool):  # var(x, unbiased) (aten.var.default): the flag in dim's place
+        dim, unbiased = None, dim
     if x.dtype in ("float16", "bfloat16"):  # torch computes in float32 and rounds once: the
         # mean of half data in half loses x - mean where the mean is large against the spread
         return _var(x.to("float32"), dim, unbiased, keepdim, correction=correction).to(x.dtype)

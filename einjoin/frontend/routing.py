@@ -28,6 +28,8 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from einjoin.errors import DTypeError, EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.frontend.aten_notes import data_dependent
 from einjoin.frontend.functions import concat, fill, full
@@ -236,7 +238,8 @@ def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str,
         raise UnsupportedOpError(f"scatter_reduce {reduce!r} of a {x.dtype} tensor of rank {x.ndim}")
     agg, ident = _REDUCE_AGG[reduce]
     if kind(x.dtype) == "int" and reduce != "prod":
-        ident = str(-2 ** 63) if reduce == "amax" else str(2 ** 63 - 1)
+        info = np.iinfo(numpy_dtype(x.dtype))  # the dtype's own bounds (int64's do not fit an int32)
+        ident = str(int(info.min)) if reduce == "amax" else str(int(info.max))
     m, n = idx.shape[d], x.shape[d]
     if m == 0 or math.prod(idx.shape) == 0:
         return x

@@ -89,3 +89,17 @@ def test_one_operand_einsum_of_narrow_ints_sums_in_int64_as_torch(eq):
 
 def test_squeeze_with_an_empty_dim_list_squeezes_nothing():
     _same(lambda t: torch.squeeze(t, ()), torch.ones(1, 1, 2))  # was shape (2,)
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+def test_scatter_reduce_extrema_of_int32_match_torch(reduce):
+    x = torch.tensor([[5, -7, 2], [1, 0, 9]], dtype=torch.int32)
+    idx = torch.tensor([[0, 0, 2], [1, 1, 1]])
+    src = torch.tensor([[3, 4, -8], [2, 6, -1]], dtype=torch.int32)
+    _same(lambda t: t.scatter_reduce(1, idx, src, reduce), x)  # was refused: int64's bound met int32
+
+
+def test_var_and_std_with_the_unbiased_flag_in_dims_place():
+    x = torch.tensor([[1.0, 2.0, 4.0], [0.5, -3.0, 8.0]])
+    _same(lambda t: torch.var(t, False), x)  # was a ShapeError: the flag read as a dim
+    _same(lambda t: torch.std(t, True), x)
