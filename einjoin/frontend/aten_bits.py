@@ -71,8 +71,7 @@ def _shift(fn: str, py: Callable[[Any, Any], Any], what: str) -> Callable[..., A
         if not _is_t(a) and not _is_t(b):
             return py(a, b)
         _no_floats(what, a, b)
-        if any(_is_t(v) and v.dtype == "bool" for v in (a, b)) or isinstance(a, bool):
-            raise DTypeError(f"{what}: a bool operand; torch's shifts are not implemented for bool")
+        a, b = _unbool(what, a, b)  # a bool beside a non-bool promoted as torch; two refused
         return elementwise(fn, a, b, name=what)
     return f
 

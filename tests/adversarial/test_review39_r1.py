@@ -103,3 +103,27 @@ def test_fmod_and_trunc_division_of_two_bools_are_refused_as_torch() -> None:
             fn(b, b, b)
         with pytest.raises(ej.EinjoinError, match="bool"):
             ej.from_torch(_Three(fn), (b, b, b), method="fx")
+
+
+SHIFTS_BOOL = {  # torch shifts a bool promoted beside a non-bool: int8 with int8, int64 with 1
+    "int8_lshift_bool": lambda b, i, f: i << b,
+    "bool_lshift_int8": lambda b, i, f: b << (i & 3),
+    "bool_lshift_number": lambda b, i, f: b << 1,
+    "bool_rshift_number": lambda b, i, f: torch.bitwise_right_shift(b, 1),
+    "number_lshift_bool": lambda b, i, f: 1 << b,
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHIFTS_BOOL))
+def test_shifts_of_a_bool_with_a_number_match_torch(case: str) -> None:
+    # refused with "torch's shifts are not implemented for bool"; torch refuses two bools only
+    b = torch.tensor([True, False, True, True])
+    i = torch.tensor([3, -2, 5, 7], dtype=torch.int8)
+    fn = _Three(SHIFTS_BOOL[case])
+    want = fn(b, i, i)
+    got = torch.as_tensor(np.asarray(ej.compile(ej.from_torch(fn, (b, i, i), method="fx"), quiet=True).run(b, i, i)))
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    with pytest.raises(NotImplementedError):
+        b << b  # noqa: B018
+    with pytest.raises(ej.EinjoinError, match="bool"):
+        ej.from_torch(_Three(lambda x, y, z: x << z), (b, i, b), method="fx")
