@@ -1,8 +1,9 @@
 """The backends the engine runs on (each implements :class:`einjoin.runtime.backend.Backend`):
-``sync`` (one inline worker, for debugging, under the same share of the cores), ``threads`` (a worker thread per local device, numpy
-kernels, BLAS threads limited so that device threads times BLAS threads fit the cores), ``null``
-(runs the schedule and counts bytes, computes nothing), ``ray`` (:mod:`.ray`: an actor per
-device) and ``torch`` (:mod:`.torch_backend`: torch tensors and kernels)."""
+``sync`` (one inline worker, for debugging, under the same share of the cores), ``threads`` (a
+worker thread per local device, numpy kernels, BLAS threads limited so that device threads times
+BLAS threads fit the cores), ``null`` (runs the schedule and counts bytes, computes nothing),
+``ray`` (:mod:`.ray`: an actor per device) and ``torch`` (:mod:`.torch_backend`: torch tensors
+and kernels)."""
 
 from __future__ import annotations
 
