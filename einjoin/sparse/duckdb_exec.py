@@ -157,13 +157,15 @@ def _index(var: str, labels: Sequence[str], ext: Mapping[str, int]) -> dict[str,
 
 def step_sql(rels: Sequence[Relation], in_labels: Sequence[tuple[str, ...]],
              out_labels: tuple[str, ...], sizes: Mapping[str, int], layout: Layout, agg: str,
-             kind: str, columns_max: int | None = None, sources: Mapping[int, str] | None = None
-             ) -> tuple[str, list[str], int]:
+             kind: str, columns_max: int | None = None, sources: Mapping[int, str] | None = None,
+             wrap: tuple[int, int] | None = None) -> tuple[str, list[str], int]:
     """The step's query over tables ``t0..tn``: (sql, its output key columns (the relational
     output labels, in order), payload columns). An output payload of up to ``columns_max``
     elements comes back as that many aggregate columns ``v0..`` per output key (rows: output
     keys); a larger one as rows (keys..., p, v) of one payload position each, the join crossed
-    with ``range(P)`` (0 payload columns). Every row also has ``n``, its joined tuples."""
+    with ``range(P)`` (0 payload columns). Every row also has ``n``, its joined tuples.
+    ``wrap``: (modulus, offset) of a narrow integer dtype: each product wrapped into it before a
+    max (torch's products wrap in the dtype; a sum wraps the same at the end)."""
     labels = list(dict.fromkeys([*out_labels, *(lab for ls in in_labels for lab in ls)]))
     col = {lab: j for j, lab in enumerate(labels)}
     ext = {lab: layout.extent(lab, sizes[lab]) for lab in labels}
@@ -186,6 +188,8 @@ def step_sql(rels: Sequence[Relation], in_labels: Sequence[tuple[str, ...]],
                 stride *= ext[lab]
             factors.append(f"t{i}.v[{' + '.join(reversed(flat)) or '0'} + 1]")
         prod = " * ".join(factors)
+        if wrap is not None:
+            prod = f"((({prod}) + {wrap[1]}) % {wrap[0]} + {wrap[0]}) % {wrap[0]} - {wrap[1]}"
         if n_sum > 1:
             # max: payload positions past the shape (padding of an edge block) are not values
             mask = [f"t{owner[lab]}.c{col[lab]} * {ext[lab]} + {pos[lab]} < {sizes[lab]}" for lab in summed
@@ -264,7 +268,11 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
     labels = list(dict.fromkeys([*out_labels, *(lab for ls in in_labels for lab in ls)]))
     col = {lab: j for j, lab in enumerate(labels)}
     con = session.con
-    sql, key_cols, ncols = step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind)
+    # a max of narrow ints is of the products wrapped in their dtype (torch's, the memory engine's)
+    bits = 8 * dtype.itemsize
+    wrap = (2 ** bits, 0 if dtype.kind == "u" else 2 ** (bits - 1)) \
+        if agg == "max" and dtype.kind in "iu" and bits < 64 else None
+    sql, key_cols, ncols = step_sql(rels, in_labels, out_labels, sizes, layout, agg, kind, wrap=wrap)
     ranges = _partitions(session, rels, labels, out_labels, layout, sizes, ncols)
     session.ranges = max(session.ranges, len(ranges))
     stage = "loading the relations"
@@ -275,7 +283,7 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
         # the ranges cut one relation (the owner of the first relational output label): its
         # per-range query reads table "part" instead, the same for every range
         part_sql = sql if ranges[0][1] == "" else step_sql(rels, in_labels, out_labels, sizes, layout, agg,
-                                                            kind, sources={ranges[0][0]: "part"})[0]
+                                                            kind, sources={ranges[0][0]: "part"}, wrap=wrap)[0]
         for owner, where in ranges:
             # one range of output keys at a time (DuckDB's aggregation does not spill well), its
             # tuples a table of their own (exact sizes: DuckDB then builds the join's hash table on

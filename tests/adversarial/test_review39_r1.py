@@ -127,3 +127,27 @@ def test_shifts_of_a_bool_with_a_number_match_torch(case: str) -> None:
         b << b  # noqa: B018
     with pytest.raises(ej.EinjoinError, match="bool"):
         ej.from_torch(_Three(lambda x, y, z: x << z), (b, i, b), method="fx")
+
+
+# ---------------------------------------------------------------- narrow ints' max on DuckDB (0258c92)
+
+
+@pytest.mark.parametrize("dt", ["int8", "uint8", "int16", "int32"])
+def test_a_narrow_int_max_on_duckdb_is_the_max_of_the_wrapped_products_as_torch(dt: str) -> None:
+    # torch's amax of an int8 product takes the products wrapped in int8 (100 * 2 is -56), and so
+    # does the memory engine; DuckDB computed them in BIGINT and wrapped the maximum (-56 where the
+    # wrapped products' maximum is 50): wrong values wherever a product overflows the dtype
+    pytest.importorskip("duckdb")
+    info = np.iinfo(dt)
+    rng = np.random.default_rng(0)
+    scale = {"int32": 30000, "int16": 300}.get(dt, 1)
+    a = rng.integers(max(int(info.min), -100), min(int(info.max), 100), (5, 6)) * (rng.random((5, 6)) < 0.6)
+    h = rng.integers(max(int(info.min), -100), min(int(info.max), 100), (6, 3))
+    a, h = (a * scale).astype(dt), (h * scale).astype(dt)
+    want = (torch.from_numpy(a)[:, :, None] * torch.from_numpy(h)[None]).amax(1).numpy()
+    assert not np.array_equal(want, (a.astype(np.int64)[:, :, None] * h[None]).max(1).astype(dt))  # overflows
+    for engine in ("memory", "duckdb"):
+        got = ej.sparse_compile("ij,jk->ik", ej.sparse("Aw", a), h, agg="max", engine=engine).run()
+        got = np.asarray(got.todense() if hasattr(got, "todense") else got)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want, err_msg=engine)
