@@ -43,7 +43,7 @@ from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, che
                                     check_seed)
 from einjoin.program_state import ProgramState
 from einjoin.runtime.state import Resident
-from einjoin.variants import ShapeCache, Signature, bind_call, example_tensors, signature
+from einjoin.variants import ShapeCache, Signature, bind_call, example_tensors, shown, signature
 
 __all__ = ["compile", "load", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
 
@@ -389,7 +389,7 @@ class Program(ProgramState):
             prog._resident.lock = self._resident.lock
         assert self._variants is not None
         log.info("compiled %d ops for shapes %s in %.3f s (%d program(s) cached before, LRU of %s)",
-                 len(prog.graph.ops), _shapes(shapes), time.perf_counter() - start, len(self._variants),
+                 len(prog.graph.ops), shown(shapes, given), time.perf_counter() - start, len(self._variants),
                  self._variants.maxsize)
         return prog
 

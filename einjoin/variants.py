@@ -132,6 +132,35 @@ def _is_sparse(value: Any) -> bool:
                                                ("", "torch.strided"))
 
 
+def _stored(value: Any) -> int:
+    """The stored entries of a torch sparse tensor or a scipy.sparse matrix (an upper bound of the
+    entries its feed keeps: duplicates of an uncoalesced COO are summed there)."""
+    nnz = value._nnz() if hasattr(value, "_nnz") else getattr(value, "nnz", 0)
+    return int(nnz)
+
+
+def capacity_for(nnz: int, compiled: int, shape: Sequence[int]) -> int:
+    """The capacity of a sparse argument's program for a run storing ``nnz`` entries, where the
+    program was compiled for ``compiled``: that one while it holds them, else the next power of two
+    (so a growing graph recompiles once per doubling, not per call), at most the dense size.
+
+    >>> capacity_for(8, 10, (6, 6)), capacity_for(11, 10, (6, 6)), capacity_for(33, 10, (6, 6))
+    (10, 16, 36)
+    """
+    if nnz <= compiled:
+        return compiled
+    return min(1 << (nnz - 1).bit_length(), max(int(np.prod(shape, dtype=np.int64)), nnz))
+
+
+def shown(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, Any]) -> str:
+    """``shapes`` (a signature's) for a log line: a sparse argument's as its capacity.
+
+    >>> shown({"x": (8, 4)}, {})
+    'x (8, 4)'
+    """
+    return ", ".join(f"{n} nnz<={s[0]}" if _is_sparse(given.get(n)) else f"{n} {tuple(s)}" for n, s in shapes.items())
+
+
 def signature(arg_names: Sequence[str], compiled: Mapping[str, tuple[int, ...]], given: Mapping[str, Any],
               dynamic: Mapping[str, Mapping[int, str]]) -> Signature | None:
     """The shape signature of a run's forward arguments ``given`` (name -> value), or None when
@@ -150,9 +179,12 @@ def signature(arg_names: Sequence[str], compiled: Mapping[str, tuple[int, ...]],
     einjoin.errors.ShapeError: input 'x' dim 1 is not dynamic: the program was compiled for size 3, got 5 ...
     """
     shapes: dict[str, tuple[int, ...]] = {}
+    sparse: set[str] = set()
     for name in arg_names:
         if name in compiled and name in given:
-            if _is_sparse(given[name]):  # a sparse argument's input is its values (nnz,): its feed checks the shape
+            if _is_sparse(given[name]):  # its input is its values (capacity,): its feed checks the shape
+                sparse.add(name)
+                shapes[name] = (capacity_for(_stored(given[name]), compiled[name][0], given[name].shape),)
                 continue
             got = _shape(given[name])
             if got is None:
@@ -163,6 +195,8 @@ def signature(arg_names: Sequence[str], compiled: Mapping[str, tuple[int, ...]],
     if dynamic:
         sizes: dict[str, tuple[str, int, int]] = {}  # symbol -> (argument, dim, size) first seen
         for name, got in shapes.items():
+            if name in sparse:  # a capacity, not a dim
+                continue
             want, dims = compiled[name], dynamic.get(name, {})
             if len(got) != len(want):
                 raise ShapeError(f"input {name!r} has {len(got)} dims (shape {got}), but the program was "
@@ -192,7 +226,9 @@ def example_tensors(arg_names: Sequence[str], shapes: Mapping[str, tuple[int, ..
     import torch
     out = []
     for name in arg_names:
-        if name in shapes:
+        if name in shapes and name in given and _is_sparse(given[name]):
+            out.append(_sparse_example(given[name], shapes[name][0], getattr(torch, dtypes[name])))
+        elif name in shapes:
             out.append(torch.zeros(shapes[name], dtype=getattr(torch, dtypes[name])))
         elif name in given:
             v = given[name]
@@ -201,6 +237,17 @@ def example_tensors(arg_names: Sequence[str], shapes: Mapping[str, tuple[int, ..
             raise EinjoinError(f"to run with other shapes the module is imported again, which needs every "
                                f"forward argument: {name!r} is not given")
     return tuple(out)
+
+
+def _sparse_example(value: Any, capacity: int, dtype: Any) -> Any:
+    """A torch sparse example of ``value``'s shape and layout (CSR stays CSR; COO otherwise) that
+    stores ``capacity`` distinct entries (zeros): the import gives its argument that capacity."""
+    import torch
+    shape = tuple(int(d) for d in value.shape)
+    idx = torch.as_tensor(np.stack(np.unravel_index(np.arange(capacity), shape)), dtype=torch.int64)
+    coo = torch.sparse_coo_tensor(idx, torch.zeros(capacity, dtype=dtype), shape).coalesce()
+    csr = getattr(value, "layout", None) == torch.sparse_csr or getattr(value, "format", "") == "csr"
+    return coo.to_sparse_csr() if csr else coo
 
 
 

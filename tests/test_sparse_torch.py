@@ -111,13 +111,14 @@ def test_gcn_with_a_sparse_buffer_follows_the_module(method):
     _close(fn.reference(x), m(x))
 
 
-def test_more_entries_than_the_example_are_refused_naming_the_input():
+def test_a_buffer_with_more_entries_than_at_import_is_refused_naming_it():
+    """(A forward argument with more is imported again: tests/test_sparse_import_capacity.py.)"""
     n = 40
-    small, x = power_law_graph(n, 60, seed=6), torch.randn(n, 8)
-    prog = ej.compile(ej.from_torch(GCN().eval(), (small, x)))
-    big = power_law_graph(n, 400, seed=7)
+    m, x = BufferGCN(power_law_graph(n, 60, seed=6)).eval(), torch.randn(n, 8)
+    prog = ej.compile(ej.from_torch(m, (x,)))
+    m.adj = power_law_graph(n, 400, seed=7)
     with pytest.raises(ej.EinjoinError, match="'adj'.*more than the.*import it with the largest graph"):
-        prog.run(big, x)
+        prog.run(x)
 
 
 def test_gcn_gradients_equal_torch_autograd():

@@ -7,8 +7,10 @@ adjacency.
 
 The capacity (``nnz``) of a sparse argument is the stored entries of the example it was imported
 with (the largest, where examples of one shape differ), of a buffer what it stores at import: a
-run may feed another pattern of the same shape with at most that many entries (more are refused
-naming the input: import with a larger example).
+run may feed another pattern of the same shape with at most that many entries. A forward
+argument with more is imported and compiled again at the next power of two (at most the dense
+size), kept in the program's shape cache as a new shape is (``einjoin.variants.capacity_for``;
+logged by ``einjoin.program``); a buffer with more is refused naming the input.
 
 >>> import torch, einjoin as ej
 >>> class Layer(torch.nn.Module):

@@ -160,8 +160,8 @@ class LiveSparse(LiveTensor):
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         raise EinjoinError(f"a sparse module tensor {self.tensor.dtype}{list(self.tensor.shape)} is fed as a "
-                           f"sparse tensor and has no array (prog.save of a program binding a sparse buffer is "
-                           f"not supported: pass the sparse tensor as a forward argument)")
+                           f"sparse tensor at each run and has no dense array (read the torch tensor with .now(); "
+                           f"prog.save writes its stored entries)")
 
     def __reduce__(self) -> tuple[Any, tuple[Any]]:
         return _itself, (self.now().clone(),)  # a copy, as LiveTensor's (never the module's storage)

@@ -321,8 +321,8 @@ def _feed(x: SparseInput, value: Any) -> tuple[np.ndarray, np.ndarray]:
     if len(vals) > x.nnz:
         raise EinjoinError(f"input {name!r}: {len(vals)} stored entries, more than the {x.nnz} it was declared "
                            f"with (ej.sparse_input({name!r}, {x.shape}, nnz={x.nnz})); declare a larger nnz (an "
-                           f"imported torch module's sparse argument holds its example's entries: import it with "
-                           f"the largest graph)")
+                           f"imported torch module's sparse buffer holds the entries it had at import: import it "
+                           f"with the largest graph)")
     try:
         keys = np.full((x.nnz, r), -1, np.int64)
         out = np.zeros(x.nnz, numpy_dtype(x.dtype))
