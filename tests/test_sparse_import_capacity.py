@@ -70,9 +70,9 @@ def test_smaller_and_larger_adjacencies_match_torch_and_compile_once_per_capacit
     assert len(compiles) == 3 and "adj nnz<=16" in compiles[0] and "adj nnz<=144" in compiles[2]
 
 
-def test_a_larger_adjacency_with_new_node_features_shape_keeps_one_program_per_signature():
-    """x's shape and the capacity are one signature: a new x shape at the compiled capacity, then
-    more entries at it, are two programs; each matches torch."""
+def test_the_same_larger_capacity_twice_compiles_once_and_smaller_is_a_hit():
+    """Two runs at 30 entries (capacity 32) share one compile; 5 and 8 entries (within the
+    example's 8) run on the program compiled; each matches torch."""
     m = GCN().eval()
     x = torch.randn(N, 5)
     prog = ej.compile(ej.from_torch(m, (adjacency(8, 0, False), x)), quiet=True)
