@@ -149,7 +149,8 @@ def capacity_for(nnz: int, compiled: int, shape: Sequence[int]) -> int:
     """
     if nnz <= compiled:
         return compiled
-    return min(1 << (nnz - 1).bit_length(), max(int(np.prod(shape, dtype=np.int64)), nnz))
+    # at most the dense size: an uncoalesced argument's raw entries may exceed it, its feed sums them
+    return min(1 << (nnz - 1).bit_length(), int(np.prod(shape, dtype=np.int64)))
 
 
 def shown(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, Any]) -> str:

@@ -151,3 +151,29 @@ def test_a_narrow_int_max_on_duckdb_is_the_max_of_the_wrapped_products_as_torch(
         got = np.asarray(got.todense() if hasattr(got, "todense") else got)
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want, err_msg=engine)
+
+
+# ---------------------------------------------------------------- an uncoalesced sparse argument (51d8a0a)
+
+
+class _Gcn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(5, 3)
+
+    def forward(self, adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(adj, self.lin(x))
+
+
+def test_an_uncoalesced_sparse_argument_with_more_raw_entries_than_the_dense_size_runs() -> None:
+    # a torch COO argument with duplicates (torch sums them) storing 200 raw entries in a 12 x 12
+    # matrix: the capacity was max(dense size, raw nnz) = 200 and its example tensor could not hold
+    # 200 distinct entries: a raw "ValueError: index 144 is out of bounds for array with size 144"
+    n, g = 12, torch.Generator().manual_seed(3)
+    m, x = _Gcn().eval(), torch.randn(n, 5, generator=g)
+    first = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 2]]), torch.ones(2), (n, n)).coalesce()
+    prog = ej.compile(ej.from_torch(m, (first, x)), quiet=True)
+    adj = torch.sparse_coo_tensor(torch.randint(0, n, (2, 200), generator=g), torch.rand(200, generator=g), (n, n))
+    assert not adj.is_coalesced() and adj._nnz() > n * n
+    np.testing.assert_allclose(np.asarray(prog.run(adj, x)), m(adj, x).detach().numpy(), rtol=1e-5, atol=1e-5)
