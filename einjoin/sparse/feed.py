@@ -274,9 +274,6 @@ def sparse_input(name: str, shape: Sequence[int], nnz: int, dtype: Any = "float3
     if not isinstance(nnz, (int, np.integer)) or isinstance(nnz, bool) or nnz < 0:
         raise EinjoinError(f"{what}: nnz={nnz!r} (the most stored entries a fed tensor may have: an integer >= 0)")
     dt = canonical_dtype(dtype)
-    if dt == "bfloat16":  # no feed could fill it: sparse tensors hold no bfloat16 values
-        raise DTypeError(f"{what}: dtype bfloat16 (sparse einsums compute in float16/32/64, int64 or bool: every "
-                         f"feed would be refused at run); declare it float32 (bfloat16 dense operands still join)")
     values = ops.input_node(name, (int(nnz),), dt)
     keys = ops.input_node(keys_name(name, shp), (int(nnz), len(shp)), "int64")
     with _LOCK:

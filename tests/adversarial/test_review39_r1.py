@@ -177,3 +177,25 @@ def test_an_uncoalesced_sparse_argument_with_more_raw_entries_than_the_dense_siz
     adj = torch.sparse_coo_tensor(torch.randint(0, n, (2, 200), generator=g), torch.rand(200, generator=g), (n, n))
     assert not adj.is_coalesced() and adj._nnz() > n * n
     np.testing.assert_allclose(np.asarray(prog.run(adj, x)), m(adj, x).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- a bfloat16 sparse input (69dd7f9)
+
+
+@pytest.mark.parametrize("agg", ["sum", "max"])
+def test_a_bfloat16_sparse_input_in_a_graph_matches_torch(agg: str) -> None:
+    # 69dd7f9 made sparse tensors hold bfloat16, but ej.sparse_input still refused the dtype
+    # saying "sparse tensors hold no bfloat16 values" (every feed would be refused): a GCN with a
+    # bfloat16 adjacency could not be declared or imported
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    a = (rng.normal(size=(9, 6)) * (rng.random((9, 6)) < 0.5)).astype(ml_dtypes.bfloat16)
+    x = rng.normal(size=(6, 4)).astype(ml_dtypes.bfloat16)
+    ta, tx = (torch.from_numpy(v.astype(np.float32)).bfloat16() for v in (a, x))
+    want = (ta @ tx) if agg == "sum" else (ta[:, :, None] * tx[None]).amax(1)
+    y = ej.einsum("ij,jk->ik", ej.sparse_input("Abf", (9, 6), nnz=40, dtype="bfloat16"),
+                  ej.input("xbf", (6, 4), "bfloat16"), agg=agg)
+    for devices in (1, 2):
+        got = np.asarray(ej.compile(y, devices=devices, quiet=True).run(Abf=ej.sparse("Abf", a), xbf=x))
+        assert got.dtype == x.dtype
+        np.testing.assert_array_equal(got.astype(np.float32), want.float().numpy())
