@@ -1,6 +1,7 @@
 """What ``Program.explain()`` prints: the plan's table (:func:`einjoin.plan.explain`), then the
 program's own lines -- its state inputs and what their carry-over moves, the objective a plan was
-made for (with its simulated time on a cluster that has a time model), idle devices and unread
+made for (with its simulated time on a cluster that has a time model), the placer and its
+simulated makespan next to the ``critical_path`` placer's for the same plan, idle devices and unread
 forward arguments.
 
 >>> import einjoin as ej
@@ -15,17 +16,24 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from einjoin.cluster.calibration import load_cached
 from einjoin.compiler import objective_of
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.printing import describe
-from einjoin.placement import block_devices
-from einjoin.plan import explain
+from einjoin.memplan import parse_caps, plan_memory
+from einjoin.memplan.chain import chain_reduces
+from einjoin.placement import block_devices, place, tie_homes
+from einjoin.plan import build_taskgraph, explain
 from einjoin.plan.stats import human_bytes
 
 if TYPE_CHECKING:
     from einjoin.program import Program
 
-__all__ = ["explain_program"]
+__all__ = ["explain_program", "COMPARE_TASKS"]
+
+COMPARE_TASKS = 20_000
+"""Above this many tasks explain() does not simulate the placers (two simulations and a second
+placement and task graph: seconds at 100k tasks); ``prog.simulate()`` gives the figure."""
 
 
 def explain_program(prog: Program) -> str:
@@ -37,6 +45,7 @@ def explain_program(prog: Program) -> str:
         if plan.cluster.hardware is not None:
             sim = prog.simulate()
             text += f"; modelled time {sim.makespan * 1e3:.3f} ms (simulated, {plan.cluster.hardware.name})"
+    text += _placer_lines(prog)
     if plan.devices_note:  # compile(..., leave_idle=True) left devices idle
         text += f"\nnote: {plan.devices_note}"
     unused = [a for a in (plan.arg_names or ()) if a not in prog.graph.input_by_name]
@@ -44,6 +53,43 @@ def explain_program(prog: Program) -> str:
         text += (f"\nnote: forward argument(s) {', '.join(unused)} are not read by the graph; "
                  "run() accepts and ignores them")
     return text
+
+
+def _placer_lines(prog: Program) -> str:
+    """The placer the program was compiled with and, where its devices have a time model (a
+    preset, or ``ej.local`` with a cached calibration: explain() never measures one), its
+    simulated makespan next to the ``critical_path`` placer's for the same decompositions, each
+    simulated as ``prog.simulate()`` simulates (the program's order and seed)."""
+    plan = prog.plan
+    name = plan.options.placement
+    line = f"\nplacer: {name}"
+    cluster = plan.cluster
+    if cluster.hardware is None and load_cached() is None:
+        return line + ("; no simulated makespan: this machine has no cached calibration "
+                       "(ej.calibrate() measures one, ~20 s; explain() does not)")
+    if len(prog.taskgraph) > COMPARE_TASKS:
+        return line + (f"; placers not simulated: {len(prog.taskgraph)} tasks > {COMPARE_TASKS} "
+                       "(prog.simulate() gives this placement's makespan)")
+    ms = prog.simulate().makespan * 1e3
+    if name == "critical_path":
+        return line + f"; simulated makespan {ms:.3f} ms"
+    return line + (f"; simulated makespan {ms:.3f} ms, critical_path's placement of the same plan "
+                   f"{_critical_path_ms(prog):.3f} ms (both simulated)")
+
+
+def _critical_path_ms(prog: Program) -> float:
+    """The simulated makespan (ms) of ``prog``'s decompositions placed by ``critical_path``."""
+    from einjoin.runtime.simulate import simulate  # the simulator is the runtime's (a program's floor)
+    from einjoin.runtime.simulate_hardware import hardware_for
+    plan = prog.plan
+    tied = {s.node: s.new for s in plan.state}
+    placed = tie_homes(prog.decomps, place("critical_path", prog.decomps, plan.cluster, plan.options.seed), tied)
+    tg = build_taskgraph(prog.graph, prog.decomps, placed, plan.cluster.size)
+    caps = parse_caps(plan.options.memory_limit, plan.cluster.size, plan.cluster)
+    if any(c is not None for c in caps.values()):  # as ej.compile does under caps (a preset's memory)
+        tg = plan_memory(chain_reduces(tg, caps), prog.decomps, caps, plan.options.memory_policy)
+    sim = simulate(tg, hardware_for(plan.cluster), prog.order, prog.seed, state=frozenset(s.node for s in plan.state))
+    return sim.makespan * 1e3
 
 
 def _state_lines(prog: Program) -> str:
