@@ -21,7 +21,7 @@ from einjoin.decomp.decompose import Decomposition
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.kernels import MatmulRoute, matmul_route, partial_dtype
 from einjoin.ir.node import Attention, AttentionGrad, SparseEinsum
-from einjoin.ir.sparse_einsum import followed_dims
+from einjoin.ir.sparse_einsum import followed_dims, operand_box
 from einjoin.ir.node import (Broadcast, Cast, Concat, Conv, Einsum, Fill, Gather, Input, Pool, Reshape,
                              ScatterAdd, Select, TopK, rule_for)
 from einjoin.ir.node import RotateHalf
@@ -191,11 +191,15 @@ def _attention_grad_scratch(d: Decomposition, op: AttentionGrad, kernel: int, in
 def _sparse_einsum_scratch(d: Decomposition, op: SparseEinsum, kernel: int, in_bytes: list[int],
                            out_bytes: int) -> int:
     """The whole output (a cut kernel keeps its box of it) and the engine's joined relations, at
-    most an input's bytes again each (its per-run copies: a dense operand gathered per tuple)."""
+    most an input's bytes again each (its per-run copies: a dense operand gathered per tuple),
+    and a constant operand's stored entries (keys and values) in the kernel's rows, never its
+    dense size (``stored_bytes``; a fed operand's keys and values are input blocks, counted)."""
     box = d.out_partition.box(d.kernels[kernel].out_key)
     follow = followed_dims(d.node)  # there the engine's result is the block already
     whole = prod(b - a if f else n for f, (a, b), n in zip(follow, box, d.node.shape)) * itemsize(d.node.dtype)
-    return (whole if whole > out_bytes else 0) + sum(in_bytes)
+    stored = getattr(op.operand, "stored_bytes", None)
+    held = int(stored(operand_box(d.node, box))) if stored is not None else 0
+    return (whole if whole > out_bytes else 0) + sum(in_bytes) + held
 
 
 def _no_scratch(d: Decomposition, op: object, kernel: int, in_bytes: list[int], out_bytes: int) -> int:
