@@ -100,6 +100,37 @@ class GraphSparse:
     def todense(self) -> np.ndarray:
         return self.tensor.todense()
 
+    def stored_bytes(self, box: Sequence[tuple[int, int] | None] = ()) -> int:
+        """Bytes of the stored entries (keys and values) of the blocks that meet ``box`` (per dim
+        of the tensor, a range, or None / absent: all): what a kernel of the node holds of this
+        constant while it runs (:meth:`einsum_within` computes on those blocks only). The memory
+        planner counts them in the kernel's scratch (``decomp.footprint``), not the dense size.
+        Counted without copying (the planner asks for every kernel of every candidate cut).
+
+        >>> t = SparseTensor("A", (4, 3), (1, 1), np.array([[0, 1], [1, 0], [2, 2], [3, 1]]),
+        ...                  np.arange(4.0).reshape(4, 1, 1))
+        >>> op = GraphSparse.of(t)   # an entry: 2 int64 keys and one float64 value, 24 bytes
+        >>> op.stored_bytes(), op.stored_bytes(((1, 3), None)), op.stored_bytes((None, (1, 2)))
+        (96, 48, 48)
+        """
+        keys = np.asarray(self.tensor.keys)
+        per = (keys.itemsize * keys.shape[1] if keys.ndim == 2 else 0) + int(
+            np.asarray(self.tensor.data)[:1].nbytes)  # one entry's keys and its block's values
+        box = tuple(box)
+        if not any(r is not None for r in box) or not len(keys):
+            return per * len(keys)
+        lo, hi = 0, len(keys)
+        block = self.tensor.block
+        if box[0] is not None:  # sorted keys: the first dim's blocks are one slice (as meeting's)
+            lo, hi = (int(v) for v in np.searchsorted(keys[:, 0], [box[0][0] // block[0],
+                                                                    -(-box[0][1] // block[0])]))
+        keep = np.ones(hi - lo, dtype=bool)
+        for d, r in enumerate(box[1:], 1):
+            if r is not None:
+                start = keys[lo:hi, d] * block[d]
+                keep &= (start < r[1]) & (start + block[d] > r[0])
+        return per * int(np.count_nonzero(keep))
+
     def _float(self, dtype: str) -> SparseTensor:
         """The tensor, or for int / bool values (an adjacency of ones) a copy in the float the node
         computes in (the sparse engine multiplies one kind only), made once."""
