@@ -115,6 +115,18 @@ def test_relations_over_a_tiny_memory_limit_spill_and_still_equal(tmp_path) -> N
     assert "engine duckdb (memory_limit 12MB, last run spilled" in duck.explain()
 
 
+def test_a_memory_limit_too_small_for_duckdb_is_a_clear_error() -> None:
+    # 1 MB cannot hold DuckDB's buffers for this step (it fails loading 2000 x 64 doubles): an
+    # EinjoinError naming the limit, the threads and what to set, not DuckDB's raw Out of Memory
+    rng = np.random.default_rng(4)
+    idx = rng.integers(0, 2000, (2, 20000))
+    a = ej.sparse("A", (idx, rng.standard_normal(20000), (2000, 2000)))
+    h = rng.standard_normal((2000, 64))
+    duck = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_memory="1MB", duckdb_threads=1)
+    with pytest.raises(ej.EinjoinError, match=r"memory_limit 1MB \(1 thread\).*duckdb_memory=.*duckdb_threads="):
+        duck.run()
+
+
 def test_duckdb_layout_keys_sparse_labels_per_entry() -> None:
     # blocks suit numpy kernels (in memory: block-diagonal times block-diagonal keys k at 16), not
     # SQL list arithmetic: DuckDB keys per entry

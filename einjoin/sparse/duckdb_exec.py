@@ -92,6 +92,7 @@ class DuckSession:
             raise EinjoinError(f"{what}: DuckDB refused its settings {config}: {e}") from None
         self.con.execute("SET enable_progress_bar = false")
         self.memory_limit = memory_limit or "DuckDB's default"
+        self.threads = int(self.con.execute("SELECT current_setting('threads')").fetchall()[0][0])
         self.ranges = 1  # the most output-key ranges of any step (one query each)
         self.spilled = 0  # temp-directory bytes seen at the end of a step (the most of any step)
 
@@ -303,8 +304,16 @@ def execute_duckdb(session: DuckSession, values: Sequence[SparseTensor | np.ndar
             con.execute(f"DROP TABLE t{i}")
         con.execute("DROP TABLE IF EXISTS part")
     except Exception as e:
-        raise EinjoinError(f"{what}: DuckDB failed in {stage} of the step "
-                           f"{','.join(''.join(ls) for ls in in_labels)}->{''.join(out_labels)} "
+        step = f"{','.join(''.join(ls) for ls in in_labels)}->{''.join(out_labels)}"
+        said = str(e).split("\n")[0]
+        if "Out of Memory" in said:  # a limit too small for DuckDB's per-thread buffers: say what to set
+            held = sum(r.keys.nbytes + r.data.size * 8 for r in rels)
+            raise EinjoinError(
+                f"{what}: DuckDB ran out of its memory_limit {session.memory_limit} ({session.threads} "
+                f"thread{'s' if session.threads > 1 else ''}) in {stage} of the step {step}, whose relations "
+                f"hold {held / 2 ** 20:.1f} MiB: set a larger duckdb_memory= (DuckDB's docs advise about 125 MB "
+                f"per thread; it spills what does not fit) or fewer duckdb_threads=. DuckDB said: {said}") from None
+        raise EinjoinError(f"{what}: DuckDB failed in {stage} of the step {step} "
                            f"(memory_limit {session.memory_limit}): {e}") from None
     res = {k: np.concatenate([np.ma.filled(part[k], 0) for part in parts]) for k in parts[0]}
     out_ext = tuple(layout.extent(lab, sizes[lab]) for lab in out_labels)
