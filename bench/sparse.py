@@ -15,7 +15,8 @@ CPU time counts every thread, so BLAS threads are not free), median of ``--reps`
   take ≤ 0.5 s;
 * DuckDB (``engine="duckdb"``): ``A·H`` on a power-law graph (``--duck-nodes``, ``--duck-edges``;
   H: nodes × 64) under a ``memory_limit`` a quarter of its relations' bytes (keys and payloads of
-  A's and H's tuples): it completes, equals the in-memory engine, and its CPU time (DuckDB's
+  A's and H's tuples; at least 16 MB per DuckDB thread, and doubled where DuckDB still runs out of
+  memory, the row naming the limits that ran out): it completes, equals the in-memory engine, and its CPU time (DuckDB's
   threads included; one run, one DuckDB thread by default, ``--duck-threads 0`` for all cores)
   and spill stand next to the in-memory engine's, and DuckDB's without a limit; before it, the
   layout DuckDB's cost model chooses (einjoin/sparse/duckdb_cost.py) vs every fixed block size of
@@ -37,6 +38,7 @@ Run it with ``make bench`` (or ``.venv/bin/python bench/sparse.py``).
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +51,7 @@ from cpu_timing import cpu_median
 
 
 SKIP_OVER = 25.0  # fixed block sizes whose modelled cost is this many times the chosen one are not run
+DUCK_FLOOR_MB = 16  # the least memory_limit per DuckDB thread the over-the-limit row starts from
 DUCK_SKIP_OVER = 4.0  # the same on DuckDB, whose model underestimates blocked lambdas 2-10x (a run of
 # block-diag 16x16 · D at 256-blocks: modelled 14.7x the chosen, measured 373x, 20 s CPU)
 
@@ -152,20 +155,35 @@ def duckdb_case(nodes: int, edges: int, k: int, reps: int, threads: int | None) 
     mem = ej.sparse_compile("ij,jk->ik", a, h)
     # the relations at the chosen layout (IJ, Jk -> Ik): A's tuples (2 keys, a value), H's (a key, k values)
     tuple_bytes = a.nnz * 3 * 8 + nodes * (k + 1) * 8
-    limit_mb = max(1, tuple_bytes // 4 // 2 ** 20)
-    duck = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_memory=f"{limit_mb}MB",
-                             duckdb_threads=threads)
+    n_threads = threads or os.cpu_count() or 1
+    # a floor of DUCK_FLOOR_MB per thread: under it DuckDB runs out of memory on its own buffers at small
+    # sizes (2000 nodes: 16 MB is the least that ran, 1 or 2 threads); and where the limit still runs out
+    # (20000 nodes needed 32 MB), it is doubled until the run completes, the row saying so
+    limit_mb = max(tuple_bytes // 4 // 2 ** 20, DUCK_FLOOR_MB * n_threads)
     free = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_threads=threads)  # DuckDB's default limit
     t_mem, want = cpu(mem.run, reps)
     t_free, _ = cpu(free.run, reps)
-    t_duck, got = cpu(duck.run, reps)
+    ran_out: list[int] = []
+    while True:
+        duck = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_memory=f"{limit_mb}MB",
+                                 duckdb_threads=threads)
+        try:
+            t_duck, got = cpu(duck.run, reps)
+            break
+        except ej.EinjoinError as e:
+            if "ran out of its memory_limit" not in str(e) or limit_mb * 2 ** 20 > 4 * tuple_bytes:
+                raise
+            ran_out.append(limit_mb)
+            limit_mb *= 2
     same = bool(np.allclose(got.todense(), want.todense(), rtol=1e-9, atol=1e-9))
     name = f"DuckDB A·H ({nodes} nodes)"
     row(name, "in memory", t_mem, t_mem, mem.notation())
     row(name, "duckdb, default limit", t_free, t_mem, f"spilled {free.engine.spilled / 2 ** 20:.0f} MB")
     row(name, f"duckdb, limit {limit_mb} MB", t_duck, t_mem,
-        f"tuples {tuple_bytes / 2 ** 20:.0f} MB = {tuple_bytes / 2 ** 20 / limit_mb:.1f}x the limit; spilled "
-        f"{duck.engine.spilled / 2 ** 20:.0f} MB; {'equal' if same else 'DIFFERENT'}")
+        f"tuples {tuple_bytes / 2 ** 20:.0f} MB = {tuple_bytes / 2 ** 20 / limit_mb:.1f}x the limit"
+        f"{' (not over it: the floor)' if tuple_bytes < limit_mb * 2 ** 20 else ''}; spilled "
+        f"{duck.engine.spilled / 2 ** 20:.0f} MB; {'equal' if same else 'DIFFERENT'}; {n_threads} DuckDB thread(s)"
+        + (f"; ran out of memory at {', '.join(f'{m} MB' for m in ran_out)}" if ran_out else ""))
 
 
 def duckdb_choice_case(name: str, mat: scipy.sparse.csr_array, k: int, reps: int, threads: int | None) -> None:
