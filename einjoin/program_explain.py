@@ -18,6 +18,7 @@ import numpy as np
 
 from einjoin.cluster.calibration import load_cached
 from einjoin.compiler import objective_of
+from einjoin.errors import EinjoinError
 from einjoin.ir.dtypes import itemsize
 from einjoin.ir.printing import describe
 from einjoin.memplan import parse_caps, plan_memory
@@ -70,11 +71,15 @@ def _placer_lines(prog: Program) -> str:
     if len(prog.taskgraph) > COMPARE_TASKS:
         return line + (f"; placers not simulated: {len(prog.taskgraph)} tasks > {COMPARE_TASKS} "
                        "(prog.simulate() gives this placement's makespan)")
-    ms = prog.simulate().makespan * 1e3
-    if name == "critical_path":
-        return line + f"; simulated makespan {ms:.3f} ms"
+    try:
+        ms = prog.simulate().makespan * 1e3
+        if name == "critical_path":
+            return line + f"; simulated makespan {ms:.3f} ms"
+        cp = _critical_path_ms(prog)
+    except EinjoinError as e:  # what the simulator refuses: explain() still explains the plan
+        return line + f"; not simulated: {e}"
     return line + (f"; simulated makespan {ms:.3f} ms, critical_path's placement of the same plan "
-                   f"{_critical_path_ms(prog):.3f} ms (both simulated)")
+                   f"{cp:.3f} ms (both simulated)")
 
 
 def _critical_path_ms(prog: Program) -> float:

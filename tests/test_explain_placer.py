@@ -53,3 +53,14 @@ def test_explain_skips_the_simulations_of_big_programs(monkeypatch: pytest.Monke
     monkeypatch.setattr(pe, "COMPARE_TASKS", 3)
     prog = ej.compile(_mlp(), ej.Cluster.preset("dgx-a100", devices=4), backend="null", quiet=True)
     assert re.search(r"placer: greedy; placers not simulated: \d+ tasks > 3 ", prog.explain(file=None))
+
+
+def test_explain_says_what_the_simulator_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ej.EinjoinError("simulate: no time model for this op")
+    prog = ej.compile(_mlp(), ej.Cluster.preset("dgx-a100", devices=2), backend="null", quiet=True,
+                      objective="bytes")
+    monkeypatch.setattr(ej.Program, "simulate", refuse)
+    text = prog.explain(file=None)
+    assert "placer: greedy; not simulated: simulate: no time model for this op" in text
+    assert "total:" in text  # the plan's table is still there
