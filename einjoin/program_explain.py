@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["explain_program", "COMPARE_TASKS"]
 
-COMPARE_TASKS = 20_000
+COMPARE_TASKS = 10_000
 """Above this many tasks explain() does not simulate the placers (two simulations and a second
-placement and task graph: seconds at 100k tasks); ``prog.simulate()`` gives the figure."""
+placement and task graph: 0.3 s CPU at 4-5k tasks, so about 0.7 s at the cap); ``prog.simulate()``
+gives the figure."""
 
 
 def explain_program(prog: Program) -> str:
