@@ -541,8 +541,15 @@ def _infer(e: Expr, dts: tuple[str, ...]) -> str | None:
             if d is not None and d != "bool":
                 raise DTypeError(f"{e}: {f.name} needs bool arguments, got {d}")
         return "bool"
+    if f.rule == "bits":
+        for arg, d in zip(e.args, sub):
+            if d is None and _const_only_kind(arg) == "float":  # bitand(0, 0.0): no dtype holds it
+                raise DTypeError(f"{e}: {f.name} needs integer or bool arguments, got the float constant {arg}")
     # bool < bool is bool, as in torch; so is bool & bool
     common = _common(e, sub, e.args, allow_bool=f.rule in ("compare", "bits"))
+    if f.rule == "bits" and common == "bool" and any(
+            d is None and _const_only_kind(arg) == "int" for arg, d in zip(e.args, sub)):
+        return "int64"  # a Python int beside a bool tensor makes int64 (torch: t & 0, t << 1)
     if f.rule == "float" and common is not None and kind(common) != "float":
         raise DTypeError(f"{e}: {f.name} needs float arguments, got {common}")
     if f.rule == "bits" and common is not None and kind(common) == "float":
