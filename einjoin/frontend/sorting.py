@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from einjoin.errors import EinjoinError
+from einjoin.errors import DTypeError, EinjoinError
 from einjoin.frontend.tensor import Tensor
 from einjoin.ir import ops
 from einjoin.registry import registrar
@@ -54,7 +54,11 @@ def _pair(x: Tensor, k: int, dim: int, largest: bool) -> Ordered:
 def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Ordered:
     """torch's ``topk``: the ``k`` largest (or smallest) values along ``dim`` and their int64
     positions, in order (also when ``sorted=False``: any order is torch's contract then)."""
-    return _pair(_x(x, "topk"), k, dim, largest)
+    x = _x(x, "topk")
+    if x.dtype == "bool":  # torch's topk refuses bool (its sort does not): refused alike
+        raise DTypeError(f"topk of a bool tensor {x.shape}: torch's topk does not support bool; "
+                         "cast it first (x.to(torch.uint8)) or use sort")
+    return _pair(x, k, dim, largest)
 
 
 def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> Ordered:
