@@ -245,6 +245,9 @@ def _truncdiv(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     aa, bb = np.asarray(a), np.asarray(b)
     with np.errstate(all="ignore"):
         if aa.dtype.kind in "iubO" and bb.dtype.kind in "iubO":
+            if np.any(bb == 0):  # named here: _fmod's message would name fmod
+                raise EinjoinError("integer trunc division by zero (torch raises too; use float tensors "
+                                   "for inf/nan)")
             r = _fmod(a, b)
             out: np.ndarray = np.floor_divide(a - r, b)
             return out
