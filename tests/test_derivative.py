@@ -337,9 +337,10 @@ def test_functions_without_derivative_are_named() -> None:
 def test_every_function_has_a_rule_or_a_reason() -> None:
     assert set(DERIVATIVES) == set(FUNCTIONS)
     none = {n for n, r in DERIVATIVES.items() if isinstance(r, NoDerivative)}
-    assert none == {"floordiv", "truncdiv"}
-    # issue 39's integer functions (fmod's rule is tests/adversarial/test_issue39_intops.py's)
-    bits = {"fmod", "bitand", "bitor", "bitxor", "bitnot", "lshift", "rshift"}
+    assert none == {"floordiv"}
+    # issue 39's integer functions and trunc division (their rules are
+    # tests/adversarial/test_issue39_intops.py's)
+    bits = {"fmod", "truncdiv", "bitand", "bitor", "bitxor", "bitnot", "lshift", "rshift"}
     assert SMOOTH | PIECEWISE | none | bits == set(FUNCTIONS)
 
 

@@ -552,7 +552,7 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "floordiv": NoDerivative(_NO_INT_GRAD),
     "mod": _d_mod,
     "fmod": _d_fmod,
-    "truncdiv": NoDerivative(_NO_INT_GRAD),
+    "truncdiv": _zero,  # only div(rounding_mode="trunc") makes it: torch's gradient is 0 there
     "bitand": _zero, "bitor": _zero, "bitxor": _zero, "bitnot": _zero, "lshift": _zero, "rshift": _zero,
     "pow": _d_pow,
     "ipow": _d_pow,  # float arguments compute as pow; integers have no gradient to ask for

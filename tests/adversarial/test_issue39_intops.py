@@ -166,3 +166,24 @@ def test_mean_of_integers_is_refused_as_torch_does():
 def test_bitwise_of_floats_is_refused_clearly():
     with pytest.raises(EinjoinError, match="integer or bool"):
         _run(lambda x: torch.bitwise_and(x.long(), 1) & x, torch.tensor([1.0]), method="fx")
+
+
+def test_the_gradient_through_trunc_division_is_torchs_zero() -> None:
+    # torch: div(rounding_mode="trunc") is piecewise constant and its gradient is 0 (it was refused
+    # here as "floor_divide has no derivative"); the product beside it keeps its gradient
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.tensor([3.5, -2.5, 7.0], dtype=torch.float64))
+            self.b = nn.Parameter(torch.tensor([2.0, 2.0, -3.0], dtype=torch.float64))
+
+        def forward(self, s):
+            return ((torch.div(self.a, self.b, rounding_mode="trunc") * 5 + self.a * self.b) * s).sum()
+
+    m, s = M(), torch.tensor(1.0, dtype=torch.float64)
+    m(s).backward()
+    fn = ej.from_torch(m, (s,))
+    grads = ej.grad(fn.outputs[0], list(fn.parameters.values()))
+    ga, gb = ej.compile(fn.with_outputs(list(grads)), quiet=True).run(s)
+    np.testing.assert_array_equal(np.asarray(ga), m.a.grad.numpy())
+    np.testing.assert_array_equal(np.asarray(gb), m.b.grad.numpy())
