@@ -2,8 +2,9 @@
 densified data, the layout's choices, explain(), errors.
 
 The differential tests draw random einsums (1-3 operands of rank 2-3, some dense, sum or max,
-densities 1e-4 to 0.5, duplicates and explicit zeros, random block pins so that edge padding and
-every relational / dense mix is met) and compare with numpy on ``todense()``.
+densities 1e-4 to 0.5, uniform or power-law (Zipf) patterns, duplicates and explicit zeros, random
+block pins so that edge padding and every relational / dense mix is met) and compare with numpy on
+``todense()``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from einjoin.sparse import SparseTensor
 from einjoin.sparse.layout import Operand, choose_layout
 
 DENSITIES = [1e-4, 1e-3, 0.01, 0.05, 0.2, 0.5]
+PATTERNS = ["uniform", "power"]  # where the entries fall: random_coo
 
 
 def dense(x: object) -> np.ndarray:
@@ -43,13 +45,26 @@ def reference(eq: str, arrays: list[np.ndarray], agg: str) -> np.ndarray:
     return prod.max(axis=tuple(range(len(out), len(labels)))) if len(labels) > len(out) else prod
 
 
-def random_coo(rng: np.random.Generator, shape: tuple[int, ...], density: float
+def random_coo(rng: np.random.Generator, shape: tuple[int, ...], density: float, pattern: str = "uniform"
                ) -> tuple[np.ndarray, np.ndarray]:
-    """(indices (rank, nnz), values) with duplicates and some explicit zeros."""
+    """(indices (rank, nnz), values) with duplicates and some explicit zeros. ``pattern``
+    ``"uniform"`` draws every coordinate uniformly; ``"power"`` draws each coordinate with Zipf
+    weights 1 / rank**a (a in 0.8..2, over a shuffled order of the dim): a few heavy rows / columns
+    hold most entries (and repeat cells: more duplicates), as in graphs."""
     size = int(np.prod(shape))
     nnz = rng.binomial(size, density)
     nnz += int(nnz > 0 and rng.random() < 0.5) * rng.integers(1, 4)  # duplicates of drawn cells
-    idx = np.stack([rng.integers(0, n, nnz) for n in shape]) if nnz else np.zeros((len(shape), 0), np.int64)
+    if not nnz:
+        idx = np.zeros((len(shape), 0), np.int64)
+    elif pattern == "power":
+        a = rng.choice([0.8, 1.2, 2.0])
+        cols = []
+        for n in shape:
+            w = 1.0 / np.arange(1, n + 1) ** a
+            cols.append(rng.permutation(n)[rng.choice(n, nnz, p=w / w.sum())])
+        idx = np.stack(cols)
+    else:
+        idx = np.stack([rng.integers(0, n, nnz) for n in shape])
     vals = rng.standard_normal(nnz)
     vals[rng.random(nnz) < 0.1] = 0.0  # explicit zeros
     return idx, vals
@@ -69,11 +84,12 @@ def sparse_problems(draw: st.DrawFn, max_size: int = 9) -> tuple:
     kinds = [bool(rng.integers(2)) for _ in terms]
     kinds[rng.integers(n_ops)] = True  # at least one sparse operand
     density = draw(st.sampled_from(DENSITIES))
+    pattern = draw(st.sampled_from(PATTERNS))
     operands: list[object] = []
     for i, (t, sp) in enumerate(zip(terms, kinds)):
         shape = tuple(sizes[lab] for lab in t)
         if sp:
-            idx, vals = random_coo(rng, shape, density)
+            idx, vals = random_coo(rng, shape, density, pattern)
             operands.append(ej.sparse(f"S{i}", (idx, vals, shape), block=int(rng.integers(1, 4))))
         else:
             operands.append(rng.standard_normal(shape))
@@ -106,14 +122,19 @@ def test_random_sparse_einsums_equal_numpy(problem: tuple) -> None:
 
 
 @settings(max_examples=examples(96), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2 ** 31), st.sampled_from(DENSITIES), st.sampled_from(["sum", "max"]))
-def test_larger_matrices_at_every_density(seed: int, density: float, agg: str) -> None:
+@given(st.integers(0, 2 ** 31), st.sampled_from(DENSITIES), st.sampled_from(["sum", "max"]),
+       st.sampled_from(PATTERNS))
+def test_larger_matrices_at_every_density(seed: int, density: float, agg: str, pattern: str) -> None:
     # 90 x 70 x 50 x 30: densities down to 1e-4 leave a few entries (or none); ej.einsum dispatches.
     # The chain's max is a three-way join over j and k (no binary steps for max): sum only, here
     rng = np.random.default_rng(seed)
-    a = ej.sparse("A", scipy.sparse.random(90, 70, density=density, random_state=seed))
+    if pattern == "uniform":
+        a = ej.sparse("A", scipy.sparse.random(90, 70, density=density, random_state=seed))
+        c = ej.sparse("C", scipy.sparse.random(50, 30, density=density, random_state=seed + 1))
+    else:  # heavy rows and columns, duplicates and explicit zeros
+        a = ej.sparse("A", (*random_coo(rng, (90, 70), density, pattern), (90, 70)))
+        c = ej.sparse("C", (*random_coo(rng, (50, 30), density, pattern), (50, 30)))
     h = rng.standard_normal((70, 50))
-    c = ej.sparse("C", scipy.sparse.random(50, 30, density=density, random_state=seed + 1))
     cases = [("ij,jk->ik", (a, h), agg), ("ij,jk,kl->il", (a, h, c), "sum"),
              ("ij,ik,jk->ij", (a, rng.standard_normal((90, 50)), h), agg)]
     for eq, ops, how in cases:

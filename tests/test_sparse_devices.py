@@ -1,7 +1,7 @@
 """Sparse einsums on several devices (einjoin.sparse.distribute): the random problems of
-test_sparse on 1, 2 and 4 devices (sync and threads; a few on Ray) equal numpy on the densified
-inputs, every split label (output keys, or summed keys whose partial sums are combined by key),
-the exchange's accounting, explain(), errors.
+test_sparse (uniform and power-law patterns) on 1, 2 and 4 devices (sync and threads; a few on
+Ray) equal numpy on the densified inputs, every split label (output keys, or summed keys whose
+partial sums are combined by key), the exchange's accounting, explain(), errors.
 """
 
 from __future__ import annotations
@@ -155,6 +155,10 @@ def test_errors_name_devices_and_backend() -> None:
         ej.sparse_compile("ij->i", a, devices=2, backend="null")
     with pytest.raises(ej.EinjoinError, match="unknown backend"):
         ej.sparse_compile("ij->i", a, devices=2, backend="gpu")
+    # the torch backend has no sparse runner (distribute.RUNNERS): refused by name, not run elsewhere
+    pytest.importorskip("torch")
+    with pytest.raises(ej.UnsupportedOpError, match="backend 'torch'; sparse einsums run on sync, threads, ray"):
+        ej.sparse_compile("ij->i", a, devices=2, backend="torch")
     pytest.importorskip("duckdb")
     with pytest.raises(ej.UnsupportedOpError, match="one device"):
         ej.sparse_compile("ij->i", a, devices=2, engine="duckdb")
