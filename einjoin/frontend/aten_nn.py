@@ -357,12 +357,16 @@ def _hypot(a: Tensor, b: Tensor) -> Tensor:
 def _fmax(a: Tensor, b: Tensor) -> Tensor:
     """The maximum ignoring NaN (NaN only where both are)."""
     from einjoin.ir.scalar import parse_join
+    if a.dtype == b.dtype == "bool":  # no NaN; max does not take bools, torch gives a | b
+        return elementwise(parse_join("where(x0, x0, x1)", 2), a, b, name="fmax")
     return elementwise(parse_join("where(x0 != x0, x1, where(x1 != x1, x0, max(x0, x1)))", 2), a, b, name="fmax")
 
 
 @op("fmin")
 def _fmin(a: Tensor, b: Tensor) -> Tensor:
     from einjoin.ir.scalar import parse_join
+    if a.dtype == b.dtype == "bool":  # torch gives a & b
+        return elementwise(parse_join("where(x0, x1, x0)", 2), a, b, name="fmin")
     return elementwise(parse_join("where(x0 != x0, x1, where(x1 != x1, x0, min(x0, x1)))", 2), a, b, name="fmin")
 
 
