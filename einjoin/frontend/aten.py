@@ -684,4 +684,6 @@ OPS.update(BITS_OPS)
 
 @op("outer", "ger")
 def _outer(a: Tensor, b: Tensor) -> Tensor:
+    if a.dtype == b.dtype == "bool":  # the join's mul takes no bools; torch's outer is a & b
+        return elementwise("logical_and", a.reshape((a.shape[0], 1)), b)
     return F.einsum("i,j->ij", a, b)

@@ -320,6 +320,12 @@ def _select(x: Tensor, dim: int, index: int) -> Tensor:
 
 @op("index_select")
 def _index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    if x.ndim == 0:  # torch: dim 0 or -1, one index (0-d or 1 element), a 0-d result
+        if len(index.shape) > 1 or math.prod(index.shape) != 1 or dim not in (0, -1):
+            raise ShapeError(f"index_select of a 0-d tensor takes dim 0 and one index, got dim {dim}, "
+                             f"index shape {tuple(index.shape)}")
+        return F.gather(x.reshape((1,)), index.reshape((1,))).reshape(())
+    index = index if index.shape else index.reshape((1,))  # a 0-d index keeps the dim (length 1)
     d = _norm_dim(x, dim)
     if d == 0:
         return F.gather(x, index)

@@ -45,3 +45,16 @@ def test_fmax_fmin_of_bools_are_or_and():
     a = torch.tensor([[True, False, True, False]] * 3)
     b = torch.tensor([True, True, False, False])
     _same(*_run(lambda x, y: (torch.fmax(x, y), torch.fmin(x, y), torch.fmax(y, x), torch.fmin(y, x)), a, b))
+
+
+def test_outer_of_bools_is_and():
+    a, b = torch.tensor([True, False, True]), torch.tensor([True, True, False, False])
+    _same(*_run(lambda x, y: (torch.outer(x, y), torch.outer(y, x)), a, b))
+
+
+def test_index_select_of_a_0d_tensor_with_a_0d_or_one_element_index():
+    x = torch.tensor(2.5)
+    _same(*_run(lambda v, i, j: (torch.index_select(v, 0, i), torch.index_select(v, -1, j)),
+                x, torch.tensor(0), torch.tensor([0])))
+    y = torch.arange(6).reshape(2, 3)  # a 0-d index of a matrix keeps the dim, as torch
+    _same(*_run(lambda v, i: torch.index_select(v, 1, i), y, torch.tensor(2)))
