@@ -241,6 +241,8 @@ def _join(expr: str, name: str, floats: bool = True) -> Callable[..., Tensor]:
     """An elementwise translation written as one join over ``x0`` (the input in a float dtype
     when ``floats``); integer inputs of rounding functions are returned as they are."""
     def f(x: Tensor, *, decimals: int = 0) -> Tensor:
+        if decimals and name == "round" and kind(x.dtype) == "float":
+            return _round_decimals(x, int(decimals), f)
         if decimals:
             raise UnsupportedOpError(f"{name} with decimals={decimals}")
         if name in ("floor", "ceil", "round", "trunc") and kind(x.dtype) != "float":
@@ -250,18 +252,29 @@ def _join(expr: str, name: str, floats: bool = True) -> Callable[..., Tensor]:
     return f
 
 
+def _round_decimals(x: Tensor, decimals: int, round0: Callable[..., Tensor]) -> Tensor:
+    """torch's ``round(x, decimals=k)``: ``round(x * 10**k) / 10**k`` (``round(x / 10**-k) *
+    10**-k`` for k < 0), each step in x's dtype, half to even."""
+    if x.dtype in ("float16", "bfloat16"):  # torch computes these in float32, one final rounding
+        return _round_decimals(x.to("float32"), decimals, round0).to(x.dtype)
+    p = float(10 ** abs(decimals))
+    return round0(x * p) / p if decimals > 0 else round0(x / p) * p
+
+
 # rounding has no gradient (torch: zero), so the value is a stop_gradient of the floor division
 # (inf stays inf: inf // 1 is NaN)
 _FLOOR = "stop_gradient(where(abs(x0) == inf, x0, x0 // 1))"
 _TRUNC = "stop_gradient(where(abs(x0) == inf, x0, where(x0 < 0, -((-x0) // 1), x0 // 1)))"
+_R = (f"where(x0 - {_FLOOR} > 0.5, {_FLOOR} + 1, where(x0 - {_FLOOR} < 0.5, "
+      f"{_FLOOR}, where({_FLOOR} % 2 == 0, {_FLOOR}, {_FLOOR} + 1)))")
+_ROUND = f"where({_R} == 0, x0 * 0, {_R})"  # a zero takes x's sign, as torch: round(-0.3) is -0.0
 for _names, _expr in (
         (("floor", "floor_"), _FLOOR),
         (("ceil", "ceil_"), "stop_gradient(where(abs(x0) == inf, x0, -((-x0) // 1)))"),
         (("trunc", "trunc_", "fix"), _TRUNC),
         (("frac", "frac_"), f"x0 - {_TRUNC}"),
         # half to even, as torch.round
-        (("round", "round_"), f"where(x0 - {_FLOOR} > 0.5, {_FLOOR} + 1, where(x0 - {_FLOOR} < 0.5, "
-                              f"{_FLOOR}, where({_FLOOR} % 2 == 0, {_FLOOR}, {_FLOOR} + 1)))"),
+        (("round", "round_"), _ROUND),
         (("log1p", "log1p_"), "log1p(x0)"), (("expm1", "expm1_"), "expm1(x0)"),
         (("log2", "log2_"), f"log(x0) * {1 / math.log(2)!r}"), (("log10", "log10_"), f"log(x0) * {1 / math.log(10)!r}"),
         (("exp2", "exp2_"), "pow(2.0, x0)"), (("erfc", "erfc_", "special_erfc"), "1 - erf(x0)")):

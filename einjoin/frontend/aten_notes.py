@@ -109,5 +109,5 @@ NOTES: dict[str, str] = {
     "_to_copy": "into int8 / int16 / int32 / int64 / uint8 as torch (later arithmetic wraps in the "
                 "narrow type); uint16 / uint32 / uint64 refused (torch 2.13 has no arithmetic for them)",
     "int": "as `_to_copy`: int32",
-    "round": "half to even, as torch; no `decimals`",
+    "round": "half to even, as torch; `decimals` of floats as torch (float32 math for 16-bit)",
 }

@@ -6,6 +6,7 @@ forms torch computes, differential against torch: ``fmax`` / ``fmin`` of bools, 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -58,3 +59,18 @@ def test_index_select_of_a_0d_tensor_with_a_0d_or_one_element_index():
                 x, torch.tensor(0), torch.tensor([0])))
     y = torch.arange(6).reshape(2, 3)  # a 0-d index of a matrix keeps the dim, as torch
     _same(*_run(lambda v, i: torch.index_select(v, 1, i), y, torch.tensor(2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_round_with_decimals_is_torchs_bit_for_bit(dtype):
+    # torch: nearbyint(x * 10**k) / 10**k (x / 10**-k, then * for k < 0), 16-bit floats in float32;
+    # halfway points, signed zeros, inf, NaN and overflow included
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(400, generator=g, dtype=torch.float64)
+         * 10.0 ** torch.randint(-3, 5, (400,), generator=g)).to(dtype)
+    edge = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 0.125, 0.0125, -0.0001, -0.3, -0.0, 1e30, -1e30,
+                         float("inf"), float("-inf"), float("nan"), 1e-30, 3.4e38]).to(dtype)
+    half = ((torch.arange(-40, 40, dtype=torch.float64) + 0.5) / 100).to(dtype)
+    x = torch.cat([x, edge, half])
+    _same(*_run(lambda v: (torch.round(v, decimals=2), torch.round(v, decimals=1), torch.round(v, decimals=-2),
+                           torch.round(v, decimals=5), torch.round(v)), x))
