@@ -221,6 +221,10 @@ def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str,
     ``include_self`` and kept as ``x`` where nothing is written."""
     x = _t(x, "scatter_reduce")
     idx = _int_index(index, "scatter_reduce")
+    if x.ndim == 0 and dim in (0, -1) and idx.ndim == 0:  # torch: a 0-d tensor as one element of 1-D
+        s = _t(src, "scatter_reduce src")
+        return scatter_reduce(x.reshape((1,)), 0, idx.reshape((1,)), s.reshape((1,)) if s.ndim == 0 else s,
+                              reduce, include_self).reshape(())
     d = _norm_dim(x, dim)
     vals = _sources(_t(src, "scatter_reduce src"), idx, x.dtype, "scatter_reduce")
     if reduce in ("sum", "mean"):
@@ -234,6 +238,8 @@ def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str,
         return out if out.dtype == x.dtype else elementwise("floordiv", total, count).to(x.dtype)
     if reduce not in _REDUCE_AGG:
         raise UnsupportedOpError(f"scatter_reduce with reduce={reduce!r} (sum, mean, prod, amax, amin)")
+    if x.dtype == "bool" and x.ndim < len(LETTERS):  # 0/1 in uint8: prod / amin are and, amax or
+        return scatter_reduce(x.to("uint8"), d, idx, vals.to("uint8"), reduce, include_self).to("bool")
     if x.ndim >= len(LETTERS) or x.dtype == "bool":
         raise UnsupportedOpError(f"scatter_reduce {reduce!r} of a {x.dtype} tensor of rank {x.ndim}")
     agg, ident = _REDUCE_AGG[reduce]

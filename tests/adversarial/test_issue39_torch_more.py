@@ -74,3 +74,20 @@ def test_round_with_decimals_is_torchs_bit_for_bit(dtype):
     x = torch.cat([x, edge, half])
     _same(*_run(lambda v: (torch.round(v, decimals=2), torch.round(v, decimals=1), torch.round(v, decimals=-2),
                            torch.round(v, decimals=5), torch.round(v)), x))
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_of_bools(include_self):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 2, (3, 5), generator=g).bool()
+    src = torch.randint(0, 2, (3, 4), generator=g).bool()
+    idx = torch.randint(0, 5, (3, 4), generator=g)
+    _same(*_run(lambda a, i, s: tuple(a.scatter_reduce(1, i, s, r, include_self=include_self)
+                                      for r in ("prod", "amax", "amin")), x, idx, src))
+
+
+def test_scatter_reduce_of_a_0d_tensor():
+    x, i = torch.tensor(3.0), torch.tensor(0)
+    _same(*_run(lambda a, j, s: tuple(a.scatter_reduce(0, j, s, r, include_self=inc)
+                                      for r in ("sum", "prod", "mean", "amax", "amin") for inc in (True, False)),
+                x, i, torch.tensor(-2.0)))
