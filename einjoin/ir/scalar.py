@@ -233,6 +233,10 @@ def _fmod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     aa, bb = np.asarray(a), np.asarray(b)
     if aa.dtype.kind in "iubO" and bb.dtype.kind in "iubO" and np.any(bb == 0):
         raise EinjoinError("integer fmod by zero (torch raises too; use float tensors for nan)")
+    if aa.dtype == object or bb.dtype == object:  # exact Python ints (constants folded): no ufunc loop
+        exact: np.ndarray = np.frompyfunc(lambda x, y: -(abs(x) % abs(y)) if x < 0 else abs(x) % abs(y),
+                                          2, 1)(aa, bb)
+        return exact
     with np.errstate(all="ignore"):  # the arguments as given: a Python-int constant stays weak
         out: np.ndarray = np.fmod(a, b)
     return out
@@ -536,7 +540,10 @@ def _infer(e: Expr, dts: tuple[str, ...]) -> str | None:
             cond = _const_only_kind(e.args[0])  # where(1, ...): an int constant is no condition
         if cond is not None and cond != "bool":
             raise DTypeError(f"{e}: where's condition must be bool, got {cond}")
-        return _common(e, [a, b], e.args[1:], allow_bool=True)
+        out = _common(e, [a, b], e.args[1:], allow_bool=True)
+        if out == "bool" and any(d is None and _const_only_kind(v) == "int" for v, d in zip(e.args[1:], (a, b))):
+            return "int64"  # where(c, bool_t, 0): a Python int beside a bool tensor makes int64 (torch)
+        return out
     if f.rule == "logical":
         for arg, d in zip(e.args, sub):
             if d is None and _const_only_kind(arg) != "bool":
