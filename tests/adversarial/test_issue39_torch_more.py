@@ -5,41 +5,10 @@ forms torch computes, differential against torch: ``fmax`` / ``fmin`` of bools, 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from torch import nn
 
-import einjoin as ej
-
-
-class _Fn(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
-
-
-def _run(fn, *xs):
-    m = _Fn(fn)
-    return ej.compile(ej.from_torch(m, xs), quiet=True).run(*xs), m(*xs)
-
-
-def _same(got, want) -> None:
-    gs = got if isinstance(got, (tuple, list)) else (got,)
-    ws = want if isinstance(want, tuple) else (want,)
-    assert len(gs) == len(ws)
-    for g, w in zip(gs, ws):
-        g = g if isinstance(g, torch.Tensor) else torch.as_tensor(np.asarray(g))
-        assert g.dtype == w.dtype and g.shape == w.shape, (g, w)
-        if w.is_floating_point():  # bitwise, signed zeros and NaN included
-            num = ~torch.isnan(w)
-            assert torch.equal(torch.signbit(g[num]), torch.signbit(w[num])), (g, w)
-            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
-        else:
-            assert torch.equal(g, w), (g, w)
+from tests.adversarial.test_issue39_intops import _run, _same  # torch-exact comparison
 
 
 def test_fmax_fmin_of_bools_are_or_and():
