@@ -419,24 +419,17 @@ def _d_pow(e: Call, t: Tangent) -> Expr | None:
     return _sum(ta, tb)
 
 
-def _d_mod(e: Call, t: Tangent) -> Expr | None:
-    """torch's remainder backward: ``da - floor(a / b) * db``."""
-    a, b = e.args
-    da, db = t(0), t(1)
-    if db is None:
-        return da
-    tb = _mul(_mk("floordiv", a, b), db)
-    return _mk("neg", tb) if da is None else _sub(da, tb)
-
-
-def _d_fmod(e: Call, t: Tangent) -> Expr | None:
-    """torch's fmod backward: ``da - trunc(a / b) * db``."""
-    a, b = e.args
-    da, db = t(0), t(1)
-    if db is None:
-        return da
-    tb = _mul(_mk("truncdiv", a, b), db)
-    return _mk("neg", tb) if da is None else _sub(da, tb)
+def _remainder(quotient: str) -> Rule:
+    """torch's remainder / fmod backward: ``da - q(a, b) * db``, ``q`` the rounded quotient the
+    remainder takes off (``floordiv`` for remainder, ``truncdiv`` for fmod)."""
+    def rule(e: Call, t: Tangent) -> Expr | None:
+        a, b = e.args
+        da, db = t(0), t(1)
+        if db is None:
+            return da
+        tb = _mul(_mk(quotient, a, b), db)
+        return _mk("neg", tb) if da is None else _sub(da, tb)
+    return rule
 
 
 def _extremum(loses: str, beats: str) -> Rule:
@@ -550,8 +543,8 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "mul": _d_mul,
     "div": _d_div,
     "floordiv": NoDerivative(_NO_INT_GRAD),
-    "mod": _d_mod,
-    "fmod": _d_fmod,
+    "mod": _remainder("floordiv"),
+    "fmod": _remainder("truncdiv"),
     "truncdiv": _zero,  # only div(rounding_mode="trunc") makes it: torch's gradient is 0 there
     "bitand": _zero, "bitor": _zero, "bitxor": _zero, "bitnot": _zero, "lshift": _zero, "rshift": _zero,
     "pow": _d_pow,
