@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 from hypothesis import assume as hyp_assume
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einjoin as ej
@@ -174,7 +174,9 @@ def _einsums(draw: st.DrawFn, max_inputs: int = 3, size: int = 5, matmul: bool =
     return z, arrays
 
 
-@settings(max_examples=examples(150), deadline=None)
+# _einsums draws shapes that fit an equation and filters the rest; now and then a run draws many
+# misfits in a row (a fresh-clone make test: 9 kept, 50 filtered), which is no failure of the route
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(_einsums())
 def test_the_einsum_kernel_takes_the_path_matmul_route_names(case: tuple) -> None:
     import opt_einsum

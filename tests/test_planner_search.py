@@ -352,7 +352,8 @@ def test_planning_leaves_the_collector_as_it_found_it() -> None:
     try:
         frozen = gc.get_freeze_count()
         eindecomp(g, ej.local(2))
-        assert gc.get_freeze_count() >= frozen > 0
+        # kept: an unfreeze would leave 0 (a few frozen objects may die meanwhile: not >= frozen)
+        assert frozen > 0 and gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
     gc.disable()
