@@ -155,13 +155,7 @@ def test_errors_name_devices_and_backend() -> None:
         ej.sparse_compile("ij->i", a, devices=2, backend="null")
     with pytest.raises(ej.EinjoinError, match="unknown backend"):
         ej.sparse_compile("ij->i", a, devices=2, backend="gpu")
-    # the torch backend has no sparse runner (distribute.RUNNERS): refused by name, not run elsewhere
-    pytest.importorskip("torch")
-    with pytest.raises(ej.UnsupportedOpError, match="backend 'torch'; sparse einsums run on sync, threads, ray"):
-        ej.sparse_compile("ij->i", a, devices=2, backend="torch")
-    pytest.importorskip("duckdb")
-    with pytest.raises(ej.UnsupportedOpError, match="one device"):
-        ej.sparse_compile("ij->i", a, devices=2, engine="duckdb")
+    # the torch backend (CPU) and DuckDB on several devices run: tests/test_sparse_matrix.py
 
 
 def test_einsum_sparse_path_takes_devices() -> None:

@@ -2,8 +2,8 @@
 tests/test_sparse.py (1-3 operands of rank 2-3, some dense, sum or max, densities 1e-4 to 0.5,
 uniform or power-law patterns, duplicates and explicit zeros, random block pins) equal the
 in-memory engine and numpy on the densified data; a relation larger than a tiny ``memory_limit``
-spills and still equals. One device only: sparse_compile refuses engine="duckdb" with devices > 1
-(tests/test_sparse_devices.py).
+spills and still equals. On one device; several (a connection per device) in
+tests/test_sparse_matrix.py.
 
 Few examples: every example opens a DuckDB connection and loads its tables.
 """

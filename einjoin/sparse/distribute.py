@@ -30,7 +30,9 @@ device the input tuples it holds, the tuples it joined and its thread's CPU time
 **Where the parts run** (a per-backend table, :data:`RUNNERS`): ``sync`` one after the other on
 this thread; ``threads`` the threads backend's device workers (the engine's ``einjoin-dev<d>``
 threads, ``drive_threads``, under its share of the cores, ``cores_limit``); ``ray`` the Ray
-backend's device actors (``RayBackend.device_actors``, ``DeviceWorker.call``). On Ray the parts
+backend's device actors (``RayBackend.device_actors``, ``DeviceWorker.call``); ``torch`` (CPU) as
+``threads`` (the parts compute on numpy views of the tensors; dense results go back as tensors
+when tensors came in, ``SparsePlan.run``). On Ray the parts
 and the partials travel through the driver (point-to-point sends between actors are built for
 task graphs only).
 
@@ -58,6 +60,7 @@ import numpy as np
 
 from einjoin.cluster import MAX_DEVICES
 from einjoin.errors import EinjoinError, UnsupportedOpError
+from einjoin.sparse.duckdb_exec import DuckDevice, execute_duckdb
 from einjoin.sparse.execute import RunCounts, execute, relation_of
 from einjoin.sparse.layout import Layout
 from einjoin.sparse.tensor import SparseTensor, key_codes
@@ -131,6 +134,8 @@ class Exchange:
     partials: int = 0
     partial_bytes: int = 0
     cpu: list[float] = field(default_factory=list)  # per device: its thread's CPU seconds on its part
+    spilled: list[int] = field(default_factory=list)  # engine duckdb, per device: its temp-directory bytes
+    ranges: int = 1  # engine duckdb: the most output-key ranges (queries) of a device
 
     @property
     def moved(self) -> int:
@@ -336,13 +341,21 @@ def choose_split(rels: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ..
 
 def part_step(parts: Sequence[SparseTensor], in_labels: Sequence[tuple[str, ...]], out_labels: tuple[str, ...],
               sizes: Mapping[str, int], layout: Layout, agg: str, dtype: np.dtype, what: str,
-              into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, RunCounts, float]:
-    """One device's join-aggregation of its part (the in-memory executor; ``into``: its rows of
-    the whole result, see :func:`execute`), and the CPU seconds its thread spent on it (BLAS
-    threads it woke not counted)."""
+              into: np.ndarray | None = None, duck: DuckDevice | None = None
+              ) -> tuple[np.ndarray, np.ndarray | None, RunCounts, float, tuple[int, int]]:
+    """One device's join-aggregation of its part: the in-memory executor (``into``: its rows of
+    the whole result, see :func:`execute`), or with ``duck`` the DuckDB executor on a connection
+    of the device's own (its share of ``memory_limit``, its own temp directory), opened where the
+    part runs (a Ray actor too: connections do not travel). Also the CPU seconds its thread spent
+    on it (BLAS or DuckDB threads it woke not counted) and DuckDB's (spilled bytes, key ranges)."""
     start = time.thread_time()
-    data, keys, counts = execute(parts, in_labels, out_labels, sizes, layout, agg, dtype, what, into)
-    return data, keys, counts, time.thread_time() - start
+    if duck is None:
+        data, keys, counts = execute(parts, in_labels, out_labels, sizes, layout, agg, dtype, what, into)
+        return data, keys, counts, time.thread_time() - start, (0, 1)
+    with duck.session(what) as session:
+        data, keys, counts = execute_duckdb(session, parts, in_labels, out_labels, sizes, layout, agg, dtype, what)
+        stats = (session.spilled, session.ranges)
+    return data, keys, counts, time.thread_time() - start, stats
 
 
 def combine_sums(chunks: Sequence[tuple[np.ndarray, np.ndarray]], grid: Sequence[int]
@@ -419,7 +432,14 @@ def _run_ray(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...
     return out
 
 
-RUNNERS: dict[str, Runner] = {"sync": _run_sync, "threads": _run_threads, "ray": _run_ray}
+def _run_torch(backend: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]], what: str) -> list[Any]:
+    """The torch backend on the CPU: its device threads as ``threads`` runs them (one inline worker,
+    as ``sync``, when it is not ``threaded``). The parts compute with the in-memory executor on
+    numpy views of the tensors' memory (``SparsePlan.run`` converts at the boundary, no copy)."""
+    return (_run_threads if getattr(backend, "threaded", True) else _run_sync)(backend, fn, args, what)
+
+
+RUNNERS: dict[str, Runner] = {"sync": _run_sync, "threads": _run_threads, "ray": _run_ray, "torch": _run_torch}
 
 
 @dataclass
@@ -527,19 +547,22 @@ class Distribution:
 
     def execute(self, values: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tuple[str, ...]],
                 out_labels: tuple[str, ...], sizes: Mapping[str, int], layout: Layout, agg: str,
-                dtype: np.dtype, what: str, names: Sequence[str]
+                dtype: np.dtype, what: str, names: Sequence[str], duck: Sequence[DuckDevice] | None = None
                 ) -> tuple[np.ndarray, np.ndarray | None, RunCounts, Exchange | None]:
         """The step on the devices: :func:`execute`'s contract, and the step's :class:`Exchange`
-        (None on one device)."""
+        (None on one device). ``duck``: per device its DuckDB settings (engine duckdb), the parts
+        then run as SQL on a connection per device; the split, the exchange and the combining of
+        partial sums are the same as in memory."""
         if self.devices == 1:
             return (*execute(values, in_labels, out_labels, sizes, layout, agg, dtype, what), None)
         n = self.devices
         run = RUNNERS[self.backend.name]
         if not _candidates(layout, sizes, out_labels, agg, self.label):  # device 0 runs it as it is
-            ((data, keys, counts, cpu),) = run(self.backend, part_step, [(values, tuple(in_labels), out_labels,
-                                                                          dict(sizes), layout, agg, dtype, what)], what)
+            ((data, keys, counts, cpu, st),) = run(self.backend, part_step, [
+                (values, tuple(in_labels), out_labels, dict(sizes), layout, agg, dtype, what, None,
+                 duck[0] if duck else None)], what)
             ex = Exchange(None, [sum(counts.tuples)] + [0] * (n - 1), [counts.joined] + [0] * (n - 1),
-                          cpu=[cpu] + [0.0] * (n - 1))
+                          cpu=[cpu] + [0.0] * (n - 1), spilled=[st[0]] + [0] * (n - 1), ranges=st[1])
             return data, keys, counts, ex
         compute = np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
         out_rel = [lab for lab in out_labels if layout.relational(lab)]
@@ -562,15 +585,17 @@ class Distribution:
         views: list[np.ndarray | None] = [None] * n
         whole: np.ndarray | None = None
         if (split.label in out_labels and split.kind == "range" and agg == "sum" and kept.rows is not None
-                and out_rel[:1] == [split.label] and self.backend.name in ("sync", "threads")):
+                and out_rel[:1] == [split.label] and self.backend.name in ("sync", "threads") and not duck):
             whole = np.empty((sum(kept.rows), *out_ext), compute)
             at = np.cumsum([0, *kept.rows])
             views = [whole[at[d]:at[d + 1]] for d in range(n)]
         got = run(self.backend, part_step,
-                  [(ps, tuple(in_labels), out_labels, dict(sizes), layout, agg, compute, what, views[d])
-                   for d, ps in enumerate(parts)], what)
-        ex.joined = [c.joined for _, _, c, _ in got]
-        ex.cpu = [t for *_, t in got]
+                  [(ps, tuple(in_labels), out_labels, dict(sizes), layout, agg, compute, what, views[d],
+                    duck[d] if duck else None) for d, ps in enumerate(parts)], what)
+        ex.joined = [g[2].joined for g in got]
+        ex.cpu = [g[3] for g in got]
+        ex.spilled = [g[4][0] for g in got]
+        ex.ranges = max(g[4][1] for g in got)
         joined = sum(ex.joined)
         if split.label in out_labels:  # output keys disjoint per device
             kept.rows = [len(g[0]) for g in got]
@@ -593,7 +618,7 @@ class Distribution:
         # partial sums by output key: each to the device owning the key (a hash of its code), added there
         grid_out = [_grid(layout, sizes)[lab] for lab in out_rel]
         sends: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
-        for d, (data_d, keys_d, _, _) in enumerate(got):
+        for d, (data_d, keys_d, *_) in enumerate(got):
             code = key_codes(keys_d, grid_out)
             owner = _hash_owner(code if code is not None else keys_d[:, 0], n)
             for q in range(n):
@@ -649,4 +674,7 @@ def distribution(devices: Any, backend: Any, what: str) -> Distribution:
     if getattr(b, "name", None) not in RUNNERS:
         raise UnsupportedOpError(f"{what}: backend {getattr(b, 'name', backend)!r}; sparse einsums run on "
                                  f"{', '.join(RUNNERS)}")
+    if b.name == "torch" and getattr(b, "device_map", "cpu") not in ("cpu", ["cpu"], ("cpu",)):
+        raise UnsupportedOpError(f"{what}: backend torch with device_map={b.device_map!r}; sparse einsums run "
+                                 f"on the torch backend's CPU devices only (TorchBackend(device_map='cpu'))")
     return Distribution(int(devices), b)

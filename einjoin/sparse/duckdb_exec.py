@@ -38,10 +38,12 @@ True
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +53,7 @@ from einjoin.sparse.execute import Relation, RunCounts, relation_of, zero_paddin
 from einjoin.sparse.layout import Layout
 from einjoin.sparse.tensor import SparseTensor, is_float, unique_rows
 
-__all__ = ["DuckSession", "execute_duckdb", "require_duckdb", "step_sql"]
+__all__ = ["DuckSession", "DuckDevice", "device_settings", "execute_duckdb", "require_duckdb", "step_sql"]
 
 FETCH_ROWS = 1 << 18  # result rows per fetch (~8 MB of numpy columns)
 AGG_STATE_BYTES = 48  # DuckDB's memory per aggregate state (a sum / max and its group's share)
@@ -114,6 +116,39 @@ class DuckSession:
         """Bytes DuckDB holds in its temp directory now (its spill)."""
         rows = self.con.execute("SELECT coalesce(sum(size), 0) FROM duckdb_temporary_files()").fetchall()
         return int(rows[0][0])
+
+
+@dataclass(frozen=True)
+class DuckDevice:
+    """One device's DuckDB connection settings when a plan runs on several devices: its share of
+    the plan's ``memory_limit`` and of the cores, its own temp directory (None: a fresh one)."""
+
+    memory_limit: str
+    temp_directory: str | None
+    threads: int
+
+    def session(self, what: str) -> DuckSession:
+        if self.temp_directory is not None:
+            os.makedirs(self.temp_directory, exist_ok=True)
+        return DuckSession(what, self.memory_limit, self.temp_directory, self.threads)
+
+
+def device_settings(what: str, memory_limit: str | None, temp_directory: str | None, threads: int | None,
+                    devices: int) -> list[DuckDevice]:
+    """Per device: ``memory_limit`` (DuckDB's default, 80% of RAM, when None) divided by
+    ``devices`` -- read back from a throwaway connection, so DuckDB parses the string itself --,
+    ``threads`` each (cores // devices when None: n connections with every core each would fight)
+    and ``temp_directory``/device<d> (a fresh temporary directory each when None).
+
+    >>> [(d.memory_limit, d.threads) for d in device_settings("x", "64MiB", None, 1, 2)]
+    [('32768KiB', 1), ('32768KiB', 1)]
+    """
+    with DuckSession(what, memory_limit, None, 1) as probe:
+        total = _limit_bytes(probe)
+    share = f"{max(1, int(total // devices // 1024))}KiB"  # KiB: DuckDB reads it exactly
+    each = threads if threads is not None else max(1, (os.cpu_count() or 1) // devices)
+    return [DuckDevice(share, None if temp_directory is None else os.path.join(temp_directory, f"device{d}"), each)
+            for d in range(devices)]
 
 
 def _load(con: Any, name: str, rel: Relation, col: Mapping[str, int], kind: str) -> int:

@@ -32,7 +32,7 @@ from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
 from einjoin.ir.node import Node
 from einjoin.sparse.distribute import Distribution, Exchange, distribution
-from einjoin.sparse.duckdb_exec import DuckSession, execute_duckdb, require_duckdb
+from einjoin.sparse.duckdb_exec import DuckDevice, DuckSession, device_settings, execute_duckdb, require_duckdb
 from einjoin.sparse.execute import RunCounts
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
@@ -215,6 +215,7 @@ class SparsePlan:
         self._relational = set(relational)
         self._patterns: PatternCache[list[Step]] = PatternCache(steps)
         self._last_values = self.operands  # what explain() describes: the last run's operands
+        self.torch_in = False  # a compiled operand was a torch tensor (backend torch: dense results as tensors)
 
     @property
     def blocks(self) -> dict[str, int | None]:
@@ -272,9 +273,19 @@ class SparsePlan:
         """What the last run did with the plan: reused it, or replanned for a new pattern."""
         return self._patterns.last
 
-    def run(self, *operands: Any, **named: Any) -> SparseTensor | np.ndarray:
+    def run(self, *operands: Any, **named: Any) -> SparseTensor | np.ndarray | Any:
         """The result on the compiled operands, or on new ones of the same shapes and kinds: all
-        by position, or some by name (``run(A=other)``; a dense operand i is ``x<i>``)."""
+        by position, or some by name (``run(A=other)``; a dense operand i is ``x<i>``). On
+        ``backend="torch"`` a dense result is a torch tensor when a torch tensor went in (at
+        compile or here), sharing the result's memory, as the torch backend's runs do."""
+        out = self._run(operands, named)
+        if isinstance(out, np.ndarray) and getattr(self.distribution.backend, "name", None) == "torch" and (
+                self.torch_in or any(_is_torch(x) for x in (*operands, *named.values()))):
+            from einjoin.runtime.backends.torch_backend import to_tensor
+            return to_tensor(out)[0]
+        return out
+
+    def _run(self, operands: tuple[Any, ...], named: dict[str, Any]) -> SparseTensor | np.ndarray:
         if operands or named:
             names = [_name(v, i) for i, v in enumerate(self.operands)]
             values = self._check(bind_operands(names, self.operands, operands, named, self._what()))
@@ -296,7 +307,9 @@ class SparsePlan:
                                 trusted=True)
         if len(values) > 1:  # any aggregation: max too meets absent zeros times inf (nan densified)
             self._refuse_non_finite(values)
-        if self.engine.name == "duckdb":
+        if self.engine.per_device is not None:  # each device's step on a connection of its own
+            self.engine.spilled, self.engine.ranges = 0, 1
+        elif self.engine.name == "duckdb":
             with DuckSession(self._what(), self.engine.memory, self.engine.temp_directory,
                              self.engine.threads) as session:
                 out = self._run_steps(values, session)
@@ -352,7 +365,12 @@ class SparsePlan:
         else:
             names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
             data, rkeys, counts, step.exchange = self.distribution.execute(
-                args, step.in_labels, step.out_labels, self.sizes, lay, self.agg, self.dtype, self._what(), names)
+                args, step.in_labels, step.out_labels, self.sizes, lay, self.agg, self.dtype, self._what(), names,
+                self.engine.per_device)
+            ex = step.exchange
+            if self.engine.per_device is not None and ex is not None:  # the busiest step's spill, all devices
+                self.engine.spilled = max(self.engine.spilled, sum(ex.spilled))
+                self.engine.ranges = max(self.engine.ranges, ex.ranges)
         step.counts = counts
         block = tuple(lay.extent(lab, self.sizes[lab]) for lab in step.out_labels)
         if last:
@@ -444,15 +462,18 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
 
     ``devices=n`` splits each step's relations over n devices by the block keys of one label
     (range or hash, from the block histogram) and runs the parts on ``backend`` (``"threads"``,
-    ``"sync"``, ``"ray"`` or such a backend object); see :mod:`einjoin.sparse.distribute`."""
+    ``"sync"``, ``"ray"``, ``"torch"`` (CPU; a dense result a tensor when tensors went in) or such a
+    backend object); see :mod:`einjoin.sparse.distribute`. With ``engine="duckdb"`` each device
+    runs its part on a DuckDB connection of its own, with ``memory_limit / devices`` (and
+    ``cores // devices`` threads when ``duckdb_threads`` is None) and its own temp directory
+    (``duckdb_temp``/device<d>)."""
     what = f"sparse einsum {equation!r}"
     if not operands:
         raise EinjoinError(f"{what}: needs at least one operand")
     eng = _engine(engine, duckdb_memory, duckdb_temp, duckdb_threads, what)
     dist = distribution(devices, backend, what)
-    if dist.devices > 1 and eng.name != "memory":
-        raise UnsupportedOpError(f"{what}: engine {eng.name!r} runs on one device (devices={devices}); "
-                                 f"engine='memory' runs on several")
+    if dist.devices > 1 and eng.name == "duckdb":  # a connection per device, each with its share
+        eng.per_device = device_settings(what, eng.memory, eng.temp_directory, eng.threads, dist.devices)
     values = [_operand(x, i, what) for i, x in enumerate(operands)]
     # numpy's broadcasting of size-1 dims, as ej.einsum: squeezed here, and at each run (_check)
     given = [tuple(v.shape) for v in values]
@@ -495,7 +516,13 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
                       steps, pins, rel, eng, dist)
     if squeezed is not None:
         plan.broadcast = (tuple(given), tuple(squeezed[1]))
+    plan.torch_in = any(_is_torch(x) for x in operands)
     return plan
+
+
+def _is_torch(x: Any) -> bool:
+    """A torch tensor (dense or sparse) given as an operand."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
 
 @dataclass
@@ -508,11 +535,15 @@ class Engine:
     threads: int | None = None
     spilled: int = 0  # DuckDB temp-directory bytes at the end of the last run's busiest step
     ranges: int = 1  # the most output-key ranges (one query each) of a step in the last run
+    # on several devices: each device's connection settings (its share of memory_limit and cores)
+    per_device: list[DuckDevice] | None = None
 
     def describe(self) -> str:
         if self.name == "memory":
             return "engine memory"
-        return (f"engine duckdb (memory_limit {self.memory or 'default'}"
+        share = (f", a connection per device with {self.per_device[0].memory_limit} and "
+                 f"{self.per_device[0].threads} thread(s) each" if self.per_device else "")
+        return (f"engine duckdb (memory_limit {self.memory or 'default'}{share}"
                 + (f", last run spilled {self.spilled / 2 ** 20:.1f} MiB" if self.spilled else "")
                 + (f", output keys in {self.ranges} ranges" if self.ranges > 1 else "") + ")")
 
