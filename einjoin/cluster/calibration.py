@@ -28,7 +28,7 @@ from einjoin.errors import EinjoinError
 
 __all__ = ["Calibration", "cache_path", "machine_key", "load_cached", "save_cached", "local_calibration", "MEASURE"]
 
-VERSION = 10  # bumped when what is measured changes: older caches are measured again
+VERSION = 11  # bumped when what is measured changes: older caches are measured again
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,10 @@ class Calibration:
     inline; ``free_threads`` / ``view_threads`` on device threads: these tasks dispatch no kernel,
     so the launches are then per kernel; -1, an older calibration: every task costs a launch),
     ``attention_rate`` / ``attention_half`` (the attention kernel's flop/s on one thread and its
-    fixed cost per call as flops), ``cores`` and the ``machine`` it was measured on."""
+    fixed cost per call as flops), ``mem_bw_all`` (bytes read + written per second by elementwise
+    kernels on every core at once, over arrays out of the last-level cache: the memory bus the
+    devices divide; -1: not measured), ``cache_bytes`` (the last-level cache's size; 0: unknown),
+    ``cores`` and the ``machine`` it was measured on."""
 
     cores: int
     matmul_rate: float
@@ -76,6 +79,8 @@ class Calibration:
     view_cost: float = -1.0        # seconds of a view load or a zero-copy move, inline
     free_threads: float = -1.0     # the same on device threads
     view_threads: float = -1.0
+    mem_bw_all: float = -1.0       # bytes/s of elementwise kernels on every core at once (-1: not measured)
+    cache_bytes: int = 0           # the last-level cache, bytes (0: unknown)
     load: float = 0.0              # the 1-minute load average when measured (busy: figures too low)
     seconds: float = 0.0  # how long measuring took
 
@@ -119,7 +124,11 @@ class Calibration:
                         # concurrent devices' kernels share the cores as one GEMM's threads do: each
                         # further busy core adds `parallel` of one (2 single-thread GEMMs of a
                         # 2-device chain ran 1.55-1.65x one on 2 cores, a 2-thread GEMM 1.74x)
-                        core_capacity=1 + (self.cores - 1) * self.parallel)
+                        core_capacity=1 + (self.cores - 1) * self.parallel,
+                        # the devices' memory-bound kernels divide one memory bus (never less than
+                        # one thread streams alone), when the program's blocks leave the cache
+                        mem_bus=max(self.mem_bw_all, self.mem_bw) if self.mem_bw_all > 0 else 0.0,
+                        cache=float(max(0, self.cache_bytes)))
 
     def dispatch(self, n: int) -> tuple[float, float]:
         """Seconds per task and per run of the threads backend on ``n`` devices: inline on one,
@@ -165,7 +174,9 @@ class Calibration:
             + (f" (on every core half of it at {self.parallel_half / 1e6:.2f} MFLOP)"
                if self.parallel_half >= 0 else ""),
             f"elementwise: {self.mem_bw / 1e9:.2f} GB/s read + written, {self.vector_rate / 1e9:.2f} GFLOP/s (exp)",
-            f"copy: {self.copy_bw / 1e9:.2f} GB/s read + written",
+            f"copy: {self.copy_bw / 1e9:.2f} GB/s read + written"
+            + (f"; every core at once {self.mem_bw_all / 1e9:.2f} GB/s (one memory bus)" if self.mem_bw_all > 0 else "")
+            + (f"; last-level cache {self.cache_bytes / 2**20:.0f} MiB" if self.cache_bytes > 0 else ""),
             f"attention kernel, one thread: {self.attention_rate / 1e9:.2f} GFLOP/s (+{self.attention_half / 1e6:.1f} "
             "MFLOP of fixed cost per call)" + (f", each further thread +{self.attention_parallel:.2f}"
                                               if self.attention_parallel >= 0 else ""),

@@ -268,7 +268,11 @@ class Hardware:
     where a program has both: :func:`einjoin.runtime.simulate_hardware.kernel_pools`); a kernel
     on ``t`` threads holds that speed-up of the cores; ``core_capacity``: the work the shared cores
     do at once, in one busy core's (below ``cores`` where a second busy core adds less than a
-    core: a clock lowered for all, caches and memory shared; 0: ``cores``)."""
+    core: a clock lowered for all, caches and memory shared; 0: ``cores``); ``mem_bus``: bytes/s
+    (read + written) the devices' memory-bound work streams at most together, the host's memory
+    bus that devices sharing RAM divide (0: each device has its own memory); ``cache``: bytes of
+    the last-level cache those devices share (0: unknown): a program whose blocks fit in it
+    streams nothing from memory, so its kernels hold no share of the bus."""
 
     name: str
     models: tuple[DeviceModel, ...]
@@ -282,6 +286,8 @@ class Hardware:
     own_links: bool = False
     pool_speedup: tuple[tuple[str, float], ...] = ()  # ("blas" | "torch", its share over one thread)
     core_capacity: float = 0.0  # what the shared cores do at once, in one core's work (0: ``cores``)
+    mem_bus: float = 0.0  # bytes/s the devices' memory-bound kernels share (0: not shared)
+    cache: float = 0.0    # bytes of the last-level cache the devices share (0: unknown)
 
     def __post_init__(self) -> None:
         if len(self.models) != len(self.groups) or not self.models:
@@ -292,6 +298,8 @@ class Hardware:
             raise EinjoinError(f"hardware {self.name!r}: cores must be a positive int or None, got {c!r}")
         if c is not None:
             object.__setattr__(self, "cores", int(c))
+        for f in ("mem_bus", "cache"):
+            object.__setattr__(self, f, _positive(getattr(self, f), f"hardware {self.name!r} {f}", zero_ok=True))
 
     @property
     def size(self) -> int:

@@ -53,7 +53,7 @@ from einjoin.ir.scalar import Arg, Call
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
-from einjoin.runtime.simulate_hardware import TORCH_KINDS, hardware_for, kernel_pools
+from einjoin.runtime.simulate_hardware import TORCH_KINDS, hardware_for, kernel_pools, streams
 from einjoin.runtime.simulate_share import Sharing
 
 __all__ = ["Simulation", "simulate", "simulate_program", "hardware_for", "SimulateBackend", "COSTS", "Phases"]
@@ -63,6 +63,7 @@ Resources = tuple[tuple[Any, float], ...]
 Phases = tuple[tuple[float, Resources], ...]
 GIL = ("gil",)
 CORES = ("cores",)
+BUS = ("bus",)  # the host's memory bus, which memory-bound kernels of devices sharing RAM divide
 
 
 @dataclass
@@ -160,6 +161,7 @@ class _Ctx:
         self.launch_res: Resources = (((GIL, 1.0), (CORES, 1.0)) if self.cpu else ((GIL, 1.0),)) \
             if hw.shared_memory else ()
         self.vbytes = [v.nbytes for v in tg.values]  # a property: read once per value
+        self.bus = hw.mem_bus > 0 and streams(hw, tg, self.vbytes)  # memory-bound work holds the bus
         self.steps: dict[Any, Any] = {}  # node -> its elementwise steps (_steps), memoised
 
     def read_bytes(self, t: Task) -> int:
@@ -174,11 +176,16 @@ class _Ctx:
         ``free_cost`` or ``view_cost``; -1: a launch)."""
         return (self.hw.models[t.device].launch if cost < 0 else cost, self.launch_res)
 
-    def on_cores(self, seconds: float, demand: float = 1.0) -> tuple[float, Resources]:
-        return (seconds, ((CORES, demand),) if self.cpu else ())
+    def on_cores(self, seconds: float, demand: float = 1.0, streamed: float = 0.0) -> tuple[float, Resources]:
+        """Work of ``seconds`` alone on ``demand`` cores; ``streamed``: the bytes it reads and
+        writes in memory, which hold the memory bus at their rate alone (when the program streams)."""
+        held: Resources = ((CORES, demand),) if self.cpu else ()
+        if self.bus and streamed > 0 and seconds > 0:
+            held += ((BUS, min(streamed / seconds, self.hw.mem_bus)),)
+        return (seconds, held)
 
     def copy(self, t: Task, nbytes: float) -> Phases:
-        return (self.launch(t), self.on_cores(copy_time(self.hw.models[t.device], nbytes)))
+        return (self.launch(t), self.on_cores(copy_time(self.hw.models[t.device], nbytes), 1.0, 2.0 * nbytes))
 
     def host(self, t: Task, nbytes: float, inward: bool) -> Phases:
         """A host <-> device copy: on a machine sharing the host's RAM a copy on the cores, else
@@ -283,8 +290,9 @@ def _elementwise(c: _Ctx, t: Task) -> Phases | None:
         return None
     box = t.flops / how.per if how.per else t.nbytes / max(1, itemsize(t.node.dtype))
     if not how.calls:  # no function: a copy, or a reduction, of the inputs (a constant fill: its write)
-        secs = steps_time(m, (), c.read_bytes(t) + t.nbytes) or 0.0
-        return (c.launch(t), c.on_cores(secs, 1.0))
+        moved = c.read_bytes(t) + t.nbytes
+        secs = steps_time(m, (), moved) or 0.0
+        return (c.launch(t), c.on_cores(secs, 1.0, moved))
     passes = (box * how.size + t.nbytes if how.aggregates else 0.0) + box * how.out_pass
     secs = steps_time(m, [(fn, f * box) for fn, f in how.calls], passes, how.size) or 0.0
     python = len(how.calls) * m.fn_call
@@ -292,8 +300,8 @@ def _elementwise(c: _Ctx, t: Task) -> Phases | None:
     # function rates are measured on arrays the last level cache holds; a program's blocks were
     # written by other kernels a while before: x0 * x1 over 1 MB arrays ran at 2.1 Gelem/s cold,
     # 6.5 hot, where 12 bytes an element at mem_bw give 2.75)
-    stream = (how.traffic * box * how.size + passes) / m.mem_bw
-    return ((m.launch + python, c.launch_res), c.on_cores(max(secs - python, stream), 1.0))
+    streamed = how.traffic * box * how.size + passes
+    return ((m.launch + python, c.launch_res), c.on_cores(max(secs - python, streamed / m.mem_bw), 1.0, streamed))
 
 
 def _kernel(c: _Ctx, t: Task) -> Phases:
@@ -306,14 +314,16 @@ def _kernel(c: _Ctx, t: Task) -> Phases:
     nbytes = c.read_bytes(t) + t.nbytes + (2 * t.scratch if c.hw.shared_memory else 0)
     dtype = t.node.dtype
     threads = demand = 1.0  # the kernel's threads (its speed) and the cores they hold (single-core equivalents)
+    streamed = float(nbytes)  # a memory-bound kernel's bytes hold the bus; a GEMM works in the caches
     if is_contraction(t.flops, nbytes):
+        streamed = 0.0
         kind = type(t.node.op)
         if c.pools is not None and kind in c.pools:
             threads = c.pools[kind]  # the pool with one thread: one thread's rate, one core
         else:
             threads = c.threads
             demand = c.speedup.get("torch" if kind in TORCH_KINDS else "blas", threads)
-    return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads, t.node.kind), demand))
+    return (c.launch(t), c.on_cores(work_time(m, t.flops, nbytes, dtype, threads, t.node.kind), demand, streamed))
 
 
 def _memory_bound(c: _Ctx, t: Task) -> Phases:  # fill, reduce: bytes read and written
@@ -321,7 +331,8 @@ def _memory_bound(c: _Ctx, t: Task) -> Phases:  # fill, reduce: bytes read and w
     steps = _elementwise(c, t)  # a fill's expression, on a device that evaluates it step by step
     if steps is not None:
         return steps
-    return (c.launch(t), c.on_cores(work_time(m, t.flops, c.read_bytes(t) + t.nbytes, t.dtype or t.node.dtype)))
+    moved = c.read_bytes(t) + t.nbytes
+    return (c.launch(t), c.on_cores(work_time(m, t.flops, moved, t.dtype or t.node.dtype), 1.0, moved))
 
 
 def _copy(c: _Ctx, t: Task) -> Phases:  # select, touch: a copy of the written bytes
@@ -386,6 +397,8 @@ def _caps(hw: Hardware) -> Callable[[Any], float]:
             return 1.0
         if r is CORES:
             return float(hw.core_capacity or hw.cores or 1)
+        if r is BUS:
+            return float(hw.mem_bus)
         kind, _, dev = r
         if kind == "host":
             return float(hw.models[dev].host_bw)

@@ -223,6 +223,65 @@ def _memory(reps: int, quick: bool) -> tuple[float, float, float]:
     return mem_bw, vec, 2 * 4 * n / copy
 
 
+def _cache_bytes() -> int:
+    """The last-level cache's size in bytes (Linux: the highest level of cpu0's caches in sysfs;
+    0 elsewhere or unreadable)."""
+    import glob
+    best = (0, 0)
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(d, "level"), encoding="ascii") as f:
+                level = int(f.read())
+            with open(os.path.join(d, "size"), encoding="ascii") as f:
+                text = f.read().strip().upper()
+        except (OSError, ValueError):
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            size = int(text.rstrip("KMG")) * unit
+        except ValueError:
+            continue
+        best = max(best, (level, size))
+    return best[1]
+
+
+def _bus(reps: int, quick: bool, cache: int) -> float:
+    """Bytes read + written per second by ``np.add`` on every core at once (a thread per core,
+    each over arrays of its own, together several times the last-level cache): the memory bus
+    that devices' memory-bound kernels divide. By the wall clock, the least of ``reps`` rounds
+    started together (measure on a quiet machine: a busy one reads low). -1 on one core."""
+    import threading
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        return -1.0
+    # each thread's three arrays: together at least 2x the cache (and 96 MB), at most 32 MB each
+    n = max(1 << 18, min(1 << 23, max(2 * cache, 96 << 20) // (12 * cores)))
+    if quick:
+        n = max(1 << 18, n // 4)
+    arrays = [(np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)) for _ in range(cores)]
+    rounds = reps + 2
+    gate = threading.Barrier(cores)
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(cores)]
+
+    def work(i: int) -> None:
+        x, y, out = arrays[i]
+        np.add(x, y, out=out)  # warm: pages touched
+        for _ in range(rounds):
+            gate.wait()
+            t0 = time.perf_counter()
+            np.add(x, y, out=out)
+            np.add(out, y, out=out)
+            spans[i].append((t0, time.perf_counter()))
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(cores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    best = min(max(s[r][1] for s in spans) - min(s[r][0] for s in spans) for r in range(rounds))
+    return 2 * 12.0 * n * cores / max(best, 1e-9)
+
+
 def _functions(reps: int, quick: bool, dtype: type = np.float32) -> dict[str, float]:
     """Elements per second of each scalar function (:data:`einjoin.ir.scalar.FUNCTIONS`) as a
     kernel's step runs it (:func:`einjoin.ir.evaluate.evaluate` of the one call, its in-place and
@@ -396,6 +455,8 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     rate, half, parallel, parallel_half = _gemm(reps, quick)
     mem_bw, vector_rate, copy_bw = _memory(reps, quick)
+    cache = _cache_bytes()
+    mem_bw_all = _bus(reps, quick, cache)
     attention_rate, attention_half, attention_parallel = _attention(reps, quick)
     # after the attention kernel: torch loaded, each run also sets torch's share of the cores, as
     # runs of programs with torch kernels do
@@ -415,6 +476,7 @@ def calibrate(quick: bool = False, force: bool = False, reps: int = 3) -> Calibr
                       launch_threads4=launch_threads4, overhead_threads4=overhead_threads4,
                       attention_rate=attention_rate, attention_half=attention_half, fn_rates64=fn_rates64,
                       attention_parallel=attention_parallel, fn_rates=fn_rates, fn_call=fn_call,
+                      mem_bw_all=mem_bw_all, cache_bytes=cache,
                       free_cost=free, view_cost=view, free_threads=(free2 + free4) / 2,
                       view_threads=(view2 + view4) / 2,
                       machine=machine_key(), seconds=time.perf_counter() - t0,

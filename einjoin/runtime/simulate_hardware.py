@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from einjoin.cluster import Cluster
@@ -17,7 +18,7 @@ from einjoin.exchange import TaskKind
 from einjoin.ir.node import Attention, AttentionGrad, Conv, Pool, TopK
 from einjoin.plan.taskgraph import TaskGraph
 
-__all__ = ["hardware_for", "kernel_pools", "TORCH_KINDS"]
+__all__ = ["hardware_for", "kernel_pools", "streams", "TORCH_KINDS"]
 
 # the node kinds whose kernels run on torch's CPU threads: ray_worker.PRELOAD_FACTS's "torch"
 # rows (that table is above this floor's reach: the registry of backends imports the simulator;
@@ -61,6 +62,32 @@ def kernel_pools(tg: TaskGraph, hw: Hardware) -> dict[type, float] | None:
     threads = hw.threads()
     return {k: threads / speedup.get("torch" if on_torch else "blas", threads)
             for k, on_torch in kinds.items() if on_torch != main}
+
+
+def streams(hw: Hardware, tg: TaskGraph, vbytes: Sequence[int]) -> bool:
+    """Whether a run of ``tg`` streams its blocks from memory on ``hw``: the bytes of the blocks it
+    writes (``vbytes`` per value; a zero-copy move's block is its source's) exceed the cache the
+    devices share (``hw.cache``; unknown: it streams). A run then evicts each block before a later
+    kernel reads it, and its memory-bound kernels divide the memory bus (``hw.mem_bus``). Per
+    program, not per kernel: a run repeats, and what it wrote last is what the next one finds.
+
+    >>> import einjoin as ej
+    >>> from einjoin.cluster.calibration import Calibration
+    >>> cal = Calibration(cores=2, matmul_rate=5e10, half_work=0.0, parallel=0.9, mem_bw=8e9, vector_rate=1e9,
+    ...                   copy_bw=1e10, launch=0.0, launch_threads=0.0, machine="m", mem_bw_all=1e10,
+    ...                   cache_bytes=16 << 20)
+    >>> x = ej.input("x", (1024, 1024))  # 4 MiB: x and exp(x) 8 MiB, a softmax's steps 20 MiB
+    >>> outs = (ej.exp(x), ej.softmax(ej.exp(x) + x, dim=-1))
+    >>> small, large = (ej.compile(out, devices=2, quiet=True) for out in outs)
+    >>> hw = cal.hardware(2)
+    >>> [streams(hw, p.taskgraph, [v.nbytes for v in p.taskgraph.values]) for p in (small, large)]
+    [False, True]
+    """
+    if hw.cache <= 0:
+        return True
+    handed = hw.shared_memory and not hw.own_links and tg.memory is None
+    total = sum(vbytes[t.writes] for t in tg.tasks if t.writes >= 0 and not (handed and t.kind is TaskKind.MOVE))
+    return total > hw.cache
 
 
 def hardware_for(cluster: Cluster) -> Hardware:
