@@ -29,7 +29,7 @@ from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
 from einjoin.frontend.aten_notes import DATA_DEPENDENT, DATA_DEPENDENT_HELP, NOTES, data_dependent
 from einjoin.frontend.aten_index import INDEX_OPS
-from einjoin.frontend.aten_nn import NN_OPS
+from einjoin.frontend.aten_nn import NN_OPS, root_at_zero
 from einjoin.frontend.recurrent import RECURRENT_OPS
 from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
@@ -334,7 +334,7 @@ def _std(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False
     pass 65504 where the std fits: [-300, 300, 0] has std 300)."""
     if x.dtype in ("float16", "bfloat16"):
         return _std(x.to("float32"), dim, unbiased, keepdim, correction=correction).to(x.dtype)
-    return elementwise("sqrt", _var(x, dim, unbiased, keepdim, correction=correction))
+    return root_at_zero(_var(x, dim, unbiased, keepdim, correction=correction), "sqrt(x0)")
 
 
 def softmax_dim(x: Tensor, dim: Any) -> int:

@@ -168,7 +168,7 @@ def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
         return _vector_norm(x.to("float32"), o, dim, keepdim).to(x.dtype)
     dims = dim if dim not in ((), []) else None
     if o == 2:
-        return (x * x).sum(dims, keepdim).sqrt()
+        return root_at_zero((x * x).sum(dims, keepdim), "sqrt(x0)")
     if o == 1:
         return elementwise("abs", x).sum(dims, keepdim)
     if o == math.inf:
@@ -177,7 +177,15 @@ def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
         return elementwise("abs", x).min(dims, keepdim)
     if o == 0:
         return (x != 0).to(x.dtype).sum(dims, keepdim)
-    return elementwise("pow", elementwise("pow", elementwise("abs", x), o).sum(dims, keepdim), 1.0 / o)
+    return root_at_zero(elementwise("pow", elementwise("abs", x), o).sum(dims, keepdim), f"x0 ** {1.0 / o!r}")
+
+
+def root_at_zero(s: Tensor, root: str) -> Tensor:
+    """``root`` (a join over ``x0``: sqrt, a p-th root) of a sum of powers ``s``, whose gradient is
+    0 where ``s`` is 0, as torch's norm and std backward masks it (the root's own derivative is
+    infinite there: 0 * inf gave NaN gradients for a zero vector)."""
+    from einjoin.ir.scalar import parse_join
+    return elementwise(parse_join(f"where(x0 == 0, 0.0, {root})", 1), s, name="norm")
 
 
 @op("_weight_norm")

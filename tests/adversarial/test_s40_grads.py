@@ -1,0 +1,64 @@
+"""Session 40: gradients of imported torch modules against torch's autograd at the points where
+derivatives are unusual (a norm of a zero vector, a floor division, ...). Each case is a module
+whose parameters are the tensors; its loss is ``(f(*params) * c).sum()``, ``c`` a fixed cotangent."""
+
+from __future__ import annotations
+
+from typing import Any
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import einjoin as ej
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+class _Loss(nn.Module):
+    def __init__(self, f: Callable[..., Any], vals: list[Any]) -> None:
+        super().__init__()
+        self.f = f
+        self.ps = nn.ParameterList([nn.Parameter(v.clone()) for v in vals])
+
+    def forward(self, c: Any) -> Any:
+        return (self.f(*self.ps) * c).sum()
+
+
+def _grads(f: Callable[..., Any], *vals: Any, backend: str = "sync") -> tuple[list[Any], list[Any]]:
+    """(einjoin's gradients, torch's) of ``(f(*vals) * c).sum()`` w.r.t. each of ``vals``."""
+    with torch.no_grad():
+        out = f(*vals)
+    c = torch.linspace(-1, 2, out.numel(), dtype=torch.float64).reshape(out.shape).to(out.dtype)
+    m = _Loss(f, list(vals))
+    m(c).backward()
+    want = [p.grad if p.grad is not None else torch.zeros_like(p) for p in m.ps]
+    fn = ej.from_torch(m, (c,))
+    grads = ej.grad(fn.outputs[0], list(fn.parameters.values()))
+    got = ej.compile(fn.with_outputs(list(grads)), quiet=True, backend=backend).run(c)
+    return [torch.as_tensor(np.asarray(g)) for g in got], want
+
+
+def _check(f: Callable[..., Any], *vals: Any, backend: str = "sync") -> None:
+    got, want = _grads(f, *vals, backend=backend)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12, equal_nan=True)
+
+
+def _f64(*xs: float) -> Any:
+    return torch.tensor(xs, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("f", [
+    lambda a: a[0].norm(),
+    lambda a: torch.linalg.vector_norm(a, dim=1),
+    lambda a: torch.linalg.vector_norm(a, ord=3, dim=1),
+    lambda a: torch.std(a, dim=1),
+    lambda a: torch.nn.functional.normalize(a, dim=1),
+], ids=["norm", "norm_dim", "norm3", "std", "normalize"])
+def test_norms_of_zero_vectors_have_torchs_zero_gradient(f: Callable[..., Any]) -> None:
+    # torch masks the norm's (and std's) backward where the result is 0; the square root's own
+    # derivative there is inf, and inf * 0 gave NaN gradients (a zero row in F.normalize: NaN)
+    _check(f, _f64(0.0, 0.0, 0.0, 1.0, -2.0, 2.0).reshape(2, 3))
