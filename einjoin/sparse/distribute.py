@@ -65,7 +65,7 @@ from einjoin.sparse.execute import RunCounts, execute, relation_of
 from einjoin.sparse.layout import Layout
 from einjoin.sparse.tensor import SparseTensor, key_codes
 
-__all__ = ["Split", "Exchange", "Distribution", "choose_split", "RUNNERS", "distribution"]
+__all__ = ["Split", "Exchange", "Distribution", "choose_split", "RUNNERS", "distribution", "held_bytes", "check_cap"]
 
 BALANCE = 1.5  # a split whose busiest device carries more than this times the mean loses
 KEY_BYTES = 8  # one int64 key column of a tuple
@@ -488,6 +488,55 @@ def _tuple_bytes_of(shape: tuple[int, ...], labels: tuple[str, ...], layout: Lay
     return math.prod(block) * dtype.itemsize + KEY_BYTES * sum(layout.relational(lab) for lab in labels)
 
 
+def held_bytes(parts: Sequence[SparseTensor | np.ndarray], in_labels: Sequence[tuple[str, ...]],
+               out_labels: tuple[str, ...], layout: Layout, sizes: Mapping[str, int], out_bytes: int,
+               bound: bool = True) -> tuple[int, int]:
+    """A device's tuple bytes for a step on ``parts``: (its input tuples' keys and payloads at the
+    layout, an upper bound of its output tuples' bytes: per operand the distinct keys of the
+    relational output labels it has among its tuples (a sort: only with ``bound``; else 0), times
+    the grid of those it lacks; the fewest of any operand, at most the output grid; one block when
+    no output label is relational).
+
+    >>> from einjoin.sparse.layout import Layout
+    >>> a = SparseTensor("A", (4, 4), (1, 1), np.array([[0, 1], [2, 3]]), np.ones(2))
+    >>> lay = Layout({"i": 1, "j": 1, "k": None}, (2, 4), 2.0, 0.0, 2, "batched")
+    >>> held_bytes([a, np.ones((4, 3))], [("i", "j"), ("j", "k")], ("i", "k"), lay, {"i": 4, "j": 4, "k": 3}, 32)
+    (176, 64)
+    """
+    grid = _grid(layout, sizes)
+    out_rel = [lab for lab in out_labels if layout.relational(lab)]
+    held, rows = 0, math.prod(grid[lab] for lab in out_rel)
+    for p, ls in zip(parts, in_labels):
+        if isinstance(p, SparseTensor):
+            p = _at_layout(p, ls, layout, p.name)  # reblock keeps its last cut: the executor's too
+        t = _tuples(p, ls, layout, grid)
+        held += t * _tuple_bytes_of(tuple(p.shape), ls, layout, np.dtype(p.dtype))
+        if not bound:
+            continue
+        mine = [lab for lab in out_rel if lab in ls]
+        has = math.prod(grid[lab] for lab in mine)
+        if isinstance(p, SparseTensor) and mine and t:  # the part's keys present (a device holds a few)
+            code = key_codes(p.keys[:, [ls.index(lab) for lab in mine]], [grid[lab] for lab in mine])
+            has = len(np.unique(code)) if code is not None else has
+        rows = min(rows, min(t, has) * math.prod(grid[lab] for lab in out_rel if lab not in ls))
+    if not out_rel:  # one output block, written even when nothing joins
+        rows = 1
+    return held, rows * out_bytes if bound else 0
+
+
+def check_cap(cap: int | None, need: Sequence[tuple[int, int]], step: str, what: str) -> None:
+    """Refuse a step whose tuples (inputs held plus the output bound, :func:`held_bytes`, per
+    device) would exceed ``cap`` bytes on some device, naming the device and the bytes."""
+    if cap is None:
+        return
+    for d, (held, out) in enumerate(need):
+        if held + out > cap:
+            raise EinjoinError(
+                f"{what}: the step {step} needs up to {held + out} bytes of tuples on device {d} ({held} of "
+                f"input tuples, up to {out} of output tuples) over its memory_limit of {cap} bytes: compile with "
+                f"more devices= (each holds its part), a larger memory_limit, or engine='duckdb' (it spills)")
+
+
 class Distribution:
     """Where a sparse plan's steps run: ``devices`` and the backend running the parts
     (:data:`RUNNERS`); ``label`` pins the split label of every step that has it (None: chosen
@@ -497,6 +546,8 @@ class Distribution:
         self.devices = devices
         self.backend = backend
         self.label = label
+        self.cap: int | None = None  # memory_limit: per device, bytes of a step's tuples (check_cap)
+        self.held: list[int] = []  # the last step's tuple bytes per device: inputs held plus its output
         # per step (its labels and layout): the split of the last run, the key arrays it was chosen
         # on (held, so their ids stay theirs) and the per-device parts cut from them; reused while a
         # run's relations have the same keys
@@ -553,9 +604,19 @@ class Distribution:
         (None on one device). ``duck``: per device its DuckDB settings (engine duckdb), the parts
         then run as SQL on a connection per device; the split, the exchange and the combining of
         partial sums are the same as in memory."""
-        if self.devices == 1:
-            return (*execute(values, in_labels, out_labels, sizes, layout, agg, dtype, what), None)
         n = self.devices
+        compute = np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
+        out_rel = [lab for lab in out_labels if layout.relational(lab)]
+        out_ext = [layout.extent(lab, sizes[lab]) for lab in out_labels]
+        out_bytes = math.prod(out_ext) * compute.itemsize + KEY_BYTES * len(out_rel)
+        step = f"{','.join(''.join(ls) for ls in in_labels)}->{''.join(out_labels)}"
+        if n == 1 or not _candidates(layout, sizes, out_labels, agg, self.label):
+            held, bound = held_bytes(values, in_labels, out_labels, layout, sizes, out_bytes, self.cap is not None)
+            check_cap(self.cap, [(held, bound)], step, what)
+        if n == 1:
+            data, keys, counts = execute(values, in_labels, out_labels, sizes, layout, agg, dtype, what)
+            self.held = [held + len(data) * out_bytes]
+            return data, keys, counts, None
         run = RUNNERS[self.backend.name]
         if not _candidates(layout, sizes, out_labels, agg, self.label):  # device 0 runs it as it is
             ((data, keys, counts, cpu, st),) = run(self.backend, part_step, [
@@ -563,11 +624,8 @@ class Distribution:
                  duck[0] if duck else None)], what)
             ex = Exchange(None, [sum(counts.tuples)] + [0] * (n - 1), [counts.joined] + [0] * (n - 1),
                           cpu=[cpu] + [0.0] * (n - 1), spilled=[st[0]] + [0] * (n - 1), ranges=st[1])
+            self.held = [held + len(data) * out_bytes] + [0] * (n - 1)
             return data, keys, counts, ex
-        compute = np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
-        out_rel = [lab for lab in out_labels if layout.relational(lab)]
-        out_ext = [layout.extent(lab, sizes[lab]) for lab in out_labels]
-        out_bytes = math.prod(out_ext) * compute.itemsize + KEY_BYTES * len(out_rel)
         kept = self._kept(values, in_labels, out_labels, layout, sizes, agg, out_bytes, names)
         split = kept.split
         grid = _grid(layout, sizes)
@@ -576,6 +634,8 @@ class Distribution:
                  for d in range(n)]
         ex = Exchange(split, [sum(_tuples(p, ls, layout, grid) for p, ls in zip(ps, in_labels)) for ps in parts],
                       [0] * n)
+        need = [held_bytes(ps, in_labels, out_labels, layout, sizes, out_bytes, self.cap is not None) for ps in parts]
+        check_cap(self.cap, need, step, what)
         for v, ls, copies in zip(values, in_labels, kept.copies):
             ex.replicas += copies
             ex.replica_bytes += copies * _tuple_bytes_of(tuple(v.shape), ls, layout, np.dtype(v.dtype))
@@ -593,6 +653,8 @@ class Distribution:
                   [(ps, tuple(in_labels), out_labels, dict(sizes), layout, agg, compute, what, views[d],
                     duck[d] if duck else None) for d, ps in enumerate(parts)], what)
         ex.joined = [g[2].joined for g in got]
+        # each device's tuples: its inputs and its output (partial sums before they travel)
+        self.held = [h + len(g[0]) * out_bytes for (h, _), g in zip(need, got)]
         ex.cpu = [g[3] for g in got]
         ex.spilled = [g[4][0] for g in got]
         ex.ranges = max(g[4][1] for g in got)

@@ -31,7 +31,8 @@ from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError,
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
 from einjoin.ir.node import Node
-from einjoin.sparse.distribute import Distribution, Exchange, distribution
+from einjoin.cluster.sizes import parse_bytes
+from einjoin.sparse.distribute import Distribution, Exchange, distribution, held_bytes
 from einjoin.sparse.duckdb_exec import DuckDevice, DuckSession, device_settings, execute_duckdb, require_duckdb
 from einjoin.sparse.execute import RunCounts
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
@@ -39,7 +40,7 @@ from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
 from einjoin.sparse.tensor import (EINSUM, SparseTensor, dense_operand, drop_dims, half, is_float, is_sparse_format,
                                    size1_squeeze, sparse)
 
-__all__ = ["SparsePlan", "Step", "sparse_compile", "sparse_einsum", "GRAD"]
+__all__ = ["SparsePlan", "SparseRunStats", "Step", "sparse_compile", "sparse_einsum", "GRAD"]
 
 GRAD: dict[str, Any] = {}  # {"vjp": einjoin.sparse.grad.sparse_vjp}: grad imports this module, not back
 # {"einsum": einjoin.sparse.node.lazy_einsum}: a sparse einsum with lazy operands is a graph node (node
@@ -78,6 +79,7 @@ class Step:
     ran: Layout | None = None
     counts: RunCounts | None = None
     exchange: Exchange | None = None  # the last run's split over devices (einjoin.sparse.distribute)
+    held: list[int] | None = None  # the last run's tuple bytes per device (inputs held plus output)
 
     def notation(self, layout: Layout) -> str:
         """``Ij, jk -> Ik``: relational labels upper case (``Ii`` when blocks hold more than one
@@ -89,6 +91,18 @@ class Step:
             return lab.upper() if b == 1 else lab.upper() + lab.lower()
         terms = ["".join(one(lab) for lab in ls) for ls in self.in_labels]
         return ", ".join(terms) + " -> " + "".join(one(lab) for lab in self.out_labels)
+
+
+@dataclass(frozen=True)
+class SparseRunStats:
+    """A sparse plan's last run, per device: ``peak_bytes`` the most tuple bytes of any step (its
+    input tuples held, keys and payloads at the step's layout, plus its output tuples: the
+    relations, not the executor's scratch), ``step_bytes`` each step's; ``memory_limit`` the cap
+    they were checked against (bytes, None: none)."""
+
+    peak_bytes: tuple[int, ...]
+    step_bytes: tuple[tuple[int, ...], ...]
+    memory_limit: int | None = None
 
 
 def _infos(values: Sequence[SparseTensor | np.ndarray], labels: Sequence[tuple[str, ...]],
@@ -216,6 +230,7 @@ class SparsePlan:
         self._patterns: PatternCache[list[Step]] = PatternCache(steps)
         self._last_values = self.operands  # what explain() describes: the last run's operands
         self.torch_in = False  # a compiled operand was a torch tensor (backend torch: dense results as tensors)
+        self.run_stats: SparseRunStats | None = None  # the last run's per-device tuple bytes
 
     @property
     def blocks(self) -> dict[str, int | None]:
@@ -299,7 +314,8 @@ class SparsePlan:
             self.steps = self._patterns.compiled_run()
         self._last_values = tuple(values)
         out_shape = tuple(self.sizes[lab] for lab in self.out_labels)
-        if 0 in self.sizes.values():
+        if 0 in self.sizes.values():  # nothing runs: no tuples held
+            self.run_stats = SparseRunStats((0,) * self.distribution.devices, (), self.distribution.cap)
             if not self.sparse_result:
                 return np.zeros(out_shape, self.dtype)
             return SparseTensor("out", out_shape, tuple(max(n, 1) for n in out_shape),
@@ -354,6 +370,10 @@ class SparsePlan:
                                     engine=self.engine.name)
             step.ran = lay
             results.append(self._step(step, args, lay, j == len(self.steps) - 1, session))
+        per_step = tuple(tuple(s.held or ()) for s in self.steps)
+        n = self.distribution.devices
+        self.run_stats = SparseRunStats(tuple(max((h[d] for h in per_step if d < len(h)), default=0) for d in range(n)),
+                                        per_step, self.distribution.cap)
         return results[-1]
 
     def _step(self, step: Step, args: Sequence[SparseTensor | np.ndarray], lay: Layout, last: bool,
@@ -362,6 +382,9 @@ class SparsePlan:
         if session is not None:
             data, rkeys, counts = execute_duckdb(session, args, step.in_labels, step.out_labels, self.sizes,
                                                  lay, self.agg, self.dtype, self._what())
+            out_bytes = data[0].nbytes + 8 * sum(lay.relational(lab) for lab in step.out_labels) if len(data) else 0
+            step.held = [held_bytes(args, step.in_labels, step.out_labels, lay, self.sizes, 0)[0]
+                         + len(data) * out_bytes]
         else:
             names = [f"t{k}" if kind == "step" else _name(self.operands[k], k) for kind, k in step.refs]
             data, rkeys, counts, step.exchange = self.distribution.execute(
@@ -371,6 +394,7 @@ class SparsePlan:
             if self.engine.per_device is not None and ex is not None:  # the busiest step's spill, all devices
                 self.engine.spilled = max(self.engine.spilled, sum(ex.spilled))
                 self.engine.ranges = max(self.engine.ranges, ex.ranges)
+            step.held = list(self.distribution.held)
         step.counts = counts
         block = tuple(lay.extent(lab, self.sizes[lab]) for lab in step.out_labels)
         if last:
@@ -437,6 +461,10 @@ class SparsePlan:
                          f", cost {lay.cost:.3g}")
             if step.exchange is not None:
                 lines.append(f"    devices: {step.exchange.describe()}")
+            if step.held:
+                cap = self.distribution.cap
+                lines.append(f"    tuple bytes per device (inputs held + output): {step.held}"
+                             + (f" of memory_limit {cap}" if cap is not None else ""))
         return "\n".join(lines)
 
 
@@ -448,7 +476,8 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
                    blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
                    engine: str = "memory", duckdb_memory: str | None = None,
                    duckdb_temp: str | None = None, duckdb_threads: int | None = None,
-                   devices: int = 1, backend: Any = "threads") -> SparsePlan:
+                   devices: int = 1, backend: Any = "threads", memory_limit: int | str | None = None
+                   ) -> SparsePlan:
     """Compile an einsum over sparse and dense operands (a ``mul`` join; ``sum`` or ``max``
     aggregation). ``blocks={"j": 256}`` pins a label's block size (relational), ``relational=
     {"i"}`` keeps a label relational at a block size of the planner's choice. A sum over three
@@ -466,12 +495,20 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     backend object); see :mod:`einjoin.sparse.distribute`. With ``engine="duckdb"`` each device
     runs its part on a DuckDB connection of its own, with ``memory_limit / devices`` (and
     ``cores // devices`` threads when ``duckdb_threads`` is None) and its own temp directory
-    (``duckdb_temp``/device<d>)."""
+    (``duckdb_temp``/device<d>).
+
+    ``memory_limit`` (bytes or ``"2GiB"``; engine memory, per device): a step whose tuples on some
+    device (its input tuples plus a bound of its output tuples) would exceed it is refused at run
+    with an EinjoinError naming the device and the bytes, never overrun; ``plan.run_stats`` has
+    each device's peak tuple bytes of the last run (on either engine)."""
     what = f"sparse einsum {equation!r}"
     if not operands:
         raise EinjoinError(f"{what}: needs at least one operand")
     eng = _engine(engine, duckdb_memory, duckdb_temp, duckdb_threads, what)
     dist = distribution(devices, backend, what)
+    if memory_limit is not None and eng.name != "memory":
+        raise EinjoinError(f"{what}: memory_limit= caps engine='memory'; DuckDB's is duckdb_memory= (it spills)")
+    dist.cap = parse_bytes(memory_limit)
     if dist.devices > 1 and eng.name == "duckdb":  # a connection per device, each with its share
         eng.per_device = device_settings(what, eng.memory, eng.temp_directory, eng.threads, dist.devices)
     values = [_operand(x, i, what) for i, x in enumerate(operands)]
