@@ -53,6 +53,7 @@ from einjoin.runtime import get_backend
 from einjoin.runtime.engine import check_host_link, check_order, check_seed
 from einjoin.runtime.state import StateSlot
 from einjoin.settings import SETTINGS
+from einjoin.sparse.pins import check_pins, pin_graph
 from einjoin.variants import call_template, check_cache_size
 
 __all__ = ["CompileOptions", "CompiledPlan", "Source", "build_plan", "check_quiet"]
@@ -99,7 +100,11 @@ class CompileOptions:
     - ``objective``: what the planner minimises: ``"bytes"`` (bytes moved) or ``"time"`` (each
       transfer weighed by the links it crosses: :class:`einjoin.planner.cost.TimeWeights`);
       None: :func:`default_objective` of the cluster (``"time"`` where its hardware's links
-      differ, e.g. ``ej.Cluster.nodes(2)``; ``"bytes"`` otherwise).
+      differ, e.g. ``ej.Cluster.nodes(2)``; ``"bytes"`` otherwise);
+    - ``blocks`` / ``relational`` / ``engine``: pins of the graph's sparse einsums
+      (:mod:`einjoin.sparse.pins`): a label's block size, labels kept relational, the executor
+      (``"memory"`` or ``"duckdb"``); held as plain data (``blocks`` as sorted (label, size)
+      pairs, ``relational`` as a sorted tuple).
 
     >>> CompileOptions(seed=np.int64(3)).seed, CompileOptions().backend.name
     (3, 'threads')
@@ -123,6 +128,9 @@ class CompileOptions:
     shape_cache: int | None = 8
     leave_idle: bool = False
     objective: str | None = None
+    blocks: Any = None
+    relational: Any = None
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         # names must be hashable strings before any `in` test (a list would raise a raw TypeError)
@@ -152,6 +160,10 @@ class CompileOptions:
         if self.objective is not None and not (isinstance(self.objective, str) and self.objective in OBJECTIVES):
             raise EinjoinError(f"unknown objective {self.objective!r:.60}; known: {', '.join(OBJECTIVES)} "
                                f"(or None: the cluster's default)")
+        blocks, relational, engine = check_pins(self.blocks, self.relational, self.engine)
+        object.__setattr__(self, "blocks", blocks or None)
+        object.__setattr__(self, "relational", relational or None)
+        object.__setattr__(self, "engine", engine)
 
     def replace(self, **changes: Any) -> CompileOptions:
         """A copy with ``changes`` (checked again)."""
@@ -319,7 +331,24 @@ def build_plan(source: Source, cluster: Cluster, options: CompileOptions) -> Com
     (:class:`einjoin.planner.cost.TimeWeights`); where it does not, the bytes plan can be the
     faster, and a plan for time must not lose to it. Still a function of shapes and the cluster."""
     with old_objects_frozen():  # planning and lowering allocate much; torch's objects are not re-scanned
+        source, options = _pinned(source, options)
         return _build_best(source, cluster, options)
+
+
+def _pinned(source: Source, options: CompileOptions) -> tuple[Source, CompileOptions]:
+    """``source`` with its sparse einsums over operands carrying ``options``' pins
+    (:func:`einjoin.sparse.pins.pin_graph`: those nodes and the ones reading them rebuilt, the
+    outputs in their places, state new values and ``specs`` keys followed to the rebuilt nodes)."""
+    new = pin_graph(source.graph, (options.blocks or (), options.relational or (), options.engine))
+    if not new:
+        return source, options
+    outs = [new.get(n, n) for n in source.graph.outputs]
+    state = tuple(dataclasses.replace(s, new=new.get(s.new, s.new)) for s in source.state)
+    if isinstance(options.specs, Mapping) and options.specs:
+        keys = [getattr(k, "node", k) for k in options.specs]  # tensors or nodes; another key is refused later
+        specs = {new.get(k, k) if isinstance(k, Node) else k: v for k, v in zip(keys, options.specs.values())}
+        options = options.replace(specs=specs)
+    return dataclasses.replace(source, graph=Graph(outs), state=state), options
 
 
 def _build_best(source: Source, cluster: Cluster, options: CompileOptions) -> CompiledPlan:

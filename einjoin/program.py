@@ -79,7 +79,8 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
             memory_policy: str = "belady", host_link: float | None = None,
             state: Mapping[Any, Any] | None = None, deterministic: bool = False,
             fuse: bool = True, shape_cache: int | None = 8, leave_idle: bool = False,
-            objective: str | None = None) -> Program:
+            objective: str | None = None, blocks: Mapping[str, int] | None = None,
+            relational: Any = None, engine: str | None = None) -> Program:
     """Compile ``outputs`` (a tensor or a list/tuple of them, or ``ej.from_torch``'s result) for
     ``devices`` (an int = that many local devices, or an :class:`ej.Cluster`); every other option
     is keyword-only (:class:`~einjoin.compiler.CompileOptions` checks them, and the program keeps
@@ -109,6 +110,13 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
     ``objective``: ``"bytes"`` or ``"time"`` (bytes weighed by the links they cross); None:
     ``"time"`` on a preset cluster of several nodes, ``"bytes"`` otherwise.
 
+    *Sparse einsums* (``ej.einsum`` with an ``ej.sparse`` / ``ej.sparse_input`` operand): ``blocks=
+    {"j": 256}`` pins label ``j``'s block size (relational), ``relational={"i"}`` keeps ``i``
+    relational (upper case), ``engine="memory"`` or ``"duckdb"`` selects their executor, for every
+    sparse einsum that has the label (:mod:`einjoin.sparse.pins`; ``explain()`` shows the layouts).
+    A label no sparse einsum has, a block larger than its label, or pins on a graph without sparse
+    einsums are refused naming it.
+
     *Shapes that change.* A program compiled from ``ej.from_torch(module, example)`` may be
     called with other shapes: the module is imported again for them, compiled with the same
     devices and options, and kept per shape signature in an LRU of ``shape_cache`` programs (None:
@@ -129,7 +137,8 @@ def compile(outputs: Any, devices: int | Cluster = 1, *, planner: Any = "auto",
                              order=order, seed=seed, quiet=quiet, memory_limit=memory_limit,
                              memory_policy=memory_policy, host_link=host_link, state=state,
                              deterministic=deterministic, fuse=fuse, shape_cache=shape_cache,
-                             leave_idle=leave_idle, objective=objective)
+                             leave_idle=leave_idle, objective=objective, blocks=blocks,
+                             relational=relational, engine=engine)
     outputs, writes = _buffer_writes(outputs)
     source = Source.of(outputs, options.state)
     warm = getattr(options.backend, "warm", None)

@@ -26,6 +26,7 @@ from einjoin.memplan.chain import chain_reduces
 from einjoin.placement import block_devices, place, tie_homes
 from einjoin.plan import build_taskgraph, explain
 from einjoin.plan.stats import human_bytes
+from einjoin.sparse.pins import pinned_lines
 
 if TYPE_CHECKING:
     from einjoin.program import Program
@@ -41,6 +42,7 @@ gives the figure."""
 def explain_program(prog: Program) -> str:
     """``prog``'s explanation as text (see :meth:`einjoin.program.Program.explain`)."""
     text = explain(prog.taskgraph, prog.decomps, list(prog.graph.nodes)) + _state_lines(prog)
+    text += pinned_lines(prog.graph)  # ej.compile(blocks=, relational=, engine=): the sparse layouts
     plan = prog.plan
     if objective_of(plan.options, plan.cluster) == "time":
         text += "\nobjective: time (bytes weighed by the links they cross)"

@@ -169,7 +169,8 @@ def _options(o: CompileOptions) -> dict[str, Any]:
     return dict(planner=planner, backend=o.backend.name, placement=o.placement, order=o.order, seed=o.seed,
                 quiet=bool(o.quiet), memory_limit=o.memory_limit, memory_policy=o.memory_policy,
                 host_link=o.host_link, deterministic=bool(o.deterministic), fuse=bool(o.fuse),
-                shape_cache=o.shape_cache, leave_idle=bool(o.leave_idle), objective=o.objective)
+                shape_cache=o.shape_cache, leave_idle=bool(o.leave_idle), objective=o.objective,
+                blocks=dict(o.blocks) if o.blocks else None, relational=o.relational, engine=o.engine)
 
 
 def _storable(name: str, a: Any) -> tuple[np.ndarray, str | None]:

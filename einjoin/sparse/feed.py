@@ -61,25 +61,37 @@ class FedSparse:
     """The sparse operand of a :class:`SparseEinsum` node whose tensor is fed at run (the IR's
     ``SparseOperand``): the declared name, shape, dtype and capacity (plain data: ``prog.save``
     writes it); its ``einsum`` reads the run's keys and values from the node's last two input
-    blocks. Hashed by identity."""
+    blocks. Hashed by identity. ``blocks`` / ``relational`` / ``engine``: pins from ``ej.compile``
+    (:meth:`pinned`; :mod:`einjoin.sparse.pins`), taken by each plan for its own labels."""
 
     name: str
     shape: tuple[int, ...]
     dtype_name: str
     capacity: int
+    blocks: tuple[tuple[str, int], ...] = ()
+    relational: tuple[str, ...] = ()
+    engine: str = "memory"
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
+        self.blocks = tuple((str(lab), int(b)) for lab, b in self.blocks)
+        self.relational = tuple(self.relational)
         self._fresh()
 
+    def pinned(self, blocks: Sequence[tuple[str, int]], relational: Sequence[str], engine: str) -> FedSparse:
+        """The same declaration, its plans under these pins (``ej.compile``'s)."""
+        return FedSparse(self.name, self.shape, self.dtype_name, self.capacity, tuple(blocks), tuple(relational),
+                         engine)
+
     def _fresh(self) -> None:
-        self._plans = PlanCache()
+        self._plans = PlanCache(self.blocks, self.relational, self.engine)
         # the last run's (keys, values, dtype, tensor): see tensor_of
         self._last: tuple[np.ndarray, np.ndarray, str | None, SparseTensor] | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": self.shape, "dtype_name": self.dtype_name, "capacity": self.capacity}
+        return {"name": self.name, "shape": self.shape, "dtype_name": self.dtype_name, "capacity": self.capacity,
+                "blocks": self.blocks, "relational": self.relational, "engine": self.engine}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -19,13 +19,33 @@ __all__ = ["PlanCache", "meeting"]
 
 class PlanCache:
     """The compiled sparse plans of one graph operand: one per (equation, aggregation, dense
-    shapes and dtypes), each run under its own lock (a plan's run keeps per-run state)."""
+    shapes and dtypes), each run under its own lock (a plan's run keeps per-run state).
 
-    __slots__ = ("_plans", "_lock")
+    ``blocks`` / ``relational`` / ``engine``: the pins ``ej.compile`` gave the operand
+    (:mod:`einjoin.sparse.pins`); each plan takes those of its own labels."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_plans", "_lock", "blocks", "relational", "engine")
+
+    def __init__(self, blocks: Sequence[tuple[str, int]] = (), relational: Sequence[str] = (),
+                 engine: str = "memory") -> None:
         self._plans: dict[tuple[Any, ...], tuple[SparsePlan, threading.Lock]] = {}
         self._lock = threading.Lock()
+        self.blocks, self.relational, self.engine = tuple(blocks), tuple(relational), engine
+
+    def compile(self, op: SparseEinsum, operands: Sequence[Any]) -> SparsePlan:
+        """A plan of ``op`` on ``operands`` (the dense ones as arrays, the sparse one in place)
+        under the pins of the op's labels; one device, ``backend="sync"``: the dense engine runs
+        the kernel on its device's thread."""
+        labels = {lab for ls in op.in_labels for lab in ls}
+        blocks = {lab: b for lab, b in self.blocks if lab in labels}
+        relational = [lab for lab in self.relational if lab in labels]
+        return sparse_compile(op.equation, *operands, agg=op.agg, backend="sync", engine=self.engine,
+                              blocks=blocks or None, relational=relational or None)
+
+    def plans(self) -> list[SparsePlan]:
+        """The plans compiled so far (what ``explain()`` shows of a fed operand after a run)."""
+        with self._lock:
+            return [p for p, _ in self._plans.values()]
 
     def run(self, op: SparseEinsum, dense: Sequence[np.ndarray], tensor: SparseTensor, dtype: str,
             part: Any = None) -> np.ndarray:
@@ -44,7 +64,7 @@ class PlanCache:
                 # one device: the dense engine runs this kernel on its device's thread; compiled
                 # once per shapes, so later calls skip the layout choice (a fed tensor of another
                 # pattern is replanned by the plan's run, cached per block histogram)
-                plan = sparse_compile(op.equation, *operands, agg=op.agg, backend="sync")
+                plan = self.compile(op, operands)
                 found = self._plans[key] = (plan, threading.Lock())
         plan, lock = found
         with lock:

@@ -54,13 +54,19 @@ class GraphSparse:
     of the einsums the graph asks of it. Hashed by identity (one per tensor: :func:`graph_operand`);
     pickles as its tensor (plans are compiled again where it lands: a Ray actor). Its fields are
     the tensor as plain data, so that ``prog.save`` writes it (the arrays with the program's) and
-    ``ej.load`` builds it again (its keys checked as a directly built tensor's)."""
+    ``ej.load`` builds it again (its keys checked as a directly built tensor's).
+
+    ``blocks`` / ``relational`` / ``engine``: pins from ``ej.compile`` (:meth:`pinned`), which
+    every plan of the operand takes for its own labels; none on the operand ``ej.einsum`` built."""
 
     name: str
     shape: tuple[int, ...]
     block: tuple[int, ...]
     keys: np.ndarray
     data: np.ndarray
+    blocks: tuple[tuple[str, int], ...] = ()
+    relational: tuple[str, ...] = ()
+    engine: str = "memory"
 
     def __post_init__(self) -> None:  # read from a file: checked as any tensor built directly
         self._fresh(SparseTensor(self.name, tuple(self.shape), tuple(self.block), self.keys, self.data))
@@ -69,21 +75,33 @@ class GraphSparse:
     def of(cls, tensor: SparseTensor) -> GraphSparse:
         """The operand of ``tensor`` (its arrays shared, not checked again)."""
         obj = cls.__new__(cls)
+        obj.blocks, obj.relational, obj.engine = (), (), "memory"
         obj._fresh(tensor)
+        return obj
+
+    def pinned(self, blocks: Sequence[tuple[str, int]], relational: Sequence[str], engine: str) -> GraphSparse:
+        """Another operand of the same tensor whose plans take these pins (``ej.compile``'s
+        ``blocks=``, ``relational=``, ``engine=``; :mod:`einjoin.sparse.pins`)."""
+        obj = GraphSparse.of(self.tensor)
+        obj.blocks, obj.relational, obj.engine = tuple(blocks), tuple(relational), engine
+        obj._plans = PlanCache(obj.blocks, obj.relational, engine)
         return obj
 
     def _fresh(self, tensor: SparseTensor) -> None:
         self.tensor = tensor
         self.name, self.shape, self.block = tensor.name, tuple(tensor.shape), tuple(tensor.block)
         self.keys, self.data = tensor.keys, tensor.data
-        self._plans = PlanCache()
+        self.blocks = tuple((str(lab), int(b)) for lab, b in self.blocks)
+        self.relational = tuple(self.relational)
+        self._plans = PlanCache(self.blocks, self.relational, self.engine)
         self._floats: dict[str, SparseTensor] = {}  # an int / bool tensor's float copies
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tensor": self.tensor}
+        return {"tensor": self.tensor, "pins": (self.blocks, self.relational, self.engine)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.blocks, self.relational, self.engine = state.get("pins", ((), (), "memory"))
         self._fresh(state["tensor"])
 
     def __repr__(self) -> str:
