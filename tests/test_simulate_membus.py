@@ -65,3 +65,28 @@ def test_one_kernel_alone_is_never_slowed_by_the_bus() -> None:
 
 def test_gpu_presets_share_no_bus() -> None:
     assert ej.Cluster.preset("dgx-a100", devices=2).hardware.mem_bus == 0.0
+
+
+def test_blocks_of_a_multi_block_output_are_copied_into_it() -> None:
+    """The threads backend allocates an output of several blocks once and copies each block into
+    its slot as it is written (einjoin.runtime.outputs), except a matmul that computes into its
+    slot: an elementwise kernel's block then costs a copy more (its bytes read and written at
+    copy_bw), a large matmul's none."""
+    from einjoin.runtime.simulate_hardware import output_copies
+    x = ej.input("x", (1024, 1024))
+    out = ej.exp(x)
+    prog = ej.compile(out, devices=2, specs={out: {"a": 2, "b": 1}}, quiet=True)
+    cal = _cal(copy_bw=4e9)
+    hw = cal.hardware(2)
+    kernels = [t for t in prog.taskgraph.tasks if t.kind is TaskKind.KERNEL]
+    assert output_copies(prog._engine, hw) == frozenset(t.id for t in kernels)  # noqa: SLF001
+    sim = simulate(prog.taskgraph, hw, landed=output_copies(prog._engine, hw))  # noqa: SLF001
+    took = sorted(e - s for iv in sim.intervals.values() for s, e, tid in iv if tid in {t.id for t in kernels})
+    assert took == pytest.approx([2 * N * 4 / 10e9 + 2 * N * 4 / 4e9] * 2, rel=1e-9)
+    a, b = ej.input("a", (512, 512)), ej.input("b", (512, 512))
+    mm = ej.compile(a @ b, devices=2, specs={(a @ b): {"m": 2, "n": 1, "k": 1}}, quiet=True)
+    assert output_copies(mm._engine, hw) == frozenset()  # noqa: SLF001 - each product into its slot
+    one = ej.compile(out, devices=1, quiet=True)
+    assert output_copies(one._engine, cal.hardware(1)) == frozenset()  # noqa: SLF001 - one block: returned
+    gpu = ej.Cluster.preset("dgx-a100", devices=2).hardware
+    assert output_copies(prog._engine, gpu) == frozenset()  # noqa: SLF001

@@ -53,7 +53,7 @@ from einjoin.ir.scalar import Arg, Call
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.engine import Engine, ReadyQueue, RunStats, check_order, check_seed
-from einjoin.runtime.simulate_hardware import TORCH_KINDS, hardware_for, kernel_pools, streams
+from einjoin.runtime.simulate_hardware import TORCH_KINDS, hardware_for, kernel_pools, output_copies, streams
 from einjoin.runtime.simulate_share import Sharing
 
 __all__ = ["Simulation", "simulate", "simulate_program", "hardware_for", "SimulateBackend", "COSTS", "Phases"]
@@ -443,7 +443,7 @@ _end_of = operator.attrgetter("end")
 def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int = 0,
              priority: Sequence[float] | None = None, resident: bool = False,
              served: frozenset[int] = frozenset(), replicated: bool = False,
-             state: frozenset[Any] = frozenset()) -> Simulation:
+             state: frozenset[Any] = frozenset(), landed: frozenset[int] = frozenset()) -> Simulation:
     """Replay ``tg`` on ``hardware`` with the ready-queue policy ``order`` (``seed`` for
     ``random``; ``priority``: the b-levels for ``priority``, computed when not given).
     ``resident``: the inputs are on their devices before the run and the outputs stay there
@@ -457,7 +457,9 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
     parameters move to their readers each step). Off by default: ``ej.compile``'s time objective
     and the placement search score plans with each forward's weight moves counted.
     ``served``: ids of load tasks whose block is on its device already (a
-    program's state the last run kept there): they cost nothing.
+    program's state the last run kept there): they cost nothing. ``landed``: ids of tasks that
+    copy their block into a multi-block output once written (the local sessions' output slots:
+    :func:`einjoin.runtime.simulate_hardware.output_copies`): a copy of it after their work.
 
     >>> from einjoin.cluster.presets import preset_hardware
     >>> import einjoin as ej
@@ -467,11 +469,11 @@ def simulate(tg: TaskGraph, hardware: Hardware, order: str = "fifo", seed: int =
     True
     """
     order, seed = check_order(order), check_seed(seed)
-    key = (hardware, order, seed, resident, served, replicated, state)
+    key = (hardware, order, seed, resident, served, replicated, state, landed)
     for ref, k, sim in _RECENT:  # the same graph again: ej.compile's time objective simulated it already
         if priority is None and ref() is tg and k == key:
             return _own_copy(sim)
-    sim = _simulate(tg, hardware, order, seed, priority, resident, served, replicated, state)
+    sim = _simulate(tg, hardware, order, seed, priority, resident, served, replicated, state, landed)
     if priority is None:
         _RECENT.append((weakref.ref(tg), key, _own_copy(sim)))
         del _RECENT[:-2]
@@ -495,7 +497,7 @@ _RECENT: list[tuple[weakref.ref[TaskGraph], tuple[Any, ...], Simulation]] = []
 
 def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority: Sequence[float] | None,
               resident: bool, served: frozenset[int], replicated: bool = False,
-              state: frozenset[Any] = frozenset()) -> Simulation:
+              state: frozenset[Any] = frozenset(), landed: frozenset[int] = frozenset()) -> Simulation:
     if hardware.size != tg.n_devices:
         from einjoin.errors import EinjoinError
         raise EinjoinError(f"simulate: the hardware {hardware.name!r} has {hardware.size} devices, the task graph "
@@ -602,7 +604,10 @@ def _simulate(tg: TaskGraph, hardware: Hardware, order: str, seed: int, priority
                     live[d] += t.scratch
                     if live[d] > peak[d]:
                         peak[d] = live[d]
-                    f = _Flow(t, q, COSTS[t.kind](ctx, t), now)
+                    phases = COSTS[t.kind](ctx, t)
+                    if landed and t.id in landed:  # then copied into its output's slot
+                        phases += (ctx.on_cores(copy_time(hardware.models[d], t.nbytes), 1.0, 2.0 * t.nbytes),)
+                    f = _Flow(t, q, phases, now)
                     if f.advance():
                         place(f)
                     else:
@@ -688,9 +693,10 @@ def simulate_program(prog: Any, cluster: Cluster | None = None, order: str | Non
                            f"{type(cl).__name__} {cl!r:.60}")
     order = check_order(prog.order if order is None else order)
     engine = prog._engine  # noqa: SLF001 - its b-levels are the run's priority order
-    return simulate(prog.taskgraph, hardware_for(cl), order, check_seed(prog.seed if seed is None else seed),
+    hw, state = hardware_for(cl), frozenset(s.node for s in prog.plan.state)
+    return simulate(prog.taskgraph, hw, order, check_seed(prog.seed if seed is None else seed),
                     engine.priority() if order == "priority" else None, resident, replicated=replicated,
-                    state=frozenset(s.node for s in prog.plan.state))
+                    state=state, landed=output_copies(engine, hw) if not state else frozenset())
 
 
 @dataclass(frozen=True)
@@ -764,7 +770,7 @@ class _SimSession:
         on_host = 0 if state is None else sum(
             t.nbytes for t in tg.tasks if t.kind is TaskKind.LOAD and t.node in state.on_host and t.id not in served)
         sim = simulate(tg, hw, run.order, run.seed, engine.priority() if run.order == "priority" else None,
-                       served=served)
+                       served=served, landed=output_copies(engine, hw) if state is None else frozenset())
         self.last[:] = [sim]
         base = time.perf_counter()
         stats.wall_time = sim.makespan

@@ -248,7 +248,7 @@ def _cache_bytes() -> int:
 def _bus(reps: int, quick: bool, cache: int) -> float:
     """Bytes read + written per second by ``np.add`` on every core at once (a thread per core,
     each over arrays of its own, together several times the last-level cache): the memory bus
-    that devices' memory-bound kernels divide. By the wall clock, the least of ``reps`` rounds
+    that devices' memory-bound kernels divide. By the wall clock, the least of ``8 reps + 4`` rounds
     started together (measure on a quiet machine: a busy one reads low). -1 on one core."""
     import threading
     cores = os.cpu_count() or 1
@@ -259,7 +259,7 @@ def _bus(reps: int, quick: bool, cache: int) -> float:
     if quick:
         n = max(1 << 18, n // 4)
     arrays = [(np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)) for _ in range(cores)]
-    rounds = reps + 2
+    rounds = 8 * reps + 4  # many: the least finds a round the cores were both free for (a busy box)
     gate = threading.Barrier(cores)
     spans: list[list[tuple[float, float]]] = [[] for _ in range(cores)]
 

@@ -18,7 +18,7 @@ from einjoin.exchange import TaskKind
 from einjoin.ir.node import Attention, AttentionGrad, Conv, Pool, TopK
 from einjoin.plan.taskgraph import TaskGraph
 
-__all__ = ["hardware_for", "kernel_pools", "streams", "TORCH_KINDS"]
+__all__ = ["hardware_for", "kernel_pools", "streams", "output_copies", "TORCH_KINDS"]
 
 # the node kinds whose kernels run on torch's CPU threads: ray_worker.PRELOAD_FACTS's "torch"
 # rows (that table is above this floor's reach: the registry of backends imports the simulator;
@@ -88,6 +88,24 @@ def streams(hw: Hardware, tg: TaskGraph, vbytes: Sequence[int]) -> bool:
     handed = hw.shared_memory and not hw.own_links and tg.memory is None
     total = sum(vbytes[t.writes] for t in tg.tasks if t.writes >= 0 and not (handed and t.kind is TaskKind.MOVE))
     return total > hw.cache
+
+
+def output_copies(engine: Any, hw: Hardware) -> frozenset[int]:
+    """Ids of the tasks of ``engine`` that copy their block into a multi-block output once written
+    (:mod:`einjoin.runtime.outputs`: the local sessions' output slots, uncapped and without state):
+    every task writing a block of such an output but a matmul kernel that computes into its slot
+    and a touch whose buffer is the slot. Empty where the devices do not share the host's RAM
+    (another backend's devices: its outputs are gathered otherwise) or the graph is capped."""
+    tg = engine.tg
+    if not hw.shared_memory or tg.memory is not None or not hasattr(engine, "decomps"):
+        return frozenset()
+    from einjoin.runtime.outputs import output_plan
+    plan = output_plan(engine)
+    slotted = {v for lay in plan.layouts if lay is not None for v, _ in lay[2]}
+    if not slotted:
+        return frozenset()
+    return frozenset(t.id for t in tg.tasks if t.writes in slotted and t.id not in plan.into
+                     and not (t.kind is TaskKind.TOUCH and t.writes in plan.touched))
 
 
 def hardware_for(cluster: Cluster) -> Hardware:
