@@ -3,9 +3,11 @@
 Float32 GEMMs of a few sizes on one BLAS thread (a least-squares line ``t = W / rate + c`` gives
 the rate and the work at which a GEMM reaches half of it, ``half_work = c · rate``), one large
 GEMM on every core (what each further thread adds), an elementwise add and ``exp`` (memory
-bandwidth and the vector rate of numpy's kernels, which run on one thread), a copy, and the
-threads backend's cost per kernel and per run (chains of small matmuls, warm, on one device inline
-and on two and four device threads, where the GIL's hand-overs cost) and of a free and a view (the
+bandwidth and the vector rate of numpy's kernels, which run on one thread), the same add on every
+core at once (the memory bus the devices divide; the last-level cache's size read from the OS
+decides whether a program streams through it), a copy, and the threads backend's cost per kernel
+and per run (chains of small matmuls, warm, on one device inline and on two and four device
+threads, where the GIL's hand-overs cost) and of a free and a view (the
 tasks that dispatch no kernel: their own intervals in those runs), the attention kernel on one
 thread, and each elementwise function (its elements per second: a join is evaluated one function
 at a time). Work on one thread is timed by its CPU time (on a busy machine, the speed a quiet one
