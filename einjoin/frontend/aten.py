@@ -87,7 +87,10 @@ def _div(a: Any, b: Any, rounding_mode: Any = None, **_: Any) -> Any:
     if not _is_t(a) and not _is_t(b):
         return a / b
     if rounding_mode == "floor":
-        return elementwise("floordiv", a, b)
+        q = elementwise("floordiv", a, b)
+        # torch's gradient through div(rounding_mode="floor") is 0, through floor_divide (//, the
+        # same join) there is none: the stop tells ej.grad which one this is
+        return elementwise("stop_gradient", q) if kind(q.dtype) == "float" else q
     if rounding_mode == "trunc":
         return trunc_div(a, b)
     if rounding_mode is not None:

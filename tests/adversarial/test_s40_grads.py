@@ -32,12 +32,17 @@ def _grads(f: Callable[..., Any], *vals: Any, backend: str = "sync") -> tuple[li
         out = f(*vals)
     c = torch.linspace(-1, 2, out.numel(), dtype=torch.float64).reshape(out.shape).to(out.dtype)
     m = _Loss(f, list(vals))
+    got = _ej_grads(m, c, backend)
     m(c).backward()
     want = [p.grad if p.grad is not None else torch.zeros_like(p) for p in m.ps]
+    return got, want
+
+
+def _ej_grads(m: Any, c: Any, backend: str = "sync") -> list[Any]:
     fn = ej.from_torch(m, (c,))
     grads = ej.grad(fn.outputs[0], list(fn.parameters.values()))
     got = ej.compile(fn.with_outputs(list(grads)), quiet=True, backend=backend).run(c)
-    return [torch.as_tensor(np.asarray(g)) for g in got], want
+    return [torch.as_tensor(np.asarray(g)) for g in got]
 
 
 def _check(f: Callable[..., Any], *vals: Any, backend: str = "sync") -> None:
@@ -62,3 +67,12 @@ def test_norms_of_zero_vectors_have_torchs_zero_gradient(f: Callable[..., Any]) 
     # torch masks the norm's (and std's) backward where the result is 0; the square root's own
     # derivative there is inf, and inf * 0 gave NaN gradients (a zero row in F.normalize: NaN)
     _check(f, _f64(0.0, 0.0, 0.0, 1.0, -2.0, 2.0).reshape(2, 3))
+
+
+def test_the_gradient_through_floor_division_is_torchs() -> None:
+    # torch: div(rounding_mode="floor") has a zero gradient (it was refused here as "floordiv has
+    # no derivative"); floor_divide (//) has no derivative in torch and stays refused
+    a, b = _f64(3.5, -2.5, 7.0), _f64(2.0, 2.0, -3.0)
+    _check(lambda x, y: torch.div(x, y, rounding_mode="floor") * 5 + x * y, a, b)
+    with pytest.raises(ej.ExpressionError, match="floordiv has no derivative"):
+        _ej_grads(_Loss(lambda x, y: torch.floor_divide(x, y) * 5 + x * y, [a, b]), a)
