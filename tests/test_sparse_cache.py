@@ -11,7 +11,13 @@ import pytest
 
 import einjoin as ej
 from einjoin.errors import ShapeError
-from einjoin.sparse import SparseTensor, kernels
+from einjoin.sparse import SparseTensor, distribute, kernels
+
+
+@pytest.fixture(autouse=True)
+def split_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These problems are small: split them anyway (MIN_SPLIT_WORK keeps small steps on one device)."""
+    monkeypatch.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
 
 
 def dense(x: SparseTensor | np.ndarray) -> np.ndarray:

@@ -15,6 +15,13 @@ from hypothesis import strategies as st
 from test_sparse import dense, reference, sparse_problems
 
 import einjoin as ej
+from einjoin.sparse import distribute
+
+
+@pytest.fixture(autouse=True)
+def split_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These problems are small: split them anyway (MIN_SPLIT_WORK keeps small steps on one device)."""
+    monkeypatch.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
 
 
 def gnn() -> tuple:

@@ -17,6 +17,13 @@ from test_sparse import dense, reference, sparse_problems
 import einjoin as ej
 from einjoin.sparse import SparseTensor
 from einjoin.sparse.distribute import Split, _split_of
+from einjoin.sparse import distribute
+
+
+@pytest.fixture(autouse=True)
+def split_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These problems are small: split them anyway (MIN_SPLIT_WORK keeps small steps on one device)."""
+    monkeypatch.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
 
 
 def check(plan: ej.SparsePlan, eq: str, operands: list, agg: str) -> None:

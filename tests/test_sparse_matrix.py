@@ -19,11 +19,17 @@ from test_sparse import dense, reference, sparse_problems
 
 import einjoin as ej
 from einjoin.sparse import SparseTensor
+from einjoin.sparse import distribute
 
 pytest.importorskip("duckdb")
 torch = pytest.importorskip("torch")
 
 ENGINES = {"memory": {}, "duckdb": {"engine": "duckdb", "duckdb_memory": "256MB", "duckdb_threads": 1}}
+
+@pytest.fixture(autouse=True)
+def split_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These problems are small: split them anyway (MIN_SPLIT_WORK keeps small steps on one device)."""
+    monkeypatch.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
 
 
 def check(eq: str, operands: list, agg: str, blocks: dict, relational: set, backend: object, devices: int,
@@ -145,3 +151,22 @@ def test_torch_backend_refuses_gpu_devices_by_name() -> None:
     a = ej.sparse("A", np.eye(3))
     with pytest.raises(ej.UnsupportedOpError, match="device_map='cuda'.*CPU"):
         ej.sparse_compile("ij->i", a, devices=2, backend=TorchBackend(device_map="cuda"))
+
+
+def test_a_step_too_small_to_pay_stays_on_one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(distribute, "MIN_SPLIT_WORK", 1e5)
+    rng = np.random.default_rng(3)
+    a = ej.sparse("A", (rng.integers(0, 200, (2, 2000)), rng.standard_normal(2000), (200, 200)))
+    for k, split in ((16, False), (128, True)):  # ~2000 x 16 and ~2000 x 128 multiply-adds
+        h = rng.standard_normal((200, k))
+        plan = ej.sparse_compile("ij,jk->ik", a, h, relational={"i", "j"}, devices=2, backend="sync")
+        np.testing.assert_allclose(plan.run().todense(), a.todense() @ h, rtol=1e-12, atol=1e-12)
+        ex = plan.steps[0].exchange
+        assert ex is not None and (ex.split is not None) == split, plan.explain()
+        assert ("below MIN_SPLIT_WORK" in plan.explain()) == (not split)
+    plan = ej.sparse_compile("ij,jk->ik", a, rng.standard_normal((200, 16)), relational={"i", "j"}, devices=2,
+                             backend="sync")
+    plan.distribution.label = "i"  # a pinned label is split however small the step
+    plan.run()
+    ex = plan.steps[0].exchange
+    assert ex is not None and ex.split is not None and ex.split.label == "i"

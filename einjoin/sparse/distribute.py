@@ -18,7 +18,9 @@ on one device; a summed label leaves partial sums, each sent to the device ownin
 split whose busiest device carries more than ``BALANCE`` times the mean loses to one that does
 not; a partial's bytes weigh ``PARTIAL_WEIGHT`` times a replica's); ``max`` splits output labels
 only (a max over partials would meet the absent tuples of every part). No relational label with
-two or more keys: the step runs on device 0. A step's split is kept for the next run while its
+two or more keys, or a step of fewer modelled multiply-adds (joined tuples times payload) than
+``MIN_SPLIT_WORK`` with no pinned label (splitting would cost more than it saves; ``explain()``
+says so): the step runs on device 0. A step's split is kept for the next run while its
 relations have the same keys (the same key arrays, or complete grids).
 
 **Accounting** (the project's: one copy of every input tuple is loaded; every further copy and
@@ -42,7 +44,10 @@ task graphs only).
 >>> plan = ej.sparse_compile("ij,jk->ik", a, h, devices=2, backend="sync")
 >>> np.allclose(plan.run().todense(), a.todense() @ h)
 True
->>> ex = plan.steps[0].exchange
+>>> plan.steps[0].exchange.split is None  # 1200 multiply-adds: too small to pay (MIN_SPLIT_WORK)
+True
+>>> plan.distribution.label = "i"  # a pinned split label is split regardless
+>>> _ = plan.run(); ex = plan.steps[0].exchange
 >>> ex.split.label, len(ex.tuples), sum(ex.joined) == plan.steps[0].counts.joined
 ('i', 2, True)
 """
@@ -84,6 +89,13 @@ WHOLE = 0.9
 # on i (CPU ms per device, sync backend, busy box; /tmp/e35/sweep.py): 0 (joined + tuples alone)
 # [270, 850]; 0.1 [350, 640]; 0.15 [400, 570]; 0.2 [550, 540]; 0.4 [760, 700]
 ROW_ELEM = 0.2
+# a step of fewer modelled multiply-adds (joined tuples x payload) runs on one device: splitting it
+# (cutting parts, waking device threads, merging outputs: ~1-2 ms) costs more than it saves. A·H,
+# power-law graphs of n nodes / 10n edges, H n x 128, 1 vs 2 devices (threads; CPU ms, the 2-device
+# one also as its busiest-device path, the wall on idle cores; busy 2-core box, /tmp/h2_ah2.py):
+# 2.5e6 (2000 nodes) 1.2 vs 2.7, path 2.2; 6.3e6 (5000) 3.6 vs 6.5, path 4.8; 2.5e7 (20000) 40.7
+# vs 44.1, path 32.2; 6.4e7 (50000) 83 vs 74, path 42. A pinned split label is split regardless.
+MIN_SPLIT_WORK = 1e7
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: keys in arithmetic runs spread evenly
 
 
@@ -134,6 +146,7 @@ class Exchange:
     partials: int = 0
     partial_bytes: int = 0
     cpu: list[float] = field(default_factory=list)  # per device: its thread's CPU seconds on its part
+    small: float | None = None  # not split because its modelled multiply-adds are below MIN_SPLIT_WORK
     spilled: list[int] = field(default_factory=list)  # engine duckdb, per device: its temp-directory bytes
     ranges: int = 1  # engine duckdb: the most output-key ranges (queries) of a device
 
@@ -147,7 +160,10 @@ class Exchange:
         return self.replica_bytes + self.partial_bytes
 
     def describe(self) -> str:
-        if self.split is None:
+        if self.split is None and self.small is not None:
+            how = (f"not split: {self.small:.3g} modelled multiply-adds, below MIN_SPLIT_WORK {MIN_SPLIT_WORK:.3g} "
+                   f"(cutting, device threads and merging would cost more than they save): device 0")
+        elif self.split is None:
             how = "not split (no relational label with two or more keys that it may split on): device 0"
         else:
             how = (f"split on {self.split.label} by {self.split.kind} over {len(self.tuples)} devices "
@@ -610,7 +626,9 @@ class Distribution:
         out_ext = [layout.extent(lab, sizes[lab]) for lab in out_labels]
         out_bytes = math.prod(out_ext) * compute.itemsize + KEY_BYTES * len(out_rel)
         step = f"{','.join(''.join(ls) for ls in in_labels)}->{''.join(out_labels)}"
-        if n == 1 or not _candidates(layout, sizes, out_labels, agg, self.label):
+        work = layout.joined * max(layout.payload, 1)
+        small = self.label is None and work < MIN_SPLIT_WORK  # see MIN_SPLIT_WORK
+        if n == 1 or small or not _candidates(layout, sizes, out_labels, agg, self.label):
             held, bound = held_bytes(values, in_labels, out_labels, layout, sizes, out_bytes, self.cap is not None)
             check_cap(self.cap, [(held, bound)], step, what)
         if n == 1:
@@ -618,12 +636,14 @@ class Distribution:
             self.held = [held + len(data) * out_bytes]
             return data, keys, counts, None
         run = RUNNERS[self.backend.name]
-        if not _candidates(layout, sizes, out_labels, agg, self.label):  # device 0 runs it as it is
+        cands = _candidates(layout, sizes, out_labels, agg, self.label)
+        if small or not cands:  # device 0 runs it as it is
             ((data, keys, counts, cpu, st),) = run(self.backend, part_step, [
                 (values, tuple(in_labels), out_labels, dict(sizes), layout, agg, dtype, what, None,
                  duck[0] if duck else None)], what)
             ex = Exchange(None, [sum(counts.tuples)] + [0] * (n - 1), [counts.joined] + [0] * (n - 1),
-                          cpu=[cpu] + [0.0] * (n - 1), spilled=[st[0]] + [0] * (n - 1), ranges=st[1])
+                          cpu=[cpu] + [0.0] * (n - 1), spilled=[st[0]] + [0] * (n - 1), ranges=st[1],
+                          small=work if cands and small else None)
             self.held = [held + len(data) * out_bytes] + [0] * (n - 1)
             return data, keys, counts, ex
         kept = self._kept(values, in_labels, out_labels, layout, sizes, agg, out_bytes, names)
