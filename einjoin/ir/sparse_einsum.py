@@ -54,6 +54,11 @@ __all__ = ["sparse_einsum_node", "sparse_reference", "sparse_block", "sparse_flo
 DECLARE_INPUT: list[Callable[[str, tuple[int, ...], int, str], Any]] = []
 
 AGGS = ("sum", "max")  # a graph's sparse einsum: the sum of the products, or their maximum
+# a max node's adjoint (built by sparse_adjoints only): operand 0 is the output's cotangent, the
+# others the forward's operands (max over them onto operand 0's labels), the result the cotangent
+# of operand 1 (dense; its labels are the node's output): each output's cotangent to its maximal
+# terms, split evenly among ties (torch's amax), the densified operand's zeros terms too
+MAX_GRAD = "maxgrad"
 
 
 def _what(eq: str, operand: SparseOperand) -> str:
@@ -75,7 +80,7 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
 
     ``agg``: ``"sum"`` or ``"max"`` (the largest product, an absent entry's being 0)."""
     inputs = tuple(inputs)
-    if agg not in AGGS:
+    if agg not in AGGS + (MAX_GRAD,):
         raise UnsupportedOpError(f"sparse_einsum (sparse operand {operand.name!r} {list(operand.shape)}): "
                                  f"aggregation {agg!r}; a graph's sparse einsum takes {' or '.join(AGGS)}")
     if pattern:
@@ -182,7 +187,7 @@ DENSE_REFERENCE = 1 << 24
 def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -> np.ndarray:
     """``numpy.einsum`` on the densified sparse operand (the reference; half types in float32);
     beyond :data:`DENSE_REFERENCE` elements, the sparse engine's result (never a huge dense array)."""
-    if math.prod(op.operand.shape) > DENSE_REFERENCE or (op.agg == "max" and _terms(node) > DENSE_REFERENCE):
+    if math.prod(op.operand.shape) > DENSE_REFERENCE or (op.agg != "sum" and _terms(node) > DENSE_REFERENCE):
         return sparse_block(node, op, args, tuple((0, n) for n in node.shape))
     n = len(op.dense_labels)
     dense = [np.asarray(a) for a in args[:n]]
@@ -196,6 +201,8 @@ def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -
     work.insert(op.position, value)
     if op.agg == "max":
         out = _max_reference(op, work)
+    elif op.agg == MAX_GRAD:
+        out = _max_grad_reference(op, work)
     else:
         out = np.einsum(op.equation, *work)
     return np.asarray(out).astype(numpy_dtype(node.dtype), copy=False)
@@ -232,6 +239,34 @@ def _max_reference(op: SparseEinsum, work: Sequence[np.ndarray]) -> np.ndarray:
     return np.transpose(out, [kept.index(lab) for lab in op.out_labels])
 
 
+def _max_grad_reference(op: SparseEinsum, work: Sequence[np.ndarray]) -> np.ndarray:
+    """A :data:`MAX_GRAD` node on dense arrays: each forward output's cotangent (``work[0]``)
+    split evenly among the products equal to its maximum (the densified operand's zeros are
+    products too: torch's amax of the dense product), times the other forward operands, summed
+    onto operand 1's labels."""
+    out, fwd = op.in_labels[0], op.in_labels[1:]
+    every = tuple(dict.fromkeys(lab for ls in fwd for lab in ls))
+    prod = np.einsum(",".join("".join(ls) for ls in fwd) + "->" + "".join(every), *work[1:])
+    axes = tuple(d for d, lab in enumerate(every) if lab not in out)
+    best = prod.max(axis=axes, keepdims=True) if axes else prod
+    hit = prod == best
+    ties = hit.sum(axis=axes, keepdims=True) if axes else np.ones_like(prod)
+    kept = "".join(lab for lab in every if lab in out)
+    g = np.einsum("".join(out) + "->" + kept, work[0]).reshape([n if d not in axes else 1
+                                                                  for d, n in enumerate(prod.shape)])
+    weight = np.where(hit, g / np.maximum(ties, 1), 0)
+    others = [("".join(ls), w) for k, (ls, w) in enumerate(zip(fwd, work[1:])) if k != 0]
+    eq = ",".join(["".join(every)] + [e for e, _ in others]) + "->" + "".join(fwd[0])
+    return np.asarray(np.einsum(eq, weight, *(w for _, w in others)))
+
+
+def _cuttable(op: SparseEinsum) -> set[str]:
+    """The output labels a kernel may compute on its own blocks: every one for a sum or max (each
+    output element reads its own terms); for a :data:`MAX_GRAD` node only the forward's output
+    labels (a label its max runs over couples every term of an output: ties and the maximum)."""
+    return set(op.out_labels) if op.agg != MAX_GRAD else set(op.in_labels[0])
+
+
 def dense_follows(node: Node) -> tuple[tuple[int, ...], ...]:
     """Per dense input, per dim: the output dim whose blocks it is cut by when the planner cuts the
     node (-1: read whole). An output label the sparse operand does not carry (a GNN's feature
@@ -249,7 +284,7 @@ def dense_follows(node: Node) -> tuple[tuple[int, ...], ...]:
     op = node.op
     assert isinstance(op, SparseEinsum)
     sparse = set(op.in_labels[op.position])
-    pos = {lab: o for o, lab in enumerate(op.out_labels) if lab not in sparse}
+    pos = {lab: o for o, lab in enumerate(op.out_labels) if lab not in sparse and lab in _cuttable(op)}
     return tuple(tuple(pos[lab] if lab in pos and x.shape[d] == node.shape[pos[lab]] else -1
                        for d, lab in enumerate(labels))
                  for x, labels in zip(node.inputs, op.dense_labels))
@@ -269,7 +304,7 @@ def operand_box(node: Node, box: Sequence[tuple[int, int]]) -> tuple[tuple[int, 
     kernels still read the dense inputs, and a fed one's keys and values, whole)."""
     op = node.op
     assert isinstance(op, SparseEinsum)
-    pos = {lab: o for o, lab in enumerate(op.out_labels)}
+    pos = {lab: o for o, lab in enumerate(op.out_labels) if lab in _cuttable(op)}
     out: list[tuple[int, int] | None] = []
     for lab in op.in_labels[op.position]:
         o = pos.get(lab)
@@ -315,10 +350,11 @@ def sparse_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     carries (summed away by the forward) are broadcast back. Cast to the input's dtype."""
     op = node.op
     assert isinstance(op, SparseEinsum)
-    if op.agg != "sum":  # its gradient goes to each output's maximal products: an argmax the graph lacks
-        raise UnsupportedOpError(f"the gradient of {_what(op.equation, op.operand)} with agg={op.agg!r} inside a "
-                                 f"graph is not supported (ej.grad); compute it on arrays: ej.sparse_compile(..., "
-                                 f"agg={op.agg!r}) and its plan's vjp")
+    if op.agg == "max":
+        return _max_adjoints(node, g, wanted)
+    if op.agg != "sum":  # a max node's adjoint: its own derivative is not built
+        raise UnsupportedOpError(f"the gradient of {_what(op.equation, op.operand)} ({op.agg}: the gradient of a "
+                                 f"sparse max) inside a graph is not supported (ej.grad of a gradient)")
     dense_in, pattern = fed_parts(node)
     out: list[Node | None] = []
     for k, (x, labels) in enumerate(zip(dense_in, op.dense_labels)):
@@ -342,6 +378,35 @@ def sparse_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node |
     if pattern:  # a fed sparse operand: its keys (int) get none, its values the sampled product
         out.append(None)
         out.append(_values_adjoint(node, g) if wanted[-1] else None)
+    return tuple(out)
+
+
+def _max_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | None, ...]:
+    """The cotangents of a max node's dense inputs: one :data:`MAX_GRAD` node each (``g``, the
+    input, the other operands; the sparse operand in its place among them), cast to the input's
+    dtype. A fed sparse operand's values get none through a max (refused when asked for)."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    dense_in, pattern = fed_parts(node)
+    if pattern and wanted[-1]:
+        raise UnsupportedOpError(f"the gradient of {_what(op.equation, op.operand)} with agg='max' w.r.t. the sparse "
+                                 f"input's values inside a graph is not supported (ej.grad); its dense operands' "
+                                 f"is, and ej.sparse_compile(..., agg='max')'s plan.vjp gives the values'")
+    out: list[Node | None] = []
+    for k, (x, labels) in enumerate(zip(dense_in, op.dense_labels)):
+        if not wanted[k]:
+            out.append(None)
+            continue
+        # the forward's operands with this one first (a product's order is free), the sparse kept
+        order = [k + (k >= op.position)] + [i for i in range(len(op.in_labels)) if i != k + (k >= op.position)]
+        nodes = {i: y for i, y in zip([i for i in range(len(op.in_labels)) if i != op.position], dense_in)}
+        dense = [g] + [nodes[i] for i in order if i != op.position]
+        in_labels = [op.out_labels] + [op.in_labels[i] for i in order]
+        grad = sparse_einsum_node(op.operand, 1 + order.index(op.position), dense, in_labels=in_labels,
+                                  out_labels=labels, pattern=pattern, agg=MAX_GRAD)
+        out.append(grad if grad.dtype == x.dtype else ops.cast_node(grad, x.dtype))
+    if pattern:
+        out += [None, None]
     return tuple(out)
 
 

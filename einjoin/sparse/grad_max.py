@@ -43,13 +43,21 @@ def max_vjp(plan: SparsePlan, g: np.ndarray, positions: list[int], what: str) ->
     the output's shape): dense arrays for dense operands, a SparseTensor on each sparse operand's
     stored entries for it. With several sparse operands the terms that can be nonzero are their
     entries joined on their shared labels (:func:`_join`); every other term is an absent one."""
-    values = plan.last_operands
+    return max_grads(plan.last_operands, plan.in_labels, plan.out_labels, plan.sizes, plan.dtype, g, positions,
+                     what)
+
+
+def max_grads(values: Sequence[Any], in_labels: Sequence[Sequence[str]], out_labels: Sequence[str],
+              sizes: Mapping[str, int], dtype: Any, g: np.ndarray, positions: list[int],
+              what: str) -> list[SparseTensor | np.ndarray]:
+    """:func:`max_vjp` on its pieces: the operands ``values`` (SparseTensors and arrays) with
+    labels ``in_labels``, the output's labels, every label's size and the result's dtype. A
+    graph's max node differentiates through it (a ``maxgrad`` kernel: ``graph_plans.PlanCache``)."""
     at = [k for k, v in enumerate(values) if isinstance(v, SparseTensor)]
-    labels = [tuple(ls) for ls in plan.in_labels]
+    labels = [tuple(ls) for ls in in_labels]
     if not at or any(len(set(ls)) != len(ls) for ls in labels):
         raise UnsupportedOpError(f"{what}: max aggregation is differentiated with sparse operands and no label "
                                  f"repeated within an operand; use agg='sum', or the dense einsum")
-    sizes = plan.sizes
     la, coords, entry = _join(values, labels, at, sizes, what)  # the co-present entries' terms
     n = len(coords)
     rest = list(dict.fromkeys(lab for ls in labels for lab in ls if lab not in la))
@@ -57,7 +65,7 @@ def max_vjp(plan: SparsePlan, g: np.ndarray, positions: list[int], what: str) ->
     if math.prod(shape) > MAX_TERMS:
         raise UnsupportedOpError(f"{what}: the gradient of a max holds every product at the stored entries, "
                                  f"{math.prod(shape)} here (more than {MAX_TERMS}); use agg='sum'")
-    wide = np.result_type(plan.dtype, np.float32)
+    wide = np.result_type(dtype, np.float32)
 
     def gathered(arr: Any, ls: tuple[str, ...]) -> np.ndarray:
         """``arr`` (labels ``ls``) at the terms' coordinates, broadcastable to ``shape``."""
@@ -90,7 +98,7 @@ def max_vjp(plan: SparsePlan, g: np.ndarray, positions: list[int], what: str) ->
     prod = np.ones(shape, wide)
     for f in factors.values():
         prod = prod * f
-    out_labels = tuple(plan.out_labels)
+    out_labels = tuple(out_labels)
     out_dims = tuple(sizes[lab] for lab in out_labels)
     size = math.prod(out_dims)
     where = flat_index(out_labels, out_dims).ravel()
@@ -122,7 +130,7 @@ def max_vjp(plan: SparsePlan, g: np.ndarray, positions: list[int], what: str) ->
         dims = tuple(np.shape(values[k]))
         out = np.zeros(math.prod(dims), wide)
         np.add.at(out, flat_index(labels[k], dims).ravel(), others.ravel())
-        grads.append(out.reshape(dims).astype(plan.dtype, copy=False))
+        grads.append(out.reshape(dims).astype(dtype, copy=False))
     return grads
 
 

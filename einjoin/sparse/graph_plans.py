@@ -11,6 +11,7 @@ import numpy as np
 
 from einjoin.ir.dtypes import is_half, numpy_dtype
 from einjoin.ir.opkinds import SparseEinsum
+from einjoin.sparse.grad_max import max_grads
 from einjoin.sparse.plan import SparsePlan, sparse_compile
 from einjoin.sparse.tensor import SparseTensor
 
@@ -54,6 +55,8 @@ class PlanCache:
         the tensor (:func:`meeting`), which gets a plan of its own, so that kernels of one node on
         several devices run at once (a plan runs under its lock) and keep their own patterns."""
         arrays = [np.asarray(a.astype(np.float32) if is_half(a.dtype) else a, order="C") for a in dense]
+        if op.agg == "maxgrad":  # a max node's adjoint: no plan, its products at the stored entries
+            return _max_grad(op, arrays, tensor).astype(numpy_dtype(dtype), copy=False)
         key = (op.in_labels, op.out_labels, op.position, op.agg, tuple((a.shape, a.dtype.str) for a in arrays),
                part)
         operands: list[Any] = list(arrays)
@@ -71,6 +74,19 @@ class PlanCache:
             out = plan.run(*operands)
         res = out.todense() if isinstance(out, SparseTensor) else np.asarray(out)
         return res.astype(numpy_dtype(dtype), copy=False)
+
+
+def _max_grad(op: SparseEinsum, arrays: list[np.ndarray], tensor: SparseTensor) -> np.ndarray:
+    """A ``maxgrad`` kernel (``ir.sparse_einsum``'s adjoint of a max node): operand 0 is the
+    output's cotangent, the others the forward's operands, the cotangent wanted that of operand 1
+    (dense): :func:`einjoin.sparse.grad_max.max_grads` on them, ties split as torch's amax."""
+    values: list[Any] = list(arrays)
+    values.insert(op.position, tensor)
+    sizes = {lab: n for ls, v in zip(op.in_labels, values) for lab, n in zip(ls, v.shape)}
+    dtype = np.result_type(*(np.dtype(v.dtype) for v in values[1:]))
+    (grad,) = max_grads(values[1:], op.in_labels[1:], op.in_labels[0], sizes, dtype, values[0], [0],
+                        f"the gradient of sparse_einsum {op.equation!r} (agg='max')")
+    return np.asarray(grad)
 
 
 def meeting(t: SparseTensor, box: tuple[tuple[int, int] | None, ...]) -> SparseTensor:

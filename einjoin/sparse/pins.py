@@ -171,8 +171,10 @@ def _layout(node: Node) -> str:
     op = node.op
     assert isinstance(op, SparseEinsum)
     operand: Any = op.operand
+    if op.agg not in ("sum", "max"):  # a max node's gradient: no plan (grad_max on the stored entries' products)
+        return f"the gradient of a max ({op.agg}): the products at the stored entries, no layout"
     tensor = getattr(operand, "tensor", None)
-    if tensor is None or op.agg not in ("sum", "max"):
+    if tensor is None:
         ran = [p for p in operand._plans.plans() if p.notation() != "?"]
         if not ran:
             return "layout chosen at run on the fed pattern (run() and explain() again to see it)"
