@@ -14,15 +14,17 @@ share one signature and one registry.
 
 The data, the registry and the round-robin and random placers are in
 :mod:`einjoin.placement.base`; the affinity-based placers in :mod:`einjoin.placement.affinity`,
-and the local search over placements (``"search"``) in :mod:`einjoin.placement.search`, which
-register them when this package imports them.
+the local search over placements (``"search"``) in :mod:`einjoin.placement.search` and the learned
+SEL/PLC policy (``"doppler"``) in :mod:`einjoin.placement.doppler`, which register them when this
+package imports them.
 """
 
 from einjoin.placement.base import (PLACERS, NodePlacement, Placement, Placer, place,
                                     random_placement, register_placer, round_robin)
 from einjoin.placement import affinity  # registers greedy, critical_path and nums
 from einjoin.placement import search  # registers search (after affinity: it starts from their placements)
+from einjoin.placement import doppler  # registers doppler (the learned SEL/PLC policy)
 from einjoin.placement.homes import block_devices, tie_homes
 
 __all__ = ["NodePlacement", "Placement", "Placer", "PLACERS", "place", "register_placer",
-           "round_robin", "random_placement", "affinity", "search", "tie_homes", "block_devices"]
+           "round_robin", "random_placement", "affinity", "search", "doppler", "tie_homes", "block_devices"]
