@@ -20,7 +20,7 @@ pinned node's layout in upper-case-lower-case notation (:func:`pinned_lines`).
 True
 >>> print(pinned_lines(prog.graph).strip())  # doctest: +ELLIPSIS
 sparse einsums (pinned at compile: blocks j=8; relational i; engine memory):
-  ij,jk->ik (A [40, 30]): ...Jj... blocks ...j=8...
+  ij,jk->ik (A [40, 30]) -> [40, 8]: ...Jj... blocks ...j=8...
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def pinned_lines(graph: Graph) -> str:
     for n in pinned:
         op = n.op
         assert isinstance(op, SparseEinsum)
-        lines.append(f"  {op.equation} ({op.operand.name} {list(op.operand.shape)}): {_layout(n)}")
+        lines.append(f"  {op.equation} ({op.operand.name} {list(op.operand.shape)}) -> {list(n.shape)}: {_layout(n)}")
     return "\n".join(lines)
 
 
