@@ -500,7 +500,7 @@ def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user
                                f"differs from its new value's layout {chosen[old]} (a state input is cut as "
                                f"its new value: give the spec to {describe(tied[old])} instead)")
     decomps = {n: decompose(n, chosen.get(n)) for n in graph.nodes}
-    if options.placement == "search" and cluster.hardware is not None:
+    if options.placement in ("search", "doppler") and cluster.hardware is not None:
         placement = _searched(graph, decomps, cluster, options, tied)
     else:
         placement = place(options.placement, decomps, cluster, options.seed)
@@ -510,15 +510,17 @@ def _lower(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user
 
 def _searched(graph: Graph, decomps: dict[Node, Decomposition], cluster: Cluster, options: CompileOptions,
               tied: dict[Node, Node]) -> Placement:
-    """``placement="search"`` on a cluster with a time model: the placement search
-    (:mod:`einjoin.placement.search`, floor 2) scored by what it cannot import, the simulated
-    makespan of the task graph each candidate gives (weights resident, as :func:`_makespan`)."""
+    """``placement="search"`` (or ``"doppler"``) on a cluster with a time model: the placement
+    search (:mod:`einjoin.placement.search`; the learned policy, :mod:`einjoin.placement.doppler`;
+    floor 2) scored by what it cannot import, the simulated makespan of the task graph each
+    candidate gives (weights resident, as :func:`_makespan`)."""
+    from einjoin.placement.doppler import doppler
     from einjoin.placement.search import search
 
     def makespan(pl: Placement) -> float:
         return _simulated(build_taskgraph(graph, decomps, tie_homes(decomps, pl, tied), cluster.size),
                           cluster, options)
-    return search(decomps, cluster, options.seed, score=makespan)
+    return (doppler if options.placement == "doppler" else search)(decomps, cluster, options.seed, score=makespan)
 
 
 def _fit_caps(graph: Graph, cluster: Cluster, chosen: dict[Node, JoinAggSpec], user: dict[Node, JoinAggSpec],
