@@ -37,6 +37,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -143,12 +144,18 @@ def device_settings(what: str, memory_limit: str | None, temp_directory: str | N
     >>> [(d.memory_limit, d.threads) for d in device_settings("x", "64MiB", None, 1, 2)]
     [('32768KiB', 1), ('32768KiB', 1)]
     """
-    with DuckSession(what, memory_limit, None, 1) as probe:
-        total = _limit_bytes(probe)
+    total = _limit_of(what, memory_limit)
     share = f"{max(1, int(total // devices // 1024))}KiB"  # KiB: DuckDB reads it exactly
     each = threads if threads is not None else max(1, (os.cpu_count() or 1) // devices)
     return [DuckDevice(share, None if temp_directory is None else os.path.join(temp_directory, f"device{d}"), each)
             for d in range(devices)]
+
+
+@functools.lru_cache(maxsize=32)
+def _limit_of(what: str, memory_limit: str | None) -> float:
+    """``memory_limit`` in bytes as DuckDB reads it (a throwaway connection, once per string)."""
+    with DuckSession(what, memory_limit, None, 1) as probe:
+        return _limit_bytes(probe)
 
 
 def _load(con: Any, name: str, rel: Relation, col: Mapping[str, int], kind: str) -> int:
