@@ -33,7 +33,7 @@ from einjoin.frontend.aten_nn import NN_OPS, root_at_zero
 from einjoin.frontend.recurrent import RECURRENT_OPS
 from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
-from einjoin.frontend.aten_bits import BITS_OPS, trunc_div
+from einjoin.frontend.aten_bits import BITS_OPS, floor_div, trunc_div
 from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
@@ -87,7 +87,7 @@ def _div(a: Any, b: Any, rounding_mode: Any = None, **_: Any) -> Any:
     if not _is_t(a) and not _is_t(b):
         return a / b
     if rounding_mode == "floor":
-        q = elementwise("floordiv", a, b)
+        q = floor_div(a, b)
         # torch's gradient through div(rounding_mode="floor") is 0, through floor_divide (//, the
         # same join) there is none: the stop tells ej.grad which one this is
         return elementwise("stop_gradient", q) if kind(q.dtype) == "float" else q
@@ -101,7 +101,7 @@ def _div(a: Any, b: Any, rounding_mode: Any = None, **_: Any) -> Any:
 @op("floordiv", "floor_divide")
 def _floordiv(a: Any, b: Any) -> Any:
     if _is_t(a) or _is_t(b):
-        return elementwise("floordiv", a, b)
+        return floor_div(a, b)
     return a // b
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from einjoin.errors import DTypeError, UnsupportedOpError
 from einjoin.frontend.functions import fill
+from einjoin.frontend.routing import elementwise_expr
 from einjoin.frontend.tensor import LETTERS, Tensor, _norm_dim, einsum, elementwise
 from einjoin.ir.dtypes import kind, numpy_dtype
 from einjoin.registry import registrar
@@ -154,7 +155,34 @@ def trunc_div(a: Any, b: Any) -> Any:
     if not _is_t(a) and not _is_t(b):
         return int(a / b) if isinstance(a, int) and isinstance(b, int) else float(np.trunc(a / b))
     a, b = _unbool("div(rounding_mode='trunc')", a, b)
-    return elementwise("truncdiv", a, b, name="div")
+    q = elementwise("truncdiv", a, b, name="div")
+    if q.dtype in _HALF:  # torch rounds the quotient to the half dtype, then truncates it
+        return elementwise("truncdiv", elementwise("div", a, b), 1, name="div")
+    return q
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def floor_div(a: Any, b: Any) -> Any:
+    """``a // b`` and ``torch.div(a, b, rounding_mode="floor")``; for float16 / bfloat16 every step
+    of torch's algorithm (``mod = fmod(a, b)``, ``div = (a - mod) / b``, minus 1 where ``mod``'s
+    sign is not ``b``'s, its floor rounded to nearest) rounded to the half dtype, as torch's
+    kernel: one rounding at the end (numpy's) gave another integer for 5% of bfloat16 pairs."""
+    q = elementwise("floordiv", a, b)
+    if q.dtype not in _HALF:
+        return q
+    a, b = (x if not _is_t(x) or x.dtype == q.dtype else x.to(q.dtype) for x in (a, b))
+    if not _is_t(b):  # (the joins below read b as a tensor)
+        b = fill(a.shape, b, q.dtype)
+    mod = elementwise("fmod", a, b)
+    div = elementwise("div", elementwise("sub", a, mod), b)
+    div = elementwise_expr("where((x1 != 0) & ((x2 < 0) != (x1 < 0)), x0 - 1, x0)", div, mod, b)
+    if not _is_t(a):
+        a = fill(b.shape, a, q.dtype)
+    fl = "where(abs(x0) == inf, x0, x0 // 1)"  # floor (numpy's -inf // 1 is nan)
+    return elementwise_expr(f"where(x2 == 0, x3 / x2, where(x0 == 0, x3 / x2 * 0.0, where("
+                            f"x0 - {fl} > 0.5, {fl} + 1, {fl})))", div, mod, b, a)
 
 
 # ---------------------------------------------------------------- cummax / cummin
