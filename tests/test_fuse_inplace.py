@@ -31,8 +31,8 @@ def hits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     got: list[bool] = []
     orig = fi.Donation.__call__
 
-    def call(self: fi.Donation, values: dict[int, object]) -> np.ndarray | None:
-        r = orig(self, values)
+    def call(self: fi.Donation, values: dict[int, object], pool: object = None) -> np.ndarray | None:
+        r = orig(self, values, pool)
         got.append(r is not None)
         return r
     monkeypatch.setattr(fi.Donation, "__call__", call)

@@ -86,16 +86,20 @@ class Donation:
     # far (the donor at first), ("c", a constant) or ("a", position in reads, transpose, shape)
     steps: tuple[tuple[Callable[..., Any], tuple[tuple[Any, ...], ...]], ...]
 
-    def __call__(self, values: Mapping[int, Any]) -> np.ndarray | None:
+    def __call__(self, values: Mapping[int, Any], pool: Any = None) -> np.ndarray | None:
         """The task's block computed into the donor (``values``: its device's store), or None
-        when the donor is not a block of the planned shape and dtype that nothing else holds."""
+        when the donor is not a block of the planned shape and dtype that nothing else holds
+        (``pool``: a program's block pool, :mod:`einjoin.runtime.blockpool`, whose ``holds(a)``
+        says that it holds one more reference to ``a``, which it hands out only when unheld)."""
         x = values.get(self.value)
         if type(x) is not np.ndarray or x.shape != self.shape or x.dtype != self.dtype \
-                or not x.flags.writeable or not x.flags.c_contiguous or sys.getrefcount(x) > _ALONE:
+                or not x.flags.writeable or not x.flags.c_contiguous \
+                or sys.getrefcount(x) > _ALONE + (pool is not None and pool.holds(x)):
             return None
         owner = x.base  # a kernel's block may be a reshaped view of the array numpy returned
         if owner is not None and (type(owner) is not np.ndarray or owner.base is not None
-                                  or owner.nbytes != x.nbytes or sys.getrefcount(owner) > _VIEWED):
+                                  or owner.nbytes != x.nbytes
+                                  or sys.getrefcount(owner) > _VIEWED + (pool is not None and pool.holds(owner))):
             return None
         owner = None
         calls = []
