@@ -27,6 +27,8 @@ from einjoin.ir.evaluate import QUIET_FLOATS, quiet_floats
 from einjoin.ir.node import Node
 from einjoin.plan.execute import assemble_output, assemble_outputs, compute, from_host, to_host
 from einjoin.plan.fuse_inplace import engine_donations
+from einjoin.runtime import blockpool
+from einjoin.runtime.blockpool import engine_pool
 from einjoin.runtime.backend import RunSpec
 from einjoin.runtime.outputs import OutputSlots, output_plan
 
@@ -195,6 +197,10 @@ class LocalSession:
         self.plain_kernels = computes and not self.capped
         # elementwise kernels that may write into a dying input block (not with state: its blocks live on)
         self.donations = engine_donations(run.engine) if self.plain_kernels and self.state is None else {}
+        # large blocks written into a program's arrays kept between runs (einjoin.runtime.blockpool)
+        self.pool = engine_pool(run.engine) if blockpool.POOL_BLOCKS and self.plain_kernels \
+            and self.state is None else None
+        self.pooled = self.pool.kernels if self.pool is not None else {}
 
     def __enter__(self) -> LocalSession:
         if self._limit is not None and not self.threaded:  # threaded: the lanes hold it (_lanes_limit)
@@ -364,9 +370,13 @@ class LocalSession:
             value = None
             if fast is not None and compute is _COMPUTE and getattr(QUIET_FLOATS, "on", False):
                 into = self.donations.get(t.id)  # into a dying input block (plan.fuse_inplace)
-                value = into(store.values) if into is not None else None
+                value = into(store.values, self.pool) if into is not None else None
                 if value is None:
-                    value = fast([get(v) for v in t.reads])
+                    blocks = [get(v) for v in t.reads]
+                    pooled = self.pooled.get(t.id)  # into an array of the program's pool
+                    value = pooled(blocks) if pooled is not None else None
+                    if value is None:
+                        value = fast(blocks)
             if value is None or value.shape != shape:  # not prepared for these blocks: the general path
                 value = compute(t, get, self.feeds, self.decomps, shape, fast)
         if scratch:
