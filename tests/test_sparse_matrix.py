@@ -75,10 +75,11 @@ def test_the_local_matrix_at_a_larger_budget(problem: tuple, backend: str, devic
 
 
 @pytest.mark.xdist_group("ray")
+@pytest.mark.parametrize("engine", ["memory", "duckdb"])
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
-@given(sparse_problems(max_size=6), st.sampled_from([2, 4]), st.sampled_from(["memory", "duckdb"]))
-def test_on_ray(ray_backend, problem: tuple, devices: int, engine: str) -> None:
+@given(sparse_problems(max_size=6), st.sampled_from([2, 4]))
+def test_on_ray(ray_backend, engine: str, problem: tuple, devices: int) -> None:
     _case(problem, ray_backend, devices, engine)
 
 
