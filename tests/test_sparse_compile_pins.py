@@ -179,3 +179,17 @@ def test_pins_that_no_sparse_einsum_takes_are_refused_naming_them():
         ej.compile(dense, relational={"i"}, quiet=True)
     with pytest.raises(EinjoinError, match=r"engine='duckdb'\): these pin sparse einsums"):
         ej.compile(dense, engine="duckdb", quiet=True)
+
+
+def test_pins_follow_user_specs_and_survive_options_replace():
+    dense_a = np.where(np.random.default_rng(8).random((9, 7)) < 0.4, 2.0, 0.0)
+    a = ej.sparse("Apinspec", dense_a)
+    h = ej.input("hpinspec", (7, 4), "float64")
+    y = ej.einsum("ij,jk->ik", a, h)
+    prog = ej.compile(ej.relu(y), devices=2, specs={y.node: {"a": 1, "b": 2}}, blocks={"j": 2}, quiet=True)
+    (node,) = [n for n in prog.graph.nodes if n.kind == "sparseeinsum"]
+    assert node is not y.node and str(prog.decomps[node].spec) == "{a: 1, b: 2}"  # the user's spec, followed
+    hv = np.random.default_rng(9).normal(size=(7, 4))
+    np.testing.assert_allclose(prog.run(hpinspec=hv), np.maximum(dense_a @ hv, 0), rtol=1e-12, atol=1e-12)
+    again = prog.plan.options.replace(seed=1)  # checked again from the stored form
+    assert (again.blocks, again.relational, again.engine) == ((("j", 2),), None, None)

@@ -63,6 +63,8 @@ def check_pins(blocks: Any, relational: Any, engine: Any) -> Pins:
     """
     pairs: list[tuple[str, int]] = []
     if blocks is not None:
+        if isinstance(blocks, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in blocks):
+            blocks = dict(blocks)  # the checked form (CompileOptions.replace checks its fields again)
         if not isinstance(blocks, Mapping):
             raise EinjoinError(f"ej.compile(blocks=...): a mapping label -> block size ({{'j': 256}}), got "
                                f"{type(blocks).__name__}")
