@@ -193,3 +193,19 @@ def test_pins_follow_user_specs_and_survive_options_replace():
     np.testing.assert_allclose(prog.run(hpinspec=hv), np.maximum(dense_a @ hv, 0), rtol=1e-12, atol=1e-12)
     again = prog.plan.options.replace(seed=1)  # checked again from the stored form
     assert (again.blocks, again.relational, again.engine) == ((("j", 2),), None, None)
+
+
+def test_engine_duckdb_without_the_package_is_named_at_compile(monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_duckdb(name, *args, **kwargs):
+        if name == "duckdb":
+            raise ImportError("no duckdb here")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_duckdb)
+    a = ej.sparse("Apinnodb", np.eye(3))
+    y = ej.einsum("ij,jk->ik", a, ej.input("xpinnodb", (3, 2), "float64"))
+    with pytest.raises(EinjoinError, match=r"ej.compile\(engine='duckdb'\): engine='duckdb' needs the duckdb package"):
+        ej.compile(y, engine="duckdb", quiet=True)

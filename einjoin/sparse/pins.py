@@ -35,6 +35,7 @@ from einjoin.errors import EinjoinError, PartitionError, UnsupportedOpError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
+from einjoin.sparse.duckdb_exec import require_duckdb
 from einjoin.sparse.plan import ENGINES
 
 __all__ = ["Pins", "check_pins", "pin_graph", "pinned_lines"]
@@ -83,6 +84,8 @@ def check_pins(blocks: Any, relational: Any, engine: Any) -> Pins:
     if engine is not None and not (isinstance(engine, str) and engine in ENGINES):
         raise UnsupportedOpError(f"ej.compile(engine={engine!r:.40}): unknown engine of sparse einsums; known: "
                                  f"{', '.join(ENGINES)}")
+    if engine == "duckdb":
+        require_duckdb("ej.compile(engine='duckdb')")  # a missing package named at compile, not at the first run
     return tuple(sorted(pairs)), tuple(labels), engine
 
 
