@@ -366,10 +366,11 @@ def _lerp(a: Tensor, b: Tensor, w: Any) -> Tensor:
 def _hypot(a: Tensor, b: Tensor) -> Tensor:
     """``sqrt(a**2 + b**2)`` without overflow or underflow, as torch's (C's ``hypot``): scaled by
     ``m = max(|a|, |b|)`` (squares of float32 values beyond ~1e19 overflow to inf), inf where
-    either is infinite (even with a NaN), 0 where both are 0."""
+    either is infinite (even with a NaN), 0 where both are 0 (written as ``sqrt(x0 * x0 + x1 * x1)``,
+    whose gradient there is NaN, torch's ``grad * a / result``)."""
     from einjoin.ir.scalar import parse_join
     m = "max(abs(x0), abs(x1))"
-    expr = (f"where(abs(x0) == inf, inf, where(abs(x1) == inf, inf, where({m} == 0, 0.0, "
+    expr = (f"where(abs(x0) == inf, inf, where(abs(x1) == inf, inf, where({m} == 0, sqrt(x0 * x0 + x1 * x1), "
             f"{m} * sqrt((x0 / {m}) * (x0 / {m}) + (x1 / {m}) * (x1 / {m})))))")
     return elementwise(parse_join(expr, 2), a, b, name="hypot")
 

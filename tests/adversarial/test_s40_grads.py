@@ -76,3 +76,8 @@ def test_the_gradient_through_floor_division_is_torchs() -> None:
     _check(lambda x, y: torch.div(x, y, rounding_mode="floor") * 5 + x * y, a, b)
     with pytest.raises(ej.ExpressionError, match="floordiv has no derivative"):
         _ej_grads(_Loss(lambda x, y: torch.floor_divide(x, y) * 5 + x * y, [a, b]), a)
+
+
+def test_hypot_gradient_at_zero_is_torchs_nan() -> None:
+    # torch: grad * a / hypot(a, b), 0 / 0 at (0, 0); the overflow-safe form gave 0 there
+    _check(torch.hypot, _f64(0.0, 3.0, -0.0), _f64(0.0, 4.0, 0.0))
