@@ -2,8 +2,8 @@
 to the products equal to its maximum, split evenly among ties as torch's ``amax`` splits them, an
 absent entry's product (0) being a term too (it takes its share and passes nothing on). Checked
 against torch autograd of ``amax`` over the densified product, under forced cuts at 1, 2 and 4
-devices, for a constant and a fed sparse operand; the second derivative and the fed values'
-gradient through a max are refused naming the op.
+devices, for a constant and a fed sparse operand (and the fed operand's values, torch's gradient of
+the densified tensor at its stored entries); the second derivative is refused naming the op.
 """
 
 from __future__ import annotations
@@ -29,18 +29,19 @@ EQUATIONS = [
 ]
 
 
-def _torch_grads(eq: str, arrays: list[np.ndarray], pos: int, cot: np.ndarray) -> list[np.ndarray]:
-    """torch autograd of sum(amax(dense product) * cot) w.r.t. every operand but ``pos``."""
+def _torch_grads(eq: str, arrays: list[np.ndarray], pos: int, cot: np.ndarray):
+    """torch autograd of sum(amax(dense product) * cot): w.r.t. every operand but ``pos``, and
+    w.r.t. the densified operand ``pos``."""
     ins, out = eq.split("->")
     every = "".join(dict.fromkeys(ins.replace(",", "")))
-    ts = [torch.tensor(a, requires_grad=i != pos) for i, a in enumerate(arrays)]
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
     prod = torch.einsum(f"{ins}->{every}", *ts)
     summed = tuple(d for d, lab in enumerate(every) if lab not in out)
     res = prod.amax(dim=summed) if summed else prod
     kept = "".join(lab for lab in every if lab in out)
     res = res.permute([kept.index(lab) for lab in out]) if out else res
     (res * torch.tensor(cot)).sum().backward()
-    return [t.grad.numpy() for i, t in enumerate(ts) if i != pos]
+    return [t.grad.numpy() for i, t in enumerate(ts) if i != pos], ts[pos].grad.numpy()
 
 
 @settings(max_examples=examples(16), deadline=None)
@@ -72,15 +73,23 @@ def test_the_gradient_through_a_graphs_sparse_max_is_torchs_amax_gradient(data):
     y = ej.einsum(eq, *operands, agg="max")
     cot = rng.normal(size=y.shape)
     loss = (y * ej.input("cotmg", y.shape, "float64")).sum()
-    grads = ej.grad(loss, list(xs.values()))
+    grads = ej.grad(loss, list(xs.values()) + ([a] if fed else []))
     feeds["cotmg"] = cot
     if fed:
         feeds[name] = tensor
     arrays = [feeds[f"xmg{i}"] for i in xs]
     arrays.insert(pos, dense_a)
-    want = _torch_grads(eq, arrays, pos, cot)
-    for got, w in zip(ej.reference(list(grads), **feeds), want):
-        np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-12)
+    want, want_a = _torch_grads(eq, arrays, pos, cot)
+    if fed:  # the values' gradient: torch's dense gradient of A at its stored entries
+        want.append(np.where(dense_a != 0, want_a, 0.0))
+
+    def check(got):
+        if fed:
+            got = list(got[:-1]) + [a.on_pattern(tensor, got[-1]).todense()]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+    check(ej.reference(list(grads), **feeds))
     devices = data.draw(st.sampled_from([1, 2, 4]))
     specs = {}
     for gi, gnode in enumerate(grads):  # force cuts of every output dim of each gradient's max node
@@ -89,8 +98,7 @@ def test_the_gradient_through_a_graphs_sparse_max_is_torchs_amax_gradient(data):
             specs[node] = {"abcd"[d]: data.draw(st.integers(1, min(3, n)), label=f"cut {gi} {d}")
                            for d, n in enumerate(node.shape)}
     prog = ej.compile(list(grads), devices=devices, specs=specs, fuse=False, quiet=True)
-    for got, w in zip(prog.run(**feeds), want):
-        np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-12)
+    check(prog.run(**feeds))
 
 
 def test_a_gnn_layer_with_max_aggregation_trains_its_weights_as_torch():
@@ -121,11 +129,12 @@ def test_what_a_max_node_does_not_differentiate_is_refused_naming_it():
         ej.grad((dx * dx).sum(), [x])
     A = ej.sparse_input("Amgfed", (3, 3), nnz=4, dtype="float64")
     z = ej.einsum("ij,j->i", A, x, agg="max")
-    with pytest.raises(UnsupportedOpError, match=r"'Amgfed'.*agg='max' w.r.t. the sparse input's values"):
-        ej.grad(z.sum(), [A])
-    (dxf,) = ej.grad(z.sum(), [x])  # the dense operand's is fine
+    da, dxf = ej.grad(z.sum(), [A, x])
+    with pytest.raises(UnsupportedOpError, match=r"'Amgfed'.*maxgradvalues: the gradient of a sparse max"):
+        ej.grad((da * da).sum(), [x])
     fed = ej.sparse("Amgfed", np.diag([1.0, 2.0, 3.0]))
-    got = ej.compile(dxf, quiet=True).run(Amgfed=fed, xmgref=np.array([1.0, -1.0, 2.0]))
+    got_a, got_x = ej.compile([da, dxf], quiet=True).run(Amgfed=fed, xmgref=np.array([1.0, -1.0, 2.0]))
     # row 1's max is 0, its two absent entries' (its stored product -2 loses): they take the cotangent and
-    # pass nothing on; rows 0 and 2 their diagonal's product
-    np.testing.assert_array_equal(got, [1.0, 0.0, 3.0])
+    # pass nothing on; rows 0 and 2 their diagonal's product; the fourth (unused) values row gets 0
+    np.testing.assert_array_equal(got_x, [1.0, 0.0, 3.0])
+    np.testing.assert_array_equal(got_a, [1.0, 0.0, 2.0, 0.0])

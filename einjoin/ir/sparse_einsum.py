@@ -59,6 +59,10 @@ AGGS = ("sum", "max")  # a graph's sparse einsum: the sum of the products, or th
 # of operand 1 (dense; its labels are the node's output): each output's cotangent to its maximal
 # terms, split evenly among ties (torch's amax), the densified operand's zeros terms too
 MAX_GRAD = "maxgrad"
+# the same for a fed sparse operand's values (operand 1 is the sparse one, and a last dense operand,
+# the values input labelled by the entry, gives the result its shape): per stored entry (a row of
+# the keys input) its products' cotangents summed, unused rows 0
+MAX_GRAD_VALUES = "maxgradvalues"
 
 
 def _what(eq: str, operand: SparseOperand) -> str:
@@ -80,7 +84,7 @@ def sparse_einsum_node(operand: SparseOperand, position: int, inputs: Sequence[N
 
     ``agg``: ``"sum"`` or ``"max"`` (the largest product, an absent entry's being 0)."""
     inputs = tuple(inputs)
-    if agg not in AGGS + (MAX_GRAD,):
+    if agg not in AGGS + (MAX_GRAD, MAX_GRAD_VALUES):
         raise UnsupportedOpError(f"sparse_einsum (sparse operand {operand.name!r} {list(operand.shape)}): "
                                  f"aggregation {agg!r}; a graph's sparse einsum takes {' or '.join(AGGS)}")
     if pattern:
@@ -203,6 +207,12 @@ def sparse_reference(node: Node, op: SparseEinsum, args: Sequence[np.ndarray]) -
         out = _max_reference(op, work)
     elif op.agg == MAX_GRAD:
         out = _max_grad_reference(op, work)
+    elif op.agg == MAX_GRAD_VALUES:  # the sparse operand's dense gradient at the fed keys
+        full = _max_grad_reference(op, work[:-1])
+        keys = np.asarray(args[n])
+        used = keys[:, 0] >= 0
+        out = np.zeros(len(keys), full.dtype)
+        out[used] = full[tuple(keys[used].T)]
     else:
         out = np.einsum(op.equation, *work)
     return np.asarray(out).astype(numpy_dtype(node.dtype), copy=False)
@@ -244,7 +254,7 @@ def _max_grad_reference(op: SparseEinsum, work: Sequence[np.ndarray]) -> np.ndar
     split evenly among the products equal to its maximum (the densified operand's zeros are
     products too: torch's amax of the dense product), times the other forward operands, summed
     onto operand 1's labels."""
-    out, fwd = op.in_labels[0], op.in_labels[1:]
+    out, fwd = op.in_labels[0], op.in_labels[1:len(work)]
     every = tuple(dict.fromkeys(lab for ls in fwd for lab in ls))
     prod = np.einsum(",".join("".join(ls) for ls in fwd) + "->" + "".join(every), *work[1:])
     axes = tuple(d for d, lab in enumerate(every) if lab not in out)
@@ -264,7 +274,7 @@ def _cuttable(op: SparseEinsum) -> set[str]:
     """The output labels a kernel may compute on its own blocks: every one for a sum or max (each
     output element reads its own terms); for a :data:`MAX_GRAD` node only the forward's output
     labels (a label its max runs over couples every term of an output: ties and the maximum)."""
-    return set(op.out_labels) if op.agg != MAX_GRAD else set(op.in_labels[0])
+    return set(op.out_labels) if op.agg in AGGS else set(op.in_labels[0])
 
 
 def dense_follows(node: Node) -> tuple[tuple[int, ...], ...]:
@@ -388,10 +398,6 @@ def _max_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | N
     op = node.op
     assert isinstance(op, SparseEinsum)
     dense_in, pattern = fed_parts(node)
-    if pattern and wanted[-1]:
-        raise UnsupportedOpError(f"the gradient of {_what(op.equation, op.operand)} with agg='max' w.r.t. the sparse "
-                                 f"input's values inside a graph is not supported (ej.grad); its dense operands' "
-                                 f"is, and ej.sparse_compile(..., agg='max')'s plan.vjp gives the values'")
     out: list[Node | None] = []
     for k, (x, labels) in enumerate(zip(dense_in, op.dense_labels)):
         if not wanted[k]:
@@ -405,9 +411,24 @@ def _max_adjoints(node: Node, g: Node, wanted: Sequence[bool]) -> tuple[Node | N
         grad = sparse_einsum_node(op.operand, 1 + order.index(op.position), dense, in_labels=in_labels,
                                   out_labels=labels, pattern=pattern, agg=MAX_GRAD)
         out.append(grad if grad.dtype == x.dtype else ops.cast_node(grad, x.dtype))
-    if pattern:
-        out += [None, None]
+    if pattern:  # a fed operand: its keys (int) get none, its values their products' share
+        out.append(None)
+        out.append(_max_values_adjoint(node, g) if wanted[-1] else None)
     return tuple(out)
+
+
+def _max_values_adjoint(node: Node, g: Node) -> Node:
+    """The cotangent of a fed sparse operand's values through a max: a :data:`MAX_GRAD_VALUES`
+    node (the cotangent, the sparse operand, the dense ones, and the values input labelled by a
+    fresh entry label, whose extent is the result's), cast to the values' dtype."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    dense_in, (keys, values) = fed_parts(node)
+    e = _fresh_label({lab for ls in op.in_labels for lab in ls} | set(op.out_labels))
+    in_labels = [op.out_labels, op.in_labels[op.position], *op.dense_labels, (e,)]
+    grad = sparse_einsum_node(op.operand, 1, [g, *dense_in, values], in_labels=in_labels, out_labels=(e,),
+                              pattern=(keys, values), agg=MAX_GRAD_VALUES)
+    return grad if grad.dtype == values.dtype else ops.cast_node(grad, values.dtype)
 
 
 def _fresh_label(used: set[str]) -> str:

@@ -55,7 +55,7 @@ class PlanCache:
         the tensor (:func:`meeting`), which gets a plan of its own, so that kernels of one node on
         several devices run at once (a plan runs under its lock) and keep their own patterns."""
         arrays = [np.asarray(a.astype(np.float32) if is_half(a.dtype) else a, order="C") for a in dense]
-        if op.agg == "maxgrad":  # a max node's adjoint: no plan, its products at the stored entries
+        if op.agg in ("maxgrad", "maxgradvalues"):  # a max node's adjoint: no plan, its products at the entries
             return _max_grad(op, arrays, tensor).astype(numpy_dtype(dtype), copy=False)
         key = (op.in_labels, op.out_labels, op.position, op.agg, tuple((a.shape, a.dtype.str) for a in arrays),
                part)
@@ -83,10 +83,33 @@ def _max_grad(op: SparseEinsum, arrays: list[np.ndarray], tensor: SparseTensor) 
     values: list[Any] = list(arrays)
     values.insert(op.position, tensor)
     sizes = {lab: n for ls, v in zip(op.in_labels, values) for lab, n in zip(ls, v.shape)}
-    dtype = np.result_type(*(np.dtype(v.dtype) for v in values[1:]))
-    (grad,) = max_grads(values[1:], op.in_labels[1:], op.in_labels[0], sizes, dtype, values[0], [0],
+    fwd = len(values) - (op.agg == "maxgradvalues")  # that one's last operand only gives the entries' count
+    dtype = np.result_type(*(np.dtype(v.dtype) for v in values[1:fwd]))
+    (grad,) = max_grads(values[1:fwd], op.in_labels[1:fwd], op.in_labels[0], sizes, dtype, values[0], [0],
                         f"the gradient of sparse_einsum {op.equation!r} (agg='max')")
-    return np.asarray(grad)
+    if op.agg == "maxgrad":
+        return np.asarray(grad)
+    # a fed operand's values: the run's tensor holds the used rows of the keys input in their order
+    # (sorted, unique: the feed hook wrote them so), its gradient the same entries, perhaps reordered
+    assert isinstance(grad, SparseTensor)
+    out = np.zeros(len(values[-1]), dtype)
+    rows = _rows(tensor, grad)
+    out[rows] = np.asarray(grad.coo()[1])
+    return out
+
+
+def _rows(tensor: SparseTensor, part: SparseTensor) -> np.ndarray:
+    """The positions in ``tensor``'s stored entries of ``part``'s (a subset), by key code."""
+    dims = np.asarray(tensor.shape, np.int64)
+
+    def codes(t: SparseTensor) -> np.ndarray:
+        c = np.zeros(t.nnz, np.int64)
+        for d, coord in enumerate(np.asarray(t.coo()[0], np.int64).reshape(-1, len(dims)).T):
+            c = c * dims[d] + coord
+        return c
+    mine = codes(tensor)
+    order = np.argsort(mine, kind="stable")
+    return np.asarray(order[np.searchsorted(mine[order], codes(part))])
 
 
 def meeting(t: SparseTensor, box: tuple[tuple[int, int] | None, ...]) -> SparseTensor:
