@@ -209,3 +209,26 @@ def test_engine_duckdb_without_the_package_is_named_at_compile(monkeypatch):
     y = ej.einsum("ij,jk->ik", a, ej.input("xpinnodb", (3, 2), "float64"))
     with pytest.raises(EinjoinError, match=r"ej.compile\(engine='duckdb'\): engine='duckdb' needs the duckdb package"):
         ej.compile(y, engine="duckdb", quiet=True)
+
+
+def test_an_imported_modules_sparse_product_takes_the_pins():
+    import torch
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 3)
+
+        def forward(self, adj, x):
+            return torch.relu(torch.sparse.mm(adj, self.lin(x)))
+
+    torch.manual_seed(0)
+    edges = torch.randint(0, 30, (2, 90))
+    adj = torch.sparse_coo_tensor(edges, torch.rand(90), (30, 30)).coalesce()
+    x, layer = torch.randn(30, 6), Layer()
+    prog = ej.compile(ej.from_torch(layer, (adj, x)), blocks={"j": 4}, relational={"i"}, quiet=True)
+    np.testing.assert_allclose(prog.run(adj, x), layer(adj, x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    ran = _plans(prog)
+    assert ran
+    for p in ran:
+        _layout_keeps(p, {"j": 4}, {"i"})
