@@ -232,14 +232,15 @@ class Trainer:
     device (``ej.compile``'s ``memory_limit``). ``leave_idle``: on local devices without caps,
     each step is planned on only as many of them as pay (``ej.compile``'s ``leave_idle``; the
     parameters and optimizer state live on those, ``trainer.program.explain()`` names the idle
-    ones); off by default: every device given is used. ``example_batch`` fixes the first
+    ones); on by default (a small model's step on two threads of one process spent a quarter
+    of its time waiting: ``leave_idle=False`` uses every device given). ``example_batch`` fixes the first
     program's shapes and the batch's dtypes. The module itself is not changed: read the trained
     weights with :meth:`state_dict`. See the module docstring for the semantics and an example."""
 
     def __init__(self, module: Any, example_batch: Sequence[Any], loss_fn: Callable[..., Any],
                  optimizer: Any = None, devices: Any = 4, memory: Any = None, planner: Any = "auto",
                  backend: Any = "threads", *, accumulate: int = 1, seed: int = 0, quiet: bool = True,
-                 leave_idle: bool = False):
+                 leave_idle: bool = True):
         import torch
         if not isinstance(module, torch.nn.Module):
             raise EinjoinError(f"Trainer: expected a torch.nn.Module, got {type(module).__name__}")
@@ -275,9 +276,12 @@ class Trainer:
         if not isinstance(leave_idle, (bool, np.bool_)):
             raise EinjoinError(f"Trainer: leave_idle must be True or False, got {leave_idle!r:.40}")
         # leave_idle: a small model's step on only as many local devices as pay (ej.compile's
-        # leave_idle; the state lives on those). Off by default, as ej.compile's: on a 2-core box
-        # a lone device's kernels measured slower than two devices' (issue 19), and the overhead
-        # model is not calibrated yet; the devices given are the devices used
+        # leave_idle; the state lives on those). On by default, unlike ej.compile's: a small
+        # step's lanes wait on each other and on the interpreter (the small LLaMA's two lanes on
+        # two cores: ~30 ms of CPU each in a ~45 ms step), and its one-device plan, whose kernels
+        # get both cores, measured faster (bench/train.py: 37 vs 49 ms quiet, issue 22; issue 19
+        # session 40, loaded box at high priority: 37-60 vs 51-71 ms); the MLP, whose matmuls
+        # use both cores either way, within 5%
         self._options = dict(devices=devices, memory_limit=memory, planner=planner, backend=backend, quiet=quiet,
                              leave_idle=bool(leave_idle))
         self._wrapper = _with_loss(module, loss_fn)
