@@ -138,3 +138,22 @@ def test_what_a_max_node_does_not_differentiate_is_refused_naming_it():
     # pass nothing on; rows 0 and 2 their diagonal's product; the fourth (unused) values row gets 0
     np.testing.assert_array_equal(got_x, [1.0, 0.0, 3.0])
     np.testing.assert_array_equal(got_a, [1.0, 0.0, 2.0, 0.0])
+
+
+def test_a_fed_operands_values_gradient_through_a_max_is_the_eager_vjps():
+    # grad_max's example: row 0's max per feature is 2 * h[1] (its absent entry's 0 loses), row 1's
+    # 3 * h[0, 0] and -1 * h[1, 1]; the values' gradient is each entry's winning features' h, summed
+    dense_a = np.array([[0.0, 2.0], [3.0, -1.0]])
+    hv = np.array([[1.0, -2.0], [4.0, 1.0]])
+    A = ej.sparse_input("Amgvj", (2, 2), nnz=4, dtype="float64")
+    h = ej.param("hmgvj", (2, 2), "float64")
+    da, dh = ej.grad(ej.einsum("ij,jk->ik", A, h, agg="max").sum(), [A, h])
+    fed = ej.sparse("Amgvj", dense_a)
+    plan = ej.sparse_compile("ij,jk->ik", fed, hv, agg="max")
+    plan.run()
+    want_a, want_h = plan.vjp(np.ones((2, 2)))
+    for got in (ej.reference([da, dh], Amgvj=fed, hmgvj=hv),
+                ej.compile([da, dh], devices=2, quiet=True).run(Amgvj=fed, hmgvj=hv)):
+        np.testing.assert_array_equal(got[0], [5.0, 1.0, 1.0, 0.0])  # the fed pattern's rows, one unused
+        np.testing.assert_array_equal(A.on_pattern(fed, got[0]).todense(), want_a.todense())
+        np.testing.assert_array_equal(got[1], want_h)

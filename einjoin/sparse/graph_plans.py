@@ -82,8 +82,9 @@ def _max_grad(op: SparseEinsum, arrays: list[np.ndarray], tensor: SparseTensor) 
     (dense): :func:`einjoin.sparse.grad_max.max_grads` on them, ties split as torch's amax."""
     values: list[Any] = list(arrays)
     values.insert(op.position, tensor)
-    sizes = {lab: n for ls, v in zip(op.in_labels, values) for lab, n in zip(ls, v.shape)}
     fwd = len(values) - (op.agg == "maxgradvalues")  # that one's last operand only gives the entries' count
+    # the forward's labels only (the entry label is no term of the max: it would count as absent ones)
+    sizes = {lab: n for ls, v in zip(op.in_labels[:fwd], values[:fwd]) for lab, n in zip(ls, v.shape)}
     dtype = np.result_type(*(np.dtype(v.dtype) for v in values[1:fwd]))
     (grad,) = max_grads(values[1:fwd], op.in_labels[1:fwd], op.in_labels[0], sizes, dtype, values[0], [0],
                         f"the gradient of sparse_einsum {op.equation!r} (agg='max')")
