@@ -116,7 +116,7 @@ def assert_matches(trainer: ej.Trainer, losses: list[float], want: list[float], 
 def test_mlp_matches_torch(opt: Any) -> None:
     module, batches = mlp_task(10)
     ours, theirs = opt()
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, backend="threads")
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, leave_idle=False, backend="threads")
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, mse, theirs)
     assert_matches(trainer, losses, want, ref)
@@ -126,7 +126,8 @@ def test_mlp_matches_torch(opt: Any) -> None:
 def test_llama_matches_torch_adamw() -> None:
     module, batches = llama_task(10, layers=2)  # the issue's model: 2 layers, 10 steps, 2 threads devices
     ours, theirs = adamw(1e-3)
-    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, backend="threads")
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2,
+                         leave_idle=False, backend="threads")
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, next_token_loss, theirs)
     assert_matches(trainer, losses, want, ref)
@@ -145,7 +146,7 @@ def test_matches_torch_50_steps(model: str, devices: int) -> None:
     module, batches = llama_task(50, layers=2) if model == "llama" else mlp_task(50)
     loss_fn = next_token_loss if model == "llama" else mse
     ours, theirs = adamw(1e-3)
-    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=devices)
+    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=devices, leave_idle=False)
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, loss_fn, theirs)
     np.testing.assert_allclose(losses[:10], want[:10], rtol=1e-4)
@@ -156,10 +157,10 @@ def test_matches_torch_50_steps(model: str, devices: int) -> None:
 def test_matches_torch_under_memory_cap() -> None:
     module, batches = llama_task(10, layers=2)
     ours, theirs = adamw(1e-3)
-    free = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2)
+    free = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, leave_idle=False)
     working = max(free.program.stats.peak_bytes_per_device.values())
     cap = working // 2
-    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, memory=cap)
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, leave_idle=False, memory=cap)
     losses = [trainer.step(*b) for b in batches]
     assert max(trainer.program.run_stats.peak_bytes_per_device.values()) <= cap
     want, ref = torch_run(module, batches, next_token_loss, theirs)
@@ -175,7 +176,7 @@ def test_matches_torch_on_ray(model: str, ray_session) -> None:  # type: ignore[
     module, batches = llama_task(10, layers=2) if model == "llama" else mlp_task(10)
     loss_fn = next_token_loss if model == "llama" else mse
     ours, theirs = adamw(1e-3)
-    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=2, backend="ray")
+    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ours, devices=2, leave_idle=False, backend="ray")
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, loss_fn, theirs)
     assert_matches(trainer, losses, want, ref)
@@ -190,7 +191,7 @@ def test_after_the_first_step_only_the_batch_is_loaded(model: str) -> None:
     # the devices: a step after the first loads the batch and the learning rate
     module, batches = llama_task(3) if model == "llama" else mlp_task(3)
     loss_fn = next_token_loss if model == "llama" else mse
-    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ej.optim.AdamW(lr=1e-3), devices=2)
+    trainer = ej.Trainer(module, batches[0], loss_fn, optimizer=ej.optim.AdamW(lr=1e-3), devices=2, leave_idle=False)
     first = trainer.step(*batches[0])
     assert trainer.program.run_stats.bytes_loaded > trainer.program.stats.bytes_loaded // 2
     trainer.step(*batches[1])
@@ -209,7 +210,8 @@ def test_after_the_first_step_only_the_batch_is_loaded(model: str) -> None:
 
 def test_state_dict_round_trip() -> None:
     module, batches = llama_task(3)
-    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2,
+                         leave_idle=False)
     for b in batches:
         trainer.step(*b)
     sd = trainer.state_dict()
@@ -221,7 +223,7 @@ def test_state_dict_round_trip() -> None:
         want = next_token_loss(fresh(batches[0][0]), batches[0][1]).item()
     assert trainer.evaluate(*batches[0]) == pytest.approx(want, rel=1e-5)
     # and back: a trainer loading another module's weights continues from them
-    other = ej.Trainer(fresh, batches[0], next_token_loss, optimizer=ej.optim.SGD(lr=0.0), devices=2)
+    other = ej.Trainer(fresh, batches[0], next_token_loss, optimizer=ej.optim.SGD(lr=0.0), devices=2, leave_idle=False)
     other.load_state_dict(module.state_dict())
     with torch.no_grad():
         want0 = next_token_loss(module(batches[1][0]), batches[1][1]).item()
@@ -255,7 +257,7 @@ def test_tied_weights_are_one_parameter() -> None:
     batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g))
                for _ in range(5)]
     ours, theirs = adamw(1e-2)
-    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2)
+    trainer = ej.Trainer(module, batches[0], next_token_loss, optimizer=ours, devices=2, leave_idle=False)
     assert trainer.parameter_names == ("emb.weight", "mix.weight", "mix.bias")
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, next_token_loss, theirs)
@@ -267,19 +269,20 @@ def test_tied_weights_are_one_parameter() -> None:
 def test_save_and_load_in_process(tmp_path: pathlib.Path) -> None:
     module, batches = mlp_task(6)
     opt = ej.optim.AdamW(lr=1e-2, weight_decay=0.05)
-    straight = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    straight = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2, leave_idle=False)
     want = [straight.step(*b) for b in batches]
-    first = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    first = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2, leave_idle=False)
     for b in batches[:3]:
         first.step(*b)
     first.lr = 1e-2  # the saved learning rate comes back
     first.save(tmp_path / "run.safetensors")
-    resumed = ej.Trainer.load(tmp_path / "run.safetensors", module, batches[0], mse, devices=2)
+    resumed = ej.Trainer.load(tmp_path / "run.safetensors", module, batches[0], mse, devices=2, leave_idle=False)
     assert type(resumed.optimizer).__name__ == "AdamW" and resumed.optimizer.weight_decay == 0.05
     assert resumed.steps == 3
     assert [resumed.step(*b) for b in batches[3:]] == want[3:]
     with pytest.raises(ej.EinjoinError, match="saved with AdamW"):
-        ej.Trainer.load(tmp_path / "run.safetensors", module, batches[0], mse, ej.optim.SGD(lr=0.1), devices=2)
+        ej.Trainer.load(tmp_path / "run.safetensors", module, batches[0], mse, ej.optim.SGD(lr=0.1), devices=2,
+                        leave_idle=False)
 
 
 RESUME = textwrap.dedent("""
@@ -288,7 +291,7 @@ RESUME = textwrap.dedent("""
     import einjoin as ej
     from test_trainer import mlp_task, mse
     module, batches = mlp_task(30)
-    trainer = ej.Trainer.load({path!r}, module, batches[0], mse, devices=2)
+    trainer = ej.Trainer.load({path!r}, module, batches[0], mse, devices=2, leave_idle=False)
     print(json.dumps([trainer.step(*b) for b in batches[20:]]))
 """)
 
@@ -296,9 +299,9 @@ RESUME = textwrap.dedent("""
 def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: pathlib.Path) -> None:
     module, batches = mlp_task(30)
     opt = ej.optim.AdamW(lr=1e-2)
-    straight = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    straight = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2, leave_idle=False)
     want = [straight.step(*b) for b in batches]
-    first = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2)
+    first = ej.Trainer(module, batches[0], mse, optimizer=opt, devices=2, leave_idle=False)
     for b in batches[:20]:
         first.step(*b)
     path = tmp_path / "run.safetensors"
@@ -317,17 +320,17 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: pathlib.Path) -> N
 def test_accumulate_updates_with_the_mean_gradient(tmp_path: pathlib.Path) -> None:
     module, batches = mlp_task(8, batch=8)
     ours, theirs = adamw(1e-2)
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, accumulate=4)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, leave_idle=False, accumulate=4)
     losses = [trainer.step(*b) for b in batches]
     assert trainer.steps == 2 and trainer.micro_steps == 8
     want, ref = torch_run(module, batches, mse, theirs, accumulate=4)
     assert_matches(trainer, losses, want, ref)
     # saved in the middle of an accumulation (the gradient sums are state too), resumed exactly
-    first = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, accumulate=4)
+    first = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, leave_idle=False, accumulate=4)
     for b in batches[:6]:
         first.step(*b)
     first.save(tmp_path / "mid.safetensors")
-    resumed = ej.Trainer.load(tmp_path / "mid.safetensors", module, batches[0], mse, devices=2)
+    resumed = ej.Trainer.load(tmp_path / "mid.safetensors", module, batches[0], mse, devices=2, leave_idle=False)
     assert resumed.accumulate == 4 and (resumed.steps, resumed.micro_steps) == (1, 6)
     assert [resumed.step(*b) for b in batches[6:]] == losses[6:]
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), trainer.state_dict().values()))
@@ -337,7 +340,7 @@ def test_lr_changes_without_replanning() -> None:
     module, batches = mlp_task(8)
     ours, theirs = sgd(0.05)
     lrs = [0.05, 0.05, 0.02, 0.02, 0.01, 0.0, 0.1, 0.1]
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, leave_idle=False)
     prog = trainer.program
     losses = []
     for lr, b in zip(lrs, batches):
@@ -356,7 +359,7 @@ def test_a_batch_of_another_shape_compiles_once(caplog) -> None:  # type: ignore
     mixed = [batches[0], small[0], batches[1], small[1], small[2], batches[2]]
     ours, theirs = adamw(1e-2)
     with caplog.at_level(logging.INFO, logger="einjoin.trainer"):
-        trainer = ej.Trainer(module, mixed[0], mse, optimizer=ours, devices=2)
+        trainer = ej.Trainer(module, mixed[0], mse, optimizer=ours, devices=2, leave_idle=False)
         losses = [trainer.step(*b) for b in mixed]
     compiled = [r for r in caplog.records if "compiling the training step" in r.getMessage()]
     assert len(compiled) == 2 and "[4, 32]" in compiled[1].getMessage()
@@ -372,10 +375,11 @@ def test_dropout_draws_from_a_seeded_generator() -> None:
     _, batches = mlp_task(4, dim=16)
     runs = []
     for seed in (0, 0, 1):
-        trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.0), devices=2, seed=seed)
+        trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.0), devices=2,
+                             leave_idle=False, seed=seed)
         runs.append([trainer.step(*b) for b in batches])
     assert runs[0] == runs[1] and runs[0] != runs[2]
-    same = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.0), devices=2)
+    same = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.0), devices=2, leave_idle=False)
     assert len({same.step(*batches[0]) for _ in range(3)}) == 3  # a new mask each step
     module.eval()
     with torch.no_grad():
@@ -389,7 +393,7 @@ def test_dropout_draws_from_a_seeded_generator() -> None:
 def test_errors() -> None:
     module, batches = mlp_task(1)
     x, y = batches[0]
-    trainer = ej.Trainer(module, (x, y), mse, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    trainer = ej.Trainer(module, (x, y), mse, optimizer=ej.optim.SGD(lr=0.1), devices=2, leave_idle=False)
     with pytest.raises(ej.EinjoinError, match="the batch has 1 tensor"):
         trainer.step(x)
     with pytest.raises(ej.DTypeError, match="the target is float64 but the example batch's was float32"):
@@ -421,7 +425,7 @@ def test_errors() -> None:
 def test_load_state_dict_as_torch() -> None:
     # dtypes converted and strict=False as module.load_state_dict does
     module, batches = mlp_task(1)
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.1), devices=2, leave_idle=False)
     other, _ = mlp_task(1, seed=7)
     sd64 = {k: v.double() for k, v in other.state_dict().items()}
     assert trainer.load_state_dict(sd64) == ([], [])
@@ -448,7 +452,8 @@ def test_a_parameter_the_loss_never_reads_is_left_alone() -> None:
     module = Spare()
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(3)]
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.AdamW(lr=0.1, weight_decay=0.5), devices=2)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.AdamW(lr=0.1, weight_decay=0.5), devices=2,
+                         leave_idle=False)
     assert trainer.parameter_names == ("used.weight", "used.bias")
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, mse, lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5,
@@ -463,7 +468,7 @@ def test_bfloat16_module_trains_like_torch() -> None:
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(8, 8, generator=g).bfloat16(), torch.randn(8, 4, generator=g).bfloat16())
                for _ in range(3)]
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ej.optim.SGD(lr=0.1), devices=2, leave_idle=False)
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, mse, lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False))
     np.testing.assert_allclose(losses, want, rtol=1e-2)
@@ -478,7 +483,7 @@ def test_frozen_parameters_stay_as_they_are(tmp_path: pathlib.Path) -> None:
     module, batches = mlp_task(4)
     module.ups[0].requires_grad_(False)
     ours, theirs = adamw(1e-2)
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=2, leave_idle=False)
     assert "ups.0.weight" not in trainer.parameter_names and "ups.1.weight" in trainer.parameter_names
     losses = [trainer.step(*b) for b in batches]
     want, ref = torch_run(module, batches, mse, lambda ps: theirs(p for p in ps if p.requires_grad))
@@ -488,7 +493,7 @@ def test_frozen_parameters_stay_as_they_are(tmp_path: pathlib.Path) -> None:
     from safetensors.numpy import save_file
     save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ej.EinjoinError, match="not a saved einjoin Trainer"):
-        ej.Trainer.load(tmp_path / "other.safetensors", module, batches[0], mse, devices=2)
+        ej.Trainer.load(tmp_path / "other.safetensors", module, batches[0], mse, devices=2, leave_idle=False)
 
 
 def _bn_net() -> torch.nn.Module:
@@ -509,7 +514,7 @@ def test_batch_norm_running_statistics_move_as_torchs(devices: int, accumulate: 
     batches.append((torch.randn(6, 3, 8, 8, generator=g), torch.tensor([0, 1, 2, 0, 1, 2])))
     m = _bn_net()
     ref = copy.deepcopy(m)
-    tr = ej.Trainer(m, batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=devices,
+    tr = ej.Trainer(m, batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=devices, leave_idle=False,
                     accumulate=accumulate)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for i, (x, t) in enumerate(batches):
@@ -531,20 +536,22 @@ def test_batch_norm_running_statistics_move_as_torchs(devices: int, accumulate: 
             return
         tr.save(tmp_path / "bn.safetensors")
         again = ej.Trainer.load(tmp_path / "bn.safetensors", _bn_net(), batches[0], TF.cross_entropy,
-                                devices=devices, accumulate=accumulate)
+                                devices=devices, leave_idle=False, accumulate=accumulate)
         assert all(torch.equal(again.state_dict()[k], v) for k, v in tr.state_dict().items())
-        fresh = ej.Trainer(_bn_net(), batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=devices)
+        fresh = ej.Trainer(_bn_net(), batches[0], TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=devices,
+                           leave_idle=False)
         fresh.load_state_dict(ref.state_dict())
         x, t = batches[1]
         assert abs(fresh.evaluate(x, t) - float(TF.cross_entropy(ref(x), t))) < 1e-5
 
 
 def test_leave_idle_matches_torch_and_resumes_bit_identically(tmp_path: pathlib.Path) -> None:
-    # a step with state (weights, AdamW moments) planned on as many of the 4 devices as pay: the
-    # state lives on the devices kept; save / load go by names, and a resumed Trainer plans the same
+    # a step with state (weights, AdamW moments) planned on as many of the 4 devices as pay (the
+    # Trainer's default): the state lives on the devices kept; save / load go by names, and a
+    # resumed Trainer plans the same
     module, batches = mlp_task(6)
     ours, theirs = adamw()
-    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=4, leave_idle=True)
+    trainer = ej.Trainer(module, batches[0], mse, optimizer=ours, devices=4)
     prog = trainer.program
     assert prog.cluster.size < 4 and prog.plan.given is not None and prog.plan.given.size == 4
     idle = 4 - prog.cluster.size
