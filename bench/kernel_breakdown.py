@@ -44,7 +44,7 @@ from train import llama_case  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 3 warm-up steps)")
-    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--devices", type=int, default=2, help="devices the step runs on (every one: leave_idle=False)")
     ap.add_argument("--top", type=int, default=25, help="rows of the per-equation table")
     args = ap.parse_args()
 
@@ -96,7 +96,7 @@ def main() -> None:
     try:
         _, module, batches, loss_fn = llama_case()
         tr = ej.Trainer(module, batches[0], loss_fn, optimizer=ej.optim.AdamW(lr=1e-3),
-                        devices=ej.local(args.devices), backend="threads")
+                        devices=ej.local(args.devices), backend="threads", leave_idle=False)
         for i in range(3):
             tr.step(*batches[i % len(batches)])
         on[0] = "time"
