@@ -44,7 +44,7 @@ def _torch_grads(eq: str, arrays: list[np.ndarray], pos: int, cot: np.ndarray):
     return [t.grad.numpy() for i, t in enumerate(ts) if i != pos], ts[pos].grad.numpy()
 
 
-@settings(max_examples=examples(16), deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(data=st.data())
 def test_the_gradient_through_a_graphs_sparse_max_is_torchs_amax_gradient(data):
     eq = data.draw(st.sampled_from(EQUATIONS))
