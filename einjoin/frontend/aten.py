@@ -213,6 +213,16 @@ def _clamp(x: Tensor, min: Any = None, max: Any = None) -> Tensor:
     return F.where(keep, carry(x), y)
 
 
+@op("clamp_min", "clamp_min_")
+def _clamp_min(x: Tensor, m: Any) -> Tensor:
+    return _clamp(x, min=m)  # clamp's gradient: the whole of it to x at x == m (max's split it)
+
+
+@op("clamp_max", "clamp_max_")
+def _clamp_max(x: Tensor, m: Any) -> Tensor:
+    return _clamp(x, max=m)
+
+
 # ------------------------------------------------------------------ contractions
 
 

@@ -222,16 +222,6 @@ def _addcdiv(x: Tensor, a: Tensor, b: Tensor, *, value: Any = 1) -> Tensor:
     return x + a / b * value if value != 1 else x + a / b
 
 
-@op("clamp_min", "clamp_min_")
-def _clamp_min(x: Tensor, m: Any) -> Tensor:
-    return elementwise("max", x, m, name="clamp_min")
-
-
-@op("clamp_max", "clamp_max_")
-def _clamp_max(x: Tensor, m: Any) -> Tensor:
-    return elementwise("min", x, m, name="clamp_max")
-
-
 @op("softmin")
 def _softmin(x: Tensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> Tensor:
     from einjoin.frontend.composites import softmax

@@ -81,3 +81,13 @@ def test_the_gradient_through_floor_division_is_torchs() -> None:
 def test_hypot_gradient_at_zero_is_torchs_nan() -> None:
     # torch: grad * a / hypot(a, b), 0 / 0 at (0, 0); the overflow-safe form gave 0 there
     _check(torch.hypot, _f64(0.0, 3.0, -0.0), _f64(0.0, 4.0, 0.0))
+
+
+@pytest.mark.parametrize("f", [
+    lambda a, b: torch.clamp_min(a, b), lambda a, b: torch.clamp_max(a, b),
+    lambda a, b: torch.clamp_min(a, 0.5) * b, lambda a, b: a.clamp_max(0.5) * b,
+], ids=["min_t", "max_t", "min", "max"])
+def test_clamp_min_max_at_the_bound_give_x_the_gradient(f: Callable[..., Any]) -> None:
+    # torch's clamp_min / clamp_max pass the whole gradient to x where x equals the bound; they were
+    # maximum / minimum, whose tie rule gives each half
+    _check(f, _f64(0.5, 0.5, 2.0, float("nan"), -0.0), _f64(0.5, 1.0, 1.0, 1.0, 0.0))
