@@ -152,3 +152,16 @@ def test_a_view_or_a_holder_of_a_pooled_array_keeps_it_from_the_next_taker():
     assert not np.shares_memory(c, np.asarray(memory)) and c is not b
     del memory, c
     assert pool.empty((64, 64), np.float32) is not b and pool.reused == 1  # a again (b is held)
+
+
+def test_close_drops_the_pool_and_later_runs_still_agree(pool_all):
+    a, b, c = ej.input("bpx_a", (512, 64)), ej.input("bpx_b", (64, 384)), ej.input("bpx_c", (384, 32))
+    prog = ej.compile(a @ b @ c, devices=2, backend="threads", quiet=True)
+    f = _feeds(np.random.default_rng(5), ("bpx_a", "bpx_b", "bpx_c"), ((512, 64), (64, 384), (384, 32)))
+    want = ej.reference(a @ b @ c, **f)
+    np.testing.assert_array_equal(prog.run(**f), want)
+    engine = prog._engine
+    assert _pool(prog).nbytes > 0
+    prog.close()
+    assert engine not in blockpool._POOLS
+    np.testing.assert_array_equal(prog.run(**f), want)

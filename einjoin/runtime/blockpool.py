@@ -53,7 +53,7 @@ from einjoin.ir.node import Node, rule_for
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.outputs import _matmul_into
 
-__all__ = ["POOL_BLOCKS", "POOL_MIN_BYTES", "POOL_MAX_BYTES", "BlockPool", "EnginePool", "engine_pool"]
+__all__ = ["POOL_BLOCKS", "POOL_MIN_BYTES", "POOL_MAX_BYTES", "BlockPool", "EnginePool", "engine_pool", "release"]
 
 # whether the local sessions use a program's pool (False: every block is numpy's own)
 POOL_BLOCKS = True
@@ -156,6 +156,13 @@ def engine_pool(engine: Any) -> EnginePool:
             if got is None:
                 got = _POOLS[engine] = EnginePool(_pooled(engine.tg, engine.decomps))
     return got
+
+
+def release(engine: Any) -> None:
+    """Drop the engine's pool (``prog.close()``): its arrays go once no run in flight holds them;
+    a later run starts an empty one."""
+    with _POOLS_LOCK:
+        _POOLS.pop(engine, None)
 
 
 def _pooled(tg: TaskGraph, decomps: Mapping[Node, Decomposition]

@@ -37,6 +37,7 @@ from einjoin.ir.printing import describe
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.backend import (WAIT_SLICE, Backend, Callback, DeviceLost, EagerSession, ReadySession, RunSpec,
                                     TaskFailed, join_thread, note)
+from einjoin.runtime import blockpool
 from einjoin.runtime.control import CancelToken, RunHandle, RunTimeoutError
 from einjoin.runtime.local import Store
 from einjoin.runtime.workers import WorkerPool
@@ -222,10 +223,12 @@ class Engine:
         return pool
 
     def close(self) -> None:
-        """Stop the engine's worker threads (a later run starts new ones)."""
+        """Stop the engine's worker threads (a later run starts new ones) and drop its pooled
+        blocks (:mod:`einjoin.runtime.blockpool`)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+        blockpool.release(self)
 
     def lanes(self, session: ReadySession) -> list[int]:
         """The lane of each task for ``session``: kept per ``session.lane_key`` (what its lanes
