@@ -371,7 +371,9 @@ def _fmax(a: Tensor, b: Tensor) -> Tensor:
     from einjoin.ir.scalar import parse_join
     if a.dtype == b.dtype == "bool":  # no NaN; max does not take bools, torch gives a | b
         return elementwise(parse_join("where(x0, x0, x1)", 2), a, b, name="fmax")
-    return elementwise(parse_join("where(x0 != x0, x1, where(x1 != x1, x0, max(x0, x1)))", 2), a, b, name="fmax")
+    # a where, not max: torch's gradient goes wholly to a at a tie (max's splits it), and a tie
+    # of signed zeros gives a's, as torch's value
+    return elementwise(parse_join("where((x0 >= x1) | (x1 != x1), x0, x1)", 2), a, b, name="fmax")
 
 
 @op("fmin")
@@ -379,7 +381,7 @@ def _fmin(a: Tensor, b: Tensor) -> Tensor:
     from einjoin.ir.scalar import parse_join
     if a.dtype == b.dtype == "bool":  # torch gives a & b
         return elementwise(parse_join("where(x0, x1, x0)", 2), a, b, name="fmin")
-    return elementwise(parse_join("where(x0 != x0, x1, where(x1 != x1, x0, min(x0, x1)))", 2), a, b, name="fmin")
+    return elementwise(parse_join("where((x0 <= x1) | (x1 != x1), x0, x1)", 2), a, b, name="fmin")
 
 
 # ---------------------------------------------------------------- activations

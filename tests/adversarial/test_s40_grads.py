@@ -91,3 +91,11 @@ def test_clamp_min_max_at_the_bound_give_x_the_gradient(f: Callable[..., Any]) -
     # torch's clamp_min / clamp_max pass the whole gradient to x where x equals the bound; they were
     # maximum / minimum, whose tie rule gives each half
     _check(f, _f64(0.5, 0.5, 2.0, float("nan"), -0.0), _f64(0.5, 1.0, 1.0, 1.0, 0.0))
+
+
+@pytest.mark.parametrize("f", [torch.fmax, torch.fmin], ids=["fmax", "fmin"])
+def test_fmax_fmin_ties_give_the_first_argument_the_gradient(f: Callable[..., Any]) -> None:
+    # torch: self's gradient where self >= other (fmin: <=) or other is NaN, other's elsewhere;
+    # the join used max / min, whose tie rule split the gradient in halves
+    nan = float("nan")
+    _check(f, _f64(nan, 1.0, 2.0, nan, -0.0, 3.0), _f64(1.0, nan, 2.0, nan, 0.0, -1.0))
