@@ -26,6 +26,23 @@ def _fresh_plan_cache():  # type: ignore[no-untyped-def]
     yield
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup``: the ``@group`` suffix that sends every test of an ``xdist_group`` (the
+    Ray tests: one Ray cluster, tests/conftest.py) to one worker. pytest-xdist 3.8 sets it as
+    ``item._nodeid``, which pytest 9 no longer reads (a node's id is ``item._id``): without this
+    the Ray tests were spread over both workers and each started its own cluster."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers under loadgroup
+        return
+    from _pytest.nodeid import NodeId
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        nodeid = item.nodeid
+        if names and nodeid.rfind("@") <= nodeid.rfind("]"):  # not suffixed by xdist already
+            item._id = NodeId.parse(f"{nodeid}@{'_'.join(names)}")
+
+
 # ---- EINJOIN_TEST_CPU=PREFIX: each test's CPU seconds, one file per process (PREFIX.gw0.tsv, ...)
 # On a shared machine wall durations (--durations) measure the neighbours' load as much as the
 # test: a 0.6 s-CPU test took 170 s of wall time in one loaded run. This writes, per test (setup,
