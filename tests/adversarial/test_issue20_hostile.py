@@ -694,7 +694,7 @@ def test_trainer_updates_batch_norm_running_stats_as_torch() -> None:
                       nn.Flatten(), nn.Linear(4, 3)).train()
     ref = copy.deepcopy(m)
     x, t = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 0])
-    tr = ej.Trainer(m, (x, t), F.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    tr = ej.Trainer(m, (x, t), F.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=2, leave_idle=False)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
         loss = tr.step(x, t)

@@ -335,10 +335,10 @@ def test_trainer_evaluate_and_state_dict_racing_step_see_whole_steps() -> None:
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     x, y = torch.randn(32, 8), torch.randn(32, 2)
     mse = torch.nn.functional.mse_loss
-    seq = ej.Trainer(copy.deepcopy(m), (x, y), mse, optimizer=ej.optim.SGD(lr=0.05), devices=2)
+    seq = ej.Trainer(copy.deepcopy(m), (x, y), mse, optimizer=ej.optim.SGD(lr=0.05), devices=2, leave_idle=False)
     for _ in range(12):
         seq.step(x, y)
-    tr = ej.Trainer(copy.deepcopy(m), (x, y), mse, optimizer=ej.optim.SGD(lr=0.05), devices=2)
+    tr = ej.Trainer(copy.deepcopy(m), (x, y), mse, optimizer=ej.optim.SGD(lr=0.05), devices=2, leave_idle=False)
     errors: list[BaseException] = []
 
     def loop(f) -> None:  # type: ignore[no-untyped-def]

@@ -210,7 +210,8 @@ def test_a_training_dropout_beside_batch_norm_imports_and_trains() -> None:
     _close(m[1].running_mean, ref[1].running_mean)  # the buffer write still happens
 
     y = torch.randint(0, 64, (32,))
-    trainer = ej.Trainer(m, (x, y), nn.functional.cross_entropy, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    trainer = ej.Trainer(m, (x, y), nn.functional.cross_entropy, optimizer=ej.optim.SGD(lr=0.1),
+                         devices=2, leave_idle=False)
     losses = [trainer.step(x, y) for _ in range(3)]
     assert all(np.isfinite(losses))
     assert int(trainer.state_dict()["1.num_batches_tracked"]) == 1 + 3  # the run above, then 3 steps

@@ -85,7 +85,7 @@ def _max_diff(sd, module):
 def test_tied_weights_buffers_and_lr_changes_follow_torch():
     model, ref = Tied(), Tied()
     batches = _tokens(6)
-    tr = ej.Trainer(model, batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    tr = ej.Trainer(model, batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2, leave_idle=False)
     assert tr.parameter_names == ("emb.weight", "mid.weight", "mid.bias")  # tied: one state tensor
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     for i, (x, t) in enumerate(batches):
@@ -117,7 +117,8 @@ def test_load_state_dict_weights_and_buffer_then_train_as_torch():
         donor.scale.fill_(2.0)
     sd = donor.state_dict()
     batches = _tokens(3, seed=5)
-    tr = ej.Trainer(Tied(), batches[0], lm_loss, optimizer=ej.optim.SGD(lr=0.1, momentum=0.9), devices=2)
+    tr = ej.Trainer(Tied(), batches[0], lm_loss, optimizer=ej.optim.SGD(lr=0.1, momentum=0.9),
+                    devices=2, leave_idle=False)
     tr.load_state_dict(sd)
     ref = Tied()
     ref.load_state_dict(sd)
@@ -190,7 +191,7 @@ def test_batchnorm_trains_as_torch():  # refused before issue 20; now its runnin
     x, y = torch.randn(16, 4), torch.randn(16, 1)
     model = BN()
     ref = copy.deepcopy(model)
-    tr = ej.Trainer(model, (x, y), TF.mse_loss, optimizer=ej.optim.SGD(lr=0.1), devices=2)
+    tr = ej.Trainer(model, (x, y), TF.mse_loss, optimizer=ej.optim.SGD(lr=0.1), devices=2, leave_idle=False)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
         got = tr.step(x, y)
@@ -209,7 +210,7 @@ def test_batchnorm_trains_as_torch():  # refused before issue 20; now its runnin
 
 def test_bad_batches_and_a_failing_step_leave_the_state():
     batches = _tokens(2)
-    tr = ej.Trainer(Tied(), batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    tr = ej.Trainer(Tied(), batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2, leave_idle=False)
     tr.step(*batches[0])
     before = tr.state_dict()
     x, t = batches[1]
@@ -244,7 +245,7 @@ def test_bad_batches_and_a_failing_step_leave_the_state():
 def test_other_batch_shape_compiles_once_and_evaluate_changes_nothing(caplog):
     ref = Tied()
     a, b = _tokens(1)[0], _tokens(1, shape=(3, 4), seed=9)[0]
-    tr = ej.Trainer(Tied(), a, lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2)
+    tr = ej.Trainer(Tied(), a, lm_loss, optimizer=ej.optim.AdamW(lr=1e-2), devices=2, leave_idle=False)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     with caplog.at_level(logging.INFO, logger="einjoin.trainer"):
         for _ in range(3):
@@ -576,7 +577,7 @@ def test_reading_the_state_never_makes_the_next_step_reload_it(tmp_path):
     # still loads only the batch and the lr; load_state_dict and a switch of batch shape reload once
     (x, t), = _cls(1, rows=8)
     x2, t2 = _cls(1, rows=5, seed=9)[0]
-    tr = ej.Trainer(_mlp(), (x, t), TF.cross_entropy, devices=2)
+    tr = ej.Trainer(_mlp(), (x, t), TF.cross_entropy, devices=2, leave_idle=False)
     batch = x.numpy().nbytes + t.numpy().nbytes + 8
 
     def loaded():
@@ -621,7 +622,7 @@ def test_zoo_llama_with_padded_labels_and_two_sequence_lengths_matches_torch():
         return x, t
 
     batches = [batch(2, 8, 2), batch(2, 8), batch(3, 6, 1), batch(2, 8, 3), batch(3, 6)]
-    tr = ej.Trainer(make(), batches[0], lm, optimizer=ej.optim.AdamW(lr=3e-3), devices=2)
+    tr = ej.Trainer(make(), batches[0], lm, optimizer=ej.optim.AdamW(lr=3e-3), devices=2, leave_idle=False)
     ref = make()
     opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
     for x, t in batches:
@@ -659,7 +660,7 @@ def test_gpt_with_tied_head_and_mask_buffers_matches_torch():
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g))
                for _ in range(4)]
-    tr = ej.Trainer(_GPT(), batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-3), devices=2)
+    tr = ej.Trainer(_GPT(), batches[0], lm_loss, optimizer=ej.optim.AdamW(lr=1e-3), devices=2, leave_idle=False)
     ref = _GPT()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
     for x, t in batches:
@@ -686,7 +687,8 @@ def test_half_modules_train_as_torch_and_resume_bit_identically(tmp_path, dtype)
 
     (x, t), = _cls(1)
     x = x.to(dtype)
-    tr = ej.Trainer(net(), (x, t), TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1, momentum=0.9), devices=2)
+    tr = ej.Trainer(net(), (x, t), TF.cross_entropy, optimizer=ej.optim.SGD(lr=0.1, momentum=0.9),
+                    devices=2, leave_idle=False)
     ref = net()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
     for _ in range(3):
@@ -715,7 +717,8 @@ class _EvalOnly(nn.Module):
 
 def test_load_state_dict_reaches_a_parameter_only_evaluate_reads():
     (x, t), = _cls(1)
-    tr = ej.Trainer(_EvalOnly(), (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW(lr=0.1), devices=2)
+    tr = ej.Trainer(_EvalOnly(), (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW(lr=0.1),
+                    devices=2, leave_idle=False)
     tr.step(x, t)
     sd = tr.state_dict()
     sd["calib"] = torch.full((3,), 2.0)
@@ -729,7 +732,8 @@ def test_load_state_dict_reaches_a_parameter_only_evaluate_reads():
 
 def test_a_parameter_only_evaluate_reads_is_used_and_left_alone_by_training():
     (x, t), = _cls(1)
-    tr = ej.Trainer(_EvalOnly(), (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW(lr=0.1), devices=2)
+    tr = ej.Trainer(_EvalOnly(), (x, t), TF.cross_entropy, optimizer=ej.optim.AdamW(lr=0.1),
+                    devices=2, leave_idle=False)
     ref = _EvalOnly()
     opt = torch.optim.AdamW(ref.parameters(), lr=0.1, foreach=False)
     for _ in range(2):
