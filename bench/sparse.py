@@ -18,7 +18,8 @@ CPU time counts every thread, so BLAS threads are not free), median of ``--reps`
   A's and H's tuples; at least 16 MB per DuckDB thread, and doubled where DuckDB still runs out of
   memory, the row naming the limits that ran out): it completes, equals the in-memory engine, and its CPU time (DuckDB's
   threads included; one run, one DuckDB thread by default, ``--duck-threads 0`` for all cores)
-  and spill stand next to the in-memory engine's, and DuckDB's without a limit; before it, the
+  and spill stand next to the in-memory engine's, and DuckDB's without a limit, then on 2 devices
+  (a DuckDB connection per device, each with the one-device limit: twice it in all); before it, the
   layout DuckDB's cost model chooses (einjoin/sparse/duckdb_cost.py) vs every fixed block size of
   A's labels in {per entry, 16, 64, 256} on three matrices (``--only-duckdb`` runs these rows).
 
@@ -168,27 +169,37 @@ def duckdb_case(nodes: int, edges: int, k: int, reps: int, threads: int | None) 
     free = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_threads=threads)  # DuckDB's default limit
     t_mem, want = cpu(mem.run, reps)
     t_free, _ = cpu(free.run, reps)
-    ran_out: list[int] = []
-    while True:
-        duck = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_memory=f"{limit_mb}MB",
-                                 duckdb_threads=threads)
-        try:
-            t_duck, got = cpu(duck.run, reps)
-            break
-        except ej.EinjoinError as e:
-            if "ran out of its memory_limit" not in str(e) or limit_mb * 2 ** 20 > 4 * tuple_bytes:
-                raise
-            ran_out.append(limit_mb)
-            limit_mb *= 2
-    same = bool(np.allclose(got.todense(), want.todense(), rtol=1e-9, atol=1e-9))
     name = f"DuckDB A·H ({nodes} nodes)"
     row(name, "in memory", t_mem, t_mem, mem.notation())
     row(name, "duckdb, default limit", t_free, t_mem, f"spilled {free.engine.spilled / 2 ** 20:.0f} MB")
-    row(name, f"duckdb, limit {limit_mb} MB", t_duck, t_mem,
-        f"tuples {tuple_bytes / 2 ** 20:.0f} MB = {tuple_bytes / 2 ** 20 / limit_mb:.1f}x the limit"
-        f"{' (not over it: the floor)' if tuple_bytes < limit_mb * 2 ** 20 else ''}; spilled "
-        f"{duck.engine.spilled / 2 ** 20:.0f} MB; {'equal' if same else 'DIFFERENT'}; {n_threads} DuckDB thread(s)"
-        + (f"; ran out of memory at {', '.join(f'{m} MB' for m in ran_out)}" if ran_out else ""))
+    # one device, then two (a connection each with half the limit, backend threads; issue 24)
+    for devices in (1, 2):
+        ran_out: list[int] = []
+        # each device's connection gets the one-device limit (the whole is shared evenly): a dense H goes
+        # whole to each device (its rows are nearly all touched), so half the limit spilled it twice over
+        lim = limit_mb * devices
+        while True:
+            duck = ej.sparse_compile("ij,jk->ik", a, h, engine="duckdb", duckdb_memory=f"{lim}MB",
+                                     duckdb_threads=threads, devices=devices, backend="threads")
+            try:
+                t_duck, got = cpu(duck.run, reps)
+                break
+            except ej.EinjoinError as e:
+                if "ran out of its memory_limit" not in str(e) or lim * 2 ** 20 > 4 * tuple_bytes:
+                    raise
+                ran_out.append(lim)
+                lim *= 2
+        same = bool(np.allclose(got.todense(), want.todense(), rtol=1e-9, atol=1e-9))
+        ex = duck.steps[0].exchange
+        split = (f"; split {ex.split.label} ({ex.split.kind}), moved {ex.moved} tuples, per-device thread CPU "
+                 f"{[round(t, 1) for t in ex.cpu]} s" if ex is not None and ex.split is not None
+                 else "; not split" if ex is not None else "")
+        row(name, f"duckdb, limit {lim} MB" + (f", {devices} devices" if devices > 1 else ""), t_duck, t_mem,
+            f"tuples {tuple_bytes / 2 ** 20:.0f} MB = {tuple_bytes / 2 ** 20 / lim:.1f}x the limit"
+            f"{' (not over it: the floor)' if tuple_bytes < lim * 2 ** 20 else ''}; spilled "
+            f"{duck.engine.spilled / 2 ** 20:.0f} MB; {'equal' if same else 'DIFFERENT'}; "
+            f"{n_threads} DuckDB thread(s){' per device' if devices > 1 else ''}{split}"
+            + (f"; ran out of memory at {', '.join(f'{m} MB' for m in ran_out)}" if ran_out else ""))
 
 
 def duckdb_choice_case(name: str, mat: scipy.sparse.csr_array, k: int, reps: int, threads: int | None) -> None:
