@@ -10,7 +10,8 @@ cross-entropy search over the weights (:func:`einjoin.placement.doppler.improve`
 scored by the simulator's makespan (weights resident) over CP's, averaged over the graphs. Every
 makespan is SIMULATED; the CPU seconds are this machine's.
 
-    .venv/bin/python bench/doppler_train.py [--seed 0] [--graphs 8] [--rounds 6] [--population 8]
+    .venv/bin/python bench/doppler_train.py [--seed 0] [--graphs 8] [--rounds 8] [--population 10]
+                                            [--sigma 1.0]
                                             [--out einjoin/placement/doppler_policy.json]
 """
 
@@ -69,8 +70,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--graphs", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--population", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--population", type=int, default=10)
+    ap.add_argument("--sigma", type=float, default=1.0, help="the search's first spread of each weight")
     ap.add_argument("--out", default=str(_POLICY_FILE))
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"phase 1, imitation of CP: agreement with the teacher's decisions (teacher-forced) SEL {a_sel:.3f}, "
           f"PLC {a_plc:.3f}, all {agree:.3f}; {t2 - t1:.1f} s CPU")
     best, value = improve(rollouts, scores, imitated, rounds=args.rounds, population=args.population,
-                          seed=args.seed)
+                          sigma=args.sigma, seed=args.seed)
     t3 = time.process_time()
     _, imit_value = improve(rollouts, scores, imitated, rounds=0)
     _, old_value = improve(rollouts, scores, POLICY, rounds=0)

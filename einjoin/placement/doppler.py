@@ -21,7 +21,8 @@ keeping the best. The result is committed as ``doppler_policy.json`` (a few hund
 :data:`POLICY` is loaded from it.
 
 Placing a graph (``place("doppler", ...)``): the committed policy's rollout, then a (1+1)
-evolution of its weights on this graph for ``budget`` evaluations of ``score`` (lower is better;
+evolution of its weights on this graph for ``budget`` evaluations of ``score`` (a drawn policy
+whose placement was seen already costs a rollout, not an evaluation; at most 3 x budget draws) (lower is better;
 default the :class:`~einjoin.placement.search.Estimate`; ``ej.compile`` on a cluster with a time
 model passes the simulated makespan, as for ``"search"``), keeping the best placement seen.
 Deterministic for a seed.
@@ -62,7 +63,8 @@ __all__ = ["Policy", "POLICY", "TEACHER", "Rollout", "doppler", "imitate", "impr
 SEL_FEATURES = ("bottom level", "topological position", "run time", "successors")
 PLC_FEATURES = ("CP's nominal finish", "modelled finish", "bytes moved", "bytes across groups",
                 "lane backlog", "op's kernels here", "finish over run", "device id")
-DEFAULT_BUDGET = 24  # evaluations of the score per graph (the simulator's: ~0.1-0.7 s each for a LLaMA block)
+DEFAULT_BUDGET = 60  # evaluations of the score per graph, as search's (the simulator's: ~0.1-0.7 s each, LLaMA block)
+STEP = 1.0  # the evolution's first step size per weight (each head's weights scaled to at most 1 in size)
 _POLICY_FILE = pathlib.Path(__file__).with_name("doppler_policy.json")
 
 
@@ -426,16 +428,20 @@ def doppler(decomps: Mapping[Node, Decomposition], cluster: Cluster, seed: int =
     best_score = scorer(best)
     rng = random.Random(seed)
     flat = list(_unit(pol).flat())
-    sigma = 0.5
+    sigma = STEP
     seen = {tuple(best[n].kernel_devices for n in roll.decomps)}
-    for _ in range(budget - 1):  # (1+1) evolution: a step that scores no worse is kept; the step size adapts
+    spent = 1
+    for _ in range(3 * budget):  # (1+1) evolution: a step that scores no worse is kept; the step size adapts
+        if spent >= budget:
+            break
         trial = Policy.of([v + sigma * rng.gauss(0.0, 1.0) for v in flat])
         cand = roll.placement(roll.run(trial))
         sig = tuple(cand[n].kernel_devices for n in roll.decomps)
-        if sig in seen:  # the same placement: no evaluation spent, a larger step next
+        if sig in seen:  # the same placement: no evaluation spent (rollouts are cheaper), a larger step next
             sigma = min(sigma * 1.5, 4.0)
             continue
         seen.add(sig)
+        spent += 1
         s = scorer(cand)
         if s <= best_score:
             best, best_score, flat = cand, s, list(trial.flat())
