@@ -160,3 +160,12 @@ def test_bad_budget_and_policy() -> None:
             doppler(decomps, ej.local(2), budget=bad)  # type: ignore[arg-type]
     with pytest.raises(EinjoinError, match="PLC"):
         Policy((1.0,) * 4, (1.0,) * 3)
+
+
+def test_explain_names_it_next_to_cp() -> None:
+    """explain() names the placer and its simulated makespan beside CP's for the same plan."""
+    x = ej.input("x", (256, 128), "bfloat16")
+    out = ej.relu(x @ ej.param("w", (128, 256), "bfloat16"))
+    prog = ej.compile(out, islands(), placement="doppler", backend="null", quiet=True, specs={x: {"a": 4}})
+    text = prog.explain(file=None)
+    assert "placer: doppler; simulated makespan" in text and "critical_path's placement of the same plan" in text
