@@ -177,7 +177,13 @@ def _vector_norm(x: Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
         return elementwise("abs", x).min(dims, keepdim)
     if o == 0:
         return (x != 0).to(x.dtype).sum(dims, keepdim)
-    return root_at_zero(elementwise("pow", elementwise("abs", x), o).sum(dims, keepdim), f"x0 ** {1.0 / o!r}")
+    if o < 1:  # |x| ** o has an infinite derivative at 0: torch's backward masks it there (0, not NaN)
+        from einjoin.ir.scalar import parse_join
+        powers = elementwise(parse_join(f"where(x0 == 0, {0.0 if o > 0 else 'inf'}, abs(x0) ** {o!r})", 1), x,
+                             name="abs_pow")
+    else:
+        powers = elementwise("pow", elementwise("abs", x), o)
+    return root_at_zero(powers.sum(dims, keepdim), f"x0 ** {1.0 / o!r}")
 
 
 def root_at_zero(s: Tensor, root: str) -> Tensor:

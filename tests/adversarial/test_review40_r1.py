@@ -1,0 +1,133 @@
+"""Reviewer R1's checks of session 40's changes: differential against torch / numpy at the points
+the session's commits touched (norm gradients at zero, sparse max gradients on fed tensors with
+explicit zeros, duplicates and blocks, the block pool's results across runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import einjoin as ej
+from einjoin.runtime import blockpool
+
+# ------------------------------------------------- vector norms of order < 1 at zero (c4a44d4)
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, f: Callable[..., Any], x: Any) -> None:
+        super().__init__()
+        self.f = f
+        self.p = torch.nn.Parameter(x.clone())
+
+    def forward(self, c: Any) -> Any:
+        return (self.f(self.p) * c).sum()
+
+
+def _value_and_grad(f: Callable[..., Any], x: Any) -> None:
+    """einjoin's f(x) and d/dx (f(x) * c).sum() of an imported module equal torch's (NaN where torch's)."""
+    with torch.no_grad():
+        out = f(x)
+    c = torch.linspace(-1, 2, out.numel(), dtype=torch.float64).reshape(out.shape)
+    m = _Loss(f, x)
+    fn = ej.from_torch(m, (c,))
+    (g,) = ej.grad(fn.outputs[0], list(fn.parameters.values()))
+    got_loss, got = ej.compile(fn.with_outputs([fn.outputs[0], g]), quiet=True, backend="sync").run(c)
+    loss = m(c)
+    loss.backward()
+    torch.testing.assert_close(torch.as_tensor(np.asarray(got_loss)), loss.detach(), equal_nan=True)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(got)), m.p.grad, rtol=1e-9, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("ord", [0.5, 0.3, -1.0, -2.0])
+def test_vector_norm_of_order_below_one_has_torchs_gradient_at_zero_entries(ord: float) -> None:
+    # c4a44d4 made the norm's gradient 0 at a zero vector for orders 2 and p, but for p < 1 (and
+    # negative p) |x| ** p itself has an infinite derivative at 0: a zero entry's gradient was NaN
+    # (0 * inf), a zero row's too; torch's backward masks |x| ** (p - 1) where x == 0
+    x = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.5, -2.0], [1.0, -2.0, 3.0]], dtype=torch.float64)
+    _value_and_grad(lambda a: torch.linalg.vector_norm(a, ord=ord, dim=1), x)
+
+
+# ------------------------------------------------- a graph's sparse max gradient (05b3790, 6d0bb05)
+
+
+def _amax_grads(dense_a: np.ndarray, h: np.ndarray, eq: str, cot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    ins, out = eq.split("->")
+    every = "".join(dict.fromkeys(ins.replace(",", "")))
+    ta, th = torch.tensor(dense_a, requires_grad=True), torch.tensor(h, requires_grad=True)
+    prod = torch.einsum(f"{ins}->{every}", ta, th)
+    res = prod.amax(dim=tuple(d for d, lab in enumerate(every) if lab not in out))
+    kept = "".join(lab for lab in every if lab in out)
+    (res.permute([kept.index(lab) for lab in out]) * torch.tensor(cot)).sum().backward()
+    return ta.grad.numpy(), th.grad.numpy()
+
+
+@pytest.mark.parametrize("case", ["explicit_zero", "duplicates", "block2", "all_negative_row"])
+def test_sparse_max_gradient_of_a_fed_tensor_is_torchs_amax_gradient(case: str) -> None:
+    # the property test feeds tensors built from dense arrays (no stored zeros, no duplicate keys,
+    # blocks of 1); a stored zero ties the absent products, duplicates are summed before the max,
+    # a stored block holds zeros that are entries of the pattern
+    rng = np.random.default_rng(11)
+    eq = "ij,jk->ik"
+    if case == "explicit_zero":
+        idx, vals = np.array([[0, 0, 1, 1, 2], [0, 1, 0, 1, 2]]), np.array([0.0, 2.0, 3.0, -1.0, 0.0])
+        fed = ej.sparse("Ar40", (idx, vals, (3, 3)))
+    elif case == "duplicates":
+        idx, vals = np.array([[0, 0, 1, 1, 1, 2], [1, 1, 0, 1, 0, 2]]), np.array([1.0, 1.0, 1.0, -1.0, 2.0, -3.0])
+        fed = ej.sparse("Ar40", (idx, vals, (3, 3)))
+    elif case == "block2":
+        d = np.where(rng.random((3, 3)) < 0.4, rng.integers(-2, 3, (3, 3)).astype(float), 0.0)
+        fed = ej.sparse("Ar40", d, block=2)
+    else:  # a row whose stored products are all negative: its max is an absent entry's 0
+        fed = ej.sparse("Ar40", np.array([[-1.0, 0.0, -2.0], [-1.0, -3.0, -2.0], [0.0, 0.0, 0.0]]))
+    dense_a = fed.todense()
+    hv = rng.integers(-2, 3, (3, 2)).astype(float)  # small integers: ties
+    cot = rng.normal(size=(3, 2))
+    A = ej.sparse_input("Ar40", (3, 3), nnz=9, dtype="float64")
+    h = ej.param("hr40", (3, 2), "float64")
+    y = ej.einsum(eq, A, h, agg="max")
+    da, dh = ej.grad((y * ej.input("cr40", (3, 2), "float64")).sum(), [A, h])
+    want_a, want_h = _amax_grads(dense_a, hv, eq, cot)
+    stored = A.on_pattern(fed, np.ones(9)).todense() != 0
+    feeds = {"Ar40": fed, "hr40": hv, "cr40": cot}
+    for got in (ej.reference([da, dh], **feeds), ej.compile([da, dh], devices=2, quiet=True).run(**feeds)):
+        np.testing.assert_allclose(np.where(stored, A.on_pattern(fed, got[0]).todense(), 0.0),
+                                   np.where(stored, want_a, 0.0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got[1], want_h, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------- the block pool (fa09e94, bb27b5e)
+
+
+@pytest.fixture
+def pool_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blockpool, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(blockpool, "POOL_BLOCKS", True)
+
+
+def test_pooled_results_via_a_donation_survive_later_and_async_runs(pool_all: None) -> None:
+    # relu writes into its pooled matmul block (plan/fuse_inplace's donation) and relu's block is
+    # an output: the caller's result is then the pool's own array, and only its reference count
+    # keeps later runs (sync and several in flight at once) and views of it from writing it
+    x, w, w2 = ej.input("r40x", (512, 32)), ej.input("r40w", (32, 256)), ej.input("r40w2", (256, 16))
+    h = ej.relu(x @ w)
+    outs = [h, h @ w2]
+    prog = ej.compile(outs, devices=1, backend="threads", quiet=True)
+    assert blockpool.engine_pool(prog._engine).kernels  # else this could not fail
+    rng = np.random.default_rng(40)
+    feeds = [dict(r40x=rng.standard_normal((512, 32)).astype(np.float32),
+                  r40w=rng.standard_normal((32, 256)).astype(np.float32),
+                  r40w2=rng.standard_normal((256, 16)).astype(np.float32)) for _ in range(3)]
+    wants = [ej.reference(outs, **f) for f in feeds]
+    held = [prog.run(**f) for f in feeds]
+    view = prog.run(**feeds[0])[0][:7]  # only a view keeps this one's array
+    handles = [prog.run_async(**f) for f in feeds]
+    asynced = [hd.result() for hd in handles]
+    again = [prog.run(**f) for f in reversed(feeds)]
+    for got, want in zip(held + asynced + again[::-1], wants * 3):
+        for g, w_ in zip(got, want):
+            np.testing.assert_array_equal(g, w_)
+    np.testing.assert_array_equal(view, wants[0][0][:7])
