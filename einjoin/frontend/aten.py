@@ -29,7 +29,7 @@ from einjoin.frontend import composites as C
 from einjoin.frontend import functions as F
 from einjoin.frontend.aten_notes import DATA_DEPENDENT, DATA_DEPENDENT_HELP, NOTES, data_dependent
 from einjoin.frontend.aten_index import INDEX_OPS
-from einjoin.frontend.aten_nn import NN_OPS, root_at_zero
+from einjoin.frontend.aten_nn import NN_OPS, norm_stats, root_at_zero
 from einjoin.frontend.recurrent import RECURRENT_OPS
 from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
@@ -390,8 +390,13 @@ def _layer_norm(x: Tensor, normalized_shape: Any, weight: Any = None, bias: Any 
 
 @op("native_layer_norm")
 def _native_layer_norm(x: Tensor, normalized_shape: Any, weight: Any, bias: Any, eps: float
-                       ) -> tuple[Tensor, None, None]:
-    return (C.layer_norm(x, normalized_shape, weight, bias, eps), None, None)
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, mean, rstd)``; the statistics over the normalized dims kept as 1s (they were None:
+    a forward reading them failed with 'cannot combine an einjoin tensor with NoneType')."""
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    mean, rstd = norm_stats(x, tuple(range(x.ndim - len(ns), x.ndim)), eps)
+    return C.layer_norm(x, normalized_shape, weight, bias, eps), mean, rstd
+
 
 
 @op("rms_norm")

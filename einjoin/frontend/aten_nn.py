@@ -104,11 +104,24 @@ def _group_norm(x: Tensor, num_groups: int, weight: Any = None, bias: Any = None
     return N.group_norm(x, num_groups, weight, bias, eps)
 
 
+def norm_stats(x: Tensor, dims: tuple[int, ...], eps: float) -> tuple[Tensor, Tensor]:
+    """A norm's saved statistics as torch's native norms return them: the mean and
+    ``1 / sqrt(biased variance + eps)`` over ``dims`` (kept), in float32 for half data, then in
+    x's dtype."""
+    xf = x.to("float32") if x.dtype in ("float16", "bfloat16") else x
+    mean = xf.mean(dims, True)
+    var = ((xf - mean) * (xf - mean)).mean(dims, True)
+    return mean.to(x.dtype), elementwise("rsqrt", var + eps).to(x.dtype)
+
+
 @op("native_group_norm")
-def _native_group_norm(x: Tensor, weight: Any, bias: Any, *sizes_group_eps: Any) -> tuple[Tensor, None, None]:
-    """``native_group_norm(input, weight, bias, N, C, HxW, group, eps)``: the sizes are x's."""
+def _native_group_norm(x: Tensor, weight: Any, bias: Any, *sizes_group_eps: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``native_group_norm(input, weight, bias, N, C, HxW, group, eps)``: the sizes are x's; the
+    output, and the mean and rstd of shape (N, group) (they were None, failing where read)."""
     group, eps = sizes_group_eps[3], sizes_group_eps[4]
-    return N.group_norm(x, group, weight, bias, eps), None, None
+    mean, rstd = norm_stats(x.reshape((x.shape[0], group, math.prod(x.shape[1:]) // group)), (2,), eps)
+    return (N.group_norm(x, group, weight, bias, eps), mean.reshape(mean.shape[:2]),
+            rstd.reshape(rstd.shape[:2]))
 
 
 @op("instance_norm")
