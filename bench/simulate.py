@@ -11,15 +11,17 @@ tensor parallelism): einjoin <= 0.65x Megatron. The last column says what domina
 the busiest device's kernel time and the bytes its plan sends over the network.
 
 A second table compares placers on the same plans (``objective="bytes"``, so every placer gets
-the same join-agg specs): ``greedy``, ``critical_path`` (CP) and ``search`` (the local search of
-:mod:`einjoin.placement.search`, scored by the simulator, ``--search-budget`` evaluations) on the
+the same join-agg specs): ``greedy``, ``critical_path`` (CP), ``search`` (the local search of
+:mod:`einjoin.placement.search`, scored by the simulator, ``--search-budget`` evaluations) and
+``doppler`` (the learned SEL/PLC policy of :mod:`einjoin.placement.doppler`, its committed weights
+evolved on each graph for ``--doppler-budget`` simulator evaluations) on the
 block's forward + backward (a training step's gradients) on one DGX A100, and its forward and
-forward + backward on two, batch 1. The goal (issue 23): search >= 20% below CP's simulated
-makespan where placement has freedom. Placing s is this machine's CPU time for the placer (the
+forward + backward on two, batch 1. The goal (issue 23): search and doppler >= 20% below CP's
+simulated makespan where placement has freedom. Placing s is this machine's CPU time for the placer (the
 search's simulations included), not simulated.
 
     .venv/bin/python bench/simulate.py [--nodes 1,2] [--batches 1,8]
-                                       [--search-budget 60] [--no-placement]
+                                       [--search-budget 60] [--doppler-budget 60] [--no-placement]
     .venv/bin/python bench/simulate.py --llama70b 80 [--llama70b-nodes 32] [--per-node dgx-a100]
                                        [--objective bytes|time] [--window K]
 
@@ -95,7 +97,7 @@ def llama7b_training(batch: int, seq: int = 2048) -> list[ej.Tensor]:
     return [loss, *ej.grad(loss, weights)]
 
 
-PLACERS = ("greedy", "critical_path", "search")
+PLACERS = ("greedy", "critical_path", "search", "doppler")
 MEGATRON_GOAL = 0.65  # issue 23: einjoin <= 0.65x Megatron's simulated time on one DGX A100 (8.97 / 13.80)
 SEARCH_GOAL = 0.80  # issue 23: the placement search >= 20% below CP's simulated makespan
 
@@ -105,17 +107,19 @@ def verdict(ratio: float, goal: float, what: str) -> str:
     return f"  goal <= {goal:.2f}x {what}: {'ok' if ratio <= goal else 'MISS'}"
 
 
-def placement_rows(budget: int) -> None:
-    """Greedy vs CP vs search on the same plans, simulated; the search at ``budget`` evaluations,
-    scored as ``ej.compile(..., placement="search")`` scores it (each candidate's task graph
-    simulated, weights resident)."""
+def placement_rows(budget: int, doppler_budget: int = 60) -> None:
+    """Greedy vs CP vs search vs doppler on the same plans, simulated; the search at ``budget``
+    evaluations and doppler at ``doppler_budget``, scored as ``ej.compile(..., placement="search")``
+    scores them (each candidate's task graph simulated, weights resident)."""
     from einjoin.placement import place
+    from einjoin.placement.doppler import doppler
     from einjoin.placement.search import search
     from einjoin.plan import build_taskgraph
     from einjoin.runtime.simulate import simulate
 
     print()
-    print(f"Placement on the same plans (objective='bytes'; search: {budget} simulator evaluations) -- every "
+    print(f"Placement on the same plans (objective='bytes'; search: {budget}, doppler: {doppler_budget} simulator "
+          "evaluations) -- every "
           "makespan below is SIMULATED")
     header = (f"{'graph':<30}{'placer':<15}{'sim. ms':>9}{'x CP':>7}{'moved GB':>10}{'network GB':>11}"
               f"{'placing s':>10}")
@@ -136,6 +140,8 @@ def placement_rows(budget: int) -> None:
             t0 = time.process_time()
             if placer == "search":
                 pl = search(plan.decomps, cluster, 0, score=lambda p: simulated(p).makespan, budget=budget)
+            elif placer == "doppler":
+                pl = doppler(plan.decomps, cluster, 0, score=lambda p: simulated(p).makespan, budget=doppler_budget)
             else:
                 pl = place(placer, plan.decomps, cluster)
             cpu = time.process_time() - t0
@@ -149,7 +155,7 @@ def placement_rows(budget: int) -> None:
         lanes = sum(e - s for iv in sim.intervals.values() for s, e, tid in iv if sim.lanes[tid] == 0)
         floor = lanes / cluster.size * 1e3 / cp
         for label, ms, moved_b, network, cpu in rows:
-            goal = verdict(ms / cp, SEARCH_GOAL, "CP") if label == "search" else ""
+            goal = verdict(ms / cp, SEARCH_GOAL, "CP") if label in ("search", "doppler") else ""
             if goal.endswith("MISS") and floor > SEARCH_GOAL:  # the reason: no placement of the plan gets there
                 goal += f" (kernels / P is {floor:.2f}x CP: little freedom)"
             print(f"{name:<30}{label:<15}{ms:>9.3f}{ms / cp:>7.2f}{moved_b / 1e9:>10.2f}{network / 1e9:>11.2f}"
@@ -158,8 +164,9 @@ def placement_rows(budget: int) -> None:
               f"{lanes / cluster.size * 1e3 / cp:>7.2f}")
         sys.stdout.flush()
     print("(sim. ms: simulated makespan, weights resident; x CP: its ratio to critical_path's; placing s: CPU "
-          "seconds of placing on this machine (the search's simulations included), not simulated; kernels / P: "
-          "CP's compute-lane time spread evenly over the devices, about what no placement of the plan beats)")
+          "seconds of placing on this machine (search's and doppler's simulations included), not simulated; "
+          "kernels / P: CP's compute-lane time spread evenly over the devices, about what no placement of the plan "
+          "beats)")
 
 
 def _row(cluster: ej.Cluster, batch: int, label: str, **options: Any) -> dict[str, Any] | None:
@@ -339,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the larger clusters once planning one row took more seconds than this")
     ap.add_argument("--search-budget", type=int, default=60,
                     help="evaluations of the simulator the placement search may spend per plan")
+    ap.add_argument("--doppler-budget", type=int, default=60,
+                    help="evaluations of the simulator the doppler policy may spend per plan")
     ap.add_argument("--no-placement", action="store_true", help="leave out the placement table")
     ap.add_argument("--llama70b", type=int, default=0, metavar="LAYERS",
                     help="instead of the tables: plan and simulate LLaMA-70B's forward of LAYERS layers (80: the "
@@ -395,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if 8 not in nodes:
         print("(8 x dgx-a100, 64 GPUs: --nodes 8; several minutes of planning on this machine)")
     if not args.no_placement:
-        placement_rows(args.search_budget)
+        placement_rows(args.search_budget, args.doppler_budget)
     return 0
 
 
