@@ -16,8 +16,9 @@ graph alone:
 
 - a kernel task that is one ``np.matmul`` of float blocks (:func:`_matmul_into` finds one) and
   writes at least :data:`POOL_MIN_BYTES`;
-- its block, and every block a move hands it over as, is no block of a graph output (a result
-  is the caller's own array, never the pool's);
+- its block, and every block a move hands it over as or an elementwise kernel writes into it
+  (a donation, :mod:`einjoin.plan.fuse_inplace`), is no block of a graph output (a result is
+  the caller's own array, never the pool's);
 - every kernel that reads it is an einsum's (numpy on the block's numbers; an attention kernel
   keys its forward memo by the arrays' identity, which a block written again would fool).
 
@@ -50,6 +51,7 @@ from einjoin.decomp.decompose import Decomposition
 from einjoin.exchange import TaskKind
 from einjoin.ir.dtypes import numpy_dtype
 from einjoin.ir.node import Node, rule_for
+from einjoin.plan.fuse_inplace import engine_donations
 from einjoin.plan.taskgraph import TaskGraph
 from einjoin.runtime.outputs import _matmul_into
 
@@ -154,7 +156,7 @@ def engine_pool(engine: Any) -> EnginePool:
         with _POOLS_LOCK:
             got = _POOLS.get(engine)
             if got is None:
-                got = _POOLS[engine] = EnginePool(_pooled(engine.tg, engine.decomps))
+                got = _POOLS[engine] = EnginePool(_pooled(engine.tg, engine.decomps, engine_donations(engine)))
     return got
 
 
@@ -165,7 +167,7 @@ def release(engine: Any) -> None:
         _POOLS.pop(engine, None)
 
 
-def _pooled(tg: TaskGraph, decomps: Mapping[Node, Decomposition]
+def _pooled(tg: TaskGraph, decomps: Mapping[Node, Decomposition], donated: Mapping[int, Any] | None = None
             ) -> dict[int, tuple[Callable[[Sequence[Any], np.ndarray], bool], tuple[int, ...], np.dtype[Any]]]:
     if tg.memory is not None:
         return {}
@@ -176,7 +178,9 @@ def _pooled(tg: TaskGraph, decomps: Mapping[Node, Decomposition]
             readers.setdefault(v, []).append(t)
 
     def private(v: int, depth: int = 0) -> bool:
-        """No output's block, read by einsum kernels only (through moves: the same array)."""
+        """No output's block, read by einsum kernels only (through moves and donations, plan.fuse_inplace:
+        the same array; a relu writing into the block whose own block is an output gave the caller
+        the pool's array)."""
         if v in outputs or depth > 64:
             return False
         for r in readers.get(v, ()):
@@ -186,6 +190,9 @@ def _pooled(tg: TaskGraph, decomps: Mapping[Node, Decomposition]
             elif r.kind is TaskKind.KERNEL:
                 d = decomps.get(r.node)
                 if d is None or rule_for(BLOCK_KERNELS, d.node.op, "the block kernels") is not _einsum_block:
+                    return False
+                don = (donated or {}).get(r.id)
+                if don is not None and don.value == v and not private(r.writes, depth + 1):
                     return False
         return True
 

@@ -108,13 +108,12 @@ def pool_all(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blockpool, "POOL_BLOCKS", True)
 
 
-def test_pooled_results_via_a_donation_survive_later_and_async_runs(pool_all: None) -> None:
-    # relu writes into its pooled matmul block (plan/fuse_inplace's donation) and relu's block is
-    # an output: the caller's result is then the pool's own array, and only its reference count
-    # keeps later runs (sync and several in flight at once) and views of it from writing it
+def test_results_survive_later_and_async_runs_of_a_pooled_program(pool_all: None) -> None:
+    # relu writes into its pooled matmul block (plan/fuse_inplace's donation); results held, a
+    # view of one, and runs in flight at once (run_async) against runs before and after
     x, w, w2 = ej.input("r40x", (512, 32)), ej.input("r40w", (32, 256)), ej.input("r40w2", (256, 16))
     h = ej.relu(x @ w)
-    outs = [h, h @ w2]
+    outs = [h @ w2, (h @ w2) * 2.0]
     prog = ej.compile(outs, devices=1, backend="threads", quiet=True)
     assert blockpool.engine_pool(prog._engine).kernels  # else this could not fail
     rng = np.random.default_rng(40)
@@ -131,3 +130,30 @@ def test_pooled_results_via_a_donation_survive_later_and_async_runs(pool_all: No
         for g, w_ in zip(got, want):
             np.testing.assert_array_equal(g, w_)
     np.testing.assert_array_equal(view, wants[0][0][:7])
+
+
+def test_a_result_written_by_a_donation_into_a_pooled_block_is_never_the_pools(pool_all: None) -> None:
+    # the pool's rule: no pooled block is a graph output's (a result is the caller's own array).
+    # relu wrote into its pooled matmul block (a donation) and relu's block was an output: every
+    # result was the pool's array, kept by the pool (up to 1 GiB per program) after the caller
+    # dropped it, and safe from later runs only by its reference count
+    x, w, w2 = ej.input("r40dx", (512, 32)), ej.input("r40dw", (32, 256)), ej.input("r40dw2", (256, 16))
+    h = ej.relu(x @ w)
+    rng = np.random.default_rng(41)
+    f = dict(r40dx=rng.standard_normal((512, 32)).astype(np.float32),
+             r40dw=rng.standard_normal((32, 256)).astype(np.float32),
+             r40dw2=rng.standard_normal((256, 16)).astype(np.float32))
+    for outs, fuse in (([h, h @ w2], True), ([h, h @ w2], False), ([h * 2.0, h @ w2], False)):
+        prog = ej.compile(outs, devices=1, backend="threads", quiet=True, fuse=fuse)
+        got = [prog.run(**f) for _ in range(3)]
+        pool = blockpool.engine_pool(prog._engine).pool
+        for g in got:
+            wants = ej.reference(outs, **f)
+            for a, want in zip(g if isinstance(g, (list, tuple)) else [g],
+                               wants if isinstance(wants, (list, tuple)) else [wants]):
+                assert not pool.holds(a)
+                np.testing.assert_array_equal(a, want)
+    mlp = ej.compile(h @ w2, devices=1, backend="threads", quiet=True)  # relu's block is no output: pooled
+    for _ in range(3):
+        np.testing.assert_array_equal(mlp.run(**f), ej.reference(h @ w2, **f))
+    assert blockpool.engine_pool(mlp._engine).pool.reused > 0
