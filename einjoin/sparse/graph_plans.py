@@ -43,10 +43,12 @@ class PlanCache:
         return sparse_compile(op.equation, *operands, agg=op.agg, backend="sync", engine=self.engine,
                               blocks=blocks or None, relational=relational or None)
 
-    def plans(self) -> list[SparsePlan]:
-        """The plans compiled so far (what ``explain()`` shows of a fed operand after a run)."""
+    def plans(self, op: SparseEinsum | None = None) -> list[SparsePlan]:
+        """The plans compiled so far (what ``explain()`` shows of a fed operand after a run);
+        ``op``: only that node's einsum's (an operand's forward and gradient nodes share a cache)."""
         with self._lock:
-            return [p for p, _ in self._plans.values()]
+            return [p for k, (p, _) in self._plans.items()
+                    if op is None or k[:4] == (op.in_labels, op.out_labels, op.position, op.agg)]
 
     def run(self, op: SparseEinsum, dense: Sequence[np.ndarray], tensor: SparseTensor, dtype: str,
             part: Any = None) -> np.ndarray:

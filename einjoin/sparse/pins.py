@@ -9,7 +9,9 @@ the pins (``GraphSparse.pinned`` / ``FedSparse.pinned``, one per operand, so a f
 its gradient's share their plans), and the nodes reading it are rebuilt over it. A pin no sparse
 node can take is refused naming it: a label no sparse einsum has, a block size larger than the
 label, an unknown engine, or pins on a graph without sparse einsums. ``explain()`` prints each
-pinned node's layout in upper-case-lower-case notation (:func:`pinned_lines`).
+pinned node's layout (every sparse node's when none is pinned) in upper-case-lower-case notation,
+with the joined tuples its kernels' plans estimated and those their last runs joined
+(:func:`pinned_lines`).
 
 >>> import numpy as np, scipy.sparse, einjoin as ej
 >>> a = ej.sparse("A", scipy.sparse.random(40, 30, density=0.1, random_state=0))
@@ -150,18 +152,41 @@ def pinned_lines(graph: Graph) -> str:
     inputs; a fed one's as its last run chose, on the fed pattern), the pins given; "" for a graph
     without pins."""
     nodes = [n for n in graph.nodes if n.kind == "sparseeinsum"]
-    pinned = [n for n in nodes if _pins_of(n.op.operand) != ((), (), "memory")]  # type: ignore[union-attr]
-    if not pinned:
+    if not nodes:
         return ""
-    blocks, relational, engine = _pins_of(pinned[0].op.operand)  # type: ignore[union-attr]
-    head = (f"sparse einsums (pinned at compile: blocks {' '.join(f'{k}={b}' for k, b in blocks) or '-'}; "
-            f"relational {' '.join(relational) or '-'}; engine {engine}):")
+    pinned = [n for n in nodes if _pins_of(n.op.operand) != ((), (), "memory")]  # type: ignore[union-attr]
+    if pinned:
+        blocks, relational, engine = _pins_of(pinned[0].op.operand)  # type: ignore[union-attr]
+        head = (f"sparse einsums (pinned at compile: blocks {' '.join(f'{k}={b}' for k, b in blocks) or '-'}; "
+                f"relational {' '.join(relational) or '-'}; engine {engine}):")
+    else:  # issue 24: every op's layout in explain(), pinned or chosen from the data
+        head = "sparse einsums (layouts chosen from the data's block histograms, no pins):"
     lines = ["", head]
-    for n in pinned:
+    for n in pinned or nodes:
         op = n.op
         assert isinstance(op, SparseEinsum)
         lines.append(f"  {op.equation} ({op.operand.name} {list(op.operand.shape)}) -> {list(n.shape)}: {_layout(n)}")
+        counts = _tuple_counts(n)
+        if counts:
+            lines.append(f"    {counts}")
     return "\n".join(lines)
+
+
+def _tuple_counts(node: Node) -> str:
+    """The joined tuples the node's kernels' plans estimated against those their last runs joined
+    (summed over its kernels: a node cut over devices runs one plan per part)."""
+    op = node.op
+    assert isinstance(op, SparseEinsum)
+    cache = getattr(op.operand, "_plans", None)
+    if cache is None or op.agg not in ("sum", "max"):  # a max's gradient joins no tuples
+        return ""
+    steps = [s for p in cache.plans(op) for s in p.steps]
+    ran = [(lay, s.counts) for s in steps if s.counts is not None and (lay := s.layout or s.ran) is not None]
+    if not ran:
+        return "joined tuples: run() and explain() again for the estimated vs actual counts"
+    return (f"joined tuples (last run, {len(ran)} step(s) over its kernels): estimated "
+            f"{sum(lay.joined for lay, _ in ran):.0f}, actual {sum(c.joined for _, c in ran)}; "
+            f"{sum(c.out for _, c in ran)} output tuple(s)")
 
 
 def _pins_of(operand: Any) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], str]:
