@@ -15,6 +15,16 @@ import einjoin as ej
 from einjoin.frontend.composites import fused_attention
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _split_small_steps():  # type: ignore[no-untyped-def]
+    """These problems are small: split them over the devices anyway (since 1f4e2eb MIN_SPLIT_WORK
+    keeps a step below 1e7 multiply-adds on device 0, and devices= checked one device only)."""
+    from einjoin.sparse import distribute
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
+        yield
+
+
 def _sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
     out = torch.nn.functional.scaled_dot_product_attention(
         torch.tensor(q), torch.tensor(k), torch.tensor(v), attn_mask=torch.tensor(mask))
