@@ -79,6 +79,7 @@ class DuckSession:
     def __init__(self, what: str, memory_limit: str | None, temp_directory: str | None,
                  threads: int | None) -> None:
         duckdb = require_duckdb(what)
+        self.what = what
         self._own_tmp = temp_directory is None
         self.temp_directory = tempfile.mkdtemp(prefix="einjoin-duckdb-") if temp_directory is None \
             else temp_directory
@@ -266,7 +267,13 @@ def step_sql(rels: Sequence[Relation], in_labels: Sequence[tuple[str, ...]],
 
 def _limit_bytes(session: DuckSession) -> float:
     """DuckDB's memory_limit in bytes (its setting reads e.g. '17.1 MiB')."""
-    text = str(session.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+    try:
+        text = str(session.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+    except Exception as e:  # a limit below DuckDB's own buffers fails even this query (Out of Memory)
+        raise EinjoinError(f"{session.what}: DuckDB cannot run a query within its memory_limit "
+                           f"{session.memory_limit} ({session.threads} thread(s)): set a larger duckdb_memory= "
+                           f"(DuckDB's docs advise about 125 MB per thread). DuckDB said: "
+                           f"{str(e).splitlines()[0]}") from None
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGTP]?i?B)?\s*", text)
     if not m:
         return math.inf

@@ -157,3 +157,18 @@ def test_a_result_written_by_a_donation_into_a_pooled_block_is_never_the_pools(p
     for _ in range(3):
         np.testing.assert_array_equal(mlp.run(**f), ej.reference(h @ w2, **f))
     assert blockpool.engine_pool(mlp._engine).pool.reused > 0
+
+
+# ------------------------------------------------- DuckDB on several devices (4f29df8)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_duckdb_memory_limit_below_its_buffers_is_an_einjoin_error(devices: int) -> None:
+    # DuckDB fails even reading its own memory_limit back under a tiny limit: on several devices
+    # that read is at compile (device_settings divides the limit), on one at the step's ranges;
+    # both were a raw duckdb.OutOfMemoryException
+    pytest.importorskip("duckdb")
+    a = ej.sparse("Aduck40", np.eye(4))
+    with pytest.raises(ej.EinjoinError, match="duckdb_memory"):
+        ej.sparse_compile("ij,jk->ik", a, np.ones((4, 2)), engine="duckdb", devices=devices, backend="sync",
+                          duckdb_memory="1KB").run()
