@@ -20,8 +20,9 @@ not; a partial's bytes weigh ``PARTIAL_WEIGHT`` times a replica's); ``max`` spli
 only (a max over partials would meet the absent tuples of every part). No relational label with
 two or more keys, or a step of fewer modelled multiply-adds (joined tuples times payload) than
 ``MIN_SPLIT_WORK`` with no pinned label (splitting would cost more than it saves; ``explain()``
-says so): the step runs on device 0. A step's split is kept for the next run while its
-relations have the same keys (the same key arrays, or complete grids).
+says so) and, under ``memory_limit=``, within one device's cap: the step runs on device 0. A
+step's split is kept for the next run while its relations have the same keys (the same key
+arrays, or complete grids).
 
 **Accounting** (the project's: one copy of every input tuple is loaded; every further copy and
 every travelling partial counts): each step's :class:`Exchange` (``Step.exchange``) holds the
@@ -94,7 +95,8 @@ ROW_ELEM = 0.2
 # power-law graphs of n nodes / 10n edges, H n x 128, 1 vs 2 devices (threads; CPU ms, the 2-device
 # one also as its busiest-device path, the wall on idle cores; busy 2-core box, /tmp/h2_ah2.py):
 # 2.5e6 (2000 nodes) 1.2 vs 2.7, path 2.2; 6.3e6 (5000) 3.6 vs 6.5, path 4.8; 2.5e7 (20000) 40.7
-# vs 44.1, path 32.2; 6.4e7 (50000) 83 vs 74, path 42. A pinned split label is split regardless.
+# vs 44.1, path 32.2; 6.4e7 (50000) 83 vs 74, path 42. A pinned split label is split regardless,
+# and so is a step whose tuples exceed one device's memory_limit (each device then holds its part).
 MIN_SPLIT_WORK = 1e7
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: keys in arithmetic runs spread evenly
 
@@ -630,7 +632,11 @@ class Distribution:
         small = self.label is None and work < MIN_SPLIT_WORK  # see MIN_SPLIT_WORK
         if n == 1 or small or not _candidates(layout, sizes, out_labels, agg, self.label):
             held, bound = held_bytes(values, in_labels, out_labels, layout, sizes, out_bytes, self.cap is not None)
-            check_cap(self.cap, [(held, bound)], step, what)
+            if (small and n > 1 and self.cap is not None and held + bound > self.cap
+                    and _candidates(layout, sizes, out_labels, agg, self.label)):
+                small = False  # too large for one device's cap: split after all, each device holds its part
+            else:
+                check_cap(self.cap, [(held, bound)], step, what)
         if n == 1:
             data, keys, counts = execute(values, in_labels, out_labels, sizes, layout, agg, dtype, what)
             self.held = [held + len(data) * out_bytes]

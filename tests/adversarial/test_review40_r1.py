@@ -172,3 +172,27 @@ def test_a_duckdb_memory_limit_below_its_buffers_is_an_einjoin_error(devices: in
     with pytest.raises(ej.EinjoinError, match="duckdb_memory"):
         ej.sparse_compile("ij,jk->ik", a, np.ones((4, 2)), engine="duckdb", devices=devices, backend="sync",
                           duckdb_memory="1KB").run()
+
+
+# ------------------------------------------------- memory_limit= and MIN_SPLIT_WORK (3bc6368, 1f4e2eb)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_small_step_over_one_devices_cap_is_split_not_refused(devices: int) -> None:
+    # MIN_SPLIT_WORK keeps a step of little work on device 0; under a memory_limit= that device 0's
+    # tuples exceed but each device's part fits, the step was refused ("compile with more
+    # devices=", which did not help: 4 devices were refused as 2), where split it fits
+    rng = np.random.default_rng(0)
+    d = np.where(rng.random((200, 200)) < 0.05, rng.normal(size=(200, 200)), 0.0)
+    x = rng.normal(size=(200, 8))
+    a = ej.sparse("Acap40", d)
+    one = ej.sparse_compile("ij,jk->ik", a, x, backend="sync")
+    one.run()
+    cap = int(one.run_stats.peak_bytes[0] * 0.6)
+    plan = ej.sparse_compile("ij,jk->ik", a, x, devices=devices, backend="sync", memory_limit=cap)
+    got = plan.run()
+    np.testing.assert_allclose(got.todense(), d @ x, rtol=1e-12, atol=1e-12)
+    assert max(plan.run_stats.peak_bytes) <= cap
+    small = ej.sparse_compile("ij,jk->ik", a, x, devices=devices, backend="sync", memory_limit=10 ** 9)
+    small.run()  # within one device's cap: still on device 0 (MIN_SPLIT_WORK)
+    assert "below MIN_SPLIT_WORK" in small.explain()
