@@ -395,7 +395,9 @@ def _native_layer_norm(x: Tensor, normalized_shape: Any, weight: Any, bias: Any,
     a forward reading them failed with 'cannot combine an einjoin tensor with NoneType')."""
     ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     mean, rstd = norm_stats(x, tuple(range(x.ndim - len(ns), x.ndim)), eps)
-    return C.layer_norm(x, normalized_shape, weight, bias, eps), mean, rstd
+    # torch's mean and rstd of a layer norm carry no gradient (its group norm's do)
+    return (C.layer_norm(x, normalized_shape, weight, bias, eps), elementwise("stop_gradient", mean),
+            elementwise("stop_gradient", rstd))
 
 
 

@@ -99,3 +99,13 @@ def test_fmax_fmin_ties_give_the_first_argument_the_gradient(f: Callable[..., An
     # the join used max / min, whose tie rule split the gradient in halves
     nan = float("nan")
     _check(f, _f64(nan, 1.0, 2.0, nan, -0.0, 3.0), _f64(1.0, nan, 2.0, nan, 0.0, -1.0))
+
+
+def test_native_norm_statistics_carry_torchs_gradients() -> None:
+    # native_layer_norm's mean and rstd carry no gradient in torch (output_differentiability);
+    # native_group_norm's do. (Both were None before session 40: refused.)
+    def f(x: Any) -> Any:
+        out, mean, rstd = torch.native_layer_norm(x, (4,), None, None, 1e-5)
+        g, gm, gr = torch.native_group_norm(x, None, None, 2, 3, 4, 3, 1e-5)
+        return out * 2 + mean + rstd + g * 3 + (gm * gr).unsqueeze(-1)
+    _check(f, torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
