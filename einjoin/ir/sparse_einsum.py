@@ -33,7 +33,7 @@ carries.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,6 +163,12 @@ def _check_pattern(operand: SparseOperand, pattern: tuple[Node, ...]) -> None:
     if values.ndim != 1 or values.shape[0] != keys.shape[0] or values.dtype != canonical_dtype(operand.dtype_name):
         raise ShapeError(f"{what}: its values input must be {operand.dtype_name} of shape ({keys.shape[0]},), "
                          f"got {values.dtype}{list(values.shape)}")
+
+
+def sparse_einsums(nodes: Iterable[Node]) -> list[Node]:
+    """The sparse einsum nodes among ``nodes``, in order (modules outside the IR ask this, never the
+    node's kind)."""
+    return [n for n in nodes if isinstance(n.op, SparseEinsum)]
 
 
 def fed_parts(node: Node) -> tuple[tuple[Node, ...], tuple[Node, ...]]:

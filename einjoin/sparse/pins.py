@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from einjoin.errors import EinjoinError, PartitionError, UnsupportedOpError
 from einjoin.ir.graph import Graph
 from einjoin.ir.node import Node
 from einjoin.ir.opkinds import SparseEinsum
+from einjoin.ir.sparse_einsum import sparse_einsums
 from einjoin.sparse.duckdb_exec import require_duckdb
 from einjoin.sparse.plan import ENGINES
 
@@ -92,16 +93,14 @@ def check_pins(blocks: Any, relational: Any, engine: Any) -> Pins:
 
 
 def _sizes(node: Node) -> dict[str, int]:
-    op = node.op
-    assert isinstance(op, SparseEinsum)
+    op = cast(SparseEinsum, node.op)
     shapes = [x.shape for x in node.inputs[:len(op.dense_labels)]]
     shapes.insert(op.position, tuple(op.operand.shape))
     return {lab: n for shape, ls in zip(shapes, op.in_labels) for lab, n in zip(ls, shape)}
 
 
 def _what(node: Node) -> str:
-    op = node.op
-    assert isinstance(op, SparseEinsum)
+    op = cast(SparseEinsum, node.op)
     return f"sparse_einsum {op.equation!r} (sparse operand {op.operand.name!r} {list(op.operand.shape)})"
 
 
@@ -112,7 +111,8 @@ def pin_graph(graph: Graph, pins: Pins) -> dict[Node, Node]:
     blocks, relational, engine = pins
     if not blocks and not relational and engine is None:
         return {}
-    sparse = [n for n in graph.nodes if n.kind == "sparseeinsum"]
+    sparse = sparse_einsums(graph.nodes)
+    chosen = set(sparse)
     given = ", ".join(part for part in (f"blocks={dict(blocks)}" if blocks else "",
                                         f"relational={set(relational)}" if relational else "",
                                         f"engine={engine!r}" if engine is not None else "") if part)
@@ -135,7 +135,7 @@ def pin_graph(graph: Graph, pins: Pins) -> dict[Node, Node]:
     for n in graph.nodes:
         ins = tuple(new.get(x, x) for x in n.inputs)
         op: Any = n.op
-        if n.kind == "sparseeinsum":
+        if n in chosen:
             base = op.operand
             found = operands.get(id(base))
             if found is None:
@@ -151,7 +151,7 @@ def pinned_lines(graph: Graph) -> str:
     upper-case-lower-case notation and block sizes (a constant operand's plan on the node's whole
     inputs; a fed one's as its last run chose, on the fed pattern), the pins given; "" for a graph
     without pins."""
-    nodes = [n for n in graph.nodes if n.kind == "sparseeinsum"]
+    nodes = sparse_einsums(graph.nodes)
     if not nodes:
         return ""
     pinned = [n for n in nodes if _pins_of(n.op.operand) != ((), (), "memory")]  # type: ignore[union-attr]
@@ -163,8 +163,7 @@ def pinned_lines(graph: Graph) -> str:
         head = "sparse einsums (layouts chosen from the data's block histograms, no pins):"
     lines = ["", head]
     for n in pinned or nodes:
-        op = n.op
-        assert isinstance(op, SparseEinsum)
+        op = cast(SparseEinsum, n.op)
         lines.append(f"  {op.equation} ({op.operand.name} {list(op.operand.shape)}) -> {list(n.shape)}: {_layout(n)}")
         counts = _tuple_counts(n)
         if counts:
@@ -175,8 +174,7 @@ def pinned_lines(graph: Graph) -> str:
 def _tuple_counts(node: Node) -> str:
     """The joined tuples the node's kernels' plans estimated against those their last runs joined
     (summed over its kernels: a node cut over devices runs one plan per part)."""
-    op = node.op
-    assert isinstance(op, SparseEinsum)
+    op = cast(SparseEinsum, node.op)
     cache = getattr(op.operand, "_plans", None)
     if cache is None or op.agg not in ("sum", "max"):  # a max's gradient joins no tuples
         return ""
@@ -198,8 +196,7 @@ def _layout(node: Node) -> str:
     """The node's sparse plan as notation and block sizes: for a constant operand compiled on
     zero-stride dense stand-ins of the node's input shapes (the layout depends on shapes and the
     constant's pattern only); for a fed one the plans its kernels ran last."""
-    op = node.op
-    assert isinstance(op, SparseEinsum)
+    op = cast(SparseEinsum, node.op)
     operand: Any = op.operand
     if op.agg not in ("sum", "max"):  # a max node's gradient: no plan (grad_max on the stored entries' products)
         return f"the gradient of a max ({op.agg}): the products at the stored entries, no layout"
