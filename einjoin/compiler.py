@@ -423,7 +423,8 @@ def _fewer_devices(graph: Graph, cluster: Cluster, options: CompileOptions, user
     ``write_state`` and a Trainer's save / load do not depend on where)."""
     p = cluster.size
     d0 = cluster.devices[0]
-    if p == 1 or cluster != Cluster.uniform(p, d0.kind, d0.memory) or d0.node is not None:
+    if p == 1 or cluster != Cluster.uniform(p, d0.kind, d0.memory) or d0.node is not None \
+            or getattr(options.backend, "remote", False):  # Ray's devices are other processes: not modelled
         return (cluster, *full, None)
     cores = os.cpu_count() or 1
 

@@ -196,3 +196,17 @@ def test_a_small_step_over_one_devices_cap_is_split_not_refused(devices: int) ->
     small = ej.sparse_compile("ij,jk->ik", a, x, devices=devices, backend="sync", memory_limit=10 ** 9)
     small.run()  # within one device's cap: still on device 0 (MIN_SPLIT_WORK)
     assert "below MIN_SPLIT_WORK" in small.explain()
+
+
+# ------------------------------------------------- leave_idle, now the Trainer's default (06af8bb)
+
+
+def test_leave_idle_keeps_every_ray_device() -> None:
+    # leave_idle is for devices of this process (ej.compile's docstring, _fewer_devices'): the
+    # overhead model is the threads backend's. It also cut a Ray plan to 1 of 2 actors, which the
+    # Trainer's new default made silent for Trainer(backend="ray"). Compiling starts no Ray.
+    from einjoin.runtime.backends.ray import RayBackend
+    x, w = ej.input("r40rx", (16, 8)), ej.param("r40rw", (8, 4))
+    out = ej.relu(x @ w)
+    assert ej.compile(out, devices=2, backend="threads", leave_idle=True, quiet=True).taskgraph.n_devices == 1
+    assert ej.compile(out, devices=2, backend=RayBackend(), leave_idle=True, quiet=True).taskgraph.n_devices == 2
