@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -31,10 +31,12 @@ from einjoin.errors import DTypeError, EinjoinError, PartitionError, ShapeError,
 from einjoin.ir import ops
 from einjoin.ir.equation import parse_equation
 from einjoin.ir.node import Node
+from einjoin.ir.scalar import is_identity, is_product, parse_join
 from einjoin.cluster.sizes import parse_bytes
 from einjoin.sparse.distribute import Distribution, Exchange, distribution, held_bytes
 from einjoin.sparse.duckdb_exec import DuckDevice, DuckSession, device_settings, execute_duckdb, require_duckdb
 from einjoin.sparse.execute import RunCounts
+from einjoin.sparse.joins import JoinPlan
 from einjoin.sparse.layout import Layout, Operand, choose_layout, histogram
 from einjoin.sparse.replan import PatternCache, bind_operands, pattern_of
 from einjoin.sparse.tensor import (EINSUM, SparseTensor, dense_operand, drop_dims, half, is_float, is_sparse_format,
@@ -472,14 +474,35 @@ def _name(v: SparseTensor | np.ndarray, i: int) -> str:
     return v.name if isinstance(v, SparseTensor) else f"x{i}"
 
 
+@overload
+def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join: Literal["mul"] | None = None,
+                   blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
+                   engine: str = "memory", duckdb_memory: str | None = None,
+                   duckdb_temp: str | None = None, duckdb_threads: int | None = None,
+                   devices: int = 1, backend: Any = "threads", memory_limit: int | str | None = None
+                   ) -> SparsePlan: ...
+
+
+@overload
 def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join: Any = None,
                    blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
                    engine: str = "memory", duckdb_memory: str | None = None,
                    duckdb_temp: str | None = None, duckdb_threads: int | None = None,
                    devices: int = 1, backend: Any = "threads", memory_limit: int | str | None = None
-                   ) -> SparsePlan:
+                   ) -> SparsePlan | JoinPlan: ...
+
+
+def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join: Any = None,
+                   blocks: Mapping[str, int] | None = None, relational: Sequence[str] | None = None,
+                   engine: str = "memory", duckdb_memory: str | None = None,
+                   duckdb_temp: str | None = None, duckdb_threads: int | None = None,
+                   devices: int = 1, backend: Any = "threads", memory_limit: int | str | None = None
+                   ) -> SparsePlan | JoinPlan:
     """Compile an einsum over sparse and dense operands (a ``mul`` join; ``sum`` or ``max``
-    aggregation). ``blocks={"j": 256}`` pins a label's block size (relational), ``relational=
+    aggregation). Another ``join`` (``"add"``, ``"relu"``, ``"exp"``, an expression of x0, x1,
+    ...) gives an :class:`einjoin.sparse.joins.JoinPlan`: sparse over the union of the stored
+    entries when the join is 0 at zeros and every operand is sparse over all labels, else dense.
+    ``blocks={"j": 256}`` pins a label's block size (relational), ``relational=
     {"i"}`` keeps a label relational at a block size of the planner's choice. A sum over three
     or more operands runs as binary steps, the cheapest pair first.
 
@@ -521,8 +544,10 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     if not any(isinstance(v, SparseTensor) for v in values):
         raise EinjoinError(f"{what}: no sparse operand (use ej.sparse(name, data), or ej.einsum on "
                            f"lazy tensors for dense programs)")
-    if join not in (None, "mul"):
-        raise UnsupportedOpError(f"{what}: join {join!r}; sparse einsums support the product ('mul') only")
+    # a join other than the product: einjoin.sparse.joins (a union of stored entries, or dense)
+    expr = parse_join("mul" if len(values) > 1 else "x0", len(values)) if join in (None, "mul") else \
+        parse_join(join, len(values))
+    product = is_product(expr, len(values)) or (len(values) == 1 and is_identity(expr))
     # None is no aggregation, as in the dense einsum (the IR check below refuses summed labels)
     agg_name = "none" if agg is None else getattr(agg, "name", agg)
     if agg_name not in AGGS + ("none",):
@@ -533,11 +558,18 @@ def sparse_compile(equation: str, *operands: Any, agg: str | None = "sum", join:
     nodes = [ops.input_node(f"{n}#{i}", tuple(v.shape), np.dtype(v.dtype).name)
              for i, (n, v) in enumerate(zip(names, values))]
     # the IR's own checks (labels vs shapes, output labels), with the dense einsum's messages
-    ops.einsum_node(nodes, in_labels, out_labels, "mul" if len(values) > 1 else "x0", agg_name)
+    ops.einsum_node(nodes, in_labels, out_labels, expr if not product else "mul" if len(values) > 1 else "x0",
+                    agg_name)
     for ls, n in zip(in_labels, names):
         if len(set(ls)) != len(ls):
             raise UnsupportedOpError(f"{what}: operand {n!r} repeats a label ({''.join(ls)!r}: "
                                      f"diagonals of sparse operands are not supported)")
+    if not product:
+        return JoinPlan(equation, values, in_labels, tuple(out_labels), expr, agg_name, dict(
+            blocks=blocks, relational=relational, engine=engine, duckdb_memory=duckdb_memory,
+            duckdb_temp=duckdb_temp, duckdb_threads=duckdb_threads, devices=devices, backend=backend,
+            memory_limit=memory_limit), what, keeps=None if squeezed is None else squeezed[1],
+            compile=sparse_compile, operand=_operand)
     sizes: dict[str, int] = {}
     for ls, v in zip(in_labels, values):
         sizes.update(zip(ls, v.shape))
@@ -637,8 +669,9 @@ def sparse_einsum(equation: str, *operands: Any, join: Any = None, agg: str | No
     if lazy and devices == 1 and blocks is None and relational is None:
         node: Node = LAZY["einsum"](equation, operands, join=join, agg=agg)
         return node
-    return sparse_compile(equation, *operands, agg=agg, join=join, blocks=blocks,
-                          relational=relational, devices=devices, backend=backend).run()
+    out: SparseTensor | np.ndarray = sparse_compile(equation, *operands, agg=agg, join=join, blocks=blocks,
+                                                    relational=relational, devices=devices, backend=backend).run()
+    return out
 
 
 EINSUM["sparse_einsum"] = sparse_einsum
