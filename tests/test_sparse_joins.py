@@ -129,3 +129,15 @@ def test_product_joins_keep_the_product_plan() -> None:
     assert isinstance(ej.sparse_compile("ij,jk->ik", a, a, join="mul"), ej.SparsePlan)
     assert isinstance(ej.sparse_compile("ij,jk->ik", a, a, join="x1 * x0"), ej.SparsePlan)
     assert isinstance(ej.sparse_compile("ij->i", a, join="x0"), ej.SparsePlan)
+
+
+def test_half_sums_accumulate_in_float32_and_dtype_changes_are_refused() -> None:
+    rng = np.random.default_rng(0)
+    d = (rng.random((3, 4000)) < 0.01) * rng.standard_normal((3, 4000))
+    a = ej.sparse("A", d.astype(np.float16))
+    got = ej.einsum("ij->i", a, join="exp")  # dense: 4000 terms near 1 per row
+    want = np.exp(a.todense().astype(np.float32)).sum(1).astype(np.float16)
+    assert got.dtype == np.float16 and np.array_equal(got, want)
+    plan = ej.sparse_compile("ij,ij->i", a, a, join="add")
+    with pytest.raises(EinjoinError, match="float64.*compiled for.*float16"):
+        plan.run(ej.sparse("B", d), a)

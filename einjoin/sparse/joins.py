@@ -109,10 +109,11 @@ class JoinPlan:
             if self.keeps is not None:
                 values = tuple(drop_dims(v, k) for v, k in zip(values, self.keeps))
             for i, (v, old) in enumerate(zip(values, self.values)):
-                if tuple(v.shape) != tuple(old.shape) or isinstance(v, SparseTensor) != isinstance(old, SparseTensor):
+                if tuple(v.shape) != tuple(old.shape) or isinstance(v, SparseTensor) != isinstance(old, SparseTensor) \
+                        or np.dtype(v.dtype) != np.dtype(old.dtype):
                     raise EinjoinError(f"{self.what}: operand {i} of shape {tuple(v.shape)} "
-                                       f"({type(v).__name__}); compiled for {tuple(old.shape)} "
-                                       f"({type(old).__name__})")
+                                       f"({type(v).__name__}, {np.dtype(v.dtype).name}); compiled for "
+                                       f"{tuple(old.shape)} ({type(old).__name__}, {np.dtype(old.dtype).name})")
         if self.sparse_result:
             return self._aggregate_sparse(self._union(values))
         return self._aggregate_dense(self._dense(values))
@@ -138,7 +139,7 @@ class JoinPlan:
         with np.errstate(all="ignore"):
             out = np.asarray(evaluate(self.expr, args))
         out = np.broadcast_to(out, (len(uniq),)).copy()
-        return from_coo("join", uniq, out, self.shape, (1,) * len(self.shape), summed=True)
+        return from_coo("out", uniq, out, self.shape, (1,) * len(self.shape), summed=True)
 
     def _dense(self, values: Sequence[SparseTensor | np.ndarray]) -> np.ndarray:
         args = []
@@ -154,7 +155,11 @@ class JoinPlan:
     def _aggregate_dense(self, full: np.ndarray) -> np.ndarray:
         axes = tuple(k for k, lab in enumerate(self.labels) if lab not in self.out_labels)
         if axes:
-            full = full.max(axis=axes) if self.agg == "max" else full.sum(axis=axes)
+            # float16 / bfloat16 accumulate in float32 and round once, as every einjoin sum
+            acc = np.float32 if full.dtype.kind == "f" and full.dtype.itemsize < 4 or full.dtype.name == "bfloat16" \
+                else None
+            full = full.max(axis=axes) if self.agg == "max" else \
+                full.sum(axis=axes, dtype=acc).astype(full.dtype, copy=False)
         kept = [lab for lab in self.labels if lab in self.out_labels]
         return np.array(np.transpose(full, [kept.index(lab) for lab in self.out_labels]), order="C")
 
