@@ -141,3 +141,24 @@ def test_half_sums_accumulate_in_float32_and_dtype_changes_are_refused() -> None
     plan = ej.sparse_compile("ij,ij->i", a, a, join="add")
     with pytest.raises(EinjoinError, match="float64.*compiled for.*float16"):
         plan.run(ej.sparse("B", d), a)
+
+
+@pytest.mark.parametrize("eq,join,fn", [
+    ("ij,ji->ij", "add", lambda a, b: a + b.T),
+    ("ijk,ij->ki", "add", lambda c, a: np.transpose((c + a[:, :, None]).max(1))),  # agg max below
+    ("ij,j->i", "add", lambda a, e: (a + e).sum(1)),  # an operand lacking a label: dense
+    ("ij,ij,ij->ij", "x0 + x1 - x2", lambda a, b, c: a + b - c),
+])
+def test_label_orders_ranks_and_three_operands(eq: str, join: str, fn) -> None:
+    rng = np.random.default_rng(len(eq))
+    ins = eq.split("->")[0].split(",")
+    sizes = {"i": 4, "j": 5, "k": 3}
+    ops = []
+    for k, ls in enumerate(ins):
+        shape = tuple(sizes[lab] for lab in ls)
+        ops.append(ej.sparse(f"A{k}", random_coo(rng, shape, 0.3) + (shape,)))
+    agg = "max" if eq == "ijk,ij->ki" else "sum"
+    got = dense(ej.einsum(eq, *ops, join=join, agg=agg))
+    np.testing.assert_allclose(got, fn(*[x.todense() for x in ops]), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ej.UnsupportedOpError, match="gradients"):
+        ej.sparse_compile(eq, *ops, join=join, agg=agg).vjp(np.ones(got.shape))

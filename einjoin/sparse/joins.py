@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from einjoin.errors import EinjoinError
+from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr
 from einjoin.sparse.tensor import SparseTensor, drop_dims, from_coo, unique_rows
@@ -89,6 +89,11 @@ class JoinPlan:
                     f"{what}: join {expr} is dense (it is not 0 where operands are 0, or an operand is dense "
                     f"or lacks a label): its result of shape {self.shape} ({dt.name}) takes {need} bytes, over "
                     f"einjoin.sparse.joins.DENSE_JOIN_LIMIT ({DENSE_JOIN_LIMIT} bytes)")
+
+    def vjp(self, grad_out: Any, wrt: Any = None) -> Any:
+        """Refused: gradients of sparse einsums are those of products (`einjoin.sparse.grad`)."""
+        raise UnsupportedOpError(f"{self.what}: gradients of the join {self.expr} (not a product) are not "
+                                 f"supported on sparse operands; densify them (.todense()) for ej.grad")
 
     def notation(self) -> str:
         kind = "union of stored entries" if self.sparse_result else "dense"
