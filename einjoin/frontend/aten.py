@@ -34,6 +34,7 @@ from einjoin.frontend.recurrent import RECURRENT_OPS
 from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
 from einjoin.frontend.aten_bits import BITS_OPS, floor_div, trunc_div
+from einjoin.frontend.aten_math import MATH_OPS
 from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
@@ -700,6 +701,7 @@ OPS.update(CONV_OPS)  # convolution and pooling (H1's frontend/aten_conv.py)
 # bitwise ops, shifts, fmod, logical ops of any dtype, cummax / cummin (replacing the bool-only
 # bitwise_and / __and__ / bitwise_not spellings above)
 OPS.update(BITS_OPS)
+OPS.update(MATH_OPS)  # hyperbolic / inverse trig, atan2, copysign, xlogy, logaddexp, logit
 
 
 @op("outer", "ger")

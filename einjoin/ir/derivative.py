@@ -533,6 +533,51 @@ def _d_neg(e: Call, t: Tangent) -> Expr | None:
     return None if da is None else _mk("neg", da)
 
 
+def _partials(pa: Callable[[Call], Expr], pb: Callable[[Call], Expr] | None) -> Rule:
+    """The chain rule of a two-argument function: ``pa * da + pb * db`` (a structural zero tangent
+    drops its term; ``pb`` None: the second argument gets torch's zeros)."""
+    def rule(e: Call, t: Tangent) -> Expr | None:
+        da = t(0)
+        db = None if pb is None else t(1)
+        return _sum(None if da is None else _mul(da, pa(e)),
+                    None if db is None or pb is None else _mul(db, pb(e)))
+    return rule
+
+
+def _sq(a: Expr) -> Expr:
+    return _mul(a, a)
+
+
+def _atan2_recip(e: Call) -> Expr:
+    a, b = e.args  # torch's atan2_backward: 1 / (a² + b²), 0 where that sum is 0 (the origin)
+    den = _add(_sq(a), _sq(b))
+    return _where(_mk("eq", den, _c(0)), _c(0.0), _div(_c(1.0), den))
+
+
+def _d_xlogy(e: Call, t: Tangent) -> Expr | None:
+    """torch's xlogy backward: ``xlogy(grad, y)``, 0 where ``x == 0 and y <= 0``, for x (so
+    d/dx at x = 0 is log y for y > 0); ``grad * x / y`` for y."""
+    x, y = e.args
+    dx, dy = t(0), t(1)
+    tx = None if dx is None else _where(_mk("logical_and", _mk("eq", x, _c(0)), _mk("le", y, _c(0))),
+                                        _c(0.0), _mk("xlogy", dx, y))
+    ty = None if dy is None else _div(_mul(dy, x), y)
+    return _sum(tx, ty)
+
+
+def _d_logit(e: Call, t: Tangent) -> Expr | None:
+    da = t(0)  # torch's logit_backward (no eps): NaN outside [0, 1], else grad / (x (1 - x))
+    if da is None:
+        return None
+    x = e.args[0]
+    out = _mk("logical_or", _mk("lt", x, _c(0)), _mk("gt", x, _c(1)))
+    return _where(out, _c(math.nan), _div(da, _mul(x, _sub(_c(1.0), x))))
+
+
+def _one_over(den: Callable[[Call], Expr]) -> Callable[[Call], Expr]:
+    return lambda e: _div(_c(1.0), den(e))
+
+
 _NO_INT_GRAD = ("its result is piecewise constant and torch.floor_divide has no derivative "
                 "either; detach its inputs with stop_gradient")
 
@@ -570,6 +615,27 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "sigmoid": _unary(_sigmoid),
     "sin": _unary(lambda e: _mk("cos", e.args[0])),
     "cos": _unary(lambda e: _mk("neg", _mk("sin", e.args[0]))),
+    # torch's derivatives.yaml formulas
+    "sinh": _unary(lambda e: _mk("cosh", e.args[0])),
+    "cosh": _unary(lambda e: _mk("sinh", e.args[0])),
+    "asin": _unary(lambda e: _mk("rsqrt", _sub(_c(1.0), _sq(e.args[0])))),
+    "acos": _unary(lambda e: _mk("neg", _mk("rsqrt", _sub(_c(1.0), _sq(e.args[0]))))),
+    "atan": _unary(_one_over(lambda e: _add(_sq(e.args[0]), _c(1.0)))),
+    "asinh": _unary(lambda e: _mk("rsqrt", _add(_sq(e.args[0]), _c(1.0)))),
+    "acosh": _unary(lambda e: _mk("rsqrt", _sub(_sq(e.args[0]), _c(1.0)))),
+    "atanh": _unary(_one_over(lambda e: _sub(_c(1.0), _sq(e.args[0])))),
+    "logit": _d_logit,
+    "atan2": _partials(lambda e: _mul(e.args[1], _atan2_recip(e)),
+                       lambda e: _mul(_mk("neg", e.args[0]), _atan2_recip(e))),
+    # copysign: result / a, 0 where a == 0; the sign argument gets 0 (torch's zeros_like)
+    "copysign": _partials(lambda e: _where(_mk("eq", e.args[0], _c(0)), _c(0.0), _div(e, e.args[0])),
+                          None),
+    "xlogy": _d_xlogy,
+    "logaddexp": _partials(_one_over(lambda e: _add(_c(1.0), _mk("exp", _sub(e.args[1], e.args[0])))),
+                           _one_over(lambda e: _add(_c(1.0), _mk("exp", _sub(e.args[0], e.args[1]))))),
+    "logaddexp2": _partials(
+        _one_over(lambda e: _add(_c(1.0), _mk("pow", _c(2.0), _sub(e.args[1], e.args[0])))),
+        _one_over(lambda e: _add(_c(1.0), _mk("pow", _c(2.0), _sub(e.args[0], e.args[1]))))),
     "where": _d_where,
     "lt": _zero, "le": _zero, "gt": _zero, "ge": _zero, "eq": _zero, "ne": _zero,
     "logical_not": _zero, "logical_and": _zero, "logical_or": _zero,

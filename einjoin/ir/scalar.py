@@ -282,6 +282,17 @@ def _shift(left: bool) -> Callable[..., np.ndarray]:
     return run
 
 
+def _xlogy(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """torch.xlogy: ``x * log(y)``, 0 where ``x == 0`` (log 0 included) unless ``y`` is NaN."""
+    out: np.ndarray = np.where(np.isnan(y), np.nan, np.where(x == 0, 0, x * np.log(y)))
+    return out.astype(np.result_type(x, y), copy=False)
+
+
+def _logit(x: np.ndarray) -> np.ndarray:
+    out: np.ndarray = np.log(x / (1 - x))  # torch's formula (logit(1) is inf, outside [0, 1] NaN)
+    return out
+
+
 # precedences follow Python's grammar, which parses the printed form: comparisons (1) bind
 # loosest, then | (2), & (3), + - (4), * / (5), unary minus, ** (7)
 _FN_LIST = [
@@ -321,6 +332,21 @@ _FN_LIST = [
     ScalarFn("sigmoid", 1, "float", _sigmoid),
     ScalarFn("sin", 1, "float", np.sin),
     ScalarFn("cos", 1, "float", np.cos),
+    # torch.from_torch's transcendental ops (session 40): numpy's, torch's formulas and edge cases
+    ScalarFn("sinh", 1, "float", _safe(np.sinh)),
+    ScalarFn("cosh", 1, "float", _safe(np.cosh)),
+    ScalarFn("asin", 1, "float", _safe(np.arcsin)),
+    ScalarFn("acos", 1, "float", _safe(np.arccos)),
+    ScalarFn("atan", 1, "float", np.arctan),
+    ScalarFn("asinh", 1, "float", np.arcsinh),
+    ScalarFn("acosh", 1, "float", _safe(np.arccosh)),
+    ScalarFn("atanh", 1, "float", _safe(np.arctanh)),
+    ScalarFn("logit", 1, "float", _safe(_logit)),
+    ScalarFn("atan2", 2, "float", np.arctan2),
+    ScalarFn("copysign", 2, "float", np.copysign),
+    ScalarFn("xlogy", 2, "float", _safe(_xlogy)),
+    ScalarFn("logaddexp", 2, "float", _safe(np.logaddexp)),
+    ScalarFn("logaddexp2", 2, "float", _safe(np.logaddexp2)),
     ScalarFn("where", 3, "select", np.where),
     ScalarFn("lt", 2, "compare", np.less, "<", 1),
     ScalarFn("le", 2, "compare", np.less_equal, "<=", 1),

@@ -104,6 +104,10 @@ TORCH_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
     "logical_not": torch.logical_not, "logical_and": torch.logical_and, "logical_or": torch.logical_or,
     "stop_gradient": torch.clone,
+    "sinh": torch.sinh, "cosh": torch.cosh, "asin": torch.asin, "acos": torch.acos, "atan": torch.atan,
+    "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh, "logit": torch.logit,
+    "atan2": torch.atan2, "copysign": torch.copysign, "xlogy": torch.xlogy,
+    "logaddexp": torch.logaddexp, "logaddexp2": torch.logaddexp2,
     # issue 39's integer functions: numpy's (torch's numerics, checked by tests/adversarial/test_issue39_*)
     **{n: _via_numpy(n) for n in ("fmod", "truncdiv", "bitand", "bitor", "bitxor", "bitnot", "lshift", "rshift")},
 }
