@@ -50,9 +50,10 @@ def reference(fn, ops: list[np.ndarray], out: str, agg: str) -> np.ndarray:
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2 ** 32 - 1), st.sampled_from(range(len(JOINS))), st.sampled_from(OUTS),
-       st.sampled_from(["sum", "max"]), st.sampled_from([0.0, 0.05, 0.3, 1.0]), st.booleans())
+       st.sampled_from(["sum", "max"]), st.sampled_from([0.0, 0.05, 0.3, 1.0]), st.booleans(),
+       st.sampled_from(engines()))
 def test_joins_equal_numpy_on_densified_inputs(seed: int, j: int, out: str, agg: str, density: float,
-                                               dense_second: bool) -> None:
+                                               dense_second: bool, engine: str) -> None:
     rng = np.random.default_rng(seed)
     join, arity, fn, keeps = JOINS[j]
     shape = (int(rng.integers(1, 7)), int(rng.integers(1, 7)))
@@ -64,7 +65,8 @@ def test_joins_equal_numpy_on_densified_inputs(seed: int, j: int, out: str, agg:
             idx, vals = random_coo(rng, shape, density)  # duplicates (summed) and explicit zeros
             ops.append(ej.sparse(f"A{k}", (idx, vals, shape)))
     eq = ",".join(["ij"] * arity) + "->" + out
-    got = ej.einsum(eq, *ops, join=join, agg=agg)
+    got = ej.einsum(eq, *ops, join=join, agg=agg) if engine == "memory" else \
+        ej.sparse_compile(eq, *ops, join=join, agg=agg, engine=engine).run()
     want = reference(fn, [dense(x) for x in ops], out, agg)
     assert dense(got).shape == want.shape
     np.testing.assert_allclose(dense(got), want, rtol=1e-9, atol=1e-12)
@@ -85,6 +87,8 @@ def test_add_and_relu_on_engines_and_devices(engine: str, devices: int, agg: str
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from einjoin.sparse import distribute
     monkeypatch.setattr(distribute, "MIN_SPLIT_WORK", 0.0)  # split these small steps anyway
+    if engine == "duckdb":  # the union runs in SQL (UNION ALL, GROUP BY), not in numpy
+        monkeypatch.setattr(joins, "_union_memory", None)
     rng = np.random.default_rng(devices)
     shape = (30, 20)
     a = ej.sparse("A", random_coo(rng, shape, 0.1) + (shape,))
@@ -162,3 +166,11 @@ def test_label_orders_ranks_and_three_operands(eq: str, join: str, fn) -> None:
     np.testing.assert_allclose(got, fn(*[x.todense() for x in ops]), rtol=1e-9, atol=1e-12)
     with pytest.raises(ej.UnsupportedOpError, match="gradients"):
         ej.sparse_compile(eq, *ops, join=join, agg=agg).vjp(np.ones(got.shape))
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_nan_and_inf_meet_missing_entries_as_on_the_densified_data(engine: str) -> None:
+    a = ej.sparse("A", (np.array([[0, 1], [0, 1]]), np.array([np.nan, np.inf]), (2, 2)))
+    b = ej.sparse("B", (np.array([[0], [1]]), np.array([2.0]), (2, 2)))
+    got = ej.sparse_compile("ij,ij->ij", a, b, join="add", engine=engine).run()
+    np.testing.assert_array_equal(got.todense(), a.todense() + b.todense())

@@ -15,7 +15,9 @@ is 0):
 - the aggregation to the output labels (``sum`` / ``max``): of a sparse result, a one-operand
   sparse einsum of the plan's engine and devices (`einjoin.sparse.plan`); of a dense one, numpy.
 
-The union runs in memory on either engine (DuckDB runs the aggregation step).
+With ``engine="duckdb"`` the union is one SQL query (a table per operand, UNION ALL, GROUP BY the
+key) on a connection of the plan's DuckDB settings, and DuckDB runs the aggregation step too; on
+several devices the union runs on one connection and the aggregation is split.
 
 >>> import numpy as np, einjoin as ej
 >>> a = ej.sparse("A", np.array([[1., 0.], [0., 2.]]))
@@ -39,6 +41,7 @@ import numpy as np
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr
+from einjoin.sparse.duckdb_exec import DuckSession
 from einjoin.sparse.tensor import SparseTensor, drop_dims, from_coo, unique_rows
 
 __all__ = ["DENSE_JOIN_LIMIT", "JoinPlan", "zero_at_zero"]
@@ -133,18 +136,40 @@ class JoinPlan:
             assert isinstance(v, SparseTensor)
             coords, vals = v.coo()
             coos.append((coords[:, self._perm(ls)], vals))
-        allc = np.concatenate([c for c, _ in coos]) if coos else np.zeros((0, len(self.shape)), np.int64)
-        uniq, inv = unique_rows(allc.astype(np.int64, copy=False), self.shape)
-        args, start = [], 0
-        for c, vals in coos:
-            col = np.zeros(len(uniq), vals.dtype)
-            col[inv[start:start + len(c)]] = vals
-            args.append(col)
-            start += len(c)
+        sql = self.compile_kw.get("engine") == "duckdb" and len(self.shape) > 0 and \
+            any(len(c) for c, _ in coos) and all(_sql_kind(v.dtype) for _, v in coos)
+        uniq, args = self._union_sql(coos) if sql else _union_memory(coos, self.shape)
         with np.errstate(all="ignore"):
             out = np.asarray(evaluate(self.expr, args))
         out = np.broadcast_to(out, (len(uniq),)).copy()
         return from_coo("out", uniq, out, self.shape, (1,) * len(self.shape), summed=True)
+
+    def _union_sql(self, coos: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The union on DuckDB (``engine="duckdb"``, under its settings): each operand a table of
+        (key columns, value), UNION ALL with one value column per operand, GROUP BY the keys."""
+        kw = self.compile_kw
+        keys = [f"c{d}" for d in range(len(self.shape))]
+        with DuckSession(self.what, kw.get("duckdb_memory"), kw.get("duckdb_temp"), kw.get("duckdb_threads")) as ses:
+            con, selects = ses.con, []
+            for k, (c, vals) in enumerate(coos):
+                kind = _sql_kind(vals.dtype)
+                con.register("kk", np.ascontiguousarray(c.T, np.int64))
+                flat = vals.astype(np.float64 if kind == "DOUBLE" else np.int64)
+                con.register("pp", np.ascontiguousarray(flat[None]))
+                # DuckDB scans a numpy NaN as NULL (which sum skips): read back as NaN
+                v = "coalesce(pp.column0, 'NaN'::DOUBLE)" if kind == "DOUBLE" else "pp.column0"
+                cols = ", ".join(f"kk.column{d} AS {key}" for d, key in enumerate(keys))
+                con.execute(f"CREATE TABLE t{k} AS SELECT {cols}, {v} AS v FROM kk POSITIONAL JOIN pp")
+                con.unregister("kk")
+                con.unregister("pp")
+                vs = ", ".join(f"{'v' if j == k else f'NULL::{_sql_kind(coos[j][1].dtype)}'} AS v{j}"
+                               for j in range(len(coos)))
+                selects.append(f"SELECT {', '.join(keys)}, {vs} FROM t{k}")
+            sums = ", ".join(f"coalesce(sum(v{j}), 0)::{_sql_kind(v.dtype)} AS v{j}" for j, (_, v) in enumerate(coos))
+            got = con.execute(f"SELECT {', '.join(keys)}, {sums} FROM ({' UNION ALL '.join(selects)}) "
+                              f"GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}").fetchnumpy()
+        uniq = np.stack([np.asarray(got[key], np.int64) for key in keys], axis=1)
+        return uniq, [np.asarray(got[f"v{j}"]).astype(v.dtype) for j, (_, v) in enumerate(coos)]
 
     def _dense(self, values: Sequence[SparseTensor | np.ndarray]) -> np.ndarray:
         args = []
@@ -182,3 +207,25 @@ class JoinPlan:
         agg = "sum" if self.agg == "none" else self.agg
         out: SparseTensor | np.ndarray = self.compile(eq, joined, agg=agg, **kw).run()
         return out
+
+
+def _sql_kind(dt: np.dtype) -> str | None:
+    """The DuckDB column type that holds a dtype's values exactly, or None (the union runs in memory)."""
+    dt = np.dtype(dt)
+    if dt.kind in "fb" or dt.name == "bfloat16":
+        return "DOUBLE" if dt.itemsize <= 8 else None
+    return "BIGINT" if dt.kind in "iu" and (dt.kind == "i" or dt.itemsize < 8) else None
+
+
+def _union_memory(coos: list[tuple[np.ndarray, np.ndarray]], shape: tuple[int, ...]
+                  ) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The union in numpy: the unique coordinates and each operand's value there (0 where it stores none)."""
+    allc = np.concatenate([c for c, _ in coos]) if coos else np.zeros((0, len(shape)), np.int64)
+    uniq, inv = unique_rows(allc.astype(np.int64, copy=False), shape)
+    args, start = [], 0
+    for c, vals in coos:
+        col = np.zeros(len(uniq), vals.dtype)
+        col[inv[start:start + len(c)]] = vals
+        args.append(col)
+        start += len(c)
+    return uniq, args
