@@ -43,6 +43,7 @@ from einjoin.runtime.engine import (CancelToken, RunHandle, check_callbacks, che
                                     check_seed)
 from einjoin.program_state import ProgramState
 from einjoin.runtime.state import Resident
+from einjoin.runtime.turns import Turns
 from einjoin.variants import ShapeCache, Signature, bind_call, example_tensors, shown, signature
 
 __all__ = ["compile", "load", "Program", "ProgramRunStats", "TraceWriteWarning", "CompileOptions", "CompiledPlan"]
@@ -299,13 +300,14 @@ class Program(ProgramState):
         self._active: set[CancelToken] = set()  # the runs in progress, for cancel()
         self._in_callback = threading.local()  # set while a user callback of a serialised run runs
         self._resident = Resident()
+        self._turns = Turns()  # a serialised program's runs: in the order they were submitted
 
     def __getstate__(self) -> dict[str, Any]:
         """Plain data: the plan, the options, the state's current values (host arrays); no
         engine, lock or thread. The graph's nodes go first, in topological order, so that a deep
         graph pickles without deep recursion (each node's inputs are pickled before it)."""
         state: dict[str, Any] = {"_nodes": self.graph.nodes}
-        skip = {"_made_engine", "_runs_lock", "_active", "_in_callback", "_resident", "run_stats"}
+        skip = {"_made_engine", "_runs_lock", "_active", "_in_callback", "_resident", "_turns", "run_stats"}
         state.update((k, v) for k, v in self.__dict__.items() if k not in skip)
         if self._slots:
             with self._resident.lock:
@@ -395,7 +397,7 @@ class Program(ProgramState):
         prog = Program(build_plan(source, self.plan.given or self.cluster, self.plan.options), writes)
         prog._key, prog._parent, prog._variants = key, self, None
         if writes is not None:  # runs of every shape write the same buffers: one at a time
-            prog._resident.lock = self._resident.lock
+            prog._resident.lock, prog._turns = self._resident.lock, self._turns
         assert self._variants is not None
         log.info("compiled %d ops for shapes %s in %.3f s (%d program(s) cached before, LRU of %s)",
                  len(prog.graph.ops), shown(shapes, given), time.perf_counter() - start, len(self._variants),
@@ -496,7 +498,12 @@ class Program(ProgramState):
         with self._runs_lock:  # in progress from now on: a Program.cancel() right after reaches it
             self._active.add(token)
         handle.thread = threading.Thread(target=target, name="einjoin-run", daemon=True)
-        handle.thread.start()
+        try:
+            handle.thread.start()
+        except BaseException:
+            if prepared["ticket"] is not None:  # never runs: the runs after it must not wait for it
+                prog._turns.done(prepared["ticket"])
+            raise
         return handle
 
     def _take_cancel(self, cancel: Any, feeds: dict[str, Any]) -> Any:
@@ -552,11 +559,23 @@ class Program(ProgramState):
         use_torch = any(type(v).__module__.startswith("torch") for v in (*args, *feeds.values()))
         # the buffers the forward writes, not fed by the caller: read again when the run starts
         reread = () if self._writes is None else tuple(n for n in self._writes.names if n not in feeds)
+        # a serialised run's turn: taken once every check passed, so _execute always follows
+        ticket = self._turns.take() if self._serial else None
         return dict(values=values, reread=reread, use_torch=use_torch, order=order, seed=seed, callbacks=callbacks,
                     trace=trace_path, quiet=self.quiet if quiet is None else bool(quiet),
-                    host_link=host_link, cancel=cancel)
+                    host_link=host_link, cancel=cancel, ticket=ticket)
 
     def _execute(self, p: dict[str, Any], token: CancelToken, handle: RunHandle | None) -> Any:
+        """Run a prepared run; a serialised program's runs in the order they were prepared (a
+        thread per run_async takes the run lock in no set order: queued runs of a module that
+        writes a buffer returned 1, 3, 2). Its turn ends when it returns or fails."""
+        try:
+            return self._execute_in_turn(p, token, handle)
+        finally:
+            if p.get("ticket") is not None:
+                self._turns.done(p["ticket"])
+
+    def _execute_in_turn(self, p: dict[str, Any], token: CancelToken, handle: RunHandle | None) -> Any:
         callbacks = p["callbacks"]
         if self._serial:
             if getattr(self._in_callback, "depth", 0):
@@ -586,6 +605,8 @@ class Program(ProgramState):
                 # started" before running anything; every backend (Ray too) runs through the engine
                 with bar if bar is not None else _nothing():
                     # runs with state, or deterministic ones (a fixed BLAS share), one at a time
+                    if p.get("ticket") is not None:
+                        self._turns.wait(p["ticket"])  # the runs submitted before it went first
                     with self._resident.lock if self._serial else _nothing():
                         values, state = self._with_state(self._reread(p["values"], p.get("reread", ())))
                         try:
