@@ -12,6 +12,7 @@ from einjoin.sparse.grad import sparse_vjp
 from einjoin.sparse.node import GraphSparse  # registers the graph node builder (ej.einsum with lazy operands)
 from einjoin.sparse.plan import SparsePlan, sparse_compile, sparse_einsum
 from einjoin.sparse.tensor import SparseTensor, is_sparse, sparse
+import einjoin.sparse.tensor_ops  # noqa: F401 - registers the Tensor API's ops (TENSOR_OPS)
 
 __all__ = ["SparseTensor", "SparsePlan", "sparse", "sparse_compile", "sparse_einsum", "is_sparse",
            "sparse_vjp", "GraphSparse", "SparseInput", "sparse_input"]

@@ -31,6 +31,9 @@ __all__ = ["SparseTensor", "sparse", "is_sparse", "dense_operand", "broadcast_si
 
 # {"sparse_einsum": einjoin.sparse.plan.sparse_einsum, "cached": einjoin.sparse.replan.einsum_cached}
 EINSUM: dict[str, Callable[..., Any]] = {}
+# the Tensor API's ops on a SparseTensor ("apply", "add", "mul", "truediv"), registered by
+# einjoin.sparse.tensor_ops (which builds on this module; einjoin.sparse imports it)
+TENSOR_OPS: dict[str, Callable[..., Any]] = {}
 _MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
 
 
@@ -247,6 +250,90 @@ class SparseTensor:
                            f"read a sparse tensor implicitly; use .todense() for the dense array, "
                            f".to_scipy(), or ej.einsum for products with arrays")
 
+    # -- the Tensor API on the stored entries (einjoin.sparse.tensor_ops: each equal to numpy on
+    # the densified tensor; sparse where f(0) == 0, dense arrays otherwise) --
+    __array_ufunc__ = None  # ``array * t`` defers to ``t.__rmul__`` (numpy would refuse it in __array__)
+
+    def __einjoin_op__(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """The frontend's functional forms on a sparse tensor (``ej.sum(t, 1)``, ``ej.relu(t)``)."""
+        return TENSOR_OPS["apply"](self, op, *args, **kwargs)
+
+    def sum(self, dim: Any = None, keepdim: bool = False) -> Any:
+        """The sum over ``dim`` (None: all): a SparseTensor, or a dense array over every dim.
+
+        >>> import numpy as np
+        >>> sparse("A", np.array([[1, 0], [2, 3]])).sum(0).todense().tolist()
+        [3, 3]
+        """
+        return self.__einjoin_op__("sum", dim, keepdim)
+
+    def max(self, dim: Any = None, keepdim: bool = False) -> Any:
+        """The max over ``dim``, a missing entry counting 0 (as the densified tensor)."""
+        return self.__einjoin_op__("max", dim, keepdim)
+
+    def min(self, dim: Any = None, keepdim: bool = False) -> Any:
+        return self.__einjoin_op__("min", dim, keepdim)
+
+    def mean(self, dim: Any = None, keepdim: bool = False) -> Any:
+        return self.__einjoin_op__("mean", dim, keepdim)
+
+    def neg(self) -> Any:
+        return self.__einjoin_op__("neg")
+
+    def abs(self) -> Any:
+        return self.__einjoin_op__("abs")
+
+    def relu(self) -> Any:
+        return self.__einjoin_op__("relu")
+
+    def sqrt(self) -> Any:
+        return self.__einjoin_op__("sqrt")
+
+    def square(self) -> Any:
+        return self.__einjoin_op__("square")
+
+    def sin(self) -> Any:
+        return self.__einjoin_op__("sin")
+
+    def tanh(self) -> Any:
+        return self.__einjoin_op__("tanh")
+
+    def exp(self) -> Any:
+        """Dense (``exp(0) == 1``): an ``np.ndarray``."""
+        return self.__einjoin_op__("exp")
+
+    def cos(self) -> Any:
+        return self.__einjoin_op__("cos")
+
+    def __neg__(self) -> Any:
+        return self.neg()
+
+    def __abs__(self) -> Any:
+        return self.abs()
+
+    def __add__(self, other: Any) -> Any:
+        return TENSOR_OPS["add"](self, other)
+
+    def __radd__(self, other: Any) -> Any:
+        return TENSOR_OPS["add"](self, other, reflected=True)
+
+    def __sub__(self, other: Any) -> Any:
+        return TENSOR_OPS["add"](self, other, sign=-1)
+
+    def __rsub__(self, other: Any) -> Any:
+        return TENSOR_OPS["add"](self, other, sign=-1, reflected=True)
+
+    def __mul__(self, other: Any) -> Any:
+        return TENSOR_OPS["mul"](self, other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: Any) -> Any:
+        return TENSOR_OPS["truediv"](self, other)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return TENSOR_OPS["truediv"](self, other, reflected=True)
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -373,7 +460,10 @@ def from_coo(name: str, coords: np.ndarray, values: np.ndarray, shape: tuple[int
         else:
             order = np.argsort(inv, kind="stable")
             starts = np.searchsorted(inv[order], np.arange(len(uniq)))
-            vals = np.add.reduceat(values[order], starts) if len(order) else values[:0]
+            # in the values' dtype: numpy's reduceat widens int8 / int32 to int64 (summed duplicates
+            # changed the tensor's dtype; the densified sum wraps in the dtype, as torch's coalesce)
+            keep = values.dtype if values.dtype.kind in "iu" else None
+            vals = np.add.reduceat(values[order], starts, dtype=keep) if len(order) else values[:0]
         return SparseTensor(name, shape, block, uniq, vals.reshape((-1,) + block), trusted=True)
     if not summed:  # the stored entries first: duplicates summed, explicit zeros kept
         entries = from_coo(name, coords, values, shape, (1,) * r)

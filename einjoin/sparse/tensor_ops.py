@@ -1,0 +1,251 @@
+"""The Tensor API on an eager :class:`~einjoin.sparse.tensor.SparseTensor` (issue 24): reductions,
+elementwise ops and arithmetic, each equal to the same numpy program on the densified tensor
+(a missing entry is 0), in numpy's result dtype.
+
+What comes back:
+
+- an op with ``f(0) == 0`` (``neg``, ``abs``, ``relu``, ``sqrt``, ``square``, ``sin``, ``tanh``,
+  ``erf``, ``t * finite scalar``, ``t / finite non-zero scalar``) is applied to the stored values
+  and gives a SparseTensor on the same entries; any other (``exp``, ``cos``, ``t + scalar``, ``t / 0``)
+  gives the dense ``np.ndarray``;
+- ``t + u`` / ``t - u`` of two sparse tensors of one shape: a SparseTensor on the union of their
+  entries (co-present ones summed); ``t * u``: on the entries both store; with a dense array,
+  ``+`` / ``-`` / ``/`` are dense and ``*`` sparse (dense if the array has an inf or nan: 0 * inf);
+- a reduction (``sum``, ``max``, ``min``, ``mean``) over some dims: a SparseTensor (an output entry
+  wherever a stored entry falls in its group; ``max`` / ``min`` of a group with a missing entry
+  count that 0); over every dim: a dense ``np.ndarray`` (0-d, or all-ones with ``keepdim``).
+
+>>> import numpy as np, einjoin as ej
+>>> a = ej.sparse("A", np.array([[0., -2.], [3., 0.]]))
+>>> a.sum(1).todense().tolist(), a.max(1).todense().tolist(), float(a.sum())
+([-2.0, 3.0], [0.0, 3.0], 1.0)
+>>> (a.relu() * 2).todense().tolist(), ej.abs(a).nnz
+([[0.0, 0.0], [6.0, 0.0]], 2)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.sparse.tensor import TENSOR_OPS, SparseTensor, from_coo, unique_rows
+
+__all__ = ["OPS", "apply", "unary", "reduce", "add", "mul", "truediv"]
+
+
+def _erf(v: np.ndarray) -> np.ndarray:
+    import scipy.special
+    out: np.ndarray = scipy.special.erf(v)
+    return out
+
+
+# f(0) == 0: applied to the stored values (the padded zeros of a block stay 0)
+KEEPS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "neg": np.negative, "abs": np.abs, "relu": lambda v: np.maximum(v, 0), "sqrt": np.sqrt,
+    "square": np.square, "sin": np.sin, "tanh": np.tanh, "erf": _erf,
+}
+# f(0) != 0 (or undefined): the densified tensor's values
+DENSE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "exp": np.exp, "cos": np.cos, "log": np.log, "reciprocal": lambda v: 1 / v,
+    "rsqrt": lambda v: 1 / np.sqrt(v), "sigmoid": lambda v: 1 / (1 + np.exp(-v)),
+    "logical_not": np.logical_not,
+}
+
+
+def _with_values(t: SparseTensor, f: Callable[[np.ndarray], np.ndarray], name: str) -> SparseTensor:
+    out = SparseTensor(f"{t.name}.{name}", t.shape, t.block, t.keys, np.asarray(f(t.data)), trusted=True)
+    coo = t._coo  # the stored entries (explicit zeros of a blocked tensor too) stay the stored ones
+    if coo is not None and any(b != 1 for b in t.block):
+        out._coo = (coo[0], np.asarray(f(coo[1])))
+    return out
+
+
+def unary(t: SparseTensor, name: str) -> SparseTensor | np.ndarray:
+    """``name`` (a key of KEEPS or DENSE) elementwise: sparse where f(0) == 0, else dense."""
+    keep = KEEPS.get(name)
+    if keep is not None:
+        return _with_values(t, keep, name)
+    dense = DENSE.get(name)
+    if dense is None:
+        raise UnsupportedOpError(f"{name} on sparse tensor {t.name!r} {t.shape}: not defined on a sparse "
+                                 f"tensor (elementwise: {sorted(KEEPS) + sorted(DENSE)}); use .todense()")
+    return dense(t.todense())
+
+
+def _scalar(x: Any) -> bool:
+    return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, np.ndarray)
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(complex(x).real) and math.isfinite(complex(x).imag)
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def _same_shape(t: SparseTensor, u: SparseTensor, op: str) -> None:
+    if tuple(t.shape) != tuple(u.shape):
+        raise ShapeError(f"{op}: sparse tensors {t.name!r} {t.shape} and {u.name!r} {u.shape} differ in shape "
+                         f"(two sparse tensors combine at one shape; broadcast with ej.einsum)")
+
+
+def _entries(t: SparseTensor, shape: tuple[int, ...]) -> SparseTensor:
+    coords, vals = t.coo()
+    return from_coo(t.name, coords, vals, shape, (1,) * len(shape), summed=True)
+
+
+def add(t: SparseTensor, other: Any, sign: int = 1, reflected: bool = False) -> SparseTensor | np.ndarray:
+    """``t + other`` (``sign=-1``: ``t - other``; ``reflected``: ``other - t``). Two sparse tensors:
+    the union of their entries, co-present ones summed; anything else: the dense sum."""
+    if isinstance(other, SparseTensor):
+        _same_shape(t, other, "add" if sign > 0 else "sub")
+        dt = np.result_type(t.dtype, other.dtype)
+        (ct, vt), (cu, vu) = t.coo(), other.coo()
+        vt, vu = vt.astype(dt, copy=False), vu.astype(dt, copy=False)
+        if sign < 0:
+            vu = np.negative(vu)
+        return from_coo(f"{t.name}{'+' if sign > 0 else '-'}{other.name}", np.concatenate([ct, cu]),
+                        np.concatenate([vt, vu]), tuple(t.shape), (1,) * t.ndim)
+    dense = t.todense()
+    if reflected:
+        return np.asarray(other - dense if sign < 0 else other + dense)
+    return np.asarray(dense - other if sign < 0 else dense + other)
+
+
+def mul(t: SparseTensor, other: Any) -> SparseTensor | np.ndarray:
+    """``t * other``: sparse on the entries both store (another sparse tensor), on ``t``'s entries
+    (a finite scalar, an array of finite values broadcasting to ``t``'s shape), else dense."""
+    if isinstance(other, SparseTensor):
+        _same_shape(t, other, "mul")
+        shape = tuple(t.shape)
+        a, b = _entries(t, shape), _entries(other, shape)
+        if t.ndim == 0:
+            both = np.zeros((min(a.nblocks, b.nblocks), 0), np.int64)
+            ia = ib = np.arange(len(both))
+        else:
+            codes = [np.ravel_multi_index(tuple(x.keys.T), shape) if x.nblocks else np.zeros(0, np.int64)
+                     for x in (a, b)] if math.prod(shape) < 2 ** 62 else None
+            if codes is None:  # a shape too large for one code: rows of both
+                keys = np.concatenate([a.keys, b.keys])
+                _, inv = unique_rows(keys, shape)
+                codes = [inv[:a.nblocks], inv[a.nblocks:]]
+            _, ia, ib = np.intersect1d(codes[0], codes[1], assume_unique=True, return_indices=True)
+            both = a.keys[ia]
+        vals = a.data.reshape(-1)[ia] * b.data.reshape(-1)[ib]
+        return from_coo(f"{t.name}*{other.name}", both, vals, shape, (1,) * t.ndim, summed=True)
+    if _scalar(other):
+        if _finite(other):
+            return _with_values(t, lambda v: v * other, "mul")
+        return np.asarray(t.todense() * other)
+    arr = np.asarray(other)
+    try:
+        fits = np.broadcast_shapes(arr.shape, tuple(t.shape)) == tuple(t.shape)
+    except ValueError:
+        fits = False
+    if not fits or (arr.dtype.kind in "fc" and not np.isfinite(arr).all()):
+        return np.asarray(t.todense() * arr)  # numpy names a shape mismatch; 0 * inf is nan
+    coords, vals = t.coo()
+    picked = np.broadcast_to(arr, tuple(t.shape))[tuple(coords.T)]
+    return from_coo(f"{t.name}*", coords, vals * picked, tuple(t.shape), (1,) * t.ndim, summed=True)
+
+
+def truediv(t: SparseTensor, other: Any, reflected: bool = False) -> SparseTensor | np.ndarray:
+    """``t / other``: sparse for a finite non-zero scalar, else dense (``0 / 0`` is nan)."""
+    if reflected:
+        return np.asarray(other / t.todense())
+    if _scalar(other) and _finite(other) and other != 0:
+        return _with_values(t, lambda v: v / other, "div")
+    return np.asarray(t.todense() / (other.todense() if isinstance(other, SparseTensor) else other))
+
+
+def _dims(t: SparseTensor, dim: Any, op: str) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(t.ndim))
+    raw = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    out = []
+    for d in raw:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or not -t.ndim <= d < max(t.ndim, 1):
+            raise ShapeError(f"{op}: dim {d!r} out of range for sparse tensor {t.name!r} of shape {t.shape}")
+        out.append(int(d) % max(t.ndim, 1))
+    if len(set(out)) != len(out):
+        raise ShapeError(f"{op}: repeated dimension in {raw} for sparse tensor {t.name!r} of shape {t.shape}")
+    return tuple(sorted(out))
+
+
+def reduce(t: SparseTensor, agg: str, dim: Any = None, keepdim: bool = False) -> SparseTensor | np.ndarray:
+    """``agg`` (sum, max, min, mean) over ``dim`` (None: every dim) of the densified tensor."""
+    dims = _dims(t, dim, agg)
+    shape = tuple(t.shape)
+    kept = [d for d in range(t.ndim) if d not in dims]
+    n = math.prod(shape[d] for d in dims)
+    out_shape = tuple(1 if d in dims else s for d, s in enumerate(shape)) if keepdim else \
+        tuple(shape[d] for d in kept)
+    probe = np.zeros(1, t.dtype)
+    dt = {"sum": probe.sum().dtype, "mean": probe.mean().dtype}.get(agg, t.dtype)
+    if n == 0:
+        if agg in ("max", "min") and 0 not in out_shape:
+            raise ShapeError(f"{agg} over dims {dims} of sparse tensor {t.name!r} {shape}: a zero-size "
+                             f"reduction has no identity (as numpy's)")
+        fill = np.nan if agg == "mean" else 0
+        return np.full(out_shape, fill, dt)
+    coords, vals = t.coo()
+    uniq, inv = unique_rows(coords[:, kept], [shape[d] for d in kept])
+    order = np.argsort(inv, kind="stable")
+    starts = np.searchsorted(inv[order], np.arange(len(uniq)))
+    vals = vals[order]
+    if not len(vals):
+        res = np.zeros(0, dt)
+    elif agg in ("sum", "mean"):
+        acc = np.float64 if agg == "mean" and dt.kind != "c" else dt
+        res = np.add.reduceat(vals.astype(acc), starts)
+        res = (res / n).astype(dt) if agg == "mean" else res.astype(dt, copy=False)
+    else:
+        res = (np.maximum if agg == "max" else np.minimum).reduceat(vals, starts)
+        partial = np.diff(np.r_[starts, len(vals)]) < n  # a missing entry is a 0 in the group
+        res = np.where(partial, (np.maximum if agg == "max" else np.minimum)(res, 0), res).astype(dt)
+    if not kept:  # every dim reduced: a dense value
+        return np.full(out_shape, res[0] if len(res) else 0, dt)
+    keys = np.zeros((len(uniq), len(out_shape)), np.int64)
+    keys[:, [d for d in range(t.ndim) if d not in dims] if keepdim else list(range(len(kept)))] = uniq
+    return SparseTensor(f"{t.name}.{agg}", out_shape, (1,) * len(out_shape), keys,
+                        res.reshape((-1,) + (1,) * len(out_shape)), trusted=True)
+
+
+def _elementwise(name: str) -> Callable[[SparseTensor], Any]:
+    def f(t: SparseTensor) -> Any:
+        return unary(t, name)
+    return f
+
+
+def _reduction(agg: str) -> Callable[..., Any]:
+    def f(t: SparseTensor, dim: Any = None, keepdim: bool = False) -> Any:
+        return reduce(t, agg, dim, keepdim)
+    return f
+
+
+# the ops the frontend's functional forms ask of a sparse tensor (ej.sum(t, 1), ej.relu(t), ...),
+# through SparseTensor.__einjoin_op__: one table, no type tests in the frontend
+OPS: dict[str, Callable[..., Any]] = {
+    **{agg: _reduction(agg) for agg in ("sum", "max", "min", "mean")},
+    **{name: _elementwise(name) for name in (*KEEPS, *DENSE)},
+}
+
+
+def apply(t: SparseTensor, op: str, *args: Any, **kwargs: Any) -> Any:
+    """The functional form ``op`` (a key of OPS) on ``t``, or an UnsupportedOpError naming it."""
+    fn = OPS.get(op)
+    if fn is None:
+        raise UnsupportedOpError(f"{op} on sparse tensor {t.name!r} {t.shape}: not defined on a sparse tensor "
+                                 f"(defined: {', '.join(sorted(OPS))}); use .todense() for the dense array")
+    try:
+        return fn(t, *args, **kwargs)
+    except TypeError as e:
+        raise EinjoinError(f"{op} on sparse tensor {t.name!r}: {e}") from None
+
+
+TENSOR_OPS.update(apply=apply, add=add, mul=mul, truediv=truediv)

@@ -1,0 +1,154 @@
+"""The Tensor API on an eager SparseTensor (issue 24, einjoin/sparse/tensor_ops.py): reductions,
+elementwise ops and arithmetic, each differential against numpy on the densified data (a missing
+entry is 0; duplicate COO entries summed), in numpy's result dtype; sparse where f(0) == 0."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import scipy.special
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import einjoin as ej
+from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
+from einjoin.sparse import SparseTensor
+
+from budget import examples
+
+DTYPES = [np.int8, np.int32, np.int64, np.float32, np.float64]
+
+
+@st.composite
+def coo(draw: Any, shape: tuple[int, ...] | None = None, dtype: Any = None) -> tuple[SparseTensor, np.ndarray]:
+    """A sparse tensor of rank 2-3 (maybe empty, with explicit zeros and duplicate entries, block 1
+    or 2) and its densified array built here by np.add.at (duplicates summed)."""
+    if shape is None:
+        shape = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=3)))
+    dt = np.dtype(dtype if dtype is not None else draw(st.sampled_from(DTYPES)))
+    size = int(np.prod(shape))
+    n = draw(st.sampled_from([0, 1, size // 3, size, 2 * size]))  # empty .. dense, duplicates
+    flat = np.array(draw(st.lists(st.integers(0, size - 1), min_size=n, max_size=n)), np.int64)
+    vals = np.array(draw(st.lists(st.integers(-4, 4), min_size=n, max_size=n)), dt)  # zeros too
+    idx = np.stack(np.unravel_index(flat, shape)) if n else np.zeros((len(shape), 0), np.int64)
+    dense = np.zeros(shape, dt)
+    np.add.at(dense, tuple(idx), vals)
+    t = ej.sparse("S", (idx, vals, shape), block=draw(st.sampled_from([1, 2])))
+    return t, dense
+
+
+def same(got: Any, want: Any, sparse: bool | None = None) -> None:
+    """``got`` equals numpy's ``want`` in value, shape and dtype; a SparseTensor iff ``sparse``."""
+    if sparse is not None:
+        assert isinstance(got, SparseTensor) is bool(sparse), type(got)
+    if isinstance(got, SparseTensor):
+        got = got.todense()
+    want = np.asarray(want)
+    assert isinstance(got, np.ndarray), type(got)
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    if want.dtype.kind in "fc":
+        tol = 1e-3 if want.dtype == np.float32 else 1e-9
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, equal_nan=True)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_duplicates_summed_and_todense_agree() -> None:
+    t = ej.sparse("S", (np.array([[0, 0, 1, 1], [1, 1, 0, 0]]), np.array([2, 3, 4, -4]), (2, 2)))
+    assert t.todense().tolist() == [[0, 5], [0, 0]]
+    same(t.sum(0), [0, 5], sparse=True)
+    same(t.max(), np.int64(5), sparse=False)
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(coo(), st.data())
+def test_reductions_match_numpy(td: tuple[SparseTensor, np.ndarray], data: Any) -> None:
+    t, dense = td
+    r = t.ndim
+    dim = data.draw(st.one_of(st.none(), st.integers(-r, r - 1),
+                              st.lists(st.integers(0, r - 1), min_size=1, max_size=r, unique=True).map(tuple)))
+    keepdim = data.draw(st.booleans())
+    full = dim is None or (isinstance(dim, tuple) and len(dim) == r)
+    for agg in ("sum", "max", "min", "mean"):
+        want = getattr(np, agg)(dense, axis=dim, keepdims=keepdim)
+        same(getattr(t, agg)(dim, keepdim), want, sparse=not full)
+        same(getattr(ej, agg)(t, dim, keepdim), want, sparse=not full)  # the functional form
+
+
+KEEP = {"neg": np.negative, "abs": np.abs, "relu": lambda d: np.maximum(d, 0), "sqrt": np.sqrt,
+        "square": np.square, "sin": np.sin, "tanh": np.tanh, "erf": scipy.special.erf}
+DENSE = {"exp": np.exp, "cos": np.cos, "log": np.log, "reciprocal": lambda d: 1 / d,
+         "rsqrt": lambda d: 1 / np.sqrt(d), "sigmoid": lambda d: 1 / (1 + np.exp(-d)),
+         "logical_not": np.logical_not}
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(coo())
+def test_elementwise_match_numpy(td: tuple[SparseTensor, np.ndarray]) -> None:
+    t, dense = td
+    with np.errstate(all="ignore"):
+        for name, f in [*KEEP.items(), *DENSE.items()]:
+            want = f(dense)
+            if hasattr(ej, name):
+                same(getattr(ej, name)(t), want, sparse=name in KEEP)
+            if hasattr(t, name):
+                same(getattr(t, name)(), want, sparse=name in KEEP)
+        same(-t, -dense, sparse=True)
+        same(abs(t), np.abs(dense), sparse=True)
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=3).map(tuple).flatmap(
+    lambda shape: st.tuples(coo(shape), coo(shape))), st.data())
+def test_arithmetic_match_numpy(pair: Any, data: Any) -> None:
+    (t, a), (u, b) = pair
+    with np.errstate(all="ignore"):
+        same(t + u, a + b, sparse=True)
+        same(t - u, a - b, sparse=True)
+        same(t * u, a * b, sparse=True)
+        s = data.draw(st.sampled_from([2, -3, 0.5, 0, np.float32(1.5), np.inf, np.nan]))
+        finite = bool(np.isfinite(s))
+        same(t * s, a * s, sparse=finite)
+        same(s * t, s * a, sparse=finite)
+        same(t / s, a / s, sparse=finite and s != 0)
+        same(t + s, a + s, sparse=False)
+        same(t - s, a - s, sparse=False)
+        same(s - t, s - a, sparse=False)
+        # a dense array of the shape or broadcasting to it, maybe holding inf (0 * inf is nan)
+        arr = b.astype(data.draw(st.sampled_from([np.int64, np.float32, np.float64])))
+        if data.draw(st.booleans()):
+            arr = arr[(0,) * (arr.ndim - 1)]  # the last dim only: broadcast
+        if arr.dtype.kind == "f" and data.draw(st.booleans()):
+            arr = arr.copy()
+            arr.reshape(-1)[0] = np.inf
+        inf = arr.dtype.kind == "f" and not np.isfinite(arr).all()
+        same(t * arr, a * arr, sparse=not inf)
+        same(arr * t, arr * a, sparse=not inf)
+        same(t + arr, a + arr, sparse=False)
+        same(arr + t, arr + a, sparse=False)
+        same(arr - t, arr - a, sparse=False)
+        same(t / arr, a / arr, sparse=False)
+
+
+def test_stored_entries_kept_by_ops_that_keep_sparsity() -> None:
+    t = ej.sparse("S", (np.array([[0, 1, 2], [0, 1, 2]]), np.array([-1.0, 0.0, 2.0]), (3, 3)), block=2)
+    assert t.relu().nnz == 3 and (t * 2).nnz == 3  # explicit zeros stay stored
+    assert isinstance(t.exp(), np.ndarray) and t.exp()[0, 1] == 1.0
+
+
+def test_errors_name_the_op() -> None:
+    t = ej.sparse("S", np.eye(3))
+    with pytest.raises(ShapeError, match="differ in shape"):
+        t + ej.sparse("U", np.eye(2))
+    with pytest.raises(ShapeError, match="dim 2 out of range"):
+        t.sum(2)
+    with pytest.raises(ShapeError, match="repeated"):
+        t.max((0, 0))
+    with pytest.raises(ShapeError, match="zero-size"):
+        ej.sparse("Z", np.zeros((0, 3))).max(0)
+    with pytest.raises(UnsupportedOpError, match="prod on sparse tensor 'S'"):
+        t.__einjoin_op__("prod")
+    with pytest.raises(EinjoinError):
+        t.__einjoin_op__("sum", 0, False, "extra")
