@@ -68,8 +68,17 @@ def minimum(a: Tensor | Scalar, b: Tensor | Scalar) -> Tensor:
     return elementwise("min", a, b, name="minimum")
 
 
+def _own(x: Any) -> Any:
+    """The op hook of a tensor that computes its functional forms itself (an eager sparse tensor's
+    ``__einjoin_op__(op, *args)``: ``ej.sum(s, 1)``, ``ej.relu(s)``), else None; a protocol, so the
+    frontend neither imports nor type-tests the sparse engine."""
+    return getattr(x, "__einjoin_op__", None) if not isinstance(x, Tensor) else None
+
+
 def _unary(fn: str):  # type: ignore[no-untyped-def]
     def f(x: Tensor) -> Tensor:
+        if (own := _own(x)) is not None:
+            return own(fn)  # type: ignore[no-any-return]
         return elementwise(fn, _t(x, fn))
     f.__name__ = fn
     f.__doc__ = f"Elementwise ``{fn}``."
@@ -82,6 +91,8 @@ sin, cos, neg, logical_not = (_unary(n) for n in ("sin", "cos", "neg", "logical_
 
 
 def sum(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    if (own := _own(x)) is not None:
+        return own("sum", dim, keepdim)  # type: ignore[no-any-return]
     return reduce(_t(x, "sum"), "sum", dim, keepdim)
 
 
@@ -90,14 +101,20 @@ def prod(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
 
 
 def max(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    if (own := _own(x)) is not None:
+        return own("max", dim, keepdim)  # type: ignore[no-any-return]
     return reduce(_t(x, "max"), "max", dim, keepdim)
 
 
 def min(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    if (own := _own(x)) is not None:
+        return own("min", dim, keepdim)  # type: ignore[no-any-return]
     return reduce(_t(x, "min"), "min", dim, keepdim)
 
 
 def mean(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    if (own := _own(x)) is not None:
+        return own("mean", dim, keepdim)  # type: ignore[no-any-return]
     return _t(x, "mean").mean(dim, keepdim)
 
 
