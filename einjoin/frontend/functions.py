@@ -97,6 +97,8 @@ def sum(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
 
 
 def prod(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    if (own := _own(x)) is not None:
+        return own("prod", dim, keepdim)  # type: ignore[no-any-return]
     return reduce(_t(x, "prod"), "prod", dim, keepdim)
 
 

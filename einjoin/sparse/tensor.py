@@ -31,7 +31,7 @@ __all__ = ["SparseTensor", "sparse", "is_sparse", "dense_operand", "broadcast_si
 
 # {"sparse_einsum": einjoin.sparse.plan.sparse_einsum, "cached": einjoin.sparse.replan.einsum_cached}
 EINSUM: dict[str, Callable[..., Any]] = {}
-# the Tensor API's ops on a SparseTensor ("apply", "add", "mul", "truediv"), registered by
+# the Tensor API's ops on a SparseTensor ("apply", "add", "mul", "truediv", "power"), registered by
 # einjoin.sparse.tensor_ops (which builds on this module; einjoin.sparse imports it)
 TENSOR_OPS: dict[str, Callable[..., Any]] = {}
 _MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
@@ -277,6 +277,9 @@ class SparseTensor:
     def mean(self, dim: Any = None, keepdim: bool = False) -> Any:
         return self.__einjoin_op__("mean", dim, keepdim)
 
+    def prod(self, dim: Any = None, keepdim: bool = False) -> Any:
+        return self.__einjoin_op__("prod", dim, keepdim)
+
     def neg(self) -> Any:
         return self.__einjoin_op__("neg")
 
@@ -333,6 +336,12 @@ class SparseTensor:
 
     def __rtruediv__(self, other: Any) -> Any:
         return TENSOR_OPS["truediv"](self, other, reflected=True)
+
+    def __pow__(self, other: Any) -> Any:
+        return TENSOR_OPS["power"](self, other)
+
+    def __rpow__(self, other: Any) -> Any:
+        return TENSOR_OPS["power"](self, other, reflected=True)
 
     @property
     def ndim(self) -> int:

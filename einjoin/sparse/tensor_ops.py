@@ -35,7 +35,7 @@ import numpy as np
 from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
 from einjoin.sparse.tensor import TENSOR_OPS, SparseTensor, from_coo, unique_rows
 
-__all__ = ["OPS", "apply", "unary", "reduce", "add", "mul", "truediv"]
+__all__ = ["OPS", "apply", "unary", "reduce", "add", "mul", "truediv", "power"]
 
 
 def _erf(v: np.ndarray) -> np.ndarray:
@@ -163,6 +163,15 @@ def truediv(t: SparseTensor, other: Any, reflected: bool = False) -> SparseTenso
     return np.asarray(t.todense() / (other.todense() if isinstance(other, SparseTensor) else other))
 
 
+def power(t: SparseTensor, p: Any, reflected: bool = False) -> SparseTensor | np.ndarray:
+    """``t ** p``: sparse for a finite scalar ``p > 0`` (``0 ** p == 0``), else dense (``p ** t`` too)."""
+    if reflected:
+        return np.asarray(p ** t.todense())
+    if _scalar(p) and not isinstance(p, complex) and _finite(p) and p > 0:
+        return _with_values(t, lambda v: v ** p, "pow")
+    return np.asarray(t.todense() ** p)
+
+
 def _dims(t: SparseTensor, dim: Any, op: str) -> tuple[int, ...]:
     if dim is None:
         return tuple(range(t.ndim))
@@ -178,7 +187,7 @@ def _dims(t: SparseTensor, dim: Any, op: str) -> tuple[int, ...]:
 
 
 def reduce(t: SparseTensor, agg: str, dim: Any = None, keepdim: bool = False) -> SparseTensor | np.ndarray:
-    """``agg`` (sum, max, min, mean) over ``dim`` (None: every dim) of the densified tensor."""
+    """``agg`` (sum, max, min, mean, prod) over ``dim`` (None: every dim) of the densified tensor."""
     dims = _dims(t, dim, agg)
     shape = tuple(t.shape)
     kept = [d for d in range(t.ndim) if d not in dims]
@@ -186,12 +195,12 @@ def reduce(t: SparseTensor, agg: str, dim: Any = None, keepdim: bool = False) ->
     out_shape = tuple(1 if d in dims else s for d, s in enumerate(shape)) if keepdim else \
         tuple(shape[d] for d in kept)
     probe = np.zeros(1, t.dtype)
-    dt = {"sum": probe.sum().dtype, "mean": probe.mean().dtype}.get(agg, t.dtype)
+    dt = {"sum": probe.sum().dtype, "mean": probe.mean().dtype, "prod": probe.prod().dtype}.get(agg, t.dtype)
     if n == 0:
         if agg in ("max", "min") and 0 not in out_shape:
             raise ShapeError(f"{agg} over dims {dims} of sparse tensor {t.name!r} {shape}: a zero-size "
                              f"reduction has no identity (as numpy's)")
-        fill = np.nan if agg == "mean" else 0
+        fill = {"mean": np.nan, "prod": 1}.get(agg, 0)
         return np.full(out_shape, fill, dt)
     coords, vals = t.coo()
     uniq, inv = unique_rows(coords[:, kept], [shape[d] for d in kept])
@@ -204,6 +213,14 @@ def reduce(t: SparseTensor, agg: str, dim: Any = None, keepdim: bool = False) ->
         acc = np.float64 if agg == "mean" and dt.kind != "c" else dt
         res = np.add.reduceat(vals.astype(acc), starts)
         res = (res / n).astype(dt) if agg == "mean" else res.astype(dt, copy=False)
+    elif agg == "prod":  # a group with a missing entry: 0, or nan where it holds an inf or nan (0 * inf)
+        res = np.multiply.reduceat(vals.astype(dt, copy=False), starts)
+        partial = np.diff(np.r_[starts, len(vals)]) < n
+        if dt.kind in "fc":
+            bad = np.logical_or.reduceat(~np.isfinite(vals), starts)
+            res = np.where(partial, np.where(bad, np.nan, 0), res).astype(dt)
+        else:
+            res = np.where(partial, 0, res).astype(dt)
     else:
         res = (np.maximum if agg == "max" else np.minimum).reduceat(vals, starts)
         partial = np.diff(np.r_[starts, len(vals)]) < n  # a missing entry is a 0 in the group
@@ -231,7 +248,7 @@ def _reduction(agg: str) -> Callable[..., Any]:
 # the ops the frontend's functional forms ask of a sparse tensor (ej.sum(t, 1), ej.relu(t), ...),
 # through SparseTensor.__einjoin_op__: one table, no type tests in the frontend
 OPS: dict[str, Callable[..., Any]] = {
-    **{agg: _reduction(agg) for agg in ("sum", "max", "min", "mean")},
+    **{agg: _reduction(agg) for agg in ("sum", "max", "min", "mean", "prod")},
     **{name: _elementwise(name) for name in (*KEEPS, *DENSE)},
 }
 
@@ -248,4 +265,4 @@ def apply(t: SparseTensor, op: str, *args: Any, **kwargs: Any) -> Any:
         raise EinjoinError(f"{op} on sparse tensor {t.name!r}: {e}") from None
 
 
-TENSOR_OPS.update(apply=apply, add=add, mul=mul, truediv=truediv)
+TENSOR_OPS.update(apply=apply, add=add, mul=mul, truediv=truediv, power=power)
