@@ -35,6 +35,7 @@ from einjoin.frontend.resize import RESIZE_OPS
 from einjoin.frontend.aten_conv import CONV_OPS
 from einjoin.frontend.aten_bits import BITS_OPS, floor_div, trunc_div
 from einjoin.frontend.aten_math import MATH_OPS
+from einjoin.frontend.aten_compose import compose_ops
 from einjoin.frontend.aten_layout import LAYOUT_OPS, _dims, _shape, torch_dtype
 from einjoin.frontend.losses import LOSS_OPS
 from einjoin.frontend.tensor import Tensor, elementwise
@@ -709,3 +710,7 @@ def _outer(a: Tensor, b: Tensor) -> Tensor:
     if a.dtype == b.dtype == "bool":  # the join's mul takes no bools; torch's outer is a & b
         return elementwise("logical_and", a.reshape((a.shape[0], 1)), b)
     return F.einsum("i,j->ij", a, b)
+
+
+# trace, diag, var_mean, std_mean, dist: compositions of the translations above
+OPS.update(compose_ops(OPS))

@@ -173,3 +173,55 @@ def test_float32_gradients_and_the_arc_spellings() -> None:
     for f2 in (torch.arctan2, torch.special.xlogy):
         _close(_run(f2, a, b), f2(a, b), torch.float32)
     _close(_run(lambda t: t.clone().sinh_(), a), torch.sinh(a), torch.float32)
+
+
+# ---------------------------------------------------------------- compositions: trace, diag, var_mean, dist
+
+
+def _run_all(f: Callable[..., Any], *xs: Any) -> list[Any]:
+    got = ej.compile(ej.from_torch(_Call(f), xs), quiet=True).run(*xs)
+    got = list(got) if isinstance(got, (list, tuple)) else [got]
+    return [g if isinstance(g, torch.Tensor) else torch.as_tensor(np.asarray(g)) for g in got]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool])
+def test_trace_and_diag_match_torch(dtype: Any) -> None:
+    g = torch.Generator().manual_seed(5)
+    m = (torch.randn(4, 6, generator=g) * 3).to(dtype)
+    m[0, 0] = math.inf if dtype.is_floating_point else m[0, 0]  # off-diagonal zeros stay 0, not NaN
+    v = m[1]
+
+    def f(m: Any, v: Any) -> Any:
+        traces = () if dtype == torch.bool else (torch.trace(m), torch.trace(m.T))  # torch: no bool trace
+        return (*traces, torch.diag(m), torch.diag(m, 2), torch.diag(m, -3),
+                torch.diag(m, 7), torch.diag(v), torch.diag(v, 2), torch.diag(v, -1))
+    for got, want in zip(_run_all(f, m, v), f(m, v)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_var_mean_std_mean_dist_match_torch(dtype: Any) -> None:
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(3, 5, generator=g).to(dtype) + 100, torch.randn(3, 5, generator=g).to(dtype)
+
+    def f(a: Any, b: Any) -> Any:
+        return (*torch.var_mean(a, 1), *torch.var_mean(a, 0, keepdim=True, correction=0), *torch.var_mean(a),
+                *torch.std_mean(a, 1, unbiased=False), torch.dist(a, b), torch.dist(a, b, 1),
+                torch.dist(a, b, math.inf), torch.dist(a, b, 0.5))
+    for got, want in zip(_run_all(f, a, b), f(a, b)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
+def test_composition_gradients_match_autograd() -> None:
+    g = torch.Generator().manual_seed(7)
+    m = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    _check_grads(lambda m: torch.trace(m).reshape(1), m)
+    _check_grads(lambda m: torch.diag(m, 1), m)
+    _check_grads(lambda v: torch.diag(v, -2), m[0].clone())
+    _check_grads(lambda m: torch.stack(torch.var_mean(m, 1)), m)
+    _check_grads(lambda m: torch.stack(torch.std_mean(m, 0)), m)
+    # dist at a == b: the norm's gradient at 0 is 0, as torch's
+    _check_grads(lambda a, b: torch.dist(a, b).reshape(1), m, m.clone())
+    _check_grads(lambda a, b: torch.dist(a, b, 3).reshape(1), m, m.flip(0))

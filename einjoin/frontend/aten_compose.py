@@ -1,0 +1,84 @@
+"""Translations of the torch importer written as compositions of other translations (session 40):
+``trace``, ``diag`` (a vector onto a diagonal, a matrix's diagonal, with an offset), ``var_mean``
+/ ``std_mean``, ``dist``. :func:`compose_ops` builds them over the op table they join (so this
+module does not import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops
+they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
+
+>>> import numpy as np, einjoin as ej
+>>> from einjoin.frontend.aten import OPS
+>>> x = ej.input("x", (2, 3))
+>>> ej.reference(OPS["diag"](x, 1), x=np.arange(6.0, dtype=np.float32).reshape(2, 3)).tolist()
+[1.0, 5.0]
+>>> float(ej.reference(OPS["trace"](x), x=np.arange(6.0, dtype=np.float32).reshape(2, 3)))
+4.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from einjoin.errors import ShapeError
+from einjoin.frontend.functions import fill
+from einjoin.frontend.tensor import Tensor, einsum
+
+__all__ = ["compose_ops"]
+
+Ops = Mapping[str, Callable[..., Any]]
+
+
+def _zero(x: Tensor) -> bool | int:
+    return False if x.dtype == "bool" else 0  # a where's other branch, in x's dtype (torch's zeros)
+
+
+def compose_ops(ops: Ops) -> dict[str, Callable[..., Any]]:
+    """The composed translations over ``ops`` (the importer's table, holding ``sum``, ``mean``,
+    ``var``, ``std``, ``where``, ``constant_pad_nd`` and ``linalg_vector_norm``)."""
+
+    def diagonal_mask(shape: tuple[int, ...], offset: int) -> Tensor:
+        return fill(shape, f"x1 == x0 + {offset}" if offset >= 0 else f"x0 == x1 + {-offset}", "bool")
+
+    def trace(x: Tensor) -> Tensor:
+        """torch.trace: the sum of a matrix's main diagonal (any shape; integers sum to int64)."""
+        if x.ndim != 2:
+            raise ShapeError(f"trace: expected a matrix, got a {x.ndim}-d tensor of shape {x.shape}")
+        out: Tensor = ops["sum"](ops["where"](diagonal_mask(x.shape, 0), x, _zero(x)))
+        return out
+
+    def diag(x: Tensor, diagonal: int = 0) -> Tensor:
+        """torch.diag: a vector onto the ``diagonal``-th diagonal of a square matrix (zeros
+        elsewhere), or a matrix's ``diagonal``-th diagonal as a vector."""
+        k = int(diagonal)
+        if x.ndim == 1:
+            n = x.shape[0] + abs(k)
+            padded = ops["constant_pad_nd"](x, [0, abs(k)])  # x[i] at row i (k >= 0) or column i
+            vals = padded.reshape((n, 1)) if k >= 0 else padded
+            out: Tensor = ops["where"](diagonal_mask((n, n), k), vals, _zero(x))
+            return out
+        if x.ndim != 2:
+            raise ShapeError(f"diag: expected a 1-d or 2-d tensor, got shape {x.shape}")
+        r0, c0 = max(-k, 0), max(k, 0)
+        length = max(0, min(x.shape[0] - r0, x.shape[1] - c0))
+        return einsum("ii->i", x[r0:r0 + length, c0:c0 + length])
+
+    def var_mean(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
+                 correction: Any = None) -> tuple[Tensor, Tensor]:
+        """torch.var_mean: (var, mean) over the same dims (var(x, unbiased) spelled positionally)."""
+        if isinstance(dim, bool):
+            dim, unbiased = None, dim
+        return (ops["var"](x, dim, unbiased, keepdim, correction=correction),
+                ops["mean"](x, dim, keepdim))
+
+    def std_mean(x: Tensor, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *,
+                 correction: Any = None) -> tuple[Tensor, Tensor]:
+        if isinstance(dim, bool):
+            dim, unbiased = None, dim
+        return (ops["std"](x, dim, unbiased, keepdim, correction=correction),
+                ops["mean"](x, dim, keepdim))
+
+    def dist(a: Tensor, b: Any, p: float = 2) -> Tensor:
+        """torch.dist: the p-norm of ``a - b`` over every element."""
+        out: Tensor = ops["linalg_vector_norm"](a - b, p)
+        return out
+
+    return {"trace": trace, "diag": diag, "var_mean": var_mean, "std_mean": std_mean, "dist": dist}
