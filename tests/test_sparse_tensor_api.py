@@ -162,3 +162,16 @@ def test_errors_name_the_op() -> None:
         t.__einjoin_op__("cumsum")
     with pytest.raises(EinjoinError):
         t.__einjoin_op__("sum", 0, False, "extra")
+
+
+@pytest.mark.parametrize("agg", ["sum", "max"])
+def test_reductions_agree_with_the_sparse_einsum(agg: str) -> None:
+    # t.max(1) and ej.einsum("ij->i", t, agg="max") are one answer (rows with no stored entry 0,
+    # rows of negative entries with a missing one 0), on a sparse einsum's result too
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 5)) * (rng.random((7, 5)) < 0.4)
+    a[2], a[3] = 0, -np.abs(rng.standard_normal(5)) * (np.arange(5) > 0)
+    t = ej.sparse("A", a)
+    for x, dense in [(t, a), (ej.einsum("ij,jk->ik", t, t.todense().T), a @ a.T)]:
+        same(getattr(x, agg)(1), ej.einsum("ij->i", x, agg=agg).todense(), sparse=True)
+        same(getattr(x, agg)(1), getattr(dense, agg)(1), sparse=True)
