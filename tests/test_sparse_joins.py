@@ -73,6 +73,8 @@ def test_joins_equal_numpy_on_densified_inputs(seed: int, j: int, out: str, agg:
     all_sparse = all(isinstance(x, SparseTensor) for x in ops)
     if out == "ij":  # nothing aggregated: the join's result itself
         assert isinstance(got, SparseTensor) == (keeps and all_sparse)
+    if isinstance(got, SparseTensor):  # a valid relation: keys in range, sorted, unique (checked untrusted)
+        SparseTensor("check", got.shape, got.block, np.array(got.keys), np.array(got.data))
     if isinstance(got, SparseTensor) and out == "ij":  # only the union of the stored entries
         stored = set()
         for x in ops:

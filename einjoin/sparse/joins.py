@@ -42,7 +42,7 @@ from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr
 from einjoin.sparse.duckdb_exec import DuckSession
-from einjoin.sparse.tensor import SparseTensor, drop_dims, from_coo, unique_rows
+from einjoin.sparse.tensor import SparseTensor, drop_dims, unique_rows
 
 __all__ = ["DENSE_JOIN_LIMIT", "JoinPlan", "zero_at_zero"]
 
@@ -142,7 +142,9 @@ class JoinPlan:
         with np.errstate(all="ignore"):
             out = np.asarray(evaluate(self.expr, args))
         out = np.broadcast_to(out, (len(uniq),)).copy()
-        return from_coo("out", uniq, out, self.shape, (1,) * len(self.shape), summed=True)
+        # unique_rows (and the SQL's ORDER BY) give the keys sorted row-major and unique: no re-sort
+        ones = (1,) * len(self.shape)
+        return SparseTensor("out", self.shape, ones, uniq, out.reshape((-1,) + ones), trusted=True)
 
     def _union_sql(self, coos: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[np.ndarray]]:
         """The union on DuckDB (``engine="duckdb"``, under its settings): each operand a table of
@@ -200,8 +202,11 @@ class JoinPlan:
         letter = dict(zip(self.labels, string.ascii_letters))
         eq = "".join(letter[lab] for lab in self.labels) + "->" + "".join(letter[lab] for lab in self.out_labels)
         kw = dict(self.compile_kw)
-        if kw.get("blocks"):
-            kw["blocks"] = {letter[lab]: b for lab, b in kw["blocks"].items() if lab in letter}
+        # the joined entries are COO: every label keyed at block 1 unless the user pinned it (a
+        # layout search over the candidate block sizes cost more than the aggregation)
+        pinned = set(kw.get("blocks") or ()) | set(kw.get("relational") or ())
+        kw["blocks"] = {letter[lab]: 1 for lab in self.labels if lab not in pinned} | \
+            {letter[lab]: b for lab, b in (kw.get("blocks") or {}).items() if lab in letter}
         if kw.get("relational"):
             kw["relational"] = {letter[lab] for lab in kw["relational"] if lab in letter}
         agg = "sum" if self.agg == "none" else self.agg
