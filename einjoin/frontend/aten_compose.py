@@ -1,6 +1,6 @@
 """Translations of the torch importer written as compositions of other translations (session 40):
 ``trace``, ``diag`` (a vector onto a diagonal, a matrix's diagonal, with an offset), ``var_mean``
-/ ``std_mean``, ``dist``. :func:`compose_ops` builds them over the op table they join (so this
+/ ``std_mean``, ``dist``, ``cosine_similarity``. :func:`compose_ops` builds them over the op table they join (so this
 module does not import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops
 they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
 
@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from einjoin.errors import ShapeError
+from einjoin.errors import DTypeError, ShapeError, UnsupportedOpError
 from einjoin.frontend.functions import fill
-from einjoin.frontend.tensor import Tensor, einsum
+from einjoin.frontend.routing import elementwise_expr
+from einjoin.frontend.tensor import Tensor, broadcast_shapes, einsum
+from einjoin.ir.dtypes import kind
 
 __all__ = ["compose_ops"]
 
@@ -81,4 +83,28 @@ def compose_ops(ops: Ops) -> dict[str, Callable[..., Any]]:
         out: Tensor = ops["linalg_vector_norm"](a - b, p)
         return out
 
-    return {"trace": trace, "diag": diag, "var_mean": var_mean, "std_mean": std_mean, "dist": dist}
+    def cosine_similarity(x1: Any, x2: Any, dim: int = 1, eps: float = 1e-8) -> Tensor:
+        """torch's cosine_similarity: ``sum(x1 / n1 * x2 / n2)`` over ``dim`` of the broadcast
+        operands, ``n`` each one's 2-norm clamped below at ``eps``; torch clamps in place under
+        no_grad, so the gradient flows through the norm as if unclamped (``n - stop_gradient(n) +
+        stop_gradient(max(n, eps))``: the clamped value, the norm's derivative)."""
+        if not isinstance(x1, Tensor) or not isinstance(x2, Tensor):
+            raise UnsupportedOpError("cosine_similarity of a Python number (tensors only)")
+        if kind(x1.dtype) != "float" and kind(x2.dtype) != "float":
+            raise DTypeError(f"cosine_similarity: expected a float operand, got {x1.dtype} and {x2.dtype} "
+                             f"(torch refuses it too)")
+        common = x1.dtype if kind(x2.dtype) != "float" else x2.dtype if kind(x1.dtype) != "float" else None
+        if common is not None:  # torch casts an integer operand to the other's float dtype
+            x1, x2 = x1.to(common), x2.to(common)
+        shape = broadcast_shapes(x1.shape, x2.shape, what="cosine_similarity")
+        x1, x2 = x1.broadcast_to(shape), x2.broadcast_to(shape)
+        parts = []
+        for x in (x1, x2):
+            n = ops["linalg_vector_norm"](x, 2, dim, True)
+            n = elementwise_expr(f"x0 - stop_gradient(x0) + stop_gradient(max(x0, {float(eps)!r}))", n)
+            parts.append(x / n)
+        out: Tensor = ops["sum"](parts[0] * parts[1], dim)
+        return out
+
+    return {"trace": trace, "diag": diag, "var_mean": var_mean, "std_mean": std_mean, "dist": dist,
+            "cosine_similarity": cosine_similarity}

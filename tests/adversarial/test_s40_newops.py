@@ -225,3 +225,28 @@ def test_composition_gradients_match_autograd() -> None:
     # dist at a == b: the norm's gradient at 0 is 0, as torch's
     _check_grads(lambda a, b: torch.dist(a, b).reshape(1), m, m.clone())
     _check_grads(lambda a, b: torch.dist(a, b, 3).reshape(1), m, m.flip(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cosine_similarity_matches_torch(dtype: Any) -> None:
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(3, 4, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)
+    a[0] = 0  # a zero row: the norm clamped at eps
+
+    def f(a: Any, b: Any) -> Any:
+        import torch.nn.functional as F
+        return (F.cosine_similarity(a, b, dim=-1), F.cosine_similarity(a, a * 2, dim=0, eps=0.5),
+                F.cosine_similarity(a, torch.ones(3, 4, dtype=torch.int64)))
+    for got, want in zip(_run_all(f, a, b), f(a, b)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
+def test_cosine_similarity_gradients_flow_through_the_clamped_norm() -> None:
+    # torch clamps the norms in place under no_grad: below eps the value is eps, the gradient the
+    # norm's (a zero row gets 0 from the norm's backward at 0)
+    import torch.nn.functional as F
+    a = torch.tensor([[0.0, 0, 0], [1e-4, 0, 0], [1, 2, 3], [-1, 0.5, 2]], dtype=torch.float64)
+    b = torch.tensor([[1.0, 2, 3]], dtype=torch.float64)
+    _check_grads(lambda a, b: F.cosine_similarity(a, b, dim=-1, eps=1e-3), a, b)
+    _check_grads(lambda a, b: F.cosine_similarity(a, b, dim=0), a, a.flip(1))
