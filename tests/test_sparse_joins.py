@@ -128,6 +128,10 @@ def test_a_dense_result_over_the_limit_is_refused(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(EinjoinError, match=r"\(100, 100\).*80000 bytes"):
         ej.sparse_compile("ij->i", a, join="exp")
     assert ej.sparse_compile("ij->i", a, join="relu").sparse_result  # sparse: no limit
+    monkeypatch.setattr(joins, "DENSE_JOIN_LIMIT", 1 << 30)
+    with pytest.raises(EinjoinError, match=r"\(100, 100\).*80000 bytes, over memory_limit= \(50000 bytes\)"):
+        ej.sparse_compile("ij->i", a, join="exp", memory_limit=50_000)
+    assert ej.sparse_compile("ij->i", a, join="exp", memory_limit="1MiB").run().shape == (100,)
 
 
 def test_product_joins_keep_the_product_plan() -> None:

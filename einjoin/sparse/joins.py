@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from einjoin.cluster.sizes import parse_bytes
 from einjoin.errors import EinjoinError, UnsupportedOpError
 from einjoin.ir.evaluate import evaluate
 from einjoin.ir.scalar import Expr
@@ -87,11 +88,15 @@ class JoinPlan:
             with np.errstate(all="ignore"):
                 dt = np.asarray(evaluate(expr, [np.zeros(1, d) for d in dtypes])).dtype
             need = math.prod(self.shape) * dt.itemsize
-            if need > DENSE_JOIN_LIMIT:
+            # the stated limit, and the plan's memory_limit= (engine memory) when that is lower
+            cap = parse_bytes(compile_kw.get("memory_limit"))
+            limit, name = (cap, "memory_limit=") if cap is not None and cap < DENSE_JOIN_LIMIT else \
+                (DENSE_JOIN_LIMIT, "einjoin.sparse.joins.DENSE_JOIN_LIMIT")
+            if need > limit:
                 raise EinjoinError(
                     f"{what}: join {expr} is dense (it is not 0 where operands are 0, or an operand is dense "
                     f"or lacks a label): its result of shape {self.shape} ({dt.name}) takes {need} bytes, over "
-                    f"einjoin.sparse.joins.DENSE_JOIN_LIMIT ({DENSE_JOIN_LIMIT} bytes)")
+                    f"{name} ({limit} bytes)")
 
     def vjp(self, grad_out: Any, wrt: Any = None) -> Any:
         """Refused: gradients of sparse einsums are those of products (`einjoin.sparse.grad`)."""
