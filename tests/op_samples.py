@@ -320,6 +320,7 @@ HAND: dict[str, tuple[Sample, ...]] = {
     "logaddexp": (S("torch.logaddexp(a, b)", "f:3,4", "f:3,4"),),
     "logaddexp2": (S("torch.logaddexp2(a, b)", "f:3,4", "f:3,4"),),
     "logit": (S("torch.logit(a) + torch.logit(a, eps=0.2)", "u:3,4"),),
+    "gcd": (S("torch.gcd(a, b)", "i5:3,4", "i5:3,4"),),
     "trace": (S("torch.trace(a)", "f:3,4"),),
     "diag": (S("torch.diag(a, 1)", "f:3,4"), S("torch.diag(a[0], -1)", "f:3,4")),
     "var_mean": (S("torch.var_mean(a, 1)[0] + torch.var_mean(a, 1)[1]", "f:3,4"),),

@@ -344,7 +344,7 @@ def test_every_function_has_a_rule_or_a_reason() -> None:
     # session 40's transcendental functions (checked against torch.autograd, edge points included,
     # by tests/adversarial/test_s40_newops.py)
     trig = {"sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "logit", "atan2",
-            "copysign", "xlogy", "logaddexp", "logaddexp2"}
+            "copysign", "xlogy", "logaddexp", "logaddexp2", "gcd"}
     assert SMOOTH | PIECEWISE | none | bits | trig == set(FUNCTIONS)
 
 

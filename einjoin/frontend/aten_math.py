@@ -1,9 +1,9 @@
 """Transcendental translations of the torch importer (session 40): the inverse and hyperbolic
-trigonometric functions, ``atan2``, ``copysign``, ``xlogy``, ``logaddexp`` / ``logaddexp2`` and
-``logit``: :data:`MATH_OPS`, merged into :data:`einjoin.frontend.aten.OPS`. Each is one join of an
-IR scalar function of the same name (:mod:`einjoin.ir.scalar`; torch's formulas and edge cases,
-its backward formulas in :mod:`einjoin.ir.derivative`) under torch's type promotion (integers
-and bools compute as float32).
+trigonometric functions, ``atan2``, ``copysign``, ``xlogy``, ``logaddexp`` / ``logaddexp2``,
+``logit`` and ``gcd``: :data:`MATH_OPS`, merged into :data:`einjoin.frontend.aten.OPS`. Each is
+one join of an IR scalar function of the same name (:mod:`einjoin.ir.scalar`; torch's formulas
+and edge cases, its backward formulas in :mod:`einjoin.ir.derivative`) under torch's type
+promotion (integers and bools compute as float32; gcd takes integers only).
 
 >>> import numpy as np, einjoin as ej
 >>> x = ej.input("x", (3,))
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from einjoin.errors import DTypeError
 from einjoin.frontend.routing import elementwise_expr
 from einjoin.frontend.tensor import Tensor, elementwise
 from einjoin.ir.dtypes import kind
@@ -48,6 +49,16 @@ _NO_INPLACE = frozenset({"logaddexp", "logaddexp2", "special_xlogy"})  # torch h
 for _fn, _names in _NAMES.items():
     op(*(n for name in _names for n in (name, name + "_")[:1 if name in _NO_INPLACE else 2]))(
         _translation(_fn))
+
+
+@op("gcd", "gcd_")
+def _gcd(a: Any, b: Any) -> Tensor:
+    """torch.gcd of integer tensors (torch refuses floats and bools: so does this)."""
+    for v in (a, b):
+        if not isinstance(v, Tensor) or kind(v.dtype) != "int":
+            raise DTypeError(f"gcd: expected integer tensors, got {getattr(v, 'dtype', type(v).__name__)} "
+                             f"(torch refuses it too)")
+    return elementwise("gcd", a, b, name="gcd")
 
 
 @op("logit", "logit_", "special_logit")

@@ -592,6 +592,7 @@ DERIVATIVES: dict[str, Rule | NoDerivative] = {
     "fmod": _remainder("truncdiv"),
     "truncdiv": _zero,  # only div(rounding_mode="trunc") makes it: torch's gradient is 0 there
     "bitand": _zero, "bitor": _zero, "bitxor": _zero, "bitnot": _zero, "lshift": _zero, "rshift": _zero,
+    "gcd": _zero,
     "pow": _d_pow,
     "ipow": _d_pow,  # float arguments compute as pow; integers have no gradient to ask for
     "max": _extremum("lt", "gt"),

@@ -293,6 +293,22 @@ def _logit(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _gcd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """torch.gcd: Euclid's algorithm on ``|a|`` and ``|b|`` with C's remainder, elementwise (so
+    ``|int64 min|`` wraps as in torch's kernel: ``gcd(5, -2**63)`` is -1); bools as uint8."""
+    dt = _bits_dtype(a, b)
+    work = np.dtype(np.uint8) if dt.kind == "b" else dt
+    with np.errstate(all="ignore"):
+        x, y = (np.abs(np.asarray(v).astype(work)) for v in (a, b))
+        x, y = (np.array(v) for v in np.broadcast_arrays(x, y))
+        while np.any(x != 0):  # at most ~93 rounds for int64 (Fibonacci worst case)
+            nz = x != 0
+            r = np.fmod(y, np.where(nz, x, 1))
+            y = np.where(nz, x, y)
+            x = np.where(nz, r, 0).astype(work)
+    return y.astype(dt, copy=False)
+
+
 # precedences follow Python's grammar, which parses the printed form: comparisons (1) bind
 # loosest, then | (2), & (3), + - (4), * / (5), unary minus, ** (7)
 _FN_LIST = [
@@ -312,6 +328,7 @@ _FN_LIST = [
     ScalarFn("bitnot", 1, "bits", np.invert),
     ScalarFn("lshift", 2, "bits", _shift(True)),
     ScalarFn("rshift", 2, "bits", _shift(False)),
+    ScalarFn("gcd", 2, "bits", _gcd),
     ScalarFn("max", 2, "arith", np.maximum),
     ScalarFn("min", 2, "arith", np.minimum),
     ScalarFn("neg", 1, "arith", np.negative),

@@ -250,3 +250,24 @@ def test_cosine_similarity_gradients_flow_through_the_clamped_norm() -> None:
     b = torch.tensor([[1.0, 2, 3]], dtype=torch.float64)
     _check_grads(lambda a, b: F.cosine_similarity(a, b, dim=-1, eps=1e-3), a, b)
     _check_grads(lambda a, b: F.cosine_similarity(a, b, dim=0), a, a.flip(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_gcd_matches_torch(dtype: Any) -> None:
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(9)
+    edge = torch.tensor([info.min, info.max, 0, 1, -1 if info.min else 3, 12, 7], dtype=torch.int64).to(dtype)
+    a = torch.cat([torch.randint(info.min, info.max, (60,), generator=g, dtype=torch.int64).to(dtype),
+                   edge.repeat_interleave(len(edge))])
+    b = torch.cat([torch.randint(info.min, info.max, (60,), generator=g, dtype=torch.int64).to(dtype),
+                   edge.repeat(len(edge))])
+    got, want = _run(torch.gcd, a, b), torch.gcd(a, b)  # |int min| wraps as in torch's kernel
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_gcd_of_floats_is_refused_as_by_torch() -> None:
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError):
+        torch.gcd(x, x)
+    with pytest.raises(ej.EinjoinError, match="gcd"):
+        _run(torch.gcd, x, x)

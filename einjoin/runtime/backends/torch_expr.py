@@ -109,7 +109,8 @@ TORCH_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "atan2": torch.atan2, "copysign": torch.copysign, "xlogy": torch.xlogy,
     "logaddexp": torch.logaddexp, "logaddexp2": torch.logaddexp2,
     # issue 39's integer functions: numpy's (torch's numerics, checked by tests/adversarial/test_issue39_*)
-    **{n: _via_numpy(n) for n in ("fmod", "truncdiv", "bitand", "bitor", "bitxor", "bitnot", "lshift", "rshift")},
+    **{n: _via_numpy(n) for n in ("fmod", "truncdiv", "bitand", "bitor", "bitxor", "bitnot", "lshift", "rshift",
+                                         "gcd")},
 }
 
 
