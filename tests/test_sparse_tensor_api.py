@@ -175,3 +175,18 @@ def test_reductions_agree_with_the_sparse_einsum(agg: str) -> None:
     for x, dense in [(t, a), (ej.einsum("ij,jk->ik", t, t.todense().T), a @ a.T)]:
         same(getattr(x, agg)(1), ej.einsum("ij->i", x, agg=agg).todense(), sparse=True)
         same(getattr(x, agg)(1), getattr(dense, agg)(1), sparse=True)
+
+
+def test_a_shape_too_large_for_one_code() -> None:
+    # 2^40 x 2^40: no int64 code of an entry; rows compared instead (unique_rows)
+    big = 2 ** 40
+    idx = np.array([[5, 5, big - 1, 7], [big - 1, 3, 0, 3]])
+    t = ej.sparse("H", (idx, np.array([1.0, 2.0, 3.0, 4.0]), (big, big)))
+    u = ej.sparse("U", (np.array([[5, 7], [3, 4]]), np.array([10.0, 1.0]), (big, big)))
+    assert sorted(zip(*(c.tolist() for c in (t * u).coo()[0].T), (t * u).coo()[1].tolist())) == [(5, 3, 20.0)]
+    s = t + u
+    assert dict(zip(map(tuple, s.coo()[0].tolist()), s.coo()[1].tolist())) == {
+        (5, 3): 12.0, (5, big - 1): 1.0, (7, 3): 4.0, (7, 4): 1.0, (big - 1, 0): 3.0}
+    r = t.max(0)
+    assert dict(zip(r.coo()[0][:, 0].tolist(), r.coo()[1].tolist())) == {0: 3.0, 3: 4.0, big - 1: 1.0}
+    assert float(t.sum()) == 10.0

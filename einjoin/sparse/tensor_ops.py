@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from einjoin.errors import EinjoinError, ShapeError, UnsupportedOpError
-from einjoin.sparse.tensor import TENSOR_OPS, SparseTensor, from_coo, unique_rows
+from einjoin.sparse.tensor import TENSOR_OPS, SparseTensor, is_float, key_codes, unique_rows
 
 __all__ = ["OPS", "apply", "unary", "reduce", "add", "mul", "truediv", "power"]
 
@@ -94,9 +94,33 @@ def _same_shape(t: SparseTensor, u: SparseTensor, op: str) -> None:
                          f"(two sparse tensors combine at one shape; broadcast with ej.einsum)")
 
 
-def _entries(t: SparseTensor, shape: tuple[int, ...]) -> SparseTensor:
-    coords, vals = t.coo()
-    return from_coo(t.name, coords, vals, shape, (1,) * len(shape), summed=True)
+def _grouped(coords: np.ndarray, vals: np.ndarray, grid: list[int] | tuple[int, ...]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each group's row, sorted row-major; the values in group order; each group's first
+    position) of entries grouped by their ``coords`` rows: one stable sort of their codes, none
+    when they come sorted (a block-1 tensor's entries, grouped by its leading dims)."""
+    n = len(vals)
+    if coords.shape[1] == 0 or n == 0:
+        return (np.zeros((min(n, 1), coords.shape[1]), np.int64), vals, np.zeros(min(n, 1), np.int64))
+    code = key_codes(coords, grid)
+    if code is None:  # a grid too large for one code: rows
+        uniq, inv = unique_rows(coords, grid)
+        order = np.argsort(inv, kind="stable")
+        return uniq, vals[order], np.searchsorted(inv[order], np.arange(len(uniq)))
+    if n > 1 and not bool((code[1:] >= code[:-1]).all()):
+        order = np.argsort(code, kind="stable")  # timsort: two sorted runs (t + u) merge in O(n)
+        code, vals = code[order], vals[order]
+    starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    return np.stack(np.unravel_index(code[starts], tuple(grid)), axis=1).astype(np.int64), vals, starts
+
+
+def _summed(name: str, shape: tuple[int, ...], coords: np.ndarray, vals: np.ndarray) -> SparseTensor:
+    """A block-1 tensor of the entries (coords, vals), those at one coordinate summed."""
+    keys, vals, starts = _grouped(coords, vals, shape)
+    if len(starts) != len(vals):  # in the values' dtype (reduceat widens small ints)
+        vals = np.add.reduceat(vals, starts, dtype=vals.dtype if vals.dtype.kind in "iu" else None)
+    return SparseTensor(name, shape, (1,) * len(shape), keys, vals.reshape((-1,) + (1,) * len(shape)),
+                        trusted=True)
 
 
 def add(t: SparseTensor, other: Any, sign: int = 1, reflected: bool = False) -> SparseTensor | np.ndarray:
@@ -109,8 +133,8 @@ def add(t: SparseTensor, other: Any, sign: int = 1, reflected: bool = False) -> 
         vt, vu = vt.astype(dt, copy=False), vu.astype(dt, copy=False)
         if sign < 0:
             vu = np.negative(vu)
-        return from_coo(f"{t.name}{'+' if sign > 0 else '-'}{other.name}", np.concatenate([ct, cu]),
-                        np.concatenate([vt, vu]), tuple(t.shape), (1,) * t.ndim)
+        return _summed(f"{t.name}{'+' if sign > 0 else '-'}{other.name}", tuple(t.shape),
+                       np.concatenate([ct, cu]), np.concatenate([vt, vu]))
     dense = t.todense()
     if reflected:
         return np.asarray(other - dense if sign < 0 else other + dense)
@@ -123,21 +147,18 @@ def mul(t: SparseTensor, other: Any) -> SparseTensor | np.ndarray:
     if isinstance(other, SparseTensor):
         _same_shape(t, other, "mul")
         shape = tuple(t.shape)
-        a, b = _entries(t, shape), _entries(other, shape)
+        (ka, va, _), (kb, vb, _) = (_grouped(*x.coo(), shape) for x in (t, other))  # sorted, unique
         if t.ndim == 0:
-            both = np.zeros((min(a.nblocks, b.nblocks), 0), np.int64)
-            ia = ib = np.arange(len(both))
+            ia = ib = np.arange(min(len(ka), len(kb)))
         else:
-            codes = [np.ravel_multi_index(tuple(x.keys.T), shape) if x.nblocks else np.zeros(0, np.int64)
-                     for x in (a, b)] if math.prod(shape) < 2 ** 62 else None
-            if codes is None:  # a shape too large for one code: rows of both
-                keys = np.concatenate([a.keys, b.keys])
-                _, inv = unique_rows(keys, shape)
-                codes = [inv[:a.nblocks], inv[a.nblocks:]]
-            _, ia, ib = np.intersect1d(codes[0], codes[1], assume_unique=True, return_indices=True)
-            both = a.keys[ia]
-        vals = a.data.reshape(-1)[ia] * b.data.reshape(-1)[ib]
-        return from_coo(f"{t.name}*{other.name}", both, vals, shape, (1,) * t.ndim, summed=True)
+            ca, cb = key_codes(ka, shape), key_codes(kb, shape)
+            if ca is None or cb is None:  # a shape too large for one code: ranks of both's rows
+                _, inv = unique_rows(np.concatenate([ka, kb]), shape)
+                ca, cb = inv[:len(ka)], inv[len(ka):]
+            pos = np.minimum(np.searchsorted(cb, ca), max(len(cb) - 1, 0))  # both sorted: a merge
+            ia = np.flatnonzero(cb[pos] == ca) if len(cb) else np.zeros(0, np.int64)
+            ib = pos[ia]
+        return _summed(f"{t.name}*{other.name}", shape, ka[ia], va[ia] * vb[ib])
     if _scalar(other):
         if _finite(other):
             return _with_values(t, lambda v: v * other, "mul")
@@ -151,7 +172,7 @@ def mul(t: SparseTensor, other: Any) -> SparseTensor | np.ndarray:
         return np.asarray(t.todense() * arr)  # numpy names a shape mismatch; 0 * inf is nan
     coords, vals = t.coo()
     picked = np.broadcast_to(arr, tuple(t.shape))[tuple(coords.T)]
-    return from_coo(f"{t.name}*", coords, vals * picked, tuple(t.shape), (1,) * t.ndim, summed=True)
+    return _summed(f"{t.name}*", tuple(t.shape), coords, vals * picked)
 
 
 def truediv(t: SparseTensor, other: Any, reflected: bool = False) -> SparseTensor | np.ndarray:
@@ -203,10 +224,16 @@ def reduce(t: SparseTensor, agg: str, dim: Any = None, keepdim: bool = False) ->
         fill = {"mean": np.nan, "prod": 1}.get(agg, 0)
         return np.full(out_shape, fill, dt)
     coords, vals = t.coo()
-    uniq, inv = unique_rows(coords[:, kept], [shape[d] for d in kept])
-    order = np.argsort(inv, kind="stable")
-    starts = np.searchsorted(inv[order], np.arange(len(uniq)))
-    vals = vals[order]
+    grid = [shape[d] for d in kept]
+    if agg in ("sum", "mean") and kept and is_float(dt) and 0 < math.prod(grid) <= 4 * len(vals):
+        # a float sum onto few groups: counted by code, no sort (float64 accumulation)
+        code = key_codes(coords[:, kept], grid)
+        assert code is not None
+        hit = np.flatnonzero(np.bincount(code, minlength=math.prod(grid)))
+        tot = np.bincount(code, weights=vals.astype(np.float64), minlength=math.prod(grid))[hit]
+        uniq = np.stack(np.unravel_index(hit, tuple(grid)), axis=1).astype(np.int64)
+        return _reduced(t, agg, dims, out_shape, keepdim, uniq, (tot / n if agg == "mean" else tot).astype(dt))
+    uniq, vals, starts = _grouped(coords[:, kept], vals, grid)
     if not len(vals):
         res = np.zeros(0, dt)
     elif agg in ("sum", "mean"):
@@ -225,10 +252,17 @@ def reduce(t: SparseTensor, agg: str, dim: Any = None, keepdim: bool = False) ->
         res = (np.maximum if agg == "max" else np.minimum).reduceat(vals, starts)
         partial = np.diff(np.r_[starts, len(vals)]) < n  # a missing entry is a 0 in the group
         res = np.where(partial, (np.maximum if agg == "max" else np.minimum)(res, 0), res).astype(dt)
+    return _reduced(t, agg, dims, out_shape, keepdim, uniq, res)
+
+
+def _reduced(t: SparseTensor, agg: str, dims: tuple[int, ...], out_shape: tuple[int, ...], keepdim: bool,
+             uniq: np.ndarray, res: np.ndarray) -> SparseTensor | np.ndarray:
+    """A reduction's result from its groups' rows (over the kept dims) and values."""
+    kept = [d for d in range(t.ndim) if d not in dims]
     if not kept:  # every dim reduced: a dense value
-        return np.full(out_shape, res[0] if len(res) else 0, dt)
+        return np.full(out_shape, res[0] if len(res) else 0, res.dtype)
     keys = np.zeros((len(uniq), len(out_shape)), np.int64)
-    keys[:, [d for d in range(t.ndim) if d not in dims] if keepdim else list(range(len(kept)))] = uniq
+    keys[:, kept if keepdim else list(range(len(kept)))] = uniq
     return SparseTensor(f"{t.name}.{agg}", out_shape, (1,) * len(out_shape), keys,
                         res.reshape((-1,) + (1,) * len(out_shape)), trusted=True)
 
