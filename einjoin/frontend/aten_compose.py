@@ -1,6 +1,7 @@
 """Translations of the torch importer written as compositions of other translations (session 40):
 ``trace``, ``diag`` (a vector onto a diagonal, a matrix's diagonal, with an offset), ``var_mean``
-/ ``std_mean``, ``dist``, ``cosine_similarity``. :func:`compose_ops` builds them over the op table they join (so this
+/ ``std_mean``, ``dist``, ``cosine_similarity``,
+``linalg_matrix_norm`` (its sum and max orders). :func:`compose_ops` builds them over the op table they join (so this
 module does not import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops
 they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
 
@@ -15,13 +16,15 @@ they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from einjoin.errors import DTypeError, ShapeError, UnsupportedOpError
+from einjoin.frontend.aten_layout import torch_dtype
 from einjoin.frontend.functions import fill
 from einjoin.frontend.routing import elementwise_expr
-from einjoin.frontend.tensor import Tensor, broadcast_shapes, einsum
+from einjoin.frontend.tensor import Tensor, broadcast_shapes, einsum, elementwise
 from einjoin.ir.dtypes import kind
 
 __all__ = ["compose_ops"]
@@ -106,5 +109,25 @@ def compose_ops(ops: Ops) -> dict[str, Callable[..., Any]]:
         out: Tensor = ops["sum"](parts[0] * parts[1], dim)
         return out
 
+    def matrix_norm(x: Tensor, ord: Any = "fro", dim: Any = (-2, -1), keepdim: bool = False, *,
+                    dtype: Any = None) -> Tensor:
+        """torch.linalg.matrix_norm for ord 'fro', 1, -1, inf, -inf (the extreme absolute column /
+        row sum); the singular-value orders ('nuc', 2, -2) are refused."""
+        if dtype is not None:
+            x = x.to(torch_dtype(dtype))
+        d0, d1 = (int(d) % x.ndim for d in dim)
+        if ord == "fro":
+            out: Tensor = ops["linalg_vector_norm"](x, 2, [d0, d1], keepdim)
+            return out
+        if isinstance(ord, str) or ord not in (1, -1, math.inf, -math.inf):
+            raise UnsupportedOpError(f"linalg.matrix_norm with ord={ord!r} (singular values; 'fro', 1, -1, "
+                                     f"inf and -inf only)")
+        summed, over = (d0, d1) if abs(ord) == 1 else (d1, d0)  # ord 1: column sums; inf: row sums
+        sums = ops["sum"](elementwise("abs", x), [summed], True)
+        out = ops["amax" if ord > 0 else "amin"](sums, [over], True)
+        if not keepdim:
+            out = out.reshape(tuple(n for i, n in enumerate(out.shape) if i not in (d0, d1)))
+        return out
+
     return {"trace": trace, "diag": diag, "var_mean": var_mean, "std_mean": std_mean, "dist": dist,
-            "cosine_similarity": cosine_similarity}
+            "cosine_similarity": cosine_similarity, "linalg_matrix_norm": matrix_norm}

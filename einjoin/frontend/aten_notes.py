@@ -102,6 +102,7 @@ NOTES: dict[str, str] = {
     "gru": "padded tensors (not packed sequences); no dropout between layers in training mode",
     "lstm": "as `gru`; no `proj_size`",
     "linalg_vector_norm": "`ord` a number (2, 1, inf, -inf, 0, p) or 'fro'",
+    "linalg_matrix_norm": "`ord` 'fro', 1, -1, inf, -inf (the singular-value orders 'nuc', 2, -2 refused)",
     "l1_loss": "no `weight`",
     "huber_loss": "no `weight`",
     "kl_div": "`reduction` 'batchmean' too",

@@ -271,3 +271,26 @@ def test_gcd_of_floats_is_refused_as_by_torch() -> None:
         torch.gcd(x, x)
     with pytest.raises(ej.EinjoinError, match="gcd"):
         _run(torch.gcd, x, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_matrix_norm_matches_torch(dtype: Any) -> None:
+    g = torch.Generator().manual_seed(10)
+    a = torch.randn(2, 3, 4, generator=g).to(dtype)
+    mn = torch.linalg.matrix_norm
+
+    def f(a: Any) -> Any:
+        return (mn(a), mn(a, 1), mn(a, -1), mn(a, math.inf), mn(a, -math.inf, keepdim=True),
+                mn(a, 1, dim=(0, 2)), mn(a, math.inf, dim=(2, 0), keepdim=True), mn(a, "fro", dim=(1, 0)))
+    for got, want in zip(_run_all(f, a), f(a)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ej.EinjoinError, match="nuc"):
+        _run_all(lambda a: mn(a, "nuc"), a.float())  # singular values: refused
+
+
+def test_matrix_norm_gradients_match_autograd() -> None:
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    for o in ("fro", 1, -1, math.inf, -math.inf):
+        _check_grads(lambda a, o=o: torch.linalg.matrix_norm(a, o), a)
