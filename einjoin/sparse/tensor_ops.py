@@ -186,11 +186,15 @@ def truediv(t: SparseTensor, other: Any, reflected: bool = False) -> SparseTenso
 
 def power(t: SparseTensor, p: Any, reflected: bool = False) -> SparseTensor | np.ndarray:
     """``t ** p``: sparse for a finite scalar ``p > 0`` (``0 ** p == 0``), else dense (``p ** t`` too)."""
-    if reflected:
-        return np.asarray(p ** t.todense())
-    if _scalar(p) and not isinstance(p, complex) and _finite(p) and p > 0:
-        return _with_values(t, lambda v: v ** p, "pow")
-    return np.asarray(t.todense() ** p)
+    try:
+        if reflected:
+            return np.asarray(p ** t.todense())
+        if _scalar(p) and not isinstance(p, complex) and _finite(p) and p > 0:
+            return _with_values(t, lambda v: v ** p, "pow")
+        return np.asarray(t.todense() ** p)
+    except ValueError as e:  # numpy's "Integers to negative integer powers are not allowed" (torch refuses too)
+        raise EinjoinError(f"pow of sparse tensor {t.name!r} {t.shape} ({t.dtype}) and {p!r:.40}: {e} "
+                           f"(cast to a float dtype first)") from None
 
 
 def _dims(t: SparseTensor, dim: Any, op: str) -> tuple[int, ...]:

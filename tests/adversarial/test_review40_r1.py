@@ -210,3 +210,16 @@ def test_leave_idle_keeps_every_ray_device() -> None:
     out = ej.relu(x @ w)
     assert ej.compile(out, devices=2, backend="threads", leave_idle=True, quiet=True).taskgraph.n_devices == 1
     assert ej.compile(out, devices=2, backend=RayBackend(), leave_idle=True, quiet=True).taskgraph.n_devices == 2
+
+
+# ------------------------------------------------- the Tensor API of a SparseTensor (d3def94)
+
+
+def test_an_integer_sparse_tensor_to_a_negative_power_is_an_einjoin_error() -> None:
+    # numpy (and torch) refuse integers to negative integer powers: it was numpy's raw ValueError
+    t = ej.sparse("Tpow40", np.array([[1, 0], [2, -3]]))
+    with pytest.raises(ej.EinjoinError, match="Tpow40"):
+        t ** -1
+    with pytest.raises(ej.EinjoinError, match="Tpow40"):
+        2 ** t  # a negative stored entry
+    np.testing.assert_array_equal((t ** 2).todense(), np.array([[1, 0], [2, -3]]) ** 2)
