@@ -18,7 +18,7 @@ from einjoin.sparse import SparseTensor
 
 from budget import examples
 
-DTYPES = [np.int8, np.int32, np.int64, np.float32, np.float64]
+DTYPES = [np.int8, np.int32, np.int64, np.float16, np.float32, np.float64]
 
 
 @st.composite
@@ -49,7 +49,7 @@ def same(got: Any, want: Any, sparse: bool | None = None) -> None:
     assert isinstance(got, np.ndarray), type(got)
     assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
     if want.dtype.kind in "fc":
-        tol = 1e-3 if want.dtype == np.float32 else 1e-9
+        tol = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 1e-5}.get(want.dtype, 1e-9)
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol, equal_nan=True)
     else:
         np.testing.assert_array_equal(got, want)
