@@ -190,3 +190,16 @@ def test_a_shape_too_large_for_one_code() -> None:
     r = t.max(0)
     assert dict(zip(r.coo()[0][:, 0].tolist(), r.coo()[1].tolist())) == {0: 3.0, 3: 4.0, big - 1: 1.0}
     assert float(t.sum()) == 10.0
+
+
+def test_product_with_a_graph_tensor_is_a_sparse_einsum_node() -> None:
+    # x * s and s * x with a lazy tensor x of s's shape: the sparse einsum 'ab,ab->ab' in the graph
+    dense = np.array([[0.0, 2.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [3.0, 0.0, -1.0, 0.0]])
+    s = ej.sparse("A", dense)
+    x = ej.input("x", (3, 4), "float64")
+    feed = np.arange(12.0).reshape(3, 4) - 5
+    for y in (x * s, s * x, ej.relu(x) * s):
+        assert isinstance(y, ej.Tensor) and "sparse_einsum" in str(ej.Graph(y))
+    np.testing.assert_array_equal(ej.reference(x * s, x=feed), feed * dense)
+    np.testing.assert_array_equal(ej.reference(s * x, x=feed), dense * feed)
+    np.testing.assert_array_equal(ej.reference(ej.relu(x) * s, x=feed), np.maximum(feed, 0) * dense)

@@ -226,6 +226,16 @@ def elementwise(fn: str | Expr, *args: Tensor | Scalar, name: str | None = None)
     return wrap(ops.einsum_node(inputs, labels, out_labels, expr, None))
 
 
+def _times(a: Any, b: Any, x: Tensor, o: Any) -> Tensor:
+    """``a * b`` (one of them ``x``, the other ``o``): with an operand of ``x``'s shape that computes
+    its einsum itself (einjoin.sparse's SparseTensor), the sparse einsum ``'ab,ab->ab'`` (a graph
+    node: the product on its stored entries), else the elementwise product."""
+    if x.ndim and hasattr(type(o), "__einjoin_einsum__") and tuple(getattr(o, "shape", ())) == x.shape:
+        ls = LETTERS[:x.ndim]
+        return einsum(f"{ls},{ls}->{ls}", a, b)
+    return elementwise("mul", a, b)
+
+
 def check_flag(value: Any, what: str) -> bool:
     """``value`` as a bool: Python and numpy bools, and the ints 0 and 1 (torch's arg parser takes
     them); anything else (an array, a string, None) is an EinjoinError naming ``what``."""
@@ -490,8 +500,8 @@ class Tensor:
     def __radd__(self, o: Any) -> Tensor: return elementwise("add", o, self)
     def __sub__(self, o: Any) -> Tensor: return elementwise("sub", self, o)
     def __rsub__(self, o: Any) -> Tensor: return elementwise("sub", o, self)
-    def __mul__(self, o: Any) -> Tensor: return elementwise("mul", self, o)
-    def __rmul__(self, o: Any) -> Tensor: return elementwise("mul", o, self)
+    def __mul__(self, o: Any) -> Tensor: return _times(self, o, self, o)
+    def __rmul__(self, o: Any) -> Tensor: return _times(o, self, self, o)
     def __truediv__(self, o: Any) -> Tensor: return elementwise("div", self, o)
     def __rtruediv__(self, o: Any) -> Tensor: return elementwise("div", o, self)
     def __floordiv__(self, o: Any) -> Tensor: return elementwise("floordiv", self, o)

@@ -37,6 +37,11 @@ TENSOR_OPS: dict[str, Callable[..., Any]] = {}
 _MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
 
 
+def _lazy(x: Any) -> bool:
+    """An einjoin graph tensor (no values until it runs), not a sparse tensor."""
+    return type(x).__module__.startswith("einjoin.") and not isinstance(x, SparseTensor)
+
+
 def grid_of(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     """Blocks per dim (ceil), at least 1 so that a size-0 dim keeps a well-formed grid."""
     return tuple(max(1, -(-n // b)) for n, b in zip(shape, block))
@@ -327,6 +332,8 @@ class SparseTensor:
         return TENSOR_OPS["add"](self, other, sign=-1, reflected=True)
 
     def __mul__(self, other: Any) -> Any:
+        if _lazy(other):  # an einjoin graph tensor: its __rmul__ builds the sparse einsum node
+            return NotImplemented
         return TENSOR_OPS["mul"](self, other)
 
     __rmul__ = __mul__
