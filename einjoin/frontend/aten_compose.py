@@ -1,9 +1,8 @@
 """Translations of the torch importer written as compositions of other translations (session 40):
 ``trace``, ``diag`` (a vector onto a diagonal, a matrix's diagonal, with an offset), ``var_mean``
-/ ``std_mean``, ``dist``, ``cosine_similarity``,
-``linalg_matrix_norm`` (its sum and max orders). :func:`compose_ops` builds them over the op table they join (so this
-module does not import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops
-they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
+/ ``std_mean``, ``dist``, ``cosine_similarity``, ``linalg_matrix_norm`` (its sum and max orders),
+``cdist``. :func:`compose_ops` builds them over the op table they join (so this module does not
+import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
 
 >>> import numpy as np, einjoin as ej
 >>> from einjoin.frontend.aten import OPS
@@ -129,5 +128,17 @@ def compose_ops(ops: Ops) -> dict[str, Callable[..., Any]]:
             out = out.reshape(tuple(n for i, n in enumerate(out.shape) if i not in (d0, d1)))
         return out
 
+    def cdist(x1: Tensor, x2: Tensor, p: float = 2.0, compute_mode: Any = None) -> Tensor:
+        """torch.cdist: the p-norm of every row difference, ``(..., P, M), (..., R, M) -> (..., P,
+        R)``, as the vector norm of the broadcast differences (P x R x M elements held)."""
+        if x1.ndim < 2 or x2.ndim < 2 or x1.shape[-1] != x2.shape[-1]:
+            raise ShapeError(f"cdist: expected (..., P, M) and (..., R, M), got {x1.shape} and {x2.shape}")
+        if kind(x1.dtype) != "float" or kind(x2.dtype) != "float":
+            raise DTypeError(f"cdist: only float tensors, got {x1.dtype} and {x2.dtype} (as torch)")
+        diff = x1.reshape(x1.shape[:-1] + (1, x1.shape[-1])) - x2.reshape(x2.shape[:-2] + (1,) + x2.shape[-2:])
+        out: Tensor = ops["linalg_vector_norm"](diff, p, [-1], False)
+        return out
+
     return {"trace": trace, "diag": diag, "var_mean": var_mean, "std_mean": std_mean, "dist": dist,
-            "cosine_similarity": cosine_similarity, "linalg_matrix_norm": matrix_norm}
+            "cosine_similarity": cosine_similarity, "linalg_matrix_norm": matrix_norm, "cdist": cdist,
+            "_cdist_forward": cdist}

@@ -294,3 +294,29 @@ def test_matrix_norm_gradients_match_autograd() -> None:
     a = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
     for o in ("fro", 1, -1, math.inf, -math.inf):
         _check_grads(lambda a, o=o: torch.linalg.matrix_norm(a, o), a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cdist_matches_torch(dtype: Any) -> None:
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randn(2, 30, 3, generator=g).to(dtype), torch.randn(1, 4, 3, generator=g).to(dtype)
+    b[0, 0] = a[0, 0]  # a zero distance
+
+    def f(a: Any, b: Any, mode: str = "use_mm_for_euclid_dist_if_necessary") -> Any:
+        return (torch.cdist(a, b, compute_mode=mode), torch.cdist(a, b, 1), torch.cdist(a[0], b[0], math.inf),
+                torch.cdist(a, b, 0.5), torch.cdist(a[:, :5], b, 3))
+    # P = 30 > 25: torch's default p = 2 goes through a matrix product, whose rounding reads a zero
+    # distance as ~2e-4 in float32; einjoin computes the differences: compared with torch's own
+    want_all = f(a, b, "donot_use_mm_for_euclid_dist")
+    torch.testing.assert_close(f(a, b)[0], want_all[0], atol=1e-3, rtol=1e-4)
+    for got, want in zip(_run_all(f, a, b), want_all):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
+def test_cdist_gradients_match_autograd() -> None:
+    g = torch.Generator().manual_seed(13)
+    a, b = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    b[1] = a[2]  # a zero distance: torch's backward gives 0 there
+    for p in (2.0, 1.0, 3.0, math.inf):
+        _check_grads(lambda a, b, p=p: torch.cdist(a, b, p), a, b)
