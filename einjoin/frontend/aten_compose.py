@@ -2,7 +2,8 @@
 ``trace``, ``diag`` (a vector onto a diagonal, a matrix's diagonal, with an offset), ``var_mean``
 / ``std_mean``, ``dist``, ``cosine_similarity``, ``linalg_matrix_norm`` (its sum and max orders),
 ``cdist``. :func:`compose_ops` builds them over the op table they join (so this module does not
-import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
+import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops they are made of
+(a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
 
 >>> import numpy as np, einjoin as ej
 >>> from einjoin.frontend.aten import OPS
