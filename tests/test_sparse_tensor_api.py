@@ -154,6 +154,10 @@ def test_errors_name_the_op() -> None:
         t + ej.sparse("U", np.eye(2))
     with pytest.raises(ShapeError, match="dim 2 out of range"):
         t.sum(2)
+    for bad in (lambda: t + np.ones(4), lambda: t * np.ones(4), lambda: np.ones(4) - t, lambda: t / np.ones(4),
+                lambda: t * np.full(4, np.inf)):
+        with pytest.raises(ShapeError, match=r"sparse tensor 'S' \(3, 3\) and ndarray of shape \(4,\)"):
+            bad()
     with pytest.raises(ShapeError, match="repeated"):
         t.max((0, 0))
     with pytest.raises(ShapeError, match="zero-size"):

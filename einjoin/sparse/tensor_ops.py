@@ -123,6 +123,15 @@ def _summed(name: str, shape: tuple[int, ...], coords: np.ndarray, vals: np.ndar
                         trusted=True)
 
 
+def _dense(t: SparseTensor, op: str, other: Any, f: Callable[[np.ndarray], Any]) -> np.ndarray:
+    """``f`` of the densified tensor, numpy's broadcasting refusal an EinjoinError naming both."""
+    try:
+        return np.asarray(f(t.todense()))
+    except ValueError as e:
+        raise ShapeError(f"{op} of sparse tensor {t.name!r} {t.shape} and {type(other).__name__} of shape "
+                         f"{np.shape(other) if not isinstance(other, SparseTensor) else other.shape}: {e}") from None
+
+
 def add(t: SparseTensor, other: Any, sign: int = 1, reflected: bool = False) -> SparseTensor | np.ndarray:
     """``t + other`` (``sign=-1``: ``t - other``; ``reflected``: ``other - t``). Two sparse tensors:
     the union of their entries, co-present ones summed; anything else: the dense sum."""
@@ -135,10 +144,10 @@ def add(t: SparseTensor, other: Any, sign: int = 1, reflected: bool = False) -> 
             vu = np.negative(vu)
         return _summed(f"{t.name}{'+' if sign > 0 else '-'}{other.name}", tuple(t.shape),
                        np.concatenate([ct, cu]), np.concatenate([vt, vu]))
-    dense = t.todense()
+    op = "add" if sign > 0 else "sub"
     if reflected:
-        return np.asarray(other - dense if sign < 0 else other + dense)
-    return np.asarray(dense - other if sign < 0 else dense + other)
+        return _dense(t, op, other, lambda d: other - d if sign < 0 else other + d)
+    return _dense(t, op, other, lambda d: d - other if sign < 0 else d + other)
 
 
 def mul(t: SparseTensor, other: Any) -> SparseTensor | np.ndarray:
@@ -169,7 +178,7 @@ def mul(t: SparseTensor, other: Any) -> SparseTensor | np.ndarray:
     except ValueError:
         fits = False
     if not fits or (arr.dtype.kind in "fc" and not np.isfinite(arr).all()):
-        return np.asarray(t.todense() * arr)  # numpy names a shape mismatch; 0 * inf is nan
+        return _dense(t, "mul", arr, lambda d: d * arr)  # 0 * inf is nan
     coords, vals = t.coo()
     picked = np.broadcast_to(arr, tuple(t.shape))[tuple(coords.T)]
     return _summed(f"{t.name}*", tuple(t.shape), coords, vals * picked)
@@ -178,10 +187,11 @@ def mul(t: SparseTensor, other: Any) -> SparseTensor | np.ndarray:
 def truediv(t: SparseTensor, other: Any, reflected: bool = False) -> SparseTensor | np.ndarray:
     """``t / other``: sparse for a finite non-zero scalar, else dense (``0 / 0`` is nan)."""
     if reflected:
-        return np.asarray(other / t.todense())
+        return _dense(t, "div", other, lambda d: other / d)
     if _scalar(other) and _finite(other) and other != 0:
         return _with_values(t, lambda v: v / other, "div")
-    return np.asarray(t.todense() / (other.todense() if isinstance(other, SparseTensor) else other))
+    den = other.todense() if isinstance(other, SparseTensor) else other
+    return _dense(t, "div", other, lambda d: d / den)
 
 
 def power(t: SparseTensor, p: Any, reflected: bool = False) -> SparseTensor | np.ndarray:
