@@ -1,9 +1,10 @@
 """Translations of the torch importer written as compositions of other translations (session 40):
 ``trace``, ``diag`` (a vector onto a diagonal, a matrix's diagonal, with an offset), ``var_mean``
 / ``std_mean``, ``dist``, ``cosine_similarity``, ``linalg_matrix_norm`` (its sum and max orders),
-``cdist``. :func:`compose_ops` builds them over the op table they join (so this module does not
-import :mod:`einjoin.frontend.aten` back); their gradients are those of the ops they are made of
-(a ``where`` against a diagonal mask: 0 off the diagonal, as torch's).
+``cdist``, ``median`` (of every element). :func:`compose_ops` builds them over the op table they
+join (so this module does not import :mod:`einjoin.frontend.aten` back); their gradients are
+those of the ops they are made of (a ``where`` against a diagonal mask: 0 off the diagonal, as
+torch's).
 
 >>> import numpy as np, einjoin as ej
 >>> from einjoin.frontend.aten import OPS
@@ -140,6 +141,27 @@ def compose_ops(ops: Ops) -> dict[str, Callable[..., Any]]:
         out: Tensor = ops["linalg_vector_norm"](diff, p, [-1], False)
         return out
 
-    return {"trace": trace, "diag": diag, "var_mean": var_mean, "std_mean": std_mean, "dist": dist,
+    def median(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """torch.median of every element (the lower median; NaN if any element is NaN). The gradient
+        is torch's evenly_distribute_backward: shared evenly by the elements equal to the result
+        (the NaNs when it is NaN), written as ``m + sum(where(eq, x - stop_gradient(x), 0)) / count``
+        with ``m`` the sorted pick under stop_gradient (its value exactly ``m``)."""
+        if args or kwargs:
+            raise UnsupportedOpError("median over a dim (values and indices): only the median of every element")
+        size = math.prod(x.shape)
+        if size == 0:
+            raise ShapeError("median of an empty tensor (torch gives NaN)")
+        flat = x.reshape((size,))
+        picked: Tensor = ops["sort"](flat)[0][(size - 1) // 2]
+        if kind(x.dtype) != "float":
+            return picked
+        m = elementwise_expr("stop_gradient(where(x1, nan, x0))", picked, ops["any"](ops["isnan"](flat)))
+        eq = elementwise_expr("(x0 == x1) | ((x0 != x0) & (x1 != x1))", flat, m)
+        count = ops["sum"](eq.to(x.dtype))
+        share = ops["sum"](ops["where"](eq, elementwise_expr("x0 - stop_gradient(x0)", flat), 0))
+        out: Tensor = m + share / count
+        return out
+
+    return {"median": median, "trace": trace, "diag": diag, "var_mean": var_mean, "std_mean": std_mean, "dist": dist,
             "cosine_similarity": cosine_similarity, "linalg_matrix_norm": matrix_norm, "cdist": cdist,
             "_cdist_forward": cdist}

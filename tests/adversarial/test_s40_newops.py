@@ -320,3 +320,23 @@ def test_cdist_gradients_match_autograd() -> None:
     b[1] = a[2]  # a zero distance: torch's backward gives 0 there
     for p in (2.0, 1.0, 3.0, math.inf):
         _check_grads(lambda a, b, p=p: torch.cdist(a, b, p), a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_median_matches_torch(dtype: Any) -> None:
+    g = torch.Generator().manual_seed(14)
+    for x in (torch.randint(-3, 4, (3, 4), generator=g).to(dtype), torch.randn(7, generator=g).to(dtype)):
+        nan = torch.tensor([math.nan]).to(dtype) if dtype.is_floating_point else None
+        for v in ([x] if nan is None else [x, torch.cat([x.flatten(), nan])]):
+            got, want = _run(torch.median, v), torch.median(v)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ej.EinjoinError, match="median"):
+        _run(lambda t: torch.median(t, 0)[0], x)
+
+
+def test_median_gradient_is_shared_by_the_tied_elements() -> None:
+    # torch's evenly_distribute_backward: the elements equal to the median (the NaNs when it is NaN)
+    _check_grads(lambda x: torch.median(x).reshape(1), _f64(3.0, 2.0, 1.0, 2.0, 5.0, 2.0, 0.0))
+    _check_grads(lambda x: torch.median(x).reshape(1), _f64(3.0, math.nan, 1.0, math.nan))
+    _check_grads(lambda x: torch.median(x).reshape(1), torch.randn(3, 4, dtype=torch.float64))
