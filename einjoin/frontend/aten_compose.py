@@ -133,6 +133,7 @@ def compose_ops(ops: Ops) -> dict[str, Callable[..., Any]]:
     def cdist(x1: Tensor, x2: Tensor, p: float = 2.0, compute_mode: Any = None) -> Tensor:
         """torch.cdist: the p-norm of every row difference, ``(..., P, M), (..., R, M) -> (..., P,
         R)``, as the vector norm of the broadcast differences (P x R x M elements held)."""
+        del compute_mode  # torch's choice of a matrix-product path for p = 2: one exact path here
         if x1.ndim < 2 or x2.ndim < 2 or x1.shape[-1] != x2.shape[-1]:
             raise ShapeError(f"cdist: expected (..., P, M) and (..., R, M), got {x1.shape} and {x2.shape}")
         if kind(x1.dtype) != "float" or kind(x2.dtype) != "float":
