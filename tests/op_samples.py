@@ -329,7 +329,7 @@ HAND: dict[str, tuple[Sample, ...]] = {
     "cosine_similarity": (S("F.cosine_similarity(a, b[0], dim=-1)", "f:3,4", "f:3,4"),),
     "linalg_matrix_norm": (S("torch.linalg.matrix_norm(a) + torch.linalg.matrix_norm(a, 1)", "f:3,4"),),
     "cdist": (S("torch.cdist(a, b)", "f:3,4", "f:2,4"),),
-    "median": (S("torch.median(a)", "f:3,4"),),
+    "median": (S("torch.median(a)", "f:3,4"), S("torch.median(a, 1).values", "f:3,4")),
     "cummax": (S("torch.cummax(a, 1)[0] + torch.cummax(a, 0)[1]", "f:3,4"),),
     "cummin": (S("torch.cummin(a, 1)[0]", "f:3,4"),),
     "logical_not": (S("torch.logical_not(a)", "f:3,4"),),

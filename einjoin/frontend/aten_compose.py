@@ -18,6 +18,7 @@ torch's).
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,9 @@ from einjoin.frontend.tensor import Tensor, broadcast_shapes, einsum, elementwis
 from einjoin.ir.dtypes import kind
 
 __all__ = ["compose_ops"]
+
+# torch.median(x, dim) returns a named tuple: fx code may read .values / .indices
+MedianResult = namedtuple("MedianResult", ["values", "indices"])
 
 Ops = Mapping[str, Callable[..., Any]]
 
@@ -142,13 +146,40 @@ def compose_ops(ops: Ops) -> dict[str, Callable[..., Any]]:
         out: Tensor = ops["linalg_vector_norm"](diff, p, [-1], False)
         return out
 
-    def median(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        """torch.median of every element (the lower median; NaN if any element is NaN). The gradient
+    def median_dim(x: Tensor, dim: int, keepdim: bool = False) -> Any:
+        """torch.median over ``dim``: (values, indices) of the lower median, the element at
+        (n - 1) // 2 of a stable sort (torch's index among ties, checked on random ties), or the
+        first NaN when the row holds one (NaNs sort last, in order)."""
+        if x.ndim == 0:  # torch: the value itself at index 0 (dim 0 or -1)
+            if int(dim) not in (0, -1):
+                raise ShapeError(f"median: dim {dim} out of range for a 0-d tensor")
+            return MedianResult(x, fill((), 0, "int64"))
+        d = int(dim) % x.ndim
+        n = x.shape[d]
+        if n == 0:
+            raise ShapeError(f"median over dim {dim} of size 0 (torch raises too)")
+        vals, idx = ops["sort"](x, d, False, True)
+        k = (n - 1) // 2
+        shape = tuple(1 if i == d else m for i, m in enumerate(x.shape))
+        if kind(x.dtype) == "float":
+            nans = ops["sum"](ops["isnan"](x), [d], True)
+            pos = elementwise_expr(f"where(x0 > 0, {n} - x0, {k})", nans)
+        else:
+            pos = fill(shape, k, "int64")
+        v, i = ops["gather"](vals, d, pos), ops["gather"](idx, d, pos)
+        if not keepdim:
+            out_shape = tuple(m for j, m in enumerate(x.shape) if j != d)
+            v, i = v.reshape(out_shape), i.reshape(out_shape)
+        return MedianResult(v, i)
+
+    def median(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """torch.median of every element (the lower median; NaN if any element is NaN; over a dim:
+        :func:`median_dim`'s values and indices). The gradient
         is torch's evenly_distribute_backward: shared evenly by the elements equal to the result
         (the NaNs when it is NaN), written as ``m + sum(where(eq, x - stop_gradient(x), 0)) / count``
         with ``m`` the sorted pick under stop_gradient (its value exactly ``m``)."""
         if args or kwargs:
-            raise UnsupportedOpError("median over a dim (values and indices): only the median of every element")
+            return median_dim(x, *args, **kwargs)
         size = math.prod(x.shape)
         if size == 0:
             raise ShapeError("median of an empty tensor (torch gives NaN)")

@@ -102,7 +102,7 @@ NOTES: dict[str, str] = {
     "gru": "padded tensors (not packed sequences); no dropout between layers in training mode",
     "lstm": "as `gru`; no `proj_size`",
     "linalg_vector_norm": "`ord` a number (2, 1, inf, -inf, 0, p) or 'fro'",
-    "median": "of every element only (over a dim, with indices, refused)",
+    "median": "over a dim: torch's index among ties (a stable sort's), the first NaN's in a row with NaNs",
     "linalg_matrix_norm": "`ord` 'fro', 1, -1, inf, -inf (the singular-value orders 'nuc', 2, -2 refused)",
     "l1_loss": "no `weight`",
     "huber_loss": "no `weight`",

@@ -331,8 +331,20 @@ def test_median_matches_torch(dtype: Any) -> None:
             got, want = _run(torch.median, v), torch.median(v)
             assert got.dtype == want.dtype and got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    with pytest.raises(ej.EinjoinError, match="median"):
-        _run(lambda t: torch.median(t, 0)[0], x)
+    # over a dim: the values and torch's index among ties (a stable sort's), the first NaN's index
+    n = math.nan
+    for v in (torch.randint(0, 3, (40, 7), generator=g).to(dtype), torch.randint(0, 3, (6, 4), generator=g).to(dtype)):
+        for dim, keep in ((1, False), (0, True), (-1, True)):
+            got = _run_all(lambda t, d=dim, k=keep: tuple(torch.median(t, d, keepdim=k)), v)
+            want = torch.median(v, dim, keepdim=keep)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+    if dtype.is_floating_point:
+        v = torch.tensor([[1.0, n, 2.0, n, 0.0], [3, 1, 2, 2, 2]]).to(dtype)
+        got = _run_all(lambda t: tuple(torch.median(t, 1)), v)
+        want = torch.median(v, 1)
+        torch.testing.assert_close(got[0], want.values, equal_nan=True)
+        assert torch.equal(got[1], want.indices)
 
 
 def test_median_gradient_is_shared_by_the_tied_elements() -> None:
@@ -340,3 +352,5 @@ def test_median_gradient_is_shared_by_the_tied_elements() -> None:
     _check_grads(lambda x: torch.median(x).reshape(1), _f64(3.0, 2.0, 1.0, 2.0, 5.0, 2.0, 0.0))
     _check_grads(lambda x: torch.median(x).reshape(1), _f64(3.0, math.nan, 1.0, math.nan))
     _check_grads(lambda x: torch.median(x).reshape(1), torch.randn(3, 4, dtype=torch.float64))
+    # over a dim: the gradient goes to the returned index only
+    _check_grads(lambda x: torch.median(x, 1).values, _f64(2.0, 1.0, 2.0, 2.0, 0.0, 2.0, 1.0, 1.0).reshape(2, 4))
