@@ -232,17 +232,16 @@ class Trainer:
     device (``ej.compile``'s ``memory_limit``). ``leave_idle``: on local devices without caps,
     each step is planned on only as many of them as pay (``ej.compile``'s ``leave_idle``; the
     parameters and optimizer state live on those, ``trainer.program.explain()`` names the idle
-    ones); on by default (a small model's step on two threads of one process spent a quarter
-    of its time waiting: ``leave_idle=False`` uses every device given, and is the steadier choice
-    on cores that other processes keep busy, where the kept device's BLAS threads wait for each
-    other: a small LLaMA step took ~1 s against 0.12 s on two single-threaded lanes). ``example_batch`` fixes the first
+    ones); off by default: every device given is used (a one-device step's BLAS threads wait for
+    each other on cores that other processes keep busy: a small LLaMA step took ~1 s against
+    0.12 s on two single-threaded lanes). ``example_batch`` fixes the first
     program's shapes and the batch's dtypes. The module itself is not changed: read the trained
     weights with :meth:`state_dict`. See the module docstring for the semantics and an example."""
 
     def __init__(self, module: Any, example_batch: Sequence[Any], loss_fn: Callable[..., Any],
                  optimizer: Any = None, devices: Any = 4, memory: Any = None, planner: Any = "auto",
                  backend: Any = "threads", *, accumulate: int = 1, seed: int = 0, quiet: bool = True,
-                 leave_idle: bool = True):
+                 leave_idle: bool = False):
         import torch
         if not isinstance(module, torch.nn.Module):
             raise EinjoinError(f"Trainer: expected a torch.nn.Module, got {type(module).__name__}")
@@ -278,12 +277,11 @@ class Trainer:
         if not isinstance(leave_idle, (bool, np.bool_)):
             raise EinjoinError(f"Trainer: leave_idle must be True or False, got {leave_idle!r:.40}")
         # leave_idle: a small model's step on only as many local devices as pay (ej.compile's
-        # leave_idle; the state lives on those). On by default, unlike ej.compile's: a small
-        # step's lanes wait on each other and on the interpreter (the small LLaMA's two lanes on
-        # two cores: ~30 ms of CPU each in a ~45 ms step), and its one-device plan, whose kernels
-        # get both cores, measured faster (bench/train.py: 37 vs 49 ms quiet, issue 22; issue 19
-        # session 40, loaded box at high priority: 37-60 vs 51-71 ms); the MLP, whose matmuls
-        # use both cores either way, within 5%
+        # leave_idle; the state lives on those). Off by default, as ej.compile's: the one-device
+        # plan of the small LLaMA's step was no faster on a quiet 2-core box (session 40, alternating
+        # fresh processes: 33.3 / 46.3 / 34.6 ms against 31.7 / 31.1 / 34.8 on both lanes) at 1.3x
+        # the CPU, and its two BLAS threads collapse when another process takes a core (~1 s a step
+        # against 0.12 s on two lanes); the devices given are the devices used
         self._options = dict(devices=devices, memory_limit=memory, planner=planner, backend=backend, quiet=quiet,
                              leave_idle=bool(leave_idle))
         self._wrapper = _with_loss(module, loss_fn)
