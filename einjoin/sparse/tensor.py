@@ -34,6 +34,37 @@ EINSUM: dict[str, Callable[..., Any]] = {}
 # the Tensor API's ops on a SparseTensor ("apply", "add", "mul", "truediv", "power"), registered by
 # einjoin.sparse.tensor_ops (which builds on this module; einjoin.sparse imports it)
 TENSOR_OPS: dict[str, Callable[..., Any]] = {}
+
+
+def _numpy_reduce(t: Any, name: str, dim: Any, keepdim: bool, kw: dict[str, Any]) -> tuple[Any, bool]:
+    """A reduction's (dim, keepdim) from numpy's keywords as well (``np.sum(t)`` calls
+    ``t.sum(axis=None, dtype=None, out=None)``); a dtype or an out array is refused by name."""
+    if "axis" in kw:
+        if dim is not None:
+            raise EinjoinError(f"sparse tensor {t.name!r}: {name}() got both dim and axis")
+        dim = kw.pop("axis")
+    if "keepdims" in kw:
+        keepdim = bool(kw.pop("keepdims"))
+    extra = {k: v for k, v in kw.items() if v is not None and not (k == "where" and v is True)}
+    if extra:
+        raise EinjoinError(f"sparse tensor {t.name!r}: {name}() takes dim and keepdim (numpy's axis and "
+                           f"keepdims), not {', '.join(sorted(extra))}; use .todense() for numpy's other options")
+    return dim, keepdim
+
+
+def _matmul(t: Any, other: Any, reflected: bool) -> Any:
+    """``t @ a`` / ``a @ t`` with a dense array of rank 1 or 2, as numpy's matmul on the densified
+    tensor: the sparse einsum (a dense result)."""
+    a = np.asarray(other) if not hasattr(other, "__einjoin_einsum__") else other
+    ranks = (a.ndim, t.ndim) if reflected else (t.ndim, a.ndim)
+    if t.ndim not in (1, 2) or getattr(a, "ndim", 0) not in (1, 2):
+        shapes = (tuple(a.shape), t.shape) if reflected else (t.shape, tuple(a.shape))
+        raise EinjoinError(f"sparse tensor {t.name!r}: @ takes operands of rank 1 or 2, got shapes "
+                           f"{shapes[0]} @ {shapes[1]}; use ej.einsum for other products")
+    left, right = ("ij"[2 - ranks[0]:], "jk"[:ranks[1]])
+    out = left.replace("j", "") + right.replace("j", "")
+    operands = [a, t] if reflected else [t, a]
+    return t.__einjoin_einsum__(f"{left},{right}->{out}", operands)
 _MAX_CODE = 2 ** 62  # mixed-radix codes of keys fit an int64 below this
 
 
@@ -263,27 +294,27 @@ class SparseTensor:
         """The frontend's functional forms on a sparse tensor (``ej.sum(t, 1)``, ``ej.relu(t)``)."""
         return TENSOR_OPS["apply"](self, op, *args, **kwargs)
 
-    def sum(self, dim: Any = None, keepdim: bool = False) -> Any:
+    def sum(self, dim: Any = None, keepdim: bool = False, **numpy_kw: Any) -> Any:
         """The sum over ``dim`` (None: all): a SparseTensor, or a dense array over every dim.
 
         >>> import numpy as np
         >>> sparse("A", np.array([[1, 0], [2, 3]])).sum(0).todense().tolist()
         [3, 3]
         """
-        return self.__einjoin_op__("sum", dim, keepdim)
+        return self.__einjoin_op__("sum", *_numpy_reduce(self, "sum", dim, keepdim, numpy_kw))
 
-    def max(self, dim: Any = None, keepdim: bool = False) -> Any:
+    def max(self, dim: Any = None, keepdim: bool = False, **numpy_kw: Any) -> Any:
         """The max over ``dim``, a missing entry counting 0 (as the densified tensor)."""
-        return self.__einjoin_op__("max", dim, keepdim)
+        return self.__einjoin_op__("max", *_numpy_reduce(self, "max", dim, keepdim, numpy_kw))
 
-    def min(self, dim: Any = None, keepdim: bool = False) -> Any:
-        return self.__einjoin_op__("min", dim, keepdim)
+    def min(self, dim: Any = None, keepdim: bool = False, **numpy_kw: Any) -> Any:
+        return self.__einjoin_op__("min", *_numpy_reduce(self, "min", dim, keepdim, numpy_kw))
 
-    def mean(self, dim: Any = None, keepdim: bool = False) -> Any:
-        return self.__einjoin_op__("mean", dim, keepdim)
+    def mean(self, dim: Any = None, keepdim: bool = False, **numpy_kw: Any) -> Any:
+        return self.__einjoin_op__("mean", *_numpy_reduce(self, "mean", dim, keepdim, numpy_kw))
 
-    def prod(self, dim: Any = None, keepdim: bool = False) -> Any:
-        return self.__einjoin_op__("prod", dim, keepdim)
+    def prod(self, dim: Any = None, keepdim: bool = False, **numpy_kw: Any) -> Any:
+        return self.__einjoin_op__("prod", *_numpy_reduce(self, "prod", dim, keepdim, numpy_kw))
 
     def neg(self) -> Any:
         return self.__einjoin_op__("neg")
@@ -343,6 +374,14 @@ class SparseTensor:
 
     def __rtruediv__(self, other: Any) -> Any:
         return TENSOR_OPS["truediv"](self, other, reflected=True)
+
+    def __matmul__(self, other: Any) -> Any:
+        if _lazy(other):  # an einjoin graph tensor: its __rmatmul__ builds the sparse einsum node
+            return NotImplemented
+        return _matmul(self, other, reflected=False)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return _matmul(self, other, reflected=True)
 
     def __pow__(self, other: Any) -> Any:
         return TENSOR_OPS["power"](self, other)

@@ -118,13 +118,25 @@ def test_labels_beyond_ascii_letters_compute_as_letters(agg: str, pins: dict) ->
 # raw errors from numpy's internals ("matmul: Input operand 0 does not have enough dimensions")
 
 @pytest.mark.parametrize("use", [
-    lambda s, h: np.asarray(s), lambda s, h: np.array(s, np.float64), lambda s, h: h @ s,
-    lambda s, h: s @ h, lambda s, h: np.einsum("ij->i", s), lambda s, h: h + s, lambda s, h: np.sum(s),
+    lambda s, h: np.asarray(s), lambda s, h: np.array(s, np.float64), lambda s, h: np.einsum("ij->i", s),
 ])
 def test_numpy_reading_a_sparse_tensor_is_refused_by_name(use) -> None:  # type: ignore[no-untyped-def]
     s = ej.sparse("S", np.eye(3))
     with pytest.raises(ej.EinjoinError, match="'S'.*todense"):
         use(s, np.ones((3, 3)))
+
+
+# session 40: the Tensor API on sparse tensors (h + s, np.sum(s)) and matmul with arrays compute,
+# each equal to numpy on the densified tensor (they were refused above before)
+@pytest.mark.parametrize("use", [
+    lambda s, h: h @ s, lambda s, h: s @ h, lambda s, h: h[0] @ s, lambda s, h: s @ h[:, 1],
+    lambda s, h: h + s, lambda s, h: np.sum(s), lambda s, h: np.sum(s, axis=0), lambda s, h: np.max(s, axis=1),
+])
+def test_numpy_operators_on_a_sparse_tensor_equal_the_densified(use) -> None:  # type: ignore[no-untyped-def]
+    d = np.array([[0.0, 2.0, 0.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    h = np.arange(9.0).reshape(3, 3) - 4
+    got = use(ej.sparse("S", d), h)
+    np.testing.assert_allclose(got.todense() if hasattr(got, "todense") else got, use(d, h), rtol=1e-12)
 
 
 # ---- Trainer: its numbers as a torch user passes them
