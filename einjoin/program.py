@@ -478,7 +478,9 @@ class Program(ProgramState):
     def run_async(self, *args: Any, **kw: Any) -> RunHandle:
         """Start a run on a new thread and return its :class:`~einjoin.runtime.engine.RunHandle`
         (``result(timeout=None)``, ``done()``, ``cancel()``, ``stats``). Takes what :meth:`run`
-        takes; arguments and feeds are checked here, before it returns."""
+        takes; arguments and feeds are checked here, before it returns. A program that must run
+        one run at a time (state, buffer writes, ``deterministic=True``) runs queued runs in the
+        order they were started, each seeing the previous one's writes."""
         cancel = self._take_cancel(kw.pop("cancel", None), kw)
         opts = {k: kw.pop(k) for k in ("order", "seed", "callbacks", "trace", "quiet", "host_link") if k in kw}
         args, kw = self._torch_call(args, kw)
