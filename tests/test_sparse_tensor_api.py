@@ -207,3 +207,15 @@ def test_product_with_a_graph_tensor_is_a_sparse_einsum_node() -> None:
     np.testing.assert_array_equal(ej.reference(x * s, x=feed), feed * dense)
     np.testing.assert_array_equal(ej.reference(s * x, x=feed), dense * feed)
     np.testing.assert_array_equal(ej.reference(ej.relu(x) * s, x=feed), np.maximum(feed, 0) * dense)
+
+
+def test_a_graph_tensor_of_another_shape_times_a_sparse_tensor_names_both_shapes() -> None:
+    # x[:1] * s broadcast a lazy tensor into a sparse one's entries: refused before with "feed
+    # arrays as graph inputs", which named neither operand (reviewer R1, session 40)
+    s = ej.sparse("S", np.eye(3))
+    x = ej.input("x", (3, 3))
+    for bad in (lambda: x[:1] * s, lambda: s * x[:1]):
+        with pytest.raises(ej.ShapeError, match=r"'S' \(3, 3\).*\(1, 3\).*ej.einsum"):
+            bad()
+    y = ej.compile(x * s, devices=1, quiet=True).run(x=np.full((3, 3), 2.0, np.float32))  # the same shape works
+    np.testing.assert_allclose(y.todense() if hasattr(y, "todense") else y, 2 * np.eye(3))

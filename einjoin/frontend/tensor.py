@@ -230,9 +230,14 @@ def _times(a: Any, b: Any, x: Tensor, o: Any) -> Tensor:
     """``a * b`` (one of them ``x``, the other ``o``): with an operand of ``x``'s shape that computes
     its einsum itself (einjoin.sparse's SparseTensor), the sparse einsum ``'ab,ab->ab'`` (a graph
     node: the product on its stored entries), else the elementwise product."""
-    if x.ndim and hasattr(type(o), "__einjoin_einsum__") and tuple(getattr(o, "shape", ())) == x.shape:
-        ls = LETTERS[:x.ndim]
-        return einsum(f"{ls},{ls}->{ls}", a, b)
+    if hasattr(type(o), "__einjoin_einsum__"):
+        if x.ndim and tuple(getattr(o, "shape", ())) == x.shape:
+            ls = LETTERS[:x.ndim]
+            return einsum(f"{ls},{ls}->{ls}", a, b)
+        # no broadcasting into a sparse tensor's stored entries: say so, not "feed arrays"
+        raise ShapeError(f"mul: a sparse tensor {getattr(o, 'name', '?')!r} {tuple(getattr(o, 'shape', ()))} "
+                         f"times an einjoin tensor of shape {x.shape}: the product needs the same shape (no "
+                         f"broadcasting); write the broadcast as an ej.einsum (e.g. 'ij,j->ij')")
     return elementwise("mul", a, b)
 
 
