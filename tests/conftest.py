@@ -45,3 +45,14 @@ def ray_backend(ray_session):
     backend = RayBackend(quiet=True)
     yield backend
     backend.close()
+
+
+@pytest.fixture(scope="module")
+def split_small_sparse_steps():  # type: ignore[no-untyped-def]
+    """Small sparse problems split over the devices anyway: since 1f4e2eb MIN_SPLIT_WORK keeps a
+    step below 1e7 multiply-adds on device 0, and a test's devices= would check one device only
+    (``pytestmark = pytest.mark.usefixtures("split_small_sparse_steps")``)."""
+    from einjoin.sparse import distribute
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
+        yield

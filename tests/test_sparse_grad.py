@@ -17,14 +17,8 @@ from einjoin.errors import EinjoinError, ShapeError
 from einjoin.sparse import SparseTensor, sparse_vjp
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _split_small_steps():  # type: ignore[no-untyped-def]
-    """These problems are small: split them over the devices anyway (since 1f4e2eb MIN_SPLIT_WORK
-    keeps a step below 1e7 multiply-adds on device 0, and devices= checked one device only)."""
-    from einjoin.sparse import distribute
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
-        yield
+# small problems split over the devices anyway (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("split_small_sparse_steps")
 
 
 def _torch_grads(eq: str, dense: list[np.ndarray], g: np.ndarray) -> list[np.ndarray]:

@@ -20,14 +20,8 @@ import einjoin as ej
 from einjoin.sparse import SparseTensor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _split_small_steps():  # type: ignore[no-untyped-def]
-    """These problems are small: split them over the devices anyway (since 1f4e2eb MIN_SPLIT_WORK
-    keeps a step below 1e7 multiply-adds on device 0, and devices= checked one device only)."""
-    from einjoin.sparse import distribute
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(distribute, "MIN_SPLIT_WORK", 0.0)
-        yield
+# small problems split over the devices anyway (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("split_small_sparse_steps")
 
 
 DTYPES = ["float64", "float32", "float16", "int64", "bool"]
