@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import einjoin as ej
+from tests.adversarial.test_s40_grads import _Loss  # (f(*params) * c).sum() as a module
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -97,16 +98,6 @@ def test_the_named_special_values() -> None:
     x = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0, -0.5, 1.5, n])
     for eps in (None, 0.0, 0.2):
         _close(_run(lambda t, e=eps: torch.logit(t, e), x), torch.logit(x, eps), torch.float32)
-
-
-class _Loss(nn.Module):
-    def __init__(self, f: Callable[..., Any], vals: list[Any]) -> None:
-        super().__init__()
-        self.f = f
-        self.ps = nn.ParameterList([nn.Parameter(v.clone()) for v in vals])
-
-    def forward(self, c: Any) -> Any:
-        return (self.f(*self.ps) * c).sum()
 
 
 def _check_grads(f: Callable[..., Any], *vals: Any) -> None:
