@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_placement_search import check_runs_to_numpy
 
 import einjoin as ej
 from einjoin.cluster.model import Fabric
@@ -105,17 +106,7 @@ def test_no_worse_than_cp_on_a_small_training_step() -> None:
 
 @pytest.mark.parametrize("cluster", [ej.local(2), islands()], ids=["local2", "islands"])
 def test_runs_to_numpy(cluster: ej.Cluster) -> None:
-    rng = np.random.default_rng(0)
-    x = ej.input("x", (48, 32))
-    w1, w2 = ej.param("w1", (32, 40)), ej.param("w2", (40, 24))
-    out = ej.tanh(x @ w1) @ w2 + 1.0
-    feeds = {"x": rng.standard_normal((48, 32)).astype(np.float32),
-             "w1": rng.standard_normal((32, 40)).astype(np.float32),
-             "w2": rng.standard_normal((40, 24)).astype(np.float32)}
-    prog = ej.compile(out, cluster, placement="doppler", quiet=True, specs={x: {"a": 2, "b": 2}})
-    want = np.tanh(feeds["x"].astype(np.float64) @ feeds["w1"]) @ feeds["w2"] + 1.0
-    np.testing.assert_allclose(prog.run(**feeds), want, rtol=1e-4, atol=1e-4)
-    assert len({dv for p in prog.placement.values() for dv in p.kernel_devices}) > 1
+    check_runs_to_numpy(cluster, "doppler")
 
 
 def test_memory_caps_are_honoured() -> None:

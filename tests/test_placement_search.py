@@ -56,6 +56,11 @@ def test_registered_and_valid() -> None:
 
 @pytest.mark.parametrize("cluster", [ej.local(2), islands()], ids=["local2-estimate", "islands-simulator"])
 def test_runs_to_numpy(cluster: ej.Cluster) -> None:
+    check_runs_to_numpy(cluster, "search")
+
+
+def check_runs_to_numpy(cluster: ej.Cluster, placement: str) -> None:
+    """A small MLP placed by ``placement`` on ``cluster`` equals numpy and uses several devices."""
     rng = np.random.default_rng(0)
     x = ej.input("x", (48, 32))
     w1, w2 = ej.param("w1", (32, 40)), ej.param("w2", (40, 24))
@@ -63,7 +68,7 @@ def test_runs_to_numpy(cluster: ej.Cluster) -> None:
     feeds = {"x": rng.standard_normal((48, 32)).astype(np.float32),
              "w1": rng.standard_normal((32, 40)).astype(np.float32),
              "w2": rng.standard_normal((40, 24)).astype(np.float32)}
-    prog = ej.compile(out, cluster, placement="search", quiet=True, specs={x: {"a": 2, "b": 2}})
+    prog = ej.compile(out, cluster, placement=placement, quiet=True, specs={x: {"a": 2, "b": 2}})
     want = np.tanh(feeds["x"].astype(np.float64) @ feeds["w1"]) @ feeds["w2"] + 1.0
     np.testing.assert_allclose(prog.run(**feeds), want, rtol=1e-4, atol=1e-4)
     assert len({dv for p in prog.placement.values() for dv in p.kernel_devices}) > 1
